@@ -1,0 +1,126 @@
+"""Runtime patches that let megatron-core 0.16.1 build and train a GPTModel on a CPU.
+
+Every patch names the megatron-core version it was written against and is applied only when
+CUDA is absent (CPU shims) or when the defect it works around is present. Each one has a
+test in tests/test_megatron_compat.py that fails once megatron-core no longer needs it, so
+a version bump tells us which patches to delete.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import warnings
+
+import torch
+
+TARGET_MEGATRON_CORE = "0.16.1"
+
+_applied: list[str] = []
+
+
+def applied_patches() -> list[str]:
+    """Names of the patches installed in this process, in order."""
+    return list(_applied)
+
+
+def _cpu_global_memory_buffer() -> None:
+    # GlobalMemoryBuffer.get_tensor allocates on torch.cuda.current_device(); the local
+    # DotProductAttention takes its baddbmm input buffer from it.
+    from megatron.core import utils
+
+    def get_tensor(self, tensor_shape, dtype, name, mem_alloc_context=None):
+        required_len = functools.reduce(lambda a, b: a * b, tensor_shape, 1)
+        buf = self.buffer.get((name, dtype))
+        if buf is None or buf.numel() < required_len:
+            buf = torch.empty(required_len, dtype=dtype, device="cpu", requires_grad=False)
+            self.buffer[(name, dtype)] = buf
+        return buf[0:required_len].view(*tensor_shape)
+
+    utils.GlobalMemoryBuffer.get_tensor = get_tensor
+
+
+def _cpu_rng_tracker() -> None:
+    # The tensor-parallel RNG tracker keeps CUDA generator states. On CPU, dropout draws from
+    # the CPU default generator, so the tracker must save and restore that one instead.
+    # (_set_cuda_rng_state does not fail on CPU: it queues a lazy call that never runs, so
+    # without this patch forked dropout silently shares one stream.)
+    from megatron.core.tensor_parallel import random as mrandom
+
+    def get_state(device="cuda", clone=False, graph_safe=False):
+        return torch.get_rng_state()
+
+    def set_state(new_state, device=-1, graph_safe=False):
+        torch.set_rng_state(new_state)
+
+    def add(self, name, seed):
+        self._is_initialized = True
+        if seed in self.seeds_:
+            raise Exception(f"seed {seed} already exists")
+        self.seeds_.add(seed)
+        if name in self.states_:
+            raise Exception(f"cpu rng state {name} already exists")
+        orig = torch.get_rng_state()
+        torch.manual_seed(seed)
+        self.states_[name] = torch.get_rng_state()
+        torch.set_rng_state(orig)
+
+    # fork() warns when the CPU generator moves inside a forked region; on CPU the forked
+    # generator *is* the CPU generator, so that warning fires on every dropout call.
+    logging.getLogger(mrandom.__name__).addFilter(
+        lambda record: "CPU RNG state changed" not in record.getMessage()
+    )
+    mrandom._get_cuda_rng_state = get_state
+    mrandom._set_cuda_rng_state = set_state
+    mrandom.CudaRNGStatesTracker.add = add
+    original_seed = mrandom.model_parallel_cuda_manual_seed
+
+    @functools.wraps(original_seed)
+    def model_parallel_manual_seed(seed, *args, **kwargs):
+        # Megatron seeds the (absent) CUDA generator for the default stream; seed the CPU
+        # generator in its place so the data-parallel stream is reproducible.
+        torch.manual_seed(seed)
+        return original_seed(seed, *args, **kwargs)
+
+    mrandom.model_parallel_cuda_manual_seed = model_parallel_manual_seed
+    import megatron.core.tensor_parallel as tp
+
+    tp.model_parallel_cuda_manual_seed = model_parallel_manual_seed
+
+
+def _cpu_causal_mask() -> None:
+    # get_default_causal_mask builds its mask with device="cuda"; fused_softmax imported it
+    # by name, so the patch must replace that binding too.
+    from megatron.core.fusions import fused_softmax
+    from megatron.core.transformer import utils as tutils
+
+    @functools.lru_cache(maxsize=8)
+    def get_default_causal_mask(sq: int) -> torch.Tensor:
+        return torch.triu(torch.ones(sq, sq, device="cpu"), diagonal=1).bool()
+
+    tutils.get_default_causal_mask = get_default_causal_mask
+    fused_softmax.get_default_causal_mask = get_default_causal_mask
+
+
+CPU_SHIMS = {
+    "cpu_global_memory_buffer": _cpu_global_memory_buffer,
+    "cpu_rng_tracker": _cpu_rng_tracker,
+    "cpu_causal_mask": _cpu_causal_mask,
+}
+
+
+def apply(force_cpu_shims: bool = False) -> list[str]:
+    """Install the patches this process needs; idempotent. Returns the names applied."""
+    import megatron.core
+
+    version = getattr(megatron.core, "__version__", "unknown")
+    if version != TARGET_MEGATRON_CORE and not _applied:
+        warnings.warn(
+            f"megatron-adacc's patches target megatron-core {TARGET_MEGATRON_CORE}, "
+            f"found {version}; run tests/test_megatron_compat.py to see which still apply."
+        )
+    if force_cpu_shims or not torch.cuda.is_available():
+        for name, patch in CPU_SHIMS.items():
+            if name not in _applied:
+                patch()
+                _applied.append(name)
+    return applied_patches()

