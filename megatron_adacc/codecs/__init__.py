@@ -1,0 +1,40 @@
+"""Activation codecs (paper section "Layer-specific compression").
+
+    codec = megatron_adacc.codecs.get("outlier_int4", threshold=3.0, backend="auto")
+    payload = codec.encode(tensor)       # payload.nbytes, payload.shape/.dtype/.device
+    tensor_hat = codec.decode(payload)   # same shape, dtype and device as `tensor`
+
+Backends: "auto" (default; Triton on CUDA, eager PyTorch elsewhere), "torch", "compiled",
+"triton"; the environment variable ADACC_CODEC_BACKEND overrides the default.
+"""
+from __future__ import annotations
+
+from megatron_adacc.codecs.backend import BACKEND_ENV_VAR, BACKENDS
+from megatron_adacc.codecs.codec import (
+    AsymInt4,
+    Bitmask,
+    ChannelInt4,
+    Codec,
+    NaiveInt4,
+    OutlierInt4,
+    SymInt4,
+)
+from megatron_adacc.codecs.payload import Payload
+
+_CODECS: dict[str, type[Codec]] = {
+    cls.name: cls for cls in (OutlierInt4, ChannelInt4, AsymInt4, SymInt4, Bitmask, NaiveInt4)
+}
+NAMES = tuple(_CODECS)
+
+
+def get(name: str, **options) -> Codec:
+    """A codec by name; options are its constructor's keywords (group_size, threshold,
+    backend)."""
+    try:
+        cls = _CODECS[name]
+    except KeyError:
+        raise ValueError(f"unknown codec {name!r}; expected one of {NAMES}") from None
+    return cls(**options)
+
+
+__all__ = ["get", "NAMES", "Codec", "Payload", "BACKENDS", "BACKEND_ENV_VAR"]

@@ -1,0 +1,91 @@
+"""Which implementation of the codec kernels runs: eager PyTorch, torch.compile'd PyTorch,
+or Triton.
+
+- "torch": the eager reference, the ground truth every other backend is tested against.
+- "compiled": the same reference functions under torch.compile (inductor fuses each into one
+  or two loops; on a CPU this is the fast path). Compiled once per function with dynamic
+  shapes, on first use.
+- "triton": the Triton kernels in codecs/triton (CUDA, or the CPU under TRITON_INTERPRET=1).
+- "auto": Triton for CUDA tensors when Triton is importable, the eager reference elsewhere.
+
+The default comes from the ADACC_CODEC_BACKEND environment variable, else "auto".
+"""
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from megatron_adacc.codecs import asymmetric, bitmask, symmetric
+
+BACKENDS = ("auto", "torch", "compiled", "triton")
+BACKEND_ENV_VAR = "ADACC_CODEC_BACKEND"
+
+
+@dataclass(frozen=True)
+class Kernels:
+    sym_encode: Callable
+    sym_decode: Callable
+    asym_encode: Callable
+    asym_decode: Callable
+    mask_pack: Callable
+    mask_unpack: Callable
+
+
+REFERENCE = Kernels(
+    sym_encode=symmetric.sym_encode,
+    sym_decode=symmetric.sym_decode,
+    asym_encode=asymmetric.asym_encode,
+    asym_decode=asymmetric.asym_decode,
+    mask_pack=bitmask.mask_pack,
+    mask_unpack=bitmask.mask_unpack,
+)
+
+
+def resolve_backend(backend: str | None) -> str:
+    name = backend if backend is not None else os.environ.get(BACKEND_ENV_VAR, "auto")
+    if name not in BACKENDS:
+        raise ValueError(f"unknown codec backend {name!r}; expected one of {BACKENDS}")
+    return name
+
+
+@functools.cache
+def _compiled() -> Kernels:
+    compile_ = functools.partial(torch.compile, dynamic=True, fullgraph=True)
+    return Kernels(**{name: compile_(fn) for name, fn in vars(REFERENCE).items()})
+
+
+@functools.cache
+def _triton() -> Kernels:
+    from megatron_adacc.codecs.triton import TRITON_KERNELS
+
+    return TRITON_KERNELS
+
+
+@functools.cache
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def kernels_for(backend: str, device: torch.device) -> Kernels:
+    if backend == "torch":
+        return REFERENCE
+    if backend == "compiled":
+        return _compiled()
+    if backend == "triton":
+        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise RuntimeError(
+                f"codec backend 'triton' needs a CUDA tensor (got {device}) or "
+                "TRITON_INTERPRET=1 set before triton is imported"
+            )
+        return _triton()
+    if device.type == "cuda" and triton_available():
+        return _triton()
+    return REFERENCE

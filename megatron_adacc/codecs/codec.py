@@ -1,0 +1,244 @@
+"""The codecs: each turns a tensor into a Payload and back, through one kernel backend."""
+from __future__ import annotations
+
+import torch
+
+from megatron_adacc.codecs.backend import Kernels, kernels_for, resolve_backend
+from megatron_adacc.codecs.int4 import (
+    check_float_input,
+    dtype_max,
+    pad_to_groups,
+    restore_exceptions,
+    split_exceptions,
+)
+from megatron_adacc.codecs.outlier import outlier_channels
+from megatron_adacc.codecs.payload import Payload
+
+
+class Codec:
+    """encode(tensor) -> Payload; decode(payload) -> tensor of the input's shape, dtype and
+    device (contiguous). Both run without autograd and never keep a reference to the input."""
+
+    name: str
+
+    def __init__(self, backend: str | None = None):
+        self.backend = resolve_backend(backend)
+
+    def encode(self, x: torch.Tensor) -> Payload:
+        self._check(x)
+        with torch.no_grad():
+            x = x.detach()
+            kernels = kernels_for(self.backend, x.device)
+            tensors = self._encode(x, kernels) if x.numel() else {}
+        return Payload(self.name, x.shape, x.dtype, x.device, tensors)
+
+    def decode(self, payload: Payload) -> torch.Tensor:
+        if payload.codec != self.name:
+            raise ValueError(f"codec {self.name!r} cannot decode a {payload.codec!r} payload")
+        if payload.numel == 0:
+            return torch.empty(payload.shape, dtype=payload.dtype, device=payload.device)
+        with torch.no_grad():
+            kernels = kernels_for(self.backend, payload.device)
+            return self._decode(payload, kernels).view(payload.shape)
+
+    def _check(self, x: torch.Tensor) -> None:
+        check_float_input(x, self.name)
+
+    def _encode(self, x: torch.Tensor, kernels: Kernels) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def _decode(self, payload: Payload, kernels: Kernels) -> torch.Tensor:
+        raise NotImplementedError
+
+
+def _channels(x: torch.Tensor | Payload) -> int:
+    return x.shape[-1] if len(x.shape) else 1
+
+
+def _keep(t: torch.Tensor, numel: int) -> torch.Tensor:
+    # A slice would pin its whole base tensor; copy it so nbytes is what stays alive.
+    return t if t.numel() == numel else t[:numel].clone()
+
+
+class _FlatGroups(Codec):
+    """Base of the codecs that cut the flattened tensor into groups of `group_size`
+    consecutive elements, in memory order: no transpose, the last group padded."""
+
+    def __init__(self, group_size: int, backend: str | None = None):
+        super().__init__(backend)
+        if group_size < 2 or group_size % 2:
+            raise ValueError(f"group_size must be an even number >= 2, got {group_size}")
+        self.group_size = group_size
+
+    def _groups(self, x: torch.Tensor) -> torch.Tensor:
+        return pad_to_groups(x.reshape(-1), self.group_size)
+
+    def _packed_groups(self, payload: Payload) -> tuple[torch.Tensor, tuple[int, int]]:
+        """The payload's packed codes, zero-extended to whole groups, and the groups' shape."""
+        packed = payload.tensors["packed"]
+        shape2d = (payload.tensors["scales"].numel(), self.group_size)
+        missing = shape2d[0] * shape2d[1] // 2 - packed.numel()
+        if missing:
+            packed = torch.cat([packed, packed.new_zeros(missing)])
+        return packed, shape2d
+
+    @staticmethod
+    def _ungroup(groups: torch.Tensor, payload: Payload) -> torch.Tensor:
+        flat = groups.view(-1)
+        return flat if flat.numel() == payload.numel else flat[: payload.numel]
+
+
+class SymInt4(_FlatGroups):
+    """Symmetric int4 in groups of `group_size` consecutive elements."""
+
+    name = "sym_int4"
+
+    def __init__(self, group_size: int = 64, backend: str | None = None):
+        super().__init__(group_size, backend)
+
+    def _encode(self, x, kernels):
+        groups = self._groups(x)
+        packed, scales, ok = kernels.sym_encode(groups, 1, dtype_max(x.dtype))
+        return {
+            "packed": _keep(packed, (x.numel() + 1) // 2),
+            "scales": scales,
+            **split_exceptions(groups, ok, dim=0),
+        }
+
+    def _decode(self, payload, kernels):
+        packed, shape2d = self._packed_groups(payload)
+        groups = kernels.sym_decode(packed, payload.tensors["scales"], shape2d, 1, payload.dtype)
+        restore_exceptions(groups, payload.tensors, dim=0)
+        return self._ungroup(groups, payload)
+
+
+class OutlierInt4(SymInt4):
+    """Outlier-separated int4 (paper: outlier-separated activation compression): channels
+    (last dimension) whose z-score of sum |x| exceeds `threshold` are kept exact with their
+    indices; the tensor with those channels zeroed goes through sym_int4, untransposed."""
+
+    name = "outlier_int4"
+
+    def __init__(self, threshold: float = 3.0, group_size: int = 64, backend: str | None = None):
+        super().__init__(group_size, backend)
+        self.threshold = threshold
+
+    def _encode(self, x, kernels):
+        rows = x.reshape(-1, _channels(x))
+        index = outlier_channels(rows, self.threshold)
+        if not index.numel():
+            return super()._encode(rows, kernels)
+        return {
+            **super()._encode(rows.index_fill(1, index, 0), kernels),
+            "outlier_index": index.to(torch.int32),
+            "outlier_values": rows.index_select(1, index),
+        }
+
+    def _decode(self, payload, kernels):
+        rows = super()._decode(payload, kernels).view(-1, _channels(payload))
+        if "outlier_index" in payload.tensors:
+            index = payload.tensors["outlier_index"].long()
+            rows.index_copy_(1, index, payload.tensors["outlier_values"])
+        return rows
+
+
+class AsymInt4(_FlatGroups):
+    """Asymmetric int4 in groups of `group_size` consecutive elements, for tensors in (0, 1)
+    such as softmax probabilities."""
+
+    name = "asym_int4"
+
+    def __init__(self, group_size: int = 128, backend: str | None = None):
+        super().__init__(group_size, backend)
+
+    def _encode(self, x, kernels):
+        groups = self._groups(x)
+        packed, scales, offsets, ok = kernels.asym_encode(groups, dtype_max(x.dtype))
+        return {
+            "packed": _keep(packed, (x.numel() + 1) // 2),
+            "scales": scales,
+            "offsets": offsets,
+            **split_exceptions(groups, ok, dim=0),
+        }
+
+    def _decode(self, payload, kernels):
+        packed, shape2d = self._packed_groups(payload)
+        t = payload.tensors
+        groups = kernels.asym_decode(packed, t["scales"], t["offsets"], shape2d, payload.dtype)
+        restore_exceptions(groups, t, dim=0)
+        return self._ungroup(groups, payload)
+
+
+class NaiveInt4(Codec):
+    """The paper's "Quantization" baseline: symmetric int4 with one scale per token (row of
+    the last dimension), applied to everything."""
+
+    name = "naive_int4"
+
+    def _encode(self, x, kernels):
+        rows = x.reshape(-1, _channels(x))
+        packed, scales, ok = kernels.sym_encode(rows, 1, dtype_max(x.dtype))
+        return {"packed": packed, "scales": scales, **split_exceptions(rows, ok, dim=0)}
+
+    def _decode(self, payload, kernels):
+        t = payload.tensors
+        rows_shape = (t["scales"].numel(), _channels(payload))
+        rows = kernels.sym_decode(t["packed"], t["scales"], rows_shape, 1, payload.dtype)
+        restore_exceptions(rows, t, dim=0)
+        return rows
+
+
+class ChannelInt4(Codec):
+    """Symmetric int4 with one scale per channel (last dimension), for Q, K and V."""
+
+    name = "channel_int4"
+
+    def _encode(self, x, kernels):
+        rows = x.reshape(-1, _channels(x))
+        packed, scales, ok = kernels.sym_encode(rows, 0, dtype_max(x.dtype))
+        return {"packed": packed, "scales": scales, **split_exceptions(rows, ok, dim=1)}
+
+    def _decode(self, payload, kernels):
+        t = payload.tensors
+        rows_shape = (payload.numel // _channels(payload), _channels(payload))
+        rows = kernels.sym_decode(t["packed"], t["scales"], rows_shape, 0, payload.dtype)
+        restore_exceptions(rows, t, dim=1)
+        return rows
+
+
+class Bitmask(Codec):
+    """Lossless bit-packed masks (dropout): 8 flags per byte. Accepts any dtype: bool masks
+    (GPU dropout) or masks in the activation dtype holding 0 and one other value (CPU
+    dropout saves 0 and 1/(1-p)); that value is kept as one scalar."""
+
+    name = "bitmask"
+
+    def _check(self, x):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"codec {self.name!r} encodes a torch.Tensor, got {type(x).__name__}")
+
+    def _encode(self, x, kernels):
+        flat = x.reshape(-1)
+        tensors = {"packed": kernels.mask_pack(flat)}
+        if x.dtype != torch.bool:
+            tensors["mask_value"] = _mask_value(flat)
+        return tensors
+
+    def _decode(self, payload, kernels):
+        flags = kernels.mask_unpack(payload.tensors["packed"], payload.numel)
+        if payload.dtype == torch.bool:
+            return flags
+        value = payload.tensors["mask_value"]
+        return torch.where(flags, value, value.new_zeros(()))
+
+
+def _mask_value(flat: torch.Tensor) -> torch.Tensor:
+    """The one non-zero value of a mask (zero if the mask is all zeros); raises otherwise."""
+    lo, hi = torch.aminmax(flat)
+    value = torch.where(hi != 0, hi, lo)
+    if not bool(((flat == 0) | (flat == value)).all()):
+        raise ValueError(
+            "codec 'bitmask' encodes masks: every element must be 0 or one common non-zero "
+            f"value, got a {flat.dtype} tensor with other values"
+        )
+    return value.reshape(1).clone()

@@ -1,0 +1,86 @@
+"""Numerics shared by the int4 codecs: nibble packing, scale rounding, input checks.
+
+Every backend (eager, compiled, Triton) follows exactly these rules, which is what makes
+their payloads byte-identical.
+"""
+from __future__ import annotations
+
+import torch
+
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+# Scales are stored in bf16: two bytes (the size targets need that), and the fp32 exponent
+# range, so no finite input can overflow or underflow its scale (fp16 scales would overflow
+# for bf16 activations above ~5e5).
+SCALE_DTYPE = torch.bfloat16
+# Smallest positive bf16 (subnormal). Every scale is at least this, so all-zero and constant
+# groups never divide by zero.
+MIN_SCALE = 2.0**-133
+
+
+def check_float_input(x: object, codec: str) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"codec {codec!r} encodes a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in FLOAT_DTYPES:
+        raise TypeError(
+            f"codec {codec!r} encodes float32, bfloat16 or float16 tensors, got {x.dtype}"
+        )
+
+
+def dtype_max(dtype: torch.dtype) -> float:
+    return float(torch.finfo(dtype).max)
+
+
+def ceil_to_bf16(v: torch.Tensor) -> torch.Tensor:
+    """Smallest bf16-representable fp32 value >= v, for finite v >= 0 (others pass through).
+
+    Rounding the scale up (never to nearest) keeps every quantised value inside the int4
+    range, so the per-element error bound holds against the scale actually stored.
+    """
+    bits = v.view(torch.int32)
+    up = ((bits + 0xFFFF) & -65536).view(torch.float32)
+    return torch.where(torch.isfinite(v), up, v)
+
+
+def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """Flat uint8 codes in [0, 15] -> bytes, element 2i in the low nibble of byte i."""
+    flat = codes.reshape(-1)
+    if flat.numel() % 2:
+        flat = torch.cat([flat, flat.new_zeros(1)])
+    pairs = flat.view(-1, 2)
+    return pairs[:, 0] | (pairs[:, 1] << 4)
+
+
+def unpack_nibbles(packed: torch.Tensor, numel: int) -> torch.Tensor:
+    """Inverse of pack_nibbles: the first `numel` codes."""
+    codes = torch.stack((packed & 15, packed >> 4), dim=-1).view(-1)
+    return codes if codes.numel() == numel else codes[:numel]
+
+
+def pad_to_groups(flat: torch.Tensor, group_size: int) -> torch.Tensor:
+    """View a flat tensor as [groups, group_size], padding the last group with copies of the
+    last element: neutral for every group statistic (min, max, |max|)."""
+    tail = (-flat.numel()) % group_size
+    if tail:
+        flat = torch.cat([flat, flat[-1:].expand(tail)])
+    return flat.view(-1, group_size)
+
+
+def split_exceptions(x2d: torch.Tensor, ok: torch.Tensor, dim: int) -> dict[str, torch.Tensor]:
+    """Raw copies of the slices of x2d along `dim` whose scale was unusable (`ok` False).
+
+    A scale is unusable when its group holds NaN or Inf or when its int4 grid would not fit
+    the input dtype's finite range. Storing such groups raw makes NaN stay NaN and +-Inf stay
+    +-Inf in the same element, and keeps the finite neighbours exact; training tensors hit
+    this path rarely, so its cost (one host sync for the check) is the price of never
+    turning a non-finite value into a finite one.
+    """
+    if bool(ok.all()):
+        return {}
+    index = (~ok).nonzero().view(-1)
+    return {"raw_index": index.to(torch.int32), "raw_values": x2d.index_select(dim, index)}
+
+
+def restore_exceptions(out2d: torch.Tensor, tensors: dict[str, torch.Tensor], dim: int) -> None:
+    if "raw_index" in tensors:
+        out2d.index_copy_(dim, tensors["raw_index"].long(), tensors["raw_values"])

@@ -1,0 +1,51 @@
+"""Symmetric int4 reference kernels (PyTorch, any device).
+
+Rule (paper eq. symmetric-quant): scale = max|x| / 8, code = clip(round(x / scale), -8, 7).
+Two refinements, both needed for the bound |x - x^| <= |scale| / 2 on every element:
+- the group's sign is folded into the scale so that its largest-magnitude element lands on
+  -8, the int4 code without a positive twin (with the paper's rule as written, a positive
+  maximum clips from 8 to 7 and is off by a full step);
+- if the group also holds an element of the other sign beyond 15/16 of that magnitude, the
+  scale grows to that element / 7.5 so it rounds to 7 at most half a step away.
+Zero stays exact. Scales are rounded up to bf16 (see int4.ceil_to_bf16).
+
+A reduction dimension picks the grouping: reduce_dim=1 gives one scale per row of the 2-D
+view (flat groups, or per token), reduce_dim=0 one scale per column (per channel).
+"""
+from __future__ import annotations
+
+import torch
+
+from megatron_adacc.codecs.int4 import MIN_SCALE, SCALE_DTYPE, ceil_to_bf16, pack_nibbles, unpack_nibbles
+
+
+def sym_scales(lo: torch.Tensor, hi: torch.Tensor, dmax: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Signed fp32 scales from group minima and maxima, and whether each group is usable."""
+    negative_extreme = -lo >= hi
+    extreme = torch.where(negative_extreme, -lo, hi)
+    opposite = torch.where(negative_extreme, hi, -lo)
+    magnitude = ceil_to_bf16(torch.maximum(extreme / 8, opposite / 7.5)).clamp_min(MIN_SCALE)
+    ok = magnitude * 8 <= dmax
+    scale = torch.where(negative_extreme, magnitude, -magnitude)
+    return torch.where(ok, scale, 0.0), ok
+
+
+def sym_encode(x2d: torch.Tensor, reduce_dim: int, dmax: float):
+    """-> (packed int4 codes of x2d in row-major order, bf16 scales, usable-scale flags)."""
+    lo, hi = torch.aminmax(x2d, dim=reduce_dim, keepdim=True)
+    scale, ok = sym_scales(lo.float(), hi.float(), dmax)
+    y = x2d.float() / torch.where(ok, scale, 1.0)
+    codes = torch.where(ok, torch.floor(y + 8.5).clamp(0, 15), 8.0).to(torch.uint8)
+    return (
+        pack_nibbles(codes),
+        scale.to(SCALE_DTYPE).squeeze(reduce_dim),
+        ok.squeeze(reduce_dim),
+    )
+
+
+def sym_decode(packed: torch.Tensor, scales: torch.Tensor, shape2d: tuple[int, int], reduce_dim: int,
+               dtype: torch.dtype) -> torch.Tensor:
+    codes = unpack_nibbles(packed, shape2d[0] * shape2d[1]).view(shape2d)
+    # (code - 8) * scale is exact in fp32 (4 x 8 significant bits); the one rounding is the
+    # final cast to the output dtype.
+    return ((codes.float() - 8) * scales.float().unsqueeze(reduce_dim)).to(dtype)
