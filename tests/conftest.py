@@ -1,0 +1,21 @@
+import os
+import warnings
+
+import pytest
+
+# megatron-core warns at import about every optional fused kernel it cannot find.
+warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def hermetic_data_dir(tmp_path_factory):
+    """Datasets built by tests (the demo corpus included) go to a fresh directory, never the
+    user's cache, and subprocesses inherit it."""
+    path = tmp_path_factory.mktemp("adacc-data")
+    previous = os.environ.get("ADACC_DATA_DIR")
+    os.environ["ADACC_DATA_DIR"] = str(path)
+    yield path
+    if previous is None:
+        os.environ.pop("ADACC_DATA_DIR", None)
+    else:
+        os.environ["ADACC_DATA_DIR"] = previous
