@@ -1,7 +1,10 @@
 import os
+import sys
 import warnings
 
 import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # megatron-core warns at import about every optional fused kernel it cannot find.
 warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*")
@@ -19,3 +22,12 @@ def hermetic_data_dir(tmp_path_factory):
         os.environ.pop("ADACC_DATA_DIR", None)
     else:
         os.environ["ADACC_DATA_DIR"] = previous
+
+
+@pytest.fixture(scope="session")
+def distributed():
+    """A world of one with megatron-core's model-parallel state (gloo on CPU)."""
+    from megatron_adacc import model
+
+    warnings.filterwarnings("ignore", module="megatron")
+    model.init_distributed(1)
