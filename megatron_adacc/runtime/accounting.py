@@ -1,0 +1,183 @@
+"""The byte ruler: activation bytes kept alive for backward, read from the live objects.
+
+One ruler measures every way of running the model, so methods compare fairly:
+
+- Adacc layers report what their pack hook keeps (a retained tensor's storage, a payload's
+  `nbytes`; a recompute handle keeps nothing) and, in backward, the transient values they
+  decode or rebuild.
+- Everything else (stock megatron layers, megatron's own checkpoint functions, embedding,
+  final norm, loss) is seen by an accounting-only saved-tensor hook around the whole step;
+  hooks nest and the innermost wins, so it never sees, nor disturbs, an Adacc layer's saves.
+
+Each storage is counted once, under the (layer, site) that saved it first, and leaves the
+count when it is freed (a weakref callback on the UntypedStorage; storages' Python objects
+live exactly as long as the storage). The peak is the largest live total during the step.
+"""
+from __future__ import annotations
+
+import weakref
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+
+from megatron_adacc.runtime.attribution import SiteAttributor
+
+NON_LAYER = -1  # the layer index of saves outside every transformer layer
+UNATTRIBUTED = "other"
+
+_active: list["ActivationRuler"] = []
+
+
+def active_ruler() -> "ActivationRuler | None":
+    return _active[-1] if _active else None
+
+
+@dataclass
+class ActivationReport:
+    after_forward_bytes: int  # kept alive when forward finished (max over micro-batches)
+    peak_bytes: int  # largest live total during the step, transients of backward included
+    by_site: dict[tuple[int, str], int] = field(default_factory=dict)  # after forward
+
+    def layer_bytes(self, layer: int) -> int:
+        return sum(b for (lay, _), b in self.by_site.items() if lay == layer)
+
+    def to_dict(self) -> dict:
+        per_layer: dict[str, dict[str, int]] = defaultdict(dict)
+        for (layer, site), nbytes in sorted(self.by_site.items()):
+            per_layer["non_layer" if layer == NON_LAYER else str(layer)][site] = nbytes
+        return {
+            "after_forward_bytes": self.after_forward_bytes,
+            "peak_bytes": self.peak_bytes,
+            "by_layer_site": dict(per_layer),
+        }
+
+
+class ActivationRuler:
+    """Context manager around forward (and backward, for the peak) of one training step.
+
+        with ActivationRuler(model) as ruler:
+            loss = forward(); ruler.forward_done(); loss.backward()
+        report = ruler.report()
+    """
+
+    def __init__(self, model: torch.nn.Module | None = None, strict: bool = False):
+        self._model = model
+        self._strict = strict
+        self._live: dict[int, tuple[weakref.ref, int, tuple[int, str]]] = {}
+        self._by_site: dict[tuple[int, str], int] = defaultdict(int)
+        self.live_bytes = 0
+        self.peak_bytes = 0
+        self.after_forward_bytes = 0
+        self._after_forward_by_site: dict[tuple[int, str], int] = {}
+        self._stock: list = []  # (layer index, attributor) of the running stock layer
+        self._stock_attributors: list[SiteAttributor] = []
+        self._module_hooks = []
+        self._hooks = None
+
+    # --- scope ---------------------------------------------------------------------------
+    def __enter__(self) -> "ActivationRuler":
+        if self._model is not None:
+            self._watch_stock_layers(self._model)
+        _active.append(self)
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _identity)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._hooks.__exit__(*exc)
+        _active.remove(self)
+        for hook in self._module_hooks:
+            hook.remove()
+        self._module_hooks.clear()
+        for attributor in self._stock_attributors:
+            attributor.remove()
+        self._stock_attributors.clear()
+
+    def _watch_stock_layers(self, model) -> None:
+        from megatron.core.transformer.transformer_layer import TransformerLayer
+
+        for module in model.modules():
+            if isinstance(module, TransformerLayer) and not hasattr(module, "set_decisions"):
+                attributor = SiteAttributor(module, strict=self._strict)
+                self._stock_attributors.append(attributor)
+                self._module_hooks.append(
+                    module.register_forward_pre_hook(self._stock_enter(module, attributor)))
+                self._module_hooks.append(
+                    module.register_forward_hook(self._stock_exit, always_call=True))
+
+    def _stock_enter(self, layer, attributor):
+        def enter(module, args):
+            attributor.begin()
+            self._stock.append((layer.layer_number - 1, attributor))
+        return enter
+
+    def _stock_exit(self, module, args, output):
+        if self._stock:
+            self._stock.pop()[1].end()
+
+    # --- what is kept --------------------------------------------------------------------
+    def _pack(self, tensor):
+        if isinstance(tensor, torch.nn.Parameter):
+            return tensor
+        if self._stock:
+            layer, attributor = self._stock[-1]
+            site = attributor.site_of(tensor) or UNATTRIBUTED
+        else:
+            layer, site = NON_LAYER, UNATTRIBUTED
+        self.keep_tensor(layer, site, tensor)
+        return tensor
+
+    def keep_tensor(self, layer: int, site: str | None, tensor: torch.Tensor) -> None:
+        """Count `tensor`'s storage (once) while it is alive."""
+        storage = tensor.untyped_storage()
+        key = id(storage)
+        if key not in self._live:
+            self._add(key, storage, storage.nbytes(), (layer, site or UNATTRIBUTED))
+
+    def keep_object(self, layer: int, site: str, obj, nbytes: int) -> None:
+        """Count `nbytes` while `obj` (e.g. a compressed payload's holder) is alive."""
+        self._add(id(obj), obj, nbytes, (layer, site))
+
+    def transient(self, tensor: torch.Tensor) -> None:
+        """A value that exists only during backward (decoded or rebuilt): it counts toward
+        the peak, never toward the after-forward bytes."""
+        self.keep_tensor(NON_LAYER, "transient", tensor)
+
+    def _add(self, key: int, obj, nbytes: int, label: tuple[int, str]) -> None:
+        ref = weakref.ref(obj, lambda _ref, key=key: self._drop(key))
+        self._live[key] = (ref, nbytes, label)
+        self._by_site[label] += nbytes
+        self.live_bytes += nbytes
+        if self.live_bytes > self.peak_bytes:
+            self.peak_bytes = self.live_bytes
+
+    def _drop(self, key: int) -> None:
+        entry = self._live.pop(key, None)
+        if entry is not None:
+            self._by_site[entry[2]] -= entry[1]
+            self.live_bytes -= entry[1]
+
+    # --- readings ------------------------------------------------------------------------
+    def forward_done(self) -> None:
+        """Call between forward and backward: snapshots the bytes kept for backward."""
+        if self.live_bytes >= self.after_forward_bytes:
+            self.after_forward_bytes = self.live_bytes
+            self._after_forward_by_site = {k: v for k, v in self._by_site.items() if v}
+
+    def report(self) -> ActivationReport:
+        return ActivationReport(self.after_forward_bytes, self.peak_bytes,
+                                dict(self._after_forward_by_site))
+
+
+def _identity(saved):
+    return saved
+
+
+def measure_step(model: torch.nn.Module, loss_fn, strict: bool = False) -> tuple[torch.Tensor, ActivationReport]:
+    """Run `loss_fn()` (forward) and its backward under one ruler; returns (loss, report)."""
+    with ActivationRuler(model, strict=strict) as ruler:
+        loss = loss_fn()
+        ruler.forward_done()
+        loss.backward()
+    return loss, ruler.report()

@@ -1,0 +1,159 @@
+"""Which site a tensor saved for backward inside one transformer layer belongs to.
+
+Forward pre/post hooks on the layer's submodules say which one is running (its *role*); a
+per-call map from storage to site says what a storage already is, so views of one storage
+(Q, K and V; the softmax output reused as attention probabilities when dropout is off) share
+one site. Only the submodules that name a site are hooked, which keeps IdentityOp
+pass-throughs from stealing attribution and keeps the per-call cost to a few dict lookups.
+
+Rules, discovered by watching what megatron-core 0.16.1's local layer saves (see sites.py):
+a role names the site of what it saves, except where one role saves several kinds and the
+storage decides (a layernorm saves its input and its statistics; core attention saves QKV
+views and the attention probabilities; the layer itself saves the bias-dropout-add masks).
+"""
+from __future__ import annotations
+
+import torch
+
+MLP_SEGMENT = 1  # segments: 0 = megatron's _forward_attention, 1 = its _forward_mlp
+
+
+class UnknownSiteError(RuntimeError):
+    """Strict mode: a layer saved a tensor no rule attributes to a site."""
+
+
+# role -> site of every non-parameter tensor saved while that role is innermost, unless the
+# storage is already known (a producer output or an earlier save in this call).
+_ROLE_SITE = {
+    "linear_qkv": "ln1_out",
+    "linear_proj": "context",
+    "linear_fc1": "ln2_out",
+    "mlp": "gelu_in",
+    "linear_fc2": "gelu_out",
+    "core_attention": "attn_probs",
+}
+# role -> site of its output storage, for saves that reach it from elsewhere (megatron's own
+# checkpoint functions save module outputs at the layer level).
+_PRODUCED_SITE = {"input_layernorm": "ln1_out", "linear_qkv": "qkv", "pre_mlp_layernorm": "ln2_out"}
+# layernorm role -> (site of its saved input, site of everything else it saves: mean, rstd)
+_NORM_SITES = {"input_layernorm": ("layer_in", "ln1_stats"), "pre_mlp_layernorm": ("ln2_in", "ln2_stats")}
+_LAYER_LEVEL_SITE = ("bda1_mask", "bda2_mask")  # by segment
+
+
+def _layer_roles(layer) -> dict[torch.nn.Module, str]:
+    attention, mlp = layer.self_attention, layer.mlp
+    core = attention.core_attention
+    candidates = {
+        "input_layernorm": layer.input_layernorm,
+        "linear_qkv": getattr(attention, "linear_qkv", None),
+        "core_attention": core,
+        "softmax": getattr(core, "scale_mask_softmax", None),
+        "attention_dropout": getattr(core, "attention_dropout", None),
+        "linear_proj": attention.linear_proj,
+        "pre_mlp_layernorm": layer.pre_mlp_layernorm,
+        "mlp": mlp,
+        "linear_fc1": getattr(mlp, "linear_fc1", None),
+        "linear_fc2": getattr(mlp, "linear_fc2", None),
+    }
+    from megatron.core.transformer.identity_op import IdentityOp
+
+    return {
+        module: role for role, module in candidates.items()
+        if module is not None and not isinstance(module, IdentityOp)
+    }
+
+
+class SiteAttributor:
+    """Names the site of each tensor a layer saves during one forward call."""
+
+    def __init__(self, layer, strict: bool = False):
+        self.strict = strict
+        self.layer_number = layer.layer_number
+        self._roles: list[str] = []
+        self._storage_site: dict[int, tuple[torch.UntypedStorage, str]] = {}
+        self.segment = 0
+        self.active = False
+        self._handles = []
+        for module, role in _layer_roles(layer).items():
+            self._handles.append(module.register_forward_pre_hook(self._enter_hook(role)))
+            self._handles.append(module.register_forward_hook(self._exit_hook(role), always_call=True))
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    # --- one forward call ----------------------------------------------------------------
+    def begin(self, segment: int = 0) -> None:
+        self._roles.clear()
+        self._storage_site.clear()
+        self.segment = segment
+        self.active = True
+
+    def end(self) -> None:
+        # Drop the strong storage references now: the call object outlives forward.
+        self._roles.clear()
+        self._storage_site.clear()
+        self.active = False
+
+    # --- hooks ---------------------------------------------------------------------------
+    def _remember(self, tensor, site: str) -> None:
+        storage = tensor.untyped_storage()
+        self._storage_site.setdefault(id(storage), (storage, site))
+
+    def _enter_hook(self, role):
+        norm_sites = _NORM_SITES.get(role)
+
+        def enter(module, args):
+            if self.active:
+                self._roles.append(role)
+                if role == "pre_mlp_layernorm":
+                    self.segment = MLP_SEGMENT
+                if norm_sites is not None and args and isinstance(args[0], torch.Tensor):
+                    self._remember(args[0], norm_sites[0])
+
+        return enter
+
+    def _exit_hook(self, role):
+        produced = _PRODUCED_SITE.get(role)
+
+        def exit_(module, args, output):
+            if self.active and self._roles and self._roles[-1] == role:
+                self._roles.pop()
+                if produced is not None:
+                    out = output[0] if isinstance(output, (tuple, list)) else output
+                    if isinstance(out, torch.Tensor):
+                        self._remember(out, produced)
+
+        return exit_
+
+    # --- the question --------------------------------------------------------------------
+    def site_of(self, tensor: torch.Tensor) -> str | None:
+        """The site of a saved tensor; None (or UnknownSiteError in strict mode) if no rule
+        names it."""
+        storage = tensor.untyped_storage()
+        known = self._storage_site.get(id(storage))
+        if known is not None:
+            return known[1]
+        role = self._roles[-1] if self._roles else None
+        # A dropout mask is drawn, not computed from anything that needs a gradient.
+        drawn = tensor.grad_fn is None and not tensor.requires_grad
+        if role is None:
+            site = _LAYER_LEVEL_SITE[self.segment] if drawn else None
+        elif role in _NORM_SITES:
+            site = _NORM_SITES[role][1] if tensor.shape[-1:] == (1,) else None
+        elif role == "softmax":
+            site = "attn_mask" if tensor.dtype == torch.bool else "softmax_out"
+        elif role == "attention_dropout":
+            site = "attn_dropout_mask" if drawn else None
+        else:
+            site = _ROLE_SITE.get(role)
+        if site is None:
+            if self.strict:
+                raise UnknownSiteError(
+                    f"layer {self.layer_number - 1}: a tensor {tuple(tensor.shape)} "
+                    f"{tensor.dtype} saved inside {role!r} matches no site rule"
+                )
+            return None
+        self._storage_site[id(storage)] = (storage, site)
+        return site

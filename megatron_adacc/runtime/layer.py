@@ -1,0 +1,168 @@
+"""The Adacc transformer layer: megatron-core's own layer, run under a layer-scoped pair of
+saved-tensor hooks that applies the layer's decisions (retain / compress / recompute) to
+every tensor it saves for backward.
+
+Nothing of megatron's forward is copied. Recompute re-runs megatron's own segments of it:
+`_forward_attention` from the layer input, `_forward_mlp` from ln2_in (the MLP segment alone
+when every recomputed site is in it and ln2_in is kept), with the RNG states captured when
+the segment first ran, and stops as soon as the last wanted site has been saved again.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from megatron.core.tensor_parallel import get_cuda_rng_tracker
+from megatron.core.transformer.transformer_layer import TransformerLayer
+
+from megatron_adacc.plan import Decision
+from megatron_adacc.runtime.accounting import active_ruler
+from megatron_adacc.runtime.attribution import MLP_SEGMENT, SiteAttributor
+from megatron_adacc.runtime.storage import Handle, LayerCall, RebuildComplete, unpack
+from megatron_adacc.sites import COMPRESS, RECOMPUTE
+
+
+def _rng_snapshot():
+    return torch.get_rng_state(), get_cuda_rng_tracker().get_states()
+
+
+def _rng_restore(snapshot) -> None:
+    cpu_state, tracker_states = snapshot
+    torch.set_rng_state(cpu_state)
+    get_cuda_rng_tracker().set_states(dict(tracker_states))
+
+
+class AdaccTransformerLayer(TransformerLayer):
+    """megatron-core's TransformerLayer whose saved activations follow per-site decisions
+    (`set_decisions`); with no decisions it retains everything, like the stock layer."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # Plain attributes, not submodules: they hold hooks and decisions, no parameters.
+        object.__setattr__(self, "attributor", SiteAttributor(self))
+        self.actions: dict[str, tuple[str, object]] = {}
+        self._call: LayerCall | None = None
+
+    @property
+    def layer_index(self) -> int:
+        return self.layer_number - 1
+
+    @property
+    def strict(self) -> bool:
+        return self.attributor.strict
+
+    @strict.setter
+    def strict(self, value: bool) -> None:
+        self.attributor.strict = value
+
+    def set_decisions(self, decisions: dict[str, Decision]) -> None:
+        """Install this layer's site decisions; takes effect at the next forward (never call
+        it between a forward and its backward)."""
+        actions = {}
+        for site, decision in decisions.items():
+            if decision.action == COMPRESS:
+                from megatron_adacc import codecs
+
+                actions[site] = (COMPRESS, codecs.get(decision.codec_for(site)))
+            elif decision.action == RECOMPUTE:
+                actions[site] = (RECOMPUTE, None)
+        self.actions = actions
+
+    # --- forward -------------------------------------------------------------------------
+    def forward(self, *args, **kwargs):
+        if not torch.is_grad_enabled():
+            return super().forward(*args, **kwargs)
+        recomputes = any(action == RECOMPUTE for action, _ in self.actions.values())
+        call = LayerCall(self.layer_index, self.attributor, self.actions, active_ruler(),
+                         self._rebuild if recomputes else None)
+        if recomputes:
+            self._remember_call_inputs(call, args, kwargs)
+            call.rng_states[0] = _rng_snapshot()
+        self._call = call
+        self.attributor.begin()
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(call.pack, unpack):
+                return super().forward(*args, **kwargs)
+        finally:
+            self.attributor.end()
+            call.forward_done()
+            self._call = None
+
+    def _forward_mlp(self, hidden_states, *args, **kwargs):
+        call = self._call
+        if call is not None and call.rebuild is not None:
+            call.rng_states[MLP_SEGMENT] = _rng_snapshot()
+        return super()._forward_mlp(hidden_states, *args, **kwargs)
+
+    @staticmethod
+    def _remember_call_inputs(call: LayerCall, args, kwargs) -> None:
+        # Keep every input but the hidden states: those are the layer_in site, whose saved
+        # form (retained, compressed) replaces this provisional anchor once it is packed.
+        kwargs = dict(kwargs)
+        if "hidden_states" in kwargs:
+            hidden_states = kwargs.pop("hidden_states")
+        else:
+            hidden_states, args = args[0], args[1:]
+        call.anchors[0] = hidden_states
+        call.anchor_requires_grad[0] = hidden_states.requires_grad
+        call.call_args, call.call_kwargs = tuple(args), kwargs
+
+    # --- recompute -----------------------------------------------------------------------
+    def _rebuild(self, call: LayerCall) -> None:
+        """Re-run megatron's forward segments under a capturing hook until every recomputed
+        site of `call` is in its cache. Runs at the first unpack of any of them."""
+        mlp_anchor = call.anchors[MLP_SEGMENT]
+        mlp_only = (
+            call.segments == {MLP_SEGMENT}
+            and mlp_anchor is not None
+            and not (type(mlp_anchor) is Handle and mlp_anchor.source is call)
+        )
+        call.ordinals = {}
+        current_rng = _rng_snapshot()
+        try:
+            with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(
+                call.capture_pack, _discarded
+            ):
+                if mlp_only:
+                    hidden_states = _anchor_value(call, MLP_SEGMENT)
+                else:
+                    _rng_restore(call.rng_states[0])
+                    self.attributor.begin(0)
+                    hidden_states, _ = self._forward_attention(
+                        _anchor_value(call, 0), *call.call_args, **call.call_kwargs
+                    )
+                _rng_restore(call.rng_states[MLP_SEGMENT])
+                self.attributor.begin(MLP_SEGMENT)
+                self._forward_mlp(
+                    hidden_states,
+                    call.call_kwargs.get("inference_context"),
+                    padding_mask=call.call_kwargs.get("padding_mask"),
+                )
+        except RebuildComplete:
+            pass
+        finally:
+            self.attributor.end()
+            _rng_restore(current_rng)
+        missing = call.wanted - set(call.cache)
+        if missing:
+            raise RuntimeError(
+                f"layer {self.layer_index}: rebuilding did not reproduce recomputed sites "
+                f"{sorted(missing)}; the layer's forward is not deterministic in what it saves"
+            )
+
+
+def _anchor_value(call: LayerCall, segment: int) -> torch.Tensor:
+    value = unpack(call.anchors[segment]).detach()
+    return value.requires_grad_(call.anchor_requires_grad[segment])
+
+
+def _discarded(_saved):
+    raise AssertionError("the rebuild graph is never backpropagated")
+
+
+def get_adacc_layer_spec(**local_spec_kwargs):
+    """megatron-core's local GPT layer spec with AdaccTransformerLayer as the layer."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    spec = get_gpt_layer_local_spec(**local_spec_kwargs)
+    return dataclasses.replace(spec, module=AdaccTransformerLayer)

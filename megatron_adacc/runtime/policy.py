@@ -1,0 +1,30 @@
+"""Applying a Plan to a whole model: each Adacc layer gets its own row of the plan."""
+from __future__ import annotations
+
+import torch
+
+from megatron_adacc.plan import Plan, PlanError
+from megatron_adacc.runtime.layer import AdaccTransformerLayer
+
+
+def adacc_layers(model: torch.nn.Module) -> list[AdaccTransformerLayer]:
+    return [m for m in model.modules() if isinstance(m, AdaccTransformerLayer)]
+
+
+def apply_plan(model: torch.nn.Module, plan: Plan | None, strict: bool | None = None) -> None:
+    """Give every AdaccTransformerLayer its decisions from `plan` (None: retain everything).
+
+    Call between training steps, never between a forward and its backward. `strict` makes
+    an unattributed saved tensor an error instead of a retained "other" (None: unchanged).
+    """
+    layers = adacc_layers(model)
+    if not layers:
+        raise PlanError(
+            "the model has no Adacc layers; build it with runtime.get_adacc_layer_spec()"
+        )
+    plan = plan if plan is not None else Plan()
+    plan.validate_layers(max(layer.layer_index for layer in layers) + 1)
+    for layer in layers:
+        layer.set_decisions(plan.for_layer(layer.layer_index))
+        if strict is not None:
+            layer.strict = strict

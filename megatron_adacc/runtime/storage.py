@@ -1,0 +1,188 @@
+"""Where a saved activation lives between forward and backward: one pack/unpack pair for
+every action.
+
+pack returns the tensor itself for *retain* (the cheapest handle there is: unpack is the
+identity), and a `Handle` for *compress* and *recompute*; unpack resolves handles. A handle
+points at a source that produces the value once and hands it out per saved view:
+
+- `CompressedStorage`: one codec payload per storage (Q, K and V, three views of one
+  storage, are encoded once); decoded on the first unpack, shared by the other views,
+  released after the last one.
+- `LayerCall` itself for recomputed sites: the first unpack rebuilds every recomputed site
+  of this layer call (the layer supplies `rebuild`), caches them, and each unpack takes its
+  value out of the cache, so the cache is empty once backward has used them all.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from megatron_adacc.sites import COMPRESS, RECOMPUTE
+
+# The sites each recompute segment starts from (see AdaccTransformerLayer): megatron's
+# _forward_attention starts from the layer input, its _forward_mlp from ln2_in.
+SEGMENT_ANCHORS = {"layer_in": 0, "ln2_in": 1}
+
+
+class Handle:
+    """A saved tensor that is not the tensor itself: resolved by its source at unpack."""
+
+    __slots__ = ("source", "key")
+
+    def __init__(self, source, key):
+        self.source = source
+        self.key = key
+
+    def resolve(self) -> torch.Tensor:
+        return self.source.take(self.key)
+
+
+def unpack(saved):
+    return saved.resolve() if type(saved) is Handle else saved
+
+
+class CompressedStorage:
+    """The payload of one compressed storage and the views of it that were saved."""
+
+    __slots__ = ("codec", "payload", "views", "decoded", "ruler", "__weakref__")
+
+    def __init__(self, codec, root: torch.Tensor, ruler):
+        self.codec = codec
+        self.payload = codec.encode(root)
+        self.views = 0
+        self.decoded = None
+        self.ruler = ruler
+
+    @property
+    def nbytes(self) -> int:
+        return self.payload.nbytes
+
+    def view_handle(self, tensor: torch.Tensor, root: torch.Tensor) -> Handle:
+        self.views += 1
+        geometry = (tensor.size(), tensor.stride(), tensor.storage_offset() - root.storage_offset())
+        return Handle(self, geometry)
+
+    def take(self, geometry) -> torch.Tensor:
+        if self.decoded is None:
+            if self.payload is None:
+                raise RuntimeError(
+                    "a compressed activation was unpacked twice; backward through an Adacc "
+                    "layer with retain_graph=True is not supported"
+                )
+            self.decoded = self.codec.decode(self.payload)
+            if self.ruler is not None:
+                self.ruler.transient(self.decoded)
+        value = self.decoded.as_strided(*geometry)
+        self.views -= 1
+        if self.views == 0:  # every view has its value: free the payload and the decoded root
+            self.decoded = None
+            self.payload = None
+        return value
+
+
+class RebuildComplete(Exception):
+    """Raised from the capture hook once every wanted site is rebuilt: the rest of the
+    layer's forward is not needed."""
+
+
+class LayerCall:
+    """One forward call of one Adacc layer: its pack hook, and everything that has to outlive
+    forward to serve backward (payload handles, recompute anchors, RNG states, the cache)."""
+
+    def __init__(self, layer_index: int, attributor, actions: dict, ruler,
+                 rebuild: Callable[["LayerCall"], None] | None):
+        self.layer_index = layer_index
+        self.attributor = attributor
+        self.actions = actions  # site -> (action, codec); absent: retain
+        self.ruler = ruler
+        self.rebuild = rebuild  # None when the plan recomputes nothing in this layer
+        self._compressed: dict[int, CompressedStorage] = {}  # by id(storage); forward only
+        # recompute state
+        self.ordinals: dict[str, int] = {}
+        self.wanted: set[tuple[str, int]] = set()
+        self.segments: set[int] = set()
+        self.anchors: list = [None, None]
+        self.anchor_requires_grad = [False, False]
+        self.rng_states: list = [None, None]
+        self.call_args: tuple = ()
+        self.call_kwargs: dict = {}
+        self.cache: dict[tuple[str, int], torch.Tensor] = {}
+        self.rebuilt = False
+
+    # --- forward -------------------------------------------------------------------------
+    def pack(self, tensor):
+        if isinstance(tensor, torch.nn.Parameter):
+            return tensor
+        site = self.attributor.site_of(tensor)
+        decision = self.actions.get(site)
+        if decision is None:
+            if self.ruler is not None:
+                self.ruler.keep_tensor(self.layer_index, site, tensor)
+            saved = tensor
+        elif decision[0] == COMPRESS:
+            saved = self._compress(site, tensor, decision[1])
+        else:
+            key = (site, self.ordinals.get(site, 0))
+            self.ordinals[site] = key[1] + 1
+            self.wanted.add(key)
+            self.segments.add(self.attributor.segment)
+            saved = Handle(self, key)
+        if self.rebuild is not None and site in SEGMENT_ANCHORS:
+            segment = SEGMENT_ANCHORS[site]
+            self.anchors[segment] = saved
+            self.anchor_requires_grad[segment] = tensor.requires_grad
+        return saved
+
+    def _compress(self, site: str, tensor: torch.Tensor, codec) -> Handle:
+        # Encode the whole base once so views of one storage share one payload; a
+        # non-contiguous base cannot be re-viewed from a decoded copy, so it is its own root.
+        root = tensor._base if tensor._base is not None else tensor
+        if not root.is_contiguous():
+            root = tensor
+        key = id(root.untyped_storage())
+        source = self._compressed.get(key)
+        if source is None:
+            source = CompressedStorage(codec, root, self.ruler)
+            self._compressed[key] = source
+            if self.ruler is not None:
+                self.ruler.keep_object(self.layer_index, site, source, source.nbytes)
+        return source.view_handle(tensor, root)
+
+    def forward_done(self) -> None:
+        self._compressed.clear()
+
+    # --- backward ------------------------------------------------------------------------
+    def take(self, key) -> torch.Tensor:
+        value = self.cache.pop(key, None)
+        if value is None:
+            if self.rebuilt:
+                raise RuntimeError(
+                    f"layer {self.layer_index}: recomputed site {key[0]} was unpacked twice; "
+                    "backward through an Adacc layer with retain_graph=True is not supported"
+                )
+            self.rebuilt = True
+            self.rebuild(self)
+            value = self.cache.pop(key)
+        if not self.cache:  # every rebuilt value handed out: drop what rebuilding needed
+            self.anchors = [None, None]
+            self.rng_states = [None, None]
+            self.call_args, self.call_kwargs = (), {}
+        return value
+
+    def capture_pack(self, tensor):
+        """The pack hook while rebuilding: keep the wanted sites, discard everything else."""
+        if isinstance(tensor, torch.nn.Parameter):
+            return None
+        site = self.attributor.site_of(tensor)
+        decision = self.actions.get(site)
+        if decision is not None and decision[0] == RECOMPUTE:
+            key = (site, self.ordinals.get(site, 0))
+            self.ordinals[site] = key[1] + 1
+            if key in self.wanted:
+                self.cache[key] = tensor.detach()
+                if self.ruler is not None:
+                    self.ruler.transient(tensor)
+                if len(self.cache) == len(self.wanted):
+                    raise RebuildComplete
+        return None

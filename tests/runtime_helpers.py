@@ -1,0 +1,53 @@
+"""Tiny GPTs, batches and training loops shared by the runtime tests."""
+from __future__ import annotations
+
+import torch
+
+from megatron_adacc import model as model_lib
+from megatron_adacc.runtime import apply_plan, get_adacc_layer_spec
+
+VOCAB, SEQ, BATCH = 256, 32, 2
+
+
+def build(adacc: bool, dtype=torch.float32, dropout=0.0, bias=True, layers=2, seed=1, **config):
+    model_lib.set_seed(seed)
+    cfg = model_lib.build_transformer_config(
+        num_layers=layers, hidden_size=64, num_attention_heads=4,
+        hidden_dropout=dropout, attention_dropout=dropout, add_bias_linear=bias,
+        bf16=dtype == torch.bfloat16, params_dtype=dtype, **config)
+    spec = get_adacc_layer_spec() if adacc else None
+    # megatron casts half-precision models with its Float16Module (GPU only); cast here so
+    # the position embedding and layernorms run in the activation dtype too.
+    model = model_lib.build_gpt_model(cfg, VOCAB, SEQ, spec).to(dtype)
+    if adacc:
+        apply_plan(model, None, strict=True)
+    return model
+
+
+def batch(seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen)
+    labels = torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen)
+    return tokens, labels, torch.ones(BATCH, SEQ)
+
+
+def loss_of(model, seed: int = 0):
+    return model_lib.gpt_loss(model, *batch(seed))
+
+
+def train(model, steps: int, lr: float = 1e-3, plan_for_step=None):
+    """Adam steps on fixed batches with a fixed dropout stream; returns (losses, grads of
+    every step)."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    losses, grads = [], []
+    for step in range(steps):
+        if plan_for_step is not None:
+            apply_plan(model, plan_for_step(step))
+        optimizer.zero_grad()
+        model_lib.set_seed(100 + step)
+        loss = loss_of(model, step)
+        loss.backward()
+        losses.append(loss.detach().clone())
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+        optimizer.step()
+    return losses, grads

@@ -1,0 +1,135 @@
+"""Retain and recompute through the Adacc layer are bitwise identical to the stock
+megatron-core layer; attribution covers every saved tensor (strict mode)."""
+import pytest
+import torch
+
+from megatron_adacc.plan import Plan, PlanError
+from megatron_adacc.runtime import (
+    AdaccTransformerLayer,
+    UnknownSiteError,
+    adacc_layers,
+    apply_plan,
+    measure_step,
+)
+from megatron_adacc.sites import SITE_NAMES
+
+from runtime_helpers import build, loss_of, train
+
+RECOMPUTABLE = [s for s in SITE_NAMES if s != "layer_in"]
+MIXED = {  # every segment, both sides of each anchor, differing per layer
+    "sites": {"qkv": "recompute", "softmax_out": "recompute", "attn_dropout_mask": "recompute",
+              "gelu_in": "recompute", "ln2_stats": "recompute"},
+    "layers": {"1": {"sites": {"ln2_in": "recompute", "gelu_out": "recompute",
+                               "context": "recompute", "softmax_out": "retain"}}},
+}
+PLANS = {
+    "all_retain": Plan(),
+    "mixed": Plan.from_dict(MIXED),
+    "recompute_all": Plan.uniform({s: "recompute" for s in RECOMPUTABLE}),
+    "mlp_only": Plan.uniform({"ln2_out": "recompute", "gelu_in": "recompute",
+                              "gelu_out": "recompute", "bda2_mask": "recompute"}),
+}
+
+
+def assert_same_training(reference, candidate):
+    ref_losses, ref_grads = reference
+    losses, grads = candidate
+    for step, (a, b) in enumerate(zip(ref_losses, losses)):
+        assert torch.equal(a, b), f"step {step}: loss {a.item()} != {b.item()}"
+    for step, (ga, gb) in enumerate(zip(ref_grads, grads)):
+        for name in ga:
+            assert torch.equal(ga[name], gb[name]), f"step {step}: gradient of {name} differs"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
+def test_retain_and_recompute_match_stock_layer_bitwise(distributed, dtype, dropout, bias):
+    stock = train(build(False, dtype, dropout, bias), steps=3)
+    for name, plan in PLANS.items():
+        model = build(True, dtype, dropout, bias)
+        apply_plan(model, plan, strict=True)
+        try:
+            assert_same_training(stock, train(model, steps=3))
+        except AssertionError as exc:
+            raise AssertionError(f"plan {name}: {exc}") from None
+
+
+def test_plans_swap_between_steps_without_changing_the_result(distributed):
+    plans = list(PLANS.values())
+    stock = train(build(False, dropout=0.1), steps=4)
+    swapped = train(build(True, dropout=0.1), steps=4, plan_for_step=lambda s: plans[s])
+    assert_same_training(stock, swapped)
+
+
+def test_each_site_recomputed_alone_is_exact_and_saves_its_bytes(distributed):
+    stock = build(False, dropout=0.1)
+    torch.manual_seed(5)
+    stock_loss, stock_report = measure_step(stock, lambda: loss_of(stock), strict=True)
+    reference = {n: p.grad for n, p in stock.named_parameters()}
+    for site in RECOMPUTABLE:
+        model = build(True, dropout=0.1)
+        apply_plan(model, Plan.uniform({site: "recompute"}))
+        torch.manual_seed(5)
+        loss, report = measure_step(model, lambda: loss_of(model), strict=True)
+        assert torch.equal(loss, stock_loss), site
+        for name, param in model.named_parameters():
+            assert torch.equal(param.grad, reference[name]), f"{site}: {name}"
+        for layer in (0, 1):
+            assert (layer, site) not in report.by_site or site == "attn_mask"
+        assert report.after_forward_bytes < stock_report.after_forward_bytes, site
+
+
+def test_every_saved_tensor_is_attributed_to_a_known_site(distributed):
+    for dtype, dropout in [(torch.float32, 0.1), (torch.bfloat16, 0.0)]:
+        model = build(True, dtype, dropout)
+        _, report = measure_step(model, lambda: loss_of(model), strict=True)
+        layer_sites = {site for (layer, site) in report.by_site if layer >= 0}
+        assert layer_sites <= set(SITE_NAMES)
+        assert {"layer_in", "qkv", "softmax_out", "gelu_in", "gelu_out"} <= layer_sites
+        assert ("attn_dropout_mask" in layer_sites) == (dropout > 0)
+
+
+def _save_an_unknown_tensor(layer):
+    # A layer-level op whose saved input needs a gradient: no site rule covers it.
+    original = layer.self_attn_bda
+
+    def patched(training, fused):
+        bda = original(training, fused)
+        return lambda out_bias, residual, p: bda((out_bias[0] * out_bias[0], out_bias[1]),
+                                                 residual, p)
+
+    layer.self_attn_bda = patched
+
+
+def test_strict_mode_raises_on_an_unknown_saved_tensor(distributed):
+    model = build(True)
+    _save_an_unknown_tensor(adacc_layers(model)[0])
+    with pytest.raises(UnknownSiteError, match="layer 0"):
+        loss_of(model)
+
+
+def test_unknown_sites_are_retained_outside_strict_mode(distributed):
+    stock, model = build(False), build(True)
+    _save_an_unknown_tensor(stock.decoder.layers[0])
+    _save_an_unknown_tensor(adacc_layers(model)[0])
+    apply_plan(model, Plan.uniform({s: "recompute" for s in RECOMPUTABLE}), strict=False)
+    assert_same_training(train(stock, 2), train(model, 2))
+
+
+def test_adacc_spec_builds_adacc_layers_and_apply_plan_sets_per_layer_decisions(distributed):
+    model = build(True)
+    layers = adacc_layers(model)
+    assert [type(l) for l in layers] == [AdaccTransformerLayer] * 2
+    apply_plan(model, PLANS["mixed"])
+    assert layers[0].actions["softmax_out"][0] == "recompute"
+    assert "softmax_out" not in layers[1].actions and "context" in layers[1].actions
+    apply_plan(model, None)
+    assert all(not l.actions for l in layers)
+
+
+def test_apply_plan_rejects_layers_outside_the_model_and_stock_models(distributed):
+    with pytest.raises(PlanError, match="outside the model's 2 layers"):
+        apply_plan(build(True), Plan.from_dict({"layers": {"2-3": {"sites": {"qkv": "recompute"}}}}))
+    with pytest.raises(PlanError, match="no Adacc layers"):
+        apply_plan(build(False), Plan())
