@@ -1,0 +1,347 @@
+"""Activation codecs: round trips, error bounds, payload sizes, special values, wrong inputs.
+
+Everything here runs the eager PyTorch reference; tests/test_codecs_triton.py checks the
+Triton kernels against it and test_compiled_matches_eager the torch.compile'd backend.
+"""
+from __future__ import annotations
+
+import gc
+import math
+import weakref
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+from megatron_adacc import codecs
+from megatron_adacc.codecs.int4 import ceil_to_bf16
+
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+INT4_CODECS = ("outlier_int4", "channel_int4", "asym_int4", "sym_int4", "naive_int4")
+PROPERTY = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+# ---------------------------------------------------------------------------- strategies
+
+@st.composite
+def shapes(draw, max_dims=3, max_side=40):
+    return tuple(draw(st.lists(st.integers(0, max_side), min_size=0, max_size=max_dims)))
+
+
+def _finite_elements(dtype):
+    bound = float(torch.finfo(dtype).max)
+    width = 16 if dtype == torch.float16 else 32
+    return st.floats(-bound, bound, allow_nan=False, allow_infinity=False, width=width)
+
+
+@st.composite
+def edge_tensors(draw, dtypes=FLOAT_DTYPES):
+    """Tensors whose values hypothesis picks one by one: zeros, subnormals, dtype maxima."""
+    dtype = draw(st.sampled_from(dtypes))
+    shape = draw(shapes(max_side=12))
+    np_dtype = np.float16 if dtype == torch.float16 else np.float32
+    values = draw(hnp.arrays(np_dtype, shape, elements=_finite_elements(dtype)))
+    return torch.from_numpy(np.ascontiguousarray(values)).to(dtype)
+
+
+@st.composite
+def activation_tensors(draw, dtypes=FLOAT_DTYPES):
+    """Activation-like tensors: scaled normal data, sometimes with outlier channels, constant
+    or all-zero rows, in any layout (possibly a non-contiguous view)."""
+    dtype = draw(st.sampled_from(dtypes))
+    rows, cols = draw(st.integers(1, 48)), draw(st.integers(1, 80))
+    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
+    x = torch.randn(rows, cols, generator=gen) * 10.0 ** draw(st.integers(-6, 3))
+    n_outliers = draw(st.integers(0, 3))
+    if n_outliers and cols > 8:
+        x[:, torch.randperm(cols, generator=gen)[:n_outliers]] *= draw(st.sampled_from([30.0, 1e3]))
+    if draw(st.booleans()):
+        x[draw(st.integers(0, rows - 1))] = draw(st.sampled_from([0.0, 1.5, -3.0]))
+    dtype_max = torch.finfo(dtype).max  # fp16 overflows at 65504: stay finite here
+    x = x.clamp(-dtype_max, dtype_max).to(dtype)
+    layout = draw(st.sampled_from(["contiguous", "transposed", "strided"]))
+    if layout == "transposed":
+        x = x.t()
+    elif layout == "strided":
+        x = x[:, ::2]
+    return x
+
+
+def _positive(x):
+    """Map onto (0, 1) like softmax probabilities, for the asymmetric codec."""
+    return torch.sigmoid(x.float()).to(x.dtype)
+
+
+# ------------------------------------------------------------------------------ helpers
+
+def element_step(codec, payload) -> torch.Tensor:
+    """|scale| that applies to each decoded element, 0 where the element must be exact
+    (outlier channels, groups stored raw)."""
+    t = payload.tensors
+    n = payload.numel
+    if n == 0:
+        return torch.zeros(payload.shape)
+    channels = payload.shape[-1] if len(payload.shape) else 1
+    scales = t["scales"].float().abs()
+    raw = t.get("raw_index", torch.empty(0, dtype=torch.int32)).long()
+    if codec.name == "channel_int4":
+        scales[raw] = 0
+        return scales.expand(n // channels, channels).reshape(payload.shape)
+    scales[raw] = 0
+    group = channels if codec.name == "naive_int4" else codec.group_size
+    step = scales.repeat_interleave(group)[:n].reshape(-1, channels)
+    if "outlier_index" in t:
+        step[:, t["outlier_index"].long()] = 0
+    return step.reshape(payload.shape)
+
+
+def assert_within_bound(codec, x, payload, x_hat, ignore=None):
+    """|x - x_hat| <= |scale| / 2 plus the rounding of the output dtype, element by element."""
+    x32, xh32 = x.float(), x_hat.float()
+    step = element_step(codec, payload)
+    finfo = torch.finfo(x.dtype)
+    # Half a step, a hair more for the fp32 division deciding a tie, and one rounding of the
+    # decoded value to the output dtype (relative eps, or absolute near the subnormals).
+    bound = step / 2 * (1 + 1e-6) + (xh32.abs() * finfo.eps + finfo.smallest_normal * finfo.eps)
+    err = (x32 - xh32).abs()
+    ok = err <= bound
+    if ignore is not None:
+        ok |= ignore
+    assert bool(ok.all()), (
+        f"{codec.name} {x.dtype}: worst excess {(err - bound)[~ok].max().item()} at {(~ok).nonzero()[:3].tolist()}"
+    )
+
+
+def round_trip(name, x, **options):
+    codec = codecs.get(name, backend="torch", **options)
+    payload = codec.encode(x)
+    return codec, payload, codec.decode(payload)
+
+
+def _prepare(name, x):
+    return _positive(x) if name == "asym_int4" else x
+
+
+# -------------------------------------------------------------------------------- tests
+
+def test_registry_names_and_errors(monkeypatch):
+    assert set(codecs.NAMES) == {"outlier_int4", "channel_int4", "asym_int4", "sym_int4", "bitmask", "naive_int4"}
+    with pytest.raises(ValueError, match="unknown codec"):
+        codecs.get("zstd")
+    with pytest.raises(ValueError, match="unknown codec backend"):
+        codecs.get("sym_int4", backend="cuda")
+    monkeypatch.setenv(codecs.BACKEND_ENV_VAR, "compiled")
+    assert codecs.get("sym_int4").backend == "compiled"
+    assert codecs.get("sym_int4", backend="torch").backend == "torch"
+    assert codecs.get("sym_int4", group_size=32).group_size == 32
+    assert codecs.get("outlier_int4", threshold=2.0).threshold == 2.0
+
+
+@pytest.mark.parametrize("name", INT4_CODECS)
+@PROPERTY
+@given(x=activation_tensors())
+def test_round_trip_within_half_step(name, x):
+    x = _prepare(name, x)
+    codec, payload, x_hat = round_trip(name, x)
+    assert (x_hat.shape, x_hat.dtype, x_hat.device) == (x.shape, x.dtype, x.device)
+    assert (payload.shape, payload.dtype, payload.device) == (x.shape, x.dtype, x.device)
+    assert_within_bound(codec, x, payload, x_hat)
+
+
+@pytest.mark.parametrize("name", INT4_CODECS)
+@PROPERTY
+@given(x=edge_tensors())
+def test_edge_values_within_half_step(name, x):
+    # Subnormals, zeros, +-dtype max, sizes 0 and 1, shapes that are no multiple of a group.
+    codec, payload, x_hat = round_trip(name, x)
+    assert x_hat.shape == x.shape and x_hat.dtype == x.dtype
+    assert bool(torch.isfinite(x_hat).all()), "a finite input decoded to a non-finite value"
+    assert_within_bound(codec, x, payload, x_hat)
+
+
+@pytest.mark.parametrize("name", INT4_CODECS)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@PROPERTY
+@given(data=st.data())
+def test_nan_and_inf_survive_in_place(name, dtype, data):
+    x = _prepare(name, data.draw(activation_tensors(dtypes=(dtype,)))).contiguous()
+    flat = x.view(-1)
+    where = data.draw(st.lists(st.integers(0, flat.numel() - 1), min_size=1, max_size=4, unique=True))
+    specials = data.draw(st.lists(st.sampled_from([math.nan, math.inf, -math.inf]), min_size=len(where), max_size=len(where)))
+    flat[where] = torch.tensor(specials, dtype=dtype)
+    codec, payload, x_hat = round_trip(name, x)
+    assert torch.equal(torch.isnan(x_hat), torch.isnan(x))
+    assert torch.equal(torch.isposinf(x_hat), torch.isposinf(x))
+    assert torch.equal(torch.isneginf(x_hat), torch.isneginf(x))
+    assert_within_bound(codec, x, payload, x_hat, ignore=~torch.isfinite(x))
+
+
+@pytest.mark.parametrize("name", INT4_CODECS)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_zero_and_constant_tensors(name, dtype):
+    for shape in [(0,), (0, 5), (), (1,), (3, 130)]:
+        zeros = torch.zeros(shape, dtype=dtype)
+        assert torch.equal(round_trip(name, zeros)[2], zeros)
+        constant = torch.full(shape, 0.3, dtype=dtype)
+        codec, payload, x_hat = round_trip(name, constant)
+        assert_within_bound(codec, constant, payload, x_hat)
+
+
+def test_sym_scale_follows_paper_rule():
+    # max|x| / 8 with the group's sign folded in: the extreme element gets code -8.
+    x = torch.tensor([0.5, -1.0, 2.0, 4.0] * 16)  # one group of 64, positive extreme
+    codec, payload, x_hat = round_trip("sym_int4", x)
+    scale = payload.tensors["scales"].float()
+    assert scale.item() == -ceil_to_bf16(torch.tensor([4.0 / 8])).item()
+    assert payload.tensors["packed"][1].item() & 0xF0 == 0  # element 3 (value 4.0) -> code -8 + 8
+    assert x_hat[3].item() == 4.0
+
+
+def test_outlier_channels_are_exact_and_listed():
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 96, generator=gen).to(torch.bfloat16)
+    x[:, [7, 50]] *= 100
+    codec, payload, x_hat = round_trip("outlier_int4", x)
+    assert payload.tensors["outlier_index"].tolist() == [7, 50]
+    assert torch.equal(x_hat[:, [7, 50]], x[:, [7, 50]])
+    # Threshold is configurable: a huge threshold keeps nothing exact.
+    _, payload_none, _ = round_trip("outlier_int4", x, threshold=1e9)
+    assert "outlier_index" not in payload_none.tensors
+
+
+def test_outlier_separation_beats_naive_on_outlier_data():
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(256, 128, generator=gen)
+    x[:, [3, 90]] *= 60
+    errors = {}
+    for name in ("outlier_int4", "naive_int4"):
+        _, _, x_hat = round_trip(name, x)
+        errors[name] = ((x - x_hat).norm() / x.norm()).item()
+    assert errors["outlier_int4"] * 3 < errors["naive_int4"]
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@PROPERTY
+@given(shape=shapes(), threshold=st.sampled_from([2.0, 3.0]), seed=st.integers(0, 2**31 - 1))
+def test_nbytes_matches_hand_count(dtype, shape, threshold, seed):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=gen).to(dtype)
+    n, es = x.numel(), x.element_size()
+    channels = shape[-1] if shape else 1
+    rows = n // channels if channels else 0
+    packed = (n + 1) // 2
+    expected = {
+        "sym_int4": packed + 2 * math.ceil(n / 64),
+        "asym_int4": packed + (2 + es) * math.ceil(n / 128),
+        "naive_int4": packed + 2 * rows if n else 0,
+        "channel_int4": packed + 2 * channels if n else 0,
+    }
+    for name, count in expected.items():
+        assert round_trip(name, _prepare(name, x))[1].nbytes == count, name
+    codec, payload, _ = round_trip("outlier_int4", x, threshold=threshold)
+    k = payload.tensors["outlier_index"].numel() if "outlier_index" in payload.tensors else 0
+    assert payload.nbytes == expected["sym_int4"] + k * (4 + rows * es)
+
+
+def test_group_size_option_changes_layout():
+    x = torch.randn(1000)
+    for group_size in (16, 64, 256):
+        codec, payload, x_hat = round_trip("sym_int4", x, group_size=group_size)
+        assert payload.tensors["scales"].numel() == math.ceil(1000 / group_size)
+        assert_within_bound(codec, x, payload, x_hat)
+    with pytest.raises(ValueError, match="group_size"):
+        codecs.get("sym_int4", group_size=7)
+
+
+def test_exceptional_groups_cost_is_counted():
+    x = torch.randn(4, 64)
+    clean = round_trip("sym_int4", x)[1].nbytes
+    x[2, 5] = math.nan
+    payload = round_trip("sym_int4", x)[1]
+    assert payload.nbytes == clean + 4 + 64 * 4  # one group index + the group's raw values
+
+
+@pytest.mark.parametrize("dtype", [torch.bool, torch.float32, torch.bfloat16, torch.float16, torch.uint8])
+@PROPERTY
+@given(shape=shapes(), p=st.floats(0.0, 1.0), seed=st.integers(0, 2**31 - 1))
+def test_bitmask_lossless_and_eighth_of_bool(dtype, shape, p, seed):
+    gen = torch.Generator().manual_seed(seed)
+    keep = torch.rand(shape, generator=gen) >= p
+    value = {torch.bool: True, torch.uint8: 1}.get(dtype, 1 / 0.9)
+    mask = torch.where(keep, torch.tensor(value, dtype=dtype), torch.tensor(0, dtype=dtype))
+    codec, payload, decoded = round_trip("bitmask", mask)
+    assert decoded.dtype == dtype and decoded.shape == mask.shape
+    assert torch.equal(decoded, mask)
+    value_bytes = 0 if dtype == torch.bool else mask.element_size()
+    assert payload.nbytes == math.ceil(mask.numel() / 8) + (value_bytes if mask.numel() else 0)
+
+
+def test_bitmask_of_non_contiguous_view():
+    mask = torch.rand(10, 12) > 0.5
+    view = mask.t()[:, 1::3]
+    assert torch.equal(round_trip("bitmask", view)[2], view)
+
+
+def test_bitmask_rejects_non_masks():
+    with pytest.raises(ValueError, match="mask"):
+        round_trip("bitmask", torch.tensor([0.0, 1.0, 2.0]))
+    with pytest.raises(ValueError, match="mask"):
+        round_trip("bitmask", torch.tensor([0.0, math.nan]))
+
+
+@pytest.mark.parametrize("name", INT4_CODECS)
+def test_wrong_inputs_raise_clear_errors(name):
+    codec = codecs.get(name, backend="torch")
+    for bad in (torch.arange(6), torch.ones(3, dtype=torch.bool), torch.ones(3, dtype=torch.float64)):
+        with pytest.raises(TypeError, match="float32, bfloat16 or float16"):
+            codec.encode(bad)
+    with pytest.raises(TypeError, match="torch.Tensor"):
+        codec.encode([1.0, 2.0])
+    with pytest.raises(ValueError, match="cannot decode"):
+        codec.decode(codecs.get("bitmask").encode(torch.ones(3, dtype=torch.bool)))
+
+
+@pytest.mark.parametrize("name", codecs.NAMES)
+def test_no_autograd_history_and_no_reference_to_input(name):
+    x = torch.randn(16, 64, requires_grad=True)
+    source = torch.where(x > 0, x / x, 0 * x) if name == "bitmask" else x * 1
+    assert source.requires_grad
+    codec = codecs.get(name, backend="torch")
+    payload = codec.encode(source)
+    assert not any(t.requires_grad for t in payload.tensors.values())
+    x_hat = codec.decode(payload)
+    assert not x_hat.requires_grad and x_hat.grad_fn is None
+    alive = weakref.ref(source)
+    del source
+    gc.collect()
+    assert alive() is None, "the payload keeps the input tensor alive"
+    with torch.no_grad():
+        assert torch.equal(codec.decode(codec.encode(x.detach() > 0)), x > 0) if name == "bitmask" \
+            else codec.decode(codec.encode(x)).shape == x.shape
+
+
+@pytest.mark.parametrize("name", codecs.NAMES)
+def test_compiled_matches_eager(name):
+    # The compiled kernels (dynamic shapes) must give the same payload bytes and decoded
+    # values as the eager reference. bf16 only (the training dtype): every further dtype is
+    # one more inductor compilation of every kernel, seconds each.
+    eager = codecs.get(name, backend="torch")
+    compiled = codecs.get(name, backend="compiled")
+    gen = torch.Generator().manual_seed(3)
+    for dtype in [torch.bfloat16]:
+        for shape in [(8, 64), (5, 70)]:
+            x = torch.randn(shape, generator=gen) * 3
+            x[1, 3] = math.nan
+            if name == "bitmask":
+                x = (x > 0).to(dtype) * 1.25
+            elif name == "asym_int4":
+                x = _positive(x)
+            x = x.to(dtype)
+            p_eager, p_compiled = eager.encode(x), compiled.encode(x)
+            assert p_eager.tensors.keys() == p_compiled.tensors.keys()
+            for key in p_eager.tensors:
+                assert torch.equal(p_eager.tensors[key].view(torch.uint8), p_compiled.tensors[key].view(torch.uint8)), key
+            assert torch.equal(eager.decode(p_eager).view(torch.uint8), compiled.decode(p_compiled).view(torch.uint8))
