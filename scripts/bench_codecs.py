@@ -1,0 +1,313 @@
+"""Benchmark the activation codecs: size, error and speed against a plain copy.
+
+    python scripts/bench_codecs.py [--out bench_results/codecs.json] [--quick]
+
+Inputs: (a) every tensor a tiny megatron-core GPT saves for backward, captured after some
+AdamW steps on the KJV text (byte-level tokens), each named by the module running when it was
+saved; (b) synthetic tensors: heavy-tailed (Student-t) activations with outlier channels,
+softmax probabilities, and dropout masks.
+
+Per codec, backend and input: compression ratio (payload bytes / input bytes), relative error
+||x - x^|| / ||x||, encode, decode and round-trip throughput in GB/s of input, and the
+throughput of a plain copy of a tensor of the same size measured in the same run.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from megatron_adacc import codecs  # noqa: E402
+
+INT4_CODECS = ("outlier_int4", "channel_int4", "asym_int4", "sym_int4", "naive_int4")
+
+
+# ------------------------------------------------------------------------------ inputs
+
+def kjv_bytes() -> torch.Tensor:
+    spec = importlib.util.find_spec("bible")
+    path = Path(spec.submodule_search_locations[0]) / "data" / "kjv.jsonl"
+    text = "\n".join(json.loads(line)["text"] for line in path.open(encoding="utf-8"))
+    return torch.frombuffer(bytearray(text.encode("utf-8")), dtype=torch.uint8).long()
+
+
+def captured_activations(train_steps: int, batch: int, seq: int, seed: int) -> dict[str, torch.Tensor]:
+    """Every tensor saved for backward in one training step of a tiny GPT, after training it."""
+    from megatron_adacc import model as gpt
+
+    gpt.init_distributed()
+    gpt.set_seed(seed)
+    config = gpt.build_transformer_config(
+        num_layers=2, hidden_size=128, num_attention_heads=4, hidden_dropout=0.1, attention_dropout=0.1
+    )
+    net = gpt.build_gpt_model(config, vocab_size=256, max_sequence_length=seq)
+    optimizer = torch.optim.AdamW(net.parameters(), lr=1e-3)
+    tokens = kjv_bytes()
+    gen = torch.Generator().manual_seed(seed)
+
+    def batch_of_tokens():
+        starts = torch.randint(0, tokens.numel() - seq - 1, (batch,), generator=gen)
+        rows = torch.stack([tokens[s : s + seq + 1] for s in starts.tolist()])
+        return rows[:, :-1], rows[:, 1:]
+
+    for _ in range(train_steps):
+        x, y = batch_of_tokens()
+        loss = gpt.gpt_loss(net, x, y, torch.ones_like(x))
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    print(f"tiny GPT: {train_steps} AdamW steps on KJV bytes, final loss {loss.item():.3f}")
+
+    running: list[str] = []
+
+    def leave(module, args, output):  # a forward hook returning non-None replaces the output
+        running.pop()
+
+    hooks = []
+    for name, module in net.named_modules():
+        hooks.append(module.register_forward_pre_hook(lambda m, a, n=name: running.append(n)))
+        hooks.append(module.register_forward_hook(leave))
+    parameters = {p.data_ptr() for p in net.parameters()}
+    saved: dict[str, torch.Tensor] = {}
+    seen: set[tuple] = set()
+
+    def pack(t: torch.Tensor):
+        key = (t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype)
+        if t.data_ptr() not in parameters and key not in seen:
+            seen.add(key)
+            owner = running[-1] if running and running[-1] else "model"
+            index = sum(1 for k in saved if k.startswith(owner + "#"))
+            saved[f"{owner}#{index}"] = t.detach().clone()
+        return t
+
+    x, y = batch_of_tokens()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = gpt.gpt_loss(net, x, y, torch.ones_like(x))
+    loss.backward()
+    for hook in hooks:
+        hook.remove()
+    return saved
+
+
+def synthetic_inputs(rows: int, cols: int, seed: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    heavy = torch.distributions.StudentT(3.0).sample((rows, cols))
+    outlier_channels = torch.randperm(cols, generator=gen)[: max(1, cols // 100)]
+    heavy[:, outlier_channels] *= 50
+    scores = torch.randn(rows, cols, generator=gen) * 3
+    keep = torch.rand(rows, cols, generator=gen) >= 0.1
+    return {
+        "heavy_tailed_outliers": heavy,
+        "softmax_probs": torch.softmax(scores, dim=-1),
+        "dropout_mask_bool": keep,
+        "dropout_mask_float": keep.float() / 0.9,
+    }
+
+
+# ----------------------------------------------------------------------------- measuring
+
+def seconds(fn, reps: int) -> float:
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def copy_gbps(nbytes: int, reps: int) -> float:
+    src = torch.empty(nbytes, dtype=torch.uint8).random_()
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    # A copy is cheap next to a codec: more repetitions steady its median on a shared machine.
+    return nbytes / seconds(lambda: dst.copy_(src), 4 * reps + 3) / 1e9
+
+
+def measure(codec, x: torch.Tensor, reps: int) -> dict | None:
+    try:
+        payload = codec.encode(x)  # also the warm-up (compilation for "compiled")
+    except (TypeError, ValueError):
+        return None  # not an input this codec takes (integer tokens, a non-mask, ...)
+    x_hat = codec.decode(payload)
+    in_bytes = x.numel() * x.element_size()
+    t_enc = seconds(lambda: codec.encode(x), reps)
+    t_dec = seconds(lambda: codec.decode(payload), reps)
+    norm = x.double().norm().item()
+    err = (x.double() - x_hat.double()).norm().item()
+    return {
+        "input_bytes": in_bytes,
+        "payload_bytes": payload.nbytes,
+        "ratio": payload.nbytes / in_bytes,
+        "rel_error": err / norm if norm else err,
+        "encode_gbps": in_bytes / t_enc / 1e9,
+        "decode_gbps": in_bytes / t_dec / 1e9,
+        "roundtrip_gbps": in_bytes / (t_enc + t_dec) / 1e9,
+        "copy_gbps": copy_gbps(in_bytes, reps),
+        "outlier_channels": _count(payload, "outlier_index"),
+        "raw_groups": _count(payload, "raw_index"),
+    }
+
+
+def _count(payload, key: str) -> int:
+    return payload.tensors[key].numel() if key in payload.tensors else 0
+
+
+def run_suite(suite: str, inputs: dict[str, torch.Tensor], backends, dtypes, reps: int,
+              applies=lambda codec, site: True) -> list[dict]:
+    rows = []
+    for backend in backends:
+        for name in codecs.NAMES:
+            codec = codecs.get(name, backend=backend)
+            for site, tensor in inputs.items():
+                if not applies(name, site):
+                    continue
+                for dtype in dtypes:
+                    x = tensor if not tensor.is_floating_point() else tensor.to(dtype)
+                    if not tensor.is_floating_point() and dtype != dtypes[0]:
+                        continue  # bool/int tensors do not change with the float dtype
+                    result = measure(codec, x, reps)
+                    if result is not None:
+                        rows.append({"suite": suite, "site": site, "shape": list(x.shape), "dtype": str(x.dtype),
+                                     "codec": name, "backend": backend, **result})
+    return rows
+
+
+# ----------------------------------------------------------------------------- reporting
+
+def print_site_table(rows: list[dict], dtype: str) -> None:
+    """One line per captured site: ratio and relative error of every codec that takes it."""
+    names = [n for n in codecs.NAMES if any(r["codec"] == n for r in rows)]
+    by_site: dict[str, dict] = {}
+    for r in rows:
+        if r["suite"] == "gpt" and r["dtype"] in (dtype, "torch.bool") and r["backend"] == "torch":
+            by_site.setdefault((r["site"], tuple(r["shape"])), {})[r["codec"]] = r
+    print(f"\n(a) tiny GPT saved tensors, {dtype[6:]}: payload/input ratio and relative error per codec")
+    print(f"{'site':58} {'shape':16}" + "".join(f" {n:>19}" for n in names))
+    for (site, shape), per_codec in by_site.items():
+        cells = "".join(
+            f" {per_codec[n]['ratio']:8.3f} {per_codec[n]['rel_error']:10.2e}" if n in per_codec else f" {'-':>19}"
+            for n in names)
+        print(f"{site[-58:]:58} {'x'.join(map(str, shape)):16}{cells}")
+
+
+def print_speed_summary(rows: list[dict]) -> None:
+    """Throughput over all captured sites of a codec (total input bytes / total time)."""
+    print("\n(a) tiny GPT, all sites together: throughput in GB/s of input")
+    print(f"{'codec':12} {'backend':8} {'dtype':8} {'enc':>7} {'dec':>7} {'rt':>7} {'copy':>7} {'rt/copy':>8}")
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        if r["suite"] == "gpt":
+            groups.setdefault((r["codec"], r["backend"], r["dtype"]), []).append(r)
+    for (codec, backend, dtype), rs in groups.items():
+        total = sum(r["input_bytes"] for r in rs)
+        t_enc = sum(r["input_bytes"] / r["encode_gbps"] for r in rs)
+        t_dec = sum(r["input_bytes"] / r["decode_gbps"] for r in rs)
+        t_copy = sum(r["input_bytes"] / r["copy_gbps"] for r in rs)
+        print(f"{codec:12} {backend:8} {dtype[6:]:8} {total / t_enc:7.3f} {total / t_dec:7.3f} "
+              f"{total / (t_enc + t_dec):7.3f} {total / t_copy:7.2f} {t_copy / (t_enc + t_dec):8.1%}")
+
+
+def print_table(rows: list[dict]) -> None:
+    print("\n(b) synthetic inputs")
+    header = f"{'suite':9} {'input':22} {'dtype':8} {'codec':12} {'backend':8} {'ratio':>6} {'rel.err':>9} " \
+             f"{'enc GB/s':>8} {'dec GB/s':>8} {'rt GB/s':>8} {'copy':>6} {'rt/copy':>7}"
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        print(f"{r['suite']:9} {r['site'][-22:]:22} {r['dtype'].replace('torch.', ''):8} {r['codec']:12} "
+              f"{r['backend']:8} {r['ratio']:6.3f} {r['rel_error']:9.2e} {r['encode_gbps']:8.3f} "
+              f"{r['decode_gbps']:8.3f} {r['roundtrip_gbps']:8.3f} {r['copy_gbps']:6.2f} "
+              f"{r['roundtrip_gbps'] / r['copy_gbps']:7.1%}")
+
+
+def check_targets(rows: list[dict]) -> list[dict]:
+    synthetic = [r for r in rows if r["suite"] == "synthetic"]
+
+    def pick(codec, site, dtype, backend="torch"):
+        return next((r for r in synthetic if (r["codec"], r["site"], r["dtype"], r["backend"]) ==
+                     (codec, site, dtype, backend)), None)
+
+    checks = []
+    for codec in ("sym_int4", "asym_int4", "channel_int4", "naive_int4"):
+        site = "softmax_probs" if codec == "asym_int4" else "heavy_tailed_outliers"
+        for dtype, limit in (("torch.bfloat16", 0.27), ("torch.float32", 0.14)):
+            r = pick(codec, site, dtype)
+            checks.append({"target": f"{codec} ratio on {dtype[6:]} <= {limit}", "value": r["ratio"],
+                           "met": r["ratio"] <= limit})
+    for dtype in ("torch.bfloat16", "torch.float32"):
+        outlier, sym = pick("outlier_int4", "heavy_tailed_outliers", dtype), pick("sym_int4", "heavy_tailed_outliers", dtype)
+        naive = pick("naive_int4", "heavy_tailed_outliers", dtype)
+        rows = outlier["shape"][0]
+        exact_bytes = outlier["outlier_channels"] * (4 + rows * (2 if "bfloat16" in dtype else 4))
+        checks.append({"target": f"outlier_int4 bytes - sym_int4 bytes <= {outlier['outlier_channels']} exact "
+                                 f"channels with int32 indices ({exact_bytes} B), {dtype[6:]}",
+                       "value": outlier["payload_bytes"] - sym["payload_bytes"],
+                       "met": outlier["payload_bytes"] - sym["payload_bytes"] <= exact_bytes})
+        checks.append({"target": f"naive/outlier rel.err on outlier data, {dtype[6:]} >= 3",
+                       "value": naive["rel_error"] / outlier["rel_error"],
+                       "met": naive["rel_error"] >= 3 * outlier["rel_error"]})
+    mask = pick("bitmask", "dropout_mask_bool", "torch.bool")
+    checks.append({"target": "bitmask ratio on a bool mask == 1/8", "value": mask["ratio"], "met": mask["ratio"] == 0.125})
+    for backend in sorted({r["backend"] for r in synthetic}):
+        for r in synthetic:
+            if r["backend"] == backend and r["dtype"] == "torch.bfloat16" and r["site"] == "heavy_tailed_outliers":
+                fraction = r["roundtrip_gbps"] / r["copy_gbps"]
+                checks.append({"target": f"{r['codec']} [{backend}] bf16 round trip >= 1/3 of copy",
+                               "value": fraction, "met": fraction >= 1 / 3})
+    return checks
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="bench_results/codecs.json")
+    parser.add_argument("--quick", action="store_true", help="small inputs, eager backend only: seconds")
+    parser.add_argument("--backends", default=None, help="comma list (default: torch,compiled; quick: torch)")
+    parser.add_argument("--seed", type=int, default=1234)
+    args = parser.parse_args()
+    warnings.filterwarnings("ignore")
+
+    backends = (args.backends or ("torch" if args.quick else "torch,compiled")).split(",")
+    steps, rows_cols, reps = (5, (256, 512), 1) if args.quick else (50, (4096, 2048), 5)
+    dtypes = (torch.bfloat16, torch.float32)
+
+    activations = captured_activations(steps, batch=8, seq=128, seed=args.seed)
+    print(f"captured {len(activations)} saved tensors; synthetic inputs {rows_cols[0]}x{rows_cols[1]}; "
+          f"torch threads {torch.get_num_threads()}")
+    results = run_suite("gpt", activations, backends, dtypes, reps) + run_suite(
+        "synthetic", synthetic_inputs(*rows_cols, seed=args.seed), backends, dtypes, reps,
+        applies=lambda codec, site: (codec == "bitmask") == ("mask" in site))
+    print_site_table(results, "torch.bfloat16")
+    print_speed_summary(results)
+    print_table([r for r in results if r["suite"] == "synthetic"])
+    checks = check_targets(results)
+    print("\ntargets")
+    for c in checks:
+        verdict = {True: "MET", False: "MISSED", None: "info"}[c["met"]]
+        print(f"  [{verdict:6}] {c['target']}: {c['value']:.4g}")
+
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+                    "torch": torch.__version__},
+        "config": {"quick": args.quick, "backends": backends, "train_steps": steps, "synthetic_shape": rows_cols,
+                   "reps": reps},
+        "results": results,
+        "targets": checks,
+    }, indent=1))
+    print(f"\nwrote {out}")
+
+
+if __name__ == "__main__":
+    main()
