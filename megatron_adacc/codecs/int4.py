@@ -13,9 +13,9 @@ FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # range, so no finite input can overflow or underflow its scale (fp16 scales would overflow
 # for bf16 activations above ~5e5).
 SCALE_DTYPE = torch.bfloat16
-# Smallest positive bf16 (subnormal). Every scale is at least this, so all-zero and constant
-# groups never divide by zero.
-MIN_SCALE = 2.0**-133
+# Smallest normal bf16 (= fp32) number. Every scale is at least this, so all-zero and
+# constant groups never divide by zero, and no scale is subnormal (GPUs may flush those).
+MIN_SCALE = 2.0**-126
 
 
 def check_float_input(x: object, codec: str) -> None:

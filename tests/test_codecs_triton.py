@@ -1,0 +1,84 @@
+"""Triton codec kernels, run on the CPU by the Triton interpreter, against the PyTorch reference:
+payloads byte for byte, decoded tensors bit for bit.
+
+TRITON_INTERPRET must be set before a @triton.jit kernel is defined, i.e. before
+megatron_adacc.codecs.triton is imported. Setting it here, at collection, is harmless to the
+other test modules: on a CPU nothing else runs Triton (inductor emits C++ there), and the
+codecs import their Triton module only when the Triton backend is asked for.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+os.environ["TRITON_INTERPRET"] = "1"
+
+import math  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from hypothesis import given, settings  # noqa: E402
+
+from megatron_adacc import codecs  # noqa: E402
+from test_codecs import edge_tensors  # noqa: E402
+
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+SHAPES = [(1,), (7,), (128,), (3, 64), (33, 70), (16, 128), (4, 8, 96), (2, 3, 5, 129)]
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1).view(torch.uint8)
+
+
+def assert_same_payload_and_output(name: str, x: torch.Tensor) -> None:
+    reference = codecs.get(name, backend="torch")
+    triton = codecs.get(name, backend="triton")
+    expected, actual = reference.encode(x), triton.encode(x)
+    assert expected.tensors.keys() == actual.tensors.keys()
+    for key, tensor in expected.tensors.items():
+        assert tensor.dtype == actual.tensors[key].dtype, key
+        assert torch.equal(_bits(tensor), _bits(actual.tensors[key])), f"{name} {x.dtype} {tuple(x.shape)}: {key}"
+    assert expected.nbytes == actual.nbytes
+    assert torch.equal(_bits(reference.decode(expected)), _bits(triton.decode(actual)))
+
+
+def test_kernels_are_interpreted():
+    import triton  # noqa: F401
+
+    from megatron_adacc.codecs.triton import sym_int4
+
+    assert "megatron_adacc.codecs.triton" in sys.modules
+    assert type(sym_int4._sym_encode_rows).__name__ == "InterpretedFunction", \
+        "the Triton kernels were imported before TRITON_INTERPRET=1 was set"
+
+
+@pytest.mark.parametrize("name", ["outlier_int4", "asym_int4", "sym_int4", "naive_int4", "channel_int4"])
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_random_inputs_byte_identical(name, dtype):
+    gen = torch.Generator().manual_seed(hash((name, str(dtype))) % 2**31)
+    for shape in SHAPES:
+        x = torch.randn(shape, generator=gen) * 4
+        if x.shape[-1] > 8:
+            x[..., 5] *= 80  # an outlier channel
+        flat = x.view(-1)
+        if flat.numel() > 10:
+            flat[[3, 10]] = torch.tensor([math.nan, -math.inf])
+        if name == "asym_int4":
+            x = torch.sigmoid(x)
+        assert_same_payload_and_output(name, x.to(dtype))
+
+
+@pytest.mark.parametrize("name", ["outlier_int4", "asym_int4", "sym_int4", "naive_int4"])
+@settings(max_examples=15, deadline=None)
+@given(x=edge_tensors())
+def test_edge_inputs_byte_identical(name, x):
+    assert_same_payload_and_output(name, x)
+
+
+@pytest.mark.parametrize("dtype", [torch.bool, torch.float32, torch.bfloat16, torch.float16])
+def test_bitmask_byte_identical(dtype):
+    gen = torch.Generator().manual_seed(7)
+    for shape in SHAPES:
+        keep = torch.rand(shape, generator=gen) > 0.1
+        mask = keep if dtype == torch.bool else keep.to(dtype) / 0.9
+        assert_same_payload_and_output("bitmask", mask.to(dtype))
