@@ -29,8 +29,9 @@ _SITE_LIST = (
          "outlier_int4", recomputable=False),
     Site("ln1_out", "input layernorm output, saved by linear_qkv", "outlier_int4"),
     Site("qkv", "query, key and value: views of one storage, decided as one unit", "channel_int4"),
-    Site("attn_mask", "the causal mask saved by the masked fill (megatron caches it: one "
-         "storage shared by every layer)", "bitmask"),
+    Site("attn_mask", "attention mask: the causal mask the masked fill saves (megatron caches "
+         "it, one storage for every layer), or the mask type megatron's core-attention "
+         "checkpoint saves", "bitmask"),
     Site("softmax_out", "attention probabilities saved by the softmax backward", "asym_int4"),
     Site("attn_dropout_mask", "attention dropout mask", "bitmask"),
     Site("attn_probs", "probabilities after dropout, saved by the matmul with V", "asym_int4"),

@@ -139,7 +139,10 @@ class SiteAttributor:
         # A dropout mask is drawn, not computed from anything that needs a gradient.
         drawn = tensor.grad_fn is None and not tensor.requires_grad
         if role is None:
-            site = _LAYER_LEVEL_SITE[self.segment] if drawn else None
+            if drawn and tensor.is_floating_point():
+                site = _LAYER_LEVEL_SITE[self.segment]
+            else:  # megatron's core-attention checkpoint saves the mask type as an int tensor
+                site = "attn_mask" if drawn else None
         elif role in _NORM_SITES:
             site = _NORM_SITES[role][1] if tensor.shape[-1:] == (1,) else None
         elif role == "softmax":
