@@ -31,3 +31,7 @@ def distributed():
 
     warnings.filterwarnings("ignore", module="megatron")
     model.init_distributed(1)
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: takes more than a minute (deselect with -m 'not slow')")
