@@ -1,0 +1,104 @@
+"""Activation bytes per layer and fwd+bwd time of runtime presets, relative to the stock layer.
+
+Presets run interleaved (one step of each per round, after warm-up), so drift on a shared
+machine hits them alike; times are medians over rounds. Writes a JSON report (--out).
+
+    python scripts/bench_runtime.py --rounds 20 --out bench_results/runtime.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+import warnings
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from megatron_adacc import model as model_lib  # noqa: E402
+from megatron_adacc.plan import Plan  # noqa: E402
+from megatron_adacc.runtime import apply_plan, get_adacc_layer_spec, measure_step  # noqa: E402
+from megatron_adacc.sites import SITE_NAMES, SITES  # noqa: E402
+
+PAPER_COMPRESSED = ["ln1_out", "qkv", "softmax_out", "attn_dropout_mask", "attn_probs",
+                    "context", "bda1_mask", "ln2_in", "ln2_out", "gelu_in", "gelu_out",
+                    "bda2_mask"]
+PRESETS = {
+    "stock": None,
+    "all_retain": Plan(),
+    "compress_all": Plan.uniform({s: "compress" for s in PAPER_COMPRESSED}),
+    "recompute_all": Plan.uniform({s: "recompute" for s in SITE_NAMES if SITES[s].recomputable}),
+    "mixed": Plan.uniform({"qkv": "compress", "softmax_out": "recompute",
+                           "attn_dropout_mask": "compress", "gelu_in": "recompute",
+                           "gelu_out": "compress"}),
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--dropout", type=float, default=0.1)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--out", default="bench_results/runtime.json")
+    args = parser.parse_args()
+    warnings.filterwarnings("ignore")
+    model_lib.init_distributed(1)
+
+    models = {}
+    for name, plan in PRESETS.items():
+        model_lib.set_seed(1)
+        config = model_lib.build_transformer_config(
+            num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
+            hidden_dropout=args.dropout, attention_dropout=args.dropout)
+        spec = None if plan is None else get_adacc_layer_spec()
+        models[name] = model_lib.build_gpt_model(config, 256, args.seq, spec)
+        if plan is not None:
+            apply_plan(models[name], plan)
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 256, (args.batch, args.seq), generator=gen)
+    labels = torch.randint(0, 256, (args.batch, args.seq), generator=gen)
+    mask = torch.ones(args.batch, args.seq)
+
+    def step(model):
+        model.zero_grad(set_to_none=True)
+        start = time.perf_counter()
+        model_lib.gpt_loss(model, tokens, labels, mask).backward()
+        return time.perf_counter() - start
+
+    times = {name: [] for name in models}
+    for round_ in range(args.warmup + args.rounds):
+        for name, model in models.items():
+            elapsed = step(model)
+            if round_ >= args.warmup:
+                times[name].append(elapsed)
+    results = {}
+    base = statistics.median(times["stock"])
+    for name, model in models.items():
+        _, report = measure_step(model, lambda: model_lib.gpt_loss(model, tokens, labels, mask))
+        per_layer = [report.layer_bytes(layer) for layer in range(args.layers)]
+        median = statistics.median(times[name])
+        results[name] = {"layer_bytes": per_layer, "after_forward_bytes": report.after_forward_bytes,
+                         "peak_bytes": report.peak_bytes, "median_step_s": median,
+                         "time_vs_stock": median / base}
+    stock_layer = results["stock"]["layer_bytes"][0]
+    print(f"{'preset':15s} {'bytes/layer':>12s} {'vs stock':>9s} {'peak':>10s} "
+          f"{'step ms':>9s} {'time vs stock':>14s}")
+    for name, r in results.items():
+        print(f"{name:15s} {r['layer_bytes'][0]:12d} {r['layer_bytes'][0] / stock_layer:9.3f} "
+              f"{r['peak_bytes']:10d} {1e3 * r['median_step_s']:9.2f} {r['time_vs_stock']:14.3f}")
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump({"args": vars(args), "results": results}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
