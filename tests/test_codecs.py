@@ -323,25 +323,43 @@ def test_no_autograd_history_and_no_reference_to_input(name):
             else codec.decode(codec.encode(x)).shape == x.shape
 
 
+def assert_same_as_eager(backend: str, name: str, x: torch.Tensor) -> None:
+    eager, fast = codecs.get(name, backend="torch"), codecs.get(name, backend=backend)
+    expected, actual = eager.encode(x), fast.encode(x)
+    assert expected.tensors.keys() == actual.tensors.keys()
+    for key, tensor in expected.tensors.items():
+        assert tensor.dtype == actual.tensors[key].dtype, key
+        assert torch.equal(tensor.reshape(-1).view(torch.uint8), actual.tensors[key].reshape(-1).view(torch.uint8)), key
+    assert torch.equal(eager.decode(expected).reshape(-1).view(torch.uint8),
+                       fast.decode(actual).reshape(-1).view(torch.uint8))
+
+
 @pytest.mark.parametrize("name", codecs.NAMES)
 def test_compiled_matches_eager(name):
     # The compiled kernels (dynamic shapes) must give the same payload bytes and decoded
     # values as the eager reference. bf16 only (the training dtype): every further dtype is
     # one more inductor compilation of every kernel, seconds each.
-    eager = codecs.get(name, backend="torch")
-    compiled = codecs.get(name, backend="compiled")
     gen = torch.Generator().manual_seed(3)
-    for dtype in [torch.bfloat16]:
-        for shape in [(8, 64), (5, 70)]:
-            x = torch.randn(shape, generator=gen) * 3
-            x[1, 3] = math.nan
-            if name == "bitmask":
-                x = (x > 0).to(dtype) * 1.25
-            elif name == "asym_int4":
-                x = _positive(x)
-            x = x.to(dtype)
-            p_eager, p_compiled = eager.encode(x), compiled.encode(x)
-            assert p_eager.tensors.keys() == p_compiled.tensors.keys()
-            for key in p_eager.tensors:
-                assert torch.equal(p_eager.tensors[key].view(torch.uint8), p_compiled.tensors[key].view(torch.uint8)), key
-            assert torch.equal(eager.decode(p_eager).view(torch.uint8), compiled.decode(p_compiled).view(torch.uint8))
+    for shape in [(8, 64), (5, 70)]:
+        x = torch.randn(shape, generator=gen) * 3
+        x[1, 3] = math.nan
+        if name == "bitmask":
+            x = (x > 0) * 1.25
+        elif name == "asym_int4":
+            x = _positive(x)
+        assert_same_as_eager("compiled", name, x.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("name", INT4_CODECS)
+@PROPERTY
+@given(x=st.one_of(activation_tensors(), edge_tensors()))
+def test_native_matches_eager(name, x):
+    assert_same_as_eager("native", name, _prepare(name, x))
+
+
+@pytest.mark.parametrize("dtype", [torch.bool, torch.uint8, torch.float32, torch.bfloat16, torch.float16])
+def test_native_bitmask_matches_eager(dtype):
+    gen = torch.Generator().manual_seed(5)
+    for shape in [(0,), (1,), (13,), (4, 33), (2, 8, 64)]:
+        keep = torch.rand(shape, generator=gen) > 0.2
+        assert_same_as_eager("native", "bitmask", keep.to(dtype) if dtype in (torch.bool, torch.uint8) else keep.to(dtype) / 0.9)

@@ -5,8 +5,11 @@ or Triton.
 - "compiled": the same reference functions under torch.compile (inductor fuses each into one
   or two loops; on a CPU this is the fast path). Compiled once per function with dynamic
   shapes, on first use.
+- "native": fused C kernels for the CPU (codecs/native), built with the system C compiler
+  on first use; the fastest CPU path.
 - "triton": the Triton kernels in codecs/triton (CUDA, or the CPU under TRITON_INTERPRET=1).
-- "auto": Triton for CUDA tensors when Triton is importable, the eager reference elsewhere.
+- "auto": Triton for CUDA tensors when Triton is importable; native for CPU tensors when a C
+  compiler is available; the eager reference otherwise.
 
 The default comes from the ADACC_CODEC_BACKEND environment variable, else "auto".
 """
@@ -21,7 +24,7 @@ import torch
 
 from megatron_adacc.codecs import asymmetric, bitmask, symmetric
 
-BACKENDS = ("auto", "torch", "compiled", "triton")
+BACKENDS = ("auto", "torch", "compiled", "native", "triton")
 BACKEND_ENV_VAR = "ADACC_CODEC_BACKEND"
 
 
@@ -66,6 +69,13 @@ def _triton() -> Kernels:
 
 
 @functools.cache
+def _native() -> Kernels | None:
+    from megatron_adacc.codecs import native
+
+    return native.NATIVE_KERNELS if native.available() else None
+
+
+@functools.cache
 def triton_available() -> bool:
     try:
         import triton  # noqa: F401
@@ -79,6 +89,10 @@ def kernels_for(backend: str, device: torch.device) -> Kernels:
         return REFERENCE
     if backend == "compiled":
         return _compiled()
+    if backend == "native":
+        if _native() is None:
+            raise RuntimeError("codec backend 'native' could not build codecs/native/codecs.c (no C compiler?)")
+        return _native()
     if backend == "triton":
         if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
             raise RuntimeError(
@@ -88,4 +102,6 @@ def kernels_for(backend: str, device: torch.device) -> Kernels:
         return _triton()
     if device.type == "cuda" and triton_available():
         return _triton()
+    if device.type == "cpu" and _native() is not None:
+        return _native()
     return REFERENCE

@@ -1,0 +1,151 @@
+"""Native CPU kernels (codecs.c), built with the system C compiler on first use and called
+through ctypes: one fused pass per group where the PyTorch reference makes ten.
+
+Byte-identical to the reference (tests/test_codecs.py checks it). The shared object is cached
+under ~/.cache/megatron-adacc/codecs, keyed by the source, the flags and the CPU model, since
+it is built for the machine it runs on (-march=native). Covers row-grouped int4 (even row
+width) and masks of bool, uint8 and float dtypes; other cases run the reference.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from megatron_adacc.codecs import asymmetric, bitmask, symmetric
+from megatron_adacc.codecs.backend import Kernels
+
+_SOURCE = Path(__file__).with_name("codecs.c")
+_FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-fast-math", "-shared", "-fPIC"]
+_DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_i64, _f32, _i32, _p = ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_void_p
+_SIGNATURES = {
+    "sym_encode_rows": [_p, _i32, _i64, _i64, _f32, _p, _p, _p],
+    "sym_decode_rows": [_p, _p, _i64, _i64, _i32, _p],
+    "asym_encode_rows": [_p, _i32, _i64, _i64, _f32, _p, _p, _p, _p],
+    "asym_decode_rows": [_p, _p, _p, _i64, _i64, _i32, _p],
+    "mask_pack": [_p, _i32, _i32, _i64, _p],
+    "mask_unpack": [_p, _i64, _p],
+}
+
+
+def _cpu_model() -> str:
+    try:
+        return next(line for line in open("/proc/cpuinfo") if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor()
+
+
+@functools.cache
+def library() -> ctypes.CDLL:
+    source = _SOURCE.read_bytes()
+    key = hashlib.sha256(source + " ".join(_FLAGS).encode() + _cpu_model().encode()).hexdigest()[:16]
+    cache = Path(os.environ.get("ADACC_CACHE_DIR", Path.home() / ".cache" / "megatron-adacc")) / "codecs"
+    target = cache / f"codecs-{key}.so"
+    if not target.exists():
+        cache.mkdir(parents=True, exist_ok=True)
+        compiler = os.environ.get("CC", "gcc")
+        with tempfile.TemporaryDirectory(dir=cache) as tmp:  # build aside, then rename: atomic
+            built = Path(tmp) / target.name
+            subprocess.run([compiler, *_FLAGS, str(_SOURCE), "-o", str(built), "-lm"], check=True,
+                           capture_output=True)
+            built.replace(target)
+    lib = ctypes.CDLL(str(target))
+    for name, argtypes in _SIGNATURES.items():
+        getattr(lib, name).argtypes = argtypes
+        getattr(lib, name).restype = None
+    return lib
+
+
+@functools.cache
+def available() -> bool:
+    try:
+        library()
+    except (OSError, subprocess.CalledProcessError, FileNotFoundError):
+        return False
+    return True
+
+
+_MAX_ROW = 4096  # MAX_STACK_GROUP in codecs.c
+
+
+def _native_rows(x2d: torch.Tensor) -> bool:
+    return x2d.device.type == "cpu" and x2d.shape[1] % 2 == 0 and x2d.shape[1] <= _MAX_ROW and x2d.is_contiguous()
+
+
+def _sym_encode(x2d, reduce_dim, dmax):
+    if reduce_dim != 1 or not _native_rows(x2d):
+        return symmetric.sym_encode(x2d, reduce_dim, dmax)
+    rows, cols = x2d.shape
+    packed = torch.empty(rows * cols // 2, dtype=torch.uint8)
+    scales = torch.empty(rows, dtype=torch.bfloat16)
+    ok = torch.empty(rows, dtype=torch.bool)
+    library().sym_encode_rows(x2d.data_ptr(), _DTYPE_CODE[x2d.dtype], rows, cols, dmax,
+                              packed.data_ptr(), scales.data_ptr(), ok.data_ptr())
+    return packed, scales, ok
+
+
+def _sym_decode(packed, scales, shape2d, reduce_dim, dtype):
+    if reduce_dim != 1 or shape2d[1] % 2 or packed.device.type != "cpu":
+        return symmetric.sym_decode(packed, scales, shape2d, reduce_dim, dtype)
+    out = torch.empty(shape2d, dtype=dtype)
+    library().sym_decode_rows(packed.data_ptr(), scales.data_ptr(), shape2d[0], shape2d[1],
+                              _DTYPE_CODE[dtype], out.data_ptr())
+    return out
+
+
+def _asym_encode(x2d, dmax):
+    if not _native_rows(x2d):
+        return asymmetric.asym_encode(x2d, dmax)
+    rows, cols = x2d.shape
+    packed = torch.empty(rows * cols // 2, dtype=torch.uint8)
+    scales = torch.empty(rows, dtype=torch.bfloat16)
+    offsets = torch.empty(rows, dtype=x2d.dtype)
+    ok = torch.empty(rows, dtype=torch.bool)
+    library().asym_encode_rows(x2d.data_ptr(), _DTYPE_CODE[x2d.dtype], rows, cols, dmax,
+                               packed.data_ptr(), scales.data_ptr(), offsets.data_ptr(), ok.data_ptr())
+    return packed, scales, offsets, ok
+
+
+def _asym_decode(packed, scales, offsets, shape2d, dtype):
+    if shape2d[1] % 2 or packed.device.type != "cpu":
+        return asymmetric.asym_decode(packed, scales, offsets, shape2d, dtype)
+    out = torch.empty(shape2d, dtype=dtype)
+    library().asym_decode_rows(packed.data_ptr(), scales.data_ptr(), offsets.data_ptr(), shape2d[0],
+                               shape2d[1], _DTYPE_CODE[dtype], out.data_ptr())
+    return out
+
+
+def _mask_pack(flat):
+    if flat.device.type != "cpu" or not (flat.element_size() == 1 or flat.dtype in _DTYPE_CODE):
+        return bitmask.mask_pack(flat)
+    flat = flat.contiguous()
+    packed = torch.empty((flat.numel() + 7) // 8, dtype=torch.uint8)
+    library().mask_pack(flat.data_ptr(), _DTYPE_CODE.get(flat.dtype, 0), flat.element_size(), flat.numel(),
+                        packed.data_ptr())
+    return packed
+
+
+def _mask_unpack(packed, numel):
+    if packed.device.type != "cpu":
+        return bitmask.mask_unpack(packed, numel)
+    flags = torch.empty(numel, dtype=torch.bool)
+    library().mask_unpack(packed.data_ptr(), numel, flags.data_ptr())
+    return flags
+
+
+NATIVE_KERNELS = Kernels(
+    sym_encode=_sym_encode,
+    sym_decode=_sym_decode,
+    asym_encode=_asym_encode,
+    asym_decode=_asym_decode,
+    mask_pack=_mask_pack,
+    mask_unpack=_mask_unpack,
+)
