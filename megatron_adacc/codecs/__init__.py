@@ -4,8 +4,13 @@
     payload = codec.encode(tensor)       # payload.nbytes, payload.shape/.dtype/.device
     tensor_hat = codec.decode(payload)   # same shape, dtype and device as `tensor`
 
-Backends: "auto" (default; Triton on CUDA, eager PyTorch elsewhere), "torch", "compiled",
-"triton"; the environment variable ADACC_CODEC_BACKEND overrides the default.
+Backends: "auto" (default: Triton on CUDA, the native C kernels on CPU, eager PyTorch when
+neither is available), "torch" (the eager reference), "compiled", "native", "triton". All of
+them produce byte-identical payloads. ADACC_CODEC_BACKEND sets the default for codecs built
+without an explicit backend.
+
+Defaults: sym_int4 and outlier_int4 use groups of 64, asym_int4 groups of 128; scales are
+bf16 (2 bytes), so payloads are 0.266 of a 16-bit tensor and 0.133 (asym 0.137) of fp32.
 """
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ or Triton.
 - "native": fused C kernels for the CPU (codecs/native), built with the system C compiler
   on first use; the fastest CPU path.
 - "triton": the Triton kernels in codecs/triton (CUDA, or the CPU under TRITON_INTERPRET=1).
-- "auto": Triton for CUDA tensors when Triton is importable; native for CPU tensors when a C
+- "auto": Triton for CUDA tensors when Triton supports the GPU; native for CPU tensors when a C
   compiler is available; the eager reference otherwise.
 
 The default comes from the ADACC_CODEC_BACKEND environment variable, else "auto".
@@ -57,6 +57,9 @@ def resolve_backend(backend: str | None) -> str:
 
 @functools.cache
 def _compiled() -> Kernels:
+    # Each kernel specialises on dtype, grouping dimension and size-1 dimensions: a few dozen
+    # graphs in a training run, more than dynamo's default limit of 8 per function.
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     compile_ = functools.partial(torch.compile, dynamic=True, fullgraph=True)
     return Kernels(**{name: compile_(fn) for name, fn in vars(REFERENCE).items()})
 
@@ -76,12 +79,13 @@ def _native() -> Kernels | None:
 
 
 @functools.cache
-def triton_available() -> bool:
+def triton_supports(device: torch.device) -> bool:
+    """Triton is importable and the GPU is one it compiles for (compute capability >= 7.0)."""
     try:
         import triton  # noqa: F401
     except ImportError:
         return False
-    return True
+    return torch.cuda.get_device_capability(device) >= (7, 0)
 
 
 def kernels_for(backend: str, device: torch.device) -> Kernels:
@@ -100,7 +104,7 @@ def kernels_for(backend: str, device: torch.device) -> Kernels:
                 "TRITON_INTERPRET=1 set before triton is imported"
             )
         return _triton()
-    if device.type == "cuda" and triton_available():
+    if device.type == "cuda" and triton_supports(device):
         return _triton()
     if device.type == "cpu" and _native() is not None:
         return _native()
