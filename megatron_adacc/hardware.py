@@ -1,0 +1,419 @@
+"""An analytic cost model of a named accelerator, so a GPU run can be planned on a laptop.
+
+Given a GPT shape, a micro-batch and an accelerator's peak matmul rate and memory bandwidth,
+produce the same ``ModelCosts`` the profiler measures:
+
+- bytes per site from the megatron-core local layer (``_LAYER_SITES``: the one place these
+  formulas live; with 16-bit activations and dropout on they add up to 34sbh + 5as^2b);
+- recompute time of a site = time of its producing op on a roofline: matmuls are FLOP-bound
+  at ``MATMUL_EFFICIENCY`` of peak, elementwise / norm / softmax / RNG ops are bound by the
+  bytes they move at ``BANDWIDTH_EFFICIENCY`` of peak bandwidth; an op that does both pays both;
+- codec payloads from the codec rules (int4 + per-group or per-channel scales, exact outlier
+  channels, 1 bit per mask flag) and codec time = bytes the codec moves at
+  ``CODEC_EFFICIENCY`` of peak bandwidth;
+- static memory from the parameter count, precision and optimizer (``static_bytes``).
+
+Every efficiency factor is an assumption, named here so it can be checked against a profile.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+from megatron_adacc import sites as site_table
+from megatron_adacc.costs import CodecCost, ModelCosts, SiteCost
+
+GiB = 1024**3
+
+# Fraction of the spec-sheet peak a well-shaped GEMM reaches in Megatron-sized layers.
+MATMUL_EFFICIENCY = 0.6
+# Fraction of peak DRAM bandwidth a streaming elementwise kernel reaches.
+BANDWIDTH_EFFICIENCY = 0.8
+# Fused int4 codec kernels do a little arithmetic per byte and a reduction for the scales; on
+# this repository's CPU the fused codecs reach 27% of a copy (DESIGN.md). We assume GPU Triton
+# kernels reach half the bandwidth of a copy.
+CODEC_EFFICIENCY = 0.4
+# Elements sharing one fp32 scale (and, for asymmetric int4, one fp32 offset).
+CODEC_GROUP_SIZE = 64
+# Fraction of channels the outlier codec keeps exact (z-score > 3 over channel |sum|; a few
+# channels in GPT activations). Each costs its values at full width plus a 4-byte index.
+OUTLIER_CHANNEL_FRACTION = 0.01
+# Memory a process cannot give to tensors: CUDA context, cuBLAS workspace, allocator slack.
+DEFAULT_RESERVED_BYTES = 1 * GiB
+
+
+@dataclass(frozen=True)
+class Accelerator:
+    name: str
+    matmul_flops_16bit: float   # dense fp16/bf16 tensor-core peak, FLOP/s
+    matmul_flops_fp32: float    # dense fp32 peak (no TF32), FLOP/s
+    memory_bandwidth: float     # bytes/s
+    capacity_bytes: int
+    supports_bf16: bool = True
+
+    def matmul_flops(self, activation_bytes: int) -> float:
+        return self.matmul_flops_16bit if activation_bytes == 2 else self.matmul_flops_fp32
+
+
+ACCELERATORS: dict[str, Accelerator] = {
+    "v100-32gb": Accelerator("NVIDIA V100 SXM2 32GB", 125e12, 15.7e12, 900e9, 32 * GiB,
+                             supports_bf16=False),
+    "a100-80gb": Accelerator("NVIDIA A100 SXM4 80GB", 312e12, 19.5e12, 2039e9, 80 * GiB),
+    "h100-80gb": Accelerator("NVIDIA H100 SXM5 80GB", 989e12, 67e12, 3350e9, 80 * GiB),
+}
+
+
+def get_accelerator(name: str) -> Accelerator:
+    try:
+        return ACCELERATORS[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown accelerator {name!r}; known: {', '.join(ACCELERATORS)}"
+        ) from None
+
+
+# --- model shape -------------------------------------------------------------------------
+_PRECISION_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4}
+_DTYPE_NAMES = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
+_TOKENIZER_VOCAB = {"GPT2BPETokenizer": 50257, "gpt2": 50257, "gpt3": 50257}
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    seq_length: int
+    vocab_size: int
+    ffn_hidden_size: int | None = None          # default 4 * hidden_size
+    max_position_embeddings: int | None = None  # default seq_length
+    precision: str = "fp16"                     # fp16 | bf16 (mixed precision) | fp32
+    attention_dropout: float = 0.1
+    hidden_dropout: float = 0.1
+    # Megatron-LM's flag defaults to False; megatron-core's TransformerConfig to True. With it
+    # the softmax backward saves fp32 probabilities (4as^2b instead of 2as^2b).
+    softmax_in_fp32: bool = False
+    make_vocab_size_divisible_by: int = 128
+
+    def __post_init__(self) -> None:
+        if self.precision not in _PRECISION_BYTES:
+            raise ValueError(f"precision must be one of {sorted(_PRECISION_BYTES)}, "
+                             f"got {self.precision!r}")
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(f"hidden size {self.hidden_size} is not divisible by "
+                             f"{self.num_attention_heads} attention heads")
+
+    @property
+    def ffn(self) -> int:
+        return self.ffn_hidden_size or 4 * self.hidden_size
+
+    @property
+    def activation_bytes(self) -> int:
+        return _PRECISION_BYTES[self.precision]
+
+    @property
+    def padded_vocab_size(self) -> int:
+        multiple = self.make_vocab_size_divisible_by
+        return -(-self.vocab_size // multiple) * multiple
+
+    @property
+    def num_parameters(self) -> int:
+        """GPT with learned positions, biases, LayerNorms and tied input/output embeddings."""
+        h, f = self.hidden_size, self.ffn
+        per_layer = (3 * h * h + 3 * h) + (h * h + h) + (h * f + f) + (f * h + h) + 2 * 2 * h
+        embeddings = self.padded_vocab_size * h + (self.max_position_embeddings or self.seq_length) * h
+        return self.num_layers * per_layer + embeddings + 2 * h
+
+    @classmethod
+    def from_flags(cls, flags: Mapping[str, Any]) -> "ModelShape":
+        """From Megatron-style flag names (``num-layers`` or ``num_layers``), as in a YAML
+        config. Raises ValueError naming a missing flag."""
+        norm = {str(k).replace("_", "-"): v for k, v in flags.items() if v is not None}
+
+        def need(key: str) -> Any:
+            if key not in norm:
+                raise ValueError(f"model shape needs --{key} (in the config or as a flag)")
+            return norm[key]
+
+        vocab = norm.get("vocab-size")
+        if vocab is None and "tokenizer-type" in norm:
+            vocab = _TOKENIZER_VOCAB.get(str(norm["tokenizer-type"]))
+        if vocab is None:
+            raise ValueError("model shape needs --vocab-size (or a known --tokenizer-type: "
+                             f"{', '.join(_TOKENIZER_VOCAB)})")
+        precision = "bf16" if norm.get("bf16") else "fp16" if norm.get("fp16") else "fp32"
+        seq = int(norm.get("seq-length") or need("max-position-embeddings"))
+        return cls(
+            num_layers=int(need("num-layers")),
+            hidden_size=int(need("hidden-size")),
+            num_attention_heads=int(need("num-attention-heads")),
+            seq_length=seq,
+            vocab_size=int(vocab),
+            ffn_hidden_size=int(norm["ffn-hidden-size"]) if "ffn-hidden-size" in norm else None,
+            max_position_embeddings=int(norm.get("max-position-embeddings", seq)),
+            precision=precision,
+            attention_dropout=float(norm.get("attention-dropout", 0.1)),
+            hidden_dropout=float(norm.get("hidden-dropout", 0.1)),
+            softmax_in_fp32=bool(norm.get("attention-softmax-in-fp32", False)),
+            make_vocab_size_divisible_by=int(norm.get("make-vocab-size-divisible-by", 128)),
+        )
+
+
+# --- static memory ------------------------------------------------------------------------
+def static_bytes_per_parameter(precision: str, zero_stage: int = 0,
+                               data_parallel_size: int = 1) -> float:
+    """Parameters + gradients + optimizer states per parameter, with Adam(W).
+
+    Mixed precision (fp16/bf16): 2 (16-bit weights) + 2 (16-bit grads) + 12 (fp32 master
+    weights, Adam m and v) = 16, as in the paper. fp32: 4 + 4 + 8 (m, v). ZeRO stage 1 (what
+    Megatron's distributed optimizer does) shards the optimizer states over the data-parallel
+    group, stage 2 the gradients too, stage 3 the weights too.
+    """
+    if zero_stage not in (0, 1, 2, 3):
+        raise ValueError(f"zero stage must be 0, 1, 2 or 3, got {zero_stage}")
+    weights, grads = (4, 4) if precision == "fp32" else (2, 2)
+    optimizer = 8 if precision == "fp32" else 12
+    shards = max(1, data_parallel_size)
+    optimizer /= shards if zero_stage >= 1 else 1
+    grads /= shards if zero_stage >= 2 else 1
+    weights /= shards if zero_stage >= 3 else 1
+    return weights + grads + optimizer
+
+
+def static_bytes(shape: ModelShape, zero_stage: int = 0, data_parallel_size: int = 1) -> int:
+    per_param = static_bytes_per_parameter(shape.precision, zero_stage, data_parallel_size)
+    return int(round(shape.num_parameters * per_param))
+
+
+# --- the layer's sites ----------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Dims:
+    s: int
+    b: int
+    h: int
+    a: int
+    f: int
+    act: int        # activation bytes per element
+    softmax: int    # bytes per element of the saved softmax output
+    mask: int = 1   # a dropout mask is bool on GPU
+
+
+@dataclass(frozen=True)
+class _SiteFormula:
+    """How big a site is and what its producing op costs, as functions of the dims."""
+
+    elements: Callable[[_Dims], int]
+    element_bytes: Callable[[_Dims], int]
+    dtype: str
+    flops: Callable[[_Dims], float]          # matmul FLOPs of the producing op
+    bytes_moved: Callable[[_Dims], float]    # DRAM traffic of its non-matmul part
+    sources: tuple[str, ...]
+    channels: Callable[[_Dims], int]         # channel count, for per-channel codec scales
+    when: Callable[["ModelShape"], bool] = lambda shape: True
+
+
+def _act(d: _Dims) -> int:
+    return d.act
+
+
+def _ln_moved(d: _Dims) -> float:
+    return 2 * d.s * d.b * d.h * d.act       # read input, write output
+
+
+def _rng_moved_sbh(d: _Dims) -> float:
+    return d.s * d.b * d.h * d.mask
+
+
+def _rng_moved_attn(d: _Dims) -> float:
+    return d.a * d.s * d.s * d.b * d.mask
+
+
+def _hidden_channels(d: _Dims) -> int:
+    return d.h
+
+
+_NO_FLOPS: Callable[[_Dims], float] = lambda d: 0.0
+_STATS_BYTES: Callable[[_Dims], int] = lambda d: 4   # LayerNorm mean / rstd are fp32
+
+
+def _attention_dropout(shape: ModelShape) -> bool:
+    return shape.attention_dropout > 0
+
+
+def _hidden_dropout(shape: ModelShape) -> bool:
+    return shape.hidden_dropout > 0
+
+
+def _probs_source(shape: ModelShape) -> str:
+    # With attention dropout off, the softmax output IS the tensor the matmul with V saves.
+    return "attn_probs" if _attention_dropout(shape) else "softmax_out"
+
+
+def _layer_sites(shape: ModelShape) -> dict[str, _SiteFormula]:
+    """The sites of one megatron-core local-spec layer (TP=1), in forward order."""
+    sbh = lambda d: d.s * d.b * d.h
+    attn = lambda d: d.a * d.s * d.s * d.b
+    sbf = lambda d: d.s * d.b * d.f
+    stats = lambda d: 2 * d.s * d.b
+    bda_moved = lambda d: 3 * d.s * d.b * d.h * d.act + d.s * d.b * d.h * d.mask
+    table = {
+        "layer_in": _SiteFormula(sbh, _act, "act", _NO_FLOPS, lambda d: 0.0, (), _hidden_channels),
+        "ln1_out": _SiteFormula(sbh, _act, "act", _NO_FLOPS, _ln_moved, ("layer_in",),
+                                _hidden_channels),
+        "ln1_stats": _SiteFormula(stats, _STATS_BYTES, "float32", _NO_FLOPS,
+                                  lambda d: d.s * d.b * d.h * d.act, ("layer_in",),
+                                  lambda d: 2),
+        "qkv": _SiteFormula(lambda d: 3 * sbh(d), _act, "act",
+                            lambda d: 2 * d.s * d.b * d.h * 3 * d.h,
+                            lambda d: 3 * d.s * d.b * d.h * d.act, ("ln1_out",),
+                            lambda d: 3 * d.h),
+        # Q K^T, scale and mask, softmax: scores written and read in 16 bit, probs written.
+        "softmax_out": _SiteFormula(attn, lambda d: d.softmax, "softmax",
+                                    lambda d: 2 * d.b * d.s * d.s * d.h,
+                                    lambda d: attn(d) * (2 * d.act + d.softmax), ("qkv",),
+                                    lambda d: d.s),
+        "attn_dropout_mask": _SiteFormula(attn, lambda d: d.mask, "bool", _NO_FLOPS,
+                                          _rng_moved_attn, (), lambda d: d.s,
+                                          when=_attention_dropout),
+        "attn_probs": _SiteFormula(attn, _act, "act", _NO_FLOPS,
+                                   lambda d: attn(d) * (d.softmax + d.mask + d.act),
+                                   ("softmax_out", "attn_dropout_mask"), lambda d: d.s,
+                                   when=_attention_dropout),
+        "context": _SiteFormula(sbh, _act, "act", lambda d: 2 * d.b * d.s * d.s * d.h,
+                                lambda d: 2 * sbh(d) * d.act,
+                                (_probs_source(shape), "qkv"), _hidden_channels),
+        "bda1_mask": _SiteFormula(sbh, lambda d: d.mask, "bool", _NO_FLOPS, _rng_moved_sbh, (),
+                                  _hidden_channels, when=_hidden_dropout),
+        "ln2_in": _SiteFormula(sbh, _act, "act", lambda d: 2 * d.s * d.b * d.h * d.h, bda_moved,
+                               ("context", "bda1_mask", "layer_in")
+                               if _hidden_dropout(shape) else ("context", "layer_in"),
+                               _hidden_channels),
+        "ln2_out": _SiteFormula(sbh, _act, "act", _NO_FLOPS, _ln_moved, ("ln2_in",),
+                                _hidden_channels),
+        "ln2_stats": _SiteFormula(stats, _STATS_BYTES, "float32", _NO_FLOPS,
+                                  lambda d: d.s * d.b * d.h * d.act, ("ln2_in",), lambda d: 2),
+        "gelu_in": _SiteFormula(sbf, _act, "act", lambda d: 2 * d.s * d.b * d.h * d.f,
+                                lambda d: 2 * sbf(d) * d.act, ("ln2_out",), lambda d: d.f),
+        "gelu_out": _SiteFormula(sbf, _act, "act", _NO_FLOPS, lambda d: 2 * sbf(d) * d.act,
+                                 ("gelu_in",), lambda d: d.f),
+        "bda2_mask": _SiteFormula(sbh, lambda d: d.mask, "bool", _NO_FLOPS, _rng_moved_sbh, (),
+                                  _hidden_channels, when=_hidden_dropout),
+    }
+    return {name: formula for name, formula in table.items() if formula.when(shape)}
+
+
+def _dims(shape: ModelShape, micro_batch_size: int) -> _Dims:
+    act = shape.activation_bytes
+    return _Dims(s=shape.seq_length, b=micro_batch_size, h=shape.hidden_size,
+                 a=shape.num_attention_heads, f=shape.ffn, act=act,
+                 softmax=4 if shape.softmax_in_fp32 else act)
+
+
+def site_bytes(shape: ModelShape, micro_batch_size: int) -> dict[str, int]:
+    """Full size of every site of one layer."""
+    d = _dims(shape, micro_batch_size)
+    return {name: f.elements(d) * f.element_bytes(d) for name, f in _layer_sites(shape).items()}
+
+
+# --- codecs ----------------------------------------------------------------------------------
+def codec_payload_bytes(codec: str, elements: int, element_bytes: int, channels: int) -> int:
+    """Bytes a codec keeps for a tensor, from the codec rules (paper, DESIGN.md)."""
+    int4 = -(-elements // 2)
+    groups = -(-elements // CODEC_GROUP_SIZE)
+    if codec == "bitmask":
+        return -(-elements // 8)
+    if codec == "channel_int4":
+        return int4 + 4 * channels
+    if codec == "sym_int4":
+        return int4 + 4 * groups
+    if codec == "asym_int4":
+        return int4 + 8 * groups
+    if codec == "outlier_int4":
+        outlier_channels = int(round(channels * OUTLIER_CHANNEL_FRACTION))
+        outlier_elements = elements * outlier_channels // max(1, channels)
+        return (int4 + 4 * groups + outlier_elements * element_bytes + 4 * outlier_channels)
+    raise ValueError(f"no payload rule for codec {codec!r}")
+
+
+def _codec_cost(codec: str, full: int, payload: int, bandwidth: float) -> CodecCost:
+    rate = bandwidth * CODEC_EFFICIENCY
+    # Encode reads the tensor and writes the payload; the outlier codec first reads it once
+    # more for the per-channel sums. Decode reads the payload and writes the tensor.
+    extra_pass = full if codec == "outlier_int4" else 0
+    return CodecCost(codec=codec, payload_bytes=payload,
+                     encode_s=(full + payload + extra_pass) / rate,
+                     decode_s=(payload + full) / rate)
+
+
+# --- the costs --------------------------------------------------------------------------------
+def non_layer_bytes(shape: ModelShape, micro_batch_size: int) -> int:
+    """Activations outside the transformer layers, alive at the peak (end of forward).
+
+    The final LayerNorm saves its input and the output layer saves the norm's output (16 bit
+    each, plus fp32 statistics); the embedding dropout keeps a mask; the logits exist in 16
+    bit while the cross-entropy works on an fp32 copy whose softmax it saves (2 + 4 bytes per
+    logit). At GPT-2's vocabulary the logits dominate.
+    """
+    s, b, h, act = shape.seq_length, micro_batch_size, shape.hidden_size, shape.activation_bytes
+    norms = 2 * s * b * h * act + 2 * s * b * 4
+    embedding_mask = s * b * h if shape.hidden_dropout > 0 else 0
+    logits = s * b * shape.padded_vocab_size * (act + 4)
+    return norms + embedding_mask + logits
+
+
+def backward_workspace_bytes(shape: ModelShape, micro_batch_size: int) -> int:
+    """Gradients alive while one layer backprops, whatever the plan: the gradient of the
+    residual stream plus the largest op's output and input gradients (the attention
+    probabilities' in the attention block, the fc1/GELU pair in the MLP)."""
+    d = _dims(shape, micro_batch_size)
+    residual = d.s * d.b * d.h * d.act
+    attention_pair = 2 * d.a * d.s * d.s * d.b * max(d.act, d.softmax)
+    mlp_pair = 2 * d.s * d.b * d.f * d.act
+    return residual + max(attention_pair, mlp_pair)
+
+
+def analytic_costs(shape: ModelShape, micro_batch_size: int, accelerator: str | Accelerator,
+                   zero_stage: int = 0, data_parallel_size: int = 1) -> ModelCosts:
+    """``ModelCosts`` for ``shape`` at ``micro_batch_size`` on a named accelerator."""
+    device = get_accelerator(accelerator) if isinstance(accelerator, str) else accelerator
+    if shape.precision == "bf16" and not device.supports_bf16:
+        raise ValueError(f"{device.name} has no bfloat16; plan with fp16")
+    d = _dims(shape, micro_batch_size)
+    flop_rate = device.matmul_flops(shape.activation_bytes) * MATMUL_EFFICIENCY
+    byte_rate = device.memory_bandwidth * BANDWIDTH_EFFICIENCY
+    dtype_names = {"act": _DTYPE_NAMES[shape.precision],
+                   "softmax": "float32" if d.softmax == 4 else _DTYPE_NAMES[shape.precision]}
+    sites = []
+    for name, formula in _layer_sites(shape).items():
+        elements, element_bytes = formula.elements(d), formula.element_bytes(d)
+        full = elements * element_bytes
+        codec = site_table.get(name).default_codec
+        payload = codec_payload_bytes(codec, elements, element_bytes, formula.channels(d))
+        sites.append(SiteCost(
+            name=name,
+            bytes=full,
+            dtype=dtype_names.get(formula.dtype, formula.dtype),
+            recompute_s=formula.flops(d) / flop_rate + formula.bytes_moved(d) / byte_rate,
+            sources=formula.sources,
+            codecs=(_codec_cost(codec, full, payload, device.memory_bandwidth),),
+        ))
+    return ModelCosts(
+        sites=sites,
+        num_layers=shape.num_layers,
+        static_bytes=static_bytes(shape, zero_stage, data_parallel_size),
+        non_layer_bytes=non_layer_bytes(shape, micro_batch_size),
+        backward_workspace_bytes=backward_workspace_bytes(shape, micro_batch_size),
+        micro_batch_size=micro_batch_size,
+        meta={
+            "source": "analytic",
+            "accelerator": device.name,
+            "capacity_bytes": device.capacity_bytes,
+            "shape": {k: v for k, v in shape.__dict__.items()},
+            "num_parameters": shape.num_parameters,
+            "zero_stage": zero_stage,
+            "data_parallel_size": data_parallel_size,
+            "matmul_efficiency": MATMUL_EFFICIENCY,
+            "bandwidth_efficiency": BANDWIDTH_EFFICIENCY,
+            "codec_efficiency": CODEC_EFFICIENCY,
+        },
+    )
