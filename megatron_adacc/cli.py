@@ -1,0 +1,137 @@
+"""``adacc``: command-line entry point.
+
+    adacc plan --config configs/gpt-345m.yaml --micro-batch-size 8 --memory-budget 16GiB \
+        --hardware v100-32gb [--json] [--uniform] [--exact]
+
+Costs come from a source: today the analytic model of a named accelerator (``--hardware``);
+a ProfileDB (``--profile-db``) plugs in beside it once the profiler writes one. Exit codes:
+0 planned, 2 a bad request or an infeasible budget (with a one-line reason on stderr).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any, Sequence
+
+import yaml
+
+from megatron_adacc import hardware
+from megatron_adacc.costs import ModelCosts
+from megatron_adacc.planner import InfeasibleBudget, plan
+from megatron_adacc.report import format_plan
+from megatron_adacc.units import parse_size
+
+_SHAPE_FLAGS = ("num-layers", "hidden-size", "num-attention-heads", "ffn-hidden-size",
+                "seq-length", "max-position-embeddings", "vocab-size", "tokenizer-type",
+                "attention-dropout", "hidden-dropout")
+
+
+class UsageError(Exception):
+    """A request the planner cannot serve; the message is the one line printed."""
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="adacc", description=__doc__.split("\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    p = commands.add_parser("plan", help="the fastest plan that fits a memory budget")
+    p.add_argument("--config", help="YAML of Megatron-style flags (num-layers, hidden-size, ...)")
+    for flag in _SHAPE_FLAGS:
+        p.add_argument(f"--{flag}", default=None)
+    p.add_argument("--precision", choices=("fp16", "bf16", "fp32"),
+                   help="override the config's fp16/bf16 (a V100 has no bf16)")
+    p.add_argument("--micro-batch-size", type=int, required=True)
+    p.add_argument("--memory-budget", help="e.g. 30GiB; default: the accelerator's capacity "
+                   f"minus {hardware.DEFAULT_RESERVED_BYTES >> 30} GiB reserved")
+    p.add_argument("--hardware", choices=sorted(hardware.ACCELERATORS),
+                   help="plan from the analytic model of this accelerator")
+    p.add_argument("--profile-db", help="plan from a profile (needs the profiler)")
+    p.add_argument("--zero-stage", type=int, default=0, choices=(0, 1, 2, 3))
+    p.add_argument("--data-parallel-size", type=int, default=1)
+    p.add_argument("--uniform", dest="per_layer", action="store_false",
+                   help="one policy for every layer (the paper's model)")
+    p.add_argument("--per-layer", dest="per_layer", action="store_true", default=True)
+    p.add_argument("--exact", dest="allow_lossy_sources", action="store_false", default=True,
+                   help="never rebuild a recomputed site from a compressed one")
+    p.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    return parser
+
+
+def _flags(args: argparse.Namespace) -> dict[str, Any]:
+    flags: dict[str, Any] = {}
+    if args.config:
+        try:
+            with open(args.config) as handle:
+                loaded = yaml.safe_load(handle) or {}
+        except OSError as exc:
+            raise UsageError(f"cannot read config {args.config!r}: {exc.strerror}") from None
+        except yaml.YAMLError as exc:
+            raise UsageError(f"config {args.config!r} is not valid YAML: "
+                             f"{str(exc).splitlines()[0]}") from None
+        if not isinstance(loaded, dict):
+            raise UsageError(f"config {args.config!r} is not a mapping of flags")
+        flags.update({str(k).replace("_", "-"): v for k, v in loaded.items()})
+    for flag in _SHAPE_FLAGS:
+        value = getattr(args, flag.replace("-", "_"))
+        if value is not None:
+            flags[flag] = value
+    if args.precision:
+        flags.update({"fp16": args.precision == "fp16", "bf16": args.precision == "bf16"})
+    return flags
+
+
+def _costs(args: argparse.Namespace) -> tuple[ModelCosts, int]:
+    """The costs to plan from and the default budget (the device's usable memory)."""
+    if args.profile_db:
+        raise UsageError("planning from a ProfileDB needs the profiler, which is not built "
+                         "yet; use --hardware NAME for the analytic model")
+    if not args.hardware:
+        raise UsageError("no profile of this model on this machine yet; pass --hardware "
+                         f"({', '.join(sorted(hardware.ACCELERATORS))}) to plan from the "
+                         "analytic model")
+    try:
+        shape = hardware.ModelShape.from_flags(_flags(args))
+        costs = hardware.analytic_costs(shape, args.micro_batch_size, args.hardware,
+                                        args.zero_stage, args.data_parallel_size)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    device = hardware.get_accelerator(args.hardware)
+    return costs, device.capacity_bytes - hardware.DEFAULT_RESERVED_BYTES
+
+
+def _plan_command(args: argparse.Namespace) -> int:
+    if args.micro_batch_size < 1:
+        raise UsageError(f"--micro-batch-size must be >= 1, got {args.micro_batch_size}")
+    budget = None
+    if args.memory_budget is not None:
+        try:
+            budget = parse_size(args.memory_budget)
+        except ValueError as exc:
+            raise UsageError(f"--memory-budget: {exc}") from None
+    costs, default_budget = _costs(args)
+    budget = default_budget if budget is None else budget
+    try:
+        result = plan(costs, budget, per_layer=args.per_layer,
+                      allow_lossy_sources=args.allow_lossy_sources)
+    except InfeasibleBudget as exc:
+        if args.json:
+            print(json.dumps({"feasible": False, "budget_bytes": budget,
+                              "minimum_feasible_budget": exc.minimum_budget,
+                              "static_bytes": exc.static_bytes}))
+        print(f"adacc plan: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(result.to_dict(), indent=1) if args.json else format_plan(result))
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _build_parser().parse_args(argv)
+    try:
+        return _plan_command(args)
+    except UsageError as exc:
+        print(f"adacc {args.command}: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,38 @@
+"""The plan as a table a person reads: one row per site and decision, then totals against no
+optimisation and full recompute. Plain text, no dependencies."""
+from __future__ import annotations
+
+from megatron_adacc.planner import PlanResult
+from megatron_adacc.units import format_size
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.3f} ms"
+
+
+def format_plan(result: PlanResult) -> str:
+    header = ("site", "layers", "action", "codec", "bytes kept", "time added")
+    body = [(row.site, row.layers, row.action, row.codec or "-", format_size(row.bytes_kept),
+             _ms(row.time_added_s)) for row in result.rows]
+    widths = [max(len(line[i]) for line in [header, *body]) for i in range(len(header))]
+
+    def line(cells) -> str:
+        return "  ".join(cell.ljust(width) if i < 4 else cell.rjust(width)
+                         for i, (cell, width) in enumerate(zip(cells, widths))).rstrip()
+
+    rule = "-" * len(line(header))
+    lines = [line(header), rule, *(line(cells) for cells in body), rule]
+    totals = [("this plan", result.peak_bytes, result.added_time_s)]
+    totals += [(name, t.peak_bytes, t.added_time_s) for name, t in result.references.items()]
+    lines.append(f"{'':<18}{'peak memory':>14}{'time added / step':>20}")
+    for name, peak, added in totals:
+        lines.append(f"{name:<18}{format_size(peak):>14}{_ms(added):>20}")
+    lines.append(
+        f"budget {format_size(result.budget_bytes)}; static {format_size(result.static_bytes)}, "
+        f"activations {format_size(result.activation_bytes)}; smallest feasible budget "
+        f"{format_size(result.minimum_feasible_budget)}; "
+        f"{'per-layer' if result.per_layer else 'uniform'} plan, "
+        f"{'lossy' if result.allow_lossy_sources else 'exact'} rebuild sources, "
+        f"solved in {result.solve_time_s * 1e3:.1f} ms"
+    )
+    return "\n".join(lines)
