@@ -1,0 +1,67 @@
+"""Analytic cost model: site bytes add up to 34sbh + 5as^2b, static bytes per precision."""
+import pytest
+
+from megatron_adacc import hardware
+from megatron_adacc.costs import ModelCosts
+
+GPT345M = hardware.ModelShape(num_layers=24, hidden_size=1024, num_attention_heads=16,
+                              seq_length=1024, vocab_size=50257)
+
+
+@pytest.mark.parametrize("batch", [1, 8])
+def test_layer_sites_add_up_to_34sbh_plus_5as2b(batch):
+    s, b, h, a = 1024, batch, 1024, 16
+    sizes = hardware.site_bytes(GPT345M, batch)
+    stats = sizes.pop("ln1_stats") + sizes.pop("ln2_stats")
+    assert sum(sizes.values()) == 34 * s * b * h + 5 * a * s * s * b
+    assert stats == 2 * 2 * s * b * 4          # mean and rstd in fp32 per layernorm
+    assert sizes["qkv"] == 6 * s * b * h         # Q, K and V: one site
+
+
+def test_dropout_off_and_fp32_softmax_change_the_sites():
+    shape = hardware.ModelShape(2, 64, 4, 32, 100, attention_dropout=0, hidden_dropout=0,
+                                softmax_in_fp32=True)
+    sizes = hardware.site_bytes(shape, 2)
+    assert not {"attn_dropout_mask", "attn_probs", "bda1_mask", "bda2_mask"} & set(sizes)
+    assert sizes["softmax_out"] == 4 * 4 * 32 * 32 * 2
+    costs = hardware.analytic_costs(shape, 2, "a100-80gb")
+    assert costs.site("context").sources == ("softmax_out", "qkv")
+
+
+def test_static_bytes():
+    assert hardware.static_bytes_per_parameter("fp16") == 16
+    assert hardware.static_bytes_per_parameter("bf16") == 16
+    assert hardware.static_bytes_per_parameter("fp32") == 16          # 4 + 4 + 8
+    assert hardware.static_bytes_per_parameter("fp16", zero_stage=1, data_parallel_size=4) == 7
+    assert hardware.static_bytes_per_parameter("fp16", zero_stage=3, data_parallel_size=8) == 2
+    assert GPT345M.num_parameters == pytest.approx(355e6, rel=0.01)
+    assert hardware.static_bytes(GPT345M) == 16 * GPT345M.num_parameters
+
+
+def test_costs_are_consistent_and_round_trip():
+    costs = hardware.analytic_costs(GPT345M, 8, "v100-32gb")
+    assert costs.site("layer_in").can_recompute is False
+    qkv = costs.site("qkv")
+    # matmul sites are FLOP-bound: qkv = 2 * s*b*h*3h FLOPs at the derated peak, plus bias.
+    flops = 2 * 1024 * 8 * 1024 * 3 * 1024
+    assert qkv.recompute_s >= flops / (125e12 * hardware.MATMUL_EFFICIENCY)
+    assert qkv.codecs[0].codec == "channel_int4"
+    assert qkv.codecs[0].payload_bytes == pytest.approx(qkv.bytes / 4, rel=0.01)
+    mask = costs.site("attn_dropout_mask")
+    assert mask.codecs[0].payload_bytes * 8 == mask.bytes
+    assert ModelCosts.from_json(costs.to_json()) == costs
+
+
+def test_bf16_on_v100_is_refused():
+    shape = hardware.ModelShape(2, 64, 4, 32, 100, precision="bf16")
+    with pytest.raises(ValueError, match="bfloat16"):
+        hardware.analytic_costs(shape, 1, "v100-32gb")
+
+
+def test_shape_from_megatron_flags():
+    shape = hardware.ModelShape.from_flags({"num-layers": 12, "hidden_size": 768,
+                                            "num-attention-heads": 12, "seq-length": 1024,
+                                            "tokenizer-type": "GPT2BPETokenizer", "fp16": True})
+    assert (shape.vocab_size, shape.padded_vocab_size, shape.precision) == (50257, 50304, "fp16")
+    with pytest.raises(ValueError, match="hidden-size"):
+        hardware.ModelShape.from_flags({"num-layers": 2, "seq-length": 8, "vocab-size": 10})

@@ -1,0 +1,165 @@
+"""Planner: optimal against exhaustive enumeration, monotone in the budget, exact infeasible
+minimum, per-layer <= uniform, exactness option, Q/K/V one unit."""
+import itertools
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from megatron_adacc import planner
+from megatron_adacc.costs import CodecCost, ModelCosts, SiteCost
+from megatron_adacc.plan import Decision
+from megatron_adacc.sites import COMPRESS, RECOMPUTE, RETAIN
+
+# Real site names (the planner only recomputes / compresses sites the site table knows).
+NAMES = ("layer_in", "ln1_out", "qkv", "gelu_in")
+
+
+@st.composite
+def small_costs(draw):
+    count = draw(st.integers(2, 4))
+    sites = []
+    for i, name in enumerate(NAMES[:count]):
+        size = draw(st.integers(1, 60))
+        sources = tuple(n for n in NAMES[:i] if draw(st.booleans())) or ((NAMES[0],) if i else ())
+        codecs = (CodecCost("outlier_int4" if name != "qkv" else "channel_int4",
+                            draw(st.integers(0, size)), draw(st.floats(0, 1)),
+                            draw(st.floats(0, 1))),) if draw(st.booleans()) else ()
+        sites.append(SiteCost(name, size, "float16", draw(st.floats(0, 2)), sources, codecs))
+    return ModelCosts(sites=sites, num_layers=draw(st.integers(1, 3)),
+                      static_bytes=draw(st.integers(0, 50)),
+                      non_layer_bytes=draw(st.integers(0, 80)),
+                      backward_workspace_bytes=draw(st.integers(0, 30)), micro_batch_size=1)
+
+
+def all_layer_policies(costs, allow_lossy):
+    per_site = []
+    for site in costs.sites:
+        options = [Decision(RETAIN)]
+        if site.can_compress:
+            options.append(Decision(COMPRESS))
+        if site.can_recompute:
+            options.append(Decision(RECOMPUTE))
+        per_site.append(options)
+    for combo in itertools.product(*per_site):
+        decisions = {s.name: d for s, d in zip(costs.sites, combo)}
+        if allow_lossy or planner.is_exact(costs, decisions):
+            yield planner.evaluate_layer(costs, decisions)
+
+
+def brute_force(costs, budget, per_layer, allow_lossy):
+    """(least time of a plan that fits, least peak of any plan) by listing every plan."""
+    policies = list(all_layer_policies(costs, allow_lossy))
+    if per_layer:
+        plans = itertools.product(policies, repeat=costs.num_layers)
+    else:
+        plans = ([p] * costs.num_layers for p in policies)
+    best, least_peak = None, None
+    for layers in plans:
+        peak = planner.peak_bytes(costs, layers)
+        least_peak = peak if least_peak is None else min(least_peak, peak)
+        if peak <= budget:
+            total = sum(p.time_s for p in layers)
+            best = total if best is None else min(best, total)
+    return best, least_peak
+
+
+@settings(max_examples=60, deadline=None)
+@given(small_costs(), st.integers(0, 700), st.booleans(), st.booleans())
+def test_optimal_against_exhaustive_enumeration(costs, budget, per_layer, allow_lossy):
+    best, least_peak = brute_force(costs, budget, per_layer, allow_lossy)
+    if best is None:
+        with pytest.raises(planner.InfeasibleBudget) as info:
+            planner.plan(costs, budget, per_layer=per_layer, allow_lossy_sources=allow_lossy)
+        assert info.value.minimum_budget == least_peak
+        assert str(least_peak) in str(info.value)
+        return
+    result = planner.plan(costs, budget, per_layer=per_layer, allow_lossy_sources=allow_lossy)
+    assert result.added_time_s == pytest.approx(best, abs=1e-9)
+    assert result.peak_bytes <= budget
+    assert result.minimum_feasible_budget == least_peak
+    assert result.activation_bytes == result.peak_bytes - costs.static_bytes
+
+
+@settings(max_examples=25, deadline=None)
+@given(small_costs(), st.booleans())
+def test_larger_budget_never_slower_and_per_layer_beats_uniform(costs, allow_lossy):
+    previous = None
+    for budget in range(0, 700, 25):
+        try:
+            per_layer = planner.plan(costs, budget, allow_lossy_sources=allow_lossy)
+        except planner.InfeasibleBudget:
+            assert previous is None
+            continue
+        if previous is not None:
+            assert per_layer.added_time_s <= previous + 1e-12
+        previous = per_layer.added_time_s
+        try:
+            uniform = planner.plan(costs, budget, per_layer=False, allow_lossy_sources=allow_lossy)
+        except planner.InfeasibleBudget:
+            continue
+        assert per_layer.added_time_s <= uniform.added_time_s + 1e-12
+
+
+def chain_costs():
+    """Compressing ln1_out is cheap and recomputing qkv from it is cheap: the lossy plan."""
+    return ModelCosts(
+        sites=[SiteCost("layer_in", 100, "float16", 0.0),
+               SiteCost("ln1_out", 100, "float16", 5.0, ("layer_in",),
+                        (CodecCost("outlier_int4", 10, 0.1, 0.1),)),
+               SiteCost("qkv", 300, "float16", 0.5, ("ln1_out",),
+                        (CodecCost("channel_int4", 80, 3.0, 3.0),))],
+        num_layers=4, static_bytes=0, non_layer_bytes=0, backward_workspace_bytes=0,
+        micro_batch_size=1)
+
+
+def test_lossy_source_constraint_respected():
+    costs = chain_costs()
+    budget = 4 * (100 + 10) + 400
+    lossy = planner.plan(costs, budget, allow_lossy_sources=True)
+    assert any(not planner.is_exact(costs, layer) for layer in lossy.layer_decisions)
+    exact = planner.plan(costs, budget, allow_lossy_sources=False)
+    assert all(planner.is_exact(costs, layer) for layer in exact.layer_decisions)
+    assert exact.added_time_s > lossy.added_time_s
+
+
+def test_layer_in_never_recomputed_and_qkv_one_unit():
+    costs = chain_costs()
+    result = planner.plan(costs, planner.minimum_budget(costs))
+    for layer in result.layer_decisions:
+        assert layer["layer_in"].action != RECOMPUTE
+        assert set(layer) == {"layer_in", "ln1_out", "qkv"}   # one decision for Q, K and V
+    assert not {"q", "k", "v"} & set(result.plan.to_dict()["sites"])
+
+
+def test_unknown_site_is_retained():
+    costs = chain_costs()
+    costs.sites.append(SiteCost("mystery", 1000, "float16", 0.0, (),
+                                (CodecCost("outlier_int4", 1, 0.0, 0.0),)))
+    costs.validate()
+    result = planner.plan(costs, 10**6)
+    assert all(layer["mystery"].action == RETAIN for layer in result.layer_decisions)
+    with pytest.raises(planner.InfeasibleBudget):
+        planner.plan(costs, 4 * 1000)
+
+
+def test_larger_transients_go_to_lower_layers():
+    costs = chain_costs()
+    result = planner.plan(costs, planner.minimum_budget(costs) + 150)
+    transients = [planner.evaluate_layer(costs, d).transient_bytes
+                  for d in result.layer_decisions]
+    assert transients == sorted(transients, reverse=True)
+
+
+def test_direct_milp_agrees_with_frontier():
+    costs = chain_costs()
+    for budget in (600, 900, 1400, 2000):
+        for per_layer in (True, False):
+            for lossy in (True, False):
+                try:
+                    fast = planner.plan(costs, budget, per_layer, lossy)
+                except planner.InfeasibleBudget:
+                    with pytest.raises(planner.InfeasibleBudget):
+                        planner.plan(costs, budget, per_layer, lossy, method="milp")
+                    continue
+                milp = planner.plan(costs, budget, per_layer, lossy, method="milp")
+                assert milp.added_time_s == pytest.approx(fast.added_time_s, abs=1e-9)
