@@ -40,7 +40,7 @@ def test_infeasible_exit_2_one_line(capsys):
 
 @pytest.mark.parametrize("bad", ["12XB", "lots", "-3GiB"])
 def test_bad_size_one_line(capsys, bad):
-    assert main(["plan", *MODEL, "--memory-budget", bad]) == 2
+    assert main(["plan", *MODEL, f"--memory-budget={bad}"]) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "memory size" in err
 
