@@ -90,6 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
     log.add_argument("--log-interval", type=int, default=10)
     log.add_argument("--metrics-file", default=None, help="JSON lines, one per iteration")
     log.add_argument("--tensorboard-dir", default=None)
+    log.add_argument("--activation-measure-interval", type=int, default=50,
+                     help="measure activation bytes on the first step and every N steps")
     log.add_argument("--save", default=None, help="checkpoint directory to write")
     log.add_argument("--load", default=None, help="checkpoint directory to resume from")
     log.add_argument("--save-interval", type=int, default=None)
@@ -157,7 +159,8 @@ def parse_args(argv: Sequence[str] | None = None, world_size: int = 1) -> argpar
 def finalize(args: argparse.Namespace, world_size: int) -> None:
     """Fill derived defaults and reject inconsistent settings."""
     positive = ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
-                "micro_batch_size", "train_iters", "tensor_model_parallel_size")
+                "micro_batch_size", "train_iters", "tensor_model_parallel_size",
+                "activation_measure_interval")
     for name in positive:
         if getattr(args, name) <= 0:
             raise ConfigError(f"--{name.replace('_', '-')} must be positive")
@@ -193,6 +196,11 @@ def finalize(args: argparse.Namespace, world_size: int) -> None:
             f"{args.data_parallel_size}"
         )
     args.lr_decay_iters = args.lr_decay_iters or args.train_iters
+    if args.lr_warmup_iters and args.lr_warmup_iters >= args.lr_decay_iters:
+        raise ConfigError(
+            f"--lr-warmup-iters {args.lr_warmup_iters} must be smaller than --lr-decay-iters "
+            f"{args.lr_decay_iters} (default: --train-iters)"
+        )
     if args.min_lr > args.lr:
         raise ConfigError(f"--min-lr {args.min_lr} is larger than --lr {args.lr}")
     if args.recompute_granularity == "full" and not args.recompute_method:

@@ -14,6 +14,8 @@ import torch.distributed as dist
 
 from megatron_adacc import checkpoint, data, model as model_lib
 from megatron_adacc.optimizer import MainParamAdamW
+from megatron_adacc.plan import Plan
+from megatron_adacc.runtime import ActivationRuler, apply_plan, get_adacc_layer_spec
 from megatron_adacc.tokenizers import build_tokenizer
 
 
@@ -126,8 +128,15 @@ def _average_over(group, value: float) -> float:
     return tensor.item() / dist.get_world_size(group)
 
 
+def resolve_plan(args: argparse.Namespace) -> Plan | None:
+    """The plan --adacc-policy asks for; None means megatron's stock layer, untouched."""
+    if args.adacc_policy == "none":
+        return None
+    return Plan.load(args.adacc_policy)
+
+
 class Trainer:
-    def __init__(self, args: argparse.Namespace, layer_spec=None):
+    def __init__(self, args: argparse.Namespace):
         from megatron.core import parallel_state
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
@@ -161,8 +170,13 @@ class Trainer:
         self.vocab_size = padded_vocab_size(
             self.tokenizer.vocab_size, args.make_vocab_size_divisible_by,
             args.tensor_model_parallel_size)
+        self.plan = resolve_plan(args)
         self.model = model_lib.build_gpt_model(
-            self.config, self.vocab_size, args.max_position_embeddings, layer_spec)
+            self.config, self.vocab_size, args.max_position_embeddings,
+            get_adacc_layer_spec() if self.plan is not None else None)
+        if self.plan is not None:
+            apply_plan(self.model, self.plan, strict=args.adacc_strict)
+        self.activation_bytes: dict[str, int] = {}
         self.train_model = self.model
         if self.dp_size > 1:
             self.train_model = torch.nn.parallel.DistributedDataParallel(
@@ -199,20 +213,29 @@ class Trainer:
                                                 args.merge_file)
         return prefixes
 
-    def train_step(self, global_index: int) -> tuple[float, float]:
-        """One optimizer step over a global batch; returns (loss, grad norm)."""
+    def train_step(self, global_index: int, measure: bool = False) -> tuple[float, float]:
+        """One optimizer step over a global batch; returns (loss, grad norm). With
+        ``measure``, the activation ruler watches the step and ``activation_bytes`` is updated
+        (the same ruler for the stock layer, megatron's recompute and every plan)."""
         self.train_model.train()
         self.optimizer.zero_grad()
         micro = self.train_batches.num_micro_batches
         total = 0.0
-        for k, batch in enumerate(self.train_batches.micro_batches(global_index)):
-            sync = k == micro - 1 or self.dp_size == 1
-            context = (self.train_model.no_sync() if not sync else _nullcontext())
-            with context:
-                loss = model_lib.gpt_loss(self.train_model, batch["tokens"], batch["labels"],
-                                          batch["loss_mask"])
-                (loss / micro).backward()
-            total += loss.item()
+        ruler = ActivationRuler(self.model, strict=self.args.adacc_strict) if measure else None
+        with ruler or _nullcontext():
+            for k, batch in enumerate(self.train_batches.micro_batches(global_index)):
+                sync = k == micro - 1 or self.dp_size == 1
+                with self.train_model.no_sync() if not sync else _nullcontext():
+                    loss = model_lib.gpt_loss(self.train_model, batch["tokens"],
+                                              batch["labels"], batch["loss_mask"])
+                    if ruler is not None:
+                        ruler.forward_done()
+                    (loss / micro).backward()
+                total += loss.item()
+        if ruler is not None:
+            report = ruler.report()
+            self.activation_bytes = {"activation_bytes": report.after_forward_bytes,
+                                     "activation_peak_bytes": report.peak_bytes}
         grad_norm = self.optimizer.clip_and_step(self.args.clip_grad)
         self.scheduler.step(1)
         return _average_over(self.dp_group, total / micro), grad_norm
@@ -239,8 +262,12 @@ class Trainer:
         try:
             while self.iteration < last:
                 lr = self.optimizer.param_groups[0]["lr"]
+                # The ruler's hooks cost time, so it watches the first step and one step per
+                # --activation-measure-interval; records carry the latest measurement.
+                measure = (not self.activation_bytes
+                           or self.iteration % args.activation_measure_interval == 0)
                 start = time.perf_counter()
-                loss, grad_norm = self.train_step(self.iteration)
+                loss, grad_norm = self.train_step(self.iteration, measure)
                 elapsed = time.perf_counter() - start
                 self.iteration += 1
                 record = {
@@ -250,6 +277,9 @@ class Trainer:
                     "step_time_s": elapsed,
                     "tokens_per_s": tokens_per_step / elapsed,
                     "grad_norm": grad_norm,
+                    **self.activation_bytes,
+                    "activation_measured": measure,
+                    "plan_id": self.plan.plan_id if self.plan is not None else "none",
                 }
                 if args.eval_interval and (self.iteration % args.eval_interval == 0
                                            or self.iteration == args.train_iters):

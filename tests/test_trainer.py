@@ -1,0 +1,150 @@
+"""pretrain_gpt.py end to end on the CPU: resume, parallelism, megatron's recompute
+baselines, metrics and the one-line errors users see."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_adacc import checkpoint
+from megatron_adacc.arguments import parse_args
+from megatron_adacc.trainer import Trainer
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ["--config", str(ROOT / "configs" / "tiny-cpu.yaml"), "--log-interval", "1000",
+        "--eval-interval", "0", "--num-layers", "2", "--hidden-size", "64", "--seq-length", "32",
+        "--micro-batch-size", "2", "--global-batch-size", "4", "--lr-warmup-iters", "0"]
+
+
+def train(*flags: str) -> list[dict]:
+    args = parse_args(TINY + list(flags))
+    return Trainer(args).train()
+
+
+def losses(records):
+    return [r["loss"] for r in records]
+
+
+def test_metrics_record_every_iteration_with_full_precision(tmp_path):
+    metrics = tmp_path / "m.jsonl"
+    records = train("--train-iters", "4", "--eval-interval", "2", "--eval-iters", "1",
+                    "--metrics-file", str(metrics))
+    lines = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [line["iteration"] for line in lines] == [1, 2, 3, 4]
+    for line in lines:
+        assert {"iteration", "loss", "lr", "step_time_s", "tokens_per_s", "grad_norm"} <= set(line)
+    assert [("val_loss" in line) for line in lines] == [False, True, False, True]
+    assert [line["loss"] for line in lines] == losses(records)  # no rounding on the way out
+
+
+def test_resume_reproduces_uninterrupted_losses_bit_for_bit(tmp_path):
+    common = ("--train-iters", "6", "--hidden-dropout", "0.1", "--attention-dropout", "0.1")
+    straight = losses(train(*common))
+    ckpt = str(tmp_path / "ckpt")
+    first = losses(train(*common, "--save", ckpt, "--exit-interval", "3"))
+    assert checkpoint.latest_iteration(ckpt) == 3
+    rest = losses(train(*common, "--load", ckpt))
+    assert first + rest == straight
+
+
+def test_a_save_killed_midway_leaves_the_previous_checkpoint_loadable(tmp_path, monkeypatch):
+    ckpt = str(tmp_path / "ckpt")
+    train("--train-iters", "2", "--save", ckpt, "--save-interval", "1", "--exit-interval", "1")
+    assert checkpoint.latest_iteration(ckpt) == 1
+
+    real_save = torch.save
+
+    def dying_save(obj, path, *a, **k):
+        real_save({"partial": True}, path)
+        raise KeyboardInterrupt("killed during save")
+
+    monkeypatch.setattr(torch, "save", dying_save)
+    with pytest.raises(KeyboardInterrupt):
+        train("--train-iters", "2", "--load", ckpt, "--save", ckpt)
+    monkeypatch.undo()
+    assert checkpoint.latest_iteration(ckpt) == 1
+    resumed = losses(train("--train-iters", "2", "--load", ckpt))
+    straight = losses(train("--train-iters", "2"))
+    assert resumed == straight[1:]
+
+
+@pytest.mark.parametrize("recompute", [
+    ["--recompute-granularity", "full"],
+    ["--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "1"],
+    ["--recompute-granularity", "selective", "--recompute-modules", "core_attn"],
+    ["--recompute-granularity", "selective", "--recompute-modules", "layernorm", "core_attn"],
+])
+def test_megatron_recompute_is_bitwise_identical_to_no_recompute(recompute):
+    common = ("--train-iters", "5", "--hidden-dropout", "0.1", "--attention-dropout", "0.1")
+    assert losses(train(*common, *recompute)) == losses(train(*common))
+
+
+def test_selective_mlp_recompute_without_bias_is_identical():
+    common = ("--train-iters", "5", "--hidden-dropout", "0.1", "--attention-dropout", "0.1",
+              "--disable-bias-linear")
+    recompute = ("--recompute-granularity", "selective", "--recompute-modules", "mlp")
+    assert losses(train(*common, *recompute)) == losses(train(*common))
+
+
+def _torchrun(tmp_path, name, *flags):
+    metrics = tmp_path / f"{name}.jsonl"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+           "--standalone", str(ROOT / "pretrain_gpt.py"), *TINY, *flags,
+           "--metrics-file", str(metrics)]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
+
+
+def test_tensor_and_data_parallel_match_a_single_process(tmp_path):
+    # Megatron pads the vocabulary to a multiple of divisible-by x TP; 256 keeps it equal.
+    common = ("--train-iters", "5", "--hidden-dropout", "0", "--attention-dropout", "0",
+              "--make-vocab-size-divisible-by", "256")
+    single = losses(train(*common))
+    tp2 = _torchrun(tmp_path, "tp2", *common, "--tensor-model-parallel-size", "2")
+    dp2 = _torchrun(tmp_path, "dp2", *common)
+    assert len(tp2) == len(dp2) == 5
+    assert max(abs(a - b) for a, b in zip(tp2, single)) < 1e-4
+    assert max(abs(a - b) for a, b in zip(dp2, single)) < 1e-4
+
+
+@pytest.mark.parametrize("flags, config, message", [
+    ([], {"num-layers": 2, "hidden-sise": 64}, "unknown key 'hidden-sise'"),
+    (["--data-path", "/nonexistent/corpus"], None, "/nonexistent/corpus.bin/.idx not found"),
+    (["--hidden-size", "100", "--num-attention-heads", "3"], None, "not divisible by"),
+    (["--tensor-model-parallel-size", "2"], None, "does not divide the world size 1"),
+])
+def test_bad_input_is_one_line_and_non_zero(tmp_path, flags, config, message):
+    if config is not None:
+        path = tmp_path / "bad.yaml"
+        path.write_text(json.dumps(config))
+        flags = ["--config", str(path), *flags]
+    done = subprocess.run([sys.executable, str(ROOT / "pretrain_gpt.py"), *flags],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and message in lines[0], done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_preprocess_data_round_trips_gpt2_bpe(tmp_path):
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    from megatron_adacc.tokenizers import GPT2BPETokenizer
+
+    docs = ["In the beginning God created the heaven and the earth.", "Jesus wept. ünïcödé ok"]
+    source = tmp_path / "docs.jsonl"
+    source.write_text("\n".join(json.dumps({"text": d}) for d in docs))
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "preprocess_data.py"),
+                           "--input", str(source), "--output-prefix", str(tmp_path / "out")],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    dataset = IndexedDataset(str(tmp_path / "out_text_document"))
+    tokenizer = GPT2BPETokenizer()
+    decoded = [tokenizer.decode(dataset[i].tolist()[:-1]) for i in range(len(dataset))]
+    assert decoded == docs
+    assert all(dataset[i][-1] == tokenizer.eod for i in range(len(dataset)))
