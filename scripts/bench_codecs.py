@@ -120,24 +120,16 @@ def synthetic_inputs(rows: int, cols: int, seed: int) -> dict[str, torch.Tensor]
 
 # ----------------------------------------------------------------------------- measuring
 
-def seconds(fn, reps: int) -> float:
-    times = []
+def interleaved_seconds(fns: dict, reps: int) -> dict[str, float]:
+    """Median seconds of each function, timed in turns (a, b, c, a, b, c, ...) so that all of
+    them see the same load on a shared machine."""
+    times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
-def copy_gbps(nbytes: int, reps: int) -> tuple[float, float]:
-    """GB/s of a copy into an existing tensor (the bandwidth ceiling) and of a clone, which
-    also allocates (and page-faults) its output as every codec must."""
-    src = torch.empty(nbytes, dtype=torch.uint8).random_()
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    # A copy is cheap next to a codec: more repetitions steady its median on a shared machine.
-    reps = 4 * reps + 3
-    return nbytes / seconds(lambda: dst.copy_(src), reps) / 1e9, nbytes / seconds(src.clone, reps) / 1e9
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(ts) for name, ts in times.items()}
 
 
 def measure(codec, x: torch.Tensor, reps: int) -> dict | None:
@@ -147,8 +139,16 @@ def measure(codec, x: torch.Tensor, reps: int) -> dict | None:
         return None  # not an input this codec takes (integer tokens, a non-mask, ...)
     x_hat = codec.decode(payload)
     in_bytes = x.numel() * x.element_size()
-    t_enc = seconds(lambda: codec.encode(x), reps)
-    t_dec = seconds(lambda: codec.decode(payload), reps)
+    src = torch.empty(in_bytes, dtype=torch.uint8).random_()
+    dst = torch.empty_like(src)
+    # copy_: into an existing tensor, the bandwidth ceiling; clone: allocates (and page-faults)
+    # its output, as every decode must.
+    t = interleaved_seconds({
+        "encode": lambda: codec.encode(x),
+        "decode": lambda: codec.decode(payload),
+        "copy": lambda: dst.copy_(src),
+        "clone": src.clone,
+    }, reps)
     norm = x.double().norm().item()
     err = (x.double() - x_hat.double()).norm().item()
     return {
@@ -156,10 +156,11 @@ def measure(codec, x: torch.Tensor, reps: int) -> dict | None:
         "payload_bytes": payload.nbytes,
         "ratio": payload.nbytes / in_bytes,
         "rel_error": err / norm if norm else err,
-        "encode_gbps": in_bytes / t_enc / 1e9,
-        "decode_gbps": in_bytes / t_dec / 1e9,
-        "roundtrip_gbps": in_bytes / (t_enc + t_dec) / 1e9,
-        **dict(zip(("copy_gbps", "clone_gbps"), copy_gbps(in_bytes, reps))),
+        "encode_gbps": in_bytes / t["encode"] / 1e9,
+        "decode_gbps": in_bytes / t["decode"] / 1e9,
+        "roundtrip_gbps": in_bytes / (t["encode"] + t["decode"]) / 1e9,
+        "copy_gbps": in_bytes / t["copy"] / 1e9,
+        "clone_gbps": in_bytes / t["clone"] / 1e9,
         "outlier_channels": _count(payload, "outlier_index"),
         "raw_groups": _count(payload, "raw_index"),
     }
@@ -287,7 +288,7 @@ def main() -> None:
     warnings.filterwarnings("ignore")
 
     backends = (args.backends or ("torch,native" if args.quick else "torch,native,compiled")).split(",")
-    steps, rows_cols, reps = (5, (256, 512), 1) if args.quick else (50, (4096, 2048), 5)
+    steps, rows_cols, reps = (5, (256, 512), 1) if args.quick else (50, (4096, 4096), 5)
     dtypes = (torch.bfloat16, torch.float32)
 
     activations = captured_activations(steps, batch=8, seq=128, seed=args.seed)

@@ -227,10 +227,24 @@ void asym_decode_rows(const uint8_t *packed, const uint16_t *scales, const void 
 
 /* 8 flags per byte, flag i in bit i; elem_size 1 compares bytes (bool, uint8), larger element
  * types compare as floats (dtype as above). */
+static inline uint8_t pack_byte_flags(const uint8_t *x) {
+    uint64_t v;
+    memcpy(&v, x, 8);
+    v |= (v >> 4) & 0x0F0F0F0F0F0F0F0Full; /* fold each byte's bits into its lowest bit */
+    v |= (v >> 2) & 0x3333333333333333ull;
+    v |= (v >> 1) & 0x5555555555555555ull;
+    v &= 0x0101010101010101ull;
+    return (uint8_t)((v * 0x0102040810204080ull) >> 56); /* gather bit 0 of byte j into bit j */
+}
+
 void mask_pack(const void *x, int dtype, int elem_size, int64_t numel, uint8_t *packed) {
-    const int64_t bytes = (numel + 7) / 8;
+    const int64_t bytes = (numel + 7) / 8, whole = numel / 8;
+    if (elem_size == 1) {
+        #pragma omp parallel for schedule(static)
+        for (int64_t i = 0; i < whole; i++) packed[i] = pack_byte_flags((const uint8_t *)x + i * 8);
+    }
     #pragma omp parallel for schedule(static)
-    for (int64_t i = 0; i < bytes; i++) {
+    for (int64_t i = elem_size == 1 ? whole : 0; i < bytes; i++) {
         uint8_t byte = 0;
         for (int64_t j = 0; j < 8 && i * 8 + j < numel; j++) {
             int64_t k = i * 8 + j;
@@ -241,7 +255,16 @@ void mask_pack(const void *x, int dtype, int elem_size, int64_t numel, uint8_t *
     }
 }
 
+static uint64_t spread_bits[256]; /* bit j of the index -> byte j of the entry */
+
+__attribute__((constructor)) static void init_spread_bits(void) {
+    for (int b = 0; b < 256; b++)
+        for (int j = 0; j < 8; j++) spread_bits[b] |= (uint64_t)((b >> j) & 1) << (8 * j);
+}
+
 void mask_unpack(const uint8_t *packed, int64_t numel, uint8_t *flags) {
+    const int64_t whole = numel / 8;
     #pragma omp parallel for schedule(static)
-    for (int64_t k = 0; k < numel; k++) flags[k] = (packed[k >> 3] >> (k & 7)) & 1;
+    for (int64_t i = 0; i < whole; i++) memcpy(flags + i * 8, &spread_bits[packed[i]], 8);
+    for (int64_t k = whole * 8; k < numel; k++) flags[k] = (packed[k >> 3] >> (k & 7)) & 1;
 }
