@@ -1,0 +1,383 @@
+"""The model profiler (paper: "Model profiler"): a few instrumented steps of the user's real
+model on a real micro-batch, written down as ``ModelCosts`` for the planner. It measures; it
+does not decide.
+
+Everything is measured through the Adacc runtime itself, on one layer (the middle one: every
+layer has the same shape), so the numbers describe what the runtime will really do:
+
+- bytes and dtype of each site: the ActivationRuler's attribution of a retain-everything
+  step, the very ruler behind the trainer's ``activation_bytes``. Storage sharing is counted
+  as the ruler counts it (Q, K and V are one storage; with dropout off the softmax output is
+  the attention probabilities). Megatron's cached causal mask is one storage for all layers,
+  so it belongs to the non-layer bytes, never to a layer's sites.
+- codecs: a step per candidate round in which the measured layer compresses every site with
+  a candidate codec. Payload bytes are what the ruler counts in that step; encode and decode
+  times are the medians of re-running the codec on the tensors the runtime handed it.
+- recompute: a step per site in which the measured layer recomputes only that site; the
+  runtime's rebuild is re-run and timed at the point backward asks for it. The rebuild
+  re-runs Megatron's forward segment (attention from layer_in, MLP from ln2_in) up to the
+  site, so the measurement is the segment's prefix; each site is charged the difference to
+  the previous site of its segment, which makes the planner's additive sum exact for every
+  prefix of a segment (and, for a plan recomputing a later site alone, an underestimate: the
+  runtime pays the whole prefix).
+- sources: what a rebuild reads is its segment's anchor (layer_in, or ln2_in), so those are
+  the sources the exactness rule needs: a rebuild from a compressed anchor is lossy.
+
+CPU timings repeat and take the median; CUDA timings use device events.
+"""
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+from dataclasses import replace
+from typing import Callable, Iterable, Sequence
+
+import torch
+
+from megatron_adacc import codecs, hardware
+from megatron_adacc import model as model_lib
+from megatron_adacc import sites as site_table
+from megatron_adacc.costs import CodecCost, ModelCosts, SiteCost
+from megatron_adacc.plan import Decision, Plan
+from megatron_adacc.runtime import ActivationRuler, adacc_layers, apply_plan
+from megatron_adacc.runtime.accounting import UNATTRIBUTED
+from megatron_adacc.runtime.layer import _rng_restore, _rng_snapshot
+from megatron_adacc.runtime.storage import SEGMENT_ANCHORS
+from megatron_adacc.sites import COMPRESS, RECOMPUTE
+
+# Megatron caches the causal mask: one storage that every layer saves. The ruler counts it
+# once (under the first layer); no plan should compress or rebuild it per layer.
+SHARED_SITES = frozenset({"attn_mask"})
+# Candidates beyond each site's default codec: plain group-wise int4 for the outlier sites,
+# for the "Adacc without outlier separation" ablation.
+EXTRA_CODECS = {"outlier_int4": ("sym_int4",)}
+DEFAULT_REPEATS = 5
+
+Batch = tuple[torch.Tensor, torch.Tensor, torch.Tensor]   # tokens, labels, loss mask
+
+
+def candidate_codecs(site: str) -> tuple[str, ...]:
+    """The codecs the profiler measures for ``site``: its default, then the ablations."""
+    default = site_table.get(site).default_codec
+    return (default, *EXTRA_CODECS.get(default, ()))
+
+
+def static_bytes(model: torch.nn.Module) -> int:
+    """What parameters and the trainer's optimizer (MainParamAdamW) hold for the whole run:
+    parameters and buffers, a gradient per trainable parameter, fp32 main parameters and
+    their gradients when the model is not fp32, and AdamW's two fp32 moments."""
+    held = sum(t.numel() * t.element_size()
+               for t in (*model.parameters(), *model.buffers()))
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    grads = sum(p.numel() * p.element_size() for p in trainable)
+    fp32 = sum(p.numel() * 4 for p in trainable)
+    main = 2 * fp32 if any(p.dtype != torch.float32 for p in trainable) else 0
+    return held + grads + main + 2 * fp32
+
+
+def device_name(device: torch.device | None = None) -> str:
+    """What the timings were measured on: the GPU's name, or the CPU with its thread count."""
+    if device is not None and device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    cpu = "cpu"
+    try:
+        with open("/proc/cpuinfo") as info:
+            for line in info:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return f"{cpu} ({torch.get_num_threads()} threads)"
+
+
+def median_seconds(fn: Callable[[], object], repeats: int, device: torch.device) -> float:
+    """Median wall time of ``fn`` after one warm-up call (CUDA: device events)."""
+    fn()
+    times = []
+    for _ in range(max(1, repeats)):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            began = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - began)
+    return statistics.median(times)
+
+
+# --- instruments ------------------------------------------------------------------------------
+class _DtypeRuler(ActivationRuler):
+    """The ruler, also noting the dtype of the first tensor it counts for each site."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.dtypes: dict[tuple[int, str], torch.dtype] = {}
+
+    def keep_tensor(self, layer, site, tensor):
+        self.dtypes.setdefault((layer, site or UNATTRIBUTED), tensor.dtype)
+        super().keep_tensor(layer, site, tensor)
+
+
+class _Unencodable:
+    """Stands in for a payload when a candidate codec rejects a tensor: keeps it whole."""
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
+        self.nbytes = tensor.untyped_storage().nbytes()
+
+
+class _CodecProbe:
+    """Sits in the runtime where a codec goes: encodes with the real codec and keeps what it
+    was given, so the same tensors can be timed after the step."""
+
+    def __init__(self, codec):
+        self.codec = codec
+        self.inputs: list[torch.Tensor] = []
+        self.failed = False
+
+    def encode(self, tensor):
+        self.inputs.append(tensor.detach())
+        try:
+            return self.codec.encode(tensor)
+        except (ValueError, TypeError, RuntimeError):
+            self.failed = True
+            return _Unencodable(tensor)
+
+    def decode(self, payload):
+        return payload.tensor if isinstance(payload, _Unencodable) else self.codec.decode(payload)
+
+
+class _Profiling:
+    """One model, one micro-batch, one measured layer: the steps the profiler runs."""
+
+    def __init__(self, model: torch.nn.Module, batch: Batch, strict: bool, repeats: int):
+        self.model = model
+        self.batch = batch
+        self.strict = strict
+        self.repeats = repeats
+        self.layers = adacc_layers(model)
+        if not self.layers:
+            raise ValueError("profiling needs a model built with runtime.get_adacc_layer_spec()")
+        self.layer = self.layers[len(self.layers) // 2]
+        self.index = self.layer.layer_index
+        self.device = batch[0].device
+
+    def step(self, decisions: dict[str, Decision], ruler_type=ActivationRuler,
+             install: Callable[[], None] | None = None):
+        """Forward and backward of the micro-batch with ``decisions`` on the measured layer
+        only (``install`` may then adjust the layer's actions); gradients are dropped.
+        Returns the ruler."""
+        apply_plan(self.model, Plan(layers={(self.index, self.index): decisions}),
+                   strict=self.strict)
+        if install is not None:
+            install()
+        with ruler_type(self.model, strict=self.strict) as ruler:
+            loss = model_lib.gpt_loss(self.model, *self.batch)
+            ruler.forward_done()
+            loss.backward()
+        self.model.zero_grad(set_to_none=True)
+        return ruler
+
+    def layer_sites(self, ruler: ActivationRuler) -> dict[str, int]:
+        return {site: n for (layer, site), n in ruler.report().by_site.items()
+                if layer == self.index and site not in SHARED_SITES}
+
+    # --- codecs ------------------------------------------------------------------------------
+    def codec_costs(self, names: Iterable[str]) -> dict[str, list[CodecCost]]:
+        """Every candidate codec of each named site, on this step's real tensors."""
+        candidates = {name: candidate_codecs(name) for name in names}
+        found: dict[str, list[CodecCost]] = {name: [] for name in candidates}
+        for round_ in range(max((len(c) for c in candidates.values()), default=0)):
+            chosen = {name: c[round_] for name, c in candidates.items() if round_ < len(c)}
+            decisions = {name: Decision(COMPRESS, codec) for name, codec in chosen.items()}
+            probes: dict[str, _CodecProbe] = {}
+
+            def install(layer=self.layer):
+                for name, (action, codec) in list(layer.actions.items()):
+                    if action == COMPRESS:
+                        probes[name] = _CodecProbe(codec)
+                        layer.actions[name] = (COMPRESS, probes[name])
+
+            sites = self.layer_sites(self.step(decisions, install=install))
+            for name, codec in chosen.items():
+                probe = probes.get(name)
+                if probe is None or probe.failed or not probe.inputs:
+                    continue
+                found[name].append(self._time_codec(codec, probe, sites[name]))
+        return found
+
+    def _time_codec(self, name: str, probe: _CodecProbe, payload_bytes: int) -> CodecCost:
+        codec = probe.codec
+        encode_s = decode_s = 0.0
+        for tensor in probe.inputs:
+            payload = codec.encode(tensor)
+            encode_s += median_seconds(lambda: codec.encode(tensor), self.repeats, self.device)
+            decode_s += median_seconds(lambda: codec.decode(payload), self.repeats, self.device)
+        return CodecCost(codec=name, payload_bytes=int(payload_bytes),
+                         encode_s=encode_s, decode_s=decode_s)
+
+    # --- recompute ---------------------------------------------------------------------------
+    def rebuild_seconds(self, name: str) -> float:
+        """Median time of the runtime's rebuild when ``name`` is the only recomputed site."""
+        measured: list[float] = []
+        original = self.layer._rebuild
+
+        def timed_rebuild(call):
+            def once():
+                call.cache.clear()
+                original(call)
+            measured.append(median_seconds(once, self.repeats, self.device))
+
+        # The layer hands its bound `_rebuild` to each forward call; an instance attribute
+        # shadows it for the one step measured here.
+        self.layer._rebuild = timed_rebuild
+        try:
+            self.step({name: Decision(RECOMPUTE)})
+        finally:
+            del self.layer._rebuild
+        if not measured:
+            raise RuntimeError(f"site {name}: backward never asked for the rebuilt value")
+        return measured[0]
+
+
+def _chains(order: Sequence[str]) -> dict[str, list[str]]:
+    """Each rebuild anchor -> the sites its rebuild reaches, in the order they are saved.
+
+    The attention chain runs from layer_in up to ln2_in (rebuilding ln2_in re-runs the whole
+    attention segment); the MLP chain starts after ln2_in, from ln2_in."""
+    mlp_anchor, attention_anchor = sorted(SEGMENT_ANCHORS, key=SEGMENT_ANCHORS.get,
+                                          reverse=True)
+    split = order.index(mlp_anchor) + 1 if mlp_anchor in order else len(order)
+    return {attention_anchor: list(order[:split]), mlp_anchor: list(order[split:])}
+
+
+def _nondecreasing(values: Sequence[float]) -> list[float]:
+    """The closest non-decreasing sequence (least squares, pool adjacent violators). Prefix
+    times cannot shrink along a chain; noise that says otherwise is spread over its
+    neighbours instead of charging one site everything and the next nothing."""
+    blocks: list[list[float]] = []  # [mean, count]
+    for value in values:
+        blocks.append([value, 1])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            mean, count = blocks.pop()
+            blocks[-1] = [(blocks[-1][0] * blocks[-1][1] + mean * count) / (blocks[-1][1] + count),
+                          blocks[-1][1] + count]
+    return [mean for mean, count in blocks for _ in range(count)]
+
+
+def _recompute_costs(order: Sequence[str], prefix_s: dict[str, float]
+                     ) -> dict[str, tuple[float, tuple[str, ...]]]:
+    """site -> (its share of its chain's rebuild time, its sources)."""
+    costs = {}
+    for anchor, chain in _chains(order).items():
+        measured = [site for site in chain if site in prefix_s]
+        fitted = _nondecreasing([prefix_s[site] for site in measured])
+        for site, before, now in zip(measured, [0.0, *fitted], fitted):
+            sources = (anchor,) if anchor in order and anchor != site else ()
+            costs[site] = (now - before, sources)
+    return costs
+
+
+@contextlib.contextmanager
+def _left_as_found(model: torch.nn.Module):
+    """Profiling steps change the layers' decisions and draw dropout masks; put both back so
+    training computes afterwards exactly what it would have computed without them."""
+    rng = _rng_snapshot()
+    actions = {layer: layer.actions for layer in adacc_layers(model)}
+    try:
+        yield
+    finally:
+        for layer, saved in actions.items():
+            layer.actions = saved
+        _rng_restore(rng)
+
+
+def profile(model: torch.nn.Module, batch: Batch, *, repeats: int = DEFAULT_REPEATS,
+            strict: bool = False) -> ModelCosts:
+    """Measure ``model`` (built with the Adacc layer spec) on one micro-batch ``batch``
+    (tokens, labels, loss mask). The model's decisions, gradients (none) and RNG streams are
+    as before."""
+    with _left_as_found(model):
+        return _profile(_Profiling(model, batch, strict, repeats))
+
+
+def _profile(run: _Profiling) -> ModelCosts:
+    model, config = run.model, run.model.config
+    run.step({})  # warm-up: megatron's cached mask, allocator, codec kernels
+    retained = run.step({}, _DtypeRuler)
+    sizes = run.layer_sites(retained)
+    order = list(sizes)
+    known = [name for name in order if name in site_table.SITES]
+    codec_costs = run.codec_costs(known)
+    prefix_s = {name: run.rebuild_seconds(name) for name in known
+                if site_table.get(name).recomputable}
+
+    recompute = _recompute_costs(order, prefix_s)
+    sites = []
+    for name in order:
+        recompute_s, sources = recompute.get(name, (0.0, ()))
+        sites.append(SiteCost(
+            name=name,
+            bytes=sizes[name],
+            dtype=str(retained.dtypes[(run.index, name)]).removeprefix("torch."),
+            recompute_s=recompute_s,
+            sources=sources,
+            codecs=tuple(codec_costs.get(name, ())),
+        ))
+    num_layers = len(run.layers)
+    seq_length, micro_batch = run.batch[0].shape[1], run.batch[0].shape[0]
+    shape = model_shape(config, model.vocab_size, seq_length)
+    return ModelCosts(
+        sites=sites,
+        num_layers=num_layers,
+        static_bytes=static_bytes(model),
+        non_layer_bytes=retained.report().after_forward_bytes - num_layers * sum(sizes.values()),
+        backward_workspace_bytes=hardware.backward_workspace_bytes(shape, micro_batch),
+        micro_batch_size=micro_batch,
+        meta={
+            "source": "profile",
+            "device": device_name(run.device),
+            "shape": shape.__dict__,
+            "measured_layer": run.index,
+            "repeats": run.repeats,
+            "rebuild_prefix_s": prefix_s,
+        },
+    )
+
+
+def refresh_codec_costs(costs: ModelCosts, model: torch.nn.Module, batch: Batch,
+                        names: Iterable[str], *, repeats: int = DEFAULT_REPEATS,
+                        strict: bool = False) -> ModelCosts:
+    """``costs`` with the codec entries of ``names`` re-measured on ``batch``'s real tensors
+    (one forward and backward; the rectifier's way to follow activation statistics, e.g. the
+    outlier sites' compression rates, as training moves them)."""
+    with _left_as_found(model):
+        fresh = _Profiling(model, batch, strict, repeats).codec_costs(list(names))
+    sites = [replace(site, codecs=tuple(fresh[site.name])) if site.name in fresh else site
+             for site in costs.sites]
+    return replace(costs, sites=sites)
+
+
+def model_shape(config, vocab_size: int, seq_length: int) -> hardware.ModelShape:
+    """The planner's description of a megatron TransformerConfig (for the analytic parts and
+    the ProfileDB key)."""
+    precision = "bf16" if config.bf16 else "fp16" if config.fp16 else "fp32"
+    return hardware.ModelShape(
+        num_layers=config.num_layers,
+        hidden_size=config.hidden_size,
+        num_attention_heads=config.num_attention_heads,
+        seq_length=seq_length,
+        vocab_size=vocab_size,
+        ffn_hidden_size=config.ffn_hidden_size,
+        precision=precision,
+        attention_dropout=config.attention_dropout,
+        hidden_dropout=config.hidden_dropout,
+        softmax_in_fp32=config.attention_softmax_in_fp32,
+        make_vocab_size_divisible_by=1,
+    )

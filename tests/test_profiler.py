@@ -1,0 +1,116 @@
+"""The profiler: measured costs, counted the ruler's way, so the planner's prediction is what
+the runtime then keeps."""
+import pytest
+import torch
+
+from megatron_adacc import model as model_lib
+from megatron_adacc.optimizer import MainParamAdamW
+from megatron_adacc.plan import Plan
+from megatron_adacc.planner import default_resolution, evaluate_layer, minimum_budget, plan
+from megatron_adacc.profiler import profile, refresh_codec_costs, static_bytes
+from megatron_adacc.runtime import apply_plan, measure_step
+from megatron_adacc.sites import COMPRESS, RECOMPUTE
+
+from runtime_helpers import batch, build, loss_of
+
+MODELS = {
+    "fp32-dropout": lambda: build(True, dropout=0.1),
+    "bf16-no-dropout": lambda: build(True, torch.bfloat16, dropout=0.0),
+}
+
+
+@pytest.fixture(scope="module", params=list(MODELS))
+def profiled(request, distributed):
+    model = MODELS[request.param]()
+    return model, profile(model, batch(0), repeats=1, strict=True)
+
+
+def predicted_after_forward(costs, result) -> int:
+    return costs.non_layer_bytes + sum(evaluate_layer(costs, decisions).stored_bytes
+                                       for decisions in result.layer_decisions)
+
+
+def test_site_bytes_are_the_rulers_for_every_layer(profiled):
+    model, costs = profiled
+    report = measure_step(model, lambda: loss_of(model), strict=True)[1]
+    for layer in range(costs.num_layers):
+        got = {s: n for (lay, s), n in report.by_site.items() if lay == layer}
+        got.pop("attn_mask", None)  # megatron's cached causal mask: one storage, non-layer
+        assert got == {site.name: site.bytes for site in costs.sites}
+    assert costs.non_layer_bytes + costs.num_layers * costs.layer_bytes == \
+        report.after_forward_bytes
+
+
+def test_every_site_has_a_cost_to_each_action(profiled):
+    _, costs = profiled
+    for site in costs.sites:
+        assert site.codecs, site.name
+        assert all(0 < c.payload_bytes < site.bytes for c in site.codecs), site.name
+        if site.name != "layer_in":
+            assert site.can_recompute and site.recompute_s >= 0
+            assert site.sources in (("layer_in",), ("ln2_in",)), site.name
+    assert sum(costs.meta["rebuild_prefix_s"].values()) > 0
+
+
+@pytest.mark.parametrize("fraction", [0.0, 0.15, 0.4, 0.7, 1.0])
+def test_runtime_keeps_what_the_planner_predicts_within_two_percent(profiled, fraction):
+    model, costs = profiled
+    # The planner rounds stored bytes up to its resolution: at the exact minimum it can miss.
+    low = minimum_budget(costs, allow_lossy_sources=False)
+    low += costs.num_layers * default_resolution(costs)
+    high = plan(costs, 10 * low).references["no optimisation"].peak_bytes
+    # Exact rebuild sources, as the auto policy plans (see policies.py).
+    result = plan(costs, int(low + fraction * (high - low)), allow_lossy_sources=False)
+    apply_plan(model, result.plan, strict=True)
+    try:
+        measured = measure_step(model, lambda: loss_of(model), strict=True)[1]
+    finally:
+        apply_plan(model, None)
+    predicted = predicted_after_forward(costs, result)
+    print(f"budget {result.budget_bytes}: predicted {predicted}, measured "
+          f"{measured.after_forward_bytes}, plan {result.plan.to_dict()}")
+    assert abs(measured.after_forward_bytes - predicted) <= 0.02 * predicted
+
+
+def test_static_bytes_is_what_the_trainers_optimizer_holds(distributed):
+    for dtype in (torch.float32, torch.bfloat16):
+        model = build(True, dtype)
+        optimizer = MainParamAdamW(model, 1e-3, 0.01, (0.9, 0.999))
+        loss_of(model).backward()
+        optimizer.clip_and_step(1.0)
+        held = {}
+        tensors = [*model.parameters(), *model.buffers(), *optimizer.main_params]
+        tensors += [p.grad for p in [*model.parameters(), *optimizer.main_params]
+                    if p.grad is not None]
+        tensors += [t for state in optimizer.optimizer.state.values() for t in state.values()
+                    if torch.is_tensor(t) and t.dim() > 0]
+        for t in tensors:
+            held[id(t.untyped_storage())] = t.untyped_storage().nbytes()
+        assert static_bytes(model) == sum(held.values()), dtype
+
+
+def test_profiling_leaves_decisions_and_random_streams_as_they_were(distributed):
+    plan_ = Plan.uniform({"gelu_in": "recompute", "qkv": "compress"})
+    twins = [build(True, dropout=0.1) for _ in range(2)]
+    for model in twins:
+        apply_plan(model, plan_)
+    model_lib.set_seed(7)
+    expected = loss_of(twins[0])
+    model_lib.set_seed(7)
+    profile(twins[1], batch(1), repeats=1)
+    assert all(p.grad is None for p in twins[1].parameters())
+    assert torch.equal(loss_of(twins[1]), expected)
+    layer_actions = [layer.actions for layer in twins[1].decoder.layers]
+    assert all(a["gelu_in"][0] == RECOMPUTE and a["qkv"][0] == COMPRESS for a in layer_actions)
+
+
+def test_refresh_codec_costs_remeasures_only_the_named_sites(profiled):
+    model, costs = profiled
+    fresh = refresh_codec_costs(costs, model, batch(3), ["gelu_out", "context"], repeats=1)
+    for old, new in zip(costs.sites, fresh.sites):
+        if old.name in ("gelu_out", "context"):
+            assert [c.codec for c in new.codecs] == [c.codec for c in old.codecs]
+            assert new.codecs != old.codecs  # new timings at least
+        else:
+            assert new == old
+    assert all(a == {} for a in (layer.actions for layer in model.decoder.layers))
