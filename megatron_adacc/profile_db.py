@@ -1,0 +1,163 @@
+"""The ProfileDB: measured ModelCosts kept on disk, so later runs of the same model on the
+same machine plan without profiling again.
+
+One SQLite file (stdlib ``sqlite3``), one row per profile, keyed by everything that changes
+the measurements: the model's shape, micro-batch, sequence length and dtype, the device, and
+the code that measured it (a hash of the profiler, runtime and codec sources). A file that is
+not ours or cannot be read is moved aside with a one-line warning and a fresh database takes
+its place: a cache must never stop training.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import sqlite3
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import megatron_adacc
+from megatron_adacc.costs import ModelCosts
+from megatron_adacc.data import default_data_dir
+
+# PRAGMA application_id marks the file as ours ("ADAC"); user_version is the schema.
+APPLICATION_ID = 0x41444143
+SCHEMA_VERSION = 1
+# The sources whose changes invalidate a profile: what measures and what is measured.
+_MEASURED_CODE = ("profiler.py", "costs.py", "sites.py", "runtime", "codecs")
+
+
+def default_path() -> Path:
+    return default_data_dir() / "profiles.sqlite"
+
+
+@functools.lru_cache(maxsize=1)
+def code_version() -> str:
+    package = Path(megatron_adacc.__file__).parent
+    digest = hashlib.sha1()
+    for entry in _MEASURED_CODE:
+        path = package / entry
+        files = sorted(path.rglob("*")) if path.is_dir() else [path]
+        for file in files:
+            if file.suffix in (".py", ".c"):
+                digest.update(file.relative_to(package).as_posix().encode())
+                digest.update(file.read_bytes())
+    return f"{megatron_adacc.__version__}+{digest.hexdigest()[:12]}"
+
+
+def profile_key(config, vocab_size: int, seq_length: int, micro_batch_size: int,
+                device: str) -> dict[str, Any]:
+    """What a profile depends on, from the model's megatron TransformerConfig."""
+    return {
+        "num_layers": config.num_layers,
+        "hidden_size": config.hidden_size,
+        "num_attention_heads": config.num_attention_heads,
+        "ffn_hidden_size": config.ffn_hidden_size,
+        "seq_length": seq_length,
+        "vocab_size": vocab_size,
+        "add_bias_linear": config.add_bias_linear,
+        "hidden_dropout": config.hidden_dropout,
+        "attention_dropout": config.attention_dropout,
+        "softmax_in_fp32": config.attention_softmax_in_fp32,
+        "tensor_model_parallel_size": config.tensor_model_parallel_size,
+        "params_dtype": str(config.params_dtype).removeprefix("torch."),
+        "micro_batch_size": micro_batch_size,
+        "device": device,
+        "code_version": code_version(),
+    }
+
+
+def _key_id(key: dict[str, Any]) -> str:
+    return hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()
+
+
+def _warn(message: str) -> None:
+    print(f"adacc: {message}", file=sys.stderr, flush=True)
+
+
+class _NotOurs(Exception):
+    pass
+
+
+class ProfileDB:
+    """``get(key)`` -> ModelCosts or None; ``put(key, costs)``. Never raises on a bad file."""
+
+    def __init__(self, path: str | Path | None = None):
+        self.path = Path(path) if path is not None else default_path()
+
+    def get(self, key: dict[str, Any]) -> ModelCosts | None:
+        row = self._run(lambda db: db.execute(
+            "SELECT costs FROM profiles WHERE key_id = ?", (_key_id(key),)).fetchone())
+        if not row:
+            return None
+        try:
+            return ModelCosts.from_json(row[0])
+        except (ValueError, KeyError, TypeError) as exc:  # CostsError is a ValueError
+            _warn(f"profile database {self.path}: unreadable profile ({exc}); profiling again")
+            return None
+
+    def put(self, key: dict[str, Any], costs: ModelCosts) -> None:
+        def write(db):
+            with db:
+                db.execute("INSERT OR REPLACE INTO profiles VALUES (?, ?, ?, ?)",
+                           (_key_id(key), json.dumps(key, sort_keys=True), costs.to_json(),
+                            time.time()))
+        self._run(write)
+
+    # --- the file ---------------------------------------------------------------------------
+    def _run(self, action):
+        """``action(connection)``, after making sure the file is ours; a bad file is moved
+        aside once and the action retried on a fresh one. Other errors (locked, read-only,
+        out of space) only warn: the run goes on without the cache."""
+        for attempt in (1, 2):
+            try:
+                db = self._open()
+            except (OSError, sqlite3.Error) as exc:
+                _warn(f"profile database {self.path}: {exc}; not caching")
+                return None
+            try:
+                self._check(db)
+                return action(db)
+            except sqlite3.OperationalError as exc:
+                _warn(f"profile database {self.path}: {exc}; not caching")
+                return None
+            except (sqlite3.DatabaseError, _NotOurs) as exc:
+                if attempt == 2 or not self._move_aside(str(exc)):
+                    return None
+            finally:
+                db.close()
+        return None
+
+    def _open(self) -> sqlite3.Connection:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        return sqlite3.connect(self.path, timeout=30)
+
+    @staticmethod
+    def _check(db: sqlite3.Connection) -> None:
+        application_id = db.execute("PRAGMA application_id").fetchone()[0]
+        version = db.execute("PRAGMA user_version").fetchone()[0]
+        tables = db.execute("SELECT count(*) FROM sqlite_master").fetchone()[0]
+        if application_id == 0 and version == 0 and tables == 0:  # new, empty file
+            with db:
+                db.execute(f"PRAGMA application_id = {APPLICATION_ID}")
+                db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+                db.execute("CREATE TABLE profiles (key_id TEXT PRIMARY KEY, key TEXT NOT NULL, "
+                           "costs TEXT NOT NULL, created REAL NOT NULL)")
+        elif application_id != APPLICATION_ID:
+            raise _NotOurs("not a megatron-adacc profile database")
+        elif version != SCHEMA_VERSION:
+            raise _NotOurs(f"schema version {version}, this version reads {SCHEMA_VERSION}")
+
+    def _move_aside(self, reason: str) -> bool:
+        aside = self.path.with_name(f"{self.path.name}.bad-{time.strftime('%Y%m%d-%H%M%S')}")
+        try:
+            self.path.replace(aside)
+        except OSError as exc:
+            _warn(f"profile database {self.path}: {reason}; cannot move it aside "
+                  f"({exc.strerror or exc}); not caching")
+            return False
+        _warn(f"profile database {self.path}: {reason}; moved it to {aside.name} and started "
+              f"a new one")
+        return True

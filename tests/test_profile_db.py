@@ -1,0 +1,74 @@
+"""The ProfileDB: profiles survive runs, keyed by what they depend on; a bad file never stops
+training."""
+import sqlite3
+
+import pytest
+
+from megatron_adacc import profile_db
+from megatron_adacc.costs import CodecCost, ModelCosts, SiteCost
+from megatron_adacc.profile_db import ProfileDB
+
+
+def costs(non_layer=1000) -> ModelCosts:
+    sites = [SiteCost("layer_in", 4096, "float32", 0.0, (), (CodecCost("outlier_int4", 600, 1e-4, 2e-4),)),
+             SiteCost("gelu_in", 16384, "float32", 3e-4, ("layer_in",))]
+    return ModelCosts(sites, num_layers=2, static_bytes=10_000, non_layer_bytes=non_layer,
+                      backward_workspace_bytes=500, micro_batch_size=2, meta={"source": "test"})
+
+
+KEY = {"num_layers": 2, "hidden_size": 64, "micro_batch_size": 2, "device": "cpu",
+       "code_version": "x"}
+
+
+def test_a_profile_is_found_again_under_its_key_only(tmp_path):
+    path = tmp_path / "p.sqlite"
+    ProfileDB(path).put(KEY, costs())
+    again = ProfileDB(path)  # another run
+    assert again.get(KEY).to_dict() == costs().to_dict()
+    for field, value in (("micro_batch_size", 4), ("device", "gpu"), ("code_version", "y")):
+        assert again.get({**KEY, field: value}) is None
+    again.put(KEY, costs(non_layer=7))
+    assert again.get(KEY).non_layer_bytes == 7
+
+
+@pytest.mark.parametrize("content", [b"garbage, not sqlite" * 100, b"SQLite format 3\x00" + b"\xff" * 4000])
+def test_a_corrupt_file_is_reported_and_rebuilt(tmp_path, capsys, content):
+    path = tmp_path / "p.sqlite"
+    path.write_bytes(content)
+    db = ProfileDB(path)
+    assert db.get(KEY) is None
+    db.put(KEY, costs())
+    assert db.get(KEY) is not None
+    err = [line for line in capsys.readouterr().err.splitlines() if line]
+    assert len(err) == 1 and str(path) in err[0] and "moved it to" in err[0]
+    assert len(list(tmp_path.glob("p.sqlite.bad-*"))) == 1
+
+
+def test_a_foreign_sqlite_database_is_set_aside_not_touched(tmp_path, capsys):
+    path = tmp_path / "p.sqlite"
+    with sqlite3.connect(path) as other:
+        other.execute("CREATE TABLE accounts (id INTEGER)")
+        other.execute("INSERT INTO accounts VALUES (42)")
+    other.close()
+    ProfileDB(path).put(KEY, costs())
+    assert "not a megatron-adacc profile database" in capsys.readouterr().err
+    aside = next(tmp_path.glob("p.sqlite.bad-*"))
+    with sqlite3.connect(aside) as kept:
+        assert kept.execute("SELECT id FROM accounts").fetchall() == [(42,)]
+    kept.close()
+    assert ProfileDB(path).get(KEY) is not None
+
+
+def test_an_unwritable_location_only_warns(tmp_path, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    db = ProfileDB(blocker / "sub" / "p.sqlite")  # its parent cannot be a directory
+    db.put(KEY, costs())
+    assert db.get(KEY) is None
+    assert "not caching" in capsys.readouterr().err
+
+
+def test_default_path_follows_the_data_dir(monkeypatch, tmp_path):
+    monkeypatch.setenv("ADACC_DATA_DIR", str(tmp_path))
+    assert profile_db.default_path() == tmp_path / "profiles.sqlite"
+    assert profile_db.code_version().startswith("0.")
