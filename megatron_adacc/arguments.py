@@ -98,7 +98,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     adacc = p.add_argument_group("adacc")
     adacc.add_argument("--adacc-policy", default="none",
-                       help="none, or a plan YAML file")
+                       help="none (megatron's stock layer), auto (profile and plan for "
+                            "--adacc-memory-budget), full-recompute, quantize (the paper's "
+                            "baselines), or a plan YAML file")
+    adacc.add_argument("--adacc-memory-budget", default=None,
+                       help="memory for parameters, optimizer and activations, e.g. 12GiB "
+                            "(B, KiB, MiB, GiB; KB, MB, GB); default on a GPU: its capacity "
+                            "less 1 GiB; required with auto on a CPU")
+    adacc.add_argument("--adacc-reprofile", action="store_true",
+                       help="measure the model again instead of reusing the ProfileDB")
+    adacc.add_argument("--adacc-profile-db", default=None,
+                       help="ProfileDB file (default: $ADACC_DATA_DIR/profiles.sqlite, "
+                            "~/.cache/megatron-adacc/profiles.sqlite)")
     adacc.add_argument("--adacc-strict", action="store_true",
                        help="fail on a saved tensor that no site accounts for")
     return p
@@ -228,5 +239,27 @@ def finalize(args: argparse.Namespace, world_size: int) -> None:
                 )
     if args.valid_data_path and not args.train_data_path:
         raise ConfigError("--valid-data-path needs --train-data-path")
+    _finalize_adacc(args)
     if args.load and not Path(args.load).is_dir():
         raise ConfigError(f"--load {args.load}: no such checkpoint directory")
+
+
+def _finalize_adacc(args: argparse.Namespace) -> None:
+    from megatron_adacc import policies
+    from megatron_adacc.units import parse_size
+
+    if not policies.is_known(args.adacc_policy):
+        raise ConfigError(
+            f"--adacc-policy {args.adacc_policy}: not one of {', '.join(policies.NAMED)} and "
+            f"not a plan file"
+        )
+    if args.adacc_memory_budget is not None:
+        try:
+            args.adacc_memory_budget = parse_size(args.adacc_memory_budget)
+        except ValueError as exc:
+            raise ConfigError(f"--adacc-memory-budget: {exc}") from None
+    else:
+        args.adacc_memory_budget = policies.default_budget()
+    if args.adacc_policy == "auto" and args.adacc_memory_budget is None:
+        raise ConfigError("--adacc-policy auto on a CPU needs --adacc-memory-budget SIZE "
+                          "(e.g. 512MiB): there is no device capacity to default to")

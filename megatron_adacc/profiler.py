@@ -17,9 +17,9 @@ layer has the same shape), so the numbers describe what the runtime will really 
   runtime's rebuild is re-run and timed at the point backward asks for it. The rebuild
   re-runs Megatron's forward segment (attention from layer_in, MLP from ln2_in) up to the
   site, so the measurement is the segment's prefix; each site is charged the difference to
-  the previous site of its segment, which makes the planner's additive sum exact for every
-  prefix of a segment (and, for a plan recomputing a later site alone, an underestimate: the
-  runtime pays the whole prefix).
+  the previous site of its segment (the ops between their saves), but at least the cheapest
+  rebuild of its segment. The planner adds these up: close for a prefix of a segment, an
+  underestimate for a later site recomputed alone (the runtime pays the whole prefix).
 - sources: what a rebuild reads is its segment's anchor (layer_in, or ln2_in), so those are
   the sources the exactness rule needs: a rebuild from a compressed anchor is lossy.
 
@@ -278,9 +278,13 @@ def _recompute_costs(order: Sequence[str], prefix_s: dict[str, float]
     for anchor, chain in _chains(order).items():
         measured = [site for site in chain if site in prefix_s]
         fitted = _nondecreasing([prefix_s[site] for site in measured])
+        # Any rebuild re-enters megatron's segment, restores the RNG and runs its first op,
+        # whatever it rebuilds: no site is free to recompute, even one saved by the same op
+        # as the site before it.
+        entry = fitted[0] if fitted else 0.0
         for site, before, now in zip(measured, [0.0, *fitted], fitted):
             sources = (anchor,) if anchor in order and anchor != site else ()
-            costs[site] = (now - before, sources)
+            costs[site] = (max(now - before, entry), sources)
     return costs
 
 

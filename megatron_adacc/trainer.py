@@ -12,9 +12,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megatron_adacc import checkpoint, data, model as model_lib
+from megatron_adacc import checkpoint, data, model as model_lib, policies
 from megatron_adacc.optimizer import MainParamAdamW
-from megatron_adacc.plan import Plan
+from megatron_adacc.profile_db import ProfileDB
+from megatron_adacc.profiler import static_bytes
 from megatron_adacc.runtime import ActivationRuler, apply_plan, get_adacc_layer_spec
 from megatron_adacc.tokenizers import build_tokenizer
 
@@ -128,13 +129,6 @@ def _average_over(group, value: float) -> float:
     return tensor.item() / dist.get_world_size(group)
 
 
-def resolve_plan(args: argparse.Namespace) -> Plan | None:
-    """The plan --adacc-policy asks for; None means megatron's stock layer, untouched."""
-    if args.adacc_policy == "none":
-        return None
-    return Plan.load(args.adacc_policy)
-
-
 class Trainer:
     def __init__(self, args: argparse.Namespace):
         from megatron.core import parallel_state
@@ -170,10 +164,21 @@ class Trainer:
         self.vocab_size = padded_vocab_size(
             self.tokenizer.vocab_size, args.make_vocab_size_divisible_by,
             args.tensor_model_parallel_size)
-        self.plan = resolve_plan(args)
         self.model = model_lib.build_gpt_model(
             self.config, self.vocab_size, args.max_position_embeddings,
-            get_adacc_layer_spec() if self.plan is not None else None)
+            get_adacc_layer_spec() if policies.uses_runtime(args.adacc_policy) else None)
+        self.static_bytes = static_bytes(self.model)
+        # Profiling (auto) measures the bare model on the first real micro-batch, before any
+        # data-parallel wrapper can synchronise its throwaway gradients.
+        first = next(self.train_batches.micro_batches(0))
+        self.policy = policies.resolve(
+            args.adacc_policy, args.adacc_memory_budget, self.model,
+            (first["tokens"], first["labels"], first["loss_mask"]),
+            db=ProfileDB(args.adacc_profile_db), reprofile=args.adacc_reprofile,
+            strict=args.adacc_strict)
+        self.plan = self.policy.plan
+        if self.is_logging_rank and self.plan is not None:
+            print(policies.describe(self.policy), flush=True)
         if self.plan is not None:
             apply_plan(self.model, self.plan, strict=args.adacc_strict)
         self.activation_bytes: dict[str, int] = {}
@@ -279,8 +284,13 @@ class Trainer:
                     "grad_norm": grad_norm,
                     **self.activation_bytes,
                     "activation_measured": measure,
-                    "plan_id": self.plan.plan_id if self.plan is not None else "none",
+                    "static_bytes": self.static_bytes,
+                    "budget_bytes": self.policy.budget_bytes,
+                    "plan_id": self.policy.plan_id,
                 }
+                if self.policy.result is not None:
+                    record["predicted_activation_bytes"] = policies.predicted_activation_bytes(
+                        self.policy.costs, self.policy.result)
                 if args.eval_interval and (self.iteration % args.eval_interval == 0
                                            or self.iteration == args.train_iters):
                     val = self.evaluate()

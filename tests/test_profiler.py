@@ -6,7 +6,8 @@ import torch
 from megatron_adacc import model as model_lib
 from megatron_adacc.optimizer import MainParamAdamW
 from megatron_adacc.plan import Plan
-from megatron_adacc.planner import default_resolution, evaluate_layer, minimum_budget, plan
+from megatron_adacc.planner import default_resolution, minimum_budget, plan
+from megatron_adacc.policies import predicted_activation_bytes
 from megatron_adacc.profiler import profile, refresh_codec_costs, static_bytes
 from megatron_adacc.runtime import apply_plan, measure_step
 from megatron_adacc.sites import COMPRESS, RECOMPUTE
@@ -23,11 +24,6 @@ MODELS = {
 def profiled(request, distributed):
     model = MODELS[request.param]()
     return model, profile(model, batch(0), repeats=1, strict=True)
-
-
-def predicted_after_forward(costs, result) -> int:
-    return costs.non_layer_bytes + sum(evaluate_layer(costs, decisions).stored_bytes
-                                       for decisions in result.layer_decisions)
 
 
 def test_site_bytes_are_the_rulers_for_every_layer(profiled):
@@ -66,7 +62,7 @@ def test_runtime_keeps_what_the_planner_predicts_within_two_percent(profiled, fr
         measured = measure_step(model, lambda: loss_of(model), strict=True)[1]
     finally:
         apply_plan(model, None)
-    predicted = predicted_after_forward(costs, result)
+    predicted = predicted_activation_bytes(costs, result)
     print(f"budget {result.budget_bytes}: predicted {predicted}, measured "
           f"{measured.after_forward_bytes}, plan {result.plan.to_dict()}")
     assert abs(measured.after_forward_bytes - predicted) <= 0.02 * predicted

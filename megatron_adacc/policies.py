@@ -1,0 +1,159 @@
+"""``--adacc-policy``: from a name to the Plan the runtime applies.
+
+    none            megatron's stock layer, no hooks at all (no plan)
+    FILE.yaml       a plan written, or pinned, by hand
+    full-recompute  every site rebuilt from layer_in in backward: the paper's "Megatron-LM"
+                    full-recomputation baseline, run by the Adacc runtime
+    quantize        the paper's "Quantization" baseline: every floating-point site, layer_in
+                    included, per-token INT4 (naive_int4). Dropout masks are bit-packed
+                    instead: lossless, smaller than INT4, and on a GPU they are bool tensors,
+                    which INT4 does not define
+    auto            profile the model (or reuse its ProfileDB row), then plan the fastest mix
+                    of retain, compress and recompute that fits --adacc-memory-budget
+
+The baselines are Plans through the same runtime as ``auto``, so the comparison measures the
+decisions, not two mechanisms. Megatron's cached causal mask is one storage shared by every
+layer: every policy keeps it (compressing or rebuilding it per layer would cost memory).
+
+``auto`` plans with exact rebuild sources (no recomputed site rebuilt from a compressed
+anchor): a rebuild from a lossy layer_in or ln2_in would change every rebuilt value.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from megatron_adacc import hardware, planner, profiler
+from megatron_adacc import sites as site_table
+from megatron_adacc.costs import ModelCosts
+from megatron_adacc.plan import Decision, Plan
+from megatron_adacc.profile_db import ProfileDB, profile_key
+from megatron_adacc.sites import COMPRESS, RECOMPUTE
+
+NAMED = ("none", "auto", "full-recompute", "quantize")
+QUANTIZE_CODEC = "naive_int4"
+_MASK_CODEC = "bitmask"
+
+
+def _decided_sites() -> list[site_table.Site]:
+    return [site for site in site_table.SITES.values() if site.name not in profiler.SHARED_SITES]
+
+
+def full_recompute_plan() -> Plan:
+    return Plan.uniform({site.name: Decision(RECOMPUTE) for site in _decided_sites()
+                         if site.recomputable})
+
+
+def quantize_plan() -> Plan:
+    return Plan.uniform({
+        site.name: Decision(COMPRESS, None if site.default_codec == _MASK_CODEC else QUANTIZE_CODEC)
+        for site in _decided_sites()
+    })
+
+
+def is_known(policy: str) -> bool:
+    return policy in NAMED or Path(policy).is_file()
+
+
+def uses_runtime(policy: str) -> bool:
+    """Every policy but ``none`` needs the Adacc layer spec."""
+    return policy != "none"
+
+
+def default_budget() -> int | None:
+    """On a GPU, the device's memory less what a process cannot give to tensors."""
+    if not torch.cuda.is_available():
+        return None
+    capacity = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    return capacity - hardware.DEFAULT_RESERVED_BYTES
+
+
+def predicted_activation_bytes(costs: ModelCosts, result: planner.PlanResult) -> int:
+    """Activation bytes kept at the end of forward under ``result``, the quantity the ruler
+    reports as ``activation_bytes``: non-layer bytes plus what every layer stores."""
+    return costs.non_layer_bytes + sum(planner.evaluate_layer(costs, decisions).stored_bytes
+                                       for decisions in result.layer_decisions)
+
+
+@dataclass
+class Resolved:
+    name: str
+    plan: Plan | None              # None: megatron's stock layer
+    budget_bytes: int | None
+    costs: ModelCosts | None = None
+    result: planner.PlanResult | None = None
+    profile_s: float | None = None  # None: the costs came from the ProfileDB
+
+    @property
+    def plan_id(self) -> str:
+        return self.plan.plan_id if self.plan is not None else "none"
+
+
+def resolve(policy: str, budget_bytes: int | None, model: torch.nn.Module | None = None,
+            batch: profiler.Batch | None = None, *, db: ProfileDB | None = None,
+            reprofile: bool = False, strict: bool = False,
+            profile_fn: Callable[..., ModelCosts] | None = None) -> Resolved:
+    """The plan for ``policy``. ``auto`` needs the model (built with the Adacc layer spec)
+    and one real micro-batch, and raises planner.InfeasibleBudget (a ValueError naming the
+    smallest feasible budget) when nothing fits."""
+    if policy == "none":
+        return Resolved(policy, None, budget_bytes)
+    if policy == "full-recompute":
+        return Resolved(policy, full_recompute_plan(), budget_bytes)
+    if policy == "quantize":
+        return Resolved(policy, quantize_plan(), budget_bytes)
+    if policy != "auto":
+        return Resolved(policy, Plan.load(policy), budget_bytes)
+    if budget_bytes is None:
+        raise ValueError("--adacc-policy auto needs --adacc-memory-budget SIZE on a CPU")
+    costs, profile_s = _costs(model, batch, db or ProfileDB(), reprofile, strict,
+                              profile_fn or profiler.profile)
+    # Every rank plans the same costs with the same deterministic planner: one plan, and an
+    # infeasible budget fails on every rank alike instead of leaving the others waiting.
+    result = planner.plan(costs, budget_bytes, allow_lossy_sources=False)
+    return Resolved(policy, result.plan, budget_bytes, costs, result, profile_s)
+
+
+def _costs(model, batch, db: ProfileDB, reprofile: bool, strict: bool, profile_fn):
+    """Rank 0 looks the costs up (or measures them) and every rank gets rank 0's copy. When
+    measuring, every rank runs the profiling steps: tensor-parallel layers need their peers."""
+    config = model.config
+    tokens = batch[0]
+    key = profile_key(config, model.vocab_size, tokens.shape[1], tokens.shape[0],
+                      profiler.device_name(tokens.device))
+    rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    found = db.get(key) if rank0 and not reprofile else None
+    missing = _from_rank0(found is None)
+    profile_s = None
+    if missing:
+        started = time.perf_counter()
+        found = profile_fn(model, batch, strict=strict)
+        profile_s = time.perf_counter() - started
+        if rank0:
+            db.put(key, found)
+    return ModelCosts.from_json(_from_rank0(found.to_json() if rank0 else None)), profile_s
+
+
+def _from_rank0(value):
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def describe(resolved: Resolved) -> str:
+    """What rank 0 prints before training: where the costs came from and the plan table."""
+    from megatron_adacc.report import format_plan
+
+    if resolved.result is None:
+        return f"adacc: policy {resolved.name}, plan {resolved.plan_id}"
+    origin = ("reused the profile in the ProfileDB" if resolved.profile_s is None
+              else f"profiled in {resolved.profile_s:.1f} s")
+    return (f"adacc: policy auto ({origin}; {resolved.costs.meta.get('device', '?')}), "
+            f"plan {resolved.plan_id}\n{format_plan(resolved.result)}")

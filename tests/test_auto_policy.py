@@ -1,0 +1,99 @@
+"""--adacc-policy auto and the paper's baselines, end to end through the Trainer."""
+import pytest
+
+from megatron_adacc import policies, profiler
+from megatron_adacc.arguments import ConfigError, parse_args
+from megatron_adacc.sites import COMPRESS, RECOMPUTE, RETAIN
+from megatron_adacc.trainer import Trainer
+
+from test_trainer import TINY
+
+METRICS = {"static_bytes", "budget_bytes", "plan_id", "activation_bytes"}
+
+
+@pytest.fixture
+def counted_profiles(monkeypatch):
+    calls = []
+    real = profiler.profile
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs, repeats=1)
+
+    monkeypatch.setattr(profiler, "profile", counting)
+    return calls
+
+
+def run(tmp_path, *flags):
+    args = parse_args(TINY + ["--train-iters", "2", "--adacc-profile-db",
+                              str(tmp_path / "profiles.sqlite"), *flags])
+    trainer = Trainer(args)
+    return trainer, trainer.train()
+
+
+def actions(trainer) -> set[str]:
+    return {d.action for layer in trainer.policy.result.layer_decisions for d in layer.values()}
+
+
+def test_auto_across_budgets_profiles_once_and_keeps_what_it_predicts(tmp_path, counted_profiles,
+                                                                    capsys):
+    trainer, records = run(tmp_path, "--adacc-policy", "auto", "--adacc-memory-budget", "1GiB")
+    assert actions(trainer) == {RETAIN}          # everything fits: nothing to pay for
+    costs, result = trainer.policy.costs, trainer.policy.result
+    assert "site" in capsys.readouterr().out     # the plan table, on rank 0
+    minimum = result.minimum_feasible_budget
+    no_optimisation = result.references["no optimisation"].peak_bytes
+    seen = {frozenset(actions(trainer))}
+    for budget in (minimum + (no_optimisation - minimum) // 3, minimum + 4096):
+        trainer, records = run(tmp_path, "--adacc-policy", "auto",
+                               "--adacc-memory-budget", str(budget))
+        seen.add(frozenset(actions(trainer)))
+        for record in records:
+            assert METRICS <= set(record) and record["budget_bytes"] == budget
+            assert record["plan_id"] == trainer.plan.plan_id
+            assert abs(record["activation_bytes"] - record["predicted_activation_bytes"]) \
+                <= 0.02 * record["predicted_activation_bytes"]
+    assert len(counted_profiles) == 1            # later runs reuse the ProfileDB
+    assert any(RECOMPUTE in mix for mix in seen) and len(seen) == 3
+    assert costs.to_dict() == trainer.policy.costs.to_dict()
+
+    run(tmp_path, "--adacc-policy", "auto", "--adacc-memory-budget", "1GiB", "--adacc-reprofile")
+    assert len(counted_profiles) == 2
+
+
+def test_auto_with_an_infeasible_budget_names_the_smallest_feasible_one(tmp_path, capsys):
+    import pretrain_gpt
+
+    code = pretrain_gpt.main([*TINY, "--train-iters", "1", "--adacc-policy", "auto",
+                              "--adacc-memory-budget", "100KiB",
+                              "--adacc-profile-db", str(tmp_path / "p.sqlite")])
+    assert code == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(lines) == 1 and "smallest feasible budget is" in lines[0], lines
+
+
+def test_auto_on_a_cpu_needs_a_budget():
+    with pytest.raises(ConfigError, match="needs --adacc-memory-budget"):
+        parse_args(TINY + ["--adacc-policy", "auto"])
+    with pytest.raises(ConfigError, match="--adacc-memory-budget"):
+        parse_args(TINY + ["--adacc-policy", "auto", "--adacc-memory-budget", "12 parsecs"])
+    with pytest.raises(ConfigError, match="not one of"):
+        parse_args(TINY + ["--adacc-policy", "fastest"])
+
+
+@pytest.mark.parametrize("policy, action", [("full-recompute", RECOMPUTE),
+                                            ("quantize", COMPRESS), ("none", None)])
+def test_baselines_run_through_the_same_runtime_and_log(tmp_path, policy, action):
+    trainer, records = run(tmp_path, "--adacc-policy", policy, "--adacc-memory-budget", "8MiB")
+    plan = trainer.plan
+    if action is None:
+        assert plan is None and records[0]["plan_id"] == "none"
+    else:
+        assert {d.action for d in plan.for_layer(0).values()} == {action, RETAIN}
+        assert records[0]["plan_id"] == plan.plan_id
+    for record in records:
+        assert METRICS <= set(record) and record["budget_bytes"] == 8 << 20
+        assert record["static_bytes"] == trainer.static_bytes > 0
+    if policy == "quantize":
+        codecs = {d.codec_for(s) for s, d in plan.for_layer(0).items() if d.action == COMPRESS}
+        assert codecs == {policies.QUANTIZE_CODEC, "bitmask"}
