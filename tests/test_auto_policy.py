@@ -54,7 +54,8 @@ def test_auto_across_budgets_profiles_once_and_keeps_what_it_predicts(tmp_path, 
             assert abs(record["activation_bytes"] - record["predicted_activation_bytes"]) \
                 <= 0.02 * record["predicted_activation_bytes"]
     assert len(counted_profiles) == 1            # later runs reuse the ProfileDB
-    assert any(RECOMPUTE in mix for mix in seen) and len(seen) == 3
+    # Which mix wins depends on measured times; that tight budgets need recompute does not.
+    assert any(RECOMPUTE in mix and RETAIN in mix for mix in seen) and len(seen) >= 2
     assert costs.to_dict() == trainer.policy.costs.to_dict()
 
     run(tmp_path, "--adacc-policy", "auto", "--adacc-memory-budget", "1GiB", "--adacc-reprofile")
