@@ -3,8 +3,9 @@
     adacc plan --config configs/gpt-345m.yaml --micro-batch-size 8 --memory-budget 16GiB \
         --hardware v100-32gb [--json] [--uniform] [--exact]
 
-Costs come from a source: today the analytic model of a named accelerator (``--hardware``);
-a ProfileDB (``--profile-db``) plugs in beside it once the profiler writes one. Exit codes:
+Costs come from a source: the analytic model of a named accelerator (``--hardware``), or,
+without it, this machine's ProfileDB (``--profile-db``, default in $ADACC_DATA_DIR), profiling
+the model first, as the trainer would, when the database has no row for it. Exit codes:
 0 planned, 2 a bad request or an infeasible budget (with a one-line reason on stderr).
 """
 from __future__ import annotations
@@ -45,7 +46,8 @@ def _build_parser() -> argparse.ArgumentParser:
                    f"minus {hardware.DEFAULT_RESERVED_BYTES >> 30} GiB reserved")
     p.add_argument("--hardware", choices=sorted(hardware.ACCELERATORS),
                    help="plan from the analytic model of this accelerator")
-    p.add_argument("--profile-db", help="plan from a profile (needs the profiler)")
+    p.add_argument("--profile-db", help="ProfileDB file for plans without --hardware "
+                   "(default: $ADACC_DATA_DIR/profiles.sqlite)")
     p.add_argument("--zero-stage", type=int, default=0, choices=(0, 1, 2, 3))
     p.add_argument("--data-parallel-size", type=int, default=1)
     p.add_argument("--uniform", dest="per_layer", action="store_false",
@@ -80,15 +82,46 @@ def _flags(args: argparse.Namespace) -> dict[str, Any]:
     return flags
 
 
-def _costs(args: argparse.Namespace) -> tuple[ModelCosts, int]:
+def _profiled_costs(args: argparse.Namespace) -> tuple[ModelCosts, int | None]:
+    """This machine's measured costs from the ProfileDB, profiled first (on the model and
+    first micro-batch the trainer would build from this config) when it has none; and the
+    default budget (a GPU's usable memory, None on a CPU)."""
+    import contextlib
+
+    from megatron_adacc import policies
+    from megatron_adacc.arguments import parse_args
+    from megatron_adacc.profile_db import ProfileDB
+    from megatron_adacc.trainer import Trainer
+
+    if args.vocab_size is not None:
+        raise UsageError("--vocab-size describes a model for --hardware; a profile measures "
+                         "the trainer's model, whose vocabulary is its --tokenizer-type's")
+    argv = ["--config", args.config] if args.config else []
+    for flag in _SHAPE_FLAGS:
+        value = getattr(args, flag.replace("-", "_"))
+        if value is not None:
+            argv += [f"--{flag}", str(value)]
+    if args.precision == "fp16":
+        raise UsageError("the trainer profiles bf16 or fp32; pass --precision bf16 or fp32, or "
+                         "--hardware for the analytic model")
+    argv += ["--bf16"] if args.precision == "bf16" else []
+    argv += ["--micro-batch-size", str(args.micro_batch_size), "--global-batch-size",
+             str(args.micro_batch_size), "--train-iters", "1", "--lr-warmup-iters", "0",
+             "--eval-interval", "0", "--adacc-policy", "full-recompute"]
+    try:
+        with contextlib.redirect_stdout(sys.stderr):  # keep stdout for the table / JSON
+            trainer = Trainer(parse_args(argv))
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    costs, _ = policies.measured_costs(trainer.model, trainer.first_micro_batch(),
+                                       ProfileDB(args.profile_db))
+    return policies.designated_codecs(costs), policies.default_budget()
+
+
+def _costs(args: argparse.Namespace) -> tuple[ModelCosts, int | None]:
     """The costs to plan from and the default budget (the device's usable memory)."""
-    if args.profile_db:
-        raise UsageError("planning from a ProfileDB needs the profiler, which is not built "
-                         "yet; use --hardware NAME for the analytic model")
     if not args.hardware:
-        raise UsageError("no profile of this model on this machine yet; pass --hardware "
-                         f"({', '.join(sorted(hardware.ACCELERATORS))}) to plan from the "
-                         "analytic model")
+        return _profiled_costs(args)
     try:
         shape = hardware.ModelShape.from_flags(_flags(args))
         costs = hardware.analytic_costs(shape, args.micro_batch_size, args.hardware,
@@ -110,6 +143,9 @@ def _plan_command(args: argparse.Namespace) -> int:
             raise UsageError(f"--memory-budget: {exc}") from None
     costs, default_budget = _costs(args)
     budget = default_budget if budget is None else budget
+    if budget is None:
+        raise UsageError("--memory-budget SIZE is needed to plan for a CPU (no device capacity "
+                         "to default to)")
     try:
         result = plan(costs, budget, per_layer=args.per_layer,
                       allow_lossy_sources=args.allow_lossy_sources)

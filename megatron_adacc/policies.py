@@ -111,8 +111,8 @@ def resolve(policy: str, budget_bytes: int | None, model: torch.nn.Module | None
         return Resolved(policy, Plan.load(policy), budget_bytes)
     if budget_bytes is None:
         raise ValueError("--adacc-policy auto needs --adacc-memory-budget SIZE on a CPU")
-    costs, profile_s = _costs(model, batch, db or ProfileDB(), reprofile, strict,
-                              profile_fn or profiler.profile)
+    costs, profile_s = measured_costs(model, batch, db or ProfileDB(), reprofile, strict,
+                                      profile_fn)
     # Every rank plans the same costs with the same deterministic planner: one plan, and an
     # infeasible budget fails on every rank alike instead of leaving the others waiting.
     result = planner.plan(designated_codecs(costs), budget_bytes, allow_lossy_sources=False)
@@ -130,9 +130,13 @@ def designated_codecs(costs: ModelCosts) -> ModelCosts:
     return replace(costs, sites=sites)
 
 
-def _costs(model, batch, db: ProfileDB, reprofile: bool, strict: bool, profile_fn):
-    """Rank 0 looks the costs up (or measures them) and every rank gets rank 0's copy. When
-    measuring, every rank runs the profiling steps: tensor-parallel layers need their peers."""
+def measured_costs(model, batch, db: ProfileDB, reprofile: bool = False, strict: bool = False,
+                   profile_fn: Callable[..., ModelCosts] | None = None
+                   ) -> tuple[ModelCosts, float | None]:
+    """(costs, seconds spent profiling or None when the ProfileDB had them). Rank 0 looks
+    the costs up (or measures them) and every rank gets rank 0's copy. When measuring, every
+    rank runs the profiling steps: tensor-parallel layers need their peers."""
+    profile_fn = profile_fn or profiler.profile
     config = model.config
     tokens = batch[0]
     key = profile_key(config, model.vocab_size, tokens.shape[1], tokens.shape[0],

@@ -170,10 +170,8 @@ class Trainer:
         self.static_bytes = static_bytes(self.model)
         # Profiling (auto) measures the bare model on the first real micro-batch, before any
         # data-parallel wrapper can synchronise its throwaway gradients.
-        first = next(self.train_batches.micro_batches(0))
         self.policy = policies.resolve(
-            args.adacc_policy, args.adacc_memory_budget, self.model,
-            (first["tokens"], first["labels"], first["loss_mask"]),
+            args.adacc_policy, args.adacc_memory_budget, self.model, self.first_micro_batch(),
             db=ProfileDB(args.adacc_profile_db), reprofile=args.adacc_reprofile,
             strict=args.adacc_strict)
         self.plan = self.policy.plan
@@ -205,6 +203,11 @@ class Trainer:
         if args.load:
             self.iteration, _ = checkpoint.load(args.load, self.model, self.optimizer,
                                                 self.scheduler)
+
+    def first_micro_batch(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(tokens, labels, loss mask) of this rank's first training micro-batch."""
+        first = next(self.train_batches.micro_batches(0))
+        return first["tokens"], first["labels"], first["loss_mask"]
 
     def _demo_corpus(self) -> tuple[str, str]:
         args = self.args

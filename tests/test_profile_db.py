@@ -72,3 +72,30 @@ def test_default_path_follows_the_data_dir(monkeypatch, tmp_path):
     monkeypatch.setenv("ADACC_DATA_DIR", str(tmp_path))
     assert profile_db.default_path() == tmp_path / "profiles.sqlite"
     assert profile_db.code_version().startswith("0.")
+
+
+def test_adacc_plan_without_hardware_profiles_once_then_reads_the_database(
+        tmp_path, monkeypatch, capsys):
+    import json
+
+    from megatron_adacc import profiler
+    from megatron_adacc.cli import main
+
+    calls = []
+    real = profiler.profile
+    monkeypatch.setattr(profiler, "profile",
+                        lambda *a, **k: calls.append(1) or real(*a, **k, repeats=1))
+    config = tmp_path / "tiny.yaml"
+    config.write_text("num-layers: 2\nhidden-size: 64\nnum-attention-heads: 4\n"
+                      "seq-length: 32\ntokenizer-type: ByteLevel\n")
+    argv = ["plan", "--config", str(config), "--micro-batch-size", "2", "--memory-budget",
+            "3MiB", "--profile-db", str(tmp_path / "p.sqlite"), "--json"]
+    plans = []
+    for _ in range(2):
+        assert main(argv) == 0
+        plans.append(json.loads(capsys.readouterr().out))
+    assert len(calls) == 1
+    assert plans[0] == {**plans[1], "solve_time_s": plans[0]["solve_time_s"]}
+    assert plans[0]["feasible"] and plans[0]["budget_bytes"] == 3 << 20
+    assert main([*argv[:5], "--profile-db", str(tmp_path / "p.sqlite")]) == 2  # no budget
+    assert "--memory-budget" in capsys.readouterr().err
