@@ -1,0 +1,26 @@
+"""Run under torchrun by test_multirank.py: train, then report every rank's plan.
+
+Prints one JSON line on rank 0: {"plan_ids": [...one per rank...], "plans": [...YAML...]}.
+"""
+import json
+import sys
+
+import torch.distributed as dist
+
+from megatron_adacc.arguments import parse_args
+from megatron_adacc.trainer import Trainer
+
+
+def main() -> None:
+    args = parse_args(sys.argv[1:], world_size=int(__import__("os").environ["WORLD_SIZE"]))
+    trainer = Trainer(args)
+    trainer.train()
+    plan = trainer.plan.to_yaml() if trainer.plan is not None else None
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (trainer.policy.plan_id, plan))
+    if dist.get_rank() == 0:
+        print(json.dumps({"plan_ids": [g[0] for g in gathered], "plans": [g[1] for g in gathered]}))
+
+
+if __name__ == "__main__":
+    main()
