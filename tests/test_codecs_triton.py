@@ -17,7 +17,7 @@ import math  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from hypothesis import given, settings  # noqa: E402
+from hypothesis import HealthCheck, given, settings  # noqa: E402
 
 from megatron_adacc import codecs  # noqa: E402
 from test_codecs import edge_tensors  # noqa: E402
@@ -69,7 +69,7 @@ def test_random_inputs_byte_identical(name, dtype):
 
 
 @pytest.mark.parametrize("name", ["outlier_int4", "asym_int4", "sym_int4", "naive_int4"])
-@settings(max_examples=15, deadline=None)
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(x=edge_tensors())
 def test_edge_inputs_byte_identical(name, x):
     assert_same_payload_and_output(name, x)

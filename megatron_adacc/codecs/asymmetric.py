@@ -17,7 +17,8 @@ from megatron_adacc.codecs.int4 import MIN_SCALE, SCALE_DTYPE, ceil_to_bf16, pac
 def asym_encode(x2d: torch.Tensor, dmax: float):
     """-> (packed int4 codes, bf16 scales, offsets in x2d's dtype, usable-scale flags)."""
     lo, hi = torch.aminmax(x2d, dim=1, keepdim=True)
-    lo32 = lo.float()
+    # Which zero is the minimum of {0.0, -0.0} depends on the reduction order: store +0.
+    lo32 = torch.where(lo == 0, 0.0, lo.float())
     scale = ceil_to_bf16((hi.float() - lo32) / 15).clamp_min(MIN_SCALE)
     # Usable when the whole grid min .. min + 15 * scale is finite in the input dtype; this
     # also rejects groups holding NaN or Inf (comparisons with NaN are False).

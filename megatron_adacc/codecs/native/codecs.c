@@ -202,6 +202,7 @@ void asym_encode_rows(const void *x, int dtype, int64_t rows, int64_t cols, floa
         float lo, hi;
         float buf[MAX_STACK_GROUP]; /* wider rows are routed to the reference by the wrapper */
         int ok = group_to_float(x, base, cols, dtype, buf, &lo, &hi);
+        lo = lo == 0.0f ? 0.0f : lo; /* +0 whichever zero the reduction met first */
         float scale = ceil_to_bf16((hi - lo) / 15.0f);
         scale = scale < MIN_SCALE ? MIN_SCALE : scale;
         float top = lo + 15.0f * scale;

@@ -24,6 +24,7 @@ def _asym_encode_rows(x_ptr, packed_ptr, scale_ptr, offset_ptr, ok_ptr, rows, co
     non_finite = (even != even) | (tl.abs(even) == float("inf")) | (odd != odd) | (tl.abs(odd) == float("inf"))
     finite_row = tl.sum((non_finite & mask).to(tl.int32), axis=1) == 0
     lo = tl.min(tl.where(mask, tl.minimum(even, odd), float("inf")), axis=1)
+    lo = tl.where(lo == 0, 0.0, lo)  # +0 whichever zero the reduction met first
     hi = tl.max(tl.where(mask, tl.maximum(even, odd), -float("inf")), axis=1)
     scale = tl.maximum(ceil_to_bf16(tl.div_rn(hi - lo, 15.0)), min_scale)
     ok = finite_row & (tl.abs(lo) <= dmax) & (tl.abs(lo + 15 * scale) <= dmax)
