@@ -30,7 +30,7 @@ from __future__ import annotations
 import contextlib
 import statistics
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Callable, Iterable, Sequence
 
 import torch
@@ -169,10 +169,10 @@ class _Profiling:
         self.device = batch[0].device
 
     def step(self, decisions: dict[str, Decision], ruler_type=ActivationRuler,
-             install: Callable[[], None] | None = None):
-        """Forward and backward of the micro-batch with ``decisions`` on the measured layer
-        only (``install`` may then adjust the layer's actions); gradients are dropped.
-        Returns the ruler."""
+             install: Callable[[], None] | None = None, backward: bool = True):
+        """Forward and (unless ``backward`` is False) backward of the micro-batch with
+        ``decisions`` on the measured layer only (``install`` may then adjust the layer's
+        actions); gradients are dropped. Returns the ruler."""
         apply_plan(self.model, Plan(layers={(self.index, self.index): decisions}),
                    strict=self.strict)
         if install is not None:
@@ -180,8 +180,10 @@ class _Profiling:
         with ruler_type(self.model, strict=self.strict) as ruler:
             loss = model_lib.gpt_loss(self.model, *self.batch)
             ruler.forward_done()
-            loss.backward()
-        self.model.zero_grad(set_to_none=True)
+            if backward:
+                loss.backward()
+        if backward:
+            self.model.zero_grad(set_to_none=True)
         return ruler
 
     def layer_sites(self, ruler: ActivationRuler) -> dict[str, int]:
@@ -189,22 +191,29 @@ class _Profiling:
                 if layer == self.index and site not in SHARED_SITES}
 
     # --- codecs ------------------------------------------------------------------------------
+    def probed_step(self, decisions: dict[str, Decision], backward: bool = True
+                    ) -> tuple[dict[str, int], dict[str, "_CodecProbe"]]:
+        """A step with ``decisions`` on the measured layer whose codecs are probed: (the
+        layer's bytes per site, a probe per compressed site)."""
+        probes: dict[str, _CodecProbe] = {}
+
+        def install(layer=self.layer):
+            for name, (action, codec) in list(layer.actions.items()):
+                if action == COMPRESS:
+                    probes[name] = _CodecProbe(codec)
+                    layer.actions[name] = (COMPRESS, probes[name])
+
+        return (self.layer_sites(self.step(decisions, install=install, backward=backward)),
+                probes)
+
     def codec_costs(self, names: Iterable[str]) -> dict[str, list[CodecCost]]:
         """Every candidate codec of each named site, on this step's real tensors."""
         candidates = {name: candidate_codecs(name) for name in names}
         found: dict[str, list[CodecCost]] = {name: [] for name in candidates}
         for round_ in range(max((len(c) for c in candidates.values()), default=0)):
             chosen = {name: c[round_] for name, c in candidates.items() if round_ < len(c)}
-            decisions = {name: Decision(COMPRESS, codec) for name, codec in chosen.items()}
-            probes: dict[str, _CodecProbe] = {}
-
-            def install(layer=self.layer):
-                for name, (action, codec) in list(layer.actions.items()):
-                    if action == COMPRESS:
-                        probes[name] = _CodecProbe(codec)
-                        layer.actions[name] = (COMPRESS, probes[name])
-
-            sites = self.layer_sites(self.step(decisions, install=install))
+            sites, probes = self.probed_step(
+                {name: Decision(COMPRESS, codec) for name, codec in chosen.items()})
             for name, codec in chosen.items():
                 probe = probes.get(name)
                 if probe is None or probe.failed or not probe.inputs:
@@ -366,6 +375,31 @@ def refresh_codec_costs(costs: ModelCosts, model: torch.nn.Module, batch: Batch,
     sites = [replace(site, codecs=tuple(fresh[site.name])) if site.name in fresh else site
              for site in costs.sites]
     return replace(costs, sites=sites)
+
+
+@dataclass
+class SiteSample:
+    """One site of the measured layer compressed in one real step: the codec, the tensors
+    the runtime handed it and the payload bytes the ruler counted."""
+
+    codec: codecs.Codec
+    tensors: list[torch.Tensor]
+    payload_bytes: int
+
+
+def sample_sites(model: torch.nn.Module, batch: Batch, names: Iterable[str], *,
+                 strict: bool = False) -> dict[str, SiteSample]:
+    """One forward of ``batch`` with ``names`` compressed by their designated codecs on the
+    measured layer, keeping what each codec was given (the rectifier's view of the
+    activations as training moves them). Forward only: the payloads are what forward keeps,
+    and no backward means no gradient (nor data-parallel reduction) is touched. Decisions
+    and RNG streams are left as found."""
+    with _left_as_found(model):
+        sizes, probes = _Profiling(model, batch, strict, repeats=1).probed_step(
+            {name: Decision(COMPRESS) for name in names}, backward=False)
+    return {name: SiteSample(probe.codec, probe.inputs, sizes[name])
+            for name, probe in probes.items()
+            if not probe.failed and probe.inputs and name in sizes}
 
 
 def model_shape(config, vocab_size: int, seq_length: int) -> hardware.ModelShape:

@@ -1,0 +1,314 @@
+"""The rectifier (paper: "Adaptive Policy Evolution"): follows the activation statistics
+that drive the plan and swaps the plan when a better one exists.
+
+Outlier channel counts move early in training and settle later, and with them the payload
+(the compression rate) of every outlier-separated site; a plan made at iteration 0 goes
+stale. At tracking iterations, spaced by exponential backoff (1, 2, 4, 8, ... up to a cap),
+the rectifier samples the tracked sites' real tensors (one forward through the profiler's
+probes, see ``profiler.sample_sites``), measures outlier channels, payload bytes and
+reconstruction error with the real codecs, writes the payloads into the planner's costs,
+re-plans and decides whether to swap. It decides; the trainer applies the swap with
+``apply_plan`` between steps; the planner plans.
+
+Beyond the paper:
+- a jump in a tracked statistic resets the backoff to frequent tracking;
+- an accuracy guard forbids compression at a site whose measured relative reconstruction
+  error exceeds a threshold (its codec entries are dropped from the costs, so the planner
+  retains or recomputes it, whichever fits the budget); a guarded site stays guarded.
+
+Encode and decode times stay those of the profile: they hardly depend on the statistics, and
+re-timing them at every tracking iteration would cost time and make plans flap on noise.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass, field, replace
+from typing import Iterable, Mapping
+
+import torch
+import torch.distributed as dist
+
+from megatron_adacc import planner, profiler
+from megatron_adacc import sites as site_table
+from megatron_adacc.codecs.outlier import outlier_channels
+from megatron_adacc.costs import ModelCosts
+from megatron_adacc.plan import RETAIN_DECISION
+
+OUTLIER_CODEC = "outlier_int4"
+DEFAULT_MAX_INTERVAL = 256
+DEFAULT_RESET_FRACTION = 0.25
+# int4 with a per-group scale max|x|/8 leaves a relative RMS error of ~0.09 on bell-shaped
+# activations (groups of 64: max ~2.5 sigma, rounding RMS ~max/8/sqrt(12)); outlier
+# separation keeps it there when a few channels are large. 0.2 is twice that: a site only
+# crosses it when its values defeat the codec (spikes inside groups that no channel z-score
+# catches, a codec twice as coarse), the same bound the runtime's gradient tests hold.
+DEFAULT_GUARD_THRESHOLD = 0.2
+# A swap must buy at least this fraction of the current plan's added time: equal-time plans
+# (ties the planner breaks either way) are not worth a swap.
+MIN_GAIN_FRACTION = 1e-6
+
+
+def default_sites(costs: ModelCosts) -> tuple[str, ...]:
+    """The outlier-separated sites (outputs of Linear, LayerNorm and GELU) these costs can
+    compress: the sites whose compression rate follows the outlier counts."""
+    return tuple(site.name for site in costs.sites
+                 if site.can_compress and site.name in site_table.SITES
+                 and site_table.get(site.name).default_codec == OUTLIER_CODEC)
+
+
+class TrackingSchedule:
+    """Exponential backoff: tracking iterations 1, 2, 4, 8, ..., then every ``max_interval``.
+    ``reset(iteration)`` starts over from there: iteration + 1, + 2, + 4, ..."""
+
+    def __init__(self, max_interval: int = DEFAULT_MAX_INTERVAL):
+        if max_interval < 1:
+            raise ValueError(f"max_interval must be >= 1, got {max_interval}")
+        self.max_interval = max_interval
+        self.reset(0)
+
+    def is_tracking(self, iteration: int) -> bool:
+        return iteration >= self.next_iteration
+
+    def tracked(self, iteration: int) -> None:
+        """Tracking happened at ``iteration``: the next one is an interval later, and the
+        interval doubles (up to the cap)."""
+        self.next_iteration = iteration + self.interval
+        self.interval = min(2 * self.interval, self.max_interval)
+
+    def reset(self, iteration: int) -> None:
+        self.interval = 1
+        self.next_iteration = iteration + 1
+
+
+@dataclass(frozen=True)
+class SiteStats:
+    """One tracked site at one tracking iteration (one layer, the profiled micro-batch)."""
+
+    codec: str
+    payload_bytes: int
+    compression_rate: float            # payload / full bytes
+    outlier_channels: int | None       # None for codecs without outlier separation
+    channels: int
+    error: float                       # ||x - decode(encode(x))|| / ||x||
+
+
+def site_stats(sample: profiler.SiteSample, full_bytes: int) -> SiteStats:
+    """Statistics of the tensors the runtime handed a site's codec, with that codec."""
+    codec = sample.codec
+    threshold = getattr(codec, "threshold", None)
+    outliers, squared_error, squared_norm = 0, 0.0, 0.0
+    for tensor in sample.tensors:
+        rows = tensor.reshape(-1, tensor.shape[-1] if tensor.dim() else 1)
+        if threshold is not None:
+            outliers = max(outliers, outlier_channels(rows, threshold).numel())
+        exact = tensor.double()
+        squared_error += (exact - codec.decode(codec.encode(tensor)).double()).square().sum().item()
+        squared_norm += exact.square().sum().item()
+    last = sample.tensors[-1]
+    return SiteStats(
+        codec=codec.name,
+        payload_bytes=sample.payload_bytes,
+        compression_rate=sample.payload_bytes / full_bytes if full_bytes else 1.0,
+        outlier_channels=outliers if threshold is not None else None,
+        channels=last.shape[-1] if last.dim() else 1,
+        error=math.sqrt(squared_error / squared_norm) if squared_norm else 0.0,
+    )
+
+
+@dataclass
+class PlanSwap:
+    """A decided swap: what the trainer applies before the next forward."""
+
+    old: planner.PlanResult
+    new: planner.PlanResult
+    reason: str                        # "faster", "over budget" or "guard"
+    changed: list[dict]                # {site, layers, from, to}
+    predicted_gain_s: float            # added time per step saved (< 0: forced, slower)
+
+    def to_record(self) -> dict:
+        return {"from": self.old.plan.plan_id, "to": self.new.plan.plan_id,
+                "reason": self.reason, "changed": self.changed,
+                "predicted_gain_s": self.predicted_gain_s}
+
+
+@dataclass
+class Outcome:
+    """What one tracking iteration found and decided."""
+
+    iteration: int
+    stats: dict[str, SiteStats]
+    jumped: list[str] = field(default_factory=list)    # sites whose statistic jumped
+    guarded: list[str] = field(default_factory=list)   # sites newly forbidden to compress
+    swap: PlanSwap | None = None
+    note: str = ""                                     # why not, when there is no swap
+    tracking_time_s: float = 0.0
+
+    def to_record(self) -> dict:
+        record = {
+            "tracking": True,
+            "tracking_time_s": self.tracking_time_s,
+            "outlier_channels": {name: s.outlier_channels for name, s in self.stats.items()},
+            "compression_rate": {name: s.compression_rate for name, s in self.stats.items()},
+            "reconstruction_error": {name: s.error for name, s in self.stats.items()},
+        }
+        if self.jumped:
+            record["tracking_reset"] = self.jumped
+        if self.guarded:
+            record["guarded_sites"] = self.guarded
+        if self.swap is not None:
+            record["plan_swap"] = self.swap.to_record()
+        elif self.note:
+            record["plan_kept"] = self.note
+        return record
+
+
+class Rectifier:
+    """Holds the current costs and plan; ``observe`` at tracking iterations."""
+
+    def __init__(self, costs: ModelCosts, result: planner.PlanResult, budget_bytes: int, *,
+                 sites: Iterable[str] | None = None,
+                 guard_threshold: float = DEFAULT_GUARD_THRESHOLD,
+                 reset_fraction: float = DEFAULT_RESET_FRACTION,
+                 max_interval: int = DEFAULT_MAX_INTERVAL,
+                 allow_lossy_sources: bool = False, strict: bool = False):
+        self.costs = costs
+        self.result = result
+        self.budget_bytes = budget_bytes
+        self.sites = tuple(sites) if sites else default_sites(costs)
+        unknown = [name for name in self.sites if name not in {s.name for s in costs.sites}]
+        if unknown:
+            raise ValueError(f"tracking sites {unknown} are not sites of this model; have "
+                             f"{[s.name for s in costs.sites]}")
+        self.guard_threshold = guard_threshold
+        self.reset_fraction = reset_fraction
+        self.allow_lossy_sources = allow_lossy_sources
+        self.strict = strict
+        self.schedule = TrackingSchedule(max_interval)
+        self.guarded: set[str] = set()
+        self.last_stats: dict[str, SiteStats] = {}
+        self.tracking_time_s = 0.0
+        self.swaps = 0
+
+    # --- the tracking iteration ------------------------------------------------------------
+    def observe(self, iteration: int, model: torch.nn.Module, batch: profiler.Batch) -> Outcome:
+        """Sample the tracked sites on ``batch`` (one forward, model left as found) and
+        decide. Call between steps."""
+        started = time.perf_counter()
+        outcome = self.update(iteration, _from_rank0(self.measure(model, batch)))
+        outcome.tracking_time_s = time.perf_counter() - started
+        self.tracking_time_s += outcome.tracking_time_s
+        return outcome
+
+    def measure(self, model: torch.nn.Module, batch: profiler.Batch) -> dict[str, SiteStats]:
+        samples = profiler.sample_sites(model, batch, self.sites, strict=self.strict)
+        return {name: site_stats(sample, self.costs.site(name).bytes)
+                for name, sample in samples.items()}
+
+    def update(self, iteration: int, stats: Mapping[str, SiteStats]) -> Outcome:
+        """The decision from fresh ``stats`` (no tensors touched): backoff, guard, re-plan,
+        swap or keep."""
+        outcome = Outcome(iteration, dict(stats))
+        outcome.jumped = [name for name, now in stats.items()
+                          if _jumped(self.last_stats.get(name), now, self.reset_fraction)]
+        self.schedule.tracked(iteration)
+        if outcome.jumped:
+            self.schedule.reset(iteration)
+        self.last_stats.update(stats)
+
+        outcome.guarded = sorted(name for name, now in stats.items()
+                                 if now.error > self.guard_threshold and name not in self.guarded)
+        self.guarded.update(outcome.guarded)
+        self.costs = refreshed_costs(self.costs, stats, self.guarded)
+
+        try:
+            new = planner.plan(self.costs, self.budget_bytes,
+                               allow_lossy_sources=self.allow_lossy_sources)
+        except planner.InfeasibleBudget as exc:
+            outcome.note = f"no plan fits any more, kept the current one: {exc}"
+            return outcome
+        outcome.swap, outcome.note = self._compare(self.result, new)
+        if outcome.swap is not None:
+            self.result = new
+            self.swaps += 1
+        return outcome
+
+    def _compare(self, current: planner.PlanResult, new: planner.PlanResult
+                 ) -> tuple[PlanSwap | None, str]:
+        if new.plan.plan_id == current.plan.plan_id:
+            return None, "the plan is still optimal"
+        # Refreshing moves payloads only, never times: the current plan's added time is
+        # still the one it was planned with.
+        gain = current.added_time_s - new.added_time_s
+        try:
+            layers = [planner.evaluate_layer(self.costs, decisions)
+                      for decisions in current.layer_decisions]
+        except ValueError:  # it compresses a site the guard now forbids
+            return self._swap(current, new, "guard", gain), ""
+        if planner.peak_bytes(self.costs, layers) > self.budget_bytes:
+            return self._swap(current, new, "over budget", gain), ""
+        if gain > MIN_GAIN_FRACTION * current.added_time_s:
+            return self._swap(current, new, "faster", gain), ""
+        return None, "another plan is optimal too, but no faster"
+
+    @staticmethod
+    def _swap(current, new, reason, gain) -> PlanSwap:
+        return PlanSwap(current, new, reason, changed_decisions(current, new), gain)
+
+
+# --- helpers -------------------------------------------------------------------------------
+def _jumped(before: SiteStats | None, now: SiteStats, fraction: float) -> bool:
+    """Did the site's outlier count (or, without one, its compression rate) move by more
+    than ``fraction`` of its previous value? A count moving by a single channel is noise at
+    any fraction: a count of 0 or 1 would otherwise reset the backoff at every flicker."""
+    if before is None:
+        return False
+    if now.outlier_channels is not None and before.outlier_channels is not None:
+        change = abs(now.outlier_channels - before.outlier_channels)
+        return change > 1 and change > fraction * before.outlier_channels
+    return abs(now.compression_rate - before.compression_rate) > fraction * before.compression_rate
+
+
+def refreshed_costs(costs: ModelCosts, stats: Mapping[str, SiteStats],
+                    guarded: Iterable[str]) -> ModelCosts:
+    """``costs`` with the measured payloads of the sampled codecs, and no codec at all for
+    the guarded sites (the planner then retains or recomputes them)."""
+    guarded = set(guarded)
+    sites = []
+    for site in costs.sites:
+        if site.name in guarded:
+            site = replace(site, codecs=())
+        elif site.name in stats:
+            now = stats[site.name]
+            site = replace(site, codecs=tuple(
+                replace(codec, payload_bytes=now.payload_bytes) if codec.codec == now.codec
+                else codec for codec in site.codecs))
+        sites.append(site)
+    return replace(costs, sites=sites)
+
+
+def changed_decisions(old: planner.PlanResult, new: planner.PlanResult) -> list[dict]:
+    """Every (site, old decision, new decision) that differs, with the layers it covers."""
+    groups: dict[tuple[str, str, str], list[int]] = {}
+    for layer, (before, after) in enumerate(zip(old.layer_decisions, new.layer_decisions)):
+        for site in sorted(set(before) | set(after)):
+            was, now = before.get(site, RETAIN_DECISION), after.get(site, RETAIN_DECISION)
+            if was != now:
+                groups.setdefault((site, _label(site, was), _label(site, now)), []).append(layer)
+    return [{"site": site, "layers": layers, "from": was, "to": now}
+            for (site, was, now), layers in groups.items()]
+
+
+def _label(site: str, decision) -> str:
+    codec = decision.codec_for(site)
+    return decision.action if codec is None else f"{decision.action}:{codec}"
+
+
+def _from_rank0(stats: dict[str, SiteStats]) -> dict[str, SiteStats]:
+    """Rank 0's statistics on every rank: ranks see different data (and tensor-parallel
+    shards), yet must make the same decisions and track at the same iterations."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return stats
+    box = [{name: asdict(s) for name, s in stats.items()}]
+    dist.broadcast_object_list(box, src=0)
+    return {name: SiteStats(**s) for name, s in box[0].items()}
