@@ -112,6 +112,20 @@ def build_parser() -> argparse.ArgumentParser:
                             "~/.cache/megatron-adacc/profiles.sqlite)")
     adacc.add_argument("--adacc-strict", action="store_true",
                        help="fail on a saved tensor that no site accounts for")
+    adacc.add_argument("--adacc-tracking", choices=["backoff", "off"], default=None,
+                       help="auto only: re-measure the tracked sites at iterations 1, 2, 4, "
+                            "8, ... and swap to a better plan (default: backoff with auto)")
+    adacc.add_argument("--adacc-tracking-max-interval", type=int, default=256,
+                       help="the backoff stops doubling at this many iterations")
+    adacc.add_argument("--adacc-tracking-sites", nargs="*", default=None,
+                       help="sites to re-measure (default: the outlier-separated ones, "
+                            "outputs of Linear, LayerNorm and GELU)")
+    adacc.add_argument("--adacc-tracking-reset-fraction", type=float, default=0.25,
+                       help="an outlier count moving by more than this fraction since the "
+                            "last tracking resets the backoff to every iteration")
+    adacc.add_argument("--adacc-guard-threshold", type=float, default=0.2,
+                       help="a site whose relative reconstruction error exceeds this is "
+                            "never compressed again (retained or recomputed)")
     return p
 
 
@@ -263,3 +277,23 @@ def _finalize_adacc(args: argparse.Namespace) -> None:
     if args.adacc_policy == "auto" and args.adacc_memory_budget is None:
         raise ConfigError("--adacc-policy auto on a CPU needs --adacc-memory-budget SIZE "
                           "(e.g. 512MiB): there is no device capacity to default to")
+    _finalize_tracking(args)
+
+
+def _finalize_tracking(args: argparse.Namespace) -> None:
+    from megatron_adacc.sites import SITE_NAMES
+
+    if args.adacc_tracking is None:
+        args.adacc_tracking = "backoff" if args.adacc_policy == "auto" else "off"
+    if args.adacc_tracking == "backoff" and args.adacc_policy != "auto":
+        raise ConfigError(f"--adacc-tracking backoff re-plans, so it needs --adacc-policy auto "
+                          f"(got {args.adacc_policy})")
+    if args.adacc_tracking_max_interval < 1:
+        raise ConfigError("--adacc-tracking-max-interval must be positive")
+    if args.adacc_tracking_reset_fraction <= 0 or args.adacc_guard_threshold <= 0:
+        raise ConfigError("--adacc-tracking-reset-fraction and --adacc-guard-threshold must be "
+                          "positive")
+    unknown = [site for site in args.adacc_tracking_sites or [] if site not in SITE_NAMES]
+    if unknown:
+        raise ConfigError(f"--adacc-tracking-sites: unknown {', '.join(unknown)}; valid sites: "
+                          f"{', '.join(SITE_NAMES)}")

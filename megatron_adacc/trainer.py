@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megatron_adacc import checkpoint, data, model as model_lib, policies
+from megatron_adacc import checkpoint, data, model as model_lib, policies, rectifier
 from megatron_adacc.optimizer import MainParamAdamW
 from megatron_adacc.profile_db import ProfileDB
 from megatron_adacc.profiler import static_bytes
@@ -179,6 +179,14 @@ class Trainer:
             print(policies.describe(self.policy), flush=True)
         if self.plan is not None:
             apply_plan(self.model, self.plan, strict=args.adacc_strict)
+        self.rectifier = None
+        if args.adacc_tracking == "backoff" and self.policy.result is not None:
+            self.rectifier = rectifier.Rectifier(
+                policies.designated_codecs(self.policy.costs), self.policy.result,
+                self.policy.budget_bytes, sites=args.adacc_tracking_sites,
+                guard_threshold=args.adacc_guard_threshold,
+                reset_fraction=args.adacc_tracking_reset_fraction,
+                max_interval=args.adacc_tracking_max_interval, strict=args.adacc_strict)
         self.activation_bytes: dict[str, int] = {}
         self.train_model = self.model
         if self.dp_size > 1:
@@ -248,6 +256,30 @@ class Trainer:
         self.scheduler.step(1)
         return _average_over(self.dp_group, total / micro), grad_norm
 
+    def track(self) -> dict:
+        """After a step (its loss already taken), at a tracking iteration: the rectifier
+        samples the step's first micro-batch, and its swap is applied before the next
+        forward. Returns the metrics; every record carries the tracking time so far."""
+        rect = self.rectifier
+        record = {}
+        if rect.schedule.is_tracking(self.iteration):
+            first = next(self.train_batches.micro_batches(self.iteration - 1))
+            outcome = rect.observe(self.iteration, self.model,
+                                   (first["tokens"], first["labels"], first["loss_mask"]))
+            if outcome.swap is not None:
+                self.plan = outcome.swap.new.plan
+                apply_plan(self.model, self.plan, strict=self.args.adacc_strict)
+                self.policy.plan, self.policy.result = self.plan, outcome.swap.new
+                if self.is_logging_rank:
+                    print(f"adacc: iteration {self.iteration}: plan {outcome.swap.old.plan.plan_id}"
+                          f" -> {self.plan.plan_id} ({outcome.swap.reason}, predicted gain "
+                          f"{outcome.swap.predicted_gain_s * 1e3:.3f} ms/step): "
+                          f"{outcome.swap.changed}", flush=True)
+            self.policy.costs = rect.costs  # predictions follow the refreshed payloads
+            record = outcome.to_record()
+        record["tracking_time_s_total"] = rect.tracking_time_s
+        return record
+
     @torch.no_grad()
     def evaluate(self) -> float | None:
         if self.valid_batches is None or not self.args.eval_iters:
@@ -294,6 +326,8 @@ class Trainer:
                 if self.policy.result is not None:
                     record["predicted_activation_bytes"] = policies.predicted_activation_bytes(
                         self.policy.costs, self.policy.result)
+                if self.rectifier is not None:
+                    record.update(self.track())
                 if args.eval_interval and (self.iteration % args.eval_interval == 0
                                            or self.iteration == args.train_iters):
                     val = self.evaluate()
