@@ -105,6 +105,12 @@ def _save_an_unknown_tensor(layer):
 def test_strict_mode_raises_on_an_unknown_saved_tensor(distributed):
     model = build(True)
     _save_an_unknown_tensor(adacc_layers(model)[0])
+    # All-retain runs hook-free, so only a ruler attributes its saves, with the layer's
+    # strictness; a layer with decisions attributes them itself.
+    loss_of(model).backward()
+    with pytest.raises(UnknownSiteError, match="layer 0"):
+        measure_step(model, lambda: loss_of(model), strict=False)
+    apply_plan(model, Plan.uniform({"gelu_in": "recompute"}))
     with pytest.raises(UnknownSiteError, match="layer 0"):
         loss_of(model)
 

@@ -2,11 +2,12 @@
 
 One ruler measures every way of running the model, so methods compare fairly:
 
-- Adacc layers report what their pack hook keeps (a retained tensor's storage, a payload's
-  `nbytes`; a recompute handle keeps nothing) and, in backward, the transient values they
-  decode or rebuild.
-- Everything else (stock megatron layers, megatron's own checkpoint functions, embedding,
-  final norm, loss) is seen by an accounting-only saved-tensor hook around the whole step;
+- Adacc layers with decisions report what their pack hook keeps (a retained tensor's
+  storage, a payload's `nbytes`; a recompute handle keeps nothing) and, in backward, the
+  transient values they decode or rebuild.
+- Everything else (stock megatron layers, Adacc layers without decisions, which run as the
+  stock layer, megatron's own checkpoint functions, embedding, final norm, loss) is seen by
+  an accounting-only saved-tensor hook around the whole step;
   hooks nest and the innermost wins, so it never sees, nor disturbs, an Adacc layer's saves.
 
 Each storage is counted once, under the (layer, site) that saved it first, and leaves the
@@ -70,7 +71,7 @@ class ActivationRuler:
         self.peak_bytes = 0
         self.after_forward_bytes = 0
         self._after_forward_by_site: dict[tuple[int, str], int] = {}
-        self._stock: list = []  # (layer index, attributor) of the running stock layer
+        self._stock: list = []  # (layer index, attributor) of the running layer
         self._stock_attributors: list[SiteAttributor] = []
         self._module_hooks = []
         self._hooks = None
@@ -91,15 +92,20 @@ class ActivationRuler:
             hook.remove()
         self._module_hooks.clear()
         for attributor in self._stock_attributors:
-            attributor.remove()
+            attributor.detach()
         self._stock_attributors.clear()
 
     def _watch_stock_layers(self, model) -> None:
         from megatron.core.transformer.transformer_layer import TransformerLayer
 
+        # Every layer, Adacc ones included: an Adacc layer without decisions runs as the
+        # stock layer does, hook-free, so its saves reach this outer hook; one with
+        # decisions packs inside its own hooks (innermost wins) and this attributor idles.
         for module in model.modules():
-            if isinstance(module, TransformerLayer) and not hasattr(module, "set_decisions"):
-                attributor = SiteAttributor(module, strict=self._strict)
+            if isinstance(module, TransformerLayer):
+                attributor = SiteAttributor(
+                    module, strict=self._strict or getattr(module, "strict", False))
+                attributor.attach()
                 self._stock_attributors.append(attributor)
                 self._module_hooks.append(
                     module.register_forward_pre_hook(self._stock_enter(module, attributor)))

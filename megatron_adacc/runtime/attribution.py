@@ -73,12 +73,19 @@ class SiteAttributor:
         self._storage_site: dict[int, tuple[torch.UntypedStorage, str]] = {}
         self.segment = 0
         self.active = False
+        self._hooks = [(module, self._enter_hook(role), self._exit_hook(role))
+                       for module, role in _layer_roles(layer).items()]
         self._handles = []
-        for module, role in _layer_roles(layer).items():
-            self._handles.append(module.register_forward_pre_hook(self._enter_hook(role)))
-            self._handles.append(module.register_forward_hook(self._exit_hook(role), always_call=True))
 
-    def remove(self) -> None:
+    # A submodule with any forward hook leaves nn.Module's fast call path, so the hooks are
+    # only installed while someone attributes this layer's saves.
+    def attach(self) -> None:
+        if not self._handles:
+            for module, enter, exit_ in self._hooks:
+                self._handles.append(module.register_forward_pre_hook(enter))
+                self._handles.append(module.register_forward_hook(exit_, always_call=True))
+
+    def detach(self) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
@@ -136,19 +143,17 @@ class SiteAttributor:
         if known is not None:
             return known[1]
         role = self._roles[-1] if self._roles else None
-        # A dropout mask is drawn, not computed from anything that needs a gradient.
-        drawn = tensor.grad_fn is None and not tensor.requires_grad
         if role is None:
-            if drawn and tensor.is_floating_point():
+            if _drawn(tensor) and tensor.is_floating_point():
                 site = _LAYER_LEVEL_SITE[self.segment]
             else:  # megatron's core-attention checkpoint saves the mask type as an int tensor
-                site = "attn_mask" if drawn else None
+                site = "attn_mask" if _drawn(tensor) else None
         elif role in _NORM_SITES:
             site = _NORM_SITES[role][1] if tensor.shape[-1:] == (1,) else None
         elif role == "softmax":
             site = "attn_mask" if tensor.dtype == torch.bool else "softmax_out"
         elif role == "attention_dropout":
-            site = "attn_dropout_mask" if drawn else None
+            site = "attn_dropout_mask" if _drawn(tensor) else None
         else:
             site = _ROLE_SITE.get(role)
         if site is None:
@@ -160,3 +165,9 @@ class SiteAttributor:
             return None
         self._storage_site[id(storage)] = (storage, site)
         return site
+
+
+def _drawn(tensor: torch.Tensor) -> bool:
+    # A dropout mask is drawn, not computed from anything that needs a gradient. (Asked only
+    # where a rule needs it: reading grad_fn builds a Python object on every save.)
+    return tensor.grad_fn is None and not tensor.requires_grad

@@ -40,6 +40,8 @@ class AdaccTransformerLayer(TransformerLayer):
         super().__init__(*args, **kwargs)
         # Plain attributes, not submodules: they hold hooks and decisions, no parameters.
         object.__setattr__(self, "attributor", SiteAttributor(self))
+        # Decisions live in `actions` (site -> (action, codec)); set_decisions fills it, and
+        # instruments such as the profiler may swap it between steps.
         self.actions: dict[str, tuple[str, object]] = {}
         self._call: LayerCall | None = None
 
@@ -70,8 +72,16 @@ class AdaccTransformerLayer(TransformerLayer):
 
     # --- forward -------------------------------------------------------------------------
     def forward(self, *args, **kwargs):
+        if not self.actions:
+            # Retain everything: that is the stock layer, so run it as one. Nothing needs
+            # attributing, so neither saved-tensor hooks nor submodule hooks run (together
+            # they cost a few percent of a step); a ruler measures this layer through its
+            # own outer hook, exactly as it measures a stock layer.
+            self.attributor.detach()
+            return super().forward(*args, **kwargs)
         if not torch.is_grad_enabled():
             return super().forward(*args, **kwargs)
+        self.attributor.attach()
         recomputes = any(action == RECOMPUTE for action, _ in self.actions.values())
         call = LayerCall(self.layer_index, self.attributor, self.actions, active_ruler(),
                          self._rebuild if recomputes else None)
