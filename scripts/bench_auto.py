@@ -66,7 +66,8 @@ def main() -> None:
              torch.ones(args.batch, args.seq))
     adacc = build(args, adacc=True)
     started = time.perf_counter()
-    costs = profiler.profile(adacc, batch, repeats=args.repeats)
+    # Planned exactly as --adacc-policy auto plans (designated codecs, exact sources).
+    costs = policies.designated_codecs(profiler.profile(adacc, batch, repeats=args.repeats))
     profile_s = time.perf_counter() - started
     minimum = planner.minimum_budget(costs, allow_lossy_sources=False)
     minimum += costs.num_layers * planner.default_resolution(costs)
