@@ -1,0 +1,178 @@
+"""The rectifier: tracking schedule, swap decisions on synthetic costs and statistics, the
+accuracy guard with the real codec, and tracking through the real trainer without touching
+the loss."""
+import pytest
+import torch
+
+from megatron_adacc import codecs, planner, profiler
+from megatron_adacc.arguments import ConfigError, parse_args
+from megatron_adacc.costs import CodecCost, ModelCosts, SiteCost
+from megatron_adacc.rectifier import (
+    DEFAULT_GUARD_THRESHOLD,
+    Rectifier,
+    SiteStats,
+    TrackingSchedule,
+    site_stats,
+)
+from megatron_adacc.sites import COMPRESS
+from megatron_adacc.trainer import Trainer
+
+from test_trainer import TINY
+
+
+def tracked(schedule: TrackingSchedule, iterations, resets=()) -> list[int]:
+    seen = []
+    for iteration in iterations:
+        if schedule.is_tracking(iteration):
+            seen.append(iteration)
+            schedule.tracked(iteration)
+            if iteration in resets:
+                schedule.reset(iteration)
+    return seen
+
+
+def test_backoff_doubles_up_to_the_cap_and_a_reset_starts_over():
+    assert tracked(TrackingSchedule(8), range(1, 41)) == [1, 2, 4, 8, 16, 24, 32, 40]
+    assert tracked(TrackingSchedule(256), range(1, 600)) == [1, 2, 4, 8, 16, 32, 64, 128,
+                                                             256, 512]
+    assert tracked(TrackingSchedule(8), range(1, 30), resets={8}) == [1, 2, 4, 8, 9, 10, 12,
+                                                                       16, 24]
+    with pytest.raises(ValueError):
+        TrackingSchedule(0)
+
+
+# --- decisions on synthetic costs ---------------------------------------------------------
+LAYERS, FULL, PAYLOAD = 8, 4000, 600
+
+
+def synthetic_costs() -> ModelCosts:
+    """Eight layers of two outlier-separated sites: compressing gelu_in is cheaper than
+    recomputing it, gelu_out is cheap to recompute."""
+    def site(name, recompute_s, codec_s):
+        return SiteCost(name, FULL, "float32", recompute_s,
+                        codecs=(CodecCost("outlier_int4", PAYLOAD, codec_s, codec_s),))
+    return ModelCosts(sites=[site("gelu_in", 4e-3, 5e-4), site("gelu_out", 1e-3, 1e-3)],
+                      num_layers=LAYERS, static_bytes=0, non_layer_bytes=0,
+                      backward_workspace_bytes=0, micro_batch_size=1)
+
+
+def stats(payload=PAYLOAD, outliers=2, error=0.09) -> dict[str, SiteStats]:
+    return {"gelu_in": SiteStats("outlier_int4", payload, payload / FULL, outliers, 1024, error)}
+
+
+def tight_rectifier(slack_per_layer: int) -> Rectifier:
+    costs = synthetic_costs()
+    for budget in range(LAYERS * FULL, 0, -LAYERS * 100):   # tighten until gelu_in compresses
+        first = planner.plan(costs, budget)
+        if any(d["gelu_in"].action == COMPRESS for d in first.layer_decisions):
+            break
+    budget = first.peak_bytes + LAYERS * slack_per_layer
+    return Rectifier(costs, planner.plan(costs, budget), budget)
+
+
+def test_a_swap_happens_when_the_statistics_change_the_optimal_plan_and_not_otherwise():
+    rect = tight_rectifier(slack_per_layer=50)
+    start = rect.result.plan.plan_id
+    # More outliers that still fit the slack: the plan stays optimal.
+    outcome = rect.update(1, stats(payload=PAYLOAD + 40, outliers=3))
+    assert outcome.swap is None and rect.result.plan.plan_id == start
+    # Enough outliers that the payload breaks the budget: forced swap, slower.
+    outcome = rect.update(2, stats(payload=2 * PAYLOAD, outliers=40))
+    assert outcome.swap is not None and outcome.swap.reason == "over budget"
+    assert outcome.swap.predicted_gain_s <= 0
+    assert outcome.swap.changed and all(c["from"] != c["to"] for c in outcome.swap.changed)
+    assert outcome.jumped == ["gelu_in"]            # 3 -> 40 outliers: backoff reset
+    assert rect.schedule.next_iteration == 3
+    record = outcome.to_record()
+    assert record["plan_swap"]["from"] == start and record["plan_swap"]["to"] != start
+    # The outliers settle again: the first plan fits and is faster, so it comes back.
+    outcome = rect.update(3, stats())
+    assert outcome.swap is not None and outcome.swap.reason == "faster"
+    assert outcome.swap.predicted_gain_s > 0 and rect.result.plan.plan_id == start
+    assert rect.swaps == 2
+    # The same statistics again: nothing to do.
+    assert rect.update(4, stats()).swap is None
+
+
+def test_the_guard_forbids_compressing_a_bad_site_for_good():
+    rect = tight_rectifier(slack_per_layer=50)
+    outcome = rect.update(1, stats(error=0.5))
+    assert outcome.guarded == ["gelu_in"] and outcome.swap.reason == "guard"
+    assert all(d["gelu_in"].action != COMPRESS for d in rect.result.layer_decisions)
+    outcome = rect.update(2, stats(error=0.01))      # a guarded site stays guarded
+    assert outcome.swap is None and outcome.guarded == []
+    assert all(d["gelu_in"].action != COMPRESS for d in rect.result.layer_decisions)
+
+
+def test_the_guard_threshold_separates_bell_shaped_tensors_from_spiky_ones():
+    """Measured with the real codec: ~0.09 for a Gaussian tensor; one 10-sigma spike per
+    group of 64 (spread evenly over channels, so no channel z-score separates it) stretches
+    each group's scale and rounds the rest of the group coarsely (~0.22)."""
+    gen = torch.Generator().manual_seed(0)
+    codec = codecs.get("outlier_int4")
+    good = torch.randn(512, 128, generator=gen)
+    spiky = torch.randn(512, 128, generator=gen)
+    groups = spiky.view(-1, 64)
+    spread = torch.arange(len(groups))      # every channel gets the same number of spikes
+    groups[spread, (spread * 5) % 64] = 10.0
+
+    def measured(tensor):
+        sample = profiler.SiteSample(codec, [tensor], codec.encode(tensor).nbytes)
+        return site_stats(sample, tensor.numel() * tensor.element_size())
+
+    good_stats, spiky_stats = measured(good), measured(spiky)
+    assert spiky_stats.outlier_channels == 0        # invisible to the outlier separation
+    assert good_stats.error < DEFAULT_GUARD_THRESHOLD < spiky_stats.error
+    rect = tight_rectifier(slack_per_layer=50)
+    assert rect.update(1, {"gelu_in": spiky_stats}).guarded == ["gelu_in"]
+
+
+# --- through the trainer -------------------------------------------------------------------
+def run(tmp_path, *flags, adjust=None):
+    args = parse_args(TINY + ["--train-iters", "4", "--adacc-policy", "auto",
+                              "--adacc-profile-db", str(tmp_path / "profiles.sqlite"), *flags])
+    trainer = Trainer(args)
+    if adjust is not None:
+        adjust(trainer)
+    return trainer.train()
+
+
+@pytest.fixture
+def one_profile(monkeypatch):
+    real = profiler.profile
+    monkeypatch.setattr(profiler, "profile", lambda *a, **k: real(*a, **{**k, "repeats": 1}))
+
+
+def test_tracking_never_changes_the_loss_of_the_iteration_it_runs_in(tmp_path, one_profile):
+    budget = ["--adacc-memory-budget", "1GiB"]
+    off = run(tmp_path, *budget, "--adacc-tracking", "off")
+    assert not any("tracking" in r for r in off)
+
+    def never_swap(trainer):
+        trainer.rectifier._compare = lambda current, new: (None, "test")
+
+    kept = run(tmp_path, *budget, adjust=never_swap)
+    assert kept[0]["tracking"] and kept[1]["tracking"]       # iterations 1 and 2 track
+    assert [r["loss"] for r in kept] == [r["loss"] for r in off]           # bitwise
+    assert all(r["tracking_time_s_total"] > 0 for r in kept)
+    assert set(kept[0]["outlier_channels"]) >= {"ln1_out", "ln2_out", "gelu_in", "gelu_out"}
+
+    def tighten(trainer):
+        # A budget the all-retain plan breaks: the first tracking iteration must swap.
+        trainer.rectifier.budget_bytes = trainer.policy.result.minimum_feasible_budget
+
+    swapped = run(tmp_path, *budget, adjust=tighten)
+    first = swapped[0]
+    assert first["plan_swap"]["reason"] == "over budget"
+    assert first["loss"] == off[0]["loss"]                                  # bitwise
+    assert swapped[1]["plan_id"] == first["plan_swap"]["to"] != first["plan_id"]
+
+
+def test_tracking_flags():
+    auto = ["--adacc-policy", "auto", "--adacc-memory-budget", "1GiB"]
+    assert parse_args(TINY + auto).adacc_tracking == "backoff"
+    assert parse_args(TINY).adacc_tracking == "off"
+    with pytest.raises(ConfigError, match="needs --adacc-policy auto"):
+        parse_args(TINY + ["--adacc-tracking", "backoff"])
+    with pytest.raises(ConfigError, match="unknown gelu"):
+        parse_args(TINY + auto + ["--adacc-tracking-sites", "gelu"])
