@@ -99,8 +99,10 @@ def build_parser() -> argparse.ArgumentParser:
     adacc = p.add_argument_group("adacc")
     adacc.add_argument("--adacc-policy", default="none",
                        help="none (megatron's stock layer), auto (profile and plan for "
-                            "--adacc-memory-budget), full-recompute, quantize (the paper's "
-                            "baselines), or a plan YAML file")
+                            "--adacc-memory-budget), auto-no-outlier (auto with plain int4 "
+                            "instead of outlier separation: the paper's ablation), "
+                            "full-recompute, quantize (the paper's baselines), or a plan YAML "
+                            "file")
     adacc.add_argument("--adacc-memory-budget", default=None,
                        help="memory for parameters, optimizer and activations, e.g. 12GiB "
                             "(B, KiB, MiB, GiB; KB, MB, GB); default on a GPU: its capacity "
@@ -274,8 +276,9 @@ def _finalize_adacc(args: argparse.Namespace) -> None:
             raise ConfigError(f"--adacc-memory-budget: {exc}") from None
     else:
         args.adacc_memory_budget = policies.default_budget()
-    if args.adacc_policy == "auto" and args.adacc_memory_budget is None:
-        raise ConfigError("--adacc-policy auto on a CPU needs --adacc-memory-budget SIZE "
+    if args.adacc_policy in policies.AUTO_POLICIES and args.adacc_memory_budget is None:
+        raise ConfigError(f"--adacc-policy {args.adacc_policy} on a CPU needs "
+                          "--adacc-memory-budget SIZE "
                           "(e.g. 512MiB): there is no device capacity to default to")
     _finalize_tracking(args)
 

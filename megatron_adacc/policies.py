@@ -10,6 +10,8 @@
                     which INT4 does not define
     auto            profile the model (or reuse its ProfileDB row), then plan the fastest mix
                     of retain, compress and recompute that fits --adacc-memory-budget
+    auto-no-outlier the paper's ablation "Adacc w/o outlier": auto, with plain group-wise
+                    int4 (sym_int4) wherever auto would separate outliers (outlier_int4)
 
 The baselines are Plans through the same runtime as ``auto``, so the comparison measures the
 decisions, not two mechanisms. Megatron's cached causal mask is one storage shared by every
@@ -35,7 +37,9 @@ from megatron_adacc.plan import Decision, Plan
 from megatron_adacc.profile_db import ProfileDB, profile_key
 from megatron_adacc.sites import COMPRESS, RECOMPUTE
 
-NAMED = ("none", "auto", "full-recompute", "quantize")
+NAMED = ("none", "auto", "auto-no-outlier", "full-recompute", "quantize")
+AUTO_POLICIES = ("auto", "auto-no-outlier")  # profile and plan for a budget
+NO_OUTLIER_CODEC = "sym_int4"
 QUANTIZE_CODEC = "naive_int4"
 _MASK_CODEC = "bitmask"
 
@@ -107,16 +111,34 @@ def resolve(policy: str, budget_bytes: int | None, model: torch.nn.Module | None
         return Resolved(policy, full_recompute_plan(), budget_bytes)
     if policy == "quantize":
         return Resolved(policy, quantize_plan(), budget_bytes)
-    if policy != "auto":
+    if policy not in AUTO_POLICIES:
         return Resolved(policy, Plan.load(policy), budget_bytes)
     if budget_bytes is None:
-        raise ValueError("--adacc-policy auto needs --adacc-memory-budget SIZE on a CPU")
+        raise ValueError(f"--adacc-policy {policy} needs --adacc-memory-budget SIZE on a CPU")
     costs, profile_s = measured_costs(model, batch, db or ProfileDB(), reprofile, strict,
                                       profile_fn)
     # Every rank plans the same costs with the same deterministic planner: one plan, and an
     # infeasible budget fails on every rank alike instead of leaving the others waiting.
-    result = planner.plan(designated_codecs(costs), budget_bytes, allow_lossy_sources=False)
+    result = planner.plan(planning_costs(policy, costs), budget_bytes, allow_lossy_sources=False)
     return Resolved(policy, result.plan, budget_bytes, costs, result, profile_s)
+
+
+def planning_costs(policy: str, costs: ModelCosts) -> ModelCosts:
+    """The costs ``policy`` plans with: each site's designated codec (auto), or plain int4
+    in place of outlier separation (auto-no-outlier)."""
+    return no_outlier_codecs(costs) if policy == "auto-no-outlier" else designated_codecs(costs)
+
+
+def no_outlier_codecs(costs: ModelCosts) -> ModelCosts:
+    """``costs`` narrowed as ``designated_codecs`` does, except that the sites designed for
+    outlier separation may only use the profiler's plain int4 ablation codec."""
+    def wanted(name: str) -> str:
+        codec = site_table.get(name).default_codec
+        return NO_OUTLIER_CODEC if codec == "outlier_int4" else codec
+
+    sites = [replace(site, codecs=tuple(c for c in site.codecs if c.codec == wanted(site.name)))
+             if site.name in site_table.SITES else site for site in costs.sites]
+    return replace(costs, sites=sites)
 
 
 def designated_codecs(costs: ModelCosts) -> ModelCosts:
@@ -170,5 +192,5 @@ def describe(resolved: Resolved) -> str:
         return f"adacc: policy {resolved.name}, plan {resolved.plan_id}"
     origin = ("reused the profile in the ProfileDB" if resolved.profile_s is None
               else f"profiled in {resolved.profile_s:.1f} s")
-    return (f"adacc: policy auto ({origin}; {resolved.costs.meta.get('device', '?')}), "
+    return (f"adacc: policy {resolved.name} ({origin}; {resolved.costs.meta.get('device', '?')}), "
             f"plan {resolved.plan_id}\n{format_plan(resolved.result)}")

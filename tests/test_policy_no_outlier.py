@@ -1,0 +1,39 @@
+"""--adacc-policy auto-no-outlier: the paper's "Adacc w/o outlier" ablation."""
+import pytest
+
+from megatron_adacc import policies
+from megatron_adacc.arguments import ConfigError, parse_args
+from megatron_adacc.sites import COMPRESS
+from megatron_adacc.trainer import Trainer
+
+from test_trainer import TINY
+
+
+def test_no_outlier_plans_plain_int4_where_auto_separates_outliers(tmp_path, monkeypatch):
+    from megatron_adacc import profiler
+
+    real = profiler.profile
+    monkeypatch.setattr(profiler, "profile", lambda *a, **k: real(*a, **k, repeats=1))
+    db = str(tmp_path / "profiles.sqlite")
+    # A budget that forces compression: a little above the smallest feasible one.
+    probe = Trainer(parse_args(TINY + ["--train-iters", "1", "--adacc-profile-db", db,
+                                       "--adacc-policy", "auto", "--adacc-memory-budget",
+                                       "1GiB"]))
+    result = probe.policy.result
+    budget = result.minimum_feasible_budget + (
+        result.references["no optimisation"].peak_bytes - result.minimum_feasible_budget) // 3
+    codecs = {}
+    for policy in policies.AUTO_POLICIES:
+        trainer = Trainer(parse_args(TINY + ["--train-iters", "1", "--adacc-profile-db", db,
+                                             "--adacc-policy", policy, "--adacc-memory-budget",
+                                             str(budget), "--adacc-tracking", "off"]))
+        codecs[policy] = {d.codec for layer in trainer.policy.result.layer_decisions
+                          for d in layer.values() if d.action == COMPRESS}
+        trainer.train()
+    assert "outlier_int4" not in codecs["auto-no-outlier"]
+    assert "sym_int4" not in codecs["auto"]
+
+
+def test_no_outlier_needs_a_budget_on_cpu():
+    with pytest.raises(ConfigError, match="auto-no-outlier"):
+        parse_args(TINY + ["--adacc-policy", "auto-no-outlier"])
