@@ -8,16 +8,23 @@ named accelerator). The planner reads nothing else.
 Units: bytes are integers, times are seconds, all at ``micro_batch_size`` for ONE layer (every
 layer is assumed to cost the same; a profiler measuring one layer and the analytic model both
 produce that).
+
+Rebuild times are not per-op: the runtime rebuilds recomputed sites by re-running forward
+segments (``segments``, in forward order) from a segment's start, and stops once the deepest
+recomputed site is saved again. So each site records ``rebuild_s``, the time from its
+segment's start to its save: what rebuilding costs when it is the deepest recomputed site of
+its segment. The planner turns these into a layer's rebuild time (planner.rebuild_charges).
 """
 from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 from megatron_adacc import sites as site_table
 
-FORMAT_VERSION = 1
+# 2: rebuild_s from the segment start and segments replace per-op recompute_s and sources.
+FORMAT_VERSION = 2
 
 
 class CostsError(ValueError):
@@ -35,14 +42,27 @@ class CodecCost:
 
 
 @dataclass(frozen=True)
+class Segment:
+    """A stretch of the layer's forward that the runtime re-runs to rebuild sites."""
+
+    name: str
+    start: str     # the site whose saved value the re-run starts from
+
+
+# megatron-core's layer (see sites.SEGMENTS).
+MEGATRON_SEGMENTS = tuple(Segment(name, start) for name, start in site_table.SEGMENTS.items())
+
+
+@dataclass(frozen=True)
 class SiteCost:
     """One site of one layer at the profiled micro-batch."""
 
     name: str
     bytes: int                       # full size as saved by autograd
     dtype: str                       # e.g. "bfloat16", "bool"
-    recompute_s: float               # time of the producing op, run once
-    sources: tuple[str, ...] = ()    # sites the producing op reads (rebuild chain, exactness)
+    # Re-running its segment from the start until this site is saved again.
+    rebuild_s: float = 0.0
+    segment: str | None = None       # None: no segment re-run rebuilds it
     codecs: tuple[CodecCost, ...] = ()
     # None: take it from the site table (unknown sites are never recomputed).
     recomputable: bool | None = None
@@ -50,7 +70,7 @@ class SiteCost:
     @property
     def can_recompute(self) -> bool:
         known = site_table.SITES.get(self.name)
-        table_allows = known is not None and known.recomputable
+        table_allows = known is not None and known.recomputable and self.segment is not None
         return table_allows if self.recomputable is None else (self.recomputable and table_allows)
 
     @property
@@ -58,6 +78,11 @@ class SiteCost:
         # An unknown site (the profiler found something the table does not name) is retained:
         # no codec has been chosen for its kind of tensor.
         return self.name in site_table.SITES and bool(self.codecs)
+
+
+def segment_run_s(sites: Iterable[SiteCost], segment: str) -> float:
+    """Re-running ``segment`` whole: the rebuild of its last save."""
+    return max((site.rebuild_s for site in sites if site.segment == segment), default=0.0)
 
 
 @dataclass
@@ -70,6 +95,7 @@ class ModelCosts:
     non_layer_bytes: int              # embedding output, final norm, logits, loss tensors
     backward_workspace_bytes: int     # gradients alive while one layer backprops, any plan
     micro_batch_size: int
+    segments: tuple[Segment, ...] = MEGATRON_SEGMENTS
     # Free-form provenance: model shape, device or accelerator, dtype, who produced it.
     meta: dict[str, Any] = field(default_factory=dict)
 
@@ -98,36 +124,27 @@ class ModelCosts:
                               (self.backward_workspace_bytes, "backward_workspace_bytes")):
             if number < 0:
                 raise CostsError(f"{label} must be >= 0, got {number}")
+        order = [segment.name for segment in self.segments]
+        if len(set(order)) != len(order):
+            raise CostsError(f"duplicate segment names in {order}")
+        segment_of = {site.name: site.segment for site in self.sites}
+        for index, segment in enumerate(self.segments):
+            # A re-run must start from something saved before it: a start inside its own
+            # segment or a later one could itself be waiting for this re-run. A start that is
+            # no site of these costs is kept by something the plan does not decide.
+            start_segment = segment_of.get(segment.start)
+            if start_segment is not None and order.index(start_segment) >= index:
+                raise CostsError(f"segment {segment.name} starts from {segment.start}, which "
+                                 f"is rebuilt by the same or a later segment")
         for site in self.sites:
-            if site.bytes < 0 or site.recompute_s < 0:
-                raise CostsError(f"site {site.name}: bytes and recompute_s must be >= 0")
-            for source in site.sources:
-                if source not in names:
-                    raise CostsError(
-                        f"site {site.name}: source {source!r} is not a site of these costs"
-                    )
+            if site.bytes < 0 or site.rebuild_s < 0:
+                raise CostsError(f"site {site.name}: bytes and rebuild_s must be >= 0")
+            if site.segment is not None and site.segment not in order:
+                raise CostsError(f"site {site.name}: segment {site.segment!r} is not one of "
+                                 f"{order}")
             for codec in site.codecs:
                 if codec.payload_bytes < 0 or codec.encode_s < 0 or codec.decode_s < 0:
                     raise CostsError(f"site {site.name}, codec {codec.codec}: negative cost")
-        self._check_acyclic()
-
-    def _check_acyclic(self) -> None:
-        # A rebuild chain must end at something kept: a cycle of recomputable sites would let
-        # the planner drop all of them.
-        sources = {site.name: site.sources for site in self.sites}
-        done: set[str] = set()
-
-        def visit(name: str, path: tuple[str, ...]) -> None:
-            if name in path:
-                raise CostsError(f"source cycle: {' -> '.join(path + (name,))}")
-            if name in done:
-                return
-            for source in sources[name]:
-                visit(source, path + (name,))
-            done.add(name)
-
-        for name in sources:
-            visit(name, ())
 
     # --- serialisation -------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -145,8 +162,8 @@ class ModelCosts:
                 name=s["name"],
                 bytes=int(s["bytes"]),
                 dtype=s["dtype"],
-                recompute_s=float(s["recompute_s"]),
-                sources=tuple(s.get("sources", ())),
+                rebuild_s=float(s["rebuild_s"]),
+                segment=s["segment"],
                 codecs=tuple(CodecCost(**c) for c in s.get("codecs", ())),
                 recomputable=s.get("recomputable"),
             )
@@ -159,6 +176,7 @@ class ModelCosts:
             non_layer_bytes=int(data["non_layer_bytes"]),
             backward_workspace_bytes=int(data["backward_workspace_bytes"]),
             micro_batch_size=int(data["micro_batch_size"]),
+            segments=tuple(Segment(**segment) for segment in data["segments"]),
             meta=dict(data.get("meta", {})),
         )
 

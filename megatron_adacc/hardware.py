@@ -5,9 +5,10 @@ produce the same ``ModelCosts`` the profiler measures:
 
 - bytes per site from the megatron-core local layer (``_LAYER_SITES``: the one place these
   formulas live; with 16-bit activations and dropout on they add up to 34sbh + 5as^2b);
-- recompute time of a site = time of its producing op on a roofline: matmuls are FLOP-bound
-  at ``MATMUL_EFFICIENCY`` of peak, elementwise / norm / softmax / RNG ops are bound by the
-  bytes they move at ``BANDWIDTH_EFFICIENCY`` of peak bandwidth; an op that does both pays both;
+- rebuild time of a site = the ops the forward runs from its segment's start (sites.SEGMENTS)
+  up to its save, each on a roofline: matmuls are FLOP-bound at ``MATMUL_EFFICIENCY`` of
+  peak, elementwise / norm / softmax / RNG ops are bound by the bytes they move at
+  ``BANDWIDTH_EFFICIENCY`` of peak bandwidth; an op that does both pays both;
 - codec payloads from the codec rules (int4 + per-group or per-channel scales, exact outlier
   channels, 1 bit per mask flag) and codec time = bytes the codec moves at
   ``CODEC_EFFICIENCY`` of peak bandwidth;
@@ -200,14 +201,14 @@ class _Dims:
 
 @dataclass(frozen=True)
 class _SiteFormula:
-    """How big a site is and what its producing op costs, as functions of the dims."""
+    """How big a site is and what the forward runs between the previous save of its segment
+    and this one (its rebuild time is the sum along the segment), as functions of the dims."""
 
     elements: Callable[[_Dims], int]
     element_bytes: Callable[[_Dims], int]
     dtype: str
-    flops: Callable[[_Dims], float]          # matmul FLOPs of the producing op
-    bytes_moved: Callable[[_Dims], float]    # DRAM traffic of its non-matmul part
-    sources: tuple[str, ...]
+    flops: Callable[[_Dims], float]          # matmul FLOPs since the previous save
+    bytes_moved: Callable[[_Dims], float]    # DRAM traffic of the non-matmul ops since then
     channels: Callable[[_Dims], int]         # channel count, for per-channel codec scales
     when: Callable[["ModelShape"], bool] = lambda shape: True
 
@@ -244,59 +245,58 @@ def _hidden_dropout(shape: ModelShape) -> bool:
     return shape.hidden_dropout > 0
 
 
-def _probs_source(shape: ModelShape) -> str:
-    # With attention dropout off, the softmax output IS the tensor the matmul with V saves.
-    return "attn_probs" if _attention_dropout(shape) else "softmax_out"
-
-
 def _layer_sites(shape: ModelShape) -> dict[str, _SiteFormula]:
-    """The sites of one megatron-core local-spec layer (TP=1), in forward order."""
+    """The sites of one megatron-core local-spec layer (TP=1), in the order forward saves
+    them; each formula's op costs are those of the ops since the previous save."""
     sbh = lambda d: d.s * d.b * d.h
     attn = lambda d: d.a * d.s * d.s * d.b
     sbf = lambda d: d.s * d.b * d.f
     stats = lambda d: 2 * d.s * d.b
-    bda_moved = lambda d: 3 * d.s * d.b * d.h * d.act + d.s * d.b * d.h * d.mask
+    proj_flops = lambda d: 2 * d.s * d.b * d.h * d.h
+    # Without the bias-dropout-add mask, the next save after the context is ln2_in: the
+    # output projection runs before it.
+    ln2_in_flops = _NO_FLOPS if _hidden_dropout(shape) else proj_flops
     table = {
-        "layer_in": _SiteFormula(sbh, _act, "act", _NO_FLOPS, lambda d: 0.0, (), _hidden_channels),
-        "ln1_out": _SiteFormula(sbh, _act, "act", _NO_FLOPS, _ln_moved, ("layer_in",),
-                                _hidden_channels),
-        "ln1_stats": _SiteFormula(stats, _STATS_BYTES, "float32", _NO_FLOPS,
-                                  lambda d: d.s * d.b * d.h * d.act, ("layer_in",),
+        "layer_in": _SiteFormula(sbh, _act, "act", _NO_FLOPS, lambda d: 0.0, _hidden_channels),
+        # The input layernorm saves its statistics; linear_qkv saves its output on entry.
+        "ln1_stats": _SiteFormula(stats, _STATS_BYTES, "float32", _NO_FLOPS, _ln_moved,
                                   lambda d: 2),
+        "ln1_out": _SiteFormula(sbh, _act, "act", _NO_FLOPS, lambda d: 0.0, _hidden_channels),
+        # The QKV projection and its bias; Q, K and V are saved by the score matmul.
         "qkv": _SiteFormula(lambda d: 3 * sbh(d), _act, "act",
                             lambda d: 2 * d.s * d.b * d.h * 3 * d.h,
-                            lambda d: 3 * d.s * d.b * d.h * d.act, ("ln1_out",),
-                            lambda d: 3 * d.h),
+                            lambda d: 3 * d.s * d.b * d.h * d.act, lambda d: 3 * d.h),
         # Q K^T, scale and mask, softmax: scores written and read in 16 bit, probs written.
         "softmax_out": _SiteFormula(attn, lambda d: d.softmax, "softmax",
                                     lambda d: 2 * d.b * d.s * d.s * d.h,
-                                    lambda d: attn(d) * (2 * d.act + d.softmax), ("qkv",),
+                                    lambda d: attn(d) * (2 * d.act + d.softmax),
                                     lambda d: d.s),
         "attn_dropout_mask": _SiteFormula(attn, lambda d: d.mask, "bool", _NO_FLOPS,
-                                          _rng_moved_attn, (), lambda d: d.s,
+                                          _rng_moved_attn, lambda d: d.s,
                                           when=_attention_dropout),
         "attn_probs": _SiteFormula(attn, _act, "act", _NO_FLOPS,
                                    lambda d: attn(d) * (d.softmax + d.mask + d.act),
-                                   ("softmax_out", "attn_dropout_mask"), lambda d: d.s,
-                                   when=_attention_dropout),
+                                   lambda d: d.s, when=_attention_dropout),
+        # The probabilities times V; linear_proj saves the context on entry.
         "context": _SiteFormula(sbh, _act, "act", lambda d: 2 * d.b * d.s * d.s * d.h,
-                                lambda d: 2 * sbh(d) * d.act,
-                                (_probs_source(shape), "qkv"), _hidden_channels),
-        "bda1_mask": _SiteFormula(sbh, lambda d: d.mask, "bool", _NO_FLOPS, _rng_moved_sbh, (),
+                                lambda d: 2 * sbh(d) * d.act, _hidden_channels),
+        "bda1_mask": _SiteFormula(sbh, lambda d: d.mask, "bool", proj_flops, _rng_moved_sbh,
                                   _hidden_channels, when=_hidden_dropout),
-        "ln2_in": _SiteFormula(sbh, _act, "act", lambda d: 2 * d.s * d.b * d.h * d.h, bda_moved,
-                               ("context", "bda1_mask", "layer_in")
-                               if _hidden_dropout(shape) else ("context", "layer_in"),
+        # The bias-dropout-add; pre_mlp_layernorm saves its input on entry.
+        "ln2_in": _SiteFormula(sbh, _act, "act", ln2_in_flops,
+                               lambda d: 3 * d.s * d.b * d.h * d.act + d.s * d.b * d.h * d.mask,
                                _hidden_channels),
-        "ln2_out": _SiteFormula(sbh, _act, "act", _NO_FLOPS, _ln_moved, ("ln2_in",),
-                                _hidden_channels),
-        "ln2_stats": _SiteFormula(stats, _STATS_BYTES, "float32", _NO_FLOPS,
-                                  lambda d: d.s * d.b * d.h * d.act, ("ln2_in",), lambda d: 2),
+        "ln2_stats": _SiteFormula(stats, _STATS_BYTES, "float32", _NO_FLOPS, _ln_moved,
+                                  lambda d: 2),
+        "ln2_out": _SiteFormula(sbh, _act, "act", _NO_FLOPS, lambda d: 0.0, _hidden_channels),
         "gelu_in": _SiteFormula(sbf, _act, "act", lambda d: 2 * d.s * d.b * d.h * d.f,
-                                lambda d: 2 * sbf(d) * d.act, ("ln2_out",), lambda d: d.f),
+                                lambda d: 2 * sbf(d) * d.act, lambda d: d.f),
         "gelu_out": _SiteFormula(sbf, _act, "act", _NO_FLOPS, lambda d: 2 * sbf(d) * d.act,
-                                 ("gelu_in",), lambda d: d.f),
-        "bda2_mask": _SiteFormula(sbh, lambda d: d.mask, "bool", _NO_FLOPS, _rng_moved_sbh, (),
+                                 lambda d: d.f),
+        # fc2, then the dropout of the second bias-dropout-add draws its mask.
+        "bda2_mask": _SiteFormula(sbh, lambda d: d.mask, "bool",
+                                  lambda d: 2 * d.s * d.b * d.f * d.h,
+                                  lambda d: sbh(d) * d.act + _rng_moved_sbh(d),
                                   _hidden_channels, when=_hidden_dropout),
     }
     return {name: formula for name, formula in table.items() if formula.when(shape)}
@@ -384,18 +384,25 @@ def analytic_costs(shape: ModelShape, micro_batch_size: int, accelerator: str | 
     dtype_names = {"act": _DTYPE_NAMES[shape.precision],
                    "softmax": "float32" if d.softmax == 4 else _DTYPE_NAMES[shape.precision]}
     sites = []
+    since_start: dict[str, float] = {}   # segment -> forward time up to the last save so far
     for name, formula in _layer_sites(shape).items():
         elements, element_bytes = formula.elements(d), formula.element_bytes(d)
         full = elements * element_bytes
-        codec = site_table.get(name).default_codec
-        payload = codec_payload_bytes(codec, elements, element_bytes, formula.channels(d))
+        known = site_table.get(name)
+        payload = codec_payload_bytes(known.default_codec, elements, element_bytes,
+                                      formula.channels(d))
+        rebuild_s = 0.0
+        if known.segment is not None:
+            rebuild_s = since_start.get(known.segment, 0.0) + (
+                formula.flops(d) / flop_rate + formula.bytes_moved(d) / byte_rate)
+            since_start[known.segment] = rebuild_s
         sites.append(SiteCost(
             name=name,
             bytes=full,
             dtype=dtype_names.get(formula.dtype, formula.dtype),
-            recompute_s=formula.flops(d) / flop_rate + formula.bytes_moved(d) / byte_rate,
-            sources=formula.sources,
-            codecs=(_codec_cost(codec, full, payload, device.memory_bandwidth),),
+            rebuild_s=rebuild_s,
+            segment=known.segment,
+            codecs=(_codec_cost(known.default_codec, full, payload, device.memory_bandwidth),),
         ))
     return ModelCosts(
         sites=sites,

@@ -16,16 +16,23 @@ layer's backward, the same for every plan. The logits and loss tensors (non_laye
 by the loss backward before any layer backprops, so they meet the layers' stored bytes only
 at the end of forward.
 
-Time model: each recomputed site costs its producing op once (rebuilt values are cached for
-the layer's backward, so a chain costs the sum of its links) and each compressed site its
-encode + decode. Both are additive, so a layer policy is a vector (time, stored, transient).
+Time model: each compressed site costs its encode + decode. Recomputed sites are rebuilt the
+way the runtime rebuilds them: one forward re-run per layer (values cached for the layer's
+backward), from the start of the first segment holding a recomputed site to the deepest
+recomputed site of the last one. Segments before the last run whole (the next one starts
+from their output), the last one up to its deepest recomputed site (``rebuild_charges``).
+That is a maximum, not a sum, over the recomputed sites, so a layer's time is not additive
+over its sites; its memory is. A layer policy is still a vector (time, stored, transient).
+Exactness: the re-run reads one saved value, the start of its first segment; with
+``allow_lossy_sources=False`` that start must not be compressed.
 
 Per-layer plans:
 1. The frontier: every single-layer policy (one action per site, layer_in-style sites never
-   recomputed, with ``allow_lossy_sources=False`` no recomputed site reading a compressed one)
-   reduced to its Pareto frontier in (time, stored, transient), built site by site so the 3^n
-   policies are never listed. Swapping a dominated policy for one that dominates it lowers
-   no constraint's slack and no time, so some optimal plan uses frontier policies only.
+   recomputed, with ``allow_lossy_sources=False`` no re-run from a compressed start) reduced
+   to its Pareto frontier in (time, stored, transient), built site by site so the 3^n
+   policies are never listed (``_frontier`` says how the rebuild time is carried).
+   Swapping a dominated policy for one that dominates it lowers no constraint's slack and
+   no time, so some optimal plan uses frontier policies only.
    Transient is clipped from below at non_layer - workspace: no prefix exceeds the total
    stored, so a smaller transient can never set the peak.
 2. The order: for a given multiset of layer policies the peak term max_l [prefix(l) +
@@ -41,11 +48,13 @@ Per-layer plans:
    exactly optimal); the plan always fits the true budget and is no slower than the optimum
    at (budget - num_layers x resolution). CBC on the same problem as a knapsack over the
    frontier (hundreds of near-tied integer columns) did not prove optimality in 20 s, hence
-   the dynamic programme.
+   the dynamic programme. The smallest feasible budget is the peak of a least-peak plan
+   found without rounding, which ``plan`` falls back to: a budget it names is feasible.
 
 Uniform plans (one policy for every layer) are a scan of the same frontier. ``method="milp"``
 solves the direct formulation instead (one binary per layer, site and action; the paper's
-model extended with the same constraints): slower, kept as the cross-check and benchmark.
+model extended with the same constraints, the rebuild time as one continuous variable per
+layer and segment): slower, kept as the cross-check and benchmark.
 """
 from __future__ import annotations
 
@@ -58,7 +67,7 @@ import numpy as np
 import pulp
 
 from megatron_adacc import sites as site_table
-from megatron_adacc.costs import ModelCosts, SiteCost
+from megatron_adacc.costs import ModelCosts, Segment, SiteCost, segment_run_s
 from megatron_adacc.plan import RETAIN_DECISION, Decision, Plan
 from megatron_adacc.sites import COMPRESS, RECOMPUTE, RETAIN
 
@@ -87,6 +96,9 @@ class InfeasibleBudget(ValueError):
 # --- one layer's policies --------------------------------------------------------------------
 @dataclass(frozen=True)
 class _Option:
+    """One action at one site: its time, stored and transient bytes. A recompute's time is
+    not its own (it depends on the layer's other recomputed sites: ``rebuild_charges``)."""
+
     decision: Decision
     time_s: float
     stored: int
@@ -103,7 +115,7 @@ def _site_options(site: SiteCost) -> list[_Option]:
             options.append(_Option(decision, codec.encode_s + codec.decode_s,
                                    codec.payload_bytes, site.bytes))
     if site.can_recompute:
-        options.append(_Option(Decision(RECOMPUTE), site.recompute_s, 0, site.bytes))
+        options.append(_Option(Decision(RECOMPUTE), 0.0, 0, site.bytes))
     return options
 
 
@@ -117,14 +129,48 @@ class LayerPolicy:
     transient_bytes: int
 
 
+def _recomputed(decisions: Mapping[str, Decision]) -> set[str]:
+    return {name for name, decision in decisions.items() if decision.action == RECOMPUTE}
+
+
+def _rebuilt_segments(costs: ModelCosts, recomputed: set[str]) -> list[int]:
+    """Indices (into ``costs.segments``) of the segments holding a recomputed site."""
+    order = [segment.name for segment in costs.segments]
+    return sorted({order.index(site.segment) for site in costs.sites
+                   if site.name in recomputed})
+
+
+def rebuild_charges(costs: ModelCosts, recomputed: set[str]) -> dict[str, float]:
+    """What rebuilding the ``recomputed`` sites of one layer adds to its backward, by the site
+    that sets each part: the runtime re-runs forward once, from the start of the first segment
+    holding a recomputed site to the deepest recomputed site of the last one. Each segment
+    before the last runs whole (charged to its deepest recomputed site, or to the last
+    segment's when it has none); the last runs up to its deepest recomputed site."""
+    rebuilt = _rebuilt_segments(costs, recomputed)
+    if not rebuilt:
+        return {}
+
+    def deepest(index: int) -> SiteCost | None:
+        name = costs.segments[index].name
+        held = [site for site in costs.sites if site.segment == name and site.name in recomputed]
+        return max(held, key=lambda site: site.rebuild_s, default=None)
+
+    last = deepest(rebuilt[-1])
+    charges = {last.name: last.rebuild_s}
+    for index in range(rebuilt[0], rebuilt[-1]):
+        holder = deepest(index) or last
+        run_s = segment_run_s(costs.sites, costs.segments[index].name)
+        charges[holder.name] = charges.get(holder.name, 0.0) + run_s
+    return charges
+
+
 def is_exact(costs: ModelCosts, decisions: Mapping[str, Decision]) -> bool:
-    """True when no recomputed site is rebuilt from a compressed (lossy) source."""
-    for site in costs.sites:
-        if decisions.get(site.name, RETAIN_DECISION).action != RECOMPUTE:
-            continue
-        if any(decisions.get(src, RETAIN_DECISION).action == COMPRESS for src in site.sources):
-            return False
-    return True
+    """True when the layer's rebuild (if any) starts from a value that is not compressed."""
+    rebuilt = _rebuilt_segments(costs, _recomputed(decisions))
+    if not rebuilt:
+        return True
+    start = costs.segments[rebuilt[0]].start
+    return decisions.get(start, RETAIN_DECISION).action != COMPRESS
 
 
 def _option_for(site: SiteCost, decision: Decision) -> _Option:
@@ -135,11 +181,21 @@ def _option_for(site: SiteCost, decision: Decision) -> _Option:
     raise ValueError(f"site {site.name}: {decision} is not allowed by these costs")
 
 
+def _site_times(costs: ModelCosts, decisions: Mapping[str, Decision]) -> dict[str, float]:
+    """Added time of a layer policy by site: codec times, rebuild charges."""
+    options = {site.name: _option_for(site, decisions.get(site.name, RETAIN_DECISION))
+               for site in costs.sites}
+    times = {name: option.time_s for name, option in options.items()}
+    for name, charge in rebuild_charges(costs, _recomputed(decisions)).items():
+        times[name] += charge
+    return times
+
+
 def evaluate_layer(costs: ModelCosts, decisions: Mapping[str, Decision]) -> LayerPolicy:
     """The cost vector of a layer policy, straight from the definitions."""
     options = [_option_for(site, decisions.get(site.name, RETAIN_DECISION))
                for site in costs.sites]
-    return LayerPolicy(dict(decisions), sum(o.time_s for o in options),
+    return LayerPolicy(dict(decisions), sum(_site_times(costs, decisions).values()),
                        sum(o.stored for o in options), sum(o.transient for o in options))
 
 
@@ -155,37 +211,45 @@ def peak_bytes(costs: ModelCosts, layers: Sequence[LayerPolicy]) -> int:
     return costs.static_bytes + activations
 
 
-def _topological_order(sites: Sequence[SiteCost]) -> list[SiteCost]:
-    by_name = {site.name: site for site in sites}
-    order: list[SiteCost] = []
-    seen: set[str] = set()
-
-    def visit(name: str) -> None:
-        if name not in seen:
-            seen.add(name)
-            for source in by_name[name].sources:
-                visit(source)
-            order.append(by_name[name])
-
-    for site in sites:
-        visit(site.name)
-    return order
-
-
 def _pareto(points: np.ndarray) -> np.ndarray:
     """Indices of the rows of ``points`` (time, stored, transient) that no other row weakly
     dominates (duplicates keep one). In lexicographic order a row is dominated iff some
-    earlier row has stored and transient <= its own (its time is <= by the order)."""
+    earlier row has stored and transient <= its own (its time is <= by the order). Rows are
+    checked in blocks: against each other, and against the staircase of (stored, transient)
+    minima of all earlier blocks (one binary search per row), so the cost stays near n log n
+    instead of n^2."""
     order = np.lexsort((points[:, 2], points[:, 1], points[:, 0]))
     stored, transient = points[order, 1], points[order, 2]
+    if len(order) and (transient == transient[0]).all():
+        # One transient (typically all clipped to the floor): a row is dominated iff an
+        # earlier row stores no more, i.e. iff it does not store strictly less than all
+        # earlier rows.
+        least_before = np.minimum.accumulate(np.concatenate([[np.inf], stored[:-1]]))
+        return order[stored < least_before]
     dominated = np.zeros(len(order), dtype=bool)
-    block = 512
+    # The staircase: stored ascending, transient strictly descending; the least transient of
+    # any earlier row storing at most s is that of the last step at or below s.
+    stair_stored, stair_transient = np.empty(0), np.empty(0)
+    block = 256
+    earlier = np.tri(block, k=-1, dtype=bool)
     for start in range(0, len(order), block):
         end = min(start + block, len(order))
-        earlier = np.arange(end)[None, :] < np.arange(start, end)[:, None]
-        dominated[start:end] = ((stored[None, :end] <= stored[start:end, None])
-                                & (transient[None, :end] <= transient[start:end, None])
-                                & earlier).any(axis=1)
+        s, t = stored[start:end], transient[start:end]
+        hit = np.zeros(end - start, dtype=bool)
+        if len(stair_stored):
+            step = np.searchsorted(stair_stored, s, side="right") - 1
+            hit = (step >= 0) & (stair_transient[np.maximum(step, 0)] <= t)
+        size = end - start
+        hit |= ((s[None, :] <= s[:, None]) & (t[None, :] <= t[:, None])
+                & earlier[:size, :size]).any(axis=1)
+        dominated[start:end] = hit
+        merged_stored = np.concatenate([stair_stored, s[~hit]])
+        merged_transient = np.concatenate([stair_transient, t[~hit]])
+        rank = np.lexsort((merged_transient, merged_stored))
+        merged_stored, merged_transient = merged_stored[rank], merged_transient[rank]
+        lower = merged_transient < np.minimum.accumulate(
+            np.concatenate([[np.inf], merged_transient[:-1]]))
+        stair_stored, stair_transient = merged_stored[lower], merged_transient[lower]
     return order[~dominated]
 
 
@@ -222,53 +286,80 @@ def layer_frontier(costs: ModelCosts, allow_lossy_sources: bool = True) -> Front
     transient clipped from below at ``_transient_floor`` (which changes no peak), built site
     by site so the 3^n policies are never listed. It depends on the per-layer costs only, so
     re-planning the same costs at another budget reuses it."""
-    return _frontier(tuple(costs.sites), allow_lossy_sources, _transient_floor(costs))
+    return _frontier(tuple(costs.sites), tuple(costs.segments), allow_lossy_sources,
+                     _transient_floor(costs))
 
 
 @functools.lru_cache(maxsize=32)
-def _frontier(sites: tuple[SiteCost, ...], allow_lossy_sources: bool,
-              transient_floor: int) -> Frontier:
-    order = _topological_order(sites)
-    position = {site.name: i for i, site in enumerate(order)}
-    # A compressed site matters to the exactness rule until its last reader has been decided.
-    last_reader = {site.name: -1 for site in order}
-    for site in order:
-        for source in site.sources:
-            last_reader[source] = max(last_reader[source], position[site.name])
-
+def _frontier(sites: tuple[SiteCost, ...], segments: tuple[Segment, ...],
+              allow_lossy_sources: bool, transient_floor: int) -> Frontier:
+    """Sites are added deepest first: the segments last to first, each segment's sites by
+    rebuild time, longest first, then the sites no segment rebuilds. In that order the
+    first recomputed site met is the deepest of the last rebuilt segment, and a recomputed
+    site met in an earlier segment extends the re-run to it, so the rebuild time is charged
+    as it is met (``rebuild_charges`` in steps) with one number of state: the lowest segment
+    rebuilt so far. A second flag, only for exact plans, marks that the start of that
+    segment was compressed; it clears if a still earlier segment is rebuilt (the re-run then
+    starts elsewhere) and a policy still carrying it at the end is lossy."""
+    names = [segment.name for segment in segments]
+    none = len(segments)            # "no segment rebuilt yet"
+    order = [site for index in reversed(range(len(segments)))
+             for site in sorted((s for s in sites if s.segment == names[index]),
+                                key=lambda s: -s.rebuild_s)]
+    order += [site for site in sites if site.segment is None]
+    run_s = np.array([segment_run_s(sites, name) for name in names])
+    starts = {segment.start: index for index, segment in enumerate(segments)}
     options = [_site_options(site) for site in order]
-    # state (compressed sites whose readers are still undecided) -> (vectors, choices)
-    states: dict[frozenset[str], tuple[np.ndarray, np.ndarray]] = {
-        frozenset(): (np.zeros((1, 3)), np.zeros((1, 0), dtype=np.int16))
-    }
-    for index, site in enumerate(order):
-        grown: dict[frozenset[str], list[tuple[np.ndarray, np.ndarray]]] = {}
-        for state, (vectors, choices) in states.items():
-            lossy_source = any(source in state for source in site.sources)
-            for choice, option in enumerate(options[index]):
-                if option.decision.action == RECOMPUTE and lossy_source and not allow_lossy_sources:
-                    continue
-                pending = set(state)
-                if option.decision.action == COMPRESS and not allow_lossy_sources:
-                    pending.add(site.name)
-                key = frozenset(name for name in pending if last_reader[name] > index)
-                step = np.array([option.time_s, option.stored, option.transient])
-                column = np.full((len(choices), 1), choice, dtype=np.int16)
-                grown.setdefault(key, []).append((vectors + step, np.hstack([choices, column])))
+    # Pruning compares transients clipped at what still cannot reach the floor once every
+    # site to come adds its most: two partial policies both below that end up at the floor
+    # alike. (With GPT-sized logits the floor exceeds any layer's transient, and the
+    # frontier is two-dimensional from the start.)
+    to_come = np.cumsum([max(o.transient for o in site_options)
+                         for site_options in options][::-1])[::-1]
+    unreachable = transient_floor - np.append(to_come[1:], 0)
+
+    # (lowest rebuilt segment, its start compressed) -> (time, stored, transient) rows and
+    # each row's option choices as one mixed-radix integer (site k's choice is digit k).
+    states = {(none, False): (np.zeros((1, 3)), np.zeros(1, dtype=np.int64))}
+    radix = 1
+    for index, (site, site_options) in enumerate(zip(order, options)):
+        segment = names.index(site.segment) if site.segment is not None else None
+        grown: dict[tuple[int, bool], list[tuple[np.ndarray, np.ndarray]]] = {}
+        for (lowest, pending), (vectors, codes) in states.items():
+            for choice, option in enumerate(site_options):
+                key, charge = (lowest, pending), option.time_s
+                if option.decision.action == RECOMPUTE:
+                    if lowest == none:
+                        key, charge = (segment, False), site.rebuild_s
+                    elif segment < lowest:
+                        key, charge = (segment, False), float(run_s[segment:lowest].sum())
+                elif (option.decision.action == COMPRESS and not allow_lossy_sources
+                      and starts.get(site.name, none) == lowest != none):
+                    key = (lowest, True)
+                step = np.array([charge, option.stored, option.transient], dtype=float)
+                grown.setdefault(key, []).append((vectors + step, codes + choice * radix))
+        radix *= len(site_options)
         states = {}
         for key, parts in grown.items():
-            vectors = np.vstack([v for v, _ in parts])
-            choices = np.vstack([c for _, c in parts])
-            keep = _pareto(vectors)
-            states[key] = (vectors[keep], choices[keep])
+            vectors = np.concatenate([v for v, _ in parts])
+            codes = np.concatenate([c for _, c in parts])
+            clipped = vectors.copy()
+            clipped[:, 2] = np.maximum(clipped[:, 2], unreachable[index])
+            keep = _pareto(clipped)
+            states[key] = (vectors[keep], codes[keep])
 
-    vectors = np.vstack([v for v, _ in states.values()])
-    choices = np.vstack([c for _, c in states.values()])
+    exact = [part for (_, pending), part in states.items() if not pending]
+    vectors = np.concatenate([v for v, _ in exact])
+    codes = np.concatenate([c for _, c in exact])
     clipped = vectors.copy()
     clipped[:, 2] = np.maximum(clipped[:, 2], transient_floor)
     keep = _pareto(clipped)
-    return Frontier(order, options, vectors[keep, 0], vectors[keep, 1].astype(np.int64),
-                    vectors[keep, 2].astype(np.int64), choices[keep])
+    vectors, codes = vectors[keep], codes[keep]
+    choices = np.empty((len(codes), len(order)), dtype=np.int16)
+    for column, site_options in enumerate(options):
+        codes, choices[:, column] = np.divmod(codes, len(site_options))
+    return Frontier(order, options, vectors[:, 0], vectors[:, 1].astype(np.int64),
+                    vectors[:, 2].astype(np.int64), choices)
 
 
 # --- the result ----------------------------------------------------------------------------
@@ -282,7 +373,9 @@ class SiteRow:
     action: str
     codec: str | None
     bytes_kept: int             # summed over those layers
-    time_added_s: float         # summed over those layers
+    # Summed over those layers; a re-run's time shows at the site that sets it (the deepest
+    # recomputed one, see rebuild_charges), other recomputed sites of it add nothing.
+    time_added_s: float
 
 
 @dataclass
@@ -339,6 +432,10 @@ def _ranges(layers: Iterable[int]) -> str:
 
 
 def _rows(costs: ModelCosts, layer_decisions: list[dict[str, Decision]]) -> list[SiteRow]:
+    # Layers mostly share a few policies: evaluate each distinct one once.
+    distinct = {tuple(d.items()): d for d in layer_decisions}
+    by_policy = {key: _site_times(costs, decisions) for key, decisions in distinct.items()}
+    times = [by_policy[tuple(d.items())] for d in layer_decisions]
     rows = []
     for site in costs.sites:
         groups: dict[Decision, list[int]] = {}
@@ -348,7 +445,7 @@ def _rows(costs: ModelCosts, layer_decisions: list[dict[str, Decision]]) -> list
             option = _option_for(site, decision)
             rows.append(SiteRow(site.name, _ranges(layers), len(layers), decision.action,
                                 decision.codec_for(site.name), option.stored * len(layers),
-                                option.time_s * len(layers)))
+                                sum(times[layer][site.name] for layer in layers)))
     return rows
 
 
@@ -375,9 +472,10 @@ def _layer_dp(costs: ModelCosts, stored: np.ndarray, step_cost, final_cost,
     with no smaller prefix and no smaller cost than another is all that needs keeping.
 
     ``step_cost(cost, prefix)`` -> cost after adding each frontier policy (arrays broadcast
-    over states x policies; inf where not allowed); ``final_cost(prefix, cost)`` -> the
-    objective of a complete plan (inf where infeasible). Returns (objective, policy per
-    layer) or None when nothing is feasible."""
+    over states x policies; inf where not allowed); ``final_cost(prefix, cost, layers)`` ->
+    the objective, or a lower bound on it, of a plan whose first ``layers`` layers end in
+    that state (inf where infeasible). Returns (objective, policy per layer) or None when
+    nothing is feasible."""
     num_layers = costs.num_layers
     prefix = np.zeros(1, dtype=np.int64)
     cost = np.zeros(1)
@@ -385,12 +483,14 @@ def _layer_dp(costs: ModelCosts, stored: np.ndarray, step_cost, final_cost,
     for layer in range(num_layers):
         new_prefix = prefix[:, None] + stored[None, :]
         new_cost = step_cost(cost[:, None], new_prefix)
-        reachable = final_cost(new_prefix, new_cost, layer + 1)
-        new_cost = np.where(np.isfinite(reachable) & (reachable <= cost_bound), new_cost, np.inf)
         state, pick = np.nonzero(np.isfinite(new_cost))
-        if len(state) == 0:
-            return None
         candidate_prefix, candidate_cost = new_prefix[state, pick], new_cost[state, pick]
+        reachable = final_cost(candidate_prefix, candidate_cost, layer + 1)
+        alive = np.flatnonzero(np.isfinite(reachable) & (reachable <= cost_bound))
+        if len(alive) == 0:
+            return None
+        state, pick = state[alive], pick[alive]
+        candidate_prefix, candidate_cost = candidate_prefix[alive], candidate_cost[alive]
         order = np.lexsort((candidate_cost, candidate_prefix))
         sorted_cost = candidate_cost[order]
         best_before = np.minimum.accumulate(np.concatenate([[np.inf], sorted_cost[:-1]]))
@@ -450,7 +550,8 @@ def _rounded_lp_plan(costs: ModelCosts, budget: int, frontier: Frontier,
                      hull: np.ndarray) -> list[LayerPolicy] | None:
     """A good feasible plan to bound the exact search: the LP optimum mixes two neighbouring
     hull policies; round the mix down to whole layers and spend what is left of the budget
-    on one layer. None if it breaks a backward constraint."""
+    layer by layer, each on the fastest policy it pays for. None if it breaks a backward
+    constraint."""
     num_layers = costs.num_layers
     capacity = budget - costs.static_bytes - costs.non_layer_bytes
     stored = frontier.stored[hull]
@@ -465,8 +566,10 @@ def _rounded_lp_plan(costs: ModelCosts, budget: int, frontier: Frontier,
         n_high = (capacity - num_layers * s_low) // (s_high - s_low)
         picks = [high] * n_high + [low] * (num_layers - n_high)
         spare = capacity - n_high * s_high - (num_layers - n_high) * s_low
-        upgrade = np.flatnonzero(frontier.stored <= s_low + spare)
-        picks[-1] = int(upgrade[np.argmin(frontier.time_s[upgrade])])
+        for layer, pick in reversed(list(enumerate(picks))):   # the low layers first
+            upgrade = np.flatnonzero(frontier.stored <= frontier.stored[pick] + spare)
+            picks[layer] = int(upgrade[np.argmin(frontier.time_s[upgrade])])
+            spare -= int(frontier.stored[picks[layer]] - frontier.stored[pick])
     layers = _jackson_order(frontier, picks)
     return layers if peak_bytes(costs, layers) <= budget else None
 
@@ -504,9 +607,10 @@ def _plan_per_layer(costs: ModelCosts, budget: int, frontier: Frontier,
     return _jackson_order(frontier, [int(useful[k]) for k in solved[1]])
 
 
-def _minimum_peak_per_layer(costs: ModelCosts, frontier: Frontier, upper_bound: int) -> int:
-    """The smallest peak any per-layer plan reaches: the same programme with the running
-    maximum of (prefix + transient) as the cost."""
+def _least_peak_per_layer(costs: ModelCosts, frontier: Frontier,
+                          upper_bound: int) -> list[LayerPolicy]:
+    """A per-layer plan with the smallest peak (bytes exact, no rounding): the same
+    programme with the running maximum of (prefix + transient) as the cost."""
     transient = frontier.transient
 
     def step_cost(cost, prefix):
@@ -522,7 +626,7 @@ def _minimum_peak_per_layer(costs: ModelCosts, frontier: Frontier, upper_bound: 
 
     solved = _layer_dp(costs, frontier.stored, step_cost, final_cost,
                        cost_bound=upper_bound - costs.static_bytes)
-    return peak_bytes(costs, _jackson_order(frontier, solved[1]))
+    return _jackson_order(frontier, solved[1])
 
 
 def _uniform_peaks(costs: ModelCosts, frontier: Frontier) -> np.ndarray:
@@ -534,15 +638,20 @@ def _uniform_peaks(costs: ModelCosts, frontier: Frontier) -> np.ndarray:
         total + frontier.transient + costs.backward_workspace_bytes)
 
 
-def _minimum_budget(costs: ModelCosts, frontier: Frontier, per_layer: bool) -> int:
-    uniform = int(_uniform_peaks(costs, frontier).min())
-    return _minimum_peak_per_layer(costs, frontier, uniform) if per_layer else uniform
+def _least_peak_plan(costs: ModelCosts, frontier: Frontier, per_layer: bool) -> list[LayerPolicy]:
+    """A plan with the smallest peak: its peak is the smallest feasible budget, and ``plan``
+    returns it where the rounded search finds nothing, so that budget really is feasible."""
+    uniform = [frontier.policy(int(np.argmin(_uniform_peaks(costs, frontier))))] * costs.num_layers
+    if not per_layer:
+        return uniform
+    return _least_peak_per_layer(costs, frontier, peak_bytes(costs, uniform))
 
 
 def minimum_budget(costs: ModelCosts, per_layer: bool = True,
                    allow_lossy_sources: bool = True) -> int:
     """The smallest budget for which ``plan`` succeeds."""
-    return _minimum_budget(costs, layer_frontier(costs, allow_lossy_sources), per_layer)
+    frontier = layer_frontier(costs, allow_lossy_sources)
+    return peak_bytes(costs, _least_peak_plan(costs, frontier, per_layer))
 
 
 def _plan_uniform(costs: ModelCosts, budget: int, frontier: Frontier) -> list[LayerPolicy] | None:
@@ -574,20 +683,46 @@ def _plan_direct_milp(costs: ModelCosts, budget: int, per_layer: bool,
         return pulp.lpSum(getattr(opt, attribute) / scale * x[g, name, i]
                           for name, opts in options.items() for i, opt in enumerate(opts))
 
+    def chosen(g: int, name: str, action: str) -> Any:
+        return pulp.lpSum(x[g, name, i] for i, opt in enumerate(options.get(name, ()))
+                          if opt.decision.action == action)
+
+    # Recomputable sites by segment index, and the rebuild time of each (group, segment):
+    # at least the rebuild of each recomputed site in it, and the whole segment when it and
+    # a later segment both hold recomputed sites (see rebuild_charges).
+    held = [[site for site in costs.sites if site.segment == segment.name and site.can_recompute]
+            for segment in costs.segments]
+    rebuild = {(g, k): pulp.LpVariable(f"rebuild_{g}_{k}", lowBound=0)
+               for g in groups for k in range(len(held))}
     weight = 1 if per_layer else num_layers
-    problem += pulp.lpSum(weight * total(g, "time_s", 1 / _MS) for g in groups)
+    problem += pulp.lpSum(weight * (total(g, "time_s", 1 / _MS)
+                                    + pulp.lpSum(rebuild[g, k] for k in range(len(held))))
+                          for g in groups)
     for g in groups:
         for name, opts in options.items():
             problem += pulp.lpSum(x[g, name, i] for i in range(len(opts))) == 1
-        if not allow_lossy_sources:
-            for site in costs.sites:
-                for r, opt in enumerate(options[site.name]):
-                    if opt.decision.action != RECOMPUTE:
-                        continue
-                    for source in site.sources:
-                        for c, src_opt in enumerate(options[source]):
-                            if src_opt.decision.action == COMPRESS:
-                                problem += x[g, site.name, r] + x[g, source, c] <= 1
+        for k, sites in enumerate(held):
+            for site in sites:
+                problem += rebuild[g, k] >= site.rebuild_s * _MS * chosen(g, site.name, RECOMPUTE)
+            up_to, after = sum(held[:k + 1], []), sum(held[k + 1:], [])
+            if up_to and after:
+                # Continuous in [0, 1] and pushed down by the objective: at the optimum each
+                # is 1 exactly when some recomputed site forces it.
+                first = pulp.LpVariable(f"rebuilt_to_{g}_{k}", 0, 1)
+                later = pulp.LpVariable(f"rebuilt_after_{g}_{k}", 0, 1)
+                for site in up_to:
+                    problem += first >= chosen(g, site.name, RECOMPUTE)
+                for site in after:
+                    problem += later >= chosen(g, site.name, RECOMPUTE)
+                run_ms = segment_run_s(costs.sites, costs.segments[k].name) * _MS
+                problem += rebuild[g, k] >= run_ms * (first + later - 1)
+            if not allow_lossy_sources:
+                # A re-run starting at segment k (nothing recomputed before it) reads its
+                # start, which must not be compressed.
+                before = pulp.lpSum(chosen(g, site.name, RECOMPUTE) for site in sum(held[:k], []))
+                for site in sites:
+                    problem += (chosen(g, costs.segments[k].start, COMPRESS)
+                                + chosen(g, site.name, RECOMPUTE) - before <= 1)
     workspace = costs.backward_workspace_bytes / _MIB
     if per_layer:
         for layer in range(num_layers):
@@ -628,6 +763,10 @@ def plan(costs: ModelCosts, budget_bytes: int, per_layer: bool = True,
         raise ValueError(f"unknown planner method {method!r}; use 'frontier' or 'milp'")
     started = time.perf_counter()
     frontier = layer_frontier(costs, allow_lossy_sources)
+    least_peak = _least_peak_plan(costs, frontier, per_layer)
+    minimum = peak_bytes(costs, least_peak)
+    if budget_bytes < minimum:
+        raise InfeasibleBudget(budget_bytes, minimum, costs.static_bytes)
     if method == "frontier" and per_layer:
         layers = _plan_per_layer(costs, budget_bytes, frontier,
                                  resolution_bytes or default_resolution(costs))
@@ -635,10 +774,10 @@ def plan(costs: ModelCosts, budget_bytes: int, per_layer: bool = True,
         layers = _plan_uniform(costs, budget_bytes, frontier)
     else:
         layers = _plan_direct_milp(costs, budget_bytes, per_layer, allow_lossy_sources)
+    # Near the minimum the rounded search (or CBC's floating point) may find nothing; the
+    # least-peak plan fits any budget >= minimum.
+    layers = layers or least_peak
     solve_time = time.perf_counter() - started
-    if layers is None:
-        raise InfeasibleBudget(budget_bytes, _minimum_budget(costs, frontier, per_layer),
-                               costs.static_bytes)
     layer_decisions = [
         {site.name: layer.decisions.get(site.name, RETAIN_DECISION) for site in costs.sites}
         for layer in layers
@@ -654,7 +793,7 @@ def plan(costs: ModelCosts, budget_bytes: int, per_layer: bool = True,
         activation_bytes=peak - costs.static_bytes,
         added_time_s=sum(layer.time_s for layer in layers),
         solve_time_s=solve_time,
-        minimum_feasible_budget=_minimum_budget(costs, frontier, per_layer),
+        minimum_feasible_budget=minimum,
         per_layer=per_layer,
         allow_lossy_sources=allow_lossy_sources,
         method=method,

@@ -13,15 +13,14 @@ layer has the same shape), so the numbers describe what the runtime will really 
 - codecs: a step per candidate round in which the measured layer compresses every site with
   a candidate codec. Payload bytes are what the ruler counts in that step; encode and decode
   times are the medians of re-running the codec on the tensors the runtime handed it.
-- recompute: a step per site in which the measured layer recomputes only that site; the
+- rebuild: a step per site in which the measured layer recomputes only that site; the
   runtime's rebuild is re-run and timed at the point backward asks for it. The rebuild
-  re-runs Megatron's forward segment (attention from layer_in, MLP from ln2_in) up to the
-  site, so the measurement is the segment's prefix; each site is charged the difference to
-  the previous site of its segment (the ops between their saves), but at least the cheapest
-  rebuild of its segment. The planner adds these up: close for a prefix of a segment, an
-  underestimate for a later site recomputed alone (the runtime pays the whole prefix).
-- sources: what a rebuild reads is its segment's anchor (layer_in, or ln2_in), so those are
-  the sources the exactness rule needs: a rebuild from a compressed anchor is lossy.
+  re-runs Megatron's forward segment (attention from layer_in, MLP from ln2_in) from its
+  start up to the site, so the measurement is the site's ``rebuild_s``: what rebuilding
+  costs when it is the deepest recomputed site of its segment (the planner combines these
+  into a layer's rebuild time as the runtime does: a maximum per segment, not a sum). Along
+  a segment the times are fitted to be non-decreasing: a deeper save cannot be reached
+  sooner, and noise that says otherwise is spread over its neighbours.
 
 CPU timings repeat and take the median; CUDA timings use device events.
 """
@@ -38,12 +37,11 @@ import torch
 from megatron_adacc import codecs, hardware
 from megatron_adacc import model as model_lib
 from megatron_adacc import sites as site_table
-from megatron_adacc.costs import CodecCost, ModelCosts, SiteCost
+from megatron_adacc.costs import MEGATRON_SEGMENTS, CodecCost, ModelCosts, SiteCost
 from megatron_adacc.plan import Decision, Plan
 from megatron_adacc.runtime import ActivationRuler, adacc_layers, apply_plan
 from megatron_adacc.runtime.accounting import UNATTRIBUTED
 from megatron_adacc.runtime.layer import _rng_restore, _rng_snapshot
-from megatron_adacc.runtime.storage import SEGMENT_ANCHORS
 from megatron_adacc.sites import COMPRESS, RECOMPUTE
 
 # Megatron caches the causal mask: one storage that every layer saves. The ruler counts it
@@ -255,21 +253,10 @@ class _Profiling:
         return measured[0]
 
 
-def _chains(order: Sequence[str]) -> dict[str, list[str]]:
-    """Each rebuild anchor -> the sites its rebuild reaches, in the order they are saved.
-
-    The attention chain runs from layer_in up to ln2_in (rebuilding ln2_in re-runs the whole
-    attention segment); the MLP chain starts after ln2_in, from ln2_in."""
-    mlp_anchor, attention_anchor = sorted(SEGMENT_ANCHORS, key=SEGMENT_ANCHORS.get,
-                                          reverse=True)
-    split = order.index(mlp_anchor) + 1 if mlp_anchor in order else len(order)
-    return {attention_anchor: list(order[:split]), mlp_anchor: list(order[split:])}
-
-
 def _nondecreasing(values: Sequence[float]) -> list[float]:
     """The closest non-decreasing sequence (least squares, pool adjacent violators). Prefix
-    times cannot shrink along a chain; noise that says otherwise is spread over its
-    neighbours instead of charging one site everything and the next nothing."""
+    times cannot shrink along a segment; noise that says otherwise is spread over its
+    neighbours instead of making a deeper site look cheaper to rebuild."""
     blocks: list[list[float]] = []  # [mean, count]
     for value in values:
         blocks.append([value, 1])
@@ -280,21 +267,15 @@ def _nondecreasing(values: Sequence[float]) -> list[float]:
     return [mean for mean, count in blocks for _ in range(count)]
 
 
-def _recompute_costs(order: Sequence[str], prefix_s: dict[str, float]
-                     ) -> dict[str, tuple[float, tuple[str, ...]]]:
-    """site -> (its share of its chain's rebuild time, its sources)."""
-    costs = {}
-    for anchor, chain in _chains(order).items():
-        measured = [site for site in chain if site in prefix_s]
-        fitted = _nondecreasing([prefix_s[site] for site in measured])
-        # Any rebuild re-enters megatron's segment, restores the RNG and runs its first op,
-        # whatever it rebuilds: no site is free to recompute, even one saved by the same op
-        # as the site before it.
-        entry = fitted[0] if fitted else 0.0
-        for site, before, now in zip(measured, [0.0, *fitted], fitted):
-            sources = (anchor,) if anchor in order and anchor != site else ()
-            costs[site] = (max(now - before, entry), sources)
-    return costs
+def _rebuild_times(order: Sequence[str], prefix_s: dict[str, float]) -> dict[str, float]:
+    """site -> its rebuild time from its segment's start, fitted along the segment in the
+    order the sites are saved."""
+    fitted = {}
+    for segment in MEGATRON_SEGMENTS:
+        measured = [name for name in order
+                    if name in prefix_s and site_table.get(name).segment == segment.name]
+        fitted.update(zip(measured, _nondecreasing([prefix_s[name] for name in measured])))
+    return fitted
 
 
 @contextlib.contextmanager
@@ -331,16 +312,15 @@ def _profile(run: _Profiling) -> ModelCosts:
     prefix_s = {name: run.rebuild_seconds(name) for name in known
                 if site_table.get(name).recomputable}
 
-    recompute = _recompute_costs(order, prefix_s)
+    rebuild_s = _rebuild_times(order, prefix_s)
     sites = []
     for name in order:
-        recompute_s, sources = recompute.get(name, (0.0, ()))
         sites.append(SiteCost(
             name=name,
             bytes=sizes[name],
             dtype=str(retained.dtypes[(run.index, name)]).removeprefix("torch."),
-            recompute_s=recompute_s,
-            sources=sources,
+            rebuild_s=rebuild_s.get(name, 0.0),
+            segment=site_table.get(name).segment if name in rebuild_s else None,
             codecs=tuple(codec_costs.get(name, ())),
         ))
     num_layers = len(run.layers)

@@ -1,4 +1,5 @@
-"""Analytic cost model: site bytes add up to 34sbh + 5as^2b, static bytes per precision."""
+"""Analytic cost model: site bytes add up to 34sbh + 5as^2b, rebuild times accumulate along
+each segment, static bytes per precision."""
 import pytest
 
 from megatron_adacc import hardware
@@ -25,7 +26,11 @@ def test_dropout_off_and_fp32_softmax_change_the_sites():
     assert not {"attn_dropout_mask", "attn_probs", "bda1_mask", "bda2_mask"} & set(sizes)
     assert sizes["softmax_out"] == 4 * 4 * 32 * 32 * 2
     costs = hardware.analytic_costs(shape, 2, "a100-80gb")
-    assert costs.site("context").sources == ("softmax_out", "qkv")
+    # Without the bias-dropout-add mask the output projection is rebuilt on the way to ln2_in.
+    d = 2 * 32 * 64   # s * b * h
+    matmuls = 2 * d * 3 * 64 + 2 * 2 * 2 * 32 * 32 * 64 + 2 * d * 64
+    rate = hardware.get_accelerator("a100-80gb").matmul_flops(2) * hardware.MATMUL_EFFICIENCY
+    assert costs.site("ln2_in").rebuild_s >= matmuls / rate
 
 
 def test_static_bytes():
@@ -38,13 +43,26 @@ def test_static_bytes():
     assert hardware.static_bytes(GPT345M) == 16 * GPT345M.num_parameters
 
 
+def test_rebuild_times_accumulate_along_each_segment():
+    costs = hardware.analytic_costs(GPT345M, 8, "v100-32gb")
+    for segment in costs.segments:
+        times = [site.rebuild_s for site in costs.sites if site.segment == segment.name]
+        assert times == sorted(times) and times[0] > 0, segment
+    assert [s.segment for s in costs.sites][-5:] == ["mlp"] * 5
+    # The attention re-run ends at ln2_in and holds all of the segment's matmuls.
+    s, b, h, a = 1024, 8, 1024, 16
+    flops = 2 * s * b * h * 3 * h + 2 * 2 * b * s * s * h + 2 * s * b * h * h
+    assert costs.site("ln2_in").rebuild_s == max(site.rebuild_s for site in costs.sites)
+    assert costs.site("ln2_in").rebuild_s >= flops / (125e12 * hardware.MATMUL_EFFICIENCY)
+
+
 def test_costs_are_consistent_and_round_trip():
     costs = hardware.analytic_costs(GPT345M, 8, "v100-32gb")
     assert costs.site("layer_in").can_recompute is False
     qkv = costs.site("qkv")
     # matmul sites are FLOP-bound: qkv = 2 * s*b*h*3h FLOPs at the derated peak, plus bias.
     flops = 2 * 1024 * 8 * 1024 * 3 * 1024
-    assert qkv.recompute_s >= flops / (125e12 * hardware.MATMUL_EFFICIENCY)
+    assert qkv.rebuild_s >= flops / (125e12 * hardware.MATMUL_EFFICIENCY)
     assert qkv.codecs[0].codec == "channel_int4"
     assert qkv.codecs[0].payload_bytes == pytest.approx(qkv.bytes / 4, rel=0.01)
     mask = costs.site("attn_dropout_mask")

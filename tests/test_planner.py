@@ -1,30 +1,33 @@
-"""Planner: optimal against exhaustive enumeration, monotone in the budget, exact infeasible
-minimum, per-layer <= uniform, exactness option, Q/K/V one unit."""
+"""Planner: optimal against exhaustive enumeration (with the runtime's rebuild time, a
+maximum along each re-run segment), monotone in the budget, exact infeasible minimum that is
+itself feasible, per-layer <= uniform, exactness option, Q/K/V one unit."""
 import itertools
 
 import pytest
 from hypothesis import given, settings, strategies as st
 
 from megatron_adacc import planner
+from megatron_adacc import hardware
 from megatron_adacc.costs import CodecCost, ModelCosts, SiteCost
 from megatron_adacc.plan import Decision
 from megatron_adacc.sites import COMPRESS, RECOMPUTE, RETAIN
 
-# Real site names (the planner only recomputes / compresses sites the site table knows).
-NAMES = ("layer_in", "ln1_out", "qkv", "gelu_in")
+# Real site names (the planner only recomputes / compresses sites the site table knows), in
+# the megatron segments: layer_in starts the attention re-run, ln2_in (its last save) the
+# MLP's. A drawn site may also be left out of its segment (never rebuilt).
+SEGMENT_OF = {"layer_in": None, "ln1_out": "attention", "ln2_in": "attention", "gelu_in": "mlp"}
 
 
 @st.composite
 def small_costs(draw):
     count = draw(st.integers(2, 4))
     sites = []
-    for i, name in enumerate(NAMES[:count]):
+    for name in list(SEGMENT_OF)[:count]:
         size = draw(st.integers(1, 60))
-        sources = tuple(n for n in NAMES[:i] if draw(st.booleans())) or ((NAMES[0],) if i else ())
-        codecs = (CodecCost("outlier_int4" if name != "qkv" else "channel_int4",
-                            draw(st.integers(0, size)), draw(st.floats(0, 1)),
+        segment = SEGMENT_OF[name] if draw(st.integers(0, 4)) else None
+        codecs = (CodecCost("outlier_int4", draw(st.integers(0, size)), draw(st.floats(0, 1)),
                             draw(st.floats(0, 1))),) if draw(st.booleans()) else ()
-        sites.append(SiteCost(name, size, "float16", draw(st.floats(0, 2)), sources, codecs))
+        sites.append(SiteCost(name, size, "float16", draw(st.floats(0, 2)), segment, codecs))
     return ModelCosts(sites=sites, num_layers=draw(st.integers(1, 3)),
                       static_bytes=draw(st.integers(0, 50)),
                       non_layer_bytes=draw(st.integers(0, 80)),
@@ -63,7 +66,7 @@ def brute_force(costs, budget, per_layer, allow_lossy):
     return best, least_peak
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=80, deadline=None)
 @given(small_costs(), st.integers(0, 700), st.booleans(), st.booleans())
 def test_optimal_against_exhaustive_enumeration(costs, budget, per_layer, allow_lossy):
     best, least_peak = brute_force(costs, budget, per_layer, allow_lossy)
@@ -78,6 +81,69 @@ def test_optimal_against_exhaustive_enumeration(costs, budget, per_layer, allow_
     assert result.peak_bytes <= budget
     assert result.minimum_feasible_budget == least_peak
     assert result.activation_bytes == result.peak_bytes - costs.static_bytes
+    assert sum(row.time_added_s for row in result.rows) == pytest.approx(result.added_time_s)
+
+
+@settings(max_examples=12, deadline=None)
+@given(small_costs(), st.integers(0, 700), st.booleans(), st.booleans())
+def test_direct_milp_against_exhaustive_enumeration(costs, budget, per_layer, allow_lossy):
+    best, _ = brute_force(costs, budget, per_layer, allow_lossy)
+    if best is None:
+        with pytest.raises(planner.InfeasibleBudget):
+            planner.plan(costs, budget, per_layer, allow_lossy, method="milp")
+        return
+    result = planner.plan(costs, budget, per_layer, allow_lossy, method="milp")
+    assert result.added_time_s == pytest.approx(best, abs=1e-6)
+
+
+@settings(max_examples=40, deadline=None)
+@given(small_costs(), st.booleans(), st.booleans(), st.integers(1, 40))
+def test_the_minimum_budget_is_feasible(costs, per_layer, allow_lossy, resolution):
+    # A coarse search grid (rounding stored bytes up) must not make the named minimum fail.
+    minimum = planner.minimum_budget(costs, per_layer, allow_lossy)
+    result = planner.plan(costs, minimum, per_layer, allow_lossy, resolution_bytes=resolution)
+    assert result.peak_bytes == minimum == result.minimum_feasible_budget
+    with pytest.raises(planner.InfeasibleBudget) as info:
+        planner.plan(costs, minimum - 1, per_layer, allow_lossy, resolution_bytes=resolution)
+    assert info.value.minimum_budget == minimum
+
+
+def test_the_minimum_budget_is_feasible_at_gpt345m_scale():
+    shape = hardware.ModelShape(24, 1024, 16, 1024, 50257)
+    costs = hardware.analytic_costs(shape, 8, "v100-32gb")
+    for lossy in (True, False):
+        minimum = planner.minimum_budget(costs, allow_lossy_sources=lossy)
+        assert planner.plan(costs, minimum, allow_lossy_sources=lossy).peak_bytes <= minimum
+
+
+def test_rebuild_time_is_the_runtimes_rerun():
+    """A layer's rebuild time: the deepest recomputed site of a lone segment (a maximum, not a
+    sum); the whole attention segment, then the MLP up to its deepest, when both hold one."""
+    costs = ModelCosts(
+        sites=[SiteCost("layer_in", 10, "float16"),
+               SiteCost("ln1_out", 10, "float16", 1.0, "attention"),
+               SiteCost("qkv", 30, "float16", 3.0, "attention"),
+               SiteCost("ln2_in", 10, "float16", 7.0, "attention"),
+               SiteCost("ln2_out", 10, "float16", 0.5, "mlp"),
+               SiteCost("gelu_in", 40, "float16", 2.0, "mlp")],
+        num_layers=1, static_bytes=0, non_layer_bytes=0, backward_workspace_bytes=0,
+        micro_batch_size=1)
+
+    def seconds(*names):
+        return planner.evaluate_layer(costs, {n: Decision(RECOMPUTE) for n in names}).time_s
+
+    assert seconds("ln1_out", "qkv") == seconds("qkv") == 3.0
+    assert seconds("ln2_out", "gelu_in") == 2.0
+    assert seconds("ln1_out", "gelu_in") == 7.0 + 2.0      # attention runs whole
+    assert seconds("ln2_in", "ln2_out") == 7.0 + 0.5
+    charges = planner.rebuild_charges(costs, {"ln1_out", "qkv", "gelu_in"})
+    assert charges == {"qkv": 7.0, "gelu_in": 2.0}
+    # The re-run reads the start of its first segment only.
+    compressed_ln2_in = {"ln2_in": Decision(COMPRESS), "gelu_in": Decision(RECOMPUTE)}
+    assert not planner.is_exact(costs, compressed_ln2_in)
+    assert planner.is_exact(costs, {**compressed_ln2_in, "qkv": Decision(RECOMPUTE)})
+    assert not planner.is_exact(costs, {"layer_in": Decision(COMPRESS),
+                                        "qkv": Decision(RECOMPUTE)})
 
 
 @settings(max_examples=25, deadline=None)
@@ -101,12 +167,14 @@ def test_larger_budget_never_slower_and_per_layer_beats_uniform(costs, allow_los
 
 
 def chain_costs():
-    """Compressing ln1_out is cheap and recomputing qkv from it is cheap: the lossy plan."""
+    """Compressing layer_in is cheap and rebuilding the attention segment from it is cheap:
+    the lossy plan."""
     return ModelCosts(
-        sites=[SiteCost("layer_in", 100, "float16", 0.0),
-               SiteCost("ln1_out", 100, "float16", 5.0, ("layer_in",),
-                        (CodecCost("outlier_int4", 10, 0.1, 0.1),)),
-               SiteCost("qkv", 300, "float16", 0.5, ("ln1_out",),
+        sites=[SiteCost("layer_in", 100, "float16",
+                        codecs=(CodecCost("outlier_int4", 10, 0.1, 0.1),)),
+               SiteCost("ln1_out", 100, "float16", 0.4, "attention",
+                        (CodecCost("outlier_int4", 10, 2.0, 2.0),)),
+               SiteCost("qkv", 300, "float16", 0.5, "attention",
                         (CodecCost("channel_int4", 80, 3.0, 3.0),))],
         num_layers=4, static_bytes=0, non_layer_bytes=0, backward_workspace_bytes=0,
         micro_batch_size=1)
@@ -114,7 +182,7 @@ def chain_costs():
 
 def test_lossy_source_constraint_respected():
     costs = chain_costs()
-    budget = 4 * (100 + 10) + 400
+    budget = 1050
     lossy = planner.plan(costs, budget, allow_lossy_sources=True)
     assert any(not planner.is_exact(costs, layer) for layer in lossy.layer_decisions)
     exact = planner.plan(costs, budget, allow_lossy_sources=False)
@@ -133,7 +201,7 @@ def test_layer_in_never_recomputed_and_qkv_one_unit():
 
 def test_unknown_site_is_retained():
     costs = chain_costs()
-    costs.sites.append(SiteCost("mystery", 1000, "float16", 0.0, (),
+    costs.sites.append(SiteCost("mystery", 1000, "float16", 0.0, "attention",
                                 (CodecCost("outlier_int4", 1, 0.0, 0.0),)))
     costs.validate()
     result = planner.plan(costs, 10**6)

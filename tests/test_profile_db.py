@@ -10,8 +10,9 @@ from megatron_adacc.profile_db import ProfileDB
 
 
 def costs(non_layer=1000) -> ModelCosts:
-    sites = [SiteCost("layer_in", 4096, "float32", 0.0, (), (CodecCost("outlier_int4", 600, 1e-4, 2e-4),)),
-             SiteCost("gelu_in", 16384, "float32", 3e-4, ("layer_in",))]
+    sites = [SiteCost("layer_in", 4096, "float32",
+                      codecs=(CodecCost("outlier_int4", 600, 1e-4, 2e-4),)),
+             SiteCost("gelu_in", 16384, "float32", 3e-4, "mlp")]
     return ModelCosts(sites, num_layers=2, static_bytes=10_000, non_layer_bytes=non_layer,
                       backward_workspace_bytes=500, micro_batch_size=2, meta={"source": "test"})
 

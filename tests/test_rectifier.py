@@ -48,8 +48,8 @@ LAYERS, FULL, PAYLOAD = 8, 4000, 600
 def synthetic_costs() -> ModelCosts:
     """Eight layers of two outlier-separated sites: compressing gelu_in is cheaper than
     recomputing it, gelu_out is cheap to recompute."""
-    def site(name, recompute_s, codec_s):
-        return SiteCost(name, FULL, "float32", recompute_s,
+    def site(name, rebuild_s, codec_s):
+        return SiteCost(name, FULL, "float32", rebuild_s, "mlp",
                         codecs=(CodecCost("outlier_int4", PAYLOAD, codec_s, codec_s),))
     return ModelCosts(sites=[site("gelu_in", 4e-3, 5e-4), site("gelu_out", 1e-3, 1e-3)],
                       num_layers=LAYERS, static_bytes=0, non_layer_bytes=0,
