@@ -1,0 +1,153 @@
+"""Validation loss of the same model trained from the same seed with: no optimisation,
+Adacc auto, Adacc without outlier separation (--adacc-policy auto-no-outlier) and the paper's
+naive INT4 (--adacc-policy quantize): the paper's loss figure and accuracy table.
+
+Each run is ``pretrain_gpt.py`` in a subprocess on the built-in demo corpus (KJV, byte-level
+tokens), so every number comes from the product's own trainer. The memory budget of the two
+Adacc runs is a fixed fraction of the way from the planner's smallest feasible budget to no
+optimisation (read from a one-step probe), so the plans must compress or rebuild most sites.
+
+    python scripts/bench_accuracy.py [--quick] [--seeds 1234 4321]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+import bench_common as bc
+
+POLICIES = ("none", "auto", "auto-no-outlier", "quantize")
+LABELS = {"none": "no optimisation", "auto": "adacc auto",
+          "auto-no-outlier": "adacc w/o outlier separation", "quantize": "naive INT4"}
+
+
+def parse() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="minutes: 2 layers, 60 steps, 1 seed")
+    parser.add_argument("--seeds", type=int, nargs="*")
+    parser.add_argument("--iters", type=int)
+    parser.add_argument("--budget-fraction", type=float, default=0.25,
+                        help="Adacc budget: this far from the smallest feasible budget (0) to "
+                             "no optimisation (1)")
+    parser.add_argument("--workdir", default="bench_results/accuracy")
+    parser.add_argument("--out", default="bench_results/accuracy.json")
+    parser.add_argument("--publish", default="accuracy.json")
+    parser.add_argument("--figure", default="accuracy_loss.png")
+    args = parser.parse_args()
+    args.seeds = args.seeds or ([1234] if args.quick else [1234, 4321])
+    args.iters = args.iters or (60 if args.quick else 300)
+    return args
+
+
+def model_flags(args) -> list[str]:
+    layers, hidden, heads, seq = (2, 128, 4, 128) if args.quick else (4, 128, 4, 128)
+    return ["--num-layers", str(layers), "--hidden-size", str(hidden),
+            "--num-attention-heads", str(heads), "--seq-length", str(seq),
+            "--micro-batch-size", "8", "--global-batch-size", "8",
+            "--train-iters", str(args.iters), "--lr", "1e-3", "--min-lr", "1e-4",
+            "--lr-warmup-iters", str(max(1, args.iters // 20)), "--lr-decay-style", "cosine",
+            "--tokenizer-type", "ByteLevel", "--eval-interval", str(max(1, args.iters // 10)),
+            "--eval-iters", "4", "--log-interval", str(max(1, args.iters // 10)),
+            "--adacc-profile-db", os.path.join(args.workdir, "profiles.sqlite")]
+
+
+def probe_budget(args, flags: list[str]) -> dict:
+    """The planner's range for this model and micro-batch, from a one-step auto probe."""
+    from megatron_adacc.arguments import parse_args
+    from megatron_adacc.trainer import Trainer
+
+    trainer = Trainer(parse_args(flags + ["--train-iters", "1", "--seed", str(args.seeds[0]),
+                                          "--adacc-policy", "auto",
+                                          "--adacc-memory-budget", "1TiB",
+                                          "--adacc-tracking", "off"]))
+    result = trainer.policy.result
+    minimum = result.minimum_feasible_budget
+    everything = result.references["no optimisation"].peak_bytes
+    return {"minimum_feasible_budget": minimum, "no_optimisation_peak": everything,
+            "budget_bytes": int(minimum + args.budget_fraction * (everything - minimum))}
+
+
+def run(args, flags, policy: str, seed: int, budget: int) -> dict:
+    metrics = os.path.join(args.workdir, f"{policy}-seed{seed}.jsonl")
+    command = [sys.executable, os.path.join(bc.ROOT, "pretrain_gpt.py"), *flags,
+               "--seed", str(seed), "--adacc-policy", policy, "--metrics-file", metrics]
+    if policy.startswith("auto"):
+        command += ["--adacc-memory-budget", str(budget)]
+    began = time.perf_counter()
+    done = subprocess.run(command, cwd=bc.ROOT, capture_output=True, text=True)
+    elapsed = time.perf_counter() - began
+    if done.returncode != 0:
+        tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
+        print(f"  {policy} seed {seed}: FAILED ({' | '.join(tail)})", flush=True)
+        return {"policy": policy, "seed": seed, "failed": True, "error": tail, "wall_s": elapsed}
+    records = [json.loads(line) for line in open(metrics)]
+    val = [(r["iteration"], r["val_loss"]) for r in records if "val_loss" in r]
+    out = {"policy": policy, "seed": seed, "wall_s": elapsed, "val_curve": val,
+           "final_val_loss": val[-1][1] if val else None,
+           "final_train_loss": records[-1]["loss"],
+           "train_curve": [(r["iteration"], r["loss"]) for r in records],
+           "activation_bytes": records[-1].get("activation_bytes"),
+           "median_tokens_per_s": sorted(r["tokens_per_s"] for r in records)[len(records) // 2],
+           "plan_swaps": sum(1 for r in records if r.get("plan_swap"))}
+    print(f"  {LABELS[policy]:30s} seed {seed}: final val loss {out['final_val_loss']:.4f}, "
+          f"activations {out['activation_bytes']} B, {elapsed:.0f} s", flush=True)
+    return out
+
+
+def main() -> None:
+    args = parse()
+    os.makedirs(args.workdir, exist_ok=True)
+    flags = model_flags(args)
+    bc.init()
+    probe = probe_budget(args, flags)
+    print(f"adacc budget {probe['budget_bytes']} B ({args.budget_fraction} of the way from "
+          f"{probe['minimum_feasible_budget']} to {probe['no_optimisation_peak']})", flush=True)
+    runs = [run(args, flags, policy, seed, probe["budget_bytes"])
+            for seed in args.seeds for policy in POLICIES]
+    gaps = {}
+    for seed in args.seeds:
+        base = next(r for r in runs if r["seed"] == seed and r["policy"] == "none")
+        for r in runs:
+            if r["seed"] != seed or r.get("failed") or base.get("failed"):
+                continue
+            r["gap_pct"] = 100 * (r["final_val_loss"] - base["final_val_loss"]) / base["final_val_loss"]
+            gaps.setdefault(r["policy"], []).append(r["gap_pct"])
+    targets = {"adacc_worst_gap_pct": max(gaps.get("auto", [float("nan")])),
+               "adacc_within_0_5pct": all(abs(g) <= 0.5 for g in gaps.get("auto", [1e9])),
+               "no_outlier_gaps_pct": gaps.get("auto-no-outlier"),
+               "naive_int4_gaps_pct": gaps.get("quantize")}
+    command = " ".join([os.path.join(".", "pretrain_gpt.py"), *flags])
+    data = {"run": bc.run_info(args), "flags": flags, "pretrain_command": command,
+            "probe": probe, "runs": runs, "gaps_pct": gaps, "targets": targets,
+            "args": vars(args)}
+    bc.write_json(data, args.out, args.publish or None)
+    plot(runs, args)
+    print(targets)
+
+
+def plot(runs, args) -> None:
+    plt = bc.pyplot()
+    fig, axes = plt.subplots(1, len(args.seeds), figsize=(6 * len(args.seeds), 4), squeeze=False)
+    for ax, seed in zip(axes[0], args.seeds):
+        for r in runs:
+            if r["seed"] != seed or r.get("failed"):
+                continue
+            xs, ys = zip(*r["val_curve"]) if r["val_curve"] else ((), ())
+            ax.plot(xs, ys, marker="o", markersize=3,
+                    label=f"{LABELS[r['policy']]} ({r['final_val_loss']:.4f})")
+        ax.set_xlabel("iteration")
+        ax.set_ylabel("validation loss")
+        ax.set_title(f"seed {seed}")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(f"Validation loss, KJV byte-level ({'--quick' if args.quick else 'full'})",
+                 fontsize=9)
+    bc.save_figure(fig, args.figure)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,322 @@
+"""What the evaluation benchmarks share (bench_throughput, bench_max_batch, bench_accuracy):
+model shapes, the methods under comparison, the one memory yardstick, interleaved timing,
+JSON and figures.
+
+The yardstick: a method *fits* a budget when
+
+    static bytes (parameters, gradients, optimizer: profiler.static_bytes)
+    + the activation peak the ActivationRuler measures during one training step <= budget.
+
+The ruler is the same for every method: megatron's stock layer, megatron's full and selective
+recompute (their re-run forward saves in backward are counted as they appear), Adacc plans
+(payloads, and decoded or rebuilt values while their layer backprops) and torch.compile's
+compiled layers (its AOT graphs save through autograd, so the ruler's saved-tensor hook sees
+each saved storage; only the module hooks the ruler uses for per-site attribution are left
+off there, since they make dynamo recompile at every step). Megatron's global memory buffer
+is not counted for any method (see Ruler). The ruler does not see the
+gradient working set of a layer's backward, for any method; Adacc's planner models that
+workspace, so Adacc is planned with it set to zero, i.e. against the same yardstick.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import time
+import warnings
+from dataclasses import asdict, dataclass, replace
+from typing import Callable
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+
+from megatron_adacc import model as model_lib  # noqa: E402
+from megatron_adacc import planner, policies, profiler  # noqa: E402
+from megatron_adacc.plan import Plan  # noqa: E402
+from megatron_adacc.runtime import ActivationRuler, apply_plan, get_adacc_layer_spec  # noqa: E402
+
+RESULTS_DIR = os.path.join(ROOT, "docs", "results")
+FIGURES_DIR = os.path.join(ROOT, "docs", "figures")
+
+# megatron-core 0.16.1 recompute_modules that run on this layer spec. "mlp" is left out: with
+# biased linear layers (GPT-2's, used here) its backward recurses forever in 0.16.1.
+SELECTIVE_SETS = (("core_attn",), ("layernorm",), ("core_attn", "layernorm"))
+
+METHODS = ("no optimisation", "megatron full recompute", "megatron selective recompute",
+           "naive INT4", "torch.compile + memory budget", "adacc auto")
+
+
+@dataclass(frozen=True)
+class Shape:
+    layers: int
+    hidden: int
+    heads: int
+    seq: int
+    vocab: int = 258          # ByteLevel tokenizer: logits stay small
+    dropout: float = 0.1
+
+    def describe(self) -> str:
+        return (f"{self.layers} layers, hidden {self.hidden}, {self.heads} heads, seq "
+                f"{self.seq}, vocab {self.vocab}, dropout {self.dropout}, fp32, CPU")
+
+
+def add_shape_args(parser: argparse.ArgumentParser, full: Shape, quick: Shape) -> None:
+    parser.add_argument("--layers", type=int)
+    parser.add_argument("--hidden", type=int)
+    parser.add_argument("--heads", type=int)
+    parser.add_argument("--seq", type=int)
+    parser.add_argument("--quick", action="store_true",
+                        help=f"minutes: {quick.describe()}, fewer rounds")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch intra-op threads (default: torch's choice; 1 is steadier "
+                             "when other jobs share the cores)")
+    parser.set_defaults(_full_shape=full, _quick_shape=quick)
+
+
+def shape_from(args) -> Shape:
+    base = args._quick_shape if args.quick else args._full_shape
+    return replace(base, **{k: getattr(args, k) for k in ("layers", "hidden", "heads", "seq")
+                            if getattr(args, k) is not None})
+
+
+def init(threads: int | None = None) -> None:
+    warnings.filterwarnings("ignore")
+    if threads:
+        torch.set_num_threads(threads)
+    model_lib.init_distributed(1)
+
+
+def build(shape: Shape, adacc: bool = False, **recompute) -> torch.nn.Module:
+    model_lib.set_seed(1)
+    config = model_lib.build_transformer_config(
+        num_layers=shape.layers, hidden_size=shape.hidden, num_attention_heads=shape.heads,
+        hidden_dropout=shape.dropout, attention_dropout=shape.dropout, **recompute)
+    return model_lib.build_gpt_model(config, shape.vocab, shape.seq,
+                                     get_adacc_layer_spec() if adacc else None)
+
+
+def batch_of(shape: Shape, micro_batch: int, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randint(0, shape.vocab, (micro_batch, shape.seq), generator=gen),
+            torch.randint(0, shape.vocab, (micro_batch, shape.seq), generator=gen),
+            torch.ones(micro_batch, shape.seq))
+
+
+# --- variants: one way of running one model ------------------------------------------------
+@dataclass
+class Variant:
+    method: str                      # one of METHODS
+    detail: str                      # e.g. the recompute modules, the compile fraction
+    model: torch.nn.Module
+    plan: Plan | None = None         # applied before every step (models are shared)
+    attribute: bool = True           # ruler module hooks (off for compiled layers)
+    info: dict | None = None
+
+    @property
+    def name(self) -> str:
+        return f"{self.method} [{self.detail}]" if self.detail else self.method
+
+    def activate(self) -> None:
+        if self.plan is not None:
+            apply_plan(self.model, self.plan)
+
+    def step(self, batch) -> float:
+        """One forward and backward; returns its wall time."""
+        self.activate()
+        self.model.zero_grad(set_to_none=True)
+        began = time.perf_counter()
+        model_lib.gpt_loss(self.model, *batch).backward()
+        return time.perf_counter() - began
+
+    def activation_peak(self, batch) -> int:
+        self.activate()
+        self.model.zero_grad(set_to_none=True)
+        with Ruler(self.model if self.attribute else None) as ruler:
+            loss = model_lib.gpt_loss(self.model, *batch)
+            ruler.forward_done()
+            loss.backward()
+        self.model.zero_grad(set_to_none=True)
+        return ruler.report().peak_bytes
+
+
+class Ruler(ActivationRuler):
+    """The ActivationRuler, not counting megatron's global memory buffer: a persistent
+    storage (the local attention's baddbmm input, grown to the largest micro-batch run so
+    far) that every method holds alike. Eager layers never save it; torch.compile's graphs
+    do save a view of it (a graph input is free to save, to the partitioner), and counting
+    its whole storage would charge the compiled peer for memory that is not an activation."""
+
+    def __enter__(self):
+        from megatron.core import parallel_state
+
+        buffer = parallel_state.get_global_memory_buffer().buffer
+        self._persistent = {id(t.untyped_storage()) for t in buffer.values()}
+        return super().__enter__()
+
+    def keep_tensor(self, layer, site, tensor):
+        if id(tensor.untyped_storage()) not in self._persistent:
+            super().keep_tensor(layer, site, tensor)
+
+
+class Models:
+    """The models of one shape, built once and shared by the variants that can share them."""
+
+    def __init__(self, shape: Shape):
+        self.shape = shape
+        self.stock = build(shape)
+        self.static_bytes = profiler.static_bytes(self.stock)
+        self.full = build(shape, recompute_granularity="full", recompute_method="uniform",
+                          recompute_num_layers=1)
+        self.selective = {mods: build(shape, recompute_granularity="selective",
+                                      recompute_modules=list(mods)) for mods in SELECTIVE_SETS}
+        self.adacc = build(shape, adacc=True)
+        self._compiled: dict[float, torch.nn.Module] = {}
+        self.compile_errors: dict[float, str] = {}
+        self.compile_s: dict[float, float] = {}
+
+    def none(self) -> Variant:
+        return Variant("no optimisation", "", self.stock)
+
+    def full_recompute(self) -> Variant:
+        return Variant("megatron full recompute", "", self.full)
+
+    def selective_variants(self) -> list[Variant]:
+        return [Variant("megatron selective recompute", "+".join(mods), model)
+                for mods, model in self.selective.items()]
+
+    def naive_int4(self) -> Variant:
+        return Variant("naive INT4", "", self.adacc, policies.quantize_plan())
+
+    def compiled(self, fraction: float) -> Variant | None:
+        """torch.compile of every transformer layer (inductor), with
+        torch._functorch.config.activation_memory_budget = ``fraction`` while it compiles
+        (a backend per fraction, so dynamo keeps one compiled graph per fraction). The
+        embedding and loss stay eager, as for every other method."""
+        if fraction in self.compile_errors:
+            return None
+        if fraction not in self._compiled:
+            model = build(self.shape)
+            backend = _budget_backend(fraction)
+            for layer in model.decoder.layers:
+                layer.compile(backend=backend, dynamic=True)
+            self._compiled[fraction] = model
+        return Variant("torch.compile + memory budget", f"budget fraction {fraction:g}",
+                       self._compiled[fraction], attribute=False)
+
+    def compiled_peak(self, fraction: float, batch) -> int | None:
+        """Activation peak of the compiled model (compiling it on first use); None when
+        compilation fails (the error is kept in compile_errors)."""
+        variant = self.compiled(fraction)
+        if variant is None:
+            return None
+        began = time.perf_counter()
+        try:
+            peak = variant.activation_peak(batch)
+        except Exception as exc:  # noqa: BLE001 - reported, not hidden
+            self.compile_errors[fraction] = f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
+            return None
+        self.compile_s[fraction] = self.compile_s.get(fraction, 0.0) + time.perf_counter() - began
+        return peak
+
+    def adacc_costs(self, batch, repeats: int):
+        """Profile the Adacc model on ``batch``; the costs the benchmarks plan with: each
+        site's designated codec, the backward workspace zeroed (see the module docstring)."""
+        costs = profiler.profile(self.adacc, batch, repeats=repeats)
+        return replace(policies.designated_codecs(costs), backward_workspace_bytes=0)
+
+    def adacc_auto(self, costs, budget: int) -> Variant | None:
+        """Adacc's plan for ``budget`` (None when the planner finds nothing that fits)."""
+        try:
+            result = planner.plan(costs, budget, allow_lossy_sources=False)
+        except planner.InfeasibleBudget:
+            return None
+        mix: dict[str, int] = {}
+        for layer in result.layer_decisions:
+            for decision in layer.values():
+                mix[decision.action] = mix.get(decision.action, 0) + 1
+        return Variant("adacc auto", f"budget {budget}", self.adacc, result.plan,
+                       info={"mix": mix, "predicted_peak_bytes": result.peak_bytes,
+                             "predicted_added_s": result.added_time_s,
+                             "plan_id": result.plan.plan_id})
+
+
+def _budget_backend(fraction: float):
+    from torch._functorch import config as functorch_config
+    from torch._inductor.compile_fx import compile_fx
+
+    def backend(graph, example_inputs):
+        with functorch_config.patch(activation_memory_budget=fraction):
+            return compile_fx(graph, example_inputs)
+    return backend
+
+
+def configure_dynamo() -> None:
+    import torch._dynamo
+
+    # One compiled graph per fraction and per graph break of megatron's layer.
+    torch._dynamo.config.cache_size_limit = 256
+    torch._dynamo.config.accumulated_cache_size_limit = 4096
+
+
+# --- timing ---------------------------------------------------------------------------------
+def interleaved_medians(steps: dict[str, Callable[[], float]], warmup: int, rounds: int
+                        ) -> dict[str, dict]:
+    """Each round runs one step of every entry, so drift on a shared machine hits them alike;
+    the first ``warmup`` rounds are dropped; medians of the rest."""
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for round_ in range(warmup + rounds):
+        for name, step in steps.items():
+            elapsed = step()
+            if round_ >= warmup:
+                times[name].append(elapsed)
+    return {name: {"median_s": statistics.median(t), "times_s": t} for name, t in times.items()}
+
+
+# --- output ---------------------------------------------------------------------------------
+def write_json(data: dict, out: str, publish_as: str | None) -> None:
+    """``out`` (bench_results/, ignored by git) and, with ``publish_as``, a copy under
+    docs/results/ for the results page."""
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out, "w") as f:
+        json.dump(data, f, indent=1, default=_jsonable)
+    if publish_as:
+        os.makedirs(RESULTS_DIR, exist_ok=True)
+        shutil.copyfile(out, os.path.join(RESULTS_DIR, publish_as))
+    print(f"wrote {out}" + (f" and docs/results/{publish_as}" if publish_as else ""))
+
+
+def _jsonable(value):
+    if hasattr(value, "__dataclass_fields__"):
+        return asdict(value)
+    if isinstance(value, (set, tuple)):
+        return list(value)
+    return str(value)
+
+
+def pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_figure(fig, name: str) -> str:
+    os.makedirs(FIGURES_DIR, exist_ok=True)
+    path = os.path.join(FIGURES_DIR, name)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    print(f"wrote {os.path.relpath(path, ROOT)}")
+    return path
+
+
+def run_info(args) -> dict:
+    return {"command": " ".join(["python", *sys.argv]), "quick": bool(args.quick),
+            "torch": torch.__version__, "threads": torch.get_num_threads(),
+            "device": profiler.device_name(), "load_average": os.getloadavg(),
+            "started": time.strftime("%Y-%m-%d %H:%M:%S")}

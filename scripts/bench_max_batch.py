@@ -1,0 +1,162 @@
+"""The largest micro-batch each method fits under a memory budget (the paper's Table
+"Maximum batch size"), from measured bytes: static bytes + the ActivationRuler's peak of one
+training step at that micro-batch (bench_common), searched by galloping then bisection
+(memory grows with the micro-batch).
+
+Methods: no optimisation, Megatron full recompute, Megatron selective recompute (each
+recompute_modules set; the best is reported), the paper's naive INT4, torch.compile at
+activation_memory_budget 0 (its most memory-saving setting) and Adacc auto (profiled and
+planned at each micro-batch tried; it fits when the planner finds a plan and the plan's
+measured bytes fit). Budgets are "budget@k": static + the stock model's peak at micro-batch k.
+
+    python scripts/bench_max_batch.py [--quick] [--out bench_results/max_batch.json]
+"""
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Callable
+
+import bench_common as bc
+from bench_throughput import FULL, QUICK
+
+
+def parse() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    bc.add_shape_args(parser, FULL, QUICK)
+    parser.add_argument("--budget-at", type=int, nargs="*",
+                        help="budgets: no optimisation fits up to these micro-batches")
+    parser.add_argument("--cap", type=int, default=128, help="largest micro-batch tried")
+    parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile peer")
+    parser.add_argument("--repeats", type=int, default=1, help="profiler timing repeats")
+    parser.add_argument("--out", default="bench_results/max_batch.json")
+    parser.add_argument("--publish", default="max_batch.json")
+    parser.add_argument("--figure", default="max_batch.png")
+    args = parser.parse_args()
+    args.budget_at = args.budget_at or ([2] if args.quick else [2, 4])
+    return args
+
+
+def largest(memory: Callable[[int], int | None], budget: int, start: int, cap: int,
+            log: dict) -> int:
+    """Largest b in [0, cap] whose measured ``memory(b)`` (None: no plan) fits ``budget``,
+    assuming memory grows with b: gallop up from ``start`` (or bisect below it), then
+    bisect. ``log`` collects b -> memory bytes."""
+    def check(b: int) -> bool:
+        if b not in log:
+            log[b] = memory(b)
+        return log[b] is not None and log[b] <= budget
+
+    start = max(1, min(start, cap))
+    if not check(start):
+        lo, hi = 0, start
+    else:
+        lo, step = start, 1
+        while lo + step <= cap and check(lo + step):
+            lo += step
+            step *= 2
+        hi = min(lo + step, cap + 1)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if check(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def main() -> None:
+    args = parse()
+    shape = bc.shape_from(args)
+    bc.init(args.threads)
+    bc.configure_dynamo()
+    models = bc.Models(shape)
+    static = models.static_bytes
+    results = {}
+    for k in args.budget_at:
+        budget = static + models.none().activation_peak(bc.batch_of(shape, k))
+        name = f"budget@{k}"
+        print(f"{name}: {budget / 2**20:.1f} MiB ({shape.describe()})", flush=True)
+        row: dict[str, dict] = {}
+
+        def simple(variant_for):
+            return lambda b: static + variant_for().activation_peak(bc.batch_of(shape, b))
+
+        def search(method, fits, start=1, detail=""):
+            began = time.perf_counter()
+            log: dict[int, bool] = {}
+            best = largest(fits, budget, start, args.cap, log)
+            row[method] = {"max_micro_batch": best, "detail": detail, "tried": log,
+                           "search_s": time.perf_counter() - began}
+            print(f"  {method:32s} {best:4d}  {detail}  ({len(log)} sizes tried)", flush=True)
+            return best
+
+        search("no optimisation", simple(models.none), start=k)
+        full = search("megatron full recompute", simple(models.full_recompute), start=k)
+        selective = {}
+        for variant in models.selective_variants():
+            log: dict[int, bool] = {}
+            selective[variant.detail] = largest(simple(lambda v=variant: v), budget, k,
+                                                args.cap, log)
+        best_set = max(selective, key=selective.get)
+        row["megatron selective recompute"] = {"max_micro_batch": selective[best_set],
+                                               "detail": best_set, "per_set": selective}
+        print(f"  {'megatron selective recompute':32s} {selective[best_set]:4d}  {selective}")
+        search("naive INT4", simple(models.naive_int4), start=k)
+        if not args.no_compile:
+            def compiled_fits(b):
+                peak = models.compiled_peak(0.0, bc.batch_of(shape, b))
+                return None if peak is None else static + peak
+            search("torch.compile + memory budget", compiled_fits, start=k,
+                   detail="budget fraction 0")
+            if 0.0 in models.compile_errors:
+                row["torch.compile + memory budget"]["error"] = models.compile_errors[0.0]
+
+        def adacc_fits(b):
+            batch = bc.batch_of(shape, b)
+            variant = models.adacc_auto(models.adacc_costs(batch, args.repeats), budget)
+            return None if variant is None else static + variant.activation_peak(batch)
+        search("adacc auto", adacc_fits, start=max(1, full))
+        adacc = row["adacc auto"]["max_micro_batch"]
+        none = row["no optimisation"]["max_micro_batch"]
+        results[name] = {"budget_bytes": budget, "methods": row,
+                         "adacc_vs_none": adacc / none if none else None,
+                         "adacc_vs_full_recompute": adacc / full if full else None}
+    targets = {
+        "adacc_ge_full_recompute": all(r["methods"]["adacc auto"]["max_micro_batch"] >=
+                                       r["methods"]["megatron full recompute"]["max_micro_batch"]
+                                       for r in results.values()),
+        "min_adacc_vs_none": min((r["adacc_vs_none"] for r in results.values()
+                                  if r["adacc_vs_none"]), default=None),
+    }
+    targets["adacc_ge_2_38x_none"] = (targets["min_adacc_vs_none"] or 0) >= 2.38
+    data = {"run": bc.run_info(args), "shape": shape.__dict__, "static_bytes": static,
+            "results": results, "targets": targets,
+            "args": {k: v for k, v in vars(args).items() if not k.startswith("_")}}
+    bc.write_json(data, args.out, args.publish or None)
+    plot(results, shape, args)
+    print(targets)
+
+
+def plot(results, shape, args) -> None:
+    plt = bc.pyplot()
+    methods = [m for m in bc.METHODS if any(m in r["methods"] for r in results.values())]
+    fig, ax = plt.subplots(figsize=(1.6 + 1.4 * len(methods) * len(results) / 2, 4))
+    width = 0.8 / len(methods)
+    for i, method in enumerate(methods):
+        values = [r["methods"].get(method, {}).get("max_micro_batch", 0)
+                  for r in results.values()]
+        xs = [j + i * width for j in range(len(results))]
+        bars = ax.bar(xs, values, width, label=method)
+        ax.bar_label(bars, fontsize=7)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(results))])
+    ax.set_xticklabels([f"{n}\n{r['budget_bytes'] / 2**20:.0f} MiB" for n, r in results.items()])
+    ax.set_ylabel("largest micro-batch that fits")
+    ax.legend(fontsize=7)
+    ax.set_title(f"Maximum micro-batch ({'--quick, ' if args.quick else ''}{shape.describe()})",
+                 fontsize=9)
+    bc.save_figure(fig, args.figure)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,237 @@
+"""Training throughput (tokens/s) against micro-batch size under a memory budget: no
+optimisation, Megatron full recompute, Megatron selective recompute (its fastest
+recompute_modules set that fits), the paper's naive INT4, torch.compile with
+activation_memory_budget (its fastest fraction that fits), and Adacc auto.
+
+Budgets are named by the micro-batch up to which no optimisation fits them
+("budget@k" = static bytes + the stock model's measured activation peak at micro-batch k), so
+larger micro-batches are the budgets where it does not fit. Every variant's memory is measured
+with the one ActivationRuler (see bench_common). A variant that does not fit is reported as
+not fitting. At each micro-batch, all variants run interleaved (one step each per round,
+medians after warm-up).
+
+    python scripts/bench_throughput.py [--quick] [--out bench_results/throughput.json]
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import bench_common as bc
+
+FULL = bc.Shape(layers=4, hidden=256, heads=8, seq=256)
+QUICK = bc.Shape(layers=2, hidden=128, heads=4, seq=128)
+
+
+def parse() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    bc.add_shape_args(parser, FULL, QUICK)
+    parser.add_argument("--batches", type=int, nargs="*", help="micro-batch sizes")
+    parser.add_argument("--budget-at", type=int, nargs="*",
+                        help="budgets: no optimisation fits up to these micro-batches")
+    parser.add_argument("--fractions", type=float, nargs="*",
+                        help="torch.compile activation_memory_budget fractions searched")
+    parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile peer")
+    parser.add_argument("--warmup", type=int)
+    parser.add_argument("--rounds", type=int)
+    parser.add_argument("--repeats", type=int, help="profiler timing repeats")
+    parser.add_argument("--out", default="bench_results/throughput.json")
+    parser.add_argument("--publish", default="throughput.json",
+                        help="copy under docs/results/ ('' to skip)")
+    parser.add_argument("--figure", default="throughput.png")
+    args = parser.parse_args()
+    quick = args.quick
+    args.batches = args.batches or ([2, 4, 8] if quick else [2, 4, 8, 16])
+    args.budget_at = args.budget_at or ([2] if quick else [4, 8])
+    args.fractions = args.fractions if args.fractions is not None else (
+        [1.0, 0.0] if quick else [1.0, 0.5, 0.2, 0.0])
+    args.warmup = args.warmup if args.warmup is not None else (1 if quick else 2)
+    args.rounds = args.rounds or (5 if quick else 7)
+    args.repeats = args.repeats or (1 if quick else 3)
+    return args
+
+
+def main() -> None:
+    args = parse()
+    shape = bc.shape_from(args)
+    bc.init(args.threads)
+    bc.configure_dynamo()
+    models = bc.Models(shape)
+    static = models.static_bytes
+    stock_peak = {k: models.none().activation_peak(bc.batch_of(shape, k))
+                  for k in sorted(set(args.budget_at))}
+    budgets = {f"budget@{k}": static + stock_peak[k] for k in sorted(stock_peak)}
+    print(f"{shape.describe()}; static {static / 2**20:.1f} MiB; budgets "
+          + ", ".join(f"{n} = {b / 2**20:.1f} MiB" for n, b in budgets.items()), flush=True)
+
+    rows: dict[str, dict[int, dict[str, dict]]] = {name: {} for name in budgets}
+    measured_all: dict[int, list[dict]] = {}
+    for micro in args.batches:
+        batch = bc.batch_of(shape, micro)
+        began = time.perf_counter()
+        measured: list[tuple[bc.Variant, int]] = []
+        for variant in (models.none(), models.full_recompute(), *models.selective_variants(),
+                        models.naive_int4()):
+            measured.append((variant, variant.activation_peak(batch)))
+        if not args.no_compile:
+            for fraction in args.fractions:
+                peak = models.compiled_peak(fraction, batch)
+                if peak is not None:
+                    measured.append((models.compiled(fraction), peak))
+        costs = models.adacc_costs(batch, args.repeats)
+        adacc_for: dict[str, bc.Variant | None] = {}
+        for name, budget in budgets.items():
+            variant = models.adacc_auto(costs, budget)
+            adacc_for[name] = variant
+            if variant is not None:
+                measured.append((variant, variant.activation_peak(batch)))
+        fits_any = {v.name for v, peak in measured if any(static + peak <= b
+                                                          for b in budgets.values())}
+        timed = {v.name: (lambda v=v: v.step(batch)) for v, _ in measured
+                 if v.name in fits_any or v.method == "no optimisation"}
+        medians = bc.interleaved_medians(timed, args.warmup, args.rounds)
+        tokens = micro * shape.seq
+        measured_all[micro] = [
+            {"variant": v.name, "method": v.method, "detail": v.detail,
+             "activation_peak_bytes": peak, "memory_bytes": static + peak,
+             **({"median_step_s": medians[v.name]["median_s"],
+                 "tokens_per_s": tokens / medians[v.name]["median_s"],
+                 "times_s": medians[v.name]["times_s"]} if v.name in medians else {}),
+             **(v.info or {})}
+            for v, peak in measured]
+        for name, budget in budgets.items():
+            rows[name][micro] = best_per_method(measured_all[micro], budget, adacc_for[name])
+        print(f"micro-batch {micro}: measured and timed {len(timed)} variants in "
+              f"{time.perf_counter() - began:.0f} s", flush=True)
+        print_table(micro, rows, budgets)
+
+    summary = summarise(rows, stock_peak)
+    data = {"run": bc.run_info(args), "shape": shape.__dict__, "static_bytes": static,
+            "budgets": budgets, "stock_activation_peak": stock_peak,
+            "compile_fractions": args.fractions, "compile_errors": models.compile_errors,
+            "compile_s": models.compile_s, "rows": rows, "variants": measured_all,
+            "summary": summary, "args": {k: v for k, v in vars(args).items()
+                                         if not k.startswith("_")}}
+    bc.write_json(data, args.out, args.publish or None)
+    plot(rows, budgets, shape, args)
+    for line in summary["lines"]:
+        print(line)
+
+
+def best_per_method(measured: list[dict], budget: int, adacc) -> dict[str, dict]:
+    """For each method: its fastest variant that fits ``budget`` (Adacc: the plan made for
+    this budget), or a record saying it does not fit (with its smallest measured memory)."""
+    out = {}
+    for method in bc.METHODS:
+        if method == "torch.compile + memory budget" and not any(
+                r["method"] == method for r in measured):
+            continue
+        candidates = [r for r in measured if r["method"] == method]
+        if method == "adacc auto":
+            candidates = [r for r in candidates if adacc is not None and r["variant"] == adacc.name]
+        fitting = [r for r in candidates if r["memory_bytes"] <= budget and "tokens_per_s" in r]
+        if fitting:
+            best = max(fitting, key=lambda r: r["tokens_per_s"])
+            out[method] = {"fits": True, **{k: v for k, v in best.items() if k != "times_s"}}
+        else:
+            smallest = min(candidates, key=lambda r: r["memory_bytes"], default=None)
+            out[method] = {"fits": False,
+                           "memory_bytes": smallest["memory_bytes"] if smallest else None,
+                           "why": ("the planner found no plan that fits" if
+                                   method == "adacc auto" and adacc is None else
+                                   "measured memory over the budget")}
+    return out
+
+
+def print_table(micro: int, rows, budgets) -> None:
+    for name, budget in budgets.items():
+        print(f"  {name} ({budget / 2**20:.1f} MiB), micro-batch {micro}:")
+        for method, r in rows[name][micro].items():
+            mem = f"{r['memory_bytes'] / 2**20:7.1f} MiB" if r.get("memory_bytes") else "     -    "
+            if r["fits"]:
+                print(f"    {method:32s} {mem} {r['tokens_per_s']:9.0f} tok/s  {r['detail']}")
+            else:
+                print(f"    {method:32s} {mem}   does not fit")
+
+
+def summarise(rows, stock_peak) -> dict:
+    """Adacc against each other method where no optimisation does not fit, and against no
+    optimisation where it does."""
+    tight, ample, lines = [], [], []
+    for name, per_batch in rows.items():
+        for micro, methods in per_batch.items():
+            adacc = methods.get("adacc auto", {})
+            none = methods["no optimisation"]
+            if none["fits"]:
+                if adacc.get("fits"):
+                    ratio = adacc["tokens_per_s"] / none["tokens_per_s"]
+                    ample.append({"budget": name, "micro_batch": micro, "adacc_vs_none": ratio})
+                    lines.append(f"{name} mb {micro}: memory ample, adacc / none = {ratio:.3f}")
+                continue
+            entry = {"budget": name, "micro_batch": micro, "adacc_fits": adacc.get("fits", False)}
+            for method, r in methods.items():
+                if method in ("adacc auto", "no optimisation"):
+                    continue
+                if not adacc.get("fits"):
+                    entry[method] = None
+                elif r["fits"]:
+                    entry[method] = adacc["tokens_per_s"] / r["tokens_per_s"]
+                else:
+                    entry[method] = "does not fit"
+            tight.append(entry)
+            lines.append(f"{name} mb {micro}: " + ", ".join(
+                f"adacc / {m} = {v:.3f}" if isinstance(v, float) else f"{m}: {v}"
+                for m, v in entry.items() if m not in ("budget", "micro_batch", "adacc_fits"))
+                if entry["adacc_fits"] else f"{name} mb {micro}: adacc does not fit")
+    ratios_full = [e["megatron full recompute"] for e in tight
+                   if isinstance(e.get("megatron full recompute"), float)]
+    ahead = all(all(v == "does not fit" or (isinstance(v, float) and v > 1.0)
+                    for m, v in e.items() if m not in ("budget", "micro_batch", "adacc_fits"))
+                and e["adacc_fits"] for e in tight)
+    return {"tight": tight, "ample": ample, "lines": lines,
+            "targets": {
+                "ahead_of_every_method_where_none_does_not_fit": ahead if tight else None,
+                "min_vs_full_recompute": min(ratios_full) if ratios_full else None,
+                "full_recompute_target_1_15": (min(ratios_full) >= 1.15) if ratios_full else None,
+                "worst_ample_gap": (min(e["adacc_vs_none"] for e in ample) if ample else None),
+                "ample_within_2pct": (all(e["adacc_vs_none"] >= 0.98 for e in ample)
+                                      if ample else None)}}
+
+
+def plot(rows, budgets, shape, args) -> None:
+    plt = bc.pyplot()
+    fig, axes = plt.subplots(1, len(budgets), figsize=(6 * len(budgets), 4.2), squeeze=False)
+    for ax, (name, budget) in zip(axes[0], budgets.items()):
+        for i, method in enumerate(bc.METHODS):
+            xs, ys, misses = [], [], []
+            for micro, methods in rows[name].items():
+                r = methods.get(method)
+                if r is None:
+                    continue
+                if r["fits"]:
+                    xs.append(micro)
+                    ys.append(r["tokens_per_s"])
+                else:
+                    misses.append(micro)
+            if not xs and not misses:
+                continue
+            line, = ax.plot(xs, ys, marker="o", label=method)
+            for micro in misses:   # not fitting: an x on the axis, in the method's colour
+                ax.plot([micro], [0], marker="x", markersize=9, color=line.get_color(),
+                        clip_on=False, linestyle="")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(args.batches)
+        ax.set_xticklabels([str(b) for b in args.batches])
+        ax.set_ylim(bottom=0)
+        ax.set_xlabel("micro-batch size")
+        ax.set_ylabel("tokens/s (x on the axis: does not fit)")
+        ax.set_title(f"{name}: {budget / 2**20:.0f} MiB")
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle(f"Throughput under a memory budget ({'--quick, ' if args.quick else ''}"
+                 f"{shape.describe()})", fontsize=9)
+    bc.save_figure(fig, args.figure)
+
+
+if __name__ == "__main__":
+    main()
