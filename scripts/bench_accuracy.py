@@ -60,7 +60,8 @@ def probe_budget(args, flags: list[str]) -> dict:
     from megatron_adacc.arguments import parse_args
     from megatron_adacc.trainer import Trainer
 
-    trainer = Trainer(parse_args(flags + ["--train-iters", "1", "--seed", str(args.seeds[0]),
+    trainer = Trainer(parse_args(flags + ["--train-iters", "1", "--lr-warmup-iters", "0",
+                                          "--seed", str(args.seeds[0]),
                                           "--adacc-policy", "auto",
                                           "--adacc-memory-budget", "1TiB",
                                           "--adacc-tracking", "off"]))
@@ -78,7 +79,10 @@ def run(args, flags, policy: str, seed: int, budget: int) -> dict:
     if policy.startswith("auto"):
         command += ["--adacc-memory-budget", str(budget)]
     began = time.perf_counter()
-    done = subprocess.run(command, cwd=bc.ROOT, capture_output=True, text=True)
+    # A world of one of its own: not this process's rendezvous (init_distributed set it).
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    done = subprocess.run(command, cwd=bc.ROOT, capture_output=True, text=True, env=env)
     elapsed = time.perf_counter() - began
     if done.returncode != 0:
         tail = (done.stderr or done.stdout).strip().splitlines()[-3:]

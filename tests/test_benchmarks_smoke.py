@@ -1,0 +1,43 @@
+"""The evaluation suite's scripts run end to end on a tiny shape (no timings asserted)."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = ["--layers", "1", "--hidden", "64", "--heads", "2", "--seq", "32", "--no-compile",
+        "--threads", "1"]
+
+
+def _run(script, *flags):
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", script), *flags],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout
+
+
+@pytest.mark.slow
+def test_throughput_and_max_batch_tiny(tmp_path):
+    _run("bench_throughput.py", "--quick", *TINY, "--batches", "1", "2", "--budget-at", "1",
+         "--warmup", "0", "--rounds", "1", "--out", str(tmp_path / "t.json"), "--publish", "",
+         "--figure", str(tmp_path / "t.png"))
+    data = json.loads((tmp_path / "t.json").read_text())
+    rows = data["rows"]["budget@1"]
+    assert rows["1"]["no optimisation"]["fits"] and not rows["2"]["no optimisation"]["fits"]
+    assert rows["1"]["adacc auto"]["fits"]
+    _run("bench_max_batch.py", "--quick", *TINY, "--budget-at", "1", "--cap", "4",
+         "--out", str(tmp_path / "m.json"), "--publish", "", "--figure", str(tmp_path / "m.png"))
+    data = json.loads((tmp_path / "m.json").read_text())
+    methods = data["results"]["budget@1"]["methods"]
+    assert methods["no optimisation"]["max_micro_batch"] == 1
+    assert methods["adacc auto"]["max_micro_batch"] >= methods["megatron full recompute"][
+        "max_micro_batch"]
+    assert (tmp_path / "t.png").exists() and (tmp_path / "m.png").exists()
+
+
+def test_results_page_from_published_json(tmp_path):
+    out = tmp_path / "results.md"
+    _run("make_results_page.py", "--out", str(out))
+    assert "# Evaluation results" in out.read_text()
