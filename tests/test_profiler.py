@@ -6,7 +6,7 @@ import torch
 from megatron_adacc import costs as costs_lib
 from megatron_adacc import model as model_lib
 from megatron_adacc.optimizer import MainParamAdamW
-from megatron_adacc.plan import Plan
+from megatron_adacc.plan import Decision, Plan
 from megatron_adacc.planner import default_resolution, minimum_budget, plan
 from megatron_adacc.policies import predicted_activation_bytes
 from megatron_adacc.profiler import profile, refresh_codec_costs, static_bytes
@@ -121,3 +121,34 @@ def test_refresh_codec_costs_remeasures_only_the_named_sites(profiled):
         else:
             assert new == old
     assert all(a == {} for a in (layer.actions for layer in model.decoder.layers))
+
+
+def test_the_runtime_reruns_what_the_planner_charges(distributed, monkeypatch):
+    """The planner charges one re-run per layer from the first rebuilt segment's start to the
+    deepest recomputed site, earlier segments whole (planner.rebuild_charges): the runtime
+    re-saves exactly those sites."""
+    from megatron_adacc.runtime.storage import LayerCall
+
+    model = build(True, dropout=0.1)
+    resaved = []
+    capture = LayerCall.capture_pack
+
+    def spy(call, tensor):
+        if call.layer_index == 0 and not isinstance(tensor, torch.nn.Parameter):
+            resaved.append(call.attributor.site_of(tensor))
+        return capture(call, tensor)
+
+    monkeypatch.setattr(LayerCall, "capture_pack", spy)
+    forward = measure_step(model, lambda: loss_of(model), strict=True)[1]
+    order = list(dict.fromkeys(s for (layer, s), _ in forward.by_site.items() if layer == 0))
+    for recomputed, first, deepest in ((["ln1_out"], "layer_in", "ln1_out"),
+                                       (["gelu_in"], "ln2_in", "gelu_in"),
+                                       (["ln1_out", "gelu_in"], "layer_in", "gelu_in")):
+        resaved.clear()
+        apply_plan(model, Plan(layers={(0, 0): {s: Decision(RECOMPUTE) for s in recomputed}}))
+        try:
+            loss_of(model).backward()
+        finally:
+            apply_plan(model, None)
+        expected = order[order.index(first):order.index(deepest) + 1]
+        assert list(dict.fromkeys(resaved)) == expected, recomputed
