@@ -3,9 +3,10 @@ Adacc auto, Adacc without outlier separation (--adacc-policy auto-no-outlier) an
 naive INT4 (--adacc-policy quantize): the paper's loss figure and accuracy table.
 
 Each run is ``pretrain_gpt.py`` in a subprocess on the built-in demo corpus (KJV, byte-level
-tokens), so every number comes from the product's own trainer. The memory budget of the two
-Adacc runs is a fixed fraction of the way from the planner's smallest feasible budget to no
-optimisation (read from a one-step probe), so the plans must compress or rebuild most sites.
+tokens), so every number comes from the product's own trainer. The Adacc runs' memory budgets
+are fixed fractions of the way from the planner's smallest feasible budget to no optimisation
+(read from a one-step probe): near 0 the plans must compress (lossy int4 included), higher up
+they may rebuild instead, which is exact. The probe records what each plan compresses.
 
     python scripts/bench_accuracy.py [--quick] [--seeds 1234 4321]
 """
@@ -30,9 +31,9 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="minutes: 2 layers, 60 steps, 1 seed")
     parser.add_argument("--seeds", type=int, nargs="*")
     parser.add_argument("--iters", type=int)
-    parser.add_argument("--budget-fraction", type=float, default=0.25,
-                        help="Adacc budget: this far from the smallest feasible budget (0) to "
-                             "no optimisation (1)")
+    parser.add_argument("--budget-fractions", type=float, nargs="*",
+                        help="Adacc budgets: this far from the smallest feasible budget (0) to "
+                             "no optimisation (1); default 0.02 0.25 (--quick: 0.02)")
     parser.add_argument("--workdir", default="bench_results/accuracy")
     parser.add_argument("--out", default="bench_results/accuracy.json")
     parser.add_argument("--publish", default="accuracy.json")
@@ -40,6 +41,7 @@ def parse() -> argparse.Namespace:
     args = parser.parse_args()
     args.seeds = args.seeds or ([1234] if args.quick else [1234, 4321])
     args.iters = args.iters or (60 if args.quick else 300)
+    args.budget_fractions = args.budget_fractions or ([0.02] if args.quick else [0.02, 0.25])
     return args
 
 
@@ -55,8 +57,13 @@ def model_flags(args) -> list[str]:
             "--adacc-profile-db", os.path.join(args.workdir, "profiles.sqlite")]
 
 
-def probe_budget(args, flags: list[str]) -> dict:
-    """The planner's range for this model and micro-batch, from a one-step auto probe."""
+def probe_budgets(args, flags: list[str]) -> dict:
+    """The planner's range for this model and micro-batch, from a one-step auto probe, the
+    budget at each fraction, and what auto and auto-no-outlier plan there (how many site
+    decisions compress, and with which codecs: lossless bitmasks or lossy int4)."""
+    from collections import Counter
+
+    from megatron_adacc import planner, policies
     from megatron_adacc.arguments import parse_args
     from megatron_adacc.trainer import Trainer
 
@@ -65,41 +72,63 @@ def probe_budget(args, flags: list[str]) -> dict:
                                           "--adacc-policy", "auto",
                                           "--adacc-memory-budget", "1TiB",
                                           "--adacc-tracking", "off"]))
-    result = trainer.policy.result
+    result, costs = trainer.policy.result, trainer.policy.costs
     minimum = result.minimum_feasible_budget
     everything = result.references["no optimisation"].peak_bytes
+    budgets = {}
+    for fraction in args.budget_fractions:
+        budget = int(minimum + fraction * (everything - minimum))
+        plans = {}
+        for policy in ("auto", "auto-no-outlier"):
+            planned = planner.plan(policies.planning_costs(policy, costs), budget,
+                                   allow_lossy_sources=False)
+            mix = Counter()
+            for layer in planned.layer_decisions:
+                for site, decision in layer.items():
+                    key = (decision.action if decision.action != "compress" else
+                           f"compress:{decision.codec_for(site)}")
+                    mix[key] += 1
+            plans[policy] = dict(mix)
+        budgets[str(fraction)] = {"budget_bytes": budget, "plans": plans}
     return {"minimum_feasible_budget": minimum, "no_optimisation_peak": everything,
-            "budget_bytes": int(minimum + args.budget_fraction * (everything - minimum))}
+            "budgets": budgets}
 
 
-def run(args, flags, policy: str, seed: int, budget: int) -> dict:
-    metrics = os.path.join(args.workdir, f"{policy}-seed{seed}.jsonl")
+def run(args, flags, policy: str, seed: int, fraction: float | None, budget: int | None) -> dict:
+    tag = policy if fraction is None else f"{policy}@{fraction}"
+    metrics = os.path.join(args.workdir, f"{tag}-seed{seed}.jsonl")
     command = [sys.executable, os.path.join(bc.ROOT, "pretrain_gpt.py"), *flags,
                "--seed", str(seed), "--adacc-policy", policy, "--metrics-file", metrics]
-    if policy.startswith("auto"):
+    if budget is not None:
         command += ["--adacc-memory-budget", str(budget)]
-    began = time.perf_counter()
     # A world of one of its own: not this process's rendezvous (init_distributed set it).
     env = {k: v for k, v in os.environ.items()
            if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    began = time.perf_counter()
     done = subprocess.run(command, cwd=bc.ROOT, capture_output=True, text=True, env=env)
     elapsed = time.perf_counter() - began
+    base = {"policy": policy, "fraction": fraction, "tag": tag, "seed": seed, "wall_s": elapsed}
     if done.returncode != 0:
         tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
-        print(f"  {policy} seed {seed}: FAILED ({' | '.join(tail)})", flush=True)
-        return {"policy": policy, "seed": seed, "failed": True, "error": tail, "wall_s": elapsed}
+        print(f"  {tag} seed {seed}: FAILED ({' | '.join(tail)})", flush=True)
+        return {**base, "failed": True, "error": tail}
     records = [json.loads(line) for line in open(metrics)]
     val = [(r["iteration"], r["val_loss"]) for r in records if "val_loss" in r]
-    out = {"policy": policy, "seed": seed, "wall_s": elapsed, "val_curve": val,
+    out = {**base, "val_curve": val,
            "final_val_loss": val[-1][1] if val else None,
            "final_train_loss": records[-1]["loss"],
            "train_curve": [(r["iteration"], r["loss"]) for r in records],
            "activation_bytes": records[-1].get("activation_bytes"),
            "median_tokens_per_s": sorted(r["tokens_per_s"] for r in records)[len(records) // 2],
            "plan_swaps": sum(1 for r in records if r.get("plan_swap"))}
-    print(f"  {LABELS[policy]:30s} seed {seed}: final val loss {out['final_val_loss']:.4f}, "
+    print(f"  {label(out):36s} seed {seed}: final val loss {out['final_val_loss']:.4f}, "
           f"activations {out['activation_bytes']} B, {elapsed:.0f} s", flush=True)
     return out
+
+
+def label(r: dict) -> str:
+    name = LABELS[r["policy"]]
+    return name if r.get("fraction") is None else f"{name} @ budget {r['fraction']}"
 
 
 def main() -> None:
@@ -107,22 +136,34 @@ def main() -> None:
     os.makedirs(args.workdir, exist_ok=True)
     flags = model_flags(args)
     bc.init()
-    probe = probe_budget(args, flags)
-    print(f"adacc budget {probe['budget_bytes']} B ({args.budget_fraction} of the way from "
-          f"{probe['minimum_feasible_budget']} to {probe['no_optimisation_peak']})", flush=True)
-    runs = [run(args, flags, policy, seed, probe["budget_bytes"])
-            for seed in args.seeds for policy in POLICIES]
-    gaps = {}
+    probe = probe_budgets(args, flags)
+    for fraction, entry in probe["budgets"].items():
+        print(f"budget fraction {fraction}: {entry['budget_bytes']} B (from "
+              f"{probe['minimum_feasible_budget']} to {probe['no_optimisation_peak']}); plans "
+              f"{entry['plans']}", flush=True)
+    runs = []
+    for seed in args.seeds:
+        runs.append(run(args, flags, "none", seed, None, None))
+        for fraction, entry in probe["budgets"].items():
+            for policy in ("auto", "auto-no-outlier"):
+                runs.append(run(args, flags, policy, seed, float(fraction),
+                                entry["budget_bytes"]))
+        runs.append(run(args, flags, "quantize", seed, None, None))
+    gaps: dict[str, list[float]] = {}
     for seed in args.seeds:
         base = next(r for r in runs if r["seed"] == seed and r["policy"] == "none")
         for r in runs:
             if r["seed"] != seed or r.get("failed") or base.get("failed"):
                 continue
             r["gap_pct"] = 100 * (r["final_val_loss"] - base["final_val_loss"]) / base["final_val_loss"]
-            gaps.setdefault(r["policy"], []).append(r["gap_pct"])
-    targets = {"adacc_worst_gap_pct": max(gaps.get("auto", [float("nan")])),
-               "adacc_within_0_5pct": all(abs(g) <= 0.5 for g in gaps.get("auto", [1e9])),
-               "no_outlier_gaps_pct": gaps.get("auto-no-outlier"),
+            if r["policy"] != "none":
+                gaps.setdefault(r["tag"], []).append(r["gap_pct"])
+    auto_gaps = [g for tag, values in gaps.items() if tag.startswith("auto@") for g in values]
+    targets = {"adacc_worst_gap_pct": max(auto_gaps, key=abs) if auto_gaps else None,
+               "adacc_within_0_5pct": (all(abs(g) <= 0.5 for g in auto_gaps)
+                                       if auto_gaps else None),
+               "no_outlier_gaps_pct": {t: g for t, g in gaps.items()
+                                       if t.startswith("auto-no-outlier")},
                "naive_int4_gaps_pct": gaps.get("quantize")}
     command = " ".join([os.path.join(".", "pretrain_gpt.py"), *flags])
     data = {"run": bc.run_info(args), "flags": flags, "pretrain_command": command,
@@ -142,7 +183,7 @@ def plot(runs, args) -> None:
                 continue
             xs, ys = zip(*r["val_curve"]) if r["val_curve"] else ((), ())
             ax.plot(xs, ys, marker="o", markersize=3,
-                    label=f"{LABELS[r['policy']]} ({r['final_val_loss']:.4f})")
+                    label=f"{label(r)} ({r['final_val_loss']:.4f})")
         ax.set_xlabel("iteration")
         ax.set_ylabel("validation loss")
         ax.set_title(f"seed {seed}")

@@ -140,34 +140,51 @@ def accuracy_section(data: dict) -> list[str]:
            "optimisation; naive INT4 fails to converge late in training; outlier separation "
            "lowers the loss by 0.2%-0.7% against Adacc without it.", "", mode_note(data), "",
            f"Trainer command (per run, plus `--seed S --adacc-policy P --metrics-file F`, and "
-           f"`--adacc-memory-budget {probe['budget_bytes']}` for the Adacc runs): "
-           f"`{data['pretrain_command']}`", "",
-           f"Adacc budget: {probe['budget_bytes'] / MIB:.1f} MiB, "
-           f"{data['args']['budget_fraction']} of the way from the planner's smallest feasible "
-           f"budget ({probe['minimum_feasible_budget'] / MIB:.1f} MiB) to no optimisation "
-           f"({probe['no_optimisation_peak'] / MIB:.1f} MiB).", "",
-           "![validation loss](figures/accuracy_loss.png)", "",
-           "| method | " + " | ".join(f"seed {s}: final val loss (gap)" for s in seeds)
-           + " | activation bytes |", "|---|" + "---|" * (len(seeds) + 1)]
-    for policy, label in labels.items():
-        cells, act = [], "-"
+           f"`--adacc-memory-budget B` for the Adacc runs): `{data['pretrain_command']}`", "",
+           f"Adacc budgets: fractions of the way from the planner's smallest feasible budget "
+           f"({probe['minimum_feasible_budget'] / MIB:.1f} MiB) to no optimisation "
+           f"({probe['no_optimisation_peak'] / MIB:.1f} MiB). What the plans do there "
+           f"(site decisions over all layers):", ""]
+    for fraction, entry in probe["budgets"].items():
+        for policy, mix in entry["plans"].items():
+            text = ", ".join(f"{k} {v}" for k, v in sorted(mix.items()))
+            out.append(f"- budget {fraction} ({entry['budget_bytes'] / MIB:.1f} MiB), "
+                       f"{labels[policy]}: {text}")
+    out += ["", "![validation loss](figures/accuracy_loss.png)", "",
+            "| method | " + " | ".join(f"seed {s}: final val loss (gap)" for s in seeds)
+            + " | activation bytes |", "|---|" + "---|" * (len(seeds) + 1)]
+    tags = []
+    for r in data["runs"]:
+        if r["tag"] not in tags:
+            tags.append(r["tag"])
+    for tag in tags:
+        cells, act, name = [], "-", tag
         for seed in seeds:
-            r = next((r for r in data["runs"] if r["policy"] == policy and r["seed"] == seed), None)
-            if r is None or r.get("failed"):
-                cells.append("failed: " + " ".join(r.get("error", [])) if r else "-")
+            r = next((r for r in data["runs"] if r["tag"] == tag and r["seed"] == seed), None)
+            if r is None:
+                cells.append("-")
+                continue
+            name = labels[r["policy"]] + ("" if r.get("fraction") is None
+                                          else f" @ budget {r['fraction']}")
+            if r.get("failed"):
+                cells.append("failed: " + " ".join(r.get("error", [])))
                 continue
             gap = r.get("gap_pct")
             cells.append(f"{r['final_val_loss']:.4f}"
-                         + (f" ({gap:+.2f}%)" if gap is not None and policy != "none" else ""))
+                         + (f" ({gap:+.2f}%)" if gap is not None and r["policy"] != "none"
+                            else ""))
             act = f"{r['activation_bytes'] / MIB:.1f} MiB" if r.get("activation_bytes") else act
-        out.append(f"| {label} | " + " | ".join(cells) + f" | {act} |")
+        out.append(f"| {name} | " + " | ".join(cells) + f" | {act} |")
     t = data["targets"]
     fmt = lambda gaps: ", ".join(f"{g:+.2f}%" for g in gaps) if gaps else "-"  # noqa: E731
+    auto = {k: v for k, v in data["gaps_pct"].items() if k.startswith("auto@")}
     out += ["", "Targets:", "",
-            f"- Adacc within 0.5% of no optimisation (every seed): "
-            f"{verdict(t['adacc_within_0_5pct'])} (gaps {fmt(data['gaps_pct'].get('auto'))}).",
+            f"- Adacc within 0.5% of no optimisation (every seed and budget): "
+            f"{verdict(t['adacc_within_0_5pct'])} ("
+            + "; ".join(f"{k}: {fmt(v)}" for k, v in auto.items()) + ").",
             f"- Reported: naive INT4 gap {fmt(t['naive_int4_gaps_pct'])}; Adacc without outlier "
-            f"separation gap {fmt(t['no_outlier_gaps_pct'])}.", ""]
+            f"separation " + "; ".join(f"{k}: {fmt(v)}" for k, v in
+                                       (t["no_outlier_gaps_pct"] or {}).items()) + ".", ""]
     return out
 
 
