@@ -21,9 +21,10 @@ import time
 
 import bench_common as bc
 
-POLICIES = ("none", "auto", "auto-no-outlier", "quantize")
 LABELS = {"none": "no optimisation", "auto": "adacc auto",
-          "auto-no-outlier": "adacc w/o outlier separation", "quantize": "naive INT4"}
+          "auto-no-outlier": "adacc w/o outlier separation", "quantize": "naive INT4",
+          "codecs": "adacc codecs, every site", "codecs-no-outlier":
+          "adacc codecs w/o outlier separation, every site"}
 
 
 def parse() -> argparse.Namespace:
@@ -78,10 +79,11 @@ def probe_budgets(args, flags: list[str]) -> dict:
     budgets = {}
     for fraction in args.budget_fractions:
         budget = int(minimum + fraction * (everything - minimum))
-        plans = {}
+        plans, plan_ids = {}, {}
         for policy in ("auto", "auto-no-outlier"):
             planned = planner.plan(policies.planning_costs(policy, costs), budget,
                                    allow_lossy_sources=False)
+            plan_ids[policy] = planned.plan.plan_id
             mix = Counter()
             for layer in planned.layer_decisions:
                 for site, decision in layer.items():
@@ -89,16 +91,35 @@ def probe_budgets(args, flags: list[str]) -> dict:
                            f"compress:{decision.codec_for(site)}")
                     mix[key] += 1
             plans[policy] = dict(mix)
-        budgets[str(fraction)] = {"budget_bytes": budget, "plans": plans}
+        budgets[str(fraction)] = {"budget_bytes": budget, "plans": plans, "plan_ids": plan_ids,
+                                  "same_plan": len(set(plan_ids.values())) == 1}
+    # Adacc's codecs on every site (what quantize does with naive INT4): the accuracy of
+    # layer-specific compression itself, whatever a budget makes the planner choose.
+    from megatron_adacc.plan import Decision, Plan
+    from megatron_adacc.sites import COMPRESS
+
+    forced = {}
+    for name, no_outlier in (("codecs", False), ("codecs-no-outlier", True)):
+        decisions = {}
+        for site in policies._decided_sites():
+            codec = None
+            if no_outlier and site.default_codec == "outlier_int4":
+                codec = policies.NO_OUTLIER_CODEC
+            decisions[site.name] = Decision(COMPRESS, codec)
+        path = os.path.join(args.workdir, f"plan-{name}.yaml")
+        Plan.uniform(decisions).save(path)
+        forced[name] = path
     return {"minimum_feasible_budget": minimum, "no_optimisation_peak": everything,
-            "budgets": budgets}
+            "budgets": budgets, "forced_plans": forced}
 
 
-def run(args, flags, policy: str, seed: int, fraction: float | None, budget: int | None) -> dict:
+def run(args, flags, policy: str, seed: int, fraction: float | None, budget: int | None,
+        plan_file: str | None = None) -> dict:
     tag = policy if fraction is None else f"{policy}@{fraction}"
     metrics = os.path.join(args.workdir, f"{tag}-seed{seed}.jsonl")
     command = [sys.executable, os.path.join(bc.ROOT, "pretrain_gpt.py"), *flags,
-               "--seed", str(seed), "--adacc-policy", policy, "--metrics-file", metrics]
+               "--seed", str(seed), "--adacc-policy", plan_file or policy,
+               "--metrics-file", metrics]
     if budget is not None:
         command += ["--adacc-memory-budget", str(budget)]
     # A world of one of its own: not this process's rendezvous (init_distributed set it).
@@ -145,9 +166,18 @@ def main() -> None:
     for seed in args.seeds:
         runs.append(run(args, flags, "none", seed, None, None))
         for fraction, entry in probe["budgets"].items():
-            for policy in ("auto", "auto-no-outlier"):
-                runs.append(run(args, flags, policy, seed, float(fraction),
+            runs.append(run(args, flags, "auto", seed, float(fraction), entry["budget_bytes"]))
+            if entry["same_plan"]:
+                # The same plan trains bit for bit the same: reuse the auto run.
+                same = dict(runs[-1], policy="auto-no-outlier", tag=f"auto-no-outlier@{fraction}",
+                            same_plan_as_auto=True)
+                runs.append(same)
+                print(f"  auto-no-outlier @ {fraction}: the same plan as auto, not rerun")
+            else:
+                runs.append(run(args, flags, "auto-no-outlier", seed, float(fraction),
                                 entry["budget_bytes"]))
+        for name, path in probe["forced_plans"].items():
+            runs.append(run(args, flags, name, seed, None, None, plan_file=path))
         runs.append(run(args, flags, "quantize", seed, None, None))
     gaps: dict[str, list[float]] = {}
     for seed in args.seeds:
@@ -164,6 +194,8 @@ def main() -> None:
                                        if auto_gaps else None),
                "no_outlier_gaps_pct": {t: g for t, g in gaps.items()
                                        if t.startswith("auto-no-outlier")},
+               "codecs_gaps_pct": gaps.get("codecs"),
+               "codecs_no_outlier_gaps_pct": gaps.get("codecs-no-outlier"),
                "naive_int4_gaps_pct": gaps.get("quantize")}
     command = " ".join([os.path.join(".", "pretrain_gpt.py"), *flags])
     data = {"run": bc.run_info(args), "flags": flags, "pretrain_command": command,
