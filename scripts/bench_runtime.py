@@ -1,7 +1,11 @@
 """Activation bytes per layer and fwd+bwd time of runtime presets, relative to the stock layer.
 
-Presets run interleaved (one step of each per round, after warm-up), so drift on a shared
-machine hits them alike; times are medians over rounds. Writes a JSON report (--out).
+Presets run interleaved (one step of each per round, after warm-up, the order rotated each
+round), so drift on a shared machine hits them alike; times are medians over rounds, and
+"paired" is the median over rounds of each round's time / the stock time of that round,
+which a load spike in one round cannot move. `--clock cpu` times the process's CPU time
+instead of wall time (use it with OMP_NUM_THREADS=1 on a machine shared with other jobs: CPU
+time is not stretched while the scheduler runs someone else). Writes a JSON report (--out).
 
     python scripts/bench_runtime.py --rounds 20 --out bench_results/runtime.json
 """
@@ -48,6 +52,7 @@ def main() -> None:
     parser.add_argument("--dropout", type=float, default=0.1)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall")
     parser.add_argument("--out", default="bench_results/runtime.json")
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
@@ -68,16 +73,20 @@ def main() -> None:
     labels = torch.randint(0, 256, (args.batch, args.seq), generator=gen)
     mask = torch.ones(args.batch, args.seq)
 
+    clock = time.perf_counter if args.clock == "wall" else time.process_time
+
     def step(model):
         model.zero_grad(set_to_none=True)
-        start = time.perf_counter()
+        start = clock()
         model_lib.gpt_loss(model, tokens, labels, mask).backward()
-        return time.perf_counter() - start
+        return clock() - start
 
-    times = {name: [] for name in models}
+    names = list(models)
+    times = {name: [] for name in names}
     for round_ in range(args.warmup + args.rounds):
-        for name, model in models.items():
-            elapsed = step(model)
+        shift = round_ % len(names)
+        for name in names[shift:] + names[:shift]:
+            elapsed = step(models[name])
             if round_ >= args.warmup:
                 times[name].append(elapsed)
     results = {}
@@ -88,13 +97,16 @@ def main() -> None:
         median = statistics.median(times[name])
         results[name] = {"layer_bytes": per_layer, "after_forward_bytes": report.after_forward_bytes,
                          "peak_bytes": report.peak_bytes, "median_step_s": median,
-                         "time_vs_stock": median / base}
+                         "time_vs_stock": median / base,
+                         "paired_vs_stock": statistics.median(
+                             t / b for t, b in zip(times[name], times["stock"]))}
     stock_layer = results["stock"]["layer_bytes"][0]
     print(f"{'preset':15s} {'bytes/layer':>12s} {'vs stock':>9s} {'peak':>10s} "
-          f"{'step ms':>9s} {'time vs stock':>14s}")
+          f"{'step ms':>9s} {'time vs stock':>14s} {'paired':>7s}")
     for name, r in results.items():
         print(f"{name:15s} {r['layer_bytes'][0]:12d} {r['layer_bytes'][0] / stock_layer:9.3f} "
-              f"{r['peak_bytes']:10d} {1e3 * r['median_step_s']:9.2f} {r['time_vs_stock']:14.3f}")
+              f"{r['peak_bytes']:10d} {1e3 * r['median_step_s']:9.2f} {r['time_vs_stock']:14.3f} "
+              f"{r['paired_vs_stock']:7.3f}")
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"args": vars(args), "results": results}, f, indent=2)
