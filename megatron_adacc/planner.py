@@ -310,6 +310,8 @@ def _frontier(sites: tuple[SiteCost, ...], segments: tuple[Segment, ...],
     run_s = np.array([segment_run_s(sites, name) for name in names])
     starts = {segment.start: index for index, segment in enumerate(segments)}
     options = [_site_options(site) for site in order]
+    if np.prod([float(len(o)) for o in options]) >= 2.0**63:
+        raise ValueError(f"{len(order)} sites have too many options to number every policy")
     # Pruning compares transients clipped at what still cannot reach the floor once every
     # site to come adds its most: two partial policies both below that end up at the floor
     # alike. (With GPT-sized logits the floor exceeds any layer's transient, and the
