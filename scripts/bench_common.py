@@ -151,15 +151,14 @@ class Ruler(ActivationRuler):
     do save a view of it (a graph input is free to save, to the partitioner), and counting
     its whole storage would charge the compiled peer for memory that is not an activation."""
 
-    def __enter__(self):
+    def keep_tensor(self, layer, site, tensor):
+        # Compared by address, at save time: the buffer may be replaced (grown) during the
+        # step, and a freed storage's Python id can be reused by a saved tensor's.
         from megatron.core import parallel_state
 
-        buffer = parallel_state.get_global_memory_buffer().buffer
-        self._persistent = {id(t.untyped_storage()) for t in buffer.values()}
-        return super().__enter__()
-
-    def keep_tensor(self, layer, site, tensor):
-        if id(tensor.untyped_storage()) not in self._persistent:
+        pointer = tensor.untyped_storage().data_ptr()
+        if not any(pointer == held.untyped_storage().data_ptr()
+                   for held in parallel_state.get_global_memory_buffer().buffer.values()):
             super().keep_tensor(layer, site, tensor)
 
 
