@@ -18,7 +18,13 @@ from megatron.core.transformer.transformer_layer import TransformerLayer
 from megatron_adacc.plan import Decision
 from megatron_adacc.runtime.accounting import active_ruler
 from megatron_adacc.runtime.attribution import MLP_SEGMENT, SiteAttributor
-from megatron_adacc.runtime.storage import Handle, LayerCall, RebuildComplete, unpack
+from megatron_adacc.runtime.storage import (
+    CompressedStorage,
+    Handle,
+    LayerCall,
+    RebuildComplete,
+    unpack,
+)
 from megatron_adacc.sites import COMPRESS, RECOMPUTE
 
 
@@ -162,7 +168,12 @@ class AdaccTransformerLayer(TransformerLayer):
 
 
 def _anchor_value(call: LayerCall, segment: int) -> torch.Tensor:
-    value = unpack(call.anchors[segment]).detach()
+    anchor = call.anchors[segment]
+    # A compressed anchor is read, not taken: autograd unpacks the same view afterwards.
+    if type(anchor) is Handle and isinstance(anchor.source, CompressedStorage):
+        value = anchor.source.read(anchor.key).detach()
+    else:
+        value = unpack(anchor).detach()
     return value.requires_grad_(call.anchor_requires_grad[segment])
 
 

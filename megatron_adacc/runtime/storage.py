@@ -63,7 +63,9 @@ class CompressedStorage:
         geometry = (tensor.size(), tensor.stride(), tensor.storage_offset() - root.storage_offset())
         return Handle(self, geometry)
 
-    def take(self, geometry) -> torch.Tensor:
+    def read(self, geometry) -> torch.Tensor:
+        """The value of one view without handing it out: a rebuild reads its compressed
+        starting tensor this way, and autograd still takes that view later."""
         if self.decoded is None:
             if self.payload is None:
                 raise RuntimeError(
@@ -73,7 +75,10 @@ class CompressedStorage:
             self.decoded = self.codec.decode(self.payload)
             if self.ruler is not None:
                 self.ruler.transient(self.decoded)
-        value = self.decoded.as_strided(*geometry)
+        return self.decoded.as_strided(*geometry)
+
+    def take(self, geometry) -> torch.Tensor:
+        value = self.read(geometry)
         self.views -= 1
         if self.views == 0:  # every view has its value: free the payload and the decoded root
             self.decoded = None
