@@ -4,8 +4,6 @@ import os
 import subprocess
 import sys
 
-import pytest
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--layers", "1", "--hidden", "64", "--heads", "2", "--seq", "32", "--no-compile",
         "--threads", "1"]
@@ -18,7 +16,6 @@ def _run(script, *flags):
     return done.stdout
 
 
-@pytest.mark.slow
 def test_throughput_and_max_batch_tiny(tmp_path):
     _run("bench_throughput.py", "--quick", *TINY, "--batches", "1", "2", "--budget-at", "1",
          "--warmup", "0", "--rounds", "1", "--out", str(tmp_path / "t.json"), "--publish", "",
