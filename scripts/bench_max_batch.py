@@ -67,6 +67,7 @@ def largest(memory: Callable[[int], int | None], budget: int, start: int, cap: i
 
 def main() -> None:
     args = parse()
+    run, began_run = bc.run_info(args), time.perf_counter()
     shape = bc.shape_from(args)
     bc.init(args.threads)
     bc.configure_dynamo()
@@ -130,7 +131,9 @@ def main() -> None:
                                   if r["adacc_vs_none"]), default=None),
     }
     targets["adacc_ge_2_38x_none"] = (targets["min_adacc_vs_none"] or 0) >= 2.38
-    data = {"run": bc.run_info(args), "shape": shape.__dict__, "static_bytes": static,
+    run.update(finished=time.strftime("%Y-%m-%d %H:%M:%S"),
+               wall_s=time.perf_counter() - began_run)
+    data = {"run": run, "shape": shape.__dict__, "static_bytes": static,
             "results": results, "targets": targets,
             "args": {k: v for k, v in vars(args).items() if not k.startswith("_")}}
     bc.write_json(data, args.out, args.publish or None)

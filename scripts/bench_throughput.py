@@ -53,6 +53,7 @@ def parse() -> argparse.Namespace:
 
 def main() -> None:
     args = parse()
+    run, began_run = bc.run_info(args), time.perf_counter()
     shape = bc.shape_from(args)
     bc.init(args.threads)
     bc.configure_dynamo()
@@ -106,7 +107,9 @@ def main() -> None:
         print_table(micro, rows, budgets)
 
     summary = summarise(rows, stock_peak)
-    data = {"run": bc.run_info(args), "shape": shape.__dict__, "static_bytes": static,
+    run.update(finished=time.strftime("%Y-%m-%d %H:%M:%S"),
+               wall_s=time.perf_counter() - began_run)
+    data = {"run": run, "shape": shape.__dict__, "static_bytes": static,
             "budgets": budgets, "stock_activation_peak": stock_peak,
             "compile_fractions": args.fractions, "compile_errors": models.compile_errors,
             "compile_s": models.compile_s, "rows": rows, "variants": measured_all,

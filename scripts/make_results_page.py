@@ -38,8 +38,9 @@ def mode_note(data: dict) -> str:
     load_avg = ", ".join(f"{x:.1f}" for x in run.get("load_average", []))
     mode = ("**--quick mode** (small shape, few rounds: a smoke run, not evidence)"
             if run["quick"] else "full mode")
-    return (f"{mode}; {run['started']}; {run['device']}; torch {run['torch']}; load average "
-            f"at start {load_avg}.\n\nCommand: `{run['command']}`")
+    took = f", took {run['wall_s'] / 60:.1f} min" if "wall_s" in run else ""
+    return (f"{mode}; {run['started']}{took}; {run['device']}; torch {run['torch']}; load "
+            f"average {load_avg}.\n\nCommand: `{run['command']}`")
 
 
 def throughput_section(data: dict) -> list[str]:
