@@ -30,14 +30,17 @@ def init_distributed(tensor_model_parallel_size: int = 1) -> None:
     from megatron.core import parallel_state
 
     if not dist.is_initialized():
-        if "RANK" not in os.environ:  # not launched by torchrun: a world of one
-            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-            os.environ.setdefault("MASTER_PORT", str(_free_port()))
-            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group(backend, timeout=datetime.timedelta(minutes=10))
+        timeout = datetime.timedelta(minutes=10)
+        if "RANK" in os.environ:  # launched by torchrun
+            dist.init_process_group(backend, timeout=timeout)
+        else:
+            # A world of one on a private port, passed explicitly rather than through
+            # os.environ: child processes must not inherit a rank and a port in use.
+            dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}",
+                                    rank=0, world_size=1, timeout=timeout)
     world = dist.get_world_size()
     if world % tensor_model_parallel_size:
         raise ValueError(

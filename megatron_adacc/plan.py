@@ -166,7 +166,9 @@ class Plan:
         if not policies:
             return cls()
         keys = [tuple(sorted(p.items(), key=lambda kv: kv[0])) for p in policies]
-        default_key = max(set(keys), key=keys.count)
+        # Ties go to the lowest layer's policy: iterating a set would make the compact form
+        # (and the plan_id) depend on the process's hash seed, so ranks would disagree.
+        default_key = max(keys, key=keys.count)
         default = dict(default_key)
         layers: dict[tuple[int, int], dict[str, Decision]] = {}
         start = 0

@@ -2,6 +2,12 @@ import os
 import sys
 import warnings
 
+# The Triton codec kernels are tested on the CPU by Triton's interpreter, which must be on
+# before any @triton.jit kernel is defined: set here, before any test module imports one.
+# Without CUDA nothing else runs Triton (inductor emits C++ on a CPU), so this is harmless.
+if not os.environ.get("CUDA_VISIBLE_DEVICES") and not os.path.exists("/dev/nvidia0"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -81,3 +81,18 @@ def test_validate_layers_rejects_ranges_beyond_the_model():
     plan.validate_layers(6)
     with pytest.raises(PlanError, match="'2-5' is outside the model's 4 layers"):
         plan.validate_layers(4)
+
+
+def test_compact_form_does_not_depend_on_the_hash_seed():
+    # Two layers, two policies, one each: the default must not be picked in set order, or
+    # processes (ranks) with different hash seeds print different plans and plan_ids.
+    import subprocess
+    import sys
+
+    code = ("from megatron_adacc.plan import Plan, Decision;"
+            "print(Plan.from_layers([{'ln1_out': Decision('recompute')},"
+            " {'gelu_in': Decision('compress')}]).plan_id)")
+    ids = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env={**__import__("os").environ, "PYTHONHASHSEED": str(seed)},
+                          check=True).stdout.strip() for seed in range(6)}
+    assert len(ids) == 1
