@@ -54,3 +54,23 @@ def test_units():
     assert parse_size("1KiB") == 1024 and parse_size("2 GB") == 2 * 10**9
     assert parse_size("512") == 512 and parse_size("1.5MiB") == 1572864
     assert format_size(1536 * 1024**2) == "1.50 GiB"
+
+
+PAPER_RUNS = [("gpt-117m.yaml", 32, []), ("gpt-117m.yaml", 64, []),
+              ("gpt-345m.yaml", 8, []), ("gpt-345m.yaml", 16, [])] + [
+    # 4.7B's parameters, gradients and Adam states alone exceed 32 GB: the paper trains it
+    # with ZeRO over 8 GPUs.
+    ("gpt-4.7b.yaml", batch, ["--zero-stage", "1", "--data-parallel-size", "8"])
+    for batch in (1, 2, 3, 4)]
+
+
+@pytest.mark.parametrize("config, batch, extra", PAPER_RUNS)
+def test_paper_models_plan_on_a_v100_at_the_papers_batch_sizes(capsys, config, batch, extra):
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "configs" / config
+    assert main(["plan", "--config", str(path), "--micro-batch-size", str(batch),
+                 "--hardware", "v100-32gb", "--precision", "fp16", "--json", *extra]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["feasible"]
+    assert result["static_bytes"] + result["activation_bytes"] <= 32 * 2**30
