@@ -176,3 +176,18 @@ def test_tracking_flags():
         parse_args(TINY + ["--adacc-tracking", "backoff"])
     with pytest.raises(ConfigError, match="unknown gelu"):
         parse_args(TINY + auto + ["--adacc-tracking-sites", "gelu"])
+
+
+def test_a_plan_close_to_the_budget_is_not_taken_back_just_for_speed(monkeypatch):
+    # The demo flapped: over budget at one tracking iteration, back for speed at the next.
+    # Here the first plan leaves 50 bytes a layer; demand more headroom than that.
+    import megatron_adacc.rectifier as rectifier_module
+
+    rect = tight_rectifier(slack_per_layer=50)
+    start = rect.result.plan.plan_id
+    monkeypatch.setattr(rectifier_module, "FASTER_SWAP_HEADROOM",
+                        2 * LAYERS * 50 / rect.budget_bytes)
+    assert rect.update(1, stats(payload=2 * PAYLOAD, outliers=40)).swap.reason == "over budget"
+    outcome = rect.update(2, stats())
+    assert outcome.swap is None and rect.result.plan.plan_id != start
+    assert "too close to the budget" in outcome.note
