@@ -319,3 +319,12 @@ def run_info(args) -> dict:
             "torch": torch.__version__, "threads": torch.get_num_threads(),
             "device": profiler.device_name(), "load_average": os.getloadavg(),
             "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+
+
+def start_memory_bench(args):
+    """What the memory benchmarks do first: (run info, start time, shape, the methods)."""
+    run, began = run_info(args), time.perf_counter()
+    shape = shape_from(args)
+    init(args.threads)
+    configure_dynamo()
+    return run, began, shape, Models(shape)

@@ -67,11 +67,7 @@ def largest(memory: Callable[[int], int | None], budget: int, start: int, cap: i
 
 def main() -> None:
     args = parse()
-    run, began_run = bc.run_info(args), time.perf_counter()
-    shape = bc.shape_from(args)
-    bc.init(args.threads)
-    bc.configure_dynamo()
-    models = bc.Models(shape)
+    run, began_run, shape, models = bc.start_memory_bench(args)
     static = models.static_bytes
     results = {}
     for k in args.budget_at:

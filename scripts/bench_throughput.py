@@ -53,11 +53,7 @@ def parse() -> argparse.Namespace:
 
 def main() -> None:
     args = parse()
-    run, began_run = bc.run_info(args), time.perf_counter()
-    shape = bc.shape_from(args)
-    bc.init(args.threads)
-    bc.configure_dynamo()
-    models = bc.Models(shape)
+    run, began_run, shape, models = bc.start_memory_bench(args)
     static = models.static_bytes
     stock_peak = {k: models.none().activation_peak(bc.batch_of(shape, k))
                   for k in sorted(set(args.budget_at))}
