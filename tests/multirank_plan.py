@@ -20,6 +20,9 @@ def main() -> None:
     dist.all_gather_object(gathered, (trainer.policy.plan_id, plan))
     if dist.get_rank() == 0:
         print(json.dumps({"plan_ids": [g[0] for g in gathered], "plans": [g[1] for g in gathered]}))
+    # Leave together: a rank exiting while its peer still talks to it aborts in gloo's teardown.
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
