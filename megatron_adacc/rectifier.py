@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from megatron_adacc import planner, profiler
 from megatron_adacc import sites as site_table
-from megatron_adacc.codecs.outlier import outlier_channels
+from megatron_adacc.codecs.outlier import channel_abs_sums, outlier_channels
 from megatron_adacc.costs import ModelCosts
 from megatron_adacc.plan import RETAIN_DECISION
 
@@ -105,7 +105,7 @@ def site_stats(sample: profiler.SiteSample, full_bytes: int) -> SiteStats:
     for tensor in sample.tensors:
         rows = tensor.reshape(-1, tensor.shape[-1] if tensor.dim() else 1)
         if threshold is not None:
-            outliers = max(outliers, outlier_channels(rows, threshold).numel())
+            outliers = max(outliers, outlier_channels(channel_abs_sums(rows), threshold).numel())
         exact = tensor.double()
         squared_error += (exact - codec.decode(codec.encode(tensor)).double()).square().sum().item()
         squared_norm += exact.square().sum().item()

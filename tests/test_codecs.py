@@ -357,6 +357,22 @@ def test_native_matches_eager(name, x):
     assert_same_as_eager("native", name, _prepare(name, x))
 
 
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("shape", [(64, 20), (7, 3, 96), (16, 4), (3, 5000)])
+def test_native_channel_paths_match_eager(dtype, shape):
+    # The native kernels' channel handling beyond what the property tests reach: outlier
+    # channels zeroed inside groups that wrap around rows (20 and 4 channels; 64-element
+    # groups), a NaN outlier channel, and per-channel scales on rows wider than the
+    # kernels' 4096-element row buffer.
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(shape, generator=gen)
+    x[..., 1] *= 300
+    x[..., -1] = math.nan
+    for name in ("outlier_int4", "channel_int4"):
+        assert_same_as_eager("native", name, x.to(dtype))
+        assert_same_as_eager("native", name, x.nan_to_num().to(dtype))
+
+
 @pytest.mark.parametrize("dtype", [torch.bool, torch.uint8, torch.float32, torch.bfloat16, torch.float16])
 def test_native_bitmask_matches_eager(dtype):
     gen = torch.Generator().manual_seed(5)

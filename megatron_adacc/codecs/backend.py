@@ -22,7 +22,7 @@ from typing import Callable
 
 import torch
 
-from megatron_adacc.codecs import asymmetric, bitmask, symmetric
+from megatron_adacc.codecs import asymmetric, bitmask, outlier, symmetric
 
 BACKENDS = ("auto", "torch", "compiled", "native", "triton")
 BACKEND_ENV_VAR = "ADACC_CODEC_BACKEND"
@@ -36,6 +36,7 @@ class Kernels:
     asym_decode: Callable
     mask_pack: Callable
     mask_unpack: Callable
+    channel_abs_sums: Callable
 
 
 REFERENCE = Kernels(
@@ -45,6 +46,7 @@ REFERENCE = Kernels(
     asym_decode=asymmetric.asym_decode,
     mask_pack=bitmask.mask_pack,
     mask_unpack=bitmask.mask_unpack,
+    channel_abs_sums=outlier.channel_abs_sums,
 )
 
 

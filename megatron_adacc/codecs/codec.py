@@ -10,6 +10,7 @@ from megatron_adacc.codecs.int4 import (
     pad_to_groups,
     restore_exceptions,
     split_exceptions,
+    zero_channels,
 )
 from megatron_adacc.codecs.outlier import outlier_channels
 from megatron_adacc.codecs.payload import Payload
@@ -96,14 +97,15 @@ class SymInt4(_FlatGroups):
     def __init__(self, group_size: int = 64, backend: str | None = None):
         super().__init__(group_size, backend)
 
-    def _encode(self, x, kernels):
+    def _encode(self, x, kernels, zeroed=None):
+        """`zeroed`: (channels, index) of channels to encode as zeros (OutlierInt4)."""
+        if zeroed is not None and x.numel() % self.group_size:
+            # the padding of the last group copies the last element, after zeroing
+            x, zeroed = zero_channels(x.reshape(-1, zeroed[0]), zeroed), None
         groups = self._groups(x)
-        packed, scales, ok = kernels.sym_encode(groups, 1, dtype_max(x.dtype))
-        return {
-            "packed": _keep(packed, (x.numel() + 1) // 2),
-            "scales": scales,
-            **split_exceptions(groups, ok, dim=0),
-        }
+        packed, scales, ok = kernels.sym_encode(groups, 1, dtype_max(x.dtype), zeroed)
+        exceptions = {} if bool(ok.all()) else split_exceptions(zero_channels(groups, zeroed), ok, dim=0)
+        return {"packed": _keep(packed, (x.numel() + 1) // 2), "scales": scales, **exceptions}
 
     def _decode(self, payload, kernels):
         packed, shape2d = self._packed_groups(payload)
@@ -125,11 +127,11 @@ class OutlierInt4(SymInt4):
 
     def _encode(self, x, kernels):
         rows = x.reshape(-1, _channels(x))
-        index = outlier_channels(rows, self.threshold)
+        index = outlier_channels(kernels.channel_abs_sums(rows), self.threshold)
         if not index.numel():
             return super()._encode(rows, kernels)
         return {
-            **super()._encode(rows.index_fill(1, index, 0), kernels),
+            **super()._encode(rows, kernels, zeroed=(rows.shape[1], index)),
             "outlier_index": index.to(torch.int32),
             "outlier_values": rows.index_select(1, index),
         }

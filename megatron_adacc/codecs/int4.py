@@ -66,6 +66,15 @@ def pad_to_groups(flat: torch.Tensor, group_size: int) -> torch.Tensor:
     return flat.view(-1, group_size)
 
 
+def zero_channels(x2d: torch.Tensor, zeroed: tuple[int, torch.Tensor] | None) -> torch.Tensor:
+    """x2d with the elements of the given channels set to 0: `zeroed` = (channels, index)
+    treats the flattened x2d as rows of `channels` values and zeroes columns `index`."""
+    if zeroed is None:
+        return x2d
+    channels, index = zeroed
+    return x2d.reshape(-1, channels).index_fill(1, index, 0).view(x2d.shape)
+
+
 def split_exceptions(x2d: torch.Tensor, ok: torch.Tensor, dim: int) -> dict[str, torch.Tensor]:
     """Raw copies of the slices of x2d along `dim` whose scale was unusable (`ok` False).
 

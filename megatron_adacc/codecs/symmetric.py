@@ -16,7 +16,14 @@ from __future__ import annotations
 
 import torch
 
-from megatron_adacc.codecs.int4 import MIN_SCALE, SCALE_DTYPE, ceil_to_bf16, pack_nibbles, unpack_nibbles
+from megatron_adacc.codecs.int4 import (
+    MIN_SCALE,
+    SCALE_DTYPE,
+    ceil_to_bf16,
+    pack_nibbles,
+    unpack_nibbles,
+    zero_channels,
+)
 
 
 def sym_scales(lo: torch.Tensor, hi: torch.Tensor, dmax: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -30,8 +37,11 @@ def sym_scales(lo: torch.Tensor, hi: torch.Tensor, dmax: float) -> tuple[torch.T
     return torch.where(ok, scale, 0.0), ok
 
 
-def sym_encode(x2d: torch.Tensor, reduce_dim: int, dmax: float):
-    """-> (packed int4 codes of x2d in row-major order, bf16 scales, usable-scale flags)."""
+def sym_encode(x2d: torch.Tensor, reduce_dim: int, dmax: float,
+               zeroed: tuple[int, torch.Tensor] | None = None):
+    """-> (packed int4 codes of x2d in row-major order, bf16 scales, usable-scale flags).
+    `zeroed`: channels to encode as zeros first (int4.zero_channels; the outlier codec's)."""
+    x2d = zero_channels(x2d, zeroed)
     lo, hi = torch.aminmax(x2d, dim=reduce_dim, keepdim=True)
     scale, ok = sym_scales(lo.float(), hi.float(), dmax)
     y = x2d.float() / torch.where(ok, scale, 1.0)

@@ -3,8 +3,9 @@ through ctypes: one fused pass per group where the PyTorch reference makes ten.
 
 Byte-identical to the reference (tests/test_codecs.py checks it). The shared object is cached
 under ~/.cache/megatron-adacc/codecs, keyed by the source, the flags and the CPU model, since
-it is built for the machine it runs on (-march=native). Covers row-grouped int4 (even row
-width) and masks of bool, uint8 and float dtypes; other cases run the reference.
+it is built for the machine it runs on (-march=native). Covers row- and channel-grouped int4
+(even row width), the outlier codec's channel sums and channel zeroing, and masks of bool,
+uint8 and float dtypes; other cases run the reference.
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from megatron_adacc.codecs import asymmetric, bitmask, symmetric
+from megatron_adacc.codecs import asymmetric, bitmask, outlier, symmetric
 from megatron_adacc.codecs.backend import Kernels
 
 _SOURCE = Path(__file__).with_name("codecs.c")
@@ -27,8 +28,11 @@ _FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-fast-ma
 _DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _i64, _f32, _i32, _p = ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_void_p
 _SIGNATURES = {
-    "sym_encode_rows": [_p, _i32, _i64, _i64, _f32, _p, _p, _p],
+    "sym_encode_rows": [_p, _i32, _i64, _i64, _f32, _p, _i64, _p, _p, _p],
     "sym_decode_rows": [_p, _p, _i64, _i64, _i32, _p],
+    "sym_encode_cols": [_p, _i32, _i64, _i64, _f32, _p, _p, _p, _p, _p],
+    "sym_decode_cols": [_p, _p, _i64, _i64, _i32, _p, _p],
+    "channel_abs_sums": [_p, _i32, _i64, _i64, _p],
     "asym_encode_rows": [_p, _i32, _i64, _i64, _f32, _p, _p, _p, _p],
     "asym_decode_rows": [_p, _p, _p, _i64, _i64, _i32, _p],
     "mask_pack": [_p, _i32, _i32, _i64, _p],
@@ -80,25 +84,63 @@ def _native_rows(x2d: torch.Tensor) -> bool:
     return x2d.device.type == "cpu" and x2d.shape[1] % 2 == 0 and x2d.shape[1] <= _MAX_ROW and x2d.is_contiguous()
 
 
-def _sym_encode(x2d, reduce_dim, dmax):
-    if reduce_dim != 1 or not _native_rows(x2d):
-        return symmetric.sym_encode(x2d, reduce_dim, dmax)
+def _native_cols(x2d: torch.Tensor) -> bool:
+    return x2d.device.type == "cpu" and x2d.shape[1] % 2 == 0 and x2d.is_contiguous()
+
+
+def _keep_mask(zeroed) -> tuple[torch.Tensor | None, int]:
+    """codecs.c's `keep` for int4.zero_channels' (channels, index): -1 for kept channels, 0
+    for zeroed ones, extended by 8 entries that repeat it cyclically."""
+    if zeroed is None:
+        return None, 0
+    channels, index = zeroed
+    keep = torch.full((channels,), -1, dtype=torch.int32)
+    keep[index] = 0
+    return keep[torch.arange(channels + 8) % channels], channels
+
+
+def _sym_encode(x2d, reduce_dim, dmax, zeroed=None):
     rows, cols = x2d.shape
+    if reduce_dim == 0 and zeroed is None and _native_cols(x2d):
+        packed = torch.empty(rows * cols // 2, dtype=torch.uint8)
+        scales = torch.empty(cols, dtype=torch.bfloat16)
+        ok = torch.empty(cols, dtype=torch.bool)
+        col_scale, col_ok = torch.empty(cols, dtype=torch.float32), torch.empty(cols, dtype=torch.int32)
+        library().sym_encode_cols(x2d.data_ptr(), _DTYPE_CODE[x2d.dtype], rows, cols, dmax, col_scale.data_ptr(),
+                                  col_ok.data_ptr(), packed.data_ptr(), scales.data_ptr(), ok.data_ptr())
+        return packed, scales, ok
+    if reduce_dim != 1 or not _native_rows(x2d):
+        return symmetric.sym_encode(x2d, reduce_dim, dmax, zeroed)
     packed = torch.empty(rows * cols // 2, dtype=torch.uint8)
     scales = torch.empty(rows, dtype=torch.bfloat16)
     ok = torch.empty(rows, dtype=torch.bool)
+    keep, channels = _keep_mask(zeroed)
     library().sym_encode_rows(x2d.data_ptr(), _DTYPE_CODE[x2d.dtype], rows, cols, dmax,
+                              keep.data_ptr() if keep is not None else None, channels,
                               packed.data_ptr(), scales.data_ptr(), ok.data_ptr())
     return packed, scales, ok
 
 
 def _sym_decode(packed, scales, shape2d, reduce_dim, dtype):
-    if reduce_dim != 1 or shape2d[1] % 2 or packed.device.type != "cpu":
+    if shape2d[1] % 2 or packed.device.type != "cpu":
         return symmetric.sym_decode(packed, scales, shape2d, reduce_dim, dtype)
     out = torch.empty(shape2d, dtype=dtype)
-    library().sym_decode_rows(packed.data_ptr(), scales.data_ptr(), shape2d[0], shape2d[1],
-                              _DTYPE_CODE[dtype], out.data_ptr())
+    if reduce_dim == 0:
+        col_scale = torch.empty(shape2d[1], dtype=torch.float32)
+        library().sym_decode_cols(packed.data_ptr(), scales.data_ptr(), shape2d[0], shape2d[1],
+                                  _DTYPE_CODE[dtype], col_scale.data_ptr(), out.data_ptr())
+    else:
+        library().sym_decode_rows(packed.data_ptr(), scales.data_ptr(), shape2d[0], shape2d[1],
+                                  _DTYPE_CODE[dtype], out.data_ptr())
     return out
+
+
+def _channel_abs_sums(x2d):
+    if x2d.device.type != "cpu" or not x2d.is_contiguous():
+        return outlier.channel_abs_sums(x2d)
+    sums = torch.empty(x2d.shape[1], dtype=torch.float64)
+    library().channel_abs_sums(x2d.data_ptr(), _DTYPE_CODE[x2d.dtype], x2d.shape[0], x2d.shape[1], sums.data_ptr())
+    return sums
 
 
 def _asym_encode(x2d, dmax):
@@ -148,4 +190,5 @@ NATIVE_KERNELS = Kernels(
     asym_decode=_asym_decode,
     mask_pack=_mask_pack,
     mask_unpack=_mask_unpack,
+    channel_abs_sums=_channel_abs_sums,
 )

@@ -5,6 +5,7 @@
  * (built with -ffp-contract=off, never -ffast-math). Element types: 0 fp32, 1 bf16, 2 fp16.
  */
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -43,13 +44,15 @@ typedef int32_t vi8 __attribute__((vector_size(32)));
 typedef uint16_t vh8 __attribute__((vector_size(16)));
 typedef _Float16 vf16x8 __attribute__((vector_size(16)));
 
-/* Group of `cols` inputs -> fp32 in buf. Returns 0 if the group holds NaN or Inf; lo and hi
+/* Group of `cols` inputs -> fp32 in buf. With `keep` (the outlier codec), element i of the
+ * flattened input is zeroed unless keep[i % channels]; keep holds channels + 8 entries,
+ * keep[j] = keep[j % channels], so one 8-lane load never wraps. Returns 0 if the group holds NaN or Inf; lo and hi
  * are its minimum and maximum (order-independent for finite values; signed zeros cannot
  * change a scale, see symmetric.sym_scales). Written with vector types because the compiler
  * does not vectorize float min/max reductions without -ffast-math. */
 static inline int group_to_float(const void *x, int64_t base, int64_t cols, int dtype, float *buf,
-                                 float *lo, float *hi) {
-    int64_t c = 0;
+                                 float *lo, float *hi, const int32_t *keep, int64_t channels) {
+    int64_t c = 0, ch = keep ? base % channels : 0;
     vf8 vmin = {INFINITY, INFINITY, INFINITY, INFINITY, INFINITY, INFINITY, INFINITY, INFINITY};
     vf8 vmax = -vmin;
     vi8 bad = {0};
@@ -62,6 +65,13 @@ static inline int group_to_float(const void *x, int64_t base, int64_t cols, int 
         } else {
             vf16x8 h; memcpy(&h, (const _Float16 *)x + base + c, 16);
             v = __builtin_convertvector(h, vf8);
+        }
+        if (keep) { /* zero the dropped channels: keep[i] is all ones or 0 */
+            vi8 k;
+            memcpy(&k, keep + ch, 32);
+            v = (vf8)((vi8)v & k);
+            ch += 8;
+            if (ch >= channels) ch %= channels;
         }
         memcpy(buf + c, &v, 32);
         bad |= ((vu8)v & 0x7F800000u) == 0x7F800000u;
@@ -78,6 +88,10 @@ static inline int group_to_float(const void *x, int64_t base, int64_t cols, int 
     }
     for (; c < cols; c++) {
         float v = load(x, base + c, dtype);
+        if (keep) {
+            v = keep[ch] ? v : 0.0f;
+            if (++ch == channels) ch = 0;
+        }
         buf[c] = v;
         finite &= isfinite(v) != 0;
         mn = v < mn ? v : mn;
@@ -98,25 +112,49 @@ static inline vi8 clamp_codes(vi8 q) {
 }
 
 /* codes of a group: clamp(floor((v - shift) / scale + bias), 0, 15), packed two per byte.
- * The vector path truncates instead of flooring: the two differ only below 0, where the
- * clamp makes them equal. */
-static inline void pack_codes(const float *buf, int64_t cols, float shift, float scale, float bias, uint8_t *out) {
+ * With `col_scale` (per-channel scales, channel_int4) element c divides by col_scale[c]
+ * instead, and takes code 8 where col_ok[c] is 0. The vector path truncates instead of
+ * flooring: the two differ only below 0, where the clamp makes them equal. */
+static inline void pack_codes(const float *buf, int64_t cols, float shift, float scale, float bias,
+                              const float *col_scale, const int32_t *col_ok, uint8_t *out) {
     int64_t c = 0;
+    const vi8 eight = {8, 8, 8, 8, 8, 8, 8, 8};
     for (; c + 16 <= cols; c += 16) {
         vf8 a, b;
         memcpy(&a, buf + c, 32);
         memcpy(&b, buf + c + 8, 32);
         vf8 even = __builtin_shufflevector(a, b, 0, 2, 4, 6, 8, 10, 12, 14);
         vf8 odd = __builtin_shufflevector(a, b, 1, 3, 5, 7, 9, 11, 13, 15);
-        vi8 q_even = clamp_codes(__builtin_convertvector((even - shift) / scale + bias, vi8));
-        vi8 q_odd = clamp_codes(__builtin_convertvector((odd - shift) / scale + bias, vi8));
+        vf8 div_even = {scale, scale, scale, scale, scale, scale, scale, scale}, div_odd = div_even;
+        if (col_scale) {
+            vf8 sa, sb;
+            memcpy(&sa, col_scale + c, 32);
+            memcpy(&sb, col_scale + c + 8, 32);
+            div_even = __builtin_shufflevector(sa, sb, 0, 2, 4, 6, 8, 10, 12, 14);
+            div_odd = __builtin_shufflevector(sa, sb, 1, 3, 5, 7, 9, 11, 13, 15);
+        }
+        vi8 q_even = clamp_codes(__builtin_convertvector((even - shift) / div_even + bias, vi8));
+        vi8 q_odd = clamp_codes(__builtin_convertvector((odd - shift) / div_odd + bias, vi8));
+        if (col_ok) {
+            vi8 oa, ob;
+            memcpy(&oa, col_ok + c, 32);
+            memcpy(&ob, col_ok + c + 8, 32);
+            vi8 ok_even = __builtin_shufflevector(oa, ob, 0, 2, 4, 6, 8, 10, 12, 14);
+            vi8 ok_odd = __builtin_shufflevector(oa, ob, 1, 3, 5, 7, 9, 11, 13, 15);
+            q_even = (q_even & ok_even) | (eight & ~ok_even);
+            q_odd = (q_odd & ok_odd) | (eight & ~ok_odd);
+        }
         vb8 bytes = __builtin_convertvector(q_even | (q_odd << 4), vb8);
         memcpy(out + c / 2, &bytes, 8);
     }
     for (; c < cols; c += 2) {
-        float even = clamp_code(floorf((buf[c] - shift) / scale + bias));
-        float odd = clamp_code(floorf((buf[c + 1] - shift) / scale + bias));
-        out[c / 2] = (uint8_t)((uint8_t)even | ((uint8_t)odd << 4));
+        uint8_t code[2];
+        for (int k = 0; k < 2; k++) {
+            float div = col_scale ? col_scale[c + k] : scale;
+            int ok = col_ok ? col_ok[c + k] != 0 : 1;
+            code[k] = ok ? (uint8_t)clamp_code(floorf((buf[c + k] - shift) / div + bias)) : 8;
+        }
+        out[c / 2] = (uint8_t)(code[0] | (code[1] << 4));
     }
 }
 
@@ -138,49 +176,64 @@ static inline void store16(void *out, int64_t i, vf8 a, vf8 b, int dtype) {
     }
 }
 
-/* One row of codes -> values shift + (code - bias) * scale, in element order. */
+/* One row of codes -> values shift + (code - bias) * scale, in element order; with
+ * `col_scale`, element c takes col_scale[c] as its scale. */
 static inline void unpack_row(const uint8_t *in, int64_t cols, float shift, float bias, float scale,
-                              void *out, int64_t base, int dtype) {
+                              const float *col_scale, void *out, int64_t base, int dtype) {
     int64_t c = 0;
     for (; c + 16 <= cols; c += 16) {
         vb8 bytes;
         memcpy(&bytes, in + c / 2, 8);
         vi8 q = __builtin_convertvector(bytes, vi8);
-        vf8 even = shift + (__builtin_convertvector(q & 15, vf8) - bias) * scale;
-        vf8 odd = shift + (__builtin_convertvector(q >> 4, vf8) - bias) * scale;
+        vf8 s_even = {scale, scale, scale, scale, scale, scale, scale, scale}, s_odd = s_even;
+        if (col_scale) {
+            vf8 sa, sb;
+            memcpy(&sa, col_scale + c, 32);
+            memcpy(&sb, col_scale + c + 8, 32);
+            s_even = __builtin_shufflevector(sa, sb, 0, 2, 4, 6, 8, 10, 12, 14);
+            s_odd = __builtin_shufflevector(sa, sb, 1, 3, 5, 7, 9, 11, 13, 15);
+        }
+        vf8 even = shift + (__builtin_convertvector(q & 15, vf8) - bias) * s_even;
+        vf8 odd = shift + (__builtin_convertvector(q >> 4, vf8) - bias) * s_odd;
         store16(out, base + c, __builtin_shufflevector(even, odd, 0, 8, 1, 9, 2, 10, 3, 11),
                 __builtin_shufflevector(even, odd, 4, 12, 5, 13, 6, 14, 7, 15), dtype);
     }
     for (; c < cols; c += 2) {
         uint8_t byte = in[c / 2];
-        store(out, base + c, shift + ((float)(byte & 15) - bias) * scale, dtype);
-        store(out, base + c + 1, shift + ((float)(byte >> 4) - bias) * scale, dtype);
+        float s_even = col_scale ? col_scale[c] : scale, s_odd = col_scale ? col_scale[c + 1] : scale;
+        store(out, base + c, shift + ((float)(byte & 15) - bias) * s_even, dtype);
+        store(out, base + c + 1, shift + ((float)(byte >> 4) - bias) * s_odd, dtype);
     }
+}
+
+/* symmetric.sym_scales for one group: the signed scale (0 if unusable), *ok whether usable. */
+static inline float sym_scale(float lo, float hi, int finite, float dmax, int *ok) {
+    int negative_extreme = -lo >= hi;
+    float extreme = negative_extreme ? -lo : hi;
+    float opposite = negative_extreme ? hi : -lo;
+    float a = extreme / 8.0f, b = opposite / 7.5f;
+    float magnitude = ceil_to_bf16(a > b ? a : b);
+    magnitude = magnitude < MIN_SCALE ? MIN_SCALE : magnitude;
+    *ok = finite && magnitude * 8.0f <= dmax;
+    return *ok ? (negative_extreme ? magnitude : -magnitude) : 0.0f;
 }
 
 #define MAX_STACK_GROUP 4096
 
 void sym_encode_rows(const void *x, int dtype, int64_t rows, int64_t cols, float dmax,
-                     uint8_t *packed, uint16_t *scales, uint8_t *ok_out) {
+                     const int32_t *keep, int64_t channels, uint8_t *packed, uint16_t *scales, uint8_t *ok_out) {
     #pragma omp parallel for schedule(static)
     for (int64_t r = 0; r < rows; r++) {
         const int64_t base = r * cols;
         uint8_t *out = packed + base / 2;
         float lo, hi;
         float buf[MAX_STACK_GROUP]; /* wider rows are routed to the reference by the wrapper */
-        int ok = group_to_float(x, base, cols, dtype, buf, &lo, &hi);
-        int negative_extreme = -lo >= hi;
-        float extreme = negative_extreme ? -lo : hi;
-        float opposite = negative_extreme ? hi : -lo;
-        float a = extreme / 8.0f, b = opposite / 7.5f;
-        float magnitude = ceil_to_bf16(a > b ? a : b);
-        magnitude = magnitude < MIN_SCALE ? MIN_SCALE : magnitude;
-        ok = ok && magnitude * 8.0f <= dmax;
-        float scale = ok ? (negative_extreme ? magnitude : -magnitude) : 0.0f;
+        int finite = group_to_float(x, base, cols, dtype, buf, &lo, &hi, keep, channels), ok;
+        float scale = sym_scale(lo, hi, finite, dmax, &ok);
         scales[r] = bf16_bits(scale);
         ok_out[r] = (uint8_t)ok;
         if (!ok) { memset(out, 0x88, (size_t)(cols / 2)); continue; }
-        pack_codes(buf, cols, 0.0f, scale, 8.5f, out);
+        pack_codes(buf, cols, 0.0f, scale, 8.5f, NULL, NULL, out);
     }
 }
 
@@ -189,8 +242,92 @@ void sym_decode_rows(const uint8_t *packed, const uint16_t *scales, int64_t rows
     #pragma omp parallel for schedule(static)
     for (int64_t r = 0; r < rows; r++) {
         const float scale = bits_to_float((uint32_t)scales[r] << 16);
-        unpack_row(packed + r * cols / 2, cols, -0.0f, 8.0f, scale, out, r * cols, dtype); /* -0 + v == v, signed zeros too */
+        unpack_row(packed + r * cols / 2, cols, -0.0f, 8.0f, scale, NULL, out, r * cols, dtype); /* -0 + v == v, signed zeros too */
     }
+}
+
+/* Columns [first, last) of each thread's share, in whole 16-column blocks: every column is
+ * reduced over the rows in row order by one thread, so results do not depend on the thread
+ * count. */
+static inline void column_share(int64_t cols, int64_t *first, int64_t *last) {
+    int threads = omp_get_num_threads(), t = omp_get_thread_num();
+    int64_t blocks = (cols + 15) / 16;
+    *first = blocks * t / threads * 16;
+    *last = blocks * (t + 1) / threads * 16;
+    *last = *last < cols ? *last : cols;
+}
+
+/* sums[c] = sum over rows of |x[r][c]|, in float64 (outlier.channel_abs_sums). */
+void channel_abs_sums(const void *x, int dtype, int64_t rows, int64_t cols, double *sums) {
+    #pragma omp parallel
+    {
+        int64_t first, last;
+        column_share(cols, &first, &last);
+        for (int64_t c = first; c < last; c++) sums[c] = 0.0;
+        for (int64_t r = 0; r < rows; r++) {
+            const int64_t base = r * cols;
+            if (dtype == 0) {
+                const float *row = (const float *)x + base;
+                for (int64_t c = first; c < last; c++) sums[c] += fabs((double)row[c]);
+            } else if (dtype == 1) {
+                const uint16_t *row = (const uint16_t *)x + base;
+                for (int64_t c = first; c < last; c++) sums[c] += fabs((double)bits_to_float((uint32_t)row[c] << 16));
+            } else {
+                const _Float16 *row = (const _Float16 *)x + base;
+                for (int64_t c = first; c < last; c++) sums[c] += fabs((double)row[c]);
+            }
+        }
+    }
+}
+
+/* Per-channel symmetric int4 (channel_int4): one scale per column of the [rows, cols] input.
+ * col_scale and col_ok are scratch of `cols` entries. */
+void sym_encode_cols(const void *x, int dtype, int64_t rows, int64_t cols, float dmax, float *col_scale,
+                     int32_t *col_ok, uint8_t *packed, uint16_t *scales, uint8_t *ok_out) {
+    #pragma omp parallel
+    {
+        int64_t first, last;
+        column_share(cols, &first, &last);
+        float lo[16], hi[16];
+        for (int64_t c0 = first; c0 < last; c0 += 16) { /* min, max and finiteness per column */
+            int64_t width = last - c0 < 16 ? last - c0 : 16;
+            int finite[16];
+            for (int k = 0; k < width; k++) { lo[k] = INFINITY; hi[k] = -INFINITY; finite[k] = 1; }
+            for (int64_t r = 0; r < rows; r++) {
+                for (int k = 0; k < width; k++) {
+                    float v = load(x, r * cols + c0 + k, dtype);
+                    finite[k] &= isfinite(v) != 0;
+                    lo[k] = v < lo[k] ? v : lo[k];
+                    hi[k] = v > hi[k] ? v : hi[k];
+                }
+            }
+            for (int k = 0; k < width; k++) {
+                int ok;
+                float scale = sym_scale(lo[k], hi[k], finite[k], dmax, &ok);
+                scales[c0 + k] = bf16_bits(scale);
+                ok_out[c0 + k] = (uint8_t)ok;
+                col_scale[c0 + k] = ok ? scale : 1.0f;
+                col_ok[c0 + k] = ok ? -1 : 0;
+            }
+        }
+    }
+    #pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        float buf[MAX_STACK_GROUP], lo, hi;
+        for (int64_t c0 = 0; c0 < cols; c0 += MAX_STACK_GROUP) {
+            int64_t width = cols - c0 < MAX_STACK_GROUP ? cols - c0 : MAX_STACK_GROUP;
+            group_to_float(x, r * cols + c0, width, dtype, buf, &lo, &hi, NULL, 0);
+            pack_codes(buf, width, 0.0f, 1.0f, 8.5f, col_scale + c0, col_ok + c0, packed + (r * cols + c0) / 2);
+        }
+    }
+}
+
+void sym_decode_cols(const uint8_t *packed, const uint16_t *scales, int64_t rows, int64_t cols, int dtype,
+                     float *col_scale, void *out) {
+    for (int64_t c = 0; c < cols; c++) col_scale[c] = bits_to_float((uint32_t)scales[c] << 16);
+    #pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < rows; r++)
+        unpack_row(packed + r * cols / 2, cols, -0.0f, 8.0f, 1.0f, col_scale, out, r * cols, dtype);
 }
 
 void asym_encode_rows(const void *x, int dtype, int64_t rows, int64_t cols, float dmax,
@@ -201,7 +338,7 @@ void asym_encode_rows(const void *x, int dtype, int64_t rows, int64_t cols, floa
         uint8_t *out = packed + base / 2;
         float lo, hi;
         float buf[MAX_STACK_GROUP]; /* wider rows are routed to the reference by the wrapper */
-        int ok = group_to_float(x, base, cols, dtype, buf, &lo, &hi);
+        int ok = group_to_float(x, base, cols, dtype, buf, &lo, &hi, NULL, 0);
         lo = lo == 0.0f ? 0.0f : lo; /* +0 whichever zero the reduction met first */
         float scale = ceil_to_bf16((hi - lo) / 15.0f);
         scale = scale < MIN_SCALE ? MIN_SCALE : scale;
@@ -213,7 +350,7 @@ void asym_encode_rows(const void *x, int dtype, int64_t rows, int64_t cols, floa
         store(offsets, r, lo, dtype); /* lo is an input element: exact */
         ok_out[r] = (uint8_t)ok;
         if (!ok) { memset(out, 0, (size_t)(cols / 2)); continue; }
-        pack_codes(buf, cols, lo, scale, 0.5f, out);
+        pack_codes(buf, cols, lo, scale, 0.5f, NULL, NULL, out);
     }
 }
 
@@ -222,7 +359,7 @@ void asym_decode_rows(const uint8_t *packed, const uint16_t *scales, const void 
     #pragma omp parallel for schedule(static)
     for (int64_t r = 0; r < rows; r++) {
         const float scale = bits_to_float((uint32_t)scales[r] << 16);
-        unpack_row(packed + r * cols / 2, cols, load(offsets, r, dtype), 0.0f, scale, out, r * cols, dtype);
+        unpack_row(packed + r * cols / 2, cols, load(offsets, r, dtype), 0.0f, scale, NULL, out, r * cols, dtype);
     }
 }
 

@@ -1,20 +1,22 @@
 """Triton kernels of the codecs (CUDA; the CPU under TRITON_INTERPRET=1), one file per codec
-family, byte-identical to the PyTorch reference.
+family, byte-identical to the PyTorch reference. The outlier codec's channel sums and
+channel zeroing run as PyTorch ops.
 
 Triton covers the row-grouped int4 codecs (sym_int4, outlier_int4's inliers, naive_int4,
 asym_int4) and the bitmask. Per-channel scales (channel_int4) reduce across rows and rows of
 odd width pair codes across rows; those cases run the reference, which on CUDA is a handful
 of fused-enough PyTorch kernels for the small Q/K/V tensors they serve.
 """
-from megatron_adacc.codecs import asymmetric, symmetric
+from megatron_adacc.codecs import asymmetric, outlier, symmetric
+from megatron_adacc.codecs.int4 import zero_channels
 from megatron_adacc.codecs.backend import Kernels
 from megatron_adacc.codecs.triton import asym_int4, bitmask, sym_int4
 
 
-def _sym_encode(x2d, reduce_dim, dmax):
+def _sym_encode(x2d, reduce_dim, dmax, zeroed=None):
     if reduce_dim != 1 or x2d.shape[1] % 2:
-        return symmetric.sym_encode(x2d, reduce_dim, dmax)
-    return sym_int4.sym_encode_rows(x2d, dmax)
+        return symmetric.sym_encode(x2d, reduce_dim, dmax, zeroed)
+    return sym_int4.sym_encode_rows(zero_channels(x2d, zeroed), dmax)
 
 
 def _sym_decode(packed, scales, shape2d, reduce_dim, dtype):
@@ -42,4 +44,5 @@ TRITON_KERNELS = Kernels(
     asym_decode=_asym_decode,
     mask_pack=bitmask.mask_pack,
     mask_unpack=bitmask.mask_unpack,
+    channel_abs_sums=outlier.channel_abs_sums,
 )
