@@ -123,8 +123,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="sites to re-measure (default: the outlier-separated ones, "
                             "outputs of Linear, LayerNorm and GELU)")
     adacc.add_argument("--adacc-tracking-reset-fraction", type=float, default=0.25,
-                       help="an outlier count moving by more than this fraction since the "
-                            "last tracking resets the backoff to every iteration")
+                       help="a tracked site's compression rate moving by more than this "
+                            "fraction since the last tracking resets the backoff to every "
+                            "iteration")
     adacc.add_argument("--adacc-guard-threshold", type=float, default=0.2,
                        help="a site whose relative reconstruction error exceeds this is "
                             "never compressed again (retained or recomputed)")

@@ -151,6 +151,10 @@ class _CodecProbe:
         return payload.tensor if isinstance(payload, _Unencodable) else self.codec.decode(payload)
 
 
+class _MeasuredLayerDone(Exception):
+    """Ends a forward-only profiling step after the measured layer."""
+
+
 class _Profiling:
     """One model, one micro-batch, one measured layer: the steps the profiler runs."""
 
@@ -168,21 +172,38 @@ class _Profiling:
 
     def step(self, decisions: dict[str, Decision], ruler_type=ActivationRuler,
              install: Callable[[], None] | None = None, backward: bool = True):
-        """Forward and (unless ``backward`` is False) backward of the micro-batch with
-        ``decisions`` on the measured layer only (``install`` may then adjust the layer's
-        actions); gradients are dropped. Returns the ruler."""
+        """Forward and backward of the micro-batch with ``decisions`` on the measured layer
+        only (``install`` may then adjust the layer's actions); gradients are dropped.
+        ``backward=False``: the forward stops once the measured layer is done, since nothing
+        after it is looked at. Returns the ruler."""
         apply_plan(self.model, Plan(layers={(self.index, self.index): decisions}),
                    strict=self.strict)
         if install is not None:
             install()
         with ruler_type(self.model, strict=self.strict) as ruler:
-            loss = model_lib.gpt_loss(self.model, *self.batch)
-            ruler.forward_done()
             if backward:
+                loss = model_lib.gpt_loss(self.model, *self.batch)
+                ruler.forward_done()
                 loss.backward()
+            else:
+                self._forward_through_measured_layer(ruler)
         if backward:
             self.model.zero_grad(set_to_none=True)
         return ruler
+
+    def _forward_through_measured_layer(self, ruler: ActivationRuler) -> None:
+        def done(module, args, output):
+            # Read the ruler now: unwinding the forward frees what this layer saved.
+            ruler.forward_done()
+            raise _MeasuredLayerDone
+
+        handle = self.layer.register_forward_hook(done)
+        try:
+            model_lib.gpt_loss(self.model, *self.batch)
+        except _MeasuredLayerDone:
+            pass
+        finally:
+            handle.remove()
 
     def layer_sites(self, ruler: ActivationRuler) -> dict[str, int]:
         return {site: n for (layer, site), n in ruler.report().by_site.items()
@@ -369,8 +390,8 @@ class SiteSample:
 
 def sample_sites(model: torch.nn.Module, batch: Batch, names: Iterable[str], *,
                  strict: bool = False) -> dict[str, SiteSample]:
-    """One forward of ``batch`` with ``names`` compressed by their designated codecs on the
-    measured layer, keeping what each codec was given (the rectifier's view of the
+    """One forward of ``batch``, up to the measured layer, with ``names`` compressed by
+    their designated codecs there, keeping what each codec was given (the rectifier's view of the
     activations as training moves them). Forward only: the payloads are what forward keeps,
     and no backward means no gradient (nor data-parallel reduction) is touched. Decisions
     and RNG streams are left as found."""

@@ -94,6 +94,17 @@ def test_a_swap_happens_when_the_statistics_change_the_optimal_plan_and_not_othe
     assert rect.update(4, stats()).swap is None
 
 
+def test_backoff_resets_on_a_jump_in_compression_rate_not_in_outlier_count():
+    rect = tight_rectifier(slack_per_layer=50)
+    rect.update(1, stats(outliers=2))
+    # Many more outlier channels, payload up by a fifth: the plan's input barely moved.
+    assert rect.update(2, stats(payload=int(PAYLOAD * 1.2), outliers=17)).jumped == []
+    assert rect.schedule.next_iteration == 2 + 2
+    # The payload up by half: tracking starts over.
+    assert rect.update(4, stats(payload=int(PAYLOAD * 1.8), outliers=17)).jumped == ["gelu_in"]
+    assert rect.schedule.next_iteration == 5
+
+
 def test_the_guard_forbids_compressing_a_bad_site_for_good():
     rect = tight_rectifier(slack_per_layer=50)
     outcome = rect.update(1, stats(error=0.5))
