@@ -31,7 +31,6 @@ import torch.distributed as dist
 
 from megatron_adacc import planner, profiler
 from megatron_adacc import sites as site_table
-from megatron_adacc.codecs.outlier import channel_abs_sums, outlier_channels
 from megatron_adacc.costs import ModelCosts
 from megatron_adacc.plan import RETAIN_DECISION
 
@@ -103,12 +102,14 @@ def site_stats(sample: profiler.SiteSample, full_bytes: int) -> SiteStats:
     threshold = getattr(codec, "threshold", None)
     outliers, squared_error, squared_norm = 0, 0.0, 0.0
     for tensor in sample.tensors:
-        rows = tensor.reshape(-1, tensor.shape[-1] if tensor.dim() else 1)
-        if threshold is not None:
-            outliers = max(outliers, outlier_channels(channel_abs_sums(rows), threshold).numel())
-        exact = tensor.double()
-        squared_error += (exact - codec.decode(codec.encode(tensor)).double()).square().sum().item()
-        squared_norm += exact.square().sum().item()
+        payload = codec.encode(tensor)
+        if threshold is not None:  # the outlier channels the codec itself separated
+            index = payload.tensors.get("outlier_index")
+            outliers = max(outliers, 0 if index is None else index.numel())
+        exact = tensor.float()
+        error = exact - codec.decode(payload).float()
+        squared_error += error.square().sum(dtype=torch.float64).item()
+        squared_norm += exact.square().sum(dtype=torch.float64).item()
     last = sample.tensors[-1]
     return SiteStats(
         codec=codec.name,
