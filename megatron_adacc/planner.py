@@ -8,10 +8,19 @@ Memory model (one pipeline stage, identical layers, layer 0 nearest the embeddin
                          max_l [ sum_{k<=l} stored(k) + transient(l) ] + workspace )
 
 stored(l) is what layer l keeps between its forward and backward (retained bytes + codec
-payloads); transient(l) is what exists at full size only while layer l backprops: its
-recomputed sites and its decoded compressed sites (a rebuild reads its sources at full size,
-and those are either retained, already decoded or already rebuilt, so the sum over
-non-retained sites counts every one once). ``workspace`` is the gradient working set of one
+payloads); transient(l) is what exists at full size only while layer l backprops:
+
+    transient(l) = sum of its recomputed sites            (rebuilt together, cached for
+                                                           the layer's backward)
+                 + DECODED_AT_ONCE x its largest compressed site
+                 + the start of its re-run, if compressed (decoded by the rebuild, held
+                                                           until backward takes it)
+
+The runtime decodes a compressed value when backward first asks for it and frees it once
+every view of it is taken, so decoded values do not pile up the way rebuilt ones do: at most
+two are alive at once (the Q/K/V storage, decoded for the context matmul and held until the
+score matmul, overlaps with each attention value in between; LayerNorm's backward reads its
+input and its statistics together). ``workspace`` is the gradient working set of one
 layer's backward, the same for every plan. The logits and loss tensors (non_layer) are freed
 by the loss backward before any layer backprops, so they meet the layers' stored bytes only
 at the end of forward.
@@ -32,7 +41,11 @@ Per-layer plans:
    to its Pareto frontier in (time, stored, transient), built site by site so the 3^n
    policies are never listed (``_frontier`` says how the rebuild time is carried).
    Swapping a dominated policy for one that dominates it lowers no constraint's slack and
-   no time, so some optimal plan uses frontier policies only.
+   no time, so some optimal plan uses frontier policies only. The decoded term is a maximum,
+   not a sum: the frontier is built once per cap (each distinct size of a compressible site,
+   and 0), allowing compression only at sites no larger than the cap and charging
+   DECODED_AT_ONCE x cap; a policy's own largest compressed site is one of the caps, so the
+   union of these frontiers holds every policy at its exact cost.
    Transient is clipped from below at non_layer - workspace: no prefix exceeds the total
    stored, so a smaller transient can never set the peak.
 2. The order: for a given multiset of layer policies the peak term max_l [prefix(l) +
@@ -75,6 +88,8 @@ from megatron_adacc.sites import COMPRESS, RECOMPUTE, RETAIN
 # coefficient is of order 1..1e5. Results are re-checked in exact integer bytes.
 _MIB = float(1 << 20)
 _MS = 1e3
+# Decoded values alive at once while a layer backprops (see the module docstring).
+DECODED_AT_ONCE = 2
 
 
 class InfeasibleBudget(ValueError):
@@ -96,8 +111,9 @@ class InfeasibleBudget(ValueError):
 # --- one layer's policies --------------------------------------------------------------------
 @dataclass(frozen=True)
 class _Option:
-    """One action at one site: its time, stored and transient bytes. A recompute's time is
-    not its own (it depends on the layer's other recomputed sites: ``rebuild_charges``)."""
+    """One action at one site: its time, stored and additive transient bytes. A recompute's
+    time is not its own (it depends on the layer's other recomputed sites:
+    ``rebuild_charges``), nor is a compression's transient (``layer_transient``)."""
 
     decision: Decision
     time_s: float
@@ -113,7 +129,7 @@ def _site_options(site: SiteCost) -> list[_Option]:
         for codec in site.codecs:
             decision = Decision(COMPRESS, None if codec.codec == default_codec else codec.codec)
             options.append(_Option(decision, codec.encode_s + codec.decode_s,
-                                   codec.payload_bytes, site.bytes))
+                                   codec.payload_bytes, 0))  # decoded: layer_transient
     if site.can_recompute:
         options.append(_Option(Decision(RECOMPUTE), 0.0, 0, site.bytes))
     return options
@@ -164,13 +180,28 @@ def rebuild_charges(costs: ModelCosts, recomputed: set[str]) -> dict[str, float]
     return charges
 
 
-def is_exact(costs: ModelCosts, decisions: Mapping[str, Decision]) -> bool:
-    """True when the layer's rebuild (if any) starts from a value that is not compressed."""
+def _compressed_source(costs: ModelCosts, decisions: Mapping[str, Decision]) -> str | None:
+    """The site the layer's rebuild starts from, when it is compressed (a lossy re-run)."""
     rebuilt = _rebuilt_segments(costs, _recomputed(decisions))
     if not rebuilt:
-        return True
+        return None
     start = costs.segments[rebuilt[0]].start
-    return decisions.get(start, RETAIN_DECISION).action != COMPRESS
+    return start if decisions.get(start, RETAIN_DECISION).action == COMPRESS else None
+
+
+def is_exact(costs: ModelCosts, decisions: Mapping[str, Decision]) -> bool:
+    """True when the layer's rebuild (if any) starts from a value that is not compressed."""
+    return _compressed_source(costs, decisions) is None
+
+
+def layer_transient(costs: ModelCosts, decisions: Mapping[str, Decision]) -> int:
+    """transient(l) of the module docstring."""
+    sizes = {site.name: site.bytes for site in costs.sites}
+    actions = {site.name: decisions.get(site.name, RETAIN_DECISION).action for site in costs.sites}
+    rebuilt = sum(sizes[name] for name, action in actions.items() if action == RECOMPUTE)
+    decoded = max((sizes[name] for name, action in actions.items() if action == COMPRESS), default=0)
+    source = _compressed_source(costs, decisions)
+    return rebuilt + DECODED_AT_ONCE * decoded + (sizes[source] if source else 0)
 
 
 def _option_for(site: SiteCost, decision: Decision) -> _Option:
@@ -196,7 +227,7 @@ def evaluate_layer(costs: ModelCosts, decisions: Mapping[str, Decision]) -> Laye
     options = [_option_for(site, decisions.get(site.name, RETAIN_DECISION))
                for site in costs.sites]
     return LayerPolicy(dict(decisions), sum(_site_times(costs, decisions).values()),
-                       sum(o.stored for o in options), sum(o.transient for o in options))
+                       sum(o.stored for o in options), layer_transient(costs, decisions))
 
 
 def peak_bytes(costs: ModelCosts, layers: Sequence[LayerPolicy]) -> int:
@@ -298,9 +329,11 @@ def _frontier(sites: tuple[SiteCost, ...], segments: tuple[Segment, ...],
     first recomputed site met is the deepest of the last rebuilt segment, and a recomputed
     site met in an earlier segment extends the re-run to it, so the rebuild time is charged
     as it is met (``rebuild_charges`` in steps) with one number of state: the lowest segment
-    rebuilt so far. A second flag, only for exact plans, marks that the start of that
-    segment was compressed; it clears if a still earlier segment is rebuilt (the re-run then
-    starts elsewhere) and a policy still carrying it at the end is lossy."""
+    rebuilt so far. A second flag marks that the start of that segment was compressed; it
+    clears if a still earlier segment is rebuilt (the re-run then starts elsewhere). A
+    policy still carrying it at the end is lossy: dropped for exact plans, charged the
+    start's size otherwise. The whole is built once per cap of the decoded term (module
+    docstring)."""
     names = [segment.name for segment in segments]
     none = len(segments)            # "no segment rebuilt yet"
     order = [site for index in reversed(range(len(segments)))
@@ -309,6 +342,8 @@ def _frontier(sites: tuple[SiteCost, ...], segments: tuple[Segment, ...],
     order += [site for site in sites if site.segment is None]
     run_s = np.array([segment_run_s(sites, name) for name in names])
     starts = {segment.start: index for index, segment in enumerate(segments)}
+    sizes = {site.name: site.bytes for site in sites}
+    held_source = [sizes.get(segment.start, 0) for segment in segments]
     options = [_site_options(site) for site in order]
     if np.prod([float(len(o)) for o in options]) >= 2.0**63:
         raise ValueError(f"{len(order)} sites have too many options to number every policy")
@@ -318,41 +353,63 @@ def _frontier(sites: tuple[SiteCost, ...], segments: tuple[Segment, ...],
     # frontier is two-dimensional from the start.)
     to_come = np.cumsum([max(o.transient for o in site_options)
                          for site_options in options][::-1])[::-1]
-    unreachable = transient_floor - np.append(to_come[1:], 0)
+    unreachable = transient_floor - np.append(to_come[1:], 0) - (
+        max(held_source, default=0) if allow_lossy_sources else 0)
+    caps = sorted({0} | {site.bytes for site, site_options in zip(order, options)
+                         if any(o.decision.action == COMPRESS for o in site_options)})
 
-    # (lowest rebuilt segment, its start compressed) -> (time, stored, transient) rows and
-    # each row's option choices as one mixed-radix integer (site k's choice is digit k).
-    states = {(none, False): (np.zeros((1, 3)), np.zeros(1, dtype=np.int64))}
-    radix = 1
-    for index, (site, site_options) in enumerate(zip(order, options)):
-        segment = names.index(site.segment) if site.segment is not None else None
-        grown: dict[tuple[int, bool], list[tuple[np.ndarray, np.ndarray]]] = {}
-        for (lowest, pending), (vectors, codes) in states.items():
-            for choice, option in enumerate(site_options):
-                key, charge = (lowest, pending), option.time_s
-                if option.decision.action == RECOMPUTE:
-                    if lowest == none:
-                        key, charge = (segment, False), site.rebuild_s
-                    elif segment < lowest:
-                        key, charge = (segment, False), float(run_s[segment:lowest].sum())
-                elif (option.decision.action == COMPRESS and not allow_lossy_sources
-                      and starts.get(site.name, none) == lowest != none):
-                    key = (lowest, True)
-                step = np.array([charge, option.stored, option.transient], dtype=float)
-                grown.setdefault(key, []).append((vectors + step, codes + choice * radix))
-        radix *= len(site_options)
-        states = {}
-        for key, parts in grown.items():
-            vectors = np.concatenate([v for v, _ in parts])
-            codes = np.concatenate([c for _, c in parts])
-            clipped = vectors.copy()
-            clipped[:, 2] = np.maximum(clipped[:, 2], unreachable[index])
-            keep = _pareto(clipped)
-            states[key] = (vectors[keep], codes[keep])
+    def grow(cap: int) -> dict[tuple[int, bool], tuple[np.ndarray, np.ndarray]]:
+        # (lowest rebuilt segment, its start compressed) -> (time, stored, transient) rows
+        # and each row's option choices as one mixed-radix integer (site k's choice is
+        # digit k).
+        states = {(none, False): (np.array([[0.0, 0.0, DECODED_AT_ONCE * cap]]),
+                                  np.zeros(1, dtype=np.int64))}
+        radix = 1
+        for index, (site, site_options) in enumerate(zip(order, options)):
+            segment = names.index(site.segment) if site.segment is not None else None
+            grown: dict[tuple[int, bool], list[tuple[np.ndarray, np.ndarray]]] = {}
+            for (lowest, pending), (vectors, codes) in states.items():
+                for choice, option in enumerate(site_options):
+                    key, charge = (lowest, pending), option.time_s
+                    if option.decision.action == RECOMPUTE:
+                        if lowest == none:
+                            key, charge = (segment, False), site.rebuild_s
+                        elif segment < lowest:
+                            key, charge = (segment, False), float(run_s[segment:lowest].sum())
+                    elif option.decision.action == COMPRESS:
+                        if site.bytes > cap:
+                            continue
+                        if starts.get(site.name, none) == lowest != none:
+                            key = (lowest, True)
+                    step = np.array([charge, option.stored, option.transient], dtype=float)
+                    grown.setdefault(key, []).append((vectors + step, codes + choice * radix))
+            radix *= len(site_options)
+            states = {}
+            for key, parts in grown.items():
+                vectors = np.concatenate([v for v, _ in parts])
+                codes = np.concatenate([c for _, c in parts])
+                clipped = vectors.copy()
+                clipped[:, 2] = np.maximum(clipped[:, 2], unreachable[index])
+                keep = _pareto(clipped)
+                states[key] = (vectors[keep], codes[keep])
+        return states
 
-    exact = [part for (_, pending), part in states.items() if not pending]
-    vectors = np.concatenate([v for v, _ in exact])
-    codes = np.concatenate([c for _, c in exact])
+    rows, row_codes = [], []
+    for cap in caps:
+        for (lowest, pending), (vectors, codes) in grow(cap).items():
+            if pending:
+                if not allow_lossy_sources:
+                    continue
+                vectors = vectors + np.array([0.0, 0.0, held_source[lowest]])
+            rows.append(vectors)
+            row_codes.append(codes)
+    vectors, codes = np.concatenate(rows), np.concatenate(row_codes)
+    # A policy appears under every cap at least its largest compressed site: keep the
+    # least charge, which is exact.
+    by_policy = np.lexsort((vectors[:, 2], codes))
+    first = np.ones(len(by_policy), dtype=bool)
+    first[1:] = codes[by_policy][1:] != codes[by_policy][:-1]
+    vectors, codes = vectors[by_policy[first]], codes[by_policy[first]]
     clipped = vectors.copy()
     clipped[:, 2] = np.maximum(clipped[:, 2], transient_floor)
     keep = _pareto(clipped)
@@ -696,6 +753,10 @@ def _plan_direct_milp(costs: ModelCosts, budget: int, per_layer: bool,
             for segment in costs.segments]
     rebuild = {(g, k): pulp.LpVariable(f"rebuild_{g}_{k}", lowBound=0)
                for g in groups for k in range(len(held))}
+    # The non-additive parts of transient(l), in MiB (see layer_transient).
+    sizes = {site.name: site.bytes for site in costs.sites}
+    decoded = {g: pulp.LpVariable(f"decoded_{g}", lowBound=0) for g in groups}
+    source = {g: pulp.LpVariable(f"source_{g}", lowBound=0) for g in groups}
     weight = 1 if per_layer else num_layers
     problem += pulp.lpSum(weight * (total(g, "time_s", 1 / _MS)
                                     + pulp.lpSum(rebuild[g, k] for k in range(len(held))))
@@ -718,21 +779,31 @@ def _plan_direct_milp(costs: ModelCosts, budget: int, per_layer: bool,
                     problem += later >= chosen(g, site.name, RECOMPUTE)
                 run_ms = segment_run_s(costs.sites, costs.segments[k].name) * _MS
                 problem += rebuild[g, k] >= run_ms * (first + later - 1)
-            if not allow_lossy_sources:
-                # A re-run starting at segment k (nothing recomputed before it) reads its
-                # start, which must not be compressed.
-                before = pulp.lpSum(chosen(g, site.name, RECOMPUTE) for site in sum(held[:k], []))
-                for site in sites:
-                    problem += (chosen(g, costs.segments[k].start, COMPRESS)
-                                + chosen(g, site.name, RECOMPUTE) - before <= 1)
+            # A re-run starting at segment k (nothing recomputed before it) reads its start:
+            # exact plans must not compress it; lossy ones hold it decoded (``source``).
+            before = pulp.lpSum(chosen(g, site.name, RECOMPUTE) for site in sum(held[:k], []))
+            start = costs.segments[k].start
+            for site in sites:
+                reads_compressed = (chosen(g, start, COMPRESS)
+                                    + chosen(g, site.name, RECOMPUTE) - before - 1)
+                if allow_lossy_sources:
+                    problem += source[g] >= sizes.get(start, 0) / _MIB * reads_compressed
+                else:
+                    problem += reads_compressed <= 0
+        for name, opts in options.items():
+            problem += decoded[g] >= DECODED_AT_ONCE * sizes[name] / _MIB * chosen(g, name, COMPRESS)
     workspace = costs.backward_workspace_bytes / _MIB
+
+    def transient(g: int) -> Any:
+        return total(g, "transient", _MIB) + decoded[g] + source[g]
+
     if per_layer:
         for layer in range(num_layers):
             problem += (pulp.lpSum(total(k, "stored", _MIB) for k in range(layer + 1))
-                        + total(layer, "transient", _MIB) + workspace <= available / _MIB)
+                        + transient(layer) + workspace <= available / _MIB)
         all_stored = pulp.lpSum(total(k, "stored", _MIB) for k in groups)
     else:
-        problem += (num_layers * total(0, "stored", _MIB) + total(0, "transient", _MIB)
+        problem += (num_layers * total(0, "stored", _MIB) + transient(0)
                     + workspace <= available / _MIB)
         all_stored = num_layers * total(0, "stored", _MIB)
     problem += all_stored + costs.non_layer_bytes / _MIB <= available / _MIB
