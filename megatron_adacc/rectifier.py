@@ -147,6 +147,7 @@ class Outcome:
     guarded: list[str] = field(default_factory=list)   # sites newly forbidden to compress
     swap: PlanSwap | None = None
     note: str = ""                                     # why not, when there is no swap
+    infeasible: str = ""                               # set when the budget cannot be met
     tracking_time_s: float = 0.0
 
     def to_record(self) -> dict:
@@ -161,6 +162,8 @@ class Outcome:
             record["tracking_reset"] = self.jumped
         if self.guarded:
             record["guarded_sites"] = self.guarded
+        if self.infeasible:
+            record["budget_infeasible"] = self.infeasible
         if self.swap is not None:
             record["plan_swap"] = self.swap.to_record()
         elif self.note:
@@ -230,8 +233,10 @@ class Rectifier:
             new = planner.plan(self.costs, self.budget_bytes,
                                allow_lossy_sources=self.allow_lossy_sources)
         except planner.InfeasibleBudget as exc:
-            outcome.note = f"no plan fits any more, kept the current one: {exc}"
-            return outcome
+            # Payloads grew past what the budget allows: the least-peak plan overruns it least.
+            new = planner.plan(self.costs, exc.minimum_budget,
+                               allow_lossy_sources=self.allow_lossy_sources)
+            outcome.infeasible = f"no plan fits the budget any more: {exc}"
         outcome.swap, outcome.note = self._compare(self.result, new)
         if outcome.swap is not None:
             self.result = new

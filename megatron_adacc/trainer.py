@@ -266,6 +266,9 @@ class Trainer:
             first = next(self.train_batches.micro_batches(self.iteration - 1))
             outcome = rect.observe(self.iteration, self.model,
                                    (first["tokens"], first["labels"], first["loss_mask"]))
+            if outcome.infeasible and self.is_logging_rank:
+                print(f"adacc: iteration {self.iteration}: warning: {outcome.infeasible}; "
+                      "running the plan that overruns it least", flush=True)
             if outcome.swap is not None:
                 self.plan = outcome.swap.new.plan
                 apply_plan(self.model, self.plan, strict=self.args.adacc_strict)

@@ -105,6 +105,25 @@ def test_backoff_resets_on_a_jump_in_compression_rate_not_in_outlier_count():
     assert rect.schedule.next_iteration == 5
 
 
+def test_when_payloads_outgrow_the_budget_the_least_peak_plan_runs():
+    # One site that only compression can shrink: at its minimum + 3400 B the plan retains
+    # it in three layers; when its payload doubles, no plan fits any more.
+    costs = ModelCosts(sites=[SiteCost("layer_in", FULL, "float32", 0.0, None, codecs=(
+        CodecCost("outlier_int4", PAYLOAD, 1e-4, 1e-4),))], num_layers=LAYERS, static_bytes=0,
+        non_layer_bytes=0, backward_workspace_bytes=0, micro_batch_size=1)
+    budget = planner.minimum_budget(costs) + FULL - PAYLOAD
+    rect = Rectifier(costs, planner.plan(costs, budget), budget)
+    grown = {"layer_in": SiteStats("outlier_int4", 2 * PAYLOAD, 2 * PAYLOAD / FULL, 2, 1024, 0.09)}
+    outcome = rect.update(1, grown)
+    assert "no plan fits the budget any more" in outcome.infeasible
+    assert outcome.swap is not None and outcome.swap.reason == "over budget"
+    least = planner.plan(rect.costs, planner.minimum_budget(rect.costs))
+    assert rect.result.plan.plan_id == least.plan.plan_id
+    assert outcome.to_record()["budget_infeasible"] == outcome.infeasible
+    # Still infeasible, already the plan that overruns least: nothing to swap.
+    assert rect.update(2, grown).swap is None
+
+
 def test_the_guard_forbids_compressing_a_bad_site_for_good():
     rect = tight_rectifier(slack_per_layer=50)
     outcome = rect.update(1, stats(error=0.5))
