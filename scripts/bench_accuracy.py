@@ -154,7 +154,7 @@ def label(r: dict) -> str:
 
 def main() -> None:
     args = parse()
-    run, began_run = bc.run_info(args), time.perf_counter()
+    meta, began_run = bc.run_info(args), time.perf_counter()
     os.makedirs(args.workdir, exist_ok=True)
     flags = model_flags(args)
     bc.init()
@@ -199,9 +199,9 @@ def main() -> None:
                "codecs_no_outlier_gaps_pct": gaps.get("codecs-no-outlier"),
                "naive_int4_gaps_pct": gaps.get("quantize")}
     command = " ".join([os.path.join(".", "pretrain_gpt.py"), *flags])
-    run.update(finished=time.strftime("%Y-%m-%d %H:%M:%S"),
-               wall_s=time.perf_counter() - began_run)
-    data = {"run": run, "flags": flags, "pretrain_command": command,
+    meta.update(finished=time.strftime("%Y-%m-%d %H:%M:%S"),
+                wall_s=time.perf_counter() - began_run)
+    data = {"run": meta, "flags": flags, "pretrain_command": command,
             "probe": probe, "runs": runs, "gaps_pct": gaps, "targets": targets,
             "args": vars(args)}
     bc.write_json(data, args.out, args.publish or None)

@@ -38,3 +38,15 @@ def test_results_page_from_published_json(tmp_path):
     out = tmp_path / "results.md"
     _run("make_results_page.py", "--out", str(out))
     assert "# Evaluation results" in out.read_text()
+
+
+def test_accuracy_two_steps(tmp_path):
+    _run("bench_accuracy.py", "--quick", "--iters", "2", "--seeds", "1", "--budget-fractions", "0.5",
+         "--workdir", str(tmp_path / "work"), "--out", str(tmp_path / "a.json"), "--publish", "",
+         "--figure", str(tmp_path / "a.png"))
+    data = json.loads((tmp_path / "a.json").read_text())
+    ran = {r["tag"]: r for r in data["runs"]}
+    assert {"none", "auto@0.5", "codecs", "quantize"} <= set(ran)
+    assert not any(r.get("failed") for r in ran.values())
+    assert ran["none"]["gap_pct"] == 0 and "auto@0.5" in data["gaps_pct"]
+    assert (tmp_path / "a.png").exists()
