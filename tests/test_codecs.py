@@ -285,11 +285,16 @@ def test_bitmask_of_non_contiguous_view():
     assert torch.equal(round_trip("bitmask", view)[2], view)
 
 
-def test_bitmask_rejects_non_masks():
-    with pytest.raises(ValueError, match="mask"):
-        round_trip("bitmask", torch.tensor([0.0, 1.0, 2.0]))
-    with pytest.raises(ValueError, match="mask"):
-        round_trip("bitmask", torch.tensor([0.0, math.nan]))
+@pytest.mark.parametrize("backend", ["torch", "native"])
+def test_bitmask_rejects_non_masks(backend):
+    codec = codecs.get("bitmask", backend=backend)
+    for bad in ([0.0, 1.0, 2.0], [0.0, math.nan], [math.nan, 0.0], [2.0, 0.0, -2.0]):
+        with pytest.raises(ValueError, match="mask"):
+            codec.encode(torch.tensor(bad))
+    # An all-zero mask, signed zeros included, decodes to +0 on every backend.
+    assert_same_as_eager(backend, "bitmask", torch.tensor([0.0, -0.0, 0.0]))
+    assert torch.equal(codec.decode(codec.encode(torch.tensor([-0.0, 0.0]))).view(torch.int32),
+                       torch.zeros(2, dtype=torch.int32))
 
 
 @pytest.mark.parametrize("name", INT4_CODECS)

@@ -36,6 +36,7 @@ class Kernels:
     asym_decode: Callable
     mask_pack: Callable
     mask_unpack: Callable
+    mask_value: Callable
     channel_abs_sums: Callable
 
 
@@ -46,8 +47,11 @@ REFERENCE = Kernels(
     asym_decode=asymmetric.asym_decode,
     mask_pack=bitmask.mask_pack,
     mask_unpack=bitmask.mask_unpack,
+    mask_value=bitmask.mask_value,
     channel_abs_sums=outlier.channel_abs_sums,
 )
+# Left eager by the compiled backend: it ends in a host-side check that raises.
+_EAGER_ONLY = ("mask_value",)
 
 
 def resolve_backend(backend: str | None) -> str:
@@ -63,7 +67,8 @@ def _compiled() -> Kernels:
     # graphs in a training run, more than dynamo's default limit of 8 per function.
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     compile_ = functools.partial(torch.compile, dynamic=True, fullgraph=True)
-    return Kernels(**{name: compile_(fn) for name, fn in vars(REFERENCE).items()})
+    return Kernels(**{name: fn if name in _EAGER_ONLY else compile_(fn)
+                      for name, fn in vars(REFERENCE).items()})
 
 
 @functools.cache

@@ -223,24 +223,9 @@ class Bitmask(Codec):
         flat = x.reshape(-1)
         tensors = {"packed": kernels.mask_pack(flat)}
         if x.dtype != torch.bool:
-            tensors["mask_value"] = _mask_value(flat)
+            tensors["mask_value"] = kernels.mask_value(flat)
         return tensors
 
     def _decode(self, payload, kernels):
-        flags = kernels.mask_unpack(payload.tensors["packed"], payload.numel)
-        if payload.dtype == torch.bool:
-            return flags
-        value = payload.tensors["mask_value"]
-        return torch.where(flags, value, value.new_zeros(()))
-
-
-def _mask_value(flat: torch.Tensor) -> torch.Tensor:
-    """The one non-zero value of a mask (zero if the mask is all zeros); raises otherwise."""
-    lo, hi = torch.aminmax(flat)
-    value = torch.where(hi != 0, hi, lo)
-    if not bool(((flat == 0) | (flat == value)).all()):
-        raise ValueError(
-            "codec 'bitmask' encodes masks: every element must be 0 or one common non-zero "
-            f"value, got a {flat.dtype} tensor with other values"
-        )
-    return value.reshape(1).clone()
+        return kernels.mask_unpack(payload.tensors["packed"], payload.numel,
+                                   payload.tensors.get("mask_value"))

@@ -37,7 +37,10 @@ _SIGNATURES = {
     "asym_decode_rows": [_p, _p, _p, _i64, _i64, _i32, _p],
     "mask_pack": [_p, _i32, _i32, _i64, _p],
     "mask_unpack": [_p, _i64, _p],
+    "mask_unpack_values": [_p, _i64, _i32, _f32, _p],
+    "mask_value": [_p, _i32, _i64, _p],
 }
+_RETURNS = {"mask_value": ctypes.c_int}
 
 
 def _cpu_model() -> str:
@@ -64,7 +67,7 @@ def library() -> ctypes.CDLL:
     lib = ctypes.CDLL(str(target))
     for name, argtypes in _SIGNATURES.items():
         getattr(lib, name).argtypes = argtypes
-        getattr(lib, name).restype = None
+        getattr(lib, name).restype = _RETURNS.get(name)
     return lib
 
 
@@ -175,12 +178,27 @@ def _mask_pack(flat):
     return packed
 
 
-def _mask_unpack(packed, numel):
-    if packed.device.type != "cpu":
-        return bitmask.mask_unpack(packed, numel)
-    flags = torch.empty(numel, dtype=torch.bool)
-    library().mask_unpack(packed.data_ptr(), numel, flags.data_ptr())
-    return flags
+def _mask_unpack(packed, numel, value=None):
+    if packed.device.type != "cpu" or (value is not None and value.dtype not in _DTYPE_CODE):
+        return bitmask.mask_unpack(packed, numel, value)
+    if value is None:
+        flags = torch.empty(numel, dtype=torch.bool)
+        library().mask_unpack(packed.data_ptr(), numel, flags.data_ptr())
+        return flags
+    out = torch.empty(numel, dtype=value.dtype)
+    library().mask_unpack_values(packed.data_ptr(), numel, _DTYPE_CODE[value.dtype], value.item(),
+                                 out.data_ptr())
+    return out
+
+
+def _mask_value(flat):
+    if flat.device.type != "cpu" or flat.dtype not in _DTYPE_CODE:
+        return bitmask.mask_value(flat)
+    flat = flat.contiguous()
+    value = ctypes.c_float()
+    if not library().mask_value(flat.data_ptr(), _DTYPE_CODE[flat.dtype], flat.numel(), ctypes.byref(value)):
+        raise bitmask.not_a_mask(flat.dtype)
+    return torch.tensor([value.value], dtype=flat.dtype)
 
 
 NATIVE_KERNELS = Kernels(
@@ -190,5 +208,6 @@ NATIVE_KERNELS = Kernels(
     asym_decode=_asym_decode,
     mask_pack=_mask_pack,
     mask_unpack=_mask_unpack,
+    mask_value=_mask_value,
     channel_abs_sums=_channel_abs_sums,
 )

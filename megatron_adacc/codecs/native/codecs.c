@@ -406,3 +406,41 @@ void mask_unpack(const uint8_t *packed, int64_t numel, uint8_t *flags) {
     for (int64_t i = 0; i < whole; i++) memcpy(flags + i * 8, &spread_bits[packed[i]], 8);
     for (int64_t k = whole * 8; k < numel; k++) flags[k] = (packed[k >> 3] >> (k & 7)) & 1;
 }
+
+/* bitmask.mask_value for float dtypes: the first non-zero element (+0 if none) in *value;
+ * returns 0 unless every element is 0 or that value (NaN never is). */
+int mask_value(const void *x, int dtype, int64_t numel, float *value) {
+    int64_t first = 0;
+    float v = 0.0f;
+    while (first < numel && (v = load(x, first, dtype)) == 0.0f) first++;
+    v = first < numel ? v : 0.0f;
+    int ok = v == v;
+    #pragma omp parallel for reduction(&:ok) schedule(static)
+    for (int64_t k = first; k < numel; k++) {
+        float e = load(x, k, dtype);
+        ok &= (e == 0.0f) | (e == v);
+    }
+    *value = v;
+    return ok;
+}
+
+/* bitmask.mask_unpack with a value: `value` where the flag is set, +0 elsewhere, as the
+ * bit pattern of the output dtype. */
+void mask_unpack_values(const uint8_t *packed, int64_t numel, int dtype, float value, void *out) {
+    const int64_t bytes = (numel + 7) / 8;
+    if (dtype == 0) {
+        const uint32_t bits = float_to_bits(value);
+        #pragma omp parallel for schedule(static)
+        for (int64_t i = 0; i < bytes; i++)
+            for (int j = 0; j < 8 && i * 8 + j < numel; j++)
+                ((uint32_t *)out)[i * 8 + j] = bits & (0u - ((packed[i] >> j) & 1u));
+        return;
+    }
+    uint16_t bits;
+    if (dtype == 1) bits = bf16_bits(value);
+    else { _Float16 h = (_Float16)value; memcpy(&bits, &h, 2); }
+    #pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < bytes; i++)
+        for (int j = 0; j < 8 && i * 8 + j < numel; j++)
+            ((uint16_t *)out)[i * 8 + j] = (uint16_t)(bits & (0u - ((packed[i] >> j) & 1u)));
+}

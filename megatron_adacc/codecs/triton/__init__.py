@@ -8,6 +8,7 @@ odd width pair codes across rows; those cases run the reference, which on CUDA i
 of fused-enough PyTorch kernels for the small Q/K/V tensors they serve.
 """
 from megatron_adacc.codecs import asymmetric, outlier, symmetric
+from megatron_adacc.codecs import bitmask as reference_bitmask
 from megatron_adacc.codecs.int4 import zero_channels
 from megatron_adacc.codecs.backend import Kernels
 from megatron_adacc.codecs.triton import asym_int4, bitmask, sym_int4
@@ -37,12 +38,17 @@ def _asym_decode(packed, scales, offsets, shape2d, dtype):
     return asym_int4.asym_decode_rows(packed, scales, offsets, shape2d, dtype)
 
 
+def _mask_unpack(packed, numel, value=None):
+    return reference_bitmask.expand_flags(bitmask.mask_unpack(packed, numel), value)
+
+
 TRITON_KERNELS = Kernels(
     sym_encode=_sym_encode,
     sym_decode=_sym_decode,
     asym_encode=_asym_encode,
     asym_decode=_asym_decode,
     mask_pack=bitmask.mask_pack,
-    mask_unpack=bitmask.mask_unpack,
+    mask_unpack=_mask_unpack,
+    mask_value=reference_bitmask.mask_value,
     channel_abs_sums=outlier.channel_abs_sums,
 )
