@@ -20,6 +20,7 @@ workspace, so Adacc is planned with it set to zero, i.e. against the same yardst
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import shutil
@@ -265,12 +266,21 @@ def configure_dynamo() -> None:
 # --- timing ---------------------------------------------------------------------------------
 def interleaved_medians(steps: dict[str, Callable[[], float]], warmup: int, rounds: int
                         ) -> dict[str, dict]:
-    """Each round runs one step of every entry, so drift on a shared machine hits them alike;
-    the first ``warmup`` rounds are dropped; medians of the rest."""
-    times: dict[str, list[float]] = {name: [] for name in steps}
+    """Each round runs one step of every entry, so drift on a shared machine hits them alike,
+    starting one entry later each round, so no entry always follows the same one; the first
+    ``warmup`` rounds are dropped; medians of the rest. The garbage collector runs before
+    each step, not during it: its pauses land on whichever step happens to trigger them."""
+    names = list(steps)
+    times: dict[str, list[float]] = {name: [] for name in names}
     for round_ in range(warmup + rounds):
-        for name, step in steps.items():
-            elapsed = step()
+        for k in range(len(names)):
+            name = names[(round_ + k) % len(names)]
+            gc.collect()
+            gc.disable()
+            try:
+                elapsed = steps[name]()
+            finally:
+                gc.enable()
             if round_ >= warmup:
                 times[name].append(elapsed)
     return {name: {"median_s": statistics.median(t), "times_s": t} for name, t in times.items()}
