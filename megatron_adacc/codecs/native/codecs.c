@@ -111,6 +111,16 @@ static inline vi8 clamp_codes(vi8 q) {
     return (q & ~high) | (fifteen & high);
 }
 
+/* 16 consecutive 4-byte values at p (floats, or int32 masks read as their bits) -> the
+ * even-indexed ones and the odd-indexed ones, the order nibbles are packed in. */
+static inline void load_even_odd(const void *p, vf8 *even, vf8 *odd) {
+    vf8 a, b;
+    memcpy(&a, p, 32);
+    memcpy(&b, (const char *)p + 32, 32);
+    *even = __builtin_shufflevector(a, b, 0, 2, 4, 6, 8, 10, 12, 14);
+    *odd = __builtin_shufflevector(a, b, 1, 3, 5, 7, 9, 11, 13, 15);
+}
+
 /* codes of a group: clamp(floor((v - shift) / scale + bias), 0, 15), packed two per byte.
  * With `col_scale` (per-channel scales, channel_int4) element c divides by col_scale[c]
  * instead, and takes code 8 where col_ok[c] is 0. The vector path truncates instead of
@@ -120,29 +130,17 @@ static inline void pack_codes(const float *buf, int64_t cols, float shift, float
     int64_t c = 0;
     const vi8 eight = {8, 8, 8, 8, 8, 8, 8, 8};
     for (; c + 16 <= cols; c += 16) {
-        vf8 a, b;
-        memcpy(&a, buf + c, 32);
-        memcpy(&b, buf + c + 8, 32);
-        vf8 even = __builtin_shufflevector(a, b, 0, 2, 4, 6, 8, 10, 12, 14);
-        vf8 odd = __builtin_shufflevector(a, b, 1, 3, 5, 7, 9, 11, 13, 15);
-        vf8 div_even = {scale, scale, scale, scale, scale, scale, scale, scale}, div_odd = div_even;
-        if (col_scale) {
-            vf8 sa, sb;
-            memcpy(&sa, col_scale + c, 32);
-            memcpy(&sb, col_scale + c + 8, 32);
-            div_even = __builtin_shufflevector(sa, sb, 0, 2, 4, 6, 8, 10, 12, 14);
-            div_odd = __builtin_shufflevector(sa, sb, 1, 3, 5, 7, 9, 11, 13, 15);
-        }
+        vf8 even, odd, div_even = {scale, scale, scale, scale, scale, scale, scale, scale};
+        vf8 div_odd = div_even;
+        load_even_odd(buf + c, &even, &odd);
+        if (col_scale) load_even_odd(col_scale + c, &div_even, &div_odd);
         vi8 q_even = clamp_codes(__builtin_convertvector((even - shift) / div_even + bias, vi8));
         vi8 q_odd = clamp_codes(__builtin_convertvector((odd - shift) / div_odd + bias, vi8));
         if (col_ok) {
-            vi8 oa, ob;
-            memcpy(&oa, col_ok + c, 32);
-            memcpy(&ob, col_ok + c + 8, 32);
-            vi8 ok_even = __builtin_shufflevector(oa, ob, 0, 2, 4, 6, 8, 10, 12, 14);
-            vi8 ok_odd = __builtin_shufflevector(oa, ob, 1, 3, 5, 7, 9, 11, 13, 15);
-            q_even = (q_even & ok_even) | (eight & ~ok_even);
-            q_odd = (q_odd & ok_odd) | (eight & ~ok_odd);
+            vf8 ok_even, ok_odd;
+            load_even_odd(col_ok + c, &ok_even, &ok_odd);
+            q_even = (q_even & (vi8)ok_even) | (eight & ~(vi8)ok_even);
+            q_odd = (q_odd & (vi8)ok_odd) | (eight & ~(vi8)ok_odd);
         }
         vb8 bytes = __builtin_convertvector(q_even | (q_odd << 4), vb8);
         memcpy(out + c / 2, &bytes, 8);
@@ -186,13 +184,7 @@ static inline void unpack_row(const uint8_t *in, int64_t cols, float shift, floa
         memcpy(&bytes, in + c / 2, 8);
         vi8 q = __builtin_convertvector(bytes, vi8);
         vf8 s_even = {scale, scale, scale, scale, scale, scale, scale, scale}, s_odd = s_even;
-        if (col_scale) {
-            vf8 sa, sb;
-            memcpy(&sa, col_scale + c, 32);
-            memcpy(&sb, col_scale + c + 8, 32);
-            s_even = __builtin_shufflevector(sa, sb, 0, 2, 4, 6, 8, 10, 12, 14);
-            s_odd = __builtin_shufflevector(sa, sb, 1, 3, 5, 7, 9, 11, 13, 15);
-        }
+        if (col_scale) load_even_odd(col_scale + c, &s_even, &s_odd);
         vf8 even = shift + (__builtin_convertvector(q & 15, vf8) - bias) * s_even;
         vf8 odd = shift + (__builtin_convertvector(q >> 4, vf8) - bias) * s_odd;
         store16(out, base + c, __builtin_shufflevector(even, odd, 0, 8, 1, 9, 2, 10, 3, 11),
