@@ -5,21 +5,21 @@ import triton
 import triton.language as tl
 
 from megatron_adacc.codecs.int4 import MIN_SCALE
-from megatron_adacc.codecs.triton.launch import out_view, row_blocks, tl_dtype
-from megatron_adacc.codecs.triton.numerics import ceil_to_bf16, to_output
+from megatron_adacc.codecs.triton.launch import bits_view, row_blocks, tl_dtype
+from megatron_adacc.codecs.triton.numerics import ceil_to_bf16, load_float, to_output
 
 
 @triton.jit
 def _asym_encode_rows(x_ptr, packed_ptr, scale_ptr, offset_ptr, ok_ptr, rows, cols, dmax, min_scale,
-                      OFFSET_BF16: tl.constexpr, offset_dtype: tl.constexpr,
+                      IN_BF16: tl.constexpr, offset_dtype: tl.constexpr,
                       BLOCK_ROWS: tl.constexpr, BLOCK_PAIRS: tl.constexpr):
     row = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     pair = tl.arange(0, BLOCK_PAIRS)
     in_row = row < rows
     mask = in_row[:, None] & (pair[None, :] < cols // 2)
     offset = row[:, None].to(tl.int64) * cols + 2 * pair[None, :]
-    even = tl.load(x_ptr + offset, mask=mask, other=0.0).to(tl.float32)
-    odd = tl.load(x_ptr + offset + 1, mask=mask, other=0.0).to(tl.float32)
+    even = load_float(x_ptr + offset, mask, IN_BF16)
+    odd = load_float(x_ptr + offset + 1, mask, IN_BF16)
 
     non_finite = (even != even) | (tl.abs(even) == float("inf")) | (odd != odd) | (tl.abs(odd) == float("inf"))
     finite_row = tl.sum((non_finite & mask).to(tl.int32), axis=1) == 0
@@ -39,7 +39,7 @@ def _asym_encode_rows(x_ptr, packed_ptr, scale_ptr, offset_ptr, ok_ptr, rows, co
     tl.store(packed_ptr + row[:, None].to(tl.int64) * (cols // 2) + pair[None, :], code_even | (code_odd << 4), mask=mask)
     tl.store(scale_ptr + row, scale.to(tl.bfloat16), mask=in_row)
     # lo is an input element (or 0), so any rounding mode converts it exactly.
-    tl.store(offset_ptr + row, to_output(lo, OFFSET_BF16, offset_dtype), mask=in_row)
+    tl.store(offset_ptr + row, to_output(lo, IN_BF16, offset_dtype), mask=in_row)
     tl.store(ok_ptr + row, ok.to(tl.int8), mask=in_row)
 
 
@@ -53,21 +53,12 @@ def _asym_decode_rows(packed_ptr, scale_ptr, offset_ptr, out_ptr, rows, cols,
     mask = in_row[:, None] & (pair[None, :] < cols // 2)
     byte = tl.load(packed_ptr + row[:, None].to(tl.int64) * (cols // 2) + pair[None, :], mask=mask, other=0)
     scale = tl.load(scale_ptr + row, mask=in_row, other=0.0).to(tl.float32)[:, None]
-    lo = _load_offset(offset_ptr + row, in_row, OUT_BF16)[:, None]
+    lo = load_float(offset_ptr + row, in_row, OUT_BF16)[:, None]
     even = lo + (byte & 15).to(tl.float32) * scale
     odd = lo + (byte >> 4).to(tl.float32) * scale
     offset = row[:, None].to(tl.int64) * cols + 2 * pair[None, :]
     tl.store(out_ptr + offset, to_output(even, OUT_BF16, out_dtype), mask=mask)
     tl.store(out_ptr + offset + 1, to_output(odd, OUT_BF16, out_dtype), mask=mask)
-
-
-@triton.jit
-def _load_offset(ptr, mask, BF16_BITS: tl.constexpr):
-    if BF16_BITS:  # int16 bit patterns of bf16 values: widen by hand
-        bits = tl.load(ptr, mask=mask, other=0).to(tl.int32) << 16
-        return bits.to(tl.float32, bitcast=True)
-    else:
-        return tl.load(ptr, mask=mask, other=0.0).to(tl.float32)
 
 
 def asym_encode_rows(x2d: torch.Tensor, dmax: float):
@@ -77,8 +68,8 @@ def asym_encode_rows(x2d: torch.Tensor, dmax: float):
     offsets = torch.empty(rows, dtype=x2d.dtype, device=x2d.device)
     ok = torch.empty(rows, dtype=torch.int8, device=x2d.device)
     grid, block_rows, block_pairs = row_blocks(rows, cols)
-    _asym_encode_rows[grid](x2d, packed, scales, out_view(offsets), ok, rows, cols, dmax, MIN_SCALE,
-                            OFFSET_BF16=x2d.dtype == torch.bfloat16, offset_dtype=tl_dtype(x2d.dtype),
+    _asym_encode_rows[grid](bits_view(x2d), packed, scales, bits_view(offsets), ok, rows, cols, dmax,
+                            MIN_SCALE, IN_BF16=x2d.dtype == torch.bfloat16, offset_dtype=tl_dtype(x2d.dtype),
                             BLOCK_ROWS=block_rows, BLOCK_PAIRS=block_pairs)
     return packed, scales, offsets, ok.bool()
 
@@ -88,7 +79,7 @@ def asym_decode_rows(packed: torch.Tensor, scales: torch.Tensor, offsets: torch.
     rows, cols = shape2d
     out = torch.empty(shape2d, dtype=dtype, device=packed.device)
     grid, block_rows, block_pairs = row_blocks(rows, cols)
-    _asym_decode_rows[grid](packed, scales, out_view(offsets), out_view(out), rows, cols,
+    _asym_decode_rows[grid](packed, scales, bits_view(offsets), bits_view(out), rows, cols,
                             OUT_BF16=dtype == torch.bfloat16, out_dtype=tl_dtype(dtype),
                             BLOCK_ROWS=block_rows, BLOCK_PAIRS=block_pairs)
     return out

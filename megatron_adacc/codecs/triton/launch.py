@@ -14,13 +14,14 @@ def row_blocks(rows: int, cols: int):
     return (triton.cdiv(rows, block_rows),), block_rows, block_pairs
 
 
-def out_view(out: torch.Tensor) -> torch.Tensor:
-    """bf16 outputs are written as their int16 bit patterns (see numerics.to_output)."""
-    return out.view(torch.int16) if out.dtype == torch.bfloat16 else out
+def bits_view(t: torch.Tensor) -> torch.Tensor:
+    """bf16 tensors go to the kernels as their int16 bit patterns (see numerics.to_output and
+    numerics.load_float)."""
+    return t.view(torch.int16) if t.dtype == torch.bfloat16 else t
 
 
 def tl_dtype(dtype: torch.dtype):
-    """Triton element type a kernel writes for `dtype` (bf16 as int16 bits, see out_view)."""
+    """Triton element type a kernel writes for `dtype` (bf16 as int16 bits, see bits_view)."""
     import triton.language as tl
 
     return {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.int16}[dtype]

@@ -21,3 +21,15 @@ def to_output(v, OUT_BF16: tl.constexpr, out_dtype: tl.constexpr):
         return (rounded >> 16).to(tl.int16)
     else:
         return v.to(out_dtype)
+
+
+@triton.jit
+def load_float(ptr, mask, BF16_BITS: tl.constexpr):
+    """Values as fp32. bf16 tensors are passed as their int16 bit patterns (launch.bits_view)
+    and widened by hand: the Triton interpreter's bf16 -> fp32 cast flushes subnormals to 0,
+    where a GPU's (a shift) keeps them."""
+    if BF16_BITS:
+        bits = tl.load(ptr, mask=mask, other=0).to(tl.int32) << 16
+        return bits.to(tl.float32, bitcast=True)
+    else:
+        return tl.load(ptr, mask=mask, other=0.0).to(tl.float32)

@@ -5,21 +5,21 @@ import triton
 import triton.language as tl
 
 from megatron_adacc.codecs.int4 import MIN_SCALE
-from megatron_adacc.codecs.triton.launch import out_view, row_blocks, tl_dtype
-from megatron_adacc.codecs.triton.numerics import ceil_to_bf16, to_output
+from megatron_adacc.codecs.triton.launch import bits_view, row_blocks, tl_dtype
+from megatron_adacc.codecs.triton.numerics import ceil_to_bf16, load_float, to_output
 
 
 @triton.jit
 def _sym_encode_rows(x_ptr, packed_ptr, scale_ptr, ok_ptr, rows, cols, dmax, min_scale,
-                     BLOCK_ROWS: tl.constexpr, BLOCK_PAIRS: tl.constexpr):
+                     IN_BF16: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_PAIRS: tl.constexpr):
     row = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     pair = tl.arange(0, BLOCK_PAIRS)
     in_row = row < rows
     mask = in_row[:, None] & (pair[None, :] < cols // 2)
     offset = row[:, None].to(tl.int64) * cols + 2 * pair[None, :]
     # Padding lanes read 0, which changes no group's scale (see symmetric.sym_scales).
-    even = tl.load(x_ptr + offset, mask=mask, other=0.0).to(tl.float32)
-    odd = tl.load(x_ptr + offset + 1, mask=mask, other=0.0).to(tl.float32)
+    even = load_float(x_ptr + offset, mask, IN_BF16)
+    odd = load_float(x_ptr + offset + 1, mask, IN_BF16)
 
     non_finite = (even != even) | (tl.abs(even) == float("inf")) | (odd != odd) | (tl.abs(odd) == float("inf"))
     finite_row = tl.sum(non_finite.to(tl.int32), axis=1) == 0
@@ -64,8 +64,9 @@ def sym_encode_rows(x2d: torch.Tensor, dmax: float):
     scales = torch.empty(rows, dtype=torch.bfloat16, device=x2d.device)
     ok = torch.empty(rows, dtype=torch.int8, device=x2d.device)
     grid, block_rows, block_pairs = row_blocks(rows, cols)
-    _sym_encode_rows[grid](x2d, packed, scales, ok, rows, cols, dmax, MIN_SCALE,
-                           BLOCK_ROWS=block_rows, BLOCK_PAIRS=block_pairs)
+    _sym_encode_rows[grid](bits_view(x2d), packed, scales, ok, rows, cols, dmax, MIN_SCALE,
+                           IN_BF16=x2d.dtype == torch.bfloat16, BLOCK_ROWS=block_rows,
+                           BLOCK_PAIRS=block_pairs)
     return packed, scales, ok.bool()
 
 
@@ -73,7 +74,7 @@ def sym_decode_rows(packed: torch.Tensor, scales: torch.Tensor, shape2d, dtype: 
     rows, cols = shape2d
     out = torch.empty(shape2d, dtype=dtype, device=packed.device)
     grid, block_rows, block_pairs = row_blocks(rows, cols)
-    _sym_decode_rows[grid](packed, scales, out_view(out), rows, cols,
+    _sym_decode_rows[grid](packed, scales, bits_view(out), rows, cols,
                            OUT_BF16=dtype == torch.bfloat16, out_dtype=tl_dtype(dtype),
                            BLOCK_ROWS=block_rows, BLOCK_PAIRS=block_pairs)
     return out
