@@ -72,6 +72,7 @@ layer and segment): slower, kept as the cross-check and benchmark.
 from __future__ import annotations
 
 import functools
+import numbers
 import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
@@ -834,6 +835,9 @@ def plan(costs: ModelCosts, budget_bytes: int, per_layer: bool = True,
     """
     if method not in ("frontier", "milp"):
         raise ValueError(f"unknown planner method {method!r}; use 'frontier' or 'milp'")
+    if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, numbers.Integral):
+        raise TypeError(f"budget_bytes must be a whole number of bytes, got {budget_bytes!r}")
+    budget_bytes = int(budget_bytes)
     started = time.perf_counter()
     frontier = layer_frontier(costs, allow_lossy_sources)
     least_peak = _least_peak_plan(costs, frontier, per_layer)

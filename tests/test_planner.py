@@ -3,6 +3,7 @@ maximum along each re-run segment), monotone in the budget, exact infeasible min
 itself feasible, per-layer <= uniform, exactness option, Q/K/V one unit."""
 import itertools
 
+import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
@@ -231,3 +232,10 @@ def test_direct_milp_agrees_with_frontier():
                     continue
                 milp = planner.plan(costs, budget, per_layer, lossy, method="milp")
                 assert milp.added_time_s == pytest.approx(fast.added_time_s, abs=1e-9)
+
+
+def test_a_budget_that_is_not_a_whole_number_of_bytes_is_refused():
+    costs = hardware.analytic_costs(hardware.ModelShape(2, 256, 4, 128, 1000), 1, "v100-32gb")
+    with pytest.raises(TypeError, match="whole number of bytes"):
+        planner.plan(costs, 20.5 * 2**30)
+    assert planner.plan(costs, np.int64(20 * 2**30)).budget_bytes == 20 * 2**30
