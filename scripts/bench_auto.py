@@ -21,23 +21,14 @@ from collections import Counter
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import torch  # noqa: E402
+import bench_common as bc  # noqa: E402
 
 from megatron_adacc import model as model_lib  # noqa: E402
 from megatron_adacc import planner, policies, profiler  # noqa: E402
-from megatron_adacc.runtime import apply_plan, get_adacc_layer_spec, measure_step  # noqa: E402
+from megatron_adacc.runtime import apply_plan, measure_step  # noqa: E402
 from megatron_adacc.units import format_size  # noqa: E402
 
 FRACTIONS = (0.25, 0.5, 0.75)   # of the way from the smallest feasible budget to no optimisation
-
-
-def build(args, adacc: bool, **recompute):
-    model_lib.set_seed(1)
-    config = model_lib.build_transformer_config(
-        num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
-        hidden_dropout=args.dropout, attention_dropout=args.dropout, **recompute)
-    return model_lib.build_gpt_model(config, args.vocab, args.seq,
-                                     get_adacc_layer_spec() if adacc else None)
 
 
 def main() -> None:
@@ -60,11 +51,10 @@ def main() -> None:
     warnings.filterwarnings("ignore")
     model_lib.init_distributed(1)
 
-    gen = torch.Generator().manual_seed(0)
-    batch = (torch.randint(0, args.vocab, (args.batch, args.seq), generator=gen),
-             torch.randint(0, args.vocab, (args.batch, args.seq), generator=gen),
-             torch.ones(args.batch, args.seq))
-    adacc = build(args, adacc=True)
+    shape = bc.Shape(layers=args.layers, hidden=args.hidden, heads=args.heads, seq=args.seq,
+                     vocab=args.vocab, dropout=args.dropout)
+    batch = bc.batch_of(shape, args.batch)
+    adacc = bc.build(shape, adacc=True)
     started = time.perf_counter()
     # Planned exactly as --adacc-policy auto plans (designated codecs, exact sources).
     costs = policies.designated_codecs(profiler.profile(adacc, batch, repeats=args.repeats))
@@ -75,9 +65,9 @@ def main() -> None:
 
     # variant -> (model, plan to apply before each step or None)
     variants = {
-        "no optimisation": (build(args, adacc=False), None),
-        "megatron full recompute": (build(args, adacc=False, recompute_granularity="full",
-                                          recompute_method="uniform", recompute_num_layers=1),
+        "no optimisation": (bc.build(shape), None),
+        "megatron full recompute": (bc.build(shape, recompute_granularity="full",
+                                             recompute_method="uniform", recompute_num_layers=1),
                                     None),
         "adacc full-recompute": (adacc, policies.full_recompute_plan()),
     }
