@@ -391,10 +391,10 @@ class SiteSample:
 def sample_sites(model: torch.nn.Module, batch: Batch, names: Iterable[str], *,
                  strict: bool = False) -> dict[str, SiteSample]:
     """One forward of ``batch``, up to the measured layer, with ``names`` compressed by
-    their designated codecs there, keeping what each codec was given (the rectifier's view of the
-    activations as training moves them). Forward only: the payloads are what forward keeps,
-    and no backward means no gradient (nor data-parallel reduction) is touched. Decisions
-    and RNG streams are left as found."""
+    their designated codecs there, keeping what each codec was given (the rectifier's view
+    of the activations as training moves them). Forward only: the payloads are what forward
+    keeps, and no backward means no gradient (nor data-parallel reduction) is touched.
+    Decisions and RNG streams are left as found."""
     with _left_as_found(model):
         sizes, probes = _Profiling(model, batch, strict, repeats=1).probed_step(
             {name: Decision(COMPRESS) for name in names}, backward=False)

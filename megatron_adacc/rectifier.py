@@ -5,10 +5,10 @@ Outlier channel counts move early in training and settle later, and with them th
 (the compression rate) of every outlier-separated site; a plan made at iteration 0 goes
 stale. At tracking iterations, spaced by exponential backoff (1, 2, 4, 8, ... up to a cap),
 the rectifier samples the tracked sites' real tensors (one forward, up to the profiled
-layer, through the profiler's probes, see ``profiler.sample_sites``), measures outlier channels, payload bytes and
-reconstruction error with the real codecs, writes the payloads into the planner's costs,
-re-plans and decides whether to swap. It decides; the trainer applies the swap with
-``apply_plan`` between steps; the planner plans.
+layer, through the profiler's probes, see ``profiler.sample_sites``), measures outlier
+channels, payload bytes and reconstruction error with the real codecs, writes the payloads
+into the planner's costs, re-plans and decides whether to swap. It decides; the trainer
+applies the swap with ``apply_plan`` between steps; the planner plans.
 
 Beyond the paper:
 - a jump in a tracked site's compression rate resets the backoff to frequent tracking;
