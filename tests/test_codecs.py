@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from megatron_adacc import codecs
+from megatron_adacc.codecs import native
 from megatron_adacc.codecs.int4 import ceil_to_bf16
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -103,9 +104,10 @@ def assert_within_bound(codec, x, payload, x_hat, ignore=None):
     x32, xh32 = x.float(), x_hat.float()
     step = element_step(codec, payload)
     finfo = torch.finfo(x.dtype)
-    # Half a step, a hair more for the fp32 division deciding a tie, and one rounding of the
-    # decoded value to the output dtype (relative eps, or absolute near the subnormals).
-    bound = step / 2 * (1 + 1e-6) + (xh32.abs() * finfo.eps + finfo.smallest_normal * finfo.eps)
+    # Half a step; a hair more where a tie is decided by x * (1 / scale) + bias, three fp32
+    # roundings (under 2^-18 of a step: |x / scale| <= 8); and one rounding of the decoded
+    # value to the output dtype (relative eps, or absolute near the subnormals).
+    bound = step / 2 * (1 + 2**-17) + (xh32.abs() * finfo.eps + finfo.smallest_normal * finfo.eps)
     err = (x32 - xh32).abs()
     ok = err <= bound
     if ignore is not None:
@@ -367,8 +369,8 @@ def test_native_matches_eager(name, x):
 def test_native_channel_paths_match_eager(dtype, shape):
     # The native kernels' channel handling beyond what the property tests reach: outlier
     # channels zeroed inside groups that wrap around rows (20 and 4 channels; 64-element
-    # groups), a NaN outlier channel, and per-channel scales on rows wider than the
-    # kernels' 4096-element row buffer.
+    # groups), a NaN outlier channel, and per-channel scales over whole 32-column blocks
+    # plus a remainder (5000 columns), or a remainder only (20, 4).
     gen = torch.Generator().manual_seed(11)
     x = torch.randn(shape, generator=gen)
     x[..., 1] *= 300
@@ -376,6 +378,18 @@ def test_native_channel_paths_match_eager(dtype, shape):
     for name in ("outlier_int4", "channel_int4"):
         assert_same_as_eager("native", name, x.to(dtype))
         assert_same_as_eager("native", name, x.nan_to_num().to(dtype))
+
+
+def test_native_column_copies_refuse_out_of_range_indices():
+    # The C copies index raw memory; indices outside the rows go to the reference, which raises.
+    rows = torch.zeros(4, 6, dtype=torch.bfloat16)
+    with pytest.raises((IndexError, RuntimeError)):
+        native._take_columns(rows, torch.tensor([6]))
+    with pytest.raises((IndexError, RuntimeError)):
+        native._put_columns(rows, torch.tensor([-1]), torch.ones(4, 1, dtype=torch.bfloat16))
+    native._put_columns(rows, torch.tensor([5, 0]), torch.ones(4, 2, dtype=torch.bfloat16))
+    assert torch.equal(native._take_columns(rows, torch.tensor([0, 5])), torch.ones(4, 2, dtype=torch.bfloat16))
+    assert int(rows.sum()) == 8
 
 
 @pytest.mark.parametrize("dtype", [torch.bool, torch.uint8, torch.float32, torch.bfloat16, torch.float16])

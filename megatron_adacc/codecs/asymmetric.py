@@ -25,7 +25,7 @@ def asym_encode(x2d: torch.Tensor, dmax: float):
     ok = (lo32.abs() <= dmax) & ((lo32 + 15 * scale).abs() <= dmax)
     scale = torch.where(ok, scale, 0.0)
     offset = torch.where(ok, lo32, 0.0)
-    y = (x2d.float() - offset) / torch.where(ok, scale, 1.0)
+    y = (x2d.float() - offset) * torch.where(ok, scale, 1.0).reciprocal()  # as symmetric.sym_encode
     codes = torch.where(ok, torch.floor(y + 0.5).clamp(0, 15), 0.0).to(torch.uint8)
     return (
         pack_nibbles(codes),

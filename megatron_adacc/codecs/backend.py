@@ -38,6 +38,8 @@ class Kernels:
     mask_unpack: Callable
     mask_value: Callable
     channel_abs_sums: Callable
+    take_columns: Callable
+    put_columns: Callable
 
 
 REFERENCE = Kernels(
@@ -49,9 +51,12 @@ REFERENCE = Kernels(
     mask_unpack=bitmask.mask_unpack,
     mask_value=bitmask.mask_value,
     channel_abs_sums=outlier.channel_abs_sums,
+    take_columns=outlier.take_columns,
+    put_columns=outlier.put_columns,
 )
-# Left eager by the compiled backend: it ends in a host-side check that raises.
-_EAGER_ONLY = ("mask_value",)
+# Left eager by the compiled backend: mask_value ends in a host-side check that raises;
+# the column copies are single PyTorch kernels already, put_columns one that mutates.
+_EAGER_ONLY = ("mask_value", "take_columns", "put_columns")
 
 
 def resolve_backend(backend: str | None) -> str:

@@ -133,14 +133,13 @@ class OutlierInt4(SymInt4):
         return {
             **super()._encode(rows, kernels, zeroed=(rows.shape[1], index)),
             "outlier_index": index.to(torch.int32),
-            "outlier_values": rows.index_select(1, index),
+            "outlier_values": kernels.take_columns(rows, index),
         }
 
     def _decode(self, payload, kernels):
         rows = super()._decode(payload, kernels).view(-1, _channels(payload))
         if "outlier_index" in payload.tensors:
-            index = payload.tensors["outlier_index"].long()
-            rows.index_copy_(1, index, payload.tensors["outlier_values"])
+            kernels.put_columns(rows, payload.tensors["outlier_index"].long(), payload.tensors["outlier_values"])
         return rows
 
 

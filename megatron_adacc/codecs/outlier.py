@@ -29,3 +29,13 @@ def outlier_channels(sums: torch.Tensor, threshold: float) -> torch.Tensor:
     else:
         is_outlier = ~finite
     return is_outlier.nonzero().view(-1)
+
+
+def take_columns(x2d: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """The columns `index` (int64) of x2d, as a [rows, len(index)] tensor."""
+    return x2d.index_select(1, index)
+
+
+def put_columns(x2d: torch.Tensor, index: torch.Tensor, values: torch.Tensor) -> None:
+    """x2d[:, index] = values, in place (the inverse of take_columns)."""
+    x2d.index_copy_(1, index, values)

@@ -44,7 +44,9 @@ def sym_encode(x2d: torch.Tensor, reduce_dim: int, dmax: float,
     x2d = zero_channels(x2d, zeroed)
     lo, hi = torch.aminmax(x2d, dim=reduce_dim, keepdim=True)
     scale, ok = sym_scales(lo.float(), hi.float(), dmax)
-    y = x2d.float() / torch.where(ok, scale, 1.0)
+    # One reciprocal per group, then a multiply per element: a division per element is what
+    # bounds a CPU kernel, and every backend rounds 1/scale and x * (1/scale) the same way.
+    y = x2d.float() * torch.where(ok, scale, 1.0).reciprocal()
     codes = torch.where(ok, torch.floor(y + 8.5).clamp(0, 15), 8.0).to(torch.uint8)
     return (
         pack_nibbles(codes),

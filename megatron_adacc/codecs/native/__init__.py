@@ -25,6 +25,7 @@ from megatron_adacc.codecs.backend import Kernels
 
 _SOURCE = Path(__file__).with_name("codecs.c")
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-fast-math", "-shared", "-fPIC"]
+_BLOCK = 32  # BLOCK in codecs.c
 _DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _i64, _f32, _i32, _p = ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_void_p
 _SIGNATURES = {
@@ -39,6 +40,8 @@ _SIGNATURES = {
     "mask_unpack": [_p, _i64, _p],
     "mask_unpack_values": [_p, _i64, _i32, _f32, _p],
     "mask_value": [_p, _i32, _i64, _p],
+    "take_columns": [_p, _i32, _i64, _i64, _p, _i64, _p],
+    "put_columns": [_p, _i32, _i64, _i64, _p, _i64, _p],
 }
 _RETURNS = {"mask_value": ctypes.c_int}
 
@@ -80,44 +83,38 @@ def available() -> bool:
     return True
 
 
-_MAX_ROW = 4096  # MAX_STACK_GROUP in codecs.c
-
-
-def _native_rows(x2d: torch.Tensor) -> bool:
-    return x2d.device.type == "cpu" and x2d.shape[1] % 2 == 0 and x2d.shape[1] <= _MAX_ROW and x2d.is_contiguous()
-
-
-def _native_cols(x2d: torch.Tensor) -> bool:
+def _native(x2d: torch.Tensor) -> bool:
     return x2d.device.type == "cpu" and x2d.shape[1] % 2 == 0 and x2d.is_contiguous()
 
 
-def _keep_mask(zeroed) -> tuple[torch.Tensor | None, int]:
-    """codecs.c's `keep` for int4.zero_channels' (channels, index): -1 for kept channels, 0
-    for zeroed ones, extended by 8 entries that repeat it cyclically."""
+def _keep_mask(zeroed, dtype: torch.dtype) -> tuple[torch.Tensor | None, int]:
+    """codecs.c's `keep` for int4.zero_channels' (channels, index): all ones for kept channels,
+    0 for zeroed ones, in the element width of `dtype`, extended by _BLOCK entries that repeat
+    it cyclically."""
     if zeroed is None:
         return None, 0
     channels, index = zeroed
-    keep = torch.full((channels,), -1, dtype=torch.int32)
+    keep = torch.full((channels,), -1, dtype=torch.int32 if dtype == torch.float32 else torch.int16)
     keep[index] = 0
-    return keep[torch.arange(channels + 8) % channels], channels
+    return keep[torch.arange(channels + _BLOCK) % channels], channels
 
 
 def _sym_encode(x2d, reduce_dim, dmax, zeroed=None):
     rows, cols = x2d.shape
-    if reduce_dim == 0 and zeroed is None and _native_cols(x2d):
+    if reduce_dim == 0 and zeroed is None and _native(x2d):
         packed = torch.empty(rows * cols // 2, dtype=torch.uint8)
         scales = torch.empty(cols, dtype=torch.bfloat16)
         ok = torch.empty(cols, dtype=torch.bool)
-        col_scale, col_ok = torch.empty(cols, dtype=torch.float32), torch.empty(cols, dtype=torch.int32)
-        library().sym_encode_cols(x2d.data_ptr(), _DTYPE_CODE[x2d.dtype], rows, cols, dmax, col_scale.data_ptr(),
+        col_inv, col_ok = torch.empty(cols, dtype=torch.float32), torch.empty(cols, dtype=torch.int32)
+        library().sym_encode_cols(x2d.data_ptr(), _DTYPE_CODE[x2d.dtype], rows, cols, dmax, col_inv.data_ptr(),
                                   col_ok.data_ptr(), packed.data_ptr(), scales.data_ptr(), ok.data_ptr())
         return packed, scales, ok
-    if reduce_dim != 1 or not _native_rows(x2d):
+    if reduce_dim != 1 or not _native(x2d):
         return symmetric.sym_encode(x2d, reduce_dim, dmax, zeroed)
     packed = torch.empty(rows * cols // 2, dtype=torch.uint8)
     scales = torch.empty(rows, dtype=torch.bfloat16)
     ok = torch.empty(rows, dtype=torch.bool)
-    keep, channels = _keep_mask(zeroed)
+    keep, channels = _keep_mask(zeroed, x2d.dtype)
     library().sym_encode_rows(x2d.data_ptr(), _DTYPE_CODE[x2d.dtype], rows, cols, dmax,
                               keep.data_ptr() if keep is not None else None, channels,
                               packed.data_ptr(), scales.data_ptr(), ok.data_ptr())
@@ -147,7 +144,7 @@ def _channel_abs_sums(x2d):
 
 
 def _asym_encode(x2d, dmax):
-    if not _native_rows(x2d):
+    if not _native(x2d):
         return asymmetric.asym_encode(x2d, dmax)
     rows, cols = x2d.shape
     packed = torch.empty(rows * cols // 2, dtype=torch.uint8)
@@ -201,6 +198,32 @@ def _mask_value(flat):
     return torch.tensor([value.value], dtype=flat.dtype)
 
 
+def _native_columns(x2d: torch.Tensor, index: torch.Tensor, *others: torch.Tensor) -> bool:
+    """The C copies index raw memory: anything they do not cover, out-of-range indices
+    included, goes to the reference (which raises on those)."""
+    in_range = not index.numel() or (int(index.min()) >= 0 and int(index.max()) < x2d.shape[1])
+    return x2d.device.type == "cpu" and x2d.is_contiguous() and x2d.element_size() in (2, 4) and in_range and all(
+        t.is_contiguous() and t.dtype == x2d.dtype for t in others)
+
+
+def _take_columns(x2d, index):
+    if not _native_columns(x2d, index):
+        return outlier.take_columns(x2d, index)
+    index = index.contiguous()
+    values = torch.empty(x2d.shape[0], index.numel(), dtype=x2d.dtype)
+    library().take_columns(x2d.data_ptr(), x2d.element_size(), x2d.shape[0], x2d.shape[1], index.data_ptr(),
+                           index.numel(), values.data_ptr())
+    return values
+
+
+def _put_columns(x2d, index, values):
+    if not _native_columns(x2d, index, values):
+        return outlier.put_columns(x2d, index, values)
+    index = index.contiguous()
+    library().put_columns(x2d.data_ptr(), x2d.element_size(), x2d.shape[0], x2d.shape[1], index.data_ptr(),
+                          index.numel(), values.data_ptr())
+
+
 NATIVE_KERNELS = Kernels(
     sym_encode=_sym_encode,
     sym_decode=_sym_decode,
@@ -210,4 +233,6 @@ NATIVE_KERNELS = Kernels(
     mask_unpack=_mask_unpack,
     mask_value=_mask_value,
     channel_abs_sums=_channel_abs_sums,
+    take_columns=_take_columns,
+    put_columns=_put_columns,
 )

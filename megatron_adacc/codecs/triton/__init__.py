@@ -1,6 +1,6 @@
 """Triton kernels of the codecs (CUDA; the CPU under TRITON_INTERPRET=1), one file per codec
-family, byte-identical to the PyTorch reference. The outlier codec's channel sums and
-channel zeroing run as PyTorch ops.
+family, byte-identical to the PyTorch reference. The outlier codec's channel sums, channel
+zeroing and exact channels run as PyTorch ops.
 
 Triton covers the row-grouped int4 codecs (sym_int4, outlier_int4's inliers, naive_int4,
 asym_int4) and the bitmask. Per-channel scales (channel_int4) reduce across rows and rows of
@@ -51,4 +51,6 @@ TRITON_KERNELS = Kernels(
     mask_unpack=_mask_unpack,
     mask_value=reference_bitmask.mask_value,
     channel_abs_sums=outlier.channel_abs_sums,
+    take_columns=outlier.take_columns,
+    put_columns=outlier.put_columns,
 )

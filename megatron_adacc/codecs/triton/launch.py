@@ -5,6 +5,9 @@ import triton
 # Elements per program instance: large, because each instance costs milliseconds under the
 # CPU interpreter, and still a sensible tile on a GPU.
 BLOCK_ELEMENTS = 8192
+# Encoders compute x * (1 / scale) + bias with two roundings, as the reference does; a fused
+# multiply-add would round once and change codes at ties.
+FP_FUSION = False
 
 
 def row_blocks(rows: int, cols: int):

@@ -5,7 +5,7 @@ import triton
 import triton.language as tl
 
 from megatron_adacc.codecs.int4 import MIN_SCALE
-from megatron_adacc.codecs.triton.launch import bits_view, row_blocks, tl_dtype
+from megatron_adacc.codecs.triton.launch import FP_FUSION, bits_view, row_blocks, tl_dtype
 from megatron_adacc.codecs.triton.numerics import ceil_to_bf16, load_float, to_output
 
 
@@ -32,9 +32,9 @@ def _sym_encode_rows(x_ptr, packed_ptr, scale_ptr, ok_ptr, rows, cols, dmax, min
     ok = finite_row & (magnitude * 8 <= dmax)
     scale = tl.where(ok, tl.where(negative_extreme, magnitude, -magnitude), 0.0)
 
-    divisor = tl.where(ok, scale, 1.0)[:, None]
-    code_even = tl.minimum(tl.maximum(tl.floor(tl.div_rn(even, divisor) + 8.5), 0.0), 15.0)
-    code_odd = tl.minimum(tl.maximum(tl.floor(tl.div_rn(odd, divisor) + 8.5), 0.0), 15.0)
+    inverse = tl.div_rn(1.0, tl.where(ok, scale, 1.0))[:, None]
+    code_even = tl.minimum(tl.maximum(tl.floor(even * inverse + 8.5), 0.0), 15.0)
+    code_odd = tl.minimum(tl.maximum(tl.floor(odd * inverse + 8.5), 0.0), 15.0)
     code_even = tl.where(ok[:, None], code_even, 8.0).to(tl.uint8)
     code_odd = tl.where(ok[:, None], code_odd, 8.0).to(tl.uint8)
     tl.store(packed_ptr + row[:, None].to(tl.int64) * (cols // 2) + pair[None, :], code_even | (code_odd << 4), mask=mask)
@@ -66,7 +66,7 @@ def sym_encode_rows(x2d: torch.Tensor, dmax: float):
     grid, block_rows, block_pairs = row_blocks(rows, cols)
     _sym_encode_rows[grid](bits_view(x2d), packed, scales, ok, rows, cols, dmax, MIN_SCALE,
                            IN_BF16=x2d.dtype == torch.bfloat16, BLOCK_ROWS=block_rows,
-                           BLOCK_PAIRS=block_pairs)
+                           BLOCK_PAIRS=block_pairs, enable_fp_fusion=FP_FUSION)
     return packed, scales, ok.bool()
 
 
