@@ -50,3 +50,14 @@ def test_accuracy_two_steps(tmp_path):
     assert not any(r.get("failed") for r in ran.values())
     assert ran["none"]["gap_pct"] == 0 and "auto@0.5" in data["gaps_pct"]
     assert (tmp_path / "a.png").exists()
+
+
+def test_codecs_quick(tmp_path):
+    _run("bench_codecs.py", "--quick", "--backends", "native", "--out", str(tmp_path / "c.json"))
+    data = json.loads((tmp_path / "c.json").read_text())
+    assert {r["memory"] for r in data["results"]} == {"fresh", "recycled"}
+    # Sizes and errors do not depend on the machine: those targets hold even on tiny inputs.
+    size_and_error = [t for t in data["targets"] if "round trip" not in t["target"]]
+    assert size_and_error and all(t["met"] for t in size_and_error), size_and_error
+    speed = [t for t in data["targets"] if "round trip" in t["target"]]
+    assert len(speed) == 6 and all("recycled memory" in t["target"] and t["value"] > 0 for t in speed)
