@@ -380,6 +380,26 @@ def test_native_channel_paths_match_eager(dtype, shape):
         assert_same_as_eager("native", name, x.nan_to_num().to(dtype))
 
 
+@pytest.mark.parametrize("dtype", [torch.bool, torch.uint8, torch.float32, torch.bfloat16, torch.float16])
+def test_native_bitmask_wide_masks(dtype):
+    # Masks long enough for the native 64-byte steps plus a remainder, with signed zeros,
+    # a wrong value and a NaN placed inside the stepped part.
+    gen = torch.Generator().manual_seed(8)
+    keep = torch.rand(1000, generator=gen) > 0.3
+    if dtype in (torch.bool, torch.uint8):
+        assert_same_as_eager("native", "bitmask", keep.to(dtype))
+        return
+    mask = keep.to(dtype) / 0.9
+    mask[torch.arange(3, 900, 7)] = -0.0
+    assert_same_as_eager("native", "bitmask", mask)
+    codec = codecs.get("bitmask", backend="native")
+    for bad in (2.0, math.nan):
+        wrong = mask.clone()
+        wrong[500] = bad
+        with pytest.raises(ValueError, match="mask"):
+            codec.encode(wrong)
+
+
 def test_native_column_copies_refuse_out_of_range_indices():
     # The C copies index raw memory; indices outside the rows go to the reference, which raises.
     rows = torch.zeros(4, 6, dtype=torch.bfloat16)

@@ -553,7 +553,32 @@ void asym_decode_rows(const uint8_t *packed, const uint16_t *scales, const void 
 }
 
 /* 8 flags per byte, flag i in bit i; elem_size 1 compares bytes (bool, uint8), larger element
- * types compare as floats (dtype as above). */
+ * types compare as floats (dtype as above): a flag is set unless the element is +-0.
+ *
+ * With AVX-512BW the masks go 64 bytes of elements at a time through mask registers, one
+ * instruction from elements to bits and one back (a float mask on the CPU spent 5 ms per
+ * 16 MiB in the byte loops); the byte loops below handle the rest, and everything
+ * elsewhere. */
+#ifdef __AVX512BW__
+#define MASK_STEP_BYTES 64
+
+/* Flags of the MASK_STEP_BYTES / elem_size elements at x. */
+INLINE uint64_t step_flags(const void *x, int elem_size) {
+    __m512i v = _mm512_loadu_si512(x);
+    if (elem_size == 1) return _mm512_test_epi8_mask(v, v);
+    if (elem_size == 2) return _mm512_test_epi16_mask(v, _mm512_set1_epi16(0x7FFF));
+    return _mm512_test_epi32_mask(v, _mm512_set1_epi32(0x7FFFFFFF));
+}
+
+/* Elements (whole steps only) handled by the vector loops; the byte loops take the rest. */
+INLINE int64_t stepped_elements(int64_t numel, int elem_size) {
+    int64_t per_step = MASK_STEP_BYTES / elem_size;
+    return numel / per_step * per_step;
+}
+#else
+INLINE int64_t stepped_elements(int64_t numel, int elem_size) { (void)numel; (void)elem_size; return 0; }
+#endif
+
 static inline uint8_t pack_byte_flags(const uint8_t *x) {
     uint64_t v;
     memcpy(&v, x, 8);
@@ -565,13 +590,22 @@ static inline uint8_t pack_byte_flags(const uint8_t *x) {
 }
 
 void mask_pack(const void *x, int dtype, int elem_size, int64_t numel, uint8_t *packed) {
-    const int64_t bytes = (numel + 7) / 8, whole = numel / 8;
+    const int64_t bytes = (numel + 7) / 8, stepped = stepped_elements(numel, elem_size);
+#ifdef __AVX512BW__
+    const int64_t per_step = MASK_STEP_BYTES / elem_size;
+    #pragma omp parallel for schedule(static)
+    for (int64_t e = 0; e < stepped; e += per_step) {
+        uint64_t flags = step_flags((const char *)x + e * elem_size, elem_size);
+        memcpy(packed + e / 8, &flags, (size_t)(per_step / 8));
+    }
+#endif
+    const int64_t whole = elem_size == 1 ? numel / 8 : stepped / 8;
     if (elem_size == 1) {
         #pragma omp parallel for schedule(static)
-        for (int64_t i = 0; i < whole; i++) packed[i] = pack_byte_flags((const uint8_t *)x + i * 8);
+        for (int64_t i = stepped / 8; i < whole; i++) packed[i] = pack_byte_flags((const uint8_t *)x + i * 8);
     }
     #pragma omp parallel for schedule(static)
-    for (int64_t i = elem_size == 1 ? whole : 0; i < bytes; i++) {
+    for (int64_t i = whole; i < bytes; i++) {
         uint8_t byte = 0;
         for (int64_t j = 0; j < 8 && i * 8 + j < numel; j++) {
             int64_t k = i * 8 + j;
@@ -596,16 +630,43 @@ void mask_unpack(const uint8_t *packed, int64_t numel, uint8_t *flags) {
     for (int64_t k = whole * 8; k < numel; k++) flags[k] = (packed[k >> 3] >> (k & 7)) & 1;
 }
 
+/* The bits of `value` in the element type (dtype as above). */
+static inline uint32_t value_bits(float value, int dtype) {
+    if (dtype == 0) return float_to_bits(value);
+    if (dtype == 1) return bf16_bits(value);
+    _Float16 h = (_Float16)value;
+    uint16_t bits;
+    memcpy(&bits, &h, 2);
+    return bits;
+}
+
 /* bitmask.mask_value for float dtypes: the first non-zero element (+0 if none) in *value;
  * returns 0 unless every element is 0 or that value (NaN never is). */
 int mask_value(const void *x, int dtype, int64_t numel, float *value) {
+    const int elem_size = dtype == 0 ? 4 : 2;
     int64_t first = 0;
     float v = 0.0f;
     while (first < numel && (v = load(x, first, dtype)) == 0.0f) first++;
     v = first < numel ? v : 0.0f;
     int ok = v == v;
+    const int64_t stepped = ok ? stepped_elements(numel, elem_size) : 0;
+#ifdef __AVX512BW__
+    /* an element passes if it is +-0 or has v's bits (v is neither zero nor NaN, so equal
+     * floats have equal bits) */
+    const int64_t per_step = MASK_STEP_BYTES / elem_size;
+    const uint32_t bits = value_bits(v, dtype);
     #pragma omp parallel for reduction(&:ok) schedule(static)
-    for (int64_t k = first; k < numel; k++) {
+    for (int64_t e = 0; e < stepped; e += per_step) {
+        const char *at = (const char *)x + e * elem_size;
+        __m512i w = _mm512_loadu_si512(at);
+        uint64_t same = elem_size == 4 ? _mm512_cmpeq_epi32_mask(w, _mm512_set1_epi32((int)bits))
+                                       : _mm512_cmpeq_epi16_mask(w, _mm512_set1_epi16((short)bits));
+        uint64_t all = per_step == 64 ? ~0ull : (1ull << per_step) - 1;
+        ok &= ((~step_flags(at, elem_size) | same) & all) == all;
+    }
+#endif
+    #pragma omp parallel for reduction(&:ok) schedule(static)
+    for (int64_t k = stepped > first ? stepped : first; k < numel; k++) {
         float e = load(x, k, dtype);
         ok &= (e == 0.0f) | (e == v);
     }
@@ -616,20 +677,25 @@ int mask_value(const void *x, int dtype, int64_t numel, float *value) {
 /* bitmask.mask_unpack with a value: `value` where the flag is set, +0 elsewhere, as the
  * bit pattern of the output dtype. */
 void mask_unpack_values(const uint8_t *packed, int64_t numel, int dtype, float value, void *out) {
-    const int64_t bytes = (numel + 7) / 8;
-    if (dtype == 0) {
-        const uint32_t bits = float_to_bits(value);
-        #pragma omp parallel for schedule(static)
-        for (int64_t i = 0; i < bytes; i++)
-            for (int j = 0; j < 8 && i * 8 + j < numel; j++)
-                ((uint32_t *)out)[i * 8 + j] = bits & (0u - ((packed[i] >> j) & 1u));
-        return;
-    }
-    uint16_t bits;
-    if (dtype == 1) bits = bf16_bits(value);
-    else { _Float16 h = (_Float16)value; memcpy(&bits, &h, 2); }
+    const int elem_size = dtype == 0 ? 4 : 2;
+    const uint32_t bits = value_bits(value, dtype);
+    const int64_t bytes = (numel + 7) / 8, stepped = stepped_elements(numel, elem_size);
+#ifdef __AVX512BW__
+    const int64_t per_step = MASK_STEP_BYTES / elem_size;
     #pragma omp parallel for schedule(static)
-    for (int64_t i = 0; i < bytes; i++)
-        for (int j = 0; j < 8 && i * 8 + j < numel; j++)
-            ((uint16_t *)out)[i * 8 + j] = (uint16_t)(bits & (0u - ((packed[i] >> j) & 1u)));
+    for (int64_t e = 0; e < stepped; e += per_step) {
+        uint64_t flags = 0;
+        memcpy(&flags, packed + e / 8, (size_t)(per_step / 8));
+        __m512i v = elem_size == 4 ? _mm512_maskz_mov_epi32((__mmask16)flags, _mm512_set1_epi32((int)bits))
+                                   : _mm512_maskz_mov_epi16((__mmask32)flags, _mm512_set1_epi16((short)bits));
+        _mm512_storeu_si512((char *)out + e * elem_size, v);
+    }
+#endif
+    #pragma omp parallel for schedule(static)
+    for (int64_t i = stepped / 8; i < bytes; i++)
+        for (int j = 0; j < 8 && i * 8 + j < numel; j++) {
+            uint32_t set = 0u - ((packed[i] >> j) & 1u);
+            if (elem_size == 4) ((uint32_t *)out)[i * 8 + j] = bits & set;
+            else ((uint16_t *)out)[i * 8 + j] = (uint16_t)(bits & set);
+        }
 }
