@@ -4,8 +4,8 @@ through ctypes: one fused pass per group where the PyTorch reference makes ten.
 Byte-identical to the reference (tests/test_codecs.py checks it). The shared object is cached
 under ~/.cache/megatron-adacc/codecs, keyed by the source, the flags and the CPU model, since
 it is built for the machine it runs on (-march=native). Covers row- and channel-grouped int4
-(even row width), the outlier codec's channel sums and channel zeroing, and masks of bool,
-uint8 and float dtypes; other cases run the reference.
+(even row width), the outlier codec's channel sums, channel zeroing and exact channels, and
+masks of bool, uint8 and float dtypes; other cases run the reference.
 """
 from __future__ import annotations
 
@@ -105,8 +105,8 @@ def _sym_encode(x2d, reduce_dim, dmax, zeroed=None):
         packed = torch.empty(rows * cols // 2, dtype=torch.uint8)
         scales = torch.empty(cols, dtype=torch.bfloat16)
         ok = torch.empty(cols, dtype=torch.bool)
-        col_inv, col_ok = torch.empty(cols, dtype=torch.float32), torch.empty(cols, dtype=torch.int32)
-        library().sym_encode_cols(x2d.data_ptr(), _DTYPE_CODE[x2d.dtype], rows, cols, dmax, col_inv.data_ptr(),
+        scratch, col_ok = torch.empty(3 * cols, dtype=torch.float32), torch.empty(cols, dtype=torch.int32)
+        library().sym_encode_cols(x2d.data_ptr(), _DTYPE_CODE[x2d.dtype], rows, cols, dmax, scratch.data_ptr(),
                                   col_ok.data_ptr(), packed.data_ptr(), scales.data_ptr(), ok.data_ptr())
         return packed, scales, ok
     if reduce_dim != 1 or not _native(x2d):

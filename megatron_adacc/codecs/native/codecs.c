@@ -427,70 +427,79 @@ void put_columns(void *x, int elem_size, int64_t rows, int64_t cols, const int64
     else { COLUMN_LOOP(uint16_t, const uint16_t, row[index[k]] = picked[k]) }
 }
 
-/* Minimum, maximum and finiteness (-1 or 0) of columns [c0, c0 + width) over all rows, by
- * column; entries past width are 0. A walk down the columns with the block in registers:
- * updating per-column arrays row by row measured 1.4x slower. */
-INLINE void column_ranges(const void *x, int dtype, int64_t rows, int64_t cols, int64_t c0, int64_t width,
-                          float *lo, float *hi, int32_t *finite) {
-    for (int k = 0; k < BLOCK; k++) { lo[k] = k < width ? INFINITY : 0.0f; hi[k] = -lo[k]; finite[k] = -(k < width); }
-    if (width == BLOCK) {
-        vf lo_even = splat(INFINITY), lo_odd = lo_even, hi_even = -lo_even, hi_odd = hi_even;
-        vf poison_even = {0}, poison_odd = {0};
-        for (int64_t r = 0; r < rows; r++) {
-            Pair p = load_pair(x, r * cols + c0, dtype, NULL);
-            poison_even += p.even - p.even;
-            poison_odd += p.odd - p.odd;
-            lo_even = vmin(p.even, lo_even);
-            lo_odd = vmin(p.odd, lo_odd);
-            hi_even = vmax(p.even, hi_even);
-            hi_odd = vmax(p.odd, hi_odd);
+/* Running minima, maxima and poison (see group_range) of columns [first, last), in the Pair
+ * layout, updated with rows [r0, r0 + n). The rows of a chunk are read together, each
+ * block's values kept in registers across them: walking each column down all rows measured
+ * 1.6x slower, updating the arrays row by row 2.3x. */
+#define CHUNK_ROWS 16
+
+INLINE void update_column_ranges(const void *x, int dtype, int64_t r0, int64_t n, int64_t cols, int64_t first,
+                                 int64_t last, float *lo, float *hi, float *poison) {
+    int64_t c = first;
+    for (; c + BLOCK <= last; c += BLOCK) {
+        vf l[2], h[2], bad[2];
+        memcpy(l, lo + c, sizeof l);
+        memcpy(h, hi + c, sizeof h);
+        memcpy(bad, poison + c, sizeof bad);
+        for (int64_t r = r0; r < r0 + n; r++) {
+            Pair p = load_pair(x, r * cols + c, dtype, NULL);
+            vf v[2] = {p.even, p.odd};
+            for (int k = 0; k < 2; k++) {
+                l[k] = vmin(v[k], l[k]);
+                h[k] = vmax(v[k], h[k]);
+                bad[k] += v[k] - v[k];
+            }
         }
-        for (int k = 0; k < LANES; k++) {
-            lo[2 * k] = lo_even[k], lo[2 * k + 1] = lo_odd[k];
-            hi[2 * k] = hi_even[k], hi[2 * k + 1] = hi_odd[k];
-            finite[2 * k] = -(poison_even[k] == 0.0f), finite[2 * k + 1] = -(poison_odd[k] == 0.0f);
-        }
-        return;
+        memcpy(lo + c, l, sizeof l);
+        memcpy(hi + c, h, sizeof h);
+        memcpy(poison + c, bad, sizeof bad);
     }
-    for (int64_t r = 0; r < rows; r++) {
-        for (int k = 0; k < width; k++) {
-            float v = load(x, r * cols + c0 + k, dtype);
-            finite[k] &= -(isfinite(v) != 0);
-            lo[k] = v < lo[k] ? v : lo[k];
-            hi[k] = v > hi[k] ? v : hi[k];
+    for (; c < last; c++)
+        for (int64_t r = r0; r < r0 + n; r++) {
+            float v = load(x, r * cols + c, dtype);
+            lo[c] = v < lo[c] ? v : lo[c];
+            hi[c] = v > hi[c] ? v : hi[c];
+            poison[c] += v - v;
         }
-    }
+}
+
+/* The column whose values sit at Pair-layout slot s (the inverse of pair_slot). */
+INLINE int64_t slot_column(int64_t s, int64_t cols) {
+    if (s >= cols / BLOCK * BLOCK) return s;
+    int64_t j = s % BLOCK;
+    return s - j + (j < LANES ? 2 * j : 2 * (j - LANES) + 1);
 }
 
 /* Per-channel symmetric int4 (channel_int4): one scale per column of the [rows, cols] input.
- * col_inv and col_ok are scratch of `cols` entries. */
-void sym_encode_cols(const void *x, int dtype, int64_t rows, int64_t cols, float dmax, float *col_inv,
+ * scratch holds 3 * cols floats, col_ok cols entries. */
+void sym_encode_cols(const void *x, int dtype, int64_t rows, int64_t cols, float dmax, float *scratch,
                      int32_t *col_ok, uint8_t *packed, uint16_t *scales, uint8_t *ok_out) {
+    float *lo = scratch, *hi = scratch + cols, *poison = scratch + 2 * cols, *col_inv = lo;
     #pragma omp parallel
     {
         int64_t first, last;
         column_share(cols, &first, &last);
-        for (int64_t c0 = first; c0 < last; c0 += BLOCK) {
-            int64_t width = last - c0 < BLOCK ? last - c0 : BLOCK;
-            float lo[BLOCK], hi[BLOCK];
-            int32_t finite[BLOCK];
-#define CALL(t) column_ranges(x, t, rows, cols, c0, width, lo, hi, finite)
+        for (int64_t c = first; c < last; c++) { lo[c] = INFINITY; hi[c] = -INFINITY; poison[c] = 0.0f; }
+        for (int64_t r0 = 0; r0 < rows; r0 += CHUNK_ROWS) {
+            int64_t n = rows - r0 < CHUNK_ROWS ? rows - r0 : CHUNK_ROWS;
+#define CALL(t) update_column_ranges(x, t, r0, n, cols, first, last, lo, hi, poison)
             DTYPE_CASES(CALL)
 #undef CALL
-            for (int64_t k0 = 0; k0 < width; k0 += LANES) {
-                vf l, h, scale, inv;
-                vi fin, ok;
-                memcpy(&l, lo + k0, sizeof l);
-                memcpy(&h, hi + k0, sizeof h);
-                memcpy(&fin, finite + k0, sizeof fin);
-                sym_scales(l, h, fin, dmax, &scale, &inv, &ok);
-                for (int64_t k = 0; k < LANES && k0 + k < width; k++) {
-                    int64_t c = c0 + k0 + k;
-                    scales[c] = bf16_bits(scale[k]);
-                    ok_out[c] = ok[k] != 0;
-                    col_inv[pair_slot(c, cols)] = inv[k]; /* 1 where unusable */
-                    col_ok[pair_slot(c, cols)] = ok[k];
-                }
+        }
+        for (int64_t s0 = first; s0 < last; s0 += LANES) {
+            int64_t width = last - s0 < LANES ? last - s0 : LANES;
+            vf l = splat(0.0f), h = l, bad = l, scale, inv;
+            vi ok;
+            memcpy(&l, lo + s0, width * sizeof(float));
+            memcpy(&h, hi + s0, width * sizeof(float));
+            memcpy(&bad, poison + s0, width * sizeof(float));
+            sym_scales(l, h, bad == 0.0f, dmax, &scale, &inv, &ok); /* lanes past width: unused */
+            for (int64_t k = 0; k < width; k++) {
+                int64_t c = slot_column(s0 + k, cols);
+                scales[c] = bf16_bits(scale[k]);
+                ok_out[c] = ok[k] != 0;
+                col_inv[s0 + k] = inv[k]; /* 1 where unusable; lo[s0 + k] is read already */
+                col_ok[s0 + k] = ok[k];
             }
         }
     }
