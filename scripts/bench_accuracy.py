@@ -28,7 +28,7 @@ LABELS = {"none": "no optimisation", "auto": "adacc auto",
 
 
 def parse() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="minutes: 2 layers, 60 steps, 1 seed")
     parser.add_argument("--seeds", type=int, nargs="*")
     parser.add_argument("--iters", type=int)

@@ -308,7 +308,7 @@ def check_targets(rows: list[dict]) -> list[dict]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="bench_results/codecs.json")
     parser.add_argument("--quick", action="store_true", help="small inputs, no torch.compile: under a minute")
     parser.add_argument("--backends", default=None,

@@ -22,7 +22,7 @@ from bench_throughput import FULL, QUICK
 
 
 def parse() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     bc.add_shape_args(parser, FULL, QUICK)
     parser.add_argument("--budget-at", type=int, nargs="*",
                         help="budgets: no optimisation fits up to these micro-batches")

@@ -32,7 +32,7 @@ def _time(costs, budget, per_layer, method, cold, repeats):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--out", default="bench_results/planner.json")
     parser.add_argument("--skip-milp", action="store_true", help="skip the slow direct MILP")

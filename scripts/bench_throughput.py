@@ -1,5 +1,6 @@
-"""Training throughput (tokens/s) against micro-batch size under a memory budget: no
-optimisation, Megatron full recompute, Megatron selective recompute (its fastest
+"""Training throughput (tokens/s) against micro-batch size under a memory budget.
+
+Methods: no optimisation, Megatron full recompute, Megatron selective recompute (its fastest
 recompute_modules set that fits), the paper's naive INT4, torch.compile with
 activation_memory_budget (its fastest fraction that fits), and Adacc auto.
 
@@ -24,7 +25,7 @@ QUICK = bc.Shape(layers=2, hidden=128, heads=4, seq=128)
 
 
 def parse() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     bc.add_shape_args(parser, FULL, QUICK)
     parser.add_argument("--batches", type=int, nargs="*", help="micro-batch sizes")
     parser.add_argument("--budget-at", type=int, nargs="*",
