@@ -198,12 +198,17 @@ def _mask_value(flat):
     return torch.tensor([value.value], dtype=flat.dtype)
 
 
-def _native_columns(x2d: torch.Tensor, index: torch.Tensor, *others: torch.Tensor) -> bool:
-    """The C copies index raw memory: anything they do not cover, out-of-range indices
-    included, goes to the reference (which raises on those)."""
-    in_range = not index.numel() or (int(index.min()) >= 0 and int(index.max()) < x2d.shape[1])
-    return x2d.device.type == "cpu" and x2d.is_contiguous() and x2d.element_size() in (2, 4) and in_range and all(
-        t.is_contiguous() and t.dtype == x2d.dtype for t in others)
+def _native_columns(x2d: torch.Tensor, index: torch.Tensor, values: torch.Tensor | None = None) -> bool:
+    """The C copies index raw memory: anything they do not cover (out-of-range indices,
+    values of another shape or dtype) goes to the reference, which raises on what is wrong."""
+    if x2d.device.type != "cpu" or not x2d.is_contiguous() or x2d.element_size() not in (2, 4):
+        return False
+    if index.dtype != torch.int64 or index.device.type != "cpu" or index.dim() != 1:
+        return False
+    if index.numel() and not (int(index.min()) >= 0 and int(index.max()) < x2d.shape[1]):
+        return False
+    return values is None or (values.is_contiguous() and values.dtype == x2d.dtype
+                              and tuple(values.shape) == (x2d.shape[0], index.numel()))
 
 
 def _take_columns(x2d, index):
