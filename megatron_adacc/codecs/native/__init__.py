@@ -25,11 +25,10 @@ from megatron_adacc.codecs.backend import Kernels
 
 _SOURCE = Path(__file__).with_name("codecs.c")
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-fast-math", "-shared", "-fPIC"]
-_BLOCK = 32  # BLOCK in codecs.c
 _DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _i64, _f32, _i32, _p = ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_void_p
 _SIGNATURES = {
-    "sym_encode_rows": [_p, _i32, _i64, _i64, _f32, _p, _i64, _p, _p, _p],
+    "sym_encode_rows": [_p, _i32, _i64, _i64, _f32, _p, _i64, _i64, _p, _p, _p],
     "sym_decode_rows": [_p, _p, _i64, _i64, _i32, _p],
     "sym_encode_cols": [_p, _i32, _i64, _i64, _f32, _p, _p, _p, _p, _p],
     "sym_decode_cols": [_p, _p, _i64, _i64, _i32, _p, _p],
@@ -43,7 +42,7 @@ _SIGNATURES = {
     "take_columns": [_p, _i32, _i64, _i64, _p, _i64, _p],
     "put_columns": [_p, _i32, _i64, _i64, _p, _i64, _p],
 }
-_RETURNS = {"mask_value": ctypes.c_int}
+_RETURNS = {name: ctypes.c_int for name in ("mask_value", "sym_encode_rows", "take_columns", "put_columns")}
 
 
 def _cpu_model() -> str:
@@ -87,18 +86,6 @@ def _native(x2d: torch.Tensor) -> bool:
     return x2d.device.type == "cpu" and x2d.shape[1] % 2 == 0 and x2d.is_contiguous()
 
 
-def _keep_mask(zeroed, dtype: torch.dtype) -> tuple[torch.Tensor | None, int]:
-    """codecs.c's `keep` for int4.zero_channels' (channels, index): all ones for kept channels,
-    0 for zeroed ones, in the element width of `dtype`, extended by _BLOCK entries that repeat
-    it cyclically."""
-    if zeroed is None:
-        return None, 0
-    channels, index = zeroed
-    keep = torch.full((channels,), -1, dtype=torch.int32 if dtype == torch.float32 else torch.int16)
-    keep[index] = 0
-    return keep[torch.arange(channels + _BLOCK) % channels], channels
-
-
 def _sym_encode(x2d, reduce_dim, dmax, zeroed=None):
     rows, cols = x2d.shape
     if reduce_dim == 0 and zeroed is None and _native(x2d):
@@ -114,10 +101,11 @@ def _sym_encode(x2d, reduce_dim, dmax, zeroed=None):
     packed = torch.empty(rows * cols // 2, dtype=torch.uint8)
     scales = torch.empty(rows, dtype=torch.bfloat16)
     ok = torch.empty(rows, dtype=torch.bool)
-    keep, channels = _keep_mask(zeroed, x2d.dtype)
-    library().sym_encode_rows(x2d.data_ptr(), _DTYPE_CODE[x2d.dtype], rows, cols, dmax,
-                              keep.data_ptr() if keep is not None else None, channels,
-                              packed.data_ptr(), scales.data_ptr(), ok.data_ptr())
+    channels, index = zeroed if zeroed is not None else (0, torch.empty(0, dtype=torch.int64))
+    index = index.to(torch.int64).contiguous()
+    if not library().sym_encode_rows(x2d.data_ptr(), _DTYPE_CODE[x2d.dtype], rows, cols, dmax, index.data_ptr(),
+                                     index.numel(), channels, packed.data_ptr(), scales.data_ptr(), ok.data_ptr()):
+        return symmetric.sym_encode(x2d, reduce_dim, dmax, zeroed)  # raises on the bad index
     return packed, scales, ok
 
 
@@ -199,34 +187,31 @@ def _mask_value(flat):
 
 
 def _native_columns(x2d: torch.Tensor, index: torch.Tensor, values: torch.Tensor | None = None) -> bool:
-    """The C copies index raw memory: anything they do not cover (out-of-range indices,
-    values of another shape or dtype) goes to the reference, which raises on what is wrong."""
-    if x2d.device.type != "cpu" or not x2d.is_contiguous() or x2d.element_size() not in (2, 4):
-        return False
-    if index.dtype != torch.int64 or index.device.type != "cpu" or index.dim() != 1:
-        return False
-    if index.numel() and not (int(index.min()) >= 0 and int(index.max()) < x2d.shape[1]):
-        return False
-    return values is None or (values.is_contiguous() and values.dtype == x2d.dtype
-                              and tuple(values.shape) == (x2d.shape[0], index.numel()))
+    """What the C copies cover; they check the indices' range themselves. The rest (values of
+    another shape or dtype, say) goes to the reference, which raises on what is wrong."""
+    return (x2d.device.type == "cpu" and x2d.is_contiguous() and x2d.element_size() in (2, 4)
+            and index.dtype == torch.int64 and index.device.type == "cpu" and index.dim() == 1
+            and (values is None or (values.is_contiguous() and values.dtype == x2d.dtype
+                                    and tuple(values.shape) == (x2d.shape[0], index.numel()))))
 
 
 def _take_columns(x2d, index):
-    if not _native_columns(x2d, index):
-        return outlier.take_columns(x2d, index)
-    index = index.contiguous()
-    values = torch.empty(x2d.shape[0], index.numel(), dtype=x2d.dtype)
-    library().take_columns(x2d.data_ptr(), x2d.element_size(), x2d.shape[0], x2d.shape[1], index.data_ptr(),
-                           index.numel(), values.data_ptr())
-    return values
+    if _native_columns(x2d, index):
+        index = index.contiguous()
+        values = torch.empty(x2d.shape[0], index.numel(), dtype=x2d.dtype)
+        if library().take_columns(x2d.data_ptr(), x2d.element_size(), x2d.shape[0], x2d.shape[1],
+                                  index.data_ptr(), index.numel(), values.data_ptr()):
+            return values
+    return outlier.take_columns(x2d, index)
 
 
 def _put_columns(x2d, index, values):
-    if not _native_columns(x2d, index, values):
-        return outlier.put_columns(x2d, index, values)
-    index = index.contiguous()
-    library().put_columns(x2d.data_ptr(), x2d.element_size(), x2d.shape[0], x2d.shape[1], index.data_ptr(),
-                          index.numel(), values.data_ptr())
+    if _native_columns(x2d, index, values):
+        index = index.contiguous()
+        if library().put_columns(x2d.data_ptr(), x2d.element_size(), x2d.shape[0], x2d.shape[1],
+                                 index.data_ptr(), index.numel(), values.data_ptr()):
+            return
+    outlier.put_columns(x2d, index, values)
 
 
 NATIVE_KERNELS = Kernels(

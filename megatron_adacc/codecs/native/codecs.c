@@ -7,6 +7,7 @@
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define MIN_SCALE 1.1754943508222875e-38f /* 2^-126, as int4.MIN_SCALE */
@@ -162,8 +163,9 @@ INLINE int64_t pair_slot(int64_t c, int64_t cols) {
 }
 
 /* Element i of a group starting at `base` is zeroed unless keep[(base + i) % channels] (the
- * outlier codec's channels): keep holds all-ones or 0 in the element width of the input,
- * for channels + BLOCK entries, keep[j] = keep[j % channels], so one load never wraps. */
+ * outlier codec's channels): keep (keep_mask) holds all-ones or 0 in the element width of
+ * the input, for channels + BLOCK entries, keep[j] = keep[j % channels], so one load never
+ * wraps. */
 typedef struct { const void *keep; int64_t channels; } Zeroing;
 
 INLINE int64_t first_channel(Zeroing z, int64_t base) { return z.keep ? base % z.channels : 0; }
@@ -349,8 +351,33 @@ INLINE void sym_encode_batch(const void *x, int dtype, int64_t r0, int64_t n, in
     }
 }
 
-void sym_encode_rows(const void *x, int dtype, int64_t rows, int64_t cols, float dmax,
-                     const void *keep, int64_t channels, uint8_t *packed, uint16_t *scales, uint8_t *ok_out) {
+/* 0 unless every one of the n indices lies in [0, limit). */
+static int indices_in_range(const int64_t *index, int64_t n, int64_t limit) {
+    for (int64_t k = 0; k < n; k++)
+        if (index[k] < 0 || index[k] >= limit) return 0;
+    return 1;
+}
+
+/* Zeroing's keep for int4.zero_channels' (channels, index), in the element width of dtype;
+ * NULL if it cannot be allocated. */
+static void *keep_mask(int dtype, int64_t channels, const int64_t *index, int64_t n) {
+    const size_t width = dtype == 0 ? 4 : 2;
+    char *keep = malloc((size_t)(channels + BLOCK) * width);
+    if (!keep) return NULL;
+    memset(keep, 0xFF, (size_t)channels * width);
+    for (int64_t k = 0; k < n; k++) memset(keep + index[k] * width, 0, width);
+    for (int64_t j = channels; j < channels + BLOCK; j++) memcpy(keep + j * width, keep + j % channels * width, width);
+    return keep;
+}
+
+/* Row-grouped symmetric int4; with n_zeroed > 0, the columns `zeroed` of the input seen as
+ * rows of `channels` values are encoded as zeros (int4.zero_channels). Returns 0 if a
+ * zeroed index is out of range or memory ran out (nothing written), 1 otherwise. */
+int sym_encode_rows(const void *x, int dtype, int64_t rows, int64_t cols, float dmax, const int64_t *zeroed,
+                    int64_t n_zeroed, int64_t channels, uint8_t *packed, uint16_t *scales, uint8_t *ok_out) {
+    void *keep = NULL;
+    if (n_zeroed && (!indices_in_range(zeroed, n_zeroed, channels) || !(keep = keep_mask(dtype, channels, zeroed, n_zeroed))))
+        return 0;
     const Zeroing z = {keep, channels};
     #pragma omp parallel for schedule(static)
     for (int64_t r0 = 0; r0 < rows; r0 += LANES) {
@@ -359,6 +386,8 @@ void sym_encode_rows(const void *x, int dtype, int64_t rows, int64_t cols, float
         DTYPE_CASES(CALL)
 #undef CALL
     }
+    free(keep);
+    return 1;
 }
 
 void sym_decode_rows(const uint8_t *packed, const uint16_t *scales, int64_t rows, int64_t cols,
@@ -406,7 +435,8 @@ void channel_abs_sums(const void *x, int dtype, int64_t rows, int64_t cols, doub
 }
 
 /* The outlier codec's exact channels: out[r][k] = x[r][index[k]] (take_columns) and back
- * (put_columns), for elements of elem_size bytes. */
+ * (put_columns), for elements of elem_size bytes. Both return 0, touching nothing, if an
+ * index is out of range. */
 #define COLUMN_LOOP(RowT, ValueT, body)                                             \
     _Pragma("omp parallel for schedule(static)")                                    \
     for (int64_t r = 0; r < rows; r++) {                                            \
@@ -415,16 +445,20 @@ void channel_abs_sums(const void *x, int dtype, int64_t rows, int64_t cols, doub
         for (int64_t k = 0; k < n; k++) body;                                       \
     }
 
-void take_columns(const void *x, int elem_size, int64_t rows, int64_t cols, const int64_t *index, int64_t n,
-                  void *values) {
+int take_columns(const void *x, int elem_size, int64_t rows, int64_t cols, const int64_t *index, int64_t n,
+                 void *values) {
+    if (!indices_in_range(index, n, cols)) return 0;
     if (elem_size == 4) { COLUMN_LOOP(const uint32_t, uint32_t, picked[k] = row[index[k]]) }
     else { COLUMN_LOOP(const uint16_t, uint16_t, picked[k] = row[index[k]]) }
+    return 1;
 }
 
-void put_columns(void *x, int elem_size, int64_t rows, int64_t cols, const int64_t *index, int64_t n,
-                 const void *values) {
+int put_columns(void *x, int elem_size, int64_t rows, int64_t cols, const int64_t *index, int64_t n,
+                const void *values) {
+    if (!indices_in_range(index, n, cols)) return 0;
     if (elem_size == 4) { COLUMN_LOOP(uint32_t, const uint32_t, row[index[k]] = picked[k]) }
     else { COLUMN_LOOP(uint16_t, const uint16_t, row[index[k]] = picked[k]) }
+    return 1;
 }
 
 /* Running minima, maxima and poison (see group_range) of columns [first, last), in the Pair
