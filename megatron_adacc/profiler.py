@@ -44,21 +44,16 @@ from megatron_adacc.runtime.accounting import UNATTRIBUTED
 from megatron_adacc.runtime.layer import _rng_restore, _rng_snapshot
 from megatron_adacc.sites import COMPRESS, RECOMPUTE
 
-# Megatron caches the causal mask: one storage that every layer saves. The ruler counts it
-# once (under the first layer); no plan should compress or rebuild it per layer.
-SHARED_SITES = frozenset({"attn_mask"})
-# Candidates beyond each site's default codec: plain group-wise int4 for the outlier sites,
-# for the "Adacc without outlier separation" ablation.
-EXTRA_CODECS = {"outlier_int4": ("sym_int4",)}
 DEFAULT_REPEATS = 5
 
 Batch = tuple[torch.Tensor, torch.Tensor, torch.Tensor]   # tokens, labels, loss mask
+# A micro-batch's scalar loss (one forward); the profiler runs its backward.
+LossFn = Callable[[torch.nn.Module, Batch], torch.Tensor]
 
 
-def candidate_codecs(site: str) -> tuple[str, ...]:
-    """The codecs the profiler measures for ``site``: its default, then the ablations."""
-    default = site_table.get(site).default_codec
-    return (default, *EXTRA_CODECS.get(default, ()))
+def gpt_loss(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
+    """The default loss: megatron's GPT language-model loss over the loss mask."""
+    return model_lib.gpt_loss(model, *batch)
 
 
 def static_bytes(model: torch.nn.Module) -> int:
@@ -158,9 +153,11 @@ class _MeasuredLayerDone(Exception):
 class _Profiling:
     """One model, one micro-batch, one measured layer: the steps the profiler runs."""
 
-    def __init__(self, model: torch.nn.Module, batch: Batch, strict: bool, repeats: int):
+    def __init__(self, model: torch.nn.Module, batch: Batch, strict: bool, repeats: int,
+                 loss_fn: LossFn | None = None):
         self.model = model
         self.batch = batch
+        self.loss_fn = loss_fn or gpt_loss
         self.strict = strict
         self.repeats = repeats
         self.layers = adacc_layers(model)
@@ -182,7 +179,7 @@ class _Profiling:
             install()
         with ruler_type(self.model, strict=self.strict) as ruler:
             if backward:
-                loss = model_lib.gpt_loss(self.model, *self.batch)
+                loss = self.loss_fn(self.model, self.batch)
                 ruler.forward_done()
                 loss.backward()
             else:
@@ -199,7 +196,7 @@ class _Profiling:
 
         handle = self.layer.register_forward_hook(done)
         try:
-            model_lib.gpt_loss(self.model, *self.batch)
+            self.loss_fn(self.model, self.batch)
         except _MeasuredLayerDone:
             pass
         finally:
@@ -207,7 +204,7 @@ class _Profiling:
 
     def layer_sites(self, ruler: ActivationRuler) -> dict[str, int]:
         return {site: n for (layer, site), n in ruler.report().by_site.items()
-                if layer == self.index and site not in SHARED_SITES}
+                if layer == self.index and site not in site_table.SHARED_SITES}
 
     # --- codecs ------------------------------------------------------------------------------
     def probed_step(self, decisions: dict[str, Decision], backward: bool = True
@@ -227,7 +224,7 @@ class _Profiling:
 
     def codec_costs(self, names: Iterable[str]) -> dict[str, list[CodecCost]]:
         """Every candidate codec of each named site, on this step's real tensors."""
-        candidates = {name: candidate_codecs(name) for name in names}
+        candidates = {name: site_table.get(name).candidate_codecs for name in names}
         found: dict[str, list[CodecCost]] = {name: [] for name in candidates}
         for round_ in range(max((len(c) for c in candidates.values()), default=0)):
             chosen = {name: c[round_] for name, c in candidates.items() if round_ < len(c)}
@@ -314,12 +311,12 @@ def _left_as_found(model: torch.nn.Module):
 
 
 def profile(model: torch.nn.Module, batch: Batch, *, repeats: int = DEFAULT_REPEATS,
-            strict: bool = False) -> ModelCosts:
+            strict: bool = False, loss_fn: LossFn | None = None) -> ModelCosts:
     """Measure ``model`` (built with the Adacc layer spec) on one micro-batch ``batch``
-    (tokens, labels, loss mask). The model's decisions, gradients (none) and RNG streams are
-    as before."""
+    (tokens, labels, loss mask; ``loss_fn`` its loss, default ``gpt_loss``). The model's
+    decisions, gradients (none) and RNG streams are as before."""
     with _left_as_found(model):
-        return _profile(_Profiling(model, batch, strict, repeats))
+        return _profile(_Profiling(model, batch, strict, repeats, loss_fn))
 
 
 def _profile(run: _Profiling) -> ModelCosts:
@@ -389,14 +386,15 @@ class SiteSample:
 
 
 def sample_sites(model: torch.nn.Module, batch: Batch, names: Iterable[str], *,
-                 strict: bool = False) -> dict[str, SiteSample]:
+                 strict: bool = False, loss_fn: LossFn | None = None
+                 ) -> dict[str, SiteSample]:
     """One forward of ``batch``, up to the measured layer, with ``names`` compressed by
     their designated codecs there, keeping what each codec was given (the rectifier's view
     of the activations as training moves them). Forward only: the payloads are what forward
     keeps, and no backward means no gradient (nor data-parallel reduction) is touched.
     Decisions and RNG streams are left as found."""
     with _left_as_found(model):
-        sizes, probes = _Profiling(model, batch, strict, repeats=1).probed_step(
+        sizes, probes = _Profiling(model, batch, strict, 1, loss_fn).probed_step(
             {name: Decision(COMPRESS) for name in names}, backward=False)
     return {name: SiteSample(probe.codec, probe.inputs, sizes[name])
             for name, probe in probes.items()

@@ -34,7 +34,6 @@ from megatron_adacc import sites as site_table
 from megatron_adacc.costs import ModelCosts
 from megatron_adacc.plan import RETAIN_DECISION
 
-OUTLIER_CODEC = "outlier_int4"
 DEFAULT_MAX_INTERVAL = 256
 DEFAULT_RESET_FRACTION = 0.25
 # int4 with a per-group scale max|x|/8 leaves a relative RMS error of ~0.09 on bell-shaped
@@ -57,7 +56,7 @@ def default_sites(costs: ModelCosts) -> tuple[str, ...]:
     compress: the sites whose compression rate follows the outlier counts."""
     return tuple(site.name for site in costs.sites
                  if site.can_compress and site.name in site_table.SITES
-                 and site_table.get(site.name).default_codec == OUTLIER_CODEC)
+                 and site_table.get(site.name).default_codec == site_table.OUTLIER_CODEC)
 
 
 class TrackingSchedule:
@@ -199,17 +198,20 @@ class Rectifier:
         self.swaps = 0
 
     # --- the tracking iteration ------------------------------------------------------------
-    def observe(self, iteration: int, model: torch.nn.Module, batch: profiler.Batch) -> Outcome:
+    def observe(self, iteration: int, model: torch.nn.Module, batch: profiler.Batch,
+                loss_fn: profiler.LossFn | None = None) -> Outcome:
         """Sample the tracked sites on ``batch`` (one forward, model left as found) and
         decide. Call between steps."""
         started = time.perf_counter()
-        outcome = self.update(iteration, _from_rank0(self.measure(model, batch)))
+        outcome = self.update(iteration, _from_rank0(self.measure(model, batch, loss_fn)))
         outcome.tracking_time_s = time.perf_counter() - started
         self.tracking_time_s += outcome.tracking_time_s
         return outcome
 
-    def measure(self, model: torch.nn.Module, batch: profiler.Batch) -> dict[str, SiteStats]:
-        samples = profiler.sample_sites(model, batch, self.sites, strict=self.strict)
+    def measure(self, model: torch.nn.Module, batch: profiler.Batch,
+                loss_fn: profiler.LossFn | None = None) -> dict[str, SiteStats]:
+        samples = profiler.sample_sites(model, batch, self.sites, strict=self.strict,
+                                        loss_fn=loss_fn)
         return {name: site_stats(sample, self.costs.site(name).bytes)
                 for name, sample in samples.items()}
 

@@ -1,10 +1,12 @@
 """The named sites: kinds of tensor a transformer layer saves for backward.
 
-A site is the unit of every decision (retain, compress, recompute). This table is the
-vocabulary shared by the runtime (which attributes saved tensors to sites), the profiler
-(which measures them) and the planner (which decides for them). The runtime discovers what a
-layer really saves; this table says what each discovered site *is*: which codec suits it,
-whether it can be rebuilt and which forward segment rebuilds it.
+A site is the unit of every decision (retain, compress, recompute). This module is the one
+vocabulary shared by the runtime (which attributes saved tensors to sites), the costs, the
+profiler (which measures them), the planner and policies (which decide for them), the
+rectifier and the analytic accelerator model. The runtime discovers what a layer really
+saves; this table says what each discovered site *is*: which codec suits it, whether it can
+be rebuilt, which forward segment rebuilds it, and whether it is one storage shared by every
+layer. Adding a layer variant starts here.
 """
 from __future__ import annotations
 
@@ -19,6 +21,19 @@ ACTIONS = (RETAIN, COMPRESS, RECOMPUTE)
 # it from the segment's start (name -> start site, in forward order): _forward_attention from
 # the layer input, _forward_mlp from the residual stream after attention.
 SEGMENTS = {"attention": "layer_in", "mlp": "ln2_in"}
+SEGMENT_NAMES: tuple[str, ...] = tuple(SEGMENTS)
+# start site -> index of the segment it starts, in forward order
+SEGMENT_ANCHORS: dict[str, int] = {start: index for index, start in enumerate(SEGMENTS.values())}
+MLP_SEGMENT = SEGMENT_NAMES.index("mlp")
+
+# Codec roles. Each site has a designated codec (Site.default_codec); these name the roles
+# the policies and the rectifier refer to.
+OUTLIER_CODEC = "outlier_int4"   # outputs of Linear, LayerNorm, GELU: outlier separation
+MASK_CODEC = "bitmask"           # dropout masks: lossless
+QUANTIZE_CODEC = "naive_int4"    # the paper's "Quantization" baseline
+# The paper's ablation "Adacc w/o outlier": plain group-wise int4 where outliers would be
+# separated. The profiler measures it beside the designated codec.
+ABLATION_CODECS = {OUTLIER_CODEC: "sym_int4"}
 
 
 @dataclass(frozen=True)
@@ -28,6 +43,16 @@ class Site:
     default_codec: str
     segment: str | None      # the segment whose re-run rebuilds it; None: never rebuilt
     recomputable: bool = True
+    # One storage saved by every layer (megatron's cached causal mask): counted once as
+    # non-layer memory, never decided per layer (compressing or rebuilding it per layer
+    # would cost memory).
+    shared: bool = False
+
+    @property
+    def candidate_codecs(self) -> tuple[str, ...]:
+        """The codecs the profiler measures: the designated one, then its ablation."""
+        ablation = ABLATION_CODECS.get(self.default_codec)
+        return (self.default_codec,) if ablation is None else (self.default_codec, ablation)
 
 
 _SITE_LIST = (
@@ -38,7 +63,7 @@ _SITE_LIST = (
          "channel_int4", "attention"),
     Site("attn_mask", "attention mask: the causal mask the masked fill saves (megatron caches "
          "it, one storage for every layer), or the mask type megatron's core-attention "
-         "checkpoint saves", "bitmask", "attention"),
+         "checkpoint saves", "bitmask", "attention", shared=True),
     Site("softmax_out", "attention probabilities saved by the softmax backward", "asym_int4",
          "attention"),
     Site("attn_dropout_mask", "attention dropout mask", "bitmask", "attention"),
@@ -61,6 +86,9 @@ _SITE_LIST = (
 
 SITES: dict[str, Site] = {site.name: site for site in _SITE_LIST}
 SITE_NAMES: tuple[str, ...] = tuple(SITES)
+SHARED_SITES = frozenset(site.name for site in _SITE_LIST if site.shared)
+# The sites a plan decides for, per layer.
+DECIDED_SITES: tuple[Site, ...] = tuple(site for site in _SITE_LIST if not site.shared)
 
 
 def get(name: str) -> Site:

@@ -11,7 +11,7 @@ from megatron_adacc.planner import default_resolution, minimum_budget, plan
 from megatron_adacc.policies import predicted_activation_bytes
 from megatron_adacc.profiler import profile, refresh_codec_costs, static_bytes
 from megatron_adacc.runtime import apply_plan, measure_step
-from megatron_adacc.runtime.storage import SEGMENT_ANCHORS
+from megatron_adacc.sites import SEGMENT_ANCHORS
 from megatron_adacc.sites import COMPRESS, RECOMPUTE
 
 from runtime_helpers import batch, build, loss_of

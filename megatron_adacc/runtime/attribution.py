@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-MLP_SEGMENT = 1  # segments: 0 = megatron's _forward_attention, 1 = its _forward_mlp
+from megatron_adacc.sites import MLP_SEGMENT
 
 
 class UnknownSiteError(RuntimeError):

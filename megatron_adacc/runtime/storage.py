@@ -18,11 +18,7 @@ from typing import Callable
 
 import torch
 
-from megatron_adacc.sites import COMPRESS, RECOMPUTE
-
-# The sites each recompute segment starts from (see AdaccTransformerLayer): megatron's
-# _forward_attention starts from the layer input, its _forward_mlp from ln2_in.
-SEGMENT_ANCHORS = {"layer_in": 0, "ln2_in": 1}
+from megatron_adacc.sites import COMPRESS, RECOMPUTE, SEGMENT_ANCHORS
 
 
 class Handle:
