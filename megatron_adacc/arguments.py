@@ -112,6 +112,10 @@ def build_parser() -> argparse.ArgumentParser:
     adacc.add_argument("--adacc-profile-db", default=None,
                        help="ProfileDB file (default: $ADACC_DATA_DIR/profiles.sqlite, "
                             "~/.cache/megatron-adacc/profiles.sqlite)")
+    adacc.add_argument("--adacc-codec-backend", default=None,
+                       choices=("auto", "torch", "native", "triton"),
+                       help="codec kernels: Triton on CUDA, native C on CPU, the torch "
+                            "reference; default: $ADACC_CODEC_BACKEND, else auto")
     adacc.add_argument("--adacc-strict", action="store_true",
                        help="fail on a saved tensor that no site accounts for")
     adacc.add_argument("--adacc-tracking", choices=["backoff", "off"], default=None,
@@ -263,41 +267,17 @@ def finalize(args: argparse.Namespace, world_size: int) -> None:
 
 def _finalize_adacc(args: argparse.Namespace) -> None:
     from megatron_adacc import policies
-    from megatron_adacc.units import parse_size
+    from megatron_adacc.adacc import AdaccConfig
 
-    if not policies.is_known(args.adacc_policy):
-        raise ConfigError(
-            f"--adacc-policy {args.adacc_policy}: not one of {', '.join(policies.NAMED)} and "
-            f"not a plan file"
-        )
-    if args.adacc_memory_budget is not None:
-        try:
-            args.adacc_memory_budget = parse_size(args.adacc_memory_budget)
-        except ValueError as exc:
-            raise ConfigError(f"--adacc-memory-budget: {exc}") from None
-    else:
+    try:
+        config = AdaccConfig.from_args(args)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    args.adacc_tracking = "backoff" if config.tracks else "off"
+    args.adacc_memory_budget = config.budget_bytes
+    if args.adacc_memory_budget is None:
         args.adacc_memory_budget = policies.default_budget()
     if args.adacc_policy in policies.AUTO_POLICIES and args.adacc_memory_budget is None:
         raise ConfigError(f"--adacc-policy {args.adacc_policy} on a CPU needs "
                           "--adacc-memory-budget SIZE "
                           "(e.g. 512MiB): there is no device capacity to default to")
-    _finalize_tracking(args)
-
-
-def _finalize_tracking(args: argparse.Namespace) -> None:
-    from megatron_adacc.sites import SITE_NAMES
-
-    if args.adacc_tracking is None:
-        args.adacc_tracking = "backoff" if args.adacc_policy == "auto" else "off"
-    if args.adacc_tracking == "backoff" and args.adacc_policy != "auto":
-        raise ConfigError(f"--adacc-tracking backoff re-plans, so it needs --adacc-policy auto "
-                          f"(got {args.adacc_policy})")
-    if args.adacc_tracking_max_interval < 1:
-        raise ConfigError("--adacc-tracking-max-interval must be positive")
-    if args.adacc_tracking_reset_fraction <= 0 or args.adacc_guard_threshold <= 0:
-        raise ConfigError("--adacc-tracking-reset-fraction and --adacc-guard-threshold must be "
-                          "positive")
-    unknown = [site for site in args.adacc_tracking_sites or [] if site not in SITE_NAMES]
-    if unknown:
-        raise ConfigError(f"--adacc-tracking-sites: unknown {', '.join(unknown)}; valid sites: "
-                          f"{', '.join(SITE_NAMES)}")

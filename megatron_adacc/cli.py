@@ -11,6 +11,7 @@ the model first, as the trainer would, when the database has no row for it. Exit
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from typing import Any, Sequence
@@ -86,12 +87,10 @@ def _profiled_costs(args: argparse.Namespace) -> tuple[ModelCosts, int | None]:
     """This machine's measured costs from the ProfileDB, profiled first (on the model and
     first micro-batch the trainer would build from this config) when it has none; and the
     default budget (a GPU's usable memory, None on a CPU)."""
-    import contextlib
-
-    from megatron_adacc import policies
-    from megatron_adacc.arguments import parse_args
+    from megatron_adacc import policies, trainer
+    from megatron_adacc.arguments import ConfigError, parse_args
     from megatron_adacc.profile_db import ProfileDB
-    from megatron_adacc.trainer import Trainer
+    from megatron_adacc.runtime import get_adacc_layer_spec
 
     if args.vocab_size is not None:
         raise UsageError("--vocab-size describes a model for --hardware; a profile measures "
@@ -107,13 +106,14 @@ def _profiled_costs(args: argparse.Namespace) -> tuple[ModelCosts, int | None]:
     argv += ["--bf16"] if args.precision == "bf16" else []
     argv += ["--micro-batch-size", str(args.micro_batch_size), "--global-batch-size",
              str(args.micro_batch_size), "--train-iters", "1", "--lr-warmup-iters", "0",
-             "--eval-interval", "0", "--adacc-policy", "full-recompute"]
+             "--eval-interval", "0"]
     try:
         with contextlib.redirect_stdout(sys.stderr):  # keep stdout for the table / JSON
-            trainer = Trainer(parse_args(argv))
-    except ValueError as exc:
+            model, batches, _ = trainer.build_model_and_data(parse_args(argv),
+                                                             get_adacc_layer_spec())
+    except (ConfigError, ValueError) as exc:
         raise UsageError(str(exc)) from None
-    costs, _ = policies.measured_costs(trainer.model, trainer.first_micro_batch(),
+    costs, _ = policies.measured_costs(model, trainer.first_micro_batch(batches),
                                        ProfileDB(args.profile_db))
     return policies.designated_codecs(costs), policies.default_budget()
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -35,28 +34,22 @@ from megatron_adacc import sites as site_table
 from megatron_adacc.costs import ModelCosts
 from megatron_adacc.plan import Decision, Plan
 from megatron_adacc.profile_db import ProfileDB, profile_key
-from megatron_adacc.sites import COMPRESS, RECOMPUTE
+from megatron_adacc.sites import (ABLATION_CODECS, COMPRESS, DECIDED_SITES, MASK_CODEC,
+                                  QUANTIZE_CODEC, RECOMPUTE)
 
 NAMED = ("none", "auto", "auto-no-outlier", "full-recompute", "quantize")
 AUTO_POLICIES = ("auto", "auto-no-outlier")  # profile and plan for a budget
-NO_OUTLIER_CODEC = "sym_int4"
-QUANTIZE_CODEC = "naive_int4"
-_MASK_CODEC = "bitmask"
-
-
-def _decided_sites() -> list[site_table.Site]:
-    return [site for site in site_table.SITES.values() if site.name not in profiler.SHARED_SITES]
 
 
 def full_recompute_plan() -> Plan:
-    return Plan.uniform({site.name: Decision(RECOMPUTE) for site in _decided_sites()
+    return Plan.uniform({site.name: Decision(RECOMPUTE) for site in DECIDED_SITES
                          if site.recomputable})
 
 
 def quantize_plan() -> Plan:
     return Plan.uniform({
-        site.name: Decision(COMPRESS, None if site.default_codec == _MASK_CODEC else QUANTIZE_CODEC)
-        for site in _decided_sites()
+        site.name: Decision(COMPRESS, None if site.default_codec == MASK_CODEC else QUANTIZE_CODEC)
+        for site in DECIDED_SITES
     })
 
 
@@ -101,7 +94,7 @@ class Resolved:
 def resolve(policy: str, budget_bytes: int | None, model: torch.nn.Module | None = None,
             batch: profiler.Batch | None = None, *, db: ProfileDB | None = None,
             reprofile: bool = False, strict: bool = False,
-            profile_fn: Callable[..., ModelCosts] | None = None) -> Resolved:
+            loss_fn: profiler.LossFn | None = None) -> Resolved:
     """The plan for ``policy``. ``auto`` needs the model (built with the Adacc layer spec)
     and one real micro-batch, and raises planner.InfeasibleBudget (a ValueError naming the
     smallest feasible budget) when nothing fits."""
@@ -116,7 +109,7 @@ def resolve(policy: str, budget_bytes: int | None, model: torch.nn.Module | None
     if budget_bytes is None:
         raise ValueError(f"--adacc-policy {policy} needs --adacc-memory-budget SIZE on a CPU")
     costs, profile_s = measured_costs(model, batch, db or ProfileDB(), reprofile, strict,
-                                      profile_fn)
+                                      loss_fn)
     # Every rank plans the same costs with the same deterministic planner: one plan, and an
     # infeasible budget fails on every rank alike instead of leaving the others waiting.
     result = planner.plan(planning_costs(policy, costs), budget_bytes, allow_lossy_sources=False)
@@ -134,7 +127,7 @@ def no_outlier_codecs(costs: ModelCosts) -> ModelCosts:
     outlier separation may only use the profiler's plain int4 ablation codec."""
     def wanted(name: str) -> str:
         codec = site_table.get(name).default_codec
-        return NO_OUTLIER_CODEC if codec == "outlier_int4" else codec
+        return ABLATION_CODECS.get(codec, codec)
 
     sites = [replace(site, codecs=tuple(c for c in site.codecs if c.codec == wanted(site.name)))
              if site.name in site_table.SITES else site for site in costs.sites]
@@ -153,12 +146,11 @@ def designated_codecs(costs: ModelCosts) -> ModelCosts:
 
 
 def measured_costs(model, batch, db: ProfileDB, reprofile: bool = False, strict: bool = False,
-                   profile_fn: Callable[..., ModelCosts] | None = None
+                   loss_fn: profiler.LossFn | None = None
                    ) -> tuple[ModelCosts, float | None]:
     """(costs, seconds spent profiling or None when the ProfileDB had them). Rank 0 looks
     the costs up (or measures them) and every rank gets rank 0's copy. When measuring, every
     rank runs the profiling steps: tensor-parallel layers need their peers."""
-    profile_fn = profile_fn or profiler.profile
     config = model.config
     tokens = batch[0]
     key = profile_key(config, model.vocab_size, tokens.shape[1], tokens.shape[0],
@@ -169,7 +161,7 @@ def measured_costs(model, batch, db: ProfileDB, reprofile: bool = False, strict:
     profile_s = None
     if missing:
         started = time.perf_counter()
-        found = profile_fn(model, batch, strict=strict)
+        found = profiler.profile(model, batch, strict=strict, loss_fn=loss_fn)
         profile_s = time.perf_counter() - started
         if rank0:
             db.put(key, found)

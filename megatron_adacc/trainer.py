@@ -3,6 +3,7 @@ with gradient accumulation, data parallelism, evaluation, metrics and checkpoint
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
@@ -12,11 +13,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megatron_adacc import checkpoint, data, model as model_lib, policies, rectifier
+from megatron_adacc import checkpoint, data, model as model_lib
+from megatron_adacc.adacc import Adacc, AdaccConfig
 from megatron_adacc.optimizer import MainParamAdamW
-from megatron_adacc.profile_db import ProfileDB
-from megatron_adacc.profiler import static_bytes
-from megatron_adacc.runtime import ActivationRuler, apply_plan, get_adacc_layer_spec
 from megatron_adacc.tokenizers import build_tokenizer
 
 
@@ -123,6 +122,72 @@ class Progress:
             self.bar.close()
 
 
+def build_data(args: argparse.Namespace, tokenizer, dp_rank: int = 0, dp_size: int = 1
+               ) -> tuple[data.GlobalBatches, data.GlobalBatches | None]:
+    """(training batches, validation batches or None) of this data-parallel rank: the
+    flags' datasets, or the built-in demo corpus when none is given."""
+    spec = data.DataSpec(args.data_path, args.split, args.train_data_path,
+                         args.valid_data_path)
+    if not (spec.data_path or spec.train_data_path):
+        train_prefix, valid_prefix = _demo_corpus(args)
+        spec = data.DataSpec(train_data_path=[train_prefix], valid_data_path=[valid_prefix])
+    evals = args.train_iters // args.eval_interval + 1 if args.eval_interval else 0
+    train_set, valid_set = data.build_datasets(
+        spec, tokenizer, args.seq_length, args.seed,
+        train_samples=args.train_iters * args.global_batch_size,
+        valid_samples=max(1, evals * args.eval_iters * args.global_batch_size),
+    )
+    train = data.GlobalBatches(train_set, args.global_batch_size, args.micro_batch_size,
+                               dp_rank, dp_size)
+    valid = (data.GlobalBatches(valid_set, args.global_batch_size, args.micro_batch_size,
+                                dp_rank, dp_size)
+             if valid_set is not None and len(valid_set) else None)
+    return train, valid
+
+
+def _demo_corpus(args: argparse.Namespace) -> tuple[str, str]:
+    # Rank 0 tokenises; the others wait, then read the same files.
+    if dist.get_rank() == 0:
+        prefixes = data.prepare_demo_corpus(args.tokenizer_type, args.vocab_file,
+                                            args.merge_file)
+    dist.barrier()
+    if dist.get_rank() != 0:
+        prefixes = data.prepare_demo_corpus(args.tokenizer_type, args.vocab_file,
+                                            args.merge_file)
+    return prefixes
+
+
+def build_model(args: argparse.Namespace, tokenizer, layer_spec=None) -> torch.nn.Module:
+    """The flags' GPTModel (megatron-core's local spec, or ``layer_spec``)."""
+    vocab_size = padded_vocab_size(tokenizer.vocab_size, args.make_vocab_size_divisible_by,
+                                   args.tensor_model_parallel_size)
+    return model_lib.build_gpt_model(transformer_config(args), vocab_size,
+                                     args.max_position_embeddings, layer_spec)
+
+
+def build_model_and_data(args: argparse.Namespace, layer_spec=None
+                         ) -> tuple[torch.nn.Module, data.GlobalBatches,
+                                    data.GlobalBatches | None]:
+    """What every run of the flags starts with: the process groups (a world of one for a
+    plain ``python`` run), seeds, then (model, training batches, validation batches or
+    None) of this data-parallel rank."""
+    from megatron.core import parallel_state
+
+    model_lib.init_distributed(args.tensor_model_parallel_size)
+    model_lib.set_seed(args.seed)
+    tokenizer = build_tokenizer(args.tokenizer_type, args.vocab_file, args.merge_file)
+    train, valid = build_data(args, tokenizer, parallel_state.get_data_parallel_rank(),
+                              parallel_state.get_data_parallel_world_size())
+    return build_model(args, tokenizer, layer_spec), train, valid
+
+
+def first_micro_batch(batches: data.GlobalBatches) -> tuple[torch.Tensor, torch.Tensor,
+                                                             torch.Tensor]:
+    """(tokens, labels, loss mask) of this rank's first training micro-batch."""
+    first = next(batches.micro_batches(0))
+    return first["tokens"], first["labels"], first["loss_mask"]
+
+
 def _average_over(group, value: float) -> float:
     tensor = torch.tensor([value], dtype=torch.float64)
     dist.all_reduce(tensor, group=group)
@@ -135,59 +200,14 @@ class Trainer:
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
         self.args = args
-        model_lib.init_distributed(args.tensor_model_parallel_size)
-        model_lib.set_seed(args.seed)
+        self.adacc = Adacc(AdaccConfig.from_args(args))
+        self.model, self.train_batches, self.valid_batches = build_model_and_data(
+            args, self.adacc.layer_spec())
         self.dp_group = parallel_state.get_data_parallel_group()
-        self.dp_rank = parallel_state.get_data_parallel_rank()
         self.dp_size = parallel_state.get_data_parallel_world_size()
-        self.is_logging_rank = dist.get_rank() == 0
-
-        self.tokenizer = build_tokenizer(args.tokenizer_type, args.vocab_file, args.merge_file)
-        spec = data.DataSpec(args.data_path, args.split, args.train_data_path,
-                             args.valid_data_path)
-        if not (spec.data_path or spec.train_data_path):
-            train_prefix, valid_prefix = self._demo_corpus()
-            spec = data.DataSpec(train_data_path=[train_prefix], valid_data_path=[valid_prefix])
-        evals = args.train_iters // args.eval_interval + 1 if args.eval_interval else 0
-        train_set, valid_set = data.build_datasets(
-            spec, self.tokenizer, args.seq_length, args.seed,
-            train_samples=args.train_iters * args.global_batch_size,
-            valid_samples=max(1, evals * args.eval_iters * args.global_batch_size),
-        )
-        self.train_batches = data.GlobalBatches(
-            train_set, args.global_batch_size, args.micro_batch_size, self.dp_rank, self.dp_size)
-        self.valid_batches = (data.GlobalBatches(
-            valid_set, args.global_batch_size, args.micro_batch_size, self.dp_rank, self.dp_size)
-            if valid_set is not None and len(valid_set) else None)
-
-        self.config = transformer_config(args)
-        self.vocab_size = padded_vocab_size(
-            self.tokenizer.vocab_size, args.make_vocab_size_divisible_by,
-            args.tensor_model_parallel_size)
-        self.model = model_lib.build_gpt_model(
-            self.config, self.vocab_size, args.max_position_embeddings,
-            get_adacc_layer_spec() if policies.uses_runtime(args.adacc_policy) else None)
-        self.static_bytes = static_bytes(self.model)
         # Profiling (auto) measures the bare model on the first real micro-batch, before any
         # data-parallel wrapper can synchronise its throwaway gradients.
-        self.policy = policies.resolve(
-            args.adacc_policy, args.adacc_memory_budget, self.model, self.first_micro_batch(),
-            db=ProfileDB(args.adacc_profile_db), reprofile=args.adacc_reprofile,
-            strict=args.adacc_strict)
-        self.plan = self.policy.plan
-        if self.is_logging_rank and self.plan is not None:
-            print(policies.describe(self.policy), flush=True)
-        if self.plan is not None:
-            apply_plan(self.model, self.plan, strict=args.adacc_strict)
-        self.rectifier = None
-        if args.adacc_tracking == "backoff" and self.policy.result is not None:
-            self.rectifier = rectifier.Rectifier(
-                policies.designated_codecs(self.policy.costs), self.policy.result,
-                self.policy.budget_bytes, sites=args.adacc_tracking_sites,
-                guard_threshold=args.adacc_guard_threshold,
-                reset_fraction=args.adacc_tracking_reset_fraction,
-                max_interval=args.adacc_tracking_max_interval, strict=args.adacc_strict)
-        self.activation_bytes: dict[str, int] = {}
+        self.adacc.setup(self.model, first_micro_batch(self.train_batches))
         self.train_model = self.model
         if self.dp_size > 1:
             self.train_model = torch.nn.parallel.DistributedDataParallel(
@@ -212,76 +232,27 @@ class Trainer:
             self.iteration, _ = checkpoint.load(args.load, self.model, self.optimizer,
                                                 self.scheduler)
 
-    def first_micro_batch(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(tokens, labels, loss mask) of this rank's first training micro-batch."""
-        first = next(self.train_batches.micro_batches(0))
-        return first["tokens"], first["labels"], first["loss_mask"]
-
-    def _demo_corpus(self) -> tuple[str, str]:
-        args = self.args
-        # Rank 0 tokenises; the others wait, then read the same files.
-        if dist.get_rank() == 0:
-            prefixes = data.prepare_demo_corpus(args.tokenizer_type, args.vocab_file,
-                                                args.merge_file)
-        dist.barrier()
-        if dist.get_rank() != 0:
-            prefixes = data.prepare_demo_corpus(args.tokenizer_type, args.vocab_file,
-                                                args.merge_file)
-        return prefixes
-
     def train_step(self, global_index: int, measure: bool = False) -> tuple[float, float]:
         """One optimizer step over a global batch; returns (loss, grad norm). With
-        ``measure``, the activation ruler watches the step and ``activation_bytes`` is updated
-        (the same ruler for the stock layer, megatron's recompute and every plan)."""
+        ``measure``, the activation ruler watches the step (the same ruler for the stock
+        layer, megatron's recompute and every plan)."""
         self.train_model.train()
         self.optimizer.zero_grad()
         micro = self.train_batches.num_micro_batches
         total = 0.0
-        ruler = ActivationRuler(self.model, strict=self.args.adacc_strict) if measure else None
-        with ruler or _nullcontext():
+        with self.adacc.measure(measure):
             for k, batch in enumerate(self.train_batches.micro_batches(global_index)):
+                micro_batch = batch["tokens"], batch["labels"], batch["loss_mask"]
+                if k == 0:
+                    self.step_batch = micro_batch  # what tracking samples after the step
                 sync = k == micro - 1 or self.dp_size == 1
-                with self.train_model.no_sync() if not sync else _nullcontext():
-                    loss = model_lib.gpt_loss(self.train_model, batch["tokens"],
-                                              batch["labels"], batch["loss_mask"])
-                    if ruler is not None:
-                        ruler.forward_done()
+                with self.train_model.no_sync() if not sync else contextlib.nullcontext():
+                    loss = model_lib.gpt_loss(self.train_model, *micro_batch)
                     (loss / micro).backward()
                 total += loss.item()
-        if ruler is not None:
-            report = ruler.report()
-            self.activation_bytes = {"activation_bytes": report.after_forward_bytes,
-                                     "activation_peak_bytes": report.peak_bytes}
         grad_norm = self.optimizer.clip_and_step(self.args.clip_grad)
         self.scheduler.step(1)
         return _average_over(self.dp_group, total / micro), grad_norm
-
-    def track(self) -> dict:
-        """After a step (its loss already taken), at a tracking iteration: the rectifier
-        samples the step's first micro-batch, and its swap is applied before the next
-        forward. Returns the metrics; every record carries the tracking time so far."""
-        rect = self.rectifier
-        record = {}
-        if rect.schedule.is_tracking(self.iteration):
-            first = next(self.train_batches.micro_batches(self.iteration - 1))
-            outcome = rect.observe(self.iteration, self.model,
-                                   (first["tokens"], first["labels"], first["loss_mask"]))
-            if outcome.infeasible and self.is_logging_rank:
-                print(f"adacc: iteration {self.iteration}: warning: {outcome.infeasible}; "
-                      "running the plan that overruns it least", flush=True)
-            if outcome.swap is not None:
-                self.plan = outcome.swap.new.plan
-                apply_plan(self.model, self.plan, strict=self.args.adacc_strict)
-                self.policy.plan, self.policy.result = self.plan, outcome.swap.new
-                if self.is_logging_rank:
-                    print(f"adacc: iteration {self.iteration}: plan {outcome.swap.old.plan.plan_id}"
-                          f" -> {self.plan.plan_id} ({outcome.swap.reason}, predicted gain "
-                          f"{outcome.swap.predicted_gain_s * 1e3:.3f} ms/step): "
-                          f"{outcome.swap.changed}", flush=True)
-            self.policy.costs = rect.costs  # predictions follow the refreshed payloads
-            record = outcome.to_record()
-        record["tracking_time_s_total"] = rect.tracking_time_s
-        return record
 
     @torch.no_grad()
     def evaluate(self) -> float | None:
@@ -307,7 +278,7 @@ class Trainer:
                 lr = self.optimizer.param_groups[0]["lr"]
                 # The ruler's hooks cost time, so it watches the first step and one step per
                 # --activation-measure-interval; records carry the latest measurement.
-                measure = (not self.activation_bytes
+                measure = (self.adacc.activation_bytes is None
                            or self.iteration % args.activation_measure_interval == 0)
                 start = time.perf_counter()
                 loss, grad_norm = self.train_step(self.iteration, measure)
@@ -320,17 +291,11 @@ class Trainer:
                     "step_time_s": elapsed,
                     "tokens_per_s": tokens_per_step / elapsed,
                     "grad_norm": grad_norm,
-                    **self.activation_bytes,
                     "activation_measured": measure,
-                    "static_bytes": self.static_bytes,
-                    "budget_bytes": self.policy.budget_bytes,
-                    "plan_id": self.policy.plan_id,
+                    **self.adacc.metrics(),
+                    # After the step's loss is taken: a swap applies from the next forward.
+                    **self.adacc.after_step(self.iteration, self.step_batch),
                 }
-                if self.policy.result is not None:
-                    record["predicted_activation_bytes"] = policies.predicted_activation_bytes(
-                        self.policy.costs, self.policy.result)
-                if self.rectifier is not None:
-                    record.update(self.track())
                 if args.eval_interval and (self.iteration % args.eval_interval == 0
                                            or self.iteration == args.train_iters):
                     val = self.evaluate()
@@ -346,11 +311,3 @@ class Trainer:
             progress.close()
             metrics.close()
         return metrics.records
-
-
-class _nullcontext:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False

@@ -64,16 +64,17 @@ def probe_budgets(args, flags: list[str]) -> dict:
     decisions compress, and with which codecs: lossless bitmasks or lossy int4)."""
     from collections import Counter
 
-    from megatron_adacc import planner, policies
+    from megatron_adacc import Adacc, AdaccConfig, planner, policies
     from megatron_adacc.arguments import parse_args
-    from megatron_adacc.trainer import Trainer
+    from megatron_adacc.trainer import build_model_and_data, first_micro_batch
 
-    trainer = Trainer(parse_args(flags + ["--train-iters", "1", "--lr-warmup-iters", "0",
-                                          "--seed", str(args.seeds[0]),
-                                          "--adacc-policy", "auto",
-                                          "--adacc-memory-budget", "1TiB",
-                                          "--adacc-tracking", "off"]))
-    result, costs = trainer.policy.result, trainer.policy.costs
+    probe = parse_args(flags + ["--train-iters", "1", "--lr-warmup-iters", "0",
+                                "--seed", str(args.seeds[0]), "--adacc-policy", "auto",
+                                "--adacc-memory-budget", "1TiB", "--adacc-tracking", "off"])
+    adacc = Adacc(AdaccConfig.from_args(probe))
+    model, batches, _ = build_model_and_data(probe, adacc.layer_spec())
+    adacc.setup(model, first_micro_batch(batches))
+    result, costs = adacc.result, adacc.costs
     minimum = result.minimum_feasible_budget
     everything = result.references["no optimisation"].peak_bytes
     budgets = {}
@@ -96,15 +97,13 @@ def probe_budgets(args, flags: list[str]) -> dict:
     # Adacc's codecs on every site (what quantize does with naive INT4): the accuracy of
     # layer-specific compression itself, whatever a budget makes the planner choose.
     from megatron_adacc.plan import Decision, Plan
-    from megatron_adacc.sites import COMPRESS
+    from megatron_adacc.sites import ABLATION_CODECS, COMPRESS, DECIDED_SITES
 
     forced = {}
     for name, no_outlier in (("codecs", False), ("codecs-no-outlier", True)):
         decisions = {}
-        for site in policies._decided_sites():
-            codec = None
-            if no_outlier and site.default_codec == "outlier_int4":
-                codec = policies.NO_OUTLIER_CODEC
+        for site in DECIDED_SITES:
+            codec = ABLATION_CODECS.get(site.default_codec) if no_outlier else None
             decisions[site.name] = Decision(COMPRESS, codec)
         path = os.path.join(args.workdir, f"plan-{name}.yaml")
         Plan.uniform(decisions).save(path)

@@ -14,19 +14,17 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
 import warnings
 from collections import Counter
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import bench_common as bc  # noqa: E402
+import bench_common as bc
 
-from megatron_adacc import model as model_lib  # noqa: E402
-from megatron_adacc import planner, policies, profiler  # noqa: E402
-from megatron_adacc.runtime import apply_plan, measure_step  # noqa: E402
-from megatron_adacc.units import format_size  # noqa: E402
+from megatron_adacc import model as model_lib
+from megatron_adacc import planner, policies, profiler
+from megatron_adacc.runtime import apply_plan, measure_step
+from megatron_adacc.units import format_size
 
 FRACTIONS = (0.25, 0.5, 0.75)   # of the way from the smallest feasible budget to no optimisation
 

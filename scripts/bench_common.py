@@ -32,14 +32,13 @@ from dataclasses import asdict, dataclass, replace
 from typing import Callable
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 
-import torch  # noqa: E402
+import torch
 
-from megatron_adacc import model as model_lib  # noqa: E402
-from megatron_adacc import planner, policies, profiler  # noqa: E402
-from megatron_adacc.plan import Plan  # noqa: E402
-from megatron_adacc.runtime import ActivationRuler, apply_plan, get_adacc_layer_spec  # noqa: E402
+from megatron_adacc import model as model_lib
+from megatron_adacc import planner, policies, profiler
+from megatron_adacc.plan import Plan
+from megatron_adacc.runtime import ActivationRuler, apply_plan, get_adacc_layer_spec
 
 RESULTS_DIR = os.path.join(ROOT, "docs", "results")
 FIGURES_DIR = os.path.join(ROOT, "docs", "figures")

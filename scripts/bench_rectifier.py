@@ -17,16 +17,13 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import tempfile
 import warnings
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from megatron_adacc import planner, policies  # noqa: E402
-from megatron_adacc.arguments import parse_args  # noqa: E402
-from megatron_adacc.trainer import Trainer  # noqa: E402
-from megatron_adacc.units import format_size  # noqa: E402
+from megatron_adacc import Adacc, AdaccConfig, planner, policies
+from megatron_adacc.arguments import parse_args
+from megatron_adacc.trainer import Trainer, build_model_and_data, first_micro_batch
+from megatron_adacc.units import format_size
 
 ACTION_CODE = {"retain": 0, "compress": 1, "recompute": 2}
 
@@ -50,8 +47,10 @@ def pick_budget(opts, db: str) -> tuple[int, planner.PlanResult]:
     """Profile once (into ``db``) and take the budget ``--budget-fraction`` of the way from
     the smallest feasible budget to no optimisation: tight enough that the plan has to pay
     for every byte, so payload changes can matter."""
-    probe = Trainer(parse_args(trainer_args(opts, db, None, "off")))
-    costs = policies.designated_codecs(probe.policy.costs)
+    flags = parse_args(trainer_args(opts, db, None, "off"))
+    adacc = Adacc(AdaccConfig.from_args(flags))
+    model, batches, _ = build_model_and_data(flags, adacc.layer_spec())
+    costs = policies.designated_codecs(adacc.setup(model, first_micro_batch(batches)).costs)
     loose = planner.plan(costs, 1 << 40, allow_lossy_sources=False)
     low = loose.minimum_feasible_budget
     high = loose.references["no optimisation"].peak_bytes

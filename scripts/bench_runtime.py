@@ -15,18 +15,16 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
 import warnings
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import torch  # noqa: E402
+import torch
 
-from megatron_adacc import model as model_lib  # noqa: E402
-from megatron_adacc.plan import Plan  # noqa: E402
-from megatron_adacc.runtime import apply_plan, get_adacc_layer_spec, measure_step  # noqa: E402
-from megatron_adacc.sites import SITE_NAMES, SITES  # noqa: E402
+from megatron_adacc import model as model_lib
+from megatron_adacc.plan import Plan
+from megatron_adacc.runtime import apply_plan, get_adacc_layer_spec, measure_step
+from megatron_adacc.sites import SITE_NAMES, SITES
 
 PAPER_COMPRESSED = ["ln1_out", "qkv", "softmax_out", "attn_dropout_mask", "attn_probs",
                     "context", "bda1_mask", "ln2_in", "ln2_out", "gelu_in", "gelu_out",

@@ -15,9 +15,9 @@ def main() -> None:
     args = parse_args(sys.argv[1:], world_size=int(__import__("os").environ["WORLD_SIZE"]))
     trainer = Trainer(args)
     trainer.train()
-    plan = trainer.plan.to_yaml() if trainer.plan is not None else None
+    plan = trainer.adacc.plan.to_yaml() if trainer.adacc.plan is not None else None
     gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, (trainer.policy.plan_id, plan))
+    dist.all_gather_object(gathered, (trainer.adacc.plan_id, plan))
     if dist.get_rank() == 0:
         print(json.dumps({"plan_ids": [g[0] for g in gathered], "plans": [g[1] for g in gathered]}))
     # Leave together: a rank exiting while its peer still talks to it aborts in gloo's teardown.

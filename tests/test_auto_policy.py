@@ -1,7 +1,7 @@
 """--adacc-policy auto and the paper's baselines, end to end through the Trainer."""
 import pytest
 
-from megatron_adacc import policies, profiler
+from megatron_adacc import profiler, sites
 from megatron_adacc.arguments import ConfigError, parse_args
 from megatron_adacc.sites import COMPRESS, RECOMPUTE, RETAIN
 from megatron_adacc.trainer import Trainer
@@ -32,7 +32,7 @@ def run(tmp_path, *flags):
 
 
 def actions(trainer) -> set[str]:
-    return {d.action for layer in trainer.policy.result.layer_decisions for d in layer.values()}
+    return {d.action for layer in trainer.adacc.result.layer_decisions for d in layer.values()}
 
 
 def test_auto_across_budgets_profiles_once_and_keeps_what_it_predicts(tmp_path, counted_profiles,
@@ -42,7 +42,7 @@ def test_auto_across_budgets_profiles_once_and_keeps_what_it_predicts(tmp_path, 
     trainer, records = run(tmp_path, "--adacc-policy", "auto", "--adacc-tracking", "off",
                            "--adacc-memory-budget", "1GiB")
     assert actions(trainer) == {RETAIN}          # everything fits: nothing to pay for
-    costs, result = trainer.policy.costs, trainer.policy.result
+    costs, result = trainer.adacc.costs, trainer.adacc.result
     assert "site" in capsys.readouterr().out     # the plan table, on rank 0
     minimum = result.minimum_feasible_budget
     no_optimisation = result.references["no optimisation"].peak_bytes
@@ -55,11 +55,11 @@ def test_auto_across_budgets_profiles_once_and_keeps_what_it_predicts(tmp_path, 
         assert actions(trainer) & {COMPRESS, RECOMPUTE}
         for record in records:
             assert METRICS <= set(record) and record["budget_bytes"] == budget
-            assert record["plan_id"] == trainer.plan.plan_id
+            assert record["plan_id"] == trainer.adacc.plan.plan_id
             assert abs(record["activation_bytes"] - record["predicted_activation_bytes"]) \
                 <= 0.02 * record["predicted_activation_bytes"]
     assert len(counted_profiles) == 1            # later runs reuse the ProfileDB
-    assert costs.to_dict() == trainer.policy.costs.to_dict()
+    assert costs.to_dict() == trainer.adacc.costs.to_dict()
 
     run(tmp_path, "--adacc-policy", "auto", "--adacc-memory-budget", "1GiB", "--adacc-reprofile")
     assert len(counted_profiles) == 2
@@ -89,7 +89,7 @@ def test_auto_on_a_cpu_needs_a_budget():
                                             ("quantize", COMPRESS), ("none", None)])
 def test_baselines_run_through_the_same_runtime_and_log(tmp_path, policy, action):
     trainer, records = run(tmp_path, "--adacc-policy", policy, "--adacc-memory-budget", "8MiB")
-    plan = trainer.plan
+    plan = trainer.adacc.plan
     if action is None:
         assert plan is None and records[0]["plan_id"] == "none"
     else:
@@ -97,7 +97,7 @@ def test_baselines_run_through_the_same_runtime_and_log(tmp_path, policy, action
         assert records[0]["plan_id"] == plan.plan_id
     for record in records:
         assert METRICS <= set(record) and record["budget_bytes"] == 8 << 20
-        assert record["static_bytes"] == trainer.static_bytes > 0
+        assert record["static_bytes"] == trainer.adacc.static_bytes > 0
     if policy == "quantize":
         codecs = {d.codec_for(s) for s, d in plan.for_layer(0).items() if d.action == COMPRESS}
-        assert codecs == {policies.QUANTIZE_CODEC, "bitmask"}
+        assert codecs == {sites.QUANTIZE_CODEC, "bitmask"}

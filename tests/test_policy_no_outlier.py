@@ -19,7 +19,7 @@ def test_no_outlier_plans_plain_int4_where_auto_separates_outliers(tmp_path, mon
     probe = Trainer(parse_args(TINY + ["--train-iters", "1", "--adacc-profile-db", db,
                                        "--adacc-policy", "auto", "--adacc-memory-budget",
                                        "1GiB"]))
-    result = probe.policy.result
+    result = probe.adacc.result
     budget = result.minimum_feasible_budget + (
         result.references["no optimisation"].peak_bytes - result.minimum_feasible_budget) // 3
     codecs = {}
@@ -27,7 +27,7 @@ def test_no_outlier_plans_plain_int4_where_auto_separates_outliers(tmp_path, mon
         trainer = Trainer(parse_args(TINY + ["--train-iters", "1", "--adacc-profile-db", db,
                                              "--adacc-policy", policy, "--adacc-memory-budget",
                                              str(budget), "--adacc-tracking", "off"]))
-        codecs[policy] = {d.codec for layer in trainer.policy.result.layer_decisions
+        codecs[policy] = {d.codec for layer in trainer.adacc.result.layer_decisions
                           for d in layer.values() if d.action == COMPRESS}
         trainer.train()
     assert "outlier_int4" not in codecs["auto-no-outlier"]

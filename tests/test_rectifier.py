@@ -179,7 +179,7 @@ def test_tracking_never_changes_the_loss_of_the_iteration_it_runs_in(tmp_path, o
     assert not any("tracking" in r for r in off)
 
     def never_swap(trainer):
-        trainer.rectifier._compare = lambda current, new: (None, "test")
+        trainer.adacc.rectifier._compare = lambda current, new: (None, "test")
 
     kept = run(tmp_path, *budget, adjust=never_swap)
     assert kept[0]["tracking"] and kept[1]["tracking"]       # iterations 1 and 2 track
@@ -189,7 +189,7 @@ def test_tracking_never_changes_the_loss_of_the_iteration_it_runs_in(tmp_path, o
 
     def tighten(trainer):
         # A budget the all-retain plan breaks: the first tracking iteration must swap.
-        trainer.rectifier.budget_bytes = trainer.policy.result.minimum_feasible_budget
+        trainer.adacc.rectifier.budget_bytes = trainer.adacc.result.minimum_feasible_budget
 
     swapped = run(tmp_path, *budget, adjust=tighten)
     first = swapped[0]

@@ -58,8 +58,12 @@ class ActivationRuler:
     """Context manager around forward (and backward, for the peak) of one training step.
 
         with ActivationRuler(model) as ruler:
-            loss = forward(); ruler.forward_done(); loss.backward()
+            loss = forward(); loss.backward()
         report = ruler.report()
+
+    The end of each forward is taken when its backward first reads a saved tensor (the
+    loss's, always saved outside the layers, so always seen here); ``forward_done()`` takes
+    it explicitly, for a forward with no backward.
     """
 
     def __init__(self, model: torch.nn.Module | None = None, strict: bool = False):
@@ -75,13 +79,14 @@ class ActivationRuler:
         self._stock_attributors: list[SiteAttributor] = []
         self._module_hooks = []
         self._hooks = None
+        self._forward_open = False  # saved something since the last forward end
 
     # --- scope ---------------------------------------------------------------------------
     def __enter__(self) -> "ActivationRuler":
         if self._model is not None:
             self._watch_stock_layers(self._model)
         _active.append(self)
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _identity)
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._hooks.__enter__()
         return self
 
@@ -124,6 +129,10 @@ class ActivationRuler:
 
     # --- what is kept --------------------------------------------------------------------
     def _pack(self, tensor):
+        # Saves made while backward runs (megatron's checkpoint re-running a forward) belong
+        # to backward: they must not end a forward, nor start one.
+        if torch._C._current_autograd_node() is None:
+            self._forward_open = True
         if isinstance(tensor, torch.nn.Parameter):
             return tensor
         if self._stock:
@@ -164,9 +173,15 @@ class ActivationRuler:
             self._by_site[entry[2]] -= entry[1]
             self.live_bytes -= entry[1]
 
+    def _unpack(self, saved):
+        if self._forward_open:
+            self.forward_done()
+        return saved
+
     # --- readings ------------------------------------------------------------------------
     def forward_done(self) -> None:
-        """Call between forward and backward: snapshots the bytes kept for backward."""
+        """Snapshot of the bytes kept for backward (the end of a forward)."""
+        self._forward_open = False
         if self.live_bytes >= self.after_forward_bytes:
             self.after_forward_bytes = self.live_bytes
             self._after_forward_by_site = {k: v for k, v in self._by_site.items() if v}
@@ -176,14 +191,9 @@ class ActivationRuler:
                                 dict(self._after_forward_by_site))
 
 
-def _identity(saved):
-    return saved
-
-
 def measure_step(model: torch.nn.Module, loss_fn, strict: bool = False) -> tuple[torch.Tensor, ActivationReport]:
     """Run `loss_fn()` (forward) and its backward under one ruler; returns (loss, report)."""
     with ActivationRuler(model, strict=strict) as ruler:
         loss = loss_fn()
-        ruler.forward_done()
         loss.backward()
     return loss, ruler.report()

@@ -17,7 +17,8 @@ from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from megatron_adacc.plan import Decision
 from megatron_adacc.runtime.accounting import active_ruler
-from megatron_adacc.runtime.attribution import MLP_SEGMENT, SiteAttributor
+from megatron_adacc.runtime.attribution import SiteAttributor
+from megatron_adacc.sites import MLP_SEGMENT
 from megatron_adacc.runtime.storage import (
     CompressedStorage,
     Handle,
@@ -49,6 +50,7 @@ class AdaccTransformerLayer(TransformerLayer):
         # Decisions live in `actions` (site -> (action, codec)); set_decisions fills it, and
         # instruments such as the profiler may swap it between steps.
         self.actions: dict[str, tuple[str, object]] = {}
+        self.codec_backend: str | None = None  # None: the codecs' default
         self._call: LayerCall | None = None
 
     @property
@@ -71,7 +73,8 @@ class AdaccTransformerLayer(TransformerLayer):
             if decision.action == COMPRESS:
                 from megatron_adacc import codecs
 
-                actions[site] = (COMPRESS, codecs.get(decision.codec_for(site)))
+                actions[site] = (COMPRESS, codecs.get(decision.codec_for(site),
+                                                      backend=self.codec_backend))
             elif decision.action == RECOMPUTE:
                 actions[site] = (RECOMPUTE, None)
         self.actions = actions

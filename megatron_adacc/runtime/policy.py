@@ -11,11 +11,13 @@ def adacc_layers(model: torch.nn.Module) -> list[AdaccTransformerLayer]:
     return [m for m in model.modules() if isinstance(m, AdaccTransformerLayer)]
 
 
-def apply_plan(model: torch.nn.Module, plan: Plan | None, strict: bool | None = None) -> None:
+def apply_plan(model: torch.nn.Module, plan: Plan | None, strict: bool | None = None,
+               codec_backend: str | None = None) -> None:
     """Give every AdaccTransformerLayer its decisions from `plan` (None: retain everything).
 
     Call between training steps, never between a forward and its backward. `strict` makes
-    an unattributed saved tensor an error instead of a retained "other" (None: unchanged).
+    an unattributed saved tensor an error instead of a retained "other"; `codec_backend`
+    picks the codec kernels (see codecs.BACKENDS); None leaves either as it was.
     """
     layers = adacc_layers(model)
     if not layers:
@@ -25,6 +27,8 @@ def apply_plan(model: torch.nn.Module, plan: Plan | None, strict: bool | None = 
     plan = plan if plan is not None else Plan()
     plan.validate_layers(max(layer.layer_index for layer in layers) + 1)
     for layer in layers:
-        layer.set_decisions(plan.for_layer(layer.layer_index))
         if strict is not None:
             layer.strict = strict
+        if codec_backend is not None:
+            layer.codec_backend = codec_backend
+        layer.set_decisions(plan.for_layer(layer.layer_index))

@@ -1,0 +1,275 @@
+"""``Adacc``: the one public entry point, owning Adacc's whole lifecycle in any megatron-core
+training loop.
+
+    from megatron_adacc import Adacc, AdaccConfig
+
+    adacc = Adacc(AdaccConfig(policy="auto", memory_budget="2GiB"))
+    model = GPTModel(config, adacc.layer_spec(), ...)         # megatron-core's local spec
+    adacc.setup(model, (tokens, labels, loss_mask))           # profile or ProfileDB, plan, apply
+    for iteration in range(1, iters + 1):
+        with adacc.measure(iteration):                        # measured steps only
+            loss = loss_fn(model, batch); loss.backward()
+        optimizer.step()
+        record = {**adacc.after_step(iteration, batch), **adacc.metrics()}
+
+``setup`` runs once: the policy is resolved (``auto`` profiles one step of the model on the
+given micro-batch, or reuses its ProfileDB row, and plans for the budget), applied to every
+Adacc layer, and its plan table printed on rank 0. ``after_step`` does nothing but on
+tracking iterations, where the rectifier samples the activations and a better plan is swapped
+in before the next forward. Every rank builds the same plan: rank 0's profile is broadcast,
+the planner is deterministic, the rectifier's statistics are rank 0's.
+
+The current plan has one holder: the rectifier while it tracks, else the resolved policy.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, fields
+from typing import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+
+from megatron_adacc import policies, profiler
+from megatron_adacc.costs import ModelCosts
+from megatron_adacc.plan import Plan
+from megatron_adacc.profile_db import ProfileDB
+from megatron_adacc.rectifier import (DEFAULT_GUARD_THRESHOLD, DEFAULT_MAX_INTERVAL,
+                                      DEFAULT_RESET_FRACTION, Rectifier)
+from megatron_adacc.runtime import ActivationRuler, apply_plan, get_adacc_layer_spec
+from megatron_adacc.sites import SITE_NAMES
+from megatron_adacc.units import parse_size
+
+TRACKING_MODES = ("backoff", "off")
+LossFn = Callable[[torch.nn.Module, profiler.Batch], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class AdaccConfig:
+    """Plain data: what ``--adacc-*`` flags (or a YAML config) say."""
+
+    policy: str = "none"                 # none | auto | auto-no-outlier | full-recompute |
+    #                                      quantize | a plan YAML file (see policies.py)
+    memory_budget: int | str | None = None   # bytes or "12GiB"; auto needs one on a CPU
+    tracking: str | None = None          # backoff | off; None: backoff with auto
+    tracking_sites: tuple[str, ...] | None = None
+    tracking_max_interval: int = DEFAULT_MAX_INTERVAL
+    tracking_reset_fraction: float = DEFAULT_RESET_FRACTION
+    guard_threshold: float = DEFAULT_GUARD_THRESHOLD
+    profile_db: str | None = None        # None: $ADACC_DATA_DIR/profiles.sqlite
+    reprofile: bool = False
+    codec_backend: str | None = None     # None: $ADACC_CODEC_BACKEND, else auto
+    strict: bool = False                 # an unattributed saved tensor is an error
+
+    def __post_init__(self) -> None:
+        # Messages name the flags: they are how users meet these settings.
+        if not policies.is_known(self.policy):
+            raise ValueError(f"--adacc-policy {self.policy}: not one of "
+                             f"{', '.join(policies.NAMED)} and not a plan file")
+        if self.tracking is not None and self.tracking not in TRACKING_MODES:
+            raise ValueError(f"--adacc-tracking {self.tracking}: expected one of "
+                             f"{', '.join(TRACKING_MODES)}")
+        if self.tracks and self.policy != "auto":
+            raise ValueError(f"--adacc-tracking backoff re-plans, so it needs --adacc-policy "
+                             f"auto (got {self.policy})")
+        if self.tracking_max_interval < 1:
+            raise ValueError("--adacc-tracking-max-interval must be positive")
+        if self.tracking_reset_fraction <= 0 or self.guard_threshold <= 0:
+            raise ValueError("--adacc-tracking-reset-fraction and --adacc-guard-threshold "
+                             "must be positive")
+        unknown = [site for site in self.tracking_sites or () if site not in SITE_NAMES]
+        if unknown:
+            raise ValueError(f"--adacc-tracking-sites: unknown {', '.join(unknown)}; valid "
+                             f"sites: {', '.join(SITE_NAMES)}")
+        self.budget_bytes  # noqa: B018 - a malformed size fails here, not at setup
+
+    @property
+    def budget_bytes(self) -> int | None:
+        if self.memory_budget is None or isinstance(self.memory_budget, int):
+            return self.memory_budget
+        try:
+            return parse_size(self.memory_budget)
+        except ValueError as exc:
+            raise ValueError(f"--adacc-memory-budget: {exc}") from None
+
+    @property
+    def tracks(self) -> bool:
+        """Tracking is on: asked for, or by default with auto."""
+        return (self.tracking or ("backoff" if self.policy == "auto" else "off")) == "backoff"
+
+    @classmethod
+    def from_args(cls, args) -> "AdaccConfig":
+        """From parsed ``--adacc-*`` flags (``adacc_policy`` -> ``policy``, ...)."""
+        values = {f.name: getattr(args, f"adacc_{f.name}") for f in fields(cls)
+                  if hasattr(args, f"adacc_{f.name}")}
+        if values.get("tracking_sites") is not None:
+            values["tracking_sites"] = tuple(values["tracking_sites"])
+        return cls(**values)
+
+
+class Adacc:
+    """Adacc for one model. See the module docstring for the loop it fits into."""
+
+    def __init__(self, config: AdaccConfig | None = None, **options):
+        self.config = config if config is not None else AdaccConfig(**options)
+        self.model: torch.nn.Module | None = None
+        self.static_bytes: int | None = None
+        self.activation_bytes: int | None = None       # the ruler's last measurement
+        self.activation_peak_bytes: int | None = None
+        self._resolved: policies.Resolved | None = None
+        self._rectifier: Rectifier | None = None
+        self._batch: profiler.Batch | None = None
+        self._loss_fn: LossFn | None = None
+
+    # --- building the model ------------------------------------------------------------------
+    def layer_spec(self):
+        """The layer spec to build the GPTModel with: megatron-core's local spec for policy
+        ``none``, its Adacc substitution for every other policy."""
+        if not policies.uses_runtime(self.config.policy):
+            from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+            return get_gpt_layer_local_spec()
+        return get_adacc_layer_spec()
+
+    # --- set-up --------------------------------------------------------------------------------
+    def setup(self, model: torch.nn.Module, batch: profiler.Batch,
+              loss_fn: LossFn | None = None, *, verbose: bool = True) -> "Adacc":
+        """Resolve the policy for ``model`` (built with ``layer_spec()``) and apply it.
+        ``batch`` is a real micro-batch (tokens, labels, loss mask) of this rank, at the
+        micro-batch size training runs; ``loss_fn(model, batch)`` its scalar loss (default:
+        the GPT language-model loss). Call before wrapping the model for data parallelism:
+        profiling steps must not synchronise their throwaway gradients. Raises
+        planner.InfeasibleBudget (a ValueError naming the smallest feasible budget) when no
+        plan fits."""
+        config = self.config
+        self.model, self._batch = model, batch
+        self._loss_fn = loss_fn
+        self.static_bytes = profiler.static_bytes(model)
+        self._resolved = policies.resolve(
+            config.policy, self._budget(), model, batch, db=ProfileDB(config.profile_db),
+            reprofile=config.reprofile, strict=config.strict, loss_fn=loss_fn)
+        if self._resolved.plan is not None:
+            self._apply(self._resolved.plan)
+        if config.tracks and self._resolved.result is not None:
+            self._rectifier = Rectifier(
+                policies.designated_codecs(self._resolved.costs), self._resolved.result,
+                self._resolved.budget_bytes, sites=config.tracking_sites,
+                guard_threshold=config.guard_threshold,
+                reset_fraction=config.tracking_reset_fraction,
+                max_interval=config.tracking_max_interval, strict=config.strict)
+        if verbose and _is_rank0() and self._resolved.plan is not None:
+            print(policies.describe(self._resolved), flush=True)
+        return self
+
+    def _budget(self) -> int | None:
+        budget = self.config.budget_bytes
+        return budget if budget is not None else policies.default_budget()
+
+    def _apply(self, plan: Plan) -> None:
+        apply_plan(self.model, plan, strict=self.config.strict,
+                   codec_backend=self.config.codec_backend)
+
+    # --- every step ----------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def measure(self, enabled: bool = True) -> Iterator[ActivationRuler | None]:
+        """Around one training step (forward and backward of every micro-batch): the one
+        byte ruler measures the activations kept for backward (``activation_bytes``, the
+        largest over the micro-batches) and the step's peak. Its hooks cost time: measure
+        the first step and then now and then (``enabled``)."""
+        if not enabled:
+            yield None
+            return
+        with ActivationRuler(self.model, strict=self.config.strict) as ruler:
+            yield ruler
+        report = ruler.report()
+        self.activation_bytes = report.after_forward_bytes
+        self.activation_peak_bytes = report.peak_bytes
+
+    def after_step(self, iteration: int, batch: profiler.Batch | None = None) -> dict:
+        """After optimizer step ``iteration`` (1-based: steps done so far). On tracking
+        iterations the rectifier samples ``batch`` (default: the set-up batch) and a better
+        plan, if it finds one, is applied before the next forward; returns the tracking
+        record. Otherwise does nothing and returns {} (or only the tracking time so far)."""
+        rect = self._rectifier
+        if rect is None:
+            return {}
+        record = {}
+        if rect.schedule.is_tracking(iteration):
+            outcome = rect.observe(iteration, self.model, batch or self._batch,
+                                   loss_fn=self._loss_fn)
+            if outcome.infeasible and _is_rank0():
+                print(f"adacc: iteration {iteration}: warning: {outcome.infeasible}; "
+                      "running the plan that overruns it least", flush=True)
+            if outcome.swap is not None:
+                self._apply(outcome.swap.new.plan)
+                if _is_rank0():
+                    swap = outcome.swap
+                    print(f"adacc: iteration {iteration}: plan {swap.old.plan.plan_id} -> "
+                          f"{swap.new.plan.plan_id} ({swap.reason}, predicted gain "
+                          f"{swap.predicted_gain_s * 1e3:.3f} ms/step): {swap.changed}",
+                          flush=True)
+            record = outcome.to_record()
+        record["tracking_time_s_total"] = rect.tracking_time_s
+        return record
+
+    # --- readings ------------------------------------------------------------------------------
+    @property
+    def rectifier(self) -> Rectifier | None:
+        """The rectifier while tracking is on."""
+        return self._rectifier
+
+    @property
+    def result(self):
+        """The current planner result (auto policies), None for fixed plans."""
+        if self._rectifier is not None:
+            return self._rectifier.result
+        return self._resolved.result if self._resolved is not None else None
+
+    @property
+    def plan(self) -> Plan | None:
+        """The plan the layers run now (None: megatron's stock layer)."""
+        result = self.result
+        if result is not None:
+            return result.plan
+        return self._resolved.plan if self._resolved is not None else None
+
+    @property
+    def plan_id(self) -> str:
+        return self.plan.plan_id if self.plan is not None else "none"
+
+    @property
+    def costs(self) -> ModelCosts | None:
+        """The costs the current plan was planned with (refreshed by tracking)."""
+        if self._rectifier is not None:
+            return self._rectifier.costs
+        return self._resolved.costs if self._resolved is not None else None
+
+    @property
+    def budget_bytes(self) -> int | None:
+        return self._resolved.budget_bytes if self._resolved is not None else None
+
+    @property
+    def predicted_activation_bytes(self) -> int | None:
+        """What the planner predicts ``activation_bytes`` will measure (auto policies)."""
+        if self.result is None:
+            return None
+        return policies.predicted_activation_bytes(self.costs, self.result)
+
+    def metrics(self) -> dict:
+        """The numbers a metrics record carries about Adacc."""
+        record = {"static_bytes": self.static_bytes, "budget_bytes": self.budget_bytes,
+                  "plan_id": self.plan_id}
+        if self.activation_bytes is not None:
+            record["activation_bytes"] = self.activation_bytes
+            record["activation_peak_bytes"] = self.activation_peak_bytes
+        if self.result is not None:
+            record["predicted_activation_bytes"] = self.predicted_activation_bytes
+        return record
+
+    def describe(self) -> str:
+        """Where the costs came from and the plan table (what ``setup`` prints)."""
+        return policies.describe(self._resolved)
+
+
+def _is_rank0() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
