@@ -37,7 +37,7 @@ sys.path.insert(0, ROOT)
 import torch  # noqa: E402
 
 from megatron_adacc import model as model_lib  # noqa: E402
-from megatron_adacc import planner, policies, profiler  # noqa: E402
+from megatron_adacc import planning, policies, profiler  # noqa: E402
 from megatron_adacc.plan import Plan  # noqa: E402
 from megatron_adacc.runtime import ActivationRuler, apply_plan, get_adacc_layer_spec  # noqa: E402
 
@@ -232,8 +232,8 @@ class Models:
     def adacc_auto(self, costs, budget: int) -> Variant | None:
         """Adacc's plan for ``budget`` (None when the planner finds nothing that fits)."""
         try:
-            result = planner.plan(costs, budget, allow_lossy_sources=False)
-        except planner.InfeasibleBudget:
+            result = planning.plan(costs, budget, allow_lossy_sources=False)
+        except planning.InfeasibleBudget:
             return None
         mix: dict[str, int] = {}
         for layer in result.layer_decisions:

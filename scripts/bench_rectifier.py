@@ -23,7 +23,7 @@ import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_adacc import planner, policies  # noqa: E402
+from megatron_adacc import planning, policies  # noqa: E402
 from megatron_adacc.arguments import parse_args  # noqa: E402
 from megatron_adacc.trainer import Trainer  # noqa: E402
 from megatron_adacc.units import format_size  # noqa: E402
@@ -46,17 +46,17 @@ def trainer_args(opts, db: str, budget: int | None, tracking: str) -> list[str]:
     return flags
 
 
-def pick_budget(opts, db: str) -> tuple[int, planner.PlanResult]:
+def pick_budget(opts, db: str) -> tuple[int, planning.PlanResult]:
     """Profile once (into ``db``) and take the budget ``--budget-fraction`` of the way from
     the smallest feasible budget to no optimisation: tight enough that the plan has to pay
     for every byte, so payload changes can matter."""
     probe = Trainer(parse_args(trainer_args(opts, db, None, "off")))
     costs = policies.designated_codecs(probe.policy.costs)
-    loose = planner.plan(costs, 1 << 40, allow_lossy_sources=False)
+    loose = planning.plan(costs, 1 << 40, allow_lossy_sources=False)
     low = loose.minimum_feasible_budget
     high = loose.references["no optimisation"].peak_bytes
     budget = int(low + opts.budget_fraction * (high - low))
-    return budget, planner.plan(costs, budget, allow_lossy_sources=False)
+    return budget, planning.plan(costs, budget, allow_lossy_sources=False)
 
 
 def interleaved(opts, db: str, budget: int) -> dict[str, tuple[Trainer, list[dict]]]:
@@ -93,7 +93,7 @@ def summary(records: list[dict], tokens_per_step: int, budget: int, static: int)
     }
 
 
-def plan_timeline(initial: planner.PlanResult, records: list[dict]):
+def plan_timeline(initial: planning.PlanResult, records: list[dict]):
     """(site, layer) -> action code at each iteration, replaying the swaps' changes."""
     current = {(site, layer): decision.action
                for layer, decisions in enumerate(initial.layer_decisions)
@@ -107,7 +107,7 @@ def plan_timeline(initial: planner.PlanResult, records: list[dict]):
     return timeline
 
 
-def figures(records: list[dict], initial: planner.PlanResult, figure_dir: str) -> list[str]:
+def figures(records: list[dict], initial: planning.PlanResult, figure_dir: str) -> list[str]:
     import matplotlib
 
     matplotlib.use("Agg")
