@@ -65,7 +65,7 @@ def plan_direct_milp(costs: ModelCosts, budget: int, per_layer: bool,
             for segment in costs.segments]
     rebuild = {(g, k): pulp.LpVariable(f"rebuild_{g}_{k}", lowBound=0)
                for g in groups for k in range(len(held))}
-    # The non-additive parts of transient(l), in MiB (see model.layer_transient).
+    # The non-additive parts of transient(l), in MiB: decoded_bytes, rerun_source_bytes.
     decoded = {g: pulp.LpVariable(f"decoded_{g}", lowBound=0) for g in groups}
     source = {g: pulp.LpVariable(f"source_{g}", lowBound=0) for g in groups}
     weight = 1 if per_layer else num_layers

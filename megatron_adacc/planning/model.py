@@ -169,13 +169,14 @@ def is_exact(costs: ModelCosts, decisions: Mapping[str, Decision]) -> bool:
 
 def _chosen_options(costs: ModelCosts, decisions: Mapping[str, Decision]
                     ) -> dict[str, SiteOption]:
+    """Each site's option under ``decisions`` (a site they leave out is retained)."""
     return {site.name: site_option(site, decisions.get(site.name, RETAIN_DECISION))
             for site in costs.sites}
 
 
-def layer_transient(costs: ModelCosts, decisions: Mapping[str, Decision]) -> int:
+def _layer_transient(costs: ModelCosts, decisions: Mapping[str, Decision],
+                     options: Mapping[str, SiteOption]) -> int:
     """transient(l) of the module docstring."""
-    options = _chosen_options(costs, decisions)
     additive = sum(option.transient for option in options.values())
     largest_compressed = max((site.bytes for site in costs.sites
                               if options[site.name].decision.action == COMPRESS), default=0)
@@ -184,19 +185,25 @@ def layer_transient(costs: ModelCosts, decisions: Mapping[str, Decision]) -> int
     return additive + decoded_bytes(largest_compressed) + source
 
 
-def site_times(costs: ModelCosts, decisions: Mapping[str, Decision]) -> dict[str, float]:
-    """Added time of a layer policy by site: codec times, rebuild charges."""
-    times = {name: option.time_s for name, option in _chosen_options(costs, decisions).items()}
+def _site_times(costs: ModelCosts, decisions: Mapping[str, Decision],
+                options: Mapping[str, SiteOption]) -> dict[str, float]:
+    times = {name: option.time_s for name, option in options.items()}
     for name, charge in rebuild_charges(costs, _recomputed(decisions)).items():
         times[name] += charge
     return times
 
 
+def site_times(costs: ModelCosts, decisions: Mapping[str, Decision]) -> dict[str, float]:
+    """Added time of a layer policy by site: codec times, rebuild charges."""
+    return _site_times(costs, decisions, _chosen_options(costs, decisions))
+
+
 def evaluate_layer(costs: ModelCosts, decisions: Mapping[str, Decision]) -> LayerPolicy:
     """The cost vector of a layer policy, straight from the definitions."""
-    stored = sum(option.stored for option in _chosen_options(costs, decisions).values())
-    return LayerPolicy(dict(decisions), sum(site_times(costs, decisions).values()), stored,
-                       layer_transient(costs, decisions))
+    options = _chosen_options(costs, decisions)
+    return LayerPolicy(dict(decisions), sum(_site_times(costs, decisions, options).values()),
+                       sum(option.stored for option in options.values()),
+                       _layer_transient(costs, decisions, options))
 
 
 # --- a plan's peak ---------------------------------------------------------------------------
