@@ -11,11 +11,15 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
-from megatron_adacc import hardware, planning
-from megatron_adacc.units import format_size
+# This checkout's package, as the other benchmarks import it, not whichever one is installed.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from megatron_adacc import hardware, planning  # noqa: E402
+from megatron_adacc.units import format_size  # noqa: E402
 
 GiB = 1024**3
 
