@@ -139,7 +139,7 @@ class Adacc:
         micro-batch size training runs; ``loss_fn(model, batch)`` its scalar loss (default:
         the GPT language-model loss). Call before wrapping the model for data parallelism:
         profiling steps must not synchronise their throwaway gradients. Raises
-        planner.InfeasibleBudget (a ValueError naming the smallest feasible budget) when no
+        planning.InfeasibleBudget (a ValueError naming the smallest feasible budget) when no
         plan fits."""
         config = self.config
         self.model, self._batch = model, batch

@@ -20,7 +20,7 @@ import yaml
 
 from megatron_adacc import hardware
 from megatron_adacc.costs import ModelCosts
-from megatron_adacc.planner import InfeasibleBudget, plan
+from megatron_adacc.planning import InfeasibleBudget, plan
 from megatron_adacc.report import format_plan
 from megatron_adacc.units import parse_size
 

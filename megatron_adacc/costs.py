@@ -13,7 +13,7 @@ Rebuild times are not per-op: the runtime rebuilds recomputed sites by re-runnin
 segments (``segments``, in forward order) from a segment's start, and stops once the deepest
 recomputed site is saved again. So each site records ``rebuild_s``, the time from its
 segment's start to its save: what rebuilding costs when it is the deepest recomputed site of
-its segment. The planner turns these into a layer's rebuild time (planner.rebuild_charges).
+its segment. The planner turns these into a layer's rebuild time (planning.rebuild_charges).
 """
 from __future__ import annotations
 

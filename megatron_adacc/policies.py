@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megatron_adacc import hardware, planner, profiler
+from megatron_adacc import hardware, planning, profiler
 from megatron_adacc import sites as site_table
 from megatron_adacc.costs import ModelCosts
 from megatron_adacc.plan import Decision, Plan
@@ -70,10 +70,10 @@ def default_budget() -> int | None:
     return capacity - hardware.DEFAULT_RESERVED_BYTES
 
 
-def predicted_activation_bytes(costs: ModelCosts, result: planner.PlanResult) -> int:
+def predicted_activation_bytes(costs: ModelCosts, result: planning.PlanResult) -> int:
     """Activation bytes kept at the end of forward under ``result``, the quantity the ruler
     reports as ``activation_bytes``: non-layer bytes plus what every layer stores."""
-    return costs.non_layer_bytes + sum(planner.evaluate_layer(costs, decisions).stored_bytes
+    return costs.non_layer_bytes + sum(planning.evaluate_layer(costs, decisions).stored_bytes
                                        for decisions in result.layer_decisions)
 
 
@@ -83,7 +83,7 @@ class Resolved:
     plan: Plan | None              # None: megatron's stock layer
     budget_bytes: int | None
     costs: ModelCosts | None = None
-    result: planner.PlanResult | None = None
+    result: planning.PlanResult | None = None
     profile_s: float | None = None  # None: the costs came from the ProfileDB
 
     @property
@@ -96,7 +96,7 @@ def resolve(policy: str, budget_bytes: int | None, model: torch.nn.Module | None
             reprofile: bool = False, strict: bool = False,
             loss_fn: profiler.LossFn | None = None) -> Resolved:
     """The plan for ``policy``. ``auto`` needs the model (built with the Adacc layer spec)
-    and one real micro-batch, and raises planner.InfeasibleBudget (a ValueError naming the
+    and one real micro-batch, and raises planning.InfeasibleBudget (a ValueError naming the
     smallest feasible budget) when nothing fits."""
     if policy == "none":
         return Resolved(policy, None, budget_bytes)
@@ -112,7 +112,7 @@ def resolve(policy: str, budget_bytes: int | None, model: torch.nn.Module | None
                                       loss_fn)
     # Every rank plans the same costs with the same deterministic planner: one plan, and an
     # infeasible budget fails on every rank alike instead of leaving the others waiting.
-    result = planner.plan(planning_costs(policy, costs), budget_bytes, allow_lossy_sources=False)
+    result = planning.plan(planning_costs(policy, costs), budget_bytes, allow_lossy_sources=False)
     return Resolved(policy, result.plan, budget_bytes, costs, result, profile_s)
 
 

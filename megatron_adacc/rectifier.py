@@ -29,7 +29,7 @@ from typing import Iterable, Mapping
 import torch
 import torch.distributed as dist
 
-from megatron_adacc import planner, profiler
+from megatron_adacc import planning, profiler
 from megatron_adacc import sites as site_table
 from megatron_adacc.costs import ModelCosts
 from megatron_adacc.plan import RETAIN_DECISION
@@ -124,8 +124,8 @@ def site_stats(sample: profiler.SiteSample, full_bytes: int) -> SiteStats:
 class PlanSwap:
     """A decided swap: what the trainer applies before the next forward."""
 
-    old: planner.PlanResult
-    new: planner.PlanResult
+    old: planning.PlanResult
+    new: planning.PlanResult
     reason: str                        # "faster", "over budget" or "guard"
     changed: list[dict]                # {site, layers, from, to}
     predicted_gain_s: float            # added time per step saved (< 0: forced, slower)
@@ -173,7 +173,7 @@ class Outcome:
 class Rectifier:
     """Holds the current costs and plan; ``observe`` at tracking iterations."""
 
-    def __init__(self, costs: ModelCosts, result: planner.PlanResult, budget_bytes: int, *,
+    def __init__(self, costs: ModelCosts, result: planning.PlanResult, budget_bytes: int, *,
                  sites: Iterable[str] | None = None,
                  guard_threshold: float = DEFAULT_GUARD_THRESHOLD,
                  reset_fraction: float = DEFAULT_RESET_FRACTION,
@@ -232,12 +232,12 @@ class Rectifier:
         self.costs = refreshed_costs(self.costs, stats, self.guarded)
 
         try:
-            new = planner.plan(self.costs, self.budget_bytes,
-                               allow_lossy_sources=self.allow_lossy_sources)
-        except planner.InfeasibleBudget as exc:
+            new = planning.plan(self.costs, self.budget_bytes,
+                                allow_lossy_sources=self.allow_lossy_sources)
+        except planning.InfeasibleBudget as exc:
             # Payloads grew past what the budget allows: the least-peak plan overruns it least.
-            new = planner.plan(self.costs, exc.minimum_budget,
-                               allow_lossy_sources=self.allow_lossy_sources)
+            new = planning.plan(self.costs, exc.minimum_budget,
+                                allow_lossy_sources=self.allow_lossy_sources)
             outcome.infeasible = f"no plan fits the budget any more: {exc}"
         outcome.swap, outcome.note = self._compare(self.result, new)
         if outcome.swap is not None:
@@ -245,7 +245,7 @@ class Rectifier:
             self.swaps += 1
         return outcome
 
-    def _compare(self, current: planner.PlanResult, new: planner.PlanResult
+    def _compare(self, current: planning.PlanResult, new: planning.PlanResult
                  ) -> tuple[PlanSwap | None, str]:
         if new.plan.plan_id == current.plan.plan_id:
             return None, "the plan is still optimal"
@@ -253,11 +253,11 @@ class Rectifier:
         # still the one it was planned with.
         gain = current.added_time_s - new.added_time_s
         try:
-            layers = [planner.evaluate_layer(self.costs, decisions)
+            layers = [planning.evaluate_layer(self.costs, decisions)
                       for decisions in current.layer_decisions]
         except ValueError:  # it compresses a site the guard now forbids
             return self._swap(current, new, "guard", gain), ""
-        if planner.peak_bytes(self.costs, layers) > self.budget_bytes:
+        if planning.peak_bytes(self.costs, layers) > self.budget_bytes:
             return self._swap(current, new, "over budget", gain), ""
         if gain <= MIN_GAIN_FRACTION * current.added_time_s:
             return None, "another plan is optimal too, but no faster"
@@ -300,7 +300,7 @@ def refreshed_costs(costs: ModelCosts, stats: Mapping[str, SiteStats],
     return replace(costs, sites=sites)
 
 
-def changed_decisions(old: planner.PlanResult, new: planner.PlanResult) -> list[dict]:
+def changed_decisions(old: planning.PlanResult, new: planning.PlanResult) -> list[dict]:
     """Every (site, old decision, new decision) that differs, with the layers it covers."""
     groups: dict[tuple[str, str, str], list[int]] = {}
     for layer, (before, after) in enumerate(zip(old.layer_decisions, new.layer_decisions)):

@@ -2,7 +2,7 @@
 optimisation and full recompute. Plain text, no dependencies."""
 from __future__ import annotations
 
-from megatron_adacc.planner import PlanResult
+from megatron_adacc.planning import PlanResult
 from megatron_adacc.units import format_size
 
 

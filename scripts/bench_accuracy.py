@@ -64,7 +64,7 @@ def probe_budgets(args, flags: list[str]) -> dict:
     decisions compress, and with which codecs: lossless bitmasks or lossy int4)."""
     from collections import Counter
 
-    from megatron_adacc import Adacc, AdaccConfig, planner, policies
+    from megatron_adacc import Adacc, AdaccConfig, planning, policies
     from megatron_adacc.arguments import parse_args
     from megatron_adacc.trainer import build_model_and_data, first_micro_batch
 
@@ -82,7 +82,7 @@ def probe_budgets(args, flags: list[str]) -> dict:
         budget = int(minimum + fraction * (everything - minimum))
         plans, plan_ids = {}, {}
         for policy in ("auto", "auto-no-outlier"):
-            planned = planner.plan(policies.planning_costs(policy, costs), budget,
+            planned = planning.plan(policies.planning_costs(policy, costs), budget,
                                    allow_lossy_sources=False)
             plan_ids[policy] = planned.plan.plan_id
             mix = Counter()

@@ -22,7 +22,7 @@ from collections import Counter
 import bench_common as bc
 
 from megatron_adacc import model as model_lib
-from megatron_adacc import planner, policies, profiler
+from megatron_adacc import planning, policies, profiler
 from megatron_adacc.runtime import apply_plan, measure_step
 from megatron_adacc.units import format_size
 
@@ -57,9 +57,9 @@ def main() -> None:
     # Planned exactly as --adacc-policy auto plans (designated codecs, exact sources).
     costs = policies.designated_codecs(profiler.profile(adacc, batch, repeats=args.repeats))
     profile_s = time.perf_counter() - started
-    minimum = planner.minimum_budget(costs, allow_lossy_sources=False)
-    minimum += costs.num_layers * planner.default_resolution(costs)
-    everything = planner.plan(costs, 1 << 40).references["no optimisation"].peak_bytes
+    minimum = planning.minimum_budget(costs, allow_lossy_sources=False)
+    minimum += costs.num_layers * planning.default_resolution(costs)
+    everything = planning.plan(costs, 1 << 40).references["no optimisation"].peak_bytes
 
     # variant -> (model, plan to apply before each step or None)
     variants = {
@@ -72,7 +72,7 @@ def main() -> None:
     results = {}
     for fraction in FRACTIONS:
         budget = int(minimum + fraction * (everything - minimum))
-        result = planner.plan(costs, budget, allow_lossy_sources=False)
+        result = planning.plan(costs, budget, allow_lossy_sources=False)
         name = f"auto @ {format_size(budget)}"
         variants[name] = (adacc, result.plan)
         mix = Counter(d.action for layer in result.layer_decisions for d in layer.values())

@@ -36,7 +36,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 import torch
 
 from megatron_adacc import model as model_lib
-from megatron_adacc import planner, policies, profiler
+from megatron_adacc import planning, policies, profiler
 from megatron_adacc.plan import Plan
 from megatron_adacc.runtime import ActivationRuler, apply_plan, get_adacc_layer_spec
 
@@ -231,8 +231,8 @@ class Models:
     def adacc_auto(self, costs, budget: int) -> Variant | None:
         """Adacc's plan for ``budget`` (None when the planner finds nothing that fits)."""
         try:
-            result = planner.plan(costs, budget, allow_lossy_sources=False)
-        except planner.InfeasibleBudget:
+            result = planning.plan(costs, budget, allow_lossy_sources=False)
+        except planning.InfeasibleBudget:
             return None
         mix: dict[str, int] = {}
         for layer in result.layer_decisions:

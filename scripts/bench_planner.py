@@ -14,7 +14,7 @@ import statistics
 import time
 from pathlib import Path
 
-from megatron_adacc import hardware, planner
+from megatron_adacc import hardware, planning
 from megatron_adacc.units import format_size
 
 GiB = 1024**3
@@ -24,9 +24,9 @@ def _time(costs, budget, per_layer, method, cold, repeats):
     samples, result = [], None
     for _ in range(repeats):
         if cold:
-            planner._frontier.cache_clear()
+            planning.clear_frontier_cache()
         started = time.perf_counter()
-        result = planner.plan(costs, budget, per_layer=per_layer, method=method)
+        result = planning.plan(costs, budget, per_layer=per_layer, method=method)
         samples.append(time.perf_counter() - started)
     return statistics.median(samples) * 1e3, result
 

@@ -20,7 +20,7 @@ import statistics
 import tempfile
 import warnings
 
-from megatron_adacc import Adacc, AdaccConfig, planner, policies
+from megatron_adacc import Adacc, AdaccConfig, planning, policies
 from megatron_adacc.arguments import parse_args
 from megatron_adacc.trainer import Trainer, build_model_and_data, first_micro_batch
 from megatron_adacc.units import format_size
@@ -43,7 +43,7 @@ def trainer_args(opts, db: str, budget: int | None, tracking: str) -> list[str]:
     return flags
 
 
-def pick_budget(opts, db: str) -> tuple[int, planner.PlanResult]:
+def pick_budget(opts, db: str) -> tuple[int, planning.PlanResult]:
     """Profile once (into ``db``) and take the budget ``--budget-fraction`` of the way from
     the smallest feasible budget to no optimisation: tight enough that the plan has to pay
     for every byte, so payload changes can matter."""
@@ -51,11 +51,11 @@ def pick_budget(opts, db: str) -> tuple[int, planner.PlanResult]:
     adacc = Adacc(AdaccConfig.from_args(flags))
     model, batches, _ = build_model_and_data(flags, adacc.layer_spec())
     costs = policies.designated_codecs(adacc.setup(model, first_micro_batch(batches)).costs)
-    loose = planner.plan(costs, 1 << 40, allow_lossy_sources=False)
+    loose = planning.plan(costs, 1 << 40, allow_lossy_sources=False)
     low = loose.minimum_feasible_budget
     high = loose.references["no optimisation"].peak_bytes
     budget = int(low + opts.budget_fraction * (high - low))
-    return budget, planner.plan(costs, budget, allow_lossy_sources=False)
+    return budget, planning.plan(costs, budget, allow_lossy_sources=False)
 
 
 def interleaved(opts, db: str, budget: int) -> dict[str, tuple[Trainer, list[dict]]]:
@@ -92,7 +92,7 @@ def summary(records: list[dict], tokens_per_step: int, budget: int, static: int)
     }
 
 
-def plan_timeline(initial: planner.PlanResult, records: list[dict]):
+def plan_timeline(initial: planning.PlanResult, records: list[dict]):
     """(site, layer) -> action code at each iteration, replaying the swaps' changes."""
     current = {(site, layer): decision.action
                for layer, decisions in enumerate(initial.layer_decisions)
@@ -106,7 +106,7 @@ def plan_timeline(initial: planner.PlanResult, records: list[dict]):
     return timeline
 
 
-def figures(records: list[dict], initial: planner.PlanResult, figure_dir: str) -> list[str]:
+def figures(records: list[dict], initial: planning.PlanResult, figure_dir: str) -> list[str]:
     import matplotlib
 
     matplotlib.use("Agg")

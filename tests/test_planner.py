@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from megatron_adacc import planner
+from megatron_adacc import planning as planner
 from megatron_adacc import hardware
 from megatron_adacc.costs import CodecCost, ModelCosts, SiteCost
 from megatron_adacc.plan import Decision

@@ -7,7 +7,7 @@ from megatron_adacc import costs as costs_lib
 from megatron_adacc import model as model_lib
 from megatron_adacc.optimizer import MainParamAdamW
 from megatron_adacc.plan import Decision, Plan
-from megatron_adacc.planner import default_resolution, minimum_budget, plan
+from megatron_adacc.planning import default_resolution, minimum_budget, plan
 from megatron_adacc.policies import predicted_activation_bytes
 from megatron_adacc.profiler import profile, refresh_codec_costs, static_bytes
 from megatron_adacc.runtime import apply_plan, measure_step
@@ -125,7 +125,7 @@ def test_refresh_codec_costs_remeasures_only_the_named_sites(profiled):
 
 def test_the_runtime_reruns_what_the_planner_charges(distributed, monkeypatch):
     """The planner charges one re-run per layer from the first rebuilt segment's start to the
-    deepest recomputed site, earlier segments whole (planner.rebuild_charges): the runtime
+    deepest recomputed site, earlier segments whole (planning.rebuild_charges): the runtime
     re-saves exactly those sites."""
     from megatron_adacc.runtime.storage import LayerCall
 

@@ -4,7 +4,7 @@ the loss."""
 import pytest
 import torch
 
-from megatron_adacc import codecs, planner, profiler
+from megatron_adacc import codecs, planning, profiler
 from megatron_adacc.arguments import ConfigError, parse_args
 from megatron_adacc.costs import CodecCost, ModelCosts, SiteCost
 from megatron_adacc.rectifier import (
@@ -63,11 +63,11 @@ def stats(payload=PAYLOAD, outliers=2, error=0.09) -> dict[str, SiteStats]:
 def tight_rectifier(slack_per_layer: int) -> Rectifier:
     costs = synthetic_costs()
     for budget in range(LAYERS * FULL, 0, -LAYERS * 100):   # tighten until gelu_in compresses
-        first = planner.plan(costs, budget)
+        first = planning.plan(costs, budget)
         if any(d["gelu_in"].action == COMPRESS for d in first.layer_decisions):
             break
     budget = first.peak_bytes + LAYERS * slack_per_layer
-    return Rectifier(costs, planner.plan(costs, budget), budget)
+    return Rectifier(costs, planning.plan(costs, budget), budget)
 
 
 def test_a_swap_happens_when_the_statistics_change_the_optimal_plan_and_not_otherwise():
@@ -111,13 +111,13 @@ def test_when_payloads_outgrow_the_budget_the_least_peak_plan_runs():
     costs = ModelCosts(sites=[SiteCost("layer_in", FULL, "float32", 0.0, None, codecs=(
         CodecCost("outlier_int4", PAYLOAD, 1e-4, 1e-4),))], num_layers=LAYERS, static_bytes=0,
         non_layer_bytes=0, backward_workspace_bytes=0, micro_batch_size=1)
-    budget = planner.minimum_budget(costs) + FULL - PAYLOAD
-    rect = Rectifier(costs, planner.plan(costs, budget), budget)
+    budget = planning.minimum_budget(costs) + FULL - PAYLOAD
+    rect = Rectifier(costs, planning.plan(costs, budget), budget)
     grown = {"layer_in": SiteStats("outlier_int4", 2 * PAYLOAD, 2 * PAYLOAD / FULL, 2, 1024, 0.09)}
     outcome = rect.update(1, grown)
     assert "no plan fits the budget any more" in outcome.infeasible
     assert outcome.swap is not None and outcome.swap.reason == "over budget"
-    least = planner.plan(rect.costs, planner.minimum_budget(rect.costs))
+    least = planning.plan(rect.costs, planning.minimum_budget(rect.costs))
     assert rect.result.plan.plan_id == least.plan.plan_id
     assert outcome.to_record()["budget_infeasible"] == outcome.infeasible
     # Still infeasible, already the plan that overruns least: nothing to swap.

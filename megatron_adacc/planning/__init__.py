@@ -1,0 +1,22 @@
+"""The planner: the fastest plan whose predicted peak memory fits a budget.
+
+    model     the memory/time model: a layer policy's (time, stored, transient), the peak rule
+    frontier  the per-layer Pareto frontier of single-layer policies
+    search    plan(), minimum_budget(): the per-layer and uniform searches over the frontier
+    milp      the direct PuLP/CBC formulation, plan(..., method="milp") (imported on use only)
+    result    PlanResult and the rows of the plan table
+
+Everything outside this package uses the names below only.
+"""
+from megatron_adacc.planning.frontier import Frontier, clear_frontier_cache, layer_frontier
+from megatron_adacc.planning.model import (LayerPolicy, evaluate_layer, is_exact, peak_bytes,
+                                           rebuild_charges)
+from megatron_adacc.planning.result import PlanResult, SiteRow, Totals
+from megatron_adacc.planning.search import (InfeasibleBudget, default_resolution,
+                                            minimum_budget, plan)
+
+__all__ = [
+    "Frontier", "InfeasibleBudget", "LayerPolicy", "PlanResult", "SiteRow", "Totals",
+    "clear_frontier_cache", "default_resolution", "evaluate_layer", "is_exact",
+    "layer_frontier", "minimum_budget", "peak_bytes", "plan", "rebuild_charges",
+]

@@ -1,0 +1,204 @@
+"""The per-layer Pareto frontier: every single-layer policy (one action per site, layer_in-style
+sites never recomputed, with ``allow_lossy_sources=False`` no re-run from a compressed start)
+reduced to its Pareto frontier in (time, stored, transient), built site by site so the 3^n
+policies are never listed (``_frontier`` says how the rebuild time is carried).
+
+Swapping a dominated policy for one that dominates it lowers no constraint's slack and no
+time, so some optimal plan uses frontier policies only. The decoded term is a maximum, not a
+sum: the frontier is built once per cap (each distinct size of a compressible site, and 0),
+allowing compression only at sites no larger than the cap and charging ``decoded_bytes(cap)``;
+a policy's own largest compressed site is one of the caps, so the union of these frontiers
+holds every policy at its exact cost. Transient is clipped from below at
+``model.transient_floor``: no prefix exceeds the total stored, so a smaller transient can
+never set the peak.
+
+Every charge comes from the model's per-site terms (``site_options``, ``decoded_bytes``,
+``rerun_source_bytes``, the segments' run times).
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import numpy as np
+
+from megatron_adacc.costs import ModelCosts, Segment, SiteCost, segment_run_s
+from megatron_adacc.planning.model import (LayerPolicy, SiteOption, decoded_bytes,
+                                           rerun_source_bytes, site_options, transient_floor)
+from megatron_adacc.sites import COMPRESS, RECOMPUTE
+
+
+def pareto_indices(points: np.ndarray) -> np.ndarray:
+    """Indices of the rows of ``points`` (time, stored, transient) that no other row weakly
+    dominates (duplicates keep one). In lexicographic order a row is dominated iff some
+    earlier row has stored and transient <= its own (its time is <= by the order). Rows are
+    checked in blocks: against each other, and against the staircase of (stored, transient)
+    minima of all earlier blocks (one binary search per row), so the cost stays near n log n
+    instead of n^2."""
+    order = np.lexsort((points[:, 2], points[:, 1], points[:, 0]))
+    stored, transient = points[order, 1], points[order, 2]
+    if len(order) and (transient == transient[0]).all():
+        # One transient (typically all clipped to the floor): a row is dominated iff an
+        # earlier row stores no more, i.e. iff it does not store strictly less than all
+        # earlier rows.
+        least_before = np.minimum.accumulate(np.concatenate([[np.inf], stored[:-1]]))
+        return order[stored < least_before]
+    dominated = np.zeros(len(order), dtype=bool)
+    # The staircase: stored ascending, transient strictly descending; the least transient of
+    # any earlier row storing at most s is that of the last step at or below s.
+    stair_stored, stair_transient = np.empty(0), np.empty(0)
+    block = 256
+    earlier = np.tri(block, k=-1, dtype=bool)
+    for start in range(0, len(order), block):
+        end = min(start + block, len(order))
+        s, t = stored[start:end], transient[start:end]
+        hit = np.zeros(end - start, dtype=bool)
+        if len(stair_stored):
+            step = np.searchsorted(stair_stored, s, side="right") - 1
+            hit = (step >= 0) & (stair_transient[np.maximum(step, 0)] <= t)
+        size = end - start
+        hit |= ((s[None, :] <= s[:, None]) & (t[None, :] <= t[:, None])
+                & earlier[:size, :size]).any(axis=1)
+        dominated[start:end] = hit
+        merged_stored = np.concatenate([stair_stored, s[~hit]])
+        merged_transient = np.concatenate([stair_transient, t[~hit]])
+        rank = np.lexsort((merged_transient, merged_stored))
+        merged_stored, merged_transient = merged_stored[rank], merged_transient[rank]
+        lower = merged_transient < np.minimum.accumulate(
+            np.concatenate([[np.inf], merged_transient[:-1]]))
+        stair_stored, stair_transient = merged_stored[lower], merged_transient[lower]
+    return order[~dominated]
+
+
+@dataclass
+class Frontier:
+    """The Pareto-optimal single-layer policies as arrays (one row per policy)."""
+
+    sites: list[SiteCost]              # in the order of the columns of ``choices``
+    options: list[list[SiteOption]]
+    time_s: np.ndarray
+    stored: np.ndarray                 # int64 bytes
+    transient: np.ndarray              # int64 bytes, true (not clipped)
+    choices: np.ndarray                # option index per site
+
+    def __len__(self) -> int:
+        return len(self.time_s)
+
+    def policy(self, k: int) -> LayerPolicy:
+        decisions = {site.name: self.options[i][self.choices[k, i]].decision
+                     for i, site in enumerate(self.sites)}
+        return LayerPolicy(decisions, float(self.time_s[k]), int(self.stored[k]),
+                           int(self.transient[k]))
+
+
+def layer_frontier(costs: ModelCosts, allow_lossy_sources: bool = True) -> Frontier:
+    """The Pareto frontier of single-layer policies in (time, stored, transient), with
+    transient clipped from below at ``transient_floor`` (which changes no peak). It depends
+    on the per-layer costs only, so re-planning the same costs at another budget reuses it
+    (``clear_frontier_cache`` forgets it, e.g. to time a cold search)."""
+    return _frontier(tuple(costs.sites), tuple(costs.segments), allow_lossy_sources,
+                     transient_floor(costs))
+
+
+def clear_frontier_cache() -> None:
+    """Forget every frontier built so far: the next plan builds its frontier anew."""
+    _frontier.cache_clear()
+
+
+@functools.lru_cache(maxsize=32)
+def _frontier(sites: tuple[SiteCost, ...], segments: tuple[Segment, ...],
+              allow_lossy_sources: bool, floor: int) -> Frontier:
+    """Sites are added deepest first: the segments last to first, each segment's sites by
+    rebuild time, longest first, then the sites no segment rebuilds. In that order the
+    first recomputed site met is the deepest of the last rebuilt segment, and a recomputed
+    site met in an earlier segment extends the re-run to it, so the rebuild time is charged
+    as it is met (``rebuild_charges`` in steps) with one number of state: the lowest segment
+    rebuilt so far. A second flag marks that the start of that segment was compressed; it
+    clears if a still earlier segment is rebuilt (the re-run then starts elsewhere). A
+    policy still carrying it at the end is lossy: dropped for exact plans, charged
+    ``rerun_source_bytes`` otherwise. The whole is built once per cap of the decoded term
+    (module docstring)."""
+    names = [segment.name for segment in segments]
+    none = len(segments)            # "no segment rebuilt yet"
+    order = [site for index in reversed(range(len(segments)))
+             for site in sorted((s for s in sites if s.segment == names[index]),
+                                key=lambda s: -s.rebuild_s)]
+    order += [site for site in sites if site.segment is None]
+    run_s = np.array([segment_run_s(sites, name) for name in names])
+    starts = {segment.start: index for index, segment in enumerate(segments)}
+    held_source = [rerun_source_bytes(sites, segment) for segment in segments]
+    options = [site_options(site) for site in order]
+    if np.prod([float(len(o)) for o in options]) >= 2.0**63:
+        raise ValueError(f"{len(order)} sites have too many options to number every policy")
+    # Pruning compares transients clipped at what still cannot reach the floor once every
+    # site to come adds its most: two partial policies both below that end up at the floor
+    # alike. (With GPT-sized logits the floor exceeds any layer's transient, and the
+    # frontier is two-dimensional from the start.)
+    to_come = np.cumsum([max(o.transient for o in candidates)
+                         for candidates in options][::-1])[::-1]
+    unreachable = floor - np.append(to_come[1:], 0) - (
+        max(held_source, default=0) if allow_lossy_sources else 0)
+    caps = sorted({0} | {site.bytes for site, candidates in zip(order, options)
+                         if any(o.decision.action == COMPRESS for o in candidates)})
+
+    def grow(cap: int) -> dict[tuple[int, bool], tuple[np.ndarray, np.ndarray]]:
+        # (lowest rebuilt segment, its start compressed) -> (time, stored, transient) rows
+        # and each row's option choices as one mixed-radix integer (site k's choice is
+        # digit k).
+        states = {(none, False): (np.array([[0.0, 0.0, decoded_bytes(cap)]]),
+                                  np.zeros(1, dtype=np.int64))}
+        radix = 1
+        for index, (site, candidates) in enumerate(zip(order, options)):
+            segment = names.index(site.segment) if site.segment is not None else None
+            grown: dict[tuple[int, bool], list[tuple[np.ndarray, np.ndarray]]] = {}
+            for (lowest, pending), (vectors, codes) in states.items():
+                for choice, option in enumerate(candidates):
+                    key, charge = (lowest, pending), option.time_s
+                    if option.decision.action == RECOMPUTE:
+                        if lowest == none:
+                            key, charge = (segment, False), site.rebuild_s
+                        elif segment < lowest:
+                            key, charge = (segment, False), float(run_s[segment:lowest].sum())
+                    elif option.decision.action == COMPRESS:
+                        if site.bytes > cap:
+                            continue
+                        if starts.get(site.name, none) == lowest != none:
+                            key = (lowest, True)
+                    step = np.array([charge, option.stored, option.transient], dtype=float)
+                    grown.setdefault(key, []).append((vectors + step, codes + choice * radix))
+            radix *= len(candidates)
+            states = {}
+            for key, parts in grown.items():
+                vectors = np.concatenate([v for v, _ in parts])
+                codes = np.concatenate([c for _, c in parts])
+                clipped = vectors.copy()
+                clipped[:, 2] = np.maximum(clipped[:, 2], unreachable[index])
+                keep = pareto_indices(clipped)
+                states[key] = (vectors[keep], codes[keep])
+        return states
+
+    rows, row_codes = [], []
+    for cap in caps:
+        for (lowest, pending), (vectors, codes) in grow(cap).items():
+            if pending:
+                if not allow_lossy_sources:
+                    continue
+                vectors = vectors + np.array([0.0, 0.0, held_source[lowest]])
+            rows.append(vectors)
+            row_codes.append(codes)
+    vectors, codes = np.concatenate(rows), np.concatenate(row_codes)
+    # A policy appears under every cap at least its largest compressed site: keep the
+    # least charge, which is exact.
+    by_policy = np.lexsort((vectors[:, 2], codes))
+    first = np.ones(len(by_policy), dtype=bool)
+    first[1:] = codes[by_policy][1:] != codes[by_policy][:-1]
+    vectors, codes = vectors[by_policy[first]], codes[by_policy[first]]
+    clipped = vectors.copy()
+    clipped[:, 2] = np.maximum(clipped[:, 2], floor)
+    keep = pareto_indices(clipped)
+    vectors, codes = vectors[keep], codes[keep]
+    choices = np.empty((len(codes), len(order)), dtype=np.int16)
+    for column, candidates in enumerate(options):
+        codes, choices[:, column] = np.divmod(codes, len(candidates))
+    return Frontier(order, options, vectors[:, 0], vectors[:, 1].astype(np.int64),
+                    vectors[:, 2].astype(np.int64), choices)

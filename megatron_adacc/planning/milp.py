@@ -1,0 +1,129 @@
+"""The direct MILP (``plan(..., method="milp")``): one binary per layer, site and action; the
+paper's model extended with the same constraints, the rebuild time as one continuous variable
+per layer and segment. Slower than the frontier search; kept as the cross-check and benchmark.
+The only module that imports PuLP.
+
+A linear programme cannot call the model per policy, so its coefficients are the model's
+per-site terms: each option's time, stored and additive transient bytes (``site_options``),
+the decoded term of each compressible site (``decoded_bytes``), the source term of each
+segment (``rerun_source_bytes``), the segments' run times, and the budget as the peak rule's
+limits (``budget_limits``). The plan CBC returns is re-evaluated by the model and kept only
+if its exact peak fits.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import pulp
+
+from megatron_adacc.costs import ModelCosts, segment_run_s
+from megatron_adacc.planning.model import (LayerPolicy, budget_limits, decoded_bytes,
+                                           evaluate_layer, peak_bytes, rerun_source_bytes,
+                                           site_options)
+from megatron_adacc.sites import COMPRESS, RECOMPUTE
+
+# CBC works in floating point; bytes are given to it in MiB and times in ms so that every
+# coefficient is of order 1..1e5. Results are re-checked in exact integer bytes.
+_MIB = float(1 << 20)
+_MS = 1e3
+
+
+def _cbc() -> pulp.LpSolver:
+    return pulp.PULP_CBC_CMD(msg=False, gapRel=0.0, gapAbs=1e-9, threads=1)
+
+
+def _solve(problem: pulp.LpProblem) -> bool:
+    problem.solve(_cbc())
+    return pulp.LpStatus[problem.status] == "Optimal"
+
+
+def plan_direct_milp(costs: ModelCosts, budget: int, per_layer: bool,
+                     allow_lossy_sources: bool) -> list[LayerPolicy] | None:
+    """The fastest plan by the direct formulation: a binary per (layer, site, action), a peak
+    constraint per layer. With ``per_layer=False`` all layers share one set of binaries (the
+    paper's model). None when CBC finds nothing that fits."""
+    num_layers = costs.num_layers
+    limits = budget_limits(costs, budget)
+    options = {site.name: site_options(site) for site in costs.sites}
+    groups = range(num_layers) if per_layer else range(1)
+    problem = pulp.LpProblem("adacc_direct", pulp.LpMinimize)
+    x = {(g, name, i): pulp.LpVariable(f"x_{g}_{name}_{i}", cat="Binary")
+         for g in groups for name, opts in options.items() for i in range(len(opts))}
+
+    def total(g: int, attribute: str, scale: float) -> Any:
+        return pulp.lpSum(getattr(opt, attribute) / scale * x[g, name, i]
+                          for name, opts in options.items() for i, opt in enumerate(opts))
+
+    def chosen(g: int, name: str, action: str) -> Any:
+        return pulp.lpSum(x[g, name, i] for i, opt in enumerate(options.get(name, ()))
+                          if opt.decision.action == action)
+
+    # Recomputable sites by segment index, and the rebuild time of each (group, segment):
+    # at least the rebuild of each recomputed site in it, and the whole segment when it and
+    # a later segment both hold recomputed sites (see rebuild_charges).
+    held = [[site for site in costs.sites if site.segment == segment.name and site.can_recompute]
+            for segment in costs.segments]
+    rebuild = {(g, k): pulp.LpVariable(f"rebuild_{g}_{k}", lowBound=0)
+               for g in groups for k in range(len(held))}
+    # The non-additive parts of transient(l), in MiB: decoded_bytes, rerun_source_bytes.
+    decoded = {g: pulp.LpVariable(f"decoded_{g}", lowBound=0) for g in groups}
+    source = {g: pulp.LpVariable(f"source_{g}", lowBound=0) for g in groups}
+    weight = 1 if per_layer else num_layers
+    problem += pulp.lpSum(weight * (total(g, "time_s", 1 / _MS)
+                                    + pulp.lpSum(rebuild[g, k] for k in range(len(held))))
+                          for g in groups)
+    for g in groups:
+        for name, opts in options.items():
+            problem += pulp.lpSum(x[g, name, i] for i in range(len(opts))) == 1
+        for k, sites in enumerate(held):
+            for site in sites:
+                problem += rebuild[g, k] >= site.rebuild_s * _MS * chosen(g, site.name, RECOMPUTE)
+            up_to, after = sum(held[:k + 1], []), sum(held[k + 1:], [])
+            if up_to and after:
+                # Continuous in [0, 1] and pushed down by the objective: at the optimum each
+                # is 1 exactly when some recomputed site forces it.
+                first = pulp.LpVariable(f"rebuilt_to_{g}_{k}", 0, 1)
+                later = pulp.LpVariable(f"rebuilt_after_{g}_{k}", 0, 1)
+                for site in up_to:
+                    problem += first >= chosen(g, site.name, RECOMPUTE)
+                for site in after:
+                    problem += later >= chosen(g, site.name, RECOMPUTE)
+                run_ms = segment_run_s(costs.sites, costs.segments[k].name) * _MS
+                problem += rebuild[g, k] >= run_ms * (first + later - 1)
+            # A re-run starting at segment k (nothing recomputed before it) reads its start:
+            # exact plans must not compress it; lossy ones hold it decoded (``source``).
+            before = pulp.lpSum(chosen(g, site.name, RECOMPUTE) for site in sum(held[:k], []))
+            start = costs.segments[k].start
+            held_source = rerun_source_bytes(costs.sites, costs.segments[k])
+            for site in sites:
+                reads_compressed = (chosen(g, start, COMPRESS)
+                                    + chosen(g, site.name, RECOMPUTE) - before - 1)
+                if allow_lossy_sources:
+                    problem += source[g] >= held_source / _MIB * reads_compressed
+                else:
+                    problem += reads_compressed <= 0
+        for site in costs.sites:
+            problem += (decoded[g] >= decoded_bytes(site.bytes) / _MIB
+                        * chosen(g, site.name, COMPRESS))
+
+    def transient(g: int) -> Any:
+        return total(g, "transient", _MIB) + decoded[g] + source[g]
+
+    if per_layer:
+        for layer in range(num_layers):
+            problem += (pulp.lpSum(total(k, "stored", _MIB) for k in range(layer + 1))
+                        + transient(layer) <= limits.backward / _MIB)
+        all_stored = pulp.lpSum(total(k, "stored", _MIB) for k in groups)
+    else:
+        problem += num_layers * total(0, "stored", _MIB) + transient(0) <= limits.backward / _MIB
+        all_stored = num_layers * total(0, "stored", _MIB)
+    problem += all_stored <= limits.all_stored / _MIB
+    if not _solve(problem):
+        return None
+    layers = []
+    for layer in range(num_layers):
+        g = layer if per_layer else 0
+        decisions = {name: opts[i].decision for name, opts in options.items()
+                     for i in range(len(opts)) if x[g, name, i].value() > 0.5}
+        layers.append(evaluate_layer(costs, decisions))
+    return layers if peak_bytes(costs, layers) <= budget else None

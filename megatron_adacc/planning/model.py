@@ -1,0 +1,245 @@
+"""The memory and time model: what a layer policy costs and what a plan's peak is. Every
+search (the frontier, the uniform and per-layer searches, the MILP) and the plan table take
+their charges and their limits from this module; none restates a rule.
+
+Memory model (one pipeline stage, identical layers, layer 0 nearest the embedding):
+
+    peak = static + max( non_layer + sum_l stored(l),                       # end of forward
+                         max_l [ sum_{k<=l} stored(k) + transient(l) ] + workspace )
+
+stored(l) is what layer l keeps between its forward and backward (retained bytes + codec
+payloads); transient(l) is what exists at full size only while layer l backprops:
+
+    transient(l) = sum of its recomputed sites            (rebuilt together, cached for
+                                                           the layer's backward)
+                 + DECODED_AT_ONCE x its largest compressed site
+                 + the start of its re-run, if compressed (decoded by the rebuild, held
+                                                           until backward takes it)
+
+The runtime decodes a compressed value when backward first asks for it and frees it once
+every view of it is taken, so decoded values do not pile up the way rebuilt ones do: at most
+two are alive at once (the Q/K/V storage, decoded for the context matmul and held until the
+score matmul, overlaps with each attention value in between; LayerNorm's backward reads its
+input and its statistics together). ``workspace`` is the gradient working set of one
+layer's backward, the same for every plan. The logits and loss tensors (non_layer) are freed
+by the loss backward before any layer backprops, so they meet the layers' stored bytes only
+at the end of forward.
+
+The per-site terms: ``site_options`` (each action's time, stored bytes and additive transient
+bytes), ``decoded_bytes`` (the decoded term a compressed site sets when it is the largest)
+and ``rerun_source_bytes`` (the source term). The searches that cannot call
+``evaluate_layer`` per policy (the vectorised frontier, the linear MILP) combine these.
+
+Time model: each compressed site costs its encode + decode. Recomputed sites are rebuilt the
+way the runtime rebuilds them: one forward re-run per layer (values cached for the layer's
+backward), from the start of the first segment holding a recomputed site to the deepest
+recomputed site of the last one. Segments before the last run whole (the next one starts
+from their output), the last one up to its deepest recomputed site (``rebuild_charges``).
+That is a maximum, not a sum, over the recomputed sites, so a layer's time is not additive
+over its sites; its memory is. A layer policy is still a vector (time, stored, transient).
+Exactness: the re-run reads one saved value, the start of its first segment; with
+``allow_lossy_sources=False`` that start must not be compressed.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Mapping, NamedTuple, Sequence
+
+import numpy as np
+
+from megatron_adacc import sites as site_table
+from megatron_adacc.costs import ModelCosts, Segment, SiteCost, segment_run_s
+from megatron_adacc.plan import RETAIN_DECISION, Decision
+from megatron_adacc.sites import COMPRESS, RECOMPUTE
+
+# Decoded values alive at once while a layer backprops (see the module docstring).
+DECODED_AT_ONCE = 2
+
+
+# --- the per-site terms ----------------------------------------------------------------------
+@dataclass(frozen=True)
+class SiteOption:
+    """One action at one site: its time, stored and additive transient bytes. A recompute's
+    time is not its own (it depends on the layer's other recomputed sites:
+    ``rebuild_charges``), nor is a compression's transient (``decoded_bytes``)."""
+
+    decision: Decision
+    time_s: float
+    stored: int
+    transient: int
+
+
+def site_options(site: SiteCost) -> list[SiteOption]:
+    """Every action a plan may take at ``site`` with its (time, stored, transient)."""
+    options = [SiteOption(RETAIN_DECISION, 0.0, site.bytes, 0)]
+    if site.can_compress:
+        default_codec = site_table.get(site.name).default_codec
+        for codec in site.codecs:
+            decision = Decision(COMPRESS, None if codec.codec == default_codec else codec.codec)
+            options.append(SiteOption(decision, codec.encode_s + codec.decode_s,
+                                      codec.payload_bytes, 0))  # decoded: decoded_bytes
+    if site.can_recompute:
+        options.append(SiteOption(Decision(RECOMPUTE), 0.0, 0, site.bytes))
+    return options
+
+
+def site_option(site: SiteCost, decision: Decision) -> SiteOption:
+    """The option of ``site`` that takes ``decision``; ValueError if the costs forbid it."""
+    for option in site_options(site):
+        if (option.decision.action == decision.action
+                and option.decision.codec_for(site.name) == decision.codec_for(site.name)):
+            return option
+    raise ValueError(f"site {site.name}: {decision} is not allowed by these costs")
+
+
+def decoded_bytes(largest_compressed_bytes: int) -> int:
+    """The decoded term of transient(l), for a layer whose largest compressed site holds
+    ``largest_compressed_bytes`` at full size."""
+    return DECODED_AT_ONCE * largest_compressed_bytes
+
+
+def rerun_source_bytes(sites: Iterable[SiteCost], segment: Segment) -> int:
+    """The source term of transient(l) for a re-run starting at ``segment`` from a compressed
+    start: the start at full size (0 when it is no site the plan decides, so never
+    compressed)."""
+    return next((site.bytes for site in sites if site.name == segment.start), 0)
+
+
+# --- one layer ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class LayerPolicy:
+    """One action per site for one layer, with its cost vector."""
+
+    decisions: Mapping[str, Decision]
+    time_s: float
+    stored_bytes: int
+    transient_bytes: int
+
+
+def _recomputed(decisions: Mapping[str, Decision]) -> set[str]:
+    return {name for name, decision in decisions.items() if decision.action == RECOMPUTE}
+
+
+def _rebuilt_segments(costs: ModelCosts, recomputed: set[str]) -> list[int]:
+    """Indices (into ``costs.segments``) of the segments holding a recomputed site."""
+    order = [segment.name for segment in costs.segments]
+    return sorted({order.index(site.segment) for site in costs.sites
+                   if site.name in recomputed})
+
+
+def rebuild_charges(costs: ModelCosts, recomputed: set[str]) -> dict[str, float]:
+    """What rebuilding the ``recomputed`` sites of one layer adds to its backward, by the site
+    that sets each part: the runtime re-runs forward once, from the start of the first segment
+    holding a recomputed site to the deepest recomputed site of the last one. Each segment
+    before the last runs whole (charged to its deepest recomputed site, or to the last
+    segment's when it has none); the last runs up to its deepest recomputed site."""
+    rebuilt = _rebuilt_segments(costs, recomputed)
+    if not rebuilt:
+        return {}
+
+    def deepest(index: int) -> SiteCost | None:
+        name = costs.segments[index].name
+        held = [site for site in costs.sites if site.segment == name and site.name in recomputed]
+        return max(held, key=lambda site: site.rebuild_s, default=None)
+
+    last = deepest(rebuilt[-1])
+    charges = {last.name: last.rebuild_s}
+    for index in range(rebuilt[0], rebuilt[-1]):
+        holder = deepest(index) or last
+        run_s = segment_run_s(costs.sites, costs.segments[index].name)
+        charges[holder.name] = charges.get(holder.name, 0.0) + run_s
+    return charges
+
+
+def _compressed_rerun_start(costs: ModelCosts, decisions: Mapping[str, Decision]
+                            ) -> Segment | None:
+    """The segment the layer's rebuild starts from, when its start is compressed (a lossy
+    re-run)."""
+    rebuilt = _rebuilt_segments(costs, _recomputed(decisions))
+    if not rebuilt:
+        return None
+    first = costs.segments[rebuilt[0]]
+    return first if decisions.get(first.start, RETAIN_DECISION).action == COMPRESS else None
+
+
+def is_exact(costs: ModelCosts, decisions: Mapping[str, Decision]) -> bool:
+    """True when the layer's rebuild (if any) starts from a value that is not compressed."""
+    return _compressed_rerun_start(costs, decisions) is None
+
+
+def _chosen_options(costs: ModelCosts, decisions: Mapping[str, Decision]
+                    ) -> dict[str, SiteOption]:
+    """Each site's option under ``decisions`` (a site they leave out is retained)."""
+    return {site.name: site_option(site, decisions.get(site.name, RETAIN_DECISION))
+            for site in costs.sites}
+
+
+def _layer_transient(costs: ModelCosts, decisions: Mapping[str, Decision],
+                     options: Mapping[str, SiteOption]) -> int:
+    """transient(l) of the module docstring."""
+    additive = sum(option.transient for option in options.values())
+    largest_compressed = max((site.bytes for site in costs.sites
+                              if options[site.name].decision.action == COMPRESS), default=0)
+    start = _compressed_rerun_start(costs, decisions)
+    source = rerun_source_bytes(costs.sites, start) if start else 0
+    return additive + decoded_bytes(largest_compressed) + source
+
+
+def _site_times(costs: ModelCosts, decisions: Mapping[str, Decision],
+                options: Mapping[str, SiteOption]) -> dict[str, float]:
+    times = {name: option.time_s for name, option in options.items()}
+    for name, charge in rebuild_charges(costs, _recomputed(decisions)).items():
+        times[name] += charge
+    return times
+
+
+def site_times(costs: ModelCosts, decisions: Mapping[str, Decision]) -> dict[str, float]:
+    """Added time of a layer policy by site: codec times, rebuild charges."""
+    return _site_times(costs, decisions, _chosen_options(costs, decisions))
+
+
+def evaluate_layer(costs: ModelCosts, decisions: Mapping[str, Decision]) -> LayerPolicy:
+    """The cost vector of a layer policy, straight from the definitions."""
+    options = _chosen_options(costs, decisions)
+    return LayerPolicy(dict(decisions), sum(_site_times(costs, decisions, options).values()),
+                       sum(option.stored for option in options.values()),
+                       _layer_transient(costs, decisions, options))
+
+
+# --- a plan's peak ---------------------------------------------------------------------------
+def peak_from_terms(costs: ModelCosts, all_stored, backward_peak):
+    """The peak rule, given every layer's stored bytes together and max_l [prefix(l) +
+    transient(l)]. Either may be an array (the searches evaluate many plans at once)."""
+    return costs.static_bytes + np.maximum(costs.non_layer_bytes + all_stored,
+                                           backward_peak + costs.backward_workspace_bytes)
+
+
+def peak_bytes(costs: ModelCosts, layers: Sequence[LayerPolicy]) -> int:
+    """Predicted peak memory of a plan whose layer l (0 = nearest the embedding) follows
+    ``layers[l]``: the memory model in this module's docstring."""
+    prefix, backward_peak = 0, 0
+    for layer in layers:
+        prefix += layer.stored_bytes
+        backward_peak = max(backward_peak, prefix + layer.transient_bytes)
+    return int(peak_from_terms(costs, prefix, backward_peak))
+
+
+class Limits(NamedTuple):
+    """The peak rule turned round: a plan fits a budget iff its layers store at most
+    ``all_stored`` bytes together and every layer's prefix + transient is at most
+    ``backward``."""
+
+    all_stored: int
+    backward: int
+
+
+def budget_limits(costs: ModelCosts, budget_bytes: int) -> Limits:
+    available = budget_bytes - costs.static_bytes
+    return Limits(available - costs.non_layer_bytes, available - costs.backward_workspace_bytes)
+
+
+def transient_floor(costs: ModelCosts) -> int:
+    """Transient bytes below which a layer's transient cannot set the peak: any prefix is at
+    most the total stored, and total + non_layer is itself a term of the peak, so
+    prefix + max(transient, non_layer - workspace) + workspace gives the same peak."""
+    return max(0, costs.non_layer_bytes - costs.backward_workspace_bytes)

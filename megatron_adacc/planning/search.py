@@ -1,0 +1,292 @@
+"""The searches: the fastest plan whose predicted peak fits a budget (``plan``), and the
+smallest budget any plan fits (``minimum_budget``). Input ``ModelCosts`` (plain data), output a
+``PlanResult``; it never touches tensors.
+
+Per-layer plans, over the layer frontier (``frontier.py``):
+1. The order: for a given multiset of layer policies the peak term max_l [prefix(l) +
+   transient(l)] is minimised by putting larger transients on lower layers (Jackson's rule
+   for maximum lateness: transient is the "delivery time", stored the "processing time").
+   The top layer backprops with every other layer's activations still stored, so it should be
+   the one with the least to rebuild.
+2. The choice: a dynamic programme over layers on the state (prefix stored, time so far),
+   keeping only Pareto states, pruned by branch and bound (lower bound: the LP relaxation,
+   i.e. the convex hull of the frontier in (stored, time); upper bound: the better of the best
+   uniform plan and the rounded LP optimum). Stored bytes are rounded up to a resolution
+   (``default_resolution``: 1/1024 of a layer, 1 byte on small problems, where the result is
+   exactly optimal); the plan always fits the true budget and is no slower than the optimum
+   at (budget - num_layers x resolution). CBC on the same problem as a knapsack over the
+   frontier (hundreds of near-tied integer columns) did not prove optimality in 20 s, hence
+   the dynamic programme. The smallest feasible budget is the peak of a least-peak plan
+   found without rounding, which ``plan`` falls back to: a budget it names is feasible.
+
+Uniform plans (one policy for every layer) are a scan of the same frontier. ``method="milp"``
+solves the direct formulation instead (``milp.py``): slower, kept as the cross-check and
+benchmark. Budgets become limits, and plans peaks, through the model's peak rule only.
+"""
+from __future__ import annotations
+
+import numbers
+import time
+from typing import Sequence
+
+import numpy as np
+
+from megatron_adacc.costs import ModelCosts
+from megatron_adacc.planning.frontier import Frontier, layer_frontier, pareto_indices
+from megatron_adacc.planning.model import (LayerPolicy, budget_limits, peak_bytes,
+                                           peak_from_terms, transient_floor)
+from megatron_adacc.planning.result import PlanResult
+
+
+class InfeasibleBudget(ValueError):
+    """No plan fits the budget. ``minimum_budget`` is the smallest budget that has one."""
+
+    def __init__(self, budget_bytes: int, minimum_budget: int, static_bytes: int) -> None:
+        from megatron_adacc.units import format_size
+
+        self.budget_bytes = budget_bytes
+        self.minimum_budget = minimum_budget
+        self.static_bytes = static_bytes
+        super().__init__(
+            f"memory budget {format_size(budget_bytes)} is infeasible: the smallest feasible "
+            f"budget is {format_size(minimum_budget)} ({minimum_budget} B; static memory alone "
+            f"is {format_size(static_bytes)})"
+        )
+
+
+def default_resolution(costs: ModelCosts) -> int:
+    """Memory grid of the per-layer search: 1/1024 of a layer's activations (1 byte for
+    small problems, where the search is exact)."""
+    return max(1, costs.layer_bytes // 1024)
+
+
+def minimum_budget(costs: ModelCosts, per_layer: bool = True,
+                   allow_lossy_sources: bool = True) -> int:
+    """The smallest budget for which ``plan`` succeeds."""
+    frontier = layer_frontier(costs, allow_lossy_sources)
+    return peak_bytes(costs, _least_peak_plan(costs, frontier, per_layer))
+
+
+def plan(costs: ModelCosts, budget_bytes: int, per_layer: bool = True,
+         allow_lossy_sources: bool = True, method: str = "frontier",
+         resolution_bytes: int | None = None) -> PlanResult:
+    """The plan with the least added time whose predicted peak fits ``budget_bytes``.
+
+    Raises ``InfeasibleBudget`` (naming the smallest feasible budget) when none fits.
+    ``method``: "frontier" (default, see module docstring) or "milp" (direct formulation).
+    """
+    if method not in ("frontier", "milp"):
+        raise ValueError(f"unknown planner method {method!r}; use 'frontier' or 'milp'")
+    if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, numbers.Integral):
+        raise TypeError(f"budget_bytes must be a whole number of bytes, got {budget_bytes!r}")
+    budget_bytes = int(budget_bytes)
+    started = time.perf_counter()
+    frontier = layer_frontier(costs, allow_lossy_sources)
+    least_peak = _least_peak_plan(costs, frontier, per_layer)
+    minimum = peak_bytes(costs, least_peak)
+    if budget_bytes < minimum:
+        raise InfeasibleBudget(budget_bytes, minimum, costs.static_bytes)
+    if method == "frontier" and per_layer:
+        layers = _plan_per_layer(costs, budget_bytes, frontier,
+                                 resolution_bytes or default_resolution(costs))
+    elif method == "frontier":
+        layers = _plan_uniform(costs, budget_bytes, frontier)
+    else:
+        # Imported here: PuLP (and its solver lookup) loads only for the cross-check.
+        from megatron_adacc.planning.milp import plan_direct_milp
+
+        layers = plan_direct_milp(costs, budget_bytes, per_layer, allow_lossy_sources)
+    # Near the minimum the rounded search (or CBC's floating point) may find nothing; the
+    # least-peak plan fits any budget >= minimum.
+    layers = layers or least_peak
+    return PlanResult.from_layers(
+        costs, layers, budget_bytes=budget_bytes, solve_time_s=time.perf_counter() - started,
+        minimum_feasible_budget=minimum, per_layer=per_layer,
+        allow_lossy_sources=allow_lossy_sources, method=method)
+
+
+# --- uniform plans -----------------------------------------------------------------------------
+def _uniform_peaks(costs: ModelCosts, frontier: Frontier) -> np.ndarray:
+    """Peak of each frontier policy used by every layer (the top layer sets the backward
+    term, with every layer stored)."""
+    all_stored = costs.num_layers * frontier.stored
+    return peak_from_terms(costs, all_stored, all_stored + frontier.transient)
+
+
+def _plan_uniform(costs: ModelCosts, budget: int, frontier: Frontier) -> list[LayerPolicy] | None:
+    fits = np.flatnonzero(_uniform_peaks(costs, frontier) <= budget)
+    if len(fits) == 0:
+        return None
+    best = int(fits[np.argmin(frontier.time_s[fits])])
+    return [frontier.policy(best)] * costs.num_layers
+
+
+# --- per-layer plans ---------------------------------------------------------------------------
+def _layer_dp(costs: ModelCosts, stored: np.ndarray, step_cost, final_cost,
+              cost_bound: float = np.inf) -> tuple[float, list[int]] | None:
+    """Exact dynamic programme over layers, bottom (0) to top, on the state (prefix stored
+    bytes, cost so far). Future constraints and costs depend on the prefix only, so a state
+    with no smaller prefix and no smaller cost than another is all that needs keeping.
+
+    ``step_cost(cost, prefix)`` -> cost after adding each frontier policy (arrays broadcast
+    over states x policies; inf where not allowed); ``final_cost(prefix, cost, layers)`` ->
+    the objective, or a lower bound on it, of a plan whose first ``layers`` layers end in
+    that state (inf where infeasible). Returns (objective, policy per layer) or None when
+    nothing is feasible."""
+    num_layers = costs.num_layers
+    prefix = np.zeros(1, dtype=np.int64)
+    cost = np.zeros(1)
+    parents, picks = [], []
+    for layer in range(num_layers):
+        new_prefix = prefix[:, None] + stored[None, :]
+        new_cost = step_cost(cost[:, None], new_prefix)
+        state, pick = np.nonzero(np.isfinite(new_cost))
+        candidate_prefix, candidate_cost = new_prefix[state, pick], new_cost[state, pick]
+        reachable = final_cost(candidate_prefix, candidate_cost, layer + 1)
+        alive = np.flatnonzero(np.isfinite(reachable) & (reachable <= cost_bound))
+        if len(alive) == 0:
+            return None
+        state, pick = state[alive], pick[alive]
+        candidate_prefix, candidate_cost = candidate_prefix[alive], candidate_cost[alive]
+        order = np.lexsort((candidate_cost, candidate_prefix))
+        sorted_cost = candidate_cost[order]
+        best_before = np.minimum.accumulate(np.concatenate([[np.inf], sorted_cost[:-1]]))
+        keep = order[sorted_cost < best_before]
+        prefix, cost = candidate_prefix[keep], candidate_cost[keep]
+        parents.append(state[keep])
+        picks.append(pick[keep])
+    objective = final_cost(prefix, cost, num_layers)
+    best = int(np.argmin(objective))
+    if not np.isfinite(objective[best]):
+        return None
+    layers = []
+    for layer in reversed(range(num_layers)):
+        layers.append(int(picks[layer][best]))
+        best = int(parents[layer][best])
+    return float(objective.min()), layers[::-1]
+
+
+def _jackson_order(frontier: Frontier, picks: Sequence[int]) -> list[LayerPolicy]:
+    """Layers 0.. with the largest transients lowest: the order that minimises the peak for
+    this multiset of policies (see module docstring)."""
+    policies = [frontier.policy(k) for k in picks]
+    return sorted(policies, key=lambda p: -p.transient_bytes)
+
+
+def _time_lower_bound(frontier: Frontier):
+    """``bound(layers, capacity)``: a lower bound on the time of ``layers`` more layers that
+    together store at most ``capacity`` bytes: the LP relaxation (layers may mix policies
+    fractionally), i.e. ``layers`` x the lower convex hull of (stored, time) at the average."""
+    order = np.lexsort((frontier.time_s, frontier.stored))
+    xs, ys = frontier.stored[order].astype(float), frontier.time_s[order]
+    hull: list[int] = []
+    for i in range(len(xs)):
+        if hull and ys[i] >= ys[hull[-1]]:
+            continue               # stores more and is no faster: above the hull
+        while len(hull) >= 2:
+            (x1, y1), (x2, y2) = (xs[hull[-2]], ys[hull[-2]]), (xs[hull[-1]], ys[hull[-1]])
+            if (x2 - x1) * (ys[i] - y1) - (xs[i] - x1) * (y2 - y1) <= 0:
+                hull.pop()         # the middle point is on or above the chord
+            else:
+                break
+        hull.append(i)
+    hull_x, hull_y = xs[hull], ys[hull]
+    hull_policies = order[hull]
+
+    def bound(layers: int, capacity: np.ndarray) -> np.ndarray:
+        if layers == 0:
+            return np.where(capacity >= 0, 0.0, np.inf)
+        average = capacity / layers
+        value = layers * np.interp(average, hull_x, hull_y)
+        return np.where(average >= hull_x[0], value, np.inf)
+
+    return bound, hull_policies
+
+
+def _rounded_lp_plan(costs: ModelCosts, budget: int, frontier: Frontier,
+                     hull: np.ndarray) -> list[LayerPolicy] | None:
+    """A good feasible plan to bound the exact search: the LP optimum mixes two neighbouring
+    hull policies; round the mix down to whole layers and spend what is left of the budget
+    layer by layer, each on the fastest policy it pays for. None if it breaks a backward
+    constraint."""
+    num_layers = costs.num_layers
+    capacity = budget_limits(costs, budget).all_stored
+    stored = frontier.stored[hull]
+    fits = np.flatnonzero(stored * num_layers <= capacity)
+    if len(fits) == len(hull):
+        picks = [int(hull[-1])] * num_layers
+    elif len(fits) == 0:
+        return None
+    else:
+        low, high = int(hull[fits[-1]]), int(hull[fits[-1] + 1])
+        s_low, s_high = int(frontier.stored[low]), int(frontier.stored[high])
+        n_high = (capacity - num_layers * s_low) // (s_high - s_low)
+        picks = [high] * n_high + [low] * (num_layers - n_high)
+        spare = capacity - n_high * s_high - (num_layers - n_high) * s_low
+        for layer, pick in reversed(list(enumerate(picks))):   # the low layers first
+            upgrade = np.flatnonzero(frontier.stored <= frontier.stored[pick] + spare)
+            picks[layer] = int(upgrade[np.argmin(frontier.time_s[upgrade])])
+            spare -= int(frontier.stored[picks[layer]] - frontier.stored[pick])
+    layers = _jackson_order(frontier, picks)
+    return layers if peak_bytes(costs, layers) <= budget else None
+
+
+def _plan_per_layer(costs: ModelCosts, budget: int, frontier: Frontier,
+                    resolution: int) -> list[LayerPolicy] | None:
+    limits = budget_limits(costs, budget)
+    lower_bound, hull = _time_lower_bound(frontier)
+    # Any feasible plan's time bounds the search: the better one of the best uniform plan
+    # and the rounded LP optimum.
+    candidates = [p for p in (_plan_uniform(costs, budget, frontier),
+                              _rounded_lp_plan(costs, budget, frontier, hull)) if p]
+    incumbent = min((sum(p.time_s for p in layers) for layers in candidates), default=np.inf)
+    incumbent *= 1 + 1e-9
+    # Stored bytes rounded up to the resolution: prefixes collapse onto a grid (which is what
+    # keeps the search small) and every plan found still fits the true budget.
+    stored = -(-frontier.stored // resolution) * resolution
+    transient = np.maximum(frontier.transient, transient_floor(costs))
+    useful = pareto_indices(np.column_stack([frontier.time_s, stored, transient]).astype(float))
+    stored, transient, time_s = stored[useful], transient[useful], frontier.time_s[useful]
+    num_layers = costs.num_layers
+
+    def step_cost(cost, prefix):
+        return np.where(prefix + transient[None, :] <= limits.backward, cost + time_s[None, :],
+                        np.inf)
+
+    def final_cost(prefix, cost, layers_done):
+        return cost + lower_bound(num_layers - layers_done, limits.all_stored - prefix)
+
+    solved = _layer_dp(costs, stored, step_cost, final_cost, cost_bound=incumbent)
+    if solved is None:
+        return min(candidates, key=lambda layers: sum(p.time_s for p in layers), default=None)
+    return _jackson_order(frontier, [int(useful[k]) for k in solved[1]])
+
+
+# --- least-peak plans --------------------------------------------------------------------------
+def _least_peak_per_layer(costs: ModelCosts, frontier: Frontier,
+                          upper_bound: int) -> list[LayerPolicy]:
+    """A per-layer plan with the smallest peak (bytes exact, no rounding): the same
+    programme with the running maximum of (prefix + transient) as the cost."""
+    transient = frontier.transient
+
+    def step_cost(cost, prefix):
+        return np.maximum(cost, prefix + transient[None, :])
+
+    least_stored = int(frontier.stored.min())
+
+    def final_cost(prefix, cost, layers_done):
+        # Layers still to come store at least ``least_stored`` each.
+        rest = (costs.num_layers - layers_done) * least_stored
+        return peak_from_terms(costs, prefix + rest, cost)
+
+    solved = _layer_dp(costs, frontier.stored, step_cost, final_cost, cost_bound=upper_bound)
+    return _jackson_order(frontier, solved[1])
+
+
+def _least_peak_plan(costs: ModelCosts, frontier: Frontier, per_layer: bool) -> list[LayerPolicy]:
+    """A plan with the smallest peak: its peak is the smallest feasible budget, and ``plan``
+    returns it where the rounded search finds nothing, so that budget really is feasible."""
+    uniform = [frontier.policy(int(np.argmin(_uniform_peaks(costs, frontier))))] * costs.num_layers
+    if not per_layer:
+        return uniform
+    return _least_peak_per_layer(costs, frontier, peak_bytes(costs, uniform))
