@@ -22,14 +22,21 @@ from megatron_adacc.planning.model import (LayerPolicy, budget_limits, decoded_b
                                            site_options)
 from megatron_adacc.sites import COMPRESS, RECOMPUTE
 
-# CBC works in floating point; bytes are given to it in MiB and times in ms so that every
-# coefficient is of order 1..1e5. Results are re-checked in exact integer bytes.
-_MIB = float(1 << 20)
+# CBC works in floating point with absolute tolerances near 1e-7: bytes are given to it in
+# units of 1/1024 of the budget and times in ms, so that coefficients are of order 1..1e5
+# whatever the model's size (in MiB, a test model's sites of tens of bytes fell inside CBC's
+# tolerances and it returned a slower plan as optimal). Results are re-checked in exact
+# integer bytes.
+_BUDGET_UNITS = 1024.0
 _MS = 1e3
 
 
 def _cbc() -> pulp.LpSolver:
-    return pulp.PULP_CBC_CMD(msg=False, gapRel=0.0, gapAbs=1e-9, threads=1)
+    # Cuts off: on a 3-layer test model CBC's cut generation removed the optimum (1.0 s,
+    # feasible when the binaries are fixed to it) and it reported a 1.25 s plan as optimal.
+    # A cross-check must be exact before it is fast.
+    return pulp.PULP_CBC_CMD(msg=False, gapRel=0.0, gapAbs=1e-9, threads=1,
+                             options=["cuts off"])
 
 
 def _solve(problem: pulp.LpProblem) -> bool:
@@ -44,6 +51,7 @@ def plan_direct_milp(costs: ModelCosts, budget: int, per_layer: bool,
     paper's model). None when CBC finds nothing that fits."""
     num_layers = costs.num_layers
     limits = budget_limits(costs, budget)
+    unit = max(1, budget) / _BUDGET_UNITS
     options = {site.name: site_options(site) for site in costs.sites}
     groups = range(num_layers) if per_layer else range(1)
     problem = pulp.LpProblem("adacc_direct", pulp.LpMinimize)
@@ -65,7 +73,7 @@ def plan_direct_milp(costs: ModelCosts, budget: int, per_layer: bool,
             for segment in costs.segments]
     rebuild = {(g, k): pulp.LpVariable(f"rebuild_{g}_{k}", lowBound=0)
                for g in groups for k in range(len(held))}
-    # The non-additive parts of transient(l), in MiB: decoded_bytes, rerun_source_bytes.
+    # The non-additive parts of transient(l), in budget units: decoded_bytes, rerun_source_bytes.
     decoded = {g: pulp.LpVariable(f"decoded_{g}", lowBound=0) for g in groups}
     source = {g: pulp.LpVariable(f"source_{g}", lowBound=0) for g in groups}
     weight = 1 if per_layer else num_layers
@@ -99,25 +107,25 @@ def plan_direct_milp(costs: ModelCosts, budget: int, per_layer: bool,
                 reads_compressed = (chosen(g, start, COMPRESS)
                                     + chosen(g, site.name, RECOMPUTE) - before - 1)
                 if allow_lossy_sources:
-                    problem += source[g] >= held_source / _MIB * reads_compressed
+                    problem += source[g] >= held_source / unit * reads_compressed
                 else:
                     problem += reads_compressed <= 0
         for site in costs.sites:
-            problem += (decoded[g] >= decoded_bytes(site.bytes) / _MIB
+            problem += (decoded[g] >= decoded_bytes(site.bytes) / unit
                         * chosen(g, site.name, COMPRESS))
 
     def transient(g: int) -> Any:
-        return total(g, "transient", _MIB) + decoded[g] + source[g]
+        return total(g, "transient", unit) + decoded[g] + source[g]
 
     if per_layer:
         for layer in range(num_layers):
-            problem += (pulp.lpSum(total(k, "stored", _MIB) for k in range(layer + 1))
-                        + transient(layer) <= limits.backward / _MIB)
-        all_stored = pulp.lpSum(total(k, "stored", _MIB) for k in groups)
+            problem += (pulp.lpSum(total(k, "stored", unit) for k in range(layer + 1))
+                        + transient(layer) <= limits.backward / unit)
+        all_stored = pulp.lpSum(total(k, "stored", unit) for k in groups)
     else:
-        problem += num_layers * total(0, "stored", _MIB) + transient(0) <= limits.backward / _MIB
-        all_stored = num_layers * total(0, "stored", _MIB)
-    problem += all_stored <= limits.all_stored / _MIB
+        problem += num_layers * total(0, "stored", unit) + transient(0) <= limits.backward / unit
+        all_stored = num_layers * total(0, "stored", unit)
+    problem += all_stored <= limits.all_stored / unit
     if not _solve(problem):
         return None
     layers = []

@@ -1,0 +1,84 @@
+"""The public entry point: AdaccConfig checks its plain data, Adacc builds, plans, measures
+and reports through public calls only."""
+import pytest
+import torch
+
+from megatron_adacc import Adacc, AdaccConfig
+from megatron_adacc import model as model_lib
+from megatron_adacc.arguments import parse_args
+from megatron_adacc.runtime import ActivationRuler, AdaccTransformerLayer
+from test_trainer import TINY
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"policy": "fastest"}, "--adacc-policy fastest: not one of none, auto, "
+                            "auto-no-outlier, full-recompute, quantize and not a plan file"),
+    ({"policy": "quantize", "tracking": "backoff"},
+     "--adacc-tracking backoff re-plans, so it needs --adacc-policy auto (got quantize)"),
+    ({"policy": "auto", "tracking": "sometimes"},
+     "--adacc-tracking sometimes: expected one of backoff, off"),
+    ({"policy": "auto", "memory_budget": "12 parsecs"}, "--adacc-memory-budget: "),
+    ({"policy": "auto", "tracking_sites": ("gelu",)}, "--adacc-tracking-sites: unknown gelu"),
+    ({"policy": "auto", "guard_threshold": 0.0},
+     "--adacc-tracking-reset-fraction and --adacc-guard-threshold must be positive"),
+])
+def test_config_refuses_bad_values_naming_the_flag(options, message):
+    with pytest.raises(ValueError) as info:
+        AdaccConfig(**options)
+    assert str(info.value).startswith(message)
+
+
+def test_config_from_flags_keeps_every_adacc_flag():
+    args = parse_args(TINY + ["--adacc-policy", "auto", "--adacc-memory-budget", "3MiB",
+                              "--adacc-tracking-sites", "gelu_in", "ln2_out",
+                              "--adacc-codec-backend", "torch", "--adacc-strict"])
+    config = AdaccConfig.from_args(args)
+    assert config == AdaccConfig(policy="auto", memory_budget=3 << 20, tracking="backoff",
+                                 tracking_sites=("gelu_in", "ln2_out"), codec_backend="torch",
+                                 strict=True)
+    assert config.tracks and not AdaccConfig(policy="auto", tracking="off").tracks
+    assert not AdaccConfig(policy="full-recompute").tracks
+
+
+def _tiny_model(adacc: Adacc):
+    model_lib.init_distributed(1)
+    model_lib.set_seed(7)
+    config = model_lib.build_transformer_config(num_layers=2, hidden_size=32,
+                                                num_attention_heads=4, hidden_dropout=0.0,
+                                                attention_dropout=0.0)
+    return model_lib.build_gpt_model(config, 64, 16, adacc.layer_spec())
+
+
+def _batch():
+    tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    return tokens, tokens.roll(-1, 1), torch.ones(2, 16)
+
+
+def test_policy_none_runs_the_stock_layer_and_still_measures(distributed):
+    adacc = Adacc(AdaccConfig())
+    model = _tiny_model(adacc)
+    assert not any(isinstance(m, AdaccTransformerLayer) for m in model.modules())
+    adacc.setup(model, _batch(), verbose=False)
+    with adacc.measure():
+        model_lib.gpt_loss(model, *_batch()).backward()
+    assert adacc.plan is None and adacc.after_step(1) == {}
+    metrics = adacc.metrics()
+    assert metrics["plan_id"] == "none" and metrics["static_bytes"] > 0
+    assert 0 < metrics["activation_bytes"] <= metrics["activation_peak_bytes"]
+
+
+@pytest.mark.parametrize("policy", ["full-recompute", "quantize"])
+def test_measure_reads_the_end_of_forward_without_being_told(distributed, policy):
+    # Rebuilt and decoded values appear once backward starts: a reading taken any later than
+    # the first unpack would count them.
+    adacc = Adacc(AdaccConfig(policy=policy))
+    model = _tiny_model(adacc)
+    adacc.setup(model, _batch(), verbose=False)
+    with adacc.measure():
+        model_lib.gpt_loss(model, *_batch()).backward()
+    with ActivationRuler(model) as ruler:
+        loss = model_lib.gpt_loss(model, *_batch())
+        ruler.forward_done()
+        loss.backward()
+    assert adacc.activation_bytes == ruler.report().after_forward_bytes > 0
+    assert adacc.activation_peak_bytes == ruler.report().peak_bytes
