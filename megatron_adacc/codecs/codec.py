@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from megatron_adacc.codecs.backend import Kernels, kernels_for, resolve_backend
+from megatron_adacc.codecs.backend import kernels_for, resolve_backend
+from megatron_adacc.codecs.kernels import Kernels
 from megatron_adacc.codecs.int4 import (
     check_float_input,
     dtype_max,

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from megatron_adacc.codecs import asymmetric, bitmask, outlier, symmetric
-from megatron_adacc.codecs.backend import Kernels
+from megatron_adacc.codecs.kernels import Kernels
 
 _SOURCE = Path(__file__).with_name("codecs.c")
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-fast-math", "-shared", "-fPIC"]
