@@ -5,8 +5,8 @@
     tensor_hat = codec.decode(payload)   # same shape, dtype and device as `tensor`
 
 Backends: "auto" (default: Triton on CUDA, the native C kernels on CPU, eager PyTorch when
-neither is available), "torch" (the eager reference), "compiled", "native", "triton". All of
-them produce byte-identical payloads. ADACC_CODEC_BACKEND sets the default for codecs built
+neither is available), "torch" (the eager reference), "native", "triton". All of them
+produce byte-identical payloads. ADACC_CODEC_BACKEND sets the default for codecs built
 without an explicit backend.
 
 Defaults: sym_int4 and outlier_int4 use groups of 64, asym_int4 groups of 128; scales are

@@ -2,8 +2,6 @@
 
 - "torch": the eager reference (kernels.REFERENCE), the ground truth every other backend is
   tested against.
-- "compiled": the same reference functions under torch.compile (inductor fuses each into one
-  or two loops). Compiled once per function with dynamic shapes, on first use.
 - "native": fused C kernels for the CPU (codecs/native), built with the system C compiler
   on first use; the fastest CPU path.
 - "triton": the Triton kernels in codecs/triton (CUDA, or the CPU under TRITON_INTERPRET=1).
@@ -24,7 +22,7 @@ import torch
 
 from megatron_adacc.codecs.kernels import REFERENCE, Kernels
 
-BACKENDS = ("auto", "torch", "compiled", "native", "triton")
+BACKENDS = ("auto", "torch", "native", "triton")
 BACKEND_ENV_VAR = "ADACC_CODEC_BACKEND"
 
 
@@ -33,21 +31,6 @@ def resolve_backend(backend: str | None) -> str:
     if name not in BACKENDS:
         raise ValueError(f"unknown codec backend {name!r}; expected one of {BACKENDS}")
     return name
-
-
-# Left eager by the compiled backend: mask_value ends in a host-side check that raises;
-# the column copies are single PyTorch kernels already, put_columns one that mutates.
-_EAGER_ONLY = ("mask_value", "take_columns", "put_columns")
-
-
-@functools.cache
-def _compiled() -> Kernels:
-    # Each kernel specialises on dtype, grouping dimension and size-1 dimensions: a few dozen
-    # graphs in a training run, more than dynamo's default limit of 8 per function.
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-    compile_ = functools.partial(torch.compile, dynamic=True, fullgraph=True)
-    return Kernels(**{name: fn if name in _EAGER_ONLY else compile_(fn)
-                      for name, fn in vars(REFERENCE).items()})
 
 
 @functools.cache
@@ -77,8 +60,6 @@ def triton_supports(device: torch.device) -> bool:
 def kernels_for(backend: str, device: torch.device) -> Kernels:
     if backend == "torch":
         return REFERENCE
-    if backend == "compiled":
-        return _compiled()
     if backend == "native":
         if _native() is None:
             raise RuntimeError("codec backend 'native' could not build codecs/native/codecs.c (no C compiler?)")

@@ -1,6 +1,6 @@
 """Numerics shared by the int4 codecs: nibble packing, scale rounding, input checks.
 
-Every backend (eager, compiled, Triton) follows exactly these rules, which is what makes
+Every backend (eager, native, Triton) follows exactly these rules, which is what makes
 their payloads byte-identical.
 """
 from __future__ import annotations
