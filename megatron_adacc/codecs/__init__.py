@@ -3,6 +3,7 @@
     codec = megatron_adacc.codecs.get("outlier_int4", threshold=3.0, backend="auto")
     payload = codec.encode(tensor)       # payload.nbytes, payload.shape/.dtype/.device
     tensor_hat = codec.decode(payload)   # same shape, dtype and device as `tensor`
+    codec.payload_bytes(shape, dtype, outlier_channels=k)  # == payload.nbytes, finite inputs
 
 Backends: "auto" (default: Triton on CUDA, the native C kernels on CPU, eager PyTorch when
 neither is available), "torch" (the eager reference), "native", "triton". All of them

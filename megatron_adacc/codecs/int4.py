@@ -13,6 +13,8 @@ FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # range, so no finite input can overflow or underflow its scale (fp16 scales would overflow
 # for bf16 activations above ~5e5).
 SCALE_DTYPE = torch.bfloat16
+# Payloads store group and channel indices (exceptions, outlier channels) in this type.
+INDEX_DTYPE = torch.int32
 # Smallest normal bf16 (= fp32) number. Every scale is at least this, so all-zero and
 # constant groups never divide by zero, and no scale is subnormal (GPUs may flush those).
 MIN_SCALE = 2.0**-126
@@ -87,7 +89,7 @@ def split_exceptions(x2d: torch.Tensor, ok: torch.Tensor, dim: int) -> dict[str,
     if bool(ok.all()):
         return {}
     index = (~ok).nonzero().view(-1)
-    return {"raw_index": index.to(torch.int32), "raw_values": x2d.index_select(dim, index)}
+    return {"raw_index": index.to(INDEX_DTYPE), "raw_values": x2d.index_select(dim, index)}
 
 
 def restore_exceptions(out2d: torch.Tensor, tensors: dict[str, torch.Tensor], dim: int) -> None:
