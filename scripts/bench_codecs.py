@@ -125,6 +125,28 @@ def synthetic_inputs(rows: int, cols: int, seed: int) -> dict[str, torch.Tensor]
     }
 
 
+def cpu() -> dict:
+    """The CPU's model name and the vector extensions the native kernels can use (from
+    /proc/cpuinfo; empty where there is none), and the path the native build took."""
+    model, flags = platform.processor(), set()
+    try:
+        with open("/proc/cpuinfo") as info:
+            for line in info:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name":
+                    model = value.strip()
+                elif key.strip() == "flags":
+                    flags = set(value.split())
+                    break
+    except OSError:
+        pass
+    from megatron_adacc.codecs import native
+
+    return {"model": model, "avx512f": "avx512f" in flags, "avx512bw": "avx512bw" in flags,
+            "avx2": "avx2" in flags, "f16c": "f16c" in flags,
+            "native_vector_isa": native.vector_isa() if native.available() else None}
+
+
 # ----------------------------------------------------------------------------- measuring
 
 def interleaved_seconds(fns: dict, reps: int) -> dict[str, float]:
@@ -315,6 +337,9 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=1234)
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
+    machine = cpu()
+    print(f"CPU: {machine['model']}; AVX-512F {machine['avx512f']}, AVX-512BW {machine['avx512bw']}, "
+          f"AVX2 {machine['avx2']}, F16C {machine['f16c']}; native kernels: {machine['native_vector_isa']}")
 
     backends = (args.backends or "torch,native").split(",")
     steps, rows_cols, reps = (5, (256, 512), 1) if args.quick else (50, (4096, 4096), 5)
@@ -344,7 +369,7 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-                    "torch": torch.__version__},
+                    "torch": torch.__version__, "cpu": machine},
         "config": {"quick": args.quick, "backends": backends, "train_steps": steps, "synthetic_shape": rows_cols,
                    "reps": reps},
         "results": results,
