@@ -713,14 +713,18 @@ void asym_decode_rows(const uint8_t *packed, const uint16_t *scales, const void 
 /* 8 flags per byte, flag i in bit i; elem_size 1 compares bytes (bool, uint8), larger element
  * types compare as floats (dtype as above): a flag is set unless the element is +-0.
  *
- * With AVX-512BW the masks go 64 bytes of elements at a time through mask registers, one
- * instruction from elements to bits and one back (a float mask on the CPU spent 5 ms per
+ * With AVX-512BW or AVX2 the masks go 64 bytes of elements at a time (a step): a few
+ * instructions from elements to bits and back (a float mask on the CPU spent 5 ms per
  * 16 MiB in the byte loops); the byte loops below handle the rest, and everything
- * elsewhere. */
-#ifdef __AVX512BW__
+ * elsewhere. Per step: step_flags (which elements are non-zero), step_equal (which have the
+ * given bits) and step_expand (those bits where the flag is set, 0 elsewhere). */
+#if defined(__AVX512BW__) || defined(__AVX2__)
+#include <immintrin.h>
+#define MASK_STEPS
 #define MASK_STEP_BYTES 64
+#endif
 
-/* Flags of the MASK_STEP_BYTES / elem_size elements at x. */
+#if defined(__AVX512BW__)
 INLINE uint64_t step_flags(const void *x, int elem_size) {
     __m512i v = _mm512_loadu_si512(x);
     if (elem_size == 1) return _mm512_test_epi8_mask(v, v);
@@ -728,14 +732,81 @@ INLINE uint64_t step_flags(const void *x, int elem_size) {
     return _mm512_test_epi32_mask(v, _mm512_set1_epi32(0x7FFFFFFF));
 }
 
+INLINE uint64_t step_equal(const void *x, int elem_size, uint32_t bits) {
+    __m512i v = _mm512_loadu_si512(x);
+    return elem_size == 4 ? _mm512_cmpeq_epi32_mask(v, _mm512_set1_epi32((int)bits))
+                          : _mm512_cmpeq_epi16_mask(v, _mm512_set1_epi16((short)bits));
+}
+
+INLINE void step_expand(uint64_t flags, int elem_size, uint32_t bits, void *out) {
+    __m512i v = elem_size == 4 ? _mm512_maskz_mov_epi32((__mmask16)flags, _mm512_set1_epi32((int)bits))
+                               : _mm512_maskz_mov_epi16((__mmask32)flags, _mm512_set1_epi16((short)bits));
+    _mm512_storeu_si512(out, v);
+}
+#elif defined(__AVX2__)
+/* One bit per element from the all-ones or zero lanes of two comparisons, in element order. */
+INLINE uint64_t lane_bits(__m256i low, __m256i high, int elem_size) {
+    if (elem_size == 1)
+        return (uint32_t)_mm256_movemask_epi8(low) | (uint64_t)(uint32_t)_mm256_movemask_epi8(high) << 32;
+    if (elem_size == 2) /* words to bytes; packing interleaves the 128-bit lanes, the permute undoes it */
+        return (uint32_t)_mm256_movemask_epi8(_mm256_permute4x64_epi64(_mm256_packs_epi16(low, high), 0xD8));
+    return (uint64_t)(_mm256_movemask_ps(_mm256_castsi256_ps(low)) | _mm256_movemask_ps(_mm256_castsi256_ps(high)) << 8);
+}
+
+INLINE __m256i lanes_equal(__m256i a, __m256i b, int elem_size) {
+    if (elem_size == 1) return _mm256_cmpeq_epi8(a, b);
+    if (elem_size == 2) return _mm256_cmpeq_epi16(a, b);
+    return _mm256_cmpeq_epi32(a, b);
+}
+
+INLINE __m256i broadcast_bits(uint32_t bits, int elem_size) {
+    if (elem_size == 1) return _mm256_set1_epi8((char)bits);
+    if (elem_size == 2) return _mm256_set1_epi16((short)bits);
+    return _mm256_set1_epi32((int)bits);
+}
+
+INLINE uint64_t step_equal(const void *x, int elem_size, uint32_t bits) {
+    const __m256i *v = (const __m256i *)x, b = broadcast_bits(bits, elem_size);
+    return lane_bits(lanes_equal(_mm256_loadu_si256(v), b, elem_size),
+                     lanes_equal(_mm256_loadu_si256(v + 1), b, elem_size), elem_size);
+}
+
+INLINE uint64_t step_flags(const void *x, int elem_size) {
+    const __m256i *v = (const __m256i *)x, zero = _mm256_setzero_si256();
+    /* the sign bit aside, so that -0 counts as 0 */
+    __m256i magnitude = broadcast_bits(elem_size == 1 ? 0xFF : elem_size == 2 ? 0x7FFF : 0x7FFFFFFF, elem_size);
+    uint64_t zeros = lane_bits(lanes_equal(_mm256_and_si256(_mm256_loadu_si256(v), magnitude), zero, elem_size),
+                               lanes_equal(_mm256_and_si256(_mm256_loadu_si256(v + 1), magnitude), zero, elem_size),
+                               elem_size);
+    int per_step = MASK_STEP_BYTES / elem_size;
+    return ~zeros & (per_step == 64 ? ~0ull : (1ull << per_step) - 1);
+}
+
+INLINE void step_expand(uint64_t flags, int elem_size, uint32_t bits, void *out) {
+    /* lane i of each half selects bit i of its share of the flags */
+    const __m256i select = elem_size == 4 ? _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128)
+                                          : _mm256_setr_epi16(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048,
+                                                              4096, 8192, 16384, (short)32768);
+    const int per_half = 32 / elem_size;
+    const __m256i value = broadcast_bits(bits, elem_size);
+    for (int k = 0; k < 2; k++) {
+        uint32_t share = (uint32_t)(flags >> (k * per_half)) & ((1u << per_half) - 1);
+        __m256i set = lanes_equal(_mm256_and_si256(broadcast_bits(share, elem_size), select), select, elem_size);
+        _mm256_storeu_si256((__m256i *)out + k, _mm256_and_si256(set, value));
+    }
+}
+#endif
+
 /* Elements (whole steps only) handled by the vector loops; the byte loops take the rest. */
 INLINE int64_t stepped_elements(int64_t numel, int elem_size) {
+#ifdef MASK_STEPS
     int64_t per_step = MASK_STEP_BYTES / elem_size;
     return numel / per_step * per_step;
-}
 #else
-INLINE int64_t stepped_elements(int64_t numel, int elem_size) { (void)numel; (void)elem_size; return 0; }
+    (void)numel; (void)elem_size;
+    return 0;
 #endif
+}
 
 static inline uint8_t pack_byte_flags(const uint8_t *x) {
     uint64_t v;
@@ -749,7 +820,7 @@ static inline uint8_t pack_byte_flags(const uint8_t *x) {
 
 void mask_pack(const void *x, int dtype, int elem_size, int64_t numel, uint8_t *packed) {
     const int64_t bytes = (numel + 7) / 8, stepped = stepped_elements(numel, elem_size);
-#ifdef __AVX512BW__
+#ifdef MASK_STEPS
     const int64_t per_step = MASK_STEP_BYTES / elem_size;
     #pragma omp parallel for schedule(static)
     for (int64_t e = 0; e < stepped; e += per_step) {
@@ -808,19 +879,16 @@ int mask_value(const void *x, int dtype, int64_t numel, float *value) {
     v = first < numel ? v : 0.0f;
     int ok = v == v;
     const int64_t stepped = ok ? stepped_elements(numel, elem_size) : 0;
-#ifdef __AVX512BW__
+#ifdef MASK_STEPS
     /* an element passes if it is +-0 or has v's bits (v is neither zero nor NaN, so equal
      * floats have equal bits) */
     const int64_t per_step = MASK_STEP_BYTES / elem_size;
     const uint32_t bits = value_bits(v, dtype);
+    const uint64_t all = per_step == 64 ? ~0ull : (1ull << per_step) - 1;
     #pragma omp parallel for reduction(&:ok) schedule(static)
     for (int64_t e = 0; e < stepped; e += per_step) {
         const char *at = (const char *)x + e * elem_size;
-        __m512i w = _mm512_loadu_si512(at);
-        uint64_t same = elem_size == 4 ? _mm512_cmpeq_epi32_mask(w, _mm512_set1_epi32((int)bits))
-                                       : _mm512_cmpeq_epi16_mask(w, _mm512_set1_epi16((short)bits));
-        uint64_t all = per_step == 64 ? ~0ull : (1ull << per_step) - 1;
-        ok &= ((~step_flags(at, elem_size) | same) & all) == all;
+        ok &= ((~step_flags(at, elem_size) | step_equal(at, elem_size, bits)) & all) == all;
     }
 #endif
     #pragma omp parallel for reduction(&:ok) schedule(static)
@@ -838,15 +906,13 @@ void mask_unpack_values(const uint8_t *packed, int64_t numel, int dtype, float v
     const int elem_size = dtype == 0 ? 4 : 2;
     const uint32_t bits = value_bits(value, dtype);
     const int64_t bytes = (numel + 7) / 8, stepped = stepped_elements(numel, elem_size);
-#ifdef __AVX512BW__
+#ifdef MASK_STEPS
     const int64_t per_step = MASK_STEP_BYTES / elem_size;
     #pragma omp parallel for schedule(static)
     for (int64_t e = 0; e < stepped; e += per_step) {
         uint64_t flags = 0;
         memcpy(&flags, packed + e / 8, (size_t)(per_step / 8));
-        __m512i v = elem_size == 4 ? _mm512_maskz_mov_epi32((__mmask16)flags, _mm512_set1_epi32((int)bits))
-                                   : _mm512_maskz_mov_epi16((__mmask32)flags, _mm512_set1_epi16((short)bits));
-        _mm512_storeu_si512((char *)out + e * elem_size, v);
+        step_expand(flags, elem_size, bits, (char *)out + e * elem_size);
     }
 #endif
     #pragma omp parallel for schedule(static)
