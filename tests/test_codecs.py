@@ -394,8 +394,8 @@ def test_native_column_copies_refuse_what_they_would_overrun():
         native._put_columns(rows, torch.tensor([-1]), torch.ones(4, 1, dtype=torch.bfloat16))
     with pytest.raises((IndexError, RuntimeError)):  # one value per row short
         native._put_columns(rows, torch.tensor([5, 0]), torch.ones(3, 2, dtype=torch.bfloat16))
-    with pytest.raises((IndexError, RuntimeError)):  # a zeroed channel past the last one
-        native._sym_encode(rows.view(-1, 8), 1, 1e30, (6, torch.tensor([6])))
+    with pytest.raises((IndexError, RuntimeError)):  # a zeroing mask longer than the channels
+        native._sym_encode(rows.view(-1, 8), 1, 1e30, (6, torch.ones(7, dtype=torch.bool)))
     native._put_columns(rows, torch.tensor([5, 0]), torch.ones(4, 2, dtype=torch.bfloat16))
     assert torch.equal(native._take_columns(rows, torch.tensor([0, 5])), torch.ones(4, 2, dtype=torch.bfloat16))
     assert int(rows.sum()) == 8

@@ -90,6 +90,26 @@ def _scales_bytes(count: int) -> int:
     return count * SCALE_DTYPE.itemsize
 
 
+def _read_counts(*counts: torch.Tensor, bound: int) -> list[int]:
+    """The values of 0-d integer tensors, each in [0, bound), read to the host at once: an
+    encode's one device sync (on CUDA the host waits for every kernel queued before it), so
+    they travel as one mixed-radix integer."""
+    packed = counts[0]
+    for count in counts[1:]:
+        packed = packed * bound + count
+    value, digits = int(packed), []
+    for _ in counts:
+        value, digit = divmod(value, bound)
+        digits.append(digit)
+    return digits[::-1]
+
+
+def _exceptions(x2d: torch.Tensor, ok: torch.Tensor, dim: int) -> dict[str, torch.Tensor]:
+    """split_exceptions, with the count of unusable groups read by the encode's one host sync."""
+    (count,) = _read_counts((~ok).sum(), bound=ok.numel() + 1)
+    return split_exceptions(x2d, ok, dim, count)
+
+
 def _keep(t: torch.Tensor, numel: int) -> torch.Tensor:
     # A slice would pin its whole base tensor; copy it so nbytes is what stays alive.
     return t if t.numel() == numel else t[:numel].clone()
@@ -134,15 +154,21 @@ class SymInt4(_FlatGroups):
     def __init__(self, group_size: int = 64, backend: str | None = None):
         super().__init__(group_size, backend)
 
-    def _encode(self, x, kernels, zeroed=None):
-        """`zeroed`: (channels, index) of channels to encode as zeros (OutlierInt4)."""
+    def _encode(self, x, kernels):
+        tensors, ok, raw_groups = self._quantize(x, kernels)
+        return {**tensors, **_exceptions(raw_groups(), ok, dim=0)}
+
+    def _quantize(self, x, kernels, zeroed=None):
+        """Packed codes and scales, the usable-scale flags, and a function giving the groups
+        as they are stored raw where unusable (zeroed channels zeroed: built only if needed).
+        `zeroed`: (channels, mask) of channels to encode as zeros (OutlierInt4)."""
         if zeroed is not None and x.numel() % self.group_size:
             # the padding of the last group copies the last element, after zeroing
             x, zeroed = zero_channels(x.reshape(-1, zeroed[0]), zeroed), None
         groups = self._groups(x)
         packed, scales, ok = kernels.sym_encode(groups, 1, dtype_max(x.dtype), zeroed)
-        exceptions = {} if bool(ok.all()) else split_exceptions(zero_channels(groups, zeroed), ok, dim=0)
-        return {"packed": _keep(packed, _packed_bytes(x.numel())), "scales": scales, **exceptions}
+        tensors = {"packed": _keep(packed, _packed_bytes(x.numel())), "scales": scales}
+        return tensors, ok, lambda: zero_channels(groups, zeroed)
 
     def _payload_bytes(self, shape, dtype, outlier_channels):
         return _packed_bytes(shape.numel()) + _scales_bytes(self._group_count(shape))
@@ -168,14 +194,16 @@ class OutlierInt4(SymInt4):
 
     def _encode(self, x, kernels):
         rows = x.reshape(-1, _channels(x.shape))
-        index = outlier_channels(kernels.channel_abs_sums(rows), self.threshold)
-        if not index.numel():
-            return super()._encode(rows, kernels)
-        return {
-            **super()._encode(rows, kernels, zeroed=(rows.shape[1], index)),
-            "outlier_index": index.to(INDEX_DTYPE),
-            "outlier_values": kernels.take_columns(rows, index),
-        }
+        is_outlier = outlier_channels(kernels.channel_abs_sums(rows), self.threshold)
+        zeroed = (rows.shape[1], is_outlier)
+        tensors, ok, raw_groups = self._quantize(rows, kernels, zeroed)
+        outliers, unusable = _read_counts(is_outlier.sum(), (~ok).sum(), bound=max(rows.shape[1], ok.numel()) + 1)
+        if unusable:
+            tensors.update(split_exceptions(raw_groups(), ok, 0, unusable))
+        if outliers:
+            index = torch.nonzero_static(is_outlier, size=outliers).view(-1)  # sized on the host: no sync
+            tensors.update(outlier_index=index.to(INDEX_DTYPE), outlier_values=kernels.take_columns(rows, index))
+        return tensors
 
     def _payload_bytes(self, shape, dtype, outlier_channels):
         rows = shape.numel() // _channels(shape)
@@ -205,7 +233,7 @@ class AsymInt4(_FlatGroups):
             "packed": _keep(packed, _packed_bytes(x.numel())),
             "scales": scales,
             "offsets": offsets,
-            **split_exceptions(groups, ok, dim=0),
+            **_exceptions(groups, ok, dim=0),
         }
 
     def _payload_bytes(self, shape, dtype, outlier_channels):
@@ -229,7 +257,7 @@ class NaiveInt4(Codec):
     def _encode(self, x, kernels):
         rows = x.reshape(-1, _channels(x.shape))
         packed, scales, ok = kernels.sym_encode(rows, 1, dtype_max(x.dtype))
-        return {"packed": packed, "scales": scales, **split_exceptions(rows, ok, dim=0)}
+        return {"packed": packed, "scales": scales, **_exceptions(rows, ok, dim=0)}
 
     def _payload_bytes(self, shape, dtype, outlier_channels):
         return _packed_bytes(shape.numel()) + _scales_bytes(shape.numel() // _channels(shape))
@@ -250,7 +278,7 @@ class ChannelInt4(Codec):
     def _encode(self, x, kernels):
         rows = x.reshape(-1, _channels(x.shape))
         packed, scales, ok = kernels.sym_encode(rows, 0, dtype_max(x.dtype))
-        return {"packed": packed, "scales": scales, **split_exceptions(rows, ok, dim=1)}
+        return {"packed": packed, "scales": scales, **_exceptions(rows, ok, dim=1)}
 
     def _payload_bytes(self, shape, dtype, outlier_channels):
         return _packed_bytes(shape.numel()) + _scales_bytes(_channels(shape))

@@ -115,17 +115,26 @@ def _sym_encode(x2d, reduce_dim, dmax, zeroed=None):
         library().sym_encode_cols(x2d.data_ptr(), _DTYPE_CODE[x2d.dtype], rows, cols, dmax, scratch.data_ptr(),
                                   col_ok.data_ptr(), packed.data_ptr(), scales.data_ptr(), ok.data_ptr())
         return packed, scales, ok
-    if reduce_dim != 1 or not _native(x2d):
-        return symmetric.sym_encode(x2d, reduce_dim, dmax, zeroed)
+    if reduce_dim != 1 or not _native(x2d) or not _channel_mask(zeroed):
+        return symmetric.sym_encode(x2d, reduce_dim, dmax, zeroed)  # raises on a wrong mask
     packed = torch.empty(rows * cols // 2, dtype=torch.uint8)
     scales = torch.empty(rows, dtype=torch.bfloat16)
     ok = torch.empty(rows, dtype=torch.bool)
-    channels, index = zeroed if zeroed is not None else (0, torch.empty(0, dtype=torch.int64))
-    index = index.to(torch.int64).contiguous()
+    channels, mask = zeroed if zeroed is not None else (0, torch.zeros(0, dtype=torch.bool))
+    index = mask.nonzero().view(-1)  # a CPU tensor: no device to wait for
     if not library().sym_encode_rows(x2d.data_ptr(), _DTYPE_CODE[x2d.dtype], rows, cols, dmax, index.data_ptr(),
                                      index.numel(), channels, packed.data_ptr(), scales.data_ptr(), ok.data_ptr()):
-        return symmetric.sym_encode(x2d, reduce_dim, dmax, zeroed)  # raises on the bad index
+        return symmetric.sym_encode(x2d, reduce_dim, dmax, zeroed)  # out of memory in C
     return packed, scales, ok
+
+
+def _channel_mask(zeroed) -> bool:
+    """No zeroing, or a bool CPU mask with one entry per channel (int4.zero_channels): what
+    the C kernel takes; the reference raises on the rest."""
+    if zeroed is None:
+        return True
+    channels, mask = zeroed
+    return mask.dtype == torch.bool and mask.device.type == "cpu" and tuple(mask.shape) == (channels,)
 
 
 def _sym_decode(packed, scales, shape2d, reduce_dim, dtype):
