@@ -9,9 +9,9 @@ produce the same ``ModelCosts`` the profiler measures:
   up to its save, each on a roofline: matmuls are FLOP-bound at ``MATMUL_EFFICIENCY`` of
   peak, elementwise / norm / softmax / RNG ops are bound by the bytes they move at
   ``BANDWIDTH_EFFICIENCY`` of peak bandwidth; an op that does both pays both;
-- codec payloads from the codec rules (int4 + per-group or per-channel scales, exact outlier
-  channels, 1 bit per mask flag) and codec time = bytes the codec moves at
-  ``CODEC_EFFICIENCY`` of peak bandwidth;
+- codec payloads from the codecs themselves (``Codec.payload_bytes``: the exact size of a
+  finite input's payload) and codec time = bytes the codec moves at ``CODEC_EFFICIENCY`` of
+  peak bandwidth;
 - static memory from the parameter count, precision and optimizer (``static_bytes``).
 
 Every efficiency factor is an assumption, named here so it can be checked against a profile.
@@ -21,6 +21,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
+import torch
+
+from megatron_adacc import codecs
 from megatron_adacc import sites as site_table
 from megatron_adacc.costs import CodecCost, ModelCosts, SiteCost
 
@@ -34,8 +37,6 @@ BANDWIDTH_EFFICIENCY = 0.8
 # this repository's CPU the fused codecs reach 27% of a copy (DESIGN.md). We assume GPU Triton
 # kernels reach half the bandwidth of a copy.
 CODEC_EFFICIENCY = 0.4
-# Elements sharing one fp32 scale (and, for asymmetric int4, one fp32 offset).
-CODEC_GROUP_SIZE = 64
 # Fraction of channels the outlier codec keeps exact (z-score > 3 over channel |sum|; a few
 # channels in GPT activations). Each costs its values at full width plus a 4-byte index.
 OUTLIER_CHANNEL_FRACTION = 0.01
@@ -316,23 +317,13 @@ def site_bytes(shape: ModelShape, micro_batch_size: int) -> dict[str, int]:
 
 
 # --- codecs ----------------------------------------------------------------------------------
-def codec_payload_bytes(codec: str, elements: int, element_bytes: int, channels: int) -> int:
-    """Bytes a codec keeps for a tensor, from the codec rules (paper, DESIGN.md)."""
-    int4 = -(-elements // 2)
-    groups = -(-elements // CODEC_GROUP_SIZE)
-    if codec == "bitmask":
-        return -(-elements // 8)
-    if codec == "channel_int4":
-        return int4 + 4 * channels
-    if codec == "sym_int4":
-        return int4 + 4 * groups
-    if codec == "asym_int4":
-        return int4 + 8 * groups
-    if codec == "outlier_int4":
-        outlier_channels = int(round(channels * OUTLIER_CHANNEL_FRACTION))
-        outlier_elements = elements * outlier_channels // max(1, channels)
-        return (int4 + 4 * groups + outlier_elements * element_bytes + 4 * outlier_channels)
-    raise ValueError(f"no payload rule for codec {codec!r}")
+def codec_payload_bytes(codec: str, elements: int, dtype: str, channels: int) -> int:
+    """Bytes a codec keeps for a finite tensor of `elements` elements of `dtype` (a torch
+    dtype name) in rows of `channels`, as the codec itself counts them; the outlier codec
+    keeps ``OUTLIER_CHANNEL_FRACTION`` of the channels exact."""
+    selected = codecs.get(codec)
+    outliers = int(round(channels * OUTLIER_CHANNEL_FRACTION)) if selected.separates_outliers else 0
+    return selected.payload_bytes((elements // channels, channels), getattr(torch, dtype), outliers)
 
 
 def _codec_cost(codec: str, full: int, payload: int, bandwidth: float) -> CodecCost:
@@ -389,8 +380,8 @@ def analytic_costs(shape: ModelShape, micro_batch_size: int, accelerator: str | 
         elements, element_bytes = formula.elements(d), formula.element_bytes(d)
         full = elements * element_bytes
         known = site_table.get(name)
-        payload = codec_payload_bytes(known.default_codec, elements, element_bytes,
-                                      formula.channels(d))
+        dtype = dtype_names.get(formula.dtype, formula.dtype)
+        payload = codec_payload_bytes(known.default_codec, elements, dtype, formula.channels(d))
         rebuild_s = 0.0
         if known.segment is not None:
             rebuild_s = since_start.get(known.segment, 0.0) + (
@@ -399,7 +390,7 @@ def analytic_costs(shape: ModelShape, micro_batch_size: int, accelerator: str | 
         sites.append(SiteCost(
             name=name,
             bytes=full,
-            dtype=dtype_names.get(formula.dtype, formula.dtype),
+            dtype=dtype,
             rebuild_s=rebuild_s,
             segment=known.segment,
             codecs=(_codec_cost(known.default_codec, full, payload, device.memory_bandwidth),),

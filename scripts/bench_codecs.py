@@ -11,8 +11,7 @@ Per codec, backend and input: compression ratio (payload bytes / input bytes), r
 ||x - x^|| / ||x||, encode, decode and round-trip throughput in GB/s of input, and, measured
 in the same run on a tensor of the same size, the throughput of a plain copy into an existing
 tensor (the memory-bandwidth ceiling) and of a clone (a copy that allocates its output, as
-every decode must). Backends: torch (eager reference), native (fused C), compiled
-(torch.compile of the reference).
+every decode must). Backends: torch (eager reference), native (fused C).
 
 Memory: an encode allocates its payload and a decode its output. With glibc's defaults, large
 blocks come fresh from the kernel and every page faults on first touch (on a VM about a
@@ -126,6 +125,28 @@ def synthetic_inputs(rows: int, cols: int, seed: int) -> dict[str, torch.Tensor]
     }
 
 
+def cpu() -> dict:
+    """The CPU's model name and the vector extensions the native kernels can use (from
+    /proc/cpuinfo; empty where there is none), and the path the native build took."""
+    model, flags = platform.processor(), set()
+    try:
+        with open("/proc/cpuinfo") as info:
+            for line in info:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name":
+                    model = value.strip()
+                elif key.strip() == "flags":
+                    flags = set(value.split())
+                    break
+    except OSError:
+        pass
+    from megatron_adacc.codecs import native
+
+    return {"model": model, "avx512f": "avx512f" in flags, "avx512bw": "avx512bw" in flags,
+            "avx2": "avx2" in flags, "f16c": "f16c" in flags,
+            "native_vector_isa": native.vector_isa() if native.available() else None}
+
+
 # ----------------------------------------------------------------------------- measuring
 
 def interleaved_seconds(fns: dict, reps: int) -> dict[str, float]:
@@ -142,7 +163,7 @@ def interleaved_seconds(fns: dict, reps: int) -> dict[str, float]:
 
 def measure(codec, x: torch.Tensor, reps: int) -> dict | None:
     try:
-        payload = codec.encode(x)  # also the warm-up (compilation for "compiled")
+        payload = codec.encode(x)  # also the warm-up (the native library builds on first use)
     except (TypeError, ValueError):
         return None  # not an input this codec takes (integer tokens, a non-mask, ...)
     x_hat = codec.decode(payload)
@@ -310,14 +331,17 @@ def check_targets(rows: list[dict]) -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="bench_results/codecs.json")
-    parser.add_argument("--quick", action="store_true", help="small inputs, no torch.compile: under a minute")
+    parser.add_argument("--quick", action="store_true", help="small inputs: under a minute")
     parser.add_argument("--backends", default=None,
-                        help="comma list of codec backends (default: torch,native,compiled; quick: torch,native)")
+                        help="comma list of codec backends (default: torch,native)")
     parser.add_argument("--seed", type=int, default=1234)
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
+    machine = cpu()
+    print(f"CPU: {machine['model']}; AVX-512F {machine['avx512f']}, AVX-512BW {machine['avx512bw']}, "
+          f"AVX2 {machine['avx2']}, F16C {machine['f16c']}; native kernels: {machine['native_vector_isa']}")
 
-    backends = (args.backends or ("torch,native" if args.quick else "torch,native,compiled")).split(",")
+    backends = (args.backends or "torch,native").split(",")
     steps, rows_cols, reps = (5, (256, 512), 1) if args.quick else (50, (4096, 4096), 5)
     dtypes = (torch.bfloat16, torch.float32)
 
@@ -345,7 +369,7 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-                    "torch": torch.__version__},
+                    "torch": torch.__version__, "cpu": machine},
         "config": {"quick": args.quick, "backends": backends, "train_steps": steps, "synthetic_shape": rows_cols,
                    "reps": reps},
         "results": results,

@@ -22,6 +22,7 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 
 from megatron_adacc import codecs  # noqa: E402
 from test_codecs import edge_tensors  # noqa: E402
+from test_codecs_sync import assert_sync_free  # noqa: E402
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 SHAPES = [(1,), (7,), (128,), (3, 64), (33, 70), (16, 128), (4, 8, 96), (2, 3, 5, 129)]
@@ -94,3 +95,9 @@ def test_bitmask_byte_identical(dtype):
         keep = torch.rand(shape, generator=gen) > 0.1
         mask = keep if dtype == torch.bool else keep.to(dtype) / 0.9
         assert_same_payload_and_output("bitmask", mask.to(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("name", codecs.NAMES)
+def test_sync_once_per_encode_and_never_in_decode(name, dtype):
+    assert_sync_free("triton", name, dtype)

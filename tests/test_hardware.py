@@ -1,9 +1,11 @@
 """Analytic cost model: site bytes add up to 34sbh + 5as^2b, rebuild times accumulate along
 each segment, static bytes per precision."""
 import pytest
+import torch
 
-from megatron_adacc import hardware
+from megatron_adacc import codecs, hardware
 from megatron_adacc.costs import ModelCosts
+from test_codecs_payload_bytes import with_outlier_channels
 
 GPT345M = hardware.ModelShape(num_layers=24, hidden_size=1024, num_attention_heads=16,
                               seq_length=1024, vocab_size=50257)
@@ -68,6 +70,23 @@ def test_costs_are_consistent_and_round_trip():
     mask = costs.site("attn_dropout_mask")
     assert mask.codecs[0].payload_bytes * 8 == mask.bytes
     assert ModelCosts.from_json(costs.to_json()) == costs
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_codec_payloads_equal_real_encodes(precision):
+    # Each site's payload is what its codec really keeps for a finite tensor of the site's
+    # shape and dtype, with the outlier codec keeping OUTLIER_CHANNEL_FRACTION of the channels.
+    shape = hardware.ModelShape(2, 128, 4, 32, 100, ffn_hidden_size=1600, precision=precision)
+    sizes = hardware._layer_sites(shape)
+    d = hardware._dims(shape, 2)
+    for site in hardware.analytic_costs(shape, 2, "a100-80gb").sites:
+        cost = site.codecs[0]
+        channels = sizes[site.name].channels(d)
+        outliers = round(channels * hardware.OUTLIER_CHANNEL_FRACTION) if cost.codec == "outlier_int4" else 0
+        dtype = getattr(torch, site.dtype)
+        x = with_outlier_channels((site.bytes // dtype.itemsize // channels, channels), torch.float32, outliers)
+        x = x > 0 if dtype == torch.bool else x.to(dtype)
+        assert cost.payload_bytes == codecs.get(cost.codec, backend="torch").encode(x).nbytes, site.name
 
 
 def test_bf16_on_v100_is_refused():

@@ -3,10 +3,11 @@
     codec = megatron_adacc.codecs.get("outlier_int4", threshold=3.0, backend="auto")
     payload = codec.encode(tensor)       # payload.nbytes, payload.shape/.dtype/.device
     tensor_hat = codec.decode(payload)   # same shape, dtype and device as `tensor`
+    codec.payload_bytes(shape, dtype, outlier_channels=k)  # == payload.nbytes, finite inputs
 
 Backends: "auto" (default: Triton on CUDA, the native C kernels on CPU, eager PyTorch when
-neither is available), "torch" (the eager reference), "compiled", "native", "triton". All of
-them produce byte-identical payloads. ADACC_CODEC_BACKEND sets the default for codecs built
+neither is available), "torch" (the eager reference), "native", "triton". All of them
+produce byte-identical payloads. ADACC_CODEC_BACKEND sets the default for codecs built
 without an explicit backend.
 
 Defaults: sym_int4 and outlier_int4 use groups of 64, asym_int4 groups of 128; scales are

@@ -1,62 +1,29 @@
-"""Which implementation of the codec kernels runs: eager PyTorch, torch.compile'd PyTorch,
-or Triton.
+"""Which implementation of the codec kernels (kernels.Kernels) runs.
 
-- "torch": the eager reference, the ground truth every other backend is tested against.
-- "compiled": the same reference functions under torch.compile (inductor fuses each into one
-  or two loops; on a CPU this is the fast path). Compiled once per function with dynamic
-  shapes, on first use.
+- "torch": the eager reference (kernels.REFERENCE), the ground truth every other backend is
+  tested against.
 - "native": fused C kernels for the CPU (codecs/native), built with the system C compiler
   on first use; the fastest CPU path.
 - "triton": the Triton kernels in codecs/triton (CUDA, or the CPU under TRITON_INTERPRET=1).
 - "auto": Triton for CUDA tensors when Triton supports the GPU; native for CPU tensors when a C
   compiler is available; the eager reference otherwise.
 
-The default comes from the ADACC_CODEC_BACKEND environment variable, else "auto".
+The default comes from the ADACC_CODEC_BACKEND environment variable, else "auto". The
+native and Triton modules are imported on first use only: building the C library or
+importing Triton costs seconds, and Triton must not be imported before TRITON_INTERPRET is
+set.
 """
 from __future__ import annotations
 
 import functools
 import os
-from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
-from megatron_adacc.codecs import asymmetric, bitmask, outlier, symmetric
+from megatron_adacc.codecs.kernels import REFERENCE, Kernels
 
-BACKENDS = ("auto", "torch", "compiled", "native", "triton")
+BACKENDS = ("auto", "torch", "native", "triton")
 BACKEND_ENV_VAR = "ADACC_CODEC_BACKEND"
-
-
-@dataclass(frozen=True)
-class Kernels:
-    sym_encode: Callable
-    sym_decode: Callable
-    asym_encode: Callable
-    asym_decode: Callable
-    mask_pack: Callable
-    mask_unpack: Callable
-    mask_value: Callable
-    channel_abs_sums: Callable
-    take_columns: Callable
-    put_columns: Callable
-
-
-REFERENCE = Kernels(
-    sym_encode=symmetric.sym_encode,
-    sym_decode=symmetric.sym_decode,
-    asym_encode=asymmetric.asym_encode,
-    asym_decode=asymmetric.asym_decode,
-    mask_pack=bitmask.mask_pack,
-    mask_unpack=bitmask.mask_unpack,
-    mask_value=bitmask.mask_value,
-    channel_abs_sums=outlier.channel_abs_sums,
-    take_columns=outlier.take_columns,
-    put_columns=outlier.put_columns,
-)
-# Left eager by the compiled backend: mask_value ends in a host-side check that raises;
-# the column copies are single PyTorch kernels already, put_columns one that mutates.
-_EAGER_ONLY = ("mask_value", "take_columns", "put_columns")
 
 
 def resolve_backend(backend: str | None) -> str:
@@ -64,16 +31,6 @@ def resolve_backend(backend: str | None) -> str:
     if name not in BACKENDS:
         raise ValueError(f"unknown codec backend {name!r}; expected one of {BACKENDS}")
     return name
-
-
-@functools.cache
-def _compiled() -> Kernels:
-    # Each kernel specialises on dtype, grouping dimension and size-1 dimensions: a few dozen
-    # graphs in a training run, more than dynamo's default limit of 8 per function.
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-    compile_ = functools.partial(torch.compile, dynamic=True, fullgraph=True)
-    return Kernels(**{name: fn if name in _EAGER_ONLY else compile_(fn)
-                      for name, fn in vars(REFERENCE).items()})
 
 
 @functools.cache
@@ -103,8 +60,6 @@ def triton_supports(device: torch.device) -> bool:
 def kernels_for(backend: str, device: torch.device) -> Kernels:
     if backend == "torch":
         return REFERENCE
-    if backend == "compiled":
-        return _compiled()
     if backend == "native":
         if _native() is None:
             raise RuntimeError("codec backend 'native' could not build codecs/native/codecs.c (no C compiler?)")

@@ -1,10 +1,15 @@
 """The codecs: each turns a tensor into a Payload and back, through one kernel backend."""
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 
-from megatron_adacc.codecs.backend import Kernels, kernels_for, resolve_backend
+from megatron_adacc.codecs.backend import kernels_for, resolve_backend
+from megatron_adacc.codecs.kernels import Kernels
 from megatron_adacc.codecs.int4 import (
+    INDEX_DTYPE,
+    SCALE_DTYPE,
     check_float_input,
     dtype_max,
     pad_to_groups,
@@ -18,9 +23,11 @@ from megatron_adacc.codecs.payload import Payload
 
 class Codec:
     """encode(tensor) -> Payload; decode(payload) -> tensor of the input's shape, dtype and
-    device (contiguous). Both run without autograd and never keep a reference to the input."""
+    device (contiguous). Both run without autograd and never keep a reference to the input.
+    payload_bytes(shape, dtype) -> the payload's size without encoding anything."""
 
     name: str
+    separates_outliers = False  # whether payload_bytes takes an outlier channel count
 
     def __init__(self, backend: str | None = None):
         self.backend = resolve_backend(backend)
@@ -42,8 +49,26 @@ class Codec:
             kernels = kernels_for(self.backend, payload.device)
             return self._decode(payload, kernels).view(payload.shape)
 
+    def payload_bytes(self, shape: Sequence[int], dtype: torch.dtype, outlier_channels: int = 0) -> int:
+        """encode(x).nbytes for every finite x of this shape and dtype; for outlier_int4, one
+        with exactly `outlier_channels` outlier channels (the other codecs take 0 only).
+
+        The rule holds for finite inputs: a group or channel holding NaN or Inf is stored raw
+        besides (its index and values), so a non-finite input's payload is larger.
+        """
+        shape = torch.Size(shape)
+        if not 0 <= outlier_channels <= (_channels(shape) if self.separates_outliers else 0):
+            raise ValueError(f"codec {self.name!r} cannot keep {outlier_channels} outlier channels "
+                             f"of a tensor of shape {tuple(shape)}")
+        if not shape.numel():
+            return 0
+        return self._payload_bytes(shape, dtype, outlier_channels)
+
     def _check(self, x: torch.Tensor) -> None:
         check_float_input(x, self.name)
+
+    def _payload_bytes(self, shape: torch.Size, dtype: torch.dtype, outlier_channels: int) -> int:
+        raise NotImplementedError
 
     def _encode(self, x: torch.Tensor, kernels: Kernels) -> dict[str, torch.Tensor]:
         raise NotImplementedError
@@ -52,8 +77,37 @@ class Codec:
         raise NotImplementedError
 
 
-def _channels(x: torch.Tensor | Payload) -> int:
-    return x.shape[-1] if len(x.shape) else 1
+def _channels(shape: torch.Size) -> int:
+    return shape[-1] if len(shape) else 1
+
+
+def _packed_bytes(numel: int) -> int:
+    """Two int4 codes per byte, the last byte half used for an odd count."""
+    return (numel + 1) // 2
+
+
+def _scales_bytes(count: int) -> int:
+    return count * SCALE_DTYPE.itemsize
+
+
+def _read_counts(*counts: torch.Tensor, bound: int) -> list[int]:
+    """The values of 0-d integer tensors, each in [0, bound), read to the host at once: an
+    encode's one device sync (on CUDA the host waits for every kernel queued before it), so
+    they travel as one mixed-radix integer."""
+    packed = counts[0]
+    for count in counts[1:]:
+        packed = packed * bound + count
+    value, digits = int(packed), []
+    for _ in counts:
+        value, digit = divmod(value, bound)
+        digits.append(digit)
+    return digits[::-1]
+
+
+def _exceptions(x2d: torch.Tensor, ok: torch.Tensor, dim: int) -> dict[str, torch.Tensor]:
+    """split_exceptions, with the count of unusable groups read by the encode's one host sync."""
+    (count,) = _read_counts((~ok).sum(), bound=ok.numel() + 1)
+    return split_exceptions(x2d, ok, dim, count)
 
 
 def _keep(t: torch.Tensor, numel: int) -> torch.Tensor:
@@ -88,6 +142,9 @@ class _FlatGroups(Codec):
         flat = groups.view(-1)
         return flat if flat.numel() == payload.numel else flat[: payload.numel]
 
+    def _group_count(self, shape: torch.Size) -> int:
+        return -(-shape.numel() // self.group_size)
+
 
 class SymInt4(_FlatGroups):
     """Symmetric int4 in groups of `group_size` consecutive elements."""
@@ -97,15 +154,24 @@ class SymInt4(_FlatGroups):
     def __init__(self, group_size: int = 64, backend: str | None = None):
         super().__init__(group_size, backend)
 
-    def _encode(self, x, kernels, zeroed=None):
-        """`zeroed`: (channels, index) of channels to encode as zeros (OutlierInt4)."""
+    def _encode(self, x, kernels):
+        tensors, ok, raw_groups = self._quantize(x, kernels)
+        return {**tensors, **_exceptions(raw_groups(), ok, dim=0)}
+
+    def _quantize(self, x, kernels, zeroed=None):
+        """Packed codes and scales, the usable-scale flags, and a function giving the groups
+        as they are stored raw where unusable (zeroed channels zeroed: built only if needed).
+        `zeroed`: (channels, mask) of channels to encode as zeros (OutlierInt4)."""
         if zeroed is not None and x.numel() % self.group_size:
             # the padding of the last group copies the last element, after zeroing
             x, zeroed = zero_channels(x.reshape(-1, zeroed[0]), zeroed), None
         groups = self._groups(x)
         packed, scales, ok = kernels.sym_encode(groups, 1, dtype_max(x.dtype), zeroed)
-        exceptions = {} if bool(ok.all()) else split_exceptions(zero_channels(groups, zeroed), ok, dim=0)
-        return {"packed": _keep(packed, (x.numel() + 1) // 2), "scales": scales, **exceptions}
+        tensors = {"packed": _keep(packed, _packed_bytes(x.numel())), "scales": scales}
+        return tensors, ok, lambda: zero_channels(groups, zeroed)
+
+    def _payload_bytes(self, shape, dtype, outlier_channels):
+        return _packed_bytes(shape.numel()) + _scales_bytes(self._group_count(shape))
 
     def _decode(self, payload, kernels):
         packed, shape2d = self._packed_groups(payload)
@@ -120,24 +186,32 @@ class OutlierInt4(SymInt4):
     indices; the tensor with those channels zeroed goes through sym_int4, untransposed."""
 
     name = "outlier_int4"
+    separates_outliers = True
 
     def __init__(self, threshold: float = 3.0, group_size: int = 64, backend: str | None = None):
         super().__init__(group_size, backend)
         self.threshold = threshold
 
     def _encode(self, x, kernels):
-        rows = x.reshape(-1, _channels(x))
-        index = outlier_channels(kernels.channel_abs_sums(rows), self.threshold)
-        if not index.numel():
-            return super()._encode(rows, kernels)
-        return {
-            **super()._encode(rows, kernels, zeroed=(rows.shape[1], index)),
-            "outlier_index": index.to(torch.int32),
-            "outlier_values": kernels.take_columns(rows, index),
-        }
+        rows = x.reshape(-1, _channels(x.shape))
+        is_outlier = outlier_channels(kernels.channel_abs_sums(rows), self.threshold)
+        zeroed = (rows.shape[1], is_outlier)
+        tensors, ok, raw_groups = self._quantize(rows, kernels, zeroed)
+        outliers, unusable = _read_counts(is_outlier.sum(), (~ok).sum(), bound=max(rows.shape[1], ok.numel()) + 1)
+        if unusable:
+            tensors.update(split_exceptions(raw_groups(), ok, 0, unusable))
+        if outliers:
+            index = torch.nonzero_static(is_outlier, size=outliers).view(-1)  # sized on the host: no sync
+            tensors.update(outlier_index=index.to(INDEX_DTYPE), outlier_values=kernels.take_columns(rows, index))
+        return tensors
+
+    def _payload_bytes(self, shape, dtype, outlier_channels):
+        rows = shape.numel() // _channels(shape)
+        exact = outlier_channels * (INDEX_DTYPE.itemsize + rows * dtype.itemsize)
+        return super()._payload_bytes(shape, dtype, 0) + exact
 
     def _decode(self, payload, kernels):
-        rows = super()._decode(payload, kernels).view(-1, _channels(payload))
+        rows = super()._decode(payload, kernels).view(-1, _channels(payload.shape))
         if "outlier_index" in payload.tensors:
             kernels.put_columns(rows, payload.tensors["outlier_index"].long(), payload.tensors["outlier_values"])
         return rows
@@ -156,11 +230,15 @@ class AsymInt4(_FlatGroups):
         groups = self._groups(x)
         packed, scales, offsets, ok = kernels.asym_encode(groups, dtype_max(x.dtype))
         return {
-            "packed": _keep(packed, (x.numel() + 1) // 2),
+            "packed": _keep(packed, _packed_bytes(x.numel())),
             "scales": scales,
             "offsets": offsets,
-            **split_exceptions(groups, ok, dim=0),
+            **_exceptions(groups, ok, dim=0),
         }
+
+    def _payload_bytes(self, shape, dtype, outlier_channels):
+        groups = self._group_count(shape)
+        return _packed_bytes(shape.numel()) + _scales_bytes(groups) + groups * dtype.itemsize  # offsets
 
     def _decode(self, payload, kernels):
         packed, shape2d = self._packed_groups(payload)
@@ -177,13 +255,16 @@ class NaiveInt4(Codec):
     name = "naive_int4"
 
     def _encode(self, x, kernels):
-        rows = x.reshape(-1, _channels(x))
+        rows = x.reshape(-1, _channels(x.shape))
         packed, scales, ok = kernels.sym_encode(rows, 1, dtype_max(x.dtype))
-        return {"packed": packed, "scales": scales, **split_exceptions(rows, ok, dim=0)}
+        return {"packed": packed, "scales": scales, **_exceptions(rows, ok, dim=0)}
+
+    def _payload_bytes(self, shape, dtype, outlier_channels):
+        return _packed_bytes(shape.numel()) + _scales_bytes(shape.numel() // _channels(shape))
 
     def _decode(self, payload, kernels):
         t = payload.tensors
-        rows_shape = (t["scales"].numel(), _channels(payload))
+        rows_shape = (t["scales"].numel(), _channels(payload.shape))
         rows = kernels.sym_decode(t["packed"], t["scales"], rows_shape, 1, payload.dtype)
         restore_exceptions(rows, t, dim=0)
         return rows
@@ -195,13 +276,16 @@ class ChannelInt4(Codec):
     name = "channel_int4"
 
     def _encode(self, x, kernels):
-        rows = x.reshape(-1, _channels(x))
+        rows = x.reshape(-1, _channels(x.shape))
         packed, scales, ok = kernels.sym_encode(rows, 0, dtype_max(x.dtype))
-        return {"packed": packed, "scales": scales, **split_exceptions(rows, ok, dim=1)}
+        return {"packed": packed, "scales": scales, **_exceptions(rows, ok, dim=1)}
+
+    def _payload_bytes(self, shape, dtype, outlier_channels):
+        return _packed_bytes(shape.numel()) + _scales_bytes(_channels(shape))
 
     def _decode(self, payload, kernels):
         t = payload.tensors
-        rows_shape = (payload.numel // _channels(payload), _channels(payload))
+        rows_shape = (payload.numel // _channels(payload.shape), _channels(payload.shape))
         rows = kernels.sym_decode(t["packed"], t["scales"], rows_shape, 0, payload.dtype)
         restore_exceptions(rows, t, dim=1)
         return rows
@@ -224,6 +308,10 @@ class Bitmask(Codec):
         if x.dtype != torch.bool:
             tensors["mask_value"] = kernels.mask_value(flat)
         return tensors
+
+    def _payload_bytes(self, shape, dtype, outlier_channels):
+        value_bytes = 0 if dtype == torch.bool else dtype.itemsize  # the mask's one value
+        return -(-shape.numel() // 8) + value_bytes
 
     def _decode(self, payload, kernels):
         return kernels.mask_unpack(payload.tensors["packed"], payload.numel,

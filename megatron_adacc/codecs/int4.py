@@ -1,6 +1,6 @@
 """Numerics shared by the int4 codecs: nibble packing, scale rounding, input checks.
 
-Every backend (eager, compiled, Triton) follows exactly these rules, which is what makes
+Every backend (eager, native, Triton) follows exactly these rules, which is what makes
 their payloads byte-identical.
 """
 from __future__ import annotations
@@ -13,6 +13,8 @@ FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # range, so no finite input can overflow or underflow its scale (fp16 scales would overflow
 # for bf16 activations above ~5e5).
 SCALE_DTYPE = torch.bfloat16
+# Payloads store group and channel indices (exceptions, outlier channels) in this type.
+INDEX_DTYPE = torch.int32
 # Smallest normal bf16 (= fp32) number. Every scale is at least this, so all-zero and
 # constant groups never divide by zero, and no scale is subnormal (GPUs may flush those).
 MIN_SCALE = 2.0**-126
@@ -67,27 +69,27 @@ def pad_to_groups(flat: torch.Tensor, group_size: int) -> torch.Tensor:
 
 
 def zero_channels(x2d: torch.Tensor, zeroed: tuple[int, torch.Tensor] | None) -> torch.Tensor:
-    """x2d with the elements of the given channels set to 0: `zeroed` = (channels, index)
-    treats the flattened x2d as rows of `channels` values and zeroes columns `index`."""
+    """x2d with the elements of the given channels set to 0: `zeroed` = (channels, mask)
+    treats the flattened x2d as rows of `channels` values and zeroes the columns where the
+    bool `mask` (one entry per channel) is set. A mask, not indices: it needs no host sync."""
     if zeroed is None:
         return x2d
-    channels, index = zeroed
-    return x2d.reshape(-1, channels).index_fill(1, index, 0).view(x2d.shape)
+    channels, mask = zeroed
+    return x2d.reshape(-1, channels).masked_fill(mask, 0).view(x2d.shape)
 
 
-def split_exceptions(x2d: torch.Tensor, ok: torch.Tensor, dim: int) -> dict[str, torch.Tensor]:
-    """Raw copies of the slices of x2d along `dim` whose scale was unusable (`ok` False).
+def split_exceptions(x2d: torch.Tensor, ok: torch.Tensor, dim: int, count: int) -> dict[str, torch.Tensor]:
+    """Raw copies of the `count` slices of x2d along `dim` whose scale was unusable (`ok`
+    False); `count` is read on the host by the caller, with the encode's one sync.
 
     A scale is unusable when its group holds NaN or Inf or when its int4 grid would not fit
     the input dtype's finite range. Storing such groups raw makes NaN stay NaN and +-Inf stay
-    +-Inf in the same element, and keeps the finite neighbours exact; training tensors hit
-    this path rarely, so its cost (one host sync for the check) is the price of never
-    turning a non-finite value into a finite one.
+    +-Inf in the same element, and keeps the finite neighbours exact.
     """
-    if bool(ok.all()):
+    if not count:
         return {}
-    index = (~ok).nonzero().view(-1)
-    return {"raw_index": index.to(torch.int32), "raw_values": x2d.index_select(dim, index)}
+    index = torch.nonzero_static(~ok, size=count).view(-1)  # sized on the host: no sync
+    return {"raw_index": index.to(INDEX_DTYPE), "raw_values": x2d.index_select(dim, index)}
 
 
 def restore_exceptions(out2d: torch.Tensor, tensors: dict[str, torch.Tensor], dim: int) -> None:

@@ -11,24 +11,21 @@ def channel_abs_sums(x2d: torch.Tensor) -> torch.Tensor:
 
 
 def outlier_channels(sums: torch.Tensor, threshold: float) -> torch.Tensor:
-    """Indices (int64) of the channels whose sum of |x| (channel_abs_sums) has a z-score
-    above threshold.
+    """Which channels (a bool mask) have a sum of |x| (channel_abs_sums) whose z-score is
+    above threshold. Device ops only, no host sync: the codec reads the count once.
 
     Channels whose sum is not finite (NaN or Inf) are outliers by definition and stay out of
-    the mean and standard deviation of the others. The standard deviation is the population
-    one, over channels.
+    the mean and standard deviation of the others (which need two finite channels). The
+    standard deviation is the population one, over channels.
     """
     finite = torch.isfinite(sums)
-    finite_sums = sums[finite]
-    if finite_sums.numel() >= 2:
-        std, mean = torch.std_mean(finite_sums, correction=0)
-        # std == 0 gives NaN or Inf z-scores only where the sums are all equal or
-        # degenerate; NaN > threshold is False, so equal channels are never outliers.
-        z = (sums - mean) / std
-        is_outlier = ~finite | (z > threshold)
-    else:
-        is_outlier = ~finite
-    return is_outlier.nonzero().view(-1)
+    count = finite.sum()
+    mean = torch.where(finite, sums, 0.0).sum() / count
+    std = (torch.where(finite, sums - mean, 0.0).square().sum() / count).sqrt()
+    # std == 0 gives NaN or Inf z-scores only where the sums are all equal or degenerate;
+    # NaN > threshold is False, so equal channels are never outliers.
+    z = (sums - mean) / std
+    return ~finite | ((count >= 2) & (z > threshold))
 
 
 def take_columns(x2d: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

@@ -40,7 +40,8 @@ def sym_scales(lo: torch.Tensor, hi: torch.Tensor, dmax: float) -> tuple[torch.T
 def sym_encode(x2d: torch.Tensor, reduce_dim: int, dmax: float,
                zeroed: tuple[int, torch.Tensor] | None = None):
     """-> (packed int4 codes of x2d in row-major order, bf16 scales, usable-scale flags).
-    `zeroed`: channels to encode as zeros first (int4.zero_channels; the outlier codec's)."""
+    `zeroed`: (channels, mask) of channels to encode as zeros first (int4.zero_channels; the
+    outlier codec's)."""
     x2d = zero_channels(x2d, zeroed)
     lo, hi = torch.aminmax(x2d, dim=reduce_dim, keepdim=True)
     scale, ok = sym_scales(lo.float(), hi.float(), dmax)

@@ -3,9 +3,13 @@ through ctypes: one fused pass per group where the PyTorch reference makes ten.
 
 Byte-identical to the reference (tests/test_codecs.py checks it). The shared object is cached
 under ~/.cache/megatron-adacc/codecs, keyed by the source, the flags and the CPU model, since
-it is built for the machine it runs on (-march=native). Covers row- and channel-grouped int4
-(even row width), the outlier codec's channel sums, channel zeroing and exact channels, and
-masks of bool, uint8 and float dtypes; other cases run the reference.
+it is built for the machine it runs on (-march=native). ADACC_NATIVE_CFLAGS adds compiler
+flags after those (e.g. "-mno-avx512f" builds the AVX2 kernels on an AVX-512 machine), and is
+part of the key; vector_isa() names the vector path a build took.
+
+Covers row- and channel-grouped int4 (even row width), the outlier codec's channel sums,
+channel zeroing and exact channels, and masks of bool, uint8 and float dtypes; other cases
+run the reference.
 """
 from __future__ import annotations
 
@@ -14,6 +18,7 @@ import functools
 import hashlib
 import os
 import platform
+import shlex
 import subprocess
 import tempfile
 from pathlib import Path
@@ -21,10 +26,11 @@ from pathlib import Path
 import torch
 
 from megatron_adacc.codecs import asymmetric, bitmask, outlier, symmetric
-from megatron_adacc.codecs.backend import Kernels
+from megatron_adacc.codecs.kernels import Kernels
 
 _SOURCE = Path(__file__).with_name("codecs.c")
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-fast-math", "-shared", "-fPIC"]
+CFLAGS_ENV_VAR = "ADACC_NATIVE_CFLAGS"
 _DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _i64, _f32, _i32, _p = ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_void_p
 _SIGNATURES = {
@@ -41,8 +47,10 @@ _SIGNATURES = {
     "mask_value": [_p, _i32, _i64, _p],
     "take_columns": [_p, _i32, _i64, _i64, _p, _i64, _p],
     "put_columns": [_p, _i32, _i64, _i64, _p, _i64, _p],
+    "vector_isa": [],
 }
-_RETURNS = {name: ctypes.c_int for name in ("mask_value", "sym_encode_rows", "take_columns", "put_columns")}
+_RETURNS = {**{name: ctypes.c_int for name in ("mask_value", "sym_encode_rows", "take_columns", "put_columns")},
+            "vector_isa": ctypes.c_char_p}
 
 
 def _cpu_model() -> str:
@@ -52,10 +60,21 @@ def _cpu_model() -> str:
         return platform.processor()
 
 
-@functools.cache
 def library() -> ctypes.CDLL:
+    """The library for the current ADACC_NATIVE_CFLAGS (read on each call, built once per value)."""
+    return _build(tuple(shlex.split(os.environ.get(CFLAGS_ENV_VAR, ""))))
+
+
+def vector_isa() -> str:
+    """The vector path the kernels were compiled for: "avx512", "avx2" or "generic"."""
+    return library().vector_isa().decode()
+
+
+@functools.cache
+def _build(extra_flags: tuple[str, ...]) -> ctypes.CDLL:
     source = _SOURCE.read_bytes()
-    key = hashlib.sha256(source + " ".join(_FLAGS).encode() + _cpu_model().encode()).hexdigest()[:16]
+    flags = [*_FLAGS, *extra_flags]
+    key = hashlib.sha256(source + " ".join(flags).encode() + _cpu_model().encode()).hexdigest()[:16]
     cache = Path(os.environ.get("ADACC_CACHE_DIR", Path.home() / ".cache" / "megatron-adacc")) / "codecs"
     target = cache / f"codecs-{key}.so"
     if not target.exists():
@@ -63,7 +82,7 @@ def library() -> ctypes.CDLL:
         compiler = os.environ.get("CC", "gcc")
         with tempfile.TemporaryDirectory(dir=cache) as tmp:  # build aside, then rename: atomic
             built = Path(tmp) / target.name
-            subprocess.run([compiler, *_FLAGS, str(_SOURCE), "-o", str(built), "-lm"], check=True,
+            subprocess.run([compiler, *flags, str(_SOURCE), "-o", str(built), "-lm"], check=True,
                            capture_output=True)
             built.replace(target)
     lib = ctypes.CDLL(str(target))
@@ -96,17 +115,26 @@ def _sym_encode(x2d, reduce_dim, dmax, zeroed=None):
         library().sym_encode_cols(x2d.data_ptr(), _DTYPE_CODE[x2d.dtype], rows, cols, dmax, scratch.data_ptr(),
                                   col_ok.data_ptr(), packed.data_ptr(), scales.data_ptr(), ok.data_ptr())
         return packed, scales, ok
-    if reduce_dim != 1 or not _native(x2d):
-        return symmetric.sym_encode(x2d, reduce_dim, dmax, zeroed)
+    if reduce_dim != 1 or not _native(x2d) or not _channel_mask(zeroed):
+        return symmetric.sym_encode(x2d, reduce_dim, dmax, zeroed)  # raises on a wrong mask
     packed = torch.empty(rows * cols // 2, dtype=torch.uint8)
     scales = torch.empty(rows, dtype=torch.bfloat16)
     ok = torch.empty(rows, dtype=torch.bool)
-    channels, index = zeroed if zeroed is not None else (0, torch.empty(0, dtype=torch.int64))
-    index = index.to(torch.int64).contiguous()
+    channels, mask = zeroed if zeroed is not None else (0, torch.zeros(0, dtype=torch.bool))
+    index = mask.nonzero().view(-1)  # a CPU tensor: no device to wait for
     if not library().sym_encode_rows(x2d.data_ptr(), _DTYPE_CODE[x2d.dtype], rows, cols, dmax, index.data_ptr(),
                                      index.numel(), channels, packed.data_ptr(), scales.data_ptr(), ok.data_ptr()):
-        return symmetric.sym_encode(x2d, reduce_dim, dmax, zeroed)  # raises on the bad index
+        return symmetric.sym_encode(x2d, reduce_dim, dmax, zeroed)  # out of memory in C
     return packed, scales, ok
+
+
+def _channel_mask(zeroed) -> bool:
+    """No zeroing, or a bool CPU mask with one entry per channel (int4.zero_channels): what
+    the C kernel takes; the reference raises on the rest."""
+    if zeroed is None:
+        return True
+    channels, mask = zeroed
+    return mask.dtype == torch.bool and mask.device.type == "cpu" and tuple(mask.shape) == (channels,)
 
 
 def _sym_decode(packed, scales, shape2d, reduce_dim, dtype):

@@ -39,41 +39,122 @@ static inline uint16_t bf16_bits(float exactly_bf16) { return (uint16_t)(float_t
 
 static inline float clamp_code(float v) { return v < 0.0f ? 0.0f : (v > 15.0f ? 15.0f : v); }
 
-/* Vectors of 16 fp32 lanes: one AVX-512 register (two AVX2 ones elsewhere), written with GCC
+/* Vectors of LANES fp32 lanes, one register: 16 with AVX-512, 8 elsewhere (one AVX2
+ * register; wider GCC vectors there are split for arithmetic but shuffled, narrowed and
+ * converted one lane at a time, with most values spilled to the stack). Written with GCC
  * vector types because the compiler does not vectorize float min/max reductions without
- * -ffast-math. The kernels step through a group 32 elements at a time, as a Pair: the
- * even-indexed elements in one vector, the odd-indexed ones in the other. That is the order
- * in which int4 codes pair up in a byte, and bf16 splits into it with two bit operations and
- * no shuffle (the one shuffle port is what bounds these loops). */
+ * -ffast-math. The kernels step through a group BLOCK = 2 * LANES elements at a time, as a
+ * Pair: the even-indexed elements in one vector, the odd-indexed ones in the other. That is
+ * the order in which int4 codes pair up in a byte, and bf16 splits into it with two bit
+ * operations and no shuffle (the one shuffle port is what bounds these loops). The layout of
+ * a payload does not depend on LANES. */
+#ifdef __AVX512F__
 #define LANES 16
+#else
+#define LANES 8
+#endif
 #define BLOCK (2 * LANES)
-typedef float vf __attribute__((vector_size(64)));
-typedef int32_t vi __attribute__((vector_size(64)));
-typedef uint32_t vu __attribute__((vector_size(64)));
-typedef _Float16 vfh __attribute__((vector_size(32)));
-typedef _Float16 vfh32 __attribute__((vector_size(64)));
-typedef uint8_t vb16 __attribute__((vector_size(16)));
+typedef float vf __attribute__((vector_size(4 * LANES)));
+typedef int32_t vi __attribute__((vector_size(4 * LANES)));
+typedef uint32_t vu __attribute__((vector_size(4 * LANES)));
+typedef _Float16 vfh __attribute__((vector_size(2 * LANES)));      /* LANES fp16 values */
+typedef _Float16 vfh_block __attribute__((vector_size(4 * LANES))); /* BLOCK fp16 values */
+typedef uint8_t vbytes __attribute__((vector_size(LANES)));
 typedef struct { vf even, odd; } Pair;
 
 #define INLINE static inline __attribute__((always_inline))
+/* Shuffle indices: of a BLOCK (two vectors) the even and odd elements, and back. */
+#if LANES == 16
 #define EVENS 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30
 #define ODDS 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31
+#define FIRST_HALF 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15
+#define SECOND_HALF 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31
 #define INTERLEAVED_LOW 0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23
 #define INTERLEAVED_HIGH 8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31
+#else
+#define EVENS 0, 2, 4, 6, 8, 10, 12, 14
+#define ODDS 1, 3, 5, 7, 9, 11, 13, 15
+#define FIRST_HALF 0, 1, 2, 3, 4, 5, 6, 7
+#define SECOND_HALF 8, 9, 10, 11, 12, 13, 14, 15
+#define INTERLEAVED_LOW 0, 8, 1, 9, 2, 10, 3, 11
+#define INTERLEAVED_HIGH 4, 12, 5, 13, 6, 14, 7, 15
+#endif
 #define INTERLEAVED INTERLEAVED_LOW, INTERLEAVED_HIGH
 
 INLINE vf splat(float v) { return (vf){0} + v; }
 INLINE vf blend(vi mask, vf a, vf b) { return (vf)(((vi)a & mask) | ((vi)b & ~mask)); }
 
-/* Lane-wise min and max; where a lane holds NaN either returns b (as vminps does). */
-#ifdef __AVX512F__
+/* The vector primitives, per instruction set: AVX-512, AVX2 with F16C, or generic GCC vector
+ * code for anything else. vmin and vmax: lane-wise, where a lane holds NaN either returns b
+ * (as vminps does). */
+#if defined(__AVX512F__)
 #include <immintrin.h>
+#define VECTOR_ISA "avx512"
 INLINE vf vmin(vf a, vf b) { return (vf)_mm512_min_ps((__m512)a, (__m512)b); }
 INLINE vf vmax(vf a, vf b) { return (vf)_mm512_max_ps((__m512)a, (__m512)b); }
 INLINE int all_zero(vf v) { return _mm512_cmp_ps_mask((__m512)v, _mm512_setzero_ps(), _CMP_NEQ_UQ) == 0; }
 INLINE vi widen_bytes(const uint8_t *in) { return (vi)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)in)); }
 INLINE vi min_int(vi a, vi b) { return (vi)_mm512_min_epi32((__m512i)a, (__m512i)b); }
+#elif defined(__AVX2__) && defined(__F16C__)
+#include <immintrin.h>
+#define VECTOR_ISA "avx2"
+/* GCC does not find single instructions for these on AVX2 from generic vector code (it
+ * blends for min and max, and converts to and from fp16 one lane at a time). */
+#define AVX2_SHUFFLES
+INLINE vf vmin(vf a, vf b) { return (vf)_mm256_min_ps((__m256)a, (__m256)b); }
+INLINE vf vmax(vf a, vf b) { return (vf)_mm256_max_ps((__m256)a, (__m256)b); }
+INLINE int all_zero(vf v) { return _mm256_movemask_ps(_mm256_cmp_ps((__m256)v, _mm256_setzero_ps(), _CMP_NEQ_UQ)) == 0; }
+INLINE vi widen_bytes(const uint8_t *in) { return (vi)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)in)); }
+INLINE vi min_int(vi a, vi b) { return (vi)_mm256_min_epi32((__m256i)a, (__m256i)b); }
+
+/* The even (odd) elements of the 16 values a, b, in order: a0 a2 b0 b2 | a4 a6 b4 b6 within
+ * the 128-bit lanes, then the middle 64-bit quarters swapped. */
+INLINE Pair deinterleave(vf a, vf b) {
+    __m256d even = _mm256_castps_pd(_mm256_shuffle_ps((__m256)a, (__m256)b, _MM_SHUFFLE(2, 0, 2, 0)));
+    __m256d odd = _mm256_castps_pd(_mm256_shuffle_ps((__m256)a, (__m256)b, _MM_SHUFFLE(3, 1, 3, 1)));
+    return (Pair){(vf)_mm256_castpd_ps(_mm256_permute4x64_pd(even, _MM_SHUFFLE(3, 1, 2, 0))),
+                  (vf)_mm256_castpd_ps(_mm256_permute4x64_pd(odd, _MM_SHUFFLE(3, 1, 2, 0)))};
+}
+
+/* The inverse: elements 0-7 in *a, 8-15 in *b. */
+INLINE void interleave(Pair v, vf *a, vf *b) {
+    __m256 low = _mm256_unpacklo_ps((__m256)v.even, (__m256)v.odd);   /* e0 o0 e1 o1 | e4 o4 e5 o5 */
+    __m256 high = _mm256_unpackhi_ps((__m256)v.even, (__m256)v.odd);  /* e2 o2 e3 o3 | e6 o6 e7 o7 */
+    *a = (vf)_mm256_permute2f128_ps(low, high, 0x20);
+    *b = (vf)_mm256_permute2f128_ps(low, high, 0x31);
+}
+
+/* BLOCK fp16 values (their bits) -> the first LANES in *a, the others in *b, as fp32 (exact). */
+INLINE void widen_halves(vu bits, vf *a, vf *b) {
+    *a = (vf)_mm256_cvtph_ps(_mm256_castsi256_si128((__m256i)bits));
+    *b = (vf)_mm256_cvtph_ps(_mm256_extracti128_si256((__m256i)bits, 1));
+}
+
+/* A Pair -> its BLOCK values as fp16 bits in element order, rounded to nearest even. */
+INLINE vu narrow_to_halves(Pair v) {
+    __m128i even = _mm256_cvtps_ph((__m256)v.even, _MM_FROUND_TO_NEAREST_INT);
+    __m128i odd = _mm256_cvtps_ph((__m256)v.odd, _MM_FROUND_TO_NEAREST_INT);
+    return (vu)_mm256_set_m128i(_mm_unpackhi_epi16(even, odd), _mm_unpacklo_epi16(even, odd));
+}
+
+/* LANES values in [0, 255] -> LANES bytes. */
+INLINE vbytes narrow_bytes(vi v) {
+    __m128i words = _mm_packus_epi32(_mm256_castsi256_si128((__m256i)v), _mm256_extracti128_si256((__m256i)v, 1));
+    return (vbytes)_mm_cvtsi128_si64(_mm_packus_epi16(words, words));
+}
+
+/* The minimum over the lanes of lo and the maximum over those of hi: lanes 0-3 carry lo,
+ * lanes 4-7 -hi, each halving takes the minimum of both. */
+INLINE void reduce_range(vf lo, vf hi, float *mn, float *mx) {
+    __m256 l = (__m256)lo, h = _mm256_xor_ps((__m256)hi, _mm256_set1_ps(-0.0f));
+    __m256 both = _mm256_min_ps(_mm256_permute2f128_ps(l, h, 0x20), _mm256_permute2f128_ps(l, h, 0x31));
+    both = _mm256_min_ps(both, _mm256_shuffle_ps(both, both, _MM_SHUFFLE(1, 0, 3, 2)));
+    both = _mm256_min_ps(both, _mm256_shuffle_ps(both, both, _MM_SHUFFLE(2, 3, 0, 1)));
+    *mn = _mm256_cvtss_f32(both);
+    *mx = -_mm_cvtss_f32(_mm256_extractf128_ps(both, 1));
+}
 #else /* the generic forms compile to three or four instructions each */
+#define VECTOR_ISA "generic"
 INLINE vf vmin(vf a, vf b) { return blend(a < b, a, b); }
 INLINE vf vmax(vf a, vf b) { return blend(a > b, a, b); }
 INLINE int all_zero(vf v) {
@@ -81,8 +162,8 @@ INLINE int all_zero(vf v) {
     for (int k = 0; k < LANES; k++) zero &= v[k] == 0.0f;
     return zero;
 }
-INLINE vi widen_bytes(const uint8_t *in) { /* GCC 12 turns this into scalar code on AVX-512 */
-    vb16 bytes;
+INLINE vi widen_bytes(const uint8_t *in) {
+    vbytes bytes;
     memcpy(&bytes, in, sizeof bytes);
     return __builtin_convertvector(bytes, vi);
 }
@@ -91,6 +172,53 @@ INLINE vi min_int(vi a, vi b) {
     return (a & less) | (b & ~less);
 }
 #endif
+
+/* Shuffles and conversions as generic vector code: one or two instructions each with
+ * AVX-512. */
+#ifndef AVX2_SHUFFLES
+INLINE Pair deinterleave(vf a, vf b) {
+    return (Pair){__builtin_shufflevector(a, b, EVENS), __builtin_shufflevector(a, b, ODDS)};
+}
+
+INLINE void interleave(Pair v, vf *a, vf *b) { /* two shuffles: one of 2 * LANES measured 1.5x slower */
+    *a = __builtin_shufflevector(v.even, v.odd, INTERLEAVED_LOW);
+    *b = __builtin_shufflevector(v.even, v.odd, INTERLEAVED_HIGH);
+}
+
+INLINE void widen_halves(vu bits, vf *a, vf *b) {
+    vfh_block halves = (vfh_block)bits;
+    *a = __builtin_convertvector(__builtin_shufflevector(halves, halves, FIRST_HALF), vf);
+    *b = __builtin_convertvector(__builtin_shufflevector(halves, halves, SECOND_HALF), vf);
+}
+
+INLINE vu narrow_to_halves(Pair v) {
+    vfh e = __builtin_convertvector(v.even, vfh), o = __builtin_convertvector(v.odd, vfh);
+    return (vu)__builtin_shufflevector(e, o, INTERLEAVED);
+}
+
+INLINE vbytes narrow_bytes(vi v) { return __builtin_convertvector(v, vbytes); }
+
+INLINE void reduce_range(vf lo, vf hi, float *mn, float *mx) {
+    /* min of lo and of -hi together: the first half of the lanes carries lo, the second -hi */
+    vf neg_hi = -hi;
+#if LANES == 16
+    vf both = vmin(__builtin_shufflevector(lo, neg_hi, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23),
+                   __builtin_shufflevector(lo, neg_hi, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31));
+    both = vmin(both, __builtin_shufflevector(both, both, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11));
+    both = vmin(both, __builtin_shufflevector(both, both, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13));
+    both = vmin(both, __builtin_shufflevector(both, both, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14));
+#else
+    vf both = vmin(__builtin_shufflevector(lo, neg_hi, 0, 1, 2, 3, 8, 9, 10, 11),
+                   __builtin_shufflevector(lo, neg_hi, 4, 5, 6, 7, 12, 13, 14, 15));
+    both = vmin(both, __builtin_shufflevector(both, both, 2, 3, 0, 1, 6, 7, 4, 5));
+    both = vmin(both, __builtin_shufflevector(both, both, 1, 0, 3, 2, 5, 4, 7, 6));
+#endif
+    *mn = both[0];
+    *mx = -both[LANES / 2];
+}
+#endif
+
+const char *vector_isa(void) { return VECTOR_ISA; }
 
 /* Elements [i, i + BLOCK) of x as fp32. With `mask` (BLOCK entries of x's element width),
  * its bits are ANDed into the elements first. */
@@ -114,15 +242,9 @@ INLINE Pair load_pair(const void *x, int64_t i, int dtype, const void *mask) {
         vu h, m;
         memcpy(&h, (const _Float16 *)x + i, sizeof h);
         if (mask) { memcpy(&m, mask, sizeof m); h &= m; }
-        vfh32 halves = (vfh32)h;
-        a = __builtin_convertvector(__builtin_shufflevector(halves, halves, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11,
-                                                            12, 13, 14, 15), vf);
-        b = __builtin_convertvector(__builtin_shufflevector(halves, halves, 16, 17, 18, 19, 20, 21, 22, 23, 24,
-                                                            25, 26, 27, 28, 29, 30, 31), vf);
+        widen_halves(h, &a, &b);
     }
-    p.even = __builtin_shufflevector(a, b, EVENS);
-    p.odd = __builtin_shufflevector(a, b, ODDS);
-    return p;
+    return deinterleave(a, b);
 }
 
 /* The inverse, for decoded values: never NaN, so bf16 rounds to nearest even by hand. */
@@ -131,21 +253,20 @@ INLINE void store_pair(void *out, int64_t i, Pair v, int dtype) {
         vu e = (vu)v.even, o = (vu)v.odd;
         vu bits = ((e + 0x7FFFu + ((e >> 16) & 1u)) >> 16) | ((o + 0x7FFFu + ((o >> 16) & 1u)) & 0xFFFF0000u);
         memcpy((uint16_t *)out + i, &bits, sizeof bits);
-    } else if (dtype == 0) { /* two stores: one 32-lane shuffle measured 1.5x slower */
-        vf a = __builtin_shufflevector(v.even, v.odd, INTERLEAVED_LOW);
-        vf b = __builtin_shufflevector(v.even, v.odd, INTERLEAVED_HIGH);
+    } else if (dtype == 0) {
+        vf a, b;
+        interleave(v, &a, &b);
         memcpy((float *)out + i, &a, sizeof a);
         memcpy((float *)out + i + LANES, &b, sizeof b);
     } else {
-        vfh e = __builtin_convertvector(v.even, vfh), o = __builtin_convertvector(v.odd, vfh);
-        vfh32 h = __builtin_shufflevector(e, o, INTERLEAVED);
+        vu h = narrow_to_halves(v);
         memcpy((_Float16 *)out + i, &h, sizeof h);
     }
 }
 
-/* Codes in [0, 15] of a block -> 16 bytes, element 2j in the low nibble of byte j. */
+/* Codes in [0, 15] of a block -> LANES bytes, element 2j in the low nibble of byte j. */
 INLINE void pack_pair(vi even, vi odd, uint8_t *out) {
-    vb16 bytes = __builtin_convertvector(even | (odd << 4), vb16);
+    vbytes bytes = narrow_bytes(even | (odd << 4));
     memcpy(out, &bytes, sizeof bytes);
 }
 
@@ -200,14 +321,8 @@ INLINE int group_range(const void *x, int64_t base, int64_t cols, int dtype, Zer
         vlo = vmin(vmin(p.even, p.odd), vlo);
         vhi = vmax(vmax(p.even, p.odd), vhi);
     }
-    /* min of lo and of -hi together: lanes 0-7 carry lo, lanes 8-15 carry -hi */
-    vf neg_hi = -vhi;
-    vf both = vmin(__builtin_shufflevector(vlo, neg_hi, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23),
-                   __builtin_shufflevector(vlo, neg_hi, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31));
-    both = vmin(both, __builtin_shufflevector(both, both, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11));
-    both = vmin(both, __builtin_shufflevector(both, both, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13));
-    both = vmin(both, __builtin_shufflevector(both, both, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14));
-    float mn = both[0], mx = -both[8];
+    float mn, mx;
+    reduce_range(vlo, vhi, &mn, &mx);
     int finite = all_zero(poison);
     for (; c < cols; c++) {
         float v = load_kept(x, base + c, dtype, z, ch);
@@ -598,14 +713,18 @@ void asym_decode_rows(const uint8_t *packed, const uint16_t *scales, const void 
 /* 8 flags per byte, flag i in bit i; elem_size 1 compares bytes (bool, uint8), larger element
  * types compare as floats (dtype as above): a flag is set unless the element is +-0.
  *
- * With AVX-512BW the masks go 64 bytes of elements at a time through mask registers, one
- * instruction from elements to bits and one back (a float mask on the CPU spent 5 ms per
+ * With AVX-512BW or AVX2 the masks go 64 bytes of elements at a time (a step): a few
+ * instructions from elements to bits and back (a float mask on the CPU spent 5 ms per
  * 16 MiB in the byte loops); the byte loops below handle the rest, and everything
- * elsewhere. */
-#ifdef __AVX512BW__
+ * elsewhere. Per step: step_flags (which elements are non-zero), step_equal (which have the
+ * given bits) and step_expand (those bits where the flag is set, 0 elsewhere). */
+#if defined(__AVX512BW__) || defined(__AVX2__)
+#include <immintrin.h>
+#define MASK_STEPS
 #define MASK_STEP_BYTES 64
+#endif
 
-/* Flags of the MASK_STEP_BYTES / elem_size elements at x. */
+#if defined(__AVX512BW__)
 INLINE uint64_t step_flags(const void *x, int elem_size) {
     __m512i v = _mm512_loadu_si512(x);
     if (elem_size == 1) return _mm512_test_epi8_mask(v, v);
@@ -613,14 +732,81 @@ INLINE uint64_t step_flags(const void *x, int elem_size) {
     return _mm512_test_epi32_mask(v, _mm512_set1_epi32(0x7FFFFFFF));
 }
 
+INLINE uint64_t step_equal(const void *x, int elem_size, uint32_t bits) {
+    __m512i v = _mm512_loadu_si512(x);
+    return elem_size == 4 ? _mm512_cmpeq_epi32_mask(v, _mm512_set1_epi32((int)bits))
+                          : _mm512_cmpeq_epi16_mask(v, _mm512_set1_epi16((short)bits));
+}
+
+INLINE void step_expand(uint64_t flags, int elem_size, uint32_t bits, void *out) {
+    __m512i v = elem_size == 4 ? _mm512_maskz_mov_epi32((__mmask16)flags, _mm512_set1_epi32((int)bits))
+                               : _mm512_maskz_mov_epi16((__mmask32)flags, _mm512_set1_epi16((short)bits));
+    _mm512_storeu_si512(out, v);
+}
+#elif defined(__AVX2__)
+/* One bit per element from the all-ones or zero lanes of two comparisons, in element order. */
+INLINE uint64_t lane_bits(__m256i low, __m256i high, int elem_size) {
+    if (elem_size == 1)
+        return (uint32_t)_mm256_movemask_epi8(low) | (uint64_t)(uint32_t)_mm256_movemask_epi8(high) << 32;
+    if (elem_size == 2) /* words to bytes; packing interleaves the 128-bit lanes, the permute undoes it */
+        return (uint32_t)_mm256_movemask_epi8(_mm256_permute4x64_epi64(_mm256_packs_epi16(low, high), 0xD8));
+    return (uint64_t)(_mm256_movemask_ps(_mm256_castsi256_ps(low)) | _mm256_movemask_ps(_mm256_castsi256_ps(high)) << 8);
+}
+
+INLINE __m256i lanes_equal(__m256i a, __m256i b, int elem_size) {
+    if (elem_size == 1) return _mm256_cmpeq_epi8(a, b);
+    if (elem_size == 2) return _mm256_cmpeq_epi16(a, b);
+    return _mm256_cmpeq_epi32(a, b);
+}
+
+INLINE __m256i broadcast_bits(uint32_t bits, int elem_size) {
+    if (elem_size == 1) return _mm256_set1_epi8((char)bits);
+    if (elem_size == 2) return _mm256_set1_epi16((short)bits);
+    return _mm256_set1_epi32((int)bits);
+}
+
+INLINE uint64_t step_equal(const void *x, int elem_size, uint32_t bits) {
+    const __m256i *v = (const __m256i *)x, b = broadcast_bits(bits, elem_size);
+    return lane_bits(lanes_equal(_mm256_loadu_si256(v), b, elem_size),
+                     lanes_equal(_mm256_loadu_si256(v + 1), b, elem_size), elem_size);
+}
+
+INLINE uint64_t step_flags(const void *x, int elem_size) {
+    const __m256i *v = (const __m256i *)x, zero = _mm256_setzero_si256();
+    /* the sign bit aside, so that -0 counts as 0 */
+    __m256i magnitude = broadcast_bits(elem_size == 1 ? 0xFF : elem_size == 2 ? 0x7FFF : 0x7FFFFFFF, elem_size);
+    uint64_t zeros = lane_bits(lanes_equal(_mm256_and_si256(_mm256_loadu_si256(v), magnitude), zero, elem_size),
+                               lanes_equal(_mm256_and_si256(_mm256_loadu_si256(v + 1), magnitude), zero, elem_size),
+                               elem_size);
+    int per_step = MASK_STEP_BYTES / elem_size;
+    return ~zeros & (per_step == 64 ? ~0ull : (1ull << per_step) - 1);
+}
+
+INLINE void step_expand(uint64_t flags, int elem_size, uint32_t bits, void *out) {
+    /* lane i of each half selects bit i of its share of the flags */
+    const __m256i select = elem_size == 4 ? _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128)
+                                          : _mm256_setr_epi16(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048,
+                                                              4096, 8192, 16384, (short)32768);
+    const int per_half = 32 / elem_size;
+    const __m256i value = broadcast_bits(bits, elem_size);
+    for (int k = 0; k < 2; k++) {
+        uint32_t share = (uint32_t)(flags >> (k * per_half)) & ((1u << per_half) - 1);
+        __m256i set = lanes_equal(_mm256_and_si256(broadcast_bits(share, elem_size), select), select, elem_size);
+        _mm256_storeu_si256((__m256i *)out + k, _mm256_and_si256(set, value));
+    }
+}
+#endif
+
 /* Elements (whole steps only) handled by the vector loops; the byte loops take the rest. */
 INLINE int64_t stepped_elements(int64_t numel, int elem_size) {
+#ifdef MASK_STEPS
     int64_t per_step = MASK_STEP_BYTES / elem_size;
     return numel / per_step * per_step;
-}
 #else
-INLINE int64_t stepped_elements(int64_t numel, int elem_size) { (void)numel; (void)elem_size; return 0; }
+    (void)numel; (void)elem_size;
+    return 0;
 #endif
+}
 
 static inline uint8_t pack_byte_flags(const uint8_t *x) {
     uint64_t v;
@@ -634,7 +820,7 @@ static inline uint8_t pack_byte_flags(const uint8_t *x) {
 
 void mask_pack(const void *x, int dtype, int elem_size, int64_t numel, uint8_t *packed) {
     const int64_t bytes = (numel + 7) / 8, stepped = stepped_elements(numel, elem_size);
-#ifdef __AVX512BW__
+#ifdef MASK_STEPS
     const int64_t per_step = MASK_STEP_BYTES / elem_size;
     #pragma omp parallel for schedule(static)
     for (int64_t e = 0; e < stepped; e += per_step) {
@@ -693,19 +879,16 @@ int mask_value(const void *x, int dtype, int64_t numel, float *value) {
     v = first < numel ? v : 0.0f;
     int ok = v == v;
     const int64_t stepped = ok ? stepped_elements(numel, elem_size) : 0;
-#ifdef __AVX512BW__
+#ifdef MASK_STEPS
     /* an element passes if it is +-0 or has v's bits (v is neither zero nor NaN, so equal
      * floats have equal bits) */
     const int64_t per_step = MASK_STEP_BYTES / elem_size;
     const uint32_t bits = value_bits(v, dtype);
+    const uint64_t all = per_step == 64 ? ~0ull : (1ull << per_step) - 1;
     #pragma omp parallel for reduction(&:ok) schedule(static)
     for (int64_t e = 0; e < stepped; e += per_step) {
         const char *at = (const char *)x + e * elem_size;
-        __m512i w = _mm512_loadu_si512(at);
-        uint64_t same = elem_size == 4 ? _mm512_cmpeq_epi32_mask(w, _mm512_set1_epi32((int)bits))
-                                       : _mm512_cmpeq_epi16_mask(w, _mm512_set1_epi16((short)bits));
-        uint64_t all = per_step == 64 ? ~0ull : (1ull << per_step) - 1;
-        ok &= ((~step_flags(at, elem_size) | same) & all) == all;
+        ok &= ((~step_flags(at, elem_size) | step_equal(at, elem_size, bits)) & all) == all;
     }
 #endif
     #pragma omp parallel for reduction(&:ok) schedule(static)
@@ -723,15 +906,13 @@ void mask_unpack_values(const uint8_t *packed, int64_t numel, int dtype, float v
     const int elem_size = dtype == 0 ? 4 : 2;
     const uint32_t bits = value_bits(value, dtype);
     const int64_t bytes = (numel + 7) / 8, stepped = stepped_elements(numel, elem_size);
-#ifdef __AVX512BW__
+#ifdef MASK_STEPS
     const int64_t per_step = MASK_STEP_BYTES / elem_size;
     #pragma omp parallel for schedule(static)
     for (int64_t e = 0; e < stepped; e += per_step) {
         uint64_t flags = 0;
         memcpy(&flags, packed + e / 8, (size_t)(per_step / 8));
-        __m512i v = elem_size == 4 ? _mm512_maskz_mov_epi32((__mmask16)flags, _mm512_set1_epi32((int)bits))
-                                   : _mm512_maskz_mov_epi16((__mmask32)flags, _mm512_set1_epi16((short)bits));
-        _mm512_storeu_si512((char *)out + e * elem_size, v);
+        step_expand(flags, elem_size, bits, (char *)out + e * elem_size);
     }
 #endif
     #pragma omp parallel for schedule(static)

@@ -10,7 +10,7 @@ of fused-enough PyTorch kernels for the small Q/K/V tensors they serve.
 from megatron_adacc.codecs import asymmetric, outlier, symmetric
 from megatron_adacc.codecs import bitmask as reference_bitmask
 from megatron_adacc.codecs.int4 import zero_channels
-from megatron_adacc.codecs.backend import Kernels
+from megatron_adacc.codecs.kernels import Kernels
 from megatron_adacc.codecs.triton import asym_int4, bitmask, sym_int4
 
 

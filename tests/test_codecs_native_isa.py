@@ -1,0 +1,44 @@
+"""Every vector path of the native kernels gives the reference's bytes. The library is built
+here again with the wider instruction sets switched off (ADACC_NATIVE_CFLAGS), so that the
+AVX2 and the generic paths are tested on any CPU (the default build, AVX-512 where the CPU
+has it, is tested by test_codecs.py's test_native_* tests)."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from megatron_adacc import codecs
+from megatron_adacc.codecs import native
+from test_codecs import assert_same_as_eager
+
+# flags -> the vector paths the build may take, by what the CPU has
+BUILDS = {"-mno-avx512f": ("avx2", "generic"), "-mno-avx2 -mno-fma": ("generic",)}
+# Whole blocks and remainders of 8 and 16 lanes, groups that wrap around rows of 20
+# channels, odd rows (the reference's), per-channel scales over 5000 columns.
+SHAPES = [(4, 64), (7, 3, 96), (33, 70), (3, 5000), (64, 20), (1000,)]
+
+
+def inputs(name: str, dtype: torch.dtype):
+    gen = torch.Generator().manual_seed(17)
+    for shape in SHAPES:
+        x = torch.randn(shape, generator=gen) * 3
+        x[..., 1] *= 300  # an outlier channel
+        flat = x.view(-1)
+        flat[[5, -3]] = torch.tensor([math.nan, 1e-39])  # a group stored raw; a subnormal
+        if name == "asym_int4":
+            x = torch.sigmoid(x)
+        elif name == "bitmask":
+            x = (x > 0) / 0.9
+        yield x.to(dtype)
+
+
+@pytest.mark.parametrize("flags", list(BUILDS))
+def test_vector_path_matches_reference(flags, monkeypatch):
+    monkeypatch.setenv(native.CFLAGS_ENV_VAR, flags)
+    assert native.vector_isa() in BUILDS[flags]
+    for name in codecs.NAMES:
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            for x in inputs(name, dtype):
+                assert_same_as_eager("native", name, x)

@@ -1,0 +1,70 @@
+"""Codec.payload_bytes: the size a codec predicts from a shape, a dtype and an outlier
+channel count equals encode(x).nbytes of a real input, byte for byte."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_adacc import codecs
+
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# Odd sizes, partial groups of 64 and 128, one row, many rows, more than two dimensions.
+SHAPES = [(), (1,), (7,), (63,), (129,), (0, 4), (3, 5), (5, 65), (4, 96), (3, 130), (2, 3, 257), (1, 1000)]
+OUTLIER_COUNTS = (0, 1, 3, 6)
+
+
+def with_outlier_channels(shape, dtype, k: int, seed: int = 0) -> torch.Tensor:
+    """A finite tensor of `shape` whose last dimension has exactly k outlier channels for
+    outlier_int4's z-score rule: every other channel has the same sum of |x| (rows scaled
+    alike, signs random), the k outliers 1000 times as much. With k <= channels / 16 their
+    z-score is at least sqrt(15) > 3."""
+    shape = torch.Size(shape)
+    channels = shape[-1] if len(shape) else 1
+    assert 16 * k <= channels or k == 0
+    gen = torch.Generator().manual_seed(seed)
+    rows = shape.numel() // channels if channels else 0
+    signs = torch.randint(0, 2, (rows, channels), generator=gen).float() * 2 - 1
+    x = signs * torch.linspace(0.1, 1.0, rows).unsqueeze(1)
+    x[:, torch.randperm(channels, generator=gen)[:k]] *= 1000
+    return x.reshape(shape).to(dtype)
+
+
+def cases():
+    for shape in SHAPES:
+        channels = shape[-1] if shape else 1
+        for k in OUTLIER_COUNTS:
+            if k == 0 or 16 * k <= channels:
+                yield shape, k
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("name", [n for n in codecs.NAMES if n != "bitmask"])
+def test_int4_payload_bytes_equal_encoded_nbytes(name, dtype):
+    for options in ({}, {"group_size": 16}) if name in ("sym_int4", "asym_int4", "outlier_int4") else ({},):
+        codec = codecs.get(name, backend="torch", **options)
+        for shape, k in cases():
+            if k and name != "outlier_int4":
+                continue
+            payload = codec.encode(with_outlier_channels(shape, dtype, k))
+            if name == "outlier_int4" and k:
+                assert payload.tensors["outlier_index"].numel() == k  # the input is what it claims
+            assert codec.payload_bytes(shape, dtype, outlier_channels=k) == payload.nbytes, (shape, k, options)
+
+
+@pytest.mark.parametrize("dtype", (torch.bool, *FLOAT_DTYPES))
+def test_bitmask_payload_bytes_equal_encoded_nbytes(dtype):
+    codec = codecs.get("bitmask", backend="torch")
+    for shape in SHAPES:
+        mask = with_outlier_channels(shape, torch.float32, 0) > 0
+        x = mask if dtype == torch.bool else mask.to(dtype) / 0.9
+        assert codec.payload_bytes(shape, dtype) == codec.encode(x).nbytes, shape
+
+
+def test_outlier_count_is_for_the_outlier_codec_only():
+    assert codecs.get("outlier_int4").payload_bytes((4, 64), torch.bfloat16, outlier_channels=2) > \
+        codecs.get("sym_int4").payload_bytes((4, 64), torch.bfloat16)
+    for name in ("sym_int4", "channel_int4", "bitmask"):
+        with pytest.raises(ValueError, match="outlier channels"):
+            codecs.get(name).payload_bytes((4, 64), torch.bfloat16, outlier_channels=1)
+    with pytest.raises(ValueError, match="outlier channels"):  # more than there are channels
+        codecs.get("outlier_int4").payload_bytes((4, 64), torch.bfloat16, outlier_channels=65)
