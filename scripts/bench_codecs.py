@@ -29,16 +29,13 @@ import json
 import os
 import platform
 import statistics
-import sys
 import time
 import warnings
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from megatron_adacc import codecs  # noqa: E402
+from megatron_adacc import codecs
 
 INT4_CODECS = ("outlier_int4", "channel_int4", "asym_int4", "sym_int4", "naive_int4")
 
