@@ -186,9 +186,9 @@ class SiteAttributor:
 
 
 def _is_cached_causal_mask(tensor: torch.Tensor) -> bool:
-    # Megatron's softmax builds the causal mask through an lru_cache, so the mask it just
-    # saved is the cached tensor itself (this lookup is a cache hit). The module attribute
-    # is read at call time: the CPU shim replaces it.
+    # megatron_compat caches the causal mask per length, so the mask the softmax just saved
+    # is the cached tensor itself and this lookup is a cache hit. The binding is read at call
+    # time because that patch replaces it.
     from megatron.core.fusions import fused_softmax
 
     if tensor.dim() != 2 or tensor.shape[0] != tensor.shape[1]:
