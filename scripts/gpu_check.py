@@ -8,9 +8,10 @@
 2. exactness: retain and recompute plans bitwise equal to megatron's stock layer in bf16 and
    fp16 with dropout on, attribution strict; host synchronisations per training step, counted
    with torch.cuda.set_sync_debug_mode;
-3. memory: `pretrain_gpt.py --adacc-policy auto` for --iters steps at three budgets below what
-   no optimisation needs: the allocator's peak must stay at or under each budget; the
-   planner's predicted peak (`adacc plan` on the same ProfileDB) is reported beside it;
+3. memory: `pretrain_gpt.py --adacc-policy auto` for --iters steps at three budgets between
+   the smallest the planner accepts and what no optimisation needs: the allocator's peak must
+   stay at or under each budget; the planner's predicted peak (`adacc plan` on the same
+   ProfileDB) is reported beside it;
 4. throughput: tokens/s of those runs against no optimisation and megatron's full and
    selective recompute, all at the same micro-batch.
 
@@ -38,7 +39,9 @@ import torch  # noqa: E402
 
 FLOAT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 CODEC_SHAPES = [(4097,), (333, 70), (64, 1024), (4, 8, 128, 128)]
-BUDGET_FRACTIONS = (0.9, 0.75, 0.6)  # of the allocator peak with no optimisation
+# Budgets this far from the planner's smallest feasible budget to the allocator's peak with
+# no optimisation: the range where Adacc has to choose.
+BUDGET_FRACTIONS = (0.75, 0.5, 0.25)
 WARMUP_ITERS = 5  # left out of the tokens/s medians (profiling, first rectifier iterations)
 SYNC_WARNING = "synchronizing CUDA operation"
 
@@ -50,7 +53,9 @@ def parse(argv=None) -> argparse.Namespace:
     parser.add_argument("--iters", type=int, default=30)
     parser.add_argument("--out", default="gpu_check.json")
     parser.add_argument("--doc", default=os.path.join(ROOT, "docs", "gpu.md"))
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    args.config = os.path.abspath(args.config)  # the training runs start in ROOT
+    return args
 
 
 # --- 1. codecs ------------------------------------------------------------------------------
@@ -221,14 +226,15 @@ def _largest(records: list[dict], key: str) -> int | None:
     return max(values) if values else None
 
 
-def _predicted_peak(args, workdir: str, budget: int) -> int | None:
-    """The planner's predicted peak for `budget`, from the profile the auto run stored."""
+def _plan(args, workdir: str, budget: int) -> dict:
+    """`adacc plan --json` for `budget` on the runs' ProfileDB (profiling first if it is
+    empty): the planner's predicted peak, or the smallest feasible budget."""
     done = subprocess.run(
         [sys.executable, "-m", "megatron_adacc.cli", "plan", "--config", args.config,
          "--micro-batch-size", str(args.micro_batch_size), "--memory-budget", f"{budget}B",
          "--profile-db", os.path.join(workdir, "profiles.sqlite"), "--exact", "--json"],
         cwd=ROOT, capture_output=True, text=True)
-    return json.loads(done.stdout).get("peak_bytes") if done.stdout.strip() else None
+    return json.loads(done.stdout) if done.stdout.strip() else {}
 
 
 def check_training(args) -> dict:
@@ -239,19 +245,21 @@ def check_training(args) -> dict:
                 _pretrain(args, workdir, "megatron selective recompute",
                           "--recompute-granularity", "selective")]
         unoptimised = runs[0].get("max_memory_allocated")
-        if unoptimised is None:
+        smallest = _plan(args, workdir, 1).get("minimum_feasible_budget")
+        if unoptimised is None or smallest is None:
             return {"runs": runs, "budgets": [], "ok": False,
-                    "error": "no allocator peak from the run with no optimisation"}
+                    "error": "no allocator peak with no optimisation, or no smallest budget "
+                             "from `adacc plan`"}
         budgets = []
         for fraction in BUDGET_FRACTIONS:
-            budget = int(unoptimised * fraction)
-            run = _pretrain(args, workdir, f"adacc auto at {fraction:.0%}", "--adacc-policy",
-                            "auto", "--adacc-memory-budget", f"{budget}B", "--adacc-strict")
+            budget = int(smallest + fraction * (unoptimised - smallest))
+            run = _pretrain(args, workdir, f"adacc auto at budget {_mib(budget)} MiB",
+                            "--adacc-policy", "auto", "--adacc-memory-budget", f"{budget}B",
+                            "--adacc-strict")
             runs.append(run)
             peak = run.get("max_memory_allocated")
-            budgets.append({"fraction": fraction, "budget_bytes": budget,
-                            "max_memory_allocated": peak,
-                            "predicted_peak_bytes": _predicted_peak(args, workdir, budget),
+            budgets.append({"budget_bytes": budget, "max_memory_allocated": peak,
+                            "predicted_peak_bytes": _plan(args, workdir, budget).get("peak_bytes"),
                             "ok": peak is not None and peak <= budget})
     return {"runs": runs, "budgets": budgets, "ok": all(b["ok"] for b in budgets)}
 

@@ -35,7 +35,7 @@ def test_report_renders_passes_failures_and_missing_measurements():
             "runs": [{"name": "no optimisation", "tokens_per_s": 1234.5,
                       "max_memory_allocated": 3 << 30, "max_memory_reserved": None},
                      {"name": "adacc auto at 60%", "error": "infeasible budget"}],
-            "budgets": [{"fraction": 0.6, "budget_bytes": 2 << 30, "max_memory_allocated": None,
+            "budgets": [{"budget_bytes": 2 << 30, "max_memory_allocated": None,
                          "predicted_peak_bytes": 1 << 30, "ok": False}],
             "ok": False},
     }
