@@ -1,13 +1,7 @@
 # megatron-adacc on an NVIDIA PyTorch container.
 #
-# The default base keeps CUDA 12.x, which still supports V100 (Volta; CUDA 13 dropped it).
-# For newer GPUs pick a newer base:
-#   docker build -t megatron-adacc .
-#   docker build --build-arg BASE_IMAGE=nvcr.io/nvidia/pytorch:25.09-py3 -t megatron-adacc:h100 .
-# Run (one node, 8 GPUs):
-#   docker run --gpus all --ipc=host --ulimit memlock=-1 -v /data:/data megatron-adacc \
-#     torchrun --nproc_per_node 8 pretrain_gpt.py --config configs/gpt-345m.yaml \
-#       --data-path /data/pile_text_document --adacc-policy auto
+# The default base keeps CUDA 12.x, which still supports V100 (Volta; CUDA 13 dropped it);
+# pick a newer one with --build-arg BASE_IMAGE=... Build and run lines: README, "Docker".
 ARG BASE_IMAGE=nvcr.io/nvidia/pytorch:24.12-py3
 FROM ${BASE_IMAGE}
 
@@ -17,10 +11,15 @@ ENV PYTHONUNBUFFERED=1 \
 
 WORKDIR /workspace/megatron-adacc
 
-# The container's own CUDA build of torch must stay: the dependencies are installed without
-# letting pip resolve torch, then the package itself with --no-deps.
-COPY requirements-gpu.txt ./
-RUN pip install --no-cache-dir -r requirements-gpu.txt
+# The container's own CUDA build of torch must stay. Every pip install runs under a
+# constraint pinning torch to the base image's build (PIP_CONSTRAINT, so later installs in
+# the container keep it too); megatron-core, whose torch>=2.6.0 NGC's 2.6.0a0+... builds do
+# not satisfy, is installed with --no-deps beside its other dependencies.
+COPY requirements-gpu.txt requirements-gpu-megatron.txt ./
+RUN python -c "import torch; print(f'torch=={torch.__version__}')" > /etc/pip-torch-constraint.txt
+ENV PIP_CONSTRAINT=/etc/pip-torch-constraint.txt
+RUN pip install --no-cache-dir -r requirements-gpu.txt \
+    && pip install --no-cache-dir --no-deps -r requirements-gpu-megatron.txt
 
 COPY setup.py README.md pretrain_gpt.py ./
 COPY megatron_adacc ./megatron_adacc
@@ -29,5 +28,11 @@ COPY scripts ./scripts
 RUN pip install --no-cache-dir --no-deps -e . \
     && python -c "import megatron_adacc, megatron.core; print('megatron-adacc', megatron_adacc.__version__)"
 
-ENTRYPOINT ["torchrun", "--nproc_per_node", "gpu"]
-CMD ["pretrain_gpt.py", "--config", "configs/gpt-345m.yaml"]
+# Fail the build if any install above replaced the base image's CUDA torch.
+RUN python -c "import torch; pin = open('/etc/pip-torch-constraint.txt').read().strip(); \
+assert f'torch=={torch.__version__}' == pin and torch.version.cuda, (torch.__version__, pin)"
+
+# No ENTRYPOINT of our own: the base image's runs the command as given, so the README's
+# `docker run ... megatron-adacc torchrun ...` and `... python scripts/gpu_check.py` work as
+# written; with no command the image trains the 345M model on every GPU.
+CMD ["torchrun", "--nproc_per_node", "gpu", "pretrain_gpt.py", "--config", "configs/gpt-345m.yaml"]

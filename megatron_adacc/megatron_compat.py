@@ -87,18 +87,30 @@ def _cpu_rng_tracker() -> None:
     tp.model_parallel_cuda_manual_seed = model_parallel_manual_seed
 
 
-def _cpu_causal_mask() -> None:
-    # get_default_causal_mask builds its mask with device="cuda"; fused_softmax imported it
-    # by name, so the patch must replace that binding too.
+def _cached_causal_mask() -> None:
+    # get_default_causal_mask builds a new s x s mask in every layer's forward, on
+    # device="cuda" (which fails without CUDA), and each layer's masked fill saves its own
+    # copy for backward: L x s^2 bytes where one mask would do. One mask per length, cached
+    # on the device megatron would use: the runtime recognises that tensor as the shared
+    # attn_mask by identity, and the ruler and planner count it once. fused_softmax imported
+    # the function by name, so the patch must replace that binding too.
     from megatron.core.fusions import fused_softmax
     from megatron.core.transformer import utils as tutils
 
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+
     @functools.lru_cache(maxsize=8)
     def get_default_causal_mask(sq: int) -> torch.Tensor:
-        return torch.triu(torch.ones(sq, sq, device="cpu"), diagonal=1).bool()
+        return torch.triu(torch.ones(sq, sq, device=device), diagonal=1).bool()
 
     tutils.get_default_causal_mask = get_default_causal_mask
     fused_softmax.get_default_causal_mask = get_default_causal_mask
+
+
+def _causal_mask_uncached() -> bool:
+    from megatron.core.transformer import utils as tutils
+
+    return not hasattr(tutils.get_default_causal_mask, "cache_info")
 
 
 def _checkpoint_without_output_fp8() -> None:
@@ -126,13 +138,13 @@ def _transformer_engine_absent() -> bool:
 CPU_SHIMS = {
     "cpu_global_memory_buffer": _cpu_global_memory_buffer,
     "cpu_rng_tracker": _cpu_rng_tracker,
-    "cpu_causal_mask": _cpu_causal_mask,
 }
 
 
 # Defects of megatron-core itself, each with the condition under which it bites.
 DEFECT_PATCHES = {
     "checkpoint_without_output_fp8": (_checkpoint_without_output_fp8, _transformer_engine_absent),
+    "cached_causal_mask": (_cached_causal_mask, _causal_mask_uncached),
 }
 
 

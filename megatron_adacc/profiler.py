@@ -33,6 +33,8 @@ from dataclasses import dataclass, replace
 from typing import Callable, Iterable, Sequence
 
 import torch
+# megatron's own: saves and restores the CPU, default CUDA and tracker generators.
+from megatron.core.tensor_parallel.random import _fork_rng
 
 from megatron_adacc import codecs, hardware
 from megatron_adacc import model as model_lib
@@ -41,7 +43,6 @@ from megatron_adacc.costs import MEGATRON_SEGMENTS, CodecCost, ModelCosts, SiteC
 from megatron_adacc.plan import Decision, Plan
 from megatron_adacc.runtime import ActivationRuler, adacc_layers, apply_plan
 from megatron_adacc.runtime.accounting import UNATTRIBUTED
-from megatron_adacc.runtime.layer import _rng_restore, _rng_snapshot
 from megatron_adacc.sites import COMPRESS, RECOMPUTE
 
 DEFAULT_REPEATS = 5
@@ -300,14 +301,13 @@ def _rebuild_times(order: Sequence[str], prefix_s: dict[str, float]) -> dict[str
 def _left_as_found(model: torch.nn.Module):
     """Profiling steps change the layers' decisions and draw dropout masks; put both back so
     training computes afterwards exactly what it would have computed without them."""
-    rng = _rng_snapshot()
     actions = {layer: layer.actions for layer in adacc_layers(model)}
     try:
-        yield
+        with _fork_rng():
+            yield
     finally:
         for layer, saved in actions.items():
             layer.actions = saved
-        _rng_restore(rng)
 
 
 def profile(model: torch.nn.Module, batch: Batch, *, repeats: int = DEFAULT_REPEATS,

@@ -1,6 +1,8 @@
 """Tiny GPTs, batches and training loops shared by the runtime tests."""
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from megatron_adacc import model as model_lib
@@ -9,13 +11,21 @@ from megatron_adacc.runtime import apply_plan, get_adacc_layer_spec
 VOCAB, SEQ, BATCH = 256, 32, 2
 
 
-def build(adacc: bool, dtype=torch.float32, dropout=0.0, bias=True, layers=2, seed=1, **config):
+def build(adacc: bool, dtype=torch.float32, dropout=0.0, bias=True, layers=2, seed=1,
+          submodules=None, **config):
+    """A tiny GPT, stock or Adacc; `submodules` replaces entries of the layer spec's
+    submodules (e.g. a stand-in layernorm) in either."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
     model_lib.set_seed(seed)
     cfg = model_lib.build_transformer_config(
         num_layers=layers, hidden_size=64, num_attention_heads=4,
         hidden_dropout=dropout, attention_dropout=dropout, add_bias_linear=bias,
         bf16=dtype == torch.bfloat16, params_dtype=dtype, **config)
-    spec = get_adacc_layer_spec() if adacc else None
+    spec = get_adacc_layer_spec() if adacc else get_gpt_layer_local_spec()
+    if submodules:
+        spec = dataclasses.replace(
+            spec, submodules=dataclasses.replace(spec.submodules, **submodules))
     # megatron casts half-precision models with its Float16Module (GPU only); cast here so
     # the position embedding and layernorms run in the activation dtype too.
     model = model_lib.build_gpt_model(cfg, VOCAB, SEQ, spec).to(dtype)

@@ -32,7 +32,7 @@ from megatron.core.tensor_parallel.random import CudaRNGStatesTracker, Checkpoin
 probe("cpu_rng_tracker", lambda: CudaRNGStatesTracker().add("probe", 1))
 
 from megatron.core.transformer.utils import get_default_causal_mask
-probe("cpu_causal_mask", lambda: get_default_causal_mask(4))
+results["cached_causal_mask"] = "ok" if hasattr(get_default_causal_mask, "cache_info") else "defect"
 
 results["checkpoint_without_output_fp8"] = (
     "defect" if CheckpointWithoutOutput(fp8=False).fp8 else "ok")
@@ -49,14 +49,31 @@ def unpatched():
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("shim", ["cpu_global_memory_buffer", "cpu_rng_tracker",
-                                  "cpu_causal_mask"])
+@pytest.mark.parametrize("shim", ["cpu_global_memory_buffer", "cpu_rng_tracker"])
 def test_cpu_shim_is_still_needed(unpatched, shim):
     assert unpatched[shim] != "ok", f"megatron-core no longer needs {shim}: delete it"
 
 
 def test_fp8_defect_is_still_present(unpatched):
     assert unpatched["checkpoint_without_output_fp8"] == "defect"
+
+
+def test_uncached_causal_mask_is_still_present(unpatched):
+    assert unpatched["cached_causal_mask"] == "defect"
+
+
+def test_causal_mask_is_cached_with_cuda_too():
+    # Uncached, every layer saves its own fresh mask on CUDA, which the runtime (recognising
+    # the shared attn_mask by identity) cannot attribute. CUDA is faked in a fresh interpreter;
+    # the mask is never built there.
+    code = ("import torch; torch.cuda.is_available = lambda: True\n"
+            "from megatron_adacc import megatron_compat\n"
+            "from megatron.core.fusions import fused_softmax\n"
+            "print(megatron_compat.apply(), hasattr(fused_softmax.get_default_causal_mask, "
+            "'cache_info'))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout.strip().splitlines()[-1]
+    assert out == "['checkpoint_without_output_fp8', 'cached_causal_mask'] True"
 
 
 def test_patched_megatron_runs_the_shimmed_paths():
@@ -68,11 +85,12 @@ def test_patched_megatron_runs_the_shimmed_paths():
     from megatron.core.transformer.utils import get_default_causal_mask
     from megatron.core.utils import GlobalMemoryBuffer
 
-    assert {"cpu_global_memory_buffer", "cpu_rng_tracker", "cpu_causal_mask",
+    assert {"cpu_global_memory_buffer", "cpu_rng_tracker", "cached_causal_mask",
             "checkpoint_without_output_fp8"} <= set(applied)
     assert GlobalMemoryBuffer().get_tensor((2, 3), torch.float32, "t").shape == (2, 3)
     mask = get_default_causal_mask(3)
     assert mask.tolist() == [[False, True, True], [False, False, True], [False, False, False]]
+    assert get_default_causal_mask(3) is mask  # one mask for every layer
     assert CheckpointWithoutOutput(fp8=False).fp8 is False
 
     tracker = CudaRNGStatesTracker()

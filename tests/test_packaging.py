@@ -1,5 +1,7 @@
 """What ships around the library: the Docker image recipe and the configs."""
+import json
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -29,6 +31,44 @@ def test_gpu_requirements_name_only_declared_dependencies():
         if line:
             name = re.split(r"[=<>!~]", line)[0]
             assert name in declared, f"{name} is pinned for GPU images but not in setup.py"
+
+
+def _requirements(name: str) -> list[str]:
+    lines = (ROOT / name).read_text().splitlines()
+    return [line.split("#")[0].strip() for line in lines if line.split("#")[0].strip()]
+
+
+def test_megatron_core_is_installed_without_its_torch_requirement():
+    # megatron-core's torch>=2.6.0 rejects NGC's 2.6.0a0+... builds, so pip resolving it would
+    # replace the image's CUDA torch: it goes in the --no-deps file with its other
+    # dependencies, exactly those its metadata names (checked here so a bump updates them).
+    from importlib.metadata import requires
+
+    assert not [r for r in _requirements("requirements-gpu.txt") if r.startswith("megatron")]
+    listed = _requirements("requirements-gpu-megatron.txt")
+    setup_pin = re.search(r'"(megatron-core==[^"]+)"', (ROOT / "setup.py").read_text()).group(1)
+    assert listed[0] == setup_pin
+    own = sorted(r.replace(" ", "") for r in requires("megatron-core")
+                 if "extra ==" not in r and not re.match(r"torch\b", r))
+    assert sorted(listed[1:]) == own
+
+
+def _dockerfile_instruction(name: str) -> list[str]:
+    lines = [l for l in (ROOT / "Dockerfile").read_text().splitlines() if l.startswith(name + " ")]
+    return json.loads(lines[-1][len(name):]) if lines else []
+
+
+def test_readme_docker_run_line_runs_as_written():
+    # Docker appends the run line's command to the image's ENTRYPOINT: with an ENTRYPOINT of
+    # torchrun, the README's `... megatron-adacc torchrun ...` ran `torchrun ... torchrun`.
+    readme = (ROOT / "README.md").read_text().replace("\\\n", " ")
+    run_line = next(line for line in readme.splitlines() if line.startswith("docker run "))
+    words = shlex.split(run_line)
+    command = words[words.index("megatron-adacc") + 1:]
+    entrypoint = _dockerfile_instruction("ENTRYPOINT")
+    for argv in (entrypoint + command, entrypoint + _dockerfile_instruction("CMD")):
+        assert argv[0] == "torchrun" and argv.count("torchrun") == 1, argv
+        assert "pretrain_gpt.py" in argv
 
 
 @pytest.mark.parametrize("config", sorted(p.name for p in (ROOT / "configs").glob("*.yaml")))

@@ -10,6 +10,10 @@ Rules, discovered by watching what megatron-core 0.16.1's local layer saves (see
 a role names the site of what it saves, except where one role saves several kinds and the
 storage decides (a layernorm saves its input and its statistics; core attention saves QKV
 views and the attention probabilities; the layer itself saves the bias-dropout-add masks).
+
+The attention mask is one tensor for every layer (megatron's cached causal mask, or the mask
+the model was called with), so it is recognised by its storage, never by its dtype: dropout
+masks are bool too on CUDA, where dropout is `native_dropout`.
 """
 from __future__ import annotations
 
@@ -71,6 +75,7 @@ class SiteAttributor:
         self.layer_number = layer.layer_number
         self._roles: list[str] = []
         self._storage_site: dict[int, tuple[torch.UntypedStorage, str]] = {}
+        self._norm_rows = 0  # rows the running layernorm normalises: one statistic each
         self.segment = 0
         self.active = False
         self._hooks = [(module, self._enter_hook(role), self._exit_hook(role))
@@ -118,6 +123,13 @@ class SiteAttributor:
                     self.segment = MLP_SEGMENT
                 if norm_sites is not None and args and isinstance(args[0], torch.Tensor):
                     self._remember(args[0], norm_sites[0])
+                    self._norm_rows = args[0].numel() // args[0].shape[-1]
+                elif role == "core_attention":
+                    # The mask the model was called with: the softmax's masked fill saves it,
+                    # and megatron's core-attention checkpoint saves it at the layer level.
+                    mask = args[3] if len(args) > 3 else None
+                    if isinstance(mask, torch.Tensor):
+                        self._remember(mask, "attn_mask")
 
         return enter
 
@@ -144,14 +156,20 @@ class SiteAttributor:
             return known[1]
         role = self._roles[-1] if self._roles else None
         if role is None:
-            if _drawn(tensor) and tensor.is_floating_point():
+            if not _drawn(tensor):
+                site = None
+            elif tensor.is_floating_point() or tensor.dtype == torch.bool:  # CPU or CUDA dropout
                 site = _LAYER_LEVEL_SITE[self.segment]
             else:  # megatron's core-attention checkpoint saves the mask type as an int tensor
-                site = "attn_mask" if _drawn(tensor) else None
+                site = "attn_mask"
         elif role in _NORM_SITES:
-            site = _NORM_SITES[role][1] if tensor.shape[-1:] == (1,) else None
+            # Statistics hold one value per row: [s, b, 1] from torch, [s*b] from apex.
+            site = _NORM_SITES[role][1] if tensor.numel() == self._norm_rows else None
         elif role == "softmax":
-            site = "attn_mask" if tensor.dtype == torch.bool else "softmax_out"
+            if tensor.dtype != torch.bool:
+                site = "softmax_out"
+            else:
+                site = "attn_mask" if _is_cached_causal_mask(tensor) else None
         elif role == "attention_dropout":
             site = "attn_dropout_mask" if _drawn(tensor) else None
         else:
@@ -165,6 +183,18 @@ class SiteAttributor:
             return None
         self._storage_site[id(storage)] = (storage, site)
         return site
+
+
+def _is_cached_causal_mask(tensor: torch.Tensor) -> bool:
+    # megatron_compat caches the causal mask per length, so the mask the softmax just saved
+    # is the cached tensor itself and this lookup is a cache hit. The binding is read at call
+    # time because that patch replaces it.
+    from megatron.core.fusions import fused_softmax
+
+    if tensor.dim() != 2 or tensor.shape[0] != tensor.shape[1]:
+        return False
+    cached = fused_softmax.get_default_causal_mask(tensor.shape[0])
+    return tensor.untyped_storage().data_ptr() == cached.untyped_storage().data_ptr()
 
 
 def _drawn(tensor: torch.Tensor) -> bool:

@@ -6,13 +6,17 @@ Nothing of megatron's forward is copied. Recompute re-runs megatron's own segmen
 `_forward_attention` from the layer input, `_forward_mlp` from ln2_in (the MLP segment alone
 when every recomputed site is in it and ln2_in is kept), with the RNG states captured when
 the segment first ran, and stops as soon as the last wanted site has been saved again.
+
+The RNG states are the ones megatron's own checkpointing saves and restores, through its own
+helpers: the CPU generator, the default CUDA generator (bias-dropout-add draws its masks from
+it) and the tensor-parallel tracker's states (attention dropout draws from those).
 """
 from __future__ import annotations
 
 import dataclasses
 
 import torch
-from megatron.core.tensor_parallel import get_cuda_rng_tracker
+from megatron.core.tensor_parallel.random import _fork_rng, _get_all_rng_states, _set_all_rng_states
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from megatron_adacc.plan import Decision
@@ -27,16 +31,6 @@ from megatron_adacc.runtime.storage import (
     unpack,
 )
 from megatron_adacc.sites import COMPRESS, RECOMPUTE
-
-
-def _rng_snapshot():
-    return torch.get_rng_state(), get_cuda_rng_tracker().get_states()
-
-
-def _rng_restore(snapshot) -> None:
-    cpu_state, tracker_states = snapshot
-    torch.set_rng_state(cpu_state)
-    get_cuda_rng_tracker().set_states(dict(tracker_states))
 
 
 class AdaccTransformerLayer(TransformerLayer):
@@ -96,7 +90,7 @@ class AdaccTransformerLayer(TransformerLayer):
                          self._rebuild if recomputes else None)
         if recomputes:
             self._remember_call_inputs(call, args, kwargs)
-            call.rng_states[0] = _rng_snapshot()
+            call.rng_states[0] = _get_all_rng_states()
         self._call = call
         self.attributor.begin()
         try:
@@ -110,7 +104,7 @@ class AdaccTransformerLayer(TransformerLayer):
     def _forward_mlp(self, hidden_states, *args, **kwargs):
         call = self._call
         if call is not None and call.rebuild is not None:
-            call.rng_states[MLP_SEGMENT] = _rng_snapshot()
+            call.rng_states[MLP_SEGMENT] = _get_all_rng_states()
         return super()._forward_mlp(hidden_states, *args, **kwargs)
 
     @staticmethod
@@ -137,20 +131,19 @@ class AdaccTransformerLayer(TransformerLayer):
             and not (type(mlp_anchor) is Handle and mlp_anchor.source is call)
         )
         call.ordinals = {}
-        current_rng = _rng_snapshot()
         try:
-            with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(
+            with _fork_rng(), torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(
                 call.capture_pack, _discarded
             ):
                 if mlp_only:
                     hidden_states = _anchor_value(call, MLP_SEGMENT)
                 else:
-                    _rng_restore(call.rng_states[0])
+                    _set_all_rng_states(*call.rng_states[0])
                     self.attributor.begin(0)
                     hidden_states, _ = self._forward_attention(
                         _anchor_value(call, 0), *call.call_args, **call.call_kwargs
                     )
-                _rng_restore(call.rng_states[MLP_SEGMENT])
+                _set_all_rng_states(*call.rng_states[MLP_SEGMENT])
                 self.attributor.begin(MLP_SEGMENT)
                 self._forward_mlp(
                     hidden_states,
@@ -161,7 +154,6 @@ class AdaccTransformerLayer(TransformerLayer):
             pass
         finally:
             self.attributor.end()
-            _rng_restore(current_rng)
         missing = call.wanted - set(call.cache)
         if missing:
             raise RuntimeError(

@@ -1,0 +1,340 @@
+"""Check on a CUDA machine what the CPU test suite cannot, in one command.
+
+    python scripts/gpu_check.py [--config configs/gpt-345m.yaml] [--micro-batch-size 4]
+        [--iters 30] [--out gpu_check.json] [--doc docs/gpu.md]
+
+1. codecs: Triton payloads and decoded tensors byte-identical to the PyTorch reference, for
+   every codec, in fp32, bf16 and fp16 and several shapes;
+2. exactness: retain and recompute plans bitwise equal to megatron's stock layer in bf16 and
+   fp16 with dropout on, attribution strict; host synchronisations per training step, counted
+   with torch.cuda.set_sync_debug_mode;
+3. memory: `pretrain_gpt.py --adacc-policy auto` for --iters steps at three budgets between
+   the smallest the planner accepts and what no optimisation needs: the allocator's peak must
+   stay at or under each budget; the planner's predicted peak (`adacc plan` on the same
+   ProfileDB) is reported beside it;
+4. throughput: tokens/s of those runs against no optimisation and megatron's full and
+   selective recompute, all at the same micro-batch.
+
+Writes the results as JSON and as a Markdown page. Without CUDA it says so and exits 0.
+Exit status 1 when a check fails.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import warnings
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+# cuBLAS needs this before CUDA starts to run deterministically (the exactness check compares
+# two separately trained models, so every kernel must be run-to-run reproducible).
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
+import torch  # noqa: E402
+
+FLOAT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+CODEC_SHAPES = [(4097,), (333, 70), (64, 1024), (4, 8, 128, 128)]
+# Budgets this far from the planner's smallest feasible budget to the allocator's peak with
+# no optimisation: the range where Adacc has to choose.
+BUDGET_FRACTIONS = (0.75, 0.5, 0.25)
+WARMUP_ITERS = 5  # left out of the tokens/s medians (profiling, first rectifier iterations)
+SYNC_WARNING = "synchronizing CUDA operation"
+
+
+def parse(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", default=os.path.join(ROOT, "configs", "gpt-345m.yaml"))
+    parser.add_argument("--micro-batch-size", type=int, default=4)
+    parser.add_argument("--iters", type=int, default=30)
+    parser.add_argument("--out", default="gpu_check.json")
+    parser.add_argument("--doc", default=os.path.join(ROOT, "docs", "gpu.md"))
+    args = parser.parse_args(argv)
+    args.config = os.path.abspath(args.config)  # the training runs start in ROOT
+    return args
+
+
+# --- 1. codecs ------------------------------------------------------------------------------
+
+def _codec_input(name: str, shape, dtype, gen) -> torch.Tensor:
+    if name == "bitmask":  # a dropout mask: bool on CUDA, 0 and 1/(1-p) in a float dtype
+        keep = torch.rand(shape, generator=gen, device="cuda") >= 0.1
+        return keep if dtype == torch.bool else keep.to(dtype) / 0.9
+    x = torch.randn(shape, generator=gen, device="cuda") * 4
+    if x.shape[-1] > 8:
+        x[..., 5] *= 80  # an outlier channel
+    x.view(-1)[[3, 10]] = torch.tensor([float("nan"), float("-inf")], device="cuda")
+    return (torch.sigmoid(x) if name == "asym_int4" else x).to(dtype)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(-1).view(torch.uint8)
+
+
+def check_codecs() -> dict:
+    from megatron_adacc import codecs
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    cases, mismatches = 0, []
+    for name in codecs.NAMES:
+        reference, triton = codecs.get(name, backend="torch"), codecs.get(name, backend="triton")
+        dtypes = list(FLOAT_DTYPES.values()) + ([torch.bool] if name == "bitmask" else [])
+        for dtype in dtypes:
+            for shape in CODEC_SHAPES:
+                x = _codec_input(name, shape, dtype, gen)
+                expected, actual = reference.encode(x), triton.encode(x)
+                case = f"{name} {dtype} {shape}"
+                cases += 1
+                if expected.tensors.keys() != actual.tensors.keys():
+                    mismatches.append(f"{case}: payload keys differ")
+                    continue
+                for key, tensor in expected.tensors.items():
+                    if not torch.equal(_bits(tensor), _bits(actual.tensors[key])):
+                        mismatches.append(f"{case}: payload tensor {key!r} differs")
+                if not torch.equal(_bits(reference.decode(expected)), _bits(triton.decode(actual))):
+                    mismatches.append(f"{case}: decoded tensors differ")
+    return {"cases": cases, "mismatches": mismatches, "ok": not mismatches}
+
+
+# --- 2. exactness and host synchronisations --------------------------------------------------
+
+VOCAB, SEQ, BATCH, STEPS = 1024, 256, 4, 3
+
+
+def _plans() -> dict:
+    from megatron_adacc.plan import Plan
+    from megatron_adacc.sites import SITES
+
+    return {
+        "retain": Plan(),
+        "recompute attention": Plan.uniform(
+            {s.name: "recompute" for s in SITES.values() if s.segment == "attention"}),
+        "recompute mlp": Plan.uniform(
+            {s.name: "recompute" for s in SITES.values() if s.segment == "mlp"}),
+        "recompute all": Plan.uniform(
+            {s.name: "recompute" for s in SITES.values() if s.recomputable}),
+    }
+
+
+def _tiny_gpt(dtype, plan):
+    from megatron_adacc import model as model_lib
+    from megatron_adacc.runtime import apply_plan, get_adacc_layer_spec
+
+    model_lib.set_seed(1)
+    config = model_lib.build_transformer_config(
+        num_layers=2, hidden_size=256, num_attention_heads=8, hidden_dropout=0.1,
+        attention_dropout=0.1, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
+        params_dtype=dtype)
+    spec = None if plan is None else get_adacc_layer_spec()
+    model = model_lib.build_gpt_model(config, VOCAB, SEQ, spec).to(dtype)
+    if plan is not None:
+        apply_plan(model, plan, strict=True)
+    return model
+
+
+def _train(model) -> tuple[list, list, list]:
+    """Losses, gradients and host synchronisations of each of STEPS steps, on fixed batches
+    and dropout streams."""
+    from megatron_adacc import model as model_lib
+
+    # Plain SGD: Adam's eps underflows in fp16 and turns untouched parameters into NaN.
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    losses, grads, syncs = [], [], []
+    for step in range(STEPS):
+        gen = torch.Generator(device="cuda").manual_seed(step)
+        tokens, labels = (torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen, device="cuda")
+                          for _ in range(2))
+        optimizer.zero_grad()
+        model_lib.set_seed(100 + step)
+        torch.cuda.synchronize()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                loss = model_lib.gpt_loss(model, tokens, labels, torch.ones_like(tokens))
+                loss.backward()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        syncs.append(sum(SYNC_WARNING in str(w.message) for w in caught))
+        losses.append(loss.detach().clone())
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+        optimizer.step()
+    return losses, grads, syncs
+
+
+def check_exactness() -> dict:
+    from megatron_adacc import model as model_lib
+
+    model_lib.init_distributed(1)
+    # warn_only: an op without a deterministic kernel shows up as a mismatch, not a crash.
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    results = {"host_syncs_per_step": {}, "mismatches": []}
+    try:
+        for dtype_name in ("bf16", "fp16"):
+            dtype = FLOAT_DTYPES[dtype_name]
+            stock_losses, stock_grads, stock_syncs = _train(_tiny_gpt(dtype, None))
+            results["host_syncs_per_step"][f"{dtype_name} stock"] = stock_syncs[-1]
+            for name, plan in _plans().items():
+                losses, grads, syncs = _train(_tiny_gpt(dtype, plan))
+                results["host_syncs_per_step"][f"{dtype_name} {name}"] = syncs[-1]
+                for step in range(STEPS):
+                    # Bits, not values: NaN must match NaN where the stock layer made one.
+                    if not torch.equal(_bits(losses[step]), _bits(stock_losses[step])):
+                        results["mismatches"].append(f"{dtype_name} {name}: step {step} loss")
+                    results["mismatches"] += [
+                        f"{dtype_name} {name}: step {step} gradient of {param}"
+                        for param, grad in stock_grads[step].items()
+                        if not torch.equal(_bits(grads[step][param]), _bits(grad))]
+    finally:
+        torch.use_deterministic_algorithms(False)
+    results["ok"] = not results["mismatches"]
+    return results
+
+
+# --- 3 and 4. memory and throughput through pretrain_gpt.py ----------------------------------
+
+def _pretrain(args, workdir: str, name: str, *flags: str) -> dict:
+    """One `pretrain_gpt.py` run; its metrics summarised, or the error it ended with."""
+    metrics = os.path.join(workdir, f"{name.replace(' ', '_')}.jsonl")
+    command = [sys.executable, os.path.join(ROOT, "pretrain_gpt.py"), "--config", args.config,
+               "--micro-batch-size", str(args.micro_batch_size),
+               "--global-batch-size", str(args.micro_batch_size),
+               "--train-iters", str(args.iters), "--lr-warmup-iters", "0", "--eval-interval", "0",
+               "--adacc-profile-db", os.path.join(workdir, "profiles.sqlite"),
+               "--metrics-file", metrics, *flags]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
+    if done.returncode != 0:
+        return {"name": name, "error": (done.stderr.strip().splitlines() or ["?"])[-1]}
+    with open(metrics) as handle:
+        records = [json.loads(line) for line in handle]
+    steady = [r["tokens_per_s"] for r in records if r["iteration"] > WARMUP_ITERS]
+    return {
+        "name": name,
+        "tokens_per_s": statistics.median(steady or [r["tokens_per_s"] for r in records]),
+        "max_memory_allocated": _largest(records, "max_memory_allocated"),
+        "max_memory_reserved": _largest(records, "max_memory_reserved"),
+    }
+
+
+def _largest(records: list[dict], key: str) -> int | None:
+    # The allocator's peaks are written by the trainer on CUDA; None if it did not.
+    values = [r[key] for r in records if r.get(key) is not None]
+    return max(values) if values else None
+
+
+def _plan(args, workdir: str, budget: int) -> dict:
+    """`adacc plan --json` for `budget` on the runs' ProfileDB (profiling first if it is
+    empty): the planner's predicted peak, or the smallest feasible budget."""
+    done = subprocess.run(
+        [sys.executable, "-m", "megatron_adacc.cli", "plan", "--config", args.config,
+         "--micro-batch-size", str(args.micro_batch_size), "--memory-budget", f"{budget}B",
+         "--profile-db", os.path.join(workdir, "profiles.sqlite"), "--exact", "--json"],
+        cwd=ROOT, capture_output=True, text=True)
+    return json.loads(done.stdout) if done.stdout.strip() else {}
+
+
+def check_training(args) -> dict:
+    with tempfile.TemporaryDirectory(prefix="adacc-gpu-check-") as workdir:
+        runs = [_pretrain(args, workdir, "no optimisation"),
+                _pretrain(args, workdir, "megatron full recompute",
+                          "--recompute-granularity", "full"),
+                _pretrain(args, workdir, "megatron selective recompute",
+                          "--recompute-granularity", "selective")]
+        unoptimised = runs[0].get("max_memory_allocated")
+        smallest = _plan(args, workdir, 1).get("minimum_feasible_budget")
+        if unoptimised is None or smallest is None:
+            return {"runs": runs, "budgets": [], "ok": False,
+                    "error": "no allocator peak with no optimisation, or no smallest budget "
+                             "from `adacc plan`"}
+        budgets = []
+        for fraction in BUDGET_FRACTIONS:
+            budget = int(smallest + fraction * (unoptimised - smallest))
+            run = _pretrain(args, workdir, f"adacc auto at budget {_mib(budget)} MiB",
+                            "--adacc-policy", "auto", "--adacc-memory-budget", f"{budget}B",
+                            "--adacc-strict")
+            runs.append(run)
+            peak = run.get("max_memory_allocated")
+            budgets.append({"budget_bytes": budget, "max_memory_allocated": peak,
+                            "predicted_peak_bytes": _plan(args, workdir, budget).get("peak_bytes"),
+                            "ok": peak is not None and peak <= budget})
+    return {"runs": runs, "budgets": budgets, "ok": all(b["ok"] for b in budgets)}
+
+
+# --- report ---------------------------------------------------------------------------------
+
+def _mib(nbytes) -> str:
+    return "-" if nbytes is None else f"{nbytes / 2**20:,.0f}"
+
+
+def markdown(results: dict) -> str:
+    codec, exact, train = results["codecs"], results["exactness"], results["training"]
+    lines = ["# GPU check", "",
+             f"`python scripts/gpu_check.py` on {results['device']} (torch {results['torch']}, "
+             f"config `{results['config']}`, micro-batch {results['micro_batch_size']}, "
+             f"{results['iters']} iterations).", ""]
+
+    lines += ["## Triton codecs against the PyTorch reference", "",
+              f"{codec['cases']} cases (codec x dtype x shape): "
+              + ("payloads and decoded tensors byte-identical." if codec["ok"]
+                 else f"{len(codec['mismatches'])} mismatches:"), ""]
+    lines += [f"- {m}" for m in codec["mismatches"]]
+
+    lines += ["", "## Retain and recompute against megatron's stock layer", "",
+              f"Bitwise over the losses and every gradient of {STEPS} steps, dropout 0.1, "
+              "strict attribution: " + ("equal." if exact["ok"]
+                                        else f"{len(exact['mismatches'])} mismatches:"), ""]
+    lines += [f"- {m}" for m in exact["mismatches"][:50]]
+    lines += ["", "| model | host syncs per step |", "|---|---|"]
+    lines += [f"| {name} | {count} |" for name, count in exact["host_syncs_per_step"].items()]
+
+    lines += ["", "## Memory budgets (`--adacc-policy auto`)", ""]
+    if train.get("error"):
+        lines += [f"Not run: {train['error']}.", ""]
+    lines += ["| budget (MiB) | allocator peak (MiB) | predicted peak (MiB) | within |",
+              "|---|---|---|---|"]
+    lines += [f"| {_mib(b['budget_bytes'])} | {_mib(b['max_memory_allocated'])} | "
+              f"{_mib(b['predicted_peak_bytes'])} | {'yes' if b['ok'] else 'NO'} |"
+              for b in train["budgets"]]
+
+    lines += ["", "## Throughput at the same micro-batch", "",
+              "| method | tokens/s | allocator peak (MiB) | reserved (MiB) |", "|---|---|---|---|"]
+    for run in train["runs"]:
+        if "error" in run:
+            lines.append(f"| {run['name']} | failed: {run['error']} | | |")
+        else:
+            lines.append(f"| {run['name']} | {run['tokens_per_s']:,.0f} | "
+                         f"{_mib(run['max_memory_allocated'])} | "
+                         f"{_mib(run['max_memory_reserved'])} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    args = parse(argv)
+    if not torch.cuda.is_available():
+        print("gpu_check: no CUDA device here; nothing to check (run it on a GPU machine)")
+        return 0
+    results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+               "config": os.path.relpath(args.config, ROOT),
+               "micro_batch_size": args.micro_batch_size, "iters": args.iters}
+    results["codecs"] = check_codecs()
+    results["exactness"] = check_exactness()
+    torch.cuda.empty_cache()  # the training runs are other processes on this GPU
+    results["training"] = check_training(args)
+    for path in (args.out, args.doc):  # the image ships no docs/ folder
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(args.out, "w") as handle:
+        json.dump(results, handle, indent=1)
+    with open(args.doc, "w") as handle:
+        handle.write(markdown(results))
+    failed = [name for name in ("codecs", "exactness", "training") if not results[name]["ok"]]
+    print(f"gpu_check: {'failed: ' + ', '.join(failed) if failed else 'all checks passed'}; "
+          f"{args.out}, {args.doc}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

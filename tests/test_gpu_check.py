@@ -1,0 +1,47 @@
+"""scripts/gpu_check.py: without CUDA it says so in one line and exits 0; its report renders
+every outcome (the checks themselves need a GPU)."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import gpu_check  # noqa: E402
+
+
+def test_without_cuda_it_says_so_and_exits_zero(tmp_path):
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    out, doc = tmp_path / "check.json", tmp_path / "gpu.md"
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_check.py"),
+                           "--out", str(out), "--doc", str(doc)],
+                          capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines() == [
+        "gpu_check: no CUDA device here; nothing to check (run it on a GPU machine)"]
+    assert not out.exists() and not doc.exists()
+
+
+def test_report_renders_passes_failures_and_missing_measurements():
+    results = {
+        "device": "NVIDIA H100", "torch": "2.6.0a0", "config": "configs/gpt-345m.yaml",
+        "micro_batch_size": 4, "iters": 30,
+        "codecs": {"cases": 2, "mismatches": ["bitmask torch.bool (7,): decoded tensors differ"],
+                   "ok": False},
+        "exactness": {"host_syncs_per_step": {"bf16 stock": 0, "bf16 recompute all": 2},
+                      "mismatches": [], "ok": True},
+        "training": {
+            "runs": [{"name": "no optimisation", "tokens_per_s": 1234.5,
+                      "max_memory_allocated": 3 << 30, "max_memory_reserved": None},
+                     {"name": "adacc auto at 60%", "error": "infeasible budget"}],
+            "budgets": [{"budget_bytes": 2 << 30, "max_memory_allocated": None,
+                         "predicted_peak_bytes": 1 << 30, "ok": False}],
+            "ok": False},
+    }
+    page = gpu_check.markdown(results)
+    assert "1 mismatches:\n\n- bitmask torch.bool (7,): decoded tensors differ" in page
+    assert "| bf16 recompute all | 2 |" in page
+    assert "| 2,048 | - | 1,024 | NO |" in page
+    assert "| no optimisation | 1,234 | 3,072 | - |" in page
+    assert "| adacc auto at 60% | failed: infeasible budget | | |" in page
