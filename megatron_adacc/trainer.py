@@ -12,7 +12,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megatron_adacc import checkpoint, data, model as model_lib, policies, rectifier
+from megatron_adacc import checkpoint, data, model as model_lib, numerics, policies, rectifier
+from megatron_adacc.errors import InputError
 from megatron_adacc.optimizer import MainParamAdamW
 from megatron_adacc.profile_db import ProfileDB
 from megatron_adacc.profiler import static_bytes
@@ -77,7 +78,8 @@ class MetricsLog:
     def write(self, record: dict) -> None:
         self.records.append(record)
         if self._file:
-            self._file.write(json.dumps(record) + "\n")
+            # Strict JSON: NaN/Inf as null (bare NaN is rejected by strict readers).
+            self._file.write(json.dumps(numerics.json_safe(record), allow_nan=False) + "\n")
             self._file.flush()
         if self._tb:
             for key, value in record.items():
@@ -252,7 +254,10 @@ class Trainer:
             report = ruler.report()
             self.activation_bytes = {"activation_bytes": report.after_forward_bytes,
                                      "activation_peak_bytes": report.peak_bytes}
-        grad_norm = self.optimizer.clip_and_step(self.args.clip_grad)
+        # Megatron-LM's --check-for-nan-in-loss-and-grad, before the weights change.
+        grad_norm = self.optimizer.clip_and_step(
+            self.args.clip_grad,
+            lambda norm: numerics.check_step(global_index + 1, total / micro, norm))
         self.scheduler.step(1)
         return _average_over(self.dp_group, total / micro), grad_norm
 
@@ -298,9 +303,19 @@ class Trainer:
 
     def train(self) -> list[dict]:
         args = self.args
+        last = min(args.train_iters, args.exit_interval or args.train_iters)
+        if self.iteration >= last:
+            flag = "--train-iters" if last == args.train_iters else "--exit-interval"
+            where = "past" if self.iteration > last else "already at"
+            message = (f"--load {args.load} is at iteration {self.iteration}, {where} {flag} "
+                       f"{last}: nothing to train")
+            if self.iteration > last:
+                raise InputError(f"{message} (raise {flag})")
+            if self.is_logging_rank:
+                print(f"pretrain_gpt.py: {message}", file=sys.stderr, flush=True)
+            return []
         metrics = MetricsLog(args.metrics_file, args.tensorboard_dir, append=self.iteration > 0)
         progress = Progress(args.train_iters, self.iteration, args.log_interval)
-        last = min(args.train_iters, args.exit_interval or args.train_iters)
         tokens_per_step = args.global_batch_size * args.seq_length
         try:
             while self.iteration < last:
