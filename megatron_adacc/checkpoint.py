@@ -15,6 +15,7 @@ one with a warning; no checkpoint holding NaN or Inf is ever written.
 from __future__ import annotations
 
 import os
+import pickle
 import random
 import shutil
 import sys
@@ -175,8 +176,10 @@ def _read(path: Path) -> tuple[dict | None, str | None]:
         return None, "missing"
     try:
         payload = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:  # truncated, corrupt, or not a plain-data pickle
-        return None, f"unreadable: {str(exc).strip().splitlines()[0]}"
+    except pickle.UnpicklingError:
+        return None, "not plain tensors and values (loading it could run code), refused"
+    except Exception as exc:  # truncated or corrupt: torch's first sentence says how
+        return None, f"unreadable ({str(exc).strip().split('. ')[0]})"
     if not isinstance(payload, dict) or payload.get("format") != FORMAT_VERSION:
         found = payload.get("format") if isinstance(payload, dict) else None
         return None, f"not a checkpoint of format {FORMAT_VERSION} (format {found})"

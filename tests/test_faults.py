@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_adacc import checkpoint, numerics
+from megatron_adacc import checkpoint
 from megatron_adacc.data import write_indexed_dataset
 from megatron_adacc.tokenizers import ByteLevelTokenizer
 
@@ -87,7 +87,8 @@ def test_a_diverged_run_stops_at_the_first_nan_and_saves_no_nan(tmp_path, corpus
     assert [r["iteration"] for r in metrics(tmp_path / "m.jsonl")] == [1, 2]
     assert checkpoint.latest_iteration(tmp_path / "ck") == 2
     saved = torch.load(tmp_path / "ck" / "iter_0000002" / "rank_000.pt", weights_only=True)
-    assert numerics.first_non_finite([saved["model"], saved["optimizer"]]) is None
+    assert all(torch.isfinite(t).all() for t in saved["model"].values()
+               if isinstance(t, torch.Tensor) and t.is_floating_point())
 
 
 def test_metrics_files_are_strict_json(tmp_path, distributed):
@@ -117,7 +118,9 @@ def _tiny_state(nan=False):
 
 
 def test_a_checkpoint_with_nan_is_never_written(tmp_path, distributed):
-    with pytest.raises(numerics.NonFiniteError, match=r"^checkpoint of iteration 5 not written "
+    from megatron_adacc.numerics import NonFiniteError
+
+    with pytest.raises(NonFiniteError, match=r"^checkpoint of iteration 5 not written "
                        r"to .*ck: model\.weight holds NaN or Inf$"):
         checkpoint.save(tmp_path / "ck", 5, *_tiny_state(nan=True))
     assert not (tmp_path / "ck").exists()
@@ -142,8 +145,8 @@ def _copy_checkpoints(straight, tmp_path):
 
 
 @pytest.mark.parametrize("damage, problem", [
-    ("truncate", "unreadable: PytorchStreamReader failed reading zip archive: failed finding "
-                 "central directory"),
+    ("truncate", "unreadable (PytorchStreamReader failed reading zip archive: failed finding "
+                 "central directory)"),
     ("delete", "missing"),
 ])
 def test_a_damaged_newest_checkpoint_falls_back_to_the_newest_intact_one(
@@ -175,10 +178,10 @@ def test_a_checkpoint_that_would_run_code_is_not_loaded(tmp_path, corpus):
     code, line, _ = run(PRETRAIN, *TINY, *data_flags(corpus), "--train-iters", "2",
                         "--load", "ck", cwd=tmp_path)
     assert not (tmp_path / "pwned").exists()
-    assert code == 2
-    assert line.startswith("pretrain_gpt.py: error: --load ck: no intact checkpoint; the newest, "
-                           "ck/iter_0000001/rank_000.pt, is unreadable: Weights only load "
-                           "failed"), line
+    assert (code, line) == (2, "pretrain_gpt.py: error: --load ck: no intact checkpoint; the "
+                               "newest, ck/iter_0000001/rank_000.pt, is not plain tensors and "
+                               "values (loading it could run code), refused; point --load "
+                               "elsewhere or drop it to start afresh")
 
 
 @pytest.mark.parametrize("flags, expected", [
