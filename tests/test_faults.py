@@ -187,7 +187,7 @@ def test_a_checkpoint_that_would_run_code_is_not_loaded(tmp_path, corpus):
 @pytest.mark.parametrize("flags, expected", [
     (["--hidden-size", "32", "--train-iters", "8"],
      (2, "pretrain_gpt.py: error: checkpoint ck/iter_0000006/rank_000.pt does not fit this "
-         "model: embedding.word_embeddings.weight is [256, 64] there, [256, 32] here; load it "
+         "model: embedding.word_embeddings.weight is [384, 64] there, [384, 32] here; load it "
          "with the model flags it was saved with (--num-layers, --hidden-size, ...)")),
     (["--train-iters", "3"],
      (2, "pretrain_gpt.py: error: --load ck is at iteration 6, past --train-iters 3: nothing "
@@ -307,12 +307,15 @@ def test_yaml_numbers_in_exponent_form_are_numbers(tmp_path):
      "iconv"),
     (['{"text": "ok"}', '{"text": 42}'], "in.jsonl:2: 'text' is a number, expected a string"),
     (['{"text": "ok"}', '["text", "ok"]'], "in.jsonl:2: expected a JSON object, got an array"),
+    (['{"text": "ok", "title": "a"}', '{"text": "ok"}'],
+     "in.jsonl:2: no key 'title' in the JSON object"),  # after text's dataset could be written
 ])
 def test_preprocessing_reports_file_and_line_and_writes_nothing(tmp_path, lines, message):
     raw = b"\n".join(line if isinstance(line, bytes) else line.encode() for line in lines)
     (tmp_path / "in.jsonl").write_bytes(raw + b"\n")
     code, line, _ = run(PREPROCESS, "--input", "in.jsonl", "--output-prefix", "out/d",
-                        "--tokenizer-type", "ByteLevel", cwd=tmp_path)
+                        "--tokenizer-type", "ByteLevel", "--json-keys", "text", "title",
+                        cwd=tmp_path)
     assert (code, line) == (2, f"preprocess_data.py: error: {message}")
     assert list((tmp_path / "out").iterdir()) == []
 
