@@ -115,7 +115,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--lr", type=_number(), default=1e-3)
     train.add_argument("--min-lr", type=_number(), default=0.0)
     train.add_argument("--lr-warmup-iters", type=_COUNT, default=0)
-    train.add_argument("--lr-decay-iters", type=_POSITIVE, default=None, help="default: train iters")
+    train.add_argument("--lr-decay-iters", type=_POSITIVE, default=None,
+                       help="default: train iters")
     train.add_argument("--lr-decay-style", default="cosine",
                        choices=["constant", "linear", "cosine", "inverse-square-root", "WSD"])
     train.add_argument("--weight-decay", type=_number(), default=0.01)

@@ -235,3 +235,18 @@ def load(directory: str | Path, model, optimizer, scheduler) -> tuple[int, dict[
         return payload["iteration"], payload["extra"]
     raise CheckpointError(f"--load {directory}: no intact checkpoint; the newest, {newest[0]}, "
                           f"is {newest[1]}; point --load elsewhere or drop it to start afresh")
+
+
+def nothing_to_train(load: str | None, iteration: int, train_iters: int, last: int) -> bool:
+    """Whether a run resumed at ``iteration`` has nothing to do before ``last`` (its
+    --train-iters or --exit-interval), said on stderr; resuming past it is an error."""
+    if iteration < last:
+        return False
+    flag = "--train-iters" if last == train_iters else "--exit-interval"
+    where = "past" if iteration > last else "already at"
+    message = f"--load {load} is at iteration {iteration}, {where} {flag} {last}: nothing to train"
+    if iteration > last:
+        raise CheckpointError(f"{message} (raise {flag})")
+    if dist.get_rank() == 0:
+        print(f"pretrain_gpt.py: {message}", file=sys.stderr, flush=True)
+    return True

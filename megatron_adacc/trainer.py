@@ -13,7 +13,6 @@ import torch
 import torch.distributed as dist
 
 from megatron_adacc import checkpoint, data, model as model_lib, numerics, policies, rectifier
-from megatron_adacc.errors import InputError
 from megatron_adacc.optimizer import MainParamAdamW
 from megatron_adacc.profile_db import ProfileDB
 from megatron_adacc.profiler import static_bytes
@@ -304,15 +303,7 @@ class Trainer:
     def train(self) -> list[dict]:
         args = self.args
         last = min(args.train_iters, args.exit_interval or args.train_iters)
-        if self.iteration >= last:
-            flag = "--train-iters" if last == args.train_iters else "--exit-interval"
-            where = "past" if self.iteration > last else "already at"
-            message = (f"--load {args.load} is at iteration {self.iteration}, {where} {flag} "
-                       f"{last}: nothing to train")
-            if self.iteration > last:
-                raise InputError(f"{message} (raise {flag})")
-            if self.is_logging_rank:
-                print(f"pretrain_gpt.py: {message}", file=sys.stderr, flush=True)
+        if checkpoint.nothing_to_train(args.load, self.iteration, args.train_iters, last):
             return []
         metrics = MetricsLog(args.metrics_file, args.tensorboard_dir, append=self.iteration > 0)
         progress = Progress(args.train_iters, self.iteration, args.log_interval)
