@@ -245,7 +245,14 @@ def test_a_save_killed_midway_leaves_no_staging_directory_after_the_next_save(tm
 
 def test_the_saved_rng_and_scheduler_state_loads_with_weights_only(tmp_path, distributed):
     checkpoint.save(tmp_path / "ck", 2, *_tiny_state())
-    torch.load(tmp_path / "ck" / "iter_0000002" / "rank_000.pt", weights_only=True)
+    # Plain tensors and values: readable without the globals other libraries may allowlist
+    # (numpy arrays, say) in this process.
+    allowlisted = torch.serialization.get_safe_globals()
+    torch.serialization.clear_safe_globals()
+    try:
+        torch.load(tmp_path / "ck" / "iter_0000002" / "rank_000.pt", weights_only=True)
+    finally:
+        torch.serialization.add_safe_globals(allowlisted)
     model, optimizer, scheduler = _tiny_state()
     assert checkpoint.load(tmp_path / "ck", model, optimizer, scheduler) == (2, {})
     assert scheduler.state == {"num_steps": 3}
