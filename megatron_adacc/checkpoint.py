@@ -201,8 +201,9 @@ def _check_shapes(path: Path, saved: dict, model) -> None:
             raise CheckpointError(
                 f"checkpoint {path} does not fit this model: {name} is "
                 f"{list(saved[name].shape)} there, {list(tensor.shape)} here; {hint}")
-    for name in saved.keys() - expected.keys():
-        raise CheckpointError(f"checkpoint {path} does not fit this model: it has {name}, "
+    extra = sorted(saved.keys() - expected.keys())
+    if extra:
+        raise CheckpointError(f"checkpoint {path} does not fit this model: it has {extra[0]}, "
                               f"which this model does not; {hint}")
 
 
