@@ -14,16 +14,20 @@ import warnings
 def main(argv: list[str] | None = None) -> int:
     # megatron-core warns at import about every optional fused kernel it cannot find.
     warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*")
-    from megatron_adacc.arguments import ConfigError, parse_args
+    from megatron_adacc.arguments import parse_args
+    from megatron_adacc.numerics import NonFiniteError
     from megatron_adacc.trainer import Trainer
 
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     try:
         args = parse_args(argv, world_size)
         Trainer(args).train()
-    except (ConfigError, ValueError, FileNotFoundError) as exc:
+    except (ValueError, FileNotFoundError) as exc:  # errors.InputError is a ValueError
         print(f"pretrain_gpt.py: error: {exc}", file=sys.stderr)
         return 2
+    except NonFiniteError as exc:  # not bad input: the run diverged
+        print(f"pretrain_gpt.py: error: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 

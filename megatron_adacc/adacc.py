@@ -24,7 +24,9 @@ The current plan has one holder: the rectifier while it tracks, else the resolve
 from __future__ import annotations
 
 import contextlib
+import os
 from dataclasses import dataclass, fields
+from pathlib import Path
 from typing import Callable, Iterator
 
 import torch
@@ -64,8 +66,17 @@ class AdaccConfig:
     def __post_init__(self) -> None:
         # Messages name the flags: they are how users meet these settings.
         if not policies.is_known(self.policy):
-            raise ValueError(f"--adacc-policy {self.policy}: not one of "
-                             f"{', '.join(policies.NAMED)} and not a plan file")
+            named = ", ".join(policies.NAMED)
+            looks_like_file = (Path(self.policy).suffix in (".yaml", ".yml")
+                               or os.sep in self.policy)
+            raise ValueError(
+                f"--adacc-policy {self.policy}: plan file not found (or give one of {named})"
+                if looks_like_file else
+                f"--adacc-policy {self.policy}: not one of {named} and not a plan file")
+        if self.memory_budget is not None and self.policy == "none":
+            raise ValueError(f"--adacc-memory-budget {self.memory_budget} has no effect with "
+                             f"--adacc-policy none; drop it, or plan for it with "
+                             f"--adacc-policy auto")
         if self.tracking is not None and self.tracking not in TRACKING_MODES:
             raise ValueError(f"--adacc-tracking {self.tracking}: expected one of "
                              f"{', '.join(TRACKING_MODES)}")

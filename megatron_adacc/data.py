@@ -19,6 +19,7 @@ from typing import Iterable, Iterator
 import numpy
 import torch
 
+from megatron_adacc.errors import InputError
 from megatron_adacc.tokenizers import build_tokenizer
 
 # Every tenth book of the Bible (Ruth, 2 Kings, Nehemiah, ...) is validation: whole works
@@ -28,52 +29,86 @@ _VALID_BOOK_STRIDE = 10
 
 def write_indexed_dataset(documents: Iterable[str], tokenizer, prefix: str | Path) -> int:
     """Tokenise ``documents`` (one document each, eod appended) into ``prefix``.bin/.idx.
-    Returns the number of tokens written. Writes to temporary names first so a killed run
-    never leaves a half-written dataset under the final name."""
+    Returns the number of tokens written. Writes to temporary names first and removes them
+    on any failure, so a bad input or a killed run leaves nothing under either name."""
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
     prefix = Path(prefix)
     prefix.parent.mkdir(parents=True, exist_ok=True)
     dtype = numpy.uint16 if tokenizer.vocab_size <= 65536 else numpy.int32
     tmp = prefix.with_name(prefix.name + f".tmp{os.getpid()}")
-    builder = IndexedDatasetBuilder(f"{tmp}.bin", dtype=dtype)
-    total = 0
-    for text in documents:
-        ids = tokenizer.encode(text) + [tokenizer.eod]
-        builder.add_document(torch.tensor(ids, dtype=torch.int64), [len(ids)])
-        total += len(ids)
-    if total == 0:
-        raise ValueError(f"no documents to write to {prefix}")
-    builder.finalize(f"{tmp}.idx")
-    os.replace(f"{tmp}.bin", f"{prefix}.bin")
-    os.replace(f"{tmp}.idx", f"{prefix}.idx")
+    try:
+        builder = IndexedDatasetBuilder(f"{tmp}.bin", dtype=dtype)
+        total = 0
+        for text in documents:
+            ids = tokenizer.encode(text) + [tokenizer.eod]
+            builder.add_document(torch.tensor(ids, dtype=torch.int64), [len(ids)])
+            total += len(ids)
+        if total == 0:
+            raise InputError(f"no documents to write to {prefix}")
+        builder.finalize(f"{tmp}.idx")
+        os.replace(f"{tmp}.bin", f"{prefix}.bin")
+        os.replace(f"{tmp}.idx", f"{prefix}.idx")
+    except BaseException:
+        for ext in ("bin", "idx"):
+            Path(f"{tmp}.{ext}").unlink(missing_ok=True)
+        raise
     return total
+
+
+def _json_type(value) -> str:
+    names = {dict: "an object", list: "an array", str: "a string", bool: "a boolean",
+             int: "a number", float: "a number", type(None): "null"}
+    return names.get(type(value), type(value).__name__)
+
+
+def _decoded_lines(path: Path) -> Iterator[tuple[int, str]]:
+    """(line number, text) of a UTF-8 file; a line that is not UTF-8 is an InputError
+    naming the file, line and byte."""
+    with path.open("rb") as lines:
+        for number, raw in enumerate(lines, 1):
+            try:
+                yield number, raw.decode("utf-8").replace("\r\n", "\n")
+            except UnicodeDecodeError as exc:
+                raise InputError(
+                    f"{path}:{number}: not UTF-8 (byte 0x{raw[exc.start]:02x} at column "
+                    f"{exc.start + 1}); convert the file to UTF-8, e.g. with iconv"
+                ) from None
 
 
 def read_documents(path: str | Path, json_key: str = "text") -> Iterator[str]:
     """Documents of a .jsonl file (one JSON object per line, text under ``json_key``) or a
-    plain text file (documents separated by blank lines)."""
+    plain text file (documents separated by blank lines). A bad line is an InputError
+    naming the file and line."""
     path = Path(path)
     if not path.is_file():
-        raise ValueError(f"input file {path} does not exist")
+        raise InputError(f"input file {path} does not exist")
     if path.suffix in (".jsonl", ".json"):
-        with path.open(encoding="utf-8") as lines:
-            for number, line in enumerate(lines, 1):
-                if not line.strip():
-                    continue
+        for number, line in _decoded_lines(path):
+            if not line.strip():
+                continue
+            try:
                 record = json.loads(line)
-                if json_key not in record:
-                    raise ValueError(f"{path}:{number}: no key {json_key!r} in the JSON object")
-                yield record[json_key]
+            except json.JSONDecodeError as exc:
+                raise InputError(f"{path}:{number}: not valid JSON ({exc.msg} at column "
+                                 f"{exc.colno})") from None
+            if not isinstance(record, dict):
+                raise InputError(f"{path}:{number}: expected a JSON object, got "
+                                 f"{_json_type(record)}")
+            if json_key not in record:
+                raise InputError(f"{path}:{number}: no key {json_key!r} in the JSON object")
+            if not isinstance(record[json_key], str):
+                raise InputError(f"{path}:{number}: {json_key!r} is "
+                                 f"{_json_type(record[json_key])}, expected a string")
+            yield record[json_key]
     else:
         chunk: list[str] = []
-        with path.open(encoding="utf-8") as lines:
-            for line in lines:
-                if line.strip():
-                    chunk.append(line)
-                elif chunk:
-                    yield "".join(chunk)
-                    chunk = []
+        for _, line in _decoded_lines(path):
+            if line.strip():
+                chunk.append(line)
+            elif chunk:
+                yield "".join(chunk)
+                chunk = []
         if chunk:
             yield "".join(chunk)
 
@@ -119,13 +154,26 @@ def prepare_demo_corpus(tokenizer_type: str, vocab_file=None, merge_file=None,
     return str(train_prefix), str(valid_prefix)
 
 
-def _check_prefix(prefix: str) -> None:
-    for ext in ("bin", "idx"):
-        if not Path(f"{prefix}.{ext}").is_file():
-            raise ValueError(
-                f"data path {prefix!r}: {prefix}.{ext} not found; give the prefix of a "
-                f"dataset made by scripts/preprocess_data.py (without .bin/.idx)"
-            )
+def check_dataset(prefix: str, flag: str) -> None:
+    """InputError naming ``flag`` unless ``prefix``.bin/.idx exist and the .bin holds exactly
+    the bytes its index describes (a truncated .bin would fail mid-training otherwise)."""
+    from megatron.core.datasets.indexed_dataset import _IndexReader
+
+    remake = "make it again with scripts/preprocess_data.py"
+    bin_path, idx_path = Path(f"{prefix}.bin"), Path(f"{prefix}.idx")
+    if not (bin_path.is_file() and idx_path.is_file()):
+        raise InputError(f"{flag} {prefix}: {prefix}.bin/.idx not found; make it with "
+                         f"scripts/preprocess_data.py (give the prefix, without extension)")
+    try:
+        index = _IndexReader(str(idx_path), multimodal=False)
+        expected = (int(index.sequence_pointers[-1])
+                    + int(index.sequence_lengths[-1]) * index.dtype_size) if len(index) else 0
+    except Exception as exc:  # megatron reads the header with struct/numpy: any failure
+        raise InputError(f"{flag} {prefix}: {idx_path} is damaged ({exc}); {remake}") from None
+    actual = bin_path.stat().st_size
+    if actual != expected:
+        raise InputError(f"{flag} {prefix}: {bin_path} holds {actual} bytes, its .idx "
+                         f"describes {expected} (truncated?); {remake}")
 
 
 @dataclass
@@ -144,11 +192,13 @@ def build_datasets(spec: DataSpec, tokenizer, seq_length: int, seed: int,
     from megatron.core.datasets.blended_megatron_dataset_builder import (
         BlendedMegatronDatasetBuilder,
     )
-    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+    from megatron.core.datasets.gpt_dataset import GPTDatasetConfig
+
+    from megatron_adacc.gpt_dataset import SafeGPTDataset
 
     def blend(paths):
         for prefix in paths:
-            _check_prefix(prefix)
+            check_dataset(prefix, "data path")
         return (list(paths), None)
 
     common = dict(
@@ -171,7 +221,7 @@ def build_datasets(spec: DataSpec, tokenizer, seq_length: int, seed: int,
     else:
         raise ValueError("no data: give --data-path (or --train-data-path/--valid-data-path)")
     train, valid, _ = BlendedMegatronDatasetBuilder(
-        GPTDataset, [train_samples, valid_samples, None], lambda: True, config
+        SafeGPTDataset, [train_samples, valid_samples, None], lambda: True, config
     ).build()
     if train is None or len(train) == 0:
         raise ValueError("the training split is empty; check --split and the data path")

@@ -48,8 +48,10 @@ class MainParamAdamW:
             for p, m in zip(self.model_params, self.main_params):
                 m.grad = None if p.grad is None else p.grad.float()
 
-    def clip_and_step(self, clip_grad: float) -> float:
+    def clip_and_step(self, clip_grad: float, before_step=None) -> float:
         """Clip by the global gradient norm (0 disables clipping), step, and return the norm.
+        ``before_step(norm)`` runs once the norm is known and before anything changes, so a
+        check that raises (a non-finite norm) leaves the weights as they were.
         (megatron's clip_grads allocates its overflow buffer on CUDA, hence our own.)"""
         from megatron.core import parallel_state
         from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
@@ -65,6 +67,8 @@ class MainParamAdamW:
             torch.distributed.all_reduce(
                 squares, group=parallel_state.get_tensor_model_parallel_group())
         norm = float(squares.sqrt())
+        if before_step is not None:
+            before_step(norm)
         if clip_grad > 0 and grads and norm > clip_grad:
             torch._foreach_mul_(grads, clip_grad / (norm + 1e-6))
         self.optimizer.step()

@@ -3,9 +3,11 @@ same machine plan without profiling again.
 
 One SQLite file (stdlib ``sqlite3``), one row per profile, keyed by everything that changes
 the measurements: the model's shape, micro-batch, sequence length and dtype, the device, and
-the code that measured it (a hash of the profiler, runtime and codec sources). A file that is
-not ours or cannot be read is moved aside with a one-line warning and a fresh database takes
-its place: a cache must never stop training.
+the code that measured it (a hash of the profiler, runtime and codec sources). A ProfileDB of
+another schema, or a file that is not a database at all, is moved aside with a one-line
+warning and a fresh database takes its place: a cache must never stop training. Another
+application's SQLite database (a mistyped path) is refused with an InputError and left as it
+is. Runs sharing the file create its schema under SQLite's write lock, so both find it.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from typing import Any
 import megatron_adacc
 from megatron_adacc.costs import ModelCosts
 from megatron_adacc.data import default_data_dir
+from megatron_adacc.errors import InputError
 
 # PRAGMA application_id marks the file as ours ("ADAC"); user_version is the schema.
 APPLICATION_ID = 0x41444143
@@ -82,7 +85,8 @@ class _NotOurs(Exception):
 
 
 class ProfileDB:
-    """``get(key)`` -> ModelCosts or None; ``put(key, costs)``. Never raises on a bad file."""
+    """``get(key)`` -> ModelCosts or None; ``put(key, costs)``. Raises only on another
+    application's database (InputError)."""
 
     def __init__(self, path: str | Path | None = None):
         self.path = Path(path) if path is not None else default_path()
@@ -135,19 +139,36 @@ class ProfileDB:
         return sqlite3.connect(self.path, timeout=30)
 
     @staticmethod
-    def _check(db: sqlite3.Connection) -> None:
-        application_id = db.execute("PRAGMA application_id").fetchone()[0]
-        version = db.execute("PRAGMA user_version").fetchone()[0]
-        tables = db.execute("SELECT count(*) FROM sqlite_master").fetchone()[0]
+    def _header(db: sqlite3.Connection) -> tuple[int, int, int]:
+        return (db.execute("PRAGMA application_id").fetchone()[0],
+                db.execute("PRAGMA user_version").fetchone()[0],
+                db.execute("SELECT count(*) FROM sqlite_master").fetchone()[0])
+
+    def _check(self, db: sqlite3.Connection) -> None:
+        application_id, version, tables = self._header(db)
         if application_id == 0 and version == 0 and tables == 0:  # new, empty file
-            with db:
-                db.execute(f"PRAGMA application_id = {APPLICATION_ID}")
-                db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
-                db.execute("CREATE TABLE profiles (key_id TEXT PRIMARY KEY, key TEXT NOT NULL, "
-                           "costs TEXT NOT NULL, created REAL NOT NULL)")
-        elif application_id != APPLICATION_ID:
-            raise _NotOurs("not a megatron-adacc profile database")
-        elif version != SCHEMA_VERSION:
+            # Under the write lock, read again: a run started alongside may have just
+            # created the schema.
+            db.execute("BEGIN IMMEDIATE")
+            try:
+                application_id, version, tables = self._header(db)
+                if application_id == 0 and version == 0 and tables == 0:
+                    db.execute(f"PRAGMA application_id = {APPLICATION_ID}")
+                    db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+                    db.execute("CREATE TABLE profiles (key_id TEXT PRIMARY KEY, key TEXT NOT "
+                               "NULL, costs TEXT NOT NULL, created REAL NOT NULL)")
+                    application_id, version = APPLICATION_ID, SCHEMA_VERSION
+                db.execute("COMMIT")
+            except BaseException:
+                db.rollback()
+                raise
+        if application_id != APPLICATION_ID:
+            raise InputError(
+                f"profile database {self.path} is another application's SQLite database "
+                f"({tables} tables, application_id {application_id}); left untouched: point "
+                f"--adacc-profile-db at a new file"
+            )
+        if version != SCHEMA_VERSION:
             raise _NotOurs(f"schema version {version}, this version reads {SCHEMA_VERSION}")
 
     def _move_aside(self, reason: str) -> bool:

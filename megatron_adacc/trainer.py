@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megatron_adacc import checkpoint, data, model as model_lib
+from megatron_adacc import checkpoint, data, model as model_lib, numerics
 from megatron_adacc.adacc import Adacc, AdaccConfig
 from megatron_adacc.optimizer import MainParamAdamW
 from megatron_adacc.tokenizers import build_tokenizer
@@ -76,7 +76,8 @@ class MetricsLog:
     def write(self, record: dict) -> None:
         self.records.append(record)
         if self._file:
-            self._file.write(json.dumps(record) + "\n")
+            # Strict JSON: NaN/Inf as null (bare NaN is rejected by strict readers).
+            self._file.write(json.dumps(numerics.json_safe(record), allow_nan=False) + "\n")
             self._file.flush()
         if self._tb:
             for key, value in record.items():
@@ -250,7 +251,10 @@ class Trainer:
                     loss = model_lib.gpt_loss(self.train_model, *micro_batch)
                     (loss / micro).backward()
                 total += loss.item()
-        grad_norm = self.optimizer.clip_and_step(self.args.clip_grad)
+        # Megatron-LM's --check-for-nan-in-loss-and-grad, before the weights change.
+        grad_norm = self.optimizer.clip_and_step(
+            self.args.clip_grad,
+            lambda norm: numerics.check_step(global_index + 1, total / micro, norm))
         self.scheduler.step(1)
         return _average_over(self.dp_group, total / micro), grad_norm
 
@@ -269,9 +273,11 @@ class Trainer:
 
     def train(self) -> list[dict]:
         args = self.args
+        last = min(args.train_iters, args.exit_interval or args.train_iters)
+        if checkpoint.nothing_to_train(args.load, self.iteration, args.train_iters, last):
+            return []
         metrics = MetricsLog(args.metrics_file, args.tensorboard_dir, append=self.iteration > 0)
         progress = Progress(args.train_iters, self.iteration, args.log_interval)
-        last = min(args.train_iters, args.exit_interval or args.train_iters)
         tokens_per_step = args.global_batch_size * args.seq_length
         try:
             while self.iteration < last:

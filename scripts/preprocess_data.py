@@ -29,6 +29,12 @@ def main(argv=None) -> int:
     try:
         tokenizer = build_tokenizer(args.tokenizer_type, args.vocab_file, args.merge_file)
         keys = args.json_keys if args.input.endswith((".jsonl", ".json")) else ["text"]
+        if len(keys) > 1:
+            # A bad line for a later key must not fail the run after an earlier key's
+            # dataset is published: read every key through once before writing any.
+            for key in keys:
+                for _ in read_documents(args.input, key):
+                    pass
         for key in keys:
             start = time.perf_counter()
             prefix = f"{args.output_prefix}_{key}_document"

@@ -13,6 +13,10 @@ from test_trainer import TINY
 @pytest.mark.parametrize("options, message", [
     ({"policy": "fastest"}, "--adacc-policy fastest: not one of none, auto, "
                             "auto-no-outlier, full-recompute, quantize and not a plan file"),
+    ({"policy": "missing.yaml"}, "--adacc-policy missing.yaml: plan file not found (or give "
+                                 "one of none, auto, auto-no-outlier, full-recompute, quantize)"),
+    ({"memory_budget": "1GiB"}, "--adacc-memory-budget 1GiB has no effect with --adacc-policy "
+                                "none; drop it, or plan for it with --adacc-policy auto"),
     ({"policy": "quantize", "tracking": "backoff"},
      "--adacc-tracking backoff re-plans, so it needs --adacc-policy auto (got quantize)"),
     ({"policy": "auto", "tracking": "sometimes"},

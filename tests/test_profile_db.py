@@ -45,19 +45,45 @@ def test_a_corrupt_file_is_reported_and_rebuilt(tmp_path, capsys, content):
     assert len(list(tmp_path.glob("p.sqlite.bad-*"))) == 1
 
 
-def test_a_foreign_sqlite_database_is_set_aside_not_touched(tmp_path, capsys):
+def test_a_foreign_sqlite_database_is_refused_and_left_as_it_is(tmp_path):
+    from megatron_adacc.errors import InputError
+
     path = tmp_path / "p.sqlite"
     with sqlite3.connect(path) as other:
         other.execute("CREATE TABLE accounts (id INTEGER)")
         other.execute("INSERT INTO accounts VALUES (42)")
     other.close()
-    ProfileDB(path).put(KEY, costs())
-    assert "not a megatron-adacc profile database" in capsys.readouterr().err
-    aside = next(tmp_path.glob("p.sqlite.bad-*"))
-    with sqlite3.connect(aside) as kept:
-        assert kept.execute("SELECT id FROM accounts").fetchall() == [(42,)]
-    kept.close()
-    assert ProfileDB(path).get(KEY) is not None
+    before = path.read_bytes()
+    for use in (lambda db: db.put(KEY, costs()), lambda db: db.get(KEY)):
+        with pytest.raises(InputError, match=f"^profile database {path} is another "
+                           f"application's SQLite database"):
+            use(ProfileDB(path))
+    assert path.read_bytes() == before
+    assert [p.name for p in tmp_path.iterdir()] == ["p.sqlite"]
+
+
+def _put_when_all_are_ready(path, barrier, index):
+    barrier.wait()
+    ProfileDB(path).put({**KEY, "micro_batch_size": index}, costs())
+
+
+def test_processes_creating_the_database_together_all_cache(tmp_path, capfd):
+    import multiprocessing
+
+    context = multiprocessing.get_context("fork")
+    for attempt in range(5):  # the race is in creating the schema: several fresh files
+        path = tmp_path / f"p{attempt}.sqlite"
+        barrier = context.Barrier(4)
+        workers = [context.Process(target=_put_when_all_are_ready, args=(path, barrier, i))
+                   for i in range(4)]
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join(60)
+        assert [w.exitcode for w in workers] == [0] * 4
+        db = ProfileDB(path)
+        assert all(db.get({**KEY, "micro_batch_size": i}) is not None for i in range(4))
+    assert capfd.readouterr().err == ""  # no "not caching", nothing moved aside
 
 
 def test_an_unwritable_location_only_warns(tmp_path, capsys):

@@ -1,0 +1,7 @@
+"""The error every entry point turns into one line on stderr and exit status 2."""
+from __future__ import annotations
+
+
+class InputError(ValueError):
+    """Bad user input (a flag, a config key, a data, checkpoint or database file): the message
+    is one line that names what is wrong and says what to do."""
