@@ -39,18 +39,22 @@ from megatron_adacc.planning.result import PlanResult
 
 
 class InfeasibleBudget(ValueError):
-    """No plan fits the budget. ``minimum_budget`` is the smallest budget that has one."""
+    """No plan fits the budget. ``minimum_budget`` is the smallest budget that has one (of
+``stage``, when a pipeline stage's plan is meant)."""
 
-    def __init__(self, budget_bytes: int, minimum_budget: int, static_bytes: int) -> None:
+    def __init__(self, budget_bytes: int, minimum_budget: int, static_bytes: int,
+                 stage: int | None = None) -> None:
         from megatron_adacc.units import format_size
 
         self.budget_bytes = budget_bytes
         self.minimum_budget = minimum_budget
         self.static_bytes = static_bytes
+        self.stage = stage          # the pipeline stage that fits no plan, if pipelined
+        where = "" if stage is None else f"pipeline stage {stage}: "
         super().__init__(
-            f"memory budget {format_size(budget_bytes)} is infeasible: the smallest feasible "
-            f"budget is {format_size(minimum_budget)} ({minimum_budget} B; static memory alone "
-            f"is {format_size(static_bytes)})"
+            f"{where}memory budget {format_size(budget_bytes)} is infeasible: the smallest "
+            f"feasible budget is {format_size(minimum_budget)} ({minimum_budget} B; static "
+            f"memory alone is {format_size(static_bytes)})"
         )
 
 
