@@ -147,8 +147,8 @@ def _num_micro_batches(args: argparse.Namespace, flags: dict[str, Any]) -> int:
             raise UsageError(f"--num-micro-batches must be >= 1, got {args.num_micro_batches}")
         return args.num_micro_batches
     global_batch = flags.get("global-batch-size")
-    if global_batch is None:
-        return 1
+    if global_batch is None or args.pipeline_model_parallel_size == 1:
+        return 1        # one stage holds one micro-batch whatever their number
     per_step = args.micro_batch_size * args.data_parallel_size
     if int(global_batch) % per_step:
         raise UsageError(f"global-batch-size {global_batch} is not a multiple of micro-batch "
