@@ -8,8 +8,10 @@ Per-layer plans, over the layer frontier (``frontier.py``):
    for maximum lateness: transient is the "delivery time", stored the "processing time").
    The top layer backprops with every other layer's activations still stored, so it should be
    the one with the least to rebuild.
-2. The choice: a dynamic programme over layers on the state (prefix stored, time so far),
-   keeping only Pareto states, pruned by branch and bound (lower bound: the LP relaxation,
+2. The choice: a dynamic programme over layers on the state (prefix stored, time so far;
+   on a pipeline stage with k > 1 micro-batches in flight also the running maximum of
+   prefix + transient, since the backward term adds (k - 1) x the total stored, known only
+   at the end), keeping only Pareto states, pruned by branch and bound (lower bound: the LP relaxation,
    i.e. the convex hull of the frontier in (stored, time); upper bound: the better of the best
    uniform plan and the rounded LP optimum). Stored bytes are rounded up to a resolution
    (``default_resolution``: 1/1024 of a layer, 1 byte on small problems, where the result is
