@@ -334,9 +334,12 @@ def test_each_stage_gets_its_fastest_plan_against_exhaustive_enumeration(pipelin
         with pytest.raises(planner.InfeasibleBudget) as info:
             planner.plan_stages(stages, budget, allow_lossy_sources=allow_lossy)
         stage = infeasible[0]
-        assert info.value.stage == stage
         assert info.value.minimum_budget == expected[stage][1]
-        assert f"pipeline stage {stage}:" in str(info.value)
+        if len(stages) == 1:          # no pipeline: no stage to name
+            assert info.value.stage is None and "stage" not in str(info.value)
+        else:
+            assert info.value.stage == stage
+            assert str(info.value).startswith(f"pipeline stage {stage}: memory budget")
         assert f"({expected[stage][1]} B" in str(info.value)
         return
     plans = planner.plan_stages(stages, budget, allow_lossy_sources=allow_lossy)

@@ -62,14 +62,14 @@ def plan_stages(stages: Sequence[ModelCosts], budget_bytes: int, **options: Any
                 ) -> list[StagePlan]:
     """The fastest plan of each stage that fits ``budget_bytes`` (every device has the same
     budget); ``options`` as ``plan``'s. Raises ``InfeasibleBudget`` naming the first stage
-    that fits no plan and that stage's smallest feasible budget."""
+    that fits no plan (when there are several) and that stage's smallest feasible budget."""
     plans, first_layer = [], 0
     for index, costs in enumerate(stages):
         try:
             result = plan(costs, budget_bytes, **options)
         except InfeasibleBudget as exc:
             raise InfeasibleBudget(exc.budget_bytes, exc.minimum_budget, exc.static_bytes,
-                                   stage=index) from None
+                                   stage=index if len(stages) > 1 else None) from None
         plans.append(StagePlan(index, first_layer, costs.in_flight_micro_batches, result))
         first_layer += costs.num_layers
     return plans
