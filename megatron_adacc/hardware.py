@@ -98,6 +98,8 @@ class ModelShape:
     # the softmax backward saves fp32 probabilities (4as^2b instead of 2as^2b).
     softmax_in_fp32: bool = False
     make_vocab_size_divisible_by: int = 128
+    # Megatron ties the output layer to the word embedding unless told otherwise.
+    untie_embeddings_and_output_weights: bool = False
 
     def __post_init__(self) -> None:
         if self.precision not in _PRECISION_BYTES:
@@ -133,15 +135,17 @@ class ModelShape:
         return (self.padded_vocab_size + positions) * self.hidden_size
 
     def output_parameters(self, pipelined: bool) -> int:
-        """The final LayerNorm and the output layer (the last pipeline stage's). The output
-        layer is the word embedding, tied; with more than one stage megatron keeps a copy of
-        it on the last stage (kept equal by an all-reduce of their gradients)."""
-        copy = self.padded_vocab_size * self.hidden_size if pipelined else 0
-        return 2 * self.hidden_size + copy
+        """The final LayerNorm and the output layer (the last pipeline stage's). A tied output
+        layer is the word embedding: on one stage it adds nothing; with more than one stage
+        megatron keeps a copy of it on the last stage (kept equal by an all-reduce of their
+        gradients). An untied one is its own weight."""
+        own = pipelined or self.untie_embeddings_and_output_weights
+        return 2 * self.hidden_size + (self.padded_vocab_size * self.hidden_size if own else 0)
 
     @property
     def num_parameters(self) -> int:
-        """GPT with learned positions, biases, LayerNorms and tied input/output embeddings."""
+        """GPT with learned positions, biases and LayerNorms, counting a tied output layer
+        once."""
         return (self.num_layers * self.layer_parameters + self.embedding_parameters
                 + self.output_parameters(pipelined=False))
 
@@ -177,6 +181,8 @@ class ModelShape:
             hidden_dropout=float(norm.get("hidden-dropout", 0.1)),
             softmax_in_fp32=bool(norm.get("attention-softmax-in-fp32", False)),
             make_vocab_size_divisible_by=int(norm.get("make-vocab-size-divisible-by", 128)),
+            untie_embeddings_and_output_weights=bool(
+                norm.get("untie-embeddings-and-output-weights", False)),
         )
 
 

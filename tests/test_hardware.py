@@ -1,5 +1,7 @@
 """Analytic cost model: site bytes add up to 34sbh + 5as^2b, rebuild times accumulate along
 each segment, static bytes per precision."""
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -75,6 +77,10 @@ def test_pipeline_stages_hold_their_own_parameters_and_activations():
     logits = s * b * v * (2 + 4)
     assert [c.non_layer_bytes for c in stages] == [0, 0, 0, 2 * s * b * h * 2 + 2 * s * b * 4
                                                    + logits]
+    # Untied, the output layer is its own weight on the last stage, pipelined or not.
+    untied = replace(GPT345M, untie_embeddings_and_output_weights=True)
+    assert untied.output_parameters(pipelined=False) == untied.output_parameters(True) \
+        == 2 * h + v * h
     # One stage is the whole model, tied embedding held once.
     whole = hardware.analytic_costs(GPT345M, 8, "v100-32gb")
     assert whole.static_bytes == 16 * (24 * layer + (v + 1024) * h + 2 * h)
@@ -137,5 +143,9 @@ def test_shape_from_megatron_flags():
                                             "num-attention-heads": 12, "seq-length": 1024,
                                             "tokenizer-type": "GPT2BPETokenizer", "fp16": True})
     assert (shape.vocab_size, shape.padded_vocab_size, shape.precision) == (50257, 50304, "fp16")
+    assert hardware.ModelShape.from_flags({
+        "num-layers": 2, "hidden-size": 64, "num-attention-heads": 4, "seq-length": 8,
+        "vocab-size": 10, "untie-embeddings-and-output-weights": True,
+    }).untie_embeddings_and_output_weights
     with pytest.raises(ValueError, match="hidden-size"):
         hardware.ModelShape.from_flags({"num-layers": 2, "seq-length": 8, "vocab-size": 10})
