@@ -2,6 +2,12 @@
 
     adacc plan --config configs/gpt-345m.yaml --micro-batch-size 8 --memory-budget 16GiB \
         --hardware v100-32gb [--json] [--uniform] [--exact]
+    adacc plan --config configs/gpt-345m.yaml --micro-batch-size 8 --hardware v100-32gb \
+        --pipeline-model-parallel-size 4 --num-micro-batches 8 --data-parallel-size 2 \
+        --use-distributed-optimizer
+
+With pipeline stages each stage gets its own plan (1F1B keeps more micro-batches in flight
+on the first stages), each the fastest that fits the per-device budget.
 
 Costs come from a source: the analytic model of a named accelerator (``--hardware``), or,
 without it, this machine's ProfileDB (``--profile-db``, default in $ADACC_DATA_DIR), profiling
@@ -21,8 +27,8 @@ import yaml
 from megatron_adacc import hardware
 from megatron_adacc.costs import ModelCosts
 from megatron_adacc.errors import InputError
-from megatron_adacc.planning import InfeasibleBudget, plan
-from megatron_adacc.report import format_plan
+from megatron_adacc.planning import InfeasibleBudget, plan_stages
+from megatron_adacc.report import format_plan, format_stages
 from megatron_adacc.units import parse_size
 
 _SHAPE_FLAGS = ("num-layers", "hidden-size", "num-attention-heads", "ffn-hidden-size",
@@ -50,8 +56,16 @@ def _build_parser() -> argparse.ArgumentParser:
                    help="plan from the analytic model of this accelerator")
     p.add_argument("--profile-db", help="ProfileDB file for plans without --hardware "
                    "(default: $ADACC_DATA_DIR/profiles.sqlite)")
-    p.add_argument("--zero-stage", type=int, default=0, choices=(0, 1, 2, 3))
+    p.add_argument("--zero-stage", type=int, default=None, choices=(0, 1, 2, 3))
+    p.add_argument("--use-distributed-optimizer", action="store_true",
+                   help="Megatron's distributed optimizer: ZeRO stage 1 (optimizer states "
+                   "sharded over the data-parallel group)")
     p.add_argument("--data-parallel-size", type=int, default=1)
+    p.add_argument("--pipeline-model-parallel-size", type=int, default=1,
+                   help="pipeline stages (1F1B); each gets its own plan")
+    p.add_argument("--num-micro-batches", type=int, default=None,
+                   help="micro-batches per step; default: the config's global-batch-size / "
+                   "(micro-batch-size x data-parallel-size), else 1")
     p.add_argument("--uniform", dest="per_layer", action="store_false",
                    help="one policy for every layer (the paper's model)")
     p.add_argument("--per-layer", dest="per_layer", action="store_true", default=True)
@@ -119,18 +133,52 @@ def _profiled_costs(args: argparse.Namespace) -> tuple[ModelCosts, int | None]:
     return policies.designated_codecs(costs), policies.default_budget()
 
 
-def _costs(args: argparse.Namespace) -> tuple[ModelCosts, int | None]:
-    """The costs to plan from and the default budget (the device's usable memory)."""
+def _zero_stage(args: argparse.Namespace) -> int:
+    if not args.use_distributed_optimizer:
+        return args.zero_stage or 0
+    if args.zero_stage not in (None, 1):
+        raise UsageError(f"--use-distributed-optimizer is ZeRO stage 1, not --zero-stage "
+                         f"{args.zero_stage}")
+    return 1
+
+
+def _num_micro_batches(args: argparse.Namespace, flags: dict[str, Any]) -> int:
+    if args.num_micro_batches is not None:
+        if args.num_micro_batches < 1:
+            raise UsageError(f"--num-micro-batches must be >= 1, got {args.num_micro_batches}")
+        return args.num_micro_batches
+    global_batch = flags.get("global-batch-size")
+    if global_batch is None or args.pipeline_model_parallel_size == 1:
+        return 1        # one stage holds one micro-batch whatever their number
+    per_step = args.micro_batch_size * args.data_parallel_size
+    if int(global_batch) % per_step:
+        raise UsageError(f"global-batch-size {global_batch} is not a multiple of micro-batch "
+                         f"size x data-parallel size = {per_step}")
+    return int(global_batch) // per_step
+
+
+def _costs(args: argparse.Namespace) -> tuple[list[ModelCosts], int | None]:
+    """The costs of each pipeline stage to plan from and the default budget (the device's
+    usable memory)."""
+    if args.data_parallel_size < 1 or args.pipeline_model_parallel_size < 1:
+        raise UsageError("--data-parallel-size and --pipeline-model-parallel-size must be >= 1")
+    zero_stage = _zero_stage(args)
     if not args.hardware:
-        return _profiled_costs(args)
+        if args.pipeline_model_parallel_size > 1 or zero_stage:
+            raise UsageError("pipeline stages and ZeRO are planned with --hardware: a profile "
+                             "measures the whole model on this machine")
+        costs, default_budget = _profiled_costs(args)
+        return [costs], default_budget
     try:
-        shape = hardware.ModelShape.from_flags(_flags(args))
-        costs = hardware.analytic_costs(shape, args.micro_batch_size, args.hardware,
-                                        args.zero_stage, args.data_parallel_size)
+        flags = _flags(args)
+        shape = hardware.ModelShape.from_flags(flags)
+        stages = hardware.pipeline_costs(
+            shape, args.micro_batch_size, args.hardware, args.pipeline_model_parallel_size,
+            _num_micro_batches(args, flags), zero_stage, args.data_parallel_size)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     device = hardware.get_accelerator(args.hardware)
-    return costs, device.capacity_bytes - hardware.DEFAULT_RESERVED_BYTES
+    return stages, device.capacity_bytes - hardware.DEFAULT_RESERVED_BYTES
 
 
 def _plan_command(args: argparse.Namespace) -> int:
@@ -142,22 +190,33 @@ def _plan_command(args: argparse.Namespace) -> int:
             budget = parse_size(args.memory_budget)
         except ValueError as exc:
             raise UsageError(f"--memory-budget: {exc}") from None
-    costs, default_budget = _costs(args)
+    stages, default_budget = _costs(args)
     budget = default_budget if budget is None else budget
     if budget is None:
         raise UsageError("--memory-budget SIZE is needed to plan for a CPU (no device capacity "
                          "to default to)")
     try:
-        result = plan(costs, budget, per_layer=args.per_layer,
-                      allow_lossy_sources=args.allow_lossy_sources)
+        plans = plan_stages(stages, budget, per_layer=args.per_layer,
+                            allow_lossy_sources=args.allow_lossy_sources)
     except InfeasibleBudget as exc:
         if args.json:
-            print(json.dumps({"feasible": False, "budget_bytes": budget,
-                              "minimum_feasible_budget": exc.minimum_budget,
-                              "static_bytes": exc.static_bytes}))
+            infeasible = {"feasible": False, "budget_bytes": budget,
+                          "minimum_feasible_budget": exc.minimum_budget,
+                          "static_bytes": exc.static_bytes}
+            print(json.dumps(infeasible if len(stages) == 1
+                             else {**infeasible, "stage": exc.stage}))
         print(f"adacc plan: {exc}", file=sys.stderr)
         return 2
-    print(json.dumps(result.to_dict(), indent=1) if args.json else format_plan(result))
+    if len(plans) == 1:     # no pipeline: the one plan, as it always was
+        result = plans[0].result
+        print(json.dumps(result.to_dict(), indent=1) if args.json else format_plan(result))
+    elif args.json:
+        print(json.dumps({"feasible": True, "budget_bytes": budget,
+                          "pipeline_model_parallel_size": len(plans),
+                          "num_micro_batches": stages[0].meta["num_micro_batches"],
+                          "stages": [stage.to_dict() for stage in plans]}, indent=1))
+    else:
+        print(format_stages(plans))
     return 0
 
 

@@ -9,6 +9,10 @@ Units: bytes are integers, times are seconds, all at ``micro_batch_size`` for ON
 layer is assumed to cost the same; a profiler measuring one layer and the analytic model both
 produce that).
 
+A ``ModelCosts`` describes one pipeline stage: its layers, what it holds besides them, and how
+many micro-batches it keeps in flight (``planning.model`` states the peak rule that reads them).
+Without pipeline parallelism the one stage is the whole model.
+
 Rebuild times are not per-op: the runtime rebuilds recomputed sites by re-running forward
 segments (``segments``, in forward order) from a segment's start, and stops once the deepest
 recomputed site is saved again. So each site records ``rebuild_s``, the time from its
@@ -92,10 +96,17 @@ class ModelCosts:
     sites: list[SiteCost]
     num_layers: int
     static_bytes: int                 # parameters + gradients + optimizer states
-    non_layer_bytes: int              # embedding output, final norm, logits, loss tensors
+    # Non-layer activations freed before the layers backprop: final norm, output layer,
+    # logits, loss (the last stage's). The profiler counts the embedding's here too.
+    non_layer_bytes: int
     backward_workspace_bytes: int     # gradients alive while one layer backprops, any plan
     micro_batch_size: int
     segments: tuple[Segment, ...] = MEGATRON_SEGMENTS
+    # Micro-batches whose activations the stage holds at once (1F1B: min(P - s, M)).
+    in_flight_micro_batches: int = 1
+    # Non-layer activations a micro-batch holds until its backward ends: the embedding's (the
+    # first stage's); its backward runs after every layer's.
+    embedding_bytes: int = 0
     # Free-form provenance: model shape, device or accelerator, dtype, who produced it.
     meta: dict[str, Any] = field(default_factory=dict)
 
@@ -119,8 +130,12 @@ class ModelCosts:
             raise CostsError(f"duplicate site names in {names}")
         if self.num_layers < 1:
             raise CostsError(f"num_layers must be >= 1, got {self.num_layers}")
+        if self.in_flight_micro_batches < 1:
+            raise CostsError(f"in_flight_micro_batches must be >= 1, got "
+                             f"{self.in_flight_micro_batches}")
         for number, label in ((self.static_bytes, "static_bytes"),
                               (self.non_layer_bytes, "non_layer_bytes"),
+                              (self.embedding_bytes, "embedding_bytes"),
                               (self.backward_workspace_bytes, "backward_workspace_bytes")):
             if number < 0:
                 raise CostsError(f"{label} must be >= 0, got {number}")
@@ -177,6 +192,8 @@ class ModelCosts:
             backward_workspace_bytes=int(data["backward_workspace_bytes"]),
             micro_batch_size=int(data["micro_batch_size"]),
             segments=tuple(Segment(**segment) for segment in data["segments"]),
+            in_flight_micro_batches=int(data.get("in_flight_micro_batches", 1)),
+            embedding_bytes=int(data.get("embedding_bytes", 0)),
             meta=dict(data.get("meta", {})),
         )
 

@@ -12,7 +12,9 @@ produce the same ``ModelCosts`` the profiler measures:
 - codec payloads from the codecs themselves (``Codec.payload_bytes``: the exact size of a
   finite input's payload) and codec time = bytes the codec moves at ``CODEC_EFFICIENCY`` of
   peak bandwidth;
-- static memory from the parameter count, precision and optimizer (``static_bytes``).
+- static memory from the parameter count, precision and optimizer (``static_bytes``);
+- per pipeline stage (``pipeline_costs``): its layers and parameters, the embedding on the
+  first stage, the output layer and loss on the last, its 1F1B in-flight micro-batches.
 
 Every efficiency factor is an assumption, named here so it can be checked against a profile.
 """
@@ -23,7 +25,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from megatron_adacc import codecs
+from megatron_adacc import codecs, planning
 from megatron_adacc import sites as site_table
 from megatron_adacc.costs import CodecCost, ModelCosts, SiteCost
 
@@ -96,6 +98,8 @@ class ModelShape:
     # the softmax backward saves fp32 probabilities (4as^2b instead of 2as^2b).
     softmax_in_fp32: bool = False
     make_vocab_size_divisible_by: int = 128
+    # Megatron ties the output layer to the word embedding unless told otherwise.
+    untie_embeddings_and_output_weights: bool = False
 
     def __post_init__(self) -> None:
         if self.precision not in _PRECISION_BYTES:
@@ -119,12 +123,31 @@ class ModelShape:
         return -(-self.vocab_size // multiple) * multiple
 
     @property
-    def num_parameters(self) -> int:
-        """GPT with learned positions, biases, LayerNorms and tied input/output embeddings."""
+    def layer_parameters(self) -> int:
+        """One transformer layer: QKV, projection, fc1, fc2 with biases, two LayerNorms."""
         h, f = self.hidden_size, self.ffn
-        per_layer = (3 * h * h + 3 * h) + (h * h + h) + (h * f + f) + (f * h + h) + 2 * 2 * h
-        embeddings = self.padded_vocab_size * h + (self.max_position_embeddings or self.seq_length) * h
-        return self.num_layers * per_layer + embeddings + 2 * h
+        return (3 * h * h + 3 * h) + (h * h + h) + (h * f + f) + (f * h + h) + 2 * 2 * h
+
+    @property
+    def embedding_parameters(self) -> int:
+        """The word and learned position embeddings (the first pipeline stage's)."""
+        positions = self.max_position_embeddings or self.seq_length
+        return (self.padded_vocab_size + positions) * self.hidden_size
+
+    def output_parameters(self, pipelined: bool) -> int:
+        """The final LayerNorm and the output layer (the last pipeline stage's). A tied output
+        layer is the word embedding: on one stage it adds nothing; with more than one stage
+        megatron keeps a copy of it on the last stage (kept equal by an all-reduce of their
+        gradients). An untied one is its own weight."""
+        own = pipelined or self.untie_embeddings_and_output_weights
+        return 2 * self.hidden_size + (self.padded_vocab_size * self.hidden_size if own else 0)
+
+    @property
+    def num_parameters(self) -> int:
+        """GPT with learned positions, biases and LayerNorms, counting a tied output layer
+        once."""
+        return (self.num_layers * self.layer_parameters + self.embedding_parameters
+                + self.output_parameters(pipelined=False))
 
     @classmethod
     def from_flags(cls, flags: Mapping[str, Any]) -> "ModelShape":
@@ -158,33 +181,35 @@ class ModelShape:
             hidden_dropout=float(norm.get("hidden-dropout", 0.1)),
             softmax_in_fp32=bool(norm.get("attention-softmax-in-fp32", False)),
             make_vocab_size_divisible_by=int(norm.get("make-vocab-size-divisible-by", 128)),
+            untie_embeddings_and_output_weights=bool(
+                norm.get("untie-embeddings-and-output-weights", False)),
         )
 
 
 # --- static memory ------------------------------------------------------------------------
-def static_bytes_per_parameter(precision: str, zero_stage: int = 0,
-                               data_parallel_size: int = 1) -> float:
-    """Parameters + gradients + optimizer states per parameter, with Adam(W).
+# Bytes per parameter of weights, gradients and Adam(W) states: mixed precision (fp16/bf16)
+# keeps 16-bit weights and gradients and fp32 master weights, m and v (2 + 2 + 12 = 16, as in
+# the paper); fp32 keeps 4 + 4 + 8 (m, v).
+_STATE_BYTES = {"fp16": (2, 2, 12), "bf16": (2, 2, 12), "fp32": (4, 4, 8)}
 
-    Mixed precision (fp16/bf16): 2 (16-bit weights) + 2 (16-bit grads) + 12 (fp32 master
-    weights, Adam m and v) = 16, as in the paper. fp32: 4 + 4 + 8 (m, v). ZeRO stage 1 (what
-    Megatron's distributed optimizer does) shards the optimizer states over the data-parallel
-    group, stage 2 the gradients too, stage 3 the weights too.
+
+def static_bytes(num_parameters: int, precision: str, zero_stage: int = 0,
+                 data_parallel_size: int = 1) -> int:
+    """Weights + gradients + optimizer states one rank holds for ``num_parameters``.
+
+    ZeRO stage 1 (Megatron's ``--use-distributed-optimizer``) shards the optimizer states
+    over the data-parallel group, stage 2 the gradients too, stage 3 the weights too. A
+    sharded part is split into D equal shards, the count padded up to a multiple of D (as
+    Megatron pads its buffers), so each rank holds ceil(N / D) parameters' worth of it.
     """
     if zero_stage not in (0, 1, 2, 3):
         raise ValueError(f"zero stage must be 0, 1, 2 or 3, got {zero_stage}")
-    weights, grads = (4, 4) if precision == "fp32" else (2, 2)
-    optimizer = 8 if precision == "fp32" else 12
-    shards = max(1, data_parallel_size)
-    optimizer /= shards if zero_stage >= 1 else 1
-    grads /= shards if zero_stage >= 2 else 1
-    weights /= shards if zero_stage >= 3 else 1
-    return weights + grads + optimizer
-
-
-def static_bytes(shape: ModelShape, zero_stage: int = 0, data_parallel_size: int = 1) -> int:
-    per_param = static_bytes_per_parameter(shape.precision, zero_stage, data_parallel_size)
-    return int(round(shape.num_parameters * per_param))
+    if data_parallel_size < 1:
+        raise ValueError(f"data-parallel size must be >= 1, got {data_parallel_size}")
+    shard = -(-num_parameters // data_parallel_size)
+    weights, grads, optimizer = _STATE_BYTES[precision]
+    return sum(per_parameter * (shard if zero_stage >= stage else num_parameters)
+               for per_parameter, stage in ((weights, 3), (grads, 2), (optimizer, 1)))
 
 
 # --- the layer's sites ----------------------------------------------------------------------
@@ -337,19 +362,26 @@ def _codec_cost(codec: str, full: int, payload: int, bandwidth: float) -> CodecC
 
 
 # --- the costs --------------------------------------------------------------------------------
-def non_layer_bytes(shape: ModelShape, micro_batch_size: int) -> int:
-    """Activations outside the transformer layers, alive at the peak (end of forward).
+def embedding_activation_bytes(shape: ModelShape, micro_batch_size: int) -> int:
+    """Activations the embedding saves for its backward (the first stage's): its dropout's
+    mask. They live until the embedding backprops, after every layer."""
+    s, b, h = shape.seq_length, micro_batch_size, shape.hidden_size
+    return s * b * h if shape.hidden_dropout > 0 else 0
+
+
+def output_activation_bytes(shape: ModelShape, micro_batch_size: int) -> int:
+    """Activations of the final LayerNorm, the output layer and the loss (the last stage's),
+    alive at the end of forward and freed by the loss backward before any layer backprops.
 
     The final LayerNorm saves its input and the output layer saves the norm's output (16 bit
-    each, plus fp32 statistics); the embedding dropout keeps a mask; the logits exist in 16
-    bit while the cross-entropy works on an fp32 copy whose softmax it saves (2 + 4 bytes per
-    logit). At GPT-2's vocabulary the logits dominate.
+    each, plus fp32 statistics); the logits exist in 16 bit while the cross-entropy works on
+    an fp32 copy whose softmax it saves (2 + 4 bytes per logit). At GPT-2's vocabulary the
+    logits dominate.
     """
     s, b, h, act = shape.seq_length, micro_batch_size, shape.hidden_size, shape.activation_bytes
     norms = 2 * s * b * h * act + 2 * s * b * 4
-    embedding_mask = s * b * h if shape.hidden_dropout > 0 else 0
     logits = s * b * shape.padded_vocab_size * (act + 4)
-    return norms + embedding_mask + logits
+    return norms + logits
 
 
 def backward_workspace_bytes(shape: ModelShape, micro_batch_size: int) -> int:
@@ -365,10 +397,64 @@ def backward_workspace_bytes(shape: ModelShape, micro_batch_size: int) -> int:
 
 def analytic_costs(shape: ModelShape, micro_batch_size: int, accelerator: str | Accelerator,
                    zero_stage: int = 0, data_parallel_size: int = 1) -> ModelCosts:
-    """``ModelCosts`` for ``shape`` at ``micro_batch_size`` on a named accelerator."""
+    """``ModelCosts`` for ``shape`` at ``micro_batch_size`` on a named accelerator, the whole
+    model on one stage."""
+    return pipeline_costs(shape, micro_batch_size, accelerator, 1, 1, zero_stage,
+                          data_parallel_size)[0]
+
+
+def pipeline_costs(shape: ModelShape, micro_batch_size: int, accelerator: str | Accelerator,
+                   pipeline_size: int, num_micro_batches: int, zero_stage: int = 0,
+                   data_parallel_size: int = 1) -> list[ModelCosts]:
+    """``ModelCosts`` of each of ``pipeline_size`` stages under 1F1B with
+    ``num_micro_batches`` per step: every stage its share of the layers and their
+    parameters; the first the embedding (parameters and activations), the last the output
+    layer and loss; the in-flight micro-batches of ``planning.in_flight_micro_batches``;
+    optimizer states sharded by ``zero_stage`` over ``data_parallel_size`` ranks."""
     device = get_accelerator(accelerator) if isinstance(accelerator, str) else accelerator
     if shape.precision == "bf16" and not device.supports_bf16:
         raise ValueError(f"{device.name} has no bfloat16; plan with fp16")
+    sites = _site_costs(shape, micro_batch_size, device)
+    pipelined = pipeline_size > 1
+    stages = []
+    for stage, layers in enumerate(planning.stage_layer_counts(shape.num_layers, pipeline_size)):
+        first, last = stage == 0, stage == pipeline_size - 1
+        parameters = (layers * shape.layer_parameters
+                      + (shape.embedding_parameters if first else 0)
+                      + (shape.output_parameters(pipelined) if last else 0))
+        stages.append(ModelCosts(
+            sites=sites,
+            num_layers=layers,
+            static_bytes=static_bytes(parameters, shape.precision, zero_stage,
+                                      data_parallel_size),
+            non_layer_bytes=output_activation_bytes(shape, micro_batch_size) if last else 0,
+            backward_workspace_bytes=backward_workspace_bytes(shape, micro_batch_size),
+            micro_batch_size=micro_batch_size,
+            in_flight_micro_batches=planning.in_flight_micro_batches(stage, pipeline_size,
+                                                                     num_micro_batches),
+            embedding_bytes=embedding_activation_bytes(shape, micro_batch_size) if first else 0,
+            meta={
+                "source": "analytic",
+                "accelerator": device.name,
+                "capacity_bytes": device.capacity_bytes,
+                "shape": {k: v for k, v in shape.__dict__.items()},
+                "num_parameters": parameters,
+                "zero_stage": zero_stage,
+                "data_parallel_size": data_parallel_size,
+                "pipeline_stage": stage,
+                "pipeline_size": pipeline_size,
+                "num_micro_batches": num_micro_batches,
+                "matmul_efficiency": MATMUL_EFFICIENCY,
+                "bandwidth_efficiency": BANDWIDTH_EFFICIENCY,
+                "codec_efficiency": CODEC_EFFICIENCY,
+            },
+        ))
+    return stages
+
+
+def _site_costs(shape: ModelShape, micro_batch_size: int, device: Accelerator
+                ) -> list[SiteCost]:
+    """Every site of one layer: its bytes, rebuild time and codec cost on ``device``."""
     d = _dims(shape, micro_batch_size)
     flop_rate = device.matmul_flops(shape.activation_bytes) * MATMUL_EFFICIENCY
     byte_rate = device.memory_bandwidth * BANDWIDTH_EFFICIENCY
@@ -395,23 +481,4 @@ def analytic_costs(shape: ModelShape, micro_batch_size: int, accelerator: str | 
             segment=known.segment,
             codecs=(_codec_cost(known.default_codec, full, payload, device.memory_bandwidth),),
         ))
-    return ModelCosts(
-        sites=sites,
-        num_layers=shape.num_layers,
-        static_bytes=static_bytes(shape, zero_stage, data_parallel_size),
-        non_layer_bytes=non_layer_bytes(shape, micro_batch_size),
-        backward_workspace_bytes=backward_workspace_bytes(shape, micro_batch_size),
-        micro_batch_size=micro_batch_size,
-        meta={
-            "source": "analytic",
-            "accelerator": device.name,
-            "capacity_bytes": device.capacity_bytes,
-            "shape": {k: v for k, v in shape.__dict__.items()},
-            "num_parameters": shape.num_parameters,
-            "zero_stage": zero_stage,
-            "data_parallel_size": data_parallel_size,
-            "matmul_efficiency": MATMUL_EFFICIENCY,
-            "bandwidth_efficiency": BANDWIDTH_EFFICIENCY,
-            "codec_efficiency": CODEC_EFFICIENCY,
-        },
-    )
+    return sites

@@ -1,8 +1,10 @@
 """The plan as a table a person reads: one row per site and decision, then totals against no
-optimisation and full recompute. Plain text, no dependencies."""
+optimisation and full recompute; with pipeline stages, one such block per stage under a line
+naming the stage, its layers, its in-flight micro-batches, its peak and the budget. Plain
+text, no dependencies."""
 from __future__ import annotations
 
-from megatron_adacc.planning import PlanResult
+from megatron_adacc.planning import PlanResult, StagePlan
 from megatron_adacc.units import format_size
 
 
@@ -36,3 +38,20 @@ def format_plan(result: PlanResult) -> str:
         f"solved in {result.solve_time_s * 1e3:.1f} ms"
     )
     return "\n".join(lines)
+
+
+def format_stages(plans: list[StagePlan]) -> str:
+    """One block per pipeline stage; each table numbers the stage's layers from 0."""
+    blocks = []
+    for stage in plans:
+        result = stage.result
+        blocks.append(
+            f"stage {stage.stage} of {len(plans)}: layers {stage.layers} (rows number them from "
+            f"0), {stage.in_flight_micro_batches} micro-batch"
+            f"{'es' if stage.in_flight_micro_batches > 1 else ''} in flight; peak "
+            f"{format_size(result.peak_bytes)} of budget {format_size(result.budget_bytes)}\n"
+            + format_plan(result))
+    slowest = max(plans, key=lambda stage: stage.result.added_time_s)
+    blocks.append(f"slowest stage: {slowest.stage}, "
+                  f"{_ms(slowest.result.added_time_s)} added per micro-batch")
+    return "\n\n".join(blocks)

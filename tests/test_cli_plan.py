@@ -60,7 +60,7 @@ PAPER_RUNS = [("gpt-117m.yaml", 32, []), ("gpt-117m.yaml", 64, []),
               ("gpt-345m.yaml", 8, []), ("gpt-345m.yaml", 16, [])] + [
     # 4.7B's parameters, gradients and Adam states alone exceed 32 GB: the paper trains it
     # with ZeRO over 8 GPUs.
-    ("gpt-4.7b.yaml", batch, ["--zero-stage", "1", "--data-parallel-size", "8"])
+    ("gpt-4.7b.yaml", batch, ["--use-distributed-optimizer", "--data-parallel-size", "8"])
     for batch in (1, 2, 3, 4)]
 
 
@@ -74,3 +74,92 @@ def test_paper_models_plan_on_a_v100_at_the_papers_batch_sizes(capsys, config, b
     result = json.loads(capsys.readouterr().out)
     assert result["feasible"]
     assert result["static_bytes"] + result["activation_bytes"] <= 32 * 2**30
+
+
+# --- pipeline stages -----------------------------------------------------------------------
+PIPELINE = [*MODEL, "--pipeline-model-parallel-size", "2", "--num-micro-batches", "4"]
+
+
+def _stages_of(capsys, argv):
+    assert main(["plan", *argv, "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["feasible"] and len(data["stages"]) == data["pipeline_model_parallel_size"]
+    return data["stages"]
+
+
+def _stages(capsys, *extra):
+    return _stages_of(capsys, [*PIPELINE, *extra])
+
+
+def test_pipeline_plans_each_stage_and_the_first_stores_less_when_the_budget_binds(capsys):
+    from megatron_adacc import hardware
+
+    # Under 1F1B stage 0 of 2 holds 2 micro-batches, stage 1 one: at stage 1's unoptimised
+    # peak, stage 1 keeps everything and stage 0 has to store less per micro-batch.
+    loose = _stages(capsys, "--memory-budget", "1TiB")
+    assert [s["in_flight_micro_batches"] for s in loose] == [2, 1]
+    assert [s["layers"] for s in loose] == ["0-1", "2-3"]
+    budget = loose[1]["references"]["no optimisation"]["peak_bytes"]
+    assert budget == 47321088
+    assert loose[0]["minimum_feasible_budget"] <= budget \
+        < loose[0]["references"]["no optimisation"]["peak_bytes"]
+    stages = _stages(capsys, "--memory-budget", str(budget))
+    stored = [sum(row["bytes_kept"] for row in s["sites"]) for s in stages]
+    shape = hardware.ModelShape(4, 256, 4, 256, 1000, precision="bf16")
+    assert stored[1] == 2 * sum(hardware.site_bytes(shape, 2).values())   # all retained
+    assert stored[0] < stored[1]
+    assert all(s["peak_bytes"] <= budget == s["budget_bytes"] for s in stages)
+
+    assert main(["plan", *PIPELINE, "--memory-budget", str(budget)]) == 0
+    out = capsys.readouterr().out
+    assert out.count("no optimisation") == 2
+    assert "stage 0 of 2: layers 0-1 (rows number them from 0), 2 micro-batches in flight" in out
+    assert "stage 1 of 2: layers 2-3 (rows number them from 0), 1 micro-batch in flight" in out
+
+
+def test_an_infeasible_stage_is_named_with_its_smallest_feasible_budget(capsys):
+    from megatron_adacc import hardware, planning
+
+    # GPT-2's vocabulary: the last stage's logits make it the one that does not fit.
+    model = [*PIPELINE, "--vocab-size", "50257"]     # the last flag given wins
+    shape = hardware.ModelShape(4, 256, 4, 256, 50257, precision="bf16")
+    stages = hardware.pipeline_costs(shape, 2, "a100-80gb", 2, 4)
+    minimum = [planning.minimum_budget(costs) for costs in stages]
+    assert minimum == [242674900, 386533400]
+    assert main(["plan", *model, "--memory-budget", str(minimum[1] - 1), "--json"]) == 2
+    captured = capsys.readouterr()
+    assert json.loads(captured.out) == {
+        "feasible": False, "budget_bytes": minimum[1] - 1, "stage": 1,
+        "minimum_feasible_budget": minimum[1], "static_bytes": stages[1].static_bytes}
+    err = captured.err.strip()
+    assert "\n" not in err and err.startswith("adacc plan: pipeline stage 1: memory budget")
+    assert f"smallest feasible budget is {format_size(minimum[1])} ({minimum[1]} B" in err
+
+
+def test_distributed_optimizer_is_zero1(capsys):
+    from megatron_adacc import hardware
+
+    stages = _stages(capsys, "--memory-budget", "1TiB", "--data-parallel-size", "4",
+                     "--use-distributed-optimizer")
+    shape = hardware.ModelShape(4, 256, 4, 256, 1000, precision="bf16")
+    expected = hardware.pipeline_costs(shape, 2, "a100-80gb", 2, 4, zero_stage=1,
+                                       data_parallel_size=4)
+    assert [s["static_bytes"] for s in stages] == [c.static_bytes for c in expected]
+    assert main(["plan", *PIPELINE, "--use-distributed-optimizer", "--zero-stage", "2"]) == 2
+    assert "ZeRO stage 1" in capsys.readouterr().err
+
+
+def test_gpt345m_on_four_v100_stages(capsys):
+    from pathlib import Path
+
+    # The paper's larger 345M batch at PP=4 (2 data-parallel ranks, ZeRO-1, 8 micro-batches):
+    # the first two stages must optimise, the last two keep everything.
+    path = Path(__file__).resolve().parents[1] / "configs" / "gpt-345m.yaml"
+    stages = _stages_of(capsys, ["--config", str(path), "--micro-batch-size", "16",
+                                 "--hardware", "v100-32gb", "--precision", "fp16",
+                                 "--pipeline-model-parallel-size", "4", "--num-micro-batches",
+                                 "8", "--data-parallel-size", "2",
+                                 "--use-distributed-optimizer"])
+    assert [s["in_flight_micro_batches"] for s in stages] == [4, 3, 2, 1]
+    assert all(s["peak_bytes"] <= s["budget_bytes"] == 31 * 2**30 for s in stages)
+    assert [s["added_time_s"] > 0 for s in stages] == [True, True, False, False]

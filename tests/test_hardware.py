@@ -1,5 +1,7 @@
 """Analytic cost model: site bytes add up to 34sbh + 5as^2b, rebuild times accumulate along
 each segment, static bytes per precision."""
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -36,13 +38,54 @@ def test_dropout_off_and_fp32_softmax_change_the_sites():
 
 
 def test_static_bytes():
-    assert hardware.static_bytes_per_parameter("fp16") == 16
-    assert hardware.static_bytes_per_parameter("bf16") == 16
-    assert hardware.static_bytes_per_parameter("fp32") == 16          # 4 + 4 + 8
-    assert hardware.static_bytes_per_parameter("fp16", zero_stage=1, data_parallel_size=4) == 7
-    assert hardware.static_bytes_per_parameter("fp16", zero_stage=3, data_parallel_size=8) == 2
-    assert GPT345M.num_parameters == pytest.approx(355e6, rel=0.01)
-    assert hardware.static_bytes(GPT345M) == 16 * GPT345M.num_parameters
+    n = GPT345M.num_parameters
+    assert n == pytest.approx(355e6, rel=0.01)
+    assert hardware.static_bytes(n, "fp16") == hardware.static_bytes(n, "bf16") == 16 * n
+    assert hardware.static_bytes(n, "fp32") == (4 + 4 + 8) * n
+    assert hardware.static_bytes(10, "fp16", zero_stage=3, data_parallel_size=8) == 2 * 16
+
+
+def test_zero1_static_bytes_are_the_hand_computed_formula():
+    # ZeRO-1 (--use-distributed-optimizer): each of D ranks keeps the 16-bit weights and
+    # gradients whole and ceil(N / D) parameters' fp32 master weights, Adam m and v.
+    n = GPT345M.num_parameters
+    assert n % 8 == 0
+    assert hardware.static_bytes(n, "fp16", zero_stage=1, data_parallel_size=8) == \
+        2 * n + 2 * n + 12 * n // 8
+    # A count that does not divide: each rank holds the rounded-up shard.
+    assert hardware.static_bytes(1001, "fp16", zero_stage=1, data_parallel_size=8) == \
+        2 * 1001 + 2 * 1001 + 12 * 126
+    assert hardware.static_bytes(1001, "fp16", zero_stage=2, data_parallel_size=8) == \
+        2 * 1001 + (2 + 12) * 126
+    assert hardware.static_bytes(n, "fp16", zero_stage=1, data_parallel_size=1) == 16 * n
+
+
+def test_pipeline_stages_hold_their_own_parameters_and_activations():
+    h, v = 1024, 50304                 # GPT-2's vocabulary padded to a multiple of 128
+    layer = 12 * h * h + 13 * h
+    stages = hardware.pipeline_costs(GPT345M, 8, "v100-32gb", 4, 8, zero_stage=1,
+                                     data_parallel_size=2)
+    assert [c.num_layers for c in stages] == [6] * 4
+    assert [c.in_flight_micro_batches for c in stages] == [4, 3, 2, 1]
+    # The first stage: the word and position embeddings; the last: the final LayerNorm and
+    # megatron's copy of the tied word embedding.
+    parameters = [6 * layer + (v + 1024) * h, 6 * layer, 6 * layer, 6 * layer + 2 * h + v * h]
+    assert [c.meta["num_parameters"] for c in stages] == parameters
+    assert [c.static_bytes for c in stages] == [4 * n + 12 * -(-n // 2) for n in parameters]
+    s, b = 1024, 8
+    assert [c.embedding_bytes for c in stages] == [s * b * h, 0, 0, 0]
+    logits = s * b * v * (2 + 4)
+    assert [c.non_layer_bytes for c in stages] == [0, 0, 0, 2 * s * b * h * 2 + 2 * s * b * 4
+                                                   + logits]
+    # Untied, the output layer is its own weight on the last stage, pipelined or not.
+    untied = replace(GPT345M, untie_embeddings_and_output_weights=True)
+    assert untied.output_parameters(pipelined=False) == untied.output_parameters(True) \
+        == 2 * h + v * h
+    # One stage is the whole model, tied embedding held once.
+    whole = hardware.analytic_costs(GPT345M, 8, "v100-32gb")
+    assert whole.static_bytes == 16 * (24 * layer + (v + 1024) * h + 2 * h)
+    assert (whole.embedding_bytes, whole.non_layer_bytes) == (stages[0].embedding_bytes,
+                                                              stages[-1].non_layer_bytes)
 
 
 def test_rebuild_times_accumulate_along_each_segment():
@@ -100,5 +143,9 @@ def test_shape_from_megatron_flags():
                                             "num-attention-heads": 12, "seq-length": 1024,
                                             "tokenizer-type": "GPT2BPETokenizer", "fp16": True})
     assert (shape.vocab_size, shape.padded_vocab_size, shape.precision) == (50257, 50304, "fp16")
+    assert hardware.ModelShape.from_flags({
+        "num-layers": 2, "hidden-size": 64, "num-attention-heads": 4, "seq-length": 8,
+        "vocab-size": 10, "untie-embeddings-and-output-weights": True,
+    }).untie_embeddings_and_output_weights
     with pytest.raises(ValueError, match="hidden-size"):
         hardware.ModelShape.from_flags({"num-layers": 2, "seq-length": 8, "vocab-size": 10})

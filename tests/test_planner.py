@@ -30,10 +30,14 @@ def small_costs(draw):
         codecs = (CodecCost("outlier_int4", draw(st.integers(0, size)), draw(st.floats(0, 1)),
                             draw(st.floats(0, 1))),) if draw(st.booleans()) else ()
         sites.append(SiteCost(name, size, "float16", draw(st.floats(0, 2)), segment, codecs))
+    # A pipeline stage: up to 3 micro-batches in flight, embedding activations held
+    # through backward (1 and 0: the whole model on one stage).
     return ModelCosts(sites=sites, num_layers=draw(st.integers(1, 3)),
                       static_bytes=draw(st.integers(0, 50)),
                       non_layer_bytes=draw(st.integers(0, 80)),
-                      backward_workspace_bytes=draw(st.integers(0, 30)), micro_batch_size=1)
+                      backward_workspace_bytes=draw(st.integers(0, 30)), micro_batch_size=1,
+                      in_flight_micro_batches=draw(st.integers(1, 3)),
+                      embedding_bytes=draw(st.integers(0, 20)))
 
 
 def all_layer_policies(costs, allow_lossy):
@@ -69,7 +73,7 @@ def brute_force(costs, budget, per_layer, allow_lossy):
 
 
 @settings(max_examples=80, deadline=None)
-@given(small_costs(), st.integers(0, 700), st.booleans(), st.booleans())
+@given(small_costs(), st.integers(0, 1500), st.booleans(), st.booleans())
 def test_optimal_against_exhaustive_enumeration(costs, budget, per_layer, allow_lossy):
     best, least_peak = brute_force(costs, budget, per_layer, allow_lossy)
     if best is None:
@@ -255,3 +259,96 @@ def test_a_budget_that_is_not_a_whole_number_of_bytes_is_refused():
     with pytest.raises(TypeError, match="whole number of bytes"):
         planner.plan(costs, 20.5 * 2**30)
     assert planner.plan(costs, np.int64(20 * 2**30)).budget_bytes == 20 * 2**30
+
+
+# --- pipeline stages -----------------------------------------------------------------------
+def simulate_1f1b(costs, layers, stage, pipeline_size, num_micro_batches):
+    """The stage's peak by walking megatron-core's 1F1B order event by event: warm-up
+    forwards, then one forward before each backward, then the cool-down backwards. A forward
+    adds the embedding's and every layer's stored bytes and, at its end, the output layer's
+    and loss's (freed by the loss backward); a backward walks the layers top down, layer l
+    holding its transient and the workspace while the layers below it are still stored."""
+    warmup = min(pipeline_size - stage - 1, num_micro_batches)
+    order = ["F"] * warmup + ["F", "B"] * (num_micro_batches - warmup) + ["B"] * warmup
+    live = peak = costs.static_bytes
+    for step in order:
+        if step == "F":
+            live += costs.embedding_bytes + sum(layer.stored_bytes for layer in layers)
+            peak = max(peak, live + costs.non_layer_bytes)
+        else:
+            for layer in reversed(layers):
+                peak = max(peak, live + layer.transient_bytes + costs.backward_workspace_bytes)
+                live -= layer.stored_bytes
+            live -= costs.embedding_bytes
+    assert live == costs.static_bytes
+    return peak
+
+
+@st.composite
+def tiny_pipelines(draw):
+    """Whole-model tiny costs cut into P stages, as hardware.pipeline_costs cuts them: the
+    embedding's activations on the first stage, the output layer's on the last."""
+    costs = draw(small_costs())
+    pipeline_size, num_micro_batches = draw(st.integers(1, 4)), draw(st.integers(1, 6))
+    embedding, output = draw(st.integers(0, 20)), draw(st.integers(0, 80))
+    stages = [replace(costs, num_layers=draw(st.integers(1, 2)),
+                      static_bytes=draw(st.integers(0, 50)),
+                      in_flight_micro_batches=planner.in_flight_micro_batches(
+                          stage, pipeline_size, num_micro_batches),
+                      embedding_bytes=embedding if stage == 0 else 0,
+                      non_layer_bytes=output if stage == pipeline_size - 1 else 0)
+              for stage in range(pipeline_size)]
+    return stages, num_micro_batches
+
+
+@settings(max_examples=60, deadline=None)
+@given(tiny_pipelines(), st.data())
+def test_stage_peak_is_the_1f1b_schedules_peak(pipeline, data):
+    """peak_bytes of a stage equals the peak of the schedule walked event by event, for every
+    per-layer policy mix: the k - 1 other in-flight micro-batches whole, the oldest one's
+    layers 0..l and layer l's transient."""
+    stages, num_micro_batches = pipeline
+    for index, costs in enumerate(stages):
+        policies = list(all_layer_policies(costs, True))
+        layers = [data.draw(st.sampled_from(policies)) for _ in range(costs.num_layers)]
+        assert planner.peak_bytes(costs, layers) == simulate_1f1b(
+            costs, layers, index, len(stages), num_micro_batches)
+
+
+def test_the_first_stages_hold_more_micro_batches():
+    assert [planner.in_flight_micro_batches(s, 4, 8) for s in range(4)] == [4, 3, 2, 1]
+    assert [planner.in_flight_micro_batches(s, 4, 2) for s in range(4)] == [2, 2, 2, 1]
+    assert planner.stage_layer_counts(24, 4) == [6] * 4
+    with pytest.raises(ValueError, match="evenly"):
+        planner.stage_layer_counts(22, 4)
+
+
+@settings(max_examples=40, deadline=None)
+@given(tiny_pipelines(), st.integers(0, 1500), st.booleans())
+def test_each_stage_gets_its_fastest_plan_against_exhaustive_enumeration(pipeline, budget,
+                                                                         allow_lossy):
+    stages, _ = pipeline
+    expected = [brute_force(costs, budget, True, allow_lossy) for costs in stages]
+    infeasible = [index for index, (best, _) in enumerate(expected) if best is None]
+    if infeasible:
+        with pytest.raises(planner.InfeasibleBudget) as info:
+            planner.plan_stages(stages, budget, allow_lossy_sources=allow_lossy)
+        stage = infeasible[0]
+        assert info.value.minimum_budget == expected[stage][1]
+        if len(stages) == 1:          # no pipeline: no stage to name
+            assert info.value.stage is None and "stage" not in str(info.value)
+        else:
+            assert info.value.stage == stage
+            assert str(info.value).startswith(f"pipeline stage {stage}: memory budget")
+        assert f"({expected[stage][1]} B" in str(info.value)
+        return
+    plans = planner.plan_stages(stages, budget, allow_lossy_sources=allow_lossy)
+    first_layer = 0
+    for index, (costs, stage_plan, (best, least_peak)) in enumerate(zip(stages, plans,
+                                                                        expected)):
+        assert (stage_plan.stage, stage_plan.first_layer) == (index, first_layer)
+        assert stage_plan.in_flight_micro_batches == costs.in_flight_micro_batches
+        assert stage_plan.result.added_time_s == pytest.approx(best, abs=1e-9)
+        assert stage_plan.result.peak_bytes <= budget
+        assert stage_plan.result.minimum_feasible_budget == least_peak
+        first_layer += costs.num_layers

@@ -4,6 +4,7 @@
     frontier  the per-layer Pareto frontier of single-layer policies
     search    plan(), minimum_budget(): the per-layer and uniform searches over the frontier
     milp      the direct PuLP/CBC formulation, plan(..., method="milp") (imported on use only)
+    pipeline  1F1B's in-flight micro-batches per stage, the layer split, a plan per stage
     result    PlanResult and the rows of the plan table
 
 Everything outside this package uses the names below only.
@@ -11,12 +12,15 @@ Everything outside this package uses the names below only.
 from megatron_adacc.planning.frontier import Frontier, clear_frontier_cache, layer_frontier
 from megatron_adacc.planning.model import (LayerPolicy, evaluate_layer, is_exact, peak_bytes,
                                            rebuild_charges)
+from megatron_adacc.planning.pipeline import (StagePlan, in_flight_micro_batches, plan_stages,
+                                              stage_layer_counts)
 from megatron_adacc.planning.result import PlanResult, SiteRow, Totals
 from megatron_adacc.planning.search import (InfeasibleBudget, default_resolution,
                                             minimum_budget, plan)
 
 __all__ = [
-    "Frontier", "InfeasibleBudget", "LayerPolicy", "PlanResult", "SiteRow", "Totals",
-    "clear_frontier_cache", "default_resolution", "evaluate_layer", "is_exact",
-    "layer_frontier", "minimum_budget", "peak_bytes", "plan", "rebuild_charges",
+    "Frontier", "InfeasibleBudget", "LayerPolicy", "PlanResult", "SiteRow", "StagePlan",
+    "Totals", "clear_frontier_cache", "default_resolution", "evaluate_layer",
+    "in_flight_micro_batches", "is_exact", "layer_frontier", "minimum_budget", "peak_bytes",
+    "plan", "plan_stages", "rebuild_charges", "stage_layer_counts",
 ]

@@ -118,13 +118,16 @@ def plan_direct_milp(costs: ModelCosts, budget: int, per_layer: bool,
         return total(g, "transient", unit) + decoded[g] + source[g]
 
     if per_layer:
-        for layer in range(num_layers):
-            problem += (pulp.lpSum(total(k, "stored", unit) for k in range(layer + 1))
-                        + transient(layer) <= limits.backward / unit)
         all_stored = pulp.lpSum(total(k, "stored", unit) for k in groups)
+        prefixes = [pulp.lpSum(total(k, "stored", unit) for k in range(layer + 1))
+                    for layer in range(num_layers)]
     else:
-        problem += num_layers * total(0, "stored", unit) + transient(0) <= limits.backward / unit
         all_stored = num_layers * total(0, "stored", unit)
+        prefixes = [all_stored]         # the top layer's term is the largest
+    # The other in-flight micro-batches hold every layer while this one backprops.
+    others = (costs.in_flight_micro_batches - 1) * all_stored
+    for layer, prefix in enumerate(prefixes):
+        problem += others + prefix + transient(layer) <= limits.backward / unit
     problem += all_stored <= limits.all_stored / unit
     if not _solve(problem):
         return None

@@ -2,10 +2,23 @@
 search (the frontier, the uniform and per-layer searches, the MILP) and the plan table take
 their charges and their limits from this module; none restates a rule.
 
-Memory model (one pipeline stage, identical layers, layer 0 nearest the embedding):
+Memory model (one pipeline stage, identical layers, layer 0 nearest the embedding; the stage
+keeps k = ``in_flight_micro_batches`` micro-batches in flight, 1 without pipelining):
 
-    peak = static + max( non_layer + sum_l stored(l),                       # end of forward
-                         max_l [ sum_{k<=l} stored(k) + transient(l) ] + workspace )
+    peak = static + (k - 1) x (A + E) + E
+                  + max( non_layer + A,                                     # end of forward
+                         max_l [ sum_{j<=l} stored(j) + transient(l) ] + workspace )
+
+    A = sum_l stored(l), one micro-batch's layers; E = ``embedding_bytes`` (first stage).
+
+Why: under 1F1B stage s of P runs min(P - s, M) forwards before its first backward, and one
+forward per backward after, so at most k micro-batches are alive. Its peak comes with the
+k-th forward or with the backward that follows. At the end of the k-th forward all k hold
+their layers and embedding whole, plus the newest one's output layer and loss tensors
+(non_layer, the last stage's; k = 1 there). While the oldest backprops layer l, the other
+k - 1 still hold A + E whole, and it holds E, its layers 0..l and layer l's transient plus the
+workspace: its non_layer tensors are gone (the loss backward freed them before any layer
+backprops) and the embedding's backward comes last. Both terms share (k - 1)(A + E) + E.
 
 stored(l) is what layer l keeps between its forward and backward (retained bytes + codec
 payloads); transient(l) is what exists at full size only while layer l backprops:
@@ -208,10 +221,13 @@ def evaluate_layer(costs: ModelCosts, decisions: Mapping[str, Decision]) -> Laye
 
 # --- a plan's peak ---------------------------------------------------------------------------
 def peak_from_terms(costs: ModelCosts, all_stored, backward_peak):
-    """The peak rule, given every layer's stored bytes together and max_l [prefix(l) +
-    transient(l)]. Either may be an array (the searches evaluate many plans at once)."""
-    return costs.static_bytes + np.maximum(costs.non_layer_bytes + all_stored,
-                                           backward_peak + costs.backward_workspace_bytes)
+    """The peak rule, given one micro-batch's layers' stored bytes together (A) and
+    max_l [prefix(l) + transient(l)]. Either may be an array (the searches evaluate many
+    plans at once)."""
+    others = costs.in_flight_micro_batches - 1
+    held = costs.static_bytes + others * all_stored + (others + 1) * costs.embedding_bytes
+    return held + np.maximum(costs.non_layer_bytes + all_stored,
+                             backward_peak + costs.backward_workspace_bytes)
 
 
 def peak_bytes(costs: ModelCosts, layers: Sequence[LayerPolicy]) -> int:
@@ -226,16 +242,19 @@ def peak_bytes(costs: ModelCosts, layers: Sequence[LayerPolicy]) -> int:
 
 class Limits(NamedTuple):
     """The peak rule turned round: a plan fits a budget iff its layers store at most
-    ``all_stored`` bytes together and every layer's prefix + transient is at most
-    ``backward``."""
+    ``all_stored`` bytes together (one micro-batch) and (k - 1) x that total + every
+    layer's prefix + transient is at most ``backward``."""
 
     all_stored: int
     backward: int
 
 
 def budget_limits(costs: ModelCosts, budget_bytes: int) -> Limits:
-    available = budget_bytes - costs.static_bytes
-    return Limits(available - costs.non_layer_bytes, available - costs.backward_workspace_bytes)
+    k = costs.in_flight_micro_batches
+    available = budget_bytes - costs.static_bytes - k * costs.embedding_bytes
+    # k x A + non_layer <= available; floor division keeps the limit exact in whole bytes.
+    return Limits((available - costs.non_layer_bytes) // k,
+                  available - costs.backward_workspace_bytes)
 
 
 def transient_floor(costs: ModelCosts) -> int:

@@ -8,8 +8,10 @@ Per-layer plans, over the layer frontier (``frontier.py``):
    for maximum lateness: transient is the "delivery time", stored the "processing time").
    The top layer backprops with every other layer's activations still stored, so it should be
    the one with the least to rebuild.
-2. The choice: a dynamic programme over layers on the state (prefix stored, time so far),
-   keeping only Pareto states, pruned by branch and bound (lower bound: the LP relaxation,
+2. The choice: a dynamic programme over layers on the state (prefix stored, time so far;
+   on a pipeline stage with k > 1 micro-batches in flight also the running maximum of
+   prefix + transient, since the backward term adds (k - 1) x the total stored, known only
+   at the end), keeping only Pareto states, pruned by branch and bound (lower bound: the LP relaxation,
    i.e. the convex hull of the frontier in (stored, time); upper bound: the better of the best
    uniform plan and the rounded LP optimum). Stored bytes are rounded up to a resolution
    (``default_resolution``: 1/1024 of a layer, 1 byte on small problems, where the result is
@@ -39,18 +41,22 @@ from megatron_adacc.planning.result import PlanResult
 
 
 class InfeasibleBudget(ValueError):
-    """No plan fits the budget. ``minimum_budget`` is the smallest budget that has one."""
+    """No plan fits the budget. ``minimum_budget`` is the smallest budget that has one (of
+``stage``, when a pipeline stage's plan is meant)."""
 
-    def __init__(self, budget_bytes: int, minimum_budget: int, static_bytes: int) -> None:
+    def __init__(self, budget_bytes: int, minimum_budget: int, static_bytes: int,
+                 stage: int | None = None) -> None:
         from megatron_adacc.units import format_size
 
         self.budget_bytes = budget_bytes
         self.minimum_budget = minimum_budget
         self.static_bytes = static_bytes
+        self.stage = stage          # the pipeline stage that fits no plan, if pipelined
+        where = "" if stage is None else f"pipeline stage {stage}: "
         super().__init__(
-            f"memory budget {format_size(budget_bytes)} is infeasible: the smallest feasible "
-            f"budget is {format_size(minimum_budget)} ({minimum_budget} B; static memory alone "
-            f"is {format_size(static_bytes)})"
+            f"{where}memory budget {format_size(budget_bytes)} is infeasible: the smallest "
+            f"feasible budget is {format_size(minimum_budget)} ({minimum_budget} B; static "
+            f"memory alone is {format_size(static_bytes)})"
         )
 
 
@@ -123,39 +129,41 @@ def _plan_uniform(costs: ModelCosts, budget: int, frontier: Frontier) -> list[La
 
 # --- per-layer plans ---------------------------------------------------------------------------
 def _layer_dp(costs: ModelCosts, stored: np.ndarray, step_cost, final_cost,
-              cost_bound: float = np.inf) -> tuple[float, list[int]] | None:
+              cost_bound: float = np.inf, carried: np.ndarray | None = None
+              ) -> tuple[float, list[int]] | None:
     """Exact dynamic programme over layers, bottom (0) to top, on the state (prefix stored
-    bytes, cost so far). Future constraints and costs depend on the prefix only, so a state
-    with no smaller prefix and no smaller cost than another is all that needs keeping.
+    bytes, cost so far, and with ``carried`` the running maximum of prefix + carried[policy]).
+    Future constraints and costs depend on these only, and grow with each, so a state that
+    no other state matches or beats in all of them is all that needs keeping.
 
     ``step_cost(cost, prefix)`` -> cost after adding each frontier policy (arrays broadcast
-    over states x policies; inf where not allowed); ``final_cost(prefix, cost, layers)`` ->
-    the objective, or a lower bound on it, of a plan whose first ``layers`` layers end in
-    that state (inf where infeasible). Returns (objective, policy per layer) or None when
-    nothing is feasible."""
+    over states x policies; inf where not allowed); ``final_cost(prefix, cost, high,
+    layers)`` -> the objective, or a lower bound on it, of a plan whose first ``layers``
+    layers end in that state (inf where infeasible; ``high`` is 0 without ``carried``).
+    Returns (objective, policy per layer) or None when nothing is feasible."""
     num_layers = costs.num_layers
     prefix = np.zeros(1, dtype=np.int64)
     cost = np.zeros(1)
+    high = np.zeros(1, dtype=np.int64)
     parents, picks = [], []
     for layer in range(num_layers):
         new_prefix = prefix[:, None] + stored[None, :]
         new_cost = step_cost(cost[:, None], new_prefix)
+        new_high = (np.maximum(high[:, None], new_prefix + carried[None, :])
+                    if carried is not None else np.zeros_like(new_prefix))
         state, pick = np.nonzero(np.isfinite(new_cost))
         candidate_prefix, candidate_cost = new_prefix[state, pick], new_cost[state, pick]
-        reachable = final_cost(candidate_prefix, candidate_cost, layer + 1)
+        candidate_high = new_high[state, pick]
+        reachable = final_cost(candidate_prefix, candidate_cost, candidate_high, layer + 1)
         alive = np.flatnonzero(np.isfinite(reachable) & (reachable <= cost_bound))
         if len(alive) == 0:
             return None
-        state, pick = state[alive], pick[alive]
-        candidate_prefix, candidate_cost = candidate_prefix[alive], candidate_cost[alive]
-        order = np.lexsort((candidate_cost, candidate_prefix))
-        sorted_cost = candidate_cost[order]
-        best_before = np.minimum.accumulate(np.concatenate([[np.inf], sorted_cost[:-1]]))
-        keep = order[sorted_cost < best_before]
-        prefix, cost = candidate_prefix[keep], candidate_cost[keep]
+        keep = alive[pareto_indices(np.column_stack(
+            [candidate_cost[alive], candidate_prefix[alive], candidate_high[alive]]))]
+        prefix, cost, high = candidate_prefix[keep], candidate_cost[keep], candidate_high[keep]
         parents.append(state[keep])
         picks.append(pick[keep])
-    objective = final_cost(prefix, cost, num_layers)
+    objective = final_cost(prefix, cost, high, num_layers)
     best = int(np.argmin(objective))
     if not np.isfinite(objective[best]):
         return None
@@ -248,15 +256,22 @@ def _plan_per_layer(costs: ModelCosts, budget: int, frontier: Frontier,
     useful = pareto_indices(np.column_stack([frontier.time_s, stored, transient]).astype(float))
     stored, transient, time_s = stored[useful], transient[useful], frontier.time_s[useful]
     num_layers = costs.num_layers
+    # The backward term is (k - 1) x all stored + max_l [prefix(l) + transient(l)]. With one
+    # micro-batch in flight each layer's part is checked as it is placed; with more, the
+    # total is known only at the end, so the running maximum is carried in the state, and a
+    # layer is pruned as soon as the total it implies (at least its prefix) breaks the limit.
+    others = costs.in_flight_micro_batches - 1
 
     def step_cost(cost, prefix):
-        return np.where(prefix + transient[None, :] <= limits.backward, cost + time_s[None, :],
-                        np.inf)
+        return np.where(others * prefix + prefix + transient[None, :] <= limits.backward,
+                        cost + time_s[None, :], np.inf)
 
-    def final_cost(prefix, cost, layers_done):
-        return cost + lower_bound(num_layers - layers_done, limits.all_stored - prefix)
+    def final_cost(prefix, cost, high, layers_done):
+        bound = cost + lower_bound(num_layers - layers_done, limits.all_stored - prefix)
+        return np.where(others * prefix + high <= limits.backward, bound, np.inf)
 
-    solved = _layer_dp(costs, stored, step_cost, final_cost, cost_bound=incumbent)
+    solved = _layer_dp(costs, stored, step_cost, final_cost, cost_bound=incumbent,
+                       carried=transient if others else None)
     if solved is None:
         return min(candidates, key=lambda layers: sum(p.time_s for p in layers), default=None)
     return _jackson_order(frontier, [int(useful[k]) for k in solved[1]])
@@ -274,7 +289,7 @@ def _least_peak_per_layer(costs: ModelCosts, frontier: Frontier,
 
     least_stored = int(frontier.stored.min())
 
-    def final_cost(prefix, cost, layers_done):
+    def final_cost(prefix, cost, high, layers_done):
         # Layers still to come store at least ``least_stored`` each.
         rest = (costs.num_layers - layers_done) * least_stored
         return peak_from_terms(costs, prefix + rest, cost)

@@ -1,0 +1,75 @@
+"""Pipeline stages: how many micro-batches each stage of megatron-core's 1F1B schedule keeps in
+flight, how the layers split over the stages, and a plan per stage.
+
+Stage s (0-based) of P holds the activations of min(P - s, M) micro-batches at once, so the
+first stage needs several times the last one's memory: one plan for every stage would either
+waste the last stages' memory or overrun the first's. Each stage is planned on its own costs
+(a ``ModelCosts`` per stage: its layers, static bytes, in-flight count, embedding or output
+activations; ``planning.model`` states the peak rule) and gets the fastest plan that fits the
+per-device budget.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from megatron_adacc.costs import ModelCosts
+from megatron_adacc.planning.result import PlanResult
+from megatron_adacc.planning.search import InfeasibleBudget, plan
+
+
+def in_flight_micro_batches(stage: int, pipeline_size: int, num_micro_batches: int) -> int:
+    """Micro-batches stage ``stage`` holds at once under 1F1B (megatron-core's
+    forward_backward_pipelining_without_interleaving): min(P - s - 1, M) warm-up forwards,
+    then one more forward before each backward."""
+    if not 0 <= stage < pipeline_size:
+        raise ValueError(f"stage {stage} is not one of 0..{pipeline_size - 1}")
+    if num_micro_batches < 1:
+        raise ValueError(f"micro-batches per step must be >= 1, got {num_micro_batches}")
+    return min(pipeline_size - stage, num_micro_batches)
+
+
+def stage_layer_counts(num_layers: int, pipeline_size: int) -> list[int]:
+    """Layers per stage: megatron-core's default split, the same number on every stage."""
+    if pipeline_size < 1 or num_layers % pipeline_size:
+        raise ValueError(f"{num_layers} layers do not split evenly over {pipeline_size} "
+                         f"pipeline stages")
+    return [num_layers // pipeline_size] * pipeline_size
+
+
+@dataclass
+class StagePlan:
+    """One stage's plan: the stage, the first (global) layer it holds, and its result (whose
+    layers are numbered from 0 within the stage, as the stage's own model numbers them)."""
+
+    stage: int
+    first_layer: int
+    in_flight_micro_batches: int
+    result: PlanResult
+
+    @property
+    def layers(self) -> str:
+        last = self.first_layer + len(self.result.layer_decisions) - 1
+        return f"{self.first_layer}-{last}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"stage": self.stage, "layers": self.layers,
+                "in_flight_micro_batches": self.in_flight_micro_batches,
+                **self.result.to_dict()}
+
+
+def plan_stages(stages: Sequence[ModelCosts], budget_bytes: int, **options: Any
+                ) -> list[StagePlan]:
+    """The fastest plan of each stage that fits ``budget_bytes`` (every device has the same
+    budget); ``options`` as ``plan``'s. Raises ``InfeasibleBudget`` naming the first stage
+    that fits no plan (when there are several) and that stage's smallest feasible budget."""
+    plans, first_layer = [], 0
+    for index, costs in enumerate(stages):
+        try:
+            result = plan(costs, budget_bytes, **options)
+        except InfeasibleBudget as exc:
+            raise InfeasibleBudget(exc.budget_bytes, exc.minimum_budget, exc.static_bytes,
+                                   stage=index if len(stages) > 1 else None) from None
+        plans.append(StagePlan(index, first_layer, costs.in_flight_micro_batches, result))
+        first_layer += costs.num_layers
+    return plans
