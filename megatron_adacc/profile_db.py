@@ -140,9 +140,12 @@ class ProfileDB:
 
     @staticmethod
     def _header(db: sqlite3.Connection) -> tuple[int, int, int]:
-        return (db.execute("PRAGMA application_id").fetchone()[0],
-                db.execute("PRAGMA user_version").fetchone()[0],
-                db.execute("SELECT count(*) FROM sqlite_master").fetchone()[0])
+        # One statement, so one snapshot: read as three, a run creating the schema alongside
+        # could commit between them (application_id still 0, its tables already there), and
+        # the file looked like another application's.
+        return db.execute("SELECT (SELECT application_id FROM pragma_application_id), "
+                          "(SELECT user_version FROM pragma_user_version), "
+                          "(SELECT count(*) FROM sqlite_master)").fetchone()
 
     def _check(self, db: sqlite3.Connection) -> None:
         application_id, version, tables = self._header(db)
