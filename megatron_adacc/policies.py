@@ -49,7 +49,7 @@ def full_recompute_plan() -> Plan:
 def quantize_plan() -> Plan:
     return Plan.uniform({
         site.name: Decision(COMPRESS, None if site.default_codec == MASK_CODEC else QUANTIZE_CODEC)
-        for site in DECIDED_SITES
+        for site in DECIDED_SITES if site.default_codec is not None
     })
 
 

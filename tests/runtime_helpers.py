@@ -9,16 +9,17 @@ from megatron_adacc.runtime import apply_plan, get_adacc_layer_spec
 VOCAB, SEQ, BATCH = 256, 32, 2
 
 
-def build(adacc: bool, dtype=torch.float32, dropout=0.0, bias=True, layers=2, seed=1, **config):
+def build(adacc: bool, dtype=torch.float32, dropout=0.0, bias=True, layers=2, seed=1,
+          attention_backend="unfused", **config):
     model_lib.set_seed(seed)
     cfg = model_lib.build_transformer_config(
         num_layers=layers, hidden_size=64, num_attention_heads=4,
         hidden_dropout=dropout, attention_dropout=dropout, add_bias_linear=bias,
         bf16=dtype == torch.bfloat16, params_dtype=dtype, **config)
-    spec = get_adacc_layer_spec() if adacc else None
+    spec = get_adacc_layer_spec(attention_backend) if adacc else None
     # megatron casts half-precision models with its Float16Module (GPU only); cast here so
     # the position embedding and layernorms run in the activation dtype too.
-    model = model_lib.build_gpt_model(cfg, VOCAB, SEQ, spec).to(dtype)
+    model = model_lib.build_gpt_model(cfg, VOCAB, SEQ, spec, attention_backend).to(dtype)
     if adacc:
         apply_plan(model, None, strict=True)
     return model
