@@ -41,7 +41,7 @@ _LAYER_LEVEL_SITE = ("bda1_mask", "bda2_mask")  # by segment
 
 
 def _layer_roles(layer) -> dict[torch.nn.Module, str]:
-    from megatron_adacc.attention import FlashDotProductAttention
+    from megatron_adacc.flash_attention import FlashDotProductAttention
 
     attention, mlp = layer.self_attention, layer.mlp
     core = attention.core_attention
