@@ -10,11 +10,13 @@ VOCAB, SEQ, BATCH = 256, 32, 2
 
 
 def build(adacc: bool, dtype=torch.float32, dropout=0.0, bias=True, layers=2, seed=1,
-          attention_backend="unfused", **config):
+          attention_backend="unfused", attention_dropout=None, **config):
+    """attention_dropout: default `dropout`, like the hidden dropout."""
     model_lib.set_seed(seed)
     cfg = model_lib.build_transformer_config(
-        num_layers=layers, hidden_size=64, num_attention_heads=4,
-        hidden_dropout=dropout, attention_dropout=dropout, add_bias_linear=bias,
+        num_layers=layers, hidden_size=64, num_attention_heads=4, hidden_dropout=dropout,
+        attention_dropout=dropout if attention_dropout is None else attention_dropout,
+        add_bias_linear=bias,
         bf16=dtype == torch.bfloat16, params_dtype=dtype, **config)
     spec = get_adacc_layer_spec(attention_backend) if adacc else None
     # megatron casts half-precision models with its Float16Module (GPU only); cast here so
