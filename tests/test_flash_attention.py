@@ -273,3 +273,17 @@ def test_adacc_plan_for_a_v100_with_flash_prints_no_s2_sites(capsys):
     assert "attn_lse" in out and "context" in out
     for site in ("softmax_out", "attn_dropout_mask", "attn_probs"):
         assert site not in out
+
+
+def test_the_trainer_builds_and_trains_the_flash_layer_from_flags(distributed):
+    from test_trainer import TINY
+    from megatron_adacc.trainer import Trainer
+
+    args = parse_args(TINY + ["--attention-backend", "auto", "--attention-dropout", "0",
+                              "--train-iters", "2", "--adacc-policy", "full-recompute",
+                              "--adacc-strict"])
+    trainer = Trainer(args)
+    assert {type(layer.self_attention.core_attention) for layer in adacc_layers(trainer.model)} \
+        == {FlashDotProductAttention}
+    records = trainer.train()
+    assert len(records) == 2 and all(r["activation_bytes"] > 0 for r in records[:1])
