@@ -26,7 +26,7 @@ from megatron_adacc.data import default_data_dir
 APPLICATION_ID = 0x41444143
 SCHEMA_VERSION = 1
 # The sources whose changes invalidate a profile: what measures and what is measured.
-_MEASURED_CODE = ("profiler.py", "costs.py", "sites.py", "runtime", "codecs")
+_MEASURED_CODE = ("profiler.py", "costs.py", "sites.py", "runtime", "codecs", "flash_attention.py")
 
 
 def default_path() -> Path:
