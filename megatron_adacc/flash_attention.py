@@ -44,24 +44,26 @@ class FlashDotProductAttention(DotProductAttention):
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None,
                 attention_bias=None, packed_seq_params=None):
-        if packed_seq_params is not None or attention_bias is not None:
-            raise ValueError("FlashDotProductAttention supports neither packed sequences "
-                             "nor an attention bias")
+        # A mask tensor or a bias would send SDPA to a kernel that takes one (on the CPU its
+        # math path, which saves the s^2 tensors the flash sites do not name).
+        if attention_mask is not None or attention_bias is not None:
+            raise ValueError("--attention-backend flash masks by the mask type (causal or "
+                             "none), not by an attention mask or bias tensor; use "
+                             "--attention-backend unfused for those")
+        if packed_seq_params is not None:
+            raise ValueError("--attention-backend flash does not support packed sequences")
         mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
-        # As megatron's softmax does: a given mask wins, else a causal type masks causally.
-        # Megatron's masks are True where attention is masked out, SDPA's where it attends.
-        # (With a mask tensor SDPA picks a kernel that takes one: not flash on the CPU.)
-        causal = attention_mask is None and mask_type == AttnMaskType.causal
-        mask = None if attention_mask is None else ~attention_mask
-        dropout = self.attention_dropout.p if self.training else 0.0
         seq, batch = query.shape[:2]
+        # megatron's softmax masks causally only past one query (one query attends to all)
+        causal = mask_type == AttnMaskType.causal and seq > 1
+        dropout = self.attention_dropout.p if self.training else 0.0
         # [s, b, np, hn] -> [b, np, s, hn] as views: SDPA saves views of linear_qkv's output,
         # one storage for Q, K and V.
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
 
         def attend():
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout,
-                                                  is_causal=causal, scale=self.sdpa_scale)
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=causal,
+                                                  scale=self.sdpa_scale)
 
         if dropout > 0 and not self.config.sequence_parallel:
             # megatron draws attention dropout from the tensor-parallel generator

@@ -155,6 +155,18 @@ def test_default_codecs_on_the_flash_layer(distributed):
     assert report.by_site[(0, "attn_lse")] == stock_report.by_site[(0, "attn_lse")]
 
 
+def test_flash_core_attention_matches_megatrons_and_refuses_mask_tensors(distributed):
+    # Same math as megatron's unfused core attention (not bitwise: other kernels).
+    flash_core = adacc_layers(flash(True))[0].self_attention.core_attention
+    unfused_core = adacc_layers(build(True))[0].self_attention.core_attention
+    q, k, v = torch.randn(3, S, B, A, H // A).unbind(0)
+    expected = unfused_core(q, k, v, None)
+    assert torch.allclose(flash_core(q, k, v, None), expected, atol=1e-5)
+    assert flash_core(q, k, v, None).shape == (S, B, H)
+    with pytest.raises(ValueError, match="not by an attention mask"):
+        flash_core(q, k, v, torch.ones(B, 1, S, S, dtype=torch.bool).triu(1))
+
+
 def test_the_log_sum_exp_is_never_compressed(distributed):
     with pytest.raises(PlanError, match="attn_lse is never compressed"):
         Plan.from_dict({"sites": {"attn_lse": "compress"}})
