@@ -31,8 +31,8 @@ import torch.distributed as dist
 
 from megatron_adacc import hardware, planning, profiler
 from megatron_adacc import sites as site_table
-from megatron_adacc.costs import ModelCosts
 from megatron_adacc.attention import backend_of
+from megatron_adacc.costs import ModelCosts
 from megatron_adacc.plan import Decision, Plan
 from megatron_adacc.profile_db import ProfileDB, profile_key
 from megatron_adacc.sites import (ABLATION_CODECS, COMPRESS, DECIDED_SITES, MASK_CODEC,

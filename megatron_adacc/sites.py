@@ -71,7 +71,7 @@ _SITE_LIST = (
     Site("attn_dropout_mask", "attention dropout mask", "bitmask", "attention"),
     Site("attn_probs", "probabilities after dropout, saved by the matmul with V", "asym_int4",
          "attention"),
-    # On the flash layer (attention.py) SDPA saves its output, and linear_proj saves a view
+    # On the flash layer (flash_attention.py) SDPA saves its output, and linear_proj saves a view
     # of that same storage: one site.
     Site("context", "attention output, saved by linear_proj (and by SDPA on the flash layer)",
          "outlier_int4", "attention"),
