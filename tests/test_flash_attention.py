@@ -18,6 +18,7 @@ from megatron_adacc.planning import default_resolution, minimum_budget, plan
 from megatron_adacc.policies import predicted_activation_bytes
 from megatron_adacc.profiler import profile
 from megatron_adacc.runtime import adacc_layers, apply_plan, measure_step
+from megatron_adacc.sites import OUTLIER_CODEC
 
 from runtime_helpers import BATCH, SEQ, batch, build, loss_of, train
 from test_runtime import assert_same_training
@@ -230,7 +231,38 @@ def test_ruler_keeps_what_the_planner_predicts_on_the_flash_layer(profiled_flash
         measured = measure_step(model, lambda: loss_of(model), strict=True)[1]
     finally:
         apply_plan(model, None)
-    assert measured.after_forward_bytes == predicted_activation_bytes(costs, result)
+    predicted = predicted_activation_bytes(costs, result)
+    outlier_payloads = [site for layer in range(costs.num_layers)
+                        for site, decision in result.plan.for_layer(layer).items()
+                        if decision.codec_for(site) == OUTLIER_CODEC]
+    if outlier_payloads:
+        # How many channels are outliers is the data's: the profile measured the middle
+        # layer's payloads (e.g. one more bf16 outlier channel of the context in another
+        # layer: 64 values + its index = 132 bytes). Which plan a budget gets depends on
+        # measured times, so this branch is taken or not from run to run.
+        assert abs(measured.after_forward_bytes - predicted) <= 0.02 * predicted
+    else:
+        assert measured.after_forward_bytes == predicted
+
+
+def test_ruler_keeps_the_profiled_bytes_of_each_flash_site(profiled_flash):
+    # Deterministic and exact: the flash attention sites recomputed, Q/K/V compressed by
+    # their channel-wise codec (payload size independent of the data), the rest retained.
+    model, costs = profiled_flash
+    recomputed = {"attn_lse", "context", "ln1_stats"}
+    plan_ = Plan.uniform({"qkv": "compress", **{site: "recompute" for site in recomputed}})
+    apply_plan(model, plan_, strict=True)
+    try:
+        measured = measure_step(model, lambda: loss_of(model), strict=True)[1]
+    finally:
+        apply_plan(model, None)
+    kept = {site.name: site.bytes for site in costs.sites if site.name not in recomputed}
+    kept["qkv"] = costs.site("qkv").codecs[0].payload_bytes
+    assert costs.site("qkv").codecs[0].codec == "channel_int4"
+    for layer in range(costs.num_layers):
+        assert {s: n for (lay, s), n in measured.by_site.items() if lay == layer} == kept
+    assert measured.after_forward_bytes == \
+        costs.non_layer_bytes + costs.num_layers * sum(kept.values())
 
 
 # --- the flag and the analytic model ----------------------------------------------------------
