@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_adacc import policies, profiler
+from megatron_adacc.attention import DEFAULT_SPEC_BACKEND, local_layer_spec
 from megatron_adacc.costs import ModelCosts
 from megatron_adacc.plan import Plan
 from megatron_adacc.profile_db import ProfileDB
@@ -133,14 +134,13 @@ class Adacc:
         self._loss_fn: LossFn | None = None
 
     # --- building the model ------------------------------------------------------------------
-    def layer_spec(self):
+    def layer_spec(self, attention_backend: str = DEFAULT_SPEC_BACKEND):
         """The layer spec to build the GPTModel with: megatron-core's local spec for policy
-        ``none``, its Adacc substitution for every other policy."""
+        ``none``, its Adacc substitution for every other policy; its core attention is
+        ``attention_backend``'s (flash, unfused or auto: see attention.py)."""
         if not policies.uses_runtime(self.config.policy):
-            from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-
-            return get_gpt_layer_local_spec()
-        return get_adacc_layer_spec()
+            return local_layer_spec(attention_backend)
+        return get_adacc_layer_spec(attention_backend)
 
     # --- set-up --------------------------------------------------------------------------------
     def setup(self, model: torch.nn.Module, batch: profiler.Batch,

@@ -14,6 +14,7 @@ from typing import Sequence
 import yaml
 
 from megatron_adacc.errors import InputError
+from megatron_adacc.attention import ATTENTION_BACKENDS
 from megatron_adacc.tokenizers import TOKENIZER_TYPES
 
 
@@ -100,6 +101,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="default: seq length")
     model.add_argument("--hidden-dropout", type=_FRACTION, default=0.1)
     model.add_argument("--attention-dropout", type=_FRACTION, default=0.1)
+    model.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
+                       help="core attention: flash (PyTorch's scaled_dot_product_attention), "
+                            "unfused (megatron-core's local attention), auto (Megatron-LM's "
+                            "default: flash wherever this device's SDPA runs its flash kernel "
+                            "with the attention dropout, i.e. on CUDA or at dropout 0)")
     model.add_argument("--disable-bias-linear", action="store_true",
                        help="linear layers without bias")
     model.add_argument("--init-method-std", type=_number(positive=True), default=0.02)

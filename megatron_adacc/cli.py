@@ -33,7 +33,7 @@ from megatron_adacc.units import parse_size
 
 _SHAPE_FLAGS = ("num-layers", "hidden-size", "num-attention-heads", "ffn-hidden-size",
                 "seq-length", "max-position-embeddings", "vocab-size", "tokenizer-type",
-                "attention-dropout", "hidden-dropout")
+                "attention-dropout", "hidden-dropout", "attention-backend")
 
 
 class UsageError(Exception):

@@ -27,6 +27,7 @@ import torch
 
 from megatron_adacc import codecs, planning
 from megatron_adacc import sites as site_table
+from megatron_adacc.attention import resolve_backend
 from megatron_adacc.costs import CodecCost, ModelCosts, SiteCost
 
 GiB = 1024**3
@@ -100,11 +101,18 @@ class ModelShape:
     make_vocab_size_divisible_by: int = 128
     # Megatron ties the output layer to the word embedding unless told otherwise.
     untie_embeddings_and_output_weights: bool = False
+    # "unfused" (megatron-core's local attention: the s^2 sites) or "flash" (SDPA's flash or
+    # memory-efficient kernel: Q, K, V, output, log-sum-exp). The dataclass default is the
+    # local spec's; from_flags follows Megatron-LM's --attention-backend auto.
+    attention_backend: str = "unfused"
 
     def __post_init__(self) -> None:
         if self.precision not in _PRECISION_BYTES:
             raise ValueError(f"precision must be one of {sorted(_PRECISION_BYTES)}, "
                              f"got {self.precision!r}")
+        if self.attention_backend not in ("unfused", "flash"):
+            raise ValueError(f"attention backend must be unfused or flash, got "
+                             f"{self.attention_backend!r}")
         if self.hidden_size % self.num_attention_heads:
             raise ValueError(f"hidden size {self.hidden_size} is not divisible by "
                              f"{self.num_attention_heads} attention heads")
@@ -168,6 +176,11 @@ class ModelShape:
                              f"{', '.join(_TOKENIZER_VOCAB)})")
         precision = "bf16" if norm.get("bf16") else "fp16" if norm.get("fp16") else "fp32"
         seq = int(norm.get("seq-length") or need("max-position-embeddings"))
+        attention_dropout = float(norm.get("attention-dropout", 0.1))
+        # An accelerator here is a CUDA GPU: SDPA runs flash or memory-efficient kernels
+        # there at any dropout, so auto (Megatron-LM's default) means flash.
+        backend = resolve_backend(str(norm.get("attention-backend", "auto")),
+                                  attention_dropout, cuda=True)
         return cls(
             num_layers=int(need("num-layers")),
             hidden_size=int(need("hidden-size")),
@@ -177,7 +190,8 @@ class ModelShape:
             ffn_hidden_size=int(norm["ffn-hidden-size"]) if "ffn-hidden-size" in norm else None,
             max_position_embeddings=int(norm.get("max-position-embeddings", seq)),
             precision=precision,
-            attention_dropout=float(norm.get("attention-dropout", 0.1)),
+            attention_dropout=attention_dropout,
+            attention_backend=backend,
             hidden_dropout=float(norm.get("hidden-dropout", 0.1)),
             softmax_in_fp32=bool(norm.get("attention-softmax-in-fp32", False)),
             make_vocab_size_divisible_by=int(norm.get("make-vocab-size-divisible-by", 128)),
@@ -271,9 +285,28 @@ def _hidden_dropout(shape: ModelShape) -> bool:
     return shape.hidden_dropout > 0
 
 
+def _flash_core_sites(shape: ModelShape) -> dict[str, _SiteFormula]:
+    """What SDPA's flash (or memory-efficient) kernel saves after Q, K and V, in save order.
+    The kernel computes Q K^T, softmax and the product with V in on-chip tiles: no s^2 tensor
+    reaches memory, and causal masking skips the blocks above the diagonal (half the FLOPs of
+    the unfused matmuls). Its output is the storage linear_proj saves (the context)."""
+    return {
+        "attn_lse": _SiteFormula(lambda d: d.a * d.s * d.b, _STATS_BYTES, "float32",
+                                 lambda d: 2 * d.b * d.s * d.s * d.h,
+                                 lambda d: 4 * d.s * d.b * d.h * d.act + 4 * d.a * d.s * d.b,
+                                 lambda d: d.a),
+        # CUDA's philox seed and offset: two int64 scalars, with dropout on.
+        "attn_rng_state": _SiteFormula(lambda d: 2, lambda d: 8, "int64", _NO_FLOPS,
+                                       lambda d: 0.0, lambda d: 1, when=_attention_dropout),
+        "context": _SiteFormula(lambda d: d.s * d.b * d.h, _act, "act", _NO_FLOPS,
+                                lambda d: 0.0, _hidden_channels),
+    }
+
+
 def _layer_sites(shape: ModelShape) -> dict[str, _SiteFormula]:
-    """The sites of one megatron-core local-spec layer (TP=1), in the order forward saves
-    them; each formula's op costs are those of the ops since the previous save."""
+    """The sites of one megatron-core local-spec layer (TP=1) with the shape's attention
+    backend, in the order forward saves them; each formula's op costs are those of the ops
+    since the previous save."""
     sbh = lambda d: d.s * d.b * d.h
     attn = lambda d: d.a * d.s * d.s * d.b
     sbf = lambda d: d.s * d.b * d.f
@@ -325,6 +358,11 @@ def _layer_sites(shape: ModelShape) -> dict[str, _SiteFormula]:
                                   lambda d: sbh(d) * d.act + _rng_moved_sbh(d),
                                   _hidden_channels, when=_hidden_dropout),
     }
+    if shape.attention_backend == "flash":  # SDPA's sites replace softmax_out .. context
+        names = list(table)
+        start, end = names.index("softmax_out"), names.index("context") + 1
+        table = {**{name: table[name] for name in names[:start]}, **_flash_core_sites(shape),
+                 **{name: table[name] for name in names[end:]}}
     return {name: formula for name, formula in table.items() if formula.when(shape)}
 
 
@@ -391,6 +429,8 @@ def backward_workspace_bytes(shape: ModelShape, micro_batch_size: int) -> int:
     d = _dims(shape, micro_batch_size)
     residual = d.s * d.b * d.h * d.act
     attention_pair = 2 * d.a * d.s * d.s * d.b * max(d.act, d.softmax)
+    if shape.attention_backend == "flash":  # no s^2 gradient: dQ, dK, dV and the output's
+        attention_pair = 4 * d.s * d.b * d.h * d.act
     mlp_pair = 2 * d.s * d.b * d.f * d.act
     return residual + max(attention_pair, mlp_pair)
 
@@ -467,7 +507,11 @@ def _site_costs(shape: ModelShape, micro_batch_size: int, device: Accelerator
         full = elements * element_bytes
         known = site_table.get(name)
         dtype = dtype_names.get(formula.dtype, formula.dtype)
-        payload = codec_payload_bytes(known.default_codec, elements, dtype, formula.channels(d))
+        codecs = ()
+        if known.default_codec is not None:
+            payload = codec_payload_bytes(known.default_codec, elements, dtype,
+                                          formula.channels(d))
+            codecs = (_codec_cost(known.default_codec, full, payload, device.memory_bandwidth),)
         rebuild_s = 0.0
         if known.segment is not None:
             rebuild_s = since_start.get(known.segment, 0.0) + (
@@ -479,6 +523,6 @@ def _site_costs(shape: ModelShape, micro_batch_size: int, device: Accelerator
             dtype=dtype,
             rebuild_s=rebuild_s,
             segment=known.segment,
-            codecs=(_codec_cost(known.default_codec, full, payload, device.memory_bandwidth),),
+            codecs=codecs,
         ))
     return sites

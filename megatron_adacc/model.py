@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_adacc import megatron_compat
+from megatron_adacc.attention import DEFAULT_SPEC_BACKEND, local_layer_spec
 
 
 def _free_port() -> int:
@@ -81,12 +82,14 @@ def build_transformer_config(**overrides: Any):
     return TransformerConfig(**params)
 
 
-def build_gpt_model(config, vocab_size: int, max_sequence_length: int, layer_spec=None):
-    """megatron-core GPTModel with learned absolute positions (GPT-2 style)."""
+def build_gpt_model(config, vocab_size: int, max_sequence_length: int, layer_spec=None,
+                    attention_backend: str = DEFAULT_SPEC_BACKEND):
+    """megatron-core GPTModel with learned absolute positions (GPT-2 style), built from
+    `layer_spec`, by default megatron-core's local spec with `attention_backend`'s core
+    attention (see attention.py)."""
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    spec = layer_spec if layer_spec is not None else get_gpt_layer_local_spec()
+    spec = layer_spec if layer_spec is not None else local_layer_spec(attention_backend)
     model = GPTModel(
         config,
         spec,

@@ -85,6 +85,9 @@ def _parse_decision(where: str, site: str, value: Any) -> Decision:
                 f"{where}.{site}: unknown codec {codec!r}; valid codecs: "
                 f"{', '.join(_codec_names())}"
             )
+    if action == COMPRESS and site_table.get(site).default_codec is None:
+        raise PlanError(f"{where}.{site}: {site} is never compressed; choose retain or "
+                        f"recompute")
     if action == RECOMPUTE and not site_table.get(site).recomputable:
         raise PlanError(
             f"{where}.{site}: {site} cannot be recomputed (it is what recomputation starts "

@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from megatron_adacc import hardware, planning, profiler
 from megatron_adacc import sites as site_table
+from megatron_adacc.attention import backend_of
 from megatron_adacc.costs import ModelCosts
 from megatron_adacc.plan import Decision, Plan
 from megatron_adacc.profile_db import ProfileDB, profile_key
@@ -49,7 +50,7 @@ def full_recompute_plan() -> Plan:
 def quantize_plan() -> Plan:
     return Plan.uniform({
         site.name: Decision(COMPRESS, None if site.default_codec == MASK_CODEC else QUANTIZE_CODEC)
-        for site in DECIDED_SITES
+        for site in DECIDED_SITES if site.default_codec is not None
     })
 
 
@@ -154,7 +155,7 @@ def measured_costs(model, batch, db: ProfileDB, reprofile: bool = False, strict:
     config = model.config
     tokens = batch[0]
     key = profile_key(config, model.vocab_size, tokens.shape[1], tokens.shape[0],
-                      profiler.device_name(tokens.device))
+                      profiler.device_name(tokens.device), backend_of(model))
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
     found = db.get(key) if rank0 and not reprofile else None
     missing = _from_rank0(found is None)

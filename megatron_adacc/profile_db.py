@@ -29,7 +29,7 @@ from megatron_adacc.errors import InputError
 APPLICATION_ID = 0x41444143
 SCHEMA_VERSION = 1
 # The sources whose changes invalidate a profile: what measures and what is measured.
-_MEASURED_CODE = ("profiler.py", "costs.py", "sites.py", "runtime", "codecs")
+_MEASURED_CODE = ("profiler.py", "costs.py", "sites.py", "runtime", "codecs", "flash_attention.py")
 
 
 def default_path() -> Path:
@@ -51,9 +51,11 @@ def code_version() -> str:
 
 
 def profile_key(config, vocab_size: int, seq_length: int, micro_batch_size: int,
-                device: str) -> dict[str, Any]:
-    """What a profile depends on, from the model's megatron TransformerConfig."""
+                device: str, attention_backend: str = "unfused") -> dict[str, Any]:
+    """What a profile depends on, from the model's megatron TransformerConfig and its
+    resolved attention backend (attention.backend_of: the two save different sites)."""
     return {
+        "attention_backend": attention_backend,
         "num_layers": config.num_layers,
         "hidden_size": config.hidden_size,
         "num_attention_heads": config.num_attention_heads,

@@ -38,6 +38,7 @@ from megatron.core.tensor_parallel.random import _fork_rng
 
 from megatron_adacc import codecs, hardware
 from megatron_adacc import model as model_lib
+from megatron_adacc.attention import backend_of
 from megatron_adacc import sites as site_table
 from megatron_adacc.costs import MEGATRON_SEGMENTS, CodecCost, ModelCosts, SiteCost
 from megatron_adacc.plan import Decision, Plan
@@ -343,7 +344,7 @@ def _profile(run: _Profiling) -> ModelCosts:
         ))
     num_layers = len(run.layers)
     seq_length, micro_batch = run.batch[0].shape[1], run.batch[0].shape[0]
-    shape = model_shape(config, model.vocab_size, seq_length)
+    shape = model_shape(config, model.vocab_size, seq_length, backend_of(model))
     return ModelCosts(
         sites=sites,
         num_layers=num_layers,
@@ -401,9 +402,10 @@ def sample_sites(model: torch.nn.Module, batch: Batch, names: Iterable[str], *,
             if not probe.failed and probe.inputs and name in sizes}
 
 
-def model_shape(config, vocab_size: int, seq_length: int) -> hardware.ModelShape:
-    """The planner's description of a megatron TransformerConfig (for the analytic parts and
-    the ProfileDB key)."""
+def model_shape(config, vocab_size: int, seq_length: int,
+                attention_backend: str = "unfused") -> hardware.ModelShape:
+    """The planner's description of a megatron TransformerConfig and the model's resolved
+    attention backend (for the analytic parts and the ProfileDB key)."""
     precision = "bf16" if config.bf16 else "fp16" if config.fp16 else "fp32"
     return hardware.ModelShape(
         num_layers=config.num_layers,
@@ -416,5 +418,6 @@ def model_shape(config, vocab_size: int, seq_length: int) -> hardware.ModelShape
         attention_dropout=config.attention_dropout,
         hidden_dropout=config.hidden_dropout,
         softmax_in_fp32=config.attention_softmax_in_fp32,
+        attention_backend=attention_backend,
         make_vocab_size_divisible_by=1,
     )

@@ -40,7 +40,7 @@ ABLATION_CODECS = {OUTLIER_CODEC: "sym_int4"}
 class Site:
     name: str
     description: str
-    default_codec: str
+    default_codec: str | None  # None: never compressed (retain or recompute)
     segment: str | None      # the segment whose re-run rebuilds it; None: never rebuilt
     recomputable: bool = True
     # One storage saved by every layer (megatron's cached causal mask): counted once as
@@ -51,6 +51,8 @@ class Site:
     @property
     def candidate_codecs(self) -> tuple[str, ...]:
         """The codecs the profiler measures: the designated one, then its ablation."""
+        if self.default_codec is None:
+            return ()
         ablation = ABLATION_CODECS.get(self.default_codec)
         return (self.default_codec,) if ablation is None else (self.default_codec, ablation)
 
@@ -69,7 +71,17 @@ _SITE_LIST = (
     Site("attn_dropout_mask", "attention dropout mask", "bitmask", "attention"),
     Site("attn_probs", "probabilities after dropout, saved by the matmul with V", "asym_int4",
          "attention"),
-    Site("context", "attention output, saved by linear_proj", "outlier_int4", "attention"),
+    # On the flash layer (flash_attention.py) SDPA saves its output, and linear_proj saves a view
+    # of that same storage: one site.
+    Site("context", "attention output, saved by linear_proj (and by SDPA on the flash layer)",
+         "outlier_int4", "attention"),
+    # The flash layer's own sites (SDPA's flash / memory-efficient kernels). The log-sum-exp
+    # is small (4 bytes per head and token) and every attention gradient is exponentiated
+    # through it: an int4 error there is not worth its bytes, so it is never compressed.
+    Site("attn_lse", "log-sum-exp of the attention scores, saved by SDPA's flash backward "
+         "(fp32)", None, "attention"),
+    Site("attn_rng_state", "philox seed and offset of SDPA's CUDA dropout (flash layer, CUDA, "
+         "attention dropout on)", None, "attention"),
     Site("bda1_mask", "dropout mask of the attention bias-dropout-add", "bitmask",
          "attention"),
     # Saved by the MLP segment's first op, but its value is the attention segment's output:

@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from megatron_adacc import checkpoint, data, model as model_lib, numerics
 from megatron_adacc.adacc import Adacc, AdaccConfig
+from megatron_adacc.attention import local_layer_spec, with_attention_backend
 from megatron_adacc.optimizer import MainParamAdamW
 from megatron_adacc.tokenizers import build_tokenizer
 
@@ -159,11 +160,13 @@ def _demo_corpus(args: argparse.Namespace) -> tuple[str, str]:
 
 
 def build_model(args: argparse.Namespace, tokenizer, layer_spec=None) -> torch.nn.Module:
-    """The flags' GPTModel (megatron-core's local spec, or ``layer_spec``)."""
+    """The flags' GPTModel (megatron-core's local spec, or ``layer_spec``), its core
+    attention the flags' ``--attention-backend``."""
     vocab_size = padded_vocab_size(tokenizer.vocab_size, args.make_vocab_size_divisible_by,
                                    args.tensor_model_parallel_size)
+    spec = with_attention_backend(layer_spec or local_layer_spec(), args.attention_backend)
     return model_lib.build_gpt_model(transformer_config(args), vocab_size,
-                                     args.max_position_embeddings, layer_spec)
+                                     args.max_position_embeddings, spec)
 
 
 def build_model_and_data(args: argparse.Namespace, layer_spec=None

@@ -103,6 +103,8 @@ def probe_budgets(args, flags: list[str]) -> dict:
     for name, no_outlier in (("codecs", False), ("codecs-no-outlier", True)):
         decisions = {}
         for site in DECIDED_SITES:
+            if site.default_codec is None:  # never compressed (the log-sum-exp)
+                continue
             codec = ABLATION_CODECS.get(site.default_codec) if no_outlier else None
             decisions[site.name] = Decision(COMPRESS, codec)
         path = os.path.join(args.workdir, f"plan-{name}.yaml")

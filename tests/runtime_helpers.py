@@ -6,29 +6,31 @@ import dataclasses
 import torch
 
 from megatron_adacc import model as model_lib
+from megatron_adacc.attention import local_layer_spec
 from megatron_adacc.runtime import apply_plan, get_adacc_layer_spec
 
 VOCAB, SEQ, BATCH = 256, 32, 2
 
 
 def build(adacc: bool, dtype=torch.float32, dropout=0.0, bias=True, layers=2, seed=1,
-          submodules=None, **config):
+          submodules=None, attention_backend="unfused", attention_dropout=None, **config):
     """A tiny GPT, stock or Adacc; `submodules` replaces entries of the layer spec's
-    submodules (e.g. a stand-in layernorm) in either."""
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-
+    submodules (e.g. a stand-in layernorm) in either; `attention_dropout` defaults to
+    `dropout`, like the hidden dropout."""
     model_lib.set_seed(seed)
     cfg = model_lib.build_transformer_config(
-        num_layers=layers, hidden_size=64, num_attention_heads=4,
-        hidden_dropout=dropout, attention_dropout=dropout, add_bias_linear=bias,
+        num_layers=layers, hidden_size=64, num_attention_heads=4, hidden_dropout=dropout,
+        attention_dropout=dropout if attention_dropout is None else attention_dropout,
+        add_bias_linear=bias,
         bf16=dtype == torch.bfloat16, params_dtype=dtype, **config)
-    spec = get_adacc_layer_spec() if adacc else get_gpt_layer_local_spec()
+    spec = (get_adacc_layer_spec(attention_backend) if adacc
+            else local_layer_spec(attention_backend))
     if submodules:
         spec = dataclasses.replace(
             spec, submodules=dataclasses.replace(spec.submodules, **submodules))
     # megatron casts half-precision models with its Float16Module (GPU only); cast here so
     # the position embedding and layernorms run in the activation dtype too.
-    model = model_lib.build_gpt_model(cfg, VOCAB, SEQ, spec).to(dtype)
+    model = model_lib.build_gpt_model(cfg, VOCAB, SEQ, spec, attention_backend).to(dtype)
     if adacc:
         apply_plan(model, None, strict=True)
     return model

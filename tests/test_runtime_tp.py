@@ -6,8 +6,11 @@ dropout 0.1 on identical data and compares its own shards of losses and gradient
 torch.equal. What TP adds over the single-process tests: recompute replays linear_proj's
 all-reduce inside backward (both ranks must rebuild at the same point, or gloo deadlocks or
 pairs the wrong collectives), and attention dropout draws from the tensor-parallel RNG
-tracker, a different stream on each rank, which the rebuild must restore.
+tracker, a different stream on each rank, which the rebuild must restore. The flash layer
+(SDPA core attention, attention dropout 0 as the CPU's flash kernel needs) runs the same
+check with its own sites, on half of the heads per rank.
 """
+import pytest
 import json
 import os
 import subprocess
@@ -31,9 +34,22 @@ PLANS = {
     "mlp_only": {"sites": {"ln2_out": "recompute", "gelu_in": "recompute",
                            "bda2_mask": "recompute"}},
 }
+# The flash layer's attention sites; hidden dropout stays on (its masks, default stream).
+FLASH_PLANS = {
+    "mixed": {
+        "sites": {"qkv": "recompute", "attn_lse": "recompute", "gelu_in": "recompute",
+                  "bda1_mask": "recompute"},
+        "layers": {"1": {"sites": {"ln2_in": "recompute", "context": "recompute",
+                                   "attn_lse": "retain"}}},
+    },
+    "attention_core": {"sites": {"qkv": "recompute", "attn_lse": "recompute",
+                                 "context": "recompute"}},
+}
+# backend -> (attention dropout, plans)
+BACKENDS = {"unfused": (0.1, PLANS), "flash": (0.0, FLASH_PLANS)}
 
 
-def _rank_main() -> None:
+def _rank_main(backend: str) -> None:
     import warnings
 
     import torch
@@ -51,9 +67,11 @@ def _rank_main() -> None:
     model_lib.init_distributed(2)
     rank = dist.get_rank()
     failures = []
-    stock_losses, stock_grads = train(build(False, dropout=0.1), STEPS)
-    for name, plan in PLANS.items():
-        model = build(True, dropout=0.1)
+    attention_dropout, plans = BACKENDS[backend]
+    kwargs = dict(dropout=0.1, attention_dropout=attention_dropout, attention_backend=backend)
+    stock_losses, stock_grads = train(build(False, **kwargs), STEPS)
+    for name, plan in plans.items():
+        model = build(True, **kwargs)
         apply_plan(model, Plan.from_dict(plan), strict=True)
         losses, grads = train(model, STEPS)
         for step in range(STEPS):
@@ -73,11 +91,12 @@ def _rank_main() -> None:
     dist.destroy_process_group()
 
 
-def test_tensor_parallel_two_ranks_match_the_stock_layer_bitwise():
+@pytest.mark.parametrize("backend", list(BACKENDS))
+def test_tensor_parallel_two_ranks_match_the_stock_layer_bitwise(backend):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     result = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-         os.path.abspath(__file__)],
+         os.path.abspath(__file__), backend],
         env=env, cwd=os.path.dirname(HERE), capture_output=True, text=True, timeout=600,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -94,4 +113,4 @@ def test_tensor_parallel_two_ranks_match_the_stock_layer_bitwise():
 
 
 if __name__ == "__main__":
-    _rank_main()
+    _rank_main(sys.argv[1])

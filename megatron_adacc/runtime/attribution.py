@@ -45,12 +45,15 @@ _LAYER_LEVEL_SITE = ("bda1_mask", "bda2_mask")  # by segment
 
 
 def _layer_roles(layer) -> dict[torch.nn.Module, str]:
+    from megatron_adacc.flash_attention import FlashDotProductAttention
+
     attention, mlp = layer.self_attention, layer.mlp
     core = attention.core_attention
+    flash = isinstance(core, FlashDotProductAttention)
     candidates = {
         "input_layernorm": layer.input_layernorm,
         "linear_qkv": getattr(attention, "linear_qkv", None),
-        "core_attention": core,
+        "flash_attention" if flash else "core_attention": core,
         "softmax": getattr(core, "scale_mask_softmax", None),
         "attention_dropout": getattr(core, "attention_dropout", None),
         "linear_proj": attention.linear_proj,
@@ -170,6 +173,8 @@ class SiteAttributor:
                 site = "softmax_out"
             else:
                 site = "attn_mask" if _is_cached_causal_mask(tensor) else None
+        elif role == "flash_attention":
+            site = _flash_site(tensor)
         elif role == "attention_dropout":
             site = "attn_dropout_mask" if _drawn(tensor) else None
         else:
@@ -201,3 +206,12 @@ def _drawn(tensor: torch.Tensor) -> bool:
     # A dropout mask is drawn, not computed from anything that needs a gradient. (Asked only
     # where a rule needs it: reading grad_fn builds a Python object on every save.)
     return tensor.grad_fn is None and not tensor.requires_grad
+
+
+def _flash_site(tensor: torch.Tensor) -> str:
+    # SDPA's flash and memory-efficient kernels save Q, K and V (views of linear_qkv's output,
+    # already known), their output [b, heads, s, dim] (the storage linear_proj saves next),
+    # the log-sum-exp [b, heads, s] and, on CUDA with dropout, integer philox seed and offset.
+    if not tensor.is_floating_point():
+        return "attn_rng_state"
+    return "context" if tensor.dim() == 4 else "attn_lse"

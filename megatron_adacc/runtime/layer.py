@@ -19,6 +19,7 @@ import torch
 from megatron.core.tensor_parallel.random import _fork_rng, _get_all_rng_states, _set_all_rng_states
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
+from megatron_adacc.attention import DEFAULT_SPEC_BACKEND, local_layer_spec
 from megatron_adacc.plan import Decision
 from megatron_adacc.runtime.accounting import active_ruler
 from megatron_adacc.runtime.attribution import SiteAttributor
@@ -176,9 +177,8 @@ def _discarded(_saved):
     raise AssertionError("the rebuild graph is never backpropagated")
 
 
-def get_adacc_layer_spec(**local_spec_kwargs):
-    """megatron-core's local GPT layer spec with AdaccTransformerLayer as the layer."""
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-
-    spec = get_gpt_layer_local_spec(**local_spec_kwargs)
+def get_adacc_layer_spec(attention_backend: str = DEFAULT_SPEC_BACKEND, **local_spec_kwargs):
+    """megatron-core's local GPT layer spec with AdaccTransformerLayer as the layer and
+    `attention_backend`'s core attention (attention.ATTENTION_BACKENDS)."""
+    spec = local_layer_spec(attention_backend, **local_spec_kwargs)
     return dataclasses.replace(spec, module=AdaccTransformerLayer)

@@ -82,6 +82,22 @@ class CompressedStorage:
         return value
 
 
+def _encoding_root(tensor: torch.Tensor) -> torch.Tensor:
+    """What to encode so that every saved view of `tensor`'s storage is a view of the
+    decoded copy (decode returns a contiguous tensor): the whole base, in memory order.
+
+    A dense base whose dimensions are permuted (SDPA's output is [b, heads, s, dim] laid out
+    as [s, b, heads, dim]) is encoded as its contiguous permutation, so the saved strides
+    hold on the decoded copy. Anything else non-contiguous is its own root.
+    """
+    base = tensor._base if tensor._base is not None else tensor
+    if not base.is_contiguous():
+        order = sorted(range(base.dim()), key=lambda dim: -base.stride(dim))
+        in_memory_order = base.permute(order)
+        base = in_memory_order if in_memory_order.is_contiguous() else tensor
+    return base
+
+
 class RebuildComplete(Exception):
     """Raised from the capture hook once every wanted site is rebuilt: the rest of the
     layer's forward is not needed."""
@@ -136,11 +152,7 @@ class LayerCall:
         return saved
 
     def _compress(self, site: str, tensor: torch.Tensor, codec) -> Handle:
-        # Encode the whole base once so views of one storage share one payload; a
-        # non-contiguous base cannot be re-viewed from a decoded copy, so it is its own root.
-        root = tensor._base if tensor._base is not None else tensor
-        if not root.is_contiguous():
-            root = tensor
+        root = _encoding_root(tensor)
         key = id(root.untyped_storage())
         source = self._compressed.get(key)
         if source is None:
