@@ -54,6 +54,14 @@ def init_distributed(tensor_model_parallel_size: int = 1) -> None:
     parallel_state.initialize_model_parallel(tensor_model_parallel_size, 1)
 
 
+def collective_device(group=None) -> torch.device:
+    """Where a tensor for a collective on ``group`` must live: NCCL reduces only CUDA
+    tensors (megatron puts its scalars on torch.cuda.current_device()), gloo host ones."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def set_seed(seed: int) -> None:
     """Seed every generator the model draws from (the tensor-parallel tracker included)."""
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed

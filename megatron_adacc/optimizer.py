@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from megatron_adacc.model import collective_device
+
 
 def _no_decay(name: str, param: torch.nn.Parameter) -> bool:
     # megatron: biases and normalisation weights are not decayed
@@ -57,13 +59,13 @@ class MainParamAdamW:
         self._copy_grads_to_main()
         grads = [m.grad for m in self.main_params if m.grad is not None]
         # A parameter replicated across tensor-parallel ranks is counted on one rank only.
-        squares = torch.zeros(1, dtype=torch.float64, device=grads[0].device if grads else None)
+        tp_group = parallel_state.get_tensor_model_parallel_group()
+        squares = torch.zeros(1, dtype=torch.float64, device=collective_device(tp_group))
         for p, m in zip(self.model_params, self.main_params):
             if m.grad is not None and param_is_not_tensor_parallel_duplicate(p):
                 squares += m.grad.double().pow(2).sum()
         if parallel_state.get_tensor_model_parallel_world_size() > 1:
-            torch.distributed.all_reduce(
-                squares, group=parallel_state.get_tensor_model_parallel_group())
+            torch.distributed.all_reduce(squares, group=tp_group)
         norm = float(squares.sqrt())
         if clip_grad > 0 and grads and norm > clip_grad:
             torch._foreach_mul_(grads, clip_grad / (norm + 1e-6))

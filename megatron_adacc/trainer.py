@@ -124,8 +124,8 @@ class Progress:
 
 def build_data(args: argparse.Namespace, tokenizer, dp_rank: int = 0, dp_size: int = 1
                ) -> tuple[data.GlobalBatches, data.GlobalBatches | None]:
-    """(training batches, validation batches or None) of this data-parallel rank: the
-    flags' datasets, or the built-in demo corpus when none is given."""
+    """(training batches, validation batches or None) of this data-parallel rank, on the
+    host: the flags' datasets, or the built-in demo corpus when none is given."""
     spec = data.DataSpec(args.data_path, args.split, args.train_data_path,
                          args.valid_data_path)
     if not (spec.data_path or spec.train_data_path):
@@ -178,7 +178,16 @@ def build_model_and_data(args: argparse.Namespace, layer_spec=None
     tokenizer = build_tokenizer(args.tokenizer_type, args.vocab_file, args.merge_file)
     train, valid = build_data(args, tokenizer, parallel_state.get_data_parallel_rank(),
                               parallel_state.get_data_parallel_world_size())
-    return build_model(args, tokenizer, layer_spec), train, valid
+    model = build_model(args, tokenizer, layer_spec)
+    # Every batch (training, evaluation, profiling, tracking) goes where the model lives.
+    for batches in (train, valid):
+        if batches is not None:
+            batches.device = model_device(model)
+    return model, train, valid
+
+
+def model_device(model: torch.nn.Module) -> torch.device:
+    return next(model.parameters()).device
 
 
 def first_micro_batch(batches: data.GlobalBatches) -> tuple[torch.Tensor, torch.Tensor,
@@ -189,7 +198,8 @@ def first_micro_batch(batches: data.GlobalBatches) -> tuple[torch.Tensor, torch.
 
 
 def _average_over(group, value: float) -> float:
-    tensor = torch.tensor([value], dtype=torch.float64)
+    tensor = torch.tensor([value], dtype=torch.float64,
+                          device=model_lib.collective_device(group))
     dist.all_reduce(tensor, group=group)
     return tensor.item() / dist.get_world_size(group)
 
