@@ -43,6 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="linear layers without bias")
     model.add_argument("--init-method-std", type=float, default=0.02)
     model.add_argument("--bf16", action="store_true", help="bf16 parameters and activations")
+    model.add_argument("--fp16", action="store_true",
+                       help="fp16 parameters and activations, with loss scaling")
     model.add_argument("--tensor-model-parallel-size", type=int, default=1)
 
     train = p.add_argument_group("training")
@@ -61,6 +63,17 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--adam-beta2", type=float, default=0.999)
     train.add_argument("--clip-grad", type=float, default=1.0)
     train.add_argument("--seed", type=int, default=1234)
+    train.add_argument("--loss-scale", type=float, default=None,
+                       help="constant loss scale for 16-bit training; default with --fp16: "
+                            "dynamic")
+    train.add_argument("--initial-loss-scale", type=float, default=2.0**32,
+                       help="dynamic loss scaling starts here")
+    train.add_argument("--min-loss-scale", type=float, default=1.0,
+                       help="dynamic loss scaling never backs off below this")
+    train.add_argument("--loss-scale-window", type=int, default=1000,
+                       help="steps without overflow before the dynamic scale doubles")
+    train.add_argument("--hysteresis", type=int, default=2,
+                       help="overflowing steps before the dynamic scale halves")
     train.add_argument("--exit-interval", type=int, default=None,
                        help="stop after this iteration (saving first when --save is set)")
 
@@ -212,6 +225,10 @@ def finalize(args: argparse.Namespace, world_size: int) -> None:
             f"--num-attention-heads {args.num_attention_heads} is not divisible by "
             f"--tensor-model-parallel-size {tp}"
         )
+    if args.fp16 and args.bf16:
+        raise ConfigError("--fp16 and --bf16 exclude each other")
+    if args.loss_scale is not None and not (args.fp16 or args.bf16):
+        raise ConfigError("--loss-scale scales 16-bit gradients; add --fp16 or --bf16")
     args.ffn_hidden_size = args.ffn_hidden_size or 4 * args.hidden_size
     args.max_position_embeddings = args.max_position_embeddings or args.seq_length
     if args.max_position_embeddings < args.seq_length:

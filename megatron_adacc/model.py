@@ -103,10 +103,10 @@ def build_gpt_model(config, vocab_size: int, max_sequence_length: int, layer_spe
         share_embeddings_and_output_weights=True,
         position_embedding_type="learned_absolute",
     )
-    if config.bf16:
+    if config.bf16 or config.fp16:
         # megatron's Float16Module does the same: every parameter (position embedding and
-        # layernorms included) in bf16, so activations stay bf16 from the embedding on.
-        model = model.bfloat16()
+        # layernorms included) in 16 bits, so activations stay 16-bit from the embedding on.
+        model = model.bfloat16() if config.bf16 else model.half()
     if torch.cuda.is_available():
         model = model.cuda()
     return model

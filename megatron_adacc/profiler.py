@@ -58,15 +58,15 @@ def gpt_loss(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
 
 def static_bytes(model: torch.nn.Module) -> int:
     """What parameters and the trainer's optimizer (MainParamAdamW) hold for the whole run:
-    parameters and buffers, a gradient per trainable parameter, fp32 main parameters and
-    their gradients when the model is not fp32, and AdamW's two fp32 moments."""
+    parameters and buffers, an fp32 gradient per trainable parameter (a 16-bit model's
+    gradients live in fp32 main gradients, its 16-bit ones only briefly in backward), fp32
+    main parameters when the model is not fp32, and AdamW's two fp32 moments."""
     held = sum(t.numel() * t.element_size()
                for t in (*model.parameters(), *model.buffers()))
     trainable = [p for p in model.parameters() if p.requires_grad]
-    grads = sum(p.numel() * p.element_size() for p in trainable)
     fp32 = sum(p.numel() * 4 for p in trainable)
-    main = 2 * fp32 if any(p.dtype != torch.float32 for p in trainable) else 0
-    return held + grads + main + 2 * fp32
+    main = fp32 if any(p.dtype != torch.float32 for p in trainable) else 0
+    return held + fp32 + main + 2 * fp32
 
 
 def device_name(device: torch.device | None = None) -> str:

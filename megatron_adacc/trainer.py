@@ -25,7 +25,7 @@ def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
 
 
 def transformer_config(args: argparse.Namespace):
-    dtype = torch.bfloat16 if args.bf16 else torch.float32
+    dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
     recompute = {}
     if args.recompute_granularity:
         recompute = dict(
@@ -45,6 +45,7 @@ def transformer_config(args: argparse.Namespace):
         init_method_std=args.init_method_std,
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         bf16=args.bf16,
+        fp16=args.fp16,
         params_dtype=dtype,
         pipeline_dtype=dtype,
         **recompute,
@@ -110,9 +111,13 @@ class Progress:
             self.bar.set_postfix(loss=f"{record['loss']:.4f}",
                                  tok_s=f"{record['tokens_per_s']:.0f}")
         elif record["iteration"] % self.log_interval == 0 or "val_loss" in record:
+            norm = record["grad_norm"]
             line = (f"iter {record['iteration']:6d} | loss {record['loss']:.4f} | "
-                    f"lr {record['lr']:.3e} | grad norm {record['grad_norm']:.3f} | "
+                    f"lr {record['lr']:.3e} | "
+                    f"grad norm {'skipped' if norm is None else f'{norm:.3f}'} | "
                     f"{record['tokens_per_s']:.0f} tokens/s")
+            if "loss_scale" in record:
+                line += f" | loss scale {record['loss_scale']:g}"
             if "val_loss" in record:
                 line += f" | val loss {record['val_loss']:.4f}"
             print(line, flush=True)
@@ -204,6 +209,21 @@ def _average_over(group, value: float) -> float:
     return tensor.item() / dist.get_world_size(group)
 
 
+def grad_scaler(args: argparse.Namespace):
+    """megatron's loss scaling for 16-bit training: constant with --loss-scale, dynamic with
+    --fp16, none otherwise (Megatron-LM's choice)."""
+    from megatron.core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler
+
+    if args.loss_scale:
+        return ConstantGradScaler(args.loss_scale)
+    if args.fp16:
+        return DynamicGradScaler(initial_scale=args.initial_loss_scale,
+                                 min_scale=args.min_loss_scale, growth_factor=2.0,
+                                 backoff_factor=0.5, growth_interval=args.loss_scale_window,
+                                 hysteresis=args.hysteresis)
+    return None
+
+
 class Trainer:
     def __init__(self, args: argparse.Namespace):
         from megatron.core import parallel_state
@@ -218,12 +238,15 @@ class Trainer:
         # Profiling (auto) measures the bare model on the first real micro-batch, before any
         # data-parallel wrapper can synchronise its throwaway gradients.
         self.adacc.setup(self.model, first_micro_batch(self.train_batches))
+        self.optimizer = MainParamAdamW(
+            self.model, args.lr, args.weight_decay, (args.adam_beta1, args.adam_beta2),
+            grad_scaler(args))
         self.train_model = self.model
-        if self.dp_size > 1:
+        # A 16-bit model's gradients are accumulated in the optimizer's fp32 main gradients,
+        # which train_step all-reduces itself; torch DDP would reduce them in 16 bits.
+        if self.dp_size > 1 and self.optimizer.main_grads is None:
             self.train_model = torch.nn.parallel.DistributedDataParallel(
                 self.model, process_group=self.dp_group)
-        self.optimizer = MainParamAdamW(
-            self.model, args.lr, args.weight_decay, (args.adam_beta1, args.adam_beta2))
         self.scheduler = OptimizerParamScheduler(
             self.optimizer,
             init_lr=0.0 if args.lr_warmup_iters else args.lr,
@@ -242,27 +265,48 @@ class Trainer:
             self.iteration, _ = checkpoint.load(args.load, self.model, self.optimizer,
                                                 self.scheduler)
 
-    def train_step(self, global_index: int, measure: bool = False) -> tuple[float, float]:
-        """One optimizer step over a global batch; returns (loss, grad norm). With
-        ``measure``, the activation ruler watches the step (the same ruler for the stock
-        layer, megatron's recompute and every plan)."""
+    def train_step(self, global_index: int, measure: bool = False
+                   ) -> tuple[float, float | None]:
+        """One optimizer step over a global batch; returns (loss, grad norm), the norm None
+        when overflowing gradients skipped the step. With ``measure``, the activation ruler
+        watches the step (the same ruler for the stock layer, megatron's recompute and
+        every plan)."""
         self.train_model.train()
         self.optimizer.zero_grad()
         micro = self.train_batches.num_micro_batches
+        scale = self.optimizer.loss_scale
         total = 0.0
         with self.adacc.measure(measure):
             for k, batch in enumerate(self.train_batches.micro_batches(global_index)):
                 micro_batch = batch["tokens"], batch["labels"], batch["loss_mask"]
                 if k == 0:
                     self.step_batch = micro_batch  # what tracking samples after the step
-                sync = k == micro - 1 or self.dp_size == 1
+                sync = k == micro - 1 or self.train_model is self.model
                 with self.train_model.no_sync() if not sync else contextlib.nullcontext():
                     loss = model_lib.gpt_loss(self.train_model, *micro_batch)
-                    (loss / micro).backward()
+                    scaled = loss / micro
+                    (scaled if scale is None else scaled * scale).backward()
                 total += loss.item()
+        main_grads = self.optimizer.main_grads
+        if main_grads is not None and self.dp_size > 1:
+            # megatron's data-parallel reduction of the fp32 main gradients: scale by 1/DP,
+            # then sum.
+            main_grads.div_(self.dp_size)
+            dist.all_reduce(main_grads, group=self.dp_group)
         grad_norm = self.optimizer.clip_and_step(self.args.clip_grad)
-        self.scheduler.step(1)
+        if grad_norm is not None:  # megatron's scheduler does not advance on a skipped step
+            self.scheduler.step(1)
         return _average_over(self.dp_group, total / micro), grad_norm
+
+    def _loss_scale_record(self, skipped: bool) -> dict:
+        """The loss scale the next step runs with, and whether this one was skipped."""
+        scale = self.optimizer.loss_scale
+        if scale is None:
+            return {}
+        if skipped and dist.get_rank() == 0:
+            print(f"iteration {self.iteration}: gradients overflowed, step skipped; loss "
+                  f"scale now {scale.item():g}", flush=True)
+        return {"loss_scale": scale.item(), "skipped_iter": int(skipped)}
 
     @torch.no_grad()
     def evaluate(self) -> float | None:
@@ -301,6 +345,7 @@ class Trainer:
                     "step_time_s": elapsed,
                     "tokens_per_s": tokens_per_step / elapsed,
                     "grad_norm": grad_norm,
+                    **self._loss_scale_record(grad_norm is None),
                     "activation_measured": measure,
                     **self.adacc.metrics(),
                     # After the step's loss is taken: a swap applies from the next forward.

@@ -14,7 +14,7 @@ def build(adacc: bool, dtype=torch.float32, dropout=0.0, bias=True, layers=2, se
     cfg = model_lib.build_transformer_config(
         num_layers=layers, hidden_size=64, num_attention_heads=4,
         hidden_dropout=dropout, attention_dropout=dropout, add_bias_linear=bias,
-        bf16=dtype == torch.bfloat16, params_dtype=dtype, **config)
+        bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, params_dtype=dtype, **config)
     spec = get_adacc_layer_spec() if adacc else None
     # megatron casts half-precision models with its Float16Module (GPU only); cast here so
     # the position embedding and layernorms run in the activation dtype too.
