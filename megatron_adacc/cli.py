@@ -100,10 +100,7 @@ def _profiled_costs(args: argparse.Namespace) -> tuple[ModelCosts, int | None]:
         value = getattr(args, flag.replace("-", "_"))
         if value is not None:
             argv += [f"--{flag}", str(value)]
-    if args.precision == "fp16":
-        raise UsageError("the trainer profiles bf16 or fp32; pass --precision bf16 or fp32, or "
-                         "--hardware for the analytic model")
-    argv += ["--bf16"] if args.precision == "bf16" else []
+    argv += {"bf16": ["--bf16"], "fp16": ["--fp16"]}.get(args.precision, [])
     argv += ["--micro-batch-size", str(args.micro_batch_size), "--global-batch-size",
              str(args.micro_batch_size), "--train-iters", "1", "--lr-warmup-iters", "0",
              "--eval-interval", "0"]

@@ -74,3 +74,15 @@ def test_paper_models_plan_on_a_v100_at_the_papers_batch_sizes(capsys, config, b
     result = json.loads(capsys.readouterr().out)
     assert result["feasible"]
     assert result["static_bytes"] + result["activation_bytes"] <= 32 * 2**30
+
+
+def test_fp16_profiles_the_trainers_fp16_model(capsys, tmp_path):
+    from pathlib import Path
+
+    tiny = Path(__file__).resolve().parents[1] / "configs" / "tiny-cpu.yaml"
+    db = tmp_path / "profiles.sqlite"
+    assert main(["plan", "--config", str(tiny), "--num-layers", "1", "--hidden-size", "64",
+                 "--seq-length", "32", "--micro-batch-size", "2", "--precision", "fp16",
+                 "--memory-budget", "1GiB", "--profile-db", str(db), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["feasible"]
+    assert db.exists()
