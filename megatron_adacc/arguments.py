@@ -10,6 +10,7 @@ import argparse
 from pathlib import Path
 from typing import Sequence
 
+import torch
 import yaml
 
 from megatron_adacc.tokenizers import TOKENIZER_TYPES
@@ -118,8 +119,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "file")
     adacc.add_argument("--adacc-memory-budget", default=None,
                        help="memory for parameters, optimizer and activations, e.g. 12GiB "
-                            "(B, KiB, MiB, GiB; KB, MB, GB); default on a GPU: its capacity "
-                            "less 1 GiB; required with auto on a CPU")
+                            "(B, KiB, MiB, GiB; KB, MB, GB); default on a GPU: its free memory "
+                            "once the model is built, plus what the process holds, less 1 GiB; "
+                            "required with auto on a CPU")
     adacc.add_argument("--adacc-reprofile", action="store_true",
                        help="measure the model again instead of reusing the ProfileDB")
     adacc.add_argument("--adacc-profile-db", default=None,
@@ -291,10 +293,10 @@ def _finalize_adacc(args: argparse.Namespace) -> None:
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     args.adacc_tracking = "backoff" if config.tracks else "off"
+    # Without a budget, a GPU's default is read once the model is built (Adacc.setup).
     args.adacc_memory_budget = config.budget_bytes
-    if args.adacc_memory_budget is None:
-        args.adacc_memory_budget = policies.default_budget()
-    if args.adacc_policy in policies.AUTO_POLICIES and args.adacc_memory_budget is None:
+    if (args.adacc_policy in policies.AUTO_POLICIES and args.adacc_memory_budget is None
+            and not torch.cuda.is_available()):
         raise ConfigError(f"--adacc-policy {args.adacc_policy} on a CPU needs "
                           "--adacc-memory-budget SIZE "
                           "(e.g. 512MiB): there is no device capacity to default to")

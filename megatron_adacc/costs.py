@@ -24,7 +24,8 @@ from typing import Any, Iterable, Mapping
 from megatron_adacc import sites as site_table
 
 # 2: rebuild_s from the segment start and segments replace per-op recompute_s and sources.
-FORMAT_VERSION = 2
+# 3: allocator_overhead_bytes.
+FORMAT_VERSION = 3
 
 
 class CostsError(ValueError):
@@ -95,6 +96,9 @@ class ModelCosts:
     non_layer_bytes: int              # embedding output, final norm, logits, loss tensors
     backward_workspace_bytes: int     # gradients alive while one layer backprops, any plan
     micro_batch_size: int
+    # How far the CUDA caching allocator's reserved peak of an all-retain step exceeded the
+    # peak this model predicts (fragmentation, cached blocks, kernels' workspaces); 0 on a CPU.
+    allocator_overhead_bytes: int = 0
     segments: tuple[Segment, ...] = MEGATRON_SEGMENTS
     # Free-form provenance: model shape, device or accelerator, dtype, who produced it.
     meta: dict[str, Any] = field(default_factory=dict)
@@ -121,7 +125,8 @@ class ModelCosts:
             raise CostsError(f"num_layers must be >= 1, got {self.num_layers}")
         for number, label in ((self.static_bytes, "static_bytes"),
                               (self.non_layer_bytes, "non_layer_bytes"),
-                              (self.backward_workspace_bytes, "backward_workspace_bytes")):
+                              (self.backward_workspace_bytes, "backward_workspace_bytes"),
+                              (self.allocator_overhead_bytes, "allocator_overhead_bytes")):
             if number < 0:
                 raise CostsError(f"{label} must be >= 0, got {number}")
         order = [segment.name for segment in self.segments]
@@ -176,6 +181,7 @@ class ModelCosts:
             non_layer_bytes=int(data["non_layer_bytes"]),
             backward_workspace_bytes=int(data["backward_workspace_bytes"]),
             micro_batch_size=int(data["micro_batch_size"]),
+            allocator_overhead_bytes=int(data["allocator_overhead_bytes"]),
             segments=tuple(Segment(**segment) for segment in data["segments"]),
             meta=dict(data.get("meta", {})),
         )

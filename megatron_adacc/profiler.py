@@ -34,7 +34,7 @@ from typing import Callable, Iterable, Sequence
 
 import torch
 
-from megatron_adacc import codecs, hardware
+from megatron_adacc import allocator, codecs, hardware, planning
 from megatron_adacc import model as model_lib
 from megatron_adacc import sites as site_table
 from megatron_adacc.costs import MEGATRON_SEGMENTS, CodecCost, ModelCosts, SiteCost
@@ -322,7 +322,8 @@ def profile(model: torch.nn.Module, batch: Batch, *, repeats: int = DEFAULT_REPE
 def _profile(run: _Profiling) -> ModelCosts:
     model, config = run.model, run.model.config
     run.step({})  # warm-up: megatron's cached mask, allocator, codec kernels
-    retained = run.step({}, _DtypeRuler)
+    with allocator.watch(run.device) as peaks:
+        retained = run.step({}, _DtypeRuler)
     sizes = run.layer_sites(retained)
     order = list(sizes)
     known = [name for name in order if name in site_table.SITES]
@@ -344,7 +345,7 @@ def _profile(run: _Profiling) -> ModelCosts:
     num_layers = len(run.layers)
     seq_length, micro_batch = run.batch[0].shape[1], run.batch[0].shape[0]
     shape = model_shape(config, model.vocab_size, seq_length)
-    return ModelCosts(
+    costs = ModelCosts(
         sites=sites,
         num_layers=num_layers,
         static_bytes=static_bytes(model),
@@ -360,6 +361,18 @@ def _profile(run: _Profiling) -> ModelCosts:
             "rebuild_prefix_s": prefix_s,
         },
     )
+    return replace(costs, allocator_overhead_bytes=allocator_overhead(costs, peaks))
+
+
+def allocator_overhead(costs: ModelCosts, peaks: allocator.Peaks) -> int:
+    """How far the allocator's reserved peak over an all-retain step exceeded what the
+    planner predicts for it: the bytes already in tensors when the step began (parameters,
+    buffers) plus its predicted activation peak. 0 on a CPU (no allocator readings)."""
+    if not peaks.max_reserved:
+        return 0
+    retain_all = [planning.evaluate_layer(costs, {})] * costs.num_layers
+    predicted = planning.peak_bytes(costs, retain_all) - costs.static_bytes
+    return max(0, peaks.max_reserved - peaks.allocated_before - predicted)
 
 
 def refresh_codec_costs(costs: ModelCosts, model: torch.nn.Module, batch: Batch,

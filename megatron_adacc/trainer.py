@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megatron_adacc import checkpoint, data, model as model_lib
+from megatron_adacc import allocator, checkpoint, data, model as model_lib
 from megatron_adacc.adacc import Adacc, AdaccConfig
 from megatron_adacc.optimizer import MainParamAdamW
 from megatron_adacc.tokenizers import build_tokenizer
@@ -209,6 +209,14 @@ def _average_over(group, value: float) -> float:
     return tensor.item() / dist.get_world_size(group)
 
 
+def allocator_record(peaks: allocator.Peaks, device: torch.device) -> dict:
+    """The CUDA caching allocator's peaks over one step (none on a CPU)."""
+    if device.type != "cuda":
+        return {}
+    return {"max_memory_allocated": peaks.max_allocated,
+            "max_memory_reserved": peaks.max_reserved}
+
+
 def grad_scaler(args: argparse.Namespace):
     """megatron's loss scaling for 16-bit training: constant with --loss-scale, dynamic with
     --fp16, none otherwise (Megatron-LM's choice)."""
@@ -233,6 +241,7 @@ class Trainer:
         self.adacc = Adacc(AdaccConfig.from_args(args))
         self.model, self.train_batches, self.valid_batches = build_model_and_data(
             args, self.adacc.layer_spec())
+        self.device = model_device(self.model)
         self.dp_group = parallel_state.get_data_parallel_group()
         self.dp_size = parallel_state.get_data_parallel_world_size()
         # Profiling (auto) measures the bare model on the first real micro-batch, before any
@@ -335,7 +344,8 @@ class Trainer:
                 measure = (self.adacc.activation_bytes is None
                            or self.iteration % args.activation_measure_interval == 0)
                 start = time.perf_counter()
-                loss, grad_norm = self.train_step(self.iteration, measure)
+                with allocator.watch(self.device) as peaks:
+                    loss, grad_norm = self.train_step(self.iteration, measure)
                 elapsed = time.perf_counter() - start
                 self.iteration += 1
                 record = {
@@ -346,6 +356,7 @@ class Trainer:
                     "tokens_per_s": tokens_per_step / elapsed,
                     "grad_norm": grad_norm,
                     **self._loss_scale_record(grad_norm is None),
+                    **allocator_record(peaks, self.device),
                     "activation_measured": measure,
                     **self.adacc.metrics(),
                     # After the step's loss is taken: a swap applies from the next forward.

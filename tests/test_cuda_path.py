@@ -62,3 +62,81 @@ def test_the_loss_average_is_reduced_on_the_gpu_for_nccl(nccl_group):
 
 def test_collectives_on_a_gloo_group_stay_on_the_host(distributed):
     assert model_lib.collective_device(dist.group.WORLD) == torch.device("cpu")
+
+
+@pytest.fixture
+def fake_allocator(monkeypatch):
+    """torch.cuda's allocator readings, scripted: each reset of the peak statistics starts a
+    new step whose peaks are 100 x its number (allocated) and 1000 x (reserved)."""
+    state = {"resets": 0}
+
+    def reset(device=None):
+        state["resets"] += 1
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", reset)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 7)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated",
+                        lambda device=None: 100 * state["resets"])
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved",
+                        lambda device=None: 1000 * state["resets"])
+    return state
+
+
+def test_metrics_carry_the_allocators_peaks_reset_every_step(distributed, fake_allocator):
+    t = trainer.Trainer(parse_args(TINY + ["--train-iters", "2"]))
+    t.device = torch.device("cuda", 0)  # where the allocator is read; the model stays put
+    records = t.train()
+    assert [(r["max_memory_allocated"], r["max_memory_reserved"]) for r in records] == \
+        [(100, 1000), (200, 2000)]
+    assert fake_allocator["resets"] == 2
+
+
+def test_no_allocator_numbers_on_a_cpu(distributed):
+    (record,) = trainer.Trainer(parse_args(TINY + ["--train-iters", "1"])).train()
+    assert "max_memory_allocated" not in record and "max_memory_reserved" not in record
+
+
+def test_the_profiled_allocator_overhead_is_what_the_all_retain_peak_exceeds(fake_allocator):
+    from megatron_adacc import allocator, hardware, planning, profiler
+
+    costs = hardware.analytic_costs(hardware.ModelShape(2, 64, 4, 32, 256), 2, "a100-80gb")
+    retain_all = [planning.evaluate_layer(costs, {})] * costs.num_layers
+    predicted = planning.peak_bytes(costs, retain_all) - costs.static_bytes
+    with allocator.watch(torch.device("cuda", 0)) as peaks:
+        pass
+    assert peaks == allocator.Peaks(allocated_before=7, max_allocated=100, max_reserved=1000)
+    over = allocator.Peaks(allocated_before=5000, max_reserved=5000 + predicted + 777)
+    assert profiler.allocator_overhead(costs, over) == 777
+    under = allocator.Peaks(allocated_before=5000, max_reserved=5000 + predicted - 1)
+    assert profiler.allocator_overhead(costs, under) == 0
+    assert profiler.allocator_overhead(costs, allocator.Peaks()) == 0  # a CPU
+
+
+def test_plans_carry_the_allocator_overhead(distributed):
+    from dataclasses import replace
+
+    from megatron_adacc import costs as costs_lib, hardware, planning
+
+    costs = hardware.analytic_costs(hardware.ModelShape(2, 64, 4, 32, 256), 2, "a100-80gb")
+    padded = replace(costs, allocator_overhead_bytes=777)
+    assert costs_lib.ModelCosts.from_json(padded.to_json()) == padded
+    retain_all = [planning.evaluate_layer(costs, {})] * costs.num_layers
+    assert planning.peak_bytes(padded, retain_all) == planning.peak_bytes(costs, retain_all) + 777
+    assert planning.minimum_budget(padded) == planning.minimum_budget(costs) + 777
+    budget = planning.minimum_budget(padded)
+    with pytest.raises(planning.InfeasibleBudget):
+        planning.plan(padded, budget - 1)
+    assert planning.plan(padded, budget).peak_bytes <= budget
+
+
+def test_the_default_budget_is_what_the_process_may_still_use(monkeypatch):
+    from megatron_adacc import allocator, policies
+
+    gib = 1 << 30
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (10 * gib, 80 * gib))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 3 * gib)
+    assert allocator.BUDGET_MARGIN_BYTES == gib
+    assert policies.default_budget() == 12 * gib

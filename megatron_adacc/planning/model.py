@@ -4,8 +4,12 @@ their charges and their limits from this module; none restates a rule.
 
 Memory model (one pipeline stage, identical layers, layer 0 nearest the embedding):
 
-    peak = static + max( non_layer + sum_l stored(l),                       # end of forward
+    peak = static + allocator_overhead
+                  + max( non_layer + sum_l stored(l),                       # end of forward
                          max_l [ sum_{k<=l} stored(k) + transient(l) ] + workspace )
+
+allocator_overhead is what the profiler saw the CUDA caching allocator reserve beyond this
+model's prediction on an all-retain step (0 on a CPU).
 
 stored(l) is what layer l keeps between its forward and backward (retained bytes + codec
 payloads); transient(l) is what exists at full size only while layer l backprops:
@@ -210,8 +214,9 @@ def evaluate_layer(costs: ModelCosts, decisions: Mapping[str, Decision]) -> Laye
 def peak_from_terms(costs: ModelCosts, all_stored, backward_peak):
     """The peak rule, given every layer's stored bytes together and max_l [prefix(l) +
     transient(l)]. Either may be an array (the searches evaluate many plans at once)."""
-    return costs.static_bytes + np.maximum(costs.non_layer_bytes + all_stored,
-                                           backward_peak + costs.backward_workspace_bytes)
+    return (costs.static_bytes + costs.allocator_overhead_bytes
+            + np.maximum(costs.non_layer_bytes + all_stored,
+                         backward_peak + costs.backward_workspace_bytes))
 
 
 def peak_bytes(costs: ModelCosts, layers: Sequence[LayerPolicy]) -> int:
@@ -234,7 +239,7 @@ class Limits(NamedTuple):
 
 
 def budget_limits(costs: ModelCosts, budget_bytes: int) -> Limits:
-    available = budget_bytes - costs.static_bytes
+    available = budget_bytes - costs.static_bytes - costs.allocator_overhead_bytes
     return Limits(available - costs.non_layer_bytes, available - costs.backward_workspace_bytes)
 
 
