@@ -78,3 +78,16 @@ def test_data_parallel_accumulated_gradients_are_reduced_in_fp32(tmp_path):
     verdict = json.loads(done.stdout.strip().splitlines()[-1])
     assert verdict["micro_batches"] == 8
     assert verdict["error_in_fp32_bounds"] <= 1.0, verdict
+
+
+def test_fp16_resume_restores_the_loss_scale_and_reproduces_the_run(tmp_path):
+    # A low window makes the scale grow within the run, so the checkpoint must carry it.
+    common = ["--fp16", "--train-iters", "4", "--initial-loss-scale", "1024",
+              "--loss-scale-window", "1"]
+    straight = Trainer(parse_args(TINY + common)).train()
+    ckpt = str(tmp_path / "ckpt")
+    first = Trainer(parse_args(TINY + common + ["--save", ckpt, "--exit-interval", "2"])).train()
+    rest = Trainer(parse_args(TINY + common + ["--load", ckpt])).train()
+    assert [r["loss_scale"] for r in straight] == [2048.0, 4096.0, 8192.0, 16384.0]
+    assert [(r["loss"], r["loss_scale"]) for r in first + rest] == \
+        [(r["loss"], r["loss_scale"]) for r in straight]
