@@ -29,6 +29,11 @@ def profiled(request, distributed):
     return model, profile(model, batch(0), repeats=1, strict=True)
 
 
+def test_a_cpu_profile_has_no_allocator_overhead(profiled):
+    # No caching allocator stands between tensors and a CPU's memory.
+    assert profiled[1].allocator_overhead_bytes == 0
+
+
 def test_site_bytes_are_the_rulers_for_every_layer(profiled):
     model, costs = profiled
     report = measure_step(model, lambda: loss_of(model), strict=True)[1]
