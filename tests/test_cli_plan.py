@@ -79,10 +79,17 @@ def test_paper_models_plan_on_a_v100_at_the_papers_batch_sizes(capsys, config, b
 def test_fp16_profiles_the_trainers_fp16_model(capsys, tmp_path):
     from pathlib import Path
 
-    tiny = Path(__file__).resolve().parents[1] / "configs" / "tiny-cpu.yaml"
+    # A bf16 config: --precision replaces its precision, as it does with --hardware.
+    tiny = tmp_path / "tiny-bf16.yaml"
+    tiny.write_text((Path(__file__).resolve().parents[1] / "configs" / "tiny-cpu.yaml")
+                    .read_text() + "bf16: true\n")
     db = tmp_path / "profiles.sqlite"
     assert main(["plan", "--config", str(tiny), "--num-layers", "1", "--hidden-size", "64",
                  "--seq-length", "32", "--micro-batch-size", "2", "--precision", "fp16",
                  "--memory-budget", "1GiB", "--profile-db", str(db), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["feasible"]
-    assert db.exists()
+    import sqlite3
+
+    with sqlite3.connect(db) as conn:
+        (key,), = conn.execute("SELECT key FROM profiles").fetchall()
+    assert json.loads(key)["params_dtype"] == "float16"
