@@ -11,6 +11,7 @@ import math
 from pathlib import Path
 from typing import Sequence
 
+import torch
 import yaml
 
 from megatron_adacc.errors import InputError
@@ -110,6 +111,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="linear layers without bias")
     model.add_argument("--init-method-std", type=_number(positive=True), default=0.02)
     model.add_argument("--bf16", action="store_true", help="bf16 parameters and activations")
+    model.add_argument("--fp16", action="store_true",
+                       help="fp16 parameters and activations, with loss scaling")
     model.add_argument("--tensor-model-parallel-size", type=_POSITIVE, default=1)
 
     train = p.add_argument_group("training")
@@ -129,6 +132,17 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--adam-beta2", type=_FRACTION, default=0.999)
     train.add_argument("--clip-grad", type=_number(), default=1.0)
     train.add_argument("--seed", type=_integer(0, 2**32 - 1), default=1234)
+    train.add_argument("--loss-scale", type=_number(positive=True), default=None,
+                       help="constant loss scale for 16-bit training; default with --fp16: "
+                            "dynamic")
+    train.add_argument("--initial-loss-scale", type=_number(positive=True), default=2.0**32,
+                       help="dynamic loss scaling starts here")
+    train.add_argument("--min-loss-scale", type=_number(positive=True), default=1.0,
+                       help="dynamic loss scaling never backs off below this")
+    train.add_argument("--loss-scale-window", type=_POSITIVE, default=1000,
+                       help="steps without overflow before the dynamic scale doubles")
+    train.add_argument("--hysteresis", type=_POSITIVE, default=2,
+                       help="overflowing steps before the dynamic scale halves")
     train.add_argument("--exit-interval", type=_COUNT, default=None,
                        help="stop after this iteration (saving first when --save is set)")
 
@@ -173,8 +187,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "file")
     adacc.add_argument("--adacc-memory-budget", default=None,
                        help="memory for parameters, optimizer and activations, e.g. 12GiB "
-                            "(B, KiB, MiB, GiB; KB, MB, GB); default on a GPU: its capacity "
-                            "less 1 GiB; required with auto on a CPU")
+                            "(B, KiB, MiB, GiB; KB, MB, GB); default on a GPU: its free memory "
+                            "once the model is built, plus what the process holds, less 1 GiB; "
+                            "required with auto on a CPU")
     adacc.add_argument("--adacc-reprofile", action="store_true",
                        help="measure the model again instead of reusing the ProfileDB")
     adacc.add_argument("--adacc-profile-db", default=None,
@@ -278,6 +293,10 @@ def finalize(args: argparse.Namespace, world_size: int) -> None:
             f"--num-attention-heads {args.num_attention_heads} is not divisible by "
             f"--tensor-model-parallel-size {tp}"
         )
+    if args.fp16 and args.bf16:
+        raise ConfigError("--fp16 and --bf16 exclude each other")
+    if args.loss_scale is not None and not (args.fp16 or args.bf16):
+        raise ConfigError("--loss-scale scales 16-bit gradients; add --fp16 or --bf16")
     args.ffn_hidden_size = args.ffn_hidden_size or 4 * args.hidden_size
     args.max_position_embeddings = args.max_position_embeddings or args.seq_length
     if args.max_position_embeddings < args.seq_length:
@@ -338,10 +357,10 @@ def _finalize_adacc(args: argparse.Namespace) -> None:
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     args.adacc_tracking = "backoff" if config.tracks else "off"
+    # Without a budget, a GPU's default is read once the model is built (Adacc.setup).
     args.adacc_memory_budget = config.budget_bytes
-    if args.adacc_memory_budget is None and args.adacc_policy != "none":
-        args.adacc_memory_budget = policies.default_budget()
-    if args.adacc_policy in policies.AUTO_POLICIES and args.adacc_memory_budget is None:
+    if (args.adacc_policy in policies.AUTO_POLICIES and args.adacc_memory_budget is None
+            and not torch.cuda.is_available()):
         raise ConfigError(f"--adacc-policy {args.adacc_policy} on a CPU needs "
                           "--adacc-memory-budget SIZE "
                           "(e.g. 512MiB): there is no device capacity to default to")

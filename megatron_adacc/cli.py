@@ -20,6 +20,8 @@ import argparse
 import contextlib
 import json
 import sys
+import tempfile
+from pathlib import Path
 from typing import Any, Sequence
 
 import yaml
@@ -75,20 +77,22 @@ def _build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _config_flags(path: str) -> dict[str, Any]:
+    try:
+        with open(path) as handle:
+            loaded = yaml.safe_load(handle) or {}
+    except OSError as exc:
+        raise UsageError(f"cannot read config {path!r}: {exc.strerror}") from None
+    except yaml.YAMLError as exc:
+        raise UsageError(f"config {path!r} is not valid YAML: "
+                         f"{str(exc).splitlines()[0]}") from None
+    if not isinstance(loaded, dict):
+        raise UsageError(f"config {path!r} is not a mapping of flags")
+    return {str(k).replace("_", "-"): v for k, v in loaded.items()}
+
+
 def _flags(args: argparse.Namespace) -> dict[str, Any]:
-    flags: dict[str, Any] = {}
-    if args.config:
-        try:
-            with open(args.config) as handle:
-                loaded = yaml.safe_load(handle) or {}
-        except OSError as exc:
-            raise UsageError(f"cannot read config {args.config!r}: {exc.strerror}") from None
-        except yaml.YAMLError as exc:
-            raise UsageError(f"config {args.config!r} is not valid YAML: "
-                             f"{str(exc).splitlines()[0]}") from None
-        if not isinstance(loaded, dict):
-            raise UsageError(f"config {args.config!r} is not a mapping of flags")
-        flags.update({str(k).replace("_", "-"): v for k, v in loaded.items()})
+    flags: dict[str, Any] = _config_flags(args.config) if args.config else {}
     for flag in _SHAPE_FLAGS:
         value = getattr(args, flag.replace("-", "_"))
         if value is not None:
@@ -110,24 +114,30 @@ def _profiled_costs(args: argparse.Namespace) -> tuple[ModelCosts, int | None]:
     if args.vocab_size is not None:
         raise UsageError("--vocab-size describes a model for --hardware; a profile measures "
                          "the trainer's model, whose vocabulary is its --tokenizer-type's")
-    argv = ["--config", args.config] if args.config else []
-    for flag in _SHAPE_FLAGS:
-        value = getattr(args, flag.replace("-", "_"))
-        if value is not None:
-            argv += [f"--{flag}", str(value)]
-    if args.precision == "fp16":
-        raise UsageError("the trainer profiles bf16 or fp32; pass --precision bf16 or fp32, or "
-                         "--hardware for the analytic model")
-    argv += ["--bf16"] if args.precision == "bf16" else []
-    argv += ["--micro-batch-size", str(args.micro_batch_size), "--global-batch-size",
-             str(args.micro_batch_size), "--train-iters", "1", "--lr-warmup-iters", "0",
-             "--eval-interval", "0"]
-    try:
-        with contextlib.redirect_stdout(sys.stderr):  # keep stdout for the table / JSON
-            model, batches, _ = trainer.build_model_and_data(parse_args(argv),
-                                                             get_adacc_layer_spec())
-    except (ConfigError, ValueError) as exc:
-        raise UsageError(str(exc)) from None
+    with tempfile.TemporaryDirectory() as scratch:
+        config = args.config
+        if config and args.precision:
+            # --precision replaces the config's fp16/bf16: a trainer flag could switch one
+            # on, never the config's other one off.
+            config = str(Path(scratch) / "config.yaml")
+            Path(config).write_text(yaml.safe_dump(
+                {k: v for k, v in _config_flags(args.config).items()
+                 if k not in ("fp16", "bf16")}))
+        argv = ["--config", config] if config else []
+        for flag in _SHAPE_FLAGS:
+            value = getattr(args, flag.replace("-", "_"))
+            if value is not None:
+                argv += [f"--{flag}", str(value)]
+        argv += {"bf16": ["--bf16"], "fp16": ["--fp16"]}.get(args.precision, [])
+        argv += ["--micro-batch-size", str(args.micro_batch_size), "--global-batch-size",
+                 str(args.micro_batch_size), "--train-iters", "1", "--lr-warmup-iters", "0",
+                 "--eval-interval", "0"]
+        try:
+            with contextlib.redirect_stdout(sys.stderr):  # keep stdout for the table / JSON
+                model, batches, _ = trainer.build_model_and_data(parse_args(argv),
+                                                                 get_adacc_layer_spec())
+        except (ConfigError, ValueError) as exc:
+            raise UsageError(str(exc)) from None
     costs, _ = policies.measured_costs(model, trainer.first_micro_batch(batches),
                                        ProfileDB(args.profile_db))
     return policies.designated_codecs(costs), policies.default_budget()

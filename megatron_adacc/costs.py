@@ -28,7 +28,8 @@ from typing import Any, Iterable, Mapping
 from megatron_adacc import sites as site_table
 
 # 2: rebuild_s from the segment start and segments replace per-op recompute_s and sources.
-FORMAT_VERSION = 2
+# 3: allocator_overhead_bytes.
+FORMAT_VERSION = 3
 
 
 class CostsError(ValueError):
@@ -101,6 +102,9 @@ class ModelCosts:
     non_layer_bytes: int
     backward_workspace_bytes: int     # gradients alive while one layer backprops, any plan
     micro_batch_size: int
+    # How far the CUDA caching allocator's reserved peak of an all-retain step exceeded the
+    # peak this model predicts (fragmentation, cached blocks, kernels' workspaces); 0 on a CPU.
+    allocator_overhead_bytes: int = 0
     segments: tuple[Segment, ...] = MEGATRON_SEGMENTS
     # Micro-batches whose activations the stage holds at once (1F1B: min(P - s, M)).
     in_flight_micro_batches: int = 1
@@ -136,7 +140,8 @@ class ModelCosts:
         for number, label in ((self.static_bytes, "static_bytes"),
                               (self.non_layer_bytes, "non_layer_bytes"),
                               (self.embedding_bytes, "embedding_bytes"),
-                              (self.backward_workspace_bytes, "backward_workspace_bytes")):
+                              (self.backward_workspace_bytes, "backward_workspace_bytes"),
+                              (self.allocator_overhead_bytes, "allocator_overhead_bytes")):
             if number < 0:
                 raise CostsError(f"{label} must be >= 0, got {number}")
         order = [segment.name for segment in self.segments]
@@ -191,6 +196,7 @@ class ModelCosts:
             non_layer_bytes=int(data["non_layer_bytes"]),
             backward_workspace_bytes=int(data["backward_workspace_bytes"]),
             micro_batch_size=int(data["micro_batch_size"]),
+            allocator_overhead_bytes=int(data["allocator_overhead_bytes"]),
             segments=tuple(Segment(**segment) for segment in data["segments"]),
             in_flight_micro_batches=int(data.get("in_flight_micro_batches", 1)),
             embedding_bytes=int(data.get("embedding_bytes", 0)),

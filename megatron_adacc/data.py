@@ -235,9 +235,13 @@ class GlobalBatches:
     chunk [g*G + k*m*D, g*G + (k+1)*m*D) and rank ``d`` takes its ``m`` samples at offset d*m
     (megatron's pretraining sampler layout). Being a function of ``g`` alone, it needs no
     state in a checkpoint beyond the iteration number.
+
+    Micro-batches are built on the host and handed over on ``device``, the model's (the
+    trainer sets it once the model is built).
     """
 
-    def __init__(self, dataset, global_batch: int, micro_batch: int, dp_rank: int, dp_size: int):
+    def __init__(self, dataset, global_batch: int, micro_batch: int, dp_rank: int, dp_size: int,
+                 device: torch.device | str = "cpu"):
         if global_batch % (micro_batch * dp_size):
             raise ValueError(
                 f"--global-batch-size {global_batch} is not a multiple of --micro-batch-size "
@@ -249,6 +253,7 @@ class GlobalBatches:
         self.dp_rank = dp_rank
         self.dp_size = dp_size
         self.num_micro_batches = global_batch // (micro_batch * dp_size)
+        self.device = torch.device(device)
 
     def micro_batches(self, global_index: int) -> Iterator[dict[str, torch.Tensor]]:
         for step in range(self.num_micro_batches):
@@ -257,5 +262,14 @@ class GlobalBatches:
                      + self.dp_rank * self.micro_batch)
             samples = [self.dataset[(start + i) % len(self.dataset)]
                        for i in range(self.micro_batch)]
-            yield {key: torch.stack([s[key] for s in samples])
+            yield {key: to_device(torch.stack([s[key] for s in samples]), self.device)
                    for key in ("tokens", "labels", "loss_mask")}
+
+
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on ``device``. To a GPU through pinned memory without blocking (what
+    megatron's data loader does with pin_memory=True): the copy overlaps the host's work,
+    and the stream orders it before the kernels that read it."""
+    if device.type == "cuda":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)

@@ -113,6 +113,29 @@ def _causal_mask_uncached() -> bool:
     return not hasattr(tutils.get_default_causal_mask, "cache_info")
 
 
+def _cpu_grad_scaler() -> None:
+    # megatron's grad scalers keep the loss scale (and the dynamic scaler's bounds and
+    # factors) in tensors created with device='cuda', and load_state_dict moves the scale
+    # to torch.cuda.current_device(). The module's only use of torch is to make those
+    # tensors, so it gets a torch whose tensor() ignores the device, and a host load.
+    import types
+
+    from megatron.core.optimizer import grad_scaler
+
+    host_torch = types.SimpleNamespace(
+        **{name: getattr(torch, name) for name in ("float", "max")},
+        tensor=lambda data, device=None, **kwargs: torch.tensor(data, **kwargs),
+    )
+    grad_scaler.torch = host_torch
+
+    def load_state_dict(self, state_dict):
+        self._scale = state_dict["scale"].cpu()
+        self._growth_tracker = state_dict["growth_tracker"]
+        self._hysteresis_tracker = state_dict["hysteresis_tracker"]
+
+    grad_scaler.DynamicGradScaler.load_state_dict = load_state_dict
+
+
 def _checkpoint_without_output_fp8() -> None:
     # CheckpointWithoutOutput.__init__ sets ``self.fp8 = fp8 is not None``, so the False that
     # selective recompute of layernorm/mlp passes becomes True, and without Transformer
@@ -138,6 +161,7 @@ def _transformer_engine_absent() -> bool:
 CPU_SHIMS = {
     "cpu_global_memory_buffer": _cpu_global_memory_buffer,
     "cpu_rng_tracker": _cpu_rng_tracker,
+    "cpu_grad_scaler": _cpu_grad_scaler,
 }
 
 

@@ -55,6 +55,14 @@ def init_distributed(tensor_model_parallel_size: int = 1) -> None:
     parallel_state.initialize_model_parallel(tensor_model_parallel_size, 1)
 
 
+def collective_device(group=None) -> torch.device:
+    """Where a tensor for a collective on ``group`` must live: NCCL reduces only CUDA
+    tensors (megatron puts its scalars on torch.cuda.current_device()), gloo host ones."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def set_seed(seed: int) -> None:
     """Seed every generator the model draws from (the tensor-parallel tracker included)."""
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
@@ -98,10 +106,10 @@ def build_gpt_model(config, vocab_size: int, max_sequence_length: int, layer_spe
         share_embeddings_and_output_weights=True,
         position_embedding_type="learned_absolute",
     )
-    if config.bf16:
+    if config.bf16 or config.fp16:
         # megatron's Float16Module does the same: every parameter (position embedding and
-        # layernorms included) in bf16, so activations stay bf16 from the embedding on.
-        model = model.bfloat16()
+        # layernorms included) in 16 bits, so activations stay 16-bit from the embedding on.
+        model = model.bfloat16() if config.bf16 else model.half()
     if torch.cuda.is_available():
         model = model.cuda()
     return model

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megatron_adacc import hardware, planning, profiler
+from megatron_adacc import allocator, planning, profiler
 from megatron_adacc import sites as site_table
 from megatron_adacc.attention import backend_of
 from megatron_adacc.costs import ModelCosts
@@ -64,11 +64,9 @@ def uses_runtime(policy: str) -> bool:
 
 
 def default_budget() -> int | None:
-    """On a GPU, the device's memory less what a process cannot give to tensors."""
-    if not torch.cuda.is_available():
-        return None
-    capacity = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
-    return capacity - hardware.DEFAULT_RESERVED_BYTES
+    """On a GPU, the memory this process may still plan for, read once the model is built
+    (other processes' and the CUDA context's memory is not the budget's); None on a CPU."""
+    return allocator.plannable_bytes()
 
 
 def predicted_activation_bytes(costs: ModelCosts, result: planning.PlanResult) -> int:

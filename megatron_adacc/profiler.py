@@ -36,7 +36,7 @@ import torch
 # megatron's own: saves and restores the CPU, default CUDA and tracker generators.
 from megatron.core.tensor_parallel.random import _fork_rng
 
-from megatron_adacc import codecs, hardware
+from megatron_adacc import allocator, codecs, hardware, planning
 from megatron_adacc import model as model_lib
 from megatron_adacc.attention import backend_of
 from megatron_adacc import sites as site_table
@@ -60,15 +60,15 @@ def gpt_loss(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
 
 def static_bytes(model: torch.nn.Module) -> int:
     """What parameters and the trainer's optimizer (MainParamAdamW) hold for the whole run:
-    parameters and buffers, a gradient per trainable parameter, fp32 main parameters and
-    their gradients when the model is not fp32, and AdamW's two fp32 moments."""
+    parameters and buffers, an fp32 gradient per trainable parameter (a 16-bit model's
+    gradients live in fp32 main gradients, its 16-bit ones only briefly in backward), fp32
+    main parameters when the model is not fp32, and AdamW's two fp32 moments."""
     held = sum(t.numel() * t.element_size()
                for t in (*model.parameters(), *model.buffers()))
     trainable = [p for p in model.parameters() if p.requires_grad]
-    grads = sum(p.numel() * p.element_size() for p in trainable)
     fp32 = sum(p.numel() * 4 for p in trainable)
-    main = 2 * fp32 if any(p.dtype != torch.float32 for p in trainable) else 0
-    return held + grads + main + 2 * fp32
+    main = fp32 if any(p.dtype != torch.float32 for p in trainable) else 0
+    return held + fp32 + main + 2 * fp32
 
 
 def device_name(device: torch.device | None = None) -> str:
@@ -323,7 +323,8 @@ def profile(model: torch.nn.Module, batch: Batch, *, repeats: int = DEFAULT_REPE
 def _profile(run: _Profiling) -> ModelCosts:
     model, config = run.model, run.model.config
     run.step({})  # warm-up: megatron's cached mask, allocator, codec kernels
-    retained = run.step({}, _DtypeRuler)
+    with allocator.watch(run.device) as peaks:
+        retained = run.step({}, _DtypeRuler)
     sizes = run.layer_sites(retained)
     order = list(sizes)
     known = [name for name in order if name in site_table.SITES]
@@ -345,7 +346,7 @@ def _profile(run: _Profiling) -> ModelCosts:
     num_layers = len(run.layers)
     seq_length, micro_batch = run.batch[0].shape[1], run.batch[0].shape[0]
     shape = model_shape(config, model.vocab_size, seq_length, backend_of(model))
-    return ModelCosts(
+    costs = ModelCosts(
         sites=sites,
         num_layers=num_layers,
         static_bytes=static_bytes(model),
@@ -361,6 +362,18 @@ def _profile(run: _Profiling) -> ModelCosts:
             "rebuild_prefix_s": prefix_s,
         },
     )
+    return replace(costs, allocator_overhead_bytes=allocator_overhead(costs, peaks))
+
+
+def allocator_overhead(costs: ModelCosts, peaks: allocator.Peaks) -> int:
+    """How far the allocator's reserved peak over an all-retain step exceeded what the
+    planner predicts for it: the bytes already in tensors when the step began (parameters,
+    buffers) plus its predicted activation peak. 0 on a CPU (no allocator readings)."""
+    if not peaks.max_reserved:
+        return 0
+    retain_all = [planning.evaluate_layer(costs, {})] * costs.num_layers
+    predicted = planning.peak_bytes(costs, retain_all) - costs.static_bytes
+    return max(0, peaks.max_reserved - peaks.allocated_before - predicted)
 
 
 def refresh_codec_costs(costs: ModelCosts, model: torch.nn.Module, batch: Batch,

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megatron_adacc import checkpoint, data, model as model_lib, numerics
+from megatron_adacc import allocator, checkpoint, data, model as model_lib, numerics
 from megatron_adacc.adacc import Adacc, AdaccConfig
 from megatron_adacc.attention import local_layer_spec, with_attention_backend
 from megatron_adacc.optimizer import MainParamAdamW
@@ -26,7 +26,7 @@ def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
 
 
 def transformer_config(args: argparse.Namespace):
-    dtype = torch.bfloat16 if args.bf16 else torch.float32
+    dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
     recompute = {}
     if args.recompute_granularity:
         recompute = dict(
@@ -46,6 +46,7 @@ def transformer_config(args: argparse.Namespace):
         init_method_std=args.init_method_std,
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         bf16=args.bf16,
+        fp16=args.fp16,
         params_dtype=dtype,
         pipeline_dtype=dtype,
         **recompute,
@@ -112,9 +113,13 @@ class Progress:
             self.bar.set_postfix(loss=f"{record['loss']:.4f}",
                                  tok_s=f"{record['tokens_per_s']:.0f}")
         elif record["iteration"] % self.log_interval == 0 or "val_loss" in record:
+            norm = record["grad_norm"]
             line = (f"iter {record['iteration']:6d} | loss {record['loss']:.4f} | "
-                    f"lr {record['lr']:.3e} | grad norm {record['grad_norm']:.3f} | "
+                    f"lr {record['lr']:.3e} | "
+                    f"grad norm {'skipped' if norm is None else f'{norm:.3f}'} | "
                     f"{record['tokens_per_s']:.0f} tokens/s")
+            if "loss_scale" in record:
+                line += f" | loss scale {record['loss_scale']:g}"
             if "val_loss" in record:
                 line += f" | val loss {record['val_loss']:.4f}"
             print(line, flush=True)
@@ -126,8 +131,8 @@ class Progress:
 
 def build_data(args: argparse.Namespace, tokenizer, dp_rank: int = 0, dp_size: int = 1
                ) -> tuple[data.GlobalBatches, data.GlobalBatches | None]:
-    """(training batches, validation batches or None) of this data-parallel rank: the
-    flags' datasets, or the built-in demo corpus when none is given."""
+    """(training batches, validation batches or None) of this data-parallel rank, on the
+    host: the flags' datasets, or the built-in demo corpus when none is given."""
     spec = data.DataSpec(args.data_path, args.split, args.train_data_path,
                          args.valid_data_path)
     if not (spec.data_path or spec.train_data_path):
@@ -182,7 +187,16 @@ def build_model_and_data(args: argparse.Namespace, layer_spec=None
     tokenizer = build_tokenizer(args.tokenizer_type, args.vocab_file, args.merge_file)
     train, valid = build_data(args, tokenizer, parallel_state.get_data_parallel_rank(),
                               parallel_state.get_data_parallel_world_size())
-    return build_model(args, tokenizer, layer_spec), train, valid
+    model = build_model(args, tokenizer, layer_spec)
+    # Every batch (training, evaluation, profiling, tracking) goes where the model lives.
+    for batches in (train, valid):
+        if batches is not None:
+            batches.device = model_device(model)
+    return model, train, valid
+
+
+def model_device(model: torch.nn.Module) -> torch.device:
+    return next(model.parameters()).device
 
 
 def first_micro_batch(batches: data.GlobalBatches) -> tuple[torch.Tensor, torch.Tensor,
@@ -193,9 +207,33 @@ def first_micro_batch(batches: data.GlobalBatches) -> tuple[torch.Tensor, torch.
 
 
 def _average_over(group, value: float) -> float:
-    tensor = torch.tensor([value], dtype=torch.float64)
+    tensor = torch.tensor([value], dtype=torch.float64,
+                          device=model_lib.collective_device(group))
     dist.all_reduce(tensor, group=group)
     return tensor.item() / dist.get_world_size(group)
+
+
+def allocator_record(peaks: allocator.Peaks, device: torch.device) -> dict:
+    """The CUDA caching allocator's peaks over one step (none on a CPU)."""
+    if device.type != "cuda":
+        return {}
+    return {"max_memory_allocated": peaks.max_allocated,
+            "max_memory_reserved": peaks.max_reserved}
+
+
+def grad_scaler(args: argparse.Namespace):
+    """megatron's loss scaling for 16-bit training: constant with --loss-scale, dynamic with
+    --fp16, none otherwise (Megatron-LM's choice)."""
+    from megatron.core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler
+
+    if args.loss_scale:
+        return ConstantGradScaler(args.loss_scale)
+    if args.fp16:
+        return DynamicGradScaler(initial_scale=args.initial_loss_scale,
+                                 min_scale=args.min_loss_scale, growth_factor=2.0,
+                                 backoff_factor=0.5, growth_interval=args.loss_scale_window,
+                                 hysteresis=args.hysteresis)
+    return None
 
 
 class Trainer:
@@ -207,17 +245,21 @@ class Trainer:
         self.adacc = Adacc(AdaccConfig.from_args(args))
         self.model, self.train_batches, self.valid_batches = build_model_and_data(
             args, self.adacc.layer_spec())
+        self.device = model_device(self.model)
         self.dp_group = parallel_state.get_data_parallel_group()
         self.dp_size = parallel_state.get_data_parallel_world_size()
         # Profiling (auto) measures the bare model on the first real micro-batch, before any
         # data-parallel wrapper can synchronise its throwaway gradients.
         self.adacc.setup(self.model, first_micro_batch(self.train_batches))
+        self.optimizer = MainParamAdamW(
+            self.model, args.lr, args.weight_decay, (args.adam_beta1, args.adam_beta2),
+            grad_scaler(args))
         self.train_model = self.model
-        if self.dp_size > 1:
+        # A 16-bit model's gradients are accumulated in the optimizer's fp32 main gradients,
+        # which train_step all-reduces itself; torch DDP would reduce them in 16 bits.
+        if self.dp_size > 1 and self.optimizer.main_grads is None:
             self.train_model = torch.nn.parallel.DistributedDataParallel(
                 self.model, process_group=self.dp_group)
-        self.optimizer = MainParamAdamW(
-            self.model, args.lr, args.weight_decay, (args.adam_beta1, args.adam_beta2))
         self.scheduler = OptimizerParamScheduler(
             self.optimizer,
             init_lr=0.0 if args.lr_warmup_iters else args.lr,
@@ -236,30 +278,52 @@ class Trainer:
             self.iteration, _ = checkpoint.load(args.load, self.model, self.optimizer,
                                                 self.scheduler)
 
-    def train_step(self, global_index: int, measure: bool = False) -> tuple[float, float]:
-        """One optimizer step over a global batch; returns (loss, grad norm). With
-        ``measure``, the activation ruler watches the step (the same ruler for the stock
-        layer, megatron's recompute and every plan)."""
+    def train_step(self, global_index: int, measure: bool = False
+                   ) -> tuple[float, float | None]:
+        """One optimizer step over a global batch; returns (loss, grad norm), the norm None
+        when overflowing gradients skipped the step. With ``measure``, the activation ruler
+        watches the step (the same ruler for the stock layer, megatron's recompute and
+        every plan)."""
         self.train_model.train()
         self.optimizer.zero_grad()
         micro = self.train_batches.num_micro_batches
+        scale = self.optimizer.loss_scale
         total = 0.0
         with self.adacc.measure(measure):
             for k, batch in enumerate(self.train_batches.micro_batches(global_index)):
                 micro_batch = batch["tokens"], batch["labels"], batch["loss_mask"]
                 if k == 0:
                     self.step_batch = micro_batch  # what tracking samples after the step
-                sync = k == micro - 1 or self.dp_size == 1
+                sync = k == micro - 1 or self.train_model is self.model
                 with self.train_model.no_sync() if not sync else contextlib.nullcontext():
                     loss = model_lib.gpt_loss(self.train_model, *micro_batch)
-                    (loss / micro).backward()
+                    scaled = loss / micro
+                    (scaled if scale is None else scaled * scale).backward()
                 total += loss.item()
-        # Megatron-LM's --check-for-nan-in-loss-and-grad, before the weights change.
+        main_grads = self.optimizer.main_grads
+        if main_grads is not None and self.dp_size > 1:
+            # megatron's data-parallel reduction of the fp32 main gradients: scale by 1/DP,
+            # then sum.
+            main_grads.div_(self.dp_size)
+            dist.all_reduce(main_grads, group=self.dp_group)
+        # Megatron-LM's --check-for-nan-in-loss-and-grad, before the weights change (an
+        # fp16 overflow is the exception: loss scaling skips that step instead).
         grad_norm = self.optimizer.clip_and_step(
             self.args.clip_grad,
             lambda norm: numerics.check_step(global_index + 1, total / micro, norm))
-        self.scheduler.step(1)
+        if grad_norm is not None:  # megatron's scheduler does not advance on a skipped step
+            self.scheduler.step(1)
         return _average_over(self.dp_group, total / micro), grad_norm
+
+    def _loss_scale_record(self, skipped: bool) -> dict:
+        """The loss scale the next step runs with, and whether this one was skipped."""
+        scale = self.optimizer.loss_scale
+        if scale is None:
+            return {}
+        if skipped and dist.get_rank() == 0:
+            print(f"iteration {self.iteration}: gradients overflowed, step skipped; loss "
+                  f"scale now {scale.item():g}", flush=True)
+        return {"loss_scale": scale.item(), "skipped_iter": int(skipped)}
 
     @torch.no_grad()
     def evaluate(self) -> float | None:
@@ -290,7 +354,8 @@ class Trainer:
                 measure = (self.adacc.activation_bytes is None
                            or self.iteration % args.activation_measure_interval == 0)
                 start = time.perf_counter()
-                loss, grad_norm = self.train_step(self.iteration, measure)
+                with allocator.watch(self.device) as peaks:
+                    loss, grad_norm = self.train_step(self.iteration, measure)
                 elapsed = time.perf_counter() - start
                 self.iteration += 1
                 record = {
@@ -300,6 +365,8 @@ class Trainer:
                     "step_time_s": elapsed,
                     "tokens_per_s": tokens_per_step / elapsed,
                     "grad_norm": grad_norm,
+                    **self._loss_scale_record(grad_norm is None),
+                    **allocator_record(peaks, self.device),
                     "activation_measured": measure,
                     **self.adacc.metrics(),
                     # After the step's loss is taken: a swap applies from the next forward.

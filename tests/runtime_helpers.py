@@ -22,7 +22,8 @@ def build(adacc: bool, dtype=torch.float32, dropout=0.0, bias=True, layers=2, se
         num_layers=layers, hidden_size=64, num_attention_heads=4, hidden_dropout=dropout,
         attention_dropout=dropout if attention_dropout is None else attention_dropout,
         add_bias_linear=bias,
-        bf16=dtype == torch.bfloat16, params_dtype=dtype, **config)
+        bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, params_dtype=dtype,
+        **config)
     spec = (get_adacc_layer_spec(attention_backend) if adacc
             else local_layer_spec(attention_backend))
     if submodules:

@@ -163,3 +163,22 @@ def test_gpt345m_on_four_v100_stages(capsys):
     assert [s["in_flight_micro_batches"] for s in stages] == [4, 3, 2, 1]
     assert all(s["peak_bytes"] <= s["budget_bytes"] == 31 * 2**30 for s in stages)
     assert [s["added_time_s"] > 0 for s in stages] == [True, True, False, False]
+
+
+def test_fp16_profiles_the_trainers_fp16_model(capsys, tmp_path):
+    from pathlib import Path
+
+    # A bf16 config: --precision replaces its precision, as it does with --hardware.
+    tiny = tmp_path / "tiny-bf16.yaml"
+    tiny.write_text((Path(__file__).resolve().parents[1] / "configs" / "tiny-cpu.yaml")
+                    .read_text() + "bf16: true\n")
+    db = tmp_path / "profiles.sqlite"
+    assert main(["plan", "--config", str(tiny), "--num-layers", "1", "--hidden-size", "64",
+                 "--seq-length", "32", "--micro-batch-size", "2", "--precision", "fp16",
+                 "--memory-budget", "1GiB", "--profile-db", str(db), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["feasible"]
+    import sqlite3
+
+    with sqlite3.connect(db) as conn:
+        (key,), = conn.execute("SELECT key FROM profiles").fetchall()
+    assert json.loads(key)["params_dtype"] == "float16"

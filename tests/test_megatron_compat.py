@@ -34,6 +34,9 @@ probe("cpu_rng_tracker", lambda: CudaRNGStatesTracker().add("probe", 1))
 from megatron.core.transformer.utils import get_default_causal_mask
 results["cached_causal_mask"] = "ok" if hasattr(get_default_causal_mask, "cache_info") else "defect"
 
+from megatron.core.optimizer.grad_scaler import DynamicGradScaler
+probe("cpu_grad_scaler", lambda: DynamicGradScaler(2.0**32, 1.0, 2.0, 0.5, 1000, 2))
+
 results["checkpoint_without_output_fp8"] = (
     "defect" if CheckpointWithoutOutput(fp8=False).fp8 else "ok")
 print(json.dumps(results))
@@ -49,7 +52,8 @@ def unpatched():
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("shim", ["cpu_global_memory_buffer", "cpu_rng_tracker"])
+@pytest.mark.parametrize("shim", ["cpu_global_memory_buffer", "cpu_rng_tracker",
+                                  "cpu_grad_scaler"])
 def test_cpu_shim_is_still_needed(unpatched, shim):
     assert unpatched[shim] != "ok", f"megatron-core no longer needs {shim}: delete it"
 
@@ -86,7 +90,7 @@ def test_patched_megatron_runs_the_shimmed_paths():
     from megatron.core.utils import GlobalMemoryBuffer
 
     assert {"cpu_global_memory_buffer", "cpu_rng_tracker", "cached_causal_mask",
-            "checkpoint_without_output_fp8"} <= set(applied)
+            "cpu_grad_scaler", "checkpoint_without_output_fp8"} <= set(applied)
     assert GlobalMemoryBuffer().get_tensor((2, 3), torch.float32, "t").shape == (2, 3)
     mask = get_default_causal_mask(3)
     assert mask.tolist() == [[False, True, True], [False, False, True], [False, False, False]]
@@ -105,3 +109,24 @@ def test_patched_megatron_runs_the_shimmed_paths():
     # ... and the forked stream continues where it left off
     torch.manual_seed(7)
     assert torch.equal(torch.cat([first, second]), torch.rand(6))
+
+
+def test_patched_grad_scalers_keep_megatrons_arithmetic_on_the_host():
+    from megatron_adacc import megatron_compat
+
+    megatron_compat.apply()
+    from megatron.core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler
+
+    scaler = DynamicGradScaler(1024.0, 256.0, 2.0, 0.5, growth_interval=2, hysteresis=1)
+    assert scaler.scale.device.type == "cpu"
+    scaler.update(True)
+    scaler.update(True)
+    scaler.update(True)  # floored at min_scale
+    assert scaler.scale.item() == 256.0 and scaler.inv_scale.item() == 1 / 256
+    scaler.update(False)
+    scaler.update(False)
+    assert scaler.scale.item() == 512.0
+    restored = DynamicGradScaler(8.0, 1.0, 2.0, 0.5, growth_interval=2, hysteresis=1)
+    restored.load_state_dict(scaler.state_dict())
+    assert restored.scale.item() == 512.0 and restored.scale.device.type == "cpu"
+    assert ConstantGradScaler(4.0).scale.item() == 4.0

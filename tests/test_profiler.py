@@ -19,6 +19,7 @@ from runtime_helpers import batch, build, loss_of
 MODELS = {
     "fp32-dropout": lambda: build(True, dropout=0.1),
     "bf16-no-dropout": lambda: build(True, torch.bfloat16, dropout=0.0),
+    "fp16-no-dropout": lambda: build(True, torch.float16, dropout=0.0),
 }
 
 
@@ -26,6 +27,11 @@ MODELS = {
 def profiled(request, distributed):
     model = MODELS[request.param]()
     return model, profile(model, batch(0), repeats=1, strict=True)
+
+
+def test_a_cpu_profile_has_no_allocator_overhead(profiled):
+    # No caching allocator stands between tensors and a CPU's memory.
+    assert profiled[1].allocator_overhead_bytes == 0
 
 
 def test_site_bytes_are_the_rulers_for_every_layer(profiled):
@@ -80,7 +86,7 @@ def test_runtime_keeps_what_the_planner_predicts_within_two_percent(profiled, fr
 
 
 def test_static_bytes_is_what_the_trainers_optimizer_holds(distributed):
-    for dtype in (torch.float32, torch.bfloat16):
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
         model = build(True, dtype)
         optimizer = MainParamAdamW(model, 1e-3, 0.01, (0.9, 0.999))
         loss_of(model).backward()

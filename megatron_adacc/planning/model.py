@@ -5,7 +5,7 @@ their charges and their limits from this module; none restates a rule.
 Memory model (one pipeline stage, identical layers, layer 0 nearest the embedding; the stage
 keeps k = ``in_flight_micro_batches`` micro-batches in flight, 1 without pipelining):
 
-    peak = static + (k - 1) x (A + E) + E
+    peak = static + allocator_overhead + (k - 1) x (A + E) + E
                   + max( non_layer + A,                                     # end of forward
                          max_l [ sum_{j<=l} stored(j) + transient(l) ] + workspace )
 
@@ -19,6 +19,9 @@ their layers and embedding whole, plus the newest one's output layer and loss te
 k - 1 still hold A + E whole, and it holds E, its layers 0..l and layer l's transient plus the
 workspace: its non_layer tensors are gone (the loss backward freed them before any layer
 backprops) and the embedding's backward comes last. Both terms share (k - 1)(A + E) + E.
+
+allocator_overhead is what the profiler saw the CUDA caching allocator reserve beyond this
+model's prediction on an all-retain step (0 on a CPU).
 
 stored(l) is what layer l keeps between its forward and backward (retained bytes + codec
 payloads); transient(l) is what exists at full size only while layer l backprops:
@@ -225,7 +228,8 @@ def peak_from_terms(costs: ModelCosts, all_stored, backward_peak):
     max_l [prefix(l) + transient(l)]. Either may be an array (the searches evaluate many
     plans at once)."""
     others = costs.in_flight_micro_batches - 1
-    held = costs.static_bytes + others * all_stored + (others + 1) * costs.embedding_bytes
+    held = (costs.static_bytes + costs.allocator_overhead_bytes + others * all_stored
+            + (others + 1) * costs.embedding_bytes)
     return held + np.maximum(costs.non_layer_bytes + all_stored,
                              backward_peak + costs.backward_workspace_bytes)
 
@@ -251,7 +255,8 @@ class Limits(NamedTuple):
 
 def budget_limits(costs: ModelCosts, budget_bytes: int) -> Limits:
     k = costs.in_flight_micro_batches
-    available = budget_bytes - costs.static_bytes - k * costs.embedding_bytes
+    available = (budget_bytes - costs.static_bytes - costs.allocator_overhead_bytes
+                 - k * costs.embedding_bytes)
     # k x A + non_layer <= available; floor division keeps the limit exact in whole bytes.
     return Limits((available - costs.non_layer_bytes) // k,
                   available - costs.backward_workspace_bytes)

@@ -70,7 +70,7 @@ class PlanResult:
             budget_bytes=budget_bytes,
             peak_bytes=peak,
             static_bytes=costs.static_bytes,
-            activation_bytes=peak - costs.static_bytes,
+            activation_bytes=peak - costs.static_bytes - costs.allocator_overhead_bytes,
             added_time_s=sum(layer.time_s for layer in layers),
             solve_time_s=solve_time_s,
             minimum_feasible_budget=minimum_feasible_budget,
