@@ -7,7 +7,9 @@ import torch
 
 from megatron_adacc import model as model_lib
 from megatron_adacc.attention import local_layer_spec
-from megatron_adacc.runtime import apply_plan, get_adacc_layer_spec
+from megatron_adacc.planning import default_resolution, minimum_budget, plan
+from megatron_adacc.policies import predicted_activation_bytes
+from megatron_adacc.runtime import apply_plan, get_adacc_layer_spec, measure_step
 
 VOCAB, SEQ, BATCH = 256, 32, 2
 
@@ -64,3 +66,20 @@ def train(model, steps: int, lr: float = 1e-3, plan_for_step=None):
         grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
         optimizer.step()
     return losses, grads
+
+
+def planned_and_measured(model, costs, fraction: float):
+    """The plan auto makes (exact rebuild sources) ``fraction`` of the way from the smallest
+    feasible budget to no optimisation, run for one step on ``model``: (the planner's
+    result, its predicted activation bytes, the ruler's report)."""
+    # The planner rounds stored bytes up to its resolution: at the exact minimum it can miss.
+    low = minimum_budget(costs, allow_lossy_sources=False)
+    low += costs.num_layers * default_resolution(costs)
+    high = plan(costs, 10 * low).references["no optimisation"].peak_bytes
+    result = plan(costs, int(low + fraction * (high - low)), allow_lossy_sources=False)
+    apply_plan(model, result.plan, strict=True)
+    try:
+        measured = measure_step(model, lambda: loss_of(model), strict=True)[1]
+    finally:
+        apply_plan(model, None)
+    return result, predicted_activation_bytes(costs, result), measured

@@ -14,13 +14,11 @@ from megatron_adacc.arguments import ConfigError, parse_args
 from megatron_adacc.cli import main as adacc_main
 from megatron_adacc.flash_attention import FlashDotProductAttention
 from megatron_adacc.plan import Plan, PlanError
-from megatron_adacc.planning import default_resolution, minimum_budget, plan
-from megatron_adacc.policies import predicted_activation_bytes
 from megatron_adacc.profiler import profile
 from megatron_adacc.runtime import adacc_layers, apply_plan, measure_step
 from megatron_adacc.sites import OUTLIER_CODEC
 
-from runtime_helpers import BATCH, SEQ, batch, build, loss_of, train
+from runtime_helpers import BATCH, SEQ, batch, build, loss_of, planned_and_measured, train
 from test_runtime import assert_same_training
 from test_runtime_memory import graph_kept_bytes
 
@@ -222,16 +220,7 @@ def test_profiler_measures_the_flash_sites(profiled_flash):
 @pytest.mark.parametrize("fraction", [0.0, 0.3, 0.7, 1.0])
 def test_ruler_keeps_what_the_planner_predicts_on_the_flash_layer(profiled_flash, fraction):
     model, costs = profiled_flash
-    low = minimum_budget(costs, allow_lossy_sources=False)
-    low += costs.num_layers * default_resolution(costs)
-    high = plan(costs, 10 * low).references["no optimisation"].peak_bytes
-    result = plan(costs, int(low + fraction * (high - low)), allow_lossy_sources=False)
-    apply_plan(model, result.plan, strict=True)
-    try:
-        measured = measure_step(model, lambda: loss_of(model), strict=True)[1]
-    finally:
-        apply_plan(model, None)
-    predicted = predicted_activation_bytes(costs, result)
+    result, predicted, measured = planned_and_measured(model, costs, fraction)
     outlier_payloads = [site for layer in range(costs.num_layers)
                         for site, decision in result.plan.for_layer(layer).items()
                         if decision.codec_for(site) == OUTLIER_CODEC]

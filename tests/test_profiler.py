@@ -7,14 +7,12 @@ from megatron_adacc import costs as costs_lib
 from megatron_adacc import model as model_lib
 from megatron_adacc.optimizer import MainParamAdamW
 from megatron_adacc.plan import Decision, Plan
-from megatron_adacc.planning import default_resolution, minimum_budget, plan
-from megatron_adacc.policies import predicted_activation_bytes
 from megatron_adacc.profiler import profile, refresh_codec_costs, static_bytes
 from megatron_adacc.runtime import apply_plan, measure_step
 from megatron_adacc.sites import SEGMENT_ANCHORS
 from megatron_adacc.sites import COMPRESS, RECOMPUTE
 
-from runtime_helpers import batch, build, loss_of
+from runtime_helpers import batch, build, loss_of, planned_and_measured
 
 MODELS = {
     "fp32-dropout": lambda: build(True, dropout=0.1),
@@ -68,18 +66,7 @@ def test_cost_segments_are_the_runtimes():
 @pytest.mark.parametrize("fraction", [0.0, 0.15, 0.4, 0.7, 1.0])
 def test_runtime_keeps_what_the_planner_predicts_within_two_percent(profiled, fraction):
     model, costs = profiled
-    # The planner rounds stored bytes up to its resolution: at the exact minimum it can miss.
-    low = minimum_budget(costs, allow_lossy_sources=False)
-    low += costs.num_layers * default_resolution(costs)
-    high = plan(costs, 10 * low).references["no optimisation"].peak_bytes
-    # Exact rebuild sources, as the auto policy plans (see policies.py).
-    result = plan(costs, int(low + fraction * (high - low)), allow_lossy_sources=False)
-    apply_plan(model, result.plan, strict=True)
-    try:
-        measured = measure_step(model, lambda: loss_of(model), strict=True)[1]
-    finally:
-        apply_plan(model, None)
-    predicted = predicted_activation_bytes(costs, result)
+    result, predicted, measured = planned_and_measured(model, costs, fraction)
     print(f"budget {result.budget_bytes}: predicted {predicted}, measured "
           f"{measured.after_forward_bytes}, plan {result.plan.to_dict()}")
     assert abs(measured.after_forward_bytes - predicted) <= 0.02 * predicted
