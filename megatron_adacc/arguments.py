@@ -354,13 +354,9 @@ def _finalize_adacc(args: argparse.Namespace) -> None:
 
     try:
         config = AdaccConfig.from_args(args)
+        if not torch.cuda.is_available():  # a GPU's default is read once the model is built
+            policies.require_budget(config.policy, config.budget_bytes)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     args.adacc_tracking = "backoff" if config.tracks else "off"
-    # Without a budget, a GPU's default is read once the model is built (Adacc.setup).
     args.adacc_memory_budget = config.budget_bytes
-    if (args.adacc_policy in policies.AUTO_POLICIES and args.adacc_memory_budget is None
-            and not torch.cuda.is_available()):
-        raise ConfigError(f"--adacc-policy {args.adacc_policy} on a CPU needs "
-                          "--adacc-memory-budget SIZE "
-                          "(e.g. 512MiB): there is no device capacity to default to")

@@ -69,6 +69,14 @@ def default_budget() -> int | None:
     return allocator.plannable_bytes()
 
 
+def require_budget(policy: str, budget_bytes: int | None) -> None:
+    """An auto policy plans for a budget: without one (a CPU has no capacity to default
+    to) it is a ValueError saying what to pass."""
+    if policy in AUTO_POLICIES and budget_bytes is None:
+        raise ValueError(f"--adacc-policy {policy} on a CPU needs --adacc-memory-budget SIZE "
+                         "(e.g. 512MiB): there is no device capacity to default to")
+
+
 def predicted_activation_bytes(costs: ModelCosts, result: planning.PlanResult) -> int:
     """Activation bytes kept at the end of forward under ``result``, the quantity the ruler
     reports as ``activation_bytes``: non-layer bytes plus what every layer stores."""
@@ -105,8 +113,7 @@ def resolve(policy: str, budget_bytes: int | None, model: torch.nn.Module | None
         return Resolved(policy, quantize_plan(), budget_bytes)
     if policy not in AUTO_POLICIES:
         return Resolved(policy, Plan.load(policy), budget_bytes)
-    if budget_bytes is None:
-        raise ValueError(f"--adacc-policy {policy} needs --adacc-memory-budget SIZE on a CPU")
+    require_budget(policy, budget_bytes)
     costs, profile_s = measured_costs(model, batch, db or ProfileDB(), reprofile, strict,
                                       loss_fn)
     # Every rank plans the same costs with the same deterministic planner: one plan, and an

@@ -9,8 +9,7 @@ from megatron_adacc.optimizer import MainParamAdamW
 from megatron_adacc.plan import Decision, Plan
 from megatron_adacc.profiler import profile, refresh_codec_costs, static_bytes
 from megatron_adacc.runtime import apply_plan, measure_step
-from megatron_adacc.sites import SEGMENT_ANCHORS
-from megatron_adacc.sites import COMPRESS, RECOMPUTE
+from megatron_adacc.sites import COMPRESS, RECOMPUTE, SEGMENT_ANCHORS
 
 from runtime_helpers import batch, build, loss_of, planned_and_measured
 

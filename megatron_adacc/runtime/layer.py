@@ -23,7 +23,6 @@ from megatron_adacc.attention import DEFAULT_SPEC_BACKEND, local_layer_spec
 from megatron_adacc.plan import Decision
 from megatron_adacc.runtime.accounting import active_ruler
 from megatron_adacc.runtime.attribution import SiteAttributor
-from megatron_adacc.sites import MLP_SEGMENT
 from megatron_adacc.runtime.storage import (
     CompressedStorage,
     Handle,
@@ -31,7 +30,7 @@ from megatron_adacc.runtime.storage import (
     RebuildComplete,
     unpack,
 )
-from megatron_adacc.sites import COMPRESS, RECOMPUTE
+from megatron_adacc.sites import COMPRESS, MLP_SEGMENT, RECOMPUTE
 
 
 class AdaccTransformerLayer(TransformerLayer):
