@@ -206,7 +206,7 @@ def _transient_plans(costs: ModelCosts) -> dict[str, tuple[dict, bool]]:
 
 
 # Rebuilt values are charged as if all alive together with the largest decoded group, while
-# backward frees each once read: with recompute the model may charge this much more.
+# backward frees each once read: with recompute the ruler measures 56-72% of the charge here.
 REBUILD_SLACK = 0.5
 
 
@@ -214,6 +214,10 @@ REBUILD_SLACK = 0.5
                                              ("flash", 0.0)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_measured_transient_never_exceeds_the_model(distributed, backend, dropout, dtype):
+    """The ruler's transient peak (decoded and rebuilt values alive at once) against the
+    model's transient(l). A layer frees all of them before the next one backprops and its
+    stored bytes only shrink while it backprops, so this bounds what a layer's backward adds
+    to the peak over its prefix. Compress-only plans: equal (the decoded groups are exact)."""
     model = build(True, dtype, dropout, attention_backend=backend)
     costs = _costs_of(measure_step(model, lambda: loss_of(model), strict=True)[1])
     for name, (decisions, compress_only) in _transient_plans(costs).items():
@@ -223,7 +227,7 @@ def test_measured_transient_never_exceeds_the_model(distributed, backend, dropou
         apply_plan(model, None)
         predicted = evaluate_layer(costs, decisions).transient_bytes
         assert measured.transient_peak_bytes <= predicted, name
-        if compress_only:  # the decoded groups are exact
+        if compress_only:
             assert measured.transient_peak_bytes == predicted, name
         else:
             assert measured.transient_peak_bytes >= (1 - REBUILD_SLACK) * predicted, name

@@ -8,9 +8,9 @@ time, so some optimal plan uses frontier policies only. The decoded term is a ma
 sum: the frontier is built once per cap (each value the compressed sum over one of
 ``decoded_sets`` can take, and 0), allowing only policies whose every such sum is within the
 cap and charging the cap; a policy's own decoded term (``decoded_bytes``) is one of the
-caps, so the union of these frontiers holds every policy at its exact cost. Transient is clipped from below at
-``model.transient_floor``: no prefix exceeds the total stored, so a smaller transient can
-never set the peak.
+caps, so the union of these frontiers holds every policy at its exact cost. Transient is
+clipped from below at ``model.transient_floor``: no prefix exceeds the total stored, so a
+smaller transient can never set the peak.
 
 Every charge comes from the model's per-site terms (``site_options``, ``decoded_sets``,
 ``rerun_source_bytes``, the segments' run times).
@@ -153,7 +153,7 @@ def _frontier(sites: tuple[SiteCost, ...], segments: tuple[Segment, ...],
     closing = [[j for j, group in enumerate(groups)
                 if max(position[name] for name in group) == k] for k in range(len(order))]
 
-    def grow(cap: int) -> dict[tuple[int, bool], tuple[np.ndarray, np.ndarray]]:
+    def grow(cap: int) -> dict[tuple[int, bool, tuple[int, ...]], tuple[np.ndarray, np.ndarray]]:
         # (lowest rebuilt segment, its start compressed, compressed bytes of each open group)
         # -> (time, stored, transient) rows and each row's option choices as one
         # mixed-radix integer (site k's choice is digit k).
@@ -207,8 +207,8 @@ def _frontier(sites: tuple[SiteCost, ...], segments: tuple[Segment, ...],
             rows.append(vectors)
             row_codes.append(codes)
     vectors, codes = np.concatenate(rows), np.concatenate(row_codes)
-    # A policy appears under every cap at least its decoded term: keep the
-    # least charge, which is exact.
+    # A policy appears under every cap at least its decoded term: keep the least charge,
+    # which is exact.
     by_policy = np.lexsort((vectors[:, 2], codes))
     first = np.ones(len(by_policy), dtype=bool)
     first[1:] = codes[by_policy][1:] != codes[by_policy][:-1]

@@ -41,16 +41,18 @@ between; flash: the context, decoded by linear_proj and read again with Q/K/V by
 LayerNorm's input with its statistics). The decoded term is the largest sum of compressed
 sites over those groups and the single sites (``decoded_sets``), which is what the ruler
 measures for compress-only plans: a plan compressing every site of the unfused layer
-decodes its largest s^2 value plus Q/K/V at once, not twice the s^2 value. ``workspace`` is
-the gradient working set of one layer's backward, the same for every plan. The logits and loss tensors (non_layer) are freed
-by the loss backward before any layer backprops, so they meet the layers' stored bytes only
-at the end of forward.
+decodes its largest s^2 value plus Q/K/V at once, not twice the s^2 value. Rebuilt values
+are charged all at once although backward frees each as it reads it: with recompute the
+charge is an upper bound (the ruler measured 52-83% of it on the tiny test models).
+``workspace`` is the gradient working set of one layer's backward, the same for every plan.
+The logits and loss tensors (non_layer) are freed by the loss backward before any layer
+backprops, so they meet the layers' stored bytes only at the end of forward.
 
 The per-site terms: ``site_options`` (each action's time, stored bytes and additive transient
 bytes), ``decoded_sets`` (the groups of sites whose decoded bytes add up; the decoded term,
 ``decoded_bytes``, is the largest compressed sum over them) and ``rerun_source_bytes`` (the
-source term). The searches that cannot call
-``evaluate_layer`` per policy (the vectorised frontier, the linear MILP) combine these.
+source term). The searches that cannot call ``evaluate_layer`` per policy (the vectorised
+frontier, the linear MILP) combine these.
 
 Time model: each compressed site costs its encode + decode. Recomputed sites are rebuilt the
 way the runtime rebuilds them: one forward re-run per layer (values cached for the layer's
