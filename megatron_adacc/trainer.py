@@ -258,10 +258,12 @@ class Trainer:
             grad_scaler(args), shard_group)
         self.train_model = self.model
         # A 16-bit model's gradients are accumulated in the optimizer's fp32 main gradients,
-        # which train_step all-reduces itself; torch DDP would reduce them in 16 bits.
+        # which train_step all-reduces itself; torch DDP would reduce them in 16 bits. The
+        # gradients are views of DDP's buckets, so they are held once (as
+        # optimizer.static_bytes counts them), not also copied into the buckets.
         if self.dp_size > 1 and self.optimizer.main_grads is None:
             self.train_model = torch.nn.parallel.DistributedDataParallel(
-                self.model, process_group=self.dp_group)
+                self.model, process_group=self.dp_group, gradient_as_bucket_view=True)
         self.scheduler = OptimizerParamScheduler(
             self.optimizer,
             init_lr=0.0 if args.lr_warmup_iters else args.lr,
