@@ -33,7 +33,7 @@ def held_bytes(trainer: Trainer) -> dict[str, int]:
         storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
     params = {t.untyped_storage().data_ptr() for t in model.parameters()}
     own = {}
-    for t in state + [m for m in optimizer.main_params]:
+    for t in state + optimizer.main_params:
         if t.untyped_storage().data_ptr() not in params:
             own[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
     return {"held": sum(storages.values()), "optimizer_state": sum(own.values())}
