@@ -250,16 +250,20 @@ class Trainer:
         self.dp_size = parallel_state.get_data_parallel_world_size()
         # Profiling (auto) measures the bare model on the first real micro-batch, before any
         # data-parallel wrapper can synchronise its throwaway gradients.
-        self.adacc.setup(self.model, first_micro_batch(self.train_batches))
+        shard_group = self.dp_group if args.use_distributed_optimizer else None
+        self.adacc.setup(self.model, first_micro_batch(self.train_batches),
+                         optimizer_shards=self.dp_size if shard_group is not None else 1)
         self.optimizer = MainParamAdamW(
             self.model, args.lr, args.weight_decay, (args.adam_beta1, args.adam_beta2),
-            grad_scaler(args))
+            grad_scaler(args), shard_group)
         self.train_model = self.model
         # A 16-bit model's gradients are accumulated in the optimizer's fp32 main gradients,
-        # which train_step all-reduces itself; torch DDP would reduce them in 16 bits.
+        # which train_step all-reduces itself; torch DDP would reduce them in 16 bits. The
+        # gradients are views of DDP's buckets, so they are held once (as
+        # optimizer.static_bytes counts them), not also copied into the buckets.
         if self.dp_size > 1 and self.optimizer.main_grads is None:
             self.train_model = torch.nn.parallel.DistributedDataParallel(
-                self.model, process_group=self.dp_group)
+                self.model, process_group=self.dp_group, gradient_as_bucket_view=True)
         self.scheduler = OptimizerParamScheduler(
             self.optimizer,
             init_lr=0.0 if args.lr_warmup_iters else args.lr,
