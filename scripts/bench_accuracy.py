@@ -41,6 +41,10 @@ TRAINER_POLICY = {"megatron-full-recompute": "none", "pretrain": "none"}
 MEGATRON_FLAGS = {"megatron-full-recompute": ["--recompute-granularity", "full",
                                               "--recompute-method", "uniform",
                                               "--recompute-num-layers", "1"]}
+# What a run can train with, in the order they run (megatron's full recompute only in the
+# stress setting).
+METHODS = ("none", "auto", "auto-no-outlier", "codecs", "codecs-no-outlier", "quantize",
+           "megatron-full-recompute")
 # Outlier gains, as large trained LLMs show them: a few channels, tens of times the rest.
 STRESS_GAIN_RANGE = (10.0, 30.0)
 
@@ -60,6 +64,8 @@ def parse() -> argparse.Namespace:
                              "(default: half of --iters)")
     parser.add_argument("--stress-channels", type=int, default=4,
                         help="channels whose LayerNorm gains are scaled")
+    parser.add_argument("--methods", nargs="*", choices=METHODS, default=None,
+                        help="the methods trained (default: all; no optimisation always)")
     parser.add_argument("--workdir")
     parser.add_argument("--out")
     parser.add_argument("--publish")
@@ -74,6 +80,8 @@ def parse() -> argparse.Namespace:
     args.iters = args.iters or ((80 if args.stress else 60) if args.quick else
                                 (240 if args.stress else 300))
     args.stress_pretrain = args.stress_pretrain or args.iters // 2
+    args.methods = ["none", *(m for m in args.methods or METHODS if m != "none"
+                              and (args.stress or m != "megatron-full-recompute"))]
     if args.stress and not 0 < args.stress_pretrain < args.iters:
         parser.error(f"--stress-pretrain {args.stress_pretrain}: must be between 0 and --iters "
                      f"{args.iters}")
@@ -259,9 +267,12 @@ def method_runs(args, flags, probe, seed: int, resume: tuple) -> list[dict]:
     megatron's full recompute, which is exact and shows the runs' own noise floor."""
     runs = [run(args, flags, "none", seed, extra=resume)]
     for fraction, entry in probe["budgets"].items():
-        runs.append(run(args, flags, "auto", seed, float(fraction), entry["budget_bytes"],
-                        extra=resume))
-        if entry["same_plan"]:
+        if "auto" in args.methods:
+            runs.append(run(args, flags, "auto", seed, float(fraction), entry["budget_bytes"],
+                            extra=resume))
+        if "auto-no-outlier" not in args.methods:
+            continue
+        if entry["same_plan"] and "auto" in args.methods:
             # The same plan trains bit for bit the same: reuse the auto run.
             runs.append(dict(runs[-1], policy="auto-no-outlier", tag=f"auto-no-outlier@{fraction}",
                              same_plan_as_auto=True))
@@ -270,10 +281,11 @@ def method_runs(args, flags, probe, seed: int, resume: tuple) -> list[dict]:
             runs.append(run(args, flags, "auto-no-outlier", seed, float(fraction),
                             entry["budget_bytes"], extra=resume))
     for name, path in probe["forced_plans"].items():
-        runs.append(run(args, flags, name, seed, plan_file=path, extra=resume))
-    runs.append(run(args, flags, "quantize", seed, extra=resume))
-    if args.stress:
-        runs.append(run(args, flags, "megatron-full-recompute", seed, extra=resume))
+        if name in args.methods:
+            runs.append(run(args, flags, name, seed, plan_file=path, extra=resume))
+    for name in ("quantize", "megatron-full-recompute"):
+        if name in args.methods:
+            runs.append(run(args, flags, name, seed, extra=resume))
     return runs
 
 
