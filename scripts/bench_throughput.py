@@ -10,8 +10,9 @@ larger micro-batches are the budgets where it does not fit. Every variant's memo
 with the one ActivationRuler (see bench_common). A variant that does not fit is reported as
 not fitting. At each micro-batch, all variants run interleaved (one step each per round,
 medians after warm-up). When memory is ample (no optimisation fits), Adacc is compared
-with no optimisation in CPU time paired per round (the median over rounds of the two steps'
-CPU-time ratio in that round): wall time on a shared machine is too noisy for a 2% target.
+with no optimisation in CPU time paired per round: the two run back to back for
+--ample-rounds more rounds, and the ratio is the median over rounds of the two steps'
+CPU-time ratio in that round (wall time on a shared machine is too noisy for a 2% target).
 
     python scripts/bench_throughput.py [--quick] [--attention-backend flash|unfused]
 """
@@ -37,6 +38,9 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile peer")
     parser.add_argument("--warmup", type=int)
     parser.add_argument("--rounds", type=int)
+    parser.add_argument("--ample-rounds", type=int,
+                        help="rounds of the paired CPU-time comparison of Adacc with no "
+                             "optimisation where memory is ample")
     parser.add_argument("--repeats", type=int, help="profiler timing repeats")
     parser.add_argument("--out", help="default bench_results/throughput_<attention>.json")
     parser.add_argument("--publish", help="copy under docs/results/ (default "
@@ -48,9 +52,10 @@ def parse() -> argparse.Namespace:
     args.batches = args.batches or ([2, 4, 8] if quick else [2, 4, 8, 16])
     args.budget_at = args.budget_at or ([2] if quick else [4, 8])
     args.fractions = args.fractions if args.fractions is not None else (
-        [1.0, 0.0] if quick else [1.0, 0.5, 0.2, 0.0])
-    args.warmup = args.warmup if args.warmup is not None else (1 if quick else 2)
-    args.rounds = args.rounds or (5 if quick else 7)
+        [1.0, 0.0] if quick else [1.0, 0.2, 0.0])
+    args.warmup = args.warmup if args.warmup is not None else 1
+    args.rounds = args.rounds or (5 if quick else 6)
+    args.ample_rounds = args.ample_rounds or (10 if quick else 15)
     args.repeats = args.repeats or (1 if quick else 3)
     return args
 
@@ -67,6 +72,7 @@ def main() -> None:
 
     rows: dict[str, dict[int, dict[str, dict]]] = {name: {} for name in budgets}
     measured_all: dict[int, list[dict]] = {}
+    ample_pairs: dict[int, dict[str, dict]] = {}
     for micro in args.batches:
         batch = bc.batch_of(shape, micro)
         began = time.perf_counter()
@@ -103,23 +109,47 @@ def main() -> None:
             for v, peak in measured]
         for name, budget in budgets.items():
             rows[name][micro] = best_per_method(measured_all[micro], budget, adacc_for[name])
+        ample_pairs[micro] = pair_where_ample(measured, adacc_for, budgets, static, batch, args)
         print(f"micro-batch {micro}: measured and timed {len(timed)} variants in "
               f"{time.perf_counter() - began:.0f} s", flush=True)
         print_table(micro, rows, budgets)
 
-    summary = summarise(rows, measured_all)
+    summary = summarise(rows, measured_all, ample_pairs)
     run.update(finished=time.strftime("%Y-%m-%d %H:%M:%S"),
                wall_s=time.perf_counter() - began_run)
     data = {"run": run, "shape": shape.__dict__, "static_bytes": static,
             "budgets": budgets, "stock_activation_peak": stock_peak,
             "compile_fractions": args.fractions, "compile_errors": models.compile_errors,
             "compile_s": models.compile_s, "rows": rows, "variants": measured_all,
-            "summary": summary, "args": {k: v for k, v in vars(args).items()
+            "ample_pairs": ample_pairs, "summary": summary, "args": {k: v for k, v in vars(args).items()
                                          if not k.startswith("_")}}
     bc.write_json(data, args.out, args.publish or None)
     plot(rows, budgets, shape, args)
     for line in summary["lines"]:
         print(line)
+
+
+def pair_where_ample(measured, adacc_for, budgets, static, batch, args) -> dict[str, dict]:
+    """Where no optimisation fits a budget and so does Adacc's plan for it: the two run back
+    to back for --ample-rounds more rounds, CPU-timed (a plan shared by two budgets is timed
+    once). Per budget: both CPU times, aligned by round."""
+    none, none_peak = measured[0]
+    peaks = {v.name: peak for v, peak in measured}
+    pairs, by_plan = {}, {}
+    for name, budget in budgets.items():
+        adacc = adacc_for[name]
+        if (static + none_peak > budget or adacc is None
+                or static + peaks[adacc.name] > budget):
+            continue
+        if adacc.plan.plan_id not in by_plan:
+            times = bc.interleaved_times({"none": lambda: none.step(batch),
+                                          "adacc": lambda: adacc.step(batch)},
+                                         1, args.ample_rounds)
+            by_plan[adacc.plan.plan_id] = {"none_cpu_s": times["none"]["cpu_times_s"],
+                                           "adacc_cpu_s": times["adacc"]["cpu_times_s"],
+                                           "plan_id": adacc.plan.plan_id}
+        pairs[name] = by_plan[adacc.plan.plan_id]
+    return pairs
 
 
 def best_per_method(measured: list[dict], budget: int, adacc) -> dict[str, dict]:
@@ -159,20 +189,23 @@ def print_table(micro: int, rows, budgets) -> None:
                 print(f"    {method:32s} {mem}   does not fit")
 
 
-def summarise(rows, measured) -> dict:
+NOT_METHODS = ("budget", "micro_batch", "adacc_fits", "cpu_paired")  # a tight entry's other keys
+
+
+def summarise(rows, measured, ample_pairs) -> dict:
     """Adacc against each other method where no optimisation does not fit (tokens/s, from
-    wall-time medians), and against no optimisation where it does (CPU time paired per
-    round, see the module docstring)."""
+    wall-time medians; also CPU time paired per round), and against no optimisation where it
+    does (CPU time paired per round, from pair_where_ample)."""
     tight, ample, lines = [], [], []
     for name, per_batch in rows.items():
         for micro, methods in per_batch.items():
             adacc = methods.get("adacc auto", {})
             none = methods["no optimisation"]
+            cpu = {r["variant"]: r["cpu_times_s"] for r in measured[micro] if "cpu_times_s" in r}
             if none["fits"]:
                 if adacc.get("fits"):
-                    cpu = {r["variant"]: r["cpu_times_s"] for r in measured[micro]
-                           if "cpu_times_s" in r}
-                    ratio = bc.paired_ratio(cpu[none["variant"]], cpu[adacc["variant"]])
+                    pair = ample_pairs[micro][name]
+                    ratio = bc.paired_ratio(pair["none_cpu_s"], pair["adacc_cpu_s"])
                     wall = adacc["tokens_per_s"] / none["tokens_per_s"]
                     ample.append({"budget": name, "micro_batch": micro, "adacc_vs_none": ratio,
                                   "adacc_vs_none_wall": wall})
@@ -180,6 +213,7 @@ def summarise(rows, measured) -> dict:
                                  f"(CPU time, paired per round; wall medians {wall:.3f})")
                 continue
             entry = {"budget": name, "micro_batch": micro, "adacc_fits": adacc.get("fits", False)}
+            cpu_paired = {}  # the same ratios in CPU time paired per round, for noisy runs
             for method, r in methods.items():
                 if method in ("adacc auto", "no optimisation"):
                     continue
@@ -187,19 +221,21 @@ def summarise(rows, measured) -> dict:
                     entry[method] = None
                 elif r["fits"]:
                     entry[method] = adacc["tokens_per_s"] / r["tokens_per_s"]
+                    cpu_paired[method] = bc.paired_ratio(cpu[r["variant"]], cpu[adacc["variant"]])
                 else:
                     entry[method] = "does not fit"
-            tight.append(entry)
+            tight.append({**entry, "cpu_paired": cpu_paired})
             lines.append(f"{name} mb {micro}: " + ", ".join(
-                f"adacc / {m} = {v:.3f}" if isinstance(v, float) else f"{m}: {v}"
-                for m, v in entry.items() if m not in ("budget", "micro_batch", "adacc_fits"))
+                f"adacc / {m} = {v:.3f} (CPU time paired {cpu_paired[m]:.3f})"
+                if isinstance(v, float) else f"{m}: {v}"
+                for m, v in entry.items() if m not in NOT_METHODS)
                 if entry["adacc_fits"] else f"{name} mb {micro}: adacc does not fit")
     ratios_full = [e["megatron full recompute"] for e in tight
                    if isinstance(e.get("megatron full recompute"), float)]
     fitting_ratios = [v for e in tight for m, v in e.items()
-                      if m not in ("budget", "micro_batch", "adacc_fits") and isinstance(v, float)]
+                      if m not in NOT_METHODS and isinstance(v, float)]
     ahead = all(all(v == "does not fit" or (isinstance(v, float) and v > 1.0)
-                    for m, v in e.items() if m not in ("budget", "micro_batch", "adacc_fits"))
+                    for m, v in e.items() if m not in NOT_METHODS)
                 and e["adacc_fits"] for e in tight)
     return {"tight": tight, "ample": ample, "lines": lines,
             "targets": {

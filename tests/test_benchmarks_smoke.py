@@ -22,6 +22,7 @@ def _run(script, *flags):
 def test_throughput_and_max_batch_tiny(tmp_path, attention):
     _run("bench_throughput.py", "--quick", *TINY, "--attention-backend", attention,
          "--batches", "1", "2", "--budget-at", "1", "--warmup", "0", "--rounds", "2",
+         "--ample-rounds", "3",
          "--out", str(tmp_path / "t.json"), "--publish", "", "--figure", str(tmp_path / "t.png"))
     data = json.loads((tmp_path / "t.json").read_text())
     assert data["shape"]["attention"] == attention
@@ -30,7 +31,9 @@ def test_throughput_and_max_batch_tiny(tmp_path, attention):
     assert rows["1"]["adacc auto"]["fits"]
     # memory ample at micro-batch 1: Adacc against no optimisation in CPU time, per round
     ample = data["summary"]["ample"]
-    assert [e["micro_batch"] for e in ample] == ["1"] and ample[0]["adacc_vs_none"] > 0
+    assert [e["micro_batch"] for e in ample] == [1] and ample[0]["adacc_vs_none"] > 0
+    pair = data["ample_pairs"]["1"]["budget@1"]
+    assert len(pair["none_cpu_s"]) == len(pair["adacc_cpu_s"]) == 3
     assert all(len(v["cpu_times_s"]) == 2 for v in data["variants"]["1"] if "times_s" in v)
     _run("bench_max_batch.py", "--quick", *TINY, "--attention-backend", attention,
          "--budget-at", "1", "--cap", "4", "--out", str(tmp_path / "m.json"), "--publish", "",
