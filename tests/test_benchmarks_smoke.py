@@ -51,8 +51,18 @@ def test_throughput_and_max_batch_tiny(tmp_path, attention):
 
 def test_results_page_from_published_json(tmp_path):
     out = tmp_path / "results.md"
-    _run("make_results_page.py", "--out", str(out))
-    assert "# Evaluation results" in out.read_text()
+    printed = _run("make_results_page.py", "--out", str(out))
+    page = out.read_text()
+    assert "# Evaluation results" in page
+    # flash first, then unfused, then the plain accuracy runs and the stress setting beside them
+    order = [page.index(h) for h in ("## 1. Flash attention", "## 2. Unfused attention",
+                                     "## 3. Accuracy", "## 4. Accuracy, outlier stress")]
+    assert order == sorted(order)
+    # every target line on the page is printed, each with its verdict
+    targets = [line for line in printed.splitlines() if line.startswith("- ")]
+    assert targets and all(line in page for line in targets)
+    assert all("**met**" in line or "**missed**" in line or "not measured" in line
+               for line in targets)
 
 
 def test_accuracy_two_steps(tmp_path):
