@@ -170,7 +170,9 @@ def accuracy_section(data: dict, title: str) -> list[str]:
            "optimisation; naive INT4 fails to converge late in training; outlier separation "
            "lowers the loss by 0.2%-0.7% against Adacc without it.", "", mode_note(data), "",
            f"Trainer command (per run, plus `--seed S --adacc-policy P --metrics-file F`, and "
-           f"`--adacc-memory-budget B` for the Adacc runs): `{data['pretrain_command']}`", ""]
+           f"`--adacc-memory-budget B` for the Adacc runs): `{data['pretrain_command']}`. "
+           "Attention: the trainer's default `--attention-backend auto`, which on the CPU "
+           "with attention dropout 0.1 is the unfused attention.", ""]
     if stress:
         a = data["args"]
         for seed, s in data["stress"].items():
@@ -181,8 +183,9 @@ def accuracy_section(data: dict, title: str) -> list[str]:
                     f"by {', '.join(f'{f:.1f}' for f in s['factors'])} in every layer's two "
                     f"LayerNorms ({len(s['tensors'])} tensors), as large trained LLMs carry a "
                     f"few outlier channels; every method below continues from that checkpoint "
-                    f"(`--load`) to iteration {a['iters']}. Megatron's full recompute is exact: "
-                    f"its gap is the runs' own noise floor.", ""]
+                    f"(`--load`) to iteration {a['iters']}. Megatron's full recompute is exact, so "
+                    f"its gap shows whether the runs are deterministic (0: every other gap is "
+                    f"the method's own).", ""]
     out += [
            f"Adacc budgets: fractions of the way from the planner's smallest feasible budget "
            f"({probe['minimum_feasible_budget'] / MIB:.1f} MiB) to no optimisation "
@@ -330,6 +333,9 @@ PARTS = (
 def timing_section(took: list[tuple[str, dict]]) -> list[str]:
     """How long each part of the suite took, from the runs' own clocks."""
     out = ["## How long each part took", "",
+           "Each part's own clock, from after its imports (starting the interpreter and "
+           "importing megatron add 10-20 s per part; `scripts/run_all_benchmarks.sh` prints "
+           "each part's whole wall time).", "",
            "| part | mode | started | minutes | threads | load average at start |",
            "|---|---|---|---|---|---|"]
     total = 0.0
