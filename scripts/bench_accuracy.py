@@ -51,7 +51,7 @@ STRESS_GAIN_RANGE = (10.0, 30.0)
 
 def parse() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="minutes: 2 layers, 60 steps, 1 seed")
+    parser.add_argument("--quick", action="store_true", help="minutes: 2 layers, 60 steps (--stress: 80), 1 seed")
     parser.add_argument("--seeds", type=int, nargs="*")
     parser.add_argument("--iters", type=int)
     parser.add_argument("--budget-fractions", type=float, nargs="*",

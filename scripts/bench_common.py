@@ -1,5 +1,6 @@
 """What the evaluation benchmarks share (bench_throughput, bench_max_batch, bench_accuracy):
-model shapes, the methods under comparison, the one memory yardstick, interleaved timing,
+model shapes (the attention backend included: every method of a run uses the same one), the
+methods under comparison, the one memory yardstick, interleaved timing (wall and CPU time),
 JSON and figures.
 
 The yardstick: a method *fits* a budget when
