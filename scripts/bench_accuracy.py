@@ -8,13 +8,22 @@ are fixed fractions of the way from the planner's smallest feasible budget to no
 (read from a one-step probe): near 0 the plans must compress (lossy int4 included), higher up
 they may rebuild instead, which is exact. The probe records what each plan compresses.
 
-    python scripts/bench_accuracy.py [--quick] [--seeds 1234 4321]
+--stress: the outlier stress setting (issue 15). At this scale the activations have no
+outlier channels, so every method lands within a hair of no optimisation. Large trained LLMs
+have a few residual-stream channels whose LayerNorm gains are tens of times the rest. The
+stress run trains the model normally (no optimisation) for --stress-pretrain iterations and
+saves a checkpoint, multiplies the gains of --stress-channels channels (the same channels in
+every layer's two LayerNorms) by factors from 10 to 30 in that checkpoint, and continues
+training from it (--load) to --iters with every method. Published as accuracy_stress.json.
+
+    python scripts/bench_accuracy.py [--quick] [--seeds 1234 4321] [--stress]
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -24,25 +33,60 @@ import bench_common as bc
 LABELS = {"none": "no optimisation", "auto": "adacc auto",
           "auto-no-outlier": "adacc w/o outlier separation", "quantize": "naive INT4",
           "codecs": "adacc codecs, every site", "codecs-no-outlier":
-          "adacc codecs w/o outlier separation, every site"}
+          "adacc codecs w/o outlier separation, every site",
+          "megatron-full-recompute": "megatron full recompute",
+          "pretrain": "normal training before the outlier gains (no optimisation)"}
+# Runs that are no Adacc policy: what they pass as --adacc-policy, and their own flags.
+TRAINER_POLICY = {"megatron-full-recompute": "none", "pretrain": "none"}
+MEGATRON_FLAGS = {"megatron-full-recompute": ["--recompute-granularity", "full",
+                                              "--recompute-method", "uniform",
+                                              "--recompute-num-layers", "1"]}
+# What a run can train with, in the order they run (megatron's full recompute only in the
+# stress setting).
+METHODS = ("none", "auto", "auto-no-outlier", "codecs", "codecs-no-outlier", "quantize",
+           "megatron-full-recompute")
+# Outlier gains, as large trained LLMs show them: a few channels, tens of times the rest.
+STRESS_GAIN_RANGE = (10.0, 30.0)
 
 
 def parse() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="minutes: 2 layers, 60 steps, 1 seed")
+    parser.add_argument("--quick", action="store_true", help="minutes: 2 layers, 60 steps (--stress: 80), 1 seed")
     parser.add_argument("--seeds", type=int, nargs="*")
     parser.add_argument("--iters", type=int)
     parser.add_argument("--budget-fractions", type=float, nargs="*",
                         help="Adacc budgets: this far from the smallest feasible budget (0) to "
-                             "no optimisation (1); default 0.02 0.25 (--quick: 0.02)")
-    parser.add_argument("--workdir", default="bench_results/accuracy")
-    parser.add_argument("--out", default="bench_results/accuracy.json")
-    parser.add_argument("--publish", default="accuracy.json")
-    parser.add_argument("--figure", default="accuracy_loss.png")
+                             "no optimisation (1); default 0.02, the budget where plans must "
+                             "compress (0.25 adds plans that also rebuild, which are exact)")
+    parser.add_argument("--stress", action="store_true",
+                        help="the outlier stress setting (see above)")
+    parser.add_argument("--stress-pretrain", type=int,
+                        help="iterations of normal training before the gains are scaled "
+                             "(default: half of --iters)")
+    parser.add_argument("--stress-channels", type=int, default=4,
+                        help="channels whose LayerNorm gains are scaled")
+    parser.add_argument("--methods", nargs="*", choices=METHODS, default=None,
+                        help="the methods trained (default: all; no optimisation always)")
+    parser.add_argument("--workdir")
+    parser.add_argument("--out")
+    parser.add_argument("--publish")
+    parser.add_argument("--figure")
     args = parser.parse_args()
-    args.seeds = args.seeds or ([1234] if args.quick else [1234, 4321])
-    args.iters = args.iters or (60 if args.quick else 300)
-    args.budget_fractions = args.budget_fractions or ([0.02] if args.quick else [0.02, 0.25])
+    stem = "accuracy_stress" if args.stress else "accuracy"
+    args.workdir = args.workdir or f"bench_results/{stem}"
+    args.out = args.out or f"bench_results/{stem}.json"
+    args.publish = f"{stem}.json" if args.publish is None else args.publish
+    args.figure = args.figure or f"{stem}_loss.png"
+    args.seeds = args.seeds or ([1234] if args.quick or args.stress else [1234, 4321])
+    # Full mode: 240 iterations, so the whole suite stays within 45 minutes on 2 cores.
+    args.iters = args.iters or ((80 if args.stress else 60) if args.quick else 240)
+    args.stress_pretrain = args.stress_pretrain or args.iters // 2
+    args.methods = ["none", *(m for m in args.methods or METHODS if m != "none"
+                              and (args.stress or m != "megatron-full-recompute"))]
+    if args.stress and not 0 < args.stress_pretrain < args.iters:
+        parser.error(f"--stress-pretrain {args.stress_pretrain}: must be between 0 and --iters "
+                     f"{args.iters}")
+    args.budget_fractions = args.budget_fractions or [0.02]
     return args
 
 
@@ -114,13 +158,16 @@ def probe_budgets(args, flags: list[str]) -> dict:
             "budgets": budgets, "forced_plans": forced}
 
 
-def run(args, flags, policy: str, seed: int, fraction: float | None, budget: int | None,
-        plan_file: str | None = None) -> dict:
+def run(args, flags, policy: str, seed: int, fraction: float | None = None,
+        budget: int | None = None, plan_file: str | None = None, extra: tuple = ()) -> dict:
     tag = policy if fraction is None else f"{policy}@{fraction}"
     metrics = os.path.join(args.workdir, f"{tag}-seed{seed}.jsonl")
+    if os.path.exists(metrics):  # a resumed run appends to its metrics file
+        os.remove(metrics)
     command = [sys.executable, os.path.join(bc.ROOT, "pretrain_gpt.py"), *flags,
-               "--seed", str(seed), "--adacc-policy", plan_file or policy,
-               "--metrics-file", metrics]
+               "--seed", str(seed), "--adacc-policy",
+               plan_file or TRAINER_POLICY.get(policy, policy), "--metrics-file", metrics,
+               *MEGATRON_FLAGS.get(policy, ()), *extra]
     if budget is not None:
         command += ["--adacc-memory-budget", str(budget)]
     # A world of one of its own: not this process's rendezvous (init_distributed set it).
@@ -164,28 +211,30 @@ def main() -> None:
         print(f"budget fraction {fraction}: {entry['budget_bytes']} B (from "
               f"{probe['minimum_feasible_budget']} to {probe['no_optimisation_peak']}); plans "
               f"{entry['plans']}", flush=True)
-    runs = []
+    runs, stress = [], {}
     for seed in args.seeds:
-        runs.append(run(args, flags, "none", seed, None, None))
-        for fraction, entry in probe["budgets"].items():
-            runs.append(run(args, flags, "auto", seed, float(fraction), entry["budget_bytes"]))
-            if entry["same_plan"]:
-                # The same plan trains bit for bit the same: reuse the auto run.
-                same = dict(runs[-1], policy="auto-no-outlier", tag=f"auto-no-outlier@{fraction}",
-                            same_plan_as_auto=True)
-                runs.append(same)
-                print(f"  auto-no-outlier @ {fraction}: the same plan as auto, not rerun")
-            else:
-                runs.append(run(args, flags, "auto-no-outlier", seed, float(fraction),
-                                entry["budget_bytes"]))
-        for name, path in probe["forced_plans"].items():
-            runs.append(run(args, flags, name, seed, None, None, plan_file=path))
-        runs.append(run(args, flags, "quantize", seed, None, None))
+        resume = ()
+        if args.stress:
+            trained = os.path.join(args.workdir, f"pretrained-seed{seed}")
+            scaled = os.path.join(args.workdir, f"outlier-gains-seed{seed}")
+            shutil.rmtree(trained, ignore_errors=True)
+            runs.append(run(args, flags, "pretrain", seed, extra=(
+                "--exit-interval", str(args.stress_pretrain), "--save", trained)))
+            if runs[-1].get("failed"):
+                continue
+            stress[seed] = scale_layernorm_gains(trained, scaled, args.stress_channels)
+            print(f"  scaled the LayerNorm gains of channels {stress[seed]['channels']} by "
+                  f"{[round(f, 1) for f in stress[seed]['factors']]} in "
+                  f"{len(stress[seed]['tensors'])} tensors; every method continues from {scaled}",
+                  flush=True)
+            resume = ("--load", scaled)
+        runs += method_runs(args, flags, probe, seed, resume)
     gaps: dict[str, list[float]] = {}
     for seed in args.seeds:
-        base = next(r for r in runs if r["seed"] == seed and r["policy"] == "none")
+        base = next((r for r in runs if r["seed"] == seed and r["policy"] == "none"), None)
         for r in runs:
-            if r["seed"] != seed or r.get("failed") or base.get("failed"):
+            if (base is None or r["seed"] != seed or r.get("failed") or base.get("failed")
+                    or r["policy"] == "pretrain"):
                 continue
             r["gap_pct"] = 100 * (r["final_val_loss"] - base["final_val_loss"]) / base["final_val_loss"]
             if r["policy"] != "none":
@@ -198,16 +247,103 @@ def main() -> None:
                                        if t.startswith("auto-no-outlier")},
                "codecs_gaps_pct": gaps.get("codecs"),
                "codecs_no_outlier_gaps_pct": gaps.get("codecs-no-outlier"),
-               "naive_int4_gaps_pct": gaps.get("quantize")}
+               "naive_int4_gaps_pct": gaps.get("quantize"),
+               "megatron_full_recompute_gaps_pct": gaps.get("megatron-full-recompute"),
+               "outlier_separation": outlier_separation_effect(runs, probe)}
     command = " ".join([os.path.join(".", "pretrain_gpt.py"), *flags])
     meta.update(finished=time.strftime("%Y-%m-%d %H:%M:%S"),
                 wall_s=time.perf_counter() - began_run)
-    data = {"run": meta, "flags": flags, "pretrain_command": command,
+    data = {"run": meta, "flags": flags, "pretrain_command": command, "stress": stress,
             "probe": probe, "runs": runs, "gaps_pct": gaps, "targets": targets,
             "args": vars(args)}
     bc.write_json(data, args.out, args.publish or None)
     plot(runs, args)
     print(targets)
+
+
+def method_runs(args, flags, probe, seed: int, resume: tuple) -> list[dict]:
+    """Every method trained from ``seed`` (and, in the stress setting, from the checkpoint
+    ``resume`` loads): no optimisation, Adacc auto and auto-no-outlier at each budget, Adacc's
+    codecs on every site with and without outlier separation, naive INT4, and (stress)
+    megatron's full recompute, which is exact and shows the runs' own noise floor."""
+    runs = [run(args, flags, "none", seed, extra=resume)]
+    for fraction, entry in probe["budgets"].items():
+        if "auto" in args.methods:
+            runs.append(run(args, flags, "auto", seed, float(fraction), entry["budget_bytes"],
+                            extra=resume))
+        if "auto-no-outlier" not in args.methods:
+            continue
+        if entry["same_plan"] and "auto" in args.methods:
+            # The same plan trains bit for bit the same: reuse the auto run.
+            runs.append(dict(runs[-1], policy="auto-no-outlier", tag=f"auto-no-outlier@{fraction}",
+                             same_plan_as_auto=True))
+            print(f"  auto-no-outlier @ {fraction}: the same plan as auto, not rerun")
+        else:
+            runs.append(run(args, flags, "auto-no-outlier", seed, float(fraction),
+                            entry["budget_bytes"], extra=resume))
+    for name, path in probe["forced_plans"].items():
+        if name in args.methods:
+            runs.append(run(args, flags, name, seed, plan_file=path, extra=resume))
+    for name in ("quantize", "megatron-full-recompute"):
+        if name in args.methods:
+            runs.append(run(args, flags, name, seed, extra=resume))
+    return runs
+
+
+# The paper's ablation: outlier separation lowers the final loss by 0.2% to 0.7% against
+# Adacc without it.
+PAPER_OUTLIER_EFFECT_PCT = 0.2
+
+
+def outlier_separation_effect(runs: list[dict], probe: dict) -> dict:
+    """For each pair (Adacc auto and auto-no-outlier at a budget; Adacc's codecs on every
+    site with and without outlier separation) and seed: how much lower the final validation
+    loss is with outlier separation, in % of the loss without it, and whether that reaches
+    the paper's 0.2%. A pair whose two plans are the same has no effect to show (None)."""
+    pairs = [(f"auto@{f}", f"auto-no-outlier@{f}", entry["same_plan"])
+             for f, entry in probe["budgets"].items()]
+    pairs.append(("codecs", "codecs-no-outlier", False))
+    out = {}
+    for with_tag, without_tag, same_plan in pairs:
+        for seed in sorted({r["seed"] for r in runs}):
+            pick = {r["tag"]: r for r in runs if r["seed"] == seed and not r.get("failed")}
+            if with_tag not in pick or without_tag not in pick:
+                continue
+            without = pick[without_tag]["final_val_loss"]
+            effect = (None if same_plan else
+                      100 * (without - pick[with_tag]["final_val_loss"]) / without)
+            out[f"{with_tag} vs {without_tag}, seed {seed}"] = {
+                "lower_loss_pct": effect, "same_plan": same_plan,
+                "reaches_paper_0_2pct": None if effect is None else
+                effect >= PAPER_OUTLIER_EFFECT_PCT}
+    return out
+
+
+def scale_layernorm_gains(source: str, dest: str, channels: int) -> dict:
+    """Copy the newest checkpoint under ``source`` (the layout checkpoint.py writes:
+    ``latest`` and ``iter_NNNNNNN/rank_000.pt``) to ``dest`` with the gains of ``channels``
+    residual channels multiplied, in every decoder layer's LayerNorms, by factors spread
+    evenly over STRESS_GAIN_RANGE. The channels are drawn from a fixed generator, not chosen."""
+    import torch
+
+    iteration = int(open(os.path.join(source, "latest")).read())
+    folder = f"iter_{iteration:07d}"
+    payload = torch.load(os.path.join(source, folder, "rank_000.pt"), weights_only=True)
+    state = payload["model"]
+    gains = [k for k in state if k.startswith("decoder.layers.")
+             and k.endswith("layernorm.weight")]
+    hidden = state[gains[0]].numel()
+    chosen = torch.randperm(hidden, generator=torch.Generator().manual_seed(0))[:channels]
+    factors = torch.linspace(*STRESS_GAIN_RANGE, channels)
+    for key in gains:
+        state[key][chosen] *= factors.to(state[key].dtype)
+    shutil.rmtree(dest, ignore_errors=True)
+    os.makedirs(os.path.join(dest, folder))
+    torch.save(payload, os.path.join(dest, folder, "rank_000.pt"))
+    with open(os.path.join(dest, "latest"), "w") as f:
+        f.write(f"{iteration}\n")
+    return {"iteration": iteration, "channels": chosen.tolist(), "factors": factors.tolist(),
+            "tensors": gains}
 
 
 def plot(runs, args) -> None:
@@ -225,7 +361,9 @@ def plot(runs, args) -> None:
         ax.set_title(f"seed {seed}")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    fig.suptitle(f"Validation loss, KJV byte-level ({'--quick' if args.quick else 'full'})",
+    setting = "outlier stress setting, " if args.stress else ""
+    fig.suptitle(f"Validation loss, KJV byte-level ({setting}"
+                 f"{'--quick' if args.quick else 'full'})",
                  fontsize=9)
     bc.save_figure(fig, args.figure)
 

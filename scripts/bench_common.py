@@ -1,5 +1,6 @@
 """What the evaluation benchmarks share (bench_throughput, bench_max_batch, bench_accuracy):
-model shapes, the methods under comparison, the one memory yardstick, interleaved timing,
+model shapes (the attention backend included: every method of a run uses the same one), the
+methods under comparison, the one memory yardstick, interleaved timing (wall and CPU time),
 JSON and figures.
 
 The yardstick: a method *fits* a budget when
@@ -37,6 +38,7 @@ import torch
 
 from megatron_adacc import model as model_lib
 from megatron_adacc import optimizer, planning, policies, profiler
+from megatron_adacc.attention import local_layer_spec
 from megatron_adacc.plan import Plan
 from megatron_adacc.runtime import ActivationRuler, apply_plan, get_adacc_layer_spec
 
@@ -51,6 +53,12 @@ METHODS = ("no optimisation", "megatron full recompute", "megatron selective rec
            "naive INT4", "torch.compile + memory budget", "adacc auto")
 
 
+# The attentions measured. Flash runs train, for every method, with attention dropout 0, as
+# modern GPT recipes do (and as PyTorch's CPU flash kernel requires); unfused runs keep the
+# attention dropout of the published GPT-2 setting.
+ATTENTION_BACKENDS = ("flash", "unfused")
+
+
 @dataclass(frozen=True)
 class Shape:
     layers: int
@@ -58,11 +66,17 @@ class Shape:
     heads: int
     seq: int
     vocab: int = 258          # ByteLevel tokenizer: logits stay small
-    dropout: float = 0.1
+    dropout: float = 0.1      # hidden dropout; attention dropout too, except on flash
+    attention: str = "unfused"
+
+    @property
+    def attention_dropout(self) -> float:
+        return 0.0 if self.attention == "flash" else self.dropout
 
     def describe(self) -> str:
-        return (f"{self.layers} layers, hidden {self.hidden}, {self.heads} heads, seq "
-                f"{self.seq}, vocab {self.vocab}, dropout {self.dropout}, fp32, CPU")
+        return (f"{self.attention} attention, {self.layers} layers, hidden {self.hidden}, "
+                f"{self.heads} heads, seq {self.seq}, vocab {self.vocab}, hidden dropout "
+                f"{self.dropout}, attention dropout {self.attention_dropout}, fp32, CPU")
 
 
 def add_shape_args(parser: argparse.ArgumentParser, full: Shape, quick: Shape) -> None:
@@ -70,6 +84,9 @@ def add_shape_args(parser: argparse.ArgumentParser, full: Shape, quick: Shape) -
     parser.add_argument("--hidden", type=int)
     parser.add_argument("--heads", type=int)
     parser.add_argument("--seq", type=int)
+    parser.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="unfused",
+                        help="the core attention every method runs (flash: attention dropout "
+                             "0 for every method)")
     parser.add_argument("--quick", action="store_true",
                         help=f"minutes: {quick.describe()}, fewer rounds")
     parser.add_argument("--threads", type=int, default=None,
@@ -80,8 +97,9 @@ def add_shape_args(parser: argparse.ArgumentParser, full: Shape, quick: Shape) -
 
 def shape_from(args) -> Shape:
     base = args._quick_shape if args.quick else args._full_shape
-    return replace(base, **{k: getattr(args, k) for k in ("layers", "hidden", "heads", "seq")
-                            if getattr(args, k) is not None})
+    return replace(base, attention=args.attention_backend,
+                   **{k: getattr(args, k) for k in ("layers", "hidden", "heads", "seq")
+                      if getattr(args, k) is not None})
 
 
 def init(threads: int | None = None) -> None:
@@ -95,9 +113,9 @@ def build(shape: Shape, adacc: bool = False, **recompute) -> torch.nn.Module:
     model_lib.set_seed(1)
     config = model_lib.build_transformer_config(
         num_layers=shape.layers, hidden_size=shape.hidden, num_attention_heads=shape.heads,
-        hidden_dropout=shape.dropout, attention_dropout=shape.dropout, **recompute)
-    return model_lib.build_gpt_model(config, shape.vocab, shape.seq,
-                                     get_adacc_layer_spec() if adacc else None)
+        hidden_dropout=shape.dropout, attention_dropout=shape.attention_dropout, **recompute)
+    spec = (get_adacc_layer_spec if adacc else local_layer_spec)(shape.attention)
+    return model_lib.build_gpt_model(config, shape.vocab, shape.seq, spec)
 
 
 def batch_of(shape: Shape, micro_batch: int, seed: int = 0):
@@ -125,13 +143,13 @@ class Variant:
         if self.plan is not None:
             apply_plan(self.model, self.plan)
 
-    def step(self, batch) -> float:
-        """One forward and backward; returns its wall time."""
+    def step(self, batch) -> tuple[float, float]:
+        """One forward and backward; returns its (wall, process CPU) time."""
         self.activate()
         self.model.zero_grad(set_to_none=True)
-        began = time.perf_counter()
+        wall, cpu = time.perf_counter(), time.process_time()
         model_lib.gpt_loss(self.model, *batch).backward()
-        return time.perf_counter() - began
+        return time.perf_counter() - wall, time.process_time() - cpu
 
     def activation_peak(self, batch) -> int:
         self.activate()
@@ -263,29 +281,48 @@ def configure_dynamo() -> None:
 
 
 # --- timing ---------------------------------------------------------------------------------
-def interleaved_medians(steps: dict[str, Callable[[], float]], warmup: int, rounds: int
-                        ) -> dict[str, dict]:
+def interleaved_times(steps: dict[str, Callable[[], tuple[float, float]]], warmup: int,
+                      rounds: int) -> dict[str, dict]:
     """Each round runs one step of every entry, so drift on a shared machine hits them alike,
     starting one entry later each round, so no entry always follows the same one; the first
-    ``warmup`` rounds are dropped; medians of the rest. The garbage collector runs before
+    ``warmup`` rounds are dropped. Per entry: the median wall time and the kept rounds' wall
+    and CPU times, aligned by round (for ``paired_ratio``). The garbage collector runs before
     each step, not during it: its pauses land on whichever step happens to trigger them."""
     names = list(steps)
-    times: dict[str, list[float]] = {name: [] for name in names}
+    wall: dict[str, list[float]] = {name: [] for name in names}
+    cpu: dict[str, list[float]] = {name: [] for name in names}
     for round_ in range(warmup + rounds):
         for k in range(len(names)):
             name = names[(round_ + k) % len(names)]
             gc.collect()
             gc.disable()
             try:
-                elapsed = steps[name]()
+                elapsed, cpu_elapsed = steps[name]()
             finally:
                 gc.enable()
             if round_ >= warmup:
-                times[name].append(elapsed)
-    return {name: {"median_s": statistics.median(t), "times_s": t} for name, t in times.items()}
+                wall[name].append(elapsed)
+                cpu[name].append(cpu_elapsed)
+    return {name: {"median_s": statistics.median(wall[name]), "times_s": wall[name],
+                   "cpu_times_s": cpu[name]} for name in names}
+
+
+def paired_ratio(numerator: list[float], denominator: list[float]) -> float:
+    """The median over rounds of each round's numerator / denominator time: a load spike or
+    a slow stretch in one round moves both of that round's steps, not the ratio."""
+    return statistics.median(a / b for a, b in zip(numerator, denominator, strict=True))
 
 
 # --- output ---------------------------------------------------------------------------------
+def output_names(args, stem: str) -> None:
+    """Fill the unset --out, --publish and --figure with names that carry the attention
+    backend (``stem``_flash.json, ...), so the two attentions' runs sit side by side."""
+    tag = f"{stem}_{args.attention_backend}"
+    args.out = args.out or f"bench_results/{tag}.json"
+    args.publish = f"{tag}.json" if args.publish is None else args.publish
+    args.figure = args.figure or f"{tag}.png"
+
+
 def write_json(data: dict, out: str, publish_as: str | None) -> None:
     """``out`` (bench_results/, ignored by git) and, with ``publish_as``, a copy under
     docs/results/ for the results page."""
@@ -326,6 +363,7 @@ def save_figure(fig, name: str) -> str:
 def run_info(args) -> dict:
     return {"command": " ".join(["python", *sys.argv]), "quick": bool(args.quick),
             "torch": torch.__version__, "threads": torch.get_num_threads(),
+            "cpus": os.cpu_count(),
             "device": profiler.device_name(), "load_average": os.getloadavg(),
             "started": time.strftime("%Y-%m-%d %H:%M:%S")}
 

@@ -4,6 +4,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--layers", "1", "--hidden", "64", "--heads", "2", "--seq", "32", "--no-compile",
         "--threads", "1"]
@@ -16,28 +18,51 @@ def _run(script, *flags):
     return done.stdout
 
 
-def test_throughput_and_max_batch_tiny(tmp_path):
-    _run("bench_throughput.py", "--quick", *TINY, "--batches", "1", "2", "--budget-at", "1",
-         "--warmup", "0", "--rounds", "1", "--out", str(tmp_path / "t.json"), "--publish", "",
-         "--figure", str(tmp_path / "t.png"))
+@pytest.mark.parametrize("attention", ["flash", "unfused"])
+def test_throughput_and_max_batch_tiny(tmp_path, attention):
+    _run("bench_throughput.py", "--quick", *TINY, "--attention-backend", attention,
+         "--batches", "1", "2", "--budget-at", "1", "--warmup", "0", "--rounds", "2",
+         "--ample-rounds", "3",
+         "--out", str(tmp_path / "t.json"), "--publish", "", "--figure", str(tmp_path / "t.png"))
     data = json.loads((tmp_path / "t.json").read_text())
+    assert data["shape"]["attention"] == attention
     rows = data["rows"]["budget@1"]
     assert rows["1"]["no optimisation"]["fits"] and not rows["2"]["no optimisation"]["fits"]
     assert rows["1"]["adacc auto"]["fits"]
-    _run("bench_max_batch.py", "--quick", *TINY, "--budget-at", "1", "--cap", "4",
-         "--out", str(tmp_path / "m.json"), "--publish", "", "--figure", str(tmp_path / "m.png"))
+    # memory ample at micro-batch 1: Adacc against no optimisation in CPU time, per round
+    ample = data["summary"]["ample"]
+    assert [e["micro_batch"] for e in ample] == [1] and ample[0]["adacc_vs_none"] > 0
+    pair = data["ample_pairs"]["1"]["budget@1"]
+    assert len(pair["none_cpu_s"]) == len(pair["adacc_cpu_s"]) == 3
+    assert all(len(v["cpu_times_s"]) == 2 for v in data["variants"]["1"] if "times_s" in v)
+    _run("bench_max_batch.py", "--quick", *TINY, "--attention-backend", attention,
+         "--budget-at", "1", "--cap", "4", "--out", str(tmp_path / "m.json"), "--publish", "",
+         "--figure", str(tmp_path / "m.png"))
     data = json.loads((tmp_path / "m.json").read_text())
     methods = data["results"]["budget@1"]["methods"]
     assert methods["no optimisation"]["max_micro_batch"] == 1
     assert methods["adacc auto"]["max_micro_batch"] >= methods["megatron full recompute"][
         "max_micro_batch"]
+    behind = {m for m, e in methods.items() if m != "adacc auto" and e["max_micro_batch"]
+              > methods["adacc auto"]["max_micro_batch"]}
+    assert data["targets"]["adacc_ge_every_method"] == (not behind)
     assert (tmp_path / "t.png").exists() and (tmp_path / "m.png").exists()
 
 
 def test_results_page_from_published_json(tmp_path):
     out = tmp_path / "results.md"
-    _run("make_results_page.py", "--out", str(out))
-    assert "# Evaluation results" in out.read_text()
+    printed = _run("make_results_page.py", "--out", str(out))
+    page = out.read_text()
+    assert "# Evaluation results" in page
+    # flash first, then unfused, then the plain accuracy runs and the stress setting beside them
+    order = [page.index(h) for h in ("## 1. Flash attention", "## 2. Unfused attention",
+                                     "## 3. Accuracy", "## 4. Accuracy, outlier stress")]
+    assert order == sorted(order)
+    # every target line on the page is printed, each with its verdict
+    targets = [line for line in printed.splitlines() if line.startswith("- ")]
+    assert targets and all(line in page for line in targets)
+    assert all("**met**" in line or "**missed**" in line or "not measured" in line
+               for line in targets)
 
 
 def test_accuracy_two_steps(tmp_path):
@@ -61,3 +86,40 @@ def test_codecs_quick(tmp_path):
     assert size_and_error and all(t["met"] for t in size_and_error), size_and_error
     speed = [t for t in data["targets"] if "round trip" in t["target"]]
     assert len(speed) == 6 and all("recycled memory" in t["target"] and t["value"] > 0 for t in speed)
+
+
+def test_accuracy_stress_resumes_every_method_from_scaled_gains(tmp_path):
+    work = tmp_path / "work"
+    # the exact baseline and naive INT4: every stress path without the plain test's profiling
+    _run("bench_accuracy.py", "--quick", "--stress", "--iters", "3", "--stress-pretrain", "2",
+         "--methods", "quantize", "megatron-full-recompute", "--workdir", str(work), "--out", str(tmp_path / "s.json"),
+         "--publish", "", "--figure", str(tmp_path / "s.png"))
+    data = json.loads((tmp_path / "s.json").read_text())
+    ran = {r["tag"]: r for r in data["runs"]}
+    assert set(ran) == {"pretrain", "none", "quantize", "megatron-full-recompute"}
+    assert not any(r.get("failed") for r in ran.values())
+    # every method trained only the iteration after the checkpoint
+    assert ran["pretrain"]["train_curve"][-1][0] == 2
+    assert all(r["train_curve"][0][0] == 3 for tag, r in ran.items() if tag != "pretrain")
+    # Megatron's full recompute is exact: the same loss as no optimisation, bit for bit
+    assert ran["megatron-full-recompute"]["gap_pct"] == 0
+    stress = data["stress"]["1234"]
+    assert stress["iteration"] == 2 and len(stress["channels"]) == 4
+    assert stress["factors"][0] == 10 and stress["factors"][-1] == 30
+    # the scaled checkpoint holds the pretrained gains times the factors, nothing else changed
+    import torch
+
+    before = torch.load(work / "pretrained-seed1234" / "iter_0000002" / "rank_000.pt",
+                        weights_only=True)["model"]
+    after = torch.load(work / "outlier-gains-seed1234" / "iter_0000002" / "rank_000.pt",
+                       weights_only=True)["model"]
+    scale = torch.ones(before[stress["tensors"][0]].numel())
+    scale[stress["channels"]] = torch.tensor(stress["factors"])
+    assert before.keys() == after.keys()
+    for key, tensor in before.items():
+        if not isinstance(tensor, torch.Tensor):  # megatron's extra state
+            assert after[key] == tensor, key
+            continue
+        expected = tensor * scale if key in stress["tensors"] else tensor
+        assert torch.equal(after[key], expected), key
+    assert len(stress["tensors"]) == 2 * 2  # two layers, two LayerNorms each
