@@ -223,25 +223,48 @@ def evaluate_layer(costs: ModelCosts, decisions: Mapping[str, Decision]) -> Laye
 
 
 # --- a plan's peak ---------------------------------------------------------------------------
-def peak_from_terms(costs: ModelCosts, all_stored, backward_peak):
-    """The peak rule, given one micro-batch's layers' stored bytes together (A) and
-    max_l [prefix(l) + transient(l)]. Either may be an array (the searches evaluate many
-    plans at once)."""
+def activation_terms(costs: ModelCosts, all_stored, backward_peak):
+    """The activations part of the peak rule: (k - 1)(A + E) + E + max(non_layer + A,
+    ``backward_peak``), given one micro-batch's layers' stored bytes together (A). Either
+    argument may be an array (the searches evaluate many plans at once)."""
     others = costs.in_flight_micro_batches - 1
-    held = (costs.static_bytes + costs.allocator_overhead_bytes + others * all_stored
-            + (others + 1) * costs.embedding_bytes)
-    return held + np.maximum(costs.non_layer_bytes + all_stored,
-                             backward_peak + costs.backward_workspace_bytes)
+    held = others * all_stored + (others + 1) * costs.embedding_bytes
+    return held + np.maximum(costs.non_layer_bytes + all_stored, backward_peak)
+
+
+def peak_from_terms(costs: ModelCosts, all_stored, backward_peak):
+    """The peak rule, given A and max_l [prefix(l) + transient(l)]."""
+    return (costs.static_bytes + costs.allocator_overhead_bytes
+            + activation_terms(costs, all_stored, backward_peak + costs.backward_workspace_bytes))
+
+
+def _stored_terms(layers: Sequence[LayerPolicy]) -> tuple[int, int]:
+    """(A, max_l [prefix(l) + transient(l)]) of a plan whose layer l follows ``layers[l]``."""
+    prefix, backward_peak = 0, 0
+    for layer in layers:
+        prefix += layer.stored_bytes
+        backward_peak = max(backward_peak, prefix + layer.transient_bytes)
+    return prefix, backward_peak
 
 
 def peak_bytes(costs: ModelCosts, layers: Sequence[LayerPolicy]) -> int:
     """Predicted peak memory of a plan whose layer l (0 = nearest the embedding) follows
     ``layers[l]``: the memory model in this module's docstring."""
-    prefix, backward_peak = 0, 0
-    for layer in layers:
-        prefix += layer.stored_bytes
-        backward_peak = max(backward_peak, prefix + layer.transient_bytes)
-    return int(peak_from_terms(costs, prefix, backward_peak))
+    return int(peak_from_terms(costs, *_stored_terms(layers)))
+
+
+def forward_end_bytes(costs: ModelCosts, layers: Sequence[LayerPolicy]) -> int:
+    """Activations the stage holds when the forward of its k-th in-flight micro-batch ends,
+    the most it keeps for backward (the ruler's ``activation_bytes``): k (A + E) + non_layer."""
+    return int(activation_terms(costs, _stored_terms(layers)[0], 0))
+
+
+def activation_peak_bytes(costs: ModelCosts, layers: Sequence[LayerPolicy]) -> int:
+    """The activation bytes alive at the stage's peak, backward's decoded and rebuilt values
+    included, without static memory and the gradients' workspace (the ruler's
+    ``activation_peak_bytes``). An upper bound where decoded values or a rebuild meet
+    stored values backward has already freed."""
+    return int(activation_terms(costs, *_stored_terms(layers)))
 
 
 class Limits(NamedTuple):
