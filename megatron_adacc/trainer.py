@@ -3,7 +3,6 @@ with gradient accumulation, data parallelism, evaluation, metrics and checkpoint
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import sys
 import time
@@ -263,36 +262,40 @@ def grad_scaler(args: argparse.Namespace):
 
 class _DataParallelModel(torch.nn.Module):
     """The model as megatron-core's schedules and finalize_model_grads see it: the interface
-    of megatron's DDP wrapper (``ddp_config``, ``no_sync``, ``finish_grad_sync``), over torch
-    DDP for fp32 models (it reduces in the last micro-batch's backward) or over the
-    optimizer's fp32 main gradients for 16-bit models (reduced in finish_grad_sync: scaled
-    by 1/DP, then summed, as megatron does). megatron's own wrapper allocates on CUDA."""
+    of megatron's DDP wrapper (``ddp_config``, ``finish_grad_sync``), reducing the
+    gradients over the data-parallel group once the schedule has run every micro-batch, in
+    one flat buffer (16-bit models: the optimizer's fp32 main gradients), scaled by 1/DP and
+    summed as megatron does. megatron's own wrapper allocates on CUDA; torch DDP decides at
+    forward time whether a backward synchronises, and 1F1B runs the last micro-batch's
+    forward before it lets gradients synchronise."""
 
     def __init__(self, module: torch.nn.Module, main_grads: torch.Tensor | None, dp_group):
         from megatron.core.distributed import DistributedDataParallelConfig
 
         super().__init__()
-        self.dp_group = dp_group
-        self.dp_size = dist.get_world_size(dp_group)
+        self.module = module
         self.main_grads = main_grads
-        # A 16-bit model's gradients accumulate in the fp32 main gradients, which
-        # finish_grad_sync reduces; torch DDP would reduce them in 16 bits.
-        self.module = (torch.nn.parallel.DistributedDataParallel(module, process_group=dp_group)
-                       if self.dp_size > 1 and main_grads is None else module)
+        self.dp_group = dp_group
         self.ddp_config = DistributedDataParallelConfig()
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
 
-    def no_sync(self):
-        if isinstance(self.module, torch.nn.parallel.DistributedDataParallel):
-            return self.module.no_sync()
-        return contextlib.nullcontext()
-
     def finish_grad_sync(self, force_all_reduce: bool = False) -> None:
-        if self.main_grads is not None and self.dp_size > 1:
-            self.main_grads.div_(self.dp_size)
+        from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+        dp_size = dist.get_world_size(self.dp_group)
+        if dp_size == 1:
+            return
+        if self.main_grads is not None:
+            self.main_grads.div_(dp_size)
             dist.all_reduce(self.main_grads, group=self.dp_group)
+            return
+        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+        flat = _flatten_dense_tensors(grads).div_(dp_size)
+        dist.all_reduce(flat, group=self.dp_group)
+        for grad, synced in zip(grads, _unflatten_dense_tensors(flat, grads)):
+            grad.copy_(synced)
 
 
 class Trainer:
@@ -323,7 +326,6 @@ class Trainer:
         # megatron-core's schedules drive every step (1F1B across pipeline stages, a plain
         # loop of micro-batches without them); these are the hooks they call.
         config = self.model.config
-        config.no_sync_func = self.train_model.no_sync
         config.finalize_model_grads_func = finalize_model_grads
         config.grad_scale_func = self._scale_loss if self.optimizer.loss_scale is not None else None
         self.forward_backward = get_forward_backward_func()
