@@ -114,6 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--fp16", action="store_true",
                        help="fp16 parameters and activations, with loss scaling")
     model.add_argument("--tensor-model-parallel-size", type=_POSITIVE, default=1)
+    model.add_argument("--pipeline-model-parallel-size", type=_POSITIVE, default=1,
+                       help="pipeline stages: megatron-core's split of the layers and its 1F1B "
+                            "schedule")
 
     train = p.add_argument_group("training")
     train.add_argument("--micro-batch-size", type=_POSITIVE, default=4)
@@ -288,6 +291,17 @@ def finalize(args: argparse.Namespace, world_size: int) -> None:
             f"--tensor-model-parallel-size {tp} does not divide the world size {world_size}; "
             f"launch a multiple of {tp} processes"
         )
+    pp = args.pipeline_model_parallel_size
+    if (world_size // tp) % pp:
+        raise ConfigError(
+            f"--pipeline-model-parallel-size {pp} does not divide the world size {world_size} "
+            f"/ --tensor-model-parallel-size {tp}; launch a multiple of {tp * pp} processes"
+        )
+    if args.num_layers % pp:
+        raise ConfigError(
+            f"--num-layers {args.num_layers} is not divisible by --pipeline-model-parallel-size "
+            f"{pp}: every stage holds the same number of layers"
+        )
     if args.num_attention_heads % tp:
         raise ConfigError(
             f"--num-attention-heads {args.num_attention_heads} is not divisible by "
@@ -304,7 +318,7 @@ def finalize(args: argparse.Namespace, world_size: int) -> None:
             f"--max-position-embeddings {args.max_position_embeddings} is smaller than "
             f"--seq-length {args.seq_length}"
         )
-    args.data_parallel_size = world_size // tp
+    args.data_parallel_size = world_size // (tp * pp)
     args.global_batch_size = args.global_batch_size or args.micro_batch_size * args.data_parallel_size
     if args.global_batch_size % (args.micro_batch_size * args.data_parallel_size):
         raise ConfigError(
@@ -358,5 +372,12 @@ def _finalize_adacc(args: argparse.Namespace) -> None:
             policies.require_budget(config.policy, config.budget_bytes)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
+    if config.policy in policies.AUTO_POLICIES and args.pipeline_model_parallel_size > 1:
+        # One plan profiled on one stage would be wrong for the others: each stage keeps a
+        # different number of micro-batches in flight.
+        raise ConfigError(
+            f"--adacc-policy {config.policy} with --pipeline-model-parallel-size > 1 needs a "
+            f"plan per stage, which is not built yet; use none, full-recompute, quantize or a "
+            f"plan YAML file")
     args.adacc_tracking = "backoff" if config.tracks else "off"
     args.adacc_memory_budget = config.budget_bytes

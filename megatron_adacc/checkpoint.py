@@ -1,7 +1,10 @@
 """Atomic, durable checkpoints: model, optimizer, scheduler, RNG and data position.
 
-Layout: ``<dir>/iter_0000042/rank_000.pt`` (one file per rank) and ``<dir>/latest`` naming
-the newest complete iteration. A save writes into a staging directory, fsyncs every file,
+Layout (Megatron-LM's): ``<dir>/iter_0000042/mp_rank_00/model_optim_rng.pt``, one file per
+model-parallel rank, ``mp_rank_<tensor rank>`` or, with pipeline stages,
+``mp_rank_<tensor rank>_<pipeline stage>`` (each stage saves its own layers), written by
+data-parallel rank 0 and read by every data-parallel rank (their states are replicas); and
+``<dir>/latest`` naming the newest complete iteration. A save writes into a staging directory, fsyncs every file,
 renames the directory into place once every rank has finished, and only then rewrites
 ``latest`` (write, fsync, rename), so a save killed at any point leaves ``latest`` pointing at
 the previous complete checkpoint; the next save removes what the killed one left behind.
@@ -70,8 +73,28 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
+def _parallel_sizes() -> dict[str, int]:
+    from megatron.core import parallel_state
+
+    return {"tensor": parallel_state.get_tensor_model_parallel_world_size(),
+            "pipeline": parallel_state.get_pipeline_model_parallel_world_size()}
+
+
 def _rank_file(directory: Path) -> Path:
-    return directory / f"rank_{dist.get_rank():03d}.pt"
+    from megatron.core import parallel_state
+
+    name = f"mp_rank_{parallel_state.get_tensor_model_parallel_rank():02d}"
+    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+        name += f"_{parallel_state.get_pipeline_model_parallel_rank():03d}"
+    return directory / name / "model_optim_rng.pt"
+
+
+def _writes() -> bool:
+    """Whether this rank writes its model-parallel rank's file: data-parallel replicas hold
+    the same state, so their rank 0 writes it."""
+    from megatron.core import parallel_state
+
+    return parallel_state.get_data_parallel_rank() == 0
 
 
 def _iteration_dir(root: Path, iteration: int) -> Path:
@@ -112,7 +135,7 @@ def save(directory: str | Path, iteration: int, model, optimizer, scheduler,
     payload = {
         "format": FORMAT_VERSION,
         "iteration": iteration,
-        "world_size": dist.get_world_size(),
+        "parallel": _parallel_sizes(),
         "model": model.state_dict(),
         "optimizer": optimizer.state_dict(),
         "scheduler": scheduler.state_dict(),
@@ -134,10 +157,14 @@ def save(directory: str | Path, iteration: int, model, optimizer, scheduler,
             shutil.rmtree(stale, ignore_errors=True)
         staging.mkdir()
     dist.barrier()
-    with _rank_file(staging).open("wb") as handle:
-        torch.save(payload, handle)
-        handle.flush()
-        os.fsync(handle.fileno())
+    if _writes():
+        path = _rank_file(staging)
+        path.parent.mkdir()
+        with path.open("wb") as handle:
+            torch.save(payload, handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+        _fsync_dir(path.parent)
     dist.barrier()
     if dist.get_rank() == 0:
         _fsync_dir(staging)
@@ -183,9 +210,11 @@ def _read(path: Path) -> tuple[dict | None, str | None]:
     if not isinstance(payload, dict) or payload.get("format") != FORMAT_VERSION:
         found = payload.get("format") if isinstance(payload, dict) else None
         return None, f"not a checkpoint of format {FORMAT_VERSION} (format {found})"
-    if payload["world_size"] != dist.get_world_size():
-        return None, (f"written by {payload['world_size']} processes, this run has "
-                      f"{dist.get_world_size()}")
+    sizes = _parallel_sizes()
+    if payload["parallel"] != sizes:
+        return None, (f"written with --tensor-model-parallel-size {payload['parallel']['tensor']} "
+                      f"--pipeline-model-parallel-size {payload['parallel']['pipeline']}, this "
+                      f"run has {sizes['tensor']} and {sizes['pipeline']}")
     return payload, None
 
 
