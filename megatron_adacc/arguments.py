@@ -372,12 +372,5 @@ def _finalize_adacc(args: argparse.Namespace) -> None:
             policies.require_budget(config.policy, config.budget_bytes)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    if config.policy in policies.AUTO_POLICIES and args.pipeline_model_parallel_size > 1:
-        # One plan profiled on one stage would be wrong for the others: each stage keeps a
-        # different number of micro-batches in flight.
-        raise ConfigError(
-            f"--adacc-policy {config.policy} with --pipeline-model-parallel-size > 1 needs a "
-            f"plan per stage, which is not built yet; use none, full-recompute, quantize or a "
-            f"plan YAML file")
     args.adacc_tracking = "backoff" if config.tracks else "off"
     args.adacc_memory_budget = config.budget_bytes

@@ -317,7 +317,9 @@ class Trainer:
         self.pp_last_rank = parallel_state.get_pipeline_model_parallel_last_rank()
         # Profiling (auto) measures the bare model on the first real micro-batch, before any
         # data-parallel wrapper can synchronise its throwaway gradients.
-        self.adacc.setup(self.model, first_micro_batch(self.train_batches))
+        # Each stage's plan counts the micro-batches 1F1B keeps in flight there.
+        self.adacc.setup(self.model, first_micro_batch(self.train_batches),
+                         num_micro_batches=self.train_batches.num_micro_batches)
         self.optimizer = MainParamAdamW(
             self.model, args.lr, args.weight_decay, (args.adam_beta1, args.adam_beta2),
             grad_scaler(args))
@@ -356,12 +358,17 @@ class Trainer:
         schedule; returns the micro-batches' mean losses on every rank of the pipeline (the
         last stage computes them). Only the first and last stages read data."""
         first, last = model_lib.pipeline_stage()
-        micro_batches = list(batches.micro_batches(global_index)) if first or last else None
-        if micro_batches and not forward_only:
-            self.step_batch = _as_tuple(micro_batches[0])  # what tracking samples after the step
+        # Built as the schedule asks for them, as megatron's data iterator does: a
+        # micro-batch held for the whole step would keep its token ids alive after its
+        # backward freed them, and the ruler would count them.
+        micro_batches = batches.micro_batches(global_index) if first or last else None
+        if micro_batches is not None and not forward_only and self.adacc.rectifier is not None:
+            head = next(micro_batches)
+            self.step_batch = _as_tuple(head)  # what tracking samples after the step
+            micro_batches = itertools.chain([head], micro_batches)
         reported = self.forward_backward(
             forward_step_func=_forward_step,
-            data_iterator=iter(micro_batches) if micro_batches is not None else None,
+            data_iterator=micro_batches,
             model=self.model if forward_only else self.train_model,
             num_microbatches=batches.num_micro_batches,
             seq_length=self.args.seq_length,
