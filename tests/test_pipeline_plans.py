@@ -1,6 +1,7 @@
 """Per-stage plans under megatron-core's 1F1B (torchrun on the CPU): every stage applies its
 own plan, and the ruler's activation bytes on each stage (all in-flight micro-batches
-together) are what the planner predicted for that stage."""
+together) and its activation peak (later stages: with the previous micro-batch's received
+input, alive through the next forward) are what the planner predicted for that stage."""
 import json
 import os
 import subprocess
@@ -30,16 +31,27 @@ def _pipelined_run(tmp_path, stages: int, budget: str) -> dict:
     return json.loads(metrics.read_text().splitlines()[0])
 
 
-@pytest.mark.parametrize("stages, budget", [(2, "2.9MiB"), (4, "2.4MiB")])
-def test_each_stage_measures_what_its_plan_predicts(tmp_path, stages, budget):
+# The predicted peak is an upper bound where a layer's decoded or rebuilt values set it:
+# planning.model charges them against all the layer's stored bytes, though its backward has
+# freed the MLP's before it decodes attention's. At PP=4 the first stage's plan (4
+# micro-batches in flight) compresses and peaks in backward below the prediction (qkv
+# compressed: 1,017,344 measured of 1,114,624 predicted), so its peak is held to the upper
+# bound only; every other stage's plan peaks at a forward's end.
+@pytest.mark.parametrize("stages, budget, peak_upper_bound_only",
+                         [(2, "2.9MiB", ()), (4, "2.4MiB", (0,))])
+def test_each_stage_measures_what_its_plan_predicts(tmp_path, stages, budget,
+                                                    peak_upper_bound_only):
     record = _pipelined_run(tmp_path, stages, budget)
     readings = record["stages"]
     assert [r["pipeline_stage"] for r in readings] == list(range(stages))
-    for reading in readings:
-        print(reading)
+    for stage, reading in enumerate(readings):
         predicted, measured = reading["predicted_activation_bytes"], reading["activation_bytes"]
-        assert measured <= predicted
-        assert measured >= 0.98 * predicted
+        assert 0.98 * predicted <= measured <= predicted, reading
+        predicted, measured = (reading["predicted_activation_peak_bytes"],
+                               reading["activation_peak_bytes"])
+        assert measured <= predicted, reading
+        if stage not in peak_upper_bound_only:
+            assert measured >= 0.98 * predicted, reading
     # The budget is one at which the first stage, holding the most micro-batches, cannot
     # keep everything while the last one can: the plans differ.
     assert readings[0]["plan_id"] != readings[-1]["plan_id"]

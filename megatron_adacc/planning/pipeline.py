@@ -15,6 +15,7 @@ from typing import Any, Sequence
 
 from megatron_adacc.costs import ModelCosts
 from megatron_adacc.plan import Plan
+from megatron_adacc.sites import LAYER_INPUT
 from megatron_adacc.planning.result import PlanResult
 from megatron_adacc.planning.search import InfeasibleBudget, plan
 
@@ -58,14 +59,20 @@ def stage_costs(layer_costs: ModelCosts, stages: Sequence[StageMemory], num_laye
     sites, segments and allocator overhead every stage shares, since the stages' layers are
     alike) and what each stage holds besides its layers."""
     counts = stage_layer_counts(num_layers, len(stages))
-    return [replace(layer_costs, num_layers=layers, static_bytes=memory.static_bytes,
-                    embedding_bytes=memory.embedding_bytes,
-                    non_layer_bytes=memory.non_layer_bytes,
-                    in_flight_micro_batches=in_flight_micro_batches(index, len(stages),
-                                                                    num_micro_batches),
-                    meta={**layer_costs.meta, "pipeline_stage": index,
-                          "pipeline_size": len(stages), "num_micro_batches": num_micro_batches})
-            for index, (layers, memory) in enumerate(zip(counts, stages))]
+    # A stage after the first receives its input, its first layer's input at full size; one
+    # more stays alive through each forward that follows a backward (planning.model).
+    received = layer_costs.site(LAYER_INPUT).bytes if len(stages) > 1 else 0
+    costs = []
+    for index, (layers, memory) in enumerate(zip(counts, stages)):
+        in_flight = in_flight_micro_batches(index, len(stages), num_micro_batches)
+        costs.append(replace(
+            layer_costs, num_layers=layers, static_bytes=memory.static_bytes,
+            embedding_bytes=memory.embedding_bytes, non_layer_bytes=memory.non_layer_bytes,
+            in_flight_micro_batches=in_flight,
+            received_input_bytes=received if index > 0 and num_micro_batches > in_flight else 0,
+            meta={**layer_costs.meta, "pipeline_stage": index, "pipeline_size": len(stages),
+                  "num_micro_batches": num_micro_batches}))
+    return costs
 
 
 @dataclass
