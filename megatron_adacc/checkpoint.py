@@ -256,7 +256,7 @@ def load(directory: str | Path, model, optimizer, scheduler) -> tuple[int, dict[
             continue
         if newest is not None:
             _warn(f"checkpoint {newest[0]} is {newest[1]}; resuming from the newest intact "
-                  f"one, {path.parent}")
+                  f"one, {_iteration_dir(root, iteration)}")
         _check_shapes(path, payload["model"], model)
         model.load_state_dict(payload["model"])
         optimizer.load_state_dict(payload["optimizer"])

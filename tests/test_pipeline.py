@@ -86,3 +86,26 @@ def test_pipeline_stages_train_like_one_process_and_resume_bit_for_bit(plans, tm
     print(json.dumps(errors))  # the agreement the closing note reports
     assert max(errors.values()) < TOLERANCE, errors
     assert two["pp2_first"] + two["pp2_resumed"] == two["pp2"]
+
+
+@pytest.mark.parametrize("flags, world, message", [
+    (["--pipeline-model-parallel-size", "2"], 1,
+     "--pipeline-model-parallel-size 2 does not divide the world size 1 / "
+     "--tensor-model-parallel-size 1; launch a multiple of 2 processes"),
+    (["--pipeline-model-parallel-size", "2", "--tensor-model-parallel-size", "2"], 2,
+     "--pipeline-model-parallel-size 2 does not divide the world size 2 / "
+     "--tensor-model-parallel-size 2; launch a multiple of 4 processes"),
+    (["--pipeline-model-parallel-size", "2", "--num-layers", "3"], 2,
+     "--num-layers 3 is not divisible by --pipeline-model-parallel-size 2: every stage holds "
+     "the same number of layers"),
+    (["--pipeline-model-parallel-size", "2", "--adacc-policy", "auto",
+      "--adacc-memory-budget", "1GiB"], 2,
+     "--adacc-policy auto with --pipeline-model-parallel-size > 1 needs a plan per stage, "
+     "which is not built yet; use none, full-recompute, quantize or a plan YAML file"),
+])
+def test_bad_pipeline_flags_say_what_to_change(flags, world, message):
+    from megatron_adacc.arguments import ConfigError, parse_args
+
+    with pytest.raises(ConfigError) as raised:
+        parse_args([*TINY, *flags], world_size=world)
+    assert str(raised.value) == message
