@@ -200,6 +200,11 @@ def _candidates(root: Path) -> list[int]:
 def _read(path: Path) -> tuple[dict | None, str | None]:
     """(payload, None), or (None, what is wrong with the file)."""
     if not path.is_file():
+        others = sorted(d.name for d in path.parent.parent.glob("mp_rank_*") if d.is_dir())
+        if others and path.parent.name not in others:
+            return None, (f"missing (the checkpoint holds {', '.join(others)}: written with "
+                          f"other --tensor-model-parallel-size or "
+                          f"--pipeline-model-parallel-size)")
         return None, "missing"
     try:
         payload = torch.load(path, map_location="cpu", weights_only=True)
