@@ -32,7 +32,7 @@ from typing import Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from megatron_adacc import policies, profiler
+from megatron_adacc import optimizer, policies, profiler
 from megatron_adacc.attention import DEFAULT_SPEC_BACKEND, local_layer_spec
 from megatron_adacc.costs import ModelCosts
 from megatron_adacc.plan import Plan
@@ -144,21 +144,26 @@ class Adacc:
 
     # --- set-up --------------------------------------------------------------------------------
     def setup(self, model: torch.nn.Module, batch: profiler.Batch,
-              loss_fn: LossFn | None = None, *, verbose: bool = True) -> "Adacc":
+              loss_fn: LossFn | None = None, *, verbose: bool = True,
+              optimizer_shards: int = 1) -> "Adacc":
         """Resolve the policy for ``model`` (built with ``layer_spec()``) and apply it.
         ``batch`` is a real micro-batch (tokens, labels, loss mask) of this rank, at the
         micro-batch size training runs; ``loss_fn(model, batch)`` its scalar loss (default:
         the GPT language-model loss). Call before wrapping the model for data parallelism:
         profiling steps must not synchronise their throwaway gradients. Raises
         planning.InfeasibleBudget (a ValueError naming the smallest feasible budget) when no
-        plan fits."""
+        plan fits. ``optimizer_shards``: the data-parallel ranks the trainer's optimizer
+        (MainParamAdamW) shards its state over (--use-distributed-optimizer; 1: held
+        whole); the budget counts what the rank holding the most keeps, so every rank plans
+        alike."""
         config = self.config
         self.model, self._batch = model, batch
         self._loss_fn = loss_fn
-        self.static_bytes = profiler.static_bytes(model)
+        self.static_bytes = optimizer.static_bytes(model, optimizer_shards)
         self._resolved = policies.resolve(
             config.policy, self._budget(), model, batch, db=ProfileDB(config.profile_db),
-            reprofile=config.reprofile, strict=config.strict, loss_fn=loss_fn)
+            reprofile=config.reprofile, strict=config.strict, loss_fn=loss_fn,
+            static_bytes=self.static_bytes)
         if self._resolved.plan is not None:
             self._apply(self._resolved.plan)
         if config.tracks and self._resolved.result is not None:

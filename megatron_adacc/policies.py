@@ -101,10 +101,13 @@ class Resolved:
 def resolve(policy: str, budget_bytes: int | None, model: torch.nn.Module | None = None,
             batch: profiler.Batch | None = None, *, db: ProfileDB | None = None,
             reprofile: bool = False, strict: bool = False,
-            loss_fn: profiler.LossFn | None = None) -> Resolved:
+            loss_fn: profiler.LossFn | None = None,
+            static_bytes: int | None = None) -> Resolved:
     """The plan for ``policy``. ``auto`` needs the model (built with the Adacc layer spec)
     and one real micro-batch, and raises planning.InfeasibleBudget (a ValueError naming the
-    smallest feasible budget) when nothing fits."""
+    smallest feasible budget) when nothing fits. ``static_bytes``: what parameters and the
+    optimizer hold (``optimizer.static_bytes``; None: the profile's, the optimizer held
+    whole), which a stored profile cannot know."""
     if policy == "none":
         return Resolved(policy, None, budget_bytes)
     if policy == "full-recompute":
@@ -116,6 +119,8 @@ def resolve(policy: str, budget_bytes: int | None, model: torch.nn.Module | None
     require_budget(policy, budget_bytes)
     costs, profile_s = measured_costs(model, batch, db or ProfileDB(), reprofile, strict,
                                       loss_fn)
+    if static_bytes is not None:
+        costs = replace(costs, static_bytes=static_bytes)
     # Every rank plans the same costs with the same deterministic planner: one plan, and an
     # infeasible budget fails on every rank alike instead of leaving the others waiting.
     result = planning.plan(planning_costs(policy, costs), budget_bytes, allow_lossy_sources=False)

@@ -36,7 +36,7 @@ import torch
 # megatron's own: saves and restores the CPU, default CUDA and tracker generators.
 from megatron.core.tensor_parallel.random import _fork_rng
 
-from megatron_adacc import allocator, codecs, hardware, planning
+from megatron_adacc import allocator, codecs, hardware, optimizer, planning
 from megatron_adacc import model as model_lib
 from megatron_adacc.attention import backend_of
 from megatron_adacc import sites as site_table
@@ -56,19 +56,6 @@ LossFn = Callable[[torch.nn.Module, Batch], torch.Tensor]
 def gpt_loss(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
     """The default loss: megatron's GPT language-model loss over the loss mask."""
     return model_lib.gpt_loss(model, *batch)
-
-
-def static_bytes(model: torch.nn.Module) -> int:
-    """What parameters and the trainer's optimizer (MainParamAdamW) hold for the whole run:
-    parameters and buffers, an fp32 gradient per trainable parameter (a 16-bit model's
-    gradients live in fp32 main gradients, its 16-bit ones only briefly in backward), fp32
-    main parameters when the model is not fp32, and AdamW's two fp32 moments."""
-    held = sum(t.numel() * t.element_size()
-               for t in (*model.parameters(), *model.buffers()))
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    fp32 = sum(p.numel() * 4 for p in trainable)
-    main = fp32 if any(p.dtype != torch.float32 for p in trainable) else 0
-    return held + fp32 + main + 2 * fp32
 
 
 def device_name(device: torch.device | None = None) -> str:
@@ -349,7 +336,7 @@ def _profile(run: _Profiling) -> ModelCosts:
     costs = ModelCosts(
         sites=sites,
         num_layers=num_layers,
-        static_bytes=static_bytes(model),
+        static_bytes=optimizer.static_bytes(model),
         non_layer_bytes=retained.report().after_forward_bytes - num_layers * sum(sizes.values()),
         backward_workspace_bytes=hardware.backward_workspace_bytes(shape, micro_batch),
         micro_batch_size=micro_batch,

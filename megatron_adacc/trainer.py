@@ -317,10 +317,12 @@ class Trainer:
         self.pp_last_rank = parallel_state.get_pipeline_model_parallel_last_rank()
         # Profiling (auto) measures the bare model on the first real micro-batch, before any
         # data-parallel wrapper can synchronise its throwaway gradients.
-        self.adacc.setup(self.model, first_micro_batch(self.train_batches))
+        shard_group = self.dp_group if args.use_distributed_optimizer else None
+        self.adacc.setup(self.model, first_micro_batch(self.train_batches),
+                         optimizer_shards=self.dp_size if shard_group is not None else 1)
         self.optimizer = MainParamAdamW(
             self.model, args.lr, args.weight_decay, (args.adam_beta1, args.adam_beta2),
-            grad_scaler(args))
+            grad_scaler(args), shard_group)
         self.train_model = _DataParallelModel(self.model, self.optimizer.main_grads,
                                               self.dp_group)
         # megatron-core's schedules drive every step (1F1B across pipeline stages, a plain
