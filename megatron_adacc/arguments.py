@@ -134,6 +134,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--adam-beta1", type=_FRACTION, default=0.9)
     train.add_argument("--adam-beta2", type=_FRACTION, default=0.999)
     train.add_argument("--clip-grad", type=_number(), default=1.0)
+    train.add_argument("--use-distributed-optimizer", action="store_true",
+                       help="shard the AdamW state (and 16-bit models' fp32 main params) "
+                            "over the data-parallel group (ZeRO-1); a no-op at DP=1")
     train.add_argument("--seed", type=_integer(0, 2**32 - 1), default=1234)
     train.add_argument("--loss-scale", type=_number(positive=True), default=None,
                        help="constant loss scale for 16-bit training; default with --fp16: "

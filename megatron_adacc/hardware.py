@@ -29,6 +29,7 @@ from megatron_adacc import codecs, planning
 from megatron_adacc import sites as site_table
 from megatron_adacc.attention import resolve_backend
 from megatron_adacc.costs import CodecCost, ModelCosts, SiteCost
+from megatron_adacc.optimizer import shard_range
 
 GiB = 1024**3
 
@@ -213,14 +214,16 @@ def static_bytes(num_parameters: int, precision: str, zero_stage: int = 0,
 
     ZeRO stage 1 (Megatron's ``--use-distributed-optimizer``) shards the optimizer states
     over the data-parallel group, stage 2 the gradients too, stage 3 the weights too. A
-    sharded part is split into D equal shards, the count padded up to a multiple of D (as
-    Megatron pads its buffers), so each rank holds ceil(N / D) parameters' worth of it.
+    sharded part is laid out as the trainer's optimizer shards it
+    (``optimizer.shard_range``): rank 0, which owns the most elements, keeps ceil(N / D)
+    parameters' worth of it.
     """
     if zero_stage not in (0, 1, 2, 3):
         raise ValueError(f"zero stage must be 0, 1, 2 or 3, got {zero_stage}")
     if data_parallel_size < 1:
         raise ValueError(f"data-parallel size must be >= 1, got {data_parallel_size}")
-    shard = -(-num_parameters // data_parallel_size)
+    start, end = shard_range(num_parameters, data_parallel_size, 0)
+    shard = end - start
     weights, grads, optimizer = _STATE_BYTES[precision]
     return sum(per_parameter * (shard if zero_stage >= stage else num_parameters)
                for per_parameter, stage in ((weights, 3), (grads, 2), (optimizer, 1)))

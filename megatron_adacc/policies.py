@@ -113,12 +113,15 @@ class Resolved:
 def resolve(policy: str, budget_bytes: int | None, model: torch.nn.Module | None = None,
             batch: profiler.Batch | None = None, *, db: ProfileDB | None = None,
             reprofile: bool = False, strict: bool = False,
-            loss_fn: profiler.LossFn | None = None, num_micro_batches: int = 1) -> Resolved:
+            loss_fn: profiler.LossFn | None = None, num_micro_batches: int = 1,
+            static_bytes: int | None = None) -> Resolved:
     """The plan for ``policy`` (on this rank's pipeline stage, whose layers it numbers as
     the whole model does). ``auto`` needs the model (built with the Adacc layer spec), one
     real micro-batch and, with pipeline stages, the micro-batches per step (1F1B keeps up to
     that many in flight); it raises planning.InfeasibleBudget (a ValueError naming the
-    smallest feasible budget) when nothing fits."""
+    smallest feasible budget) when nothing fits. ``static_bytes``: what this rank's
+    parameters and optimizer hold (``optimizer.static_bytes``; None: the profile's, the
+    optimizer held whole), which a stored profile cannot know."""
     if policy == "none":
         return Resolved(policy, None, budget_bytes)
     if policy == "full-recompute":
@@ -133,6 +136,8 @@ def resolve(policy: str, budget_bytes: int | None, model: torch.nn.Module | None
     stage, _ = pipeline_stage()
     own = (planning.StageMemory(costs.static_bytes, costs.embedding_bytes, costs.non_layer_bytes)
            if stage == 0 else profiler.stage_memory(model, batch, strict=strict, loss_fn=loss_fn))
+    if static_bytes is not None:
+        own = replace(own, static_bytes=static_bytes)
     stages = planning.stage_costs(costs, from_every_stage(own), model.config.num_layers,
                                   num_micro_batches)
     # Every rank plans every stage from the same costs with the same deterministic planner:

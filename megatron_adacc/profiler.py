@@ -36,7 +36,7 @@ import torch
 # megatron's own: saves and restores the CPU, default CUDA and tracker generators.
 from megatron.core.tensor_parallel.random import _fork_rng
 
-from megatron_adacc import allocator, codecs, hardware, planning
+from megatron_adacc import allocator, codecs, hardware, optimizer, planning
 from megatron_adacc import model as model_lib
 from megatron_adacc.attention import backend_of
 from megatron_adacc import sites as site_table
@@ -69,19 +69,6 @@ def gpt_loss(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
     if getattr(model, "post_process", True):
         return model_lib.gpt_loss(model, tokens, labels, loss_mask)
     return model_lib.gpt_forward(model, tokens, None).float().sum()
-
-
-def static_bytes(model: torch.nn.Module) -> int:
-    """What parameters and the trainer's optimizer (MainParamAdamW) hold for the whole run:
-    parameters and buffers, an fp32 gradient per trainable parameter (a 16-bit model's
-    gradients live in fp32 main gradients, its 16-bit ones only briefly in backward), fp32
-    main parameters when the model is not fp32, and AdamW's two fp32 moments."""
-    held = sum(t.numel() * t.element_size()
-               for t in (*model.parameters(), *model.buffers()))
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    fp32 = sum(p.numel() * 4 for p in trainable)
-    main = fp32 if any(p.dtype != torch.float32 for p in trainable) else 0
-    return held + fp32 + main + 2 * fp32
 
 
 def device_name(device: torch.device | None = None) -> str:
@@ -153,7 +140,7 @@ class _RetainedRuler(ActivationRuler):
         layers = sum(nbytes for (layer, site), nbytes in report.by_site.items()
                      if layer != NON_LAYER and site not in site_table.SHARED_SITES)
         return planning.StageMemory(
-            static_bytes(model), self.embedding_bytes,
+            optimizer.static_bytes(model), self.embedding_bytes,
             report.after_forward_bytes - layers - self.embedding_bytes)
 
 

@@ -97,6 +97,27 @@ _SITE_LIST = (
     Site("ln2_stats", "pre-MLP layernorm mean and rstd", "outlier_int4", "mlp"),
 )
 
+# Sites whose decoded values are alive together while a layer backprops. The runtime decodes a
+# compressed value when backward first reads it and frees it once its last view is read, so
+# two decoded values meet only where one backward node reads both, or where a value read by
+# two nodes is held across the nodes between them. A group applies to a layer that saves
+# every site in it; a site in no group applying to its layer is decoded alone.
+DECODED_TOGETHER: tuple[frozenset[str], ...] = (
+    # Unfused attention: Q, K and V are views of one storage. The matmul with V decodes it
+    # together with the dropped probabilities (or, without dropout, the softmax output); the
+    # score matmul reads Q and K last, so it is held across the dropout's and the softmax's
+    # backward, each reading one s^2 value.
+    frozenset({"attn_probs", "qkv"}),
+    frozenset({"attn_dropout_mask", "qkv"}),
+    frozenset({"softmax_out", "qkv"}),
+    # The flash layer: linear_proj's backward decodes the context (SDPA's own output), and
+    # SDPA's backward reads it again with Q, K, V and the log-sum-exp.
+    frozenset({"context", "qkv", "attn_lse"}),
+    # LayerNorm's backward reads its input and its statistics together.
+    frozenset({"layer_in", "ln1_stats"}),
+    frozenset({"ln2_in", "ln2_stats"}),
+)
+
 SITES: dict[str, Site] = {site.name: site for site in _SITE_LIST}
 SITE_NAMES: tuple[str, ...] = tuple(SITES)
 SHARED_SITES = frozenset(site.name for site in _SITE_LIST if site.shared)

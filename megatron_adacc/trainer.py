@@ -318,11 +318,13 @@ class Trainer:
         # Profiling (auto) measures the bare model on the first real micro-batch, before any
         # data-parallel wrapper can synchronise its throwaway gradients.
         # Each stage's plan counts the micro-batches 1F1B keeps in flight there.
+        shard_group = self.dp_group if args.use_distributed_optimizer else None
         self.adacc.setup(self.model, first_micro_batch(self.train_batches),
-                         num_micro_batches=self.train_batches.num_micro_batches)
+                         num_micro_batches=self.train_batches.num_micro_batches,
+                         optimizer_shards=self.dp_size if shard_group is not None else 1)
         self.optimizer = MainParamAdamW(
             self.model, args.lr, args.weight_decay, (args.adam_beta1, args.adam_beta2),
-            grad_scaler(args))
+            grad_scaler(args), shard_group)
         self.train_model = _DataParallelModel(self.model, self.optimizer.main_grads,
                                               self.dp_group)
         # megatron-core's schedules drive every step (1F1B across pipeline stages, a plain

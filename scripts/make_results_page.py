@@ -223,7 +223,7 @@ Raw JSON goes to `bench_results/` (git-ignored) with a copy under `docs/results/
 ## How memory is measured (every method alike)
 
 A method *fits* a budget when static bytes (parameters, gradients, fp32 AdamW moments, as
-`profiler.static_bytes` counts them) plus the activation peak of one training step measured by
+`optimizer.static_bytes` counts them) plus the activation peak of one training step measured by
 the `ActivationRuler` is at most the budget. The ruler counts every storage saved for backward
 once while it is alive, plus values rebuilt or decoded during backward: megatron's full and
 selective recompute are seen as their re-run forward saves; Adacc plans as payloads and

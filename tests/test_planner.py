@@ -16,8 +16,11 @@ from megatron_adacc.sites import COMPRESS, RECOMPUTE, RETAIN
 
 # Real site names (the planner only recomputes / compresses sites the site table knows), in
 # the megatron segments: layer_in starts the attention re-run, ln2_in (its last save) the
-# MLP's. A drawn site may also be left out of its segment (never rebuilt).
-SEGMENT_OF = {"layer_in": None, "ln1_out": "attention", "ln2_in": "attention", "gelu_in": "mlp"}
+# MLP's. Each LayerNorm's input and statistics are decoded together (sites.DECODED_TOGETHER),
+# so the decoded term is a group's sum, not one site's size. A drawn site may also be left
+# out of its segment (never rebuilt).
+SEGMENT_OF = {"layer_in": None, "ln1_stats": "attention", "ln2_in": "attention",
+              "ln2_stats": "mlp"}
 
 
 @st.composite

@@ -5,25 +5,26 @@ policies are never listed (``_frontier`` says how the rebuild time is carried).
 
 Swapping a dominated policy for one that dominates it lowers no constraint's slack and no
 time, so some optimal plan uses frontier policies only. The decoded term is a maximum, not a
-sum: the frontier is built once per cap (each distinct size of a compressible site, and 0),
-allowing compression only at sites no larger than the cap and charging ``decoded_bytes(cap)``;
-a policy's own largest compressed site is one of the caps, so the union of these frontiers
-holds every policy at its exact cost. Transient is clipped from below at
-``model.transient_floor``: no prefix exceeds the total stored, so a smaller transient can
-never set the peak.
+sum: the frontier is built once per cap (each value the compressed sum over one of
+``decoded_sets`` can take, and 0), allowing only policies whose every such sum is within the
+cap and charging the cap; a policy's own decoded term (``decoded_bytes``) is one of the
+caps, so the union of these frontiers holds every policy at its exact cost. Transient is
+clipped from below at ``model.transient_floor``: no prefix exceeds the total stored, so a
+smaller transient can never set the peak.
 
-Every charge comes from the model's per-site terms (``site_options``, ``decoded_bytes``,
+Every charge comes from the model's per-site terms (``site_options``, ``decoded_sets``,
 ``rerun_source_bytes``, the segments' run times).
 """
 from __future__ import annotations
 
 import functools
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
 
 from megatron_adacc.costs import ModelCosts, Segment, SiteCost, segment_run_s
-from megatron_adacc.planning.model import (LayerPolicy, SiteOption, decoded_bytes,
+from megatron_adacc.planning.model import (LayerPolicy, SiteOption, decoded_sets,
                                            rerun_source_bytes, site_options, transient_floor)
 from megatron_adacc.sites import COMPRESS, RECOMPUTE
 
@@ -117,7 +118,8 @@ def _frontier(sites: tuple[SiteCost, ...], segments: tuple[Segment, ...],
     clears if a still earlier segment is rebuilt (the re-run then starts elsewhere). A
     policy still carrying it at the end is lossy: dropped for exact plans, charged
     ``rerun_source_bytes`` otherwise. The whole is built once per cap of the decoded term
-    (module docstring)."""
+    (module docstring); within a cap, the compressed bytes of each group of sites decoded
+    together are carried in the state while the group has sites to come."""
     names = [segment.name for segment in segments]
     none = len(segments)            # "no segment rebuilt yet"
     order = [site for index in reversed(range(len(segments)))
@@ -138,22 +140,33 @@ def _frontier(sites: tuple[SiteCost, ...], segments: tuple[Segment, ...],
                          for candidates in options][::-1])[::-1]
     unreachable = floor - np.append(to_come[1:], 0) - (
         max(held_source, default=0) if allow_lossy_sources else 0)
-    caps = sorted({0} | {site.bytes for site, candidates in zip(order, options)
-                         if any(o.decision.action == COMPRESS for o in candidates)})
+    compressible = {site.name: site.bytes for site, candidates in zip(order, options)
+                    if any(o.decision.action == COMPRESS for o in candidates)}
+    groups = [group for group in decoded_sets(sites) if len(group) > 1]
+    caps = sorted({0} | {sum(compressible[name] for name in subset)
+                         for group in decoded_sets(sites)
+                         for size in range(1, len(group) + 1)
+                         for subset in itertools.combinations(
+                             sorted(group & compressible.keys()), size)})
+    position = {site.name: index for index, site in enumerate(order)}
+    # groups whose last site (in build order) is site k: their sums leave the state after it
+    closing = [[j for j, group in enumerate(groups)
+                if max(position[name] for name in group) == k] for k in range(len(order))]
 
-    def grow(cap: int) -> dict[tuple[int, bool], tuple[np.ndarray, np.ndarray]]:
-        # (lowest rebuilt segment, its start compressed) -> (time, stored, transient) rows
-        # and each row's option choices as one mixed-radix integer (site k's choice is
-        # digit k).
-        states = {(none, False): (np.array([[0.0, 0.0, decoded_bytes(cap)]]),
-                                  np.zeros(1, dtype=np.int64))}
+    def grow(cap: int) -> dict[tuple[int, bool, tuple[int, ...]], tuple[np.ndarray, np.ndarray]]:
+        # (lowest rebuilt segment, its start compressed, compressed bytes of each open group)
+        # -> (time, stored, transient) rows and each row's option choices as one
+        # mixed-radix integer (site k's choice is digit k).
+        states = {(none, False, (0,) * len(groups)): (np.array([[0.0, 0.0, float(cap)]]),
+                                                      np.zeros(1, dtype=np.int64))}
         radix = 1
         for index, (site, candidates) in enumerate(zip(order, options)):
             segment = names.index(site.segment) if site.segment is not None else None
-            grown: dict[tuple[int, bool], list[tuple[np.ndarray, np.ndarray]]] = {}
-            for (lowest, pending), (vectors, codes) in states.items():
+            grown: dict[tuple, list[tuple[np.ndarray, np.ndarray]]] = {}
+            for (lowest, pending, sums), (vectors, codes) in states.items():
                 for choice, option in enumerate(candidates):
                     key, charge = (lowest, pending), option.time_s
+                    held = list(sums)
                     if option.decision.action == RECOMPUTE:
                         if lowest == none:
                             key, charge = (segment, False), site.rebuild_s
@@ -164,6 +177,13 @@ def _frontier(sites: tuple[SiteCost, ...], segments: tuple[Segment, ...],
                             continue
                         if starts.get(site.name, none) == lowest != none:
                             key = (lowest, True)
+                        held = [total + site.bytes if site.name in group else total
+                                for total, group in zip(held, groups)]
+                        if max(held, default=0) > cap:
+                            continue
+                    for j in closing[index]:
+                        held[j] = 0
+                    key = (*key, tuple(held))
                     step = np.array([charge, option.stored, option.transient], dtype=float)
                     grown.setdefault(key, []).append((vectors + step, codes + choice * radix))
             radix *= len(candidates)
@@ -179,7 +199,7 @@ def _frontier(sites: tuple[SiteCost, ...], segments: tuple[Segment, ...],
 
     rows, row_codes = [], []
     for cap in caps:
-        for (lowest, pending), (vectors, codes) in grow(cap).items():
+        for (lowest, pending, _), (vectors, codes) in grow(cap).items():
             if pending:
                 if not allow_lossy_sources:
                     continue
@@ -187,8 +207,8 @@ def _frontier(sites: tuple[SiteCost, ...], segments: tuple[Segment, ...],
             rows.append(vectors)
             row_codes.append(codes)
     vectors, codes = np.concatenate(rows), np.concatenate(row_codes)
-    # A policy appears under every cap at least its largest compressed site: keep the
-    # least charge, which is exact.
+    # A policy appears under every cap at least its decoded term: keep the least charge,
+    # which is exact.
     by_policy = np.lexsort((vectors[:, 2], codes))
     first = np.ones(len(by_policy), dtype=bool)
     first[1:] = codes[by_policy][1:] != codes[by_policy][:-1]

@@ -5,7 +5,7 @@ The only module that imports PuLP.
 
 A linear programme cannot call the model per policy, so its coefficients are the model's
 per-site terms: each option's time, stored and additive transient bytes (``site_options``),
-the decoded term of each compressible site (``decoded_bytes``), the source term of each
+the decoded term as the largest compressed sum over ``decoded_sets``, the source term of each
 segment (``rerun_source_bytes``), the segments' run times, and the budget as the peak rule's
 limits (``budget_limits``). The plan CBC returns is re-evaluated by the model and kept only
 if its exact peak fits.
@@ -17,7 +17,7 @@ from typing import Any
 import pulp
 
 from megatron_adacc.costs import ModelCosts, segment_run_s
-from megatron_adacc.planning.model import (LayerPolicy, budget_limits, decoded_bytes,
+from megatron_adacc.planning.model import (LayerPolicy, budget_limits, decoded_sets,
                                            evaluate_layer, peak_bytes, rerun_source_bytes,
                                            site_options)
 from megatron_adacc.sites import COMPRESS, RECOMPUTE
@@ -73,7 +73,8 @@ def plan_direct_milp(costs: ModelCosts, budget: int, per_layer: bool,
             for segment in costs.segments]
     rebuild = {(g, k): pulp.LpVariable(f"rebuild_{g}_{k}", lowBound=0)
                for g in groups for k in range(len(held))}
-    # The non-additive parts of transient(l), in budget units: decoded_bytes, rerun_source_bytes.
+    # The non-additive parts of transient(l), in budget units: the decoded term (the largest
+    # compressed sum over decoded_sets) and rerun_source_bytes.
     decoded = {g: pulp.LpVariable(f"decoded_{g}", lowBound=0) for g in groups}
     source = {g: pulp.LpVariable(f"source_{g}", lowBound=0) for g in groups}
     weight = 1 if per_layer else num_layers
@@ -110,9 +111,10 @@ def plan_direct_milp(costs: ModelCosts, budget: int, per_layer: bool,
                     problem += source[g] >= held_source / unit * reads_compressed
                 else:
                     problem += reads_compressed <= 0
-        for site in costs.sites:
-            problem += (decoded[g] >= decoded_bytes(site.bytes) / unit
-                        * chosen(g, site.name, COMPRESS))
+        for group in decoded_sets(costs.sites):
+            problem += decoded[g] >= pulp.lpSum(
+                site.bytes / unit * chosen(g, site.name, COMPRESS)
+                for site in costs.sites if site.name in group)
 
     def transient(g: int) -> Any:
         return total(g, "transient", unit) + decoded[g] + source[g]

@@ -38,23 +38,31 @@ payloads); transient(l) is what exists at full size only while layer l backprops
 
     transient(l) = sum of its recomputed sites            (rebuilt together, cached for
                                                            the layer's backward)
-                 + DECODED_AT_ONCE x its largest compressed site
+                 + its decoded values alive together, at most
                  + the start of its re-run, if compressed (decoded by the rebuild, held
                                                            until backward takes it)
 
 The runtime decodes a compressed value when backward first asks for it and frees it once
-every view of it is taken, so decoded values do not pile up the way rebuilt ones do: at most
-two are alive at once (the Q/K/V storage, decoded for the context matmul and held until the
-score matmul, overlaps with each attention value in between; LayerNorm's backward reads its
-input and its statistics together). ``workspace`` is the gradient working set of one
-layer's backward, the same for every plan. The logits and loss tensors (non_layer) are freed
-by the loss backward before any layer backprops, so they meet the layers' stored bytes only
-at the end of forward.
+every view of it is taken, so decoded values do not pile up the way rebuilt ones do: two
+meet only where one backward node reads both or one is held across the nodes between its
+reads. ``sites.DECODED_TOGETHER`` names those groups (unfused attention: the Q/K/V storage,
+decoded by the matmul with V and held until the score matmul, with each s^2 value read in
+between; flash: the context, decoded by linear_proj and read again with Q/K/V by SDPA;
+LayerNorm's input with its statistics). The decoded term is the largest sum of compressed
+sites over those groups and the single sites (``decoded_sets``), which is what the ruler
+measures for compress-only plans: a plan compressing every site of the unfused layer
+decodes its largest s^2 value plus Q/K/V at once, not twice the s^2 value. Rebuilt values
+are charged all at once although backward frees each as it reads it: with recompute the
+charge is an upper bound (the ruler measured 52-83% of it on the tiny test models).
+``workspace`` is the gradient working set of one layer's backward, the same for every plan.
+The logits and loss tensors (non_layer) are freed by the loss backward before any layer
+backprops, so they meet the layers' stored bytes only at the end of forward.
 
 The per-site terms: ``site_options`` (each action's time, stored bytes and additive transient
-bytes), ``decoded_bytes`` (the decoded term a compressed site sets when it is the largest)
-and ``rerun_source_bytes`` (the source term). The searches that cannot call
-``evaluate_layer`` per policy (the vectorised frontier, the linear MILP) combine these.
+bytes), ``decoded_sets`` (the groups of sites whose decoded bytes add up; the decoded term,
+``decoded_bytes``, is the largest compressed sum over them) and ``rerun_source_bytes`` (the
+source term). The searches that cannot call ``evaluate_layer`` per policy (the vectorised
+frontier, the linear MILP) combine these.
 
 Time model: each compressed site costs its encode + decode. Recomputed sites are rebuilt the
 way the runtime rebuilds them: one forward re-run per layer (values cached for the layer's
@@ -69,7 +77,7 @@ Exactness: the re-run reads one saved value, the start of its first segment; wit
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Mapping, NamedTuple, Sequence
+from typing import Collection, Iterable, Mapping, NamedTuple, Sequence
 
 import numpy as np
 
@@ -77,10 +85,6 @@ from megatron_adacc import sites as site_table
 from megatron_adacc.costs import ModelCosts, Segment, SiteCost, segment_run_s
 from megatron_adacc.plan import RETAIN_DECISION, Decision
 from megatron_adacc.sites import COMPRESS, RECOMPUTE
-
-# Decoded values alive at once while a layer backprops (see the module docstring).
-DECODED_AT_ONCE = 2
-
 
 # --- the per-site terms ----------------------------------------------------------------------
 @dataclass(frozen=True)
@@ -118,10 +122,22 @@ def site_option(site: SiteCost, decision: Decision) -> SiteOption:
     raise ValueError(f"site {site.name}: {decision} is not allowed by these costs")
 
 
-def decoded_bytes(largest_compressed_bytes: int) -> int:
-    """The decoded term of transient(l), for a layer whose largest compressed site holds
-    ``largest_compressed_bytes`` at full size."""
-    return DECODED_AT_ONCE * largest_compressed_bytes
+def decoded_sets(sites: Iterable[SiteCost]) -> list[frozenset[str]]:
+    """The sets of sites whose decoded values can be alive together while the layer
+    backprops: each site alone, and each group of ``sites.DECODED_TOGETHER`` that the layer
+    saves whole."""
+    names = {site.name for site in sites}
+    return ([frozenset({name}) for name in sorted(names)]
+            + [group for group in site_table.DECODED_TOGETHER if group <= names])
+
+
+def decoded_bytes(sites: Iterable[SiteCost], compressed: Collection[str]) -> int:
+    """The decoded term of transient(l) for a layer whose compressed sites are
+    ``compressed``: the most bytes its decoded values hold at once."""
+    sites = list(sites)
+    size = {site.name: site.bytes for site in sites if site.name in compressed}
+    return max((sum(size.get(name, 0) for name in group) for group in decoded_sets(sites)),
+               default=0)
 
 
 def rerun_source_bytes(sites: Iterable[SiteCost], segment: Segment) -> int:
@@ -204,11 +220,11 @@ def _layer_transient(costs: ModelCosts, decisions: Mapping[str, Decision],
                      options: Mapping[str, SiteOption]) -> int:
     """transient(l) of the module docstring."""
     additive = sum(option.transient for option in options.values())
-    largest_compressed = max((site.bytes for site in costs.sites
-                              if options[site.name].decision.action == COMPRESS), default=0)
+    compressed = {name for name, option in options.items()
+                  if option.decision.action == COMPRESS}
     start = _compressed_rerun_start(costs, decisions)
     source = rerun_source_bytes(costs.sites, start) if start else 0
-    return additive + decoded_bytes(largest_compressed) + source
+    return additive + decoded_bytes(costs.sites, compressed) + source
 
 
 def _site_times(costs: ModelCosts, decisions: Mapping[str, Decision],

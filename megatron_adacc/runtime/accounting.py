@@ -26,6 +26,7 @@ from megatron_adacc.runtime.attribution import SiteAttributor
 
 NON_LAYER = -1  # the layer index of saves outside every transformer layer
 UNATTRIBUTED = "other"
+TRANSIENT = (NON_LAYER, "transient")  # the label of decoded and rebuilt values
 
 _active: list["ActivationRuler"] = []
 
@@ -39,6 +40,9 @@ class ActivationReport:
     after_forward_bytes: int  # kept alive when forward finished (max over micro-batches)
     peak_bytes: int  # largest live total during the step, transients of backward included
     by_site: dict[tuple[int, str], int] = field(default_factory=dict)  # after forward
+    # the most bytes of decoded and rebuilt values alive at once (one layer's backward: a
+    # layer frees all of them before the next one backprops)
+    transient_peak_bytes: int = 0
 
     def layer_bytes(self, layer: int) -> int:
         return sum(b for (lay, _), b in self.by_site.items() if lay == layer)
@@ -50,6 +54,7 @@ class ActivationReport:
         return {
             "after_forward_bytes": self.after_forward_bytes,
             "peak_bytes": self.peak_bytes,
+            "transient_peak_bytes": self.transient_peak_bytes,
             "by_layer_site": dict(per_layer),
         }
 
@@ -73,6 +78,8 @@ class ActivationRuler:
         self._by_site: dict[tuple[int, str], int] = defaultdict(int)
         self.live_bytes = 0
         self.peak_bytes = 0
+        self.transient_bytes = 0  # live decoded and rebuilt values
+        self.transient_peak_bytes = 0
         self.after_forward_bytes = 0
         self._after_forward_by_site: dict[tuple[int, str], int] = {}
         self._stock: list = []  # (layer index, attributor) of the running layer
@@ -153,7 +160,7 @@ class ActivationRuler:
     def transient(self, tensor: torch.Tensor) -> None:
         """A value that exists only during backward (decoded or rebuilt): it counts toward
         the peak, never toward the after-forward bytes."""
-        self.keep_tensor(NON_LAYER, "transient", tensor)
+        self.keep_tensor(*TRANSIENT, tensor)
 
     def _add(self, key: int, obj, nbytes: int, label: tuple[int, str]) -> None:
         # Saves made while backward runs (megatron's checkpoint re-running a forward, a
@@ -166,12 +173,17 @@ class ActivationRuler:
         self.live_bytes += nbytes
         if self.live_bytes > self.peak_bytes:
             self.peak_bytes = self.live_bytes
+        if label == TRANSIENT:
+            self.transient_bytes += nbytes
+            self.transient_peak_bytes = max(self.transient_peak_bytes, self.transient_bytes)
 
     def _drop(self, key: int) -> None:
         entry = self._live.pop(key, None)
         if entry is not None:
             self._by_site[entry[2]] -= entry[1]
             self.live_bytes -= entry[1]
+            if entry[2] == TRANSIENT:
+                self.transient_bytes -= entry[1]
 
     def _unpack(self, saved):
         self.backward_reads()
@@ -195,7 +207,7 @@ class ActivationRuler:
 
     def report(self) -> ActivationReport:
         return ActivationReport(self.after_forward_bytes, self.peak_bytes,
-                                dict(self._after_forward_by_site))
+                                dict(self._after_forward_by_site), self.transient_peak_bytes)
 
 
 def measure_step(model: torch.nn.Module, loss_fn, strict: bool = False) -> tuple[torch.Tensor, ActivationReport]:
