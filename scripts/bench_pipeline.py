@@ -122,16 +122,18 @@ def main() -> None:
                      "stages": [{key: s.get(key) for key in
                                  ("pipeline_stage", "plan_id", "activation_bytes",
                                   "activation_peak_bytes", "predicted_activation_bytes",
-                                  "static_bytes")} for s in stages]})
+                                  "predicted_activation_peak_bytes", "static_bytes")}
+                                for s in stages]})
     full = rows[-1]["tokens_per_s"]
     print(f"PP={args.pipeline}, {args.layers} layers, {args.micro_batches} micro-batches, "
           f"budget {args.budget} per device")
-    print(f"{'method':<10} {'tokens/s':>9} {'vs full':>8}  per stage: plan, activations "
-          f"measured (predicted)")
+    print(f"{'method':<10} {'tokens/s':>9} {'vs full':>8}  per stage: plan, activation peak "
+          f"measured (predicted), static bytes")
     for row in rows:
         cells = "; ".join(
-            f"{s['pipeline_stage']}: {s['plan_id']} {s['activation_bytes']} "
-            f"({s['predicted_activation_bytes']})" for s in row["stages"])
+            f"{s['pipeline_stage']}: {s['plan_id'] or '-'} {s['activation_peak_bytes']} "
+            f"({s['predicted_activation_peak_bytes'] or '-'}) +{s['static_bytes']}"
+            for s in row["stages"])
         print(f"{row['method']:<10} {row['tokens_per_s']:>9.0f} "
               f"{row['tokens_per_s'] / full:>7.2f}x  {cells}")
     report = {"pipeline_model_parallel_size": args.pipeline, "num_layers": args.layers,
