@@ -3,6 +3,7 @@ with gradient accumulation, data parallelism, evaluation, metrics and checkpoint
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 import time
