@@ -35,6 +35,7 @@ import torch.distributed as dist
 from megatron_adacc import optimizer, policies, profiler
 from megatron_adacc.attention import DEFAULT_SPEC_BACKEND, local_layer_spec
 from megatron_adacc.costs import ModelCosts
+from megatron_adacc.errors import InputError
 from megatron_adacc.plan import Plan
 from megatron_adacc.profile_db import ProfileDB
 from megatron_adacc.rectifier import (DEFAULT_GUARD_THRESHOLD, DEFAULT_MAX_INTERVAL,
@@ -63,6 +64,7 @@ class AdaccConfig:
     reprofile: bool = False
     codec_backend: str | None = None     # None: $ADACC_CODEC_BACKEND, else auto
     strict: bool = False                 # an unattributed saved tensor is an error
+    pipeline_model_parallel_size: int = 1   # the stages the model is split over
 
     def __post_init__(self) -> None:
         # Messages name the flags: they are how users meet these settings.
@@ -81,6 +83,11 @@ class AdaccConfig:
         if self.tracking is not None and self.tracking not in TRACKING_MODES:
             raise ValueError(f"--adacc-tracking {self.tracking}: expected one of "
                              f"{', '.join(TRACKING_MODES)}")
+        if self.tracking == "backoff" and self.pipeline_model_parallel_size > 1:
+            raise ValueError("--adacc-tracking backoff does not run with pipeline stages yet "
+                             "(the rectifier re-plans one model, not a plan per stage); use "
+                             "--adacc-tracking off with --pipeline-model-parallel-size "
+                             f"{self.pipeline_model_parallel_size}")
         if self.tracks and self.policy != "auto":
             raise ValueError(f"--adacc-tracking backoff re-plans, so it needs --adacc-policy "
                              f"auto (got {self.policy})")
@@ -106,8 +113,10 @@ class AdaccConfig:
 
     @property
     def tracks(self) -> bool:
-        """Tracking is on: asked for, or by default with auto."""
-        return (self.tracking or ("backoff" if self.policy == "auto" else "off")) == "backoff"
+        """Tracking is on: asked for, or by default with auto without pipeline stages."""
+        default = "backoff" if self.policy == "auto" and self.pipeline_model_parallel_size == 1 \
+            else "off"
+        return (self.tracking or default) == "backoff"
 
     @classmethod
     def from_args(cls, args) -> "AdaccConfig":
@@ -116,7 +125,8 @@ class AdaccConfig:
                   if hasattr(args, f"adacc_{f.name}")}
         if values.get("tracking_sites") is not None:
             values["tracking_sites"] = tuple(values["tracking_sites"])
-        return cls(**values)
+        return cls(**values, pipeline_model_parallel_size=getattr(
+            args, "pipeline_model_parallel_size", 1))
 
 
 class Adacc:
@@ -144,26 +154,33 @@ class Adacc:
 
     # --- set-up --------------------------------------------------------------------------------
     def setup(self, model: torch.nn.Module, batch: profiler.Batch,
-              loss_fn: LossFn | None = None, *, verbose: bool = True,
-              optimizer_shards: int = 1) -> "Adacc":
-        """Resolve the policy for ``model`` (built with ``layer_spec()``) and apply it.
-        ``batch`` is a real micro-batch (tokens, labels, loss mask) of this rank, at the
-        micro-batch size training runs; ``loss_fn(model, batch)`` its scalar loss (default:
-        the GPT language-model loss). Call before wrapping the model for data parallelism:
-        profiling steps must not synchronise their throwaway gradients. Raises
-        planning.InfeasibleBudget (a ValueError naming the smallest feasible budget) when no
-        plan fits. ``optimizer_shards``: the data-parallel ranks the trainer's optimizer
+              loss_fn: LossFn | None = None, *, num_micro_batches: int = 1,
+              verbose: bool = True, optimizer_shards: int = 1) -> "Adacc":
+        """Resolve the policy for ``model`` (built with ``layer_spec()``; with pipeline
+        stages, this rank's stage) and apply it. ``batch`` is a real micro-batch (tokens,
+        labels, loss mask) of this rank, at the micro-batch size training runs;
+        ``loss_fn(model, batch)`` its scalar loss (default: the GPT language-model loss, a
+        stand-in for a stage alone); ``num_micro_batches`` per step sets how many 1F1B keeps
+        in flight on each stage. Every rank plans every stage and applies its own stage's
+        plan. Call before wrapping the model for data parallelism: profiling steps must not
+        synchronise their throwaway gradients. Raises planning.InfeasibleBudget (a
+        ValueError naming the smallest feasible budget) when no plan fits.
+        ``optimizer_shards``: the data-parallel ranks the trainer's optimizer
         (MainParamAdamW) shards its state over (--use-distributed-optimizer; 1: held
         whole); the budget counts what the rank holding the most keeps, so every rank plans
         alike."""
         config = self.config
+        stages = policies.pipeline_stage()[1]
+        if stages != config.pipeline_model_parallel_size:
+            raise InputError(f"the model is split over {stages} pipeline stages, but Adacc "
+                             f"was configured for {config.pipeline_model_parallel_size}")
         self.model, self._batch = model, batch
         self._loss_fn = loss_fn
         self.static_bytes = optimizer.static_bytes(model, optimizer_shards)
         self._resolved = policies.resolve(
             config.policy, self._budget(), model, batch, db=ProfileDB(config.profile_db),
             reprofile=config.reprofile, strict=config.strict, loss_fn=loss_fn,
-            static_bytes=self.static_bytes)
+            num_micro_batches=num_micro_batches, static_bytes=self.static_bytes)
         if self._resolved.plan is not None:
             self._apply(self._resolved.plan)
         if config.tracks and self._resolved.result is not None:
@@ -188,9 +205,11 @@ class Adacc:
     # --- every step ----------------------------------------------------------------------------
     @contextlib.contextmanager
     def measure(self, enabled: bool = True) -> Iterator[ActivationRuler | None]:
-        """Around one training step (forward and backward of every micro-batch): the one
-        byte ruler measures the activations kept for backward (``activation_bytes``, the
-        largest over the micro-batches) and the step's peak. Its hooks cost time: measure
+        """Around one training step (forward and backward of every micro-batch, in whatever
+        order the schedule runs them): the one byte ruler measures the activations kept for
+        backward (``activation_bytes``: the most alive when a forward ends, all in-flight
+        micro-batches together under 1F1B) and the step's peak (``activation_peak_bytes``,
+        backward's decoded and rebuilt values included). Its hooks cost time: measure
         the first step and then now and then (``enabled``)."""
         if not enabled:
             yield None
@@ -243,10 +262,10 @@ class Adacc:
 
     @property
     def plan(self) -> Plan | None:
-        """The plan the layers run now (None: megatron's stock layer)."""
-        result = self.result
-        if result is not None:
-            return result.plan
+        """The plan the layers run now (None: megatron's stock layer); with pipeline stages
+        this rank's stage's, its layers numbered as in the whole model."""
+        if self._rectifier is not None:
+            return self._rectifier.result.plan
         return self._resolved.plan if self._resolved is not None else None
 
     @property
@@ -265,26 +284,54 @@ class Adacc:
         return self._resolved.budget_bytes if self._resolved is not None else None
 
     @property
+    def stage_plans(self):
+        """Every pipeline stage's plan (planning.StagePlan; one without pipelining), as
+        every rank planned them (auto policies); None for fixed plans."""
+        return self._resolved.stages if self._resolved is not None else None
+
+    @property
     def predicted_activation_bytes(self) -> int | None:
         """What the planner predicts ``activation_bytes`` will measure (auto policies)."""
         if self.result is None:
             return None
         return policies.predicted_activation_bytes(self.costs, self.result)
 
+    @property
+    def predicted_activation_peak_bytes(self) -> int | None:
+        """What the planner predicts ``activation_peak_bytes`` will at most measure (auto
+        policies)."""
+        if self.result is None:
+            return None
+        return policies.predicted_activation_peak_bytes(self.costs, self.result)
+
     def metrics(self) -> dict:
-        """The numbers a metrics record carries about Adacc."""
+        """The numbers a metrics record carries about Adacc, this rank's (with pipeline
+        stages: its stage's plan, activations and predictions)."""
         record = {"static_bytes": self.static_bytes, "budget_bytes": self.budget_bytes,
                   "plan_id": self.plan_id}
+        stage, stages = policies.pipeline_stage()
+        if stages > 1:
+            record["pipeline_stage"] = stage
         if self.activation_bytes is not None:
             record["activation_bytes"] = self.activation_bytes
             record["activation_peak_bytes"] = self.activation_peak_bytes
         if self.result is not None:
             record["predicted_activation_bytes"] = self.predicted_activation_bytes
+            record["predicted_activation_peak_bytes"] = self.predicted_activation_peak_bytes
+        if stages > 1:
+            # Rank 0 writes the records: it gets every stage's readings.
+            record["stages"] = policies.from_every_stage(
+                {key: record.get(key) for key in _STAGE_METRICS})
         return record
 
     def describe(self) -> str:
         """Where the costs came from and the plan table (what ``setup`` prints)."""
         return policies.describe(self._resolved)
+
+
+_STAGE_METRICS = ("pipeline_stage", "plan_id", "static_bytes", "activation_bytes",
+                  "activation_peak_bytes", "predicted_activation_bytes",
+                  "predicted_activation_peak_bytes")
 
 
 def _is_rank0() -> bool:

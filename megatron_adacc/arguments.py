@@ -114,6 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--fp16", action="store_true",
                        help="fp16 parameters and activations, with loss scaling")
     model.add_argument("--tensor-model-parallel-size", type=_POSITIVE, default=1)
+    model.add_argument("--pipeline-model-parallel-size", type=_POSITIVE, default=1,
+                       help="pipeline stages: megatron-core's split of the layers and its 1F1B "
+                            "schedule")
 
     train = p.add_argument_group("training")
     train.add_argument("--micro-batch-size", type=_POSITIVE, default=4)
@@ -291,6 +294,17 @@ def finalize(args: argparse.Namespace, world_size: int) -> None:
             f"--tensor-model-parallel-size {tp} does not divide the world size {world_size}; "
             f"launch a multiple of {tp} processes"
         )
+    pp = args.pipeline_model_parallel_size
+    if (world_size // tp) % pp:
+        raise ConfigError(
+            f"--pipeline-model-parallel-size {pp} does not divide the world size {world_size} "
+            f"/ --tensor-model-parallel-size {tp}; launch a multiple of {tp * pp} processes"
+        )
+    if args.num_layers % pp:
+        raise ConfigError(
+            f"--num-layers {args.num_layers} is not divisible by --pipeline-model-parallel-size "
+            f"{pp}: every stage holds the same number of layers"
+        )
     if args.num_attention_heads % tp:
         raise ConfigError(
             f"--num-attention-heads {args.num_attention_heads} is not divisible by "
@@ -307,7 +321,7 @@ def finalize(args: argparse.Namespace, world_size: int) -> None:
             f"--max-position-embeddings {args.max_position_embeddings} is smaller than "
             f"--seq-length {args.seq_length}"
         )
-    args.data_parallel_size = world_size // tp
+    args.data_parallel_size = world_size // (tp * pp)
     args.global_batch_size = args.global_batch_size or args.micro_batch_size * args.data_parallel_size
     if args.global_batch_size % (args.micro_batch_size * args.data_parallel_size):
         raise ConfigError(

@@ -1,7 +1,12 @@
 """Atomic, durable checkpoints: model, optimizer, scheduler, RNG and data position.
 
-Layout: ``<dir>/iter_0000042/rank_000.pt`` (one file per rank) and ``<dir>/latest`` naming
-the newest complete iteration. A save writes into a staging directory, fsyncs every file,
+Layout (Megatron-LM's): ``<dir>/iter_0000042/mp_rank_00/model_optim_rng.pt``, a directory
+per model-parallel rank, ``mp_rank_<tensor rank>`` or, with pipeline stages,
+``mp_rank_<tensor rank>_<pipeline stage>`` (each stage saves its own layers); its file is
+written by data-parallel rank 0 and read by every data-parallel rank (their states are
+replicas), except that with a sharded optimizer each data-parallel rank writes and reads its
+own ``model_optim_rng_dp<rank>.pt``; and ``<dir>/latest`` naming the newest complete
+iteration. A save writes into a staging directory, fsyncs every file,
 renames the directory into place once every rank has finished, and only then rewrites
 ``latest`` (write, fsync, rename), so a save killed at any point leaves ``latest`` pointing at
 the previous complete checkpoint; the next save removes what the killed one left behind.
@@ -70,8 +75,46 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def _rank_file(directory: Path) -> Path:
-    return directory / f"rank_{dist.get_rank():03d}.pt"
+def _parallel_sizes() -> dict[str, int]:
+    from megatron.core import parallel_state
+
+    return {"tensor": parallel_state.get_tensor_model_parallel_world_size(),
+            "pipeline": parallel_state.get_pipeline_model_parallel_world_size()}
+
+
+def _model_parallel_dir(directory: Path) -> Path:
+    from megatron.core import parallel_state
+
+    name = f"mp_rank_{parallel_state.get_tensor_model_parallel_rank():02d}"
+    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+        name += f"_{parallel_state.get_pipeline_model_parallel_rank():03d}"
+    return directory / name
+
+
+def _shard_file(directory: Path) -> Path:
+    from megatron.core import parallel_state
+
+    return (_model_parallel_dir(directory)
+            / f"model_optim_rng_dp{parallel_state.get_data_parallel_rank():03d}.pt")
+
+
+def _written_file(directory: Path, optimizer) -> Path | None:
+    """The file this rank writes, or None: data-parallel ranks hold replicas, so their rank
+    0 writes ``model_optim_rng.pt``, unless the optimizer state is sharded over them
+    (--use-distributed-optimizer), when each writes its own shard's file."""
+    from megatron.core import parallel_state
+
+    if getattr(optimizer, "shards", 1) > 1:
+        return _shard_file(directory)
+    if parallel_state.get_data_parallel_rank() == 0:
+        return _model_parallel_dir(directory) / "model_optim_rng.pt"
+    return None
+
+
+def _read_file(directory: Path) -> Path:
+    """The file this rank resumes from: its own shard's when there is one."""
+    shard = _shard_file(directory)
+    return shard if shard.is_file() else shard.parent / "model_optim_rng.pt"
 
 
 def _iteration_dir(root: Path, iteration: int) -> Path:
@@ -112,7 +155,7 @@ def save(directory: str | Path, iteration: int, model, optimizer, scheduler,
     payload = {
         "format": FORMAT_VERSION,
         "iteration": iteration,
-        "world_size": dist.get_world_size(),
+        "parallel": _parallel_sizes(),
         "model": model.state_dict(),
         "optimizer": optimizer.state_dict(),
         "scheduler": scheduler.state_dict(),
@@ -134,10 +177,14 @@ def save(directory: str | Path, iteration: int, model, optimizer, scheduler,
             shutil.rmtree(stale, ignore_errors=True)
         staging.mkdir()
     dist.barrier()
-    with _rank_file(staging).open("wb") as handle:
-        torch.save(payload, handle)
-        handle.flush()
-        os.fsync(handle.fileno())
+    path = _written_file(staging, optimizer)
+    if path is not None:
+        path.parent.mkdir(exist_ok=True)
+        with path.open("wb") as handle:
+            torch.save(payload, handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+        _fsync_dir(path.parent)
     dist.barrier()
     if dist.get_rank() == 0:
         _fsync_dir(staging)
@@ -173,6 +220,11 @@ def _candidates(root: Path) -> list[int]:
 def _read(path: Path) -> tuple[dict | None, str | None]:
     """(payload, None), or (None, what is wrong with the file)."""
     if not path.is_file():
+        others = sorted(d.name for d in path.parent.parent.glob("mp_rank_*") if d.is_dir())
+        if others and path.parent.name not in others:
+            return None, (f"missing (the checkpoint holds {', '.join(others)}: written with "
+                          f"other --tensor-model-parallel-size or "
+                          f"--pipeline-model-parallel-size)")
         return None, "missing"
     try:
         payload = torch.load(path, map_location="cpu", weights_only=True)
@@ -183,9 +235,11 @@ def _read(path: Path) -> tuple[dict | None, str | None]:
     if not isinstance(payload, dict) or payload.get("format") != FORMAT_VERSION:
         found = payload.get("format") if isinstance(payload, dict) else None
         return None, f"not a checkpoint of format {FORMAT_VERSION} (format {found})"
-    if payload["world_size"] != dist.get_world_size():
-        return None, (f"written by {payload['world_size']} processes, this run has "
-                      f"{dist.get_world_size()}")
+    sizes = _parallel_sizes()
+    if payload["parallel"] != sizes:
+        return None, (f"written with --tensor-model-parallel-size {payload['parallel']['tensor']} "
+                      f"--pipeline-model-parallel-size {payload['parallel']['pipeline']}, this "
+                      f"run has {sizes['tensor']} and {sizes['pipeline']}")
     return payload, None
 
 
@@ -218,7 +272,7 @@ def load(directory: str | Path, model, optimizer, scheduler) -> tuple[int, dict[
         return 0, {}
     newest = None
     for iteration in candidates:
-        path = _rank_file(_iteration_dir(root, iteration))
+        path = _read_file(_iteration_dir(root, iteration))
         payload, problem = _read(path)
         # Every rank resumes from the same iteration, so a file damaged on one rank only
         # sends all of them further back.
@@ -227,7 +281,7 @@ def load(directory: str | Path, model, optimizer, scheduler) -> tuple[int, dict[
             continue
         if newest is not None:
             _warn(f"checkpoint {newest[0]} is {newest[1]}; resuming from the newest intact "
-                  f"one, {path.parent}")
+                  f"one, {_iteration_dir(root, iteration)}")
         _check_shapes(path, payload["model"], model)
         model.load_state_dict(payload["model"])
         optimizer.load_state_dict(payload["optimizer"])

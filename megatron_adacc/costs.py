@@ -111,6 +111,10 @@ class ModelCosts:
     # Non-layer activations a micro-batch holds until its backward ends: the embedding's (the
     # first stage's); its backward runs after every layer's.
     embedding_bytes: int = 0
+    # The stage input received from the previous stage, alive (the last micro-batch backprop
+    # holding it) through the next micro-batch's forward: stages after the first whose 1F1B
+    # runs a forward after a backward (planning.stage_costs says which).
+    received_input_bytes: int = 0
     # Free-form provenance: model shape, device or accelerator, dtype, who produced it.
     meta: dict[str, Any] = field(default_factory=dict)
 
@@ -140,6 +144,7 @@ class ModelCosts:
         for number, label in ((self.static_bytes, "static_bytes"),
                               (self.non_layer_bytes, "non_layer_bytes"),
                               (self.embedding_bytes, "embedding_bytes"),
+                              (self.received_input_bytes, "received_input_bytes"),
                               (self.backward_workspace_bytes, "backward_workspace_bytes"),
                               (self.allocator_overhead_bytes, "allocator_overhead_bytes")):
             if number < 0:
@@ -200,6 +205,7 @@ class ModelCosts:
             segments=tuple(Segment(**segment) for segment in data["segments"]),
             in_flight_micro_batches=int(data.get("in_flight_micro_batches", 1)),
             embedding_bytes=int(data.get("embedding_bytes", 0)),
+            received_input_bytes=int(data.get("received_input_bytes", 0)),
             meta=dict(data.get("meta", {})),
         )
 

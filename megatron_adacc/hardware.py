@@ -20,7 +20,7 @@ Every efficiency factor is an assumption, named here so it can be checked agains
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Mapping
 
 import torch
@@ -452,47 +452,46 @@ def pipeline_costs(shape: ModelShape, micro_batch_size: int, accelerator: str | 
     """``ModelCosts`` of each of ``pipeline_size`` stages under 1F1B with
     ``num_micro_batches`` per step: every stage its share of the layers and their
     parameters; the first the embedding (parameters and activations), the last the output
-    layer and loss; the in-flight micro-batches of ``planning.in_flight_micro_batches``;
-    optimizer states sharded by ``zero_stage`` over ``data_parallel_size`` ranks."""
+    layer and loss; optimizer states sharded by ``zero_stage`` over ``data_parallel_size``
+    ranks. ``planning.stage_costs`` cuts the stages from one layer's costs and what each
+    stage holds besides its layers, as it does for a profile."""
     device = get_accelerator(accelerator) if isinstance(accelerator, str) else accelerator
     if shape.precision == "bf16" and not device.supports_bf16:
         raise ValueError(f"{device.name} has no bfloat16; plan with fp16")
-    sites = _site_costs(shape, micro_batch_size, device)
     pipelined = pipeline_size > 1
-    stages = []
-    for stage, layers in enumerate(planning.stage_layer_counts(shape.num_layers, pipeline_size)):
-        first, last = stage == 0, stage == pipeline_size - 1
-        parameters = (layers * shape.layer_parameters
-                      + (shape.embedding_parameters if first else 0)
-                      + (shape.output_parameters(pipelined) if last else 0))
-        stages.append(ModelCosts(
-            sites=sites,
-            num_layers=layers,
-            static_bytes=static_bytes(parameters, shape.precision, zero_stage,
-                                      data_parallel_size),
-            non_layer_bytes=output_activation_bytes(shape, micro_batch_size) if last else 0,
-            backward_workspace_bytes=backward_workspace_bytes(shape, micro_batch_size),
-            micro_batch_size=micro_batch_size,
-            in_flight_micro_batches=planning.in_flight_micro_batches(stage, pipeline_size,
-                                                                     num_micro_batches),
-            embedding_bytes=embedding_activation_bytes(shape, micro_batch_size) if first else 0,
-            meta={
-                "source": "analytic",
-                "accelerator": device.name,
-                "capacity_bytes": device.capacity_bytes,
-                "shape": {k: v for k, v in shape.__dict__.items()},
-                "num_parameters": parameters,
-                "zero_stage": zero_stage,
-                "data_parallel_size": data_parallel_size,
-                "pipeline_stage": stage,
-                "pipeline_size": pipeline_size,
-                "num_micro_batches": num_micro_batches,
-                "matmul_efficiency": MATMUL_EFFICIENCY,
-                "bandwidth_efficiency": BANDWIDTH_EFFICIENCY,
-                "codec_efficiency": CODEC_EFFICIENCY,
-            },
-        ))
-    return stages
+    counts = planning.stage_layer_counts(shape.num_layers, pipeline_size)
+    parameters = [layers * shape.layer_parameters
+                  + (shape.embedding_parameters if stage == 0 else 0)
+                  + (shape.output_parameters(pipelined) if stage == pipeline_size - 1 else 0)
+                  for stage, layers in enumerate(counts)]
+    memory = [planning.StageMemory(
+        static_bytes=static_bytes(count, shape.precision, zero_stage, data_parallel_size),
+        embedding_bytes=embedding_activation_bytes(shape, micro_batch_size) if stage == 0 else 0,
+        non_layer_bytes=(output_activation_bytes(shape, micro_batch_size)
+                         if stage == pipeline_size - 1 else 0))
+        for stage, count in enumerate(parameters)]
+    layer_costs = ModelCosts(
+        sites=_site_costs(shape, micro_batch_size, device),
+        num_layers=shape.num_layers,
+        static_bytes=0,  # each stage's: StageMemory
+        non_layer_bytes=0,
+        backward_workspace_bytes=backward_workspace_bytes(shape, micro_batch_size),
+        micro_batch_size=micro_batch_size,
+        meta={
+            "source": "analytic",
+            "accelerator": device.name,
+            "capacity_bytes": device.capacity_bytes,
+            "shape": {k: v for k, v in shape.__dict__.items()},
+            "zero_stage": zero_stage,
+            "data_parallel_size": data_parallel_size,
+            "matmul_efficiency": MATMUL_EFFICIENCY,
+            "bandwidth_efficiency": BANDWIDTH_EFFICIENCY,
+            "codec_efficiency": CODEC_EFFICIENCY,
+        },
+    )
+    stages = planning.stage_costs(layer_costs, memory, shape.num_layers, num_micro_batches)
+    return [replace(costs, meta={**costs.meta, "num_parameters": count})
+            for costs, count in zip(stages, parameters)]
 
 
 def _site_costs(shape: ModelShape, micro_batch_size: int, device: Accelerator

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import types
 import warnings
 
 import torch
@@ -113,20 +114,38 @@ def _causal_mask_uncached() -> bool:
     return not hasattr(tutils.get_default_causal_mask, "cache_info")
 
 
+class _HostTorch(types.ModuleType):
+    """``torch`` as a megatron-core module sees it after a CPU shim: every name is torch's,
+    except that the tensor factories ignore ``device`` (megatron passes "cuda" or
+    torch.cuda.current_device()), torch.cuda.current_device() is the host and
+    torch.cuda.synchronize() has nothing to wait for. Only modules whose every use of
+    torch.cuda is one of those get it."""
+
+    def __init__(self):
+        super().__init__("torch")
+        self.cuda = types.SimpleNamespace(current_device=lambda: "cpu",
+                                          synchronize=lambda *args, **kwargs: None)
+        for name in ("tensor", "zeros", "empty"):
+            setattr(self, name, self._on_host(getattr(torch, name)))
+
+    @staticmethod
+    def _on_host(factory):
+        @functools.wraps(factory)
+        def make(*args, device=None, **kwargs):
+            return factory(*args, **kwargs)
+        return make
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+
 def _cpu_grad_scaler() -> None:
     # megatron's grad scalers keep the loss scale (and the dynamic scaler's bounds and
     # factors) in tensors created with device='cuda', and load_state_dict moves the scale
-    # to torch.cuda.current_device(). The module's only use of torch is to make those
-    # tensors, so it gets a torch whose tensor() ignores the device, and a host load.
-    import types
-
+    # to torch.cuda.current_device().
     from megatron.core.optimizer import grad_scaler
 
-    host_torch = types.SimpleNamespace(
-        **{name: getattr(torch, name) for name in ("float", "max")},
-        tensor=lambda data, device=None, **kwargs: torch.tensor(data, **kwargs),
-    )
-    grad_scaler.torch = host_torch
+    grad_scaler.torch = _HostTorch()
 
     def load_state_dict(self, state_dict):
         self._scale = state_dict["scale"].cpu()
@@ -134,6 +153,35 @@ def _cpu_grad_scaler() -> None:
         self._hysteresis_tracker = state_dict["hysteresis_tracker"]
 
     grad_scaler.DynamicGradScaler.load_state_dict = load_state_dict
+
+
+def _cpu_pipeline_schedules() -> None:
+    # Pipeline parallelism: the p2p communicator allocates its receive buffers on
+    # torch.cuda.current_device() and calls torch.cuda.synchronize() after batched p2p; the
+    # schedules count the loss's tokens in a tensor made on "cuda".
+    from megatron.core.pipeline_parallel import p2p_communication, schedules
+
+    p2p_communication.torch = _HostTorch()
+    schedules.torch = _HostTorch()
+
+
+def _cpu_shared_embedding() -> None:
+    # With pipeline stages the last stage's copy of the tied word embedding is all-reduced
+    # from the first stage's at construction, after ``weight.data = weight.data.cuda()``.
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+
+    original = LanguageModule.setup_embeddings_and_output_layer
+
+    @functools.wraps(original)
+    def setup_embeddings_and_output_layer(self):
+        to_cuda = torch.Tensor.cuda
+        torch.Tensor.cuda = lambda tensor, *args, **kwargs: tensor
+        try:
+            original(self)
+        finally:
+            torch.Tensor.cuda = to_cuda
+
+    LanguageModule.setup_embeddings_and_output_layer = setup_embeddings_and_output_layer
 
 
 def _checkpoint_without_output_fp8() -> None:
@@ -162,6 +210,8 @@ CPU_SHIMS = {
     "cpu_global_memory_buffer": _cpu_global_memory_buffer,
     "cpu_rng_tracker": _cpu_rng_tracker,
     "cpu_grad_scaler": _cpu_grad_scaler,
+    "cpu_pipeline_schedules": _cpu_pipeline_schedules,
+    "cpu_shared_embedding": _cpu_shared_embedding,
 }
 
 

@@ -24,9 +24,12 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def init_distributed(tensor_model_parallel_size: int = 1) -> None:
+def init_distributed(tensor_model_parallel_size: int = 1,
+                     pipeline_model_parallel_size: int = 1) -> None:
     """Join (or, for a plain ``python`` run, create) the process group and set up
-    megatron-core's model-parallel groups. gloo on CPU, NCCL on GPU. Idempotent."""
+    megatron-core's model-parallel groups (tensor, pipeline and the embedding group that
+    ties the first and last stages' word embeddings). gloo on CPU, NCCL on GPU.
+    Idempotent."""
     megatron_compat.apply()
     from megatron.core import parallel_state
 
@@ -43,16 +46,30 @@ def init_distributed(tensor_model_parallel_size: int = 1) -> None:
             dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}",
                                     rank=0, world_size=1, timeout=timeout)
     world = dist.get_world_size()
-    if world % tensor_model_parallel_size:
+    model_parallel = tensor_model_parallel_size * pipeline_model_parallel_size
+    if world % model_parallel:
         raise ValueError(
-            f"--tensor-model-parallel-size {tensor_model_parallel_size} does not divide the "
-            f"world size {world}; launch a multiple of it with torchrun --nproc_per_node"
+            f"--tensor-model-parallel-size {tensor_model_parallel_size} x "
+            f"--pipeline-model-parallel-size {pipeline_model_parallel_size} does not divide "
+            f"the world size {world}; launch a multiple of {model_parallel} processes with "
+            f"torchrun --nproc_per_node"
         )
     if parallel_state.model_parallel_is_initialized():
-        if parallel_state.get_tensor_model_parallel_world_size() == tensor_model_parallel_size:
+        if (parallel_state.get_tensor_model_parallel_world_size() == tensor_model_parallel_size
+                and parallel_state.get_pipeline_model_parallel_world_size()
+                == pipeline_model_parallel_size):
             return
         parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size, 1)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size,
+                                             pipeline_model_parallel_size)
+
+
+def pipeline_stage() -> tuple[bool, bool]:
+    """(first stage, last stage) of this rank's pipeline stage: the first holds the
+    embedding and reads tokens, the last the output layer and the loss."""
+    from megatron.core import parallel_state
+
+    return parallel_state.is_pipeline_first_stage(), parallel_state.is_pipeline_last_stage()
 
 
 def collective_device(group=None) -> torch.device:
@@ -94,18 +111,14 @@ def build_gpt_model(config, vocab_size: int, max_sequence_length: int, layer_spe
                     attention_backend: str = DEFAULT_SPEC_BACKEND):
     """megatron-core GPTModel with learned absolute positions (GPT-2 style), built from
     `layer_spec`, by default megatron-core's local spec with `attention_backend`'s core
-    attention (see attention.py)."""
-    from megatron.core.models.gpt import GPTModel
-
+    attention (see attention.py). With pipeline stages (config.pipeline_model_parallel_size
+    > 1) it is this rank's stage: megatron's own split of the layers, the embedding on the
+    first stage, the output layer (megatron's copy of the tied word embedding) on the last."""
     spec = layer_spec if layer_spec is not None else local_layer_spec(attention_backend)
-    model = GPTModel(
-        config,
-        spec,
-        vocab_size=vocab_size,
-        max_sequence_length=max_sequence_length,
-        share_embeddings_and_output_weights=True,
-        position_embedding_type="learned_absolute",
-    )
+    first, last = pipeline_stage() if config.pipeline_model_parallel_size > 1 else (True, True)
+    if not first and config.use_cpu_initialization:
+        _draw_earlier_stages(config, spec, vocab_size, max_sequence_length)
+    model = _gpt_model(config, spec, vocab_size, max_sequence_length, first, last)
     if config.bf16 or config.fp16:
         # megatron's Float16Module does the same: every parameter (position embedding and
         # layernorms included) in 16 bits, so activations stay 16-bit from the embedding on.
@@ -115,10 +128,55 @@ def build_gpt_model(config, vocab_size: int, max_sequence_length: int, layer_spe
     return model
 
 
+def _gpt_model(config, spec, vocab_size: int, max_sequence_length: int, pre_process: bool,
+               post_process: bool):
+    from megatron.core.models.gpt import GPTModel
+
+    return GPTModel(
+        config,
+        spec,
+        vocab_size=vocab_size,
+        max_sequence_length=max_sequence_length,
+        pre_process=pre_process,
+        post_process=post_process,
+        share_embeddings_and_output_weights=True,
+        position_embedding_type="learned_absolute",
+    )
+
+
+def _draw_earlier_stages(config, spec, vocab_size: int, max_sequence_length: int) -> None:
+    """Draw, and throw away, the initial weights of the embedding and of the layers before
+    this stage, so this stage's layers take the random numbers they take in one process:
+    every pipeline split starts from the weights PP=1 starts from (CPU initialisation
+    draws every weight from the default generator, one module after another)."""
+    import dataclasses
+
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    earlier = get_transformer_layer_offset(config)
+    one_stage = dataclasses.replace(config, num_layers=earlier, pipeline_model_parallel_size=1)
+    _gpt_model(one_stage, spec, vocab_size, max_sequence_length, True, False)
+
+
 def gpt_loss(model, tokens: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor):
     """Mean token loss of one micro-batch (tokens/labels/loss_mask: [batch, seq])."""
-    seq = tokens.shape[1]
-    position_ids = torch.arange(seq, device=tokens.device).unsqueeze(0).expand_as(tokens)
-    per_token = model(tokens, position_ids, None, labels=labels)
+    loss_sum, num_tokens = masked_loss_sum(gpt_forward(model, tokens, labels), loss_mask)
+    return loss_sum / num_tokens.clamp(min=1)
+
+
+def gpt_forward(model, tokens: torch.Tensor | None, labels: torch.Tensor | None):
+    """The model's output for one micro-batch: the per-token loss [batch, seq] on the last
+    pipeline stage (labels given), the hidden states for the next stage elsewhere. A stage
+    after the first takes its input from megatron's set_input_tensor, not ``tokens``."""
+    position_ids = None
+    if tokens is not None:
+        position_ids = (torch.arange(tokens.shape[1], device=tokens.device)
+                        .unsqueeze(0).expand_as(tokens))
+    return model(tokens, position_ids, None, labels=labels)
+
+
+def masked_loss_sum(per_token: torch.Tensor, loss_mask: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sum of the per-token losses the mask keeps, in fp32; the number of tokens kept)."""
     mask = loss_mask.float()
-    return (per_token.float() * mask).sum() / mask.sum().clamp(min=1)
+    return (per_token.float() * mask).sum(), mask.sum()

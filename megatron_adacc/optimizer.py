@@ -39,6 +39,15 @@ def _no_decay(name: str, param: torch.nn.Parameter) -> bool:
     return param.ndim == 1 or name.endswith(".bias")
 
 
+def _model_parallel_group():
+    """The tensor x pipeline group, whose ranks hold the model's different parameters;
+    None when this rank holds them all."""
+    from megatron.core import parallel_state
+
+    group = parallel_state.get_model_parallel_group()
+    return group if torch.distributed.get_world_size(group) > 1 else None
+
+
 def shard_range(numel: int, shards: int, shard: int) -> tuple[int, int]:
     """[start, end) of the elements of a flat range of ``numel`` that rank ``shard`` of
     ``shards`` owns: contiguous ranges of ceil(numel / shards) elements in rank order, so
@@ -139,6 +148,9 @@ class MainParamAdamW:
         for p in self.model_params:
             view = self.main_grads[offset:offset + p.numel()].view_as(p)
             self._main_grad_views.append(view)
+            # megatron's name for it: finalize_model_grads all-reduces the tied word
+            # embedding's main_grad between the first and last pipeline stages.
+            p.main_grad = view
             offset += p.numel()
             p.register_post_accumulate_grad_hook(self._accumulate_hook(view))
 
@@ -171,16 +183,15 @@ class MainParamAdamW:
 
     def _unscale_and_find_inf(self, grads: list[torch.Tensor]) -> bool:
         """Divide the gradients by the loss scale; True when any is not finite on any
-        tensor-parallel rank (each holds a different shard)."""
-        from megatron.core import parallel_state
-
+        model-parallel rank (tensor-parallel shards and pipeline stages hold different
+        parameters)."""
         found_inf = torch.zeros(1, dtype=torch.float32, device=grads[0].device)
         torch._amp_foreach_non_finite_check_and_unscale_(
             grads, found_inf, self.grad_scaler.inv_scale.to(grads[0].device))
-        if parallel_state.get_tensor_model_parallel_world_size() > 1:
-            torch.distributed.all_reduce(
-                found_inf, op=torch.distributed.ReduceOp.MAX,
-                group=parallel_state.get_tensor_model_parallel_group())
+        group = _model_parallel_group()
+        if group is not None:
+            torch.distributed.all_reduce(found_inf, op=torch.distributed.ReduceOp.MAX,
+                                         group=group)
         return bool(found_inf.item())
 
     def clip_and_step(self, clip_grad: float, before_step=None) -> float | None:
@@ -192,6 +203,7 @@ class MainParamAdamW:
         (megatron's clip_grads allocates its overflow buffer on CUDA, hence our own.)"""
         from megatron.core import parallel_state
         from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+        from megatron.core.transformer.module import param_is_not_shared
 
         full = self._full_grads()
         grads = [g for g in full if g is not None]
@@ -200,14 +212,17 @@ class MainParamAdamW:
             self.grad_scaler.update(found_inf)
             if found_inf:
                 return None
-        # A parameter replicated across tensor-parallel ranks is counted on one rank only.
-        tp_group = parallel_state.get_tensor_model_parallel_group()
-        squares = torch.zeros(1, dtype=torch.float64, device=collective_device(tp_group))
+        # megatron's norm: a parameter replicated across tensor-parallel ranks, and the last
+        # pipeline stage's copy of the tied word embedding, are counted once.
+        group = _model_parallel_group()
+        squares = torch.zeros(1, dtype=torch.float64, device=collective_device(
+            parallel_state.get_model_parallel_group()))
         for p, g in zip(self.model_params, full):
-            if g is not None and param_is_not_tensor_parallel_duplicate(p):
+            if (g is not None and param_is_not_tensor_parallel_duplicate(p)
+                    and param_is_not_shared(p)):
                 squares += g.double().pow(2).sum()
-        if parallel_state.get_tensor_model_parallel_world_size() > 1:
-            torch.distributed.all_reduce(squares, group=tp_group)
+        if group is not None:
+            torch.distributed.all_reduce(squares, group=group)
         norm = float(squares.sqrt())
         if before_step is not None:
             before_step(norm)

@@ -148,6 +148,13 @@ class Plan:
                     f"{num_layers} layers (0-{num_layers - 1})"
                 )
 
+    def shifted(self, offset: int) -> "Plan":
+        """This plan with its layer ranges moved up by ``offset``: a pipeline stage's plan,
+        planned with the stage's layers numbered from 0, as the stage's layers are numbered
+        in the whole model (its first layer is layer ``offset``)."""
+        return Plan(dict(self.sites), {(first + offset, last + offset): dict(overrides)
+                                       for (first, last), overrides in self.layers.items()})
+
     @property
     def plan_id(self) -> str:
         """A short content hash: equal plans share it, a changed plan gets a new one."""

@@ -78,10 +78,21 @@ def require_budget(policy: str, budget_bytes: int | None) -> None:
 
 
 def predicted_activation_bytes(costs: ModelCosts, result: planning.PlanResult) -> int:
-    """Activation bytes kept at the end of forward under ``result``, the quantity the ruler
-    reports as ``activation_bytes``: non-layer bytes plus what every layer stores."""
-    return costs.non_layer_bytes + sum(planning.evaluate_layer(costs, decisions).stored_bytes
-                                       for decisions in result.layer_decisions)
+    """Activation bytes kept when forward ends under ``result``, the quantity the ruler
+    reports as ``activation_bytes``: with k micro-batches in flight, k times (every layer's
+    stored bytes + the embedding's), plus the non-layer bytes."""
+    return planning.forward_end_bytes(costs, _layer_policies(costs, result))
+
+
+def predicted_activation_peak_bytes(costs: ModelCosts, result: planning.PlanResult) -> int:
+    """The activation peak the ruler reports as ``activation_peak_bytes`` (an upper bound:
+    planning.activation_peak_bytes)."""
+    return planning.activation_peak_bytes(costs, _layer_policies(costs, result))
+
+
+def _layer_policies(costs: ModelCosts, result: planning.PlanResult
+                    ) -> list[planning.LayerPolicy]:
+    return [planning.evaluate_layer(costs, decisions) for decisions in result.layer_decisions]
 
 
 @dataclass
@@ -89,9 +100,10 @@ class Resolved:
     name: str
     plan: Plan | None              # None: megatron's stock layer
     budget_bytes: int | None
-    costs: ModelCosts | None = None
-    result: planning.PlanResult | None = None
+    costs: ModelCosts | None = None    # this rank's pipeline stage's
+    result: planning.PlanResult | None = None   # this rank's stage's, its layers from 0
     profile_s: float | None = None  # None: the costs came from the ProfileDB
+    stages: list[planning.StagePlan] | None = None   # every stage's plan (auto)
 
     @property
     def plan_id(self) -> str:
@@ -101,13 +113,15 @@ class Resolved:
 def resolve(policy: str, budget_bytes: int | None, model: torch.nn.Module | None = None,
             batch: profiler.Batch | None = None, *, db: ProfileDB | None = None,
             reprofile: bool = False, strict: bool = False,
-            loss_fn: profiler.LossFn | None = None,
+            loss_fn: profiler.LossFn | None = None, num_micro_batches: int = 1,
             static_bytes: int | None = None) -> Resolved:
-    """The plan for ``policy``. ``auto`` needs the model (built with the Adacc layer spec)
-    and one real micro-batch, and raises planning.InfeasibleBudget (a ValueError naming the
-    smallest feasible budget) when nothing fits. ``static_bytes``: what parameters and the
-    optimizer hold (``optimizer.static_bytes``; None: the profile's, the optimizer held
-    whole), which a stored profile cannot know."""
+    """The plan for ``policy`` (on this rank's pipeline stage, whose layers it numbers as
+    the whole model does). ``auto`` needs the model (built with the Adacc layer spec), one
+    real micro-batch and, with pipeline stages, the micro-batches per step (1F1B keeps up to
+    that many in flight); it raises planning.InfeasibleBudget (a ValueError naming the
+    smallest feasible budget) when nothing fits. ``static_bytes``: what this rank's
+    parameters and optimizer hold (``optimizer.static_bytes``; None: the profile's, the
+    optimizer held whole), which a stored profile cannot know."""
     if policy == "none":
         return Resolved(policy, None, budget_bytes)
     if policy == "full-recompute":
@@ -119,12 +133,45 @@ def resolve(policy: str, budget_bytes: int | None, model: torch.nn.Module | None
     require_budget(policy, budget_bytes)
     costs, profile_s = measured_costs(model, batch, db or ProfileDB(), reprofile, strict,
                                       loss_fn)
+    stage, _ = pipeline_stage()
+    own = (planning.StageMemory(costs.static_bytes, costs.embedding_bytes, costs.non_layer_bytes)
+           if stage == 0 else profiler.stage_memory(model, batch, strict=strict, loss_fn=loss_fn))
     if static_bytes is not None:
-        costs = replace(costs, static_bytes=static_bytes)
-    # Every rank plans the same costs with the same deterministic planner: one plan, and an
-    # infeasible budget fails on every rank alike instead of leaving the others waiting.
-    result = planning.plan(planning_costs(policy, costs), budget_bytes, allow_lossy_sources=False)
-    return Resolved(policy, result.plan, budget_bytes, costs, result, profile_s)
+        own = replace(own, static_bytes=static_bytes)
+    stages = planning.stage_costs(costs, from_every_stage(own), model.config.num_layers,
+                                  num_micro_batches)
+    # Every rank plans every stage from the same costs with the same deterministic planner:
+    # one plan per stage, and an infeasible budget fails on every rank alike instead of
+    # leaving the others waiting.
+    plans = planning.plan_stages([planning_costs(policy, c) for c in stages], budget_bytes,
+                                 allow_lossy_sources=False)
+    mine = plans[stage]
+    return Resolved(policy, mine.plan, budget_bytes, stages[stage], mine.result, profile_s,
+                    plans)
+
+
+def pipeline_stage() -> tuple[int, int]:
+    """(this rank's pipeline stage, the number of stages): megatron's parallel state, one
+    stage when it is not set up."""
+    from megatron.core import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        return 0, 1
+    return (parallel_state.get_pipeline_model_parallel_rank(),
+            parallel_state.get_pipeline_model_parallel_world_size())
+
+
+def from_every_stage(value):
+    """[stage 0's ``value``, stage 1's, ...] on every rank (a value per pipeline rank of
+    this rank's pipeline)."""
+    from megatron.core import parallel_state
+
+    if pipeline_stage()[1] == 1:
+        return [value]
+    gathered = [None] * pipeline_stage()[1]
+    dist.all_gather_object(gathered, value,
+                           group=parallel_state.get_pipeline_model_parallel_group())
+    return gathered
 
 
 def planning_costs(policy: str, costs: ModelCosts) -> ModelCosts:
@@ -159,9 +206,11 @@ def designated_codecs(costs: ModelCosts) -> ModelCosts:
 def measured_costs(model, batch, db: ProfileDB, reprofile: bool = False, strict: bool = False,
                    loss_fn: profiler.LossFn | None = None
                    ) -> tuple[ModelCosts, float | None]:
-    """(costs, seconds spent profiling or None when the ProfileDB had them). Rank 0 looks
-    the costs up (or measures them) and every rank gets rank 0's copy. When measuring, every
-    rank runs the profiling steps: tensor-parallel layers need their peers."""
+    """(costs, seconds spent profiling or None when the ProfileDB had them), on every rank:
+    rank 0 looks the costs up (or measures them) and every rank gets rank 0's copy. When
+    measuring, every rank of the first pipeline stage (rank 0's) runs the profiling steps:
+    tensor-parallel layers need their peers, and every stage's layers are alike, so the
+    first stage's profile serves them all (its costs describe that stage)."""
     config = model.config
     tokens = batch[0]
     key = profile_key(config, model.vocab_size, tokens.shape[1], tokens.shape[0],
@@ -170,7 +219,7 @@ def measured_costs(model, batch, db: ProfileDB, reprofile: bool = False, strict:
     found = db.get(key) if rank0 and not reprofile else None
     missing = _from_rank0(found is None)
     profile_s = None
-    if missing:
+    if missing and pipeline_stage()[0] == 0:
         started = time.perf_counter()
         found = profiler.profile(model, batch, strict=strict, loss_fn=loss_fn)
         profile_s = time.perf_counter() - started
@@ -188,12 +237,17 @@ def _from_rank0(value):
 
 
 def describe(resolved: Resolved) -> str:
-    """What rank 0 prints before training: where the costs came from and the plan table."""
-    from megatron_adacc.report import format_plan
+    """What rank 0 prints before training: where the costs came from and the plan table,
+    one block per stage with pipeline stages."""
+    from megatron_adacc.report import format_plan, format_stages
 
     if resolved.result is None:
         return f"adacc: policy {resolved.name}, plan {resolved.plan_id}"
     origin = ("reused the profile in the ProfileDB" if resolved.profile_s is None
               else f"profiled in {resolved.profile_s:.1f} s")
-    return (f"adacc: policy {resolved.name} ({origin}; {resolved.costs.meta.get('device', '?')}), "
-            f"plan {resolved.plan_id}\n{format_plan(resolved.result)}")
+    head = f"adacc: policy {resolved.name} ({origin}; {resolved.costs.meta.get('device', '?')})"
+    if len(resolved.stages) == 1:
+        return f"{head}, plan {resolved.plan_id}\n{format_plan(resolved.result)}"
+    return (f"{head}, plans " + ", ".join(f"stage {s.stage}: {s.plan.plan_id}"
+                                         for s in resolved.stages)
+            + f"\n{format_stages(resolved.stages)}")

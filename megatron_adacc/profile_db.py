@@ -67,6 +67,8 @@ def profile_key(config, vocab_size: int, seq_length: int, micro_batch_size: int,
         "attention_dropout": config.attention_dropout,
         "softmax_in_fp32": config.attention_softmax_in_fp32,
         "tensor_model_parallel_size": config.tensor_model_parallel_size,
+        # With pipeline stages the profile is the first stage's (its layers, its memory).
+        "pipeline_model_parallel_size": config.pipeline_model_parallel_size,
         "params_dtype": str(config.params_dtype).removeprefix("torch."),
         "micro_batch_size": micro_batch_size,
         "device": device,

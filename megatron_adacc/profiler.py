@@ -43,7 +43,7 @@ from megatron_adacc import sites as site_table
 from megatron_adacc.costs import MEGATRON_SEGMENTS, CodecCost, ModelCosts, SiteCost
 from megatron_adacc.plan import Decision, Plan
 from megatron_adacc.runtime import ActivationRuler, adacc_layers, apply_plan
-from megatron_adacc.runtime.accounting import UNATTRIBUTED
+from megatron_adacc.runtime.accounting import NON_LAYER, UNATTRIBUTED
 from megatron_adacc.sites import COMPRESS, RECOMPUTE
 
 DEFAULT_REPEATS = 5
@@ -54,8 +54,21 @@ LossFn = Callable[[torch.nn.Module, Batch], torch.Tensor]
 
 
 def gpt_loss(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
-    """The default loss: megatron's GPT language-model loss over the loss mask."""
-    return model_lib.gpt_loss(model, *batch)
+    """The default loss: megatron's GPT language-model loss over the loss mask. A pipeline
+    stage (megatron's ``pre_process``/``post_process``) is profiled alone, without its
+    neighbours: a stage without the embedding is fed stand-in hidden states (drawn from a
+    fixed generator: only their shape matters to what is measured there), and a stage
+    without the output layer backpropagates the sum of its output."""
+    tokens, labels, loss_mask = batch
+    if not getattr(model, "pre_process", True):
+        config = model.config
+        hidden = torch.randn(tokens.shape[1], tokens.shape[0], config.hidden_size,
+                             generator=torch.Generator(tokens.device).manual_seed(0),
+                             dtype=config.params_dtype, device=tokens.device)
+        model.set_input_tensor(hidden.requires_grad_())
+    if getattr(model, "post_process", True):
+        return model_lib.gpt_loss(model, tokens, labels, loss_mask)
+    return model_lib.gpt_forward(model, tokens, None).float().sum()
 
 
 def device_name(device: torch.device | None = None) -> str:
@@ -94,16 +107,41 @@ def median_seconds(fn: Callable[[], object], repeats: int, device: torch.device)
 
 
 # --- instruments ------------------------------------------------------------------------------
-class _DtypeRuler(ActivationRuler):
-    """The ruler, also noting the dtype of the first tensor it counts for each site."""
+class _RetainedRuler(ActivationRuler):
+    """The ruler of an all-retain step, also noting the dtype of the first tensor it counts
+    for each site and what the embedding keeps: its saves are the step's first, so the
+    bytes alive when it returns are its own."""
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
+    def __init__(self, model: torch.nn.Module, **kwargs):
+        super().__init__(model, **kwargs)
         self.dtypes: dict[tuple[int, str], torch.dtype] = {}
+        self.embedding_bytes = 0
+        # megatron's GPTModel has an embedding on the first pipeline stage only.
+        self._embedding = getattr(model, "embedding", None)
+
+    def __enter__(self) -> "_RetainedRuler":
+        super().__enter__()
+        if self._embedding is not None:
+            self._module_hooks.append(self._embedding.register_forward_hook(self._embedded))
+        return self
+
+    def _embedded(self, module, args, output) -> None:
+        self.embedding_bytes = self.live_bytes
 
     def keep_tensor(self, layer, site, tensor):
         self.dtypes.setdefault((layer, site or UNATTRIBUTED), tensor.dtype)
         super().keep_tensor(layer, site, tensor)
+
+    def stage_memory(self, model: torch.nn.Module) -> planning.StageMemory:
+        """What the model holds besides its layers' activations, by this step: the
+        activations kept when forward ended less the layers' (their shared sites are
+        non-layer bytes: one storage for every layer) and the embedding's."""
+        report = self.report()
+        layers = sum(nbytes for (layer, site), nbytes in report.by_site.items()
+                     if layer != NON_LAYER and site not in site_table.SHARED_SITES)
+        return planning.StageMemory(
+            optimizer.static_bytes(model), self.embedding_bytes,
+            report.after_forward_bytes - layers - self.embedding_bytes)
 
 
 class _Unencodable:
@@ -311,7 +349,8 @@ def _profile(run: _Profiling) -> ModelCosts:
     model, config = run.model, run.model.config
     run.step({})  # warm-up: megatron's cached mask, allocator, codec kernels
     with allocator.watch(run.device) as peaks:
-        retained = run.step({}, _DtypeRuler)
+        retained = run.step({}, _RetainedRuler)
+    memory = retained.stage_memory(model)
     sizes = run.layer_sites(retained)
     order = list(sizes)
     known = [name for name in order if name in site_table.SITES]
@@ -336,8 +375,9 @@ def _profile(run: _Profiling) -> ModelCosts:
     costs = ModelCosts(
         sites=sites,
         num_layers=num_layers,
-        static_bytes=optimizer.static_bytes(model),
-        non_layer_bytes=retained.report().after_forward_bytes - num_layers * sum(sizes.values()),
+        static_bytes=memory.static_bytes,
+        non_layer_bytes=memory.non_layer_bytes,
+        embedding_bytes=memory.embedding_bytes,
         backward_workspace_bytes=hardware.backward_workspace_bytes(shape, micro_batch),
         micro_batch_size=micro_batch,
         meta={
@@ -350,6 +390,18 @@ def _profile(run: _Profiling) -> ModelCosts:
         },
     )
     return replace(costs, allocator_overhead_bytes=allocator_overhead(costs, peaks))
+
+
+def stage_memory(model: torch.nn.Module, batch: Batch, *, strict: bool = False,
+                 loss_fn: LossFn | None = None) -> planning.StageMemory:
+    """What ``model`` (a pipeline stage, built with the Adacc layer spec) holds besides its
+    layers' activations, measured in one all-retain step on ``batch``: every stage measures
+    its own (the embedding is the first stage's, the output layer and loss the last's),
+    while one profile of a layer serves every stage. Decisions and RNG streams are left as
+    found."""
+    with _left_as_found(model):
+        run = _Profiling(model, batch, strict, 1, loss_fn)
+        return run.step({}, _RetainedRuler).stage_memory(model)
 
 
 def allocator_overhead(costs: ModelCosts, peaks: allocator.Peaks) -> int:

@@ -20,7 +20,8 @@ ACTIONS = (RETAIN, COMPRESS, RECOMPUTE)
 # The runtime rebuilds a recomputed site by re-running the megatron forward segment that saves
 # it from the segment's start (name -> start site, in forward order): _forward_attention from
 # the layer input, _forward_mlp from the residual stream after attention.
-SEGMENTS = {"attention": "layer_in", "mlp": "ln2_in"}
+LAYER_INPUT = "layer_in"  # a layer's input: on a pipeline stage's first layer, the received input
+SEGMENTS = {"attention": LAYER_INPUT, "mlp": "ln2_in"}
 SEGMENT_NAMES: tuple[str, ...] = tuple(SEGMENTS)
 # start site -> index of the segment it starts, in forward order
 SEGMENT_ANCHORS: dict[str, int] = {start: index for index, start in enumerate(SEGMENTS.values())}
@@ -58,7 +59,7 @@ class Site:
 
 
 _SITE_LIST = (
-    Site("layer_in", "layer input, the checkpoint everything else is rebuilt from",
+    Site(LAYER_INPUT, "layer input, the checkpoint everything else is rebuilt from",
          "outlier_int4", None, recomputable=False),
     Site("ln1_out", "input layernorm output, saved by linear_qkv", "outlier_int4", "attention"),
     Site("qkv", "query, key and value: views of one storage, decided as one unit",

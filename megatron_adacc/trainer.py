@@ -3,7 +3,7 @@ with gradient accumulation, data parallelism, evaluation, metrics and checkpoint
 from __future__ import annotations
 
 import argparse
-import contextlib
+import itertools
 import json
 import sys
 import time
@@ -45,6 +45,7 @@ def transformer_config(args: argparse.Namespace):
         add_bias_linear=not args.disable_bias_linear,
         init_method_std=args.init_method_std,
         tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         bf16=args.bf16,
         fp16=args.fp16,
         params_dtype=dtype,
@@ -182,7 +183,8 @@ def build_model_and_data(args: argparse.Namespace, layer_spec=None
     None) of this data-parallel rank."""
     from megatron.core import parallel_state
 
-    model_lib.init_distributed(args.tensor_model_parallel_size)
+    model_lib.init_distributed(args.tensor_model_parallel_size,
+                               args.pipeline_model_parallel_size)
     model_lib.set_seed(args.seed)
     tokenizer = build_tokenizer(args.tokenizer_type, args.vocab_file, args.merge_file)
     train, valid = build_data(args, tokenizer, parallel_state.get_data_parallel_rank(),
@@ -202,8 +204,31 @@ def model_device(model: torch.nn.Module) -> torch.device:
 def first_micro_batch(batches: data.GlobalBatches) -> tuple[torch.Tensor, torch.Tensor,
                                                              torch.Tensor]:
     """(tokens, labels, loss mask) of this rank's first training micro-batch."""
-    first = next(batches.micro_batches(0))
-    return first["tokens"], first["labels"], first["loss_mask"]
+    return _as_tuple(next(batches.micro_batches(0)))
+
+
+def _as_tuple(batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return batch["tokens"], batch["labels"], batch["loss_mask"]
+
+
+def _forward_step(data_iterator, model):
+    """megatron-core's forward_step_func: one micro-batch through this pipeline stage. The
+    loss function (run on the last stage only) follows Megatron-LM's pretrain_gpt: the
+    masked loss sum and the token count, which the schedule divides by the tokens and the
+    number of micro-batches; the third element, the micro-batch's mean loss, is what the
+    trainer reports."""
+    batch = next(data_iterator) if data_iterator is not None else None
+    first, last = model_lib.pipeline_stage()
+    tokens = batch["tokens"] if batch is not None and first else None
+    labels = batch["labels"] if batch is not None and last else None
+    output = model_lib.gpt_forward(model, tokens, labels)
+
+    def loss_func(per_token: torch.Tensor):
+        loss_sum, num_tokens = model_lib.masked_loss_sum(per_token, batch["loss_mask"])
+        mean = loss_sum.detach() / num_tokens.clamp(min=1)
+        return loss_sum, num_tokens.to(torch.int), mean
+
+    return output, loss_func
 
 
 def _average_over(group, value: float) -> float:
@@ -236,34 +261,79 @@ def grad_scaler(args: argparse.Namespace):
     return None
 
 
+class _DataParallelModel(torch.nn.Module):
+    """The model as megatron-core's schedules and finalize_model_grads see it: the interface
+    of megatron's DDP wrapper (``ddp_config``, ``finish_grad_sync``), reducing the
+    gradients over the data-parallel group once the schedule has run every micro-batch, in
+    one flat buffer (16-bit models: the optimizer's fp32 main gradients), scaled by 1/DP and
+    summed as megatron does. megatron's own wrapper allocates on CUDA; torch DDP decides at
+    forward time whether a backward synchronises, and 1F1B runs the last micro-batch's
+    forward before it lets gradients synchronise."""
+
+    def __init__(self, module: torch.nn.Module, main_grads: torch.Tensor | None, dp_group):
+        from megatron.core.distributed import DistributedDataParallelConfig
+
+        super().__init__()
+        self.module = module
+        self.main_grads = main_grads
+        self.dp_group = dp_group
+        self.ddp_config = DistributedDataParallelConfig()
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def finish_grad_sync(self, force_all_reduce: bool = False) -> None:
+        from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+        dp_size = dist.get_world_size(self.dp_group)
+        if dp_size == 1:
+            return
+        if self.main_grads is not None:
+            self.main_grads.div_(dp_size)
+            dist.all_reduce(self.main_grads, group=self.dp_group)
+            return
+        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+        flat = _flatten_dense_tensors(grads).div_(dp_size)
+        dist.all_reduce(flat, group=self.dp_group)
+        for grad, synced in zip(grads, _unflatten_dense_tensors(flat, grads)):
+            grad.copy_(synced)
+
+
 class Trainer:
     def __init__(self, args: argparse.Namespace):
         from megatron.core import parallel_state
+        from megatron.core.distributed import finalize_model_grads
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+        from megatron.core.pipeline_parallel import get_forward_backward_func
 
         self.args = args
+        self.step_batch = None  # the first micro-batch of the last step, on stages with data
         self.adacc = Adacc(AdaccConfig.from_args(args))
         self.model, self.train_batches, self.valid_batches = build_model_and_data(
             args, self.adacc.layer_spec())
         self.device = model_device(self.model)
         self.dp_group = parallel_state.get_data_parallel_group()
         self.dp_size = parallel_state.get_data_parallel_world_size()
+        self.pp_group = parallel_state.get_pipeline_model_parallel_group()
+        self.pp_last_rank = parallel_state.get_pipeline_model_parallel_last_rank()
         # Profiling (auto) measures the bare model on the first real micro-batch, before any
         # data-parallel wrapper can synchronise its throwaway gradients.
+        # Each stage's plan counts the micro-batches 1F1B keeps in flight there.
         shard_group = self.dp_group if args.use_distributed_optimizer else None
         self.adacc.setup(self.model, first_micro_batch(self.train_batches),
+                         num_micro_batches=self.train_batches.num_micro_batches,
                          optimizer_shards=self.dp_size if shard_group is not None else 1)
         self.optimizer = MainParamAdamW(
             self.model, args.lr, args.weight_decay, (args.adam_beta1, args.adam_beta2),
             grad_scaler(args), shard_group)
-        self.train_model = self.model
-        # A 16-bit model's gradients are accumulated in the optimizer's fp32 main gradients,
-        # which train_step all-reduces itself; torch DDP would reduce them in 16 bits. The
-        # gradients are views of DDP's buckets, so they are held once (as
-        # optimizer.static_bytes counts them), not also copied into the buckets.
-        if self.dp_size > 1 and self.optimizer.main_grads is None:
-            self.train_model = torch.nn.parallel.DistributedDataParallel(
-                self.model, process_group=self.dp_group, gradient_as_bucket_view=True)
+        self.train_model = _DataParallelModel(self.model, self.optimizer.main_grads,
+                                              self.dp_group)
+        # megatron-core's schedules drive every step (1F1B across pipeline stages, a plain
+        # loop of micro-batches without them); these are the hooks they call.
+        config = self.model.config
+        config.finalize_model_grads_func = finalize_model_grads
+        config.grad_scale_func = self._scale_loss if self.optimizer.loss_scale is not None else None
+        self.forward_backward = get_forward_backward_func()
         self.scheduler = OptimizerParamScheduler(
             self.optimizer,
             init_lr=0.0 if args.lr_warmup_iters else args.lr,
@@ -282,6 +352,40 @@ class Trainer:
             self.iteration, _ = checkpoint.load(args.load, self.model, self.optimizer,
                                                 self.scheduler)
 
+    def _scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss * self.optimizer.loss_scale
+
+    def _run_schedule(self, batches: data.GlobalBatches, global_index: int, forward_only: bool
+                      ) -> list[float]:
+        """Every micro-batch of global batch ``global_index`` through megatron-core's
+        schedule; returns the micro-batches' mean losses on every rank of the pipeline (the
+        last stage computes them). Only the first and last stages read data."""
+        first, last = model_lib.pipeline_stage()
+        # Built as the schedule asks for them, as megatron's data iterator does: a
+        # micro-batch held for the whole step would keep its token ids alive after its
+        # backward freed them, and the ruler would count them.
+        micro_batches = batches.micro_batches(global_index) if first or last else None
+        if micro_batches is not None and not forward_only and self.adacc.rectifier is not None:
+            head = next(micro_batches)
+            self.step_batch = _as_tuple(head)  # what tracking samples after the step
+            micro_batches = itertools.chain([head], micro_batches)
+        reported = self.forward_backward(
+            forward_step_func=_forward_step,
+            data_iterator=micro_batches,
+            model=self.model if forward_only else self.train_model,
+            num_microbatches=batches.num_micro_batches,
+            seq_length=self.args.seq_length,
+            micro_batch_size=self.args.micro_batch_size,
+            forward_only=forward_only,
+        )
+        if dist.get_world_size(self.pp_group) == 1:
+            return [mean.item() for mean in reported]
+        means = (torch.stack(reported).double() if last
+                 else torch.empty(batches.num_micro_batches, dtype=torch.float64))
+        means = means.to(model_lib.collective_device(self.pp_group))
+        dist.broadcast(means, src=self.pp_last_rank, group=self.pp_group)
+        return means.tolist()
+
     def train_step(self, global_index: int, measure: bool = False
                    ) -> tuple[float, float | None]:
         """One optimizer step over a global batch; returns (loss, grad norm), the norm None
@@ -290,34 +394,16 @@ class Trainer:
         every plan)."""
         self.train_model.train()
         self.optimizer.zero_grad()
-        micro = self.train_batches.num_micro_batches
-        scale = self.optimizer.loss_scale
-        total = 0.0
         with self.adacc.measure(measure):
-            for k, batch in enumerate(self.train_batches.micro_batches(global_index)):
-                micro_batch = batch["tokens"], batch["labels"], batch["loss_mask"]
-                if k == 0:
-                    self.step_batch = micro_batch  # what tracking samples after the step
-                sync = k == micro - 1 or self.train_model is self.model
-                with self.train_model.no_sync() if not sync else contextlib.nullcontext():
-                    loss = model_lib.gpt_loss(self.train_model, *micro_batch)
-                    scaled = loss / micro
-                    (scaled if scale is None else scaled * scale).backward()
-                total += loss.item()
-        main_grads = self.optimizer.main_grads
-        if main_grads is not None and self.dp_size > 1:
-            # megatron's data-parallel reduction of the fp32 main gradients: scale by 1/DP,
-            # then sum.
-            main_grads.div_(self.dp_size)
-            dist.all_reduce(main_grads, group=self.dp_group)
+            means = self._run_schedule(self.train_batches, global_index, forward_only=False)
+        loss = sum(means) / len(means)
         # Megatron-LM's --check-for-nan-in-loss-and-grad, before the weights change (an
         # fp16 overflow is the exception: loss scaling skips that step instead).
         grad_norm = self.optimizer.clip_and_step(
-            self.args.clip_grad,
-            lambda norm: numerics.check_step(global_index + 1, total / micro, norm))
+            self.args.clip_grad, lambda norm: numerics.check_step(global_index + 1, loss, norm))
         if grad_norm is not None:  # megatron's scheduler does not advance on a skipped step
             self.scheduler.step(1)
-        return _average_over(self.dp_group, total / micro), grad_norm
+        return _average_over(self.dp_group, loss), grad_norm
 
     def _loss_scale_record(self, skipped: bool) -> dict:
         """The loss scale the next step runs with, and whether this one was skipped."""
@@ -334,11 +420,8 @@ class Trainer:
         if self.valid_batches is None or not self.args.eval_iters:
             return None
         self.model.eval()
-        losses = []
-        for index in range(self.args.eval_iters):
-            for batch in self.valid_batches.micro_batches(index):
-                losses.append(model_lib.gpt_loss(self.model, batch["tokens"], batch["labels"],
-                                                 batch["loss_mask"]).item())
+        losses = [mean for index in range(self.args.eval_iters)
+                  for mean in self._run_schedule(self.valid_batches, index, forward_only=True)]
         self.model.train()
         return _average_over(self.dp_group, sum(losses) / len(losses))
 

@@ -21,6 +21,8 @@ from megatron_adacc.tokenizers import ByteLevelTokenizer
 ROOT = Path(__file__).resolve().parents[1]
 PRETRAIN = str(ROOT / "pretrain_gpt.py")
 PREPROCESS = str(ROOT / "scripts" / "preprocess_data.py")
+# A single process's checkpoint file (Megatron-LM's layout: model-parallel rank 00, no stages).
+RANK_FILE = "mp_rank_00/model_optim_rng.pt"
 TINY = ["--config", str(ROOT / "configs" / "tiny-cpu.yaml"), "--log-interval", "1000",
         "--eval-interval", "0", "--num-layers", "2", "--hidden-size", "64", "--seq-length", "32",
         "--micro-batch-size", "2", "--global-batch-size", "4", "--lr-warmup-iters", "1"]
@@ -86,7 +88,7 @@ def test_a_diverged_run_stops_at_the_first_nan_and_saves_no_nan(tmp_path, corpus
                                "checkpoint)")
     assert [r["iteration"] for r in metrics(tmp_path / "m.jsonl")] == [1, 2]
     assert checkpoint.latest_iteration(tmp_path / "ck") == 2
-    saved = torch.load(tmp_path / "ck" / "iter_0000002" / "rank_000.pt", weights_only=True)
+    saved = torch.load(tmp_path / "ck" / "iter_0000002" / RANK_FILE, weights_only=True)
     assert all(torch.isfinite(t).all() for t in saved["model"].values()
                if isinstance(t, torch.Tensor) and t.is_floating_point())
 
@@ -141,7 +143,7 @@ def straight(tmp_path_factory, corpus):
 
 def _copy_checkpoints(straight, tmp_path):
     shutil.copytree(straight[0] / "ck", tmp_path / "ck")
-    return tmp_path / "ck" / "iter_0000006" / "rank_000.pt"
+    return tmp_path / "ck" / "iter_0000006" / RANK_FILE
 
 
 @pytest.mark.parametrize("damage, problem", [
@@ -159,8 +161,8 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_newest_intact_one(
     code, _, stderr = run(PRETRAIN, *TINY, *data_flags(corpus), "--train-iters", "6",
                           "--load", "ck", "--metrics-file", "m.jsonl", cwd=tmp_path)
     assert code == 0, stderr
-    assert (f"warning: checkpoint ck/iter_0000006/rank_000.pt is {problem}; resuming from the "
-            f"newest intact one, ck/iter_0000004") in stderr.splitlines()
+    assert (f"warning: checkpoint ck/iter_0000006/{RANK_FILE} is {problem}; resuming from "
+            f"the newest intact one, ck/iter_0000004") in stderr.splitlines()
     resumed = metrics(tmp_path / "m.jsonl")
     assert [r["iteration"] for r in resumed] == [5, 6]
     assert [r["loss"] for r in resumed] == straight[1][4:]  # bit for bit
@@ -171,22 +173,22 @@ def test_a_checkpoint_that_would_run_code_is_not_loaded(tmp_path, corpus):
         def __reduce__(self):
             return (os.system, (f"touch {tmp_path / 'pwned'}",))
 
-    (tmp_path / "ck" / "iter_0000001").mkdir(parents=True)
+    (tmp_path / "ck" / "iter_0000001" / "mp_rank_00").mkdir(parents=True)
     torch.save({"format": checkpoint.FORMAT_VERSION, "evil": Payload()},
-               tmp_path / "ck" / "iter_0000001" / "rank_000.pt")
+               tmp_path / "ck" / "iter_0000001" / RANK_FILE)
     (tmp_path / "ck" / "latest").write_text("1\n")
     code, line, _ = run(PRETRAIN, *TINY, *data_flags(corpus), "--train-iters", "2",
                         "--load", "ck", cwd=tmp_path)
     assert not (tmp_path / "pwned").exists()
     assert (code, line) == (2, "pretrain_gpt.py: error: --load ck: no intact checkpoint; the "
-                               "newest, ck/iter_0000001/rank_000.pt, is not plain tensors and "
+                               f"newest, ck/iter_0000001/{RANK_FILE}, is not plain tensors and "
                                "values (loading it could run code), refused; point --load "
                                "elsewhere or drop it to start afresh")
 
 
 @pytest.mark.parametrize("flags, expected", [
     (["--hidden-size", "32", "--train-iters", "8"],
-     (2, "pretrain_gpt.py: error: checkpoint ck/iter_0000006/rank_000.pt does not fit this "
+     (2, f"pretrain_gpt.py: error: checkpoint ck/iter_0000006/{RANK_FILE} does not fit this "
          "model: embedding.word_embeddings.weight is [384, 64] there, [384, 32] here; load it "
          "with the model flags it was saved with (--num-layers, --hidden-size, ...)")),
     (["--train-iters", "3"],
@@ -230,7 +232,8 @@ def test_checkpoint_files_are_fsynced_before_the_publishing_rename(tmp_path, dis
     checkpoint.save(tmp_path / "ck", 1, *_tiny_state())
     staging = str(tmp_path / "ck" / ".staging_iter_0000001")
     publish = events.index(("replace", staging))
-    assert ("fsync", staging + "/rank_000.pt") in events[:publish]
+    assert ("fsync", f"{staging}/{RANK_FILE}") in events[:publish]
+    assert ("fsync", f"{staging}/mp_rank_00") in events[:publish]
     assert ("fsync", staging) in events[:publish]
 
 
@@ -238,7 +241,8 @@ def test_a_save_killed_midway_leaves_no_staging_directory_after_the_next_save(tm
                                                                             distributed):
     leftover = tmp_path / "ck" / ".staging_iter_0000003"
     leftover.mkdir(parents=True)
-    (leftover / "rank_000.pt").write_bytes(b"half a checkpoint")
+    (leftover / "mp_rank_00").mkdir()
+    (leftover / RANK_FILE).write_bytes(b"half a checkpoint")
     checkpoint.save(tmp_path / "ck", 4, *_tiny_state())
     assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["iter_0000004", "latest"]
 
@@ -250,7 +254,7 @@ def test_the_saved_rng_and_scheduler_state_loads_with_weights_only(tmp_path, dis
     allowlisted = torch.serialization.get_safe_globals()
     torch.serialization.clear_safe_globals()
     try:
-        torch.load(tmp_path / "ck" / "iter_0000002" / "rank_000.pt", weights_only=True)
+        torch.load(tmp_path / "ck" / "iter_0000002" / RANK_FILE, weights_only=True)
     finally:
         torch.serialization.add_safe_globals(allowlisted)
     model, optimizer, scheduler = _tiny_state()

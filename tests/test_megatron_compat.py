@@ -39,6 +39,47 @@ probe("cpu_grad_scaler", lambda: DynamicGradScaler(2.0**32, 1.0, 2.0, 0.5, 1000,
 
 results["checkpoint_without_output_fp8"] = (
     "defect" if CheckpointWithoutOutput(fp8=False).fp8 else "ok")
+
+# Pipeline parallelism, in a world of one.
+import socket, types
+import torch.distributed as dist
+from megatron.core import ModelParallelConfig, parallel_state
+from megatron.core.enums import ModelType
+with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+parallel_state.initialize_model_parallel(1, 1)
+
+class Stage(torch.nn.Module):
+    config = ModelParallelConfig()
+    model_type = ModelType.encoder_or_decoder
+    def set_input_tensor(self, tensors):
+        pass
+
+from megatron.core.pipeline_parallel.schedules import forward_backward_no_pipelining
+probe("cpu_pipeline_schedules", lambda: forward_backward_no_pipelining(
+    forward_step_func=lambda data, model: (torch.ones(1), None), data_iterator=iter([None]),
+    model=Stage(), num_microbatches=1, seq_length=1, micro_batch_size=1, forward_only=True))
+
+# The p2p communicator's receive buffer and its synchronize after batched p2p; the
+# communication itself is left out (in a world of one it would wait for itself).
+from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+dist.batch_isend_irecv = lambda ops: []
+communicator = P2PCommunicator(dist.group.WORLD, ModelParallelConfig(pipeline_dtype=torch.float32))
+probe("cpu_pipeline_p2p", lambda: communicator.recv_forward((1, 1, 1), is_first_stage=False))
+
+# The last stage's copy of the tied word embedding, copied from the first stage's.
+from megatron.core.models.common.language_module.language_module import LanguageModule
+weight = torch.nn.Parameter(torch.ones(2, 2))
+last_stage = types.SimpleNamespace(
+    pre_process=False, post_process=True, share_embeddings_and_output_weights=True,
+    output_layer=types.SimpleNamespace(weight=weight), vp_stage=None, vp_size=None,
+    pp_group=types.SimpleNamespace(rank=lambda: 1, size=lambda: 2), embd_group=dist.group.WORLD,
+    config=types.SimpleNamespace(pipeline_model_parallel_size=2),
+    shared_embedding_or_output_weight=lambda: weight, _is_in_embd_group=lambda: True)
+probe("cpu_shared_embedding",
+      lambda: LanguageModule.setup_embeddings_and_output_layer(last_stage))
 print(json.dumps(results))
 """
 
@@ -53,8 +94,11 @@ def unpatched():
 
 
 @pytest.mark.parametrize("shim", ["cpu_global_memory_buffer", "cpu_rng_tracker",
-                                  "cpu_grad_scaler"])
+                                  "cpu_grad_scaler", "cpu_pipeline_schedules",
+                                  "cpu_pipeline_p2p", "cpu_shared_embedding"])
 def test_cpu_shim_is_still_needed(unpatched, shim):
+    # cpu_pipeline_schedules and cpu_pipeline_p2p are one patch (both modules' CUDA
+    # placements), probed separately: it goes when neither needs it.
     assert unpatched[shim] != "ok", f"megatron-core no longer needs {shim}: delete it"
 
 
@@ -90,7 +134,8 @@ def test_patched_megatron_runs_the_shimmed_paths():
     from megatron.core.utils import GlobalMemoryBuffer
 
     assert {"cpu_global_memory_buffer", "cpu_rng_tracker", "cached_causal_mask",
-            "cpu_grad_scaler", "checkpoint_without_output_fp8"} <= set(applied)
+            "cpu_grad_scaler", "cpu_pipeline_schedules", "cpu_shared_embedding",
+            "checkpoint_without_output_fp8"} <= set(applied)
     assert GlobalMemoryBuffer().get_tensor((2, 3), torch.float32, "t").shape == (2, 3)
     mask = get_default_causal_mask(3)
     assert mask.tolist() == [[False, True, True], [False, False, True], [False, False, False]]

@@ -269,15 +269,19 @@ def simulate_1f1b(costs, layers, stage, pipeline_size, num_micro_batches):
     """The stage's peak by walking megatron-core's 1F1B order event by event: warm-up
     forwards, then one forward before each backward, then the cool-down backwards. A forward
     adds the embedding's and every layer's stored bytes and, at its end, the output layer's
-    and loss's (freed by the loss backward); a backward walks the layers top down, layer l
-    holding its transient and the workspace while the layers below it are still stored."""
+    and loss's (freed by the loss backward), and on a stage after the first, when a backward
+    came before it, the input the last backward's micro-batch received (its graph holds it
+    until this forward returns); a backward walks the layers top down, layer l holding its
+    transient and the workspace while the layers below it are still stored."""
     warmup = min(pipeline_size - stage - 1, num_micro_batches)
     order = ["F"] * warmup + ["F", "B"] * (num_micro_batches - warmup) + ["B"] * warmup
+    received = costs.site("layer_in").bytes if stage > 0 else 0
     live = peak = costs.static_bytes
-    for step in order:
+    for index, step in enumerate(order):
         if step == "F":
             live += costs.embedding_bytes + sum(layer.stored_bytes for layer in layers)
-            peak = max(peak, live + costs.non_layer_bytes)
+            previous_received = received if "B" in order[:index] else 0
+            peak = max(peak, live + costs.non_layer_bytes + previous_received)
         else:
             for layer in reversed(layers):
                 peak = max(peak, live + layer.transient_bytes + costs.backward_workspace_bytes)
@@ -289,19 +293,16 @@ def simulate_1f1b(costs, layers, stage, pipeline_size, num_micro_batches):
 
 @st.composite
 def tiny_pipelines(draw):
-    """Whole-model tiny costs cut into P stages, as hardware.pipeline_costs cuts them: the
-    embedding's activations on the first stage, the output layer's on the last."""
+    """Tiny layer costs cut into P stages by planning.stage_costs: the embedding's
+    activations on the first stage, the output layer's on the last."""
     costs = draw(small_costs())
     pipeline_size, num_micro_batches = draw(st.integers(1, 4)), draw(st.integers(1, 6))
     embedding, output = draw(st.integers(0, 20)), draw(st.integers(0, 80))
-    stages = [replace(costs, num_layers=draw(st.integers(1, 2)),
-                      static_bytes=draw(st.integers(0, 50)),
-                      in_flight_micro_batches=planner.in_flight_micro_batches(
-                          stage, pipeline_size, num_micro_batches),
-                      embedding_bytes=embedding if stage == 0 else 0,
-                      non_layer_bytes=output if stage == pipeline_size - 1 else 0)
+    memory = [planner.StageMemory(draw(st.integers(0, 50)), embedding if stage == 0 else 0,
+                                  output if stage == pipeline_size - 1 else 0)
               for stage in range(pipeline_size)]
-    return stages, num_micro_batches
+    layers = pipeline_size * draw(st.integers(1, 2))
+    return planner.stage_costs(costs, memory, layers, num_micro_batches), num_micro_batches
 
 
 @settings(max_examples=60, deadline=None)

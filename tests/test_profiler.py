@@ -38,8 +38,11 @@ def test_site_bytes_are_the_rulers_for_every_layer(profiled):
         got = {s: n for (lay, s), n in report.by_site.items() if lay == layer}
         got.pop("attn_mask", None)  # megatron's cached causal mask: one storage, non-layer
         assert got == {site.name: site.bytes for site in costs.sites}
-    assert costs.non_layer_bytes + costs.num_layers * costs.layer_bytes == \
-        report.after_forward_bytes
+    assert (costs.embedding_bytes + costs.non_layer_bytes
+            + costs.num_layers * costs.layer_bytes) == report.after_forward_bytes
+    # The embedding keeps the token ids (int64) and the position ids (one row, expanded).
+    tokens = batch(0)[0]
+    assert costs.embedding_bytes >= tokens.numel() * 8 + tokens.shape[1] * 8
 
 
 def test_every_site_has_a_cost_to_each_action(profiled):

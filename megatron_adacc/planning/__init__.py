@@ -10,17 +10,19 @@
 Everything outside this package uses the names below only.
 """
 from megatron_adacc.planning.frontier import Frontier, clear_frontier_cache, layer_frontier
-from megatron_adacc.planning.model import (LayerPolicy, evaluate_layer, is_exact, peak_bytes,
+from megatron_adacc.planning.model import (LayerPolicy, activation_peak_bytes, evaluate_layer,
+                                           forward_end_bytes, is_exact, peak_bytes,
                                            rebuild_charges)
-from megatron_adacc.planning.pipeline import (StagePlan, in_flight_micro_batches, plan_stages,
-                                              stage_layer_counts)
+from megatron_adacc.planning.pipeline import (StageMemory, StagePlan, in_flight_micro_batches,
+                                              plan_stages, stage_costs, stage_layer_counts)
 from megatron_adacc.planning.result import PlanResult, SiteRow, Totals
 from megatron_adacc.planning.search import (InfeasibleBudget, default_resolution,
                                             minimum_budget, plan)
 
 __all__ = [
-    "Frontier", "InfeasibleBudget", "LayerPolicy", "PlanResult", "SiteRow", "StagePlan",
-    "Totals", "clear_frontier_cache", "default_resolution", "evaluate_layer",
-    "in_flight_micro_batches", "is_exact", "layer_frontier", "minimum_budget", "peak_bytes",
-    "plan", "plan_stages", "rebuild_charges", "stage_layer_counts",
+    "Frontier", "InfeasibleBudget", "LayerPolicy", "PlanResult", "SiteRow", "StageMemory",
+    "StagePlan", "Totals", "activation_peak_bytes", "clear_frontier_cache",
+    "default_resolution", "evaluate_layer", "forward_end_bytes", "in_flight_micro_batches",
+    "is_exact", "layer_frontier", "minimum_budget", "peak_bytes", "plan", "plan_stages",
+    "rebuild_charges", "stage_costs", "stage_layer_counts",
 ]

@@ -6,10 +6,11 @@ Memory model (one pipeline stage, identical layers, layer 0 nearest the embeddin
 keeps k = ``in_flight_micro_batches`` micro-batches in flight, 1 without pipelining):
 
     peak = static + allocator_overhead + (k - 1) x (A + E) + E
-                  + max( non_layer + A,                                     # end of forward
+                  + max( non_layer + R + A,                                 # end of forward
                          max_l [ sum_{j<=l} stored(j) + transient(l) ] + workspace )
 
-    A = sum_l stored(l), one micro-batch's layers; E = ``embedding_bytes`` (first stage).
+    A = sum_l stored(l), one micro-batch's layers; E = ``embedding_bytes`` (first stage);
+    R = ``received_input_bytes`` (later stages, when a forward follows a backward).
 
 Why: under 1F1B stage s of P runs min(P - s, M) forwards before its first backward, and one
 forward per backward after, so at most k micro-batches are alive. Its peak comes with the
@@ -19,6 +20,15 @@ their layers and embedding whole, plus the newest one's output layer and loss te
 k - 1 still hold A + E whole, and it holds E, its layers 0..l and layer l's transient plus the
 workspace: its non_layer tensors are gone (the loss backward freed them before any layer
 backprops) and the embedding's backward comes last. Both terms share (k - 1)(A + E) + E.
+
+R: a stage after the first receives its input (megatron's p2p recv, a leaf that requires
+grad). In 1F1B's steady state megatron-core's schedule keeps the output tensor of the
+micro-batch it last backpropagated in ``output_tensor`` until the next ``forward_step``
+returns; backward freed that graph's saved values but not its nodes, and the graph ends in
+the received input's AccumulateGrad, which holds the input. So one more stage input is alive
+through every forward that follows a backward, up to the end of that forward (its loss on
+the last stage), and gone before the next backward starts. It is held for no backward, so
+it is no part of the after-forward bytes (``forward_end_bytes``).
 
 allocator_overhead is what the profiler saw the CUDA caching allocator reserve beyond this
 model's prediction on an all-retain step (0 on a CPU).
@@ -239,25 +249,55 @@ def evaluate_layer(costs: ModelCosts, decisions: Mapping[str, Decision]) -> Laye
 
 
 # --- a plan's peak ---------------------------------------------------------------------------
-def peak_from_terms(costs: ModelCosts, all_stored, backward_peak):
-    """The peak rule, given one micro-batch's layers' stored bytes together (A) and
-    max_l [prefix(l) + transient(l)]. Either may be an array (the searches evaluate many
-    plans at once)."""
+def _held_by_others(costs: ModelCosts, all_stored):
+    """(k - 1)(A + E) + E: the other in-flight micro-batches whole and this one's
+    embedding, given one micro-batch's layers' stored bytes together (A)."""
     others = costs.in_flight_micro_batches - 1
-    held = (costs.static_bytes + costs.allocator_overhead_bytes + others * all_stored
-            + (others + 1) * costs.embedding_bytes)
-    return held + np.maximum(costs.non_layer_bytes + all_stored,
-                             backward_peak + costs.backward_workspace_bytes)
+    return others * all_stored + (others + 1) * costs.embedding_bytes
+
+
+def activation_terms(costs: ModelCosts, all_stored, backward_peak):
+    """The activations part of the peak rule: (k - 1)(A + E) + E + max(non_layer + R + A,
+    ``backward_peak``), given A. Either argument may be an array (the searches evaluate many
+    plans at once)."""
+    return _held_by_others(costs, all_stored) + np.maximum(
+        costs.non_layer_bytes + costs.received_input_bytes + all_stored, backward_peak)
+
+
+def peak_from_terms(costs: ModelCosts, all_stored, backward_peak):
+    """The peak rule, given A and max_l [prefix(l) + transient(l)]."""
+    return (costs.static_bytes + costs.allocator_overhead_bytes
+            + activation_terms(costs, all_stored, backward_peak + costs.backward_workspace_bytes))
+
+
+def _stored_terms(layers: Sequence[LayerPolicy]) -> tuple[int, int]:
+    """(A, max_l [prefix(l) + transient(l)]) of a plan whose layer l follows ``layers[l]``."""
+    prefix, backward_peak = 0, 0
+    for layer in layers:
+        prefix += layer.stored_bytes
+        backward_peak = max(backward_peak, prefix + layer.transient_bytes)
+    return prefix, backward_peak
 
 
 def peak_bytes(costs: ModelCosts, layers: Sequence[LayerPolicy]) -> int:
     """Predicted peak memory of a plan whose layer l (0 = nearest the embedding) follows
     ``layers[l]``: the memory model in this module's docstring."""
-    prefix, backward_peak = 0, 0
-    for layer in layers:
-        prefix += layer.stored_bytes
-        backward_peak = max(backward_peak, prefix + layer.transient_bytes)
-    return int(peak_from_terms(costs, prefix, backward_peak))
+    return int(peak_from_terms(costs, *_stored_terms(layers)))
+
+
+def forward_end_bytes(costs: ModelCosts, layers: Sequence[LayerPolicy]) -> int:
+    """Activations the stage holds when the forward of its k-th in-flight micro-batch ends,
+    the most it keeps for backward (the ruler's ``activation_bytes``): k (A + E) + non_layer."""
+    all_stored = _stored_terms(layers)[0]
+    return int(_held_by_others(costs, all_stored) + costs.non_layer_bytes + all_stored)
+
+
+def activation_peak_bytes(costs: ModelCosts, layers: Sequence[LayerPolicy]) -> int:
+    """The activation bytes alive at the stage's peak, backward's decoded and rebuilt values
+    included, without static memory and the gradients' workspace (the ruler's
+    ``activation_peak_bytes``). An upper bound where decoded values or a rebuild meet
+    stored values backward has already freed."""
+    return int(activation_terms(costs, *_stored_terms(layers)))
 
 
 class Limits(NamedTuple):
@@ -273,13 +313,14 @@ def budget_limits(costs: ModelCosts, budget_bytes: int) -> Limits:
     k = costs.in_flight_micro_batches
     available = (budget_bytes - costs.static_bytes - costs.allocator_overhead_bytes
                  - k * costs.embedding_bytes)
-    # k x A + non_layer <= available; floor division keeps the limit exact in whole bytes.
-    return Limits((available - costs.non_layer_bytes) // k,
+    # k x A + non_layer + R <= available; floor division keeps the limit exact in whole bytes.
+    return Limits((available - costs.non_layer_bytes - costs.received_input_bytes) // k,
                   available - costs.backward_workspace_bytes)
 
 
 def transient_floor(costs: ModelCosts) -> int:
     """Transient bytes below which a layer's transient cannot set the peak: any prefix is at
-    most the total stored, and total + non_layer is itself a term of the peak, so
-    prefix + max(transient, non_layer - workspace) + workspace gives the same peak."""
-    return max(0, costs.non_layer_bytes - costs.backward_workspace_bytes)
+    most the total stored, and total + non_layer + R is itself a term of the peak, so
+    prefix + max(transient, non_layer + R - workspace) + workspace gives the same peak."""
+    return max(0, costs.non_layer_bytes + costs.received_input_bytes
+               - costs.backward_workspace_bytes)

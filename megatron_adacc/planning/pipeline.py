@@ -10,10 +10,12 @@ per-device budget.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
 from megatron_adacc.costs import ModelCosts
+from megatron_adacc.plan import Plan
+from megatron_adacc.sites import LAYER_INPUT
 from megatron_adacc.planning.result import PlanResult
 from megatron_adacc.planning.search import InfeasibleBudget, plan
 
@@ -37,6 +39,42 @@ def stage_layer_counts(num_layers: int, pipeline_size: int) -> list[int]:
     return [num_layers // pipeline_size] * pipeline_size
 
 
+@dataclass(frozen=True)
+class StageMemory:
+    """What one stage holds besides its layers' activations, measured on that stage: its
+    static bytes (its own parameters, gradients and optimizer states), what the embedding
+    keeps per micro-batch (the first stage) and the non-layer activations freed before its
+    layers backprop (the output layer and loss on the last stage; a cached tensor every
+    layer shares, such as megatron's causal mask, on every stage)."""
+
+    static_bytes: int
+    embedding_bytes: int
+    non_layer_bytes: int
+
+
+def stage_costs(layer_costs: ModelCosts, stages: Sequence[StageMemory], num_layers: int,
+                num_micro_batches: int) -> list[ModelCosts]:
+    """The ``ModelCosts`` of every stage of a ``num_layers``-layer model split over
+    ``len(stages)`` stages under 1F1B, from one profile of a layer (``layer_costs``: the
+    sites, segments and allocator overhead every stage shares, since the stages' layers are
+    alike) and what each stage holds besides its layers."""
+    counts = stage_layer_counts(num_layers, len(stages))
+    # A stage after the first receives its input, its first layer's input at full size; one
+    # more stays alive through each forward that follows a backward (planning.model).
+    received = layer_costs.site(LAYER_INPUT).bytes if len(stages) > 1 else 0
+    costs = []
+    for index, (layers, memory) in enumerate(zip(counts, stages)):
+        in_flight = in_flight_micro_batches(index, len(stages), num_micro_batches)
+        costs.append(replace(
+            layer_costs, num_layers=layers, static_bytes=memory.static_bytes,
+            embedding_bytes=memory.embedding_bytes, non_layer_bytes=memory.non_layer_bytes,
+            in_flight_micro_batches=in_flight,
+            received_input_bytes=received if index > 0 and num_micro_batches > in_flight else 0,
+            meta={**layer_costs.meta, "pipeline_stage": index, "pipeline_size": len(stages),
+                  "num_micro_batches": num_micro_batches}))
+    return costs
+
+
 @dataclass
 class StagePlan:
     """One stage's plan: the stage, the first (global) layer it holds, and its result (whose
@@ -46,6 +84,11 @@ class StagePlan:
     first_layer: int
     in_flight_micro_batches: int
     result: PlanResult
+
+    @property
+    def plan(self) -> Plan:
+        """The plan the stage applies: its layers numbered as in the whole model."""
+        return self.result.plan.shifted(self.first_layer)
 
     @property
     def layers(self) -> str:

@@ -66,8 +66,8 @@ class ActivationRuler:
             loss = forward(); loss.backward()
         report = ruler.report()
 
-    The end of each forward is taken when its backward first reads a saved tensor (the
-    loss's, always saved outside the layers, so always seen here); ``forward_done()`` takes
+    The end of the forwards is taken when a backward first reads a saved tensor after them
+    (whichever hook saved it: Adacc layers report their reads); ``forward_done()`` takes
     it explicitly, for a forward with no backward.
     """
 
@@ -136,10 +136,6 @@ class ActivationRuler:
 
     # --- what is kept --------------------------------------------------------------------
     def _pack(self, tensor):
-        # Saves made while backward runs (megatron's checkpoint re-running a forward) belong
-        # to backward: they must not end a forward, nor start one.
-        if torch._C._current_autograd_node() is None:
-            self._forward_open = True
         if isinstance(tensor, torch.nn.Parameter):
             return tensor
         if self._stock:
@@ -167,6 +163,10 @@ class ActivationRuler:
         self.keep_tensor(*TRANSIENT, tensor)
 
     def _add(self, key: int, obj, nbytes: int, label: tuple[int, str]) -> None:
+        # Saves made while backward runs (megatron's checkpoint re-running a forward, a
+        # rebuild, a decoded value) belong to backward: they must not start a forward.
+        if torch._C._current_autograd_node() is None:
+            self._forward_open = True
         ref = weakref.ref(obj, lambda _ref, key=key: self._drop(key))
         self._live[key] = (ref, nbytes, label)
         self._by_site[label] += nbytes
@@ -186,9 +186,16 @@ class ActivationRuler:
                 self.transient_bytes -= entry[1]
 
     def _unpack(self, saved):
+        self.backward_reads()
+        return saved
+
+    def backward_reads(self) -> None:
+        """A backward read a saved value (through this ruler's hook or an Adacc layer's):
+        the forwards that saved since the last read have ended. Under 1F1B several
+        micro-batches' forwards run before the first backward, and that backward may first
+        read an Adacc layer's values, never this ruler's."""
         if self._forward_open:
             self.forward_done()
-        return saved
 
     # --- readings ------------------------------------------------------------------------
     def forward_done(self) -> None:

@@ -94,7 +94,7 @@ class AdaccTransformerLayer(TransformerLayer):
         self._call = call
         self.attributor.begin()
         try:
-            with torch.autograd.graph.saved_tensors_hooks(call.pack, unpack):
+            with torch.autograd.graph.saved_tensors_hooks(call.pack, call.unpack):
                 return super().forward(*args, **kwargs)
         finally:
             self.attributor.end()

@@ -25,7 +25,8 @@ def apply_plan(model: torch.nn.Module, plan: Plan | None, strict: bool | None = 
             "the model has no Adacc layers; build it with runtime.get_adacc_layer_spec()"
         )
     plan = plan if plan is not None else Plan()
-    plan.validate_layers(max(layer.layer_index for layer in layers) + 1)
+    # Layer indices are the whole model's (megatron's layer_number), on every stage.
+    plan.validate_layers(layers[0].config.num_layers)
     for layer in layers:
         if strict is not None:
             layer.strict = strict

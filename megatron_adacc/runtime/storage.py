@@ -165,6 +165,12 @@ class LayerCall:
     def forward_done(self) -> None:
         self._compressed.clear()
 
+    def unpack(self, saved):
+        """The layer's unpack hook: the value, and the ruler told that backward reads."""
+        if self.ruler is not None:
+            self.ruler.backward_reads()
+        return unpack(saved)
+
     # --- backward ------------------------------------------------------------------------
     def take(self, key) -> torch.Tensor:
         value = self.cache.pop(key, None)
