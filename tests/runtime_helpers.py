@@ -83,3 +83,19 @@ def planned_and_measured(model, costs, fraction: float):
     finally:
         apply_plan(model, None)
     return result, predicted_activation_bytes(costs, result), measured
+
+
+def adacc_model(adacc):
+    """A tiny GPT built with ``adacc``'s layer spec, as a user of the public API builds one."""
+    model_lib.init_distributed(1)
+    model_lib.set_seed(7)
+    config = model_lib.build_transformer_config(num_layers=2, hidden_size=32,
+                                                num_attention_heads=4, hidden_dropout=0.0,
+                                                attention_dropout=0.0)
+    return model_lib.build_gpt_model(config, 64, 16, adacc.layer_spec())
+
+
+def adacc_batch():
+    """A (tokens, labels, loss mask) micro-batch for ``adacc_model``."""
+    tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    return tokens, tokens.roll(-1, 1), torch.ones(2, 16)

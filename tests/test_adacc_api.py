@@ -1,12 +1,12 @@
 """The public entry point: AdaccConfig checks its plain data, Adacc builds, plans, measures
 and reports through public calls only."""
 import pytest
-import torch
 
 from megatron_adacc import Adacc, AdaccConfig
 from megatron_adacc import model as model_lib
 from megatron_adacc.arguments import parse_args
 from megatron_adacc.runtime import ActivationRuler, AdaccTransformerLayer
+from runtime_helpers import adacc_batch, adacc_model
 from test_trainer import TINY
 
 
@@ -44,27 +44,13 @@ def test_config_from_flags_keeps_every_adacc_flag():
     assert not AdaccConfig(policy="full-recompute").tracks
 
 
-def _tiny_model(adacc: Adacc):
-    model_lib.init_distributed(1)
-    model_lib.set_seed(7)
-    config = model_lib.build_transformer_config(num_layers=2, hidden_size=32,
-                                                num_attention_heads=4, hidden_dropout=0.0,
-                                                attention_dropout=0.0)
-    return model_lib.build_gpt_model(config, 64, 16, adacc.layer_spec())
-
-
-def _batch():
-    tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
-    return tokens, tokens.roll(-1, 1), torch.ones(2, 16)
-
-
 def test_policy_none_runs_the_stock_layer_and_still_measures(distributed):
     adacc = Adacc(AdaccConfig())
-    model = _tiny_model(adacc)
+    model = adacc_model(adacc)
     assert not any(isinstance(m, AdaccTransformerLayer) for m in model.modules())
-    adacc.setup(model, _batch(), verbose=False)
+    adacc.setup(model, adacc_batch(), verbose=False)
     with adacc.measure():
-        model_lib.gpt_loss(model, *_batch()).backward()
+        model_lib.gpt_loss(model, *adacc_batch()).backward()
     assert adacc.plan is None and adacc.after_step(1) == {}
     metrics = adacc.metrics()
     assert metrics["plan_id"] == "none" and metrics["static_bytes"] > 0
@@ -76,12 +62,12 @@ def test_measure_reads_the_end_of_forward_without_being_told(distributed, policy
     # Rebuilt and decoded values appear once backward starts: a reading taken any later than
     # the first unpack would count them.
     adacc = Adacc(AdaccConfig(policy=policy))
-    model = _tiny_model(adacc)
-    adacc.setup(model, _batch(), verbose=False)
+    model = adacc_model(adacc)
+    adacc.setup(model, adacc_batch(), verbose=False)
     with adacc.measure():
-        model_lib.gpt_loss(model, *_batch()).backward()
+        model_lib.gpt_loss(model, *adacc_batch()).backward()
     with ActivationRuler(model) as ruler:
-        loss = model_lib.gpt_loss(model, *_batch())
+        loss = model_lib.gpt_loss(model, *adacc_batch())
         ruler.forward_done()
         loss.backward()
     assert adacc.activation_bytes == ruler.report().after_forward_bytes > 0

@@ -6,11 +6,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-import torch
 
 from megatron_adacc import Adacc, AdaccConfig, hardware
 from megatron_adacc import model as model_lib
 from megatron_adacc.optimizer import MainParamAdamW, owned_pieces, shard_range, static_bytes
+from runtime_helpers import adacc_batch, adacc_model
 from test_trainer import TINY
 
 HERE = Path(__file__).resolve().parent
@@ -32,20 +32,6 @@ def test_shards_cover_every_element_once_and_rank_0_owns_the_most():
         (4 + 4) * 25 + 8 * (shard_range(25, 3, 0)[1] - shard_range(25, 3, 0)[0])
 
 
-def _tiny_model(adacc: Adacc):
-    model_lib.init_distributed(1)
-    model_lib.set_seed(7)
-    config = model_lib.build_transformer_config(num_layers=2, hidden_size=32,
-                                                num_attention_heads=4, hidden_dropout=0.0,
-                                                attention_dropout=0.0)
-    return model_lib.build_gpt_model(config, 64, 16, adacc.layer_spec())
-
-
-def _batch():
-    tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
-    return tokens, tokens.roll(-1, 1), torch.ones(2, 16)
-
-
 def test_auto_budgets_the_sharded_static_bytes_even_from_a_stored_profile(distributed,
                                                                           tmp_path):
     db = str(tmp_path / "profiles.sqlite")
@@ -53,8 +39,8 @@ def test_auto_budgets_the_sharded_static_bytes_even_from_a_stored_profile(distri
     for shards in (2, 1):  # the second setup reads the profile the first one stored
         adacc = Adacc(AdaccConfig(policy="auto", memory_budget="64MiB", profile_db=db,
                                   tracking="off"))
-        model = _tiny_model(adacc)
-        adacc.setup(model, _batch(), verbose=False, optimizer_shards=shards)
+        model = adacc_model(adacc)
+        adacc.setup(model, adacc_batch(), verbose=False, optimizer_shards=shards)
         found.append((adacc.static_bytes, adacc.costs.static_bytes, adacc.result.static_bytes,
                       static_bytes(model, shards)))
     (sharded, *_), (whole, *_) = found
@@ -67,13 +53,13 @@ def test_at_one_data_parallel_rank_the_flag_holds_the_state_whole(distributed):
     # and checkpoints that load either way.
     from megatron.core import parallel_state
 
-    model = _tiny_model(Adacc())
+    model = adacc_model(Adacc())
     sharded = MainParamAdamW(model, 1e-3, 0.01, (0.9, 0.999),
                              shard_group=parallel_state.get_data_parallel_group())
     whole = MainParamAdamW(model, 1e-3, 0.01, (0.9, 0.999))
     assert all(a is b is p for a, b, p in zip(sharded.main_params, whole.main_params,
                                             whole.model_params))
-    model_lib.gpt_loss(model, *_batch()).backward()
+    model_lib.gpt_loss(model, *adacc_batch()).backward()
     sharded.clip_and_step(1.0)
     whole.load_state_dict(sharded.state_dict())
     assert static_bytes(model, 1) == static_bytes(model)
