@@ -20,9 +20,10 @@ layer: every policy keeps it (compressing or rebuilding it per layer would cost 
 ``auto`` plans with each site's designated codec and exact rebuild sources (no recomputed site
 rebuilt from a compressed anchor): a rebuild from a lossy layer_in or ln2_in would change every
 rebuilt value. Its last resort: when no plan with the designated codecs fits the budget, it plans
-again with the quantize baseline's per-token INT4 (sites.QUANTIZE_CODEC) added to each
-floating-point site's options. Per-token INT4 separates no outliers, so its payload is smaller
-and it fits micro-batches the outlier-separating codecs do not; the plan table marks those
+again with the quantize baseline's per-token INT4 (sites.QUANTIZE_CODEC) added to the options
+of each floating-point site where it keeps fewer bytes than the designated codec. Per-token
+INT4 separates no outliers, so its payload is smaller and it fits micro-batches the
+outlier-separating codecs do not; the plan table marks those
 sites and rank 0 warns that their accuracy is the quantize baseline's. Only when that wider
 space is infeasible too does auto raise InfeasibleBudget, naming its smallest feasible budget.
 ``auto-no-outlier`` likewise: its ablation codecs first, per-token INT4 as the last resort.
