@@ -185,14 +185,21 @@ class Adacc:
             self._apply(self._resolved.plan)
         if config.tracks and self._resolved.result is not None:
             self._rectifier = Rectifier(
-                policies.designated_codecs(self._resolved.costs), self._resolved.result,
-                self._resolved.budget_bytes, sites=config.tracking_sites,
+                self._resolved.costs, self._resolved.result,
+                self._resolved.budget_bytes, policy=config.policy, sites=config.tracking_sites,
                 guard_threshold=config.guard_threshold,
                 reset_fraction=config.tracking_reset_fraction,
                 max_interval=config.tracking_max_interval, strict=config.strict)
         if verbose and _is_rank0() and self._resolved.plan is not None:
             print(policies.describe(self._resolved), flush=True)
+        if self._resolved.result is not None:
+            self._warn_last_resort(self._resolved.result)
         return self
+
+    def _warn_last_resort(self, result) -> None:
+        warning = policies.last_resort_warning(self.config.policy, result)
+        if warning is not None and _is_rank0():
+            print(warning, flush=True)
 
     def _budget(self) -> int | None:
         budget = self.config.budget_bytes
@@ -237,6 +244,7 @@ class Adacc:
                       "running the plan that overruns it least", flush=True)
             if outcome.swap is not None:
                 self._apply(outcome.swap.new.plan)
+                self._warn_last_resort(outcome.swap.new)
                 if _is_rank0():
                     swap = outcome.swap
                     print(f"adacc: iteration {iteration}: plan {swap.old.plan.plan_id} -> "

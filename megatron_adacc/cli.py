@@ -7,7 +7,9 @@
         --use-distributed-optimizer
 
 With pipeline stages each stage gets its own plan (1F1B keeps more micro-batches in flight
-on the first stages), each the fastest that fits the per-device budget.
+on the first stages), each the fastest that fits the per-device budget. Plans are auto's:
+designated codecs first, the quantize baseline's per-token INT4 only when those fit no plan
+(the table marks its rows "last resort"; the analytic model prices designated codecs only).
 
 Costs come from a source: the analytic model of a named accelerator (``--hardware``), or,
 without it, this machine's ProfileDB (``--profile-db``, default in $ADACC_DATA_DIR), profiling
@@ -140,7 +142,7 @@ def _profiled_costs(args: argparse.Namespace) -> tuple[ModelCosts, int | None]:
             raise UsageError(str(exc)) from None
     costs, _ = policies.measured_costs(model, trainer.first_micro_batch(batches),
                                        ProfileDB(args.profile_db))
-    return policies.designated_codecs(costs), policies.default_budget()
+    return costs, policies.default_budget()
 
 
 def _zero_stage(args: argparse.Namespace) -> int:

@@ -17,8 +17,21 @@ The baselines are Plans through the same runtime as ``auto``, so the comparison 
 decisions, not two mechanisms. Megatron's cached causal mask is one storage shared by every
 layer: every policy keeps it (compressing or rebuilding it per layer would cost memory).
 
-``auto`` plans with each site's designated codec and exact rebuild sources (no recomputed site rebuilt from a compressed
-anchor): a rebuild from a lossy layer_in or ln2_in would change every rebuilt value.
+``auto`` plans with each site's designated codec and exact rebuild sources (no recomputed site
+rebuilt from a compressed anchor): a rebuild from a lossy layer_in or ln2_in would change every
+rebuilt value. Its last resort: when no plan with the designated codecs fits the budget, it plans
+again with the quantize baseline's per-token INT4 (sites.QUANTIZE_CODEC) added to the options
+of each floating-point site where it keeps fewer bytes than the designated codec. Per-token
+INT4 separates no outliers, so its payload is smaller and it fits micro-batches the
+outlier-separating codecs do not; the plan table marks those
+sites and rank 0 warns that their accuracy is the quantize baseline's. Only when that wider
+space is infeasible too does auto raise InfeasibleBudget, naming its smallest feasible budget.
+``auto-no-outlier`` likewise: its ablation codecs first, per-token INT4 as the last resort.
+``plan`` is the one entry point of both tiers: set-up, the rectifier's re-plans, ``adacc plan``
+(every pipeline stage on its own) and the benchmarks plan through it. Costs that lack the last
+resort's measurements (analytic costs, a hand-made profile) simply have no last resort; a
+ProfileDB row stored before the profiler measured it is keyed by an older code version and is
+profiled again.
 """
 from __future__ import annotations
 
@@ -30,13 +43,11 @@ import torch
 import torch.distributed as dist
 
 from megatron_adacc import allocator, planning, profiler
-from megatron_adacc import sites as site_table
 from megatron_adacc.attention import backend_of
 from megatron_adacc.costs import ModelCosts
 from megatron_adacc.plan import Decision, Plan
 from megatron_adacc.profile_db import ProfileDB, profile_key
-from megatron_adacc.sites import (ABLATION_CODECS, COMPRESS, DECIDED_SITES, MASK_CODEC,
-                                  QUANTIZE_CODEC, RECOMPUTE)
+from megatron_adacc.sites import COMPRESS, DECIDED_SITES, RECOMPUTE
 
 NAMED = ("none", "auto", "auto-no-outlier", "full-recompute", "quantize")
 AUTO_POLICIES = ("auto", "auto-no-outlier")  # profile and plan for a budget
@@ -48,10 +59,10 @@ def full_recompute_plan() -> Plan:
 
 
 def quantize_plan() -> Plan:
-    return Plan.uniform({
-        site.name: Decision(COMPRESS, None if site.default_codec == MASK_CODEC else QUANTIZE_CODEC)
-        for site in DECIDED_SITES if site.default_codec is not None
-    })
+    # A site without a last resort codec but with a designated one is a dropout mask: its
+    # designated bit-packing (codec None) is lossless and smaller than INT4.
+    return Plan.uniform({site.name: Decision(COMPRESS, site.last_resort_codec)
+                         for site in DECIDED_SITES if site.default_codec is not None})
 
 
 def is_known(policy: str) -> bool:
@@ -143,7 +154,7 @@ def resolve(policy: str, budget_bytes: int | None, model: torch.nn.Module | None
     # Every rank plans every stage from the same costs with the same deterministic planner:
     # one plan per stage, and an infeasible budget fails on every rank alike instead of
     # leaving the others waiting.
-    plans = planning.plan_stages([planning_costs(policy, c) for c in stages], budget_bytes,
+    plans = planning.plan_stages(stages, budget_bytes, separate_outliers=_separates(policy),
                                  allow_lossy_sources=False)
     mine = plans[stage]
     return Resolved(policy, mine.plan, budget_bytes, stages[stage], mine.result, profile_s,
@@ -174,33 +185,42 @@ def from_every_stage(value):
     return gathered
 
 
+def plan(policy: str, costs: ModelCosts, budget_bytes: int, **options) -> planning.PlanResult:
+    """The fastest plan of auto policy ``policy`` that fits ``budget_bytes`` (``options`` as
+    ``planning.plan``'s): its own codecs first, the last resort only when they fit no plan
+    (planning.plan_in_tiers). Raises planning.InfeasibleBudget naming the smallest budget
+    of the wider space when neither fits."""
+    return planning.plan_in_tiers(costs, budget_bytes, separate_outliers=_separates(policy),
+                                  **options)
+
+
 def planning_costs(policy: str, costs: ModelCosts) -> ModelCosts:
-    """The costs ``policy`` plans with: each site's designated codec (auto), or plain int4
-    in place of outlier separation (auto-no-outlier)."""
-    return no_outlier_codecs(costs) if policy == "auto-no-outlier" else designated_codecs(costs)
-
-
-def no_outlier_codecs(costs: ModelCosts) -> ModelCosts:
-    """``costs`` narrowed as ``designated_codecs`` does, except that the sites designed for
-    outlier separation may only use the profiler's plain int4 ablation codec."""
-    def wanted(name: str) -> str:
-        codec = site_table.get(name).default_codec
-        return ABLATION_CODECS.get(codec, codec)
-
-    sites = [replace(site, codecs=tuple(c for c in site.codecs if c.codec == wanted(site.name)))
-             if site.name in site_table.SITES else site for site in costs.sites]
-    return replace(costs, sites=sites)
+    """The costs ``policy`` plans with first: its own codecs, without the last resort."""
+    return planning.codec_tiers(costs, _separates(policy))[0]
 
 
 def designated_codecs(costs: ModelCosts) -> ModelCosts:
-    """``costs`` with each site's codec choice narrowed to the codec its kind of tensor is
-    designed for (sites.py). The profiler also measures ablation codecs (plain int4 where
-    outliers are separated), which are faster and would win on time alone at the price of
-    the accuracy the outlier separation is there for."""
-    sites = [replace(site, codecs=tuple(c for c in site.codecs
-                                        if c.codec == site_table.get(site.name).default_codec))
-             if site.name in site_table.SITES else site for site in costs.sites]
-    return replace(costs, sites=sites)
+    """``costs`` narrowed to each site's designated codec (auto's first tier)."""
+    return planning_costs("auto", costs)
+
+
+def _separates(policy: str) -> bool:
+    if policy not in AUTO_POLICIES:
+        raise ValueError(f"only the auto policies plan from costs, not {policy!r}")
+    return policy == "auto"
+
+
+def last_resort_warning(policy: str, result: planning.PlanResult) -> str | None:
+    """The line rank 0 prints when ``policy``'s plan had to use the last resort; None
+    otherwise."""
+    used = planning.last_resort_sites(result)
+    if not used:
+        return None
+    own = {"auto": "outlier-separating codecs",
+           "auto-no-outlier": "auto-no-outlier's plain int4 codecs"}[policy]
+    return (f"adacc: warning: the budget is below what {own} fit: {len(used)} "
+            f"site{'s' if len(used) != 1 else ''} use naive INT4 ({', '.join(used)}); expect "
+            f"the accuracy of the quantize baseline there")
 
 
 def measured_costs(model, batch, db: ProfileDB, reprofile: bool = False, strict: bool = False,

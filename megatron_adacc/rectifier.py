@@ -29,7 +29,7 @@ from typing import Iterable, Mapping
 import torch
 import torch.distributed as dist
 
-from megatron_adacc import planning, profiler
+from megatron_adacc import planning, policies, profiler
 from megatron_adacc import sites as site_table
 from megatron_adacc.costs import ModelCosts
 from megatron_adacc.plan import RETAIN_DECISION
@@ -174,14 +174,15 @@ class Rectifier:
     """Holds the current costs and plan; ``observe`` at tracking iterations."""
 
     def __init__(self, costs: ModelCosts, result: planning.PlanResult, budget_bytes: int, *,
-                 sites: Iterable[str] | None = None,
+                 policy: str = "auto", sites: Iterable[str] | None = None,
                  guard_threshold: float = DEFAULT_GUARD_THRESHOLD,
                  reset_fraction: float = DEFAULT_RESET_FRACTION,
                  max_interval: int = DEFAULT_MAX_INTERVAL,
                  allow_lossy_sources: bool = False, strict: bool = False):
-        self.costs = costs
+        self.costs = costs          # every measured codec: ``policy`` picks its own
         self.result = result
         self.budget_bytes = budget_bytes
+        self.policy = policy
         self.sites = tuple(sites) if sites else default_sites(costs)
         unknown = [name for name in self.sites if name not in {s.name for s in costs.sites}]
         if unknown:
@@ -232,11 +233,11 @@ class Rectifier:
         self.costs = refreshed_costs(self.costs, stats, self.guarded)
 
         try:
-            new = planning.plan(self.costs, self.budget_bytes,
+            new = policies.plan(self.policy, self.costs, self.budget_bytes,
                                 allow_lossy_sources=self.allow_lossy_sources)
         except planning.InfeasibleBudget as exc:
             # Payloads grew past what the budget allows: the least-peak plan overruns it least.
-            new = planning.plan(self.costs, exc.minimum_budget,
+            new = policies.plan(self.policy, self.costs, exc.minimum_budget,
                                 allow_lossy_sources=self.allow_lossy_sources)
             outcome.infeasible = f"no plan fits the budget any more: {exc}"
         outcome.swap, outcome.note = self._compare(self.result, new)

@@ -5,6 +5,7 @@ text, no dependencies."""
 from __future__ import annotations
 
 from megatron_adacc.planning import PlanResult, StagePlan
+from megatron_adacc.sites import QUANTIZE_CODEC
 from megatron_adacc.units import format_size
 
 
@@ -12,10 +13,17 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.3f} ms"
 
 
+def _codec_cell(codec: str | None) -> str:
+    # A planned plan holds the quantize baseline's codec only as auto's last resort.
+    if codec == QUANTIZE_CODEC:
+        return f"{codec} (last resort)"
+    return codec or "-"
+
+
 def format_plan(result: PlanResult) -> str:
     header = ("site", "layers", "action", "codec", "bytes kept", "time added")
-    body = [(row.site, row.layers, row.action, row.codec or "-", format_size(row.bytes_kept),
-             _ms(row.time_added_s)) for row in result.rows]
+    body = [(row.site, row.layers, row.action, _codec_cell(row.codec),
+             format_size(row.bytes_kept), _ms(row.time_added_s)) for row in result.rows]
     widths = [max(len(line[i]) for line in [header, *body]) for i in range(len(header))]
 
     def line(cells) -> str:

@@ -31,7 +31,10 @@ MLP_SEGMENT = SEGMENT_NAMES.index("mlp")
 # the policies and the rectifier refer to.
 OUTLIER_CODEC = "outlier_int4"   # outputs of Linear, LayerNorm, GELU: outlier separation
 MASK_CODEC = "bitmask"           # dropout masks: lossless
-QUANTIZE_CODEC = "naive_int4"    # the paper's "Quantization" baseline
+# The paper's "Quantization" baseline, and auto's last resort: per-token int4 keeps no
+# outliers, so its payload is the smallest of the int4 codecs, and a budget the designated
+# codecs cannot meet may still fit it (Site.last_resort_codec).
+QUANTIZE_CODEC = "naive_int4"
 # The paper's ablation "Adacc w/o outlier": plain group-wise int4 where outliers would be
 # separated. The profiler measures it beside the designated codec.
 ABLATION_CODECS = {OUTLIER_CODEC: "sym_int4"}
@@ -50,12 +53,22 @@ class Site:
     shared: bool = False
 
     @property
+    def last_resort_codec(self) -> str | None:
+        """The quantize baseline's codec for this site, which auto adds to its options only
+        when no plan with the designated codecs fits: per-token int4 on every floating-point
+        site. None for dropout masks (bit-packed already: lossless and smaller than int4)
+        and for sites never compressed."""
+        if self.default_codec is None or self.default_codec == MASK_CODEC:
+            return None
+        return QUANTIZE_CODEC
+
+    @property
     def candidate_codecs(self) -> tuple[str, ...]:
-        """The codecs the profiler measures: the designated one, then its ablation."""
-        if self.default_codec is None:
-            return ()
-        ablation = ABLATION_CODECS.get(self.default_codec)
-        return (self.default_codec,) if ablation is None else (self.default_codec, ablation)
+        """The codecs the profiler measures: the designated one, its ablation, the last
+        resort (each once)."""
+        roles = (self.default_codec, ABLATION_CODECS.get(self.default_codec),
+                 self.last_resort_codec)
+        return tuple(dict.fromkeys(codec for codec in roles if codec is not None))
 
 
 _SITE_LIST = (

@@ -241,15 +241,17 @@ class Models:
         return peak
 
     def adacc_costs(self, batch, repeats: int):
-        """Profile the Adacc model on ``batch``; the costs the benchmarks plan with: each
-        site's designated codec, the backward workspace zeroed (see the module docstring)."""
+        """Profile the Adacc model on ``batch``; the costs the benchmarks plan with: every
+        measured codec (``adacc_auto`` plans auto's tiers from them), the backward workspace
+        zeroed (see the module docstring)."""
         costs = profiler.profile(self.adacc, batch, repeats=repeats)
-        return replace(policies.designated_codecs(costs), backward_workspace_bytes=0)
+        return replace(costs, backward_workspace_bytes=0)
 
     def adacc_auto(self, costs, budget: int) -> Variant | None:
-        """Adacc's plan for ``budget`` (None when the planner finds nothing that fits)."""
+        """Adacc's plan for ``budget``, planned as ``--adacc-policy auto`` plans (designated
+        codecs, naive INT4 as the last resort); None when nothing fits."""
         try:
-            result = planning.plan(costs, budget, allow_lossy_sources=False)
+            result = policies.plan("auto", costs, budget, allow_lossy_sources=False)
         except planning.InfeasibleBudget:
             return None
         mix: dict[str, int] = {}
@@ -259,7 +261,8 @@ class Models:
         return Variant("adacc auto", f"budget {budget}", self.adacc, result.plan,
                        info={"mix": mix, "predicted_peak_bytes": result.peak_bytes,
                              "predicted_added_s": result.added_time_s,
-                             "plan_id": result.plan.plan_id})
+                             "plan_id": result.plan.plan_id,
+                             "last_resort_sites": planning.last_resort_sites(result)})
 
 
 def _budget_backend(fraction: float):

@@ -9,7 +9,7 @@ from megatron_adacc.optimizer import MainParamAdamW, static_bytes
 from megatron_adacc.plan import Decision, Plan
 from megatron_adacc.profiler import profile, refresh_codec_costs
 from megatron_adacc.runtime import apply_plan, measure_step
-from megatron_adacc.sites import COMPRESS, RECOMPUTE, SEGMENT_ANCHORS
+from megatron_adacc.sites import COMPRESS, QUANTIZE_CODEC, RECOMPUTE, SEGMENT_ANCHORS
 
 from runtime_helpers import batch, build, loss_of, planned_and_measured
 
@@ -49,7 +49,12 @@ def test_every_site_has_a_cost_to_each_action(profiled):
     _, costs = profiled
     for site in costs.sites:
         assert site.codecs, site.name
-        assert all(0 < c.payload_bytes < site.bytes for c in site.codecs), site.name
+        # The last resort (naive INT4, one scale per row) can outgrow a tensor of one value
+        # per row, the LayerNorm statistics: auto offers it only where it keeps fewer bytes
+        # than the designated codec (tests/test_last_resort.py).
+        assert all(0 < c.payload_bytes < site.bytes for c in site.codecs
+                   if c.codec != QUANTIZE_CODEC), site.name
+        assert all(c.payload_bytes > 0 for c in site.codecs), site.name
         if site.name != "layer_in":
             assert site.can_recompute and site.rebuild_s > 0, site.name
     # Rebuild times from the segment start: a deeper save is never reached sooner.

@@ -5,6 +5,7 @@
     search    plan(), minimum_budget(): the per-layer and uniform searches over the frontier
     milp      the direct PuLP/CBC formulation, plan(..., method="milp") (imported on use only)
     pipeline  1F1B's in-flight micro-batches per stage, the layer split, a plan per stage
+    tiers     which codecs auto plans with: its own first, the quantize baseline's last
     result    PlanResult and the rows of the plan table
 
 Everything outside this package uses the names below only.
@@ -18,11 +19,12 @@ from megatron_adacc.planning.pipeline import (StageMemory, StagePlan, in_flight_
 from megatron_adacc.planning.result import PlanResult, SiteRow, Totals
 from megatron_adacc.planning.search import (InfeasibleBudget, default_resolution,
                                             minimum_budget, plan)
+from megatron_adacc.planning.tiers import codec_tiers, last_resort_sites, plan_in_tiers
 
 __all__ = [
     "Frontier", "InfeasibleBudget", "LayerPolicy", "PlanResult", "SiteRow", "StageMemory",
-    "StagePlan", "Totals", "activation_peak_bytes", "clear_frontier_cache",
+    "StagePlan", "Totals", "activation_peak_bytes", "clear_frontier_cache", "codec_tiers",
     "default_resolution", "evaluate_layer", "forward_end_bytes", "in_flight_micro_batches",
-    "is_exact", "layer_frontier", "minimum_budget", "peak_bytes", "plan", "plan_stages",
-    "rebuild_charges", "stage_costs", "stage_layer_counts",
+    "is_exact", "last_resort_sites", "layer_frontier", "minimum_budget", "peak_bytes", "plan",
+    "plan_in_tiers", "plan_stages", "rebuild_charges", "stage_costs", "stage_layer_counts",
 ]

@@ -17,7 +17,8 @@ from megatron_adacc.costs import ModelCosts
 from megatron_adacc.plan import Plan
 from megatron_adacc.sites import LAYER_INPUT
 from megatron_adacc.planning.result import PlanResult
-from megatron_adacc.planning.search import InfeasibleBudget, plan
+from megatron_adacc.planning.search import InfeasibleBudget
+from megatron_adacc.planning.tiers import plan_in_tiers
 
 
 def in_flight_micro_batches(stage: int, pipeline_size: int, num_micro_batches: int) -> int:
@@ -104,12 +105,14 @@ class StagePlan:
 def plan_stages(stages: Sequence[ModelCosts], budget_bytes: int, **options: Any
                 ) -> list[StagePlan]:
     """The fastest plan of each stage that fits ``budget_bytes`` (every device has the same
-    budget); ``options`` as ``plan``'s. Raises ``InfeasibleBudget`` naming the first stage
-    that fits no plan (when there are several) and that stage's smallest feasible budget."""
+    budget), each stage planned on its own in auto's codec tiers (``plan_in_tiers``: a stage
+    may need the last resort where another does not); ``options`` as ``plan_in_tiers``'s.
+    Raises ``InfeasibleBudget`` naming the first stage that fits no plan (when there are
+    several) and that stage's smallest feasible budget."""
     plans, first_layer = [], 0
     for index, costs in enumerate(stages):
         try:
-            result = plan(costs, budget_bytes, **options)
+            result = plan_in_tiers(costs, budget_bytes, **options)
         except InfeasibleBudget as exc:
             raise InfeasibleBudget(exc.budget_bytes, exc.minimum_budget, exc.static_bytes,
                                    stage=index if len(stages) > 1 else None) from None

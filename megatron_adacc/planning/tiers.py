@@ -1,0 +1,72 @@
+"""Which codecs auto plans with, in two tiers, and the plan of the first tier that fits.
+
+The profiler measures every candidate codec of a site (sites.Site.candidate_codecs); a plan
+may use only some. First tier: each site's designated codec, or with ``separate_outliers``
+off (the paper's ablation "Adacc w/o outlier") plain int4 where auto separates outliers. The
+ablation's codec is faster than outlier separation and would win on time alone, at the price
+of the accuracy the separation is there for, so auto never mixes the two. Second tier, the
+last resort: the same plus the quantize baseline's per-token INT4
+(sites.Site.last_resort_codec), offered where its payload is smaller than the first tier's
+codec's and planned only when no plan of the first tier fits. Costs that did not measure it
+have no second tier.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any, Callable
+
+from megatron_adacc import sites as site_table
+from megatron_adacc.costs import CodecCost, ModelCosts
+from megatron_adacc.planning.result import PlanResult
+from megatron_adacc.planning.search import InfeasibleBudget, plan
+
+
+def plan_in_tiers(costs: ModelCosts, budget_bytes: int, *, separate_outliers: bool = True,
+                  **options: Any) -> PlanResult:
+    """The fastest plan that fits ``budget_bytes`` with the first tier's codecs; only if
+    none fits, with the last resort's too (``options`` as ``plan``'s). Raises
+    ``InfeasibleBudget`` naming the smallest feasible budget of the widest tier."""
+    *narrower, widest = codec_tiers(costs, separate_outliers)
+    for tier in narrower:
+        try:
+            return plan(tier, budget_bytes, **options)
+        except InfeasibleBudget:
+            pass
+    return plan(widest, budget_bytes, **options)
+
+
+def codec_tiers(costs: ModelCosts, separate_outliers: bool = True) -> list[ModelCosts]:
+    """``costs`` narrowed to each tier's codecs, narrowest first. The last resort is offered
+    only at sites where its payload is smaller than the first tier's codec's (where it is
+    not, it would trade accuracy for time alone); a wider tier that adds no codec is left
+    out."""
+    def own(site: site_table.Site) -> str | None:
+        if separate_outliers:
+            return site.default_codec
+        return site_table.ABLATION_CODECS.get(site.default_codec, site.default_codec)
+
+    def first_tier(site: site_table.Site, codecs: tuple[CodecCost, ...]) -> list[CodecCost]:
+        return [c for c in codecs if c.codec == own(site)]
+
+    def with_last_resort(site: site_table.Site, codecs: tuple[CodecCost, ...]
+                         ) -> list[CodecCost]:
+        chosen = first_tier(site, codecs)
+        return chosen + [c for c in codecs if c.codec == site.last_resort_codec != own(site)
+                         and all(c.payload_bytes < mine.payload_bytes for mine in chosen)]
+
+    first = _narrowed(costs, first_tier)
+    wider = _narrowed(costs, with_last_resort)
+    return [first] if wider == first else [first, wider]
+
+
+def last_resort_sites(result: PlanResult) -> list[str]:
+    """The sites that use the last resort codec in some layer of ``result``."""
+    return sorted({row.site for row in result.rows if row.codec == site_table.QUANTIZE_CODEC})
+
+
+def _narrowed(costs: ModelCosts, choose: Callable[[site_table.Site, tuple[CodecCost, ...]],
+                                                  list[CodecCost]]) -> ModelCosts:
+    """``costs`` with each known site's codec entries narrowed to ``choose``'s."""
+    sites = [replace(site, codecs=tuple(choose(site_table.get(site.name), site.codecs)))
+             if site.name in site_table.SITES else site for site in costs.sites]
+    return replace(costs, sites=sites)
