@@ -21,6 +21,7 @@ training from it (--load) to --iters with every method. Published as accuracy_st
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import os
 import shutil
@@ -320,28 +321,37 @@ def outlier_separation_effect(runs: list[dict], probe: dict) -> dict:
 
 
 def scale_layernorm_gains(source: str, dest: str, channels: int) -> dict:
-    """Copy the newest checkpoint under ``source`` (the layout checkpoint.py writes:
-    ``latest`` and ``iter_NNNNNNN/rank_000.pt``) to ``dest`` with the gains of ``channels``
-    residual channels multiplied, in every decoder layer's LayerNorms, by factors spread
-    evenly over STRESS_GAIN_RANGE. The channels are drawn from a fixed generator, not chosen."""
+    """Copy the newest checkpoint under ``source`` (checkpoint.py's layout: ``latest`` and
+    ``iter_NNNNNNN/`` with a ``model_optim_rng*.pt`` per model-parallel rank) to ``dest`` with
+    the gains of ``channels`` residual channels multiplied, in every decoder layer's
+    LayerNorms, by factors spread evenly over STRESS_GAIN_RANGE. The channels are drawn from
+    a fixed generator, not chosen."""
     import torch
 
-    iteration = int(open(os.path.join(source, "latest")).read())
+    from megatron_adacc import checkpoint
+
+    iteration = checkpoint.latest_iteration(source)
     folder = f"iter_{iteration:07d}"
-    payload = torch.load(os.path.join(source, folder, "rank_000.pt"), weights_only=True)
-    state = payload["model"]
-    gains = [k for k in state if k.startswith("decoder.layers.")
-             and k.endswith("layernorm.weight")]
-    hidden = state[gains[0]].numel()
-    chosen = torch.randperm(hidden, generator=torch.Generator().manual_seed(0))[:channels]
-    factors = torch.linspace(*STRESS_GAIN_RANGE, channels)
-    for key in gains:
-        state[key][chosen] *= factors.to(state[key].dtype)
     shutil.rmtree(dest, ignore_errors=True)
-    os.makedirs(os.path.join(dest, folder))
-    torch.save(payload, os.path.join(dest, folder, "rank_000.pt"))
+    shutil.copytree(os.path.join(source, folder), os.path.join(dest, folder))
     with open(os.path.join(dest, "latest"), "w") as f:
         f.write(f"{iteration}\n")
+    files = sorted(glob.glob(os.path.join(dest, folder, "*", "model_optim_rng*.pt")))
+    if not files:
+        raise SystemExit(f"no model file under {os.path.join(source, folder)}")
+    chosen = factors = gains = None
+    for path in files:
+        payload = torch.load(path, weights_only=True)
+        state = payload["model"]
+        gains = [k for k in state if k.startswith("decoder.layers.")
+                 and k.endswith("layernorm.weight")]
+        if chosen is None:
+            hidden = state[gains[0]].numel()
+            chosen = torch.randperm(hidden, generator=torch.Generator().manual_seed(0))[:channels]
+            factors = torch.linspace(*STRESS_GAIN_RANGE, channels)
+        for key in gains:
+            state[key][chosen] *= factors.to(state[key].dtype)
+        torch.save(payload, path)
     return {"iteration": iteration, "channels": chosen.tolist(), "factors": factors.tolist(),
             "tensors": gains}
 

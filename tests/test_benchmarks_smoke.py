@@ -3,6 +3,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -109,10 +110,10 @@ def test_accuracy_stress_resumes_every_method_from_scaled_gains(tmp_path):
     # the scaled checkpoint holds the pretrained gains times the factors, nothing else changed
     import torch
 
-    before = torch.load(work / "pretrained-seed1234" / "iter_0000002" / "rank_000.pt",
-                        weights_only=True)["model"]
-    after = torch.load(work / "outlier-gains-seed1234" / "iter_0000002" / "rank_000.pt",
-                       weights_only=True)["model"]
+    # one process: Megatron-LM's layout holds one model file, tensor rank 0's
+    model_file = Path("iter_0000002") / "mp_rank_00" / "model_optim_rng.pt"
+    before = torch.load(work / "pretrained-seed1234" / model_file, weights_only=True)["model"]
+    after = torch.load(work / "outlier-gains-seed1234" / model_file, weights_only=True)["model"]
     scale = torch.ones(before[stress["tensors"][0]].numel())
     scale[stress["channels"]] = torch.tensor(stress["factors"])
     assert before.keys() == after.keys()

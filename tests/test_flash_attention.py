@@ -250,8 +250,8 @@ def test_ruler_keeps_the_profiled_bytes_of_each_flash_site(profiled_flash):
     assert costs.site("qkv").codecs[0].codec == "channel_int4"
     for layer in range(costs.num_layers):
         assert {s: n for (lay, s), n in measured.by_site.items() if lay == layer} == kept
-    assert measured.after_forward_bytes == \
-        costs.non_layer_bytes + costs.num_layers * sum(kept.values())
+    assert measured.after_forward_bytes == (costs.embedding_bytes + costs.non_layer_bytes
+                                            + costs.num_layers * sum(kept.values()))
 
 
 # --- the flag and the analytic model ----------------------------------------------------------
