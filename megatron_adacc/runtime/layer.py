@@ -94,7 +94,9 @@ class AdaccTransformerLayer(TransformerLayer):
         self._call = call
         self.attributor.begin()
         try:
-            with torch.autograd.graph.saved_tensors_hooks(call.pack, call.unpack):
+            # The plain unpack unless a ruler watches: the hook runs for every saved tensor.
+            unpack_hook = unpack if call.ruler is None else call.measured_unpack
+            with torch.autograd.graph.saved_tensors_hooks(call.pack, unpack_hook):
                 return super().forward(*args, **kwargs)
         finally:
             self.attributor.end()

@@ -165,10 +165,10 @@ class LayerCall:
     def forward_done(self) -> None:
         self._compressed.clear()
 
-    def unpack(self, saved):
-        """The layer's unpack hook: the value, and the ruler told that backward reads."""
-        if self.ruler is not None:
-            self.ruler.backward_reads()
+    def measured_unpack(self, saved):
+        """The layer's unpack hook while a ruler watches: the value, and the ruler told that
+        backward reads."""
+        self.ruler.backward_reads()
         return unpack(saved)
 
     # --- backward ------------------------------------------------------------------------
