@@ -24,6 +24,8 @@ The current plan has one holder: the rectifier while it tracks, else the resolve
 from __future__ import annotations
 
 import contextlib
+import math
+import numbers
 import os
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -36,7 +38,8 @@ from megatron_adacc import optimizer, policies, profiler
 from megatron_adacc.attention import DEFAULT_SPEC_BACKEND, local_layer_spec
 from megatron_adacc.costs import ModelCosts
 from megatron_adacc.errors import InputError
-from megatron_adacc.plan import Plan
+from megatron_adacc.codecs import BACKENDS
+from megatron_adacc.plan import Plan, PlanError
 from megatron_adacc.profile_db import ProfileDB
 from megatron_adacc.rectifier import (DEFAULT_GUARD_THRESHOLD, DEFAULT_MAX_INTERVAL,
                                       DEFAULT_RESET_FRACTION, Rectifier)
@@ -67,6 +70,7 @@ class AdaccConfig:
     pipeline_model_parallel_size: int = 1   # the stages the model is split over
 
     def __post_init__(self) -> None:
+        self._check_types()
         # Messages name the flags: they are how users meet these settings.
         if not policies.is_known(self.policy):
             named = ", ".join(policies.NAMED)
@@ -76,6 +80,11 @@ class AdaccConfig:
                 f"--adacc-policy {self.policy}: plan file not found (or give one of {named})"
                 if looks_like_file else
                 f"--adacc-policy {self.policy}: not one of {named} and not a plan file")
+        if self.policy not in policies.NAMED:
+            try:  # a plan file is read now: a bad one is refused before any model is built
+                Plan.load(self.policy)
+            except PlanError as exc:
+                raise ValueError(f"--adacc-policy {exc}") from None
         if self.memory_budget is not None and self.policy == "none":
             raise ValueError(f"--adacc-memory-budget {self.memory_budget} has no effect with "
                              f"--adacc-policy none; drop it, or plan for it with "
@@ -93,18 +102,63 @@ class AdaccConfig:
                              f"auto (got {self.policy})")
         if self.tracking_max_interval < 1:
             raise ValueError("--adacc-tracking-max-interval must be positive")
-        if self.tracking_reset_fraction <= 0 or self.guard_threshold <= 0:
+        if not all(math.isfinite(value) and value > 0
+                   for value in (self.tracking_reset_fraction, self.guard_threshold)):
             raise ValueError("--adacc-tracking-reset-fraction and --adacc-guard-threshold "
-                             "must be positive")
+                             "must be positive and finite, got "
+                             f"{self.tracking_reset_fraction} and {self.guard_threshold}")
         unknown = [site for site in self.tracking_sites or () if site not in SITE_NAMES]
         if unknown:
             raise ValueError(f"--adacc-tracking-sites: unknown {', '.join(unknown)}; valid "
                              f"sites: {', '.join(SITE_NAMES)}")
-        self.budget_bytes  # noqa: B018 - a malformed size fails here, not at setup
+        if self.codec_backend is not None and self.codec_backend not in BACKENDS:
+            raise ValueError(f"--adacc-codec-backend {self.codec_backend}: expected one of "
+                             f"{', '.join(BACKENDS)}")
+        budget = self.budget_bytes  # a malformed size fails here, not at setup
+        if budget is not None and budget <= 0:
+            raise ValueError(f"AdaccConfig.memory_budget (--adacc-memory-budget) {self.memory_budget}: "
+                             f"expected a positive size")
+
+    def _check_types(self) -> None:
+        """TypeError naming the field and what it takes, before any value is compared;
+        tracking_sites is kept as a tuple (a list is accepted)."""
+        def refuse(name: str, accepts: str) -> None:
+            raise TypeError(f"AdaccConfig.{name} (--adacc-{name.replace('_', '-')}) takes "
+                            f"{accepts}, got {getattr(self, name)!r}")
+
+        def whole(value) -> bool:
+            return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+        def real(value) -> bool:
+            return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+        for name in ("policy", "tracking", "codec_backend"):
+            value = getattr(self, name)
+            if not (isinstance(value, str) or (value is None and name != "policy")):
+                refuse(name, "a string" if name == "policy" else "a string or None")
+        if not (self.memory_budget is None or isinstance(self.memory_budget, str)
+                or whole(self.memory_budget)):
+            refuse("memory_budget", "a number of bytes (int), a size such as '2GiB', or None")
+        sites = self.tracking_sites
+        if sites is not None:
+            if isinstance(sites, str) or not all(isinstance(s, str) for s in sites):
+                refuse("tracking_sites", "a sequence of site names or None")
+            object.__setattr__(self, "tracking_sites", tuple(sites))
+        for name in ("tracking_max_interval", "pipeline_model_parallel_size"):
+            if not whole(getattr(self, name)):
+                refuse(name, "an integer")
+        for name in ("tracking_reset_fraction", "guard_threshold"):
+            if not real(getattr(self, name)):
+                refuse(name, "a number")
+        if not (self.profile_db is None or isinstance(self.profile_db, (str, os.PathLike))):
+            refuse("profile_db", "a path or None")
+        for name in ("reprofile", "strict"):
+            if not isinstance(getattr(self, name), bool):
+                refuse(name, "True or False")
 
     @property
     def budget_bytes(self) -> int | None:
-        if self.memory_budget is None or isinstance(self.memory_budget, int):
+        if self.memory_budget is None or isinstance(self.memory_budget, numbers.Integral):
             return self.memory_budget
         try:
             return parse_size(self.memory_budget)
@@ -169,6 +223,7 @@ class Adacc:
         (MainParamAdamW) shards its state over (--use-distributed-optimizer; 1: held
         whole); the budget counts what the rank holding the most keeps, so every rank plans
         alike."""
+        _check_setup_arguments(model, batch, loss_fn, num_micro_batches, optimizer_shards)
         config = self.config
         stages = policies.pipeline_stage()[1]
         if stages != config.pipeline_model_parallel_size:
@@ -196,6 +251,10 @@ class Adacc:
             self._warn_last_resort(self._resolved.result)
         return self
 
+    def _require_setup(self, call: str) -> None:
+        if self._resolved is None:
+            raise RuntimeError(f"Adacc.{call}(): call setup() first")
+
     def _warn_last_resort(self, result) -> None:
         warning = policies.last_resort_warning(self.config.policy, result)
         if warning is not None and _is_rank0():
@@ -218,6 +277,7 @@ class Adacc:
         micro-batches together under 1F1B) and the step's peak (``activation_peak_bytes``,
         backward's decoded and rebuilt values included). Its hooks cost time: measure
         the first step and then now and then (``enabled``)."""
+        self._require_setup("measure")
         if not enabled:
             yield None
             return
@@ -232,6 +292,7 @@ class Adacc:
         iterations the rectifier samples ``batch`` (default: the set-up batch) and a better
         plan, if it finds one, is applied before the next forward; returns the tracking
         record. Otherwise does nothing and returns {} (or only the tracking time so far)."""
+        self._require_setup("after_step")
         rect = self._rectifier
         if rect is None:
             return {}
@@ -315,6 +376,7 @@ class Adacc:
     def metrics(self) -> dict:
         """The numbers a metrics record carries about Adacc, this rank's (with pipeline
         stages: its stage's plan, activations and predictions)."""
+        self._require_setup("metrics")
         record = {"static_bytes": self.static_bytes, "budget_bytes": self.budget_bytes,
                   "plan_id": self.plan_id}
         stage, stages = policies.pipeline_stage()
@@ -335,6 +397,27 @@ class Adacc:
     def describe(self) -> str:
         """Where the costs came from and the plan table (what ``setup`` prints)."""
         return policies.describe(self._resolved)
+
+
+def _check_setup_arguments(model, batch, loss_fn, num_micro_batches: int,
+                           optimizer_shards: int) -> None:
+    """TypeError/ValueError naming the argument of ``setup`` that has the wrong shape."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"Adacc.setup: model must be a torch.nn.Module, got "
+                        f"{type(model).__name__}")
+    if (not isinstance(batch, (tuple, list)) or len(batch) != 3
+            or not all(isinstance(t, torch.Tensor) for t in batch)):
+        got = (f"a {type(batch).__name__} of {len(batch)}" if isinstance(batch, (tuple, list))
+               else f"a {type(batch).__name__}")
+        raise TypeError(f"Adacc.setup: batch must be (tokens, labels, loss_mask), three "
+                        f"tensors, got {got}")
+    if loss_fn is not None and not callable(loss_fn):
+        raise TypeError(f"Adacc.setup: loss_fn must be callable(model, batch) or None, got "
+                        f"{type(loss_fn).__name__}")
+    for name, value in (("num_micro_batches", num_micro_batches),
+                        ("optimizer_shards", optimizer_shards)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+            raise ValueError(f"Adacc.setup: {name} must be a positive integer, got {value!r}")
 
 
 _STAGE_METRICS = ("pipeline_stage", "plan_id", "static_bytes", "activation_bytes",

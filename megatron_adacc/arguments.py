@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
+import re
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 import yaml
@@ -77,6 +79,26 @@ def _number(minimum: float = 0.0, below: float | None = None, positive: bool = F
     return parse
 
 
+def _split(value) -> str:
+    """argparse type of --split: Megatron-LM's train,valid,test weights (',' or '/' between,
+    missing ones 0), each a finite number >= 0, the training weight > 0."""
+    text = str(value)
+    parts = re.split(r"[,/]", text)
+    try:
+        weights = [float(part) for part in parts]
+    except ValueError:
+        weights = []
+    if (not 1 <= len(weights) <= 3 or not all(math.isfinite(w) and w >= 0 for w in weights)
+            or weights[0] <= 0):
+        raise argparse.ArgumentTypeError(
+            f"expected up to three weights >= 0 for train,valid,test, the first > 0 "
+            f"(e.g. 969,30,1), got {text}")
+    return text
+
+
+# megatron-core 0.16.1's recompute modules that exist in a dense GPT layer (its others are
+# MoE's and multi-latent attention's, which megatron refuses without those).
+RECOMPUTE_MODULES = ("core_attn", "layernorm", "mlp")
 _POSITIVE = _integer(1)
 _COUNT = _integer(0)
 _FRACTION = _number(0.0, below=1.0)
@@ -157,13 +179,14 @@ def build_parser() -> argparse.ArgumentParser:
     recompute.add_argument("--recompute-method", choices=["uniform", "block"])
     recompute.add_argument("--recompute-num-layers", type=_POSITIVE, default=None)
     recompute.add_argument("--recompute-modules", nargs="*", default=None,
-                           help="selective recompute modules, e.g. core_attn layernorm mlp")
+                           choices=RECOMPUTE_MODULES, help="selective recompute modules, e.g. core_attn layernorm mlp")
 
     data = p.add_argument_group("data")
     data.add_argument("--data-path", nargs="*", default=None,
                       help="dataset prefix(es) from scripts/preprocess_data.py; default: the "
                            "built-in demo corpus")
-    data.add_argument("--split", default="969,30,1")
+    data.add_argument("--split", type=_split, default="969,30,1",
+                      help="train,valid,test weights of --data-path's documents")
     data.add_argument("--train-data-path", nargs="*", default=None)
     data.add_argument("--valid-data-path", nargs="*", default=None)
     data.add_argument("--tokenizer-type", default="GPT2BPETokenizer", choices=TOKENIZER_TYPES)
@@ -229,7 +252,14 @@ def _flag_dests(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
     return {a.dest: a for a in parser._actions if a.dest not in ("help", "config")}
 
 
-def _apply_yaml(parser: argparse.ArgumentParser, path: str) -> None:
+def read_config(path: str) -> dict[str, Any]:
+    """A ``--config`` file as {flag dest: value}, every key a pretrain_gpt.py flag and every
+    value its flag's type: the one reader of configs, for pretrain_gpt.py and ``adacc plan``
+    alike, so both accept and refuse the same files (a ConfigError naming the file)."""
+    return _config_values(build_parser(), path)
+
+
+def _config_values(parser: argparse.ArgumentParser, path: str) -> dict[str, Any]:
     file = Path(path)
     if not file.is_file():
         raise ConfigError(f"--config {path}: file not found")
@@ -268,14 +298,14 @@ def _apply_yaml(parser: argparse.ArgumentParser, path: str) -> None:
                         f"{', '.join(map(str, action.choices))}"
                     )
         defaults[dest] = value
-    parser.set_defaults(**defaults)
+    return defaults
 
 
 def parse_args(argv: Sequence[str] | None = None, world_size: int = 1) -> argparse.Namespace:
     parser = build_parser()
     pre, _ = parser.parse_known_args(argv)
     if pre.config:
-        _apply_yaml(parser, pre.config)
+        parser.set_defaults(**_config_values(parser, pre.config))
     args = parser.parse_args(argv)
     finalize(args, world_size)
     return args
@@ -310,11 +340,16 @@ def finalize(args: argparse.Namespace, world_size: int) -> None:
             f"--num-attention-heads {args.num_attention_heads} is not divisible by "
             f"--tensor-model-parallel-size {tp}"
         )
+    args.ffn_hidden_size = args.ffn_hidden_size or 4 * args.hidden_size
+    if args.ffn_hidden_size % tp:
+        raise ConfigError(
+            f"--ffn-hidden-size {args.ffn_hidden_size} (default: 4 x --hidden-size) is not "
+            f"divisible by --tensor-model-parallel-size {tp}"
+        )
     if args.fp16 and args.bf16:
         raise ConfigError("--fp16 and --bf16 exclude each other")
     if args.loss_scale is not None and not (args.fp16 or args.bf16):
         raise ConfigError("--loss-scale scales 16-bit gradients; add --fp16 or --bf16")
-    args.ffn_hidden_size = args.ffn_hidden_size or 4 * args.hidden_size
     args.max_position_embeddings = args.max_position_embeddings or args.seq_length
     if args.max_position_embeddings < args.seq_length:
         raise ConfigError(
@@ -363,6 +398,46 @@ def finalize(args: argparse.Namespace, world_size: int) -> None:
     _finalize_adacc(args)
     if args.load and not Path(args.load).is_dir():
         raise ConfigError(f"--load {args.load}: no such checkpoint directory")
+    _check_outputs(args)
+
+
+def _check_outputs(args: argparse.Namespace) -> None:
+    """Every path the run will write, checked before anything is built or trained (a save
+    failing after the last step would lose the run); nothing is created here."""
+    from megatron_adacc import policies
+    from megatron_adacc.profile_db import ProfileDB
+
+    for flag, path in (("--save", args.save), ("--tensorboard-dir", args.tensorboard_dir)):
+        if path:
+            check_writable(path, flag, directory=True)
+    if args.metrics_file:
+        check_writable(args.metrics_file, "--metrics-file", directory=False)
+    if args.adacc_policy in policies.AUTO_POLICIES:  # they profile into the ProfileDB
+        check_writable(ProfileDB(args.adacc_profile_db).path, "--adacc-profile-db",
+                       directory=False)
+
+
+def check_writable(path: str | Path, flag: str, directory: bool) -> None:
+    """ConfigError naming ``flag`` unless ``path`` is (or can be made, parents included) a
+    writable directory (``directory``) or file."""
+    path = Path(path)
+    kind = "directory" if directory else "file"
+    if path.exists():
+        if path.is_dir() != directory:
+            raise ConfigError(f"{flag} {path}: is a {'file' if directory else 'directory'}, "
+                              f"not a {kind}")
+        if not os.access(path, os.W_OK | (os.X_OK if directory else 0)):
+            raise ConfigError(f"{flag} {path}: not writable")
+        return
+    ancestor = path.absolute().parent
+    while not ancestor.exists():
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise ConfigError(f"{flag} {path}: {ancestor} is a file, so the {kind} cannot be "
+                          f"created")
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        raise ConfigError(f"{flag} {path}: {ancestor} is not writable, so the {kind} cannot "
+                          f"be created")
 
 
 def _finalize_adacc(args: argparse.Namespace) -> None:

@@ -155,8 +155,9 @@ def prepare_demo_corpus(tokenizer_type: str, vocab_file=None, merge_file=None,
 
 
 def check_dataset(prefix: str, flag: str) -> None:
-    """InputError naming ``flag`` unless ``prefix``.bin/.idx exist and the .bin holds exactly
-    the bytes its index describes (a truncated .bin would fail mid-training otherwise)."""
+    """InputError naming ``flag`` unless ``prefix``.bin/.idx exist and the .bin holds some
+    tokens, exactly the bytes its index describes (a truncated .bin would fail mid-training
+    otherwise)."""
     from megatron.core.datasets.indexed_dataset import _IndexReader
 
     remake = "make it again with scripts/preprocess_data.py"
@@ -171,6 +172,9 @@ def check_dataset(prefix: str, flag: str) -> None:
     except Exception as exc:  # megatron reads the header with struct/numpy: any failure
         raise InputError(f"{flag} {prefix}: {idx_path} is damaged ({exc}); {remake}") from None
     actual = bin_path.stat().st_size
+    if actual == 0:  # megatron would fail to mmap it, without the file's name
+        raise InputError(f"{flag} {prefix}: {bin_path} is empty (no documents); {remake} "
+                         f"from a non-empty corpus")
     if actual != expected:
         raise InputError(f"{flag} {prefix}: {bin_path} holds {actual} bytes, its .idx "
                          f"describes {expected} (truncated?); {remake}")

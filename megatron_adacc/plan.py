@@ -88,6 +88,11 @@ def _parse_decision(where: str, site: str, value: Any) -> Decision:
     if action == COMPRESS and site_table.get(site).default_codec is None:
         raise PlanError(f"{where}.{site}: {site} is never compressed; choose retain or "
                         f"recompute")
+    if codec is not None and not site_table.get(site).takes(codec):
+        fitting = [name for name in _codec_names() if site_table.get(site).takes(name)]
+        raise PlanError(f"{where}.{site}: codec {codec!r} cannot hold {site} "
+                        f"({site_table.get(site).description}); codecs for it: "
+                        f"{', '.join(fitting)}")
     if action == RECOMPUTE and not site_table.get(site).recomputable:
         raise PlanError(
             f"{where}.{site}: {site} cannot be recomputed (it is what recomputation starts "
@@ -239,7 +244,10 @@ class Plan:
         try:
             data = yaml.safe_load(text)
         except yaml.YAMLError as exc:
-            raise PlanError(f"plan is not valid YAML: {exc}") from None
+            mark = getattr(exc, "problem_mark", None)
+            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+            problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+            raise PlanError(f"not valid YAML ({problem}{where})") from None
         return cls.from_dict(data)
 
     @classmethod

@@ -62,6 +62,12 @@ class Site:
             return None
         return QUANTIZE_CODEC
 
+    def takes(self, codec: str) -> bool:
+        """Whether ``codec`` can hold this site's tensor: the bitmask codec holds a mask's
+        two values only, the int4 codecs quantise floating-point values only."""
+        return (self.default_codec is not None
+                and (codec == MASK_CODEC) == (self.default_codec == MASK_CODEC))
+
     @property
     def candidate_codecs(self) -> tuple[str, ...]:
         """The codecs the profiler measures: the designated one, its ablation, the last
