@@ -64,6 +64,19 @@ def init_distributed(tensor_model_parallel_size: int = 1,
                                              pipeline_model_parallel_size)
 
 
+def shutdown_distributed() -> None:
+    """Undo ``init_distributed``: megatron-core's model-parallel groups, then the default
+    process group (no-op for what was never set up). Entry points call it on every exit: a
+    process group left for the interpreter's exit to tear down can abort the process
+    (``terminate called without an active exception``) once training has finished."""
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def pipeline_stage() -> tuple[bool, bool]:
     """(first stage, last stage) of this rank's pipeline stage: the first holds the
     embedding and reads tokens, the last the output layer and the loss."""

@@ -1,0 +1,221 @@
+"""Issue 25: every bad input refused before training in one line naming the flag, field or
+file, exit 2, nothing written; the Python API refuses at construction; Ctrl-C ends a run in
+one line with exit 130."""
+import importlib.util
+import math
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_adacc import Adacc, AdaccConfig
+from megatron_adacc.plan import Plan, PlanError
+from test_faults import PRETRAIN, ROOT, TINY, corpus, data_flags  # noqa: F401 - fixture
+
+
+def _main(argv):
+    spec = importlib.util.spec_from_file_location("pretrain_gpt", PRETRAIN)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.main(argv)
+
+
+def refused(capsys, argv) -> str:
+    """The one stderr line of a run refused with exit 2 (checked: one line, no output)."""
+    assert _main([*TINY, "--train-iters", "2", *argv]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.count("\n") == 1, captured
+    return captured.err.rstrip("\n")
+
+
+def files_under(path: Path) -> list[str]:
+    return sorted(str(p.relative_to(path)) for p in path.rglob("*"))
+
+
+# --- 2. every output path, before training ---------------------------------------------------
+
+@pytest.mark.parametrize("flag, target, message", [
+    ("--save", "a_file", "--save {d}/a_file: is a file, not a directory"),
+    ("--save", "a_file/ck", "--save {d}/a_file/ck: {d}/a_file is a file, so the directory "
+                            "cannot be created"),
+    ("--tensorboard-dir", "a_file/tb/run", "--tensorboard-dir {d}/a_file/tb/run: {d}/a_file is "
+                                           "a file, so the directory cannot be created"),
+    ("--metrics-file", "a_dir", "--metrics-file {d}/a_dir: is a directory, not a file"),
+    ("--metrics-file", "a_file/m.jsonl", "--metrics-file {d}/a_file/m.jsonl: {d}/a_file is a "
+                                         "file, so the file cannot be created"),
+])
+def test_an_output_path_that_cannot_be_written_is_refused_before_training(
+        tmp_path, capsys, corpus, flag, target, message):
+    (tmp_path / "a_file").write_text("x")
+    (tmp_path / "a_dir").mkdir()
+    before = files_under(tmp_path)
+    line = refused(capsys, [*data_flags(corpus), flag, str(tmp_path / target)])
+    assert line == "pretrain_gpt.py: error: " + message.format(d=tmp_path)
+    assert files_under(tmp_path) == before
+
+
+def test_the_profile_db_auto_writes_is_checked_too(tmp_path, capsys, corpus):
+    (tmp_path / "a_file").write_text("x")
+    line = refused(capsys, [*data_flags(corpus), "--adacc-policy", "auto",
+                            "--adacc-memory-budget", "1GiB", "--adacc-profile-db",
+                            str(tmp_path / "a_file" / "p.sqlite")])
+    assert line == (f"pretrain_gpt.py: error: --adacc-profile-db {tmp_path}/a_file/p.sqlite: "
+                    f"{tmp_path}/a_file is a file, so the file cannot be created")
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into any directory")
+def test_an_unwritable_save_directory_is_refused(tmp_path, capsys, corpus):
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o500)
+    try:
+        line = refused(capsys, [*data_flags(corpus), "--save", str(locked / "ck")])
+    finally:
+        locked.chmod(0o700)
+    assert line == (f"pretrain_gpt.py: error: --save {locked}/ck: {locked} is not writable, "
+                    f"so the directory cannot be created")
+
+
+# --- 3. configuration refused in one line -----------------------------------------------------
+
+@pytest.mark.parametrize("flags, message", [
+    (["--recompute-granularity", "selective", "--recompute-modules", "bogus"],
+     "argument --recompute-modules: invalid choice: 'bogus' (choose from 'core_attn', "
+     "'layernorm', 'mlp')"),
+    (["--split", "0,0,0"], "argument --split: expected up to three weights >= 0 for "
+                           "train,valid,test, the first > 0 (e.g. 969,30,1), got 0,0,0"),
+    (["--split", "abc"], "argument --split: expected up to three weights >= 0 for "
+                         "train,valid,test, the first > 0 (e.g. 969,30,1), got abc"),
+])
+def test_bad_megatron_flags_are_refused_in_one_line(capsys, corpus, flags, message):
+    assert refused(capsys, [*data_flags(corpus), *flags]) == f"pretrain_gpt.py: error: {message}"
+
+
+def test_an_empty_bin_is_refused_naming_the_file(tmp_path, capsys, corpus):
+    prefix = tmp_path / "e_text_document"
+    shutil.copy(f"{corpus}.idx", f"{prefix}.idx")
+    Path(f"{prefix}.bin").write_bytes(b"")
+    assert refused(capsys, ["--data-path", str(prefix)]) == (
+        f"pretrain_gpt.py: error: --data-path {prefix}: {prefix}.bin is empty (no documents); "
+        f"make it again with scripts/preprocess_data.py from a non-empty corpus")
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--num-attention-heads", "3", "--hidden-size", "66"],
+     "--num-attention-heads 3 is not divisible by --tensor-model-parallel-size 2"),
+    (["--ffn-hidden-size", "101"],
+     "--ffn-hidden-size 101 (default: 4 x --hidden-size) is not divisible by "
+     "--tensor-model-parallel-size 2"),
+])
+def test_every_dimension_tensor_parallelism_splits_is_checked(monkeypatch, capsys, corpus,
+                                                              flags, message):
+    # Megatron splits the heads (QKV's columns, the projection's rows) and the MLP's hidden
+    # size (fc1's columns, fc2's rows); the vocabulary it pads to a multiple of TP itself.
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    line = refused(capsys, [*data_flags(corpus), "--tensor-model-parallel-size", "2", *flags])
+    assert line == f"pretrain_gpt.py: error: {message}"
+
+
+@pytest.mark.parametrize("text, message", [
+    ("sites: {softmax_out: {action: compress, codec: bitmask}}\n",
+     "sites.softmax_out: codec 'bitmask' cannot hold softmax_out (attention probabilities "
+     "saved by the softmax backward); codecs for it: outlier_int4, channel_int4, asym_int4, "
+     "sym_int4, naive_int4"),
+    ("sites: {attn_dropout_mask: {action: compress, codec: sym_int4}}\n",
+     "sites.attn_dropout_mask: codec 'sym_int4' cannot hold attn_dropout_mask (attention "
+     "dropout mask); codecs for it: bitmask"),
+    ("sites: {gelu_in: compress\n  ln1_out: [retain\n",
+     "not valid YAML (expected ',' or '}', but got ':' at line 2, column 10)"),
+])
+def test_a_bad_plan_file_is_refused_when_read_naming_file_and_site(tmp_path, capsys, corpus,
+                                                                   text, message):
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(text)
+    with pytest.raises(PlanError) as info:
+        Plan.load(plan)
+    assert str(info.value) == f"{plan}: {message}"
+    line = refused(capsys, [*data_flags(corpus), "--adacc-policy", str(plan)])
+    assert line == f"pretrain_gpt.py: error: --adacc-policy {plan}: {message}"
+
+
+# --- 7. the Python API ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("options, error, message", [
+    ({"policy": "auto", "memory_budget": -5}, ValueError,
+     "AdaccConfig.memory_budget (--adacc-memory-budget) -5: expected a positive size"),
+    ({"policy": "auto", "memory_budget": 2.5}, TypeError,
+     "AdaccConfig.memory_budget (--adacc-memory-budget) takes a number of bytes (int), a size "
+     "such as '2GiB', or None, got 2.5"),
+    ({"policy": "auto", "guard_threshold": math.nan}, ValueError,
+     "--adacc-tracking-reset-fraction and --adacc-guard-threshold must be positive and "
+     "finite, got 0.25 and nan"),
+    ({"policy": "auto", "tracking_max_interval": "10"}, TypeError,
+     "AdaccConfig.tracking_max_interval (--adacc-tracking-max-interval) takes an integer, "
+     "got '10'"),
+    ({"policy": "auto", "tracking_sites": "gelu_in"}, TypeError,
+     "AdaccConfig.tracking_sites (--adacc-tracking-sites) takes a sequence of site names or "
+     "None, got 'gelu_in'"),
+    ({"policy": "auto", "strict": 1}, TypeError,
+     "AdaccConfig.strict (--adacc-strict) takes True or False, got 1"),
+    ({"policy": 3}, TypeError, "AdaccConfig.policy (--adacc-policy) takes a string, got 3"),
+    ({"codec_backend": "fast"}, ValueError,
+     "--adacc-codec-backend fast: expected one of auto, torch, native, triton"),
+])
+def test_adacc_config_refuses_wrong_types_and_values_at_construction(options, error, message):
+    with pytest.raises(error) as info:
+        AdaccConfig(**options)
+    assert type(info.value) is error and str(info.value) == message
+
+
+def test_adacc_config_takes_a_list_of_tracking_sites_as_a_tuple():
+    config = AdaccConfig(policy="auto", tracking_sites=["gelu_in"])
+    assert config.tracking_sites == ("gelu_in",)
+
+
+def test_adacc_calls_before_setup_and_a_batch_of_the_wrong_shape_are_refused(distributed):
+    adacc = Adacc(AdaccConfig(policy="full-recompute"))
+    for call, run in (("metrics", adacc.metrics), ("after_step", lambda: adacc.after_step(1)),
+                      ("measure", lambda: adacc.measure().__enter__())):
+        with pytest.raises(RuntimeError) as info:
+            run()
+        assert str(info.value) == f"Adacc.{call}(): call setup() first"
+    tokens = torch.zeros(2, 8, dtype=torch.long)
+    with pytest.raises(TypeError) as info:
+        adacc.setup(torch.nn.Linear(2, 2), (tokens,), lambda model, batch: None)
+    assert str(info.value) == ("Adacc.setup: batch must be (tokens, labels, loss_mask), three "
+                               "tensors, got a tuple of 1")
+    with pytest.raises(ValueError) as info:
+        adacc.setup(torch.nn.Linear(2, 2), (tokens, tokens, tokens), num_micro_batches=0)
+    assert str(info.value) == "Adacc.setup: num_micro_batches must be a positive integer, got 0"
+
+
+# --- 1. an interrupt -------------------------------------------------------------------------
+
+def test_ctrl_c_ends_the_run_in_one_line_with_exit_130(tmp_path, corpus):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    process = subprocess.Popen(
+        [sys.executable, PRETRAIN, *TINY, *data_flags(corpus), "--train-iters", "100000",
+         "--log-interval", "1", "--save", "ck", "--save-interval", "2"],
+        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        for line in process.stdout:  # interrupt once a checkpoint is certainly written
+            if line.startswith("iter      3 "):
+                break
+        process.send_signal(signal.SIGINT)
+        _, err = process.communicate(timeout=120)
+    finally:
+        process.kill()
+    assert process.returncode == 130
+    assert "Traceback" not in err
+    last = err.strip().splitlines()[-1]
+    from megatron_adacc import checkpoint
+
+    saved = checkpoint.latest_iteration(tmp_path / "ck")
+    assert saved is not None and saved % 2 == 0
+    assert last.startswith("pretrain_gpt.py: interrupted at iteration ")
+    assert last.endswith(f"; last checkpoint: iteration {saved} in ck (resume with --load ck)")
