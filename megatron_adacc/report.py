@@ -40,7 +40,7 @@ def format_plan(result: PlanResult) -> str:
     lines.append(
         f"budget {format_size(result.budget_bytes)}; static {format_size(result.static_bytes)}, "
         f"activations {format_size(result.activation_bytes)}; smallest feasible budget "
-        f"{format_size(result.minimum_feasible_budget)}; "
+        f"{format_size(result.minimum_feasible_budget)} ({result.minimum_feasible_budget} B); "
         f"{'per-layer' if result.per_layer else 'uniform'} plan, "
         f"{'lossy' if result.allow_lossy_sources else 'exact'} rebuild sources, "
         f"solved in {result.solve_time_s * 1e3:.1f} ms"

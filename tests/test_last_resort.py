@@ -10,6 +10,7 @@ from megatron_adacc.rectifier import Rectifier
 from megatron_adacc.report import format_plan
 from megatron_adacc.runtime import apply_plan, measure_step
 from megatron_adacc.sites import COMPRESS, QUANTIZE_CODEC
+from megatron_adacc.units import format_size
 
 from runtime_helpers import batch, build, loss_of
 
@@ -85,6 +86,28 @@ def test_an_infeasible_budget_names_the_smallest_budget_with_the_last_resort(pro
     assert info.value.minimum_budget == wider_minimum
     assert f"({wider_minimum} B;" in str(info.value)
     policies.plan("auto", costs, wider_minimum, allow_lossy_sources=False)   # it does fit
+
+
+@pytest.mark.parametrize("lossy", [False, True])
+def test_table_error_and_minimum_quote_one_smallest_budget_to_the_byte(profiled, lossy):
+    # Above the designated codecs' minimum the plan is theirs, yet its table quotes the
+    # smallest budget auto fits at all (the last resort's): the figure the error names, and
+    # the budget at which a plan (the last resort's) still fits.
+    _, costs = profiled
+    designated_minimum, _, wider_minimum = _budgets(costs)
+    minimum = planning.minimum_feasible_budget(costs, allow_lossy_sources=lossy)
+    assert minimum < designated_minimum
+    table = policies.plan("auto", costs, 2 * designated_minimum, allow_lossy_sources=lossy)
+    assert not planning.last_resort_sites(table)
+    assert table.minimum_feasible_budget == minimum
+    assert f"smallest feasible budget {format_size(minimum)} ({minimum} B);" in format_plan(table)
+    with pytest.raises(planning.InfeasibleBudget) as info:
+        policies.plan("auto", costs, minimum - 1, allow_lossy_sources=lossy)
+    assert info.value.minimum_budget == minimum and f"({minimum} B;" in str(info.value)
+    fits = policies.plan("auto", costs, minimum, allow_lossy_sources=lossy)
+    assert fits.peak_bytes <= minimum == fits.minimum_feasible_budget
+    if not lossy:
+        assert minimum == wider_minimum
 
 
 def test_costs_without_naive_int4_have_no_last_resort(profiled):

@@ -19,12 +19,14 @@ from megatron_adacc.planning.pipeline import (StageMemory, StagePlan, in_flight_
 from megatron_adacc.planning.result import PlanResult, SiteRow, Totals
 from megatron_adacc.planning.search import (InfeasibleBudget, default_resolution,
                                             minimum_budget, plan)
-from megatron_adacc.planning.tiers import codec_tiers, last_resort_sites, plan_in_tiers
+from megatron_adacc.planning.tiers import (codec_tiers, last_resort_sites,
+                                           minimum_feasible_budget, plan_in_tiers)
 
 __all__ = [
     "Frontier", "InfeasibleBudget", "LayerPolicy", "PlanResult", "SiteRow", "StageMemory",
     "StagePlan", "Totals", "activation_peak_bytes", "clear_frontier_cache", "codec_tiers",
     "default_resolution", "evaluate_layer", "forward_end_bytes", "in_flight_micro_batches",
-    "is_exact", "last_resort_sites", "layer_frontier", "minimum_budget", "peak_bytes", "plan",
+    "is_exact", "last_resort_sites", "layer_frontier", "minimum_budget", "minimum_feasible_budget",
+    "peak_bytes", "plan",
     "plan_in_tiers", "plan_stages", "rebuild_charges", "stage_costs", "stage_layer_counts",
 ]

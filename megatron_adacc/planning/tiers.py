@@ -18,21 +18,37 @@ from typing import Any, Callable
 from megatron_adacc import sites as site_table
 from megatron_adacc.costs import CodecCost, ModelCosts
 from megatron_adacc.planning.result import PlanResult
-from megatron_adacc.planning.search import InfeasibleBudget, plan
+from megatron_adacc.planning.search import InfeasibleBudget, minimum_budget, plan
 
 
 def plan_in_tiers(costs: ModelCosts, budget_bytes: int, *, separate_outliers: bool = True,
                   **options: Any) -> PlanResult:
     """The fastest plan that fits ``budget_bytes`` with the first tier's codecs; only if
-    none fits, with the last resort's too (``options`` as ``plan``'s). Raises
-    ``InfeasibleBudget`` naming the smallest feasible budget of the widest tier."""
+    none fits, with the last resort's too (``options`` as ``plan``'s). The result's
+    ``minimum_feasible_budget``, and the ``InfeasibleBudget`` raised when no tier fits,
+    name ``minimum_feasible_budget(costs)``."""
     *narrower, widest = codec_tiers(costs, separate_outliers)
     for tier in narrower:
         try:
-            return plan(tier, budget_bytes, **options)
+            result = plan(tier, budget_bytes, **options)
         except InfeasibleBudget:
-            pass
+            continue
+        # The table quotes the smallest budget auto fits, the last resort's, not this tier's.
+        return replace(result, minimum_feasible_budget=_minimum_budget(widest, options))
     return plan(widest, budget_bytes, **options)
+
+
+def minimum_feasible_budget(costs: ModelCosts, *, separate_outliers: bool = True,
+                            **options: Any) -> int:
+    """The smallest budget ``plan_in_tiers`` plans for (``options`` as its): the least peak
+    with the widest tier's codecs. The one figure the plan table, the infeasibility error
+    and ``adacc plan`` quote: a plan fits it, and none fits one byte less."""
+    return _minimum_budget(codec_tiers(costs, separate_outliers)[-1], options)
+
+
+def _minimum_budget(costs: ModelCosts, options: dict[str, Any]) -> int:
+    return minimum_budget(costs, options.get("per_layer", True),
+                          options.get("allow_lossy_sources", True))
 
 
 def codec_tiers(costs: ModelCosts, separate_outliers: bool = True) -> list[ModelCosts]:
