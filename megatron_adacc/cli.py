@@ -26,9 +26,11 @@ import tempfile
 from pathlib import Path
 from typing import Any, Sequence
 
+import torch
 import yaml
 
 from megatron_adacc import hardware
+from megatron_adacc.arguments import read_config
 from megatron_adacc.costs import ModelCosts
 from megatron_adacc.errors import InputError
 from megatron_adacc.planning import InfeasibleBudget, plan_stages
@@ -53,7 +55,8 @@ def _build_parser() -> argparse.ArgumentParser:
         p.add_argument(f"--{flag}", default=None)
     p.add_argument("--precision", choices=("fp16", "bf16", "fp32"),
                    help="override the config's fp16/bf16 (a V100 has no bf16)")
-    p.add_argument("--micro-batch-size", type=int, required=True)
+    p.add_argument("--micro-batch-size", type=int, default=None,
+                   help="default: the config's micro-batch-size")
     p.add_argument("--memory-budget", help="e.g. 30GiB; default: the accelerator's capacity "
                    f"minus {hardware.DEFAULT_RESERVED_BYTES >> 30} GiB reserved")
     p.add_argument("--hardware", choices=sorted(hardware.ACCELERATORS),
@@ -65,8 +68,9 @@ def _build_parser() -> argparse.ArgumentParser:
                    help="Megatron's distributed optimizer: ZeRO stage 1 (optimizer states "
                    "sharded over the data-parallel group)")
     p.add_argument("--data-parallel-size", type=int, default=1)
-    p.add_argument("--pipeline-model-parallel-size", type=int, default=1,
-                   help="pipeline stages (1F1B); each gets its own plan")
+    p.add_argument("--pipeline-model-parallel-size", type=int, default=None,
+                   help="pipeline stages (1F1B); each gets its own plan; default: the "
+                   "config's, else 1")
     p.add_argument("--num-micro-batches", type=int, default=None,
                    help="micro-batches per step; default: the config's global-batch-size / "
                    "(micro-batch-size x data-parallel-size), else 1")
@@ -79,22 +83,34 @@ def _build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _config_flags(path: str) -> dict[str, Any]:
-    try:
-        with open(path) as handle:
-            loaded = yaml.safe_load(handle) or {}
-    except OSError as exc:
-        raise UsageError(f"cannot read config {path!r}: {exc.strerror}") from None
-    except yaml.YAMLError as exc:
-        raise UsageError(f"config {path!r} is not valid YAML: "
-                         f"{str(exc).splitlines()[0]}") from None
-    if not isinstance(loaded, dict):
-        raise UsageError(f"config {path!r} is not a mapping of flags")
-    return {str(k).replace("_", "-"): v for k, v in loaded.items()}
+def _config_flags(path: str | None) -> dict[str, Any]:
+    """The config as pretrain_gpt.py reads it (arguments.read_config: the same keys and
+    values accepted, the same refused), keyed by flag name."""
+    if not path:
+        return {}
+    return {dest.replace("_", "-"): value for dest, value in read_config(path).items()}
+
+
+def _settle_config_defaults(args: argparse.Namespace) -> None:
+    """Flags left out take the config's value, as pretrain_gpt.py's do; what the planner
+    cannot plan is refused before anything is measured."""
+    config = _config_flags(args.config)
+    if args.micro_batch_size is None:
+        args.micro_batch_size = config.get("micro-batch-size")
+    if args.micro_batch_size is None:
+        raise UsageError("--micro-batch-size is needed (on the command line or in the config)")
+    if args.pipeline_model_parallel_size is None:
+        args.pipeline_model_parallel_size = config.get("pipeline-model-parallel-size", 1)
+    args.use_distributed_optimizer |= bool(config.get("use-distributed-optimizer"))
+    tensor_parallel = config.get("tensor-model-parallel-size", 1)
+    if tensor_parallel != 1:
+        raise UsageError(f"--config {args.config}: tensor-model-parallel-size "
+                         f"{tensor_parallel}: adacc plan plans one unsplit model per stage "
+                         f"(tensor-parallel size 1) only")
 
 
 def _flags(args: argparse.Namespace) -> dict[str, Any]:
-    flags: dict[str, Any] = _config_flags(args.config) if args.config else {}
+    flags: dict[str, Any] = _config_flags(args.config)
     for flag in _SHAPE_FLAGS:
         value = getattr(args, flag.replace("-", "_"))
         if value is not None:
@@ -194,6 +210,7 @@ def _costs(args: argparse.Namespace) -> tuple[list[ModelCosts], int | None]:
 
 
 def _plan_command(args: argparse.Namespace) -> int:
+    _settle_config_defaults(args)
     if args.micro_batch_size < 1:
         raise UsageError(f"--micro-batch-size must be >= 1, got {args.micro_batch_size}")
     budget = None
@@ -202,11 +219,12 @@ def _plan_command(args: argparse.Namespace) -> int:
             budget = parse_size(args.memory_budget)
         except ValueError as exc:
             raise UsageError(f"--memory-budget: {exc}") from None
-    stages, default_budget = _costs(args)
-    budget = default_budget if budget is None else budget
-    if budget is None:
+    if budget is None and not args.hardware and not torch.cuda.is_available():
+        # Before profiling: a CPU has no capacity to default to.
         raise UsageError("--memory-budget SIZE is needed to plan for a CPU (no device capacity "
                          "to default to)")
+    stages, default_budget = _costs(args)
+    budget = default_budget if budget is None else budget
     try:
         plans = plan_stages(stages, budget, per_layer=args.per_layer,
                             allow_lossy_sources=args.allow_lossy_sources)

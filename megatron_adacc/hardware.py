@@ -30,6 +30,7 @@ from megatron_adacc import sites as site_table
 from megatron_adacc.attention import resolve_backend
 from megatron_adacc.costs import CodecCost, ModelCosts, SiteCost
 from megatron_adacc.optimizer import shard_range
+from megatron_adacc.tokenizers import TOKENIZER_TYPES, build_tokenizer
 
 GiB = 1024**3
 
@@ -81,7 +82,6 @@ def get_accelerator(name: str) -> Accelerator:
 # --- model shape -------------------------------------------------------------------------
 _PRECISION_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4}
 _DTYPE_NAMES = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
-_TOKENIZER_VOCAB = {"GPT2BPETokenizer": 50257, "gpt2": 50257, "gpt3": 50257}
 
 
 @dataclass(frozen=True)
@@ -170,11 +170,12 @@ class ModelShape:
             return norm[key]
 
         vocab = norm.get("vocab-size")
-        if vocab is None and "tokenizer-type" in norm:
-            vocab = _TOKENIZER_VOCAB.get(str(norm["tokenizer-type"]))
+        if vocab is None and "tokenizer-type" in norm:  # the trainer's tokenizer's own size
+            vocab = build_tokenizer(str(norm["tokenizer-type"]), norm.get("vocab-file"),
+                                    norm.get("merge-file")).vocab_size
         if vocab is None:
-            raise ValueError("model shape needs --vocab-size (or a known --tokenizer-type: "
-                             f"{', '.join(_TOKENIZER_VOCAB)})")
+            raise ValueError("model shape needs --vocab-size (or a --tokenizer-type: "
+                             f"{', '.join(TOKENIZER_TYPES)})")
         precision = "bf16" if norm.get("bf16") else "fp16" if norm.get("fp16") else "fp32"
         seq = int(norm.get("seq-length") or need("max-position-embeddings"))
         attention_dropout = float(norm.get("attention-dropout", 0.1))

@@ -22,9 +22,9 @@ def test_table(capsys):
 def test_json(capsys, tmp_path):
     config = tmp_path / "model.yaml"
     config.write_text("num-layers: 4\nhidden-size: 256\nnum-attention-heads: 4\n"
-                      "seq-length: 256\nvocab-size: 1000\nbf16: true\n")
-    assert main(["plan", "--config", str(config), "--micro-batch-size", "2", "--hardware",
-                 "a100-80gb", "--memory-budget", "200MiB", "--json"]) == 0
+                      "seq-length: 256\nbf16: true\n")
+    assert main(["plan", "--config", str(config), "--vocab-size", "1000", "--micro-batch-size",
+                 "2", "--hardware", "a100-80gb", "--memory-budget", "200MiB", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     for key in ("feasible", "activation_bytes", "static_bytes", "added_time_s", "solve_time_s",
                 "plan", "minimum_feasible_budget"):
@@ -184,3 +184,64 @@ def test_fp16_profiles_the_trainers_fp16_model(capsys, tmp_path):
     with sqlite3.connect(db) as conn:
         (key,), = conn.execute("SELECT key FROM profiles").fetchall()
     assert json.loads(key)["params_dtype"] == "float16"
+
+
+# --- one config reader (issue 25) ----------------------------------------------------------
+CONFIGS = __import__("pathlib").Path(__file__).resolve().parents[1] / "configs"
+
+
+@pytest.mark.parametrize("config", ["tiny-cpu.yaml", "demo.yaml"])
+def test_the_projects_own_configs_plan(capsys, config):
+    # ByteLevel's vocabulary is the tokenizer's own; micro-batch-size comes from the config.
+    assert main(["plan", "--config", str(CONFIGS / config), "--hardware", "a100-80gb",
+                 "--memory-budget", "1GiB", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["feasible"]
+
+
+def test_a_config_is_accepted_and_refused_as_the_trainer_does(tmp_path, capsys):
+    from megatron_adacc.arguments import ConfigError, parse_args
+
+    config = tmp_path / "c.yaml"
+    config.write_text((CONFIGS / "tiny-cpu.yaml").read_text() + "num-layerz: 3\n")
+    with pytest.raises(ConfigError) as info:
+        parse_args(["--config", str(config)])
+    assert main(["plan", "--config", str(config), "--hardware", "a100-80gb"]) == 2
+    assert capsys.readouterr().err == f"adacc plan: {info.value}\n"
+
+
+def test_a_tensor_parallel_config_is_refused_not_planned_as_one_rank(tmp_path, capsys):
+    config = tmp_path / "tp.yaml"
+    config.write_text((CONFIGS / "tiny-cpu.yaml").read_text()
+                      + "tensor-model-parallel-size: 2\n")
+    assert main(["plan", "--config", str(config), "--hardware", "a100-80gb"]) == 2
+    assert capsys.readouterr().err == (
+        f"adacc plan: --config {config}: tensor-model-parallel-size 2: adacc plan plans one "
+        f"unsplit model per stage (tensor-parallel size 1) only\n")
+
+
+def test_a_cpu_profile_without_a_budget_is_refused_before_profiling(tmp_path, capsys):
+    db = tmp_path / "profiles.sqlite"
+    assert main(["plan", "--config", str(CONFIGS / "tiny-cpu.yaml"),
+                 "--profile-db", str(db)]) == 2
+    assert capsys.readouterr().err == ("adacc plan: --memory-budget SIZE is needed to plan "
+                                       "for a CPU (no device capacity to default to)\n")
+    assert not db.exists()
+
+
+def test_the_table_the_error_and_the_json_quote_one_smallest_budget(tmp_path, capsys):
+    # One model, one ProfileDB: the JSON's figure is the table's, the error's, and the
+    # budget at which a plan still fits; one byte less fits none.
+    tiny = ["plan", "--config", str(CONFIGS / "tiny-cpu.yaml"), "--num-layers", "1",
+            "--hidden-size", "64", "--seq-length", "32", "--micro-batch-size", "2",
+            "--profile-db", str(tmp_path / "profiles.sqlite")]
+    assert main([*tiny, "--memory-budget", "1GiB", "--json"]) == 0
+    minimum = json.loads(capsys.readouterr().out)["minimum_feasible_budget"]
+    assert main([*tiny, "--memory-budget", "1GiB"]) == 0
+    assert f"smallest feasible budget {format_size(minimum)} ({minimum} B);" in \
+        capsys.readouterr().out
+    assert main([*tiny, "--memory-budget", str(minimum - 1)]) == 2
+    assert f"the smallest feasible budget is {format_size(minimum)} ({minimum} B;" in \
+        capsys.readouterr().err
+    assert main([*tiny, "--memory-budget", str(minimum), "--json"]) == 0
+    fits = json.loads(capsys.readouterr().out)
+    assert fits["peak_bytes"] <= minimum == fits["minimum_feasible_budget"]
