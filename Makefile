@@ -17,7 +17,7 @@ $(STAMP): setup.py
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(PY) pretrain_gpt.py --config configs/demo.yaml
+	$(PY) scripts/demo.py --config configs/demo.yaml
 
 test: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider tests

@@ -1,0 +1,127 @@
+"""``make demo``: train configs/demo.yaml with auto at a budget that makes it mix retain,
+compress and recompute, whatever this machine's costs are.
+
+    python scripts/demo.py [--config configs/demo.yaml] [pretrain_gpt.py flags ...]
+
+The model is profiled once (the ProfileDB keeps it; the trainer then reuses it), and its plan
+frontier is walked from the smallest feasible budget up to what no optimisation needs: the
+demo trains at the largest budget whose plan uses all three actions (where codecs are cheap,
+compression alone covers most of that range; near the smallest budget recompute is needed
+too). One line says why each action was chosen where it was; then pretrain_gpt.py trains.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from megatron_adacc.sites import ACTIONS, COMPRESS, RECOMPUTE, RETAIN  # noqa: E402
+from megatron_adacc.units import format_size  # noqa: E402
+
+# Budgets tried between the smallest feasible one and no optimisation's peak.
+FRONTIER_POINTS = 24
+# As the trainer plans (policies.resolve): a recomputed site is never rebuilt from a
+# compressed one.
+TRAINER_OPTIONS = {"allow_lossy_sources": False}
+
+
+def plan_costs(argv: list[str]):
+    """The costs auto plans this run with (the trainer's model, first micro-batch, static
+    memory), measured once into the ProfileDB."""
+    from megatron_adacc import Adacc, AdaccConfig
+    from megatron_adacc.arguments import parse_args
+    from megatron_adacc.trainer import build_model_and_data, first_micro_batch
+
+    # Any budget will do to resolve the costs; the demo's is chosen from them below.
+    args = parse_args([*argv, "--adacc-policy", "auto", "--adacc-memory-budget", "1TiB",
+                       "--adacc-tracking", "off"])
+    adacc = Adacc(AdaccConfig.from_args(args))
+    model, train, _ = build_model_and_data(args, adacc.layer_spec(args.attention_backend))
+    adacc.setup(model, first_micro_batch(train), num_micro_batches=train.num_micro_batches,
+                verbose=False)
+    return adacc.costs
+
+
+def actions_of(result) -> set[str]:
+    return {row.action for row in result.rows}
+
+
+def choose_budget(costs):
+    """(budget, its plan, smallest feasible budget, no optimisation's peak): the largest
+    budget on a grid over the frontier whose plan retains, compresses and recomputes; the
+    smallest feasible budget's plan if none does."""
+    from megatron_adacc import planning, policies
+
+    low = planning.minimum_feasible_budget(costs, **TRAINER_OPTIONS)
+    high = policies.plan("auto", costs, low, **TRAINER_OPTIONS).references[
+        "no optimisation"].peak_bytes
+    budgets = sorted({low + (high - low) * k // FRONTIER_POINTS
+                      for k in range(FRONTIER_POINTS + 1)}, reverse=True)
+    for budget in budgets:
+        result = policies.plan("auto", costs, budget, **TRAINER_OPTIONS)
+        if actions_of(result) == set(ACTIONS):
+            return budget, result, low, high
+    return low, policies.plan("auto", costs, low, **TRAINER_OPTIONS), low, high
+
+
+def reasons(costs, result, budget: int, low: int, high: int) -> list[str]:
+    """One line per action: where the plan takes it and why."""
+    full = {site.name: site.bytes for site in costs.sites}
+    lines = [f"demo budget {format_size(budget)}: the largest budget on this model's plan "
+             f"frontier (from the smallest feasible {format_size(low)} to no optimisation's "
+             f"{format_size(high)}) whose fastest plan mixes retain, compress and recompute"]
+    for action in ACTIONS:
+        rows = [row for row in result.rows if row.action == action]
+        if not rows:
+            lines.append(f"{action:<9}: nowhere (no budget on the frontier needs all three)")
+            continue
+        where = ", ".join(f"{row.site} [{row.layers}]" for row in rows)
+        whole = sum(full[row.site] * row.num_layers for row in rows)
+        kept = sum(row.bytes_kept for row in rows)
+        added = sum(row.time_added_s for row in rows) * 1e3
+        if action == RETAIN:
+            why = (f"{format_size(whole)} kept whole: they fit, and retaining costs no time, "
+                   f"so nothing cheaper was needed there")
+        elif action == COMPRESS:
+            why = (f"{format_size(whole)} held as {format_size(kept)} of payloads for "
+                   f"{added:.3f} ms/step: encoding frees these bytes for less time than "
+                   f"re-running their segment would")
+        else:
+            why = (f"{format_size(whole)} rebuilt in backward for {added:.3f} ms/step: to "
+                   f"fit {format_size(budget)} more had to go than compression frees as "
+                   f"cheaply, and re-running their segment frees these for the least time")
+        lines.append(f"{action:<9}: {where}: {why}")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--config" not in argv:
+        argv = ["--config", str(ROOT / "configs" / "demo.yaml"), *argv]
+    os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
+    import pretrain_gpt
+
+    try:
+        with contextlib.redirect_stdout(sys.stderr):  # megatron's set-up chatter
+            costs = plan_costs(argv)
+        budget, result, low, high = choose_budget(costs)
+    except ValueError as exc:  # bad flags: the trainer's one line, exit 2
+        print(f"demo.py: error: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        from megatron_adacc.model import shutdown_distributed
+
+        shutdown_distributed()
+    for line in reasons(costs, result, budget, low, high):
+        print(line, flush=True)
+    return pretrain_gpt.main([*argv, "--adacc-policy", "auto", "--adacc-memory-budget",
+                              str(budget)])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
