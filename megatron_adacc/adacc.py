@@ -116,8 +116,8 @@ class AdaccConfig:
                              f"{', '.join(BACKENDS)}")
         budget = self.budget_bytes  # a malformed size fails here, not at setup
         if budget is not None and budget <= 0:
-            raise ValueError(f"AdaccConfig.memory_budget (--adacc-memory-budget) {self.memory_budget}: "
-                             f"expected a positive size")
+            raise ValueError(f"AdaccConfig.memory_budget (--adacc-memory-budget) "
+                             f"{self.memory_budget}: expected a positive size")
 
     def _check_types(self) -> None:
         """TypeError naming the field and what it takes, before any value is compared;

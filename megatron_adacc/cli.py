@@ -77,8 +77,11 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--uniform", dest="per_layer", action="store_false",
                    help="one policy for every layer (the paper's model)")
     p.add_argument("--per-layer", dest="per_layer", action="store_true", default=True)
-    p.add_argument("--exact", dest="allow_lossy_sources", action="store_false", default=True,
-                   help="never rebuild a recomputed site from a compressed one")
+    p.add_argument("--exact", dest="allow_lossy_sources", action="store_false", default=False,
+                   help="never rebuild a recomputed site from a compressed one (the default: "
+                   "the trainer plans so)")
+    p.add_argument("--lossy-sources", dest="allow_lossy_sources", action="store_true",
+                   help="let a recomputed site be rebuilt from a compressed one")
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
     return parser
 
@@ -120,7 +123,8 @@ def _flags(args: argparse.Namespace) -> dict[str, Any]:
     return flags
 
 
-def _profiled_costs(args: argparse.Namespace) -> tuple[ModelCosts, int | None]:
+def _profiled_costs(args: argparse.Namespace, budget: int | None
+                    ) -> tuple[ModelCosts, int | None]:
     """This machine's measured costs from the ProfileDB, profiled first (on the model and
     first micro-batch the trainer would build from this config) when it has none; and the
     default budget (a GPU's usable memory, None on a CPU)."""
@@ -149,7 +153,9 @@ def _profiled_costs(args: argparse.Namespace) -> tuple[ModelCosts, int | None]:
         argv += {"bf16": ["--bf16"], "fp16": ["--fp16"]}.get(args.precision, [])
         argv += ["--micro-batch-size", str(args.micro_batch_size), "--global-batch-size",
                  str(args.micro_batch_size), "--train-iters", "1", "--lr-warmup-iters", "0",
-                 "--eval-interval", "0"]
+                 "--eval-interval", "0", "--adacc-policy", "auto"]
+        # The trainer's auto run this plans for (whatever policy the config names).
+        argv += ["--adacc-memory-budget", str(budget)] if budget is not None else []
         try:
             with contextlib.redirect_stdout(sys.stderr):  # keep stdout for the table / JSON
                 model, batches, _ = trainer.build_model_and_data(parse_args(argv),
@@ -185,7 +191,8 @@ def _num_micro_batches(args: argparse.Namespace, flags: dict[str, Any]) -> int:
     return int(global_batch) // per_step
 
 
-def _costs(args: argparse.Namespace) -> tuple[list[ModelCosts], int | None]:
+def _costs(args: argparse.Namespace, budget: int | None
+           ) -> tuple[list[ModelCosts], int | None]:
     """The costs of each pipeline stage to plan from and the default budget (the device's
     usable memory)."""
     if args.data_parallel_size < 1 or args.pipeline_model_parallel_size < 1:
@@ -195,7 +202,7 @@ def _costs(args: argparse.Namespace) -> tuple[list[ModelCosts], int | None]:
         if args.pipeline_model_parallel_size > 1 or zero_stage:
             raise UsageError("pipeline stages and ZeRO are planned with --hardware: a profile "
                              "measures the whole model on this machine")
-        costs, default_budget = _profiled_costs(args)
+        costs, default_budget = _profiled_costs(args, budget)
         return [costs], default_budget
     try:
         flags = _flags(args)
@@ -223,7 +230,7 @@ def _plan_command(args: argparse.Namespace) -> int:
         # Before profiling: a CPU has no capacity to default to.
         raise UsageError("--memory-budget SIZE is needed to plan for a CPU (no device capacity "
                          "to default to)")
-    stages, default_budget = _costs(args)
+    stages, default_budget = _costs(args, budget)
     budget = default_budget if budget is None else budget
     try:
         plans = plan_stages(stages, budget, per_layer=args.per_layer,
