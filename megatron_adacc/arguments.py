@@ -404,7 +404,7 @@ def finalize(args: argparse.Namespace, world_size: int) -> None:
 def _check_outputs(args: argparse.Namespace) -> None:
     """Every path the run will write, checked before anything is built or trained (a save
     failing after the last step would lose the run); nothing is created here."""
-    from megatron_adacc import policies
+    from megatron_adacc import data, policies
     from megatron_adacc.profile_db import ProfileDB
 
     for flag, path in (("--save", args.save), ("--tensorboard-dir", args.tensorboard_dir)):
@@ -412,6 +412,10 @@ def _check_outputs(args: argparse.Namespace) -> None:
             check_writable(path, flag, directory=True)
     if args.metrics_file:
         check_writable(args.metrics_file, "--metrics-file", directory=False)
+    if not (args.data_path or args.train_data_path) and not data.demo_corpus_ready(
+            args.tokenizer_type):
+        check_writable(data.demo_corpus_prefixes(args.tokenizer_type)[0].parent,
+                       "$ADACC_DATA_DIR (the demo corpus, no --data-path)", directory=True)
     if args.adacc_policy in policies.AUTO_POLICIES:  # they profile into the ProfileDB
         check_writable(ProfileDB(args.adacc_profile_db).path, "--adacc-profile-db",
                        directory=False)

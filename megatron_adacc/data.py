@@ -140,13 +140,25 @@ def default_data_dir() -> Path:
     return Path(os.environ.get("ADACC_DATA_DIR", Path.home() / ".cache" / "megatron-adacc"))
 
 
+def demo_corpus_prefixes(tokenizer_type: str, data_dir: Path | None = None
+                         ) -> tuple[Path, Path]:
+    """Where the demo corpus of ``tokenizer_type`` lives: (train, valid) dataset prefixes."""
+    data_dir = (data_dir or default_data_dir()) / f"demo-{tokenizer_type}"
+    return data_dir / "kjv_train", data_dir / "kjv_valid"
+
+
+def demo_corpus_ready(tokenizer_type: str, data_dir: Path | None = None) -> bool:
+    """Whether the demo corpus is built already (else the first run writes it)."""
+    return all(Path(f"{prefix}.{ext}").is_file()
+               for prefix in demo_corpus_prefixes(tokenizer_type, data_dir)
+               for ext in ("bin", "idx"))
+
+
 def prepare_demo_corpus(tokenizer_type: str, vocab_file=None, merge_file=None,
                         data_dir: Path | None = None) -> tuple[str, str]:
     """Build (once) the demo corpus; returns the (train, valid) dataset prefixes."""
-    data_dir = (data_dir or default_data_dir()) / f"demo-{tokenizer_type}"
-    train_prefix, valid_prefix = data_dir / "kjv_train", data_dir / "kjv_valid"
-    if not all(Path(f"{p}.{ext}").is_file() for p in (train_prefix, valid_prefix)
-               for ext in ("bin", "idx")):
+    train_prefix, valid_prefix = demo_corpus_prefixes(tokenizer_type, data_dir)
+    if not demo_corpus_ready(tokenizer_type, data_dir):
         tokenizer = build_tokenizer(tokenizer_type, vocab_file, merge_file)
         train, valid = _bible_chapters()
         write_indexed_dataset(train, tokenizer, train_prefix)

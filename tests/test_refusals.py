@@ -219,3 +219,14 @@ def test_ctrl_c_ends_the_run_in_one_line_with_exit_130(tmp_path, corpus):
     assert saved is not None and saved % 2 == 0
     assert last.startswith("pretrain_gpt.py: interrupted at iteration ")
     assert last.endswith(f"; last checkpoint: iteration {saved} in ck (resume with --load ck)")
+
+
+def test_the_demo_corpus_directory_is_checked_when_the_corpus_must_be_written(
+        tmp_path, capsys, monkeypatch):
+    (tmp_path / "a_file").write_text("x")
+    monkeypatch.setenv("ADACC_DATA_DIR", str(tmp_path / "a_file" / "data"))
+    line = refused(capsys, [])
+    assert line == (f"pretrain_gpt.py: error: $ADACC_DATA_DIR (the demo corpus, no "
+                    f"--data-path) {tmp_path}/a_file/data/demo-ByteLevel: {tmp_path}/a_file "
+                    f"is a file, so the directory cannot be created")
+    assert files_under(tmp_path) == ["a_file"]
