@@ -179,7 +179,8 @@ def build_parser() -> argparse.ArgumentParser:
     recompute.add_argument("--recompute-method", choices=["uniform", "block"])
     recompute.add_argument("--recompute-num-layers", type=_POSITIVE, default=None)
     recompute.add_argument("--recompute-modules", nargs="*", default=None,
-                           choices=RECOMPUTE_MODULES, help="selective recompute modules, e.g. core_attn layernorm mlp")
+                           choices=RECOMPUTE_MODULES,
+                           help="selective recompute modules, e.g. core_attn layernorm mlp")
 
     data = p.add_argument_group("data")
     data.add_argument("--data-path", nargs="*", default=None,
@@ -409,19 +410,19 @@ def _check_outputs(args: argparse.Namespace) -> None:
 
     for flag, path in (("--save", args.save), ("--tensorboard-dir", args.tensorboard_dir)):
         if path:
-            check_writable(path, flag, directory=True)
+            _check_writable(path, flag, directory=True)
     if args.metrics_file:
-        check_writable(args.metrics_file, "--metrics-file", directory=False)
+        _check_writable(args.metrics_file, "--metrics-file", directory=False)
     if not (args.data_path or args.train_data_path) and not data.demo_corpus_ready(
             args.tokenizer_type):
-        check_writable(data.demo_corpus_prefixes(args.tokenizer_type)[0].parent,
+        _check_writable(data.demo_corpus_prefixes(args.tokenizer_type)[0].parent,
                        "$ADACC_DATA_DIR (the demo corpus, no --data-path)", directory=True)
     if args.adacc_policy in policies.AUTO_POLICIES:  # they profile into the ProfileDB
-        check_writable(ProfileDB(args.adacc_profile_db).path, "--adacc-profile-db",
+        _check_writable(ProfileDB(args.adacc_profile_db).path, "--adacc-profile-db",
                        directory=False)
 
 
-def check_writable(path: str | Path, flag: str, directory: bool) -> None:
+def _check_writable(path: str | Path, flag: str, directory: bool) -> None:
     """ConfigError naming ``flag`` unless ``path`` is (or can be made, parents included) a
     writable directory (``directory``) or file."""
     path = Path(path)

@@ -46,8 +46,13 @@ class UsageError(Exception):
     """A request the planner cannot serve; the message is the one line printed."""
 
 
+class _OneLineParser(argparse.ArgumentParser):
+    def error(self, message):  # argparse would print the usage too: one line, exit 2
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
 def _build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="adacc", description=__doc__.split("\n")[0])
+    parser = _OneLineParser(prog="adacc", description=__doc__.split("\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
     p = commands.add_parser("plan", help="the fastest plan that fits a memory budget")
     p.add_argument("--config", help="YAML of Megatron-style flags (num-layers, hidden-size, ...)")

@@ -247,3 +247,12 @@ def test_the_table_the_error_and_the_json_quote_one_smallest_budget(tmp_path, ca
     assert main([*tiny, "--memory-budget", str(minimum), "--json"]) == 0
     fits = json.loads(capsys.readouterr().out)
     assert fits["peak_bytes"] <= minimum == fits["minimum_feasible_budget"]
+
+
+def test_a_bad_flag_is_one_line_exit_2(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["plan", "--hardware", "abacus"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("adacc plan: error: argument --hardware: invalid choice: 'abacus'")
+    assert err.count("\n") == 1
