@@ -230,3 +230,21 @@ def test_the_demo_corpus_directory_is_checked_when_the_corpus_must_be_written(
                     f"--data-path) {tmp_path}/a_file/data/demo-ByteLevel: {tmp_path}/a_file "
                     f"is a file, so the directory cannot be created")
     assert files_under(tmp_path) == ["a_file"]
+
+
+def test_a_run_shuts_down_the_process_groups_it_set_up(tmp_path, corpus):
+    # What pretrain_gpt.main sets up it tears down, on success and on refusal alike: a
+    # process group left to the interpreter's exit aborted pipeline runs now and then.
+    script = (
+        "import sys, torch.distributed as dist\n"
+        "from megatron.core import parallel_state\n"
+        "import pretrain_gpt\n"
+        f"flags = {[*TINY, *data_flags(corpus), '--train-iters', '2']!r}\n"
+        "codes = [pretrain_gpt.main(flags), pretrain_gpt.main(flags + ['--split', 'abc'])]\n"
+        "print(codes, dist.is_initialized(), parallel_state.model_parallel_is_initialized())\n")
+    done = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=300,
+                          env=dict(os.environ, OMP_NUM_THREADS="1",
+                                   PYTHONPATH=f"{ROOT}{os.pathsep}{ROOT}"))
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.splitlines()[-1] == "[0, 2] False False", done.stderr[-2000:]
