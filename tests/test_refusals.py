@@ -245,6 +245,6 @@ def test_a_run_shuts_down_the_process_groups_it_set_up(tmp_path, corpus):
     done = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True,
                           text=True, timeout=300,
                           env=dict(os.environ, OMP_NUM_THREADS="1",
-                                   PYTHONPATH=f"{ROOT}{os.pathsep}{ROOT}"))
+                                   PYTHONPATH=str(ROOT)))
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.splitlines()[-1] == "[0, 2] False False", done.stderr[-2000:]
