@@ -90,6 +90,8 @@ def main(argv: list[str] | None = None) -> int:
             if code != 0:
                 failures.append({"run": index, "exit": code, "stderr_tail": tail})
                 print(f"{kind} run {index}: exit {code}\n{tail}", file=sys.stderr, flush=True)
+            if (index + 1) % 10 == 0:
+                print(f"{kind}: {index + 1} runs, {dict(counts)}", file=sys.stderr, flush=True)
         results[kind] = {"runs": args.runs, **counts, "failures": failures,
                          "mean_seconds": sum(seconds) / max(1, len(seconds))}
 
