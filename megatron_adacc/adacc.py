@@ -102,6 +102,8 @@ class AdaccConfig:
                              f"auto (got {self.policy})")
         if self.tracking_max_interval < 1:
             raise ValueError("--adacc-tracking-max-interval must be positive")
+        if self.pipeline_model_parallel_size < 1:
+            raise ValueError("--pipeline-model-parallel-size must be positive")
         if not all(math.isfinite(value) and value > 0
                    for value in (self.tracking_reset_fraction, self.guard_threshold)):
             raise ValueError("--adacc-tracking-reset-fraction and --adacc-guard-threshold "
@@ -123,8 +125,10 @@ class AdaccConfig:
         """TypeError naming the field and what it takes, before any value is compared;
         tracking_sites is kept as a tuple (a list is accepted)."""
         def refuse(name: str, accepts: str) -> None:
-            raise TypeError(f"AdaccConfig.{name} (--adacc-{name.replace('_', '-')}) takes "
-                            f"{accepts}, got {getattr(self, name)!r}")
+            flag = name.replace("_", "-")
+            flag = flag if name == "pipeline_model_parallel_size" else f"adacc-{flag}"
+            raise TypeError(f"AdaccConfig.{name} (--{flag}) takes {accepts}, got "
+                            f"{getattr(self, name)!r}")
 
         def whole(value) -> bool:
             return isinstance(value, numbers.Integral) and not isinstance(value, bool)

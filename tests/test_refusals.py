@@ -248,3 +248,12 @@ def test_a_run_shuts_down_the_process_groups_it_set_up(tmp_path, corpus):
                                    PYTHONPATH=str(ROOT)))
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.splitlines()[-1] == "[0, 2] False False", done.stderr[-2000:]
+
+
+def test_the_pipeline_size_field_names_its_own_flag():
+    with pytest.raises(TypeError) as info:
+        AdaccConfig(pipeline_model_parallel_size=2.0)
+    assert str(info.value) == ("AdaccConfig.pipeline_model_parallel_size "
+                               "(--pipeline-model-parallel-size) takes an integer, got 2.0")
+    with pytest.raises(ValueError, match="^--pipeline-model-parallel-size must be positive$"):
+        AdaccConfig(pipeline_model_parallel_size=0)
