@@ -75,12 +75,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--iters", type=int, default=3, help="training iterations per run")
     parser.add_argument("--timeout", type=float, default=240.0,
                         help="seconds after which a run counts as a hang")
+    parser.add_argument("--kinds", nargs="+", choices=list(commands(1)), default=None,
+                        help="which kinds of run (default: both)")
     parser.add_argument("--json", default=os.path.join(ROOT, "docs", "results",
                                                        "soak_lifecycle.json"))
     args = parser.parse_args(argv)
 
     results = {}
     for kind, command in commands(args.iters).items():
+        if args.kinds and kind not in args.kinds:
+            continue
         counts = collections.Counter({"exit 0": 0, "aborts": 0, "other exits": 0, "hangs": 0})
         failures, seconds = [], []
         for index in range(args.runs):
