@@ -14,8 +14,8 @@ MODEL = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "
 def test_table(capsys):
     assert main(["plan", *MODEL, "--memory-budget", "200MiB"]) == 0
     out = capsys.readouterr().out
-    for word in ("site", "action", "codec", "bytes kept", "time added", "no optimisation",
-                 "full recompute", "qkv"):
+    for word in ("site", "action", "codec", "rebuilt from", "bytes kept", "time added",
+                 "no optimisation", "full recompute", "qkv"):
         assert word in out
 
 
