@@ -126,6 +126,9 @@ class ModelCosts:
     segments: tuple[Segment, ...] = MEGATRON_SEGMENTS
     # The operator-level rebuilds, in the order the runtime runs them (sites.REBUILDS).
     operators: tuple[Operator, ...] = ()
+    # Of non_layer_bytes, what backward does not free: a cached tensor every layer shares
+    # (megatron's causal mask), one storage for the stage, alive through every backward.
+    held_non_layer_bytes: int = 0
     # Micro-batches whose activations the stage holds at once (1F1B: min(P - s, M)).
     in_flight_micro_batches: int = 1
     # Non-layer activations a micro-batch holds until its backward ends: the embedding's (the
@@ -172,9 +175,13 @@ class ModelCosts:
                               (self.embedding_bytes, "embedding_bytes"),
                               (self.received_input_bytes, "received_input_bytes"),
                               (self.backward_workspace_bytes, "backward_workspace_bytes"),
-                              (self.allocator_overhead_bytes, "allocator_overhead_bytes")):
+                              (self.allocator_overhead_bytes, "allocator_overhead_bytes"),
+                              (self.held_non_layer_bytes, "held_non_layer_bytes")):
             if number < 0:
                 raise CostsError(f"{label} must be >= 0, got {number}")
+        if self.held_non_layer_bytes > self.non_layer_bytes:
+            raise CostsError(f"held_non_layer_bytes {self.held_non_layer_bytes} exceeds "
+                             f"non_layer_bytes {self.non_layer_bytes}")
         order = [segment.name for segment in self.segments]
         if len(set(order)) != len(order):
             raise CostsError(f"duplicate segment names in {order}")
@@ -262,6 +269,7 @@ class ModelCosts:
             in_flight_micro_batches=int(data.get("in_flight_micro_batches", 1)),
             embedding_bytes=int(data.get("embedding_bytes", 0)),
             received_input_bytes=int(data.get("received_input_bytes", 0)),
+            held_non_layer_bytes=int(data.get("held_non_layer_bytes", 0)),
             meta=dict(data.get("meta", {})),
         )
 

@@ -145,7 +145,8 @@ def resolve(policy: str, budget_bytes: int | None, model: torch.nn.Module | None
     costs, profile_s = measured_costs(model, batch, db or ProfileDB(), reprofile, strict,
                                       loss_fn)
     stage, _ = pipeline_stage()
-    own = (planning.StageMemory(costs.static_bytes, costs.embedding_bytes, costs.non_layer_bytes)
+    own = (planning.StageMemory(costs.static_bytes, costs.embedding_bytes, costs.non_layer_bytes,
+                                costs.held_non_layer_bytes)
            if stage == 0 else profiler.stage_memory(model, batch, strict=strict, loss_fn=loss_fn))
     if static_bytes is not None:
         own = replace(own, static_bytes=static_bytes)

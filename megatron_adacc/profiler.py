@@ -141,9 +141,11 @@ class _RetainedRuler(ActivationRuler):
         report = self.report()
         layers = sum(nbytes for (layer, site), nbytes in report.by_site.items()
                      if layer != NON_LAYER and site not in site_table.SHARED_SITES)
+        shared = sum(nbytes for (layer, site), nbytes in report.by_site.items()
+                     if layer != NON_LAYER and site in site_table.SHARED_SITES)
         return planning.StageMemory(
             optimizer.static_bytes(model), self.embedding_bytes,
-            report.after_forward_bytes - layers - self.embedding_bytes)
+            report.after_forward_bytes - layers - self.embedding_bytes, shared)
 
 
 class _Unencodable:
@@ -389,6 +391,7 @@ def _profile(run: _Profiling) -> ModelCosts:
         num_layers=num_layers,
         static_bytes=memory.static_bytes,
         non_layer_bytes=memory.non_layer_bytes,
+        held_non_layer_bytes=memory.held_non_layer_bytes,
         embedding_bytes=memory.embedding_bytes,
         backward_workspace_bytes=hardware.backward_workspace_bytes(shape, micro_batch),
         micro_batch_size=micro_batch,

@@ -47,9 +47,11 @@ def small_costs(draw):
                       for name, sources in OPERATOR_SOURCES.items())
     # A pipeline stage: up to 3 micro-batches in flight, embedding activations held
     # through backward (1 and 0: the whole model on one stage).
+    non_layer = draw(st.integers(0, 80))
     return ModelCosts(sites=sites, num_layers=draw(st.integers(1, 3)), operators=operators,
                       static_bytes=draw(st.integers(0, 50)),
-                      non_layer_bytes=draw(st.integers(0, 80)),
+                      non_layer_bytes=non_layer,
+                      held_non_layer_bytes=draw(st.integers(0, non_layer)),
                       backward_workspace_bytes=draw(st.integers(0, 30)), micro_batch_size=1,
                       in_flight_micro_batches=draw(st.integers(1, 3)),
                       embedding_bytes=draw(st.integers(0, 20)))
@@ -284,22 +286,26 @@ def simulate_1f1b(costs, layers, stage, pipeline_size, num_micro_batches):
     and loss's (freed by the loss backward), and on a stage after the first, when a backward
     came before it, the input the last backward's micro-batch received (its graph holds it
     until this forward returns); a backward walks the layers top down, layer l holding its
-    transient and the workspace while the layers below it are still stored."""
+    transient and the workspace while the layers below it are still stored. The part of the
+    non-layer bytes a cached tensor holds (the causal mask) is allocated by the first forward
+    and never freed."""
     warmup = min(pipeline_size - stage - 1, num_micro_batches)
     order = ["F"] * warmup + ["F", "B"] * (num_micro_batches - warmup) + ["B"] * warmup
     received = costs.site("layer_in").bytes if stage > 0 else 0
     live = peak = costs.static_bytes
+    cached = costs.held_non_layer_bytes
     for index, step in enumerate(order):
         if step == "F":
             live += costs.embedding_bytes + sum(layer.stored_bytes for layer in layers)
+            live += cached if index == 0 else 0
             previous_received = received if "B" in order[:index] else 0
-            peak = max(peak, live + costs.non_layer_bytes + previous_received)
+            peak = max(peak, live + costs.non_layer_bytes - cached + previous_received)
         else:
             for layer in reversed(layers):
                 peak = max(peak, live + layer.transient_bytes + costs.backward_workspace_bytes)
                 live -= layer.stored_bytes
             live -= costs.embedding_bytes
-    assert live == costs.static_bytes
+    assert live == costs.static_bytes + cached
     return peak
 
 
@@ -310,8 +316,9 @@ def tiny_pipelines(draw):
     costs = draw(small_costs())
     pipeline_size, num_micro_batches = draw(st.integers(1, 4)), draw(st.integers(1, 6))
     embedding, output = draw(st.integers(0, 20)), draw(st.integers(0, 80))
+    mask = draw(st.integers(0, 10))   # a cached tensor on every stage, never freed
     memory = [planner.StageMemory(draw(st.integers(0, 50)), embedding if stage == 0 else 0,
-                                  output if stage == pipeline_size - 1 else 0)
+                                  (output if stage == pipeline_size - 1 else 0) + mask, mask)
               for stage in range(pipeline_size)]
     layers = pipeline_size * draw(st.integers(1, 2))
     return planner.stage_costs(costs, memory, layers, num_micro_batches), num_micro_batches

@@ -7,10 +7,12 @@ keeps k = ``in_flight_micro_batches`` micro-batches in flight, 1 without pipelin
 
     peak = static + allocator_overhead + (k - 1) x (A + E) + E
                   + max( non_layer + R + A,                                 # end of forward
-                         max_l [ sum_{j<=l} stored(j) + transient(l) ] + workspace )
+                         max_l [ sum_{j<=l} stored(j) + transient(l) ] + workspace + H )
 
     A = sum_l stored(l), one micro-batch's layers; E = ``embedding_bytes`` (first stage);
-    R = ``received_input_bytes`` (later stages, when a forward follows a backward).
+    R = ``received_input_bytes`` (later stages, when a forward follows a backward);
+    H = ``held_non_layer_bytes``, the part of non_layer that backward does not free (a
+    cached tensor every layer shares, megatron's causal mask: one storage for the stage).
 
 Why: under 1F1B stage s of P runs min(P - s, M) forwards before its first backward, and one
 forward per backward after, so at most k micro-batches are alive. Its peak comes with the
@@ -317,10 +319,11 @@ def _held_by_others(costs: ModelCosts, all_stored):
 
 def activation_terms(costs: ModelCosts, all_stored, backward_peak):
     """The activations part of the peak rule: (k - 1)(A + E) + E + max(non_layer + R + A,
-    ``backward_peak``), given A. Either argument may be an array (the searches evaluate many
+    ``backward_peak`` + H), given A. Either argument may be an array (the searches evaluate many
     plans at once)."""
     return _held_by_others(costs, all_stored) + np.maximum(
-        costs.non_layer_bytes + costs.received_input_bytes + all_stored, backward_peak)
+        costs.non_layer_bytes + costs.received_input_bytes + all_stored,
+        backward_peak + costs.held_non_layer_bytes)
 
 
 def peak_from_terms(costs: ModelCosts, all_stored, backward_peak):
@@ -374,7 +377,7 @@ def budget_limits(costs: ModelCosts, budget_bytes: int) -> Limits:
                  - k * costs.embedding_bytes)
     # k x A + non_layer + R <= available; floor division keeps the limit exact in whole bytes.
     return Limits((available - costs.non_layer_bytes - costs.received_input_bytes) // k,
-                  available - costs.backward_workspace_bytes)
+                  available - costs.backward_workspace_bytes - costs.held_non_layer_bytes)
 
 
 def transient_floor(costs: ModelCosts) -> int:
@@ -382,4 +385,4 @@ def transient_floor(costs: ModelCosts) -> int:
     most the total stored, and total + non_layer + R is itself a term of the peak, so
     prefix + max(transient, non_layer + R - workspace) + workspace gives the same peak."""
     return max(0, costs.non_layer_bytes + costs.received_input_bytes
-               - costs.backward_workspace_bytes)
+               - costs.backward_workspace_bytes - costs.held_non_layer_bytes)
