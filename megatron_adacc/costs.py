@@ -13,11 +13,17 @@ A ``ModelCosts`` describes one pipeline stage: its layers, what it holds besides
 many micro-batches it keeps in flight (``planning.model`` states the peak rule that reads them).
 Without pipeline parallelism the one stage is the whole model.
 
-Rebuild times are not per-op: the runtime rebuilds recomputed sites by re-running forward
-segments (``segments``, in forward order) from a segment's start, and stops once the deepest
-recomputed site is saved again. So each site records ``rebuild_s``, the time from its
-segment's start to its save: what rebuilding costs when it is the deepest recomputed site of
-its segment. The planner turns these into a layer's rebuild time (planning.rebuild_charges).
+A recomputed site is rebuilt one of two ways (sites.REBUILDS says which):
+
+- by an operator (``operators``; the site's ``operator``): one of megatron's submodules run on
+  the backward values of its sources, once per layer backward however many of its products
+  are recomputed; ``Operator.rebuild_s`` is that call's own time.
+- by re-running its forward segment (``segments``, in forward order) from the segment's
+  start, which stops once the deepest recomputed site is saved again. So such a site records
+  ``rebuild_s``, the time from its segment's start to its save: what rebuilding costs when it
+  is the deepest recomputed site of its segment.
+
+The planner turns these into a layer's rebuild time (planning.rebuild_charges).
 """
 from __future__ import annotations
 
@@ -28,8 +34,8 @@ from typing import Any, Iterable, Mapping
 from megatron_adacc import sites as site_table
 
 # 2: rebuild_s from the segment start and segments replace per-op recompute_s and sources.
-# 3: allocator_overhead_bytes.
-FORMAT_VERSION = 3
+# 3: allocator_overhead_bytes. 4: operator-level rebuilds (operators, SiteCost.operator).
+FORMAT_VERSION = 4
 
 
 class CostsError(ValueError):
@@ -59,6 +65,15 @@ MEGATRON_SEGMENTS = tuple(Segment(name, start) for name, start in site_table.SEG
 
 
 @dataclass(frozen=True)
+class Operator:
+    """An operator-level rebuild (sites.Rebuild): the sites it reads and its own time."""
+
+    name: str                    # sites.Rebuild.call
+    sources: tuple[str, ...]
+    rebuild_s: float = 0.0
+
+
+@dataclass(frozen=True)
 class SiteCost:
     """One site of one layer at the profiled micro-batch."""
 
@@ -71,11 +86,14 @@ class SiteCost:
     codecs: tuple[CodecCost, ...] = ()
     # None: take it from the site table (unknown sites are never recomputed).
     recomputable: bool | None = None
+    # The operator (ModelCosts.operators) that rebuilds it; it then has no segment.
+    operator: str | None = None
 
     @property
     def can_recompute(self) -> bool:
         known = site_table.SITES.get(self.name)
-        table_allows = known is not None and known.recomputable and self.segment is not None
+        table_allows = (known is not None and known.recomputable
+                        and (self.segment is not None or self.operator is not None))
         return table_allows if self.recomputable is None else (self.recomputable and table_allows)
 
     @property
@@ -106,6 +124,11 @@ class ModelCosts:
     # peak this model predicts (fragmentation, cached blocks, kernels' workspaces); 0 on a CPU.
     allocator_overhead_bytes: int = 0
     segments: tuple[Segment, ...] = MEGATRON_SEGMENTS
+    # The operator-level rebuilds, in the order the runtime runs them (sites.REBUILDS).
+    operators: tuple[Operator, ...] = ()
+    # Of non_layer_bytes, what backward does not free: a cached tensor every layer shares
+    # (megatron's causal mask), one storage for the stage, alive through every backward.
+    held_non_layer_bytes: int = 0
     # Micro-batches whose activations the stage holds at once (1F1B: min(P - s, M)).
     in_flight_micro_batches: int = 1
     # Non-layer activations a micro-batch holds until its backward ends: the embedding's (the
@@ -120,6 +143,12 @@ class ModelCosts:
 
     def __post_init__(self) -> None:
         self.validate()
+
+    def operator(self, name: str) -> Operator:
+        for operator in self.operators:
+            if operator.name == name:
+                return operator
+        raise KeyError(f"no operator {name!r} in these costs")
 
     def site(self, name: str) -> SiteCost:
         for site in self.sites:
@@ -146,9 +175,13 @@ class ModelCosts:
                               (self.embedding_bytes, "embedding_bytes"),
                               (self.received_input_bytes, "received_input_bytes"),
                               (self.backward_workspace_bytes, "backward_workspace_bytes"),
-                              (self.allocator_overhead_bytes, "allocator_overhead_bytes")):
+                              (self.allocator_overhead_bytes, "allocator_overhead_bytes"),
+                              (self.held_non_layer_bytes, "held_non_layer_bytes")):
             if number < 0:
                 raise CostsError(f"{label} must be >= 0, got {number}")
+        if self.held_non_layer_bytes > self.non_layer_bytes:
+            raise CostsError(f"held_non_layer_bytes {self.held_non_layer_bytes} exceeds "
+                             f"non_layer_bytes {self.non_layer_bytes}")
         order = [segment.name for segment in self.segments]
         if len(set(order)) != len(order):
             raise CostsError(f"duplicate segment names in {order}")
@@ -161,6 +194,32 @@ class ModelCosts:
             if start_segment is not None and order.index(start_segment) >= index:
                 raise CostsError(f"segment {segment.name} starts from {segment.start}, which "
                                  f"is rebuilt by the same or a later segment")
+        products: dict[str, int] = {}   # site -> index of the operator rebuilding it
+        for site in self.sites:
+            if site.operator is not None:
+                if site.segment is not None:
+                    raise CostsError(f"site {site.name}: rebuilt by operator {site.operator} "
+                                     f"and by segment {site.segment}")
+                index = next((i for i, op in enumerate(self.operators)
+                              if op.name == site.operator), None)
+                if index is None:
+                    raise CostsError(f"site {site.name}: operator {site.operator!r} is not one "
+                                     f"of {[op.name for op in self.operators]}")
+                products[site.name] = index
+        for segment in self.segments:
+            # The runtime re-runs segments before it runs operators.
+            if segment.start in products:
+                raise CostsError(f"segment {segment.name} starts from {segment.start}, which "
+                                 f"an operator rebuilds")
+        for index, operator in enumerate(self.operators):
+            if operator.rebuild_s < 0:
+                raise CostsError(f"operator {operator.name}: rebuild_s must be >= 0")
+            for source in operator.sources:
+                # Operators run in order: a source another operator rebuilds must be rebuilt
+                # by an earlier one.
+                if products.get(source, -1) >= index:
+                    raise CostsError(f"operator {operator.name} reads {source}, which the same "
+                                     f"or a later operator rebuilds")
         for site in self.sites:
             if site.bytes < 0 or site.rebuild_s < 0:
                 raise CostsError(f"site {site.name}: bytes and rebuild_s must be >= 0")
@@ -191,6 +250,7 @@ class ModelCosts:
                 segment=s["segment"],
                 codecs=tuple(CodecCost(**c) for c in s.get("codecs", ())),
                 recomputable=s.get("recomputable"),
+                operator=s.get("operator"),
             )
             for s in data["sites"]
         ]
@@ -203,9 +263,13 @@ class ModelCosts:
             micro_batch_size=int(data["micro_batch_size"]),
             allocator_overhead_bytes=int(data["allocator_overhead_bytes"]),
             segments=tuple(Segment(**segment) for segment in data["segments"]),
+            operators=tuple(Operator(name=op["name"], sources=tuple(op["sources"]),
+                                     rebuild_s=float(op["rebuild_s"]))
+                            for op in data.get("operators", ())),
             in_flight_micro_batches=int(data.get("in_flight_micro_batches", 1)),
             embedding_bytes=int(data.get("embedding_bytes", 0)),
             received_input_bytes=int(data.get("received_input_bytes", 0)),
+            held_non_layer_bytes=int(data.get("held_non_layer_bytes", 0)),
             meta=dict(data.get("meta", {})),
         )
 

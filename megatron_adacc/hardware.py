@@ -8,7 +8,9 @@ produce the same ``ModelCosts`` the profiler measures:
 - rebuild time of a site = the ops the forward runs from its segment's start (sites.SEGMENTS)
   up to its save, each on a roofline: matmuls are FLOP-bound at ``MATMUL_EFFICIENCY`` of
   peak, elementwise / norm / softmax / RNG ops are bound by the bytes they move at
-  ``BANDWIDTH_EFFICIENCY`` of peak bandwidth; an op that does both pays both;
+  ``BANDWIDTH_EFFICIENCY`` of peak bandwidth; an op that does both pays both. A site an
+  operator rebuilds (sites.REBUILDS) instead costs that operator: the ops the forward runs
+  from its last source's save to the operator's output;
 - codec payloads from the codecs themselves (``Codec.payload_bytes``: the exact size of a
   finite input's payload) and codec time = bytes the codec moves at ``CODEC_EFFICIENCY`` of
   peak bandwidth;
@@ -28,7 +30,7 @@ import torch
 from megatron_adacc import codecs, planning
 from megatron_adacc import sites as site_table
 from megatron_adacc.attention import resolve_backend
-from megatron_adacc.costs import CodecCost, ModelCosts, SiteCost
+from megatron_adacc.costs import CodecCost, ModelCosts, Operator, SiteCost
 from megatron_adacc.optimizer import shard_range
 from megatron_adacc.tokenizers import TOKENIZER_TYPES, build_tokenizer
 
@@ -471,8 +473,10 @@ def pipeline_costs(shape: ModelShape, micro_batch_size: int, accelerator: str | 
         non_layer_bytes=(output_activation_bytes(shape, micro_batch_size)
                          if stage == pipeline_size - 1 else 0))
         for stage, count in enumerate(parameters)]
+    sites, operators = _site_costs(shape, micro_batch_size, device)
     layer_costs = ModelCosts(
-        sites=_site_costs(shape, micro_batch_size, device),
+        sites=sites,
+        operators=operators,
         num_layers=shape.num_layers,
         static_bytes=0,  # each stage's: StageMemory
         non_layer_bytes=0,
@@ -496,16 +500,29 @@ def pipeline_costs(shape: ModelShape, micro_batch_size: int, accelerator: str | 
 
 
 def _site_costs(shape: ModelShape, micro_batch_size: int, device: Accelerator
-                ) -> list[SiteCost]:
-    """Every site of one layer: its bytes, rebuild time and codec cost on ``device``."""
+                ) -> tuple[list[SiteCost], tuple[Operator, ...]]:
+    """Every site of one layer (its bytes, rebuild time and codec cost on ``device``) and the
+    operators that rebuild some of them."""
     d = _dims(shape, micro_batch_size)
     flop_rate = device.matmul_flops(shape.activation_bytes) * MATMUL_EFFICIENCY
     byte_rate = device.memory_bandwidth * BANDWIDTH_EFFICIENCY
     dtype_names = {"act": _DTYPE_NAMES[shape.precision],
                    "softmax": "float32" if d.softmax == 4 else _DTYPE_NAMES[shape.precision]}
+    formulas = _layer_sites(shape)
+    # the forward's time from the previous save to each one
+    step_s = {name: formula.flops(d) / flop_rate + formula.bytes_moved(d) / byte_rate
+              for name, formula in formulas.items()}
+    order = list(formulas)
+    operators = []
+    for edge in site_table.REBUILDS:
+        if edge.output in formulas and all(source in formulas for source in edge.sources):
+            after = max(order.index(source) for source in edge.sources) + 1
+            operators.append(Operator(edge.call, edge.sources, sum(
+                step_s[name] for name in order[after:order.index(edge.output) + 1])))
+    operator_names = {operator.name for operator in operators}
     sites = []
     since_start: dict[str, float] = {}   # segment -> forward time up to the last save so far
-    for name, formula in _layer_sites(shape).items():
+    for name, formula in formulas.items():
         elements, element_bytes = formula.elements(d), formula.element_bytes(d)
         full = elements * element_bytes
         known = site_table.get(name)
@@ -517,15 +534,17 @@ def _site_costs(shape: ModelShape, micro_batch_size: int, device: Accelerator
             codecs = (_codec_cost(known.default_codec, full, payload, device.memory_bandwidth),)
         rebuild_s = 0.0
         if known.segment is not None:
-            rebuild_s = since_start.get(known.segment, 0.0) + (
-                formula.flops(d) / flop_rate + formula.bytes_moved(d) / byte_rate)
+            rebuild_s = since_start.get(known.segment, 0.0) + step_s[name]
             since_start[known.segment] = rebuild_s
+        edge = site_table.REBUILT_BY.get(name)
+        operator = edge.call if edge is not None and edge.call in operator_names else None
         sites.append(SiteCost(
             name=name,
             bytes=full,
             dtype=dtype,
-            rebuild_s=rebuild_s,
-            segment=known.segment,
+            rebuild_s=0.0 if operator else rebuild_s,
+            segment=None if operator else known.segment,
             codecs=codecs,
+            operator=operator,
         ))
-    return sites
+    return sites, tuple(operators)

@@ -18,8 +18,8 @@ decisions, not two mechanisms. Megatron's cached causal mask is one storage shar
 layer: every policy keeps it (compressing or rebuilding it per layer would cost memory).
 
 ``auto`` plans with each site's designated codec and exact rebuild sources (no recomputed site
-rebuilt from a compressed anchor): a rebuild from a lossy layer_in or ln2_in would change every
-rebuilt value. Its last resort: when no plan with the designated codecs fits the budget, it plans
+rebuilt from a compressed value: a re-run's start, or an operator's source such as gelu_in for
+gelu_out): a rebuild from a lossy layer_in or ln2_in would change every rebuilt value. Its last resort: when no plan with the designated codecs fits the budget, it plans
 again with the quantize baseline's per-token INT4 (sites.QUANTIZE_CODEC) added to the options
 of each floating-point site where it keeps fewer bytes than the designated codec. Per-token
 INT4 separates no outliers, so its payload is smaller and it fits micro-batches the
@@ -145,7 +145,8 @@ def resolve(policy: str, budget_bytes: int | None, model: torch.nn.Module | None
     costs, profile_s = measured_costs(model, batch, db or ProfileDB(), reprofile, strict,
                                       loss_fn)
     stage, _ = pipeline_stage()
-    own = (planning.StageMemory(costs.static_bytes, costs.embedding_bytes, costs.non_layer_bytes)
+    own = (planning.StageMemory(costs.static_bytes, costs.embedding_bytes, costs.non_layer_bytes,
+                                costs.held_non_layer_bytes)
            if stage == 0 else profiler.stage_memory(model, batch, strict=strict, loss_fn=loss_fn))
     if static_bytes is not None:
         own = replace(own, static_bytes=static_bytes)

@@ -14,13 +14,15 @@ layer has the same shape), so the numbers describe what the runtime will really 
   a candidate codec. Payload bytes are what the ruler counts in that step; encode and decode
   times are the medians of re-running the codec on the tensors the runtime handed it.
 - rebuild: a step per site in which the measured layer recomputes only that site; the
-  runtime's rebuild is re-run and timed at the point backward asks for it. The rebuild
-  re-runs Megatron's forward segment (attention from layer_in, MLP from ln2_in) from its
-  start up to the site, so the measurement is the site's ``rebuild_s``: what rebuilding
-  costs when it is the deepest recomputed site of its segment (the planner combines these
-  into a layer's rebuild time as the runtime does: a maximum per segment, not a sum). Along
-  a segment the times are fitted to be non-decreasing: a deeper save cannot be reached
-  sooner, and noise that says otherwise is spread over its neighbours.
+  runtime's rebuild is re-run and timed at the point backward asks for it. A site an
+  operator rebuilds (sites.REBUILDS) runs only that operator: one step per operator, its
+  output recomputed, gives the operator's own time. Any other site's rebuild re-runs
+  Megatron's forward segment (attention from layer_in, MLP from ln2_in) from its start up
+  to the site, so the measurement is the site's ``rebuild_s``: what rebuilding costs when it
+  is the deepest recomputed site of its segment (the planner combines these into a layer's
+  rebuild time as the runtime does: a maximum per segment, not a sum). Along a segment the
+  times are fitted to be non-decreasing: a deeper save cannot be reached sooner, and noise
+  that says otherwise is spread over its neighbours.
 
 CPU timings repeat and take the median; CUDA timings use device events.
 """
@@ -40,7 +42,7 @@ from megatron_adacc import allocator, codecs, hardware, optimizer, planning
 from megatron_adacc import model as model_lib
 from megatron_adacc.attention import backend_of
 from megatron_adacc import sites as site_table
-from megatron_adacc.costs import MEGATRON_SEGMENTS, CodecCost, ModelCosts, SiteCost
+from megatron_adacc.costs import MEGATRON_SEGMENTS, CodecCost, ModelCosts, Operator, SiteCost
 from megatron_adacc.plan import Decision, Plan
 from megatron_adacc.runtime import ActivationRuler, adacc_layers, apply_plan
 from megatron_adacc.runtime.accounting import NON_LAYER, UNATTRIBUTED
@@ -139,9 +141,11 @@ class _RetainedRuler(ActivationRuler):
         report = self.report()
         layers = sum(nbytes for (layer, site), nbytes in report.by_site.items()
                      if layer != NON_LAYER and site not in site_table.SHARED_SITES)
+        shared = sum(nbytes for (layer, site), nbytes in report.by_site.items()
+                     if layer != NON_LAYER and site in site_table.SHARED_SITES)
         return planning.StageMemory(
             optimizer.static_bytes(model), self.embedding_bytes,
-            report.after_forward_bytes - layers - self.embedding_bytes)
+            report.after_forward_bytes - layers - self.embedding_bytes, shared)
 
 
 class _Unencodable:
@@ -355,8 +359,17 @@ def _profile(run: _Profiling) -> ModelCosts:
     order = list(sizes)
     known = [name for name in order if name in site_table.SITES]
     codec_costs = run.codec_costs(known)
-    prefix_s = {name: run.rebuild_seconds(name) for name in known
-                if site_table.get(name).recomputable}
+    recomputable = [name for name in known if site_table.get(name).recomputable]
+    prefix_s = {name: run.rebuild_seconds(name) for name in recomputable
+                if name not in site_table.REBUILT_BY}
+    # Each operator this layer offers, timed with its first product found recomputed.
+    operators = tuple(
+        Operator(edge.call, edge.sources, run.rebuild_seconds(products[0]))
+        for edge in site_table.REBUILDS
+        for products in [[name for name in edge.products if name in recomputable]]
+        if products)
+    operator_of = {name: edge.call for edge in site_table.REBUILDS for name in edge.products
+                   if edge.call in {operator.name for operator in operators}}
 
     rebuild_s = _rebuild_times(order, prefix_s)
     sites = []
@@ -368,6 +381,7 @@ def _profile(run: _Profiling) -> ModelCosts:
             rebuild_s=rebuild_s.get(name, 0.0),
             segment=site_table.get(name).segment if name in rebuild_s else None,
             codecs=tuple(codec_costs.get(name, ())),
+            operator=operator_of.get(name) if name in recomputable else None,
         ))
     num_layers = len(run.layers)
     seq_length, micro_batch = run.batch[0].shape[1], run.batch[0].shape[0]
@@ -377,9 +391,11 @@ def _profile(run: _Profiling) -> ModelCosts:
         num_layers=num_layers,
         static_bytes=memory.static_bytes,
         non_layer_bytes=memory.non_layer_bytes,
+        held_non_layer_bytes=memory.held_non_layer_bytes,
         embedding_bytes=memory.embedding_bytes,
         backward_workspace_bytes=hardware.backward_workspace_bytes(shape, micro_batch),
         micro_batch_size=micro_batch,
+        operators=operators,
         meta={
             "source": "profile",
             "device": device_name(run.device),

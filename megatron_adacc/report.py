@@ -21,13 +21,13 @@ def _codec_cell(codec: str | None) -> str:
 
 
 def format_plan(result: PlanResult) -> str:
-    header = ("site", "layers", "action", "codec", "bytes kept", "time added")
-    body = [(row.site, row.layers, row.action, _codec_cell(row.codec),
+    header = ("site", "layers", "action", "codec", "rebuilt from", "bytes kept", "time added")
+    body = [(row.site, row.layers, row.action, _codec_cell(row.codec), row.rebuilt_from or "-",
              format_size(row.bytes_kept), _ms(row.time_added_s)) for row in result.rows]
     widths = [max(len(line[i]) for line in [header, *body]) for i in range(len(header))]
 
     def line(cells) -> str:
-        return "  ".join(cell.ljust(width) if i < 4 else cell.rjust(width)
+        return "  ".join(cell.ljust(width) if i < 5 else cell.rjust(width)
                          for i, (cell, width) in enumerate(zip(cells, widths))).rstrip()
 
     rule = "-" * len(line(header))

@@ -5,8 +5,9 @@ vocabulary shared by the runtime (which attributes saved tensors to sites), the 
 profiler (which measures them), the planner and policies (which decide for them), the
 rectifier and the analytic accelerator model. The runtime discovers what a layer really
 saves; this table says what each discovered site *is*: which codec suits it, whether it can
-be rebuilt, which forward segment rebuilds it, and whether it is one storage shared by every
-layer. Adding a layer variant starts here.
+be rebuilt, what rebuilds it (an operator from upstream sites, ``REBUILDS``, or else a re-run of
+its forward segment), and whether it is one storage shared by every layer. Adding a layer
+variant starts here: its sites, and the operator-level rebuild edges its layer offers.
 """
 from __future__ import annotations
 
@@ -17,9 +18,10 @@ COMPRESS = "compress"
 RECOMPUTE = "recompute"
 ACTIONS = (RETAIN, COMPRESS, RECOMPUTE)
 
-# The runtime rebuilds a recomputed site by re-running the megatron forward segment that saves
-# it from the segment's start (name -> start site, in forward order): _forward_attention from
-# the layer input, _forward_mlp from the residual stream after attention.
+# A recomputed site without an operator-level rebuild (REBUILDS below) is rebuilt by
+# re-running the megatron forward segment that saves it from the segment's start (name ->
+# start site, in forward order): _forward_attention from the layer input, _forward_mlp from
+# the residual stream after attention.
 LAYER_INPUT = "layer_in"  # a layer's input: on a pipeline stage's first layer, the received input
 SEGMENTS = {"attention": LAYER_INPUT, "mlp": "ln2_in"}
 SEGMENT_NAMES: tuple[str, ...] = tuple(SEGMENTS)
@@ -45,7 +47,9 @@ class Site:
     name: str
     description: str
     default_codec: str | None  # None: never compressed (retain or recompute)
-    segment: str | None      # the segment whose re-run rebuilds it; None: never rebuilt
+    # The forward segment that saves it, whose re-run rebuilds it unless an edge of REBUILDS
+    # does; None: never rebuilt.
+    segment: str | None
     recomputable: bool = True
     # One storage saved by every layer (megatron's cached causal mask): counted once as
     # non-layer memory, never decided per layer (compressing or rebuilding it per layer
@@ -136,6 +140,44 @@ DECODED_TOGETHER: tuple[frozenset[str], ...] = (
     frozenset({"layer_in", "ln1_stats"}),
     frozenset({"ln2_in", "ln2_stats"}),
 )
+
+
+
+@dataclass(frozen=True)
+class Rebuild:
+    """An operator-level rebuild edge: in backward, the runtime calls ``call`` (a dotted path
+    from the transformer layer to one of megatron's own submodules or functions, e.g.
+    ``mlp.activation_func``) on the values of ``sources`` (positionally, each retained,
+    decoded or itself rebuilt: chains) and takes its return value as ``output``; the sites in
+    ``saves`` are what that call saves for backward on the way (a norm's statistics),
+    captured as it runs. It draws no random numbers. A recomputed site named here is always
+    rebuilt this way, never by its segment's re-run; the operators run once per layer
+    backward each, in the order of this table, which must put an edge after every edge that
+    rebuilds one of its sources."""
+
+    call: str
+    sources: tuple[str, ...]
+    output: str
+    saves: tuple[str, ...] = ()
+
+    @property
+    def products(self) -> tuple[str, ...]:
+        return (self.output, *self.saves)
+
+
+# The edges megatron-core's local GPT layer offers, in forward order. Q/K/V, the attention
+# output and whatever follows a dropout are left to the segment re-runs.
+REBUILDS: tuple[Rebuild, ...] = (
+    Rebuild("input_layernorm", (LAYER_INPUT,), "ln1_out", ("ln1_stats",)),
+    Rebuild("pre_mlp_layernorm", ("ln2_in",), "ln2_out", ("ln2_stats",)),
+    Rebuild("mlp.activation_func", ("gelu_in",), "gelu_out"),
+)
+# product site -> the edge that rebuilds it
+REBUILT_BY: dict[str, Rebuild] = {product: edge for edge in REBUILDS
+                                  for product in edge.products}
+# The sites a rebuild may read: the segments' starts and the edges' sources.
+REBUILD_SOURCES = frozenset(SEGMENTS.values()) | {source for edge in REBUILDS
+                                                  for source in edge.sources}
 
 SITES: dict[str, Site] = {site.name: site for site in _SITE_LIST}
 SITE_NAMES: tuple[str, ...] = tuple(SITES)

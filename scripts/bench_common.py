@@ -49,7 +49,8 @@ FIGURES_DIR = os.path.join(ROOT, "docs", "figures")
 # biased linear layers (GPT-2's, used here) its backward recurses forever in 0.16.1.
 SELECTIVE_SETS = (("core_attn",), ("layernorm",), ("core_attn", "layernorm"))
 
-METHODS = ("no optimisation", "megatron full recompute", "megatron selective recompute",
+METHODS = ("no optimisation", "megatron full recompute", "megatron block recompute",
+           "megatron selective recompute",
            "naive INT4", "torch.compile + memory budget", "adacc auto")
 
 
@@ -189,6 +190,10 @@ class Models:
         self.static_bytes = optimizer.static_bytes(self.stock)
         self.full = build(shape, recompute_granularity="full", recompute_method="uniform",
                           recompute_num_layers=1)
+        # Megatron's block recompute: the first n layers re-run whole, the rest keep
+        # everything (n = the number of layers is full recompute).
+        self.block = {n: build(shape, recompute_granularity="full", recompute_method="block",
+                               recompute_num_layers=n) for n in range(1, shape.layers)}
         self.selective = {mods: build(shape, recompute_granularity="selective",
                                       recompute_modules=list(mods)) for mods in SELECTIVE_SETS}
         self.adacc = build(shape, adacc=True)
@@ -201,6 +206,12 @@ class Models:
 
     def full_recompute(self) -> Variant:
         return Variant("megatron full recompute", "", self.full)
+
+    def block_variants(self) -> list[Variant]:
+        """Block recompute of 1 .. layers - 1 layers; where several fit a budget the fastest,
+        the fewest layers, is the one compared."""
+        return [Variant("megatron block recompute", f"{n} of {self.shape.layers} layers", model)
+                for n, model in self.block.items()]
 
     def selective_variants(self) -> list[Variant]:
         return [Variant("megatron selective recompute", "+".join(mods), model)

@@ -14,9 +14,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "docs", "results")
 MIB = 2 ** 20
 
-METHODS = ("no optimisation", "megatron full recompute", "megatron selective recompute",
+METHODS = ("no optimisation", "megatron full recompute", "megatron block recompute",
+           "megatron selective recompute",
            "naive INT4", "torch.compile + memory budget", "adacc auto")
 SHORT = {"no optimisation": "none", "megatron full recompute": "full recompute",
+         "megatron block recompute": "block recompute",
          "megatron selective recompute": "selective recompute", "naive INT4": "naive INT4",
          "torch.compile + memory budget": "torch.compile", "adacc auto": "Adacc auto"}
 

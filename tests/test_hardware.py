@@ -5,7 +5,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from megatron_adacc import codecs, hardware
+from megatron_adacc import codecs, hardware, planning
 from megatron_adacc.costs import ModelCosts
 from test_codecs_payload_bytes import with_outlier_channels
 
@@ -93,12 +93,43 @@ def test_rebuild_times_accumulate_along_each_segment():
     for segment in costs.segments:
         times = [site.rebuild_s for site in costs.sites if site.segment == segment.name]
         assert times == sorted(times) and times[0] > 0, segment
-    assert [s.segment for s in costs.sites][-5:] == ["mlp"] * 5
+    # The MLP's norm and activation are rebuilt by their operators, not by the re-run.
+    assert [(s.segment, s.operator) for s in costs.sites][-5:] == [
+        (None, "pre_mlp_layernorm"), (None, "pre_mlp_layernorm"), ("mlp", None),
+        (None, "mlp.activation_func"), ("mlp", None)]
     # The attention re-run ends at ln2_in and holds all of the segment's matmuls.
     s, b, h, a = 1024, 8, 1024, 16
     flops = 2 * s * b * h * 3 * h + 2 * 2 * b * s * s * h + 2 * s * b * h * h
     assert costs.site("ln2_in").rebuild_s == max(site.rebuild_s for site in costs.sites)
     assert costs.site("ln2_in").rebuild_s >= flops / (125e12 * hardware.MATMUL_EFFICIENCY)
+
+
+def test_operators_cost_their_own_ops():
+    costs = hardware.analytic_costs(GPT345M, 8, "v100-32gb")
+    s, b, h, f, act = 1024, 8, 1024, 4096, 2
+    byte_rate = 900e9 * hardware.BANDWIDTH_EFFICIENCY
+    assert [(op.name, op.sources) for op in costs.operators] == [
+        ("input_layernorm", ("layer_in",)), ("pre_mlp_layernorm", ("ln2_in",)),
+        ("mlp.activation_func", ("gelu_in",))]
+    # The GELU reads and writes s*b*f values; a norm reads and writes s*b*h.
+    assert costs.operator("mlp.activation_func").rebuild_s == pytest.approx(
+        2 * s * b * f * act / byte_rate)
+    assert costs.operator("input_layernorm").rebuild_s == pytest.approx(
+        2 * s * b * h * act / byte_rate)
+    # Rebuilding the activation output from its input is far cheaper than the MLP's re-run
+    # to it (the fc1 matmul), which is what the segment mechanism charged.
+    assert costs.operator("mlp.activation_func").rebuild_s < costs.site("gelu_in").rebuild_s / 5
+
+
+def test_gpu_plans_use_the_operator_rebuilds():
+    costs = hardware.analytic_costs(GPT345M, 8, "a100-80gb")
+    retain_all = planning.peak_bytes(costs, [planning.evaluate_layer(costs, {})] * 24)
+    gelu_out = costs.site("gelu_out").bytes * costs.num_layers
+    result = planning.plan(costs, retain_all - gelu_out)
+    assert {decisions["gelu_out"].action for decisions in result.layer_decisions} \
+        == {"recompute"}
+    row = next(row for row in result.rows if row.site == "gelu_out")
+    assert row.rebuilt_from == "gelu_in"
 
 
 def test_costs_are_consistent_and_round_trip():

@@ -10,7 +10,7 @@ from hypothesis import example, given, settings, strategies as st
 
 from megatron_adacc import planning as planner
 from megatron_adacc import hardware
-from megatron_adacc.costs import CodecCost, ModelCosts, SiteCost
+from megatron_adacc.costs import CodecCost, ModelCosts, Operator, SiteCost
 from megatron_adacc.plan import Decision
 from megatron_adacc.sites import COMPRESS, RECOMPUTE, RETAIN
 
@@ -18,9 +18,15 @@ from megatron_adacc.sites import COMPRESS, RECOMPUTE, RETAIN
 # the megatron segments: layer_in starts the attention re-run, ln2_in (its last save) the
 # MLP's. Each LayerNorm's input and statistics are decoded together (sites.DECODED_TOGETHER),
 # so the decoded term is a group's sum, not one site's size. A drawn site may also be left
-# out of its segment (never rebuilt).
+# out of its segment (never rebuilt), or be rebuilt by an operator instead: each operator
+# reads one site, and a site may be the product of an operator declared before the first
+# one that reads it (chains: op_b reads what op_a or op_c may rebuild), several sites of one;
+# a segment's start is no operator's product.
 SEGMENT_OF = {"layer_in": None, "ln1_stats": "attention", "ln2_in": "attention",
               "ln2_stats": "mlp"}
+OPERATOR_SOURCES = {"op_a": ("layer_in",), "op_c": ("ln2_in",), "op_b": ("ln1_stats",)}
+OPERATORS_OF = {"ln1_stats": ("op_a", "op_c"), "ln2_in": (),
+                "ln2_stats": ("op_a", "op_b", "op_c")}
 
 
 @st.composite
@@ -30,14 +36,22 @@ def small_costs(draw):
     for name in list(SEGMENT_OF)[:count]:
         size = draw(st.integers(1, 60))
         segment = SEGMENT_OF[name] if draw(st.integers(0, 4)) else None
+        operator = None
+        if segment is not None and OPERATORS_OF[name] and draw(st.booleans()):
+            segment, operator = None, draw(st.sampled_from(OPERATORS_OF[name]))
         codecs = (CodecCost("outlier_int4", draw(st.integers(0, size)), draw(st.floats(0, 1)),
                             draw(st.floats(0, 1))),) if draw(st.booleans()) else ()
-        sites.append(SiteCost(name, size, "float16", draw(st.floats(0, 2)), segment, codecs))
+        sites.append(SiteCost(name, size, "float16", draw(st.floats(0, 2)), segment, codecs,
+                              operator=operator))
+    operators = tuple(Operator(name, sources, draw(st.floats(0, 2)))
+                      for name, sources in OPERATOR_SOURCES.items())
     # A pipeline stage: up to 3 micro-batches in flight, embedding activations held
     # through backward (1 and 0: the whole model on one stage).
-    return ModelCosts(sites=sites, num_layers=draw(st.integers(1, 3)),
+    non_layer = draw(st.integers(0, 80))
+    return ModelCosts(sites=sites, num_layers=draw(st.integers(1, 3)), operators=operators,
                       static_bytes=draw(st.integers(0, 50)),
-                      non_layer_bytes=draw(st.integers(0, 80)),
+                      non_layer_bytes=non_layer,
+                      held_non_layer_bytes=draw(st.integers(0, non_layer)),
                       backward_workspace_bytes=draw(st.integers(0, 30)), micro_batch_size=1,
                       in_flight_micro_batches=draw(st.integers(1, 3)),
                       embedding_bytes=draw(st.integers(0, 20)))
@@ -272,22 +286,26 @@ def simulate_1f1b(costs, layers, stage, pipeline_size, num_micro_batches):
     and loss's (freed by the loss backward), and on a stage after the first, when a backward
     came before it, the input the last backward's micro-batch received (its graph holds it
     until this forward returns); a backward walks the layers top down, layer l holding its
-    transient and the workspace while the layers below it are still stored."""
+    transient and the workspace while the layers below it are still stored. The part of the
+    non-layer bytes a cached tensor holds (the causal mask) is allocated by the first forward
+    and never freed."""
     warmup = min(pipeline_size - stage - 1, num_micro_batches)
     order = ["F"] * warmup + ["F", "B"] * (num_micro_batches - warmup) + ["B"] * warmup
     received = costs.site("layer_in").bytes if stage > 0 else 0
     live = peak = costs.static_bytes
+    cached = costs.held_non_layer_bytes
     for index, step in enumerate(order):
         if step == "F":
             live += costs.embedding_bytes + sum(layer.stored_bytes for layer in layers)
+            live += cached if index == 0 else 0
             previous_received = received if "B" in order[:index] else 0
-            peak = max(peak, live + costs.non_layer_bytes + previous_received)
+            peak = max(peak, live + costs.non_layer_bytes - cached + previous_received)
         else:
             for layer in reversed(layers):
                 peak = max(peak, live + layer.transient_bytes + costs.backward_workspace_bytes)
                 live -= layer.stored_bytes
             live -= costs.embedding_bytes
-    assert live == costs.static_bytes
+    assert live == costs.static_bytes + cached
     return peak
 
 
@@ -298,8 +316,9 @@ def tiny_pipelines(draw):
     costs = draw(small_costs())
     pipeline_size, num_micro_batches = draw(st.integers(1, 4)), draw(st.integers(1, 6))
     embedding, output = draw(st.integers(0, 20)), draw(st.integers(0, 80))
+    mask = draw(st.integers(0, 10))   # a cached tensor on every stage, never freed
     memory = [planner.StageMemory(draw(st.integers(0, 50)), embedding if stage == 0 else 0,
-                                  output if stage == pipeline_size - 1 else 0)
+                                  (output if stage == pipeline_size - 1 else 0) + mask, mask)
               for stage in range(pipeline_size)]
     layers = pipeline_size * draw(st.integers(1, 2))
     return planner.stage_costs(costs, memory, layers, num_micro_batches), num_micro_batches

@@ -9,7 +9,7 @@ from megatron_adacc.optimizer import MainParamAdamW, static_bytes
 from megatron_adacc.plan import Decision, Plan
 from megatron_adacc.profiler import profile, refresh_codec_costs
 from megatron_adacc.runtime import apply_plan, measure_step
-from megatron_adacc.sites import COMPRESS, QUANTIZE_CODEC, RECOMPUTE, SEGMENT_ANCHORS
+from megatron_adacc.sites import COMPRESS, QUANTIZE_CODEC, REBUILDS, RECOMPUTE, SEGMENT_ANCHORS
 
 from runtime_helpers import batch, build, loss_of, planned_and_measured
 
@@ -56,7 +56,16 @@ def test_every_site_has_a_cost_to_each_action(profiled):
                    if c.codec != QUANTIZE_CODEC), site.name
         assert all(c.payload_bytes > 0 for c in site.codecs), site.name
         if site.name != "layer_in":
-            assert site.can_recompute and site.rebuild_s > 0, site.name
+            rebuild_s = (costs.operator(site.operator).rebuild_s if site.operator
+                         else site.rebuild_s)
+            assert site.can_recompute and rebuild_s > 0, site.name
+    # What an operator rebuilds, it rebuilds alone: from its sources, no segment re-run.
+    assert {site.name: site.operator for site in costs.sites if site.operator} == {
+        "ln1_stats": "input_layernorm", "ln1_out": "input_layernorm",
+        "ln2_stats": "pre_mlp_layernorm", "ln2_out": "pre_mlp_layernorm",
+        "gelu_out": "mlp.activation_func"}
+    assert [(op.name, op.sources) for op in costs.operators] == [
+        (edge.call, edge.sources) for edge in REBUILDS]
     # Rebuild times from the segment start: a deeper save is never reached sooner.
     for segment in costs.segments:
         times = [site.rebuild_s for site in costs.sites if site.segment == segment.name]
@@ -125,8 +134,8 @@ def test_refresh_codec_costs_remeasures_only_the_named_sites(profiled):
 
 def test_the_runtime_reruns_what_the_planner_charges(distributed, monkeypatch):
     """The planner charges one re-run per layer from the first rebuilt segment's start to the
-    deepest recomputed site, earlier segments whole (planning.rebuild_charges): the runtime
-    re-saves exactly those sites."""
+    deepest recomputed site, earlier segments whole, and an operator's own call for what an
+    operator rebuilds (planning.rebuild_charges): the runtime re-saves exactly those sites."""
     from megatron_adacc.runtime.storage import LayerCall
 
     model = build(True, dropout=0.1)
@@ -141,14 +150,20 @@ def test_the_runtime_reruns_what_the_planner_charges(distributed, monkeypatch):
     monkeypatch.setattr(LayerCall, "capture_pack", spy)
     forward = measure_step(model, lambda: loss_of(model), strict=True)[1]
     order = list(dict.fromkeys(s for (layer, s), _ in forward.by_site.items() if layer == 0))
-    for recomputed, first, deepest in ((["ln1_out"], "layer_in", "ln1_out"),
-                                       (["gelu_in"], "ln2_in", "gelu_in"),
-                                       (["ln1_out", "gelu_in"], "layer_in", "gelu_in")):
+    segment_runs = [(["context"], "layer_in", "context"), (["gelu_in"], "ln2_in", "gelu_in"),
+                    (["context", "gelu_in"], "layer_in", "gelu_in")]
+    operators = [(["gelu_out"], []),                            # the activation saves nothing
+                 (["ln1_out"], []),
+                 (["ln1_stats"], ["layer_in", "ln1_stats"]),    # the norm, for its statistics
+                 (["gelu_out", "gelu_in"], order[order.index("ln2_in"):
+                                                 order.index("gelu_in") + 1])]
+    for recomputed, *span in segment_runs + operators:
         resaved.clear()
         apply_plan(model, Plan(layers={(0, 0): {s: Decision(RECOMPUTE) for s in recomputed}}))
         try:
             loss_of(model).backward()
         finally:
             apply_plan(model, None)
-        expected = order[order.index(first):order.index(deepest) + 1]
+        expected = (span[0] if len(span) == 1 else
+                    order[order.index(span[0]):order.index(span[1]) + 1])
         assert list(dict.fromkeys(resaved)) == expected, recomputed

@@ -1,5 +1,5 @@
 """The per-layer Pareto frontier: every single-layer policy (one action per site, layer_in-style
-sites never recomputed, with ``allow_lossy_sources=False`` no re-run from a compressed start)
+sites never recomputed, with ``allow_lossy_sources=False`` no rebuild reading a compressed value)
 reduced to its Pareto frontier in (time, stored, transient), built site by site so the 3^n
 policies are never listed (``_frontier`` says how the rebuild time is carried).
 
@@ -13,7 +13,7 @@ clipped from below at ``model.transient_floor``: no prefix exceeds the total sto
 smaller transient can never set the peak.
 
 Every charge comes from the model's per-site terms (``site_options``, ``decoded_sets``,
-``rerun_source_bytes``, the segments' run times).
+``rerun_source_bytes``, ``source_bytes``, the segments' run times, the operators' times).
 """
 from __future__ import annotations
 
@@ -23,9 +23,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from megatron_adacc.costs import ModelCosts, Segment, SiteCost, segment_run_s
+from megatron_adacc.costs import ModelCosts, Operator, Segment, SiteCost, segment_run_s
 from megatron_adacc.planning.model import (LayerPolicy, SiteOption, decoded_sets,
-                                           rerun_source_bytes, site_options, transient_floor)
+                                           rerun_source_bytes, site_options, source_bytes,
+                                           transient_floor)
 from megatron_adacc.sites import COMPRESS, RECOMPUTE
 
 
@@ -97,8 +98,8 @@ def layer_frontier(costs: ModelCosts, allow_lossy_sources: bool = True) -> Front
     transient clipped from below at ``transient_floor`` (which changes no peak). It depends
     on the per-layer costs only, so re-planning the same costs at another budget reuses it
     (``clear_frontier_cache`` forgets it, e.g. to time a cold search)."""
-    return _frontier(tuple(costs.sites), tuple(costs.segments), allow_lossy_sources,
-                     transient_floor(costs))
+    return _frontier(tuple(costs.sites), tuple(costs.segments), tuple(costs.operators),
+                     allow_lossy_sources, transient_floor(costs))
 
 
 def clear_frontier_cache() -> None:
@@ -108,27 +109,43 @@ def clear_frontier_cache() -> None:
 
 @functools.lru_cache(maxsize=32)
 def _frontier(sites: tuple[SiteCost, ...], segments: tuple[Segment, ...],
-              allow_lossy_sources: bool, floor: int) -> Frontier:
-    """Sites are added deepest first: the segments last to first, each segment's sites by
-    rebuild time, longest first, then the sites no segment rebuilds. In that order the
-    first recomputed site met is the deepest of the last rebuilt segment, and a recomputed
-    site met in an earlier segment extends the re-run to it, so the rebuild time is charged
-    as it is met (``rebuild_charges`` in steps) with one number of state: the lowest segment
-    rebuilt so far. A second flag marks that the start of that segment was compressed; it
-    clears if a still earlier segment is rebuilt (the re-run then starts elsewhere). A
-    policy still carrying it at the end is lossy: dropped for exact plans, charged
-    ``rerun_source_bytes`` otherwise. The whole is built once per cap of the decoded term
-    (module docstring); within a cap, the compressed bytes of each group of sites decoded
-    together are carried in the state while the group has sites to come."""
+              operators: tuple[Operator, ...], allow_lossy_sources: bool,
+              floor: int) -> Frontier:
+    """Sites are added in this order: the operators' products, last operator first (so every
+    product comes before its operator's sources); then deepest first for the re-runs: the
+    segments last to first, each segment's sites by rebuild time, longest first; then the
+    sites nothing rebuilds. An operator is charged at its first recomputed product (a flag per
+    operator while its products are added), and that product flags the operator's sources:
+    a flagged source compressed is a lossy rebuild, dropped for exact plans and charged its
+    bytes held otherwise. In re-run order the first recomputed site met is the deepest of the
+    last rebuilt segment, and a recomputed site met in an earlier segment extends the re-run
+    to it, so the rebuild time is charged as it is met (``rebuild_charges`` in steps) with one
+    number of state: the lowest segment rebuilt so far. A second number marks that the start
+    of that segment was compressed (1; 2 when an operator's flag already charged it held); it
+    clears if a still earlier segment is rebuilt (the re-run then starts elsewhere). A policy
+    still carrying it at the end is lossy: dropped for exact plans, charged
+    ``rerun_source_bytes`` otherwise (unless charged already). The whole is built once per cap
+    of the decoded term (module docstring); within a cap, the compressed bytes of each group
+    of sites decoded together are carried in the state while the group has sites to come."""
     names = [segment.name for segment in segments]
     none = len(segments)            # "no segment rebuilt yet"
-    order = [site for index in reversed(range(len(segments)))
-             for site in sorted((s for s in sites if s.segment == names[index]),
-                                key=lambda s: -s.rebuild_s)]
-    order += [site for site in sites if site.segment is None]
+    order = [site for operator in reversed(operators) for site in sites
+             if site.operator == operator.name]
+    order += [site for index in reversed(range(len(segments)))
+              for site in sorted((s for s in sites if s.segment == names[index]),
+                                 key=lambda s: -s.rebuild_s)]
+    order += [site for site in sites if site.segment is None and site.operator is None]
     run_s = np.array([segment_run_s(sites, name) for name in names])
     starts = {segment.start: index for index, segment in enumerate(segments)}
     held_source = [rerun_source_bytes(sites, segment) for segment in segments]
+    operator_index = {operator.name: index for index, operator in enumerate(operators)}
+    position = {site.name: index for index, site in enumerate(order)}
+    # The sources an operator reads, each a flag in the state until it is added.
+    flagged = sorted({source for operator in operators for source in operator.sources
+                      if source in position}, key=position.get)
+    flag_of = {name: index for index, name in enumerate(flagged)}
+    reads = [[flag_of[source] for source in operator.sources if source in flag_of]
+             for operator in operators]
     options = [site_options(site) for site in order]
     if np.prod([float(len(o)) for o in options]) >= 2.0**63:
         raise ValueError(f"{len(order)} sites have too many options to number every policy")
@@ -139,7 +156,8 @@ def _frontier(sites: tuple[SiteCost, ...], segments: tuple[Segment, ...],
     to_come = np.cumsum([max(o.transient for o in candidates)
                          for candidates in options][::-1])[::-1]
     unreachable = floor - np.append(to_come[1:], 0) - (
-        max(held_source, default=0) if allow_lossy_sources else 0)
+        max(held_source, default=0) + sum(source_bytes(sites, name) for name in flagged)
+        if allow_lossy_sources else 0)
     compressible = {site.name: site.bytes for site, candidates in zip(order, options)
                     if any(o.decision.action == COMPRESS for o in candidates)}
     groups = [group for group in decoded_sets(sites) if len(group) > 1]
@@ -148,43 +166,65 @@ def _frontier(sites: tuple[SiteCost, ...], segments: tuple[Segment, ...],
                          for size in range(1, len(group) + 1)
                          for subset in itertools.combinations(
                              sorted(group & compressible.keys()), size)})
-    position = {site.name: index for index, site in enumerate(order)}
     # groups whose last site (in build order) is site k: their sums leave the state after it
     closing = [[j for j, group in enumerate(groups)
                 if max(position[name] for name in group) == k] for k in range(len(order))]
+    # operators whose last product is site k: their flags leave the state after it
+    last_product = {operator_index[site.operator]: k for k, site in enumerate(order)
+                    if site.operator is not None}
+    closing_operators = [[j for j, k_last in last_product.items() if k_last == k]
+                         for k in range(len(order))]
 
-    def grow(cap: int) -> dict[tuple[int, bool, tuple[int, ...]], tuple[np.ndarray, np.ndarray]]:
-        # (lowest rebuilt segment, its start compressed, compressed bytes of each open group)
-        # -> (time, stored, transient) rows and each row's option choices as one
-        # mixed-radix integer (site k's choice is digit k).
-        states = {(none, False, (0,) * len(groups)): (np.array([[0.0, 0.0, float(cap)]]),
-                                                      np.zeros(1, dtype=np.int64))}
+    def grow(cap: int) -> dict[tuple, tuple[np.ndarray, np.ndarray]]:
+        # (lowest rebuilt segment, its start compressed, compressed bytes of each open group,
+        # flagged sources, operators charged) -> (time, stored, transient) rows and each
+        # row's option choices as one mixed-radix integer (site k's choice is digit k).
+        states = {(none, 0, (0,) * len(groups), (False,) * len(flagged),
+                   (False,) * len(operators)): (np.array([[0.0, 0.0, float(cap)]]),
+                                                np.zeros(1, dtype=np.int64))}
         radix = 1
         for index, (site, candidates) in enumerate(zip(order, options)):
             segment = names.index(site.segment) if site.segment is not None else None
+            operator = operator_index.get(site.operator)
+            flag = flag_of.get(site.name)
             grown: dict[tuple, list[tuple[np.ndarray, np.ndarray]]] = {}
-            for (lowest, pending, sums), (vectors, codes) in states.items():
+            for (lowest, pending, sums, flags, ran), (vectors, codes) in states.items():
                 for choice, option in enumerate(candidates):
                     key, charge = (lowest, pending), option.time_s
-                    held = list(sums)
+                    held, flags_after, ran_after = list(sums), list(flags), list(ran)
+                    transient = option.transient
                     if option.decision.action == RECOMPUTE:
-                        if lowest == none:
-                            key, charge = (segment, False), site.rebuild_s
+                        if operator is not None:
+                            if not ran[operator]:
+                                charge, ran_after[operator] = operators[operator].rebuild_s, True
+                            for j in reads[operator]:
+                                flags_after[j] = True
+                        elif lowest == none:
+                            key, charge = (segment, 0), site.rebuild_s
                         elif segment < lowest:
-                            key, charge = (segment, False), float(run_s[segment:lowest].sum())
+                            key, charge = (segment, 0), float(run_s[segment:lowest].sum())
                     elif option.decision.action == COMPRESS:
                         if site.bytes > cap:
                             continue
+                        read = flag is not None and flags[flag]
+                        if read:
+                            if not allow_lossy_sources:
+                                continue
+                            transient += site.bytes
                         if starts.get(site.name, none) == lowest != none:
-                            key = (lowest, True)
+                            key = (lowest, 2 if read else 1)
                         held = [total + site.bytes if site.name in group else total
                                 for total, group in zip(held, groups)]
                         if max(held, default=0) > cap:
                             continue
                     for j in closing[index]:
                         held[j] = 0
-                    key = (*key, tuple(held))
-                    step = np.array([charge, option.stored, option.transient], dtype=float)
+                    for j in closing_operators[index]:
+                        ran_after[j] = False
+                    if flag is not None:
+                        flags_after[flag] = False
+                    key = (*key, tuple(held), tuple(flags_after), tuple(ran_after))
+                    step = np.array([charge, option.stored, transient], dtype=float)
                     grown.setdefault(key, []).append((vectors + step, codes + choice * radix))
             radix *= len(candidates)
             states = {}
@@ -199,11 +239,12 @@ def _frontier(sites: tuple[SiteCost, ...], segments: tuple[Segment, ...],
 
     rows, row_codes = [], []
     for cap in caps:
-        for (lowest, pending, _), (vectors, codes) in grow(cap).items():
+        for (lowest, pending, *_), (vectors, codes) in grow(cap).items():
             if pending:
                 if not allow_lossy_sources:
                     continue
-                vectors = vectors + np.array([0.0, 0.0, held_source[lowest]])
+                if pending == 1:
+                    vectors = vectors + np.array([0.0, 0.0, held_source[lowest]])
             rows.append(vectors)
             row_codes.append(codes)
     vectors, codes = np.concatenate(rows), np.concatenate(row_codes)

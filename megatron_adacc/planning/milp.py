@@ -5,9 +5,10 @@ The only module that imports PuLP.
 
 A linear programme cannot call the model per policy, so its coefficients are the model's
 per-site terms: each option's time, stored and additive transient bytes (``site_options``),
-the decoded term as the largest compressed sum over ``decoded_sets``, the source term of each
-segment (``rerun_source_bytes``), the segments' run times, and the budget as the peak rule's
-limits (``budget_limits``). The plan CBC returns is re-evaluated by the model and kept only
+the decoded term as the largest compressed sum over ``decoded_sets``, the held sources (a
+compressed re-run start or operator source, ``source_bytes``), the segments' run times, the
+operators' times (once per operator with a recomputed product), and the budget as the peak
+rule's limits (``budget_limits``). The plan CBC returns is re-evaluated by the model and kept only
 if its exact peak fits.
 """
 from __future__ import annotations
@@ -18,8 +19,8 @@ import pulp
 
 from megatron_adacc.costs import ModelCosts, segment_run_s
 from megatron_adacc.planning.model import (LayerPolicy, budget_limits, decoded_sets,
-                                           evaluate_layer, peak_bytes, rerun_source_bytes,
-                                           site_options)
+                                           evaluate_layer, peak_bytes, site_options,
+                                           source_bytes)
 from megatron_adacc.sites import COMPRESS, RECOMPUTE
 
 # CBC works in floating point with absolute tolerances near 1e-7: bytes are given to it in
@@ -73,13 +74,34 @@ def plan_direct_milp(costs: ModelCosts, budget: int, per_layer: bool,
             for segment in costs.segments]
     rebuild = {(g, k): pulp.LpVariable(f"rebuild_{g}_{k}", lowBound=0)
                for g in groups for k in range(len(held))}
+    # Each operator runs (continuous in [0, 1], pushed down by the objective) when one of its
+    # products is recomputed.
+    ran = {(g, k): pulp.LpVariable(f"ran_{g}_{k}", 0, 1)
+           for g in groups for k in range(len(costs.operators))}
+    products = [[site.name for site in costs.sites
+                 if site.operator == operator.name and site.can_recompute]
+                for operator in costs.operators]
     # The non-additive parts of transient(l), in budget units: the decoded term (the largest
-    # compressed sum over decoded_sets) and rerun_source_bytes.
+    # compressed sum over decoded_sets) and each compressed value a rebuild reads, held.
     decoded = {g: pulp.LpVariable(f"decoded_{g}", lowBound=0) for g in groups}
-    source = {g: pulp.LpVariable(f"source_{g}", lowBound=0) for g in groups}
+    readable = sorted({segment.start for segment in costs.segments}
+                      | {source for operator in costs.operators for source in operator.sources})
+    hold = {(g, name): pulp.LpVariable(f"hold_{g}_{name}", lowBound=0)
+            for g in groups for name in readable}
+
+    def reads_compressed(g: int, name: str, reader: Any) -> None:
+        # ``reader`` is 1 when a rebuild reads site ``name``: held if compressed, or forbidden.
+        if allow_lossy_sources:
+            problem.addConstraint(hold[g, name] >= source_bytes(costs.sites, name) / unit * (
+                chosen(g, name, COMPRESS) + reader - 1))
+        else:
+            problem.addConstraint(chosen(g, name, COMPRESS) + reader <= 1)
+
     weight = 1 if per_layer else num_layers
     problem += pulp.lpSum(weight * (total(g, "time_s", 1 / _MS)
-                                    + pulp.lpSum(rebuild[g, k] for k in range(len(held))))
+                                    + pulp.lpSum(rebuild[g, k] for k in range(len(held)))
+                                    + pulp.lpSum(operator.rebuild_s * _MS * ran[g, k]
+                                                 for k, operator in enumerate(costs.operators)))
                           for g in groups)
     for g in groups:
         for name, opts in options.items():
@@ -99,25 +121,24 @@ def plan_direct_milp(costs: ModelCosts, budget: int, per_layer: bool,
                     problem += later >= chosen(g, site.name, RECOMPUTE)
                 run_ms = segment_run_s(costs.sites, costs.segments[k].name) * _MS
                 problem += rebuild[g, k] >= run_ms * (first + later - 1)
-            # A re-run starting at segment k (nothing recomputed before it) reads its start:
-            # exact plans must not compress it; lossy ones hold it decoded (``source``).
+            # A re-run starting at segment k (nothing recomputed before it) reads its start.
             before = pulp.lpSum(chosen(g, site.name, RECOMPUTE) for site in sum(held[:k], []))
-            start = costs.segments[k].start
-            held_source = rerun_source_bytes(costs.sites, costs.segments[k])
             for site in sites:
-                reads_compressed = (chosen(g, start, COMPRESS)
-                                    + chosen(g, site.name, RECOMPUTE) - before - 1)
-                if allow_lossy_sources:
-                    problem += source[g] >= held_source / unit * reads_compressed
-                else:
-                    problem += reads_compressed <= 0
+                reads_compressed(g, costs.segments[k].start,
+                                 chosen(g, site.name, RECOMPUTE) - before)
+        for k, operator in enumerate(costs.operators):
+            for name in products[k]:
+                problem += ran[g, k] >= chosen(g, name, RECOMPUTE)
+                for source in operator.sources:
+                    reads_compressed(g, source, chosen(g, name, RECOMPUTE))
         for group in decoded_sets(costs.sites):
             problem += decoded[g] >= pulp.lpSum(
                 site.bytes / unit * chosen(g, site.name, COMPRESS)
                 for site in costs.sites if site.name in group)
 
     def transient(g: int) -> Any:
-        return total(g, "transient", unit) + decoded[g] + source[g]
+        return (total(g, "transient", unit) + decoded[g]
+                + pulp.lpSum(hold[g, name] for name in readable))
 
     if per_layer:
         all_stored = pulp.lpSum(total(k, "stored", unit) for k in groups)

@@ -7,10 +7,12 @@ keeps k = ``in_flight_micro_batches`` micro-batches in flight, 1 without pipelin
 
     peak = static + allocator_overhead + (k - 1) x (A + E) + E
                   + max( non_layer + R + A,                                 # end of forward
-                         max_l [ sum_{j<=l} stored(j) + transient(l) ] + workspace )
+                         max_l [ sum_{j<=l} stored(j) + transient(l) ] + workspace + H )
 
     A = sum_l stored(l), one micro-batch's layers; E = ``embedding_bytes`` (first stage);
-    R = ``received_input_bytes`` (later stages, when a forward follows a backward).
+    R = ``received_input_bytes`` (later stages, when a forward follows a backward);
+    H = ``held_non_layer_bytes``, the part of non_layer that backward does not free (a
+    cached tensor every layer shares, megatron's causal mask: one storage for the stage).
 
 Why: under 1F1B stage s of P runs min(P - s, M) forwards before its first backward, and one
 forward per backward after, so at most k micro-batches are alive. Its peak comes with the
@@ -39,8 +41,10 @@ payloads); transient(l) is what exists at full size only while layer l backprops
     transient(l) = sum of its recomputed sites            (rebuilt together, cached for
                                                            the layer's backward)
                  + its decoded values alive together, at most
-                 + the start of its re-run, if compressed (decoded by the rebuild, held
-                                                           until backward takes it)
+                 + the compressed values its rebuild reads (the start of its re-run, its
+                                                           operators' sources: decoded
+                                                           by the rebuild, held until
+                                                           backward takes them)
 
 The runtime decodes a compressed value when backward first asks for it and frees it once
 every view of it is taken, so decoded values do not pile up the way rebuilt ones do: two
@@ -64,15 +68,22 @@ bytes), ``decoded_sets`` (the groups of sites whose decoded bytes add up; the de
 source term). The searches that cannot call ``evaluate_layer`` per policy (the vectorised
 frontier, the linear MILP) combine these.
 
-Time model: each compressed site costs its encode + decode. Recomputed sites are rebuilt the
-way the runtime rebuilds them: one forward re-run per layer (values cached for the layer's
-backward), from the start of the first segment holding a recomputed site to the deepest
-recomputed site of the last one. Segments before the last run whole (the next one starts
-from their output), the last one up to its deepest recomputed site (``rebuild_charges``).
-That is a maximum, not a sum, over the recomputed sites, so a layer's time is not additive
-over its sites; its memory is. A layer policy is still a vector (time, stored, transient).
-Exactness: the re-run reads one saved value, the start of its first segment; with
-``allow_lossy_sources=False`` that start must not be compressed.
+Time model: each compressed site costs its encode + decode. A recomputed site is rebuilt the
+way the runtime rebuilds it (values cached for the layer's backward), one of two ways:
+
+- by its operator (``costs.operators``, sites.REBUILDS): one of megatron's submodules run on
+  its sources' backward values, each retained, decoded or rebuilt in turn (a chain charges
+  each link). An operator runs once per layer backward however many of its products are
+  recomputed: its time is charged to the first of them (``rebuild_charges``). A compressed
+  source is decoded for it and held until backward takes it (``held_sources``).
+- by one forward re-run per layer, from the start of the first segment holding such a site
+  to the deepest one of the last. Segments before the last run whole (the next one starts
+  from their output), the last one up to its deepest recomputed site. That is a maximum, not
+  a sum, over those sites, so a layer's time is not additive over its sites; its memory is.
+
+A layer policy is still a vector (time, stored, transient). Exactness: a rebuild reads
+saved values, the start of its re-run's first segment and its operators' sources; with
+``allow_lossy_sources=False`` none of those may be compressed.
 """
 from __future__ import annotations
 
@@ -82,7 +93,7 @@ from typing import Collection, Iterable, Mapping, NamedTuple, Sequence
 import numpy as np
 
 from megatron_adacc import sites as site_table
-from megatron_adacc.costs import ModelCosts, Segment, SiteCost, segment_run_s
+from megatron_adacc.costs import ModelCosts, Operator, Segment, SiteCost, segment_run_s
 from megatron_adacc.plan import RETAIN_DECISION, Decision
 from megatron_adacc.sites import COMPRESS, RECOMPUTE
 
@@ -140,11 +151,17 @@ def decoded_bytes(sites: Iterable[SiteCost], compressed: Collection[str]) -> int
                default=0)
 
 
+def source_bytes(sites: Iterable[SiteCost], name: str) -> int:
+    """A rebuild source held decoded: its full size (0 when it is no site the plan decides,
+    so never compressed)."""
+    return next((site.bytes for site in sites if site.name == name), 0)
+
+
 def rerun_source_bytes(sites: Iterable[SiteCost], segment: Segment) -> int:
     """The source term of transient(l) for a re-run starting at ``segment`` from a compressed
     start: the start at full size (0 when it is no site the plan decides, so never
     compressed)."""
-    return next((site.bytes for site in sites if site.name == segment.start), 0)
+    return source_bytes(sites, segment.start)
 
 
 # --- one layer ---------------------------------------------------------------------------------
@@ -166,7 +183,7 @@ def _rebuilt_segments(costs: ModelCosts, recomputed: set[str]) -> list[int]:
     """Indices (into ``costs.segments``) of the segments holding a recomputed site."""
     order = [segment.name for segment in costs.segments]
     return sorted({order.index(site.segment) for site in costs.sites
-                   if site.name in recomputed})
+                   if site.name in recomputed and site.segment is not None})
 
 
 def rebuild_charges(costs: ModelCosts, recomputed: set[str]) -> dict[str, float]:
@@ -174,10 +191,15 @@ def rebuild_charges(costs: ModelCosts, recomputed: set[str]) -> dict[str, float]
     that sets each part: the runtime re-runs forward once, from the start of the first segment
     holding a recomputed site to the deepest recomputed site of the last one. Each segment
     before the last runs whole (charged to its deepest recomputed site, or to the last
-    segment's when it has none); the last runs up to its deepest recomputed site."""
+    segment's when it has none); the last runs up to its deepest recomputed site. Sites an
+    operator rebuilds are no part of a re-run: each operator with a recomputed product runs
+    once, charged to the first such product."""
+    charges: dict[str, float] = {}
+    for operator, products in _running_operators(costs, recomputed):
+        charges[products[0]] = operator.rebuild_s
     rebuilt = _rebuilt_segments(costs, recomputed)
     if not rebuilt:
-        return {}
+        return charges
 
     def deepest(index: int) -> SiteCost | None:
         name = costs.segments[index].name
@@ -185,12 +207,37 @@ def rebuild_charges(costs: ModelCosts, recomputed: set[str]) -> dict[str, float]
         return max(held, key=lambda site: site.rebuild_s, default=None)
 
     last = deepest(rebuilt[-1])
-    charges = {last.name: last.rebuild_s}
+    charges[last.name] = last.rebuild_s
     for index in range(rebuilt[0], rebuilt[-1]):
         holder = deepest(index) or last
         run_s = segment_run_s(costs.sites, costs.segments[index].name)
         charges[holder.name] = charges.get(holder.name, 0.0) + run_s
     return charges
+
+
+def _running_operators(costs: ModelCosts, recomputed: Collection[str]
+                       ) -> list[tuple[Operator, list[str]]]:
+    """The operators a layer backward runs: each with its recomputed products (in the
+    costs' site order)."""
+    running = []
+    for operator in costs.operators:
+        products = [site.name for site in costs.sites
+                    if site.operator == operator.name and site.name in recomputed]
+        if products:
+            running.append((operator, products))
+    return running
+
+
+def held_sources(costs: ModelCosts, decisions: Mapping[str, Decision]) -> set[str]:
+    """The compressed sites a layer's rebuild reads: decoded for it and held until backward
+    takes them (a lossy rebuild). The re-run's start, and the running operators' sources."""
+    compressed = {name for name, decision in decisions.items() if decision.action == COMPRESS}
+    held = {source for operator, _ in _running_operators(costs, _recomputed(decisions))
+            for source in operator.sources if source in compressed}
+    start = _compressed_rerun_start(costs, decisions)
+    if start is not None:
+        held.add(start.start)
+    return held
 
 
 def _compressed_rerun_start(costs: ModelCosts, decisions: Mapping[str, Decision]
@@ -204,9 +251,24 @@ def _compressed_rerun_start(costs: ModelCosts, decisions: Mapping[str, Decision]
     return first if decisions.get(first.start, RETAIN_DECISION).action == COMPRESS else None
 
 
+def rebuilt_from(costs: ModelCosts, decisions: Mapping[str, Decision]) -> dict[str, str]:
+    """What each recomputed site of a layer policy is rebuilt from: its operator's sources
+    (joined by "+"), or the start of the layer's re-run (the first rebuilt segment's)."""
+    recomputed = _recomputed(decisions)
+    sources = {name: "+".join(operator.sources)
+               for operator, products in _running_operators(costs, recomputed)
+               for name in products}
+    rebuilt = _rebuilt_segments(costs, recomputed)
+    if rebuilt:
+        start = costs.segments[rebuilt[0]].start
+        sources.update({site.name: start for site in costs.sites
+                        if site.name in recomputed and site.segment is not None})
+    return sources
+
+
 def is_exact(costs: ModelCosts, decisions: Mapping[str, Decision]) -> bool:
-    """True when the layer's rebuild (if any) starts from a value that is not compressed."""
-    return _compressed_rerun_start(costs, decisions) is None
+    """True when the layer's rebuild (if any) reads no compressed value."""
+    return not held_sources(costs, decisions)
 
 
 def _chosen_options(costs: ModelCosts, decisions: Mapping[str, Decision]
@@ -222,9 +284,8 @@ def _layer_transient(costs: ModelCosts, decisions: Mapping[str, Decision],
     additive = sum(option.transient for option in options.values())
     compressed = {name for name, option in options.items()
                   if option.decision.action == COMPRESS}
-    start = _compressed_rerun_start(costs, decisions)
-    source = rerun_source_bytes(costs.sites, start) if start else 0
-    return additive + decoded_bytes(costs.sites, compressed) + source
+    held = sum(source_bytes(costs.sites, name) for name in held_sources(costs, decisions))
+    return additive + decoded_bytes(costs.sites, compressed) + held
 
 
 def _site_times(costs: ModelCosts, decisions: Mapping[str, Decision],
@@ -258,10 +319,11 @@ def _held_by_others(costs: ModelCosts, all_stored):
 
 def activation_terms(costs: ModelCosts, all_stored, backward_peak):
     """The activations part of the peak rule: (k - 1)(A + E) + E + max(non_layer + R + A,
-    ``backward_peak``), given A. Either argument may be an array (the searches evaluate many
+    ``backward_peak`` + H), given A. Either argument may be an array (the searches evaluate many
     plans at once)."""
     return _held_by_others(costs, all_stored) + np.maximum(
-        costs.non_layer_bytes + costs.received_input_bytes + all_stored, backward_peak)
+        costs.non_layer_bytes + costs.received_input_bytes + all_stored,
+        backward_peak + costs.held_non_layer_bytes)
 
 
 def peak_from_terms(costs: ModelCosts, all_stored, backward_peak):
@@ -315,7 +377,7 @@ def budget_limits(costs: ModelCosts, budget_bytes: int) -> Limits:
                  - k * costs.embedding_bytes)
     # k x A + non_layer + R <= available; floor division keeps the limit exact in whole bytes.
     return Limits((available - costs.non_layer_bytes - costs.received_input_bytes) // k,
-                  available - costs.backward_workspace_bytes)
+                  available - costs.backward_workspace_bytes - costs.held_non_layer_bytes)
 
 
 def transient_floor(costs: ModelCosts) -> int:
@@ -323,4 +385,4 @@ def transient_floor(costs: ModelCosts) -> int:
     most the total stored, and total + non_layer + R is itself a term of the peak, so
     prefix + max(transient, non_layer + R - workspace) + workspace gives the same peak."""
     return max(0, costs.non_layer_bytes + costs.received_input_bytes
-               - costs.backward_workspace_bytes)
+               - costs.backward_workspace_bytes - costs.held_non_layer_bytes)

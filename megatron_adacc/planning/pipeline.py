@@ -46,11 +46,13 @@ class StageMemory:
     static bytes (its own parameters, gradients and optimizer states), what the embedding
     keeps per micro-batch (the first stage) and the non-layer activations freed before its
     layers backprop (the output layer and loss on the last stage; a cached tensor every
-    layer shares, such as megatron's causal mask, on every stage)."""
+    layer shares, such as megatron's causal mask, on every stage), of which backward does not
+    free ``held_non_layer_bytes`` (that cached tensor)."""
 
     static_bytes: int
     embedding_bytes: int
     non_layer_bytes: int
+    held_non_layer_bytes: int = 0
 
 
 def stage_costs(layer_costs: ModelCosts, stages: Sequence[StageMemory], num_layers: int,
@@ -69,6 +71,7 @@ def stage_costs(layer_costs: ModelCosts, stages: Sequence[StageMemory], num_laye
         costs.append(replace(
             layer_costs, num_layers=layers, static_bytes=memory.static_bytes,
             embedding_bytes=memory.embedding_bytes, non_layer_bytes=memory.non_layer_bytes,
+            held_non_layer_bytes=memory.held_non_layer_bytes,
             in_flight_micro_batches=in_flight,
             received_input_bytes=received if index > 0 and num_micro_batches > in_flight else 0,
             meta={**layer_costs.meta, "pipeline_stage": index, "pipeline_size": len(stages),

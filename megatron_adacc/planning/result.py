@@ -9,7 +9,7 @@ from typing import Any, Iterable, Sequence
 from megatron_adacc.costs import ModelCosts
 from megatron_adacc.plan import RETAIN_DECISION, Decision, Plan
 from megatron_adacc.planning.model import (LayerPolicy, evaluate_layer, peak_bytes,
-                                           site_option, site_times)
+                                           rebuilt_from, site_option, site_times)
 from megatron_adacc.sites import RECOMPUTE
 
 
@@ -24,8 +24,12 @@ class SiteRow:
     codec: str | None
     bytes_kept: int             # summed over those layers
     # Summed over those layers; a re-run's time shows at the site that sets it (the deepest
-    # recomputed one, see rebuild_charges), other recomputed sites of it add nothing.
+    # recomputed one, see rebuild_charges), other recomputed sites of it add nothing; an
+    # operator's at its first recomputed product.
     time_added_s: float
+    # A recomputed site: what its rebuild reads (an operator's sources, or the re-run's
+    # start); None otherwise.
+    rebuilt_from: str | None = None
 
 
 @dataclass
@@ -113,18 +117,21 @@ def _ranges(layers: Iterable[int]) -> str:
 def _rows(costs: ModelCosts, layer_decisions: list[dict[str, Decision]]) -> list[SiteRow]:
     # Layers mostly share a few policies: evaluate each distinct one once.
     distinct = {tuple(d.items()): d for d in layer_decisions}
-    by_policy = {key: site_times(costs, decisions) for key, decisions in distinct.items()}
-    times = [by_policy[tuple(d.items())] for d in layer_decisions]
+    by_policy = {key: (site_times(costs, decisions), rebuilt_from(costs, decisions))
+                 for key, decisions in distinct.items()}
+    times = [by_policy[tuple(d.items())][0] for d in layer_decisions]
+    sources = [by_policy[tuple(d.items())][1] for d in layer_decisions]
     rows = []
     for site in costs.sites:
-        groups: dict[Decision, list[int]] = {}
+        groups: dict[tuple[Decision, str | None], list[int]] = {}
         for layer, decisions in enumerate(layer_decisions):
-            groups.setdefault(decisions.get(site.name, RETAIN_DECISION), []).append(layer)
-        for decision, layers in groups.items():
+            key = (decisions.get(site.name, RETAIN_DECISION), sources[layer].get(site.name))
+            groups.setdefault(key, []).append(layer)
+        for (decision, source), layers in groups.items():
             option = site_option(site, decision)
             rows.append(SiteRow(site.name, _ranges(layers), len(layers), decision.action,
                                 decision.codec_for(site.name), option.stored * len(layers),
-                                sum(times[layer][site.name] for layer in layers)))
+                                sum(times[layer][site.name] for layer in layers), source))
     return rows
 
 

@@ -2,10 +2,14 @@
 saved-tensor hooks that applies the layer's decisions (retain / compress / recompute) to
 every tensor it saves for backward.
 
-Nothing of megatron's forward is copied. Recompute re-runs megatron's own segments of it:
-`_forward_attention` from the layer input, `_forward_mlp` from ln2_in (the MLP segment alone
-when every recomputed site is in it and ln2_in is kept), with the RNG states captured when
-the segment first ran, and stops as soon as the last wanted site has been saved again.
+Nothing of megatron's forward is copied. A recomputed site that an operator-level edge of
+`sites.REBUILDS` names is rebuilt by calling that megatron submodule or function (a norm,
+the MLP's activation) on its sources' backward values, each retained, decoded or rebuilt
+before it (chains). Every other recomputed site is rebuilt by re-running megatron's own
+segments of the forward: `_forward_attention` from the layer input, `_forward_mlp` from
+ln2_in (the MLP segment alone when every such site is in it and ln2_in is kept), with the RNG
+states captured when the segment first ran, stopping as soon as the last of those sites has
+been saved again. Segments re-run first, operators after them, in the table's order.
 
 The RNG states are the ones megatron's own checkpointing saves and restores, through its own
 helpers: the CPU generator, the default CUDA generator (bias-dropout-add draws its masks from
@@ -14,6 +18,7 @@ it) and the tensor-parallel tracker's states (attention dropout draws from those
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 from megatron.core.tensor_parallel.random import _fork_rng, _get_all_rng_states, _set_all_rng_states
@@ -30,7 +35,8 @@ from megatron_adacc.runtime.storage import (
     RebuildComplete,
     unpack,
 )
-from megatron_adacc.sites import COMPRESS, MLP_SEGMENT, RECOMPUTE
+from megatron_adacc.sites import (COMPRESS, LAYER_INPUT, MLP_SEGMENT, REBUILDS, REBUILT_BY,
+                                  RECOMPUTE, SEGMENT_NAMES, SEGMENTS, SITES)
 
 
 class AdaccTransformerLayer(TransformerLayer):
@@ -118,32 +124,52 @@ class AdaccTransformerLayer(TransformerLayer):
             hidden_states = kwargs.pop("hidden_states")
         else:
             hidden_states, args = args[0], args[1:]
-        call.anchors[0] = hidden_states
-        call.anchor_requires_grad[0] = hidden_states.requires_grad
+        call.sources[LAYER_INPUT] = hidden_states
+        call.source_requires_grad[LAYER_INPUT] = hidden_states.requires_grad
         call.call_args, call.call_kwargs = tuple(args), kwargs
 
     # --- recompute -----------------------------------------------------------------------
     def _rebuild(self, call: LayerCall) -> None:
-        """Re-run megatron's forward segments under a capturing hook until every recomputed
-        site of `call` is in its cache. Runs at the first unpack of any of them."""
-        mlp_anchor = call.anchors[MLP_SEGMENT]
+        """Rebuild every recomputed site of `call` into its cache: the segment re-runs, then
+        the operators. Runs at the first unpack of any of them."""
+        by_segment = {key for key in call.wanted if key[0] not in REBUILT_BY}
+        try:
+            with _fork_rng(), torch.autograd.graph.saved_tensors_hooks(call.capture_pack,
+                                                                       _discarded):
+                if by_segment:
+                    self._rerun_segments(call, by_segment)
+                for edge in REBUILDS:
+                    if any(key[0] in edge.products for key in call.wanted):
+                        self._run_operator(call, edge)
+        finally:
+            self.attributor.end()
+        missing = call.wanted - set(call.cache)
+        if missing:
+            raise RuntimeError(
+                f"layer {self.layer_index}: rebuilding did not reproduce recomputed sites "
+                f"{sorted(missing)}; the layer's forward is not deterministic in what it saves"
+            )
+
+    def _rerun_segments(self, call: LayerCall, keys: set) -> None:
+        """Re-run megatron's forward segments under the capturing hook until every site of
+        `keys` is saved again."""
+        mlp_start = call.sources.get(SEGMENTS[SEGMENT_NAMES[MLP_SEGMENT]])
         mlp_only = (
             call.segments == {MLP_SEGMENT}
-            and mlp_anchor is not None
-            and not (type(mlp_anchor) is Handle and mlp_anchor.source is call)
+            and mlp_start is not None
+            and not (type(mlp_start) is Handle and mlp_start.source is call)
         )
-        call.ordinals = {}
+        call.capture({site for site, _ in keys}, set(keys))
         try:
-            with _fork_rng(), torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(
-                call.capture_pack, _discarded
-            ):
+            with torch.enable_grad():
                 if mlp_only:
-                    hidden_states = _anchor_value(call, MLP_SEGMENT)
+                    hidden_states = self._source_value(call, SEGMENTS[SEGMENT_NAMES[MLP_SEGMENT]])
                 else:
                     _set_all_rng_states(*call.rng_states[0])
                     self.attributor.begin(0)
                     hidden_states, _ = self._forward_attention(
-                        _anchor_value(call, 0), *call.call_args, **call.call_kwargs
+                        self._source_value(call, LAYER_INPUT), *call.call_args,
+                        **call.call_kwargs
                     )
                 _set_all_rng_states(*call.rng_states[MLP_SEGMENT])
                 self.attributor.begin(MLP_SEGMENT)
@@ -154,24 +180,37 @@ class AdaccTransformerLayer(TransformerLayer):
                 )
         except RebuildComplete:
             pass
-        finally:
-            self.attributor.end()
-        missing = call.wanted - set(call.cache)
-        if missing:
-            raise RuntimeError(
-                f"layer {self.layer_index}: rebuilding did not reproduce recomputed sites "
-                f"{sorted(missing)}; the layer's forward is not deterministic in what it saves"
-            )
 
+    def _run_operator(self, call: LayerCall, edge) -> None:
+        """Call `edge`'s megatron submodule or function on its sources' values, keeping its
+        output and, captured as it runs, what it saves that is wanted. Nothing it computes
+        needs a graph unless it saves a wanted site (a norm's statistics)."""
+        operator = functools.reduce(getattr, edge.call.split("."), self)
+        sources = [self._source_value(call, name, requires_grad=False) for name in edge.sources]
+        saves = {site for site, _ in call.wanted if site in edge.saves}
+        call.capture(saves)
+        self.attributor.begin(SEGMENT_NAMES.index(SITES[edge.output].segment))
+        with torch.set_grad_enabled(bool(saves)):
+            output = operator(*sources)
+        if (edge.output, 0) in call.wanted:
+            call.keep((edge.output, 0), output)
 
-def _anchor_value(call: LayerCall, segment: int) -> torch.Tensor:
-    anchor = call.anchors[segment]
-    # A compressed anchor is read, not taken: autograd unpacks the same view afterwards.
-    if type(anchor) is Handle and isinstance(anchor.source, CompressedStorage):
-        value = anchor.source.read(anchor.key).detach()
-    else:
-        value = unpack(anchor).detach()
-    return value.requires_grad_(call.anchor_requires_grad[segment])
+    @staticmethod
+    def _source_value(call: LayerCall, name: str, requires_grad: bool | None = None
+                      ) -> torch.Tensor:
+        """The backward value of a site a rebuild reads: retained, decoded (read, not taken:
+        autograd takes the same view afterwards) or rebuilt before (a chain). Requires grad
+        as the forward's did, unless told."""
+        saved = call.sources[name]
+        if type(saved) is Handle and isinstance(saved.source, CompressedStorage):
+            value = saved.source.read(saved.key)
+        elif type(saved) is Handle:
+            value = call.cache[saved.key]
+        else:
+            value = saved
+        if requires_grad is None:
+            requires_grad = call.source_requires_grad[name]
+        return value.detach().requires_grad_(requires_grad)
 
 
 def _discarded(_saved):

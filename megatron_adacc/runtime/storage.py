@@ -9,8 +9,10 @@ points at a source that produces the value once and hands it out per saved view:
   storage, are encoded once); decoded on the first unpack, shared by the other views,
   released after the last one.
 - `LayerCall` itself for recomputed sites: the first unpack rebuilds every recomputed site
-  of this layer call (the layer supplies `rebuild`), caches them, and each unpack takes its
-  value out of the cache, so the cache is empty once backward has used them all.
+  of this layer call (the layer supplies `rebuild`: segment re-runs, then operators),
+  caches them, and each unpack takes its value out of the cache, so the cache is empty once
+  backward has used them all. What a rebuild reads (`sources`: segment starts, operators'
+  sources) is remembered in its saved form until then.
 """
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ from typing import Callable
 
 import torch
 
-from megatron_adacc.sites import COMPRESS, RECOMPUTE, SEGMENT_ANCHORS
+from megatron_adacc.sites import COMPRESS, REBUILD_SOURCES, REBUILT_BY, RECOMPUTE
 
 
 class Handle:
@@ -99,8 +101,8 @@ def _encoding_root(tensor: torch.Tensor) -> torch.Tensor:
 
 
 class RebuildComplete(Exception):
-    """Raised from the capture hook once every wanted site is rebuilt: the rest of the
-    layer's forward is not needed."""
+    """Raised from the capture hook once a segment re-run has saved every site it is for:
+    the rest of the layer's forward is not needed."""
 
 
 class LayerCall:
@@ -118,9 +120,14 @@ class LayerCall:
         # recompute state
         self.ordinals: dict[str, int] = {}
         self.wanted: set[tuple[str, int]] = set()
-        self.segments: set[int] = set()
-        self.anchors: list = [None, None]
-        self.anchor_requires_grad = [False, False]
+        self.segments: set[int] = set()   # segments holding a site no operator rebuilds
+        # site -> its saved form (tensor or Handle), and whether the tensor required grad
+        self.sources: dict[str, object] = {}
+        self.source_requires_grad: dict[str, bool] = {}
+        # What the running rebuild step captures: these sites' wanted saves; a segment
+        # re-run stops once `awaited` is empty.
+        self.capturing: frozenset[str] = frozenset()
+        self.awaited: set[tuple[str, int]] | None = None
         self.rng_states: list = [None, None]
         self.call_args: tuple = ()
         self.call_kwargs: dict = {}
@@ -143,12 +150,12 @@ class LayerCall:
             key = (site, self.ordinals.get(site, 0))
             self.ordinals[site] = key[1] + 1
             self.wanted.add(key)
-            self.segments.add(self.attributor.segment)
+            if site not in REBUILT_BY:
+                self.segments.add(self.attributor.segment)
             saved = Handle(self, key)
-        if self.rebuild is not None and site in SEGMENT_ANCHORS:
-            segment = SEGMENT_ANCHORS[site]
-            self.anchors[segment] = saved
-            self.anchor_requires_grad[segment] = tensor.requires_grad
+        if self.rebuild is not None and site in REBUILD_SOURCES:
+            self.sources[site] = saved
+            self.source_requires_grad[site] = tensor.requires_grad
         return saved
 
     def _compress(self, site: str, tensor: torch.Tensor, codec) -> Handle:
@@ -184,24 +191,37 @@ class LayerCall:
             self.rebuild(self)
             value = self.cache.pop(key)
         if not self.cache:  # every rebuilt value handed out: drop what rebuilding needed
-            self.anchors = [None, None]
+            self.sources, self.source_requires_grad = {}, {}
             self.rng_states = [None, None]
             self.call_args, self.call_kwargs = (), {}
         return value
 
+    def capture(self, sites, awaited: set | None = None) -> None:
+        """Start a rebuild step that captures the wanted saves of ``sites``; a segment
+        re-run passes the keys it is for as ``awaited`` and stops once all are saved."""
+        self.capturing = frozenset(sites)
+        self.awaited = awaited
+        self.ordinals = {}
+
+    def keep(self, key, tensor: torch.Tensor) -> None:
+        """A rebuilt value, cached until backward takes it."""
+        self.cache[key] = tensor.detach()
+        if self.ruler is not None:
+            self.ruler.transient(tensor)
+
     def capture_pack(self, tensor):
-        """The pack hook while rebuilding: keep the wanted sites, discard everything else."""
+        """The pack hook while rebuilding: keep the wanted saves of the sites this step
+        rebuilds, discard everything else."""
         if isinstance(tensor, torch.nn.Parameter):
             return None
         site = self.attributor.site_of(tensor)
-        decision = self.actions.get(site)
-        if decision is not None and decision[0] == RECOMPUTE:
+        if site in self.capturing:
             key = (site, self.ordinals.get(site, 0))
             self.ordinals[site] = key[1] + 1
             if key in self.wanted:
-                self.cache[key] = tensor.detach()
-                if self.ruler is not None:
-                    self.ruler.transient(tensor)
-                if len(self.cache) == len(self.wanted):
-                    raise RebuildComplete
+                self.keep(key, tensor)
+                if self.awaited is not None:
+                    self.awaited.discard(key)
+                    if not self.awaited:
+                        raise RebuildComplete
         return None

@@ -1,0 +1,131 @@
+"""Operator-level rebuilds (sites.REBUILDS): a recomputed norm output, norm statistics or
+activation output is rebuilt by its own megatron submodule from its upstream site, and only
+that operator runs (no segment re-run); chains through a rebuilt source are exact; a plan
+that recomputes from exact sources trains bit for bit like the stock layer, in fp32 and
+bf16, on both attentions, with dropout where the attention allows it."""
+import pytest
+import torch
+
+from megatron_adacc.plan import Plan
+from megatron_adacc.runtime import adacc_layers, apply_plan, measure_step
+from megatron_adacc.sites import REBUILDS, REBUILT_BY
+
+from runtime_helpers import build, loss_of, train
+from test_runtime import assert_same_training
+
+PRODUCTS = [product for edge in REBUILDS for product in edge.products]
+# The modules a segment re-run would call again in backward; an operator calls none of them
+# (the norms' own operators call only their norm).
+MATMULS = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1",
+           "mlp.linear_fc2")
+CHAINS = {
+    # the attention re-run rebuilds ln2_in, then the pre-MLP norm runs on it
+    "norm_from_rerun": {"ln2_in": "recompute", "ln2_out": "recompute",
+                        "ln2_stats": "recompute"},
+    # the MLP re-run rebuilds the activation's input, then the activation runs on it
+    "activation_from_rerun": {"gelu_in": "recompute", "gelu_out": "recompute"},
+    # every operator, each from a retained source
+    "every_operator": {name: "recompute" for name in PRODUCTS},
+    # everything the layer can rebuild: re-runs and operators together
+    "everything": {name: "recompute" for name in PRODUCTS + ["qkv", "context", "ln2_in",
+                                                             "gelu_in"]},
+}
+BACKENDS = [("unfused", 0.1), ("flash", 0.0)]   # (attention, dropout): flash has none on a CPU
+
+
+def _model(adacc, backend, dtype, dropout):
+    return build(adacc, dtype, dropout=dropout, attention_backend=backend,
+                 attention_dropout=0.0 if backend == "flash" else dropout)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("backend,dropout", BACKENDS, ids=[b for b, _ in BACKENDS])
+def test_every_edge_and_chain_trains_bit_for_bit(distributed, dtype, backend, dropout):
+    stock = train(_model(False, backend, dtype, dropout), steps=2)
+    plans = {**{product: {product: "recompute"} for product in PRODUCTS}, **CHAINS}
+    for name, sites in plans.items():
+        model = _model(True, backend, dtype, dropout)
+        apply_plan(model, Plan.uniform(sites), strict=True)
+        try:
+            assert_same_training(stock, train(model, steps=2))
+        except AssertionError as exc:
+            raise AssertionError(f"{backend} {dtype}, plan {name}: {exc}") from None
+
+
+def _calls_in_backward(model, names):
+    """Runs one step; the forward calls of the named submodules (of every layer) during its
+    backward."""
+    calls = {name: 0 for name in names}
+    backward = [False]
+    handles = []
+    for layer in adacc_layers(model):
+        for name in names:
+            module = layer.get_submodule(name)
+
+            def count(module, args, output, name=name):
+                calls[name] += backward[0]
+
+            handles.append(module.register_forward_hook(count))
+    try:
+        loss = loss_of(model)
+        backward[0] = True
+        loss.backward()
+    finally:
+        for handle in handles:
+            handle.remove()
+    return calls
+
+
+@pytest.mark.parametrize("product", PRODUCTS)
+def test_an_operator_rebuild_runs_only_its_operator(distributed, product):
+    edge = REBUILT_BY[product]
+    model = build(True, dropout=0.1)
+    apply_plan(model, Plan.uniform({product: "recompute"}), strict=True)
+    norms = [edge.call] if "layernorm" in edge.call else []
+    calls = _calls_in_backward(model, MATMULS + ("input_layernorm", "pre_mlp_layernorm"))
+    # one call of its own norm per layer, nothing else
+    assert calls == {name: (2 if name in norms else 0) for name in calls}, product
+
+
+def test_a_segment_rebuild_still_reruns_its_segment(distributed):
+    # The control for the test above: gelu_in has no operator, so the MLP re-runs to it.
+    model = build(True, dropout=0.1)
+    apply_plan(model, Plan.uniform({"gelu_in": "recompute"}), strict=True)
+    calls = _calls_in_backward(model, MATMULS + ("pre_mlp_layernorm",))
+    assert calls["mlp.linear_fc1"] == 2 and calls["pre_mlp_layernorm"] == 2
+    assert calls["mlp.linear_fc2"] == calls["self_attention.linear_qkv"] == 0
+
+
+def test_operator_products_keep_no_bytes_and_free_their_rebuild(distributed):
+    stock = build(True, dropout=0.1)
+    _, kept = measure_step(stock, lambda: loss_of(stock), strict=True)
+    model = build(True, dropout=0.1)
+    apply_plan(model, Plan.uniform(CHAINS["every_operator"]), strict=True)
+    _, report = measure_step(model, lambda: loss_of(model), strict=True)
+    for layer in (0, 1):
+        for product in PRODUCTS:
+            assert (layer, product) not in report.by_site
+    assert kept.after_forward_bytes - report.after_forward_bytes == sum(
+        nbytes for (layer, site), nbytes in kept.by_site.items()
+        if layer >= 0 and site in PRODUCTS)
+    for layer in adacc_layers(model):
+        assert layer._call is None
+
+
+def test_an_operator_reads_a_compressed_source_decoded(distributed):
+    # A lossy plan: the activation runs on the decoded fc1 output, so its output carries the
+    # codec's error; the forward (the loss) is untouched and the gradients stay close.
+    reference = build(True, dropout=0.0)
+    torch.manual_seed(3)
+    loss_of(reference).backward()
+    model = build(True, dropout=0.0)
+    apply_plan(model, Plan.uniform({"gelu_in": {"action": "compress", "codec": "sym_int4"},
+                                    "gelu_out": "recompute"}), strict=True)
+    torch.manual_seed(3)
+    loss = loss_of(model)
+    assert torch.equal(loss, loss_of(reference))
+    loss.backward()
+    ref = dict(reference.named_parameters())
+    for name, param in model.named_parameters():
+        error = (param.grad - ref[name].grad).norm() / ref[name].grad.norm().clamp_min(1e-12)
+        assert error < 0.1, name
