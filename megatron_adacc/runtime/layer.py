@@ -30,7 +30,7 @@ from megatron_adacc.runtime.storage import (
     RebuildComplete,
     unpack,
 )
-from megatron_adacc.sites import COMPRESS, MLP_SEGMENT, RECOMPUTE
+from megatron_adacc.sites import COMPRESS, MASK_CODEC, MASK_SITES, MLP_SEGMENT, RECOMPUTE
 
 
 class AdaccTransformerLayer(TransformerLayer):
@@ -67,8 +67,11 @@ class AdaccTransformerLayer(TransformerLayer):
             if decision.action == COMPRESS:
                 from megatron_adacc import codecs
 
-                actions[site] = (COMPRESS, codecs.get(decision.codec_for(site),
-                                                      backend=self.codec_backend))
+                codec = decision.codec_for(site)
+                if codec == MASK_CODEC and site not in MASK_SITES:
+                    raise ValueError(f"layer {self.layer_index}: codec {codec!r} encodes "
+                                     f"masks, and {site} holds floating-point values")
+                actions[site] = (COMPRESS, codecs.get(codec, backend=self.codec_backend))
             elif decision.action == RECOMPUTE:
                 actions[site] = (RECOMPUTE, None)
         self.actions = actions
@@ -120,6 +123,7 @@ class AdaccTransformerLayer(TransformerLayer):
             hidden_states, args = args[0], args[1:]
         call.anchors[0] = hidden_states
         call.anchor_requires_grad[0] = hidden_states.requires_grad
+        call.anchor_dtype = hidden_states.dtype
         call.call_args, call.call_kwargs = tuple(args), kwargs
 
     # --- recompute -----------------------------------------------------------------------
@@ -171,7 +175,7 @@ def _anchor_value(call: LayerCall, segment: int) -> torch.Tensor:
         value = anchor.source.read(anchor.key).detach()
     else:
         value = unpack(anchor).detach()
-    return value.requires_grad_(call.anchor_requires_grad[segment])
+    return value.to(call.anchor_dtype).requires_grad_(call.anchor_requires_grad[segment])
 
 
 def _discarded(_saved):

@@ -18,7 +18,7 @@ from typing import Callable
 
 import torch
 
-from megatron_adacc.sites import COMPRESS, RECOMPUTE, SEGMENT_ANCHORS
+from megatron_adacc.sites import COMPRESS, MASK_CODEC, RECOMPUTE, SEGMENT_ANCHORS
 
 
 class Handle:
@@ -121,6 +121,9 @@ class LayerCall:
         self.segments: set[int] = set()
         self.anchors: list = [None, None]
         self.anchor_requires_grad = [False, False]
+        # The residual stream's dtype. A 16-bit model's RMSNorm saves an fp32 copy of its
+        # input (the anchor site): the segment re-runs from it cast back, which is exact.
+        self.anchor_dtype: torch.dtype | None = None
         self.rng_states: list = [None, None]
         self.call_args: tuple = ()
         self.call_kwargs: dict = {}
@@ -152,6 +155,12 @@ class LayerCall:
         return saved
 
     def _compress(self, site: str, tensor: torch.Tensor, codec) -> Handle:
+        if getattr(codec, "name", None) == MASK_CODEC and tensor.is_floating_point() and (
+                tensor.requires_grad or tensor.grad_fn is not None):
+            # A mask is bool or drawn by a dropout; a computed value would be binarised.
+            raise RuntimeError(f"layer {self.layer_index}: {site} is a computed "
+                               f"{tensor.dtype} tensor, not a mask; the bitmask codec would "
+                               "corrupt it")
         root = _encoding_root(tensor)
         key = id(root.untyped_storage())
         source = self._compressed.get(key)
