@@ -247,6 +247,9 @@ def _add_layer_variant_flags(model: argparse._ArgumentGroup) -> None:
     model.add_argument("--num-query-groups", type=_POSITIVE, default=1,
                        help="key/value heads with --group-query-attention")
     model.add_argument("--untie-embeddings-and-output-weights", action="store_true")
+    model.add_argument("--vocab-size", type=_POSITIVE, default=None,
+                       help="the model's vocabulary before padding (e.g. Llama-3's 128256); "
+                            "default: the tokenizer's; at least the tokenizer's")
     model.add_argument("--sequence-parallel", action="store_true",
                        help="shard the norms, dropouts and residual stream over the "
                             "tensor-parallel ranks along the sequence")

@@ -65,6 +65,10 @@ def _build_parser() -> argparse.ArgumentParser:
                    help="Megatron's distributed optimizer: ZeRO stage 1 (optimizer states "
                    "sharded over the data-parallel group)")
     p.add_argument("--data-parallel-size", type=int, default=1)
+    p.add_argument("--tensor-model-parallel-size", type=int, default=None,
+                   help="plan one tensor-parallel rank: its shards of the layers")
+    p.add_argument("--sequence-parallel", action="store_true", default=None,
+                   help="the norms and the residual stream sharded along the sequence")
     p.add_argument("--pipeline-model-parallel-size", type=int, default=1,
                    help="pipeline stages (1F1B); each gets its own plan")
     p.add_argument("--num-micro-batches", type=int, default=None,
@@ -101,6 +105,10 @@ def _flags(args: argparse.Namespace) -> dict[str, Any]:
             flags[flag] = value
     if args.precision:
         flags.update({"fp16": args.precision == "fp16", "bf16": args.precision == "bf16"})
+    for flag in ("tensor-model-parallel-size", "sequence-parallel"):
+        value = getattr(args, flag.replace("-", "_"))
+        if value is not None:
+            flags[flag] = value
     return flags
 
 

@@ -169,7 +169,13 @@ def _demo_corpus(args: argparse.Namespace) -> tuple[str, str]:
 def build_model(args: argparse.Namespace, tokenizer, layer_spec=None) -> torch.nn.Module:
     """The flags' GPTModel (megatron-core's local spec, or ``layer_spec``), its core
     attention the flags' ``--attention-backend``."""
-    vocab_size = padded_vocab_size(tokenizer.vocab_size, args.make_vocab_size_divisible_by,
+    if args.vocab_size is not None and args.vocab_size < tokenizer.vocab_size:
+        from megatron_adacc.arguments import ConfigError
+
+        raise ConfigError(f"--vocab-size {args.vocab_size} is smaller than the "
+                          f"{args.tokenizer_type} tokenizer's {tokenizer.vocab_size} tokens")
+    vocab_size = padded_vocab_size(args.vocab_size or tokenizer.vocab_size,
+                                   args.make_vocab_size_divisible_by,
                                    args.tensor_model_parallel_size)
     spec = with_attention_backend(layer_spec or local_layer_spec(), args.attention_backend)
     return model_lib.build_gpt_model(transformer_config(args), vocab_size,
