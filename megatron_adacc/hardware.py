@@ -361,6 +361,12 @@ def _attention_dropout(shape: ModelShape) -> bool:
     return shape.attention_dropout > 0
 
 
+def _probabilities_copied(shape: ModelShape) -> bool:
+    # The matmul with V saves probabilities of their own: the dropout's output, or the
+    # 16-bit cast of an fp32 softmax output.
+    return shape.attention_dropout > 0 or (shape.softmax_in_fp32 and shape.activation_bytes == 2)
+
+
 def _hidden_dropout(shape: ModelShape) -> bool:
     return shape.hidden_dropout > 0
 
@@ -426,7 +432,7 @@ def _unfused_core_sites(shape: ModelShape) -> dict[str, _SiteFormula]:
                                           when=_attention_dropout),
         "attn_probs": _SiteFormula(attn, _act, "act", _NO_FLOPS,
                                    lambda d: attn(d) * (d.softmax + d.mask + d.act),
-                                   lambda d: d.s, when=_attention_dropout),
+                                   lambda d: d.s, when=_probabilities_copied),
         # The probabilities times V; linear_proj saves the context on entry.
         "context": _SiteFormula(lambda d: d.s * d.b * d.aw, _act, "act",
                                 lambda d: 2 * d.b * d.s * d.s * d.aw,
@@ -557,15 +563,17 @@ def output_activation_bytes(shape: ModelShape, micro_batch_size: int) -> int:
     """Activations of the final LayerNorm, the output layer and the loss (the last stage's),
     alive at the end of forward and freed by the loss backward before any layer backprops.
 
-    The final LayerNorm saves its input and the output layer saves the norm's output (16 bit
-    each, plus fp32 statistics); the logits exist in 16 bit while the cross-entropy works on
-    an fp32 copy whose softmax it saves (2 + 4 bytes per logit). At GPT-2's vocabulary the
-    logits dominate.
+    The final norm saves what a layer's norm saves and the output layer saves the norm's
+    output; the logits exist in 16 bit while the cross-entropy works on an fp32 copy whose
+    softmax it saves (2 + 4 bytes per logit; 4 in fp32). At GPT-2's vocabulary the logits
+    dominate. Under tensor parallelism each rank holds its vocabulary shard's logits.
     """
     d = _dims(shape, micro_batch_size)
     norm = _norm_sites(shape, "final", "final_in")
     norms = sum(f.elements(d) * f.element_bytes(d) for f in norm.values())
-    logits = d.s * d.b * shape.padded_vocab_size // shape.tensor_model_parallel_size * (d.act + 4)
+    # In fp32 the cross-entropy needs no copy: it works in place on the logits.
+    per_logit = 4 if d.act == 4 else d.act + 4
+    logits = d.s * d.b * shape.padded_vocab_size // shape.tensor_model_parallel_size * per_logit
     return norms + logits
 
 

@@ -252,3 +252,55 @@ def test_bad_llama_flags_exit_2_before_training(capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].endswith("--sequence-parallel shards over the tensor-parallel ranks; "
                             "it needs --tensor-model-parallel-size > 1")
+
+
+# --- the analytic accelerator model -------------------------------------------------------------
+from megatron_adacc import hardware  # noqa: E402
+
+
+@DTYPES
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_analytic_model_sizes_every_llama_site_as_measured(distributed, dtype, backend):
+    model = build_llama(True, dtype, backend)
+    _, report = measure_step(model, lambda: loss_of(model), strict=True)
+    measured = {site: n for (layer, site), n in report.by_site.items()
+                if layer == 0 and site != "attn_mask"}  # the shared mask: non-layer memory
+    shape = hardware.ModelShape(
+        num_layers=2, hidden_size=HIDDEN, num_attention_heads=HEADS, seq_length=SEQ,
+        vocab_size=VOCAB, ffn_hidden_size=FFN,
+        precision="bf16" if dtype == torch.bfloat16 else "fp32", attention_dropout=0.0,
+        hidden_dropout=0.0, softmax_in_fp32=model.config.attention_softmax_in_fp32,
+        attention_backend=backend, normalization="RMSNorm", swiglu=True,
+        position_embedding_type="rope", num_query_groups=GROUPS, add_bias_linear=False)
+    assert hardware.site_bytes(shape, 2) == measured
+
+
+def test_the_llama3_8b_config_plans_on_an_h100_at_tp2_with_sequence_parallelism(capsys):
+    from pathlib import Path
+
+    from megatron_adacc.cli import main
+
+    config = Path(__file__).resolve().parents[1] / "configs" / "llama3-8b.yaml"
+    assert main(["plan", "--config", str(config), "--hardware", "h100-80gb",
+                 "--micro-batch-size", "1", "--precision", "bf16",
+                 "--tensor-model-parallel-size", "2", "--sequence-parallel",
+                 "--use-distributed-optimizer", "--data-parallel-size", "4"]) == 0
+    table = capsys.readouterr().out
+    for site in ("ln1_normed", "rope_cos_sin", "qkv", "attn_lse", "swiglu_in", "swiglu_out"):
+        assert site in table
+    # One rank's bf16 sites (s 8192, h 4096, sequence over 2 ranks): RMSNorm's fp32 input
+    # copy is 4096 x 4096 x 4 B per layer; Q at 16 heads, K and V at 4 groups each, x 128.
+    shape = hardware.ModelShape.from_flags({
+        "num-layers": 32, "hidden-size": 4096, "ffn-hidden-size": 14336,
+        "num-attention-heads": 32, "group-query-attention": True, "num-query-groups": 8,
+        "seq-length": 8192, "vocab-size": 128256, "normalization": "RMSNorm", "swiglu": True,
+        "position-embedding-type": "rope", "disable-bias-linear": True, "bf16": True,
+        "untie-embeddings-and-output-weights": True, "tensor-model-parallel-size": 2,
+        "sequence-parallel": True, "hidden-dropout": 0,
+        "attention-dropout": 0})
+    sizes = hardware.site_bytes(shape, 1)
+    assert sizes["layer_in"] == 4096 * 4096 * 4
+    assert sizes["qkv"] == (16 + 2 * 4) * 128 * 8192 * 2
+    assert sizes["swiglu_in"] == 2 * 7168 * 8192 * 2
+    # parameters per tensor-parallel rank: half of Llama-3-8B's 8.03e9, norms whole
+    assert shape.num_parameters == pytest.approx(8.03e9 / 2, rel=0.01)
