@@ -71,6 +71,49 @@ class ModelFamily:
     variant: LayerVariant
     flags: Mapping[str, Any]
 
+    def transformer_config_options(self, num_query_groups: int | None = None,
+                                   ffn_hidden_size: int | None = None) -> dict[str, Any]:
+        """The TransformerConfig fields of this family's flags (a benchmark's model, built
+        without the flag parser): its parts, grouped-query attention at
+        ``num_query_groups``, biases, dropouts, and the ffn (default: Megatron-LM's for the
+        MLP)."""
+        import types
+
+        flags = {key.replace("-", "_"): value for key, value in self.flags.items()}
+        args = types.SimpleNamespace(
+            normalization=self.variant.norm.name, norm_epsilon=1e-5, sequence_parallel=False,
+            swiglu=self.variant.mlp.gated,
+            group_query_attention=bool(flags.get("group_query_attention")) and bool(num_query_groups),
+            num_query_groups=num_query_groups)
+        options = transformer_config_options(args)
+        options["add_bias_linear"] = not flags.get("disable_bias_linear", False)
+        if ffn_hidden_size is not None:
+            options["ffn_hidden_size"] = ffn_hidden_size
+        for dropout in ("hidden_dropout", "attention_dropout"):
+            if dropout in flags:
+                options[dropout] = flags[dropout]
+        return options
+
+    def argv(self, num_query_groups: int | None = None) -> list[str]:
+        """The family's flags on a pretrain_gpt.py command line (grouped-query attention at
+        ``num_query_groups``)."""
+        argv = []
+        for flag, value in self.flags.items():
+            if value is True:
+                argv.append(f"--{flag}")
+                if flag == "group-query-attention":
+                    argv += ["--num-query-groups", str(num_query_groups or 1)]
+            elif value is not False:
+                argv += [f"--{flag}", str(value)]
+        return argv
+
+    def embedding_options(self) -> "EmbeddingOptions":
+        flags = {key.replace("-", "_"): value for key, value in self.flags.items()}
+        return EmbeddingOptions(
+            position_embedding_type="rope" if self.variant.rope else "learned_absolute",
+            untie_embeddings_and_output_weights=bool(
+                flags.get("untie_embeddings_and_output_weights", False)))
+
     @property
     def sites(self) -> tuple[str, ...]:
         """The per-layer sites this family's layer can save (with either attention, with or
