@@ -45,7 +45,7 @@ def mode_note(data: dict) -> str:
             f"start.\n\nCommand: `{run['command']}`")
 
 
-def throughput_section(data: dict, attention: str, number: str) -> list[str]:
+def throughput_section(data: dict, attention: str, number: str, tag: str = "") -> list[str]:
     out = [f"### {number} Throughput under a memory budget ({attention} attention)", "",
            "Paper: Adacc has the best throughput of its counterparts, 1.01x-1.37x over full "
            "recomputation, and adds nothing when memory is ample (Figure \"throughput\").", "",
@@ -53,7 +53,7 @@ def throughput_section(data: dict, attention: str, number: str) -> list[str]:
            f"Model: {describe(data['shape'])}. Static bytes (parameters, gradients, AdamW "
            f"state): {data['static_bytes'] / MIB:.1f} MiB. `budget@k` = static + the stock "
            f"model's measured activation peak at micro-batch k: no optimisation fits up to k.",
-           "", f"![throughput, {attention}](figures/throughput_{attention}.png)", ""]
+           "", f"![throughput, {attention}](figures/throughput{tag}_{attention}.png)", ""]
     for name, budget in data["budgets"].items():
         out += [f"#### {name}: {budget / MIB:.1f} MiB", "",
                 "| micro-batch | " + " | ".join(SHORT[m] for m in METHODS
@@ -108,12 +108,12 @@ def throughput_section(data: dict, attention: str, number: str) -> list[str]:
     return out
 
 
-def max_batch_section(data: dict, attention: str, number: str) -> list[str]:
+def max_batch_section(data: dict, attention: str, number: str, tag: str = "") -> list[str]:
     out = [f"### {number} Maximum micro-batch under a budget ({attention} attention)", "",
            "Paper (Table \"Maximum batch size\"): Adacc always reaches the largest batch, equal "
            "to full recomputation and 2.38x-7.62x no optimisation.", "", mode_note(data), "",
            f"Model: {describe(data['shape'])}.", "",
-           f"![max batch, {attention}](figures/max_batch_{attention}.png)", ""]
+           f"![max batch, {attention}](figures/max_batch{tag}_{attention}.png)", ""]
     methods = [m for m in METHODS if any(m in r["methods"] for r in data["results"].values())]
     out += ["| budget | " + " | ".join(SHORT[m] for m in methods)
             + " | Adacc / none | Adacc / full recompute |",
@@ -172,7 +172,8 @@ def accuracy_section(data: dict, title: str) -> list[str]:
            f"Trainer command (per run, plus `--seed S --adacc-policy P --metrics-file F`, and "
            f"`--adacc-memory-budget B` for the Adacc runs): `{data['pretrain_command']}`. "
            "Attention: the trainer's default `--attention-backend auto`, which on the CPU "
-           "with attention dropout 0.1 is the unfused attention.", ""]
+           "is the unfused attention with attention dropout 0.1 (GPT-2's setting) and flash "
+           "at attention dropout 0 (the Llama family's).", ""]
     if stress:
         a = data["args"]
         for seed, s in data["stress"].items():
@@ -254,7 +255,11 @@ def accuracy_section(data: dict, title: str) -> list[str]:
 
 def describe(shape: dict) -> str:
     attention_dropout = 0.0 if shape["attention"] == "flash" else shape["dropout"]
-    return (f"{shape['attention']} attention, {shape['layers']} layers, hidden "
+    family = shape.get("family", "gpt")
+    family = "" if family == "gpt" else (
+        f"{family} family ({shape['query_groups']} query groups, ffn "
+        f"{shape['ffn'] or 'the family default'}), ")
+    return (f"{family}{shape['attention']} attention, {shape['layers']} layers, hidden "
             f"{shape['hidden']}, {shape['heads']} heads, seq {shape['seq']}, vocab "
             f"{shape['vocab']}, hidden dropout {shape['dropout']}, attention dropout "
             f"{attention_dropout}, fp32 on CPU")
@@ -327,6 +332,14 @@ PARTS = (
     (None, (("accuracy.json", lambda d: accuracy_section(d, "3. Accuracy: validation loss")),)),
     (None, (("accuracy_stress.json", lambda d: accuracy_section(
         d, "4. Accuracy, outlier stress setting (LayerNorm gains scaled up on a few channels)")),)),
+    ("## 5. The Llama family (RMSNorm, SwiGLU, RoPE, grouped-query attention, no dropout; "
+     "flash attention)", (
+        ("throughput_llama_flash.json",
+         lambda d: throughput_section(d, "flash", "5a.", "_llama")),
+        ("max_batch_llama_flash.json",
+         lambda d: max_batch_section(d, "flash", "5b.", "_llama")),
+        ("accuracy_llama.json", lambda d: accuracy_section(
+            d, "5c. Accuracy of the Llama family: validation loss")))),
 )
 
 
