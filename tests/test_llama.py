@@ -40,7 +40,8 @@ def build_llama(adacc: bool, dtype=torch.float32, attention_backend="unfused", l
 
 
 def train_steps(model, steps=3, plan=None):
-    apply_plan(model, plan, strict=True) if plan is not None else None
+    if plan is not None:
+        apply_plan(model, plan, strict=True)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     losses, grads = [], []
     for step in range(steps):

@@ -223,7 +223,6 @@ class SiteAttributor:
         self._storage_site[id(storage)] = (storage, site)
         return site
 
-
     def _norm_site(self, role: str, tensor: torch.Tensor) -> str | None:
         input_site, statistics_site, normed_site = _NORM_SITES[role]
         # Statistics hold one value per row: [s, b, 1] from torch, [s*b] from apex.
