@@ -25,7 +25,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from megatron_adacc import codecs, planning
+from megatron_adacc import codecs, models, planning
 from megatron_adacc import sites as site_table
 from megatron_adacc.attention import resolve_backend
 from megatron_adacc.costs import CodecCost, ModelCosts, SiteCost
@@ -378,15 +378,15 @@ def _qkv_flops(d: _Dims) -> float:
 def _norm_sites(shape: ModelShape, prefix: str, input_site: str) -> dict[str, _SiteFormula]:
     """A norm's saves: its input, its statistics (LayerNorm: mean and rstd; RMSNorm: rstd)
     and RMSNorm's x * rstd in fp32; then the next linear saves its output."""
-    rms = shape.normalization == "RMSNorm"
-    statistics = 1 if rms else 2
+    norm = models.NORMS[shape.normalization]
+    statistics = norm.statistics_per_row
     table = {
         input_site: _SiteFormula(_stream, lambda d: d.norm_in, "norm_in", _NO_FLOPS,
                                  lambda d: 0.0, _hidden_channels),
         f"{prefix}_stats": _SiteFormula(lambda d: statistics * d.sr * d.b, _FP32, "float32",
                                         _NO_FLOPS, _norm_moved, lambda d: statistics),
     }
-    if rms:
+    if norm.saves_normed:
         table[f"{prefix}_normed"] = _SiteFormula(_stream, _FP32, "float32", _NO_FLOPS,
                                                  lambda d: 0.0, _hidden_channels)
     table[f"{prefix}_out"] = _SiteFormula(_stream, _act, "act", _NO_FLOPS, lambda d: 0.0,
@@ -462,24 +462,27 @@ def _mlp_sites(shape: ModelShape) -> dict[str, _SiteFormula]:
     """fc1 (twice as wide with SwiGLU) and the activation's saves; linear_fc2 saves its
     output."""
     sbf = lambda d: d.s * d.b * d.f
-    if not shape.swiglu:
+    mlp = models.MLPS[shape.swiglu]
+    if not mlp.gated:
         return {
-            "gelu_in": _SiteFormula(sbf, _act, "act", lambda d: 2 * d.s * d.b * d.h * d.f,
-                                    lambda d: 2 * sbf(d) * d.act, lambda d: d.f),
-            "gelu_out": _SiteFormula(sbf, _act, "act", _NO_FLOPS, lambda d: 2 * sbf(d) * d.act,
+            mlp.fc1_out: _SiteFormula(sbf, _act, "act", lambda d: 2 * d.s * d.b * d.h * d.f,
+                                      lambda d: 2 * sbf(d) * d.act, lambda d: d.f),
+            mlp.fc2_in: _SiteFormula(sbf, _act, "act", _NO_FLOPS, lambda d: 2 * sbf(d) * d.act,
                                      lambda d: d.f),
         }
+    # fc1 writes both halves; the product saves the up half plus the offset (a copy, made
+    # first) and the SiLU of the gate half; linear_fc2 saves the product.
+    up, act = (mlp.activation_saves[node] for node in ("AddBackward0", "SiluBackward0"))
     return {
-        "swiglu_in": _SiteFormula(lambda d: 2 * sbf(d), _act, "act",
+        mlp.fc1_out: _SiteFormula(lambda d: 2 * sbf(d), _act, "act",
                                   lambda d: 2 * d.s * d.b * d.h * 2 * d.f,
                                   lambda d: 2 * sbf(d) * d.act, lambda d: 2 * d.f),
-        # the up half plus the offset (a copy), then the SiLU of the gate half
-        "swiglu_up": _SiteFormula(sbf, _act, "act", _NO_FLOPS, lambda d: 2 * sbf(d) * d.act,
-                                  lambda d: d.f),
-        "swiglu_act": _SiteFormula(sbf, _act, "act", _NO_FLOPS, lambda d: 2 * sbf(d) * d.act,
-                                   lambda d: d.f),
-        "swiglu_out": _SiteFormula(sbf, _act, "act", _NO_FLOPS, lambda d: 3 * sbf(d) * d.act,
-                                   lambda d: d.f),
+        up: _SiteFormula(sbf, _act, "act", _NO_FLOPS, lambda d: 2 * sbf(d) * d.act,
+                         lambda d: d.f),
+        act: _SiteFormula(sbf, _act, "act", _NO_FLOPS, lambda d: 2 * sbf(d) * d.act,
+                          lambda d: d.f),
+        mlp.fc2_in: _SiteFormula(sbf, _act, "act", _NO_FLOPS, lambda d: 3 * sbf(d) * d.act,
+                                 lambda d: d.f),
     }
 
 
@@ -516,7 +519,8 @@ def _layer_sites(shape: ModelShape) -> dict[str, _SiteFormula]:
 def _dims(shape: ModelShape, micro_batch_size: int) -> _Dims:
     act = shape.activation_bytes
     t = shape.tensor_model_parallel_size
-    rms_upcasts = shape.normalization == "RMSNorm" and act == 2
+    # torch's RMSNorm computes in fp32: a 16-bit model's norms save an fp32 copy of the input
+    rms_upcasts = models.NORMS[shape.normalization].saves_normed and act == 2
     return _Dims(s=shape.seq_length, sr=shape.seq_length // t if shape.sequence_parallel
                  else shape.seq_length, b=micro_batch_size, h=shape.hidden_size,
                  a=shape.num_attention_heads // t, g=shape.groups // t, hd=shape.head_dim,

@@ -2,6 +2,8 @@
 from megatron_adacc.models import gpt, llama  # noqa: F401  (registers the families)
 from megatron_adacc.models.family import (
     FAMILIES,
+    MLPS,
+    NORMS,
     EmbeddingOptions,
     LayerVariant,
     ModelFamily,
@@ -11,5 +13,5 @@ from megatron_adacc.models.family import (
     mlp_part,
 )
 
-__all__ = ["FAMILIES", "EmbeddingOptions", "LayerVariant", "ModelFamily",
+__all__ = ["FAMILIES", "MLPS", "NORMS", "EmbeddingOptions", "LayerVariant", "ModelFamily",
            "SequenceParallelNorm", "get", "transformer_config_options", "mlp_part"]

@@ -7,10 +7,12 @@ positions, grouped-query attention, biases, tied embeddings) as Megatron-LM's fl
 
 - `MlpPart`: the sites of what the MLP saves (attribution asks it, `runtime/attribution.py`);
 - `NormPart`: whether the norm saves its normalised input besides its input and statistics;
-- the accelerator model's terms of each part live beside it (`hardware.py` asks the parts).
+- the analytic accelerator model (`hardware.py`) composes its site table per part and
+  takes the parts' site names and statistics from here.
 
-The layer is megatron-core's local spec in every family (`layer_spec`), so megatron's
-forward is never copied; the recompute segments are megatron's two (sites.SEGMENTS) in both
+The layer is megatron-core's local spec in every family (WrappedTorchNorm reads
+`config.normalization`, the MLP `config.gated_linear_unit`), so megatron's forward is never
+copied; the recompute segments are megatron's two (sites.SEGMENTS) in both
 families. `mlp_part(config)` reads a built TransformerConfig's MLP, in one place.
 """
 from __future__ import annotations
@@ -83,7 +85,8 @@ class ModelFamily:
         args = types.SimpleNamespace(
             normalization=self.variant.norm.name, norm_epsilon=1e-5, sequence_parallel=False,
             swiglu=self.variant.mlp.gated,
-            group_query_attention=bool(flags.get("group_query_attention")) and bool(num_query_groups),
+            group_query_attention=(bool(flags.get("group_query_attention"))
+                                   and bool(num_query_groups)),
             num_query_groups=num_query_groups)
         options = transformer_config_options(args)
         options["add_bias_linear"] = not flags.get("disable_bias_linear", False)
@@ -199,7 +202,7 @@ class EmbeddingOptions:
 
 class SequenceParallelNorm:
     """megatron's WrappedTorchNorm (LayerNorm or RMSNorm from the config) under sequence
-    parallelism. WrappedTorchNorm asserts without sequence parallelism, yet a norm computes
+    parallelism. WrappedTorchNorm asserts under sequence parallelism, yet a norm computes
     row by row, so it runs unchanged on a sequence shard: it is built from the config without
     the flag, and its parameters are marked ``sequence_parallel`` so megatron's
     ``finalize_model_grads`` all-reduces their gradients over the tensor-parallel group
