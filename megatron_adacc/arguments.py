@@ -139,6 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--pipeline-model-parallel-size", type=_POSITIVE, default=1,
                        help="pipeline stages: megatron-core's split of the layers and its 1F1B "
                             "schedule")
+    _add_layer_variant_flags(model)
 
     train = p.add_argument_group("training")
     train.add_argument("--micro-batch-size", type=_POSITIVE, default=4)
@@ -249,6 +250,61 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+# --- the layer variant: Llama-family flags (Megatron-LM's names, defaults and derivations) ---
+NORMALIZATIONS = ("LayerNorm", "RMSNorm")
+POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope")
+
+
+def _add_layer_variant_flags(model: argparse._ArgumentGroup) -> None:
+    model.add_argument("--normalization", default="LayerNorm", choices=NORMALIZATIONS)
+    model.add_argument("--norm-epsilon", type=_number(positive=True), default=1e-5,
+                       help="epsilon of LayerNorm and RMSNorm")
+    model.add_argument("--swiglu", action="store_true",
+                       help="gated SiLU MLP (fc1 twice as wide); without --ffn-hidden-size the "
+                            "ffn is Megatron-LM's int(4 x hidden x 2/3 / 64) x 64")
+    model.add_argument("--position-embedding-type", default="learned_absolute",
+                       choices=POSITION_EMBEDDING_TYPES)
+    model.add_argument("--rotary-base", type=_POSITIVE, default=10000)
+    model.add_argument("--rotary-percent", type=_number(positive=True), default=1.0,
+                       help="fraction of each head's dimensions RoPE rotates, in (0, 1]")
+    model.add_argument("--group-query-attention", action="store_true")
+    model.add_argument("--num-query-groups", type=_POSITIVE, default=1,
+                       help="key/value heads with --group-query-attention")
+    model.add_argument("--untie-embeddings-and-output-weights", action="store_true")
+    model.add_argument("--vocab-size", type=_POSITIVE, default=None,
+                       help="the model's vocabulary before padding (e.g. Llama-3's 128256); "
+                            "default: the tokenizer's; at least the tokenizer's")
+    model.add_argument("--sequence-parallel", action="store_true",
+                       help="shard the norms, dropouts and residual stream over the "
+                            "tensor-parallel ranks along the sequence")
+
+
+def _finalize_layer_variant(args: argparse.Namespace) -> None:
+    """Megatron-LM's derivations and checks for the Llama-family flags."""
+    tp = args.tensor_model_parallel_size
+    if args.rotary_percent > 1:
+        raise ConfigError(f"--rotary-percent {args.rotary_percent}: must be in (0, 1]")
+    if args.group_query_attention:
+        groups = args.num_query_groups
+        if args.num_attention_heads % groups:
+            raise ConfigError(f"--num-query-groups {groups} does not divide "
+                              f"--num-attention-heads {args.num_attention_heads}")
+        if groups % tp:
+            raise ConfigError(f"--num-query-groups {groups} is not divisible by "
+                              f"--tensor-model-parallel-size {tp}")
+    if args.sequence_parallel:
+        if tp == 1:
+            raise ConfigError("--sequence-parallel shards over the tensor-parallel ranks; "
+                              "it needs --tensor-model-parallel-size > 1")
+        if args.seq_length % tp:
+            raise ConfigError(f"--sequence-parallel: --seq-length {args.seq_length} is not "
+                              f"divisible by --tensor-model-parallel-size {tp}")
+    if args.swiglu and args.ffn_hidden_size is None:
+        # Megatron-LM: two fc1 projections keep the parameters near the 4h MLP's, rounded
+        # down to a multiple of 64.
+        args.ffn_hidden_size = int((4 * args.hidden_size * 2 / 3) / 64) * 64
+
+
 def _flag_dests(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
     return {a.dest: a for a in parser._actions if a.dest not in ("help", "config")}
 
@@ -341,6 +397,7 @@ def finalize(args: argparse.Namespace, world_size: int) -> None:
             f"--num-attention-heads {args.num_attention_heads} is not divisible by "
             f"--tensor-model-parallel-size {tp}"
         )
+    _finalize_layer_variant(args)   # derives --swiglu's ffn size, as Megatron-LM does
     args.ffn_hidden_size = args.ffn_hidden_size or 4 * args.hidden_size
     if args.ffn_hidden_size % tp:
         raise ConfigError(

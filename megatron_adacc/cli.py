@@ -73,6 +73,10 @@ def _build_parser() -> argparse.ArgumentParser:
                    help="Megatron's distributed optimizer: ZeRO stage 1 (optimizer states "
                    "sharded over the data-parallel group)")
     p.add_argument("--data-parallel-size", type=int, default=1)
+    p.add_argument("--tensor-model-parallel-size", type=int, default=None,
+                   help="plan one tensor-parallel rank: its shards of the layers")
+    p.add_argument("--sequence-parallel", action="store_true", default=None,
+                   help="the norms and the residual stream sharded along the sequence")
     p.add_argument("--pipeline-model-parallel-size", type=int, default=None,
                    help="pipeline stages (1F1B); each gets its own plan; default: the "
                    "config's, else 1")
@@ -110,11 +114,6 @@ def _settle_config_defaults(args: argparse.Namespace) -> None:
     if args.pipeline_model_parallel_size is None:
         args.pipeline_model_parallel_size = config.get("pipeline-model-parallel-size", 1)
     args.use_distributed_optimizer |= bool(config.get("use-distributed-optimizer"))
-    tensor_parallel = config.get("tensor-model-parallel-size", 1)
-    if tensor_parallel != 1:
-        raise UsageError(f"--config {args.config}: tensor-model-parallel-size "
-                         f"{tensor_parallel}: adacc plan plans one unsplit model per stage "
-                         f"(tensor-parallel size 1) only")
 
 
 def _flags(args: argparse.Namespace) -> dict[str, Any]:
@@ -125,6 +124,10 @@ def _flags(args: argparse.Namespace) -> dict[str, Any]:
             flags[flag] = value
     if args.precision:
         flags.update({"fp16": args.precision == "fp16", "bf16": args.precision == "bf16"})
+    for flag in ("tensor-model-parallel-size", "sequence-parallel"):
+        value = getattr(args, flag.replace("-", "_"))
+        if value is not None:
+            flags[flag] = value
     return flags
 
 
@@ -141,6 +144,11 @@ def _profiled_costs(args: argparse.Namespace, budget: int | None
     if args.vocab_size is not None:
         raise UsageError("--vocab-size describes a model for --hardware; a profile measures "
                          "the trainer's model, whose vocabulary is its --tokenizer-type's")
+    tensor_parallel = _flags(args).get("tensor-model-parallel-size", 1)
+    if tensor_parallel != 1:
+        raise UsageError(f"tensor-model-parallel-size {tensor_parallel}: a profile on this "
+                         "machine measures one process; plan it with --hardware, or train "
+                         "it under torchrun, which profiles every rank")
     with tempfile.TemporaryDirectory() as scratch:
         config = args.config
         if config and args.precision:

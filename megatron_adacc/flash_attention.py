@@ -3,6 +3,8 @@
 
 Its flash (or memory-efficient) kernel saves Q, K, V, the output and the log-sum-exp (and,
 on CUDA with dropout, its philox seed and offset): the sites sites.py names for this layer.
+Grouped-query attention runs as SDPA's ``enable_gqa`` (on the CPU its flash kernel: outputs
+and fp32 gradients bitwise those of repeating K and V, tests/test_flash_attention.py).
 """
 from __future__ import annotations
 
@@ -27,9 +29,11 @@ class FlashDotProductAttention(DotProductAttention):
         # The softmax module and the dropout module of megatron's forward never run here;
         # the dropout module still holds the probability (and follows train/eval).
         resolve_backend("flash", self.attention_dropout.p)
+        # Grouped-query attention is SDPA's enable_gqa: K and V keep their groups (each
+        # serves heads / groups query heads), no repeated copy is made or saved.
+        self.enable_gqa = (self.num_query_groups_per_partition
+                           != self.num_attention_heads_per_partition)
         unsupported = {
-            "grouped-query attention": (self.num_query_groups_per_partition
-                                        != self.num_attention_heads_per_partition),
             "a softmax offset": self.softmax_offset is not None,
             "window attention": self.scale_mask_softmax.window_size is not None,
         }
@@ -57,13 +61,19 @@ class FlashDotProductAttention(DotProductAttention):
         # megatron's softmax masks causally only past one query (one query attends to all)
         causal = mask_type == AttnMaskType.causal and seq > 1
         dropout = self.attention_dropout.p if self.training else 0.0
+        if value.untyped_storage().data_ptr() != query.untyped_storage().data_ptr():
+            # RoPE made Q and K new tensors: V alone would keep linear_qkv's whole output
+            # [s, b, groups x (heads/groups + 2) x dim] alive for backward; its own copy
+            # frees the rest.
+            value = value.contiguous()
         # [s, b, np, hn] -> [b, np, s, hn] as views: SDPA saves views of linear_qkv's output,
-        # one storage for Q, K and V.
+        # one storage for Q, K and V (without RoPE).
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
 
         def attend():
             return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=causal,
-                                                  scale=self.sdpa_scale)
+                                                  scale=self.sdpa_scale,
+                                                  enable_gqa=self.enable_gqa)
 
         if dropout > 0 and not self.config.sequence_parallel:
             # megatron draws attention dropout from the tensor-parallel generator

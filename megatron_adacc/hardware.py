@@ -27,7 +27,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from megatron_adacc import codecs, planning
+from megatron_adacc import codecs, models, planning
 from megatron_adacc import sites as site_table
 from megatron_adacc.attention import resolve_backend
 from megatron_adacc.costs import CodecCost, ModelCosts, Operator, SiteCost
@@ -108,6 +108,16 @@ class ModelShape:
     # memory-efficient kernel: Q, K, V, output, log-sum-exp). The dataclass default is the
     # local spec's; from_flags follows Megatron-LM's --attention-backend auto.
     attention_backend: str = "unfused"
+    # The layer variant (models/: GPT's defaults) and tensor / sequence parallelism: a
+    # site's bytes are one tensor-parallel rank's.
+    normalization: str = "LayerNorm"
+    swiglu: bool = False
+    position_embedding_type: str = "learned_absolute"
+    rotary_percent: float = 1.0
+    num_query_groups: int | None = None      # default: one per head (no grouping)
+    add_bias_linear: bool = True
+    tensor_model_parallel_size: int = 1
+    sequence_parallel: bool = False
 
     def __post_init__(self) -> None:
         if self.precision not in _PRECISION_BYTES:
@@ -119,10 +129,40 @@ class ModelShape:
         if self.hidden_size % self.num_attention_heads:
             raise ValueError(f"hidden size {self.hidden_size} is not divisible by "
                              f"{self.num_attention_heads} attention heads")
+        t = self.tensor_model_parallel_size
+        if self.num_attention_heads % self.groups or self.groups % t:
+            raise ValueError(f"--num-query-groups {self.groups} must divide "
+                             f"--num-attention-heads {self.num_attention_heads} and be "
+                             f"divisible by --tensor-model-parallel-size {t}")
+        if self.sequence_parallel and (t == 1 or self.seq_length % t):
+            raise ValueError("--sequence-parallel needs --tensor-model-parallel-size > 1 "
+                             "dividing --seq-length")
+        if self.ffn % t:
+            raise ValueError(f"ffn hidden size {self.ffn} is not divisible by "
+                             f"--tensor-model-parallel-size {t}")
 
     @property
     def ffn(self) -> int:
-        return self.ffn_hidden_size or 4 * self.hidden_size
+        if self.ffn_hidden_size:
+            return self.ffn_hidden_size
+        # Megatron-LM's SwiGLU width (arguments.py)
+        return int(4 * self.hidden_size * 2 / 3 / 64) * 64 if self.swiglu else 4 * self.hidden_size
+
+    @property
+    def groups(self) -> int:
+        return self.num_query_groups or self.num_attention_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def rope(self) -> bool:
+        return self.position_embedding_type == "rope"
+
+    @property
+    def norm_parameters(self) -> int:
+        return (2 if self.normalization == "LayerNorm" else 1) * self.hidden_size
 
     @property
     def activation_bytes(self) -> int:
@@ -130,33 +170,44 @@ class ModelShape:
 
     @property
     def padded_vocab_size(self) -> int:
-        multiple = self.make_vocab_size_divisible_by
+        multiple = self.make_vocab_size_divisible_by * self.tensor_model_parallel_size
         return -(-self.vocab_size // multiple) * multiple
 
     @property
     def layer_parameters(self) -> int:
-        """One transformer layer: QKV, projection, fc1, fc2 with biases, two LayerNorms."""
-        h, f = self.hidden_size, self.ffn
-        return (3 * h * h + 3 * h) + (h * h + h) + (h * f + f) + (f * h + h) + 2 * 2 * h
+        """One transformer layer on one tensor-parallel rank: its shards of QKV (K and V at
+        the query groups), the projection, fc1 (twice as wide with SwiGLU) and fc2, the
+        column-parallel biases' shards, the row-parallel biases and the two norms whole."""
+        h, f, t = self.hidden_size, self.ffn, self.tensor_model_parallel_size
+        qkv = (self.num_attention_heads + 2 * self.groups) * self.head_dim
+        fc1 = (2 if self.swiglu else 1) * f
+        sharded = h * qkv + self.num_attention_heads * self.head_dim * h + h * fc1 + f * h
+        replicated = 2 * self.norm_parameters
+        if self.add_bias_linear:
+            sharded += qkv + fc1
+            replicated += 2 * h
+        return sharded // t + replicated
 
     @property
     def embedding_parameters(self) -> int:
-        """The word and learned position embeddings (the first pipeline stage's)."""
-        positions = self.max_position_embeddings or self.seq_length
-        return (self.padded_vocab_size + positions) * self.hidden_size
+        """The word embedding's shard and the learned position embeddings (the first
+        pipeline stage's)."""
+        positions = 0 if self.rope else (self.max_position_embeddings or self.seq_length)
+        return (self.padded_vocab_size // self.tensor_model_parallel_size + positions) \
+            * self.hidden_size
 
     def output_parameters(self, pipelined: bool) -> int:
-        """The final LayerNorm and the output layer (the last pipeline stage's). A tied output
-        layer is the word embedding: on one stage it adds nothing; with more than one stage
-        megatron keeps a copy of it on the last stage (kept equal by an all-reduce of their
-        gradients). An untied one is its own weight."""
+        """The final norm and the output layer's shard (the last pipeline stage's). A tied
+        output layer is the word embedding: on one stage it adds nothing; with more than one
+        stage megatron keeps a copy of it on the last stage (kept equal by an all-reduce of
+        their gradients). An untied one is its own weight."""
         own = pipelined or self.untie_embeddings_and_output_weights
-        return 2 * self.hidden_size + (self.padded_vocab_size * self.hidden_size if own else 0)
+        vocab = self.padded_vocab_size // self.tensor_model_parallel_size
+        return self.norm_parameters + (vocab * self.hidden_size if own else 0)
 
     @property
     def num_parameters(self) -> int:
-        """GPT with learned positions, biases and LayerNorms, counting a tied output layer
-        once."""
+        """One tensor-parallel rank's parameters, counting a tied output layer once."""
         return (self.num_layers * self.layer_parameters + self.embedding_parameters
                 + self.output_parameters(pipelined=False))
 
@@ -179,6 +230,8 @@ class ModelShape:
             raise ValueError("model shape needs --vocab-size (or a --tokenizer-type: "
                              f"{', '.join(TOKENIZER_TYPES)})")
         precision = "bf16" if norm.get("bf16") else "fp16" if norm.get("fp16") else "fp32"
+        groups = (int(norm.get("num-query-groups", 1)) if norm.get("group-query-attention")
+                  else None)
         seq = int(norm.get("seq-length") or need("max-position-embeddings"))
         attention_dropout = float(norm.get("attention-dropout", 0.1))
         # An accelerator here is a CUDA GPU: SDPA runs flash or memory-efficient kernels
@@ -201,6 +254,15 @@ class ModelShape:
             make_vocab_size_divisible_by=int(norm.get("make-vocab-size-divisible-by", 128)),
             untie_embeddings_and_output_weights=bool(
                 norm.get("untie-embeddings-and-output-weights", False)),
+            normalization=str(norm.get("normalization", "LayerNorm")),
+            swiglu=bool(norm.get("swiglu", False)),
+            position_embedding_type=str(norm.get("position-embedding-type",
+                                                 "learned_absolute")),
+            rotary_percent=float(norm.get("rotary-percent", 1.0)),
+            num_query_groups=groups,
+            add_bias_linear=not norm.get("disable-bias-linear", False),
+            tensor_model_parallel_size=int(norm.get("tensor-model-parallel-size", 1)),
+            sequence_parallel=bool(norm.get("sequence-parallel", False)),
         )
 
 
@@ -235,14 +297,25 @@ def static_bytes(num_parameters: int, precision: str, zero_stage: int = 0,
 # --- the layer's sites ----------------------------------------------------------------------
 @dataclass(frozen=True)
 class _Dims:
-    s: int
+    """One tensor-parallel rank's dimensions."""
+    s: int          # sequence (attention and the MLP see all of it)
+    sr: int         # rows of the residual stream: s / t under sequence parallelism
     b: int
-    h: int
-    a: int
-    f: int
+    h: int          # hidden size (the residual stream's width)
+    a: int          # attention heads on this rank
+    g: int          # query groups on this rank
+    hd: int         # head dimension
+    f: int          # ffn hidden size on this rank
     act: int        # activation bytes per element
     softmax: int    # bytes per element of the saved softmax output
+    norm_in: int    # bytes per element of a norm's saved input (RMSNorm: fp32 in 16-bit)
+    rot: int        # RoPE's rotary dimension
     mask: int = 1   # a dropout mask is bool on GPU
+
+    @property
+    def aw(self) -> int:
+        """Attention width on this rank: its heads x head dimension."""
+        return self.a * self.hd
 
 
 @dataclass(frozen=True)
@@ -263,12 +336,16 @@ def _act(d: _Dims) -> int:
     return d.act
 
 
-def _ln_moved(d: _Dims) -> float:
-    return 2 * d.s * d.b * d.h * d.act       # read input, write output
+def _stream(d: _Dims) -> int:
+    return d.sr * d.b * d.h
 
 
-def _rng_moved_sbh(d: _Dims) -> float:
-    return d.s * d.b * d.h * d.mask
+def _norm_moved(d: _Dims) -> float:
+    return 2 * _stream(d) * d.act       # read input, write output
+
+
+def _rng_moved_stream(d: _Dims) -> float:
+    return _stream(d) * d.mask
 
 
 def _rng_moved_attn(d: _Dims) -> float:
@@ -280,15 +357,90 @@ def _hidden_channels(d: _Dims) -> int:
 
 
 _NO_FLOPS: Callable[[_Dims], float] = lambda d: 0.0
-_STATS_BYTES: Callable[[_Dims], int] = lambda d: 4   # LayerNorm mean / rstd are fp32
+_FP32: Callable[[_Dims], int] = lambda d: 4   # norm statistics, RMSNorm's x * rstd
 
 
 def _attention_dropout(shape: ModelShape) -> bool:
     return shape.attention_dropout > 0
 
 
+def _probabilities_copied(shape: ModelShape) -> bool:
+    # The matmul with V saves probabilities of their own: the dropout's output, or the
+    # 16-bit cast of an fp32 softmax output.
+    return shape.attention_dropout > 0 or (shape.softmax_in_fp32 and shape.activation_bytes == 2)
+
+
 def _hidden_dropout(shape: ModelShape) -> bool:
     return shape.hidden_dropout > 0
+
+
+def _qkv_flops(d: _Dims) -> float:
+    return 2 * d.s * d.b * d.h * (d.a + 2 * d.g) * d.hd
+
+
+def _norm_sites(shape: ModelShape, prefix: str, input_site: str) -> dict[str, _SiteFormula]:
+    """A norm's saves: its input, its statistics (LayerNorm: mean and rstd; RMSNorm: rstd)
+    and RMSNorm's x * rstd in fp32; then the next linear saves its output."""
+    norm = models.NORMS[shape.normalization]
+    statistics = norm.statistics_per_row
+    table = {
+        input_site: _SiteFormula(_stream, lambda d: d.norm_in, "norm_in", _NO_FLOPS,
+                                 lambda d: 0.0, _hidden_channels),
+        f"{prefix}_stats": _SiteFormula(lambda d: statistics * d.sr * d.b, _FP32, "float32",
+                                        _NO_FLOPS, _norm_moved, lambda d: statistics),
+    }
+    if norm.saves_normed:
+        table[f"{prefix}_normed"] = _SiteFormula(_stream, _FP32, "float32", _NO_FLOPS,
+                                                 lambda d: 0.0, _hidden_channels)
+    table[f"{prefix}_out"] = _SiteFormula(_stream, _act, "act", _NO_FLOPS, lambda d: 0.0,
+                                          _hidden_channels)
+    return table
+
+
+def _qkv_sites(shape: ModelShape) -> dict[str, _SiteFormula]:
+    """Q, K and V as core attention saves them, and RoPE's cos and sin before them. Under
+    sequence parallelism linear_qkv gathers the sequence first: from here on every tensor
+    has the whole sequence and this rank's heads."""
+    if shape.attention_backend == "flash":
+        # SDPA keeps K and V at the groups; V is its own copy beside RoPE's Q and K
+        heads = lambda d: d.a + 2 * d.g
+    elif shape.rope and shape.groups == shape.num_attention_heads:
+        # megatron's unfused attention: RoPE's Q and K, and V a view of the fused output
+        heads = lambda d: 2 * d.a + (d.a + 2 * d.g)
+    else:  # views of the fused output, or grouped K and V repeated to the heads
+        heads = lambda d: 3 * d.a
+    table = {}
+    qkv_flops = _qkv_flops
+    if shape.rope:
+        table["rope_cos_sin"] = _SiteFormula(lambda d: 4 * d.s * d.rot, _act, "act",
+                                             _qkv_flops, lambda d: 4 * d.s * d.rot * d.act,
+                                             lambda d: d.rot)
+        qkv_flops = _NO_FLOPS
+    table["qkv"] = _SiteFormula(lambda d: heads(d) * d.s * d.b * d.hd, _act, "act", qkv_flops,
+                                lambda d: (d.a + 2 * d.g) * d.s * d.b * d.hd * d.act,
+                                lambda d: heads(d) * d.hd)
+    return table
+
+
+def _unfused_core_sites(shape: ModelShape) -> dict[str, _SiteFormula]:
+    attn = lambda d: d.a * d.s * d.s * d.b
+    return {
+        # Q K^T, scale and mask, softmax: scores written and read in 16 bit, probs written.
+        "softmax_out": _SiteFormula(attn, lambda d: d.softmax, "softmax",
+                                    lambda d: 2 * d.b * d.s * d.s * d.aw,
+                                    lambda d: attn(d) * (2 * d.act + d.softmax),
+                                    lambda d: d.s),
+        "attn_dropout_mask": _SiteFormula(attn, lambda d: d.mask, "bool", _NO_FLOPS,
+                                          _rng_moved_attn, lambda d: d.s,
+                                          when=_attention_dropout),
+        "attn_probs": _SiteFormula(attn, _act, "act", _NO_FLOPS,
+                                   lambda d: attn(d) * (d.softmax + d.mask + d.act),
+                                   lambda d: d.s, when=_probabilities_copied),
+        # The probabilities times V; linear_proj saves the context on entry.
+        "context": _SiteFormula(lambda d: d.s * d.b * d.aw, _act, "act",
+                                lambda d: 2 * d.b * d.s * d.s * d.aw,
+                                lambda d: 2 * d.s * d.b * d.aw * d.act, lambda d: d.aw),
+    }
 
 
 def _flash_core_sites(shape: ModelShape) -> dict[str, _SiteFormula]:
@@ -297,86 +449,87 @@ def _flash_core_sites(shape: ModelShape) -> dict[str, _SiteFormula]:
     reaches memory, and causal masking skips the blocks above the diagonal (half the FLOPs of
     the unfused matmuls). Its output is the storage linear_proj saves (the context)."""
     return {
-        "attn_lse": _SiteFormula(lambda d: d.a * d.s * d.b, _STATS_BYTES, "float32",
-                                 lambda d: 2 * d.b * d.s * d.s * d.h,
-                                 lambda d: 4 * d.s * d.b * d.h * d.act + 4 * d.a * d.s * d.b,
+        "attn_lse": _SiteFormula(lambda d: d.a * d.s * d.b, _FP32, "float32",
+                                 lambda d: 2 * d.b * d.s * d.s * d.aw,
+                                 lambda d: 4 * d.s * d.b * d.aw * d.act + 4 * d.a * d.s * d.b,
                                  lambda d: d.a),
         # CUDA's philox seed and offset: two int64 scalars, with dropout on.
         "attn_rng_state": _SiteFormula(lambda d: 2, lambda d: 8, "int64", _NO_FLOPS,
                                        lambda d: 0.0, lambda d: 1, when=_attention_dropout),
-        "context": _SiteFormula(lambda d: d.s * d.b * d.h, _act, "act", _NO_FLOPS,
-                                lambda d: 0.0, _hidden_channels),
+        "context": _SiteFormula(lambda d: d.s * d.b * d.aw, _act, "act", _NO_FLOPS,
+                                lambda d: 0.0, lambda d: d.aw),
+    }
+
+
+def _mlp_sites(shape: ModelShape) -> dict[str, _SiteFormula]:
+    """fc1 (twice as wide with SwiGLU) and the activation's saves; linear_fc2 saves its
+    output."""
+    sbf = lambda d: d.s * d.b * d.f
+    mlp = models.MLPS[shape.swiglu]
+    if not mlp.gated:
+        return {
+            mlp.fc1_out: _SiteFormula(sbf, _act, "act", lambda d: 2 * d.s * d.b * d.h * d.f,
+                                      lambda d: 2 * sbf(d) * d.act, lambda d: d.f),
+            mlp.fc2_in: _SiteFormula(sbf, _act, "act", _NO_FLOPS, lambda d: 2 * sbf(d) * d.act,
+                                     lambda d: d.f),
+        }
+    # fc1 writes both halves; the product saves the up half plus the offset (a copy, made
+    # first) and the SiLU of the gate half; linear_fc2 saves the product.
+    up, act = (mlp.activation_saves[node] for node in ("AddBackward0", "SiluBackward0"))
+    return {
+        mlp.fc1_out: _SiteFormula(lambda d: 2 * sbf(d), _act, "act",
+                                  lambda d: 2 * d.s * d.b * d.h * 2 * d.f,
+                                  lambda d: 2 * sbf(d) * d.act, lambda d: 2 * d.f),
+        up: _SiteFormula(sbf, _act, "act", _NO_FLOPS, lambda d: 2 * sbf(d) * d.act,
+                         lambda d: d.f),
+        act: _SiteFormula(sbf, _act, "act", _NO_FLOPS, lambda d: 2 * sbf(d) * d.act,
+                          lambda d: d.f),
+        mlp.fc2_in: _SiteFormula(sbf, _act, "act", _NO_FLOPS, lambda d: 3 * sbf(d) * d.act,
+                                 lambda d: d.f),
     }
 
 
 def _layer_sites(shape: ModelShape) -> dict[str, _SiteFormula]:
-    """The sites of one megatron-core local-spec layer (TP=1) with the shape's attention
-    backend, in the order forward saves them; each formula's op costs are those of the ops
-    since the previous save."""
-    sbh = lambda d: d.s * d.b * d.h
-    attn = lambda d: d.a * d.s * d.s * d.b
-    sbf = lambda d: d.s * d.b * d.f
-    stats = lambda d: 2 * d.s * d.b
-    proj_flops = lambda d: 2 * d.s * d.b * d.h * d.h
+    """The sites of one megatron-core local-spec layer on one tensor-parallel rank, for the
+    shape's layer variant (models/) and attention backend, in the order forward saves them;
+    each formula's op costs are those of the ops since the previous save."""
+    proj_flops = lambda d: 2 * d.s * d.b * d.aw * d.h
     # Without the bias-dropout-add mask, the next save after the context is ln2_in: the
     # output projection runs before it.
     ln2_in_flops = _NO_FLOPS if _hidden_dropout(shape) else proj_flops
+    core = (_flash_core_sites if shape.attention_backend == "flash" else _unfused_core_sites)
     table = {
-        "layer_in": _SiteFormula(sbh, _act, "act", _NO_FLOPS, lambda d: 0.0, _hidden_channels),
-        # The input layernorm saves its statistics; linear_qkv saves its output on entry.
-        "ln1_stats": _SiteFormula(stats, _STATS_BYTES, "float32", _NO_FLOPS, _ln_moved,
-                                  lambda d: 2),
-        "ln1_out": _SiteFormula(sbh, _act, "act", _NO_FLOPS, lambda d: 0.0, _hidden_channels),
-        # The QKV projection and its bias; Q, K and V are saved by the score matmul.
-        "qkv": _SiteFormula(lambda d: 3 * sbh(d), _act, "act",
-                            lambda d: 2 * d.s * d.b * d.h * 3 * d.h,
-                            lambda d: 3 * d.s * d.b * d.h * d.act, lambda d: 3 * d.h),
-        # Q K^T, scale and mask, softmax: scores written and read in 16 bit, probs written.
-        "softmax_out": _SiteFormula(attn, lambda d: d.softmax, "softmax",
-                                    lambda d: 2 * d.b * d.s * d.s * d.h,
-                                    lambda d: attn(d) * (2 * d.act + d.softmax),
-                                    lambda d: d.s),
-        "attn_dropout_mask": _SiteFormula(attn, lambda d: d.mask, "bool", _NO_FLOPS,
-                                          _rng_moved_attn, lambda d: d.s,
-                                          when=_attention_dropout),
-        "attn_probs": _SiteFormula(attn, _act, "act", _NO_FLOPS,
-                                   lambda d: attn(d) * (d.softmax + d.mask + d.act),
-                                   lambda d: d.s, when=_attention_dropout),
-        # The probabilities times V; linear_proj saves the context on entry.
-        "context": _SiteFormula(sbh, _act, "act", lambda d: 2 * d.b * d.s * d.s * d.h,
-                                lambda d: 2 * sbh(d) * d.act, _hidden_channels),
-        "bda1_mask": _SiteFormula(sbh, lambda d: d.mask, "bool", proj_flops, _rng_moved_sbh,
-                                  _hidden_channels, when=_hidden_dropout),
-        # The bias-dropout-add; pre_mlp_layernorm saves its input on entry.
-        "ln2_in": _SiteFormula(sbh, _act, "act", ln2_in_flops,
-                               lambda d: 3 * d.s * d.b * d.h * d.act + d.s * d.b * d.h * d.mask,
-                               _hidden_channels),
-        "ln2_stats": _SiteFormula(stats, _STATS_BYTES, "float32", _NO_FLOPS, _ln_moved,
-                                  lambda d: 2),
-        "ln2_out": _SiteFormula(sbh, _act, "act", _NO_FLOPS, lambda d: 0.0, _hidden_channels),
-        "gelu_in": _SiteFormula(sbf, _act, "act", lambda d: 2 * d.s * d.b * d.h * d.f,
-                                lambda d: 2 * sbf(d) * d.act, lambda d: d.f),
-        "gelu_out": _SiteFormula(sbf, _act, "act", _NO_FLOPS, lambda d: 2 * sbf(d) * d.act,
-                                 lambda d: d.f),
-        # fc2, then the dropout of the second bias-dropout-add draws its mask.
-        "bda2_mask": _SiteFormula(sbh, lambda d: d.mask, "bool",
-                                  lambda d: 2 * d.s * d.b * d.f * d.h,
-                                  lambda d: sbh(d) * d.act + _rng_moved_sbh(d),
-                                  _hidden_channels, when=_hidden_dropout),
+        **_norm_sites(shape, "ln1", "layer_in"),
+        **_qkv_sites(shape),
+        **core(shape),
+        "bda1_mask": _SiteFormula(_stream, lambda d: d.mask, "bool", proj_flops,
+                                  _rng_moved_stream, _hidden_channels, when=_hidden_dropout),
     }
-    if shape.attention_backend == "flash":  # SDPA's sites replace softmax_out .. context
-        names = list(table)
-        start, end = names.index("softmax_out"), names.index("context") + 1
-        table = {**{name: table[name] for name in names[:start]}, **_flash_core_sites(shape),
-                 **{name: table[name] for name in names[end:]}}
+    mlp_norm = _norm_sites(shape, "ln2", "ln2_in")
+    # The bias-dropout-add; pre_mlp_layernorm saves its input on entry.
+    mlp_norm["ln2_in"] = replace(mlp_norm["ln2_in"], flops=ln2_in_flops,
+                                 bytes_moved=lambda d: 3 * _stream(d) * d.act + _stream(d) * d.mask)
+    table.update(mlp_norm)
+    table.update(_mlp_sites(shape))
+    # fc2, then the dropout of the second bias-dropout-add draws its mask.
+    table["bda2_mask"] = _SiteFormula(_stream, lambda d: d.mask, "bool",
+                                      lambda d: 2 * d.s * d.b * d.f * d.h,
+                                      lambda d: _stream(d) * d.act + _rng_moved_stream(d),
+                                      _hidden_channels, when=_hidden_dropout)
     return {name: formula for name, formula in table.items() if formula.when(shape)}
 
 
 def _dims(shape: ModelShape, micro_batch_size: int) -> _Dims:
     act = shape.activation_bytes
-    return _Dims(s=shape.seq_length, b=micro_batch_size, h=shape.hidden_size,
-                 a=shape.num_attention_heads, f=shape.ffn, act=act,
-                 softmax=4 if shape.softmax_in_fp32 else act)
+    t = shape.tensor_model_parallel_size
+    # torch's RMSNorm computes in fp32: a 16-bit model's norms save an fp32 copy of the input
+    rms_upcasts = models.NORMS[shape.normalization].saves_normed and act == 2
+    return _Dims(s=shape.seq_length, sr=shape.seq_length // t if shape.sequence_parallel
+                 else shape.seq_length, b=micro_batch_size, h=shape.hidden_size,
+                 a=shape.num_attention_heads // t, g=shape.groups // t, hd=shape.head_dim,
+                 f=shape.ffn // t, act=act, softmax=4 if shape.softmax_in_fp32 else act,
+                 norm_in=4 if rms_upcasts else act,
+                 rot=int(shape.head_dim * shape.rotary_percent))
 
 
 def site_bytes(shape: ModelShape, micro_batch_size: int) -> dict[str, int]:
@@ -409,22 +562,25 @@ def _codec_cost(codec: str, full: int, payload: int, bandwidth: float) -> CodecC
 def embedding_activation_bytes(shape: ModelShape, micro_batch_size: int) -> int:
     """Activations the embedding saves for its backward (the first stage's): its dropout's
     mask. They live until the embedding backprops, after every layer."""
-    s, b, h = shape.seq_length, micro_batch_size, shape.hidden_size
-    return s * b * h if shape.hidden_dropout > 0 else 0
+    d = _dims(shape, micro_batch_size)
+    return _stream(d) if shape.hidden_dropout > 0 else 0
 
 
 def output_activation_bytes(shape: ModelShape, micro_batch_size: int) -> int:
     """Activations of the final LayerNorm, the output layer and the loss (the last stage's),
     alive at the end of forward and freed by the loss backward before any layer backprops.
 
-    The final LayerNorm saves its input and the output layer saves the norm's output (16 bit
-    each, plus fp32 statistics); the logits exist in 16 bit while the cross-entropy works on
-    an fp32 copy whose softmax it saves (2 + 4 bytes per logit). At GPT-2's vocabulary the
-    logits dominate.
+    The final norm saves what a layer's norm saves and the output layer saves the norm's
+    output; the logits exist in 16 bit while the cross-entropy works on an fp32 copy whose
+    softmax it saves (2 + 4 bytes per logit; 4 in fp32). At GPT-2's vocabulary the logits
+    dominate. Under tensor parallelism each rank holds its vocabulary shard's logits.
     """
-    s, b, h, act = shape.seq_length, micro_batch_size, shape.hidden_size, shape.activation_bytes
-    norms = 2 * s * b * h * act + 2 * s * b * 4
-    logits = s * b * shape.padded_vocab_size * (act + 4)
+    d = _dims(shape, micro_batch_size)
+    norm = _norm_sites(shape, "final", "final_in")
+    norms = sum(f.elements(d) * f.element_bytes(d) for f in norm.values())
+    # In fp32 the cross-entropy needs no copy: it works in place on the logits.
+    per_logit = 4 if d.act == 4 else d.act + 4
+    logits = d.s * d.b * shape.padded_vocab_size // shape.tensor_model_parallel_size * per_logit
     return norms + logits
 
 
@@ -433,11 +589,11 @@ def backward_workspace_bytes(shape: ModelShape, micro_batch_size: int) -> int:
     residual stream plus the largest op's output and input gradients (the attention
     probabilities' in the attention block, the fc1/GELU pair in the MLP)."""
     d = _dims(shape, micro_batch_size)
-    residual = d.s * d.b * d.h * d.act
+    residual = _stream(d) * d.act
     attention_pair = 2 * d.a * d.s * d.s * d.b * max(d.act, d.softmax)
     if shape.attention_backend == "flash":  # no s^2 gradient: dQ, dK, dV and the output's
-        attention_pair = 4 * d.s * d.b * d.h * d.act
-    mlp_pair = 2 * d.s * d.b * d.f * d.act
+        attention_pair = 2 * d.s * d.b * (d.a + d.g) * d.hd * d.act
+    mlp_pair = (3 if shape.swiglu else 2) * d.s * d.b * d.f * d.act
     return residual + max(attention_pair, mlp_pair)
 
 
@@ -507,7 +663,8 @@ def _site_costs(shape: ModelShape, micro_batch_size: int, device: Accelerator
     flop_rate = device.matmul_flops(shape.activation_bytes) * MATMUL_EFFICIENCY
     byte_rate = device.memory_bandwidth * BANDWIDTH_EFFICIENCY
     dtype_names = {"act": _DTYPE_NAMES[shape.precision],
-                   "softmax": "float32" if d.softmax == 4 else _DTYPE_NAMES[shape.precision]}
+                   "softmax": "float32" if d.softmax == 4 else _DTYPE_NAMES[shape.precision],
+                   "norm_in": "float32" if d.norm_in == 4 else _DTYPE_NAMES[shape.precision]}
     formulas = _layer_sites(shape)
     # the forward's time from the previous save to each one
     step_s = {name: formula.flops(d) / flop_rate + formula.bytes_moved(d) / byte_rate

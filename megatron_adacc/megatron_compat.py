@@ -184,6 +184,24 @@ def _cpu_shared_embedding() -> None:
     LanguageModule.setup_embeddings_and_output_layer = setup_embeddings_and_output_layer
 
 
+def _cpu_rotary_embedding() -> None:
+    # RotaryEmbedding.get_emb moves inv_freq to torch.cuda.current_device() at the first
+    # forward.
+    from megatron.core.models.common.embeddings import rotary_pos_embedding
+
+    rotary_pos_embedding.torch = _HostTorch()
+
+
+def _cpu_sequence_parallel() -> None:
+    # Sequence parallelism: the all-gather and reduce-scatter along the sequence (mappings)
+    # and the linear layers' all-gather of their input for backward allocate their output on
+    # torch.cuda.current_device(). (layers reads torch.cuda.amp only at import.)
+    from megatron.core.tensor_parallel import layers, mappings
+
+    mappings.torch = _HostTorch()
+    layers.torch = _HostTorch()
+
+
 def _checkpoint_without_output_fp8() -> None:
     # CheckpointWithoutOutput.__init__ sets ``self.fp8 = fp8 is not None``, so the False that
     # selective recompute of layernorm/mlp passes becomes True, and without Transformer
@@ -212,6 +230,8 @@ CPU_SHIMS = {
     "cpu_grad_scaler": _cpu_grad_scaler,
     "cpu_pipeline_schedules": _cpu_pipeline_schedules,
     "cpu_shared_embedding": _cpu_shared_embedding,
+    "cpu_rotary_embedding": _cpu_rotary_embedding,
+    "cpu_sequence_parallel": _cpu_sequence_parallel,
 }
 
 

@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from megatron_adacc import megatron_compat
 from megatron_adacc.attention import DEFAULT_SPEC_BACKEND, local_layer_spec
+from megatron_adacc.models import EmbeddingOptions, SequenceParallelNorm
 
 
 def _free_port() -> int:
@@ -121,17 +122,22 @@ def build_transformer_config(**overrides: Any):
 
 
 def build_gpt_model(config, vocab_size: int, max_sequence_length: int, layer_spec=None,
-                    attention_backend: str = DEFAULT_SPEC_BACKEND):
-    """megatron-core GPTModel with learned absolute positions (GPT-2 style), built from
-    `layer_spec`, by default megatron-core's local spec with `attention_backend`'s core
-    attention (see attention.py). With pipeline stages (config.pipeline_model_parallel_size
-    > 1) it is this rank's stage: megatron's own split of the layers, the embedding on the
-    first stage, the output layer (megatron's copy of the tied word embedding) on the last."""
+                    attention_backend: str = DEFAULT_SPEC_BACKEND,
+                    embedding: EmbeddingOptions = EmbeddingOptions()):
+    """megatron-core GPTModel built from `layer_spec`, by default megatron-core's local spec
+    with `attention_backend`'s core attention (see attention.py); its positions and output
+    layer are `embedding`'s (default GPT-2's: learned absolute positions, tied output
+    layer). With pipeline stages (config.pipeline_model_parallel_size > 1) it is this rank's
+    stage: megatron's own split of the layers, the embedding on the first stage, the output
+    layer (megatron's copy of a tied word embedding) on the last. Under sequence parallelism
+    the norms are `SequenceParallelNorm`s (megatron's torch norm asserts there)."""
     spec = layer_spec if layer_spec is not None else local_layer_spec(attention_backend)
+    if config.sequence_parallel:
+        spec = _sequence_parallel_block(config, spec)
     first, last = pipeline_stage() if config.pipeline_model_parallel_size > 1 else (True, True)
     if not first and config.use_cpu_initialization:
-        _draw_earlier_stages(config, spec, vocab_size, max_sequence_length)
-    model = _gpt_model(config, spec, vocab_size, max_sequence_length, first, last)
+        _draw_earlier_stages(config, spec, vocab_size, max_sequence_length, embedding)
+    model = _gpt_model(config, spec, vocab_size, max_sequence_length, first, last, embedding)
     if config.bf16 or config.fp16:
         # megatron's Float16Module does the same: every parameter (position embedding and
         # layernorms included) in 16 bits, so activations stay 16-bit from the embedding on.
@@ -141,8 +147,28 @@ def build_gpt_model(config, vocab_size: int, max_sequence_length: int, layer_spe
     return model
 
 
+def _sequence_parallel_block(config, layer_spec):
+    """The block spec of `layer_spec`'s layers with every norm (the layers' and the final
+    one) a SequenceParallelNorm."""
+    import dataclasses
+
+    from megatron.core.transformer.transformer_block import (
+        TransformerBlockSubmodules,
+        get_num_layers_to_build,
+    )
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    submodules = layer_spec.submodules
+    norms = {name: SequenceParallelNorm for name in ("input_layernorm", "pre_mlp_layernorm")
+             if getattr(submodules, name) is WrappedTorchNorm}
+    layer_spec = dataclasses.replace(layer_spec,
+                                     submodules=dataclasses.replace(submodules, **norms))
+    return TransformerBlockSubmodules(layer_specs=[layer_spec] * get_num_layers_to_build(config),
+                                      layer_norm=SequenceParallelNorm)
+
+
 def _gpt_model(config, spec, vocab_size: int, max_sequence_length: int, pre_process: bool,
-               post_process: bool):
+               post_process: bool, embedding: EmbeddingOptions):
     from megatron.core.models.gpt import GPTModel
 
     return GPTModel(
@@ -152,23 +178,26 @@ def _gpt_model(config, spec, vocab_size: int, max_sequence_length: int, pre_proc
         max_sequence_length=max_sequence_length,
         pre_process=pre_process,
         post_process=post_process,
-        share_embeddings_and_output_weights=True,
-        position_embedding_type="learned_absolute",
+        **embedding.gpt_model_kwargs(),
     )
 
 
-def _draw_earlier_stages(config, spec, vocab_size: int, max_sequence_length: int) -> None:
+def _draw_earlier_stages(config, spec, vocab_size: int, max_sequence_length: int,
+                         embedding: EmbeddingOptions) -> None:
     """Draw, and throw away, the initial weights of the embedding and of the layers before
     this stage, so this stage's layers take the random numbers they take in one process:
     every pipeline split starts from the weights PP=1 starts from (CPU initialisation
     draws every weight from the default generator, one module after another)."""
     import dataclasses
 
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
     earlier = get_transformer_layer_offset(config)
     one_stage = dataclasses.replace(config, num_layers=earlier, pipeline_model_parallel_size=1)
-    _gpt_model(one_stage, spec, vocab_size, max_sequence_length, True, False)
+    if isinstance(spec, TransformerBlockSubmodules):  # one stage's layers: rebuild for all
+        spec = _sequence_parallel_block(one_stage, spec.layer_specs[0])
+    _gpt_model(one_stage, spec, vocab_size, max_sequence_length, True, False, embedding)
 
 
 def gpt_loss(model, tokens: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor):

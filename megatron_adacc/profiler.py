@@ -385,7 +385,8 @@ def _profile(run: _Profiling) -> ModelCosts:
         ))
     num_layers = len(run.layers)
     seq_length, micro_batch = run.batch[0].shape[1], run.batch[0].shape[0]
-    shape = model_shape(config, model.vocab_size, seq_length, backend_of(model))
+    shape = model_shape(config, model.vocab_size, seq_length, backend_of(model),
+                        getattr(model, "position_embedding_type", "learned_absolute"))
     costs = ModelCosts(
         sites=sites,
         num_layers=num_layers,
@@ -470,10 +471,11 @@ def sample_sites(model: torch.nn.Module, batch: Batch, names: Iterable[str], *,
             if not probe.failed and probe.inputs and name in sizes}
 
 
-def model_shape(config, vocab_size: int, seq_length: int,
-                attention_backend: str = "unfused") -> hardware.ModelShape:
-    """The planner's description of a megatron TransformerConfig and the model's resolved
-    attention backend (for the analytic parts and the ProfileDB key)."""
+def model_shape(config, vocab_size: int, seq_length: int, attention_backend: str = "unfused",
+                position_embedding_type: str = "learned_absolute") -> hardware.ModelShape:
+    """The planner's description of a megatron TransformerConfig, the model's resolved
+    attention backend and its positions (for the analytic parts and the ProfileDB key: a
+    Llama layer is never served a GPT layer's profile)."""
     precision = "bf16" if config.bf16 else "fp16" if config.fp16 else "fp32"
     return hardware.ModelShape(
         num_layers=config.num_layers,
@@ -488,4 +490,11 @@ def model_shape(config, vocab_size: int, seq_length: int,
         softmax_in_fp32=config.attention_softmax_in_fp32,
         attention_backend=attention_backend,
         make_vocab_size_divisible_by=1,
+        normalization=config.normalization,
+        swiglu=bool(config.gated_linear_unit),
+        position_embedding_type=position_embedding_type,
+        num_query_groups=config.num_query_groups,
+        add_bias_linear=config.add_bias_linear,
+        tensor_model_parallel_size=config.tensor_model_parallel_size,
+        sequence_parallel=config.sequence_parallel,
     )

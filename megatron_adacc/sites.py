@@ -85,8 +85,18 @@ _SITE_LIST = (
     Site(LAYER_INPUT, "layer input, the checkpoint everything else is rebuilt from",
          "outlier_int4", None, recomputable=False),
     Site("ln1_out", "input layernorm output, saved by linear_qkv", "outlier_int4", "attention"),
-    Site("qkv", "query, key and value: views of one storage, decided as one unit",
-         "channel_int4", "attention"),
+    # RMSNorm (torch's) saves x * rstd in fp32 besides its input and rstd.
+    Site("ln1_normed", "input RMSNorm's normalised input x * rstd (fp32), saved by its weight "
+         "multiply", "outlier_int4", "attention"),
+    # RoPE's cos and sin, [s, 1, 1, rotary dim], saved by the two products with Q and K. They
+    # are the same values in every layer but megatron-core 0.16.1 computes them per call (new
+    # storages): a few bytes per token, and every gradient through RoPE reads them, so they
+    # are never compressed; rebuilding them would re-run the attention segment for nothing.
+    Site("rope_cos_sin", "RoPE's cos and sin, saved by the rotation of Q and K", None,
+         "attention", recomputable=False),
+    Site("qkv", "query, key and value as core attention takes them: views of linear_qkv's "
+         "output, or (RoPE) the rotated Q and K and (grouped-query unfused attention) the "
+         "repeated K and V; decided as one unit", "channel_int4", "attention"),
     Site("attn_mask", "attention mask: the causal mask the masked fill saves (megatron caches "
          "it, one storage for every layer), or the mask type megatron's core-attention "
          "checkpoint saves", "bitmask", "attention", shared=True),
@@ -113,8 +123,18 @@ _SITE_LIST = (
     Site("ln2_in", "residual stream after attention, saved by pre_mlp_layernorm",
          "outlier_int4", "attention"),
     Site("ln2_out", "pre-MLP layernorm output, saved by linear_fc1", "outlier_int4", "mlp"),
+    Site("ln2_normed", "pre-MLP RMSNorm's normalised input x * rstd (fp32)", "outlier_int4",
+         "mlp"),
     Site("gelu_in", "fc1 output, saved by the activation function", "outlier_int4", "mlp"),
     Site("gelu_out", "activation output, saved by linear_fc2", "outlier_int4", "mlp"),
+    # The gated MLP (SwiGLU, models/llama.py): silu(gate) * up.
+    Site("swiglu_in", "fc1 output [s, b, 2 x ffn], pinned by the gate half the SiLU saves",
+         "outlier_int4", "mlp"),
+    Site("swiglu_up", "the up half of fc1's output plus megatron's offset (a copy), saved by "
+         "the product", "outlier_int4", "mlp"),
+    Site("swiglu_act", "SiLU of the gate half, saved by the product", "outlier_int4", "mlp"),
+    Site("swiglu_out", "SwiGLU output silu(gate) * up, saved by linear_fc2", "outlier_int4",
+         "mlp"),
     Site("bda2_mask", "dropout mask of the MLP bias-dropout-add", "bitmask", "mlp"),
     Site("ln1_stats", "input layernorm mean and rstd", "outlier_int4", "attention"),
     Site("ln2_stats", "pre-MLP layernorm mean and rstd", "outlier_int4", "mlp"),
@@ -139,6 +159,8 @@ DECODED_TOGETHER: tuple[frozenset[str], ...] = (
     # LayerNorm's backward reads its input and its statistics together.
     frozenset({"layer_in", "ln1_stats"}),
     frozenset({"ln2_in", "ln2_stats"}),
+    # SwiGLU: the product's backward reads the SiLU output and the up half together.
+    frozenset({"swiglu_act", "swiglu_up"}),
 )
 
 
@@ -180,6 +202,10 @@ REBUILD_SOURCES = frozenset(SEGMENTS.values()) | {source for edge in REBUILDS
                                                   for source in edge.sources}
 
 SITES: dict[str, Site] = {site.name: site for site in _SITE_LIST}
+# Sites that hold a mask (bool, or CPU dropout's 0 / 1/(1-p)): the only ones the bitmask codec
+# may encode. A floating-point value sent to it would be silently binarised wherever it
+# happens to hold two values, so the runtime checks every compress against this set.
+MASK_SITES = frozenset(site.name for site in _SITE_LIST if site.default_codec == MASK_CODEC)
 SITE_NAMES: tuple[str, ...] = tuple(SITES)
 SHARED_SITES = frozenset(site.name for site in _SITE_LIST if site.shared)
 # The sites a plan decides for, per layer.

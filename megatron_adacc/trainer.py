@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megatron_adacc import allocator, checkpoint, data, model as model_lib, numerics
+from megatron_adacc import allocator, checkpoint, data, model as model_lib, models, numerics
 from megatron_adacc.adacc import Adacc, AdaccConfig
 from megatron_adacc.attention import local_layer_spec, with_attention_backend
 from megatron_adacc.optimizer import MainParamAdamW
@@ -51,6 +51,7 @@ def transformer_config(args: argparse.Namespace):
         params_dtype=dtype,
         pipeline_dtype=dtype,
         **recompute,
+        **models.transformer_config_options(args),
     )
 
 
@@ -168,11 +169,18 @@ def _demo_corpus(args: argparse.Namespace) -> tuple[str, str]:
 def build_model(args: argparse.Namespace, tokenizer, layer_spec=None) -> torch.nn.Module:
     """The flags' GPTModel (megatron-core's local spec, or ``layer_spec``), its core
     attention the flags' ``--attention-backend``."""
-    vocab_size = padded_vocab_size(tokenizer.vocab_size, args.make_vocab_size_divisible_by,
+    if args.vocab_size is not None and args.vocab_size < tokenizer.vocab_size:
+        from megatron_adacc.arguments import ConfigError
+
+        raise ConfigError(f"--vocab-size {args.vocab_size} is smaller than the "
+                          f"{args.tokenizer_type} tokenizer's {tokenizer.vocab_size} tokens")
+    vocab_size = padded_vocab_size(args.vocab_size or tokenizer.vocab_size,
+                                   args.make_vocab_size_divisible_by,
                                    args.tensor_model_parallel_size)
     spec = with_attention_backend(layer_spec or local_layer_spec(), args.attention_backend)
     return model_lib.build_gpt_model(transformer_config(args), vocab_size,
-                                     args.max_position_embeddings, spec)
+                                     args.max_position_embeddings, spec,
+                                     embedding=models.EmbeddingOptions.from_args(args))
 
 
 def build_model_and_data(args: argparse.Namespace, layer_spec=None

@@ -68,12 +68,21 @@ def parse() -> argparse.Namespace:
                         help="channels whose LayerNorm gains are scaled")
     parser.add_argument("--methods", nargs="*", choices=METHODS, default=None,
                         help="the methods trained (default: all; no optimisation always)")
+    parser.add_argument("--family", choices=sorted(bc.models.FAMILIES), default="gpt",
+                        help="the model family: gpt (GPT-2) or llama (RMSNorm, SwiGLU, RoPE, "
+                             "grouped-query attention, no biases, untied embeddings, no "
+                             "dropout)")
+    parser.add_argument("--query-groups", type=int, default=2,
+                        help="llama: grouped-query attention's key/value heads")
+    parser.add_argument("--ffn", type=int, default=None,
+                        help="ffn hidden size (default: the family's)")
     parser.add_argument("--workdir")
     parser.add_argument("--out")
     parser.add_argument("--publish")
     parser.add_argument("--figure")
     args = parser.parse_args()
-    stem = "accuracy_stress" if args.stress else "accuracy"
+    stem = ("accuracy_stress" if args.stress else "accuracy") + (
+        "" if args.family == "gpt" else f"_{args.family}")
     args.workdir = args.workdir or f"bench_results/{stem}"
     args.out = args.out or f"bench_results/{stem}.json"
     args.publish = f"{stem}.json" if args.publish is None else args.publish
@@ -100,7 +109,9 @@ def model_flags(args) -> list[str]:
             "--lr-warmup-iters", str(max(1, args.iters // 20)), "--lr-decay-style", "cosine",
             "--tokenizer-type", "ByteLevel", "--eval-interval", str(max(1, args.iters // 10)),
             "--eval-iters", "4", "--log-interval", str(max(1, args.iters // 10)),
-            "--adacc-profile-db", os.path.join(args.workdir, "profiles.sqlite")]
+            "--adacc-profile-db", os.path.join(args.workdir, "profiles.sqlite"),
+            *bc.models.get(args.family).argv(args.query_groups),
+            *(["--ffn-hidden-size", str(args.ffn)] if args.ffn else [])]
 
 
 def probe_budgets(args, flags: list[str]) -> dict:
@@ -142,12 +153,12 @@ def probe_budgets(args, flags: list[str]) -> dict:
     # Adacc's codecs on every site (what quantize does with naive INT4): the accuracy of
     # layer-specific compression itself, whatever a budget makes the planner choose.
     from megatron_adacc.plan import Decision, Plan
-    from megatron_adacc.sites import ABLATION_CODECS, COMPRESS, DECIDED_SITES
+    from megatron_adacc.sites import ABLATION_CODECS, COMPRESS, SITES
 
     forced = {}
     for name, no_outlier in (("codecs", False), ("codecs-no-outlier", True)):
         decisions = {}
-        for site in DECIDED_SITES:
+        for site in (SITES[site_name] for site_name in bc.models.get(args.family).sites):
             if site.default_codec is None:  # never compressed (the log-sum-exp)
                 continue
             codec = ABLATION_CODECS.get(site.default_codec) if no_outlier else None

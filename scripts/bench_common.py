@@ -37,6 +37,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 import torch
 
 from megatron_adacc import model as model_lib
+from megatron_adacc import models
 from megatron_adacc import optimizer, planning, policies, profiler
 from megatron_adacc.attention import local_layer_spec
 from megatron_adacc.plan import Plan
@@ -69,15 +70,30 @@ class Shape:
     vocab: int = 258          # ByteLevel tokenizer: logits stay small
     dropout: float = 0.1      # hidden dropout; attention dropout too, except on flash
     attention: str = "unfused"
+    family: str = "gpt"       # megatron_adacc.models: gpt or llama (no dropout)
+    query_groups: int | None = None  # llama: grouped-query attention's K/V heads
+    ffn: int | None = None    # default: the family's (4h; Megatron-LM's SwiGLU width)
 
     @property
     def attention_dropout(self) -> float:
         return 0.0 if self.attention == "flash" else self.dropout
 
+    def config_options(self) -> dict:
+        """TransformerConfig fields of the shape's family, dropouts included."""
+        options = dict(hidden_dropout=self.dropout, attention_dropout=self.attention_dropout)
+        options.update(models.get(self.family).transformer_config_options(self.query_groups,
+                                                                          self.ffn))
+        return options
+
     def describe(self) -> str:
-        return (f"{self.attention} attention, {self.layers} layers, hidden {self.hidden}, "
-                f"{self.heads} heads, seq {self.seq}, vocab {self.vocab}, hidden dropout "
-                f"{self.dropout}, attention dropout {self.attention_dropout}, fp32, CPU")
+        options = self.config_options()
+        family = (f"{self.family} family, " if self.family == "gpt" else
+                  f"{self.family} family ({self.query_groups or self.heads} query groups, "
+                  f"ffn {options.get('ffn_hidden_size', 'default')}), ")
+        return (f"{family}{self.attention} attention, {self.layers} layers, hidden "
+                f"{self.hidden}, {self.heads} heads, seq {self.seq}, vocab {self.vocab}, "
+                f"hidden dropout {options['hidden_dropout']}, attention dropout "
+                f"{options['attention_dropout']}, fp32, CPU")
 
 
 def add_shape_args(parser: argparse.ArgumentParser, full: Shape, quick: Shape) -> None:
@@ -85,6 +101,15 @@ def add_shape_args(parser: argparse.ArgumentParser, full: Shape, quick: Shape) -
     parser.add_argument("--hidden", type=int)
     parser.add_argument("--heads", type=int)
     parser.add_argument("--seq", type=int)
+    parser.add_argument("--family", choices=sorted(models.FAMILIES), default="gpt",
+                        help="the model family (megatron_adacc/models): gpt (GPT-2) or llama "
+                             "(RMSNorm, SwiGLU, RoPE, grouped-query attention, no biases, "
+                             "untied embeddings, no dropout)")
+    parser.add_argument("--query-groups", type=int, default=None,
+                        help="llama: grouped-query attention's key/value heads "
+                             "(default: heads / 2)")
+    parser.add_argument("--ffn", type=int, default=None,
+                        help="ffn hidden size (default: the family's)")
     parser.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="unfused",
                         help="the core attention every method runs (flash: attention dropout "
                              "0 for every method)")
@@ -98,9 +123,13 @@ def add_shape_args(parser: argparse.ArgumentParser, full: Shape, quick: Shape) -
 
 def shape_from(args) -> Shape:
     base = args._quick_shape if args.quick else args._full_shape
-    return replace(base, attention=args.attention_backend,
-                   **{k: getattr(args, k) for k in ("layers", "hidden", "heads", "seq")
-                      if getattr(args, k) is not None})
+    shape = replace(base, attention=args.attention_backend, family=args.family,
+                    **{k: getattr(args, k) for k in ("layers", "hidden", "heads", "seq")
+                       if getattr(args, k) is not None})
+    if args.family == "llama":
+        shape = replace(shape, dropout=0.0,
+                        query_groups=args.query_groups or max(1, shape.heads // 2))
+    return replace(shape, ffn=args.ffn)
 
 
 def init(threads: int | None = None) -> None:
@@ -114,9 +143,10 @@ def build(shape: Shape, adacc: bool = False, **recompute) -> torch.nn.Module:
     model_lib.set_seed(1)
     config = model_lib.build_transformer_config(
         num_layers=shape.layers, hidden_size=shape.hidden, num_attention_heads=shape.heads,
-        hidden_dropout=shape.dropout, attention_dropout=shape.attention_dropout, **recompute)
+        **shape.config_options(), **recompute)
     spec = (get_adacc_layer_spec if adacc else local_layer_spec)(shape.attention)
-    return model_lib.build_gpt_model(config, shape.vocab, shape.seq, spec)
+    return model_lib.build_gpt_model(config, shape.vocab, shape.seq, spec,
+                                      embedding=models.get(shape.family).embedding_options())
 
 
 def batch_of(shape: Shape, micro_batch: int, seed: int = 0):
@@ -329,9 +359,11 @@ def paired_ratio(numerator: list[float], denominator: list[float]) -> float:
 
 # --- output ---------------------------------------------------------------------------------
 def output_names(args, stem: str) -> None:
-    """Fill the unset --out, --publish and --figure with names that carry the attention
-    backend (``stem``_flash.json, ...), so the two attentions' runs sit side by side."""
-    tag = f"{stem}_{args.attention_backend}"
+    """Fill the unset --out, --publish and --figure with names that carry the model family
+    (but GPT's) and the attention backend (``stem``_flash.json, ``stem``_llama_flash.json,
+    ...), so the runs sit side by side."""
+    family = "" if getattr(args, "family", "gpt") == "gpt" else f"_{args.family}"
+    tag = f"{stem}{family}_{args.attention_backend}"
     args.out = args.out or f"bench_results/{tag}.json"
     args.publish = f"{tag}.json" if args.publish is None else args.publish
     args.figure = args.figure or f"{tag}.png"

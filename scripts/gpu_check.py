@@ -112,9 +112,11 @@ def _plans() -> dict:
     return {
         "retain": Plan(),
         "recompute attention": Plan.uniform(
-            {s.name: "recompute" for s in SITES.values() if s.segment == "attention"}),
+            {s.name: "recompute" for s in SITES.values()
+             if s.segment == "attention" and s.recomputable}),
         "recompute mlp": Plan.uniform(
-            {s.name: "recompute" for s in SITES.values() if s.segment == "mlp"}),
+            {s.name: "recompute" for s in SITES.values()
+             if s.segment == "mlp" and s.recomputable}),
         "recompute all": Plan.uniform(
             {s.name: "recompute" for s in SITES.values() if s.recomputable}),
     }

@@ -47,7 +47,8 @@ def mode_note(data: dict) -> str:
             f"start.\n\nCommand: `{run['command']}`")
 
 
-def throughput_section(data: dict, attention: str, number: str) -> list[str]:
+def throughput_section(data: dict, attention: str, number: str, tag: str = "") -> list[str]:
+    who = f"{tag.lstrip('_')} {attention}".strip()  # targets name the family but GPT's
     out = [f"### {number} Throughput under a memory budget ({attention} attention)", "",
            "Paper: Adacc has the best throughput of its counterparts, 1.01x-1.37x over full "
            "recomputation, and adds nothing when memory is ample (Figure \"throughput\").", "",
@@ -55,7 +56,7 @@ def throughput_section(data: dict, attention: str, number: str) -> list[str]:
            f"Model: {describe(data['shape'])}. Static bytes (parameters, gradients, AdamW "
            f"state): {data['static_bytes'] / MIB:.1f} MiB. `budget@k` = static + the stock "
            f"model's measured activation peak at micro-batch k: no optimisation fits up to k.",
-           "", f"![throughput, {attention}](figures/throughput_{attention}.png)", ""]
+           "", f"![throughput, {attention}](figures/throughput{tag}_{attention}.png)", ""]
     for name, budget in data["budgets"].items():
         out += [f"#### {name}: {budget / MIB:.1f} MiB", "",
                 "| micro-batch | " + " | ".join(SHORT[m] for m in METHODS
@@ -91,17 +92,17 @@ def throughput_section(data: dict, attention: str, number: str) -> list[str]:
     out += [f"- {line}" for line in data["summary"]["lines"]]
     worst_fitting = t.get("min_vs_fitting_method")
     out += ["", "Targets:", "",
-            target(f"{attention} throughput: ahead of every method that fits, at every budget "
+            target(f"{who} throughput: ahead of every method that fits, at every budget "
                    "where no optimisation does not fit",
                    t["ahead_of_every_method_where_none_does_not_fit"],
                    "; ".join([*([] if worst_fitting is None else
                                 [f"worst Adacc / method {worst_fitting:.3f}x"]),
                               *t.get("adacc_does_not_fit_where_others_do", [])]) or None),
-            target(f"{attention} throughput: >= 1.15x Megatron full recompute there",
+            target(f"{who} throughput: >= 1.15x Megatron full recompute there",
                    t["full_recompute_target_1_15"],
                    None if t["min_vs_full_recompute"] is None
                    else f"worst {t['min_vs_full_recompute']:.3f}x"),
-            target(f"{attention} throughput, memory ample: Adacc within 2% of no optimisation "
+            target(f"{who} throughput, memory ample: Adacc within 2% of no optimisation "
                    "(CPU time, median of per-round ratios)", t["ample_within_2pct"],
                    None if t["worst_ample_gap"] is None
                    else f"worst Adacc / none {t['worst_ample_gap']:.3f}"), ""]
@@ -110,12 +111,13 @@ def throughput_section(data: dict, attention: str, number: str) -> list[str]:
     return out
 
 
-def max_batch_section(data: dict, attention: str, number: str) -> list[str]:
+def max_batch_section(data: dict, attention: str, number: str, tag: str = "") -> list[str]:
+    who = f"{tag.lstrip('_')} {attention}".strip()
     out = [f"### {number} Maximum micro-batch under a budget ({attention} attention)", "",
            "Paper (Table \"Maximum batch size\"): Adacc always reaches the largest batch, equal "
            "to full recomputation and 2.38x-7.62x no optimisation.", "", mode_note(data), "",
            f"Model: {describe(data['shape'])}.", "",
-           f"![max batch, {attention}](figures/max_batch_{attention}.png)", ""]
+           f"![max batch, {attention}](figures/max_batch{tag}_{attention}.png)", ""]
     methods = [m for m in METHODS if any(m in r["methods"] for r in data["results"].values())]
     out += ["| budget | " + " | ".join(SHORT[m] for m in methods)
             + " | Adacc / none | Adacc / full recompute |",
@@ -143,16 +145,16 @@ def max_batch_section(data: dict, attention: str, number: str) -> list[str]:
             "recompute; unfused, Adacc >= naive INT4; the paper: >= full recompute and >= "
             "2.38x no optimisation):", ""]
     if attention == "flash":
-        out += [target("flash max micro-batch: Adacc >= every other method",
+        out += [target(f"{who} max micro-batch: Adacc >= every other method",
                        t["adacc_ge_every_method"], f"ahead of Adacc: {ahead}" if ahead else None),
-                target("flash max micro-batch: Adacc >= 1.5x full recompute",
+                target(f"{who} max micro-batch: Adacc >= 1.5x full recompute",
                        t["adacc_ge_1_5x_full_recompute"], ratio(t["min_adacc_vs_full_recompute"]))]
     else:
-        out += [target("unfused max micro-batch: Adacc >= naive INT4", t["adacc_ge_naive_int4"],
+        out += [target(f"{who} max micro-batch: Adacc >= naive INT4", t["adacc_ge_naive_int4"],
                        f"ahead of Adacc: {ahead}" if ahead else None)]
-    out += [target(f"{attention} max micro-batch: Adacc >= full recompute",
+    out += [target(f"{who} max micro-batch: Adacc >= full recompute",
                    t["adacc_ge_full_recompute"], ratio(t["min_adacc_vs_full_recompute"])),
-            target(f"{attention} max micro-batch: Adacc >= 2.38x no optimisation",
+            target(f"{who} max micro-batch: Adacc >= 2.38x no optimisation",
                    t["adacc_ge_2_38x_none"], ratio(t["min_adacc_vs_none"])), ""]
     return out
 
@@ -174,7 +176,8 @@ def accuracy_section(data: dict, title: str) -> list[str]:
            f"Trainer command (per run, plus `--seed S --adacc-policy P --metrics-file F`, and "
            f"`--adacc-memory-budget B` for the Adacc runs): `{data['pretrain_command']}`. "
            "Attention: the trainer's default `--attention-backend auto`, which on the CPU "
-           "with attention dropout 0.1 is the unfused attention.", ""]
+           "is the unfused attention with attention dropout 0.1 (GPT-2's setting) and flash "
+           "at attention dropout 0 (the Llama family's).", ""]
     if stress:
         a = data["args"]
         for seed, s in data["stress"].items():
@@ -233,7 +236,8 @@ def accuracy_section(data: dict, title: str) -> list[str]:
     t = data["targets"]
     fmt = lambda gaps: ", ".join(f"{g:+.2f}%" for g in gaps) if gaps else "-"  # noqa: E731
     auto = {k: v for k, v in data["gaps_pct"].items() if k.startswith("auto@")}
-    setting = "stress" if stress else "plain"
+    setting = ("stress" if stress else "plain") + (
+        "" if data["args"].get("family", "gpt") == "gpt" else f", {data['args']['family']}")
     out += ["", "Targets:", "",
             target(f"accuracy ({setting}): Adacc within 0.5% of no optimisation (every seed "
                    "and budget)", t["adacc_within_0_5pct"],
@@ -256,7 +260,11 @@ def accuracy_section(data: dict, title: str) -> list[str]:
 
 def describe(shape: dict) -> str:
     attention_dropout = 0.0 if shape["attention"] == "flash" else shape["dropout"]
-    return (f"{shape['attention']} attention, {shape['layers']} layers, hidden "
+    family = shape.get("family", "gpt")
+    family = "" if family == "gpt" else (
+        f"{family} family ({shape['query_groups']} query groups, ffn "
+        f"{shape['ffn'] or 'the family default'}), ")
+    return (f"{family}{shape['attention']} attention, {shape['layers']} layers, hidden "
             f"{shape['hidden']}, {shape['heads']} heads, seq {shape['seq']}, vocab "
             f"{shape['vocab']}, hidden dropout {shape['dropout']}, attention dropout "
             f"{attention_dropout}, fp32 on CPU")
@@ -329,6 +337,14 @@ PARTS = (
     (None, (("accuracy.json", lambda d: accuracy_section(d, "3. Accuracy: validation loss")),)),
     (None, (("accuracy_stress.json", lambda d: accuracy_section(
         d, "4. Accuracy, outlier stress setting (LayerNorm gains scaled up on a few channels)")),)),
+    ("## 5. The Llama family (RMSNorm, SwiGLU, RoPE, grouped-query attention, no dropout; "
+     "flash attention)", (
+        ("throughput_llama_flash.json",
+         lambda d: throughput_section(d, "flash", "5a.", "_llama")),
+        ("max_batch_llama_flash.json",
+         lambda d: max_batch_section(d, "flash", "5b.", "_llama")),
+        ("accuracy_llama.json", lambda d: accuracy_section(
+            d, "5c. Accuracy of the Llama family: validation loss")))),
 )
 
 

@@ -19,14 +19,16 @@ def _run(script, *flags):
     return done.stdout
 
 
-@pytest.mark.parametrize("attention", ["flash", "unfused"])
-def test_throughput_and_max_batch_tiny(tmp_path, attention):
+@pytest.mark.parametrize("attention, family", [("flash", "gpt"), ("unfused", "gpt"),
+                                               ("flash", "llama")])
+def test_throughput_and_max_batch_tiny(tmp_path, attention, family):
     _run("bench_throughput.py", "--quick", *TINY, "--attention-backend", attention,
+         "--family", family,
          "--batches", "1", "2", "--budget-at", "1", "--warmup", "0", "--rounds", "2",
          "--ample-rounds", "3",
          "--out", str(tmp_path / "t.json"), "--publish", "", "--figure", str(tmp_path / "t.png"))
     data = json.loads((tmp_path / "t.json").read_text())
-    assert data["shape"]["attention"] == attention
+    assert (data["shape"]["attention"], data["shape"]["family"]) == (attention, family)
     rows = data["rows"]["budget@1"]
     assert rows["1"]["no optimisation"]["fits"] and not rows["2"]["no optimisation"]["fits"]
     assert rows["1"]["adacc auto"]["fits"]
@@ -37,7 +39,7 @@ def test_throughput_and_max_batch_tiny(tmp_path, attention):
     assert len(pair["none_cpu_s"]) == len(pair["adacc_cpu_s"]) == 3
     assert all(len(v["cpu_times_s"]) == 2 for v in data["variants"]["1"] if "times_s" in v)
     _run("bench_max_batch.py", "--quick", *TINY, "--attention-backend", attention,
-         "--budget-at", "1", "--cap", "4", "--out", str(tmp_path / "m.json"), "--publish", "",
+         "--family", family, "--budget-at", "1", "--cap", "4", "--out", str(tmp_path / "m.json"), "--publish", "",
          "--figure", str(tmp_path / "m.png"))
     data = json.loads((tmp_path / "m.json").read_text())
     methods = data["results"]["budget@1"]["methods"]
@@ -66,8 +68,10 @@ def test_results_page_from_published_json(tmp_path):
                for line in targets)
 
 
-def test_accuracy_two_steps(tmp_path):
+@pytest.mark.parametrize("family", ["gpt", "llama"])
+def test_accuracy_two_steps(tmp_path, family):
     _run("bench_accuracy.py", "--quick", "--iters", "2", "--seeds", "1", "--budget-fractions", "0.5",
+         "--family", family,
          "--workdir", str(tmp_path / "work"), "--out", str(tmp_path / "a.json"), "--publish", "",
          "--figure", str(tmp_path / "a.png"))
     data = json.loads((tmp_path / "a.json").read_text())

@@ -210,14 +210,25 @@ def test_a_config_is_accepted_and_refused_as_the_trainer_does(tmp_path, capsys):
     assert capsys.readouterr().err == f"adacc plan: {info.value}\n"
 
 
-def test_a_tensor_parallel_config_is_refused_not_planned_as_one_rank(tmp_path, capsys):
+def test_a_configs_tensor_parallel_size_is_planned_not_ignored(tmp_path, capsys):
     config = tmp_path / "tp.yaml"
     config.write_text((CONFIGS / "tiny-cpu.yaml").read_text()
                       + "tensor-model-parallel-size: 2\n")
-    assert main(["plan", "--config", str(config), "--hardware", "a100-80gb"]) == 2
+    plan = ["plan", "--hardware", "a100-80gb", "--memory-budget", "1TiB", "--json"]
+    assert main([*plan, "--config", str(config)]) == 0
+    from_config = json.loads(capsys.readouterr().out)
+    assert main([*plan, "--config", str(CONFIGS / "tiny-cpu.yaml"),
+                 "--tensor-model-parallel-size", "2"]) == 0
+    assert json.loads(capsys.readouterr().out) == from_config
+    assert main([*plan, "--config", str(CONFIGS / "tiny-cpu.yaml")]) == 0
+    assert json.loads(capsys.readouterr().out) != from_config
+    # A profile here is one process: the split model's ranks are not there to measure.
+    assert main(["plan", "--config", str(config), "--memory-budget", "1GiB",
+                 "--profile-db", str(tmp_path / "p.sqlite")]) == 2
     assert capsys.readouterr().err == (
-        f"adacc plan: --config {config}: tensor-model-parallel-size 2: adacc plan plans one "
-        f"unsplit model per stage (tensor-parallel size 1) only\n")
+        "adacc plan: tensor-model-parallel-size 2: a profile on this machine measures one "
+        "process; plan it with --hardware, or train it under torchrun, which profiles every "
+        "rank\n")
 
 
 def test_a_cpu_profile_without_a_budget_is_refused_before_profiling(tmp_path, capsys):

@@ -27,8 +27,11 @@ def test_dropout_off_and_fp32_softmax_change_the_sites():
     shape = hardware.ModelShape(2, 64, 4, 32, 100, attention_dropout=0, hidden_dropout=0,
                                 softmax_in_fp32=True)
     sizes = hardware.site_bytes(shape, 2)
-    assert not {"attn_dropout_mask", "attn_probs", "bda1_mask", "bda2_mask"} & set(sizes)
+    assert not {"attn_dropout_mask", "bda1_mask", "bda2_mask"} & set(sizes)
     assert sizes["softmax_out"] == 4 * 4 * 32 * 32 * 2
+    # the matmul with V saves the fp16 cast of the fp32 probabilities (measured on a bf16
+    # layer in tests/test_llama.py)
+    assert sizes["attn_probs"] == 2 * 4 * 32 * 32 * 2
     costs = hardware.analytic_costs(shape, 2, "a100-80gb")
     # Without the bias-dropout-add mask the output projection is rebuilt on the way to ln2_in.
     d = 2 * 32 * 64   # s * b * h

@@ -80,6 +80,19 @@ last_stage = types.SimpleNamespace(
     shared_embedding_or_output_weight=lambda: weight, _is_in_embd_group=lambda: True)
 probe("cpu_shared_embedding",
       lambda: LanguageModule.setup_embeddings_and_output_layer(last_stage))
+
+# RoPE's frequencies, moved to CUDA at the first forward.
+from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+probe("cpu_rotary_embedding", lambda: RotaryEmbedding(
+    kv_channels=16, rotary_percent=1.0, use_cpu_initialization=True).get_emb(8))
+
+# Sequence parallelism's gathers and scatters allocate on CUDA; they return early in a world
+# of one, so their source is read.
+import inspect
+from megatron.core.tensor_parallel import layers, mappings
+results["cpu_sequence_parallel"] = (
+    "defect" if "device=torch.cuda.current_device()" in inspect.getsource(mappings)
+    + inspect.getsource(layers.LinearWithGradAccumulationAndAsyncCommunication) else "ok")
 print(json.dumps(results))
 """
 
@@ -95,7 +108,8 @@ def unpatched():
 
 @pytest.mark.parametrize("shim", ["cpu_global_memory_buffer", "cpu_rng_tracker",
                                   "cpu_grad_scaler", "cpu_pipeline_schedules",
-                                  "cpu_pipeline_p2p", "cpu_shared_embedding"])
+                                  "cpu_pipeline_p2p", "cpu_shared_embedding",
+                                  "cpu_rotary_embedding", "cpu_sequence_parallel"])
 def test_cpu_shim_is_still_needed(unpatched, shim):
     # cpu_pipeline_schedules and cpu_pipeline_p2p are one patch (both modules' CUDA
     # placements), probed separately: it goes when neither needs it.

@@ -11,13 +11,15 @@ from megatron_adacc.runtime import (
     apply_plan,
     measure_step,
 )
-from megatron_adacc.sites import SITE_NAMES
+from megatron_adacc import models
+from megatron_adacc.sites import SITE_NAMES, SITES
 
 from runtime_helpers import build, loss_of, train
 
 # The unfused layer's sites (the flash layer's own are tested in test_flash_attention.py).
 FLASH_ONLY = {"attn_lse", "attn_rng_state"}
-RECOMPUTABLE = [s for s in SITE_NAMES if s != "layer_in" and s not in FLASH_ONLY]
+RECOMPUTABLE = [s for s in models.get("gpt").sites if SITES[s].recomputable
+                and s not in FLASH_ONLY]
 MIXED = {  # every segment, both sides of each anchor, differing per layer
     "sites": {"qkv": "recompute", "softmax_out": "recompute", "attn_dropout_mask": "recompute",
               "gelu_in": "recompute", "ln2_stats": "recompute"},

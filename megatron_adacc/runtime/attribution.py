@@ -6,10 +6,21 @@ per-call map from storage to site says what a storage already is, so views of on
 one site. Only the submodules that name a site are hooked, which keeps IdentityOp
 pass-throughs from stealing attribution and keeps the per-call cost to a few dict lookups.
 
-Rules, discovered by watching what megatron-core 0.16.1's local layer saves (see sites.py):
-a role names the site of what it saves, except where one role saves several kinds and the
-storage decides (a layernorm saves its input and its statistics; core attention saves QKV
-views and the attention probabilities; the layer itself saves the bias-dropout-add masks).
+Rules, discovered by watching what megatron-core 0.16.1's local layer saves (see sites.py),
+GPT's and Llama's (models/): a role names the site of what it saves, except where one role
+saves several kinds and the tensor decides:
+
+- a norm saves its input (torch's RMSNorm in a 16-bit model: an fp32 copy, made before its
+  statistics), one statistic per row, and (RMSNorm) x * rstd after the statistics;
+- core attention saves what it was called with (Q, K, V: views of linear_qkv's output, or
+  RoPE's rotated Q and K), what it makes of them (grouped-query attention repeats K and V)
+  and the probabilities the softmax and the dropout produce;
+- the attention module itself saves RoPE's cos and sin (computed, never requiring grad);
+- the MLP's activation saves per its model family's part (models.MlpPart);
+- the layer itself saves the bias-dropout-add masks: drawn, shaped like the residual stream.
+
+Mask sites (sites.MASK_SITES, the bitmask codec's) are only named for tensors that are masks
+by how they were made: drawn by a dropout, or the attention mask by identity.
 
 The attention mask is one tensor for every layer (megatron's cached causal mask, or the mask
 the model was called with), so it is recognised by its storage, never by its dtype: dropout
@@ -19,6 +30,7 @@ from __future__ import annotations
 
 import torch
 
+from megatron_adacc.models import mlp_part
 from megatron_adacc.sites import MLP_SEGMENT
 
 
@@ -32,15 +44,18 @@ _ROLE_SITE = {
     "linear_qkv": "ln1_out",
     "linear_proj": "context",
     "linear_fc1": "ln2_out",
-    "mlp": "gelu_in",
-    "linear_fc2": "gelu_out",
-    "core_attention": "attn_probs",
+    # what core attention makes of Q, K and V that is no probability: grouped-query
+    # attention's repeated K and V
+    "core_attention": "qkv",
 }
 # role -> site of its output storage, for saves that reach it from elsewhere (megatron's own
-# checkpoint functions save module outputs at the layer level).
-_PRODUCED_SITE = {"input_layernorm": "ln1_out", "linear_qkv": "qkv", "pre_mlp_layernorm": "ln2_out"}
-# layernorm role -> (site of its saved input, site of everything else it saves: mean, rstd)
-_NORM_SITES = {"input_layernorm": ("layer_in", "ln1_stats"), "pre_mlp_layernorm": ("ln2_in", "ln2_stats")}
+# checkpoint functions save module outputs at the layer level; the matmul with V saves the
+# probabilities the softmax or, with attention dropout, the dropout produced).
+_PRODUCED_SITE = {"input_layernorm": "ln1_out", "linear_qkv": "qkv", "pre_mlp_layernorm": "ln2_out",
+                  "softmax": "attn_probs", "attention_dropout": "attn_probs"}
+# norm role -> (site of its saved input, of its statistics, of its normalised input)
+_NORM_SITES = {"input_layernorm": ("layer_in", "ln1_stats", "ln1_normed"),
+               "pre_mlp_layernorm": ("ln2_in", "ln2_stats", "ln2_normed")}
 _LAYER_LEVEL_SITE = ("bda1_mask", "bda2_mask")  # by segment
 
 
@@ -52,6 +67,7 @@ def _layer_roles(layer) -> dict[torch.nn.Module, str]:
     flash = isinstance(core, FlashDotProductAttention)
     candidates = {
         "input_layernorm": layer.input_layernorm,
+        "self_attention": attention,
         "linear_qkv": getattr(attention, "linear_qkv", None),
         "flash_attention" if flash else "core_attention": core,
         "softmax": getattr(core, "scale_mask_softmax", None),
@@ -78,7 +94,10 @@ class SiteAttributor:
         self.layer_number = layer.layer_number
         self._roles: list[str] = []
         self._storage_site: dict[int, tuple[torch.UntypedStorage, str]] = {}
-        self._norm_rows = 0  # rows the running layernorm normalises: one statistic each
+        self._mlp = mlp_part(layer.config)
+        self._norm_rows = 0  # rows the running norm normalises: one statistic each
+        self._norm_statistics_saved = False  # the running norm saved its statistics already
+        self._stream_shape = None  # the residual stream's shape: a bias-dropout-add mask's
         self.segment = 0
         self.active = False
         self._hooks = [(module, self._enter_hook(role), self._exit_hook(role))
@@ -127,7 +146,12 @@ class SiteAttributor:
                 if norm_sites is not None and args and isinstance(args[0], torch.Tensor):
                     self._remember(args[0], norm_sites[0])
                     self._norm_rows = args[0].numel() // args[0].shape[-1]
-                elif role == "core_attention":
+                    self._norm_statistics_saved = False
+                    self._stream_shape = args[0].shape
+                elif role in ("core_attention", "flash_attention"):
+                    for tensor in args[:3]:
+                        if isinstance(tensor, torch.Tensor):
+                            self._remember(tensor, "qkv")
                     # The mask the model was called with: the softmax's masked fill saves it,
                     # and megatron's core-attention checkpoint saves it at the layer level.
                     mask = args[3] if len(args) > 3 else None
@@ -162,12 +186,22 @@ class SiteAttributor:
             if not _drawn(tensor):
                 site = None
             elif tensor.is_floating_point() or tensor.dtype == torch.bool:  # CPU or CUDA dropout
-                site = _LAYER_LEVEL_SITE[self.segment]
+                site = (_LAYER_LEVEL_SITE[self.segment] if tensor.shape == self._stream_shape
+                        else None)
             else:  # megatron's core-attention checkpoint saves the mask type as an int tensor
                 site = "attn_mask"
         elif role in _NORM_SITES:
-            # Statistics hold one value per row: [s, b, 1] from torch, [s*b] from apex.
-            site = _NORM_SITES[role][1] if tensor.numel() == self._norm_rows else None
+            site = self._norm_site(role, tensor)
+        elif role == "self_attention":
+            if not tensor.is_floating_point():
+                # megatron's core-attention checkpoint saves the mask type as an int tensor
+                site = "attn_mask" if _drawn(tensor) else None
+            else:  # RoPE's cos and sin: computed from the frequencies, needing no gradient
+                site = "rope_cos_sin" if not tensor.requires_grad else None
+        elif role == "mlp":
+            site = self._mlp.activation_site(tensor)
+        elif role == "linear_fc2":
+            site = self._mlp.fc2_in
         elif role == "softmax":
             if tensor.dtype != torch.bool:
                 site = "softmax_out"
@@ -189,6 +223,18 @@ class SiteAttributor:
         self._storage_site[id(storage)] = (storage, site)
         return site
 
+    def _norm_site(self, role: str, tensor: torch.Tensor) -> str | None:
+        input_site, statistics_site, normed_site = _NORM_SITES[role]
+        # Statistics hold one value per row: [s, b, 1] from torch, [s*b] from apex.
+        if tensor.numel() == self._norm_rows:
+            self._norm_statistics_saved = True
+            return statistics_site
+        if tensor.numel() != self._norm_rows * self._stream_shape[-1]:
+            return None
+        # A new row-sized tensor: before the statistics, the input's fp32 copy torch's
+        # RMSNorm computes in (16-bit models); after them, RMSNorm's x * rstd.
+        return normed_site if self._norm_statistics_saved else input_site
+
 
 def _is_cached_causal_mask(tensor: torch.Tensor) -> bool:
     # megatron_compat caches the causal mask per length, so the mask the softmax just saved
@@ -209,9 +255,13 @@ def _drawn(tensor: torch.Tensor) -> bool:
 
 
 def _flash_site(tensor: torch.Tensor) -> str:
-    # SDPA's flash and memory-efficient kernels save Q, K and V (views of linear_qkv's output,
-    # already known), their output [b, heads, s, dim] (the storage linear_proj saves next),
-    # the log-sum-exp [b, heads, s] and, on CUDA with dropout, integer philox seed and offset.
+    # SDPA's flash and memory-efficient kernels save Q, K and V (what core attention was
+    # called with, already known, or V's own copy beside RoPE's Q and K), their output [b,
+    # heads, s, dim] (the storage linear_proj saves next), the log-sum-exp [b, heads, s]
+    # and, on CUDA with dropout, integer philox seed and offset.
     if not tensor.is_floating_point():
         return "attn_rng_state"
-    return "context" if tensor.dim() == 4 else "attn_lse"
+    if tensor.dim() != 4:
+        return "attn_lse"
+    return ("context" if type(tensor.grad_fn).__name__.startswith("ScaledDotProduct")
+            else "qkv")

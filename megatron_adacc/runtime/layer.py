@@ -35,8 +35,9 @@ from megatron_adacc.runtime.storage import (
     RebuildComplete,
     unpack,
 )
-from megatron_adacc.sites import (COMPRESS, LAYER_INPUT, MLP_SEGMENT, REBUILDS, REBUILT_BY,
-                                  RECOMPUTE, SEGMENT_NAMES, SEGMENTS, SITES)
+from megatron_adacc.sites import (COMPRESS, LAYER_INPUT, MASK_CODEC, MASK_SITES,
+                                  MLP_SEGMENT, REBUILDS, REBUILT_BY, RECOMPUTE,
+                                  SEGMENT_ANCHORS, SEGMENT_NAMES, SEGMENTS, SITES)
 
 
 class AdaccTransformerLayer(TransformerLayer):
@@ -73,8 +74,11 @@ class AdaccTransformerLayer(TransformerLayer):
             if decision.action == COMPRESS:
                 from megatron_adacc import codecs
 
-                actions[site] = (COMPRESS, codecs.get(decision.codec_for(site),
-                                                      backend=self.codec_backend))
+                codec = decision.codec_for(site)
+                if codec == MASK_CODEC and site not in MASK_SITES:
+                    raise ValueError(f"layer {self.layer_index}: codec {codec!r} encodes "
+                                     f"masks, and {site} holds floating-point values")
+                actions[site] = (COMPRESS, codecs.get(codec, backend=self.codec_backend))
             elif decision.action == RECOMPUTE:
                 actions[site] = (RECOMPUTE, None)
         self.actions = actions
@@ -126,6 +130,7 @@ class AdaccTransformerLayer(TransformerLayer):
             hidden_states, args = args[0], args[1:]
         call.sources[LAYER_INPUT] = hidden_states
         call.source_requires_grad[LAYER_INPUT] = hidden_states.requires_grad
+        call.residual_dtype = hidden_states.dtype
         call.call_args, call.call_kwargs = tuple(args), kwargs
 
     # --- recompute -----------------------------------------------------------------------
@@ -208,6 +213,8 @@ class AdaccTransformerLayer(TransformerLayer):
             value = call.cache[saved.key]
         else:
             value = saved
+        if name in SEGMENT_ANCHORS:
+            value = value.to(call.residual_dtype)
         if requires_grad is None:
             requires_grad = call.source_requires_grad[name]
         return value.detach().requires_grad_(requires_grad)

@@ -20,7 +20,7 @@ from typing import Callable
 
 import torch
 
-from megatron_adacc.sites import COMPRESS, REBUILD_SOURCES, REBUILT_BY, RECOMPUTE
+from megatron_adacc.sites import COMPRESS, MASK_CODEC, REBUILD_SOURCES, REBUILT_BY, RECOMPUTE
 
 
 class Handle:
@@ -128,6 +128,9 @@ class LayerCall:
         # re-run stops once `awaited` is empty.
         self.capturing: frozenset[str] = frozenset()
         self.awaited: set[tuple[str, int]] | None = None
+        # The residual stream's dtype. A 16-bit model's RMSNorm saves an fp32 copy of its
+        # input (a segment's start site): a rebuild reads it cast back, which is exact.
+        self.residual_dtype: torch.dtype | None = None
         self.rng_states: list = [None, None]
         self.call_args: tuple = ()
         self.call_kwargs: dict = {}
@@ -159,6 +162,12 @@ class LayerCall:
         return saved
 
     def _compress(self, site: str, tensor: torch.Tensor, codec) -> Handle:
+        if getattr(codec, "name", None) == MASK_CODEC and tensor.is_floating_point() and (
+                tensor.requires_grad or tensor.grad_fn is not None):
+            # A mask is bool or drawn by a dropout; a computed value would be binarised.
+            raise RuntimeError(f"layer {self.layer_index}: {site} is a computed "
+                               f"{tensor.dtype} tensor, not a mask; the bitmask codec would "
+                               "corrupt it")
         root = _encoding_root(tensor)
         key = id(root.untyped_storage())
         source = self._compressed.get(key)

@@ -1,0 +1,307 @@
+"""The Llama family under Adacc (issue 24): RMSNorm, SwiGLU, RoPE, grouped-query attention,
+untied embeddings. Every saved tensor is attributed by what it is (strict mode), retain and
+recompute plans train bit for bit like the stock layer, no floating-point value reaches the
+bitmask codec, and SDPA's grouped-query attention equals repeating K and V."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megatron_adacc import model as model_lib, models
+from megatron_adacc.attention import local_layer_spec
+from megatron_adacc.plan import Decision, Plan, PlanError
+from megatron_adacc.runtime import adacc_layers, apply_plan, get_adacc_layer_spec, measure_step
+from megatron_adacc.sites import COMPRESS, MASK_CODEC, SITES
+
+from runtime_helpers import VOCAB, SEQ, loss_of
+from test_runtime import assert_same_training
+
+LLAMA = models.get("llama")
+HEADS, GROUPS, HIDDEN, FFN = 4, 2, 64, 96
+EMBEDDING = models.EmbeddingOptions(position_embedding_type="rope", rotary_base=10000,
+                                    untie_embeddings_and_output_weights=True)
+
+
+def build_llama(adacc: bool, dtype=torch.float32, attention_backend="unfused", layers=2,
+                seed=1, dropout=0.0):
+    model_lib.set_seed(seed)
+    config = model_lib.build_transformer_config(
+        num_layers=layers, hidden_size=HIDDEN, num_attention_heads=HEADS,
+        num_query_groups=GROUPS, ffn_hidden_size=FFN, hidden_dropout=dropout,
+        attention_dropout=0.0, add_bias_linear=False, normalization="RMSNorm",
+        gated_linear_unit=True, activation_func=F.silu, layernorm_epsilon=1e-5,
+        bf16=dtype == torch.bfloat16, params_dtype=dtype)
+    spec = (get_adacc_layer_spec(attention_backend) if adacc
+            else local_layer_spec(attention_backend))
+    model = model_lib.build_gpt_model(config, VOCAB, SEQ, spec, attention_backend,
+                                      embedding=EMBEDDING).to(dtype)
+    if adacc:
+        apply_plan(model, None, strict=True)
+    return model
+
+
+def train_steps(model, steps=3, plan=None):
+    if plan is not None:
+        apply_plan(model, plan, strict=True)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    losses, grads = [], []
+    for step in range(steps):
+        optimizer.zero_grad()
+        model_lib.set_seed(100 + step)
+        loss = loss_of(model, step)
+        loss.backward()
+        losses.append(loss.detach().clone())
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+        optimizer.step()
+    return losses, grads
+
+
+RECOMPUTABLE = [s for s in LLAMA.sites if SITES[s].recomputable
+                and s not in ("attn_lse", "attn_rng_state")]
+BACKENDS = ["unfused", "flash"]
+DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+
+
+def _expected_sites(dtype, backend, dropout):
+    # unfused: the shared causal mask; the fp32 softmax output, which the matmul with V
+    # saves again unless a 16-bit model casts it (attn_probs)
+    attention = ({"qkv", "attn_lse", "context"} if backend == "flash"
+                 else {"qkv", "attn_mask", "softmax_out", "context"}
+                 | ({"attn_probs"} if dtype == torch.bfloat16 else set()))
+    masks = {"bda1_mask", "bda2_mask"} if dropout else set()
+    return ({"layer_in", "ln1_stats", "ln1_normed", "ln1_out", "rope_cos_sin", "ln2_in",
+             "ln2_stats", "ln2_normed", "ln2_out", "swiglu_in", "swiglu_up", "swiglu_act",
+             "swiglu_out"} | attention | masks)
+
+
+@DTYPES
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_every_llama_save_is_attributed_by_what_it_is(distributed, dtype, backend, dropout):
+    model = build_llama(True, dtype, backend, dropout=dropout)
+    _, report = measure_step(model, lambda: loss_of(model), strict=True)
+    layer_sites = {site for (layer, site) in report.by_site if layer >= 0}
+    assert layer_sites == _expected_sites(dtype, backend, dropout)
+    assert set(LLAMA.sites) >= layer_sites - {"attn_mask"}  # shared: not per layer
+
+
+def _site_bytes(report, site):
+    return sum(n for (layer, name), n in report.by_site.items() if layer == 0 and name == site)
+
+
+@DTYPES
+def test_llama_site_bytes(distributed, dtype):
+    """What each site holds, byte for byte: fp32 norm internals, the per-rank GQA sizes, V's
+    own copy beside RoPE's Q and K (the fused QKV output is not pinned), the SwiGLU halves."""
+    s, b, act = SEQ, 2, torch.tensor([], dtype=dtype).element_size()
+    head_dim = HIDDEN // HEADS
+    for backend in BACKENDS:
+        model = build_llama(True, dtype, backend)
+        _, report = measure_step(model, lambda: loss_of(model), strict=True)
+        expected = {
+            "layer_in": s * b * HIDDEN * 4,       # fp32: the input itself, or RMSNorm's copy
+            "ln1_stats": s * b * 4,
+            "ln1_normed": s * b * HIDDEN * 4,
+            "ln1_out": s * b * HIDDEN * act,
+            "rope_cos_sin": 4 * s * head_dim * act,
+            "swiglu_in": s * b * 2 * FFN * act,
+            "swiglu_up": s * b * FFN * act,
+            "swiglu_act": s * b * FFN * act,
+            "swiglu_out": s * b * FFN * act,
+            # flash: Q at the heads, K and V at the groups; unfused repeats K and V
+            "qkv": s * b * head_dim * act * ((HEADS + 2 * GROUPS) if backend == "flash"
+                                             else 3 * HEADS),
+        }
+        got = {site: _site_bytes(report, site) for site in expected}
+        assert got == expected, backend
+
+
+@DTYPES
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_retain_and_recompute_match_the_stock_llama_layer_bitwise(distributed, dtype, backend):
+    reference = train_steps(build_llama(False, dtype, backend))
+    plans = {
+        "retain": Plan(),
+        "recompute_all": Plan.uniform({s: "recompute" for s in RECOMPUTABLE}),
+        "mlp_only": Plan.uniform({s: "recompute" for s in
+                                  ("ln2_normed", "ln2_out", "swiglu_in", "swiglu_up",
+                                   "swiglu_act", "swiglu_out")}),
+        "mixed": Plan.from_dict({"sites": {"qkv": "recompute", "swiglu_act": "recompute"},
+                                 "layers": {"1": {"sites": {"ln2_in": "recompute",
+                                                            "ln1_normed": "recompute"}}}}),
+    }
+    for name, plan in plans.items():
+        model = build_llama(True, dtype, backend)
+        assert_same_training(reference, train_steps(model, plan=plan)), name
+
+
+def test_recompute_from_a_16bit_models_fp32_norm_input_is_exact(distributed):
+    # In bf16 RMSNorm saves an fp32 copy of the residual stream (layer_in, ln2_in): the
+    # segments re-run from it cast back to bf16, so recompute stays bitwise.
+    reference = train_steps(build_llama(False, torch.bfloat16), steps=2)
+    model = build_llama(True, torch.bfloat16)
+    plan = Plan.uniform({"ln2_in": "recompute", "swiglu_out": "recompute"})
+    assert_same_training(reference, train_steps(model, steps=2, plan=plan))
+
+
+# --- the bitmask codec only ever sees masks ----------------------------------------------------
+def test_a_plan_cannot_send_a_floating_point_site_to_the_bitmask_codec():
+    with pytest.raises(PlanError, match="sites.rope_cos_sin: codec 'bitmask' encodes masks"):
+        Plan.from_dict({"sites": {"rope_cos_sin": {"action": "compress", "codec": "bitmask"}}})
+    for site in ("qkv", "swiglu_up", "ln1_normed"):
+        with pytest.raises(PlanError, match="encodes masks"):
+            Plan.from_dict({"sites": {site: {"action": "compress", "codec": MASK_CODEC}}})
+
+
+def test_the_runtime_refuses_the_bitmask_codec_for_a_value(distributed):
+    model = build_llama(True)
+    layer = adacc_layers(model)[0]
+    with pytest.raises(ValueError, match="codec 'bitmask' encodes masks, and qkv holds"):
+        layer.set_decisions({"qkv": Decision(COMPRESS, MASK_CODEC)})
+
+
+def test_a_computed_tensor_attributed_to_a_mask_site_never_reaches_the_codec(distributed):
+    # Were attribution ever to name a computed value a mask site, the pack hook refuses it.
+    model = build_llama(True, dropout=0.1)
+    layer = adacc_layers(model)[0]
+    layer.set_decisions({"bda1_mask": Decision(COMPRESS)})
+    layer.attributor.site_of = lambda tensor: "bda1_mask"
+    with pytest.raises(RuntimeError, match="bda1_mask is a computed torch.float32 tensor"):
+        loss_of(model)
+
+
+# --- SDPA's grouped-query attention -----------------------------------------------------------
+@DTYPES
+def test_enable_gqa_equals_repeating_k_and_v(dtype):
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(2, HEADS, SEQ, 16, generator=gen).to(dtype).requires_grad_()
+    k = torch.randn(2, GROUPS, SEQ, 16, generator=gen).to(dtype).requires_grad_()
+    v = torch.randn(2, GROUPS, SEQ, 16, generator=gen).to(dtype).requires_grad_()
+    grouped = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    repeat = HEADS // GROUPS
+    repeated = F.scaled_dot_product_attention(q, k.repeat_interleave(repeat, 1),
+                                              v.repeat_interleave(repeat, 1), is_causal=True)
+    assert torch.equal(grouped, repeated)
+    grad = torch.randn(grouped.shape, generator=gen).to(dtype)
+    ours = torch.autograd.grad(grouped, (q, k, v), grad)
+    theirs = torch.autograd.grad(repeated, (q, k, v), grad)
+    assert torch.equal(ours[0], theirs[0])
+    if dtype == torch.float32:  # bf16: K and V's gradients are sums rounded differently
+        assert torch.equal(ours[1], theirs[1]) and torch.equal(ours[2], theirs[2])
+
+
+def test_flash_llama_matches_unfused_megatron(distributed):
+    # The same weights through megatron's unfused GQA (repeat_interleave) and SDPA's.
+    unfused, flash = build_llama(False), build_llama(False, attention_backend="flash")
+    torch.testing.assert_close(loss_of(flash), loss_of(unfused), rtol=1e-5, atol=1e-6)
+
+
+# --- Megatron-LM's flags ------------------------------------------------------------------------
+from megatron_adacc.arguments import ConfigError, parse_args  # noqa: E402
+
+LLAMA_FLAGS = ["--normalization", "RMSNorm", "--swiglu", "--position-embedding-type", "rope",
+               "--group-query-attention", "--num-query-groups", "2",
+               "--untie-embeddings-and-output-weights", "--disable-bias-linear",
+               "--hidden-dropout", "0", "--attention-dropout", "0"]
+
+
+def test_llama_flags_reach_megatron_core(distributed):
+    from megatron_adacc.trainer import transformer_config
+
+    args = parse_args([*LLAMA_FLAGS, "--hidden-size", "64", "--num-attention-heads", "4",
+                       "--norm-epsilon", "1e-6", "--rotary-base", "500000"])
+    # Megatron-LM's SwiGLU width: 4h x 2/3, rounded down to a multiple of 64
+    assert args.ffn_hidden_size == 128
+    config = transformer_config(args)
+    assert (config.normalization, config.layernorm_epsilon, config.gated_linear_unit,
+            config.activation_func, config.num_query_groups) == ("RMSNorm", 1e-6, True, F.silu, 2)
+    embedding = models.EmbeddingOptions.from_args(args)
+    assert embedding.gpt_model_kwargs() == dict(
+        position_embedding_type="rope", rotary_base=500000, rotary_percent=1.0,
+        share_embeddings_and_output_weights=False)
+    assert parse_args(["--swiglu", "--hidden-size", "4096", "--num-attention-heads", "32"]
+                      ).ffn_hidden_size == 10880
+    assert parse_args(["--swiglu", "--ffn-hidden-size", "96"]).ffn_hidden_size == 96
+
+
+@pytest.mark.parametrize("flags, world, message", [
+    (["--group-query-attention", "--num-query-groups", "3"], 1,
+     "--num-query-groups 3 does not divide --num-attention-heads 4"),
+    (["--group-query-attention", "--num-query-groups", "1", "--tensor-model-parallel-size",
+      "2"], 2, "--num-query-groups 1 is not divisible by --tensor-model-parallel-size 2"),
+    (["--sequence-parallel"], 1, "--sequence-parallel shards over the tensor-parallel ranks; "
+     "it needs --tensor-model-parallel-size > 1"),
+    (["--rotary-percent", "1.5"], 1, "--rotary-percent 1.5: must be in (0, 1]"),
+    (["--rotary-percent", "0"], 1, "argument --rotary-percent: must be a number > 0, got 0"),
+    (["--normalization", "L2Norm"], 1, "argument --normalization: invalid choice: 'L2Norm' "
+     "(choose from 'LayerNorm', 'RMSNorm')"),
+])
+def test_bad_llama_flags_are_one_line_naming_the_flag(flags, world, message):
+    with pytest.raises(ConfigError) as error:
+        parse_args(["--num-attention-heads", "4", *flags], world_size=world)
+    assert str(error.value) == message
+
+
+def test_bad_llama_flags_exit_2_before_training(capsys):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "pretrain_gpt.py"
+    spec = importlib.util.spec_from_file_location("pretrain_gpt", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.main(["--sequence-parallel", "--train-iters", "1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].endswith("--sequence-parallel shards over the tensor-parallel ranks; "
+                            "it needs --tensor-model-parallel-size > 1")
+
+
+# --- the analytic accelerator model -------------------------------------------------------------
+from megatron_adacc import hardware  # noqa: E402
+
+
+@DTYPES
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_analytic_model_sizes_every_llama_site_as_measured(distributed, dtype, backend):
+    model = build_llama(True, dtype, backend)
+    _, report = measure_step(model, lambda: loss_of(model), strict=True)
+    measured = {site: n for (layer, site), n in report.by_site.items()
+                if layer == 0 and site != "attn_mask"}  # the shared mask: non-layer memory
+    shape = hardware.ModelShape(
+        num_layers=2, hidden_size=HIDDEN, num_attention_heads=HEADS, seq_length=SEQ,
+        vocab_size=VOCAB, ffn_hidden_size=FFN,
+        precision="bf16" if dtype == torch.bfloat16 else "fp32", attention_dropout=0.0,
+        hidden_dropout=0.0, softmax_in_fp32=model.config.attention_softmax_in_fp32,
+        attention_backend=backend, normalization="RMSNorm", swiglu=True,
+        position_embedding_type="rope", num_query_groups=GROUPS, add_bias_linear=False)
+    assert hardware.site_bytes(shape, 2) == measured
+
+
+def test_the_llama3_8b_config_plans_on_an_h100_at_tp2_with_sequence_parallelism(capsys):
+    from pathlib import Path
+
+    from megatron_adacc.cli import main
+
+    config = Path(__file__).resolve().parents[1] / "configs" / "llama3-8b.yaml"
+    assert main(["plan", "--config", str(config), "--hardware", "h100-80gb",
+                 "--micro-batch-size", "1", "--precision", "bf16",
+                 "--tensor-model-parallel-size", "2", "--sequence-parallel",
+                 "--use-distributed-optimizer", "--data-parallel-size", "4"]) == 0
+    table = capsys.readouterr().out
+    for site in ("ln1_normed", "rope_cos_sin", "qkv", "attn_lse", "swiglu_in", "swiglu_out"):
+        assert site in table
+    # One rank's bf16 sites (s 8192, h 4096, sequence over 2 ranks): RMSNorm's fp32 input
+    # copy is 4096 x 4096 x 4 B per layer; Q at 16 heads, K and V at 4 groups each, x 128.
+    shape = hardware.ModelShape.from_flags({
+        "num-layers": 32, "hidden-size": 4096, "ffn-hidden-size": 14336,
+        "num-attention-heads": 32, "group-query-attention": True, "num-query-groups": 8,
+        "seq-length": 8192, "vocab-size": 128256, "normalization": "RMSNorm", "swiglu": True,
+        "position-embedding-type": "rope", "disable-bias-linear": True, "bf16": True,
+        "untie-embeddings-and-output-weights": True, "tensor-model-parallel-size": 2,
+        "sequence-parallel": True, "hidden-dropout": 0,
+        "attention-dropout": 0})
+    sizes = hardware.site_bytes(shape, 1)
+    assert sizes["layer_in"] == 4096 * 4096 * 4
+    assert sizes["qkv"] == (16 + 2 * 4) * 128 * 8192 * 2
+    assert sizes["swiglu_in"] == 2 * 7168 * 8192 * 2
+    # parameters per tensor-parallel rank: half of Llama-3-8B's 8.03e9, norms whole
+    assert shape.num_parameters == pytest.approx(8.03e9 / 2, rel=0.01)
