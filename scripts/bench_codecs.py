@@ -1,6 +1,6 @@
 """Benchmark the activation codecs: size, error and speed against a plain copy.
 
-    python scripts/bench_codecs.py [--out bench_results/codecs.json] [--quick]
+    python scripts/bench_codecs.py [--out bench_results/codecs.json] [--quick] [--backends native] [--threads 1]
 
 Inputs: (a) every tensor a tiny megatron-core GPT saves for backward, captured after some
 AdamW steps on the KJV text (byte-level tokens), each named by the module running when it was
@@ -332,7 +332,14 @@ def main() -> None:
     parser.add_argument("--backends", default=None,
                         help="comma list of codec backends (default: torch,native)")
     parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--threads", type=int, default=None,
+                        help="CPU threads of torch and of the native kernels (default: torch's choice; 1 is "
+                             "steadier when other jobs share the cores)")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+        # read by the native kernels' OpenMP runtime when their library loads, below
+        os.environ["OMP_NUM_THREADS"] = str(args.threads)
     warnings.filterwarnings("ignore")
     machine = cpu()
     print(f"CPU: {machine['model']}; AVX-512F {machine['avx512f']}, AVX-512BW {machine['avx512bw']}, "
@@ -367,8 +374,8 @@ def main() -> None:
     out.write_text(json.dumps({
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
                     "torch": torch.__version__, "cpu": machine},
-        "config": {"quick": args.quick, "backends": backends, "train_steps": steps, "synthetic_shape": rows_cols,
-                   "reps": reps},
+        "config": {"quick": args.quick, "backends": backends, "threads": args.threads, "train_steps": steps,
+                   "synthetic_shape": rows_cols, "reps": reps},
         "results": results,
         "targets": checks,
     }, indent=1))

@@ -61,6 +61,10 @@ typedef _Float16 vfh __attribute__((vector_size(2 * LANES)));      /* LANES fp16
 typedef _Float16 vfh_block __attribute__((vector_size(4 * LANES))); /* BLOCK fp16 values */
 typedef uint8_t vbytes __attribute__((vector_size(LANES)));
 typedef double vd __attribute__((vector_size(4 * LANES))); /* LANES / 2 doubles: one register */
+/* Unaligned views for loads and stores of single registers: GCC copies arrays of vectors
+ * (memcpy) through the stack in 32-byte halves, which stalls the following 64-byte load. */
+typedef double vd_unaligned __attribute__((vector_size(4 * LANES), aligned(8)));
+typedef float vf_unaligned __attribute__((vector_size(4 * LANES), aligned(4)));
 typedef struct { vf even, odd; } Pair;
 
 #define INLINE static inline __attribute__((always_inline))
@@ -240,9 +244,23 @@ INLINE void reduce_range(vf lo, vf hi, float *mn, float *mx) {
 
 const char *vector_isa(void) { return VECTOR_ISA; }
 
-/* Elements [i, i + BLOCK) of x as fp32. With `mask` (BLOCK entries of x's element width),
- * its bits are ANDed into the elements first. */
-INLINE Pair load_pair(const void *x, int64_t i, int dtype, const void *mask) {
+/* Asks for the cache lines PREFETCH_BYTES past block [i, i + BLOCK) of x, to read (write: 0)
+ * or to write (1): the hardware prefetchers alone left the first loads of each group waiting
+ * on memory, 40% of an encode's time, and the decode's loads of codes and stores of values
+ * half of its. */
+#define PREFETCH_BLOCK(x, i, dtype, write)                                                      \
+    do {                                                                                        \
+        const int size_ = (dtype) == 0 ? 4 : 2;                                                 \
+        const char *at_ = (const char *)(x) + (i) * size_ + PREFETCH_BYTES;                     \
+        for (int line_ = 0; line_ < BLOCK * size_; line_ += 64) __builtin_prefetch(at_ + line_, write); \
+    } while (0)
+
+/* Elements [i, i + BLOCK) of x as fp32, for reductions that do not depend on the order of a
+ * block's elements: bf16 in the Pair layout (it splits into it with two bit operations),
+ * fp32 and fp16 in element order, the first LANES in .even (deinterleaving those cost two
+ * shuffles a block, on the one shuffle port). With `mask` (BLOCK entries of x's element
+ * width), its bits are ANDed into the elements first. */
+INLINE Pair load_block(const void *x, int64_t i, int dtype, const void *mask) {
     Pair p;
     if (dtype == 1) { /* a 32-bit lane holds an even element in its low half, an odd one above */
         vu u, m;
@@ -250,26 +268,29 @@ INLINE Pair load_pair(const void *x, int64_t i, int dtype, const void *mask) {
         if (mask) { memcpy(&m, mask, sizeof m); u &= m; }
         p.even = (vf)(u << 16);
         p.odd = (vf)(u & 0xFFFF0000u);
-        return p;
-    }
-    vf a, b;
-    if (dtype == 0) {
-        memcpy(&a, (const float *)x + i, sizeof a);
-        memcpy(&b, (const float *)x + i + LANES, sizeof b);
+    } else if (dtype == 0) {
+        memcpy(&p.even, (const float *)x + i, sizeof p.even);
+        memcpy(&p.odd, (const float *)x + i + LANES, sizeof p.odd);
         if (mask) { /* one register each: a copy of both went through the stack, a stall per block */
             vi m_a, m_b;
             memcpy(&m_a, mask, sizeof m_a);
             memcpy(&m_b, (const vi *)mask + 1, sizeof m_b);
-            a = (vf)((vi)a & m_a);
-            b = (vf)((vi)b & m_b);
+            p.even = (vf)((vi)p.even & m_a);
+            p.odd = (vf)((vi)p.odd & m_b);
         }
     } else {
         vu h, m;
         memcpy(&h, (const _Float16 *)x + i, sizeof h);
         if (mask) { memcpy(&m, mask, sizeof m); h &= m; }
-        widen_halves(h, &a, &b);
+        widen_halves(h, &p.even, &p.odd);
     }
-    return deinterleave(a, b);
+    return p;
+}
+
+/* The same elements in the Pair layout: even-indexed ones in .even, odd-indexed in .odd. */
+INLINE Pair load_pair(const void *x, int64_t i, int dtype, const void *mask) {
+    Pair p = load_block(x, i, dtype, mask);
+    return dtype == 1 ? p : deinterleave(p.even, p.odd);
 }
 
 /* The inverse, for decoded values: never NaN, so bf16 rounds to nearest even by hand. */
@@ -340,8 +361,8 @@ INLINE int group_range(const void *x, int64_t base, int64_t cols, int dtype, Zer
     int64_t c = 0;
     vf vlo = splat(INFINITY), vhi = splat(-INFINITY), poison = {0};
     for (; c + BLOCK <= cols; c += BLOCK) {
-        __builtin_prefetch((const char *)x + (base + c) * (dtype == 0 ? 4 : 2) + PREFETCH_BYTES);
-        Pair p = load_pair(x, base + c, dtype, keep_at(z, ch, dtype));
+        PREFETCH_BLOCK(x, base + c, dtype, 0);
+        Pair p = load_block(x, base + c, dtype, keep_at(z, ch, dtype));
         ch = next_channel(z, ch, BLOCK);
         poison += (p.even - p.even) + (p.odd - p.odd); /* stays 0 unless a NaN or an infinity */
         vlo = vmin(vmin(p.even, p.odd), vlo);
@@ -413,6 +434,8 @@ INLINE void unpack_group(const uint8_t *in, int64_t cols, float shift, float bia
     vf s_even = splat(scale), s_odd = s_even;
     for (; c + BLOCK <= cols; c += BLOCK) {
         if (col_scale) { memcpy(&s_even, col_scale + c, sizeof s_even); memcpy(&s_odd, col_scale + c + LANES, sizeof s_odd); }
+        __builtin_prefetch(in + c / 2 + PREFETCH_BYTES / 4);
+        PREFETCH_BLOCK(out, base + c, dtype, 1);
         Pair q = unpack_pair(in + c / 2);
         store_pair(out, base + c, (Pair){shift + (q.even - bias) * s_even, shift + (q.odd - bias) * s_odd}, dtype);
     }
@@ -538,18 +561,24 @@ INLINE int64_t first_exact(Exact e, int64_t channel) {
 }
 
 /* Copies the exact channels' elements among elements [begin, end) of `tensor` into `values`
- * (into_values) or back. */
-INLINE void copy_exact(Exact e, void *tensor, int elem_size, int64_t begin, int64_t end, int into_values) {
-    for (int64_t r = begin / e.channels; r * e.channels < end; r++) {
-        int64_t row = r * e.channels, from = begin > row ? begin - row : 0;
-        for (int64_t k = first_exact(e, from); k < e.n && row + e.index[k] < end; k++) {
-            char *element = (char *)tensor + (row + e.index[k]) * elem_size;
-            char *value = (char *)e.values + (r * e.n + k) * elem_size;
-            if (into_values) memcpy(value, element, (size_t)elem_size);
-            else memcpy(element, value, (size_t)elem_size);
-        }
+ * (into_values) or back, as elements of type T (a fixed-size copy: memcpy of a variable size
+ * was a library call per element). */
+#define COPY_EXACT(T)                                                                          \
+    for (int64_t r = begin / e.channels; r * e.channels < end; r++) {                          \
+        int64_t row = r * e.channels, from = begin > row ? begin - row : 0;                    \
+        T *values = (T *)e.values + r * e.n;                                                   \
+        for (int64_t k = first_exact(e, from); k < e.n && row + e.index[k] < end; k++) {       \
+            T *element = (T *)tensor + row + e.index[k];                                       \
+            if (into_values) values[k] = *element;                                             \
+            else *element = values[k];                                                         \
+        }                                                                                      \
     }
+
+INLINE void copy_exact(Exact e, void *tensor, int elem_size, int64_t begin, int64_t end, int into_values) {
+    if (elem_size == 4) { COPY_EXACT(uint32_t) }
+    else { COPY_EXACT(uint16_t) }
 }
+#undef COPY_EXACT
 
 /* Row-grouped symmetric int4; with n_zeroed > 0, the columns `zeroed` (strictly increasing)
  * of the input seen as rows of `channels` values are encoded as zeros (int4.zero_channels),
@@ -626,26 +655,33 @@ static inline void column_share(int64_t cols, int64_t *first, int64_t *last) {
     *last = *last < cols ? *last : cols;
 }
 
-/* Adds |x| of rows [r0, r0 + n) to the running sums of columns [first, last), kept in the
- * Pair layout (pair_slot) in float64, each block's sums in registers across the chunk's rows
- * as update_column_ranges does: adding into the array row by row stored every sum once per
- * row and ran at a third of a copy's speed. Each column still adds its rows in row order. */
+/* Adds |x| of rows [r0, r0 + n) to the running sums of columns [first, last), in float64,
+ * kept in load_block's order (for bf16 the Pair layout, pair_slot), each block's sums in
+ * registers across the chunk's rows as update_column_ranges does: adding into the array row
+ * by row stored every sum once per row and ran at a third of a copy's speed. Each column
+ * still adds its rows in row order. */
 INLINE void update_column_abs_sums(const void *x, int dtype, int64_t r0, int64_t n, int64_t cols, int64_t first,
                                    int64_t last, double *sums) {
     const vu magnitude_bits = (vu){0} + 0x7FFFFFFFu;
     int64_t c = first;
     for (; c + BLOCK <= last; c += BLOCK) {
-        vd s[4]; /* the even elements' low and high lanes, then the odd ones' */
-        memcpy(s, sums + c, sizeof s);
+        vd_unaligned *at = (vd_unaligned *)(sums + c);
+        vd s0 = at[0], s1 = at[1], s2 = at[2], s3 = at[3]; /* the even elements' low and high lanes, then the odd ones' */
         for (int64_t r = r0; r < r0 + n; r++) {
-            __builtin_prefetch((const char *)x + (r * cols + c) * (dtype == 0 ? 4 : 2) + PREFETCH_BYTES);
-            Pair p = load_pair(x, r * cols + c, dtype, NULL);
-            vd d[4];
-            widen_to_doubles((vf)((vu)p.even & magnitude_bits), &d[0], &d[1]);
-            widen_to_doubles((vf)((vu)p.odd & magnitude_bits), &d[2], &d[3]);
-            for (int k = 0; k < 4; k++) s[k] += d[k];
+            PREFETCH_BLOCK(x, r * cols + c, dtype, 0);
+            Pair p = load_block(x, r * cols + c, dtype, NULL);
+            vd d0, d1, d2, d3;
+            widen_to_doubles((vf)((vu)p.even & magnitude_bits), &d0, &d1);
+            widen_to_doubles((vf)((vu)p.odd & magnitude_bits), &d2, &d3);
+            s0 += d0;
+            s1 += d1;
+            s2 += d2;
+            s3 += d3;
         }
-        memcpy(sums + c, s, sizeof s);
+        at[0] = s0;
+        at[1] = s1;
+        at[2] = s2;
+        at[3] = s3;
     }
     for (; c < last; c++)
         for (int64_t r = r0; r < r0 + n; r++) sums[c] += fabs((double)load(x, r * cols + c, dtype));
@@ -665,7 +701,7 @@ void channel_abs_sums(const void *x, int dtype, int64_t rows, int64_t cols, doub
             DTYPE_CASES(CALL)
 #undef CALL
         }
-        for (int64_t s = first; s < last; s++) sums[slot_column(s, cols)] = scratch[s];
+        for (int64_t s = first; s < last; s++) sums[dtype == 1 ? slot_column(s, cols) : s] = scratch[s]; /* load_block's order */
     }
 }
 
@@ -703,10 +739,9 @@ INLINE void update_column_ranges(const void *x, int dtype, int64_t r0, int64_t n
                                  int64_t last, float *lo, float *hi, float *poison) {
     int64_t c = first;
     for (; c + BLOCK <= last; c += BLOCK) {
-        vf l[2], h[2], bad[2];
-        memcpy(l, lo + c, sizeof l);
-        memcpy(h, hi + c, sizeof h);
-        memcpy(bad, poison + c, sizeof bad);
+        vf_unaligned *lo_at = (vf_unaligned *)(lo + c), *hi_at = (vf_unaligned *)(hi + c);
+        vf_unaligned *bad_at = (vf_unaligned *)(poison + c);
+        vf l[2] = {lo_at[0], lo_at[1]}, h[2] = {hi_at[0], hi_at[1]}, bad[2] = {bad_at[0], bad_at[1]};
         for (int64_t r = r0; r < r0 + n; r++) {
             Pair p = load_pair(x, r * cols + c, dtype, NULL);
             vf v[2] = {p.even, p.odd};
@@ -716,9 +751,11 @@ INLINE void update_column_ranges(const void *x, int dtype, int64_t r0, int64_t n
                 bad[k] += v[k] - v[k];
             }
         }
-        memcpy(lo + c, l, sizeof l);
-        memcpy(hi + c, h, sizeof h);
-        memcpy(poison + c, bad, sizeof bad);
+        for (int k = 0; k < 2; k++) {
+            lo_at[k] = l[k];
+            hi_at[k] = h[k];
+            bad_at[k] = bad[k];
+        }
     }
     for (; c < last; c++)
         for (int64_t r = r0; r < r0 + n; r++) {
