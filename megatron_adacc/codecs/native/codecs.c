@@ -81,6 +81,16 @@ typedef struct { vf even, odd; } Pair;
 #define INTERLEAVED_HIGH 8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31
 #define LOW_LANES 0, 1, 2, 3, 4, 5, 6, 7
 #define HIGH_LANES 8, 9, 10, 11, 12, 13, 14, 15
+/* fold_lanes: the halves of each 2w-lane segment of two vectors, w = 8, 4, 2, 1 */
+#define FOLD8_X 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23
+#define FOLD8_Y 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31
+#define FOLD4_X 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27
+#define FOLD4_Y 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31
+#define FOLD2_X 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29
+#define FOLD2_Y 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31
+#define FOLD1_X 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30
+#define FOLD1_Y 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31
+static const int BIT_REVERSED[LANES] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
 #else
 #define EVENS 0, 2, 4, 6, 8, 10, 12, 14
 #define ODDS 1, 3, 5, 7, 9, 11, 13, 15
@@ -90,6 +100,13 @@ typedef struct { vf even, odd; } Pair;
 #define INTERLEAVED_HIGH 4, 12, 5, 13, 6, 14, 7, 15
 #define LOW_LANES 0, 1, 2, 3
 #define HIGH_LANES 4, 5, 6, 7
+#define FOLD4_X 0, 1, 2, 3, 8, 9, 10, 11
+#define FOLD4_Y 4, 5, 6, 7, 12, 13, 14, 15
+#define FOLD2_X 0, 1, 8, 9, 4, 5, 12, 13
+#define FOLD2_Y 2, 3, 10, 11, 6, 7, 14, 15
+#define FOLD1_X 0, 8, 2, 10, 4, 12, 6, 14
+#define FOLD1_Y 1, 9, 3, 11, 5, 13, 7, 15
+static const int BIT_REVERSED[LANES] = {0, 4, 2, 6, 1, 5, 3, 7};
 #endif
 #define INTERLEAVED INTERLEAVED_LOW, INTERLEAVED_HIGH
 
@@ -104,7 +121,6 @@ INLINE vf blend(vi mask, vf a, vf b) { return (vf)(((vi)a & mask) | ((vi)b & ~ma
 #define VECTOR_ISA "avx512"
 INLINE vf vmin(vf a, vf b) { return (vf)_mm512_min_ps((__m512)a, (__m512)b); }
 INLINE vf vmax(vf a, vf b) { return (vf)_mm512_max_ps((__m512)a, (__m512)b); }
-INLINE int all_zero(vf v) { return _mm512_cmp_ps_mask((__m512)v, _mm512_setzero_ps(), _CMP_NEQ_UQ) == 0; }
 INLINE vi widen_bytes(const uint8_t *in) { return (vi)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)in)); }
 INLINE vi min_int(vi a, vi b) { return (vi)_mm512_min_epi32((__m512i)a, (__m512i)b); }
 INLINE void widen_to_doubles(vf v, vd *low, vd *high) {
@@ -119,7 +135,6 @@ INLINE void widen_to_doubles(vf v, vd *low, vd *high) {
 #define AVX2_SHUFFLES
 INLINE vf vmin(vf a, vf b) { return (vf)_mm256_min_ps((__m256)a, (__m256)b); }
 INLINE vf vmax(vf a, vf b) { return (vf)_mm256_max_ps((__m256)a, (__m256)b); }
-INLINE int all_zero(vf v) { return _mm256_movemask_ps(_mm256_cmp_ps((__m256)v, _mm256_setzero_ps(), _CMP_NEQ_UQ)) == 0; }
 INLINE vi widen_bytes(const uint8_t *in) { return (vi)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)in)); }
 INLINE vi min_int(vi a, vi b) { return (vi)_mm256_min_epi32((__m256i)a, (__m256i)b); }
 INLINE void widen_to_doubles(vf v, vd *low, vd *high) {
@@ -162,26 +177,10 @@ INLINE vbytes narrow_bytes(vi v) {
     __m128i words = _mm_packus_epi32(_mm256_castsi256_si128((__m256i)v), _mm256_extracti128_si256((__m256i)v, 1));
     return (vbytes)_mm_cvtsi128_si64(_mm_packus_epi16(words, words));
 }
-
-/* The minimum over the lanes of lo and the maximum over those of hi: lanes 0-3 carry lo,
- * lanes 4-7 -hi, each halving takes the minimum of both. */
-INLINE void reduce_range(vf lo, vf hi, float *mn, float *mx) {
-    __m256 l = (__m256)lo, h = _mm256_xor_ps((__m256)hi, _mm256_set1_ps(-0.0f));
-    __m256 both = _mm256_min_ps(_mm256_permute2f128_ps(l, h, 0x20), _mm256_permute2f128_ps(l, h, 0x31));
-    both = _mm256_min_ps(both, _mm256_shuffle_ps(both, both, _MM_SHUFFLE(1, 0, 3, 2)));
-    both = _mm256_min_ps(both, _mm256_shuffle_ps(both, both, _MM_SHUFFLE(2, 3, 0, 1)));
-    *mn = _mm256_cvtss_f32(both);
-    *mx = -_mm_cvtss_f32(_mm256_extractf128_ps(both, 1));
-}
 #else /* the generic forms compile to three or four instructions each */
 #define VECTOR_ISA "generic"
 INLINE vf vmin(vf a, vf b) { return blend(a < b, a, b); }
 INLINE vf vmax(vf a, vf b) { return blend(a > b, a, b); }
-INLINE int all_zero(vf v) {
-    int zero = 1;
-    for (int k = 0; k < LANES; k++) zero &= v[k] == 0.0f;
-    return zero;
-}
 INLINE vi widen_bytes(const uint8_t *in) {
     vbytes bytes;
     memcpy(&bytes, in, sizeof bytes);
@@ -221,25 +220,6 @@ INLINE vu narrow_to_halves(Pair v) {
 }
 
 INLINE vbytes narrow_bytes(vi v) { return __builtin_convertvector(v, vbytes); }
-
-INLINE void reduce_range(vf lo, vf hi, float *mn, float *mx) {
-    /* min of lo and of -hi together: the first half of the lanes carries lo, the second -hi */
-    vf neg_hi = -hi;
-#if LANES == 16
-    vf both = vmin(__builtin_shufflevector(lo, neg_hi, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23),
-                   __builtin_shufflevector(lo, neg_hi, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31));
-    both = vmin(both, __builtin_shufflevector(both, both, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11));
-    both = vmin(both, __builtin_shufflevector(both, both, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13));
-    both = vmin(both, __builtin_shufflevector(both, both, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14));
-#else
-    vf both = vmin(__builtin_shufflevector(lo, neg_hi, 0, 1, 2, 3, 8, 9, 10, 11),
-                   __builtin_shufflevector(lo, neg_hi, 4, 5, 6, 7, 12, 13, 14, 15));
-    both = vmin(both, __builtin_shufflevector(both, both, 2, 3, 0, 1, 6, 7, 4, 5));
-    both = vmin(both, __builtin_shufflevector(both, both, 1, 0, 3, 2, 5, 4, 7, 6));
-#endif
-    *mn = both[0];
-    *mx = -both[LANES / 2];
-}
 #endif
 
 const char *vector_isa(void) { return VECTOR_ISA; }
@@ -354,34 +334,47 @@ INLINE float load_kept(const void *x, int64_t i, int dtype, Zeroing z, int64_t c
     return kept ? v : 0.0f;
 }
 
-/* Minimum and maximum of a group of `cols` inputs; returns 0 if it holds NaN or Inf. Minima
- * and maxima of finite values do not depend on the order (signed zeros cannot change a
- * scale, see symmetric.sym_scales). */
-INLINE int group_range(const void *x, int64_t base, int64_t cols, int dtype, Zeroing z, int64_t ch, float *lo, float *hi) {
-    int64_t c = 0;
-    vf vlo = splat(INFINITY), vhi = splat(-INFINITY), poison = {0};
-    for (; c + BLOCK <= cols; c += BLOCK) {
+/* Lane-wise minima, maxima and poison (0, or NaN where a NaN or an infinity was met) of the
+ * whole blocks of a group of `cols` inputs starting at channel ch. Minima and maxima of
+ * finite values do not depend on the order (signed zeros cannot change a scale, see
+ * symmetric.sym_scales). */
+INLINE void group_blocks(const void *x, int64_t base, int64_t cols, int dtype, Zeroing z, int64_t ch, vf *lo,
+                         vf *hi, vf *poison) {
+    vf vlo = splat(INFINITY), vhi = splat(-INFINITY), bad = {0};
+    for (int64_t c = 0; c + BLOCK <= cols; c += BLOCK) {
         PREFETCH_BLOCK(x, base + c, dtype, 0);
         Pair p = load_block(x, base + c, dtype, keep_at(z, ch, dtype));
         ch = next_channel(z, ch, BLOCK);
-        poison += (p.even - p.even) + (p.odd - p.odd); /* stays 0 unless a NaN or an infinity */
+        bad += (p.even - p.even) + (p.odd - p.odd); /* stays 0 unless a NaN or an infinity */
         vlo = vmin(vmin(p.even, p.odd), vlo);
         vhi = vmax(vmax(p.even, p.odd), vhi);
     }
-    float mn, mx;
-    reduce_range(vlo, vhi, &mn, &mx);
-    int finite = all_zero(poison);
-    for (; c < cols; c++) {
+    *lo = vlo;
+    *hi = vhi;
+    *poison = bad;
+}
+
+/* The group's elements past its whole blocks folded into *lo and *hi; returns 0 if one is NaN
+ * or infinite. */
+INLINE int group_tail(const void *x, int64_t base, int64_t cols, int dtype, Zeroing z, int64_t ch, float *lo,
+                      float *hi) {
+    int finite = 1;
+    int64_t c = cols / BLOCK * BLOCK;
+    for (ch = next_channel(z, ch, c); c < cols; c++, ch = next_channel(z, ch, 1)) {
         float v = load_kept(x, base + c, dtype, z, ch);
-        ch = next_channel(z, ch, 1);
         finite &= isfinite(v) != 0;
-        mn = v < mn ? v : mn;
-        mx = v > mx ? v : mx;
+        *lo = v < *lo ? v : *lo;
+        *hi = v > *hi ? v : *hi;
     }
-    *lo = mn;
-    *hi = mx;
     return finite;
 }
+
+/* v[j] = op of the halves of each 2w-lane segment of v[2j] and v[2j + 1] (X, Y: FOLDw_X, _Y). */
+#define FOLD_LEVEL(op, v, count, X, Y)                                                              \
+    for (int j = 0; j < (count); j++)                                                               \
+    v[j] = op(__builtin_shufflevector(v[2 * j], v[2 * j + 1], X), __builtin_shufflevector(v[2 * j], v[2 * j + 1], Y))
+
+INLINE vf vadd(vf a, vf b) { return a + b; }
 
 /* Per-column multipliers and flags of channel_int4, in the Pair layout (pair_slot). */
 typedef struct { const float *inv; const int32_t *ok; } Columns;
@@ -485,18 +478,52 @@ INLINE void asym_scales(vf lo, vf hi, vi finite, float dmax, vf *scale, vf *inv,
 static const Columns NO_COLUMNS = {NULL, NULL};
 static const Zeroing NO_ZEROING = {NULL, 0};
 
-/* Ranges of the groups of rows [r0, r0 + n), n <= LANES, as vectors; lanes past n unusable. */
+/* Ranges of the groups of rows [r0, r0 + n), n <= LANES, the first starting at channel ch, as
+ * vectors (lane g: group r0 + g); lanes past n unusable. Each group leaves lane-wise partial
+ * results, group g's at position BIT_REVERSED[g], and FOLD_LEVEL halves all LANES vectors at
+ * once (a transposing reduction) down to one whose lane g is group g's: a fold per group and
+ * statistic where reducing each group's vector alone took one per halving, plus moving the
+ * results lane by lane into the vector the scales are computed from. */
 INLINE void batch_ranges(const void *x, int dtype, int64_t r0, int64_t n, int64_t cols, Zeroing z, int64_t ch,
                          vf *lo, vf *hi, vi *finite) {
-    *lo = *hi = splat(0.0f);
-    *finite = (vi){0};
-    for (int64_t g = 0; g < n; g++) {
-        float l, h;
-        (*finite)[g] = -group_range(x, (r0 + g) * cols, cols, dtype, z, ch, &l, &h);
-        ch = next_channel(z, ch, cols);
-        (*lo)[g] = l;
-        (*hi)[g] = h;
+    const int64_t ch0 = ch;
+    vf lows[LANES], highs[LANES], poisons[LANES];
+    for (int64_t g = 0; g < LANES; g++) {
+        const int p = BIT_REVERSED[g];
+        if (g < n) {
+            group_blocks(x, (r0 + g) * cols, cols, dtype, z, ch, &lows[p], &highs[p], &poisons[p]);
+            ch = next_channel(z, ch, cols);
+        } else {
+            lows[p] = splat(INFINITY);
+            highs[p] = splat(-INFINITY);
+            poisons[p] = splat(0.0f);
+        }
     }
+#if LANES == 16
+    FOLD_LEVEL(vmin, lows, 8, FOLD8_X, FOLD8_Y);
+    FOLD_LEVEL(vmax, highs, 8, FOLD8_X, FOLD8_Y);
+    FOLD_LEVEL(vadd, poisons, 8, FOLD8_X, FOLD8_Y);
+#endif
+    FOLD_LEVEL(vmin, lows, 4, FOLD4_X, FOLD4_Y);
+    FOLD_LEVEL(vmax, highs, 4, FOLD4_X, FOLD4_Y);
+    FOLD_LEVEL(vadd, poisons, 4, FOLD4_X, FOLD4_Y);
+    FOLD_LEVEL(vmin, lows, 2, FOLD2_X, FOLD2_Y);
+    FOLD_LEVEL(vmax, highs, 2, FOLD2_X, FOLD2_Y);
+    FOLD_LEVEL(vadd, poisons, 2, FOLD2_X, FOLD2_Y);
+    FOLD_LEVEL(vmin, lows, 1, FOLD1_X, FOLD1_Y);
+    FOLD_LEVEL(vmax, highs, 1, FOLD1_X, FOLD1_Y);
+    FOLD_LEVEL(vadd, poisons, 1, FOLD1_X, FOLD1_Y);
+    *lo = lows[0];
+    *hi = highs[0];
+    *finite = poisons[0] == 0.0f;
+    if (cols % BLOCK) /* rows of odd widths (naive_int4's): the elements past the whole blocks */
+        for (int64_t g = 0, ch = ch0; g < n; g++, ch = next_channel(z, ch, cols)) {
+            float l = (*lo)[g], h = (*hi)[g];
+            int ok = group_tail(x, (r0 + g) * cols, cols, dtype, z, ch, &l, &h);
+            (*lo)[g] = l;
+            (*hi)[g] = h;
+            (*finite)[g] &= -ok;
+        }
 }
 
 /* Groups are encoded LANES at a time: the ranges of all, then their scales in one vector
