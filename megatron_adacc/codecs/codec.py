@@ -106,7 +106,7 @@ def _read_counts(*counts: torch.Tensor, bound: int) -> list[int]:
 
 def _exceptions(x2d: torch.Tensor, ok: torch.Tensor, dim: int) -> dict[str, torch.Tensor]:
     """split_exceptions, with the count of unusable groups read by the encode's one host sync."""
-    (count,) = _read_counts((~ok).sum(), bound=ok.numel() + 1)
+    (count,) = _read_counts((~ok).count_nonzero(), bound=ok.numel() + 1)  # count_nonzero: a third of sum's time
     return split_exceptions(x2d, ok, dim, count)
 
 
@@ -198,7 +198,8 @@ class OutlierInt4(SymInt4):
         is_outlier = outlier_channels(kernels.channel_abs_sums(rows), self.threshold)
         zeroed = (rows.shape[1], is_outlier)
         tensors, ok, raw_groups, exact = self._quantize(rows, kernels, zeroed)
-        outliers, unusable = _read_counts(is_outlier.sum(), (~ok).sum(), bound=max(rows.shape[1], ok.numel()) + 1)
+        outliers, unusable = _read_counts(is_outlier.count_nonzero(), (~ok).count_nonzero(),
+                                          bound=max(rows.shape[1], ok.numel()) + 1)
         if unusable:
             tensors.update(split_exceptions(raw_groups(), ok, 0, unusable))
         if outliers:

@@ -695,7 +695,8 @@ INLINE void update_column_abs_sums(const void *x, int dtype, int64_t r0, int64_t
         vd_unaligned *at = (vd_unaligned *)(sums + c);
         vd s0 = at[0], s1 = at[1], s2 = at[2], s3 = at[3]; /* the even elements' low and high lanes, then the odd ones' */
         for (int64_t r = r0; r < r0 + n; r++) {
-            PREFETCH_BLOCK(x, r * cols + c, dtype, 0);
+            /* CHUNK_ROWS streams at once: a short distance, into L2 (PREFETCH_BYTES into L1 measured 25% slower) */
+            __builtin_prefetch((const char *)x + (r * cols + c) * (dtype == 0 ? 4 : 2) + PREFETCH_BYTES / 4, 0, 2);
             Pair p = load_block(x, r * cols + c, dtype, NULL);
             vd d0, d1, d2, d3;
             widen_to_doubles((vf)((vu)p.even & magnitude_bits), &d0, &d1);
