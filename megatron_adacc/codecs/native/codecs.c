@@ -61,6 +61,9 @@ typedef _Float16 vfh __attribute__((vector_size(2 * LANES)));      /* LANES fp16
 typedef _Float16 vfh_block __attribute__((vector_size(4 * LANES))); /* BLOCK fp16 values */
 typedef uint8_t vbytes __attribute__((vector_size(LANES)));
 typedef double vd __attribute__((vector_size(4 * LANES))); /* LANES / 2 doubles: one register */
+typedef float vf_half __attribute__((vector_size(2 * LANES)));      /* LANES / 2 floats: half a register */
+typedef uint32_t vu_half __attribute__((vector_size(2 * LANES)));
+typedef _Float16 vfh_half __attribute__((vector_size(LANES)));      /* LANES / 2 fp16 values */
 /* Unaligned views for loads and stores of single registers: GCC copies arrays of vectors
  * (memcpy) through the stack in 32-byte halves, which stalls the following 64-byte load. */
 typedef double vd_unaligned __attribute__((vector_size(4 * LANES), aligned(8)));
@@ -79,8 +82,6 @@ typedef struct { vf even, odd; } Pair;
 #define SECOND_HALF 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31
 #define INTERLEAVED_LOW 0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23
 #define INTERLEAVED_HIGH 8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31
-#define LOW_LANES 0, 1, 2, 3, 4, 5, 6, 7
-#define HIGH_LANES 8, 9, 10, 11, 12, 13, 14, 15
 /* fold_lanes: the halves of each 2w-lane segment of two vectors, w = 8, 4, 2, 1 */
 #define FOLD8_X 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23
 #define FOLD8_Y 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31
@@ -98,8 +99,6 @@ static const int BIT_REVERSED[LANES] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 
 #define SECOND_HALF 8, 9, 10, 11, 12, 13, 14, 15
 #define INTERLEAVED_LOW 0, 8, 1, 9, 2, 10, 3, 11
 #define INTERLEAVED_HIGH 4, 12, 5, 13, 6, 14, 7, 15
-#define LOW_LANES 0, 1, 2, 3
-#define HIGH_LANES 4, 5, 6, 7
 #define FOLD4_X 0, 1, 2, 3, 8, 9, 10, 11
 #define FOLD4_Y 4, 5, 6, 7, 12, 13, 14, 15
 #define FOLD2_X 0, 1, 8, 9, 4, 5, 12, 13
@@ -123,10 +122,7 @@ INLINE vf vmin(vf a, vf b) { return (vf)_mm512_min_ps((__m512)a, (__m512)b); }
 INLINE vf vmax(vf a, vf b) { return (vf)_mm512_max_ps((__m512)a, (__m512)b); }
 INLINE vi widen_bytes(const uint8_t *in) { return (vi)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)in)); }
 INLINE vi min_int(vi a, vi b) { return (vi)_mm512_min_epi32((__m512i)a, (__m512i)b); }
-INLINE void widen_to_doubles(vf v, vd *low, vd *high) {
-    *low = (vd)_mm512_cvtps_pd(_mm512_castps512_ps256((__m512)v));
-    *high = (vd)_mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd((__m512)v), 1)));
-}
+INLINE vd to_doubles(vf_half v) { return (vd)_mm512_cvtps_pd((__m256)v); } /* GCC splits it in two */
 #elif defined(__AVX2__) && defined(__F16C__)
 #include <immintrin.h>
 #define VECTOR_ISA "avx2"
@@ -137,10 +133,7 @@ INLINE vf vmin(vf a, vf b) { return (vf)_mm256_min_ps((__m256)a, (__m256)b); }
 INLINE vf vmax(vf a, vf b) { return (vf)_mm256_max_ps((__m256)a, (__m256)b); }
 INLINE vi widen_bytes(const uint8_t *in) { return (vi)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)in)); }
 INLINE vi min_int(vi a, vi b) { return (vi)_mm256_min_epi32((__m256i)a, (__m256i)b); }
-INLINE void widen_to_doubles(vf v, vd *low, vd *high) {
-    *low = (vd)_mm256_cvtps_pd(_mm256_castps256_ps128((__m256)v));
-    *high = (vd)_mm256_cvtps_pd(_mm256_extractf128_ps((__m256)v, 1));
-}
+INLINE vd to_doubles(vf_half v) { return (vd)_mm256_cvtps_pd((__m128)v); }
 
 /* The even (odd) elements of the 16 values a, b, in order: a0 a2 b0 b2 | a4 a6 b4 b6 within
  * the 128-bit lanes, then the middle 64-bit quarters swapped. */
@@ -190,10 +183,7 @@ INLINE vi min_int(vi a, vi b) {
     vi less = a < b;
     return (a & less) | (b & ~less);
 }
-INLINE void widen_to_doubles(vf v, vd *low, vd *high) {
-    *low = __builtin_convertvector(__builtin_shufflevector(v, v, LOW_LANES), vd);
-    *high = __builtin_convertvector(__builtin_shufflevector(v, v, HIGH_LANES), vd);
-}
+INLINE vd to_doubles(vf_half v) { return __builtin_convertvector(v, vd); }
 #endif
 
 /* Shuffles and conversions as generic vector code: one or two instructions each with
@@ -682,29 +672,55 @@ static inline void column_share(int64_t cols, int64_t *first, int64_t *last) {
     *last = *last < cols ? *last : cols;
 }
 
+/* |x| of block [i, i + BLOCK) of x as four vectors of LANES / 2 doubles, each converted from
+ * half a register of floats (converting a whole register's halves needed a lane-crossing
+ * extract per half, and those shared the shuffle port with the conversions): for bf16 the
+ * even and odd elements of the block's first half, then of its second (abs_sum_column), for
+ * the other types the elements in order. */
+INLINE void abs_doubles(const void *x, int64_t i, int dtype, vd out[4]) {
+    for (int q = 0; q < 4; q++) {
+        vf_half v;
+        if (dtype == 1) {
+            vu_half u;
+            memcpy(&u, (const uint16_t *)x + i + q / 2 * LANES, sizeof u);
+            v = (vf_half)(q % 2 ? u & 0xFFFF0000u : u << 16);
+        } else if (dtype == 0) {
+            memcpy(&v, (const float *)x + i + q * LANES / 2, sizeof v);
+        } else {
+            vfh_half h;
+            memcpy(&h, (const _Float16 *)x + i + q * LANES / 2, sizeof h);
+            v = __builtin_convertvector(h, vf_half);
+        }
+        out[q] = to_doubles((vf_half)((vu_half)v & 0x7FFFFFFFu));
+    }
+}
+
+/* The column of slot s of abs_doubles' order in rows of `cols` values. */
+INLINE int64_t abs_sum_column(int64_t s, int64_t cols, int dtype) {
+    if (dtype != 1 || s >= cols / BLOCK * BLOCK) return s;
+    int64_t j = s % BLOCK, quarter = j / (LANES / 2), k = j % (LANES / 2);
+    return s - j + quarter / 2 * LANES + 2 * k + quarter % 2;
+}
+
 /* Adds |x| of rows [r0, r0 + n) to the running sums of columns [first, last), in float64,
- * kept in load_block's order (for bf16 the Pair layout, pair_slot), each block's sums in
- * registers across the chunk's rows as update_column_ranges does: adding into the array row
- * by row stored every sum once per row and ran at a third of a copy's speed. Each column
- * still adds its rows in row order. */
+ * kept in abs_doubles' order, each block's sums in registers across the chunk's rows as
+ * update_column_ranges does: adding into the array row by row stored every sum once per row
+ * and ran at a third of a copy's speed. Each column still adds its rows in row order. */
 INLINE void update_column_abs_sums(const void *x, int dtype, int64_t r0, int64_t n, int64_t cols, int64_t first,
                                    int64_t last, double *sums) {
-    const vu magnitude_bits = (vu){0} + 0x7FFFFFFFu;
     int64_t c = first;
     for (; c + BLOCK <= last; c += BLOCK) {
         vd_unaligned *at = (vd_unaligned *)(sums + c);
-        vd s0 = at[0], s1 = at[1], s2 = at[2], s3 = at[3]; /* the even elements' low and high lanes, then the odd ones' */
+        vd s0 = at[0], s1 = at[1], s2 = at[2], s3 = at[3];
         for (int64_t r = r0; r < r0 + n; r++) {
             /* CHUNK_ROWS streams at once: a short distance, into L2 (PREFETCH_BYTES into L1 measured 25% slower) */
             __builtin_prefetch((const char *)x + (r * cols + c) * (dtype == 0 ? 4 : 2) + PREFETCH_BYTES / 4, 0, 2);
-            Pair p = load_block(x, r * cols + c, dtype, NULL);
-            vd d0, d1, d2, d3;
-            widen_to_doubles((vf)((vu)p.even & magnitude_bits), &d0, &d1);
-            widen_to_doubles((vf)((vu)p.odd & magnitude_bits), &d2, &d3);
-            s0 += d0;
-            s1 += d1;
-            s2 += d2;
-            s3 += d3;
+            vd d[4];
+            abs_doubles(x, r * cols + c, dtype, d);
+            s0 += d[0];
+            s1 += d[1];
+            s2 += d[2];
+            s3 += d[3];
         }
         at[0] = s0;
         at[1] = s1;
@@ -729,7 +745,7 @@ void channel_abs_sums(const void *x, int dtype, int64_t rows, int64_t cols, doub
             DTYPE_CASES(CALL)
 #undef CALL
         }
-        for (int64_t s = first; s < last; s++) sums[dtype == 1 ? slot_column(s, cols) : s] = scratch[s]; /* load_block's order */
+        for (int64_t s = first; s < last; s++) sums[abs_sum_column(s, cols, dtype)] = scratch[s];
     }
 }
 
