@@ -341,6 +341,7 @@ def main() -> None:
         # read by the native kernels' OpenMP runtime when their library loads, below
         os.environ["OMP_NUM_THREADS"] = str(args.threads)
     warnings.filterwarnings("ignore")
+    load_at_start = list(os.getloadavg())  # a shared machine's timings are only as steady as its load
     machine = cpu()
     print(f"CPU: {machine['model']}; AVX-512F {machine['avx512f']}, AVX-512BW {machine['avx512bw']}, "
           f"AVX2 {machine['avx2']}, F16C {machine['f16c']}; native kernels: {machine['native_vector_isa']}")
@@ -373,7 +374,7 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-                    "torch": torch.__version__, "cpu": machine},
+                    "torch": torch.__version__, "cpu": machine, "load_average_at_start": load_at_start},
         "config": {"quick": args.quick, "backends": backends, "threads": args.threads, "train_steps": steps,
                    "synthetic_shape": rows_cols, "reps": reps},
         "results": results,

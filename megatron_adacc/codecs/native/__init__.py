@@ -145,7 +145,8 @@ def _channel_mask(zeroed) -> bool:
 
 
 def _sym_decode(packed, scales, shape2d, reduce_dim, dtype, exact=None):
-    if shape2d[1] % 2 or packed.device.type != "cpu" or not (exact is None or reduce_dim == 1 and _native_exact(exact, dtype)):
+    if shape2d[1] % 2 or packed.device.type != "cpu" or not (
+            exact is None or reduce_dim == 1 and _native_exact(exact, dtype, shape2d)):
         return symmetric.sym_decode(packed, scales, shape2d, reduce_dim, dtype, exact)
     out = torch.empty(shape2d, dtype=dtype)
     if reduce_dim == 0:
@@ -153,21 +154,27 @@ def _sym_decode(packed, scales, shape2d, reduce_dim, dtype, exact=None):
         library().sym_decode_cols(packed.data_ptr(), scales.data_ptr(), shape2d[0], shape2d[1],
                                   _DTYPE_CODE[dtype], col_scale.data_ptr(), out.data_ptr())
         return out
-    channels, index, values = exact if exact is not None else (1, torch.zeros(0, dtype=torch.int64), out)
+    if exact is None:
+        library().sym_decode_rows(packed.data_ptr(), scales.data_ptr(), shape2d[0], shape2d[1], _DTYPE_CODE[dtype],
+                                  None, 0, 1, 0, None, out.data_ptr())
+        return out
+    channels, index, values = exact
     if not library().sym_decode_rows(packed.data_ptr(), scales.data_ptr(), shape2d[0], shape2d[1], _DTYPE_CODE[dtype],
                                      index.data_ptr(), index.numel(), channels, values.shape[0], values.data_ptr(),
                                      out.data_ptr()):
-        return symmetric.sym_decode(packed, scales, shape2d, reduce_dim, dtype, exact)  # raises on a bad index
+        # indices out of range (the reference raises) or not increasing (it copies them all the same)
+        return symmetric.sym_decode(packed, scales, shape2d, reduce_dim, dtype, exact)
     return out
 
 
-def _native_exact(exact, dtype) -> bool:
+def _native_exact(exact, dtype, shape2d) -> bool:
     """Exact channels the C decode writes: int64 CPU indices, contiguous [rows, n] values of
-    the output dtype. It checks the indices' range itself; the reference raises on the rest."""
+    the output dtype, rows of `channels` within the output. It checks the indices itself; the
+    reference raises on the rest."""
     channels, index, values = exact
     return (index.dtype == torch.int64 and index.device.type == "cpu" and index.dim() == 1 and index.is_contiguous()
-            and values.dtype == dtype and values.is_contiguous()
-            and tuple(values.shape) == (values.shape[0], index.numel()))
+            and values.dtype == dtype and values.is_contiguous() and values.dim() == 2
+            and values.shape[1] == index.numel() and 0 < values.shape[0] * channels <= shape2d[0] * shape2d[1])
 
 
 def _channel_abs_sums(x2d):
