@@ -45,12 +45,12 @@ def sym_encode(x2d: torch.Tensor, reduce_dim: int, dmax: float,
     outlier codec's); with it, a fourth value: the zeroed channels' values ([rows, count], in
     channel order) where a backend copies them in its encoding pass, else None, as here: the
     codec then takes them (outlier.take_columns) once its one host read has sized them."""
-    x2d_kept = zero_channels(x2d, zeroed)
-    lo, hi = torch.aminmax(x2d_kept, dim=reduce_dim, keepdim=True)
+    x2d = zero_channels(x2d, zeroed)
+    lo, hi = torch.aminmax(x2d, dim=reduce_dim, keepdim=True)
     scale, ok = sym_scales(lo.float(), hi.float(), dmax)
     # One reciprocal per group, then a multiply per element: a division per element is what
     # bounds a CPU kernel, and every backend rounds 1/scale and x * (1/scale) the same way.
-    y = x2d_kept.float() * torch.where(ok, scale, 1.0).reciprocal()
+    y = x2d.float() * torch.where(ok, scale, 1.0).reciprocal()
     codes = torch.where(ok, torch.floor(y + 8.5).clamp(0, 15), 8.0).to(torch.uint8)
     encoded = (pack_nibbles(codes), scale.to(SCALE_DTYPE).squeeze(reduce_dim), ok.squeeze(reduce_dim))
     return encoded if zeroed is None else (*encoded, None)
