@@ -1,5 +1,6 @@
 """Writes docs/results.md from the JSON the evaluation benchmarks publish under docs/results/
-(bench_throughput.py, bench_max_batch.py, bench_accuracy.py). Every number on the page comes
+(bench_throughput.py, bench_max_batch.py, bench_accuracy.py, and bench_codecs.py as
+codecs_avx512.json and codecs_avx2.json). Every number on the page comes
 from those files; rerun the suite (scripts/run_all_benchmarks.sh) and then this script.
 
     python scripts/make_results_page.py [--out docs/results.md]
@@ -270,6 +271,62 @@ def describe(shape: dict) -> str:
             f"{attention_dropout}, fp32 on CPU")
 
 
+# The codec benchmark's home input of each codec (scripts/bench_codecs.py check_targets).
+CODEC_HOMES = {"asym_int4": ("softmax_probs",), "bitmask": ("dropout_mask_bool",)}
+CODEC_BUILDS = (("codecs_avx512.json", "as built (`-march=native`)", ""),
+                ("codecs_avx2.json", "the AVX2 path", "ADACC_NATIVE_CFLAGS=-mno-avx512f "))
+OUTLIER_ROUND_TRIP_TARGET = 0.45  # issue 26: of a plain copy, native backend, AVX2 and AVX-512
+
+
+def codec_round_trip(r: dict) -> float:
+    """bench_codecs.round_trip_per_copy: CPU time paired per round for one thread."""
+    return r["roundtrip_per_copy_cpu"] if r["threads"] == 1 else r["roundtrip_per_copy_paired"]
+
+
+def codecs_section(builds: list[tuple[str, str, dict]]) -> list[str]:
+    """Round trip of each codec against a plain copy (scripts/bench_codecs.py, native backend,
+    4096x4096 synthetic inputs, freed memory recycled), one column per vector path."""
+    out = ["## 6. Codec speed (native CPU kernels)", "",
+           "Round trip (encode + decode) as a fraction of a plain copy of the same bytes into an "
+           "existing tensor, on 4096x4096 synthetic inputs with freed memory recycled as in a "
+           "training step (`scripts/bench_codecs.py`): the median over 5 interleaved rounds of "
+           "each round's ratio, in process CPU time for one thread (time spent preempted by "
+           "other jobs does not count), with the medians of the wall-clock throughputs beside "
+           "it. Commands:", ""]
+    for name, label, env in CODEC_BUILDS:
+        data = next((d for n, _, d in builds if n == name), None)
+        if data is not None:
+            cfg, machine = data["config"], data["machine"]
+            threads = f" --threads {cfg['threads']}" if cfg.get("threads") else ""
+            load_avg = ", ".join(f"{x:.1f}" for x in machine.get("load_average_at_start", []))
+            out.append(f"- {label}: `{env}.venv/bin/python scripts/bench_codecs.py --backends "
+                       f"{','.join(cfg['backends'])}{threads}` on {machine['cpu']['model']} "
+                       f"(vector path `{machine['cpu']['native_vector_isa']}`, load average at start "
+                       f"{load_avg or 'not recorded'})")
+    out += ["", "| codec | input | dtype | " + " | ".join(label for _, label, _ in builds) + " |",
+            "|---|---|---|" + "---|" * len(builds)]
+    rows = [r for _, _, d in builds for r in d["results"] if r["suite"] == "synthetic"]
+    memory = "recycled" if any(r["memory"] == "recycled" for r in rows) else "fresh"
+    keys = sorted({(r["codec"], r["site"], r["dtype"]) for r in rows
+                   if r["site"] in CODEC_HOMES.get(r["codec"], ("heavy_tailed_outliers",))})
+    for codec, site, dtype in keys:
+        cells = []
+        for _, _, data in builds:
+            r = next((r for r in data["results"] if (r["suite"], r["memory"], r["codec"], r["site"], r["dtype"])
+                      == ("synthetic", memory, codec, site, dtype)), None)
+            cells.append("-" if r is None else f"{codec_round_trip(r):.2f} (medians: enc {r['encode_gbps']:.1f}, "
+                         f"dec {r['decode_gbps']:.1f}, copy {r['copy_gbps']:.1f} GB/s)")
+        out.append(f"| {codec} | {site} | {dtype[6:]} | " + " | ".join(cells) + " |")
+    out.append("")
+    for _, label, data in builds:
+        r = next(r for r in data["results"] if (r["suite"], r["memory"], r["codec"], r["site"], r["dtype"])
+                 == ("synthetic", memory, "outlier_int4", "heavy_tailed_outliers", "torch.bfloat16"))
+        fraction = codec_round_trip(r)
+        out.append(target(f"outlier_int4 round trip >= {OUTLIER_ROUND_TRIP_TARGET} of a copy, bf16, {label}",
+                          fraction >= OUTLIER_ROUND_TRIP_TARGET, f"{fraction:.2f}"))
+    return out + [""]
+
+
 # Every target line of the page, also printed by main.
 TARGETS: list[str] = []
 
@@ -384,6 +441,9 @@ def main() -> None:
             quick |= data["run"]["quick"]
             took.append((name, data["run"]))
             lines += section(data)
+    builds = [(name, label, data) for name, label, _ in CODEC_BUILDS if (data := load(name)) is not None]
+    if builds:
+        lines += codecs_section(builds)
     lines += timing_section(took)
     notes = os.path.join(RESULTS, "notes.md")
     if os.path.exists(notes):

@@ -364,6 +364,23 @@ def test_native_channel_paths_match_eager(dtype, shape):
         assert_same_as_eager("native", name, x.nan_to_num().to(dtype))
 
 
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("channels", [1024, 1000])
+def test_native_outlier_exact_channels_across_batches(dtype, channels):
+    # The native outlier codec copies its exact channels batch of groups by batch (16 or 8
+    # groups of 64) in the encoding and decoding passes: outlier channels at group and row
+    # edges, rows that end inside a batch (1000 channels), with and without groups stored raw.
+    gen = torch.Generator().manual_seed(21)
+    x = torch.randn(37, channels, generator=gen)
+    outliers = [0, 5, 63, 64, 511, channels - 1]
+    x[:, outliers] *= 400
+    payload = codecs.get("outlier_int4", backend="native").encode(x.to(dtype))
+    assert payload.tensors["outlier_index"].tolist() == outliers
+    assert_same_as_eager("native", "outlier_int4", x.to(dtype))
+    x[3, 7] = math.nan  # a raw group: the exact channels go on top of it after decoding
+    assert_same_as_eager("native", "outlier_int4", x.to(dtype))
+
+
 @pytest.mark.parametrize("dtype", [torch.bool, torch.uint8, torch.float32, torch.bfloat16, torch.float16])
 def test_native_bitmask_wide_masks(dtype):
     # Masks long enough for the native 64-byte steps plus a remainder, with signed zeros,
@@ -399,6 +416,16 @@ def test_native_column_copies_refuse_what_they_would_overrun():
     native._put_columns(rows, torch.tensor([5, 0]), torch.ones(4, 2, dtype=torch.bfloat16))
     assert torch.equal(native._take_columns(rows, torch.tensor([0, 5])), torch.ones(4, 2, dtype=torch.bfloat16))
     assert int(rows.sum()) == 8
+    # The decode writes exact channels in its pass for strictly increasing indices in range;
+    # others go to the reference, which copies unordered ones and raises on the rest.
+    packed, scales, shape2d = torch.full((12,), 0x88, dtype=torch.uint8), torch.ones(3, dtype=torch.bfloat16), (3, 8)
+    values = torch.tensor([[1.0, 2.0], [3.0, 4.0]], dtype=torch.bfloat16)
+    for index in ([0, 11], [11, 0]):
+        out = native._sym_decode(packed, scales, shape2d, 1, torch.bfloat16, (12, torch.tensor(index), values))
+        assert out.view(-1)[index[0]] == values[0, 0] and out.view(-1)[12 + index[1]] == values[1, 1]
+        assert int(out.sum()) == 10
+    with pytest.raises((IndexError, RuntimeError)):
+        native._sym_decode(packed, scales, shape2d, 1, torch.bfloat16, (12, torch.tensor([0, 12]), values))
 
 
 @pytest.mark.parametrize("dtype", [torch.bool, torch.uint8, torch.float32, torch.bfloat16, torch.float16])

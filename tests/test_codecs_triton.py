@@ -71,6 +71,19 @@ def test_random_inputs_byte_identical(name, dtype):
         assert_same_payload_and_output(name, x.to(dtype))
 
 
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_outlier_exact_channels_byte_identical(dtype):
+    # The encoding pass zeroes the outlier channels as it loads them; the decoding pass writes
+    # the exact channels back, unless groups are stored raw (then they go on top after).
+    gen = torch.Generator().manual_seed(31)
+    for shape in [(33, 70), (4, 8, 96), (64, 20)]:
+        x = torch.randn(shape, generator=gen)
+        x[..., [1, -1]] *= 300
+        assert_same_payload_and_output("outlier_int4", x.to(dtype))
+        x.view(-1)[9] = math.nan
+        assert_same_payload_and_output("outlier_int4", x.to(dtype))
+
+
 @pytest.mark.parametrize("name", ["asym_int4", "sym_int4"])
 def test_subnormal_bf16_inputs_byte_identical(name):
     # The interpreter's bf16 -> fp32 cast flushes subnormals; the kernels widen bf16 bits by

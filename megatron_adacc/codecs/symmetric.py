@@ -24,6 +24,7 @@ from megatron_adacc.codecs.int4 import (
     unpack_nibbles,
     zero_channels,
 )
+from megatron_adacc.codecs.outlier import put_columns
 
 
 def sym_scales(lo: torch.Tensor, hi: torch.Tensor, dmax: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -41,7 +42,9 @@ def sym_encode(x2d: torch.Tensor, reduce_dim: int, dmax: float,
                zeroed: tuple[int, torch.Tensor] | None = None):
     """-> (packed int4 codes of x2d in row-major order, bf16 scales, usable-scale flags).
     `zeroed`: (channels, mask) of channels to encode as zeros first (int4.zero_channels; the
-    outlier codec's)."""
+    outlier codec's); with it, a fourth value: the zeroed channels' values ([rows, count], in
+    channel order) where a backend copies them in its encoding pass, else None, as here: the
+    codec then takes them (outlier.take_columns) once its one host read has sized them."""
     x2d = zero_channels(x2d, zeroed)
     lo, hi = torch.aminmax(x2d, dim=reduce_dim, keepdim=True)
     scale, ok = sym_scales(lo.float(), hi.float(), dmax)
@@ -49,16 +52,20 @@ def sym_encode(x2d: torch.Tensor, reduce_dim: int, dmax: float,
     # bounds a CPU kernel, and every backend rounds 1/scale and x * (1/scale) the same way.
     y = x2d.float() * torch.where(ok, scale, 1.0).reciprocal()
     codes = torch.where(ok, torch.floor(y + 8.5).clamp(0, 15), 8.0).to(torch.uint8)
-    return (
-        pack_nibbles(codes),
-        scale.to(SCALE_DTYPE).squeeze(reduce_dim),
-        ok.squeeze(reduce_dim),
-    )
+    encoded = (pack_nibbles(codes), scale.to(SCALE_DTYPE).squeeze(reduce_dim), ok.squeeze(reduce_dim))
+    return encoded if zeroed is None else (*encoded, None)
 
 
 def sym_decode(packed: torch.Tensor, scales: torch.Tensor, shape2d: tuple[int, int], reduce_dim: int,
-               dtype: torch.dtype) -> torch.Tensor:
+               dtype: torch.dtype, exact: tuple[int, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """`exact`: (channels, index, values), the outlier codec's exact channels, written over
+    the decoded values seen as rows of `channels` (outlier.put_columns), in the same pass
+    where a backend can."""
     codes = unpack_nibbles(packed, shape2d[0] * shape2d[1]).view(shape2d)
     # (code - 8) * scale is exact in fp32 (4 x 8 significant bits); the one rounding is the
     # final cast to the output dtype.
-    return ((codes.float() - 8) * scales.float().unsqueeze(reduce_dim)).to(dtype)
+    out = ((codes.float() - 8) * scales.float().unsqueeze(reduce_dim)).to(dtype)
+    if exact is not None:
+        channels, index, values = exact
+        put_columns(out.view(-1)[: values.shape[0] * channels].view(-1, channels), index, values)
+    return out

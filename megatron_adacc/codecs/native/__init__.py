@@ -34,11 +34,11 @@ CFLAGS_ENV_VAR = "ADACC_NATIVE_CFLAGS"
 _DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _i64, _f32, _i32, _p = ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_void_p
 _SIGNATURES = {
-    "sym_encode_rows": [_p, _i32, _i64, _i64, _f32, _p, _i64, _i64, _p, _p, _p],
-    "sym_decode_rows": [_p, _p, _i64, _i64, _i32, _p],
+    "sym_encode_rows": [_p, _i32, _i64, _i64, _f32, _p, _i64, _i64, _p, _p, _p, _p],
+    "sym_decode_rows": [_p, _p, _i64, _i64, _i32, _p, _i64, _i64, _i64, _p, _p],
     "sym_encode_cols": [_p, _i32, _i64, _i64, _f32, _p, _p, _p, _p, _p],
     "sym_decode_cols": [_p, _p, _i64, _i64, _i32, _p, _p],
-    "channel_abs_sums": [_p, _i32, _i64, _i64, _p],
+    "channel_abs_sums": [_p, _i32, _i64, _i64, _p, _p],
     "asym_encode_rows": [_p, _i32, _i64, _i64, _f32, _p, _p, _p, _p],
     "asym_decode_rows": [_p, _p, _p, _i64, _i64, _i32, _p],
     "mask_pack": [_p, _i32, _i32, _i64, _p],
@@ -49,7 +49,8 @@ _SIGNATURES = {
     "put_columns": [_p, _i32, _i64, _i64, _p, _i64, _p],
     "vector_isa": [],
 }
-_RETURNS = {**{name: ctypes.c_int for name in ("mask_value", "sym_encode_rows", "take_columns", "put_columns")},
+_RETURNS = {**{name: ctypes.c_int for name in ("mask_value", "sym_encode_rows", "sym_decode_rows", "take_columns",
+                                               "put_columns")},
             "vector_isa": ctypes.c_char_p}
 
 
@@ -120,12 +121,18 @@ def _sym_encode(x2d, reduce_dim, dmax, zeroed=None):
     packed = torch.empty(rows * cols // 2, dtype=torch.uint8)
     scales = torch.empty(rows, dtype=torch.bfloat16)
     ok = torch.empty(rows, dtype=torch.bool)
-    channels, mask = zeroed if zeroed is not None else (0, torch.zeros(0, dtype=torch.bool))
+    if zeroed is None:
+        library().sym_encode_rows(x2d.data_ptr(), _DTYPE_CODE[x2d.dtype], rows, cols, dmax, None, 0, 0, None,
+                                  packed.data_ptr(), scales.data_ptr(), ok.data_ptr())
+        return packed, scales, ok
+    channels, mask = zeroed
     index = mask.nonzero().view(-1)  # a CPU tensor: no device to wait for
+    exact = torch.empty(rows * cols // channels, index.numel(), dtype=x2d.dtype)  # whole rows: see the codec
     if not library().sym_encode_rows(x2d.data_ptr(), _DTYPE_CODE[x2d.dtype], rows, cols, dmax, index.data_ptr(),
-                                     index.numel(), channels, packed.data_ptr(), scales.data_ptr(), ok.data_ptr()):
+                                     index.numel(), channels, exact.data_ptr(), packed.data_ptr(),
+                                     scales.data_ptr(), ok.data_ptr()):
         return symmetric.sym_encode(x2d, reduce_dim, dmax, zeroed)  # out of memory in C
-    return packed, scales, ok
+    return packed, scales, ok, exact
 
 
 def _channel_mask(zeroed) -> bool:
@@ -137,25 +144,45 @@ def _channel_mask(zeroed) -> bool:
     return mask.dtype == torch.bool and mask.device.type == "cpu" and tuple(mask.shape) == (channels,)
 
 
-def _sym_decode(packed, scales, shape2d, reduce_dim, dtype):
-    if shape2d[1] % 2 or packed.device.type != "cpu":
-        return symmetric.sym_decode(packed, scales, shape2d, reduce_dim, dtype)
+def _sym_decode(packed, scales, shape2d, reduce_dim, dtype, exact=None):
+    if shape2d[1] % 2 or packed.device.type != "cpu" or not (
+            exact is None or reduce_dim == 1 and _native_exact(exact, dtype, shape2d)):
+        return symmetric.sym_decode(packed, scales, shape2d, reduce_dim, dtype, exact)
     out = torch.empty(shape2d, dtype=dtype)
     if reduce_dim == 0:
         col_scale = torch.empty(shape2d[1], dtype=torch.float32)
         library().sym_decode_cols(packed.data_ptr(), scales.data_ptr(), shape2d[0], shape2d[1],
                                   _DTYPE_CODE[dtype], col_scale.data_ptr(), out.data_ptr())
-    else:
-        library().sym_decode_rows(packed.data_ptr(), scales.data_ptr(), shape2d[0], shape2d[1],
-                                  _DTYPE_CODE[dtype], out.data_ptr())
+        return out
+    if exact is None:
+        library().sym_decode_rows(packed.data_ptr(), scales.data_ptr(), shape2d[0], shape2d[1], _DTYPE_CODE[dtype],
+                                  None, 0, 1, 0, None, out.data_ptr())
+        return out
+    channels, index, values = exact
+    if not library().sym_decode_rows(packed.data_ptr(), scales.data_ptr(), shape2d[0], shape2d[1], _DTYPE_CODE[dtype],
+                                     index.data_ptr(), index.numel(), channels, values.shape[0], values.data_ptr(),
+                                     out.data_ptr()):
+        # indices out of range (the reference raises) or not increasing (it copies them all the same)
+        return symmetric.sym_decode(packed, scales, shape2d, reduce_dim, dtype, exact)
     return out
+
+
+def _native_exact(exact, dtype, shape2d) -> bool:
+    """Exact channels the C decode writes: int64 CPU indices, contiguous [rows, n] values of
+    the output dtype, rows of `channels` within the output. It checks the indices itself; the
+    reference raises on the rest."""
+    channels, index, values = exact
+    return (index.dtype == torch.int64 and index.device.type == "cpu" and index.dim() == 1 and index.is_contiguous()
+            and values.dtype == dtype and values.is_contiguous() and values.dim() == 2
+            and values.shape[1] == index.numel() and 0 < values.shape[0] * channels <= shape2d[0] * shape2d[1])
 
 
 def _channel_abs_sums(x2d):
     if x2d.device.type != "cpu" or not x2d.is_contiguous():
         return outlier.channel_abs_sums(x2d)
-    sums = torch.empty(x2d.shape[1], dtype=torch.float64)
-    library().channel_abs_sums(x2d.data_ptr(), _DTYPE_CODE[x2d.dtype], x2d.shape[0], x2d.shape[1], sums.data_ptr())
+    sums, scratch = torch.empty(2, x2d.shape[1], dtype=torch.float64)
+    library().channel_abs_sums(x2d.data_ptr(), _DTYPE_CODE[x2d.dtype], x2d.shape[0], x2d.shape[1],
+                               scratch.data_ptr(), sums.data_ptr())
     return sums
 
 

@@ -1,15 +1,19 @@
 """Triton kernels of the codecs (CUDA; the CPU under TRITON_INTERPRET=1), one file per codec
-family, byte-identical to the PyTorch reference. The outlier codec's channel sums, channel
-zeroing and exact channels run as PyTorch ops.
+family, byte-identical to the PyTorch reference. The outlier codec reads its input twice, as
+the native kernels do: a Triton pass for the channel sums (the z-scores need every row before
+any code), then the encoding pass, which zeroes the outlier channels as it loads them; its
+exact channels are taken with one PyTorch gather once the encode's one host read has sized
+them, and written back in the decoding pass.
 
 Triton covers the row-grouped int4 codecs (sym_int4, outlier_int4's inliers, naive_int4,
 asym_int4) and the bitmask. Per-channel scales (channel_int4) reduce across rows and rows of
 odd width pair codes across rows; those cases run the reference, which on CUDA is a handful
 of fused-enough PyTorch kernels for the small Q/K/V tensors they serve.
 """
+import torch
+
 from megatron_adacc.codecs import asymmetric, outlier, symmetric
 from megatron_adacc.codecs import bitmask as reference_bitmask
-from megatron_adacc.codecs.int4 import zero_channels
 from megatron_adacc.codecs.kernels import Kernels
 from megatron_adacc.codecs.triton import asym_int4, bitmask, sym_int4
 
@@ -17,13 +21,25 @@ from megatron_adacc.codecs.triton import asym_int4, bitmask, sym_int4
 def _sym_encode(x2d, reduce_dim, dmax, zeroed=None):
     if reduce_dim != 1 or x2d.shape[1] % 2:
         return symmetric.sym_encode(x2d, reduce_dim, dmax, zeroed)
-    return sym_int4.sym_encode_rows(zero_channels(x2d, zeroed), dmax)
+    if zeroed is None:
+        return sym_int4.sym_encode_rows(x2d, dmax)
+    channels, mask = zeroed
+    if mask.dtype != torch.bool or tuple(mask.shape) != (channels,):
+        return symmetric.sym_encode(x2d, reduce_dim, dmax, zeroed)  # raises
+    # the exact channels' values: taken by the codec once their count is read
+    return (*sym_int4.sym_encode_rows(x2d, dmax, zeroed), None)
 
 
-def _sym_decode(packed, scales, shape2d, reduce_dim, dtype):
+def _channel_abs_sums(x2d):
+    if not x2d.is_contiguous():
+        return outlier.channel_abs_sums(x2d)
+    return sym_int4.channel_abs_sums(x2d)
+
+
+def _sym_decode(packed, scales, shape2d, reduce_dim, dtype, exact=None):
     if reduce_dim != 1 or shape2d[1] % 2:
-        return symmetric.sym_decode(packed, scales, shape2d, reduce_dim, dtype)
-    return sym_int4.sym_decode_rows(packed, scales, shape2d, dtype)
+        return symmetric.sym_decode(packed, scales, shape2d, reduce_dim, dtype, exact)
+    return sym_int4.sym_decode_rows(packed, scales, shape2d, dtype, exact)
 
 
 def _asym_encode(x2d, dmax):
@@ -50,7 +66,7 @@ TRITON_KERNELS = Kernels(
     mask_pack=bitmask.mask_pack,
     mask_unpack=_mask_unpack,
     mask_value=reference_bitmask.mask_value,
-    channel_abs_sums=outlier.channel_abs_sums,
+    channel_abs_sums=_channel_abs_sums,
     take_columns=outlier.take_columns,
     put_columns=outlier.put_columns,
 )
