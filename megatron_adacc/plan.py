@@ -85,10 +85,6 @@ def _parse_decision(where: str, site: str, value: Any) -> Decision:
                 f"{where}.{site}: unknown codec {codec!r}; valid codecs: "
                 f"{', '.join(_codec_names())}"
             )
-    if codec == site_table.MASK_CODEC and site not in site_table.MASK_SITES:
-        raise PlanError(f"{where}.{site}: codec {codec!r} encodes masks; {site} holds "
-                        f"floating-point values (mask sites: "
-                        f"{', '.join(sorted(site_table.MASK_SITES))})")
     if action == COMPRESS and site_table.get(site).default_codec is None:
         raise PlanError(f"{where}.{site}: {site} is never compressed; choose retain or "
                         f"recompute")

@@ -220,7 +220,8 @@ def last_resort_warning(policy: str, result: planning.PlanResult) -> str | None:
     own = {"auto": "outlier-separating codecs",
            "auto-no-outlier": "auto-no-outlier's plain int4 codecs"}[policy]
     return (f"adacc: warning: the budget is below what {own} fit: {len(used)} "
-            f"site{'s' if len(used) != 1 else ''} use naive INT4 ({', '.join(used)}); expect "
+            f"{'site uses' if len(used) == 1 else 'sites use'} naive INT4 ({', '.join(used)}); "
+            f"expect "
             f"the accuracy of the quantize baseline there")
 
 

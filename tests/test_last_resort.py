@@ -158,7 +158,8 @@ def test_the_plan_table_and_the_warning_name_the_last_resort(profiled):
     used = planning.last_resort_sites(result)
     assert policies.last_resort_warning("auto", result) == (
         f"adacc: warning: the budget is below what outlier-separating codecs fit: {len(used)} "
-        f"sites use naive INT4 ({', '.join(used)}); expect the accuracy of the quantize "
+        f"{'site uses' if len(used) == 1 else 'sites use'} naive INT4 ({', '.join(used)}); "
+        f"expect the accuracy of the quantize "
         f"baseline there")
     marked = [line.split()[0] for line in format_plan(result).splitlines()
               if "naive_int4 (last resort)" in line]

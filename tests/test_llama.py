@@ -145,8 +145,9 @@ def test_recompute_from_a_16bit_models_fp32_norm_input_is_exact(distributed):
 
 # --- the bitmask codec only ever sees masks ----------------------------------------------------
 def test_a_plan_cannot_send_a_floating_point_site_to_the_bitmask_codec():
-    with pytest.raises(PlanError, match="sites.rope_cos_sin: codec 'bitmask' encodes masks"):
-        Plan.from_dict({"sites": {"rope_cos_sin": {"action": "compress", "codec": "bitmask"}}})
+    for site in ("swiglu_act", "qkv", "ln1_normed"):
+        with pytest.raises(PlanError, match=f"sites.{site}: codec 'bitmask' cannot hold {site} "):
+            Plan.from_dict({"sites": {site: {"action": "compress", "codec": "bitmask"}}})
     for site in ("qkv", "swiglu_up", "ln1_normed"):
         with pytest.raises(PlanError, match="encodes masks"):
             Plan.from_dict({"sites": {site: {"action": "compress", "codec": MASK_CODEC}}})
