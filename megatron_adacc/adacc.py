@@ -32,7 +32,7 @@ from typing import Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from megatron_adacc import optimizer, policies, profiler
+from megatron_adacc import hardware, policies, profiler
 from megatron_adacc.attention import DEFAULT_SPEC_BACKEND, local_layer_spec
 from megatron_adacc.costs import ModelCosts
 from megatron_adacc.errors import InputError
@@ -155,7 +155,7 @@ class Adacc:
     # --- set-up --------------------------------------------------------------------------------
     def setup(self, model: torch.nn.Module, batch: profiler.Batch,
               loss_fn: LossFn | None = None, *, num_micro_batches: int = 1,
-              verbose: bool = True, optimizer_shards: int = 1) -> "Adacc":
+              verbose: bool = True, static_bytes: int | None = None) -> "Adacc":
         """Resolve the policy for ``model`` (built with ``layer_spec()``; with pipeline
         stages, this rank's stage) and apply it. ``batch`` is a real micro-batch (tokens,
         labels, loss mask) of this rank, at the micro-batch size training runs;
@@ -165,10 +165,10 @@ class Adacc:
         plan. Call before wrapping the model for data parallelism: profiling steps must not
         synchronise their throwaway gradients. Raises planning.InfeasibleBudget (a
         ValueError naming the smallest feasible budget) when no plan fits.
-        ``optimizer_shards``: the data-parallel ranks the trainer's optimizer
-        (MainParamAdamW) shards its state over (--use-distributed-optimizer; 1: held
-        whole); the budget counts what the rank holding the most keeps, so every rank plans
-        alike."""
+        ``static_bytes``: what this rank's parameters, gradients and optimizer hold for the
+        whole run (the trainer passes ``hardware.engine_static_bytes`` of megatron's
+        engine); default: ``hardware.model_static_bytes``, megatron's engine at one
+        data-parallel rank without the distributed optimizer."""
         config = self.config
         stages = policies.pipeline_stage()[1]
         if stages != config.pipeline_model_parallel_size:
@@ -176,7 +176,8 @@ class Adacc:
                              f"was configured for {config.pipeline_model_parallel_size}")
         self.model, self._batch = model, batch
         self._loss_fn = loss_fn
-        self.static_bytes = optimizer.static_bytes(model, optimizer_shards)
+        self.static_bytes = (static_bytes if static_bytes is not None
+                             else hardware.model_static_bytes(model))
         self._resolved = policies.resolve(
             config.policy, self._budget(), model, batch, db=ProfileDB(config.profile_db),
             reprofile=config.reprofile, strict=config.strict, loss_fn=loss_fn,

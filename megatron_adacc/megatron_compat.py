@@ -7,6 +7,7 @@ a version bump tells us which patches to delete.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import types
@@ -184,6 +185,70 @@ def _cpu_shared_embedding() -> None:
     LanguageModule.setup_embeddings_and_output_layer = setup_embeddings_and_output_layer
 
 
+def _cpu_grad_buffers() -> None:
+    # DistributedDataParallel's _ParamAndGradBuffer allocates its parameter and gradient
+    # buffers on torch.cuda.current_device().
+    from megatron.core.distributed import param_and_grad_buffer
+
+    param_and_grad_buffer.torch = _HostTorch()
+
+
+@contextlib.contextmanager
+def _tensor_types_named_cuda():
+    """Within it, ``tensor.type()`` of a host tensor names the CUDA type megatron checks for
+    ("torch.cuda.FloatTensor" for "torch.FloatTensor")."""
+    original = torch.Tensor.type
+
+    def type_(tensor, *args, **kwargs):
+        name = original(tensor, *args, **kwargs)
+        if args or kwargs or tensor.is_cuda:
+            return name
+        return name.replace("torch.", "torch.cuda.", 1)
+
+    torch.Tensor.type = type_
+    try:
+        yield
+    finally:
+        torch.Tensor.type = original
+
+
+def _with_cuda_type_names(function):
+    @functools.wraps(function)
+    def call(*args, **kwargs):
+        with _tensor_types_named_cuda():
+            return function(*args, **kwargs)
+    return call
+
+
+def _host_l2_norm(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
+    # megatron.core.utils.local_multi_tensor_l2_norm, returning its norm on the host.
+    norms = torch.stack([torch.linalg.vector_norm(t.float()) for t in tensor_lists[0]])
+    return torch.linalg.vector_norm(norms).reshape(1), None
+
+
+def _cpu_optimizer() -> None:
+    # megatron's optimizers make their overflow flag and loss scale with device='cuda'
+    # (MixedPrecisionOptimizer, FP32Optimizer, get_loss_scale); clip_grads makes its norm
+    # and zero-count tensors on 'cuda' and, without apex or Transformer Engine, computes
+    # the norm with local_multi_tensor_l2_norm, which returns it on 'cuda'; and
+    # Float16OptimizerWithFloat16Params, DistributedOptimizer's main-param groups and
+    # clip_grad_by_total_norm_fp32 accept only parameters of a torch.cuda.*Tensor type.
+    from megatron.core.optimizer import clip_grads, distrib_optimizer, optimizer
+
+    optimizer.torch = _HostTorch()
+    clip_grads.torch = _HostTorch()
+    if clip_grads.l2_norm_impl.__name__ == "local_multi_tensor_l2_norm":
+        clip_grads.l2_norm_impl = _host_l2_norm
+    clip = _with_cuda_type_names(clip_grads.clip_grad_by_total_norm_fp32)
+    clip_grads.clip_grad_by_total_norm_fp32 = optimizer.clip_grad_by_total_norm_fp32 = clip
+    fp16 = optimizer.Float16OptimizerWithFloat16Params
+    fp16.__init__ = _with_cuda_type_names(fp16.__init__)
+    distributed = distrib_optimizer.DistributedOptimizer
+    build_groups = distributed.__dict__["_build_model_and_main_param_groups"].__func__
+    distributed._build_model_and_main_param_groups = classmethod(
+        _with_cuda_type_names(build_groups))
+
+
 def _checkpoint_without_output_fp8() -> None:
     # CheckpointWithoutOutput.__init__ sets ``self.fp8 = fp8 is not None``, so the False that
     # selective recompute of layernorm/mlp passes becomes True, and without Transformer
@@ -212,6 +277,8 @@ CPU_SHIMS = {
     "cpu_grad_scaler": _cpu_grad_scaler,
     "cpu_pipeline_schedules": _cpu_pipeline_schedules,
     "cpu_shared_embedding": _cpu_shared_embedding,
+    "cpu_grad_buffers": _cpu_grad_buffers,
+    "cpu_optimizer": _cpu_optimizer,
 }
 
 
