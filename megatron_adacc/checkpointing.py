@@ -1,26 +1,25 @@
-"""Atomic, durable checkpoints: model, optimizer, scheduler, RNG and data position.
+"""Checkpoints with megatron.core.dist_checkpointing (``--ckpt-format torch_dist``) in
+Megatron-LM's layout: ``<save>/iter_0000010/`` (the torch_dist files of every rank) and
+``<save>/latest_checkpointed_iteration.txt`` naming the newest complete iteration.
 
-Layout (Megatron-LM's): ``<dir>/iter_0000042/mp_rank_00/model_optim_rng.pt``, a directory
-per model-parallel rank, ``mp_rank_<tensor rank>`` or, with pipeline stages,
-``mp_rank_<tensor rank>_<pipeline stage>`` (each stage saves its own layers); its file is
-written by data-parallel rank 0 and read by every data-parallel rank (their states are
-replicas), except that with a sharded optimizer each data-parallel rank writes and reads its
-own ``model_optim_rng_dp<rank>.pt``; and ``<dir>/latest`` naming the newest complete
-iteration. A save writes into a staging directory, fsyncs every file,
-renames the directory into place once every rank has finished, and only then rewrites
-``latest`` (write, fsync, rename), so a save killed at any point leaves ``latest`` pointing at
-the previous complete checkpoint; the next save removes what the killed one left behind.
-The data position needs no state of its own: batches are a function of the iteration.
+What is saved is Megatron-LM's state dict: the model's and the optimizer's sharded state
+dicts (the distributed optimizer's in the dp_reshardable format, so a run resumes at another
+data-parallel size; the model's reshards to another tensor or pipeline size), the
+scheduler, and the random generators of every model-parallel rank. The data position needs
+no state of its own: batches are a function of the iteration.
 
-Files are read with ``torch.load(weights_only=True)``: a checkpoint from someone else cannot
-run code. Everything saved is therefore tensors and plain Python values (the numpy RNG key is
-kept as a tensor). A newest checkpoint that cannot be read falls back to the newest intact
-one with a warning; no checkpoint holding NaN or Inf is ever written.
+What this module adds to Megatron-LM's save: a model or optimizer state holding NaN or Inf
+is never written; the files go to a staging directory that is renamed into place once every
+rank has finished, and the tracker file is rewritten (write, fsync, rename) only then, so a
+save killed at any point leaves the previous checkpoint the newest; and a newest checkpoint
+that cannot be read falls back to the newest intact one with one line on stderr. Every
+object is read with ``torch.load(weights_only=True)`` (see megatron_compat's
+``weights_only_sharded_objects``): a checkpoint from someone else cannot run code.
 """
 from __future__ import annotations
 
+import argparse
 import os
-import pickle
 import random
 import shutil
 import sys
@@ -34,45 +33,59 @@ import torch.distributed as dist
 from megatron_adacc import numerics
 from megatron_adacc.errors import InputError
 
-FORMAT_VERSION = 2  # 2: read with weights_only (numpy RNG key as a tensor)
+TRACKER = "latest_checkpointed_iteration.txt"
 _STAGING_PREFIX = ".staging_iter_"
+# The distributed optimizer's state laid out by bucket, resharded over data-parallel ranks
+# on load (megatron's fully_reshardable format resumed wrong with several buckets).
+_SHARDING_METADATA = {"distrib_optim_sharding_type": "dp_reshardable",
+                      "singleton_local_shards": False, "chained_optim_avoid_prefix": True}
+# The scheduler's values a resume compares with the flags, and the flag that sets each.
+_SCHEDULE_FLAGS = {"max_lr": "--lr", "min_lr": "--min-lr", "lr_warmup_steps": "--lr-warmup-iters",
+                   "wd_incr_steps": "--train-iters", "lr_decay_steps": "--lr-decay-iters",
+                   "lr_decay_style": "--lr-decay-style", "start_wd": "--weight-decay"}
 
 
 class CheckpointError(InputError):
     """A checkpoint that cannot be loaded into this run."""
 
 
+def iteration_dir(root: str | Path, iteration: int) -> Path:
+    return Path(root) / f"iter_{iteration:07d}"
+
+
 def _rng_state() -> dict[str, Any]:
+    """Every generator, as tensors and plain values (weights_only-loadable)."""
     from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
     numpy_state = numpy.random.get_state(legacy=False)
     state = {
-        "python": random.getstate(),
-        "numpy": {"bit_generator": numpy_state["bit_generator"],
-                  "key": torch.from_numpy(numpy_state["state"]["key"].astype(numpy.int64)),
-                  "pos": numpy_state["state"]["pos"],
-                  "has_gauss": numpy_state["has_gauss"], "gauss": numpy_state["gauss"]},
-        "torch": torch.get_rng_state(),
-        "tracker": get_cuda_rng_tracker().get_states(),
+        "random_rng_state": random.getstate(),
+        "np_rng_state": {
+            "bit_generator": numpy_state["bit_generator"],
+            "key": torch.from_numpy(numpy_state["state"]["key"].astype(numpy.int64)),
+            "pos": numpy_state["state"]["pos"],
+            "has_gauss": numpy_state["has_gauss"], "gauss": numpy_state["gauss"]},
+        "torch_rng_state": torch.get_rng_state(),
+        "rng_tracker_states": get_cuda_rng_tracker().get_states(),
     }
     if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
+        state["cuda_rng_state"] = torch.cuda.get_rng_state()
     return state
 
 
 def _set_rng_state(state: dict[str, Any]) -> None:
     from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
-    saved = state["numpy"]
-    random.setstate(state["python"])
+    saved = state["np_rng_state"]
+    random.setstate(state["random_rng_state"])
     numpy.random.set_state({
         "bit_generator": saved["bit_generator"],
         "state": {"key": saved["key"].numpy().astype(numpy.uint32), "pos": saved["pos"]},
         "has_gauss": saved["has_gauss"], "gauss": saved["gauss"]})
-    torch.set_rng_state(state["torch"])
-    get_cuda_rng_tracker().set_states(state["tracker"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
+    torch.set_rng_state(state["torch_rng_state"])
+    get_cuda_rng_tracker().set_states(state["rng_tracker_states"])
+    if "cuda_rng_state" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda_rng_state"])
 
 
 def _parallel_sizes() -> dict[str, int]:
@@ -82,52 +95,62 @@ def _parallel_sizes() -> dict[str, int]:
             "pipeline": parallel_state.get_pipeline_model_parallel_world_size()}
 
 
-def _model_parallel_dir(directory: Path) -> Path:
+def _sharded_rng_state():
+    """This rank's generators, one object per (pipeline, tensor) rank: data-parallel ranks
+    hold replicas."""
     from megatron.core import parallel_state
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
 
-    name = f"mp_rank_{parallel_state.get_tensor_model_parallel_rank():02d}"
-    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
-        name += f"_{parallel_state.get_pipeline_model_parallel_rank():03d}"
-    return directory / name
-
-
-def _shard_file(directory: Path) -> Path:
-    from megatron.core import parallel_state
-
-    return (_model_parallel_dir(directory)
-            / f"model_optim_rng_dp{parallel_state.get_data_parallel_rank():03d}.pt")
+    return ShardedObject(
+        "rng_state", _rng_state(),
+        (parallel_state.get_pipeline_model_parallel_world_size(),
+         parallel_state.get_tensor_model_parallel_world_size()),
+        (parallel_state.get_pipeline_model_parallel_rank(),
+         parallel_state.get_tensor_model_parallel_rank()),
+        replica_id=parallel_state.get_data_parallel_rank(with_context_parallel=True))
 
 
-def _written_file(directory: Path, optimizer) -> Path | None:
-    """The file this rank writes, or None: data-parallel ranks hold replicas, so their rank
-    0 writes ``model_optim_rng.pt``, unless the optimizer state is sharded over them
-    (--use-distributed-optimizer), when each writes its own shard's file."""
-    from megatron.core import parallel_state
-
-    if getattr(optimizer, "shards", 1) > 1:
-        return _shard_file(directory)
-    if parallel_state.get_data_parallel_rank() == 0:
-        return _model_parallel_dir(directory) / "model_optim_rng.pt"
-    return None
-
-
-def _read_file(directory: Path) -> Path:
-    """The file this rank resumes from: its own shard's when there is one."""
-    shard = _shard_file(directory)
-    return shard if shard.is_file() else shard.parent / "model_optim_rng.pt"
+def _state_dict(model_chunks, optimizer, scheduler, *, iteration: int, with_optimizer: bool,
+                with_rng: bool, loading: bool) -> dict[str, Any]:
+    """Megatron-LM's checkpoint state dict (sharded where megatron shards it)."""
+    model = model_chunks[0].module.sharded_state_dict()
+    state: dict[str, Any] = {"checkpoint_version": 3.0, "iteration": iteration,
+                             "parallel": _parallel_sizes(), "model": model}
+    if with_optimizer:
+        state["optimizer"] = optimizer.sharded_state_dict(model, is_loading=loading,
+                                                          metadata=_SHARDING_METADATA)
+        state["opt_param_scheduler"] = scheduler.state_dict()
+    if with_rng:
+        state["rng_state"] = _sharded_rng_state()
+    return state
 
 
-def _iteration_dir(root: Path, iteration: int) -> Path:
-    return root / f"iter_{iteration:07d}"
+def _held_tensors(model_chunks, optimizer) -> dict[str, Any]:
+    """What a save must not write when it is not finite: the weights, the optimizer's main
+    parameters and its state."""
+    inner = [o.optimizer for o in getattr(optimizer, "chained_optimizers", [optimizer])]
+    return {"model": {n: p for chunk in model_chunks for n, p in chunk.module.named_parameters()},
+            "optimizer": [[p for g in o.param_groups for p in g["params"]] for o in inner]
+            + [[t for s in o.state.values() for t in s.values()] for o in inner]}
 
 
 def _fsync_dir(path: Path) -> None:
-    """Make a rename or a new file in ``path`` durable."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _fsync_tree(path: Path) -> None:
+    for directory, _, files in os.walk(path):
+        for name in files:
+            fd = os.open(Path(directory) / name, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        _fsync_dir(Path(directory))
 
 
 def _fsync_write(path: Path, text: str) -> None:
@@ -145,59 +168,81 @@ def _warn(message: str) -> None:
         print(f"warning: {message}", file=sys.stderr, flush=True)
 
 
-def save(directory: str | Path, iteration: int, model, optimizer, scheduler,
-         extra: dict[str, Any] | None = None) -> Path:
-    """Write the checkpoint of ``iteration`` on every rank (collective). Raises
-    NonFiniteError, writing nothing, when a weight or optimizer state holds NaN or Inf."""
-    root = Path(directory)
-    final = _iteration_dir(root, iteration)
-    staging = root / f"{_STAGING_PREFIX}{iteration:07d}"
-    payload = {
-        "format": FORMAT_VERSION,
-        "iteration": iteration,
-        "parallel": _parallel_sizes(),
-        "model": model.state_dict(),
-        "optimizer": optimizer.state_dict(),
-        "scheduler": scheduler.state_dict(),
-        "rng": _rng_state(),
-        "extra": extra or {},
-    }
-    bad = numerics.first_non_finite({"model": payload["model"],
-                                     "optimizer": payload["optimizer"]})
-    if not numerics.agree(bad is None):
-        raise numerics.NonFiniteError(
-            f"checkpoint of iteration {iteration} not written to {root}: "
-            f"{bad or 'a tensor on another rank'} holds NaN or Inf"
-        )
-    if dist.get_rank() == 0:
-        # A save is collective, so no other save of this run is under way: any staging
-        # directory is what a killed save left behind.
-        root.mkdir(parents=True, exist_ok=True)
-        for stale in root.glob(f"{_STAGING_PREFIX}*"):
-            shutil.rmtree(stale, ignore_errors=True)
-        staging.mkdir()
+class Saver:
+    """Writes checkpoints; with ``--async-save`` in a background process while training
+    goes on (published once written: ``finish`` waits for the last)."""
+
+    def __init__(self, args: argparse.Namespace):
+        self.root = Path(args.save) if args.save else None
+        self.queue = None
+        if args.async_save:
+            from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+            self.queue = AsyncCallsQueue()
+
+    def save(self, iteration: int, model_chunks, optimizer, scheduler) -> Path:
+        """Write the checkpoint of ``iteration`` on every rank (collective). Raises
+        NonFiniteError, writing nothing, when a weight or optimizer state holds NaN or
+        Inf."""
+        from megatron.core import dist_checkpointing
+
+        root = self.root
+        bad = numerics.first_non_finite(_held_tensors(model_chunks, optimizer))
+        if not numerics.agree(bad is None):
+            raise numerics.NonFiniteError(
+                f"checkpoint of iteration {iteration} not written to {root}: "
+                f"{bad or 'a tensor on another rank'} holds NaN or Inf")
+        self.poll(blocking=True)  # one save in flight at a time
+        staging = root / f"{_STAGING_PREFIX}{iteration:07d}"
+        if dist.get_rank() == 0:
+            # A save is collective, so no other save of this run is under way: any staging
+            # directory is what a killed save left behind.
+            root.mkdir(parents=True, exist_ok=True)
+            for stale in root.glob(f"{_STAGING_PREFIX}*"):
+                shutil.rmtree(stale, ignore_errors=True)
+            staging.mkdir()
+        dist.barrier()
+        state = _state_dict(model_chunks, optimizer, scheduler, iteration=iteration,
+                            with_optimizer=True, with_rng=True, loading=False)
+        final = iteration_dir(root, iteration)
+        request = dist_checkpointing.save(
+            state, str(staging), async_sharded_save=self.queue is not None,
+            content_metadata=_SHARDING_METADATA)
+        if self.queue is None:
+            _publish(root, staging, final, iteration)
+        else:
+            request.add_finalize_fn(lambda: _publish(root, staging, final, iteration))
+            self.queue.schedule_async_request(request)
+        return final
+
+    def poll(self, blocking: bool = False) -> None:
+        """Publish the background saves that have finished (all of them with
+        ``blocking``)."""
+        if self.queue is not None:
+            self.queue.maybe_finalize_async_calls(blocking=blocking, no_dist=False)
+
+    def finish(self) -> None:
+        self.poll(blocking=True)
+        if self.queue is not None:
+            self.queue.close()
+            self.queue = None
+
+
+def _publish(root: Path, staging: Path, final: Path, iteration: int) -> None:
+    """Once every rank has written: the staging directory becomes ``iter_N`` and the
+    tracker names it."""
     dist.barrier()
-    path = _written_file(staging, optimizer)
-    if path is not None:
-        path.parent.mkdir(exist_ok=True)
-        with path.open("wb") as handle:
-            torch.save(payload, handle)
-            handle.flush()
-            os.fsync(handle.fileno())
-        _fsync_dir(path.parent)
-    dist.barrier()
     if dist.get_rank() == 0:
-        _fsync_dir(staging)
+        _fsync_tree(staging)
         shutil.rmtree(final, ignore_errors=True)
         os.replace(staging, final)
         _fsync_dir(root)
-        _fsync_write(root / "latest", f"{iteration}\n")
+        _fsync_write(root / TRACKER, f"{iteration}\n")
     dist.barrier()
-    return final
 
 
 def latest_iteration(directory: str | Path) -> int | None:
-    marker = Path(directory) / "latest"
+    marker = Path(directory) / TRACKER
     if not marker.is_file():
         return None
     text = marker.read_text().strip()
@@ -208,8 +253,8 @@ def latest_iteration(directory: str | Path) -> int | None:
 
 
 def _candidates(root: Path) -> list[int]:
-    """Iterations to try, newest first: ``latest`` and the saved ones before it (all saved
-    ones when ``latest`` is missing: a save killed between publishing and ``latest``)."""
+    """Iterations to try, newest first: the tracker's and the saved ones before it (all
+    saved ones when the tracker is missing: a save killed before publishing it)."""
     saved = {int(p.name[5:]) for p in root.glob("iter_*") if p.name[5:].isdigit()}
     latest = latest_iteration(root)
     if latest is not None:
@@ -217,79 +262,99 @@ def _candidates(root: Path) -> list[int]:
     return sorted(saved, reverse=True)
 
 
-def _read(path: Path) -> tuple[dict | None, str | None]:
-    """(payload, None), or (None, what is wrong with the file)."""
-    if not path.is_file():
-        others = sorted(d.name for d in path.parent.parent.glob("mp_rank_*") if d.is_dir())
-        if others and path.parent.name not in others:
-            return None, (f"missing (the checkpoint holds {', '.join(others)}: written with "
-                          f"other --tensor-model-parallel-size or "
-                          f"--pipeline-model-parallel-size)")
-        return None, "missing"
-    try:
-        payload = torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError:
-        return None, "not plain tensors and values (loading it could run code), refused"
-    except Exception as exc:  # truncated or corrupt: torch's first sentence says how
-        return None, f"unreadable ({str(exc).strip().split('. ')[0]})"
-    if not isinstance(payload, dict) or payload.get("format") != FORMAT_VERSION:
-        found = payload.get("format") if isinstance(payload, dict) else None
-        return None, f"not a checkpoint of format {FORMAT_VERSION} (format {found})"
-    sizes = _parallel_sizes()
-    if payload["parallel"] != sizes:
-        return None, (f"written with --tensor-model-parallel-size {payload['parallel']['tensor']} "
-                      f"--pipeline-model-parallel-size {payload['parallel']['pipeline']}, this "
-                      f"run has {sizes['tensor']} and {sizes['pipeline']}")
-    return payload, None
+def _first_sentence(exc: BaseException) -> str:
+    cause = exc
+    while cause.__cause__ is not None or cause.__context__ is not None:
+        cause = cause.__cause__ or cause.__context__
+    text = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
+    return text.split(". ")[0]
 
 
-def _check_shapes(path: Path, saved: dict, model) -> None:
-    expected = model.state_dict()
-    hint = "load it with the model flags it was saved with (--num-layers, --hidden-size, ...)"
-    for name, tensor in expected.items():
-        if name not in saved:
-            raise CheckpointError(f"checkpoint {path} does not fit this model: it has no "
-                                  f"{name}; {hint}")
-        if (isinstance(tensor, torch.Tensor) and isinstance(saved[name], torch.Tensor)
-                and saved[name].shape != tensor.shape):
+def _check_schedule(args: argparse.Namespace, saved: dict, scheduler, directory: str) -> None:
+    """Megatron-LM's rule for a resumed schedule: the flags and the checkpoint must agree
+    unless --override-opt_param-scheduler (the flags win) or
+    --use-checkpoint-opt_param-scheduler (the checkpoint wins) says which wins."""
+    if args.override_opt_param_scheduler or args.use_checkpoint_opt_param_scheduler:
+        return
+    here = scheduler.state_dict()
+    for key, flag in _SCHEDULE_FLAGS.items():
+        if key in saved and saved[key] != here[key]:
             raise CheckpointError(
-                f"checkpoint {path} does not fit this model: {name} is "
-                f"{list(saved[name].shape)} there, {list(tensor.shape)} here; {hint}")
-    extra = sorted(saved.keys() - expected.keys())
-    if extra:
-        raise CheckpointError(f"checkpoint {path} does not fit this model: it has {extra[0]}, "
-                              f"which this model does not; {hint}")
+                f"--load {directory}: {flag} is {here[key]} here but {saved[key]} in the "
+                f"checkpoint; add --override-opt_param-scheduler to train on the flags' "
+                f"schedule or --use-checkpoint-opt_param-scheduler to keep the checkpoint's")
 
 
-def load(directory: str | Path, model, optimizer, scheduler) -> tuple[int, dict[str, Any]]:
-    """Restore everything ``save`` wrote; returns (iteration, extra). No checkpoint: a
-    warning and (0, {}). A damaged newest checkpoint falls back to the newest intact one."""
-    root = Path(directory)
+def load(args: argparse.Namespace, model_chunks, optimizer, scheduler) -> int:
+    """Restore what the flags ask for from ``--load``; returns the iteration to resume at
+    (0 with --finetune). No checkpoint: a warning and 0. A damaged newest checkpoint falls
+    back to the newest intact one."""
+    from megatron.core import dist_checkpointing
+
+    root = Path(args.load)
     candidates = _candidates(root)
     if not candidates:
-        _warn(f"--load {directory}: no checkpoint there (no 'latest', no iter_*); training "
+        _warn(f"--load {args.load}: no checkpoint there (no {TRACKER}, no iter_*); training "
               f"starts from scratch")
-        return 0, {}
+        return 0
     newest = None
     for iteration in candidates:
-        path = _read_file(_iteration_dir(root, iteration))
-        payload, problem = _read(path)
-        # Every rank resumes from the same iteration, so a file damaged on one rank only
-        # sends all of them further back.
+        path = iteration_dir(root, iteration)
+        try:
+            common = dist_checkpointing.load_common_state_dict(str(path))
+            problem = None
+        except Exception as exc:  # unreadable: say how, then try the one before
+            common, problem = None, _first_sentence(exc)
+        # Every rank resumes from the same iteration.
+        if not numerics.agree(problem is None):
+            newest = newest or (path, problem or "damaged on another rank")
+            continue
+        with_optimizer, with_rng = _what_to_load(args, common, path)
+        state = _state_dict(model_chunks, optimizer, scheduler, iteration=iteration,
+                            with_optimizer=with_optimizer, with_rng=with_rng, loading=True)
+        try:
+            loaded = dist_checkpointing.load(state, str(path))
+            problem = None
+        except Exception as exc:
+            loaded, problem = None, _first_sentence(exc)
         if not numerics.agree(problem is None):
             newest = newest or (path, problem or "damaged on another rank")
             continue
         if newest is not None:
             _warn(f"checkpoint {newest[0]} is {newest[1]}; resuming from the newest intact "
-                  f"one, {_iteration_dir(root, iteration)}")
-        _check_shapes(path, payload["model"], model)
-        model.load_state_dict(payload["model"])
-        optimizer.load_state_dict(payload["optimizer"])
-        scheduler.load_state_dict(payload["scheduler"])
-        _set_rng_state(payload["rng"])
-        return payload["iteration"], payload["extra"]
-    raise CheckpointError(f"--load {directory}: no intact checkpoint; the newest, {newest[0]}, "
+                  f"one, {path}")
+        model_chunks[0].module.load_state_dict(loaded["model"])
+        if with_optimizer:
+            _check_schedule(args, loaded["opt_param_scheduler"], scheduler, args.load)
+            optimizer.load_state_dict(loaded["optimizer"])
+            scheduler.load_state_dict(loaded["opt_param_scheduler"])
+        if with_rng:
+            _set_rng_state(loaded["rng_state"])
+        return 0 if args.finetune else loaded["iteration"]
+    raise CheckpointError(f"--load {args.load}: no intact checkpoint; the newest, {newest[0]}, "
                           f"is {newest[1]}; point --load elsewhere or drop it to start afresh")
+
+
+def _what_to_load(args: argparse.Namespace, common: dict, path: Path) -> tuple[bool, bool]:
+    """(optimizer and scheduler, random generators) to load, as Megatron-LM decides: not
+    with --finetune or their --no-load-* flag; a checkpoint of other tensor or pipeline
+    sizes gives its weights only (its optimizer state is refused unless --no-load-optim,
+    its generators are skipped with a warning)."""
+    with_optimizer = not (args.finetune or args.no_load_optim)
+    with_rng = not (args.finetune or args.no_load_rng)
+    saved, here = common.get("parallel"), _parallel_sizes()
+    if saved is not None and saved != here:
+        sizes = (f"--tensor-model-parallel-size {saved['tensor']} "
+                 f"--pipeline-model-parallel-size {saved['pipeline']}")
+        if with_optimizer:
+            raise CheckpointError(
+                f"--load {args.load}: {path.name} was written with {sizes}, this run has "
+                f"{here['tensor']} and {here['pipeline']}; add --no-load-optim to load its "
+                f"weights only")
+        if with_rng:
+            _warn(f"{path} was written with {sizes}: its random generators are not loaded")
+            with_rng = False
+    return with_optimizer, with_rng
 
 
 def nothing_to_train(load: str | None, iteration: int, train_iters: int, last: int) -> bool:

@@ -444,6 +444,7 @@ class Trainer:
         metrics = MetricsLog(args.metrics_file, args.tensorboard_dir, append=self.iteration > 0)
         progress = Progress(args.train_iters, self.iteration, args.log_interval)
         tokens_per_step = args.global_batch_size * args.seq_length
+        saver = checkpointing.Saver(args)
         try:
             while self.iteration < last:
                 lr = self.optimizer.param_groups[0]["lr"]
@@ -479,9 +480,11 @@ class Trainer:
                 progress.update(record)
                 if args.save and ((args.save_interval and self.iteration % args.save_interval == 0)
                                   or self.iteration == last):
-                    checkpointing.save(args, self.iteration, [self.train_model],
-                                       self.optimizer, self.scheduler)
+                    saver.save(self.iteration, [self.train_model], self.optimizer,
+                               self.scheduler)
+                saver.poll()
         finally:
+            saver.finish()
             progress.close()
             metrics.close()
         return metrics.records
