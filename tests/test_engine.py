@@ -1,0 +1,86 @@
+"""Training on megatron-core's engine: its DistributedDataParallel (buckets, overlapped
+reduction), its optimizer (distributed with --use-distributed-optimizer) and
+dist_checkpointing; Adacc plans with the bytes that engine holds."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_adacc.arguments import parse_args
+from megatron_adacc.trainer import Trainer
+from multirank_engine import held_bytes
+from test_trainer import TINY
+
+HERE = Path(__file__).resolve().parent
+NO_DROPOUT = ["--train-iters", "6", "--hidden-dropout", "0", "--attention-dropout", "0"]
+
+
+def _relative_gap(a: list[float], b: list[float]) -> float:
+    assert len(a) == len(b)
+    return max(abs(x - y) / abs(y) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("flags", [[], ["--bf16"], ["--fp16", "--initial-loss-scale", "1024"],
+                                   ["--use-distributed-optimizer"],
+                                   ["--bf16", "--use-distributed-optimizer"]])
+def test_the_planned_static_bytes_are_what_the_engine_holds_at_one_rank(flags):
+    trainer = Trainer(parse_args(TINY + ["--train-iters", "2", *flags]))
+    planned = trainer.adacc.static_bytes
+    trainer.train()
+    assert held_bytes(trainer) == planned
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    checkpoints = tmp_path_factory.mktemp("engine") / "ck"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+           "2", str(HERE / "multirank_engine.py"), str(checkpoints), *TINY, *NO_DROPOUT]
+    path = os.pathsep.join(filter(None, [str(HERE.parent), os.environ.get("PYTHONPATH")]))
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=900,
+                          env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=path))
+    assert done.returncode == 0, done.stderr[-3000:]
+    return checkpoints, json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_data_parallel_on_megatrons_engine_matches_one_rank(two_ranks):
+    _, ranks = two_ranks
+    single = [r["loss"] for r in Trainer(parse_args(TINY + NO_DROPOUT)).train()]
+    single_bf16 = [r["loss"] for r in Trainer(parse_args(TINY + NO_DROPOUT + ["--bf16"])).train()]
+    report = ranks[0]
+    assert report["overlapped"]["buckets"] >= 3
+    for name in ("ddp", "distributed", "overlapped"):
+        assert _relative_gap(report[name]["losses"], single) < 1e-5, name
+    assert _relative_gap(report["overlapped_bf16"]["losses"], single_bf16) < 1e-2
+
+
+def test_the_planned_static_bytes_are_what_the_engine_holds_at_two_ranks(two_ranks):
+    _, ranks = two_ranks
+    for report in ranks:
+        for name in ("ddp", "distributed", "overlapped", "overlapped_bf16"):
+            assert report[name]["held"] == report[name]["planned_static"], name
+        # The distributed optimizer holds half the Adam state.
+        assert report["distributed"]["held"] < report["ddp"]["held"]
+
+
+def test_a_checkpoint_written_at_two_ranks_resumes_at_two_and_at_one(two_ranks):
+    checkpoints, ranks = two_ranks
+    straight = ranks[0]["overlapped"]["losses"]
+    assert _relative_gap(ranks[0]["resume"], straight) < 1e-5
+    # dp_reshardable lays the optimizer state out by bucket: the same bucket flags.
+    rest = Trainer(parse_args(TINY + NO_DROPOUT + [
+        "--use-distributed-optimizer", "--overlap-grad-reduce", "--ddp-bucket-size", "20000",
+        "--load", str(checkpoints)])).train()
+    assert len(rest) == 3
+    assert _relative_gap([r["loss"] for r in rest], straight[3:]) < 1e-5
+
+
+def test_adacc_budget_holds_under_the_distributed_optimizer_at_two_ranks(two_ranks):
+    _, ranks = two_ranks
+    for report in ranks:
+        budget = report["budget"]
+        assert budget["plan"] != "none"
+        assert budget["static"] + budget["activation_peak"] <= budget["budget"], budget
