@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import pickle
 import random
 import shutil
 import sys
@@ -262,12 +263,28 @@ def _candidates(root: Path) -> list[int]:
     return sorted(saved, reverse=True)
 
 
-def _first_sentence(exc: BaseException) -> str:
-    cause = exc
-    while cause.__cause__ is not None or cause.__context__ is not None:
-        cause = cause.__cause__ or cause.__context__
-    text = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
-    return text.split(". ")[0]
+def _unreadable() -> tuple[type[BaseException], ...]:
+    # torch.distributed.checkpoint raises a BaseException when a rank fails to read.
+    from torch.distributed.checkpoint import CheckpointException
+
+    return Exception, CheckpointException
+
+
+_UNREADABLE = _unreadable()
+
+
+def _problem(exc: BaseException) -> str:
+    """What is wrong with a checkpoint, in a few words: the first sentence of the first
+    error underneath (torch.distributed.checkpoint wraps each rank's in ``failures``)."""
+    failures = getattr(exc, "failures", None)
+    if failures:
+        exc = next(iter(failures.values()))[0]
+    while exc.__cause__ is not None or exc.__context__ is not None:
+        exc = exc.__cause__ or exc.__context__
+    if isinstance(exc, pickle.UnpicklingError):  # torch.load(weights_only=True) refused it
+        return "not plain tensors and values (loading it could run code), refused"
+    text = str(exc).strip().splitlines()[0].split(". ")[0] if str(exc).strip() else ""
+    return f"unreadable ({type(exc).__name__}{': ' + text if text else ''})"
 
 
 def _check_schedule(args: argparse.Namespace, saved: dict, scheduler, directory: str) -> None:
@@ -303,8 +320,8 @@ def load(args: argparse.Namespace, model_chunks, optimizer, scheduler) -> int:
         try:
             common = dist_checkpointing.load_common_state_dict(str(path))
             problem = None
-        except Exception as exc:  # unreadable: say how, then try the one before
-            common, problem = None, _first_sentence(exc)
+        except _UNREADABLE as exc:  # say how, then try the one before
+            common, problem = None, _problem(exc)
         # Every rank resumes from the same iteration.
         if not numerics.agree(problem is None):
             newest = newest or (path, problem or "damaged on another rank")
@@ -315,8 +332,8 @@ def load(args: argparse.Namespace, model_chunks, optimizer, scheduler) -> int:
         try:
             loaded = dist_checkpointing.load(state, str(path))
             problem = None
-        except Exception as exc:
-            loaded, problem = None, _first_sentence(exc)
+        except _UNREADABLE as exc:
+            loaded, problem = None, _problem(exc)
         if not numerics.agree(problem is None):
             newest = newest or (path, problem or "damaged on another rank")
             continue
@@ -325,9 +342,11 @@ def load(args: argparse.Namespace, model_chunks, optimizer, scheduler) -> int:
                   f"one, {path}")
         model_chunks[0].module.load_state_dict(loaded["model"])
         if with_optimizer:
-            _check_schedule(args, loaded["opt_param_scheduler"], scheduler, args.load)
             optimizer.load_state_dict(loaded["optimizer"])
-            scheduler.load_state_dict(loaded["opt_param_scheduler"])
+            # A run with nothing left to train (said by nothing_to_train) needs no schedule.
+            if loaded["iteration"] < args.train_iters:
+                _check_schedule(args, loaded["opt_param_scheduler"], scheduler, args.load)
+                scheduler.load_state_dict(loaded["opt_param_scheduler"])
         if with_rng:
             _set_rng_state(loaded["rng_state"])
         return 0 if args.finetune else loaded["iteration"]

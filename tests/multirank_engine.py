@@ -25,6 +25,15 @@ CONFIGS = {
 }
 
 
+def main_params(trainer: Trainer) -> dict[torch.nn.Parameter, torch.Tensor]:
+    """Each model parameter's fp32 main parameter in megatron's mixed-precision optimizer."""
+    pairs = {}
+    for inner in trainer.optimizer.chained_optimizers:
+        for models, mains in zip(inner.float16_groups, inner.fp32_from_float16_groups):
+            pairs.update(zip(models, mains))
+    return pairs
+
+
 def held_bytes(trainer: Trainer) -> int:
     """Bytes of the distinct storages the engine holds after training: parameters,
     buffers, DDP's buffers, the optimizer's main parameters, their gradients and state."""

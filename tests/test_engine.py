@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from megatron_adacc import hardware
 from megatron_adacc.arguments import parse_args
 from megatron_adacc.trainer import Trainer
 from multirank_engine import held_bytes
@@ -32,6 +33,8 @@ def test_the_planned_static_bytes_are_what_the_engine_holds_at_one_rank(flags):
     planned = trainer.adacc.static_bytes
     trainer.train()
     assert held_bytes(trainer) == planned
+    if "--use-distributed-optimizer" not in flags:  # what the Python API plans with
+        assert hardware.model_static_bytes(trainer.model) == planned
 
 
 @pytest.fixture(scope="module")
