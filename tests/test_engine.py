@@ -87,3 +87,29 @@ def test_adacc_budget_holds_under_the_distributed_optimizer_at_two_ranks(two_ran
         budget = report["budget"]
         assert budget["plan"] != "none"
         assert budget["static"] + budget["activation_peak"] <= budget["budget"], budget
+
+
+def test_a_tensor_parallel_checkpoints_weights_load_at_one_rank_with_no_load_optim(tmp_path):
+    from megatron_adacc.checkpointing import CheckpointError
+
+    common = [*TINY, "--hidden-dropout", "0", "--attention-dropout", "0",
+              "--make-vocab-size-divisible-by", "256", "--train-iters", "3"]
+    metrics, ckpt = tmp_path / "tp2.jsonl", tmp_path / "ck"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+           "2", str(HERE.parent / "pretrain_gpt.py"), *common, "--tensor-model-parallel-size",
+           "2", "--save", str(ckpt), "--save-interval", "2", "--metrics-file", str(metrics)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    (ckpt / "iter_0000003").rename(tmp_path / "later")  # resume from iteration 2
+    (ckpt / "latest_checkpointed_iteration.txt").write_text("2\n")
+    tp2 = [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
+    with pytest.raises(CheckpointError) as refused:
+        Trainer(parse_args(common + ["--load", str(ckpt)]))
+    assert str(refused.value) == (
+        f"--load {ckpt}: iter_0000002 was written with --tensor-model-parallel-size 2 "
+        f"--pipeline-model-parallel-size 1, this run has 1 and 1; add --no-load-optim to load "
+        f"its weights only")
+    (record,) = Trainer(parse_args(common + ["--load", str(ckpt), "--no-load-optim"])).train()
+    assert record["iteration"] == 3
+    assert _relative_gap([record["loss"]], [tp2[2]]) < 1e-5
