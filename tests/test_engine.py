@@ -113,3 +113,17 @@ def test_a_tensor_parallel_checkpoints_weights_load_at_one_rank_with_no_load_opt
     (record,) = Trainer(parse_args(common + ["--load", str(ckpt), "--no-load-optim"])).train()
     assert record["iteration"] == 3
     assert _relative_gap([record["loss"]], [tp2[2]]) < 1e-5
+
+
+def test_an_asynchronous_save_resumes_on_the_uninterrupted_trajectory(tmp_path):
+    # --async-save writes in a background process (gloo included); the run publishes the
+    # checkpoint once written and waits for the last one before it exits.
+    flags = TINY + NO_DROPOUT
+    straight = [r["loss"] for r in Trainer(parse_args(flags)).train()]
+    ckpt = str(tmp_path / "ck")
+    first = Trainer(parse_args(flags + ["--save", ckpt, "--async-save", "--save-interval", "1",
+                                        "--exit-interval", "3"])).train()
+    assert sorted(p.name for p in Path(ckpt).iterdir()) == [
+        "iter_0000001", "iter_0000002", "iter_0000003", "latest_checkpointed_iteration.txt"]
+    rest = Trainer(parse_args(flags + ["--load", ckpt])).train()
+    assert [r["loss"] for r in first + rest] == straight
