@@ -64,6 +64,7 @@ def main() -> None:
         records, trainer = run([*flags, *extra])
         report[name] = {"losses": [r["loss"] for r in records],
                         "buckets": sum(len(b.buckets) for b in trainer.train_model.buffers),
+                        "predicted": trainer.static_bytes,
                         "planned_static": trainer.adacc.static_bytes,
                         "held": held_bytes(trainer)}
     overlapped = [*flags, *CONFIGS["overlapped"]]

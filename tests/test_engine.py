@@ -62,11 +62,14 @@ def test_data_parallel_on_megatrons_engine_matches_one_rank(two_ranks):
 
 def test_the_planned_static_bytes_are_what_the_engine_holds_at_two_ranks(two_ranks):
     _, ranks = two_ranks
-    for report in ranks:
-        for name in ("ddp", "distributed", "overlapped", "overlapped_bf16"):
-            assert report[name]["held"] == report[name]["planned_static"], name
-        # The distributed optimizer holds half the Adam state.
-        assert report["distributed"]["held"] < report["ddp"]["held"]
+    for name in ("ddp", "distributed", "overlapped", "overlapped_bf16"):
+        # Each rank's prediction, made before the first step, is what it holds after it;
+        # Adacc budgets every rank with the most any holds.
+        assert all(r[name]["held"] == r[name]["predicted"] for r in ranks), name
+        assert all(r[name]["planned_static"] == max(q[name]["held"] for q in ranks)
+                   for r in ranks), name
+    # The distributed optimizer holds half the Adam state.
+    assert all(r["distributed"]["held"] < r["ddp"]["held"] for r in ranks)
 
 
 def test_a_checkpoint_written_at_two_ranks_resumes_at_two_and_at_one(two_ranks):
