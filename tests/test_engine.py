@@ -130,3 +130,16 @@ def test_an_asynchronous_save_resumes_on_the_uninterrupted_trajectory(tmp_path):
         "iter_0000001", "iter_0000002", "iter_0000003", "latest_checkpointed_iteration.txt"]
     rest = Trainer(parse_args(flags + ["--load", ckpt])).train()
     assert [r["loss"] for r in first + rest] == straight
+
+
+def test_finetune_loads_the_weights_only_and_starts_at_iteration_zero(tmp_path):
+    flags = TINY + NO_DROPOUT
+    ckpt = str(tmp_path / "ck")
+    trained = Trainer(parse_args(flags + ["--save", ckpt]))
+    trained.train()
+    tuned = Trainer(parse_args(flags + ["--load", ckpt, "--finetune", "--train-iters", "2"]))
+    assert tuned.iteration == 0 and tuned.scheduler.num_steps == 0
+    assert all(not inner.optimizer.state for inner in tuned.optimizer.chained_optimizers)
+    assert all(torch.equal(a, b) for a, b in zip(trained.model.parameters(),
+                                                 tuned.model.parameters()))
+    assert [r["iteration"] for r in tuned.train()] == [1, 2]
