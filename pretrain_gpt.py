@@ -24,13 +24,13 @@ def _terminate(signum, frame):
 
 
 def _interrupted_line(args, trainer) -> str:
-    from megatron_adacc import checkpoint
+    from megatron_adacc import checkpointing
 
     iteration = trainer.iteration if trainer is not None else 0
     saved = None
     if args is not None and args.save:
         try:
-            saved = checkpoint.latest_iteration(args.save)
+            saved = checkpointing.latest_iteration(args.save)
         except ValueError:
             saved = None
     last = (f"last checkpoint: iteration {saved} in {args.save} (resume with --load "

@@ -14,6 +14,7 @@ setup(
         # The Makefile installs the CPU wheel torch==2.13.0 first; GPU images keep their own build.
         "torch>=2.4",
         "megatron-core==0.16.1",
+        "psutil",  # dist_checkpointing's writer needs it; megatron-core does not declare it
         "pulp>=2.8",
         "pyyaml>=6",
         "triton>=3.0",

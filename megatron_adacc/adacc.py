@@ -34,7 +34,7 @@ from typing import Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from megatron_adacc import optimizer, policies, profiler
+from megatron_adacc import hardware, policies, profiler
 from megatron_adacc.attention import DEFAULT_SPEC_BACKEND, local_layer_spec
 from megatron_adacc.costs import ModelCosts
 from megatron_adacc.errors import InputError
@@ -213,7 +213,7 @@ class Adacc:
     # --- set-up --------------------------------------------------------------------------------
     def setup(self, model: torch.nn.Module, batch: profiler.Batch,
               loss_fn: LossFn | None = None, *, num_micro_batches: int = 1,
-              verbose: bool = True, optimizer_shards: int = 1) -> "Adacc":
+              verbose: bool = True, static_bytes: int | None = None) -> "Adacc":
         """Resolve the policy for ``model`` (built with ``layer_spec()``; with pipeline
         stages, this rank's stage) and apply it. ``batch`` is a real micro-batch (tokens,
         labels, loss mask) of this rank, at the micro-batch size training runs;
@@ -223,11 +223,11 @@ class Adacc:
         plan. Call before wrapping the model for data parallelism: profiling steps must not
         synchronise their throwaway gradients. Raises planning.InfeasibleBudget (a
         ValueError naming the smallest feasible budget) when no plan fits.
-        ``optimizer_shards``: the data-parallel ranks the trainer's optimizer
-        (MainParamAdamW) shards its state over (--use-distributed-optimizer; 1: held
-        whole); the budget counts what the rank holding the most keeps, so every rank plans
-        alike."""
-        _check_setup_arguments(model, batch, loss_fn, num_micro_batches, optimizer_shards)
+        ``static_bytes``: what this rank's parameters, gradients and optimizer hold for the
+        whole run (the trainer passes ``hardware.engine_static_bytes`` of megatron's
+        engine); default: ``hardware.model_static_bytes``, megatron's engine at one
+        data-parallel rank without the distributed optimizer."""
+        _check_setup_arguments(model, batch, loss_fn, num_micro_batches, static_bytes)
         config = self.config
         stages = policies.pipeline_stage()[1]
         if stages != config.pipeline_model_parallel_size:
@@ -235,7 +235,8 @@ class Adacc:
                              f"was configured for {config.pipeline_model_parallel_size}")
         self.model, self._batch = model, batch
         self._loss_fn = loss_fn
-        self.static_bytes = optimizer.static_bytes(model, optimizer_shards)
+        self.static_bytes = (static_bytes if static_bytes is not None
+                             else hardware.model_static_bytes(model))
         self._resolved = policies.resolve(
             config.policy, self._budget(), model, batch, db=ProfileDB(config.profile_db),
             reprofile=config.reprofile, strict=config.strict, loss_fn=loss_fn,
@@ -404,7 +405,7 @@ class Adacc:
 
 
 def _check_setup_arguments(model, batch, loss_fn, num_micro_batches: int,
-                           optimizer_shards: int) -> None:
+                           static_bytes: int | None) -> None:
     """TypeError/ValueError naming the argument of ``setup`` that has the wrong shape."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"Adacc.setup: model must be a torch.nn.Module, got "
@@ -418,10 +419,15 @@ def _check_setup_arguments(model, batch, loss_fn, num_micro_batches: int,
     if loss_fn is not None and not callable(loss_fn):
         raise TypeError(f"Adacc.setup: loss_fn must be callable(model, batch) or None, got "
                         f"{type(loss_fn).__name__}")
-    for name, value in (("num_micro_batches", num_micro_batches),
-                        ("optimizer_shards", optimizer_shards)):
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-            raise ValueError(f"Adacc.setup: {name} must be a positive integer, got {value!r}")
+    if (isinstance(num_micro_batches, bool) or not isinstance(num_micro_batches, numbers.Integral)
+            or num_micro_batches < 1):
+        raise ValueError(f"Adacc.setup: num_micro_batches must be a positive integer, got "
+                         f"{num_micro_batches!r}")
+    if static_bytes is not None and (isinstance(static_bytes, bool)
+                                     or not isinstance(static_bytes, numbers.Integral)
+                                     or static_bytes < 0):
+        raise ValueError(f"Adacc.setup: static_bytes must be a non-negative integer or None, "
+                         f"got {static_bytes!r}")
 
 
 _STAGE_METRICS = ("pipeline_stage", "plan_id", "static_bytes", "activation_bytes",

@@ -157,9 +157,21 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--adam-beta1", type=_FRACTION, default=0.9)
     train.add_argument("--adam-beta2", type=_FRACTION, default=0.999)
     train.add_argument("--clip-grad", type=_number(), default=1.0)
+    train.add_argument("--adam-eps", type=_number(positive=True), default=1e-8)
     train.add_argument("--use-distributed-optimizer", action="store_true",
-                       help="shard the AdamW state (and 16-bit models' fp32 main params) "
-                            "over the data-parallel group (ZeRO-1); a no-op at DP=1")
+                       help="megatron's distributed optimizer: the Adam state and fp32 main "
+                            "params sharded over the data-parallel group (ZeRO-1)")
+    train.add_argument("--overlap-grad-reduce", action="store_true",
+                       help="reduce each gradient bucket while backward still runs")
+    train.add_argument("--ddp-bucket-size", type=_POSITIVE, default=None,
+                       help="elements per gradient bucket with --overlap-grad-reduce "
+                            "(default: megatron's, max(4e7, 1e6 x data-parallel size))")
+    train.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true",
+                       help="accumulate and reduce 16-bit gradients in fp32 (always on "
+                            "with --bf16, as in Megatron-LM)")
+    train.add_argument("--ddp-average-in-collective", action="store_true",
+                       help="average gradients inside the collective instead of scaling "
+                            "them by 1/DP before it")
     train.add_argument("--seed", type=_integer(0, 2**32 - 1), default=1234)
     train.add_argument("--loss-scale", type=_number(positive=True), default=None,
                        help="constant loss scale for 16-bit training; default with --fp16: "
@@ -208,6 +220,23 @@ def build_parser() -> argparse.ArgumentParser:
     log.add_argument("--save", default=None, help="checkpoint directory to write")
     log.add_argument("--load", default=None, help="checkpoint directory to resume from")
     log.add_argument("--save-interval", type=_COUNT, default=None)
+    log.add_argument("--ckpt-format", choices=["torch_dist"], default="torch_dist",
+                     help="megatron.core.dist_checkpointing's torch_dist format")
+    log.add_argument("--async-save", action="store_true",
+                     help="write checkpoints in a background process while training goes "
+                          "on (torch_dist)")
+    log.add_argument("--no-load-optim", action="store_true",
+                     help="load the model weights only, not the optimizer state")
+    log.add_argument("--no-load-rng", action="store_true",
+                     help="do not restore the random-number generators")
+    log.add_argument("--finetune", action="store_true",
+                     help="load the weights only and start at iteration 0 (no optimizer, "
+                          "scheduler or RNG state)")
+    schedule = log.add_mutually_exclusive_group()
+    schedule.add_argument("--override-opt_param-scheduler", action="store_true",
+                          help="on --load, take the learning-rate schedule from these flags")
+    schedule.add_argument("--use-checkpoint-opt_param-scheduler", action="store_true",
+                          help="on --load, keep the checkpoint's learning-rate schedule")
 
     adacc = p.add_argument_group("adacc")
     adacc.add_argument("--adacc-policy", default="none",
@@ -406,6 +435,8 @@ def finalize(args: argparse.Namespace, world_size: int) -> None:
         )
     if args.fp16 and args.bf16:
         raise ConfigError("--fp16 and --bf16 exclude each other")
+    if args.bf16:  # Megatron-LM: bf16 accumulates and reduces gradients in fp32
+        args.accumulate_allreduce_grads_in_fp32 = True
     if args.loss_scale is not None and not (args.fp16 or args.bf16):
         raise ConfigError("--loss-scale scales 16-bit gradients; add --fp16 or --bf16")
     args.max_position_embeddings = args.max_position_embeddings or args.seq_length

@@ -14,7 +14,9 @@ produce the same ``ModelCosts`` the profiler measures:
 - codec payloads from the codecs themselves (``Codec.payload_bytes``: the exact size of a
   finite input's payload) and codec time = bytes the codec moves at ``CODEC_EFFICIENCY`` of
   peak bandwidth;
-- static memory from the parameter count, precision and optimizer (``static_bytes``);
+- static memory from the parameter count, precision and optimizer (``static_bytes``), or
+  from a model and megatron's engine around it (``model_static_bytes``,
+  ``engine_static_bytes``);
 - per pipeline stage (``pipeline_costs``): its layers and parameters, the embedding on the
   first stage, the output layer and loss on the last, its 1F1B in-flight micro-batches.
 
@@ -31,7 +33,6 @@ from megatron_adacc import codecs, models, planning
 from megatron_adacc import sites as site_table
 from megatron_adacc.attention import resolve_backend
 from megatron_adacc.costs import CodecCost, ModelCosts, Operator, SiteCost
-from megatron_adacc.optimizer import shard_range
 from megatron_adacc.tokenizers import TOKENIZER_TYPES, build_tokenizer
 
 GiB = 1024**3
@@ -279,19 +280,95 @@ def static_bytes(num_parameters: int, precision: str, zero_stage: int = 0,
 
     ZeRO stage 1 (Megatron's ``--use-distributed-optimizer``) shards the optimizer states
     over the data-parallel group, stage 2 the gradients too, stage 3 the weights too. A
-    sharded part is laid out as the trainer's optimizer shards it
-    (``optimizer.shard_range``): rank 0, which owns the most elements, keeps ceil(N / D)
-    parameters' worth of it.
+    sharded part is ceil(N / D) parameters' worth (megatron pads its buffers to a multiple
+    of D and gives each rank an equal range).
     """
     if zero_stage not in (0, 1, 2, 3):
         raise ValueError(f"zero stage must be 0, 1, 2 or 3, got {zero_stage}")
     if data_parallel_size < 1:
         raise ValueError(f"data-parallel size must be >= 1, got {data_parallel_size}")
-    start, end = shard_range(num_parameters, data_parallel_size, 0)
-    shard = end - start
+    shard = -(-num_parameters // data_parallel_size)
     weights, grads, optimizer = _STATE_BYTES[precision]
     return sum(per_parameter * (shard if zero_stage >= stage else num_parameters)
                for per_parameter, stage in ((weights, 3), (grads, 2), (optimizer, 1)))
+
+
+# torch's Adam(W) state per stepped tensor: exp_avg and exp_avg_sq like the tensor, and a
+# 0-dim fp32 step count.
+_ADAM_MOMENTS = 2
+_ADAM_STEP_BYTES = 4
+
+
+def _adam_state_bytes(main_param: torch.Tensor) -> int:
+    return _ADAM_MOMENTS * main_param.numel() * main_param.element_size() + _ADAM_STEP_BYTES
+
+
+def model_static_bytes(model: torch.nn.Module, grad_dtype: torch.dtype | None = None) -> int:
+    """What megatron's engine holds for ``model`` on one data-parallel rank without the
+    distributed optimizer: parameters and buffers, a gradient buffer of ``grad_dtype``
+    (default: fp32 for fp32 and bf16 models, as Megatron-LM accumulates bf16 in fp32;
+    the parameter's dtype for fp16), fp32 main parameters for a 16-bit model with an fp32
+    copy of each 16-bit gradient, and Adam's state. Equal to ``engine_static_bytes`` of
+    that engine; for a model before it is wrapped (profiling, the Python API)."""
+    held = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+    total = held
+    for param in model.parameters():
+        if not param.requires_grad:
+            continue
+        dtype = grad_dtype or (param.dtype if param.dtype == torch.float16 else torch.float32)
+        total += param.numel() * dtype.itemsize
+        if param.dtype != torch.float32:
+            total += param.numel() * 4                       # the fp32 main parameter
+        if param.dtype != torch.float32 and dtype != torch.float32:
+            total += param.numel() * 4                       # its fp32 gradient
+        total += _ADAM_MOMENTS * param.numel() * 4 + _ADAM_STEP_BYTES
+    return total
+
+
+def engine_static_bytes(model_chunks, optimizer) -> int:
+    """What megatron's engine holds on this rank for the whole run, read off the engine
+    before its first step: the distinct storages of the parameters and buffers, of
+    DistributedDataParallel's gradient (and, under the distributed optimizer, parameter)
+    buffers and of the optimizer's main parameters, the fp32 gradients a 16-bit gradient
+    buffer is copied into each step, and Adam's state, which torch allocates at the first
+    step: two moments like each main parameter (its shard, under the distributed
+    optimizer) and a step count."""
+    storages: dict[int, int] = {}
+
+    def hold(tensor: torch.Tensor) -> None:
+        storage = tensor.untyped_storage()
+        storages[storage.data_ptr()] = storage.nbytes()
+
+    for chunk in model_chunks:
+        for tensor in (*chunk.module.parameters(), *chunk.module.buffers()):
+            hold(tensor)
+        for buffer in (*chunk.buffers, *chunk.expert_parallel_buffers):
+            hold(buffer.grad_data)
+            if buffer.param_data is not None:
+                hold(buffer.param_data)
+    state = copied_grads = 0
+    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+        stepped = [p for group in inner.optimizer.param_groups for p in group["params"]]
+        for main_param in stepped:
+            hold(main_param)
+            held_state = inner.optimizer.state.get(main_param)
+            state += (sum(t.untyped_storage().nbytes() for t in held_state.values()
+                          if torch.is_tensor(t)) if held_state else _adam_state_bytes(main_param))
+        for model_param, main_param in _main_params_of(inner):
+            if model_param.main_grad.dtype != torch.float32:
+                copied_grads += main_param.numel() * 4
+    return sum(storages.values()) + state + copied_grads
+
+
+def _main_params_of(inner) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(model parameter, fp32 main parameter) pairs of a mixed-precision optimizer."""
+    if hasattr(inner, "model_float16_groups") and hasattr(inner, "shard_fp32_from_float16_groups"):
+        pairs = zip(inner.model_float16_groups, inner.shard_fp32_from_float16_groups)
+    elif hasattr(inner, "float16_groups"):
+        pairs = zip(inner.float16_groups, inner.fp32_from_float16_groups)
+    else:
+        return []
+    return [(model, main) for models, mains in pairs for model, main in zip(models, mains)]
 
 
 # --- the layer's sites ----------------------------------------------------------------------

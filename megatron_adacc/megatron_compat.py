@@ -7,6 +7,7 @@ a version bump tells us which patches to delete.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import types
@@ -202,6 +203,166 @@ def _cpu_sequence_parallel() -> None:
     layers.torch = _HostTorch()
 
 
+def _cpu_grad_buffers() -> None:
+    # DistributedDataParallel's _ParamAndGradBuffer allocates its parameter and gradient
+    # buffers on torch.cuda.current_device().
+    from megatron.core.distributed import param_and_grad_buffer
+
+    param_and_grad_buffer.torch = _HostTorch()
+
+
+@contextlib.contextmanager
+def _tensor_types_named_cuda():
+    """Within it, ``tensor.type()`` of a host tensor names the CUDA type megatron checks for
+    ("torch.cuda.FloatTensor" for "torch.FloatTensor")."""
+    original = torch.Tensor.type
+
+    def type_(tensor, *args, **kwargs):
+        name = original(tensor, *args, **kwargs)
+        if args or kwargs or tensor.is_cuda:
+            return name
+        return name.replace("torch.", "torch.cuda.", 1)
+
+    torch.Tensor.type = type_
+    try:
+        yield
+    finally:
+        torch.Tensor.type = original
+
+
+def _with_cuda_type_names(function):
+    @functools.wraps(function)
+    def call(*args, **kwargs):
+        with _tensor_types_named_cuda():
+            return function(*args, **kwargs)
+    return call
+
+
+def _host_l2_norm(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
+    # megatron.core.utils.local_multi_tensor_l2_norm, returning its norm on the host.
+    norms = torch.stack([torch.linalg.vector_norm(t.float()) for t in tensor_lists[0]])
+    return torch.linalg.vector_norm(norms).reshape(1), None
+
+
+def _cpu_optimizer() -> None:
+    # megatron's optimizers make their overflow flag and loss scale with device='cuda'
+    # (MixedPrecisionOptimizer, FP32Optimizer, get_loss_scale); clip_grads makes its norm
+    # and zero-count tensors on 'cuda' and, without apex or Transformer Engine, computes
+    # the norm with local_multi_tensor_l2_norm, which returns it on 'cuda'; and
+    # Float16OptimizerWithFloat16Params, DistributedOptimizer's main-param groups and
+    # clip_grad_by_total_norm_fp32 accept only parameters of a torch.cuda.*Tensor type.
+    from megatron.core.optimizer import clip_grads, distrib_optimizer, optimizer
+
+    optimizer.torch = _HostTorch()
+    clip_grads.torch = _HostTorch()
+    if clip_grads.l2_norm_impl.__name__ == "local_multi_tensor_l2_norm":
+        clip_grads.l2_norm_impl = _host_l2_norm
+    clip = _with_cuda_type_names(clip_grads.clip_grad_by_total_norm_fp32)
+    clip_grads.clip_grad_by_total_norm_fp32 = optimizer.clip_grad_by_total_norm_fp32 = clip
+    fp16 = optimizer.Float16OptimizerWithFloat16Params
+    fp16.__init__ = _with_cuda_type_names(fp16.__init__)
+    distributed = distrib_optimizer.DistributedOptimizer
+    build_groups = distributed.__dict__["_build_model_and_main_param_groups"].__func__
+    distributed._build_model_and_main_param_groups = classmethod(
+        _with_cuda_type_names(build_groups))
+
+
+def _cpu_dist_checkpointing() -> None:
+    # dist_checkpointing's writer calls torch.cuda.synchronize() before it copies tensors
+    # (FileSystemWriterAsync.preload_tensors), and the save's finalisation and the
+    # background-save queue make their agreement flags on torch.cuda.current_device().
+    from megatron.core.dist_checkpointing.strategies import (async_utils, filesystem_async,
+                                                             state_dict_saver)
+
+    filesystem_async.torch = _HostTorch()
+    state_dict_saver.torch = _HostTorch()
+    async_utils.torch = _HostTorch()
+
+
+def _distributed_optimizer_with_torch_adam() -> None:
+    # With torch's Adam (no apex, no Transformer Engine) DistributedOptimizer assumes state
+    # that torch allocates only at the first step, and one step count shared by every
+    # parameter: state_dict() asserts a single step, so the sharded state dict a resume
+    # loads into cannot be built on a fresh optimizer; load_state_dict() hands every
+    # parameter the same step tensor (each step then advances it once per parameter), runs
+    # copy_ on parameters that require grad outside no_grad, and the dp_reshardable load
+    # copies a step from the parameter state over the restored one.
+    from megatron.core.optimizer import distrib_optimizer
+
+    optimizer_class = distrib_optimizer.DistributedOptimizer
+    state_dict, load_state_dict = optimizer_class.state_dict, optimizer_class.load_state_dict
+
+    def fresh_state(self) -> None:
+        # Exactly what torch's Adam allocates at its first step: zero moments, step 0.
+        for group in self.optimizer.param_groups:
+            for param in group["params"]:
+                if not self.optimizer.state[param]:
+                    self.optimizer.state[param].update(
+                        step=torch.tensor(0.0), exp_avg=torch.zeros_like(param),
+                        exp_avg_sq=torch.zeros_like(param))
+
+    @functools.wraps(state_dict)
+    def state_dict_of_fresh_optimizer(self):
+        fresh_state(self)
+        return state_dict(self)
+
+    @functools.wraps(load_state_dict)
+    def load_state_dict_with_own_steps(self, state):
+        with torch.no_grad():
+            load_state_dict(self, state)
+        for param_state in self.optimizer.state.values():
+            if "step" in param_state:
+                param_state["step"] = param_state["step"].detach().clone()
+
+    def set_states_keeping_step(self, model_param, tensors):
+        group_index, group_order = self.model_param_group_index_map[model_param]
+        main_param = self.optimizer.param_groups[group_index]["params"][group_order]
+        held = {"param": main_param, **self.optimizer.state[main_param]}
+        with torch.no_grad():
+            for key, tensor in held.items():
+                if key != "step" and key in tensors:
+                    tensor.copy_(tensors[key])
+
+    optimizer_class.state_dict = state_dict_of_fresh_optimizer
+    optimizer_class.load_state_dict = load_state_dict_with_own_steps
+    optimizer_class._set_main_param_and_optimizer_states = set_states_keeping_step
+
+
+def _torch_adam_in_use() -> bool:
+    from megatron.core.optimizer import distrib_optimizer
+
+    return not distrib_optimizer.HAVE_APEX_OR_TE
+
+
+def _weights_only_sharded_objects() -> None:
+    # torch.distributed.checkpoint's load planner, which dist_checkpointing's torch_dist
+    # format loads through, unpickles every non-tensor object (megatron's ShardedObjects:
+    # the random generators, the optimizer's common state) with
+    # torch.load(weights_only=False): a checkpoint from someone else could run code.
+    from megatron.core.dist_checkpointing.strategies import torch as torch_strategy
+
+    def load_bytes(self, read_item, value):
+        value = torch.load(value, weights_only=True)
+        if self.flatten_state_dict:
+            from torch.distributed.checkpoint._traverse import set_element
+
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn],
+                        value)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = value
+
+    torch_strategy.MCoreLoadPlanner.load_bytes = load_bytes
+
+
+def _sharded_objects_unpickled() -> bool:
+    import inspect
+
+    from megatron.core.dist_checkpointing.strategies import torch as torch_strategy
+
+    source = inspect.getsource(torch_strategy.MCoreLoadPlanner.load_bytes)
+    return "weights_only=False" in source
+
+
 def _checkpoint_without_output_fp8() -> None:
     # CheckpointWithoutOutput.__init__ sets ``self.fp8 = fp8 is not None``, so the False that
     # selective recompute of layernorm/mlp passes becomes True, and without Transformer
@@ -232,6 +393,9 @@ CPU_SHIMS = {
     "cpu_shared_embedding": _cpu_shared_embedding,
     "cpu_rotary_embedding": _cpu_rotary_embedding,
     "cpu_sequence_parallel": _cpu_sequence_parallel,
+    "cpu_grad_buffers": _cpu_grad_buffers,
+    "cpu_optimizer": _cpu_optimizer,
+    "cpu_dist_checkpointing": _cpu_dist_checkpointing,
 }
 
 
@@ -239,6 +403,10 @@ CPU_SHIMS = {
 DEFECT_PATCHES = {
     "checkpoint_without_output_fp8": (_checkpoint_without_output_fp8, _transformer_engine_absent),
     "cached_causal_mask": (_cached_causal_mask, _causal_mask_uncached),
+    "distributed_optimizer_with_torch_adam": (_distributed_optimizer_with_torch_adam,
+                                              _torch_adam_in_use),
+    "weights_only_sharded_objects": (_weights_only_sharded_objects,
+                                     _sharded_objects_unpickled),
 }
 
 

@@ -131,7 +131,7 @@ def resolve(policy: str, budget_bytes: int | None, model: torch.nn.Module | None
     real micro-batch and, with pipeline stages, the micro-batches per step (1F1B keeps up to
     that many in flight); it raises planning.InfeasibleBudget (a ValueError naming the
     smallest feasible budget) when nothing fits. ``static_bytes``: what this rank's
-    parameters and optimizer hold (``optimizer.static_bytes``; None: the profile's, the
+    parameters and optimizer hold (``hardware.engine_static_bytes``; None: the profile's, the
     optimizer held whole), which a stored profile cannot know."""
     if policy == "none":
         return Resolved(policy, None, budget_bytes)

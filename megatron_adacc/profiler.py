@@ -38,7 +38,7 @@ import torch
 # megatron's own: saves and restores the CPU, default CUDA and tracker generators.
 from megatron.core.tensor_parallel.random import _fork_rng
 
-from megatron_adacc import allocator, codecs, hardware, optimizer, planning
+from megatron_adacc import allocator, codecs, hardware, planning
 from megatron_adacc import model as model_lib
 from megatron_adacc.attention import backend_of
 from megatron_adacc import sites as site_table
@@ -144,7 +144,7 @@ class _RetainedRuler(ActivationRuler):
         shared = sum(nbytes for (layer, site), nbytes in report.by_site.items()
                      if layer != NON_LAYER and site in site_table.SHARED_SITES)
         return planning.StageMemory(
-            optimizer.static_bytes(model), self.embedding_bytes,
+            hardware.model_static_bytes(model), self.embedding_bytes,
             report.after_forward_bytes - layers - self.embedding_bytes, shared)
 
 

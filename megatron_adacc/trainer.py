@@ -13,10 +13,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megatron_adacc import allocator, checkpoint, data, model as model_lib, models, numerics
+from megatron_adacc import (allocator, checkpointing, data, hardware, model as model_lib,
+                            models, numerics)
 from megatron_adacc.adacc import Adacc, AdaccConfig
 from megatron_adacc.attention import local_layer_spec, with_attention_backend
-from megatron_adacc.optimizer import MainParamAdamW
 from megatron_adacc.tokenizers import build_tokenizer
 
 
@@ -254,64 +254,76 @@ def allocator_record(peaks: allocator.Peaks, device: torch.device) -> dict:
             "max_memory_reserved": peaks.max_reserved}
 
 
-def grad_scaler(args: argparse.Namespace):
-    """megatron's loss scaling for 16-bit training: constant with --loss-scale, dynamic with
-    --fp16, none otherwise (Megatron-LM's choice)."""
-    from megatron.core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler
+def ddp_config(args: argparse.Namespace):
+    """megatron's DistributedDataParallelConfig from Megatron-LM's flags."""
+    from megatron.core.distributed import DistributedDataParallelConfig
 
-    if args.loss_scale:
-        return ConstantGradScaler(args.loss_scale)
-    if args.fp16:
-        return DynamicGradScaler(initial_scale=args.initial_loss_scale,
-                                 min_scale=args.min_loss_scale, growth_factor=2.0,
-                                 backoff_factor=0.5, growth_interval=args.loss_scale_window,
-                                 hysteresis=args.hysteresis)
-    return None
+    return DistributedDataParallelConfig(
+        grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32,
+        overlap_grad_reduce=args.overlap_grad_reduce,
+        use_distributed_optimizer=args.use_distributed_optimizer,
+        bucket_size=args.ddp_bucket_size,
+        average_in_collective=args.ddp_average_in_collective,
+    )
 
 
-class _DataParallelModel(torch.nn.Module):
-    """The model as megatron-core's schedules and finalize_model_grads see it: the interface
-    of megatron's DDP wrapper (``ddp_config``, ``finish_grad_sync``), reducing the
-    gradients over the data-parallel group once the schedule has run every micro-batch, in
-    one flat buffer (16-bit models: the optimizer's fp32 main gradients), scaled by 1/DP and
-    summed as megatron does. megatron's own wrapper allocates on CUDA; torch DDP decides at
-    forward time whether a backward synchronises, and 1F1B runs the last micro-batch's
-    forward before it lets gradients synchronise."""
+def optimizer_config(args: argparse.Namespace):
+    """megatron's OptimizerConfig from Megatron-LM's flags: Adam (decoupled weight decay,
+    AdamW), gradient clipping, loss scaling for fp16 (dynamic unless --loss-scale)."""
+    from megatron.core.optimizer import OptimizerConfig
 
-    def __init__(self, module: torch.nn.Module, main_grads: torch.Tensor | None, dp_group):
-        from megatron.core.distributed import DistributedDataParallelConfig
+    return OptimizerConfig(
+        optimizer="adam", lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
+        adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
+        clip_grad=args.clip_grad, fp16=args.fp16, bf16=args.bf16,
+        params_dtype=torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32,
+        loss_scale=args.loss_scale, initial_loss_scale=args.initial_loss_scale,
+        min_loss_scale=args.min_loss_scale, loss_scale_window=args.loss_scale_window,
+        hysteresis=args.hysteresis, use_distributed_optimizer=args.use_distributed_optimizer,
+    )
 
-        super().__init__()
-        self.module = module
-        self.main_grads = main_grads
-        self.dp_group = dp_group
-        self.ddp_config = DistributedDataParallelConfig()
 
-    def forward(self, *args, **kwargs):
-        return self.module(*args, **kwargs)
+def wire_schedule_hooks(model, optimizer, overlap_grad_reduce: bool) -> None:
+    """The hooks megatron-core's schedules call, set on the model's config as Megatron-LM's
+    training.py sets them: the loss scaled by the optimizer's loss scale; with overlapped
+    reduction, the DDP's no_sync (micro-batches before the last accumulate only) and
+    start_grad_sync (the last micro-batch's buckets start reducing as backward fills
+    them); and finalize_model_grads, which finishes the reduction (and all-reduces the tied
+    embedding between the first and last pipeline stages)."""
+    from megatron.core.distributed import finalize_model_grads
 
-    def finish_grad_sync(self, force_all_reduce: bool = False) -> None:
-        from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+    config = model.config
+    config.grad_scale_func = optimizer.scale_loss
+    config.no_sync_func = model.no_sync if overlap_grad_reduce else None
+    config.grad_sync_func = model.start_grad_sync if overlap_grad_reduce else None
+    config.finalize_model_grads_func = finalize_model_grads
 
-        dp_size = dist.get_world_size(self.dp_group)
-        if dp_size == 1:
-            return
-        if self.main_grads is not None:
-            self.main_grads.div_(dp_size)
-            dist.all_reduce(self.main_grads, group=self.dp_group)
-            return
-        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
-        flat = _flatten_dense_tensors(grads).div_(dp_size)
-        dist.all_reduce(flat, group=self.dp_group)
-        for grad, synced in zip(grads, _unflatten_dense_tensors(flat, grads)):
-            grad.copy_(synced)
+
+def optimizer_param_scheduler(args: argparse.Namespace, optimizer):
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    return OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0 if args.lr_warmup_iters else args.lr,
+        max_lr=args.lr,
+        min_lr=args.min_lr,
+        lr_warmup_steps=args.lr_warmup_iters,
+        lr_decay_steps=args.lr_decay_iters,
+        lr_decay_style=args.lr_decay_style,
+        start_wd=args.weight_decay,
+        end_wd=args.weight_decay,
+        wd_incr_steps=args.train_iters,
+        wd_incr_style="constant",
+        use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
+        override_opt_param_scheduler=args.override_opt_param_scheduler,
+    )
 
 
 class Trainer:
     def __init__(self, args: argparse.Namespace):
         from megatron.core import parallel_state
-        from megatron.core.distributed import finalize_model_grads
-        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+        from megatron.core.distributed import DistributedDataParallel
+        from megatron.core.optimizer import get_megatron_optimizer
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         self.args = args
@@ -321,47 +333,53 @@ class Trainer:
             args, self.adacc.layer_spec())
         self.device = model_device(self.model)
         self.dp_group = parallel_state.get_data_parallel_group()
-        self.dp_size = parallel_state.get_data_parallel_world_size()
         self.pp_group = parallel_state.get_pipeline_model_parallel_group()
         self.pp_last_rank = parallel_state.get_pipeline_model_parallel_last_rank()
-        # Profiling (auto) measures the bare model on the first real micro-batch, before any
-        # data-parallel wrapper can synchronise its throwaway gradients.
-        # Each stage's plan counts the micro-batches 1F1B keeps in flight there.
-        shard_group = self.dp_group if args.use_distributed_optimizer else None
-        self.adacc.setup(self.model, first_micro_batch(self.train_batches),
-                         num_micro_batches=self.train_batches.num_micro_batches,
-                         optimizer_shards=self.dp_size if shard_group is not None else 1)
-        self.optimizer = MainParamAdamW(
-            self.model, args.lr, args.weight_decay, (args.adam_beta1, args.adam_beta2),
-            grad_scaler(args), shard_group)
-        self.train_model = _DataParallelModel(self.model, self.optimizer.main_grads,
-                                              self.dp_group)
-        # megatron-core's schedules drive every step (1F1B across pipeline stages, a plain
-        # loop of micro-batches without them); these are the hooks they call.
-        config = self.model.config
-        config.finalize_model_grads_func = finalize_model_grads
-        config.grad_scale_func = self._scale_loss if self.optimizer.loss_scale is not None else None
+        # megatron's engine: its DDP (gradient buckets reduced as backward fills them with
+        # --overlap-grad-reduce), its optimizer (distributed with
+        # --use-distributed-optimizer) and its scheduler, wired as Megatron-LM wires them.
+        self.train_model = DistributedDataParallel(self.model.config, ddp_config(args),
+                                                   self.model)
+        self.optimizer = get_megatron_optimizer(optimizer_config(args), [self.train_model])
+        wire_schedule_hooks(self.train_model, self.optimizer, args.overlap_grad_reduce)
         self.forward_backward = get_forward_backward_func()
-        self.scheduler = OptimizerParamScheduler(
-            self.optimizer,
-            init_lr=0.0 if args.lr_warmup_iters else args.lr,
-            max_lr=args.lr,
-            min_lr=args.min_lr,
-            lr_warmup_steps=args.lr_warmup_iters,
-            lr_decay_steps=args.lr_decay_iters,
-            lr_decay_style=args.lr_decay_style,
-            start_wd=args.weight_decay,
-            end_wd=args.weight_decay,
-            wd_incr_steps=args.train_iters,
-            wd_incr_style="constant",
-        )
+        self.scheduler = optimizer_param_scheduler(args, self.optimizer)
+        self._check_grad_norm_before_step()
+        # Profiling (auto) runs throwaway backward passes on the model: under no_sync they
+        # only accumulate into the gradient buffers, which the first step clears. Each
+        # stage's plan counts the micro-batches 1F1B keeps in flight there, and the bytes
+        # the engine holds.
+        self.static_bytes = hardware.engine_static_bytes([self.train_model], self.optimizer)
+        with self.train_model.no_sync():
+            self.adacc.setup(self.model, first_micro_batch(self.train_batches),
+                             num_micro_batches=self.train_batches.num_micro_batches,
+                             static_bytes=self._most_static_bytes())
         self.iteration = 0
         if args.load:
-            self.iteration, _ = checkpoint.load(args.load, self.model, self.optimizer,
+            self.iteration = checkpointing.load(args, [self.train_model], self.optimizer,
                                                 self.scheduler)
 
-    def _scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        return loss * self.optimizer.loss_scale
+    def _most_static_bytes(self) -> int:
+        """The most any data-parallel rank of this stage holds (the distributed optimizer's
+        shards differ by a few bytes): one budget for every rank, so every rank plans
+        alike."""
+        most = torch.tensor([self.static_bytes], dtype=torch.int64,
+                            device=model_lib.collective_device(self.dp_group))
+        dist.all_reduce(most, op=dist.ReduceOp.MAX, group=self.dp_group)
+        return int(most.item())
+
+    def _check_grad_norm_before_step(self) -> None:
+        """Megatron-LM's --check-for-nan-in-loss-and-grad, before the weights change: the
+        step's loss and gradient norm are checked as soon as the optimizer has the norm (an
+        fp16 overflow is the exception: loss scaling skips that step first)."""
+        grad_norm = self.optimizer.get_grad_norm
+
+        def checked_grad_norm():
+            norm = grad_norm()
+            numerics.check_step(self.iteration + 1, self._step_loss, norm)
+            return norm
+
+        self.optimizer.get_grad_norm = checked_grad_norm
 
     def _run_schedule(self, batches: data.GlobalBatches, global_index: int, forward_only: bool
                       ) -> list[float]:
@@ -380,7 +398,7 @@ class Trainer:
         reported = self.forward_backward(
             forward_step_func=_forward_step,
             data_iterator=micro_batches,
-            model=self.model if forward_only else self.train_model,
+            model=self.train_model,
             num_microbatches=batches.num_micro_batches,
             seq_length=self.args.seq_length,
             micro_batch_size=self.args.micro_batch_size,
@@ -401,46 +419,50 @@ class Trainer:
         watches the step (the same ruler for the stock layer, megatron's recompute and
         every plan)."""
         self.train_model.train()
+        self.train_model.zero_grad_buffer()
         self.optimizer.zero_grad()
         with self.adacc.measure(measure):
             means = self._run_schedule(self.train_batches, global_index, forward_only=False)
-        loss = sum(means) / len(means)
-        # Megatron-LM's --check-for-nan-in-loss-and-grad, before the weights change (an
-        # fp16 overflow is the exception: loss scaling skips that step instead).
-        grad_norm = self.optimizer.clip_and_step(
-            self.args.clip_grad, lambda norm: numerics.check_step(global_index + 1, loss, norm))
-        if grad_norm is not None:  # megatron's scheduler does not advance on a skipped step
+        self._step_loss = sum(means) / len(means)
+        updated, grad_norm, _ = self.optimizer.step()
+        if updated:  # megatron's scheduler does not advance on a skipped step
             self.scheduler.step(1)
-        return _average_over(self.dp_group, loss), grad_norm
+        return _average_over(self.dp_group, self._step_loss), grad_norm if updated else None
 
     def _loss_scale_record(self, skipped: bool) -> dict:
         """The loss scale the next step runs with, and whether this one was skipped."""
-        scale = self.optimizer.loss_scale
-        if scale is None:
+        if not (self.args.fp16 or self.args.loss_scale):
             return {}
+        scale = self.optimizer.get_loss_scale().item()
         if skipped and dist.get_rank() == 0:
             print(f"iteration {self.iteration}: gradients overflowed, step skipped; loss "
-                  f"scale now {scale.item():g}", flush=True)
-        return {"loss_scale": scale.item(), "skipped_iter": int(skipped)}
+                  f"scale now {scale:g}", flush=True)
+        return {"loss_scale": scale, "skipped_iter": int(skipped)}
+
+    def _after_step(self) -> dict:
+        # The rectifier's samples run backward too: accumulate only, as in profiling.
+        with self.train_model.no_sync():
+            return self.adacc.after_step(self.iteration, self.step_batch)
 
     @torch.no_grad()
     def evaluate(self) -> float | None:
         if self.valid_batches is None or not self.args.eval_iters:
             return None
-        self.model.eval()
+        self.train_model.eval()
         losses = [mean for index in range(self.args.eval_iters)
                   for mean in self._run_schedule(self.valid_batches, index, forward_only=True)]
-        self.model.train()
+        self.train_model.train()
         return _average_over(self.dp_group, sum(losses) / len(losses))
 
     def train(self) -> list[dict]:
         args = self.args
         last = min(args.train_iters, args.exit_interval or args.train_iters)
-        if checkpoint.nothing_to_train(args.load, self.iteration, args.train_iters, last):
+        if checkpointing.nothing_to_train(args.load, self.iteration, args.train_iters, last):
             return []
         metrics = MetricsLog(args.metrics_file, args.tensorboard_dir, append=self.iteration > 0)
         progress = Progress(args.train_iters, self.iteration, args.log_interval)
         tokens_per_step = args.global_batch_size * args.seq_length
+        saver = checkpointing.Saver(args)
         try:
             while self.iteration < last:
                 lr = self.optimizer.param_groups[0]["lr"]
@@ -465,7 +487,7 @@ class Trainer:
                     "activation_measured": measure,
                     **self.adacc.metrics(),
                     # After the step's loss is taken: a swap applies from the next forward.
-                    **self.adacc.after_step(self.iteration, self.step_batch),
+                    **self._after_step(),
                 }
                 if args.eval_interval and (self.iteration % args.eval_interval == 0
                                            or self.iteration == args.train_iters):
@@ -476,9 +498,11 @@ class Trainer:
                 progress.update(record)
                 if args.save and ((args.save_interval and self.iteration % args.save_interval == 0)
                                   or self.iteration == last):
-                    checkpoint.save(args.save, self.iteration, self.model, self.optimizer,
-                                    self.scheduler)
+                    saver.save(self.iteration, [self.train_model], self.optimizer,
+                               self.scheduler)
+                saver.poll()
         finally:
+            saver.finish()
             progress.close()
             metrics.close()
         return metrics.records

@@ -332,37 +332,43 @@ def outlier_separation_effect(runs: list[dict], probe: dict) -> dict:
 
 
 def scale_layernorm_gains(source: str, dest: str, channels: int) -> dict:
-    """Copy the newest checkpoint under ``source`` (checkpoint.py's layout: ``latest`` and
-    ``iter_NNNNNNN/`` with a ``model_optim_rng*.pt`` per model-parallel rank) to ``dest`` with
-    the gains of ``channels`` residual channels multiplied, in every decoder layer's
-    LayerNorms, by factors spread evenly over STRESS_GAIN_RANGE. The channels are drawn from
-    a fixed generator, not chosen."""
+    """Copy the newest checkpoint under ``source`` (Megatron-LM's layout:
+    ``latest_checkpointed_iteration.txt`` and ``iter_NNNNNNN/`` in dist_checkpointing's
+    torch_dist format) to ``dest`` with the gains of ``channels`` residual channels
+    multiplied, in every decoder layer's LayerNorms, by factors spread evenly over
+    STRESS_GAIN_RANGE. The channels are drawn from a fixed generator, not chosen."""
     import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 
-    from megatron_adacc import checkpoint
+    from megatron_adacc import checkpointing
 
-    iteration = checkpoint.latest_iteration(source)
-    folder = f"iter_{iteration:07d}"
+    iteration = checkpointing.latest_iteration(source)
+    folder = checkpointing.iteration_dir(source, iteration)
+    target = checkpointing.iteration_dir(dest, iteration)
     shutil.rmtree(dest, ignore_errors=True)
-    shutil.copytree(os.path.join(source, folder), os.path.join(dest, folder))
-    with open(os.path.join(dest, "latest"), "w") as f:
+    # Every entry, rewritten whole. The layers' gains are stacked tensors, one row per
+    # layer, under the names megatron shares with Transformer Engine's fused layers
+    # (decoder.layers.<linear>.layer_norm_weight), and a 16-bit model's fp32 main copies
+    # of them are scaled alike.
+    state = _load_state_dict_from_keys(checkpoint_id=str(folder))
+    gains = sorted(k for k in state if k.endswith(".layer_norm_weight") and k.startswith(
+        ("decoder.layers.", "optimizer.state.fp32_param.decoder.layers.")))
+    if not gains:
+        raise SystemExit(f"no LayerNorm gains under {folder}")
+    hidden = state[gains[0]].shape[-1]
+    chosen = torch.randperm(hidden, generator=torch.Generator().manual_seed(0))[:channels]
+    factors = torch.linspace(*STRESS_GAIN_RANGE, channels)
+    for key in gains:
+        state[key][..., chosen] *= factors.to(state[key].dtype)
+    # Unflattened: megatron's objects (lists) stay one entry each, as megatron wrote them.
+    dcp.save(state, checkpoint_id=str(target), no_dist=True,
+             planner=DefaultSavePlanner(flatten_state_dict=False))
+    for megatron_file in ("common.pt", "metadata.json"):
+        shutil.copy(folder / megatron_file, target / megatron_file)
+    with open(os.path.join(dest, checkpointing.TRACKER), "w") as f:
         f.write(f"{iteration}\n")
-    files = sorted(glob.glob(os.path.join(dest, folder, "*", "model_optim_rng*.pt")))
-    if not files:
-        raise SystemExit(f"no model file under {os.path.join(source, folder)}")
-    chosen = factors = gains = None
-    for path in files:
-        payload = torch.load(path, weights_only=True)
-        state = payload["model"]
-        gains = [k for k in state if k.startswith("decoder.layers.")
-                 and k.endswith("layernorm.weight")]
-        if chosen is None:
-            hidden = state[gains[0]].numel()
-            chosen = torch.randperm(hidden, generator=torch.Generator().manual_seed(0))[:channels]
-            factors = torch.linspace(*STRESS_GAIN_RANGE, channels)
-        for key in gains:
-            state[key][chosen] *= factors.to(state[key].dtype)
-        torch.save(payload, path)
     return {"iteration": iteration, "channels": chosen.tolist(), "factors": factors.tolist(),
             "tensors": gains}
 

@@ -5,7 +5,7 @@ JSON and figures.
 
 The yardstick: a method *fits* a budget when
 
-    static bytes (parameters, gradients, optimizer: optimizer.static_bytes)
+    static bytes (parameters, gradients, optimizer: hardware.model_static_bytes)
     + the activation peak the ActivationRuler measures during one training step <= budget.
 
 The ruler is the same for every method: megatron's stock layer, megatron's full and selective
@@ -37,8 +37,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 import torch
 
 from megatron_adacc import model as model_lib
-from megatron_adacc import models
-from megatron_adacc import optimizer, planning, policies, profiler
+from megatron_adacc import hardware, models, planning, policies, profiler
 from megatron_adacc.attention import local_layer_spec
 from megatron_adacc.plan import Plan
 from megatron_adacc.runtime import ActivationRuler, apply_plan, get_adacc_layer_spec
@@ -217,7 +216,7 @@ class Models:
     def __init__(self, shape: Shape):
         self.shape = shape
         self.stock = build(shape)
-        self.static_bytes = optimizer.static_bytes(self.stock)
+        self.static_bytes = hardware.model_static_bytes(self.stock)
         self.full = build(shape, recompute_granularity="full", recompute_method="uniform",
                           recompute_num_layers=1)
         # Megatron's block recompute: the first n layers re-run whole, the rest keep

@@ -12,6 +12,7 @@ import torch.distributed as dist
 from megatron_adacc import model as model_lib
 from megatron_adacc.arguments import parse_args
 from megatron_adacc.trainer import Trainer
+from multirank_engine import main_params
 
 MICRO = 8
 
@@ -34,12 +35,13 @@ def main() -> None:
             mag += grad.double().abs() / world
     for tensor in (*reference, *magnitude):
         dist.all_reduce(tensor)
-    stepped = {}
+    stepped, mains = {}, main_params(trainer)
 
     def capture(*a, **k):  # the inner AdamW's step sees the gradient the update uses
-        stepped["grads"] = [m.grad.double() for m in trainer.optimizer.main_params]
+        stepped["grads"] = [mains[p].grad.double() for p in params]
 
-    trainer.optimizer.optimizer.step = capture
+    (inner,) = trainer.optimizer.chained_optimizers
+    inner.optimizer.step = capture
     trainer.train_step(0)
     # fp32 summation of n terms errs by at most about n * 2**-24 * sum |term|.
     bound_unit = 2 * MICRO * world * 2.0**-24

@@ -14,15 +14,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_adacc import checkpoint
+from megatron_adacc import checkpointing
 from megatron_adacc.data import write_indexed_dataset
 from megatron_adacc.tokenizers import ByteLevelTokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 PRETRAIN = str(ROOT / "pretrain_gpt.py")
 PREPROCESS = str(ROOT / "scripts" / "preprocess_data.py")
-# A single process's checkpoint file (Megatron-LM's layout: model-parallel rank 00, no stages).
-RANK_FILE = "mp_rank_00/model_optim_rng.pt"
 TINY = ["--config", str(ROOT / "configs" / "tiny-cpu.yaml"), "--log-interval", "1000",
         "--eval-interval", "0", "--num-layers", "2", "--hidden-size", "64", "--seq-length", "32",
         "--micro-batch-size", "2", "--global-batch-size", "4", "--lr-warmup-iters", "1"]
@@ -87,10 +85,9 @@ def test_a_diverged_run_stops_at_the_first_nan_and_saves_no_nan(tmp_path, corpus
                                "optimizer step, nothing saved (lower --lr, or --load the last "
                                "checkpoint)")
     assert [r["iteration"] for r in metrics(tmp_path / "m.jsonl")] == [1, 2]
-    assert checkpoint.latest_iteration(tmp_path / "ck") == 2
-    saved = torch.load(tmp_path / "ck" / "iter_0000002" / RANK_FILE, weights_only=True)
-    assert all(torch.isfinite(t).all() for t in saved["model"].values()
-               if isinstance(t, torch.Tensor) and t.is_floating_point())
+    assert checkpointing.latest_iteration(tmp_path / "ck") == 2
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == [
+        "iter_0000002", checkpointing.TRACKER]
 
 
 def test_metrics_files_are_strict_json(tmp_path, distributed):
@@ -103,28 +100,40 @@ def test_metrics_files_are_strict_json(tmp_path, distributed):
         {"iteration": 1, "loss": None, "grad_norm": None, "lr": 1e-3}]
 
 
-class _Scheduler:
-    def state_dict(self):
-        return {"num_steps": 3}
+@pytest.fixture(scope="module")
+def trainer(corpus):
+    """A tiny run in this process, trained one step, to save from."""
+    from megatron_adacc.arguments import parse_args
+    from megatron_adacc.trainer import Trainer
 
-    def load_state_dict(self, state):
-        self.state = state
-
-
-def _tiny_state(nan=False):
-    model = torch.nn.Linear(3, 2)
-    if nan:
-        with torch.no_grad():
-            model.weight[0, 1] = float("nan")
-    return model, torch.optim.SGD(model.parameters(), lr=0.1), _Scheduler()
+    trainer = Trainer(parse_args([*TINY, *data_flags(corpus), "--train-iters", "2",
+                                  "--exit-interval", "1"]))
+    trainer.train()
+    return trainer
 
 
-def test_a_checkpoint_with_nan_is_never_written(tmp_path, distributed):
+def _save(trainer, directory, iteration):
+    from megatron_adacc.arguments import parse_args
+
+    saver = checkpointing.Saver(parse_args([*TINY, "--save", str(directory)]))
+    return saver.save(iteration, [trainer.train_model], trainer.optimizer, trainer.scheduler)
+
+
+def test_a_checkpoint_with_nan_is_never_written(tmp_path, trainer):
     from megatron_adacc.numerics import NonFiniteError
 
-    with pytest.raises(NonFiniteError, match=r"^checkpoint of iteration 5 not written "
-                       r"to .*ck: model\.weight holds NaN or Inf$"):
-        checkpoint.save(tmp_path / "ck", 5, *_tiny_state(nan=True))
+    weight = trainer.model.decoder.final_layernorm.weight
+    kept = weight.detach().clone()
+    with torch.no_grad():
+        weight[1] = float("nan")
+    try:
+        with pytest.raises(NonFiniteError, match=r"^checkpoint of iteration 5 not written "
+                           r"to .*ck: model\.decoder\.final_layernorm\.weight holds NaN or "
+                           r"Inf$"):
+            _save(trainer, tmp_path / "ck", 5)
+    finally:
+        with torch.no_grad():
+            weight.copy_(kept)
     assert not (tmp_path / "ck").exists()
 
 
@@ -143,60 +152,65 @@ def straight(tmp_path_factory, corpus):
 
 def _copy_checkpoints(straight, tmp_path):
     shutil.copytree(straight[0] / "ck", tmp_path / "ck")
-    return tmp_path / "ck" / "iter_0000006" / RANK_FILE
+    return tmp_path / "ck" / "iter_0000006"
 
 
 @pytest.mark.parametrize("damage, problem", [
-    ("truncate", "unreadable (PytorchStreamReader failed reading zip archive: failed finding "
-                 "central directory)"),
-    ("delete", "missing"),
+    ("truncate", "unreadable (EOFError)"),
+    ("delete", "unreadable (FileNotFoundError: [Errno 2] No such file or directory: "
+               "'ck/iter_0000006/common.pt')"),
 ])
 def test_a_damaged_newest_checkpoint_falls_back_to_the_newest_intact_one(
         tmp_path, corpus, straight, damage, problem):
     newest = _copy_checkpoints(straight, tmp_path)
+    shard = next(newest.glob("*.distcp"))
     if damage == "truncate":
-        newest.write_bytes(newest.read_bytes()[:1000])
+        shard.write_bytes(shard.read_bytes()[:100])
     else:
-        newest.unlink()
+        (newest / "common.pt").unlink()
     code, _, stderr = run(PRETRAIN, *TINY, *data_flags(corpus), "--train-iters", "6",
                           "--load", "ck", "--metrics-file", "m.jsonl", cwd=tmp_path)
     assert code == 0, stderr
-    assert (f"warning: checkpoint ck/iter_0000006/{RANK_FILE} is {problem}; resuming from "
-            f"the newest intact one, ck/iter_0000004") in stderr.splitlines()
+    assert (f"warning: checkpoint ck/iter_0000006 is {problem}; resuming from the newest "
+            f"intact one, ck/iter_0000004") in stderr.splitlines()
     resumed = metrics(tmp_path / "m.jsonl")
     assert [r["iteration"] for r in resumed] == [5, 6]
     assert [r["loss"] for r in resumed] == straight[1][4:]  # bit for bit
 
 
-def test_a_checkpoint_that_would_run_code_is_not_loaded(tmp_path, corpus):
+def test_a_checkpoint_that_would_run_code_is_not_loaded(tmp_path, corpus, straight):
     class Payload:
         def __reduce__(self):
             return (os.system, (f"touch {tmp_path / 'pwned'}",))
 
-    (tmp_path / "ck" / "iter_0000001" / "mp_rank_00").mkdir(parents=True)
-    torch.save({"format": checkpoint.FORMAT_VERSION, "evil": Payload()},
-               tmp_path / "ck" / "iter_0000001" / RANK_FILE)
-    (tmp_path / "ck" / "latest").write_text("1\n")
-    code, line, _ = run(PRETRAIN, *TINY, *data_flags(corpus), "--train-iters", "2",
+    newest = _copy_checkpoints(straight, tmp_path)
+    for older in ("iter_0000002", "iter_0000004"):
+        shutil.rmtree(tmp_path / "ck" / older)
+    torch.save({"evil": Payload()}, newest / "common.pt")
+    code, line, _ = run(PRETRAIN, *TINY, *data_flags(corpus), "--train-iters", "8",
                         "--load", "ck", cwd=tmp_path)
     assert not (tmp_path / "pwned").exists()
     assert (code, line) == (2, "pretrain_gpt.py: error: --load ck: no intact checkpoint; the "
-                               f"newest, ck/iter_0000001/{RANK_FILE}, is not plain tensors and "
-                               "values (loading it could run code), refused; point --load "
-                               "elsewhere or drop it to start afresh")
+                               "newest, ck/iter_0000006, is not plain tensors and values "
+                               "(loading it could run code), refused; point --load elsewhere "
+                               "or drop it to start afresh")
 
 
 @pytest.mark.parametrize("flags, expected", [
-    (["--hidden-size", "32", "--train-iters", "8"],
-     (2, f"pretrain_gpt.py: error: checkpoint ck/iter_0000006/{RANK_FILE} does not fit this "
-         "model: embedding.word_embeddings.weight is [384, 64] there, [384, 32] here; load it "
-         "with the model flags it was saved with (--num-layers, --hidden-size, ...)")),
     (["--train-iters", "3"],
      (2, "pretrain_gpt.py: error: --load ck is at iteration 6, past --train-iters 3: nothing "
          "to train (raise --train-iters)")),
     (["--train-iters", "6"],
      (0, "pretrain_gpt.py: --load ck is at iteration 6, already at --train-iters 6: nothing "
          "to train")),
+    (["--train-iters", "8"],
+     (2, "pretrain_gpt.py: error: --load ck: --train-iters is 8 here but 6 in the checkpoint; "
+         "add --override-opt_param-scheduler to train on the flags' schedule or "
+         "--use-checkpoint-opt_param-scheduler to keep the checkpoint's")),
+    (["--train-iters", "8", "--lr", "0.002"],
+     (2, "pretrain_gpt.py: error: --load ck: --lr is 0.002 here but 0.001 in the checkpoint; "
+         "add --override-opt_param-scheduler to train on the flags' schedule or "
+         "--use-checkpoint-opt_param-scheduler to keep the checkpoint's")),
 ])
 def test_loading_into_the_wrong_run_says_why(tmp_path, corpus, straight, flags, expected):
     _copy_checkpoints(straight, tmp_path)
@@ -205,16 +219,32 @@ def test_loading_into_the_wrong_run_says_why(tmp_path, corpus, straight, flags, 
     assert (code, line) == expected
 
 
+@pytest.mark.parametrize("which, lr_at_7", [
+    ("--override-opt_param-scheduler", "flags"), ("--use-checkpoint-opt_param-scheduler", "min")])
+def test_a_changed_schedule_trains_on_the_schedule_the_user_names(tmp_path, corpus, straight,
+                                                                  which, lr_at_7):
+    _copy_checkpoints(straight, tmp_path)
+    code, _, stderr = run(PRETRAIN, *TINY, *data_flags(corpus), "--train-iters", "8",
+                          "--load", "ck", which, "--metrics-file", "m.jsonl", cwd=tmp_path)
+    assert code == 0, stderr
+    lrs = [r["lr"] for r in metrics(tmp_path / "m.jsonl")]
+    assert len(lrs) == 2
+    if lr_at_7 == "min":  # the checkpoint's schedule decayed to --min-lr at iteration 6
+        assert lrs == [1e-4, 1e-4]
+    else:  # the flags' 8-iteration cosine is still above its minimum at iteration 7
+        assert 1e-4 < lrs[1] < lrs[0]
+
+
 def test_load_of_a_directory_without_checkpoints_warns_and_starts_from_scratch(tmp_path, corpus):
     (tmp_path / "empty").mkdir()
     code, _, stderr = run(PRETRAIN, *TINY, *data_flags(corpus), "--train-iters", "2",
                           "--load", "empty", cwd=tmp_path)
     assert code == 0
-    assert ("warning: --load empty: no checkpoint there (no 'latest', no iter_*); training "
-            "starts from scratch") in stderr.splitlines()
+    assert ("warning: --load empty: no checkpoint there (no latest_checkpointed_iteration.txt, "
+            "no iter_*); training starts from scratch") in stderr.splitlines()
 
 
-def test_checkpoint_files_are_fsynced_before_the_publishing_rename(tmp_path, distributed,
+def test_checkpoint_files_are_fsynced_before_the_publishing_rename(tmp_path, trainer,
                                                                    monkeypatch):
     events = []
     real_fsync, real_replace = os.fsync, os.replace
@@ -229,37 +259,44 @@ def test_checkpoint_files_are_fsynced_before_the_publishing_rename(tmp_path, dis
 
     monkeypatch.setattr(os, "fsync", fsync)
     monkeypatch.setattr(os, "replace", replace)
-    checkpoint.save(tmp_path / "ck", 1, *_tiny_state())
+    final = _save(trainer, tmp_path / "ck", 1)
     staging = str(tmp_path / "ck" / ".staging_iter_0000001")
     publish = events.index(("replace", staging))
-    assert ("fsync", f"{staging}/{RANK_FILE}") in events[:publish]
-    assert ("fsync", f"{staging}/mp_rank_00") in events[:publish]
+    for name in sorted(p.name for p in final.iterdir()):
+        assert ("fsync", f"{staging}/{name}") in events[:publish], name
     assert ("fsync", staging) in events[:publish]
+    tracker = str(tmp_path / "ck" / checkpointing.TRACKER) + ".tmp"
+    assert events.index(("replace", tracker)) > publish
 
 
 def test_a_save_killed_midway_leaves_no_staging_directory_after_the_next_save(tmp_path,
-                                                                            distributed):
+                                                                            trainer):
     leftover = tmp_path / "ck" / ".staging_iter_0000003"
     leftover.mkdir(parents=True)
-    (leftover / "mp_rank_00").mkdir()
-    (leftover / RANK_FILE).write_bytes(b"half a checkpoint")
-    checkpoint.save(tmp_path / "ck", 4, *_tiny_state())
-    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["iter_0000004", "latest"]
+    (leftover / "__0_0.distcp").write_bytes(b"half a checkpoint")
+    _save(trainer, tmp_path / "ck", 4)
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == [
+        "iter_0000004", checkpointing.TRACKER]
 
 
-def test_the_saved_rng_and_scheduler_state_loads_with_weights_only(tmp_path, distributed):
-    checkpoint.save(tmp_path / "ck", 2, *_tiny_state())
+def test_every_saved_object_loads_with_weights_only(tmp_path, trainer):
+    from megatron.core import dist_checkpointing
+
+    final = _save(trainer, tmp_path / "ck", 2)
     # Plain tensors and values: readable without the globals other libraries may allowlist
     # (numpy arrays, say) in this process.
     allowlisted = torch.serialization.get_safe_globals()
     torch.serialization.clear_safe_globals()
     try:
-        torch.load(tmp_path / "ck" / "iter_0000002" / RANK_FILE, weights_only=True)
+        common = torch.load(final / "common.pt", weights_only=True)
+        state = checkpointing._state_dict(
+            [trainer.train_model], trainer.optimizer, trainer.scheduler, iteration=2,
+            with_optimizer=True, with_rng=True, loading=True)
+        loaded = dist_checkpointing.load(state, str(final))  # ShardedObjects: weights_only
     finally:
         torch.serialization.add_safe_globals(allowlisted)
-    model, optimizer, scheduler = _tiny_state()
-    assert checkpoint.load(tmp_path / "ck", model, optimizer, scheduler) == (2, {})
-    assert scheduler.state == {"num_steps": 3}
+    assert common["iteration"] == 2
+    assert loaded["rng_state"]["torch_rng_state"].dtype == torch.uint8
 
 
 # --- 4. flags and config keys ---------------------------------------------------------------

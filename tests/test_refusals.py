@@ -213,9 +213,9 @@ def test_ctrl_c_ends_the_run_in_one_line_with_exit_130(tmp_path, corpus):
     assert process.returncode == 130
     assert "Traceback" not in err
     last = err.strip().splitlines()[-1]
-    from megatron_adacc import checkpoint
+    from megatron_adacc import checkpointing
 
-    saved = checkpoint.latest_iteration(tmp_path / "ck")
+    saved = checkpointing.latest_iteration(tmp_path / "ck")
     assert saved is not None and saved % 2 == 0
     assert last.startswith("pretrain_gpt.py: interrupted at iteration ")
     assert last.endswith(f"; last checkpoint: iteration {saved} in ck (resume with --load ck)")

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_adacc import checkpoint
+from megatron_adacc import checkpointing
 from megatron_adacc.arguments import parse_args
 from megatron_adacc.trainer import Trainer
 
@@ -45,7 +45,7 @@ def test_resume_reproduces_uninterrupted_losses_bit_for_bit(tmp_path):
     straight = losses(train(*common))
     ckpt = str(tmp_path / "ckpt")
     first = losses(train(*common, "--save", ckpt, "--exit-interval", "3"))
-    assert checkpoint.latest_iteration(ckpt) == 3
+    assert checkpointing.latest_iteration(ckpt) == 3
     rest = losses(train(*common, "--load", ckpt))
     assert first + rest == straight
 
@@ -53,7 +53,7 @@ def test_resume_reproduces_uninterrupted_losses_bit_for_bit(tmp_path):
 def test_a_save_killed_midway_leaves_the_previous_checkpoint_loadable(tmp_path, monkeypatch):
     ckpt = str(tmp_path / "ckpt")
     train("--train-iters", "2", "--save", ckpt, "--save-interval", "1", "--exit-interval", "1")
-    assert checkpoint.latest_iteration(ckpt) == 1
+    assert checkpointing.latest_iteration(ckpt) == 1
 
     real_save = torch.save
 
@@ -65,7 +65,7 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint_loadable(tmp_path, 
     with pytest.raises(KeyboardInterrupt):
         train("--train-iters", "2", "--load", ckpt, "--save", ckpt)
     monkeypatch.undo()
-    assert checkpoint.latest_iteration(ckpt) == 1
+    assert checkpointing.latest_iteration(ckpt) == 1
     resumed = losses(train("--train-iters", "2", "--load", ckpt))
     straight = losses(train("--train-iters", "2"))
     assert resumed == straight[1:]
