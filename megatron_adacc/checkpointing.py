@@ -116,7 +116,8 @@ def _state_dict(model_chunks, optimizer, scheduler, *, iteration: int, with_opti
     """Megatron-LM's checkpoint state dict (sharded where megatron shards it)."""
     model = model_chunks[0].module.sharded_state_dict()
     state: dict[str, Any] = {"checkpoint_version": 3.0, "iteration": iteration,
-                             "parallel": _parallel_sizes(), "model": model}
+                             "parallel": _parallel_sizes(), "model": model,
+                             "optimizer_layout": _optimizer_layout(model_chunks)}
     if with_optimizer:
         state["optimizer"] = optimizer.sharded_state_dict(model, is_loading=loading,
                                                           metadata=_SHARDING_METADATA)
@@ -124,6 +125,16 @@ def _state_dict(model_chunks, optimizer, scheduler, *, iteration: int, with_opti
     if with_rng:
         state["rng_state"] = _sharded_rng_state()
     return state
+
+
+def _optimizer_layout(model_chunks) -> dict[str, Any]:
+    """What the distributed optimizer's dp_reshardable state is laid out by: DDP's buckets,
+    which --overlap-grad-reduce and --ddp-bucket-size decide."""
+    config = model_chunks[0].ddp_config
+    if not config.use_distributed_optimizer:
+        return {}
+    return {"--overlap-grad-reduce": config.overlap_grad_reduce,
+            "--ddp-bucket-size": config.bucket_size}
 
 
 def _held_tensors(model_chunks, optimizer) -> dict[str, Any]:
@@ -326,7 +337,7 @@ def load(args: argparse.Namespace, model_chunks, optimizer, scheduler) -> int:
         if not numerics.agree(problem is None):
             newest = newest or (path, problem or "damaged on another rank")
             continue
-        with_optimizer, with_rng = _what_to_load(args, common, path)
+        with_optimizer, with_rng = _what_to_load(args, common, path, model_chunks)
         state = _state_dict(model_chunks, optimizer, scheduler, iteration=iteration,
                             with_optimizer=with_optimizer, with_rng=with_rng, loading=True)
         try:
@@ -354,11 +365,13 @@ def load(args: argparse.Namespace, model_chunks, optimizer, scheduler) -> int:
                           f"is {newest[1]}; point --load elsewhere or drop it to start afresh")
 
 
-def _what_to_load(args: argparse.Namespace, common: dict, path: Path) -> tuple[bool, bool]:
+def _what_to_load(args: argparse.Namespace, common: dict, path: Path, model_chunks
+                  ) -> tuple[bool, bool]:
     """(optimizer and scheduler, random generators) to load, as Megatron-LM decides: not
     with --finetune or their --no-load-* flag; a checkpoint of other tensor or pipeline
     sizes gives its weights only (its optimizer state is refused unless --no-load-optim,
-    its generators are skipped with a warning)."""
+    its generators are skipped with a warning), and so is a distributed optimizer's state
+    laid out by other buckets."""
     with_optimizer = not (args.finetune or args.no_load_optim)
     with_rng = not (args.finetune or args.no_load_rng)
     saved, here = common.get("parallel"), _parallel_sizes()
@@ -373,6 +386,15 @@ def _what_to_load(args: argparse.Namespace, common: dict, path: Path) -> tuple[b
         if with_rng:
             _warn(f"{path} was written with {sizes}: its random generators are not loaded")
             with_rng = False
+    layout = common.get("optimizer_layout")
+    if with_optimizer and layout and layout != _optimizer_layout(model_chunks):
+        here = _optimizer_layout(model_chunks)
+        differs = ", ".join(f"{flag} {layout[flag]} there, {here.get(flag)} here"
+                            for flag in layout if layout[flag] != here.get(flag))
+        raise CheckpointError(
+            f"--load {args.load}: {path.name}'s distributed-optimizer state is laid out by "
+            f"DDP's buckets ({differs}); resume with the same flags, or add --no-load-optim "
+            f"to load its weights only")
     return with_optimizer, with_rng
 
 

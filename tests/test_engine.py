@@ -12,6 +12,7 @@ import torch
 
 from megatron_adacc import hardware
 from megatron_adacc.arguments import parse_args
+from megatron_adacc.checkpointing import CheckpointError
 from megatron_adacc.trainer import Trainer
 from multirank_engine import held_bytes
 from test_trainer import TINY
@@ -143,3 +144,21 @@ def test_finetune_loads_the_weights_only_and_starts_at_iteration_zero(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(trained.model.parameters(),
                                                  tuned.model.parameters()))
     assert [r["iteration"] for r in tuned.train()] == [1, 2]
+
+
+def test_a_distributed_optimizer_checkpoint_refuses_other_buckets_in_one_line(tmp_path):
+    flags = TINY + NO_DROPOUT + ["--use-distributed-optimizer", "--overlap-grad-reduce",
+                                 "--ddp-bucket-size", "20000", "--train-iters", "2"]
+    Trainer(parse_args(flags + ["--save", str(tmp_path)])).train()
+    other = ["--use-distributed-optimizer", "--overlap-grad-reduce", "--ddp-bucket-size",
+             "40000"]
+    with pytest.raises(CheckpointError) as refused:
+        Trainer(parse_args(TINY + NO_DROPOUT + other + ["--train-iters", "4",
+                                                        "--load", str(tmp_path)])).train()
+    assert str(refused.value) == (
+        f"--load {tmp_path}: iter_0000002's distributed-optimizer state is laid out by DDP's "
+        f"buckets (--ddp-bucket-size 20000 there, 40000 here); resume with the same flags, or "
+        f"add --no-load-optim to load its weights only")
+    # Its weights still load.
+    Trainer(parse_args(TINY + NO_DROPOUT + other + ["--train-iters", "4", "--load",
+                                                    str(tmp_path), "--no-load-optim"])).train()
