@@ -285,7 +285,7 @@ def optimizer_config(args: argparse.Namespace):
 
 def wire_schedule_hooks(model, optimizer, overlap_grad_reduce: bool) -> None:
     """The hooks megatron-core's schedules call, set on the model's config as Megatron-LM's
-    training.py sets them: the loss scaled by the optimizer's loss scale; with overlapped
+    training.py sets them: the loss scaled by the optimizer's loss scale (fp16); with overlapped
     reduction, the DDP's no_sync (micro-batches before the last accumulate only) and
     start_grad_sync (the last micro-batch's buckets start reducing as backward fills
     them); and finalize_model_grads, which finishes the reduction (and all-reduces the tied
@@ -293,7 +293,11 @@ def wire_schedule_hooks(model, optimizer, overlap_grad_reduce: bool) -> None:
     from megatron.core.distributed import finalize_model_grads
 
     config = model.config
-    config.grad_scale_func = optimizer.scale_loss
+    # Without a loss scaler (fp32, bf16) the scale is 1: multiplying the loss by it would
+    # change nothing but keep the scale tensor for backward, bytes no plan counts.
+    scalers = [getattr(o, "grad_scaler", None)
+               for o in getattr(optimizer, "chained_optimizers", [optimizer])]
+    config.grad_scale_func = optimizer.scale_loss if any(scalers) else None
     config.no_sync_func = model.no_sync if overlap_grad_reduce else None
     config.grad_sync_func = model.start_grad_sync if overlap_grad_reduce else None
     config.finalize_model_grads_func = finalize_model_grads
