@@ -24,7 +24,7 @@ def _terminate(signum, frame):
 
 
 def _interrupted_line(args, trainer) -> str:
-    from megatron_adacc import checkpointing
+    from megatron_adacc.training import checkpointing
 
     iteration = trainer.iteration if trainer is not None else 0
     saved = None
@@ -43,10 +43,10 @@ def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*")
     import torch.distributed as dist
 
-    from megatron_adacc.arguments import parse_args
-    from megatron_adacc.model import shutdown_distributed
-    from megatron_adacc.numerics import NonFiniteError
-    from megatron_adacc.trainer import Trainer
+    from megatron_adacc.training.arguments import parse_args
+    from megatron_adacc.models.build import shutdown_distributed
+    from megatron_adacc.training.numerics import NonFiniteError
+    from megatron_adacc.training.trainer import Trainer
 
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))

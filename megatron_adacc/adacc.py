@@ -34,18 +34,20 @@ from typing import Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from megatron_adacc import hardware, policies, profiler
-from megatron_adacc.attention import DEFAULT_SPEC_BACKEND, local_layer_spec
-from megatron_adacc.costs import ModelCosts
-from megatron_adacc.errors import InputError
+from megatron_adacc import policies
+from megatron_adacc.profiling import hardware
+from megatron_adacc.profiling import profiler
+from megatron_adacc.models.attention import DEFAULT_SPEC_BACKEND, local_layer_spec
+from megatron_adacc.common.costs import ModelCosts
+from megatron_adacc.common.errors import InputError
 from megatron_adacc.codecs import BACKENDS
-from megatron_adacc.plan import Plan, PlanError
-from megatron_adacc.profile_db import ProfileDB
+from megatron_adacc.common.plan import Plan, PlanError
+from megatron_adacc.profiling.profile_db import ProfileDB
 from megatron_adacc.rectifier import (DEFAULT_GUARD_THRESHOLD, DEFAULT_MAX_INTERVAL,
                                       DEFAULT_RESET_FRACTION, Rectifier)
 from megatron_adacc.runtime import ActivationRuler, apply_plan, get_adacc_layer_spec
-from megatron_adacc.sites import SITE_NAMES
-from megatron_adacc.units import parse_size
+from megatron_adacc.common.sites import SITE_NAMES
+from megatron_adacc.common.units import parse_size
 
 TRACKING_MODES = ("backoff", "off")
 LossFn = Callable[[torch.nn.Module, profiler.Batch], torch.Tensor]

@@ -29,13 +29,13 @@ from typing import Any, Sequence
 import torch
 import yaml
 
-from megatron_adacc import hardware
-from megatron_adacc.arguments import read_config
-from megatron_adacc.costs import ModelCosts
-from megatron_adacc.errors import InputError
+from megatron_adacc.profiling import hardware
+from megatron_adacc.training.arguments import read_config
+from megatron_adacc.common.costs import ModelCosts
+from megatron_adacc.common.errors import InputError
 from megatron_adacc.planning import InfeasibleBudget, plan_stages
-from megatron_adacc.report import format_plan, format_stages
-from megatron_adacc.units import parse_size
+from megatron_adacc.planning import format_plan, format_stages
+from megatron_adacc.common.units import parse_size
 
 _SHAPE_FLAGS = ("num-layers", "hidden-size", "num-attention-heads", "ffn-hidden-size",
                 "seq-length", "max-position-embeddings", "vocab-size", "tokenizer-type",
@@ -136,9 +136,10 @@ def _profiled_costs(args: argparse.Namespace, budget: int | None
     """This machine's measured costs from the ProfileDB, profiled first (on the model and
     first micro-batch the trainer would build from this config) when it has none; and the
     default budget (a GPU's usable memory, None on a CPU)."""
-    from megatron_adacc import policies, trainer
-    from megatron_adacc.arguments import ConfigError, parse_args
-    from megatron_adacc.profile_db import ProfileDB
+    from megatron_adacc import policies
+    from megatron_adacc.training import trainer
+    from megatron_adacc.training.arguments import ConfigError, parse_args
+    from megatron_adacc.profiling.profile_db import ProfileDB
     from megatron_adacc.runtime import get_adacc_layer_spec
 
     if args.vocab_size is not None:

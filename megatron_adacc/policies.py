@@ -42,12 +42,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megatron_adacc import allocator, planning, profiler
-from megatron_adacc.attention import backend_of
-from megatron_adacc.costs import ModelCosts
-from megatron_adacc.plan import Decision, Plan
-from megatron_adacc.profile_db import ProfileDB, profile_key
-from megatron_adacc.sites import COMPRESS, DECIDED_SITES, RECOMPUTE
+from megatron_adacc import planning
+from megatron_adacc.profiling import allocator
+from megatron_adacc.profiling import profiler
+from megatron_adacc.models.attention import backend_of
+from megatron_adacc.common.costs import ModelCosts
+from megatron_adacc.common.plan import Decision, Plan
+from megatron_adacc.profiling.profile_db import ProfileDB, profile_key
+from megatron_adacc.common.sites import COMPRESS, DECIDED_SITES, RECOMPUTE
 
 NAMED = ("none", "auto", "auto-no-outlier", "full-recompute", "quantize")
 AUTO_POLICIES = ("auto", "auto-no-outlier")  # profile and plan for a budget
@@ -261,7 +263,7 @@ def _from_rank0(value):
 def describe(resolved: Resolved) -> str:
     """What rank 0 prints before training: where the costs came from and the plan table,
     one block per stage with pipeline stages."""
-    from megatron_adacc.report import format_plan, format_stages
+    from megatron_adacc.planning import format_plan, format_stages
 
     if resolved.result is None:
         return f"adacc: policy {resolved.name}, plan {resolved.plan_id}"

@@ -29,10 +29,11 @@ from typing import Iterable, Mapping
 import torch
 import torch.distributed as dist
 
-from megatron_adacc import planning, policies, profiler
-from megatron_adacc import sites as site_table
-from megatron_adacc.costs import ModelCosts
-from megatron_adacc.plan import RETAIN_DECISION
+from megatron_adacc import planning, policies
+from megatron_adacc.profiling import profiler
+from megatron_adacc.common import sites as site_table
+from megatron_adacc.common.costs import ModelCosts
+from megatron_adacc.common.plan import RETAIN_DECISION
 
 DEFAULT_MAX_INTERVAL = 256
 DEFAULT_RESET_FRACTION = 0.25

@@ -121,8 +121,8 @@ def probe_budgets(args, flags: list[str]) -> dict:
     from collections import Counter
 
     from megatron_adacc import Adacc, AdaccConfig, planning, policies
-    from megatron_adacc.arguments import parse_args
-    from megatron_adacc.trainer import build_model_and_data, first_micro_batch
+    from megatron_adacc.training.arguments import parse_args
+    from megatron_adacc.training.trainer import build_model_and_data, first_micro_batch
 
     probe = parse_args(flags + ["--train-iters", "1", "--lr-warmup-iters", "0",
                                 "--seed", str(args.seeds[0]), "--adacc-policy", "auto",
@@ -152,8 +152,8 @@ def probe_budgets(args, flags: list[str]) -> dict:
                                   "same_plan": len(set(plan_ids.values())) == 1}
     # Adacc's codecs on every site (what quantize does with naive INT4): the accuracy of
     # layer-specific compression itself, whatever a budget makes the planner choose.
-    from megatron_adacc.plan import Decision, Plan
-    from megatron_adacc.sites import ABLATION_CODECS, COMPRESS, SITES
+    from megatron_adacc.common.plan import Decision, Plan
+    from megatron_adacc.common.sites import ABLATION_CODECS, COMPRESS, SITES
 
     forced = {}
     for name, no_outlier in (("codecs", False), ("codecs-no-outlier", True)):
@@ -342,7 +342,7 @@ def scale_layernorm_gains(source: str, dest: str, channels: int) -> dict:
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 
-    from megatron_adacc import checkpointing
+    from megatron_adacc.training import checkpointing
 
     iteration = checkpointing.latest_iteration(source)
     folder = checkpointing.iteration_dir(source, iteration)

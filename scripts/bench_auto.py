@@ -21,10 +21,11 @@ from collections import Counter
 
 import bench_common as bc
 
-from megatron_adacc import model as model_lib
-from megatron_adacc import planning, policies, profiler
+from megatron_adacc.models import build as model_lib
+from megatron_adacc import planning, policies
+from megatron_adacc.profiling import profiler
 from megatron_adacc.runtime import apply_plan, measure_step
-from megatron_adacc.units import format_size
+from megatron_adacc.common.units import format_size
 
 FRACTIONS = (0.25, 0.5, 0.75)   # of the way from the smallest feasible budget to no optimisation
 

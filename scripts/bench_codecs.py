@@ -54,7 +54,7 @@ def kjv_bytes() -> torch.Tensor:
 
 def captured_activations(train_steps: int, batch: int, seq: int, seed: int) -> dict[str, torch.Tensor]:
     """Every tensor saved for backward in one training step of a tiny GPT, after training it."""
-    from megatron_adacc import model as gpt
+    from megatron_adacc.models import build as gpt
 
     gpt.init_distributed()
     gpt.set_seed(seed)

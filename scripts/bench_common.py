@@ -36,10 +36,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 import torch
 
-from megatron_adacc import model as model_lib
-from megatron_adacc import hardware, models, planning, policies, profiler
-from megatron_adacc.attention import local_layer_spec
-from megatron_adacc.plan import Plan
+from megatron_adacc.models import build as model_lib
+from megatron_adacc import models, planning, policies
+from megatron_adacc.profiling import hardware
+from megatron_adacc.profiling import profiler
+from megatron_adacc.models.attention import local_layer_spec
+from megatron_adacc.common.plan import Plan
 from megatron_adacc.runtime import ActivationRuler, apply_plan, get_adacc_layer_spec
 
 RESULTS_DIR = os.path.join(ROOT, "docs", "results")

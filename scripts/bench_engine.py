@@ -44,8 +44,8 @@ def worker(flags: list[str], out: str) -> None:
     """One run under torchrun; rank 0 writes its step times, losses and bucket count."""
     import torch.distributed as dist
 
-    from megatron_adacc.arguments import parse_args
-    from megatron_adacc.trainer import Trainer
+    from megatron_adacc.training.arguments import parse_args
+    from megatron_adacc.training.trainer import Trainer
 
     trainer = Trainer(parse_args(flags, world_size=int(os.environ["WORLD_SIZE"])))
     records = trainer.train()

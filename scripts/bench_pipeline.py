@@ -45,9 +45,9 @@ def worker(flags: list[str], out: str) -> None:
     and, for auto, the shared plan: the first stage's plan on every stage's layers."""
     import torch.distributed as dist
 
-    from megatron_adacc.arguments import parse_args
-    from megatron_adacc.plan import Plan
-    from megatron_adacc.trainer import Trainer
+    from megatron_adacc.training.arguments import parse_args
+    from megatron_adacc.common.plan import Plan
+    from megatron_adacc.training.trainer import Trainer
 
     args = parse_args(flags, world_size=int(os.environ["WORLD_SIZE"]))
     trainer = Trainer(args)

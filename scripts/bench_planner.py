@@ -14,8 +14,9 @@ import statistics
 import time
 from pathlib import Path
 
-from megatron_adacc import hardware, planning
-from megatron_adacc.units import format_size
+from megatron_adacc import planning
+from megatron_adacc.profiling import hardware
+from megatron_adacc.common.units import format_size
 
 GiB = 1024**3
 

@@ -21,9 +21,9 @@ import tempfile
 import warnings
 
 from megatron_adacc import Adacc, AdaccConfig, planning, policies
-from megatron_adacc.arguments import parse_args
-from megatron_adacc.trainer import Trainer, build_model_and_data, first_micro_batch
-from megatron_adacc.units import format_size
+from megatron_adacc.training.arguments import parse_args
+from megatron_adacc.training.trainer import Trainer, build_model_and_data, first_micro_batch
+from megatron_adacc.common.units import format_size
 
 ACTION_CODE = {"retain": 0, "compress": 1, "recompute": 2}
 

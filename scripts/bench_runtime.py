@@ -21,10 +21,10 @@ import warnings
 
 import torch
 
-from megatron_adacc import model as model_lib
-from megatron_adacc.plan import Plan
+from megatron_adacc.models import build as model_lib
+from megatron_adacc.common.plan import Plan
 from megatron_adacc.runtime import apply_plan, get_adacc_layer_spec, measure_step
-from megatron_adacc.sites import SITE_NAMES, SITES
+from megatron_adacc.common.sites import SITE_NAMES, SITES
 
 PAPER_COMPRESSED = ["ln1_out", "qkv", "softmax_out", "attn_dropout_mask", "attn_probs",
                     "context", "bda1_mask", "ln2_in", "ln2_out", "gelu_in", "gelu_out",

@@ -20,8 +20,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from megatron_adacc.sites import ACTIONS, COMPRESS, RECOMPUTE, RETAIN  # noqa: E402
-from megatron_adacc.units import format_size  # noqa: E402
+from megatron_adacc.common.sites import ACTIONS, COMPRESS, RECOMPUTE, RETAIN  # noqa: E402
+from megatron_adacc.common.units import format_size  # noqa: E402
 
 # Budgets tried between the smallest feasible one and no optimisation's peak.
 FRONTIER_POINTS = 24
@@ -34,8 +34,8 @@ def plan_costs(argv: list[str]):
     """The costs auto plans this run with (the trainer's model, first micro-batch, static
     memory), measured once into the ProfileDB."""
     from megatron_adacc import Adacc, AdaccConfig
-    from megatron_adacc.arguments import parse_args
-    from megatron_adacc.trainer import build_model_and_data, first_micro_batch
+    from megatron_adacc.training.arguments import parse_args
+    from megatron_adacc.training.trainer import build_model_and_data, first_micro_batch
 
     # Any budget will do to resolve the costs; the demo's is chosen from them below.
     args = parse_args([*argv, "--adacc-policy", "auto", "--adacc-memory-budget", "1TiB",
@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"demo.py: error: {exc}", file=sys.stderr)
         return 2
     finally:
-        from megatron_adacc.model import shutdown_distributed
+        from megatron_adacc.models.build import shutdown_distributed
 
         shutdown_distributed()
     for line in reasons(costs, result, budget, low, high):

@@ -106,8 +106,8 @@ VOCAB, SEQ, BATCH, STEPS = 1024, 256, 4, 3
 
 
 def _plans() -> dict:
-    from megatron_adacc.plan import Plan
-    from megatron_adacc.sites import SITES
+    from megatron_adacc.common.plan import Plan
+    from megatron_adacc.common.sites import SITES
 
     return {
         "retain": Plan(),
@@ -123,7 +123,7 @@ def _plans() -> dict:
 
 
 def _tiny_gpt(dtype, plan):
-    from megatron_adacc import model as model_lib
+    from megatron_adacc.models import build as model_lib
     from megatron_adacc.runtime import apply_plan, get_adacc_layer_spec
 
     model_lib.set_seed(1)
@@ -141,7 +141,7 @@ def _tiny_gpt(dtype, plan):
 def _train(model) -> tuple[list, list, list]:
     """Losses, gradients and host synchronisations of each of STEPS steps, on fixed batches
     and dropout streams."""
-    from megatron_adacc import model as model_lib
+    from megatron_adacc.models import build as model_lib
 
     # Plain SGD: Adam's eps underflows in fp16 and turns untouched parameters into NaN.
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
@@ -169,7 +169,7 @@ def _train(model) -> tuple[list, list, list]:
 
 
 def check_exactness() -> dict:
-    from megatron_adacc import model as model_lib
+    from megatron_adacc.models import build as model_lib
 
     model_lib.init_distributed(1)
     # warn_only: an op without a deterministic kernel shows up as a mismatch, not a crash.

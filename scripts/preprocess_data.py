@@ -13,8 +13,8 @@ import argparse
 import sys
 import time
 
-from megatron_adacc.data import read_documents, write_indexed_dataset
-from megatron_adacc.tokenizers import TOKENIZER_TYPES, build_tokenizer
+from megatron_adacc.training.data import read_documents, write_indexed_dataset
+from megatron_adacc.training.tokenizers import TOKENIZER_TYPES, build_tokenizer
 
 
 def main(argv=None) -> int:

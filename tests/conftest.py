@@ -33,7 +33,7 @@ def hermetic_data_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def distributed():
     """A world of one with megatron-core's model-parallel state (gloo on CPU)."""
-    from megatron_adacc import model
+    from megatron_adacc.models import build as model
 
     warnings.filterwarnings("ignore", module="megatron")
     model.init_distributed(1)

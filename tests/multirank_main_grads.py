@@ -9,9 +9,9 @@ import sys
 import torch
 import torch.distributed as dist
 
-from megatron_adacc import model as model_lib
-from megatron_adacc.arguments import parse_args
-from megatron_adacc.trainer import Trainer
+from megatron_adacc.models import build as model_lib
+from megatron_adacc.training.arguments import parse_args
+from megatron_adacc.training.trainer import Trainer
 from multirank_engine import main_params
 
 MICRO = 8

@@ -7,8 +7,8 @@ import sys
 
 import torch.distributed as dist
 
-from megatron_adacc.arguments import parse_args
-from megatron_adacc.trainer import Trainer
+from megatron_adacc.training.arguments import parse_args
+from megatron_adacc.training.trainer import Trainer
 
 
 def main() -> None:

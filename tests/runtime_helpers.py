@@ -5,8 +5,8 @@ import dataclasses
 
 import torch
 
-from megatron_adacc import model as model_lib
-from megatron_adacc.attention import local_layer_spec
+from megatron_adacc.models import build as model_lib
+from megatron_adacc.models.attention import local_layer_spec
 from megatron_adacc.planning import default_resolution, minimum_budget, plan
 from megatron_adacc.policies import predicted_activation_bytes
 from megatron_adacc.runtime import apply_plan, get_adacc_layer_spec, measure_step

@@ -3,8 +3,8 @@ and reports through public calls only."""
 import pytest
 
 from megatron_adacc import Adacc, AdaccConfig
-from megatron_adacc import model as model_lib
-from megatron_adacc.arguments import parse_args
+from megatron_adacc.models import build as model_lib
+from megatron_adacc.training.arguments import parse_args
 from megatron_adacc.runtime import ActivationRuler, AdaccTransformerLayer
 from runtime_helpers import adacc_batch, adacc_model
 from test_trainer import TINY

@@ -1,10 +1,12 @@
 """--adacc-policy auto and the paper's baselines, end to end through the Trainer."""
 import pytest
 
-from megatron_adacc import planning, policies, profiler, sites
-from megatron_adacc.arguments import ConfigError, parse_args
-from megatron_adacc.sites import COMPRESS, RECOMPUTE, RETAIN
-from megatron_adacc.trainer import Trainer
+from megatron_adacc import planning, policies
+from megatron_adacc.profiling import profiler
+from megatron_adacc.common import sites
+from megatron_adacc.training.arguments import ConfigError, parse_args
+from megatron_adacc.common.sites import COMPRESS, RECOMPUTE, RETAIN
+from megatron_adacc.training.trainer import Trainer
 
 from test_trainer import TINY
 

@@ -4,7 +4,7 @@ import json
 import pytest
 
 from megatron_adacc.cli import main
-from megatron_adacc.units import format_size, parse_size
+from megatron_adacc.common.units import format_size, parse_size
 
 MODEL = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "4",
          "--seq-length", "256", "--vocab-size", "1000", "--micro-batch-size", "2",
@@ -94,7 +94,7 @@ def _stages(capsys, *extra):
 
 
 def test_pipeline_plans_each_stage_and_the_first_stores_less_when_the_budget_binds(capsys):
-    from megatron_adacc import hardware
+    from megatron_adacc.profiling import hardware
 
     # Under 1F1B stage 0 of 2 holds 2 micro-batches, stage 1 one: at stage 1's unoptimised
     # peak, stage 1 keeps everything and stage 0 has to store less per micro-batch.
@@ -120,7 +120,8 @@ def test_pipeline_plans_each_stage_and_the_first_stores_less_when_the_budget_bin
 
 
 def test_an_infeasible_stage_is_named_with_its_smallest_feasible_budget(capsys):
-    from megatron_adacc import hardware, planning
+    from megatron_adacc import planning
+    from megatron_adacc.profiling import hardware
 
     # GPT-2's vocabulary: the last stage's logits make it the one that does not fit.
     model = [*PIPELINE, "--vocab-size", "50257"]     # the last flag given wins
@@ -140,7 +141,7 @@ def test_an_infeasible_stage_is_named_with_its_smallest_feasible_budget(capsys):
 
 
 def test_distributed_optimizer_is_zero1(capsys):
-    from megatron_adacc import hardware
+    from megatron_adacc.profiling import hardware
 
     stages = _stages(capsys, "--memory-budget", "1TiB", "--data-parallel-size", "4",
                      "--use-distributed-optimizer")
@@ -200,7 +201,7 @@ def test_the_projects_own_configs_plan(capsys, config):
 
 
 def test_a_config_is_accepted_and_refused_as_the_trainer_does(tmp_path, capsys):
-    from megatron_adacc.arguments import ConfigError, parse_args
+    from megatron_adacc.training.arguments import ConfigError, parse_args
 
     config = tmp_path / "c.yaml"
     config.write_text((CONFIGS / "tiny-cpu.yaml").read_text() + "num-layerz: 3\n")

@@ -4,8 +4,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_adacc import data, model as model_lib, trainer
-from megatron_adacc.arguments import parse_args
+from megatron_adacc.training import data
+from megatron_adacc.models import build as model_lib
+from megatron_adacc.training import trainer
+from megatron_adacc.training.arguments import parse_args
 from test_trainer import TINY
 
 
@@ -100,7 +102,10 @@ def test_no_allocator_numbers_on_a_cpu(distributed):
 
 
 def test_the_profiled_allocator_overhead_is_what_the_all_retain_peak_exceeds(fake_allocator):
-    from megatron_adacc import allocator, hardware, planning, profiler
+    from megatron_adacc import planning
+    from megatron_adacc.profiling import allocator
+    from megatron_adacc.profiling import hardware
+    from megatron_adacc.profiling import profiler
 
     costs = hardware.analytic_costs(hardware.ModelShape(2, 64, 4, 32, 256), 2, "a100-80gb")
     retain_all = [planning.evaluate_layer(costs, {})] * costs.num_layers
@@ -118,7 +123,9 @@ def test_the_profiled_allocator_overhead_is_what_the_all_retain_peak_exceeds(fak
 def test_plans_carry_the_allocator_overhead(distributed):
     from dataclasses import replace
 
-    from megatron_adacc import costs as costs_lib, hardware, planning
+    from megatron_adacc import planning
+    from megatron_adacc.common import costs as costs_lib
+    from megatron_adacc.profiling import hardware
 
     costs = hardware.analytic_costs(hardware.ModelShape(2, 64, 4, 32, 256), 2, "a100-80gb")
     padded = replace(costs, allocator_overhead_bytes=777)
@@ -133,7 +140,8 @@ def test_plans_carry_the_allocator_overhead(distributed):
 
 
 def test_the_default_budget_is_what_the_process_may_still_use(monkeypatch):
-    from megatron_adacc import allocator, policies
+    from megatron_adacc import policies
+    from megatron_adacc.profiling import allocator
 
     gib = 1 << 30
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

@@ -6,9 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from megatron_adacc import hardware, planning
-from megatron_adacc.arguments import read_config
-from megatron_adacc.sites import ACTIONS
+from megatron_adacc import planning
+from megatron_adacc.profiling import hardware
+from megatron_adacc.training.arguments import read_config
+from megatron_adacc.common.sites import ACTIONS
 
 ROOT = Path(__file__).resolve().parents[1]
 

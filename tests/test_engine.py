@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_adacc import hardware
-from megatron_adacc.arguments import parse_args
-from megatron_adacc.checkpointing import CheckpointError
-from megatron_adacc.trainer import Trainer
+from megatron_adacc.profiling import hardware
+from megatron_adacc.training.arguments import parse_args
+from megatron_adacc.training.checkpointing import CheckpointError
+from megatron_adacc.training.trainer import Trainer
 from multirank_engine import held_bytes
 from test_trainer import TINY
 
@@ -94,7 +94,7 @@ def test_adacc_budget_holds_under_the_distributed_optimizer_at_two_ranks(two_ran
 
 
 def test_a_tensor_parallel_checkpoints_weights_load_at_one_rank_with_no_load_optim(tmp_path):
-    from megatron_adacc.checkpointing import CheckpointError
+    from megatron_adacc.training.checkpointing import CheckpointError
 
     common = [*TINY, "--hidden-dropout", "0", "--attention-dropout", "0",
               "--make-vocab-size-divisible-by", "256", "--train-iters", "3"]

@@ -5,7 +5,7 @@ import os
 import subprocess
 import sys
 
-from megatron_adacc.sites import ACTIONS, SITE_NAMES
+from megatron_adacc.common.sites import ACTIONS, SITE_NAMES
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_adacc import checkpointing
-from megatron_adacc.data import write_indexed_dataset
-from megatron_adacc.tokenizers import ByteLevelTokenizer
+from megatron_adacc.training import checkpointing
+from megatron_adacc.training.data import write_indexed_dataset
+from megatron_adacc.training.tokenizers import ByteLevelTokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 PRETRAIN = str(ROOT / "pretrain_gpt.py")
@@ -91,7 +91,7 @@ def test_a_diverged_run_stops_at_the_first_nan_and_saves_no_nan(tmp_path, corpus
 
 
 def test_metrics_files_are_strict_json(tmp_path, distributed):
-    from megatron_adacc.trainer import MetricsLog
+    from megatron_adacc.training.trainer import MetricsLog
 
     log = MetricsLog(str(tmp_path / "m.jsonl"), None, append=False)
     log.write({"iteration": 1, "loss": float("nan"), "grad_norm": float("inf"), "lr": 1e-3})
@@ -103,8 +103,8 @@ def test_metrics_files_are_strict_json(tmp_path, distributed):
 @pytest.fixture(scope="module")
 def trainer(corpus):
     """A tiny run in this process, trained one step, to save from."""
-    from megatron_adacc.arguments import parse_args
-    from megatron_adacc.trainer import Trainer
+    from megatron_adacc.training.arguments import parse_args
+    from megatron_adacc.training.trainer import Trainer
 
     trainer = Trainer(parse_args([*TINY, *data_flags(corpus), "--train-iters", "2",
                                   "--exit-interval", "1"]))
@@ -113,14 +113,14 @@ def trainer(corpus):
 
 
 def _save(trainer, directory, iteration):
-    from megatron_adacc.arguments import parse_args
+    from megatron_adacc.training.arguments import parse_args
 
     saver = checkpointing.Saver(parse_args([*TINY, "--save", str(directory)]))
     return saver.save(iteration, [trainer.train_model], trainer.optimizer, trainer.scheduler)
 
 
 def test_a_checkpoint_with_nan_is_never_written(tmp_path, trainer):
-    from megatron_adacc.numerics import NonFiniteError
+    from megatron_adacc.training.numerics import NonFiniteError
 
     weight = trainer.model.decoder.final_layernorm.weight
     kept = weight.detach().clone()
@@ -338,7 +338,7 @@ def test_bad_flags_and_keys_are_refused_when_parsed(tmp_path, capsys, corpus, fl
 
 
 def test_yaml_numbers_in_exponent_form_are_numbers(tmp_path):
-    from megatron_adacc.arguments import parse_args
+    from megatron_adacc.training.arguments import parse_args
 
     path = tmp_path / "c.yaml"
     path.write_text("train-iters: 1e3\nlr: 3e-4\n")
@@ -428,7 +428,7 @@ def test_two_runs_started_together_share_the_data_cache_and_the_profile_db(tmp_p
 def test_a_killed_index_cache_write_is_not_read_back(tmp_path, corpus, monkeypatch):
     import numpy
 
-    from megatron_adacc.data import DataSpec, build_datasets
+    from megatron_adacc.training.data import DataSpec, build_datasets
 
     prefix = tmp_path / "fresh_text_document"
     for ext in ("bin", "idx"):

@@ -9,14 +9,15 @@ attention, no hooks): retain and recompute are bitwise, compress is the codecs' 
 import pytest
 import torch
 
-from megatron_adacc import attention, hardware
-from megatron_adacc.arguments import ConfigError, parse_args
+from megatron_adacc.models import attention
+from megatron_adacc.profiling import hardware
+from megatron_adacc.training.arguments import ConfigError, parse_args
 from megatron_adacc.cli import main as adacc_main
-from megatron_adacc.flash_attention import FlashDotProductAttention
-from megatron_adacc.plan import Plan, PlanError
-from megatron_adacc.profiler import profile
+from megatron_adacc.models.flash_attention import FlashDotProductAttention
+from megatron_adacc.common.plan import Plan, PlanError
+from megatron_adacc.profiling.profiler import profile
 from megatron_adacc.runtime import adacc_layers, apply_plan, measure_step
-from megatron_adacc.sites import OUTLIER_CODEC
+from megatron_adacc.common.sites import OUTLIER_CODEC
 
 from runtime_helpers import BATCH, SEQ, batch, build, loss_of, planned_and_measured, train
 from test_runtime import assert_same_training
@@ -310,7 +311,7 @@ def test_adacc_plan_for_a_v100_with_flash_prints_no_s2_sites(capsys):
 
 def test_the_trainer_builds_and_trains_the_flash_layer_from_flags(distributed):
     from test_trainer import TINY
-    from megatron_adacc.trainer import Trainer
+    from megatron_adacc.training.trainer import Trainer
 
     args = parse_args(TINY + ["--attention-backend", "auto", "--attention-dropout", "0",
                               "--train-iters", "2", "--adacc-policy", "full-recompute",

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_adacc.arguments import parse_args
-from megatron_adacc.trainer import Trainer
+from megatron_adacc.training.arguments import parse_args
+from megatron_adacc.training.trainer import Trainer
 from multirank_engine import main_params
 from test_trainer import TINY
 
@@ -57,7 +57,7 @@ def test_a_finite_fp16_step_updates_and_keeps_the_scale():
 
 
 def test_fp16_and_bf16_exclude_each_other():
-    from megatron_adacc.arguments import ConfigError
+    from megatron_adacc.training.arguments import ConfigError
 
     with pytest.raises(ConfigError, match="--fp16 and --bf16 exclude each other"):
         parse_args(TINY + ["--fp16", "--bf16"])

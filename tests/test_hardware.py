@@ -5,8 +5,9 @@ from dataclasses import replace
 import pytest
 import torch
 
-from megatron_adacc import codecs, hardware, planning
-from megatron_adacc.costs import ModelCosts
+from megatron_adacc import codecs, planning
+from megatron_adacc.profiling import hardware
+from megatron_adacc.common.costs import ModelCosts
 from test_codecs_payload_bytes import with_outlier_channels
 
 GPT345M = hardware.ModelShape(num_layers=24, hidden_size=1024, num_attention_heads=16,

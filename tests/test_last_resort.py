@@ -4,13 +4,14 @@ from dataclasses import replace
 
 import pytest
 
-from megatron_adacc import planning, policies, sites
-from megatron_adacc.profiler import profile
+from megatron_adacc import planning, policies
+from megatron_adacc.common import sites
+from megatron_adacc.profiling.profiler import profile
 from megatron_adacc.rectifier import Rectifier
-from megatron_adacc.report import format_plan
+from megatron_adacc.planning import format_plan
 from megatron_adacc.runtime import apply_plan, measure_step
-from megatron_adacc.sites import COMPRESS, QUANTIZE_CODEC
-from megatron_adacc.units import format_size
+from megatron_adacc.common.sites import COMPRESS, QUANTIZE_CODEC
+from megatron_adacc.common.units import format_size
 
 from runtime_helpers import batch, build, loss_of
 

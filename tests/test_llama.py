@@ -6,11 +6,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatron_adacc import model as model_lib, models
-from megatron_adacc.attention import local_layer_spec
-from megatron_adacc.plan import Decision, Plan, PlanError
+from megatron_adacc import models
+from megatron_adacc.models import build as model_lib
+from megatron_adacc.models.attention import local_layer_spec
+from megatron_adacc.common.plan import Decision, Plan, PlanError
 from megatron_adacc.runtime import adacc_layers, apply_plan, get_adacc_layer_spec, measure_step
-from megatron_adacc.sites import COMPRESS, MASK_CODEC, SITES
+from megatron_adacc.common.sites import COMPRESS, MASK_CODEC, SITES
 
 from runtime_helpers import VOCAB, SEQ, loss_of
 from test_runtime import assert_same_training
@@ -194,7 +195,7 @@ def test_flash_llama_matches_unfused_megatron(distributed):
 
 
 # --- Megatron-LM's flags ------------------------------------------------------------------------
-from megatron_adacc.arguments import ConfigError, parse_args  # noqa: E402
+from megatron_adacc.training.arguments import ConfigError, parse_args  # noqa: E402
 
 LLAMA_FLAGS = ["--normalization", "RMSNorm", "--swiglu", "--position-embedding-type", "rope",
                "--group-query-attention", "--num-query-groups", "2",
@@ -203,7 +204,7 @@ LLAMA_FLAGS = ["--normalization", "RMSNorm", "--swiglu", "--position-embedding-t
 
 
 def test_llama_flags_reach_megatron_core(distributed):
-    from megatron_adacc.trainer import transformer_config
+    from megatron_adacc.training.trainer import transformer_config
 
     args = parse_args([*LLAMA_FLAGS, "--hidden-size", "64", "--num-attention-heads", "4",
                        "--norm-epsilon", "1e-6", "--rotary-base", "500000"])
@@ -254,7 +255,7 @@ def test_bad_llama_flags_exit_2_before_training(capsys):
 
 
 # --- the analytic accelerator model -------------------------------------------------------------
-from megatron_adacc import hardware  # noqa: E402
+from megatron_adacc.profiling import hardware  # noqa: E402
 
 
 @DTYPES

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_adacc.arguments import parse_args
+from megatron_adacc.training.arguments import parse_args
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron_adacc.checkpointing import CheckpointError
-from megatron_adacc.plan import Plan
+from megatron_adacc.training.checkpointing import CheckpointError
+from megatron_adacc.common.plan import Plan
 from megatron_adacc.policies import full_recompute_plan, quantize_plan
 from test_trainer import TINY, losses, train
 
@@ -107,7 +107,7 @@ def test_pipeline_stages_train_like_one_process_and_resume_bit_for_bit(plans, tm
      "--pipeline-model-parallel-size 2"),
 ])
 def test_bad_pipeline_flags_say_what_to_change(flags, world, message):
-    from megatron_adacc.arguments import ConfigError, parse_args
+    from megatron_adacc.training.arguments import ConfigError, parse_args
 
     with pytest.raises(ConfigError) as raised:
         parse_args([*TINY, *flags], world_size=world)

@@ -2,8 +2,8 @@
 import pytest
 import yaml
 
-from megatron_adacc.plan import Decision, Plan, PlanError
-from megatron_adacc.sites import SITE_NAMES
+from megatron_adacc.common.plan import Decision, Plan, PlanError
+from megatron_adacc.common.sites import SITE_NAMES
 
 
 def test_yaml_round_trip_keeps_every_decision():
@@ -89,7 +89,7 @@ def test_compact_form_does_not_depend_on_the_hash_seed():
     import subprocess
     import sys
 
-    code = ("from megatron_adacc.plan import Plan, Decision;"
+    code = ("from megatron_adacc.common.plan import Plan, Decision;"
             "print(Plan.from_layers([{'ln1_out': Decision('recompute')},"
             " {'gelu_in': Decision('compress')}]).plan_id)")
     ids = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

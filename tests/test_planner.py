@@ -9,10 +9,10 @@ import pytest
 from hypothesis import example, given, settings, strategies as st
 
 from megatron_adacc import planning as planner
-from megatron_adacc import hardware
-from megatron_adacc.costs import CodecCost, ModelCosts, Operator, SiteCost
-from megatron_adacc.plan import Decision
-from megatron_adacc.sites import COMPRESS, RECOMPUTE, RETAIN
+from megatron_adacc.profiling import hardware
+from megatron_adacc.common.costs import CodecCost, ModelCosts, Operator, SiteCost
+from megatron_adacc.common.plan import Decision
+from megatron_adacc.common.sites import COMPRESS, RECOMPUTE, RETAIN
 
 # Real site names (the planner only recomputes / compresses sites the site table knows), in
 # the megatron segments: layer_in starts the attention re-run, ln2_in (its last save) the

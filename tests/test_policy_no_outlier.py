@@ -2,15 +2,15 @@
 import pytest
 
 from megatron_adacc import policies
-from megatron_adacc.arguments import ConfigError, parse_args
-from megatron_adacc.sites import COMPRESS
-from megatron_adacc.trainer import Trainer
+from megatron_adacc.training.arguments import ConfigError, parse_args
+from megatron_adacc.common.sites import COMPRESS
+from megatron_adacc.training.trainer import Trainer
 
 from test_trainer import TINY
 
 
 def test_no_outlier_plans_plain_int4_where_auto_separates_outliers(tmp_path, monkeypatch):
-    from megatron_adacc import profiler
+    from megatron_adacc.profiling import profiler
 
     real = profiler.profile
     monkeypatch.setattr(profiler, "profile", lambda *a, **k: real(*a, **k, repeats=1))

@@ -4,9 +4,9 @@ import sqlite3
 
 import pytest
 
-from megatron_adacc import profile_db
-from megatron_adacc.costs import CodecCost, ModelCosts, SiteCost
-from megatron_adacc.profile_db import ProfileDB
+from megatron_adacc.profiling import profile_db
+from megatron_adacc.common.costs import CodecCost, ModelCosts, SiteCost
+from megatron_adacc.profiling.profile_db import ProfileDB
 
 
 def costs(non_layer=1000) -> ModelCosts:
@@ -46,7 +46,7 @@ def test_a_corrupt_file_is_reported_and_rebuilt(tmp_path, capsys, content):
 
 
 def test_a_foreign_sqlite_database_is_refused_and_left_as_it_is(tmp_path):
-    from megatron_adacc.errors import InputError
+    from megatron_adacc.common.errors import InputError
 
     path = tmp_path / "p.sqlite"
     with sqlite3.connect(path) as other:
@@ -105,7 +105,7 @@ def test_adacc_plan_without_hardware_profiles_once_then_reads_the_database(
         tmp_path, monkeypatch, capsys):
     import json
 
-    from megatron_adacc import profiler
+    from megatron_adacc.profiling import profiler
     from megatron_adacc.cli import main
 
     calls = []

@@ -3,12 +3,12 @@ the runtime then keeps."""
 import pytest
 import torch
 
-from megatron_adacc import costs as costs_lib
-from megatron_adacc import model as model_lib
-from megatron_adacc.plan import Decision, Plan
-from megatron_adacc.profiler import profile, refresh_codec_costs
+from megatron_adacc.common import costs as costs_lib
+from megatron_adacc.models import build as model_lib
+from megatron_adacc.common.plan import Decision, Plan
+from megatron_adacc.profiling.profiler import profile, refresh_codec_costs
 from megatron_adacc.runtime import apply_plan, measure_step
-from megatron_adacc.sites import COMPRESS, QUANTIZE_CODEC, REBUILDS, RECOMPUTE, SEGMENT_ANCHORS
+from megatron_adacc.common.sites import COMPRESS, QUANTIZE_CODEC, REBUILDS, RECOMPUTE, SEGMENT_ANCHORS
 
 from runtime_helpers import batch, build, loss_of, planned_and_measured
 

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_adacc.arguments import build_parser
+from megatron_adacc.training.arguments import build_parser
 from megatron_adacc.cli import _build_parser
 
 README = (Path(__file__).resolve().parents[1] / "README.md").read_text()

@@ -4,9 +4,10 @@ the loss."""
 import pytest
 import torch
 
-from megatron_adacc import codecs, planning, profiler
-from megatron_adacc.arguments import ConfigError, parse_args
-from megatron_adacc.costs import CodecCost, ModelCosts, SiteCost
+from megatron_adacc import codecs, planning
+from megatron_adacc.profiling import profiler
+from megatron_adacc.training.arguments import ConfigError, parse_args
+from megatron_adacc.common.costs import CodecCost, ModelCosts, SiteCost
 from megatron_adacc.rectifier import (
     DEFAULT_GUARD_THRESHOLD,
     Rectifier,
@@ -14,8 +15,8 @@ from megatron_adacc.rectifier import (
     TrackingSchedule,
     site_stats,
 )
-from megatron_adacc.sites import COMPRESS
-from megatron_adacc.trainer import Trainer
+from megatron_adacc.common.sites import COMPRESS
+from megatron_adacc.training.trainer import Trainer
 
 from test_trainer import TINY
 

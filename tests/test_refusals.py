@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from megatron_adacc import Adacc, AdaccConfig
-from megatron_adacc.plan import Plan, PlanError
+from megatron_adacc.common.plan import Plan, PlanError
 from test_faults import PRETRAIN, ROOT, TINY, corpus, data_flags  # noqa: F401 - fixture
 
 
@@ -213,7 +213,7 @@ def test_ctrl_c_ends_the_run_in_one_line_with_exit_130(tmp_path, corpus):
     assert process.returncode == 130
     assert "Traceback" not in err
     last = err.strip().splitlines()[-1]
-    from megatron_adacc import checkpointing
+    from megatron_adacc.training import checkpointing
 
     saved = checkpointing.latest_iteration(tmp_path / "ck")
     assert saved is not None and saved % 2 == 0

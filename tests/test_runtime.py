@@ -3,7 +3,7 @@ megatron-core layer; attribution covers every saved tensor (strict mode)."""
 import pytest
 import torch
 
-from megatron_adacc.plan import Plan, PlanError
+from megatron_adacc.common.plan import Plan, PlanError
 from megatron_adacc.runtime import (
     AdaccTransformerLayer,
     UnknownSiteError,
@@ -12,7 +12,7 @@ from megatron_adacc.runtime import (
     measure_step,
 )
 from megatron_adacc import models
-from megatron_adacc.sites import SITE_NAMES, SITES
+from megatron_adacc.common.sites import SITE_NAMES, SITES
 
 from runtime_helpers import build, loss_of, train
 

@@ -15,7 +15,7 @@ import os
 import pytest
 import torch
 
-from megatron_adacc.plan import Plan
+from megatron_adacc.common.plan import Plan
 from megatron_adacc.runtime import apply_plan, measure_step
 
 from runtime_helpers import build, loss_of
@@ -85,7 +85,7 @@ def _train_on_kjv(model, steps: int, seq: int = 32, batch: int = 8) -> list[floa
     all, moved the mean of the last 20 losses by -7% to +27% across data seeds (which loss
     spikes a run hits), and compress-everything "gaps" ranged from -14% to +17%. With them
     that noise moves it by < 0.9% on every seed tried, so a 1% bound measures the codecs."""
-    from megatron_adacc import model as model_lib
+    from megatron_adacc.models import build as model_lib
 
     data = _kjv_bytes()
     gen = torch.Generator().manual_seed(0)

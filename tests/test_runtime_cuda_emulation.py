@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from megatron_adacc import codecs
-from megatron_adacc import model as model_lib
-from megatron_adacc.plan import Plan
+from megatron_adacc.models import build as model_lib
+from megatron_adacc.common.plan import Plan
 from megatron_adacc.runtime import UnknownSiteError, adacc_layers, apply_plan, measure_step
 
 from runtime_helpers import BATCH, SEQ, build, loss_of, train

@@ -6,12 +6,12 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from megatron_adacc import sites
-from megatron_adacc.costs import CodecCost, ModelCosts, SiteCost
-from megatron_adacc.plan import Decision, Plan
+from megatron_adacc.common import sites
+from megatron_adacc.common.costs import CodecCost, ModelCosts, SiteCost
+from megatron_adacc.common.plan import Decision, Plan
 from megatron_adacc.planning import evaluate_layer
 from megatron_adacc.runtime import ActivationRuler, apply_plan, measure_step
-from megatron_adacc.sites import COMPRESS, RECOMPUTE, SHARED_SITES
+from megatron_adacc.common.sites import COMPRESS, RECOMPUTE, SHARED_SITES
 
 from runtime_helpers import BATCH, SEQ, build, loss_of
 

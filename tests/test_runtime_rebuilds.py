@@ -6,9 +6,9 @@ bf16, on both attentions, with dropout where the attention allows it."""
 import pytest
 import torch
 
-from megatron_adacc.plan import Plan
+from megatron_adacc.common.plan import Plan
 from megatron_adacc.runtime import adacc_layers, apply_plan, measure_step
-from megatron_adacc.sites import REBUILDS, REBUILT_BY
+from megatron_adacc.common.sites import REBUILDS, REBUILT_BY
 
 from runtime_helpers import build, loss_of, train
 from test_runtime import assert_same_training

@@ -58,8 +58,8 @@ def _rank_main(backend: str) -> None:
     sys.path.insert(0, HERE)
     sys.path.insert(0, os.path.dirname(HERE))
     warnings.filterwarnings("ignore")
-    from megatron_adacc import model as model_lib
-    from megatron_adacc.plan import Plan
+    from megatron_adacc.models import build as model_lib
+    from megatron_adacc.common.plan import Plan
     from megatron_adacc.runtime import apply_plan
 
     from runtime_helpers import build, train

@@ -40,11 +40,12 @@ def _rank_main() -> None:
     sys.path.insert(0, str(HERE))
     import torch.distributed as dist
 
-    from megatron_adacc import hardware, trainer
-    from megatron_adacc.arguments import parse_args
+    from megatron_adacc.profiling import hardware
+    from megatron_adacc.training import trainer
+    from megatron_adacc.training.arguments import parse_args
     from megatron_adacc.planning import default_resolution, minimum_budget, plan
     from megatron_adacc.policies import predicted_activation_bytes
-    from megatron_adacc.profiler import profile
+    from megatron_adacc.profiling.profiler import profile
     from megatron_adacc.runtime import apply_plan, get_adacc_layer_spec, measure_step
 
     args = parse_args(RUN + ["--sequence-parallel"], world_size=2)

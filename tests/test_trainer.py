@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_adacc import checkpointing
-from megatron_adacc.arguments import parse_args
-from megatron_adacc.trainer import Trainer
+from megatron_adacc.training import checkpointing
+from megatron_adacc.training.arguments import parse_args
+from megatron_adacc.training.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--config", str(ROOT / "configs" / "tiny-cpu.yaml"), "--log-interval", "1000",
@@ -134,7 +134,7 @@ def test_bad_input_is_one_line_and_non_zero(tmp_path, flags, config, message):
 def test_preprocess_data_round_trips_gpt2_bpe(tmp_path):
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
-    from megatron_adacc.tokenizers import GPT2BPETokenizer
+    from megatron_adacc.training.tokenizers import GPT2BPETokenizer
 
     docs = ["In the beginning God created the heaven and the earth.", "Jesus wept. ünïcödé ok"]
     source = tmp_path / "docs.jsonl"

@@ -121,7 +121,7 @@ class ModelFamily:
     def sites(self) -> tuple[str, ...]:
         """The per-layer sites this family's layer can save (with either attention, with or
         without dropout), in forward order: the sites every layer shares, and its parts'."""
-        from megatron_adacc import sites as site_table
+        from megatron_adacc.common import sites as site_table
 
         others = set().union(*(_part_sites(family.variant) for family in FAMILIES.values()))
         own = _part_sites(self.variant)

@@ -7,6 +7,7 @@
     pipeline  1F1B's in-flight micro-batches per stage, the layer split, a plan per stage
     tiers     which codecs auto plans with: its own first, the quantize baseline's last
     result    PlanResult and the rows of the plan table
+    report    the plan table as a person reads it
 
 Everything outside this package uses the names below only.
 """
@@ -16,6 +17,7 @@ from megatron_adacc.planning.model import (LayerPolicy, activation_peak_bytes, e
                                            rebuild_charges)
 from megatron_adacc.planning.pipeline import (StageMemory, StagePlan, in_flight_micro_batches,
                                               plan_stages, stage_costs, stage_layer_counts)
+from megatron_adacc.planning.report import format_plan, format_stages
 from megatron_adacc.planning.result import PlanResult, SiteRow, Totals
 from megatron_adacc.planning.search import (InfeasibleBudget, default_resolution,
                                             minimum_budget, plan)
@@ -25,7 +27,8 @@ from megatron_adacc.planning.tiers import (codec_tiers, last_resort_sites,
 __all__ = [
     "Frontier", "InfeasibleBudget", "LayerPolicy", "PlanResult", "SiteRow", "StageMemory",
     "StagePlan", "Totals", "activation_peak_bytes", "clear_frontier_cache", "codec_tiers",
-    "default_resolution", "evaluate_layer", "forward_end_bytes", "in_flight_micro_batches",
+    "default_resolution", "evaluate_layer", "format_plan",
+    "format_stages", "forward_end_bytes", "in_flight_micro_batches",
     "is_exact", "last_resort_sites", "layer_frontier", "minimum_budget", "minimum_feasible_budget",
     "peak_bytes", "plan",
     "plan_in_tiers", "plan_stages", "rebuild_charges", "stage_costs", "stage_layer_counts",

@@ -23,11 +23,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from megatron_adacc.costs import ModelCosts, Operator, Segment, SiteCost, segment_run_s
+from megatron_adacc.common.costs import ModelCosts, Operator, Segment, SiteCost, segment_run_s
 from megatron_adacc.planning.model import (LayerPolicy, SiteOption, decoded_sets,
                                            rerun_source_bytes, site_options, source_bytes,
                                            transient_floor)
-from megatron_adacc.sites import COMPRESS, RECOMPUTE
+from megatron_adacc.common.sites import COMPRESS, RECOMPUTE
 
 
 def pareto_indices(points: np.ndarray) -> np.ndarray:

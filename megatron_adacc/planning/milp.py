@@ -17,11 +17,11 @@ from typing import Any
 
 import pulp
 
-from megatron_adacc.costs import ModelCosts, segment_run_s
+from megatron_adacc.common.costs import ModelCosts, segment_run_s
 from megatron_adacc.planning.model import (LayerPolicy, budget_limits, decoded_sets,
                                            evaluate_layer, peak_bytes, site_options,
                                            source_bytes)
-from megatron_adacc.sites import COMPRESS, RECOMPUTE
+from megatron_adacc.common.sites import COMPRESS, RECOMPUTE
 
 # CBC works in floating point with absolute tolerances near 1e-7: bytes are given to it in
 # units of 1/1024 of the budget and times in ms, so that coefficients are of order 1..1e5

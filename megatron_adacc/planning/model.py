@@ -92,10 +92,10 @@ from typing import Collection, Iterable, Mapping, NamedTuple, Sequence
 
 import numpy as np
 
-from megatron_adacc import sites as site_table
-from megatron_adacc.costs import ModelCosts, Operator, Segment, SiteCost, segment_run_s
-from megatron_adacc.plan import RETAIN_DECISION, Decision
-from megatron_adacc.sites import COMPRESS, RECOMPUTE
+from megatron_adacc.common import sites as site_table
+from megatron_adacc.common.costs import ModelCosts, Operator, Segment, SiteCost, segment_run_s
+from megatron_adacc.common.plan import RETAIN_DECISION, Decision
+from megatron_adacc.common.sites import COMPRESS, RECOMPUTE
 
 # --- the per-site terms ----------------------------------------------------------------------
 @dataclass(frozen=True)

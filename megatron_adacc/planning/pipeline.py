@@ -13,9 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
-from megatron_adacc.costs import ModelCosts
-from megatron_adacc.plan import Plan
-from megatron_adacc.sites import LAYER_INPUT
+from megatron_adacc.common.costs import ModelCosts
+from megatron_adacc.common.plan import Plan
+from megatron_adacc.common.sites import LAYER_INPUT
 from megatron_adacc.planning.result import PlanResult
 from megatron_adacc.planning.search import InfeasibleBudget
 from megatron_adacc.planning.tiers import plan_in_tiers

@@ -6,11 +6,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
-from megatron_adacc.costs import ModelCosts
-from megatron_adacc.plan import RETAIN_DECISION, Decision, Plan
+from megatron_adacc.common.costs import ModelCosts
+from megatron_adacc.common.plan import RETAIN_DECISION, Decision, Plan
 from megatron_adacc.planning.model import (LayerPolicy, evaluate_layer, peak_bytes,
                                            rebuilt_from, site_option, site_times)
-from megatron_adacc.sites import RECOMPUTE
+from megatron_adacc.common.sites import RECOMPUTE
 
 
 @dataclass

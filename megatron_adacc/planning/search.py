@@ -33,7 +33,7 @@ from typing import Sequence
 
 import numpy as np
 
-from megatron_adacc.costs import ModelCosts
+from megatron_adacc.common.costs import ModelCosts
 from megatron_adacc.planning.frontier import Frontier, layer_frontier, pareto_indices
 from megatron_adacc.planning.model import (LayerPolicy, budget_limits, peak_bytes,
                                            peak_from_terms, transient_floor)
@@ -46,7 +46,7 @@ class InfeasibleBudget(ValueError):
 
     def __init__(self, budget_bytes: int, minimum_budget: int, static_bytes: int,
                  stage: int | None = None) -> None:
-        from megatron_adacc.units import format_size
+        from megatron_adacc.common.units import format_size
 
         self.budget_bytes = budget_bytes
         self.minimum_budget = minimum_budget

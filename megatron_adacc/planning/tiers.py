@@ -15,8 +15,8 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any, Callable
 
-from megatron_adacc import sites as site_table
-from megatron_adacc.costs import CodecCost, ModelCosts
+from megatron_adacc.common import sites as site_table
+from megatron_adacc.common.costs import CodecCost, ModelCosts
 from megatron_adacc.planning.result import PlanResult
 from megatron_adacc.planning.search import InfeasibleBudget, minimum_budget, plan
 

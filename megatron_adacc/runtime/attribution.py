@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 
 from megatron_adacc.models import mlp_part
-from megatron_adacc.sites import MLP_SEGMENT
+from megatron_adacc.common.sites import MLP_SEGMENT
 
 
 class UnknownSiteError(RuntimeError):
@@ -60,7 +60,7 @@ _LAYER_LEVEL_SITE = ("bda1_mask", "bda2_mask")  # by segment
 
 
 def _layer_roles(layer) -> dict[torch.nn.Module, str]:
-    from megatron_adacc.flash_attention import FlashDotProductAttention
+    from megatron_adacc.models.flash_attention import FlashDotProductAttention
 
     attention, mlp = layer.self_attention, layer.mlp
     core = attention.core_attention

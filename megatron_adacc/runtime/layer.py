@@ -24,8 +24,8 @@ import torch
 from megatron.core.tensor_parallel.random import _fork_rng, _get_all_rng_states, _set_all_rng_states
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
-from megatron_adacc.attention import DEFAULT_SPEC_BACKEND, local_layer_spec
-from megatron_adacc.plan import Decision
+from megatron_adacc.models.attention import DEFAULT_SPEC_BACKEND, local_layer_spec
+from megatron_adacc.common.plan import Decision
 from megatron_adacc.runtime.accounting import active_ruler
 from megatron_adacc.runtime.attribution import SiteAttributor
 from megatron_adacc.runtime.storage import (
@@ -35,7 +35,7 @@ from megatron_adacc.runtime.storage import (
     RebuildComplete,
     unpack,
 )
-from megatron_adacc.sites import (COMPRESS, LAYER_INPUT, MASK_CODEC, MASK_SITES,
+from megatron_adacc.common.sites import (COMPRESS, LAYER_INPUT, MASK_CODEC, MASK_SITES,
                                   MLP_SEGMENT, REBUILDS, REBUILT_BY, RECOMPUTE,
                                   SEGMENT_ANCHORS, SEGMENT_NAMES, SEGMENTS, SITES)
 

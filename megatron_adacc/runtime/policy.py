@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_adacc.plan import Plan, PlanError
+from megatron_adacc.common.plan import Plan, PlanError
 from megatron_adacc.runtime.layer import AdaccTransformerLayer
 
 

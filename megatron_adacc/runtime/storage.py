@@ -20,7 +20,7 @@ from typing import Callable
 
 import torch
 
-from megatron_adacc.sites import COMPRESS, MASK_CODEC, REBUILD_SOURCES, REBUILT_BY, RECOMPUTE
+from megatron_adacc.common.sites import COMPRESS, MASK_CODEC, REBUILD_SOURCES, REBUILT_BY, RECOMPUTE
 
 
 class Handle:

@@ -19,8 +19,8 @@ from typing import Iterable, Iterator
 import numpy
 import torch
 
-from megatron_adacc.errors import InputError
-from megatron_adacc.tokenizers import build_tokenizer
+from megatron_adacc.common.errors import InputError
+from megatron_adacc.training.tokenizers import build_tokenizer
 
 # Every tenth book of the Bible (Ruth, 2 Kings, Nehemiah, ...) is validation: whole works
 # held out, so validation loss measures generalisation to unseen text, not memorisation.
@@ -210,7 +210,7 @@ def build_datasets(spec: DataSpec, tokenizer, seq_length: int, seed: int,
     )
     from megatron.core.datasets.gpt_dataset import GPTDatasetConfig
 
-    from megatron_adacc.gpt_dataset import SafeGPTDataset
+    from megatron_adacc.training.gpt_dataset import SafeGPTDataset
 
     def blend(paths):
         for prefix in paths:

@@ -21,15 +21,16 @@ from pathlib import Path
 from typing import Any
 
 import megatron_adacc
-from megatron_adacc.costs import ModelCosts
-from megatron_adacc.data import default_data_dir
-from megatron_adacc.errors import InputError
+from megatron_adacc.common.costs import ModelCosts
+from megatron_adacc.training.data import default_data_dir
+from megatron_adacc.common.errors import InputError
 
 # PRAGMA application_id marks the file as ours ("ADAC"); user_version is the schema.
 APPLICATION_ID = 0x41444143
 SCHEMA_VERSION = 1
 # The sources whose changes invalidate a profile: what measures and what is measured.
-_MEASURED_CODE = ("profiler.py", "costs.py", "sites.py", "runtime", "codecs", "flash_attention.py")
+_MEASURED_CODE = ("profiling/profiler.py", "common/costs.py", "common/sites.py", "runtime", "codecs",
+                  "models")
 
 
 def default_path() -> Path:

@@ -13,11 +13,16 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megatron_adacc import (allocator, checkpointing, data, hardware, model as model_lib,
-                            models, numerics)
+from megatron_adacc import models
+from megatron_adacc.profiling import allocator
+from megatron_adacc.training import checkpointing
+from megatron_adacc.training import data
+from megatron_adacc.profiling import hardware
+from megatron_adacc.models import build as model_lib
+from megatron_adacc.training import numerics
 from megatron_adacc.adacc import Adacc, AdaccConfig
-from megatron_adacc.attention import local_layer_spec, with_attention_backend
-from megatron_adacc.tokenizers import build_tokenizer
+from megatron_adacc.models.attention import local_layer_spec, with_attention_backend
+from megatron_adacc.training.tokenizers import build_tokenizer
 
 
 def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
@@ -170,7 +175,7 @@ def build_model(args: argparse.Namespace, tokenizer, layer_spec=None) -> torch.n
     """The flags' GPTModel (megatron-core's local spec, or ``layer_spec``), its core
     attention the flags' ``--attention-backend``."""
     if args.vocab_size is not None and args.vocab_size < tokenizer.vocab_size:
-        from megatron_adacc.arguments import ConfigError
+        from megatron_adacc.training.arguments import ConfigError
 
         raise ConfigError(f"--vocab-size {args.vocab_size} is smaller than the "
                           f"{args.tokenizer_type} tokenizer's {tokenizer.vocab_size} tokens")

@@ -13,7 +13,7 @@ from megatron.core import tensor_parallel
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 
-from megatron_adacc.attention import resolve_backend
+from megatron_adacc.models.attention import resolve_backend
 
 
 class FlashDotProductAttention(DotProductAttention):

@@ -16,9 +16,9 @@ from typing import Any, Sequence
 import torch
 import yaml
 
-from megatron_adacc.errors import InputError
-from megatron_adacc.attention import ATTENTION_BACKENDS
-from megatron_adacc.tokenizers import TOKENIZER_TYPES
+from megatron_adacc.common.errors import InputError
+from megatron_adacc.models.attention import ATTENTION_BACKENDS
+from megatron_adacc.training.tokenizers import TOKENIZER_TYPES
 
 
 class ConfigError(InputError):
@@ -477,7 +477,7 @@ def finalize(args: argparse.Namespace, world_size: int) -> None:
             "--recompute-modules mlp with biased linear layers hangs in megatron-core 0.16.1; "
             "add --disable-bias-linear or drop mlp"
         )
-    from megatron_adacc.data import check_dataset
+    from megatron_adacc.training.data import check_dataset
 
     for flag in ("data_path", "train_data_path", "valid_data_path"):
         for prefix in getattr(args, flag) or []:
@@ -493,8 +493,9 @@ def finalize(args: argparse.Namespace, world_size: int) -> None:
 def _check_outputs(args: argparse.Namespace) -> None:
     """Every path the run will write, checked before anything is built or trained (a save
     failing after the last step would lose the run); nothing is created here."""
-    from megatron_adacc import data, policies
-    from megatron_adacc.profile_db import ProfileDB
+    from megatron_adacc import policies
+    from megatron_adacc.training import data
+    from megatron_adacc.profiling.profile_db import ProfileDB
 
     for flag, path in (("--save", args.save), ("--tensorboard-dir", args.tensorboard_dir)):
         if path:

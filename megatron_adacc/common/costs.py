@@ -31,7 +31,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable, Mapping
 
-from megatron_adacc import sites as site_table
+from megatron_adacc.common import sites as site_table
 
 # 2: rebuild_s from the segment start and segments replace per-op recompute_s and sources.
 # 3: allocator_overhead_bytes. 4: operator-level rebuilds (operators, SiteCost.operator).

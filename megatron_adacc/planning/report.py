@@ -4,9 +4,10 @@ naming the stage, its layers, its in-flight micro-batches, its peak and the budg
 text, no dependencies."""
 from __future__ import annotations
 
-from megatron_adacc.planning import PlanResult, StagePlan
-from megatron_adacc.sites import QUANTIZE_CODEC
-from megatron_adacc.units import format_size
+from megatron_adacc.planning.pipeline import StagePlan
+from megatron_adacc.planning.result import PlanResult
+from megatron_adacc.common.sites import QUANTIZE_CODEC
+from megatron_adacc.common.units import format_size
 
 
 def _ms(seconds: float) -> str:

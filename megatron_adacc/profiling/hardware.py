@@ -30,10 +30,10 @@ from typing import Any, Callable, Mapping
 import torch
 
 from megatron_adacc import codecs, models, planning
-from megatron_adacc import sites as site_table
-from megatron_adacc.attention import resolve_backend
-from megatron_adacc.costs import CodecCost, ModelCosts, Operator, SiteCost
-from megatron_adacc.tokenizers import TOKENIZER_TYPES, build_tokenizer
+from megatron_adacc.common import sites as site_table
+from megatron_adacc.models.attention import resolve_backend
+from megatron_adacc.common.costs import CodecCost, ModelCosts, Operator, SiteCost
+from megatron_adacc.training.tokenizers import TOKENIZER_TYPES, build_tokenizer
 
 GiB = 1024**3
 

@@ -38,15 +38,17 @@ import torch
 # megatron's own: saves and restores the CPU, default CUDA and tracker generators.
 from megatron.core.tensor_parallel.random import _fork_rng
 
-from megatron_adacc import allocator, codecs, hardware, planning
-from megatron_adacc import model as model_lib
-from megatron_adacc.attention import backend_of
-from megatron_adacc import sites as site_table
-from megatron_adacc.costs import MEGATRON_SEGMENTS, CodecCost, ModelCosts, Operator, SiteCost
-from megatron_adacc.plan import Decision, Plan
+from megatron_adacc import codecs, planning
+from megatron_adacc.profiling import allocator
+from megatron_adacc.profiling import hardware
+from megatron_adacc.models import build as model_lib
+from megatron_adacc.models.attention import backend_of
+from megatron_adacc.common import sites as site_table
+from megatron_adacc.common.costs import MEGATRON_SEGMENTS, CodecCost, ModelCosts, Operator, SiteCost
+from megatron_adacc.common.plan import Decision, Plan
 from megatron_adacc.runtime import ActivationRuler, adacc_layers, apply_plan
 from megatron_adacc.runtime.accounting import NON_LAYER, UNATTRIBUTED
-from megatron_adacc.sites import COMPRESS, RECOMPUTE
+from megatron_adacc.common.sites import COMPRESS, RECOMPUTE
 
 DEFAULT_REPEATS = 5
 

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_adacc import megatron_compat
-from megatron_adacc.attention import DEFAULT_SPEC_BACKEND, local_layer_spec
+from megatron_adacc.models.attention import DEFAULT_SPEC_BACKEND, local_layer_spec
 from megatron_adacc.models import EmbeddingOptions, SequenceParallelNorm
 
 

@@ -62,7 +62,7 @@ def _core_attention(backend: str):
     if backend == "auto":
         return auto_core_attention
     if backend == "flash":
-        from megatron_adacc.flash_attention import FlashDotProductAttention
+        from megatron_adacc.models.flash_attention import FlashDotProductAttention
 
         return FlashDotProductAttention
     from megatron.core.transformer.dot_product_attention import DotProductAttention
@@ -72,7 +72,7 @@ def _core_attention(backend: str):
 
 def backend_of(model) -> str:
     """The resolved backend a built model computes attention with: "flash" or "unfused"."""
-    from megatron_adacc.flash_attention import FlashDotProductAttention
+    from megatron_adacc.models.flash_attention import FlashDotProductAttention
 
     flash = any(isinstance(module, FlashDotProductAttention) for module in model.modules())
     return "flash" if flash else "unfused"

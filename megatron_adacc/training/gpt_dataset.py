@@ -19,7 +19,7 @@ from pathlib import Path
 
 from megatron.core.datasets.gpt_dataset import GPTDataset
 
-from megatron_adacc.errors import InputError
+from megatron_adacc.common.errors import InputError
 
 # megatron's cache files, in publishing order: the description last (see above).
 _CACHE_AFFIXES = ("document_index.npy", "sample_index.npy", "shuffle_index.npy",

@@ -31,8 +31,8 @@ import numpy
 import torch
 import torch.distributed as dist
 
-from megatron_adacc import numerics
-from megatron_adacc.errors import InputError
+from megatron_adacc.training import numerics
+from megatron_adacc.common.errors import InputError
 
 TRACKER = "latest_checkpointed_iteration.txt"
 _STAGING_PREFIX = ".staging_iter_"

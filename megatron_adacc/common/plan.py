@@ -20,8 +20,8 @@ from typing import Any, Iterable, Mapping
 
 import yaml
 
-from megatron_adacc import sites as site_table
-from megatron_adacc.sites import ACTIONS, COMPRESS, RECOMPUTE, RETAIN
+from megatron_adacc.common import sites as site_table
+from megatron_adacc.common.sites import ACTIONS, COMPRESS, RECOMPUTE, RETAIN
 
 
 class PlanError(ValueError):

@@ -1,0 +1,1 @@
+"""Measuring costs: the profiler, its SQLite store, the analytic accelerator model, allocator readings."""
