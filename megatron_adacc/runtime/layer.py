@@ -4,7 +4,8 @@ every tensor it saves for backward.
 
 Nothing of megatron's forward is copied. A recomputed site that an operator-level edge of
 `sites.REBUILDS` names is rebuilt by calling that megatron submodule or function (a norm,
-the MLP's activation) on its sources' backward values, each retained, decoded or rebuilt
+the MLP's activation; or the bare torch operator megatron's forward applies, SwiGLU's
+product) on its sources' backward values, each retained, decoded or rebuilt
 before it (chains). Every other recomputed site is rebuilt by re-running megatron's own
 segments of the forward: `_forward_attention` from the layer input, `_forward_mlp` from
 ln2_in (the MLP segment alone when every such site is in it and ln2_in is kept), with the RNG
@@ -190,9 +191,14 @@ class AdaccTransformerLayer(TransformerLayer):
         """Call `edge`'s megatron submodule or function on its sources' values, keeping its
         output and, captured as it runs, what it saves that is wanted. Nothing it computes
         needs a graph unless it saves a wanted site (a norm's statistics)."""
-        operator = functools.reduce(getattr, edge.call.split("."), self)
-        sources = [self._source_value(call, name, requires_grad=False) for name in edge.sources]
+        path = edge.call.split(".")
+        root = torch if path[0] == "torch" else self
+        operator = functools.reduce(getattr, path[root is torch:], root)
         saves = {site for site, _ in call.wanted if site in edge.saves}
+        # What a call saves depends on what requires grad (torch's RMSNorm saves its
+        # statistics only for its input's gradient): as in forward when it must save.
+        sources = [self._source_value(call, name, requires_grad=None if saves else False)
+                   for name in edge.sources]
         call.capture(saves)
         self.attributor.begin(SEGMENT_NAMES.index(SITES[edge.output].segment))
         with torch.set_grad_enabled(bool(saves)):
