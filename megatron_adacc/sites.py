@@ -169,12 +169,19 @@ DECODED_TOGETHER: tuple[frozenset[str], ...] = (
 class Rebuild:
     """An operator-level rebuild edge: in backward, the runtime calls ``call`` (a dotted path
     from the transformer layer to one of megatron's own submodules or functions, e.g.
-    ``mlp.activation_func``; or, where megatron's forward applies a bare tensor operator, that
-    torch function, e.g. ``torch.mul``) on the values of ``sources`` (positionally, each
-    retained, decoded or itself rebuilt: chains) and takes its return value as ``output``;
-    the sites in ``saves`` are what that call saves for backward on the way (a norm's
-    statistics, RMSNorm's x * rstd), captured as it runs, its sources requiring grad as in
-    forward so that it saves what forward saved. It draws no random numbers. A recomputed site named here is always
+    ``mlp.activation_func``) on the values of ``sources`` (positionally, each retained,
+    decoded or itself rebuilt: chains) and takes its return value as ``output``; the sites
+    in ``saves`` are what that call saves for backward on the way (a norm's statistics,
+    RMSNorm's x * rstd), captured as it runs, its sources requiring grad as in forward so
+    that it saves what forward saved. It draws no random numbers.
+
+    ``between`` = (enter, exit) runs a module's forward over the operators between two of
+    its megatron linear layers, where no submodule or function of its own holds them (the
+    gated MLP's ``glu`` is a closure inside ``MLP.forward``): ``call``'s submodule ``enter``
+    stands in returning (the source's whole value, no bias), the whole being the tensor the
+    source's saved view is a view of (SwiGLU's gate half pins fc1's whole output), and the
+    call stops where it calls its submodule ``exit``, whose input is ``output``. Neither
+    linear layer runs. A recomputed site named here is always
     rebuilt this way, never by its segment's re-run; the operators run once per layer
     backward each, in the order of this table, which must put an edge after every edge that
     rebuilds one of its sources."""
@@ -183,6 +190,7 @@ class Rebuild:
     sources: tuple[str, ...]
     output: str
     saves: tuple[str, ...] = ()
+    between: tuple[str, str] | None = None
 
     @property
     def products(self) -> tuple[str, ...]:
@@ -191,22 +199,19 @@ class Rebuild:
 
 # The edges megatron-core's local layer offers, GPT's and Llama's (models/), in forward
 # order; a layer uses the edges whose output and sources it saves. Q/K/V, the attention
-# output and whatever follows a dropout are left to the segment re-runs, and so are:
-# - RoPE's rotated Q and K: their unrotated inputs are views of linear_qkv's output that
-#   nothing saves, so only the attention re-run (linear_qkv's matmul) reaches them;
-# - SwiGLU's up half (swiglu_up, the copy x_linear + offset): its value lies in the storage
-#   swiglu_in pins, but megatron makes it inside its MLP forward's local `glu` closure (chunk,
-#   add), which no submodule or function exposes; rebuilding it would copy that forward.
+# output and whatever follows a dropout are left to the segment re-runs, and so are RoPE's
+# rotated Q and K: their unrotated inputs are views of linear_qkv's output that nothing
+# saves, so only the attention re-run (linear_qkv's matmul) reaches them.
 REBUILDS: tuple[Rebuild, ...] = (
     # LayerNorm saves its statistics; torch's RMSNorm its rstd and x * rstd (fp32).
     Rebuild("input_layernorm", (LAYER_INPUT,), "ln1_out", ("ln1_stats", "ln1_normed")),
     Rebuild("pre_mlp_layernorm", ("ln2_in",), "ln2_out", ("ln2_stats", "ln2_normed")),
     Rebuild("mlp.activation_func", ("gelu_in",), "gelu_out"),
-    # SwiGLU, megatron's glu: activation_func(gate) * (up + offset). The SiLU saves the gate
-    # half itself (swiglu_in's saved view), so megatron's activation function on it gives
-    # the SiLU output; the product is the one glu takes of the two values it saves.
-    Rebuild("mlp.activation_func", ("swiglu_in",), "swiglu_act"),
-    Rebuild("torch.mul", ("swiglu_act", "swiglu_up"), "swiglu_out"),
+    # SwiGLU: megatron's MLP forward between fc1 and fc2 runs its `glu` (chunk, SiLU of the
+    # gate half, the up half plus the offset: a copy, their product) on fc1's whole output,
+    # which the saved gate half pins.
+    Rebuild("mlp", ("swiglu_in",), "swiglu_out", ("swiglu_act", "swiglu_up"),
+            between=("linear_fc1", "linear_fc2")),
 )
 # product site -> the edge that rebuilds it
 REBUILT_BY: dict[str, Rebuild] = {product: edge for edge in REBUILDS
