@@ -474,8 +474,7 @@ def _mlp_sites(shape: ModelShape) -> dict[str, _SiteFormula]:
                                      lambda d: d.f),
         }
     # fc1 writes both halves; the SiLU of the gate half runs first, then the up half plus the
-    # offset (a copy), and the product saves both; linear_fc2 saves the product. Each is
-    # charged its own op (the SiLU's operator rebuild costs the SiLU alone).
+    # offset (a copy), and the product saves both; linear_fc2 saves the product.
     up, act = (mlp.activation_saves[node] for node in ("AddBackward0", "SiluBackward0"))
     return {
         mlp.fc1_out: _SiteFormula(lambda d: 2 * sbf(d), _act, "act",
