@@ -190,7 +190,7 @@ class AdaccTransformerLayer(TransformerLayer):
     def _run_operator(self, call: LayerCall, edge) -> None:
         """Call `edge`'s megatron submodule or function on its sources' values, keeping its
         output and, captured as it runs, what it saves that is wanted. Nothing it computes
-        needs a graph unless it saves a wanted site (a norm's statistics)."""
+        needs a graph unless it saves a wanted site (a norm's statistics, glu's SiLU output)."""
         operator = functools.reduce(getattr, edge.call.split("."), self)
         saves = {site for site, _ in call.wanted if site in edge.saves}
         # What a call saves depends on what requires grad (torch's RMSNorm saves its
