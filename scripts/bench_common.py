@@ -417,8 +417,8 @@ def run_info(args) -> dict:
 
 def start_memory_bench(args):
     """What the memory benchmarks do first: (run info, start time, shape, the methods)."""
+    init(args.threads)  # first: the run info records the threads the methods run with
     run, began = run_info(args), time.perf_counter()
     shape = shape_from(args)
-    init(args.threads)
     configure_dynamo()
     return run, began, shape, Models(shape)

@@ -136,6 +136,54 @@ def test_gpu_plans_use_the_operator_rebuilds():
     assert row.rebuilt_from == "gelu_in"
 
 
+# Llama-3-8B on one rank of TP=2 with sequence parallelism, bf16 (configs/llama3-8b.yaml)
+LLAMA3_8B_TP2 = hardware.ModelShape.from_flags({
+    "num-layers": 32, "hidden-size": 4096, "ffn-hidden-size": 14336,
+    "num-attention-heads": 32, "group-query-attention": True, "num-query-groups": 8,
+    "seq-length": 8192, "vocab-size": 128256, "normalization": "RMSNorm", "swiglu": True,
+    "position-embedding-type": "rope", "disable-bias-linear": True, "bf16": True,
+    "untie-embeddings-and-output-weights": True, "tensor-model-parallel-size": 2,
+    "sequence-parallel": True, "hidden-dropout": 0, "attention-dropout": 0})
+
+
+def test_llama_operators_cost_their_own_ops():
+    costs = hardware.analytic_costs(LLAMA3_8B_TP2, 1, "h100-80gb")
+    s, b, f, act = 8192, 1, 14336 // 2, 2
+    byte_rate = hardware.get_accelerator("h100-80gb").memory_bandwidth \
+        * hardware.BANDWIDTH_EFFICIENCY
+    assert [(op.name, op.sources) for op in costs.operators] == [
+        ("input_layernorm", ("layer_in",)), ("pre_mlp_layernorm", ("ln2_in",)),
+        ("mlp", ("swiglu_in",))]
+    # RMSNorm rebuilds its rstd and x * rstd with its output; glu the SwiGLU's three.
+    assert {s.name: s.operator for s in costs.sites if s.name.startswith(("ln", "swiglu"))} \
+        == {"ln1_stats": "input_layernorm", "ln1_normed": "input_layernorm",
+            "ln1_out": "input_layernorm", "ln2_stats": "pre_mlp_layernorm",
+            "ln2_normed": "pre_mlp_layernorm", "ln2_out": "pre_mlp_layernorm",
+            "ln2_in": None, "swiglu_in": None, "swiglu_up": "mlp", "swiglu_act": "mlp",
+            "swiglu_out": "mlp"}
+    # glu: the SiLU reads the gate half and writes its output, the add the up half, the
+    # product reads two and writes one
+    assert costs.operator("mlp").rebuild_s == pytest.approx(7 * s * b * f * act / byte_rate)
+    assert costs.site("swiglu_in").segment == "mlp"
+
+
+def test_llama_gpu_plans_rebuild_swiglu_by_its_operators():
+    costs = hardware.analytic_costs(LLAMA3_8B_TP2, 1, "h100-80gb")
+    retain_all = planning.peak_bytes(costs, [planning.evaluate_layer(costs, {})] * 32)
+    # a budget that every operator product rebuilt in every layer meets
+    operator_products = [site.name for site in costs.sites if site.operator]
+    result = planning.plan(costs, retain_all - 32 * sum(
+        costs.site(name).bytes for name in operator_products))
+    rebuilt = {row.site: row.rebuilt_from for row in result.rows if row.action == "recompute"}
+    # the cheapest rebuilds there are, the SwiGLU's operators and the norms': nothing behind
+    # a matmul
+    assert rebuilt == {"swiglu_act": "swiglu_in", "swiglu_up": "swiglu_in",
+                       "swiglu_out": "swiglu_in",
+                       **{f"{norm}_{product}": source for norm, source in (("ln1", "layer_in"),
+                                                                          ("ln2", "ln2_in"))
+                          for product in ("stats", "normed", "out")}}
+
+
 def test_costs_are_consistent_and_round_trip():
     costs = hardware.analytic_costs(GPT345M, 8, "v100-32gb")
     assert costs.site("layer_in").can_recompute is False

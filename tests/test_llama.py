@@ -13,7 +13,7 @@ from megatron_adacc.common.plan import Decision, Plan, PlanError
 from megatron_adacc.runtime import adacc_layers, apply_plan, get_adacc_layer_spec, measure_step
 from megatron_adacc.common.sites import COMPRESS, MASK_CODEC, SITES
 
-from runtime_helpers import VOCAB, SEQ, loss_of
+from runtime_helpers import VOCAB, SEQ, loss_of, train
 from test_runtime import assert_same_training
 
 LLAMA = models.get("llama")
@@ -43,17 +43,7 @@ def build_llama(adacc: bool, dtype=torch.float32, attention_backend="unfused", l
 def train_steps(model, steps=3, plan=None):
     if plan is not None:
         apply_plan(model, plan, strict=True)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    losses, grads = [], []
-    for step in range(steps):
-        optimizer.zero_grad()
-        model_lib.set_seed(100 + step)
-        loss = loss_of(model, step)
-        loss.backward()
-        losses.append(loss.detach().clone())
-        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
-        optimizer.step()
-    return losses, grads
+    return train(model, steps)
 
 
 RECOMPUTABLE = [s for s in LLAMA.sites if SITES[s].recomputable

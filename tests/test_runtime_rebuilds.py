@@ -1,19 +1,33 @@
 """Operator-level rebuilds (sites.REBUILDS): a recomputed norm output, norm statistics or
-activation output is rebuilt by its own megatron submodule from its upstream site, and only
-that operator runs (no segment re-run); chains through a rebuilt source are exact; a plan
-that recomputes from exact sources trains bit for bit like the stock layer, in fp32 and
-bf16, on both attentions, with dropout where the attention allows it."""
+activation output (GPT's GELU, Llama's SiLU and SwiGLU product) is rebuilt by its own
+megatron submodule or function from its upstream site, and only that operator runs (no
+segment re-run); chains through a rebuilt source are exact; a plan that recomputes from
+exact sources trains bit for bit like the stock layer, in fp32 and bf16, on both attentions,
+with dropout where the attention allows it, in both model families."""
 import pytest
 import torch
 
+from megatron_adacc import models
 from megatron_adacc.common.plan import Plan
 from megatron_adacc.runtime import adacc_layers, apply_plan, measure_step
 from megatron_adacc.common.sites import REBUILDS, REBUILT_BY
 
 from runtime_helpers import build, loss_of, train
+from test_llama import build_llama, train_steps
 from test_runtime import assert_same_training
 
-PRODUCTS = [product for edge in REBUILDS for product in edge.products]
+
+def _family_products(family: str) -> list[str]:
+    """The products of the edges a family's layer offers (its sites hold output and
+    sources), each once."""
+    own = set(models.get(family).sites)
+    return list(dict.fromkeys(
+        product for edge in REBUILDS if edge.output in own and set(edge.sources) <= own
+        for product in edge.products if product in own))
+
+
+PRODUCTS = _family_products("gpt")
+LLAMA_PRODUCTS = _family_products("llama")
 # The modules a segment re-run would call again in backward; an operator calls none of them
 # (the norms' own operators call only their norm).
 MATMULS = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1",
@@ -129,3 +143,88 @@ def test_an_operator_reads_a_compressed_source_decoded(distributed):
     for name, param in model.named_parameters():
         error = (param.grad - ref[name].grad).norm() / ref[name].grad.norm().clamp_min(1e-12)
         assert error < 0.1, name
+
+
+# --- the Llama layer's edges: RMSNorm (output, rstd, x * rstd), SwiGLU's SiLU and product ----
+LLAMA_CHAINS = {
+    # the MLP re-run rebuilds fc1's output (the saved gate half), then glu runs on it whole
+    "glu_from_rerun": {"swiglu_in": "recompute", "swiglu_up": "recompute",
+                       "swiglu_out": "recompute"},
+    # the attention re-run rebuilds ln2_in, then the RMSNorm runs on it
+    "norm_from_rerun": {"ln2_in": "recompute", "ln2_out": "recompute",
+                        "ln2_normed": "recompute", "ln2_stats": "recompute"},
+    "every_operator": {name: "recompute" for name in LLAMA_PRODUCTS},
+    "everything": {name: "recompute" for name in LLAMA_PRODUCTS + [
+        "qkv", "context", "ln2_in", "swiglu_in"]},
+}
+
+
+def test_the_llama_layer_offers_its_norm_and_swiglu_edges():
+    assert set(LLAMA_PRODUCTS) == {"ln1_out", "ln1_stats", "ln1_normed", "ln2_out",
+                                   "ln2_stats", "ln2_normed", "swiglu_act", "swiglu_up",
+                                   "swiglu_out"}
+    assert set(PRODUCTS) == {"ln1_out", "ln1_stats", "ln2_out", "ln2_stats", "gelu_out"}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("backend", ["unfused", "flash"])
+def test_every_llama_edge_and_chain_trains_bit_for_bit(distributed, dtype, backend):
+    stock = train_steps(build_llama(False, dtype, backend), steps=2)
+    plans = {**{product: {product: "recompute"} for product in LLAMA_PRODUCTS},
+             **LLAMA_CHAINS}
+    for name, sites in plans.items():
+        model = build_llama(True, dtype, backend)
+        try:
+            assert_same_training(stock, train_steps(model, steps=2, plan=Plan.uniform(sites)))
+        except AssertionError as exc:
+            raise AssertionError(f"{backend} {dtype}, plan {name}: {exc}") from None
+
+
+@pytest.mark.parametrize("product", LLAMA_PRODUCTS)
+def test_a_llama_operator_rebuild_runs_only_its_operator(distributed, product):
+    edge = REBUILT_BY[product]
+    model = build_llama(True, torch.bfloat16)
+    apply_plan(model, Plan.uniform({product: "recompute"}), strict=True)
+    norms = [edge.call] if "layernorm" in edge.call else []
+    calls = _calls_in_backward(model, MATMULS + ("input_layernorm", "pre_mlp_layernorm"))
+    assert calls == {name: (2 if name in norms else 0) for name in calls}, product
+
+
+def test_llama_operator_products_keep_no_bytes(distributed):
+    stock = build_llama(True)
+    _, kept = measure_step(stock, lambda: loss_of(stock), strict=True)
+    model = build_llama(True)
+    apply_plan(model, Plan.uniform(LLAMA_CHAINS["every_operator"]), strict=True)
+    _, report = measure_step(model, lambda: loss_of(model), strict=True)
+    assert not {site for (_, site) in report.by_site} & set(LLAMA_PRODUCTS)
+    assert kept.after_forward_bytes - report.after_forward_bytes == sum(
+        nbytes for (layer, site), nbytes in kept.by_site.items()
+        if layer >= 0 and site in LLAMA_PRODUCTS)
+
+
+def test_glu_reads_a_compressed_fc1_output_whole(distributed):
+    # A lossy plan: the SwiGLU's three products are rebuilt from the decoded fc1 output, both
+    # halves of it (the up half is not the saved view); the forward is untouched and the
+    # gradients stay close. fc2's weight gradient reads the rebuilt product, which carries
+    # both halves' int4 error (measured 0.136; reading the gate half as the up half is off by
+    # far more).
+    reference = build_llama(True)
+    torch.manual_seed(3)
+    loss_of(reference).backward()
+    model = build_llama(True)
+    apply_plan(model, Plan.uniform({
+        "swiglu_in": {"action": "compress", "codec": "sym_int4"},
+        **{name: "recompute" for name in ("swiglu_act", "swiglu_up", "swiglu_out")}}),
+        strict=True)
+    torch.manual_seed(3)
+    loss = loss_of(model)
+    assert torch.equal(loss, loss_of(reference))
+    loss.backward()
+    ref = dict(reference.named_parameters())
+    for name, param in model.named_parameters():
+        error = (param.grad - ref[name].grad).norm() / ref[name].grad.norm().clamp_min(1e-12)
+        assert error < 0.2, name
+    # the linear layers stood aside only for the rebuild
+    assert [type(module).__name__ for module in (model.decoder.layers[0].mlp.linear_fc1,
+                                                 model.decoder.layers[0].mlp.linear_fc2)] \
+        == ["ColumnParallelLinear", "RowParallelLinear"]

@@ -170,9 +170,18 @@ class Rebuild:
     """An operator-level rebuild edge: in backward, the runtime calls ``call`` (a dotted path
     from the transformer layer to one of megatron's own submodules or functions, e.g.
     ``mlp.activation_func``) on the values of ``sources`` (positionally, each retained,
-    decoded or itself rebuilt: chains) and takes its return value as ``output``; the sites in
-    ``saves`` are what that call saves for backward on the way (a norm's statistics),
-    captured as it runs. It draws no random numbers. A recomputed site named here is always
+    decoded or itself rebuilt: chains) and takes its return value as ``output``; the sites
+    in ``saves`` are what that call saves for backward on the way (a norm's statistics,
+    RMSNorm's x * rstd), captured as it runs, its sources requiring grad as in forward so
+    that it saves what forward saved. It draws no random numbers.
+
+    ``between`` = (enter, exit) runs a module's forward over the operators between two of
+    its megatron linear layers, where no submodule or function of its own holds them (the
+    gated MLP's ``glu`` is a closure inside ``MLP.forward``): ``call``'s submodule ``enter``
+    stands in returning (the source's whole value, no bias), the whole being the tensor the
+    source's saved view is a view of (SwiGLU's gate half pins fc1's whole output), and the
+    call stops where it calls its submodule ``exit``, whose input is ``output``. Neither
+    linear layer runs. A recomputed site named here is always
     rebuilt this way, never by its segment's re-run; the operators run once per layer
     backward each, in the order of this table, which must put an edge after every edge that
     rebuilds one of its sources."""
@@ -181,18 +190,28 @@ class Rebuild:
     sources: tuple[str, ...]
     output: str
     saves: tuple[str, ...] = ()
+    between: tuple[str, str] | None = None
 
     @property
     def products(self) -> tuple[str, ...]:
         return (self.output, *self.saves)
 
 
-# The edges megatron-core's local GPT layer offers, in forward order. Q/K/V, the attention
-# output and whatever follows a dropout are left to the segment re-runs.
+# The edges megatron-core's local layer offers, GPT's and Llama's (models/), in forward
+# order; a layer uses the edges whose output and sources it saves. Q/K/V, the attention
+# output and whatever follows a dropout are left to the segment re-runs, and so are RoPE's
+# rotated Q and K: their unrotated inputs are views of linear_qkv's output that nothing
+# saves, so only the attention re-run (linear_qkv's matmul) reaches them.
 REBUILDS: tuple[Rebuild, ...] = (
-    Rebuild("input_layernorm", (LAYER_INPUT,), "ln1_out", ("ln1_stats",)),
-    Rebuild("pre_mlp_layernorm", ("ln2_in",), "ln2_out", ("ln2_stats",)),
+    # LayerNorm saves its statistics; torch's RMSNorm its rstd and x * rstd (fp32).
+    Rebuild("input_layernorm", (LAYER_INPUT,), "ln1_out", ("ln1_stats", "ln1_normed")),
+    Rebuild("pre_mlp_layernorm", ("ln2_in",), "ln2_out", ("ln2_stats", "ln2_normed")),
     Rebuild("mlp.activation_func", ("gelu_in",), "gelu_out"),
+    # SwiGLU: megatron's MLP forward between fc1 and fc2 runs its `glu` (chunk, SiLU of the
+    # gate half, the up half plus the offset: a copy, their product) on fc1's whole output,
+    # which the saved gate half pins.
+    Rebuild("mlp", ("swiglu_in",), "swiglu_out", ("swiglu_act", "swiglu_up"),
+            between=("linear_fc1", "linear_fc2")),
 )
 # product site -> the edge that rebuilds it
 REBUILT_BY: dict[str, Rebuild] = {product: edge for edge in REBUILDS

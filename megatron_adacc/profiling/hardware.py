@@ -550,17 +550,17 @@ def _mlp_sites(shape: ModelShape) -> dict[str, _SiteFormula]:
             mlp.fc2_in: _SiteFormula(sbf, _act, "act", _NO_FLOPS, lambda d: 2 * sbf(d) * d.act,
                                      lambda d: d.f),
         }
-    # fc1 writes both halves; the product saves the up half plus the offset (a copy, made
-    # first) and the SiLU of the gate half; linear_fc2 saves the product.
+    # fc1 writes both halves; the SiLU of the gate half runs first, then the up half plus the
+    # offset (a copy), and the product saves both; linear_fc2 saves the product.
     up, act = (mlp.activation_saves[node] for node in ("AddBackward0", "SiluBackward0"))
     return {
         mlp.fc1_out: _SiteFormula(lambda d: 2 * sbf(d), _act, "act",
                                   lambda d: 2 * d.s * d.b * d.h * 2 * d.f,
                                   lambda d: 2 * sbf(d) * d.act, lambda d: 2 * d.f),
-        up: _SiteFormula(sbf, _act, "act", _NO_FLOPS, lambda d: 2 * sbf(d) * d.act,
-                         lambda d: d.f),
         act: _SiteFormula(sbf, _act, "act", _NO_FLOPS, lambda d: 2 * sbf(d) * d.act,
                           lambda d: d.f),
+        up: _SiteFormula(sbf, _act, "act", _NO_FLOPS, lambda d: 2 * sbf(d) * d.act,
+                         lambda d: d.f),
         mlp.fc2_in: _SiteFormula(sbf, _act, "act", _NO_FLOPS, lambda d: 3 * sbf(d) * d.act,
                                  lambda d: d.f),
     }

@@ -4,7 +4,8 @@ every tensor it saves for backward.
 
 Nothing of megatron's forward is copied. A recomputed site that an operator-level edge of
 `sites.REBUILDS` names is rebuilt by calling that megatron submodule or function (a norm,
-the MLP's activation) on its sources' backward values, each retained, decoded or rebuilt
+the MLP's activation; the gated MLP's forward between its two linear layers, which stand
+aside) on its sources' backward values, each retained, decoded or rebuilt
 before it (chains). Every other recomputed site is rebuilt by re-running megatron's own
 segments of the forward: `_forward_attention` from the layer input, `_forward_mlp` from
 ln2_in (the MLP segment alone when every such site is in it and ln2_in is kept), with the RNG
@@ -189,30 +190,38 @@ class AdaccTransformerLayer(TransformerLayer):
     def _run_operator(self, call: LayerCall, edge) -> None:
         """Call `edge`'s megatron submodule or function on its sources' values, keeping its
         output and, captured as it runs, what it saves that is wanted. Nothing it computes
-        needs a graph unless it saves a wanted site (a norm's statistics)."""
+        needs a graph unless it saves a wanted site (a norm's statistics, glu's SiLU output)."""
         operator = functools.reduce(getattr, edge.call.split("."), self)
-        sources = [self._source_value(call, name, requires_grad=False) for name in edge.sources]
         saves = {site for site, _ in call.wanted if site in edge.saves}
+        # What a call saves depends on what requires grad (torch's RMSNorm saves its
+        # statistics only for its input's gradient): as in forward when it must save.
+        sources = [self._source_value(call, name, requires_grad=None if saves else False,
+                                      whole=edge.between is not None)
+                   for name in edge.sources]
         call.capture(saves)
         self.attributor.begin(SEGMENT_NAMES.index(SITES[edge.output].segment))
         with torch.set_grad_enabled(bool(saves)):
-            output = operator(*sources)
+            if edge.between is None:
+                output = operator(*sources)
+            else:
+                output = _run_between(operator, *edge.between, sources[0])
         if (edge.output, 0) in call.wanted:
             call.keep((edge.output, 0), output)
 
     @staticmethod
-    def _source_value(call: LayerCall, name: str, requires_grad: bool | None = None
-                      ) -> torch.Tensor:
+    def _source_value(call: LayerCall, name: str, requires_grad: bool | None = None,
+                      whole: bool = False) -> torch.Tensor:
         """The backward value of a site a rebuild reads: retained, decoded (read, not taken:
-        autograd takes the same view afterwards) or rebuilt before (a chain). Requires grad
-        as the forward's did, unless told."""
+        autograd takes the same view afterwards) or rebuilt before (a chain); ``whole``: the
+        tensor its saved view is a view of (the forward's, the decoded copy, the rebuilt
+        one). Requires grad as the forward's did, unless told."""
         saved = call.sources[name]
         if type(saved) is Handle and isinstance(saved.source, CompressedStorage):
-            value = saved.source.read(saved.key)
-        elif type(saved) is Handle:
-            value = call.cache[saved.key]
+            value = saved.source.read(None if whole else saved.key)
         else:
-            value = saved
+            value = call.cache[saved.key] if type(saved) is Handle else saved
+            if whole and value._base is not None:
+                value = value._base
         if name in SEGMENT_ANCHORS:
             value = value.to(call.residual_dtype)
         if requires_grad is None:
@@ -222,6 +231,45 @@ class AdaccTransformerLayer(TransformerLayer):
 
 def _discarded(_saved):
     raise AssertionError("the rebuild graph is never backpropagated")
+
+
+class _Halted(Exception):
+    def __init__(self, value):
+        super().__init__()
+        self.value = value
+
+
+class _Emits(torch.nn.Module):
+    """Stands in for a megatron linear layer: returns (the given value, no bias)."""
+
+    def __init__(self, value):
+        super().__init__()
+        self.value = value
+
+    def forward(self, *_args, **_kwargs):
+        return self.value, None
+
+
+class _Halts(torch.nn.Module):
+    """Stands in for the linear layer a rebuild stops at: hands back what it is called with."""
+
+    def forward(self, value, *_args, **_kwargs):
+        raise _Halted(value)
+
+
+def _run_between(module, enter: str, exit_: str, value: torch.Tensor) -> torch.Tensor:
+    """Run ``module``'s own forward from ``value`` as its submodule ``enter``'s output up to
+    its call of submodule ``exit_``, and return that call's input (sites.Rebuild.between).
+    Both submodules are swapped for stand-ins for the call only."""
+    originals = {name: module._modules[name] for name in (enter, exit_)}
+    module._modules[enter], module._modules[exit_] = _Emits(value), _Halts()
+    try:
+        module(value)
+    except _Halted as halted:
+        return halted.value
+    finally:
+        module._modules.update(originals)
+    raise RuntimeError(f"{type(module).__name__} returned without calling its {exit_}")
 
 
 def get_adacc_layer_spec(attention_backend: str = DEFAULT_SPEC_BACKEND, **local_spec_kwargs):

@@ -62,8 +62,9 @@ class CompressedStorage:
         return Handle(self, geometry)
 
     def read(self, geometry) -> torch.Tensor:
-        """The value of one view without handing it out: a rebuild reads its compressed
-        starting tensor this way, and autograd still takes that view later."""
+        """The value of one view without handing it out (None: the whole encoded root): a
+        rebuild reads its compressed starting tensor this way, and autograd still takes that
+        view later."""
         if self.decoded is None:
             if self.payload is None:
                 raise RuntimeError(
@@ -73,7 +74,7 @@ class CompressedStorage:
             self.decoded = self.codec.decode(self.payload)
             if self.ruler is not None:
                 self.ruler.transient(self.decoded)
-        return self.decoded.as_strided(*geometry)
+        return self.decoded if geometry is None else self.decoded.as_strided(*geometry)
 
     def take(self, geometry) -> torch.Tensor:
         value = self.read(geometry)
@@ -213,8 +214,11 @@ class LayerCall:
         self.ordinals = {}
 
     def keep(self, key, tensor: torch.Tensor) -> None:
-        """A rebuilt value, cached until backward takes it."""
-        self.cache[key] = tensor.detach()
+        """A rebuilt value, cached until backward takes it; a view stays a view of its
+        (detached) base, which an operator may read whole (sites.Rebuild.between)."""
+        base = tensor._base
+        self.cache[key] = (tensor.detach() if base is None else base.detach().as_strided(
+            tensor.size(), tensor.stride(), tensor.storage_offset()))
         if self.ruler is not None:
             self.ruler.transient(tensor)
 
