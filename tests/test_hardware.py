@@ -1,6 +1,7 @@
 """Analytic cost model: site bytes add up to 34sbh + 5as^2b, rebuild times accumulate along
 each segment, static bytes per precision."""
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -8,6 +9,7 @@ import torch
 from megatron_adacc import codecs, planning
 from megatron_adacc.profiling import hardware
 from megatron_adacc.common.costs import ModelCosts
+from megatron_adacc.training.arguments import read_config
 from test_codecs_payload_bytes import with_outlier_channels
 
 GPT345M = hardware.ModelShape(num_layers=24, hidden_size=1024, num_attention_heads=16,
@@ -136,14 +138,11 @@ def test_gpu_plans_use_the_operator_rebuilds():
     assert row.rebuilt_from == "gelu_in"
 
 
-# Llama-3-8B on one rank of TP=2 with sequence parallelism, bf16 (configs/llama3-8b.yaml)
+# Llama-3-8B (configs/llama3-8b.yaml, bf16) on one rank of TP=2 with sequence parallelism
 LLAMA3_8B_TP2 = hardware.ModelShape.from_flags({
-    "num-layers": 32, "hidden-size": 4096, "ffn-hidden-size": 14336,
-    "num-attention-heads": 32, "group-query-attention": True, "num-query-groups": 8,
-    "seq-length": 8192, "vocab-size": 128256, "normalization": "RMSNorm", "swiglu": True,
-    "position-embedding-type": "rope", "disable-bias-linear": True, "bf16": True,
-    "untie-embeddings-and-output-weights": True, "tensor-model-parallel-size": 2,
-    "sequence-parallel": True, "hidden-dropout": 0, "attention-dropout": 0})
+    **{dest.replace("_", "-"): value for dest, value in
+       read_config(str(Path(__file__).parent.parent / "configs" / "llama3-8b.yaml")).items()},
+    "tensor-model-parallel-size": 2, "sequence-parallel": True})
 
 
 def test_llama_operators_cost_their_own_ops():

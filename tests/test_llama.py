@@ -246,6 +246,7 @@ def test_bad_llama_flags_exit_2_before_training(capsys):
 
 # --- the analytic accelerator model -------------------------------------------------------------
 from megatron_adacc.profiling import hardware  # noqa: E402
+from test_hardware import LLAMA3_8B_TP2  # noqa: E402
 
 
 @DTYPES
@@ -280,14 +281,7 @@ def test_the_llama3_8b_config_plans_on_an_h100_at_tp2_with_sequence_parallelism(
         assert site in table
     # One rank's bf16 sites (s 8192, h 4096, sequence over 2 ranks): RMSNorm's fp32 input
     # copy is 4096 x 4096 x 4 B per layer; Q at 16 heads, K and V at 4 groups each, x 128.
-    shape = hardware.ModelShape.from_flags({
-        "num-layers": 32, "hidden-size": 4096, "ffn-hidden-size": 14336,
-        "num-attention-heads": 32, "group-query-attention": True, "num-query-groups": 8,
-        "seq-length": 8192, "vocab-size": 128256, "normalization": "RMSNorm", "swiglu": True,
-        "position-embedding-type": "rope", "disable-bias-linear": True, "bf16": True,
-        "untie-embeddings-and-output-weights": True, "tensor-model-parallel-size": 2,
-        "sequence-parallel": True, "hidden-dropout": 0,
-        "attention-dropout": 0})
+    shape = LLAMA3_8B_TP2
     sizes = hardware.site_bytes(shape, 1)
     assert sizes["layer_in"] == 4096 * 4096 * 4
     assert sizes["qkv"] == (16 + 2 * 4) * 128 * 8192 * 2
