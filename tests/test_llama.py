@@ -144,8 +144,11 @@ def test_a_plan_cannot_send_a_floating_point_site_to_the_bitmask_codec():
 def test_the_runtime_refuses_the_bitmask_codec_for_a_value(distributed):
     model = build_llama(True)
     layer = adacc_layers(model)[0]
-    with pytest.raises(ValueError, match="codec 'bitmask' encodes masks, and qkv holds"):
+    with pytest.raises(PlanError, match="layer 0.qkv: codec 'bitmask' cannot hold qkv "):
         layer.set_decisions({"qkv": Decision(COMPRESS, MASK_CODEC)})
+    # The one rule, as a plan file's: an int4 codec cannot hold a dropout mask either.
+    with pytest.raises(PlanError, match="layer 0.bda1_mask: codec 'naive_int4' cannot hold "):
+        layer.set_decisions({"bda1_mask": Decision(COMPRESS, "naive_int4")})
 
 
 def test_a_computed_tensor_attributed_to_a_mask_site_never_reaches_the_codec(distributed):

@@ -53,10 +53,6 @@ RETAIN_DECISION = Decision(RETAIN)
 
 
 def _parse_decision(where: str, site: str, value: Any) -> Decision:
-    if site not in site_table.SITES:
-        raise PlanError(
-            f"{where}: unknown site {site!r}; valid sites: {', '.join(site_table.SITE_NAMES)}"
-        )
     if isinstance(value, str):
         action, codec = value, None
     elif isinstance(value, Mapping):
@@ -72,6 +68,18 @@ def _parse_decision(where: str, site: str, value: Any) -> Decision:
         raise PlanError(
             f"{where}.{site}: expected an action ({', '.join(ACTIONS)}) or "
             f"{{action: ..., codec: ...}}, got {value!r}"
+        )
+    return check_decision(where, site, Decision(action, codec))
+
+
+def check_decision(where: str, site: str, decision: Decision) -> Decision:
+    """``decision`` if ``site`` can take it, else a PlanError naming ``where``: the one rule
+    for a plan file and for the runtime's layers (a codec must be able to hold the site's
+    tensor: never the bitmask codec for a floating-point value)."""
+    action, codec = decision.action, decision.codec
+    if site not in site_table.SITES:
+        raise PlanError(
+            f"{where}: unknown site {site!r}; valid sites: {', '.join(site_table.SITE_NAMES)}"
         )
     if action not in ACTIONS:
         raise PlanError(
@@ -98,7 +106,7 @@ def _parse_decision(where: str, site: str, value: Any) -> Decision:
             f"{where}.{site}: {site} cannot be recomputed ({site_table.get(site).description}); "
             f"choose retain" + (" or compress" if site_table.get(site).default_codec else "")
         )
-    return Decision(action, codec)
+    return decision
 
 
 def _parse_sites(where: str, value: Any) -> dict[str, Decision]:

@@ -68,7 +68,9 @@ class Site:
 
     def takes(self, codec: str) -> bool:
         """Whether ``codec`` can hold this site's tensor: the bitmask codec holds a mask's
-        two values only, the int4 codecs quantise floating-point values only."""
+        two values only (a floating-point value sent to it would be silently binarised
+        wherever it happens to hold two), the int4 codecs quantise floating-point values
+        only. plan.check_decision applies it to plan files and to the runtime's layers."""
         return (self.default_codec is not None
                 and (codec == MASK_CODEC) == (self.default_codec == MASK_CODEC))
 
@@ -221,10 +223,6 @@ REBUILD_SOURCES = frozenset(SEGMENTS.values()) | {source for edge in REBUILDS
                                                   for source in edge.sources}
 
 SITES: dict[str, Site] = {site.name: site for site in _SITE_LIST}
-# Sites that hold a mask (bool, or CPU dropout's 0 / 1/(1-p)): the only ones the bitmask codec
-# may encode. A floating-point value sent to it would be silently binarised wherever it
-# happens to hold two values, so the runtime checks every compress against this set.
-MASK_SITES = frozenset(site.name for site in _SITE_LIST if site.default_codec == MASK_CODEC)
 SITE_NAMES: tuple[str, ...] = tuple(SITES)
 SHARED_SITES = frozenset(site.name for site in _SITE_LIST if site.shared)
 # The sites a plan decides for, per layer.

@@ -19,7 +19,7 @@ saves several kinds and the tensor decides:
 - the MLP's activation saves per its model family's part (models.MlpPart);
 - the layer itself saves the bias-dropout-add masks: drawn, shaped like the residual stream.
 
-Mask sites (sites.MASK_SITES, the bitmask codec's) are only named for tensors that are masks
+Mask sites (those whose designated codec is the bitmask codec) are only named for tensors that are masks
 by how they were made: drawn by a dropout, or the attention mask by identity.
 
 The attention mask is one tensor for every layer (megatron's cached causal mask, or the mask

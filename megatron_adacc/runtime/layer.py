@@ -26,7 +26,7 @@ from megatron.core.tensor_parallel.random import _fork_rng, _get_all_rng_states,
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from megatron_adacc.models.attention import DEFAULT_SPEC_BACKEND, local_layer_spec
-from megatron_adacc.common.plan import Decision
+from megatron_adacc.common.plan import Decision, check_decision
 from megatron_adacc.runtime.accounting import active_ruler
 from megatron_adacc.runtime.attribution import SiteAttributor
 from megatron_adacc.runtime.storage import (
@@ -36,7 +36,7 @@ from megatron_adacc.runtime.storage import (
     RebuildComplete,
     unpack,
 )
-from megatron_adacc.common.sites import (COMPRESS, LAYER_INPUT, MASK_CODEC, MASK_SITES,
+from megatron_adacc.common.sites import (COMPRESS, LAYER_INPUT,
                                   MLP_SEGMENT, REBUILDS, REBUILT_BY, RECOMPUTE,
                                   SEGMENT_ANCHORS, SEGMENT_NAMES, SEGMENTS, SITES)
 
@@ -72,14 +72,12 @@ class AdaccTransformerLayer(TransformerLayer):
         it between a forward and its backward)."""
         actions = {}
         for site, decision in decisions.items():
+            check_decision(f"layer {self.layer_index}", site, decision)
             if decision.action == COMPRESS:
                 from megatron_adacc import codecs
 
-                codec = decision.codec_for(site)
-                if codec == MASK_CODEC and site not in MASK_SITES:
-                    raise ValueError(f"layer {self.layer_index}: codec {codec!r} encodes "
-                                     f"masks, and {site} holds floating-point values")
-                actions[site] = (COMPRESS, codecs.get(codec, backend=self.codec_backend))
+                actions[site] = (COMPRESS, codecs.get(decision.codec_for(site),
+                                                      backend=self.codec_backend))
             elif decision.action == RECOMPUTE:
                 actions[site] = (RECOMPUTE, None)
         self.actions = actions
