@@ -33,7 +33,7 @@ import torch
 
 from megatron_adacc import codecs, models, planning
 from megatron_adacc.common import sites as site_table
-from megatron_adacc.models.attention import resolve_backend
+from megatron_adacc.models.attention_backend import resolve_backend
 from megatron_adacc.models.terms import (INPUT_NORM, PRE_MLP_NORM, Dims, SiteTerm, act, fp32,
                                          hidden_channels, no_bytes, no_flops, stream)
 from megatron_adacc.common.costs import CodecCost, ModelCosts, Operator, SiteCost

@@ -18,7 +18,7 @@ import yaml
 
 from megatron_adacc import models
 from megatron_adacc.common.errors import InputError
-from megatron_adacc.models.attention import ATTENTION_BACKENDS
+from megatron_adacc.models.attention_backend import ATTENTION_BACKENDS
 from megatron_adacc.training.tokenizers import TOKENIZER_TYPES
 
 
