@@ -87,7 +87,6 @@ def get_accelerator(name: str) -> Accelerator:
 
 
 # --- model shape -------------------------------------------------------------------------
-_PRECISION_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4}
 _DTYPE_NAMES = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
 
 
@@ -126,8 +125,8 @@ class ModelShape:
 
     def __post_init__(self) -> None:
         self.variant  # noqa: B018  (a ValueError naming an unknown part's flag)
-        if self.precision not in _PRECISION_BYTES:
-            raise ValueError(f"precision must be one of {sorted(_PRECISION_BYTES)}, "
+        if self.precision not in _DTYPE_NAMES:
+            raise ValueError(f"precision must be one of {sorted(_DTYPE_NAMES)}, "
                              f"got {self.precision!r}")
         if self.attention_backend not in ("unfused", "flash"):
             raise ValueError(f"attention backend must be unfused or flash, got "
@@ -173,7 +172,7 @@ class ModelShape:
 
     @property
     def activation_bytes(self) -> int:
-        return _PRECISION_BYTES[self.precision]
+        return getattr(torch, _DTYPE_NAMES[self.precision]).itemsize
 
     @property
     def padded_vocab_size(self) -> int:
@@ -544,9 +543,10 @@ def codec_payload_bytes(codec: str, elements: int, dtype: str, channels: int) ->
 
 def _codec_cost(codec: str, full: int, payload: int, bandwidth: float) -> CodecCost:
     rate = bandwidth * CODEC_EFFICIENCY
-    # Encode reads the tensor and writes the payload; the outlier codec first reads it once
-    # more for the per-channel sums. Decode reads the payload and writes the tensor.
-    extra_pass = full if codec == "outlier_int4" else 0
+    # Encode reads the tensor and writes the payload; a codec that separates outliers first
+    # reads it once more for the per-channel sums. Decode reads the payload and writes the
+    # tensor.
+    extra_pass = full if codecs.get(codec).separates_outliers else 0
     return CodecCost(codec=codec, payload_bytes=payload,
                      encode_s=(full + payload + extra_pass) / rate,
                      decode_s=(payload + full) / rate)
