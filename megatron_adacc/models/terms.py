@@ -10,7 +10,7 @@ the bias-dropout-adds) are the hardware model's.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 import torch
@@ -64,8 +64,7 @@ class SiteTerm:
         """This save with ``flops`` more matmul work ahead of it (a linear layer that runs
         between the previous save and this one)."""
         own = self.flops
-        return SiteTerm(self.elements, self.dtype, lambda d: flops(d) + own(d),
-                        self.bytes_moved, self.channels, self.when)
+        return replace(self, flops=lambda d: flops(d) + own(d))
 
 
 # megatron's local layer has two norms: (their sites' prefix, the site of their input).
