@@ -64,6 +64,18 @@ def test_a_family_derived_from_llama_is_priced_by_its_own_term(register):
     assert fused.sites == LLAMA.sites
 
 
+def test_a_changed_part_under_a_taken_name_is_refused(register):
+    # it would be silently priced as the part the name already selects
+    with pytest.raises(ValueError, match="^family llama-fused-norm: --normalization RMSNorm "
+                                         r"already selects another part \(RMSNorm\)"):
+        register(models.ModelFamily(
+            name="llama-fused-norm", description="", flags=LLAMA.flags,
+            variant=replace(LLAMA.variant, norm=replace(RMSNORM, input_dtype=None))))
+    assert "llama-fused-norm" not in models.FAMILIES
+    # Llama's own parts again are the same parts
+    assert register(replace(LLAMA, name="llama-again")).variant == LLAMA.variant
+
+
 def test_an_unknown_part_is_refused_naming_its_flag():
     with pytest.raises(ValueError, match="^--normalization ScaleNorm: expected one of "
                                          "LayerNorm, RMSNorm$"):

@@ -205,10 +205,20 @@ FAMILIES: dict[str, ModelFamily] = {}
 
 
 def register(family: ModelFamily) -> ModelFamily:
+    """Adds ``family`` and its parts, each under the flag value that selects it; a part that
+    differs from the one a value already selects is refused (it needs a value of its own)."""
+    variant = family.variant
+    parts = ((NORMS, variant.norm.name, variant.norm, "--normalization"),
+             (MLPS, variant.mlp.gated, variant.mlp, "--swiglu"),
+             (POSITIONS, variant.positions.name, variant.positions,
+              "--position-embedding-type"))
+    for registry, key, part, flag in parts:
+        if registry.get(key, part) != part:
+            raise ValueError(f"family {family.name}: {flag} {key} already selects another "
+                             f"part ({registry[key].name}); name the new part apart")
     FAMILIES[family.name] = family
-    NORMS.setdefault(family.variant.norm.name, family.variant.norm)
-    MLPS.setdefault(family.variant.mlp.gated, family.variant.mlp)
-    POSITIONS.setdefault(family.variant.positions.name, family.variant.positions)
+    for registry, key, part, _ in parts:
+        registry.setdefault(key, part)
     return family
 
 
