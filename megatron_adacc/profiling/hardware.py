@@ -561,7 +561,7 @@ def embedding_activation_bytes(shape: ModelShape, micro_batch_size: int) -> int:
 
 
 def output_activation_bytes(shape: ModelShape, micro_batch_size: int) -> int:
-    """Activations of the final LayerNorm, the output layer and the loss (the last stage's),
+    """Activations of the final norm, the output layer and the loss (the last stage's),
     alive at the end of forward and freed by the loss backward before any layer backprops.
 
     The final norm saves what a layer's norm saves and the output layer saves the norm's
