@@ -4,14 +4,21 @@ from megatron_adacc.models.family import (
     FAMILIES,
     MLPS,
     NORMS,
+    POSITIONS,
     EmbeddingOptions,
     LayerVariant,
+    MlpPart,
     ModelFamily,
+    NormPart,
+    PositionPart,
     SequenceParallelNorm,
     get,
-    transformer_config_options,
+    layer_variant,
     mlp_part,
+    register,
+    transformer_config_options,
 )
 
-__all__ = ["FAMILIES", "MLPS", "NORMS", "EmbeddingOptions", "LayerVariant", "ModelFamily",
-           "SequenceParallelNorm", "get", "transformer_config_options", "mlp_part"]
+__all__ = ["FAMILIES", "MLPS", "NORMS", "POSITIONS", "EmbeddingOptions", "LayerVariant",
+           "MlpPart", "ModelFamily", "NormPart", "PositionPart", "SequenceParallelNorm", "get",
+           "layer_variant", "mlp_part", "register", "transformer_config_options"]

@@ -1,54 +1,16 @@
-"""The attention backend of a layer spec: megatron-core's unfused `DotProductAttention`, or
+"""The core attention of a layer spec: megatron-core's unfused `DotProductAttention`, or
 `FlashDotProductAttention` (flash_attention.py), the same module on PyTorch's
-`scaled_dot_product_attention`. Light to import (the flag parser uses it): megatron is
-imported where a spec is built.
-
-    --attention-backend unfused   megatron-core's local core attention (the s^2 tensors)
-    --attention-backend flash     SDPA: its flash (or memory-efficient) kernel saves Q, K, V,
-                                  the output and the log-sum-exp; no s^2 tensor exists
-    --attention-backend auto      flash wherever this device's SDPA runs such a kernel with
-                                  the configured attention dropout, else unfused
-
-Megatron-LM names the flag the same and defaults to auto. On the CPU, SDPA runs its flash
-kernel only without dropout (with dropout it falls back to its math path, which saves the
-s^2 tensors under names the flash sites do not have), so auto picks flash there only at
-attention dropout 0 and an explicit flash with dropout is refused. On CUDA the flash and
-memory-efficient kernels draw their own dropout (their philox seed and offset are saved).
+`scaled_dot_product_attention`, as ``--attention-backend`` resolves (attention_backend.py).
+Light to import: megatron is imported where a spec is built.
 """
 from __future__ import annotations
 
 import dataclasses
 
-ATTENTION_BACKENDS = ("auto", "flash", "unfused")
+from megatron_adacc.models.attention_backend import ATTENTION_BACKENDS, resolve_backend
+
 # What megatron-core's local spec and this package's spec functions build unless told.
 DEFAULT_SPEC_BACKEND = "unfused"
-
-
-def flash_runs(attention_dropout: float, cuda: bool | None = None) -> bool:
-    """Whether SDPA runs a kernel that saves only Q, K, V, the output and the log-sum-exp
-    (flash or memory-efficient) at this attention dropout on this device (default: CUDA if
-    there is one)."""
-    if cuda is None:
-        import torch
-
-        cuda = torch.cuda.is_available()
-    return cuda or attention_dropout == 0
-
-
-def resolve_backend(backend: str, attention_dropout: float, cuda: bool | None = None) -> str:
-    """"flash" or "unfused" for a configured backend (auto resolved for this device)."""
-    if backend not in ATTENTION_BACKENDS:
-        raise ValueError(f"--attention-backend {backend}: expected one of "
-                         f"{', '.join(ATTENTION_BACKENDS)}")
-    if backend == "auto":
-        return "flash" if flash_runs(attention_dropout, cuda) else "unfused"
-    if backend == "flash" and not flash_runs(attention_dropout, cuda):
-        raise ValueError(
-            f"--attention-backend flash with --attention-dropout {attention_dropout}: PyTorch's "
-            "scaled_dot_product_attention on the CPU has no flash kernel with dropout (its math "
-            "path would save the s^2 tensors); use attention dropout 0, or --attention-backend "
-            "unfused or auto")
-    return backend
 
 
 def auto_core_attention(config, *args, **kwargs):

@@ -2,50 +2,98 @@
 substitution rather than by conditionals spread across modules.
 
 A family names the layer variant it trains (`LayerVariant`: its normalisation, its MLP, its
-positions, grouped-query attention, biases, tied embeddings) as Megatron-LM's flags
-(`ModelFamily.flags`), and each part of the variant says what the layer saves:
+positions) and the Megatron-LM flags that build it (`ModelFamily.flags`: the variant's, and
+grouped-query attention, biases, tied embeddings), and each part of the variant says what
+the layer saves and what that costs, in the vocabulary of `terms.py`:
 
-- `MlpPart`: the sites of what the MLP saves (attribution asks it, `runtime/attribution.py`);
-- `NormPart`: whether the norm saves its normalised input besides its input and statistics;
-- the analytic accelerator model (`hardware.py`) composes its site table per part and
-  takes the parts' site names and statistics from here.
+- `NormPart`: what the norm saves besides its input and statistics, in which dtype, and its
+  parameters;
+- `MlpPart`: the sites of what the MLP saves (attribution asks it, `runtime/attribution.py`),
+  their accelerator-model terms, fc1's width and Megatron-LM's default ffn size;
+- `PositionPart`: what the positions save before core attention, what unfused attention
+  then saves of Q, K and V, and the embedding's position table.
 
+The analytic accelerator model (`profiling/hardware.py`) asks the parts the shape's flags
+select (`layer_variant`) for their terms; it holds only the parts every family shares.
 The layer is megatron-core's local spec in every family (WrappedTorchNorm reads
 `config.normalization`, the MLP `config.gated_linear_unit`), so megatron's forward is never
-copied; the recompute segments are megatron's two (sites.SEGMENTS) in both
-families. `mlp_part(config)` reads a built TransformerConfig's MLP, in one place.
+copied; the recompute segments are megatron's two (sites.SEGMENTS) and the rebuild edges
+sites.REBUILDS's in both families. `mlp_part(config)` reads a built TransformerConfig's MLP,
+in one place.
 """
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
+
+from megatron_adacc.common import sites as site_table
+from megatron_adacc.models.terms import (INPUT_NORM, PRE_MLP_NORM, Dims, SiteTerm, act,
+                                         fp32, hidden_channels, no_bytes, no_flops, stream)
 
 
 @dataclass(frozen=True)
 class NormPart:
     """A normalisation (megatron's ``config.normalization``) and what it saves: always its
-    input (in 16-bit models torch's RMSNorm saves an fp32 copy instead) and one statistic per
-    row; RMSNorm also its normalised input x * rstd, in fp32."""
+    input (in ``input_dtype``; None: the activations') and one statistic per row, and if
+    ``saves_normed`` its normalised input x * rstd, in fp32; then the next linear layer saves
+    its output. ``parameters_per_channel``: its affine parameters per hidden channel."""
     name: str
     saves_normed: bool
-    statistics_per_row: int  # LayerNorm: mean and rstd; RMSNorm: rstd
+    statistics_per_row: int
+    parameters_per_channel: int
+    input_dtype: str | None = None
+
+    def site_terms(self, prefix: str, input_site: str) -> dict[str, SiteTerm]:
+        """The norm's saves in forward order, its sites named by ``prefix`` (a layer's two
+        norms: terms.INPUT_NORM, terms.PRE_MLP_NORM)."""
+        statistics = self.statistics_per_row
+        input_dtype = act if self.input_dtype is None else (lambda d: self.input_dtype)
+        terms = {
+            input_site: SiteTerm(stream, input_dtype, no_flops, no_bytes, hidden_channels),
+            # read the input, write the output
+            f"{prefix}_stats": SiteTerm(lambda d: statistics * d.sr * d.b, fp32, no_flops,
+                                        lambda d: 2 * stream(d) * d.act,
+                                        lambda d: statistics),
+        }
+        if self.saves_normed:
+            terms[f"{prefix}_normed"] = SiteTerm(stream, fp32, no_flops, no_bytes,
+                                                 hidden_channels)
+        terms[f"{prefix}_out"] = SiteTerm(stream, act, no_flops, no_bytes, hidden_channels)
+        return terms
 
 
 @dataclass(frozen=True)
 class MlpPart:
-    """An MLP's activation and the sites of what it saves.
+    """An MLP's activation, the sites of what it saves and their terms.
 
     ``fc1_out``: the site of linear_fc1's output, which the activation saves (for a gated
     unit, as the gate half: a view pinning the whole [s, b, 2 x ffn] output);
     ``activation_saves``: what else the activation saves, by the autograd node that made the
     tensor (a gated unit saves the SiLU's output and the up half plus its offset, a copy);
-    ``fc2_in``: the site of what linear_fc2 saves (the activation's output)."""
+    ``fc2_in``: the site of what linear_fc2 saves (the activation's output);
+    ``site_terms``: each of those sites' terms, in forward order (the hardware model adds
+    fc1's matmul ahead of the first and fc2's after the last);
+    ``default_ffn``: Megatron-LM's ffn hidden size for a hidden size."""
     name: str
     gated: bool
     fc1_out: str
     fc2_in: str
+    site_terms: Mapping[str, SiteTerm]
+    default_ffn: Callable[[int], int]
     activation_saves: Mapping[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        order = list(self.site_terms)
+        if (order[0], order[-1]) != (self.fc1_out, self.fc2_in) or set(order) != {
+                self.fc1_out, self.fc2_in, *self.activation_saves.values()}:
+            raise ValueError(f"MLP {self.name}: its terms must be those of its sites, from "
+                             f"fc1's output to fc2's input, got {order}")
+
+    @property
+    def fc1_width(self) -> int:
+        """linear_fc1's output in ffn widths: a gated unit's holds the gate and the up half."""
+        return 2 if self.gated else 1
 
     def activation_site(self, tensor) -> str | None:
         """The site of a tensor the activation saves: a view is of fc1's output (the gate
@@ -58,10 +106,32 @@ class MlpPart:
 
 
 @dataclass(frozen=True)
+class PositionPart:
+    """Positions (Megatron-LM's ``--position-embedding-type``, its name): a ``learned``
+    position table in the embedding, or what the layer saves for them between linear_qkv and
+    core attention (``site_terms``, forward order). ``unfused_qkv_heads``: how many
+    [s, b, head dim] tensors megatron's unfused core attention keeps alive for its Q, K and V
+    (the site ``qkv``) once these positions are applied."""
+    name: str
+    learned: bool
+    site_terms: Mapping[str, SiteTerm]
+    unfused_qkv_heads: Callable[[Dims], int]
+
+    def table_rows(self, max_position_embeddings: int) -> int:
+        """Rows of the embedding's position table."""
+        return max_position_embeddings if self.learned else 0
+
+
+@dataclass(frozen=True)
 class LayerVariant:
     norm: NormPart
     mlp: MlpPart
-    rope: bool
+    positions: PositionPart
+
+    def sites(self) -> set[str]:
+        """Every site the parts save in a layer."""
+        return {*self.norm.site_terms(*INPUT_NORM), *self.norm.site_terms(*PRE_MLP_NORM),
+                *self.positions.site_terms, *self.mlp.site_terms}
 
 
 @dataclass(frozen=True)
@@ -113,7 +183,7 @@ class ModelFamily:
     def embedding_options(self) -> "EmbeddingOptions":
         flags = {key.replace("-", "_"): value for key, value in self.flags.items()}
         return EmbeddingOptions(
-            position_embedding_type="rope" if self.variant.rope else "learned_absolute",
+            position_embedding_type=self.variant.positions.name,
             untie_embeddings_and_output_weights=bool(
                 flags.get("untie_embeddings_and_output_weights", False)))
 
@@ -121,36 +191,48 @@ class ModelFamily:
     def sites(self) -> tuple[str, ...]:
         """The per-layer sites this family's layer can save (with either attention, with or
         without dropout), in forward order: the sites every layer shares, and its parts'."""
-        from megatron_adacc.common import sites as site_table
-
-        others = set().union(*(_part_sites(family.variant) for family in FAMILIES.values()))
-        own = _part_sites(self.variant)
+        others = set().union(*(family.variant.sites() for family in FAMILIES.values()))
+        own = self.variant.sites()
         return tuple(name for name in site_table.SITE_NAMES
                      if (name in own or name not in others)
                      and name not in site_table.SHARED_SITES)
 
 
-def _part_sites(variant: LayerVariant) -> set[str]:
-    mlp = variant.mlp
-    return ({mlp.fc1_out, mlp.fc2_in, *mlp.activation_saves.values()}
-            | (set(NORMED_SITES) if variant.norm.saves_normed else set())
-            | ({ROPE_SITE} if variant.rope else set()))
-
-
-# Sites of the parts (names in sites.py).
-NORMED_SITES = ("ln1_normed", "ln2_normed")
-ROPE_SITE = "rope_cos_sin"
-
 NORMS: dict[str, NormPart] = {}
 MLPS: dict[bool, MlpPart] = {}    # by gated
+POSITIONS: dict[str, PositionPart] = {}
 FAMILIES: dict[str, ModelFamily] = {}
 
 
 def register(family: ModelFamily) -> ModelFamily:
+    """Adds ``family`` and its parts, each under the flag value that selects it; a part that
+    differs from the one a value already selects is refused (it needs a value of its own)."""
+    variant = family.variant
+    parts = ((NORMS, variant.norm.name, variant.norm, "--normalization"),
+             (MLPS, variant.mlp.gated, variant.mlp, "--swiglu"),
+             (POSITIONS, variant.positions.name, variant.positions,
+              "--position-embedding-type"))
+    for registry, key, part, flag in parts:
+        if registry.get(key, part) != part:
+            raise ValueError(f"family {family.name}: {flag} {key} already selects another "
+                             f"part ({registry[key].name}); name the new part apart")
     FAMILIES[family.name] = family
-    NORMS.setdefault(family.variant.norm.name, family.variant.norm)
-    MLPS.setdefault(family.variant.mlp.gated, family.variant.mlp)
+    for registry, key, part, _ in parts:
+        registry.setdefault(key, part)
     return family
+
+
+def layer_variant(normalization: str, swiglu: bool, position_embedding_type: str
+                  ) -> LayerVariant:
+    """The parts Megatron-LM's layer-variant flags select (ValueError naming an unknown
+    one's flag)."""
+    for flag, registry, key in (("--normalization", NORMS, normalization),
+                                ("--position-embedding-type", POSITIONS,
+                                 position_embedding_type)):
+        if key not in registry:
+            raise ValueError(f"{flag} {key}: expected one of {', '.join(registry)}")
+    return LayerVariant(NORMS[normalization], MLPS[bool(swiglu)],
+                        POSITIONS[position_embedding_type])
 
 
 def get(name: str) -> ModelFamily:

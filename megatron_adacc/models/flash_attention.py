@@ -1,5 +1,5 @@
 """`FlashDotProductAttention`: megatron-core's core attention on PyTorch's
-`scaled_dot_product_attention` (`--attention-backend flash`, see attention.py).
+`scaled_dot_product_attention` (`--attention-backend flash`, see attention_backend.py).
 
 Its flash (or memory-efficient) kernel saves Q, K, V, the output and the log-sum-exp (and,
 on CUDA with dropout, its philox seed and offset): the sites sites.py names for this layer.
@@ -13,7 +13,7 @@ from megatron.core import tensor_parallel
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 
-from megatron_adacc.models.attention import resolve_backend
+from megatron_adacc.models.attention_backend import resolve_backend
 
 
 class FlashDotProductAttention(DotProductAttention):

@@ -1,14 +1,29 @@
 """GPT-2's family: LayerNorm, a GELU MLP, learned absolute positions, biases, tied
-embeddings (megatron-core's local spec with its defaults)."""
-from megatron_adacc.models.family import LayerVariant, MlpPart, ModelFamily, NormPart, register
+embeddings (megatron-core's local spec with its defaults), and what each part costs."""
+from megatron_adacc.models.family import (LayerVariant, MlpPart, ModelFamily, NormPart,
+                                          PositionPart, register)
+from megatron_adacc.models.terms import SiteTerm, act, no_flops, sbf
 
-LAYERNORM = NormPart("LayerNorm", saves_normed=False, statistics_per_row=2)
-# GELU saves its input (fc1's output); linear_fc2 saves GELU's output.
-GELU_MLP = MlpPart("gelu", gated=False, fc1_out="gelu_in", fc2_in="gelu_out")
+# LayerNorm saves its input in the activations' dtype, and its mean and rstd.
+LAYERNORM = NormPart("LayerNorm", saves_normed=False, statistics_per_row=2,
+                     parameters_per_channel=2)
+# GELU saves its input (fc1's output); linear_fc2 saves GELU's output. Each elementwise step
+# reads and writes one ffn-wide tensor.
+GELU_MLP = MlpPart(
+    "gelu", gated=False, fc1_out="gelu_in", fc2_in="gelu_out",
+    site_terms={
+        "gelu_in": SiteTerm(sbf, act, no_flops, lambda d: 2 * sbf(d) * d.act, lambda d: d.f),
+        "gelu_out": SiteTerm(sbf, act, no_flops, lambda d: 2 * sbf(d) * d.act, lambda d: d.f),
+    },
+    default_ffn=lambda hidden: 4 * hidden)
+# A learned position table: nothing saved inside the layer; unfused core attention keeps Q,
+# K and V as views of linear_qkv's output (grouped K and V: repeated to the heads).
+LEARNED_POSITIONS = PositionPart("learned_absolute", learned=True, site_terms={},
+                                 unfused_qkv_heads=lambda d: 3 * d.a)
 
 GPT = register(ModelFamily(
     name="gpt",
     description="GPT-2: LayerNorm, GELU, learned positions, biases, tied embeddings",
-    variant=LayerVariant(norm=LAYERNORM, mlp=GELU_MLP, rope=False),
+    variant=LayerVariant(norm=LAYERNORM, mlp=GELU_MLP, positions=LEARNED_POSITIONS),
     flags={},
 ))

@@ -1,21 +1,49 @@
 """The Llama family (Llama 2/3, Mistral-style decoders): RMSNorm, a SwiGLU MLP, rotary
 positions, grouped-query attention, no biases, untied embeddings. The same local spec as
-GPT's: megatron-core builds every part from the TransformerConfig."""
-from megatron_adacc.models.family import LayerVariant, MlpPart, ModelFamily, NormPart, register
+GPT's: megatron-core builds every part from the TransformerConfig. With each part, what it
+costs."""
+from megatron_adacc.models.family import (LayerVariant, MlpPart, ModelFamily, NormPart,
+                                          PositionPart, register)
+from megatron_adacc.models.terms import SiteTerm, act, no_flops, sbf
 
-RMSNORM = NormPart("RMSNorm", saves_normed=True, statistics_per_row=1)
+# torch's RMSNorm computes in fp32: it saves its input in fp32 (a 16-bit model's: a copy),
+# rstd, and x * rstd.
+RMSNORM = NormPart("RMSNorm", saves_normed=True, statistics_per_row=1,
+                   parameters_per_channel=1, input_dtype="float32")
 # megatron's unfused glu: silu(x_glu) * (x_linear + offset). The SiLU saves the gate half (a
 # view of fc1's whole output); the product saves the SiLU's output and the offset up half (a
-# new tensor, made by the add); linear_fc2 saves the product.
-SWIGLU_MLP = MlpPart("swiglu", gated=True, fc1_out="swiglu_in", fc2_in="swiglu_out",
-                     activation_saves={"SiluBackward0": "swiglu_act",
-                                       "AddBackward0": "swiglu_up"})
+# new tensor, made by the add); linear_fc2 saves the product. fc1 writes both halves; the
+# SiLU of the gate half runs first, then the up half plus the offset (a copy), then the
+# product. Megatron-LM's width keeps the parameters near a 4h MLP's, rounded down to 64.
+SWIGLU_MLP = MlpPart(
+    "swiglu", gated=True, fc1_out="swiglu_in", fc2_in="swiglu_out",
+    activation_saves={"SiluBackward0": "swiglu_act", "AddBackward0": "swiglu_up"},
+    site_terms={
+        "swiglu_in": SiteTerm(lambda d: 2 * sbf(d), act, no_flops,
+                              lambda d: 2 * sbf(d) * d.act, lambda d: 2 * d.f),
+        "swiglu_act": SiteTerm(sbf, act, no_flops, lambda d: 2 * sbf(d) * d.act,
+                               lambda d: d.f),
+        "swiglu_up": SiteTerm(sbf, act, no_flops, lambda d: 2 * sbf(d) * d.act,
+                              lambda d: d.f),
+        "swiglu_out": SiteTerm(sbf, act, no_flops, lambda d: 3 * sbf(d) * d.act,
+                               lambda d: d.f),
+    },
+    default_ffn=lambda hidden: int(4 * hidden * 2 / 3 / 64) * 64)
+# RoPE saves cos and sin ([s, 1, 1, rotary dim], for Q and for K) and rotates Q and K into
+# new tensors. Unfused core attention then keeps the rotated Q and K and, without grouping,
+# V as a view pinning linear_qkv's whole output; grouped K and V are repeated to the heads.
+ROPE = PositionPart(
+    "rope", learned=False,
+    site_terms={"rope_cos_sin": SiteTerm(lambda d: 4 * d.s * d.rot, act, no_flops,
+                                         lambda d: 4 * d.s * d.rot * d.act,
+                                         lambda d: d.rot)},
+    unfused_qkv_heads=lambda d: 2 * d.a + (d.a + 2 * d.g) if d.g == d.a else 3 * d.a)
 
 LLAMA = register(ModelFamily(
     name="llama",
     description="Llama: RMSNorm, SwiGLU, RoPE, grouped-query attention, no biases, untied "
                 "embeddings",
-    variant=LayerVariant(norm=RMSNORM, mlp=SWIGLU_MLP, rope=True),
+    variant=LayerVariant(norm=RMSNORM, mlp=SWIGLU_MLP, positions=ROPE),
     flags={"normalization": "RMSNorm", "swiglu": True, "position-embedding-type": "rope",
            "group-query-attention": True, "disable-bias-linear": True,
            "untie-embeddings-and-output-weights": True, "hidden-dropout": 0.0,

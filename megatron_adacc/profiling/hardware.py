@@ -3,8 +3,10 @@
 Given a GPT shape, a micro-batch and an accelerator's peak matmul rate and memory bandwidth,
 produce the same ``ModelCosts`` the profiler measures:
 
-- bytes per site from the megatron-core local layer (``_LAYER_SITES``: the one place these
-  formulas live; with 16-bit activations and dropout on they add up to 34sbh + 5as^2b);
+- bytes per site from the megatron-core local layer (``_layer_sites``): the terms of the
+  parts every family shares (core attention, the bias-dropout-adds) are here, the norm's,
+  positions' and MLP's are declared by the parts the shape's flags select (models/: GPT's
+  and Llama's; with 16-bit activations and dropout on GPT's add up to 34sbh + 5as^2b);
 - rebuild time of a site = the ops the forward runs from its segment's start (sites.SEGMENTS)
   up to its save, each on a roofline: matmuls are FLOP-bound at ``MATMUL_EFFICIENCY`` of
   peak, elementwise / norm / softmax / RNG ops are bound by the bytes they move at
@@ -31,7 +33,9 @@ import torch
 
 from megatron_adacc import codecs, models, planning
 from megatron_adacc.common import sites as site_table
-from megatron_adacc.models.attention import resolve_backend
+from megatron_adacc.models.attention_backend import resolve_backend
+from megatron_adacc.models.terms import (INPUT_NORM, PRE_MLP_NORM, Dims, SiteTerm, act, fp32,
+                                         hidden_channels, no_bytes, no_flops, stream)
 from megatron_adacc.common.costs import CodecCost, ModelCosts, Operator, SiteCost
 from megatron_adacc.training.tokenizers import TOKENIZER_TYPES, build_tokenizer
 
@@ -83,7 +87,6 @@ def get_accelerator(name: str) -> Accelerator:
 
 
 # --- model shape -------------------------------------------------------------------------
-_PRECISION_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4}
 _DTYPE_NAMES = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
 
 
@@ -121,8 +124,9 @@ class ModelShape:
     sequence_parallel: bool = False
 
     def __post_init__(self) -> None:
-        if self.precision not in _PRECISION_BYTES:
-            raise ValueError(f"precision must be one of {sorted(_PRECISION_BYTES)}, "
+        self.variant  # noqa: B018  (a ValueError naming an unknown part's flag)
+        if self.precision not in _DTYPE_NAMES:
+            raise ValueError(f"precision must be one of {sorted(_DTYPE_NAMES)}, "
                              f"got {self.precision!r}")
         if self.attention_backend not in ("unfused", "flash"):
             raise ValueError(f"attention backend must be unfused or flash, got "
@@ -146,8 +150,7 @@ class ModelShape:
     def ffn(self) -> int:
         if self.ffn_hidden_size:
             return self.ffn_hidden_size
-        # Megatron-LM's SwiGLU width (arguments.py)
-        return int(4 * self.hidden_size * 2 / 3 / 64) * 64 if self.swiglu else 4 * self.hidden_size
+        return self.variant.mlp.default_ffn(self.hidden_size)
 
     @property
     def groups(self) -> int:
@@ -158,16 +161,18 @@ class ModelShape:
         return self.hidden_size // self.num_attention_heads
 
     @property
-    def rope(self) -> bool:
-        return self.position_embedding_type == "rope"
+    def variant(self) -> models.LayerVariant:
+        """The layer's parts its flags select: each declares its terms (models/)."""
+        return models.layer_variant(self.normalization, self.swiglu,
+                                    self.position_embedding_type)
 
     @property
     def norm_parameters(self) -> int:
-        return (2 if self.normalization == "LayerNorm" else 1) * self.hidden_size
+        return self.variant.norm.parameters_per_channel * self.hidden_size
 
     @property
     def activation_bytes(self) -> int:
-        return _PRECISION_BYTES[self.precision]
+        return getattr(torch, _DTYPE_NAMES[self.precision]).itemsize
 
     @property
     def padded_vocab_size(self) -> int:
@@ -181,7 +186,7 @@ class ModelShape:
         column-parallel biases' shards, the row-parallel biases and the two norms whole."""
         h, f, t = self.hidden_size, self.ffn, self.tensor_model_parallel_size
         qkv = (self.num_attention_heads + 2 * self.groups) * self.head_dim
-        fc1 = (2 if self.swiglu else 1) * f
+        fc1 = self.variant.mlp.fc1_width * f
         sharded = h * qkv + self.num_attention_heads * self.head_dim * h + h * fc1 + f * h
         replicated = 2 * self.norm_parameters
         if self.add_bias_linear:
@@ -193,7 +198,8 @@ class ModelShape:
     def embedding_parameters(self) -> int:
         """The word embedding's shard and the learned position embeddings (the first
         pipeline stage's)."""
-        positions = 0 if self.rope else (self.max_position_embeddings or self.seq_length)
+        positions = self.variant.positions.table_rows(self.max_position_embeddings
+                                                      or self.seq_length)
         return (self.padded_vocab_size // self.tensor_model_parallel_size + positions) \
             * self.hidden_size
 
@@ -372,69 +378,26 @@ def _main_params_of(inner) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 # --- the layer's sites ----------------------------------------------------------------------
-@dataclass(frozen=True)
-class _Dims:
-    """One tensor-parallel rank's dimensions."""
-    s: int          # sequence (attention and the MLP see all of it)
-    sr: int         # rows of the residual stream: s / t under sequence parallelism
-    b: int
-    h: int          # hidden size (the residual stream's width)
-    a: int          # attention heads on this rank
-    g: int          # query groups on this rank
-    hd: int         # head dimension
-    f: int          # ffn hidden size on this rank
-    act: int        # activation bytes per element
-    softmax: int    # bytes per element of the saved softmax output
-    norm_in: int    # bytes per element of a norm's saved input (RMSNorm: fp32 in 16-bit)
-    rot: int        # RoPE's rotary dimension
-    mask: int = 1   # a dropout mask is bool on GPU
-
-    @property
-    def aw(self) -> int:
-        """Attention width on this rank: its heads x head dimension."""
-        return self.a * self.hd
+# The terms of the parts every family shares: core attention and the bias-dropout-adds. The
+# families' parts declare theirs (models/: the norm, positions and MLP).
+def _rng_moved_stream(d: Dims) -> float:
+    return stream(d) * d.mask
 
 
-@dataclass(frozen=True)
-class _SiteFormula:
-    """How big a site is and what the forward runs between the previous save of its segment
-    and this one (its rebuild time is the sum along the segment), as functions of the dims."""
-
-    elements: Callable[[_Dims], int]
-    element_bytes: Callable[[_Dims], int]
-    dtype: str
-    flops: Callable[[_Dims], float]          # matmul FLOPs since the previous save
-    bytes_moved: Callable[[_Dims], float]    # DRAM traffic of the non-matmul ops since then
-    channels: Callable[[_Dims], int]         # channel count, for per-channel codec scales
-    when: Callable[["ModelShape"], bool] = lambda shape: True
-
-
-def _act(d: _Dims) -> int:
-    return d.act
-
-
-def _stream(d: _Dims) -> int:
-    return d.sr * d.b * d.h
-
-
-def _norm_moved(d: _Dims) -> float:
-    return 2 * _stream(d) * d.act       # read input, write output
-
-
-def _rng_moved_stream(d: _Dims) -> float:
-    return _stream(d) * d.mask
-
-
-def _rng_moved_attn(d: _Dims) -> float:
+def _rng_moved_attn(d: Dims) -> float:
     return d.a * d.s * d.s * d.b * d.mask
 
 
-def _hidden_channels(d: _Dims) -> int:
-    return d.h
+def _softmax(d: Dims) -> str:
+    return "float32" if d.softmax == 4 else d.act_dtype
 
 
-_NO_FLOPS: Callable[[_Dims], float] = lambda d: 0.0
-_FP32: Callable[[_Dims], int] = lambda d: 4   # norm statistics, RMSNorm's x * rstd
+def _int64(d: Dims) -> str:
+    return "int64"
+
+
+def _bool(d: Dims) -> str:
+    return "bool"
 
 
 def _attention_dropout(shape: ModelShape) -> bool:
@@ -451,168 +414,121 @@ def _hidden_dropout(shape: ModelShape) -> bool:
     return shape.hidden_dropout > 0
 
 
-def _qkv_flops(d: _Dims) -> float:
+def _qkv_flops(d: Dims) -> float:
     return 2 * d.s * d.b * d.h * (d.a + 2 * d.g) * d.hd
 
 
-def _norm_sites(shape: ModelShape, prefix: str, input_site: str) -> dict[str, _SiteFormula]:
-    """A norm's saves: its input, its statistics (LayerNorm: mean and rstd; RMSNorm: rstd)
-    and RMSNorm's x * rstd in fp32; then the next linear saves its output."""
-    norm = models.NORMS[shape.normalization]
-    statistics = norm.statistics_per_row
-    table = {
-        input_site: _SiteFormula(_stream, lambda d: d.norm_in, "norm_in", _NO_FLOPS,
-                                 lambda d: 0.0, _hidden_channels),
-        f"{prefix}_stats": _SiteFormula(lambda d: statistics * d.sr * d.b, _FP32, "float32",
-                                        _NO_FLOPS, _norm_moved, lambda d: statistics),
-    }
-    if norm.saves_normed:
-        table[f"{prefix}_normed"] = _SiteFormula(_stream, _FP32, "float32", _NO_FLOPS,
-                                                 lambda d: 0.0, _hidden_channels)
-    table[f"{prefix}_out"] = _SiteFormula(_stream, _act, "act", _NO_FLOPS, lambda d: 0.0,
-                                          _hidden_channels)
-    return table
+def _ahead(flops: Callable[[Dims], float], table: dict[str, SiteTerm]) -> dict[str, SiteTerm]:
+    """``table`` with a linear layer's matmul ``flops`` run before its first save."""
+    first = next(iter(table))
+    return {**table, first: table[first].after(flops)}
 
 
-def _qkv_sites(shape: ModelShape) -> dict[str, _SiteFormula]:
-    """Q, K and V as core attention saves them, and RoPE's cos and sin before them. Under
-    sequence parallelism linear_qkv gathers the sequence first: from here on every tensor
-    has the whole sequence and this rank's heads."""
+def _qkv_sites(shape: ModelShape) -> dict[str, SiteTerm]:
+    """What the positions save after linear_qkv, then Q, K and V as core attention saves
+    them. Under sequence parallelism linear_qkv gathers the sequence first: from here on
+    every tensor has the whole sequence and this rank's heads."""
+    positions = shape.variant.positions
     if shape.attention_backend == "flash":
         # SDPA keeps K and V at the groups; V is its own copy beside RoPE's Q and K
         heads = lambda d: d.a + 2 * d.g
-    elif shape.rope and shape.groups == shape.num_attention_heads:
-        # megatron's unfused attention: RoPE's Q and K, and V a view of the fused output
-        heads = lambda d: 2 * d.a + (d.a + 2 * d.g)
-    else:  # views of the fused output, or grouped K and V repeated to the heads
-        heads = lambda d: 3 * d.a
-    table = {}
-    qkv_flops = _qkv_flops
-    if shape.rope:
-        table["rope_cos_sin"] = _SiteFormula(lambda d: 4 * d.s * d.rot, _act, "act",
-                                             _qkv_flops, lambda d: 4 * d.s * d.rot * d.act,
-                                             lambda d: d.rot)
-        qkv_flops = _NO_FLOPS
-    table["qkv"] = _SiteFormula(lambda d: heads(d) * d.s * d.b * d.hd, _act, "act", qkv_flops,
-                                lambda d: (d.a + 2 * d.g) * d.s * d.b * d.hd * d.act,
-                                lambda d: heads(d) * d.hd)
-    return table
+    else:
+        heads = positions.unfused_qkv_heads
+    qkv = SiteTerm(lambda d: heads(d) * d.s * d.b * d.hd, act, no_flops,
+                   lambda d: (d.a + 2 * d.g) * d.s * d.b * d.hd * d.act,
+                   lambda d: heads(d) * d.hd)
+    return _ahead(_qkv_flops, {**positions.site_terms, "qkv": qkv})
 
 
-def _unfused_core_sites(shape: ModelShape) -> dict[str, _SiteFormula]:
+def _unfused_core_sites(shape: ModelShape) -> dict[str, SiteTerm]:
     attn = lambda d: d.a * d.s * d.s * d.b
     return {
         # Q K^T, scale and mask, softmax: scores written and read in 16 bit, probs written.
-        "softmax_out": _SiteFormula(attn, lambda d: d.softmax, "softmax",
-                                    lambda d: 2 * d.b * d.s * d.s * d.aw,
-                                    lambda d: attn(d) * (2 * d.act + d.softmax),
-                                    lambda d: d.s),
-        "attn_dropout_mask": _SiteFormula(attn, lambda d: d.mask, "bool", _NO_FLOPS,
-                                          _rng_moved_attn, lambda d: d.s,
-                                          when=_attention_dropout),
-        "attn_probs": _SiteFormula(attn, _act, "act", _NO_FLOPS,
-                                   lambda d: attn(d) * (d.softmax + d.mask + d.act),
-                                   lambda d: d.s, when=_probabilities_copied),
+        "softmax_out": SiteTerm(attn, _softmax, lambda d: 2 * d.b * d.s * d.s * d.aw,
+                                lambda d: attn(d) * (2 * d.act + d.softmax),
+                                lambda d: d.s),
+        "attn_dropout_mask": SiteTerm(attn, _bool, no_flops, _rng_moved_attn, lambda d: d.s,
+                                      when=_attention_dropout),
+        "attn_probs": SiteTerm(attn, act, no_flops,
+                               lambda d: attn(d) * (d.softmax + d.mask + d.act),
+                               lambda d: d.s, when=_probabilities_copied),
         # The probabilities times V; linear_proj saves the context on entry.
-        "context": _SiteFormula(lambda d: d.s * d.b * d.aw, _act, "act",
-                                lambda d: 2 * d.b * d.s * d.s * d.aw,
-                                lambda d: 2 * d.s * d.b * d.aw * d.act, lambda d: d.aw),
+        "context": SiteTerm(lambda d: d.s * d.b * d.aw, act,
+                            lambda d: 2 * d.b * d.s * d.s * d.aw,
+                            lambda d: 2 * d.s * d.b * d.aw * d.act, lambda d: d.aw),
     }
 
 
-def _flash_core_sites(shape: ModelShape) -> dict[str, _SiteFormula]:
+def _flash_core_sites(shape: ModelShape) -> dict[str, SiteTerm]:
     """What SDPA's flash (or memory-efficient) kernel saves after Q, K and V, in save order.
     The kernel computes Q K^T, softmax and the product with V in on-chip tiles: no s^2 tensor
     reaches memory, and causal masking skips the blocks above the diagonal (half the FLOPs of
     the unfused matmuls). Its output is the storage linear_proj saves (the context)."""
     return {
-        "attn_lse": _SiteFormula(lambda d: d.a * d.s * d.b, _FP32, "float32",
-                                 lambda d: 2 * d.b * d.s * d.s * d.aw,
-                                 lambda d: 4 * d.s * d.b * d.aw * d.act + 4 * d.a * d.s * d.b,
-                                 lambda d: d.a),
+        "attn_lse": SiteTerm(lambda d: d.a * d.s * d.b, fp32,
+                             lambda d: 2 * d.b * d.s * d.s * d.aw,
+                             lambda d: 4 * d.s * d.b * d.aw * d.act + 4 * d.a * d.s * d.b,
+                             lambda d: d.a),
         # CUDA's philox seed and offset: two int64 scalars, with dropout on.
-        "attn_rng_state": _SiteFormula(lambda d: 2, lambda d: 8, "int64", _NO_FLOPS,
-                                       lambda d: 0.0, lambda d: 1, when=_attention_dropout),
-        "context": _SiteFormula(lambda d: d.s * d.b * d.aw, _act, "act", _NO_FLOPS,
-                                lambda d: 0.0, lambda d: d.aw),
+        "attn_rng_state": SiteTerm(lambda d: 2, _int64, no_flops, no_bytes, lambda d: 1,
+                                   when=_attention_dropout),
+        "context": SiteTerm(lambda d: d.s * d.b * d.aw, act, no_flops, no_bytes,
+                            lambda d: d.aw),
     }
 
 
-def _mlp_sites(shape: ModelShape) -> dict[str, _SiteFormula]:
-    """fc1 (twice as wide with SwiGLU) and the activation's saves; linear_fc2 saves its
-    output."""
-    sbf = lambda d: d.s * d.b * d.f
-    mlp = models.MLPS[shape.swiglu]
-    if not mlp.gated:
-        return {
-            mlp.fc1_out: _SiteFormula(sbf, _act, "act", lambda d: 2 * d.s * d.b * d.h * d.f,
-                                      lambda d: 2 * sbf(d) * d.act, lambda d: d.f),
-            mlp.fc2_in: _SiteFormula(sbf, _act, "act", _NO_FLOPS, lambda d: 2 * sbf(d) * d.act,
-                                     lambda d: d.f),
-        }
-    # fc1 writes both halves; the SiLU of the gate half runs first, then the up half plus the
-    # offset (a copy), and the product saves both; linear_fc2 saves the product.
-    up, act = (mlp.activation_saves[node] for node in ("AddBackward0", "SiluBackward0"))
-    return {
-        mlp.fc1_out: _SiteFormula(lambda d: 2 * sbf(d), _act, "act",
-                                  lambda d: 2 * d.s * d.b * d.h * 2 * d.f,
-                                  lambda d: 2 * sbf(d) * d.act, lambda d: 2 * d.f),
-        act: _SiteFormula(sbf, _act, "act", _NO_FLOPS, lambda d: 2 * sbf(d) * d.act,
-                          lambda d: d.f),
-        up: _SiteFormula(sbf, _act, "act", _NO_FLOPS, lambda d: 2 * sbf(d) * d.act,
-                         lambda d: d.f),
-        mlp.fc2_in: _SiteFormula(sbf, _act, "act", _NO_FLOPS, lambda d: 3 * sbf(d) * d.act,
-                                 lambda d: d.f),
-    }
+def _mlp_sites(shape: ModelShape) -> dict[str, SiteTerm]:
+    """linear_fc1's matmul (``fc1_width`` ffn widths: SwiGLU's two of its three matmuls),
+    then what the MLP part saves; linear_fc2 saves its output."""
+    mlp = shape.variant.mlp
+    return _ahead(lambda d: 2 * d.s * d.b * d.h * (mlp.fc1_width * d.f), dict(mlp.site_terms))
 
 
-def _layer_sites(shape: ModelShape) -> dict[str, _SiteFormula]:
+def _layer_sites(shape: ModelShape) -> dict[str, SiteTerm]:
     """The sites of one megatron-core local-spec layer on one tensor-parallel rank, for the
-    shape's layer variant (models/) and attention backend, in the order forward saves them;
-    each formula's op costs are those of the ops since the previous save."""
+    shape's layer variant (its parts' terms, models/) and attention backend, in the order
+    forward saves them; each term's op costs are those of the ops since the previous save."""
+    norm = shape.variant.norm
     proj_flops = lambda d: 2 * d.s * d.b * d.aw * d.h
     # Without the bias-dropout-add mask, the next save after the context is ln2_in: the
     # output projection runs before it.
-    ln2_in_flops = _NO_FLOPS if _hidden_dropout(shape) else proj_flops
+    ln2_in_flops = no_flops if _hidden_dropout(shape) else proj_flops
     core = (_flash_core_sites if shape.attention_backend == "flash" else _unfused_core_sites)
     table = {
-        **_norm_sites(shape, "ln1", "layer_in"),
+        **norm.site_terms(*INPUT_NORM),
         **_qkv_sites(shape),
         **core(shape),
-        "bda1_mask": _SiteFormula(_stream, lambda d: d.mask, "bool", proj_flops,
-                                  _rng_moved_stream, _hidden_channels, when=_hidden_dropout),
+        "bda1_mask": SiteTerm(stream, _bool, proj_flops, _rng_moved_stream, hidden_channels,
+                              when=_hidden_dropout),
     }
-    mlp_norm = _norm_sites(shape, "ln2", "ln2_in")
+    mlp_norm = norm.site_terms(*PRE_MLP_NORM)
     # The bias-dropout-add; pre_mlp_layernorm saves its input on entry.
     mlp_norm["ln2_in"] = replace(mlp_norm["ln2_in"], flops=ln2_in_flops,
-                                 bytes_moved=lambda d: 3 * _stream(d) * d.act + _stream(d) * d.mask)
+                                 bytes_moved=lambda d: 3 * stream(d) * d.act + stream(d) * d.mask)
     table.update(mlp_norm)
     table.update(_mlp_sites(shape))
     # fc2, then the dropout of the second bias-dropout-add draws its mask.
-    table["bda2_mask"] = _SiteFormula(_stream, lambda d: d.mask, "bool",
-                                      lambda d: 2 * d.s * d.b * d.f * d.h,
-                                      lambda d: _stream(d) * d.act + _rng_moved_stream(d),
-                                      _hidden_channels, when=_hidden_dropout)
-    return {name: formula for name, formula in table.items() if formula.when(shape)}
+    table["bda2_mask"] = SiteTerm(stream, _bool, lambda d: 2 * d.s * d.b * d.f * d.h,
+                                  lambda d: stream(d) * d.act + _rng_moved_stream(d),
+                                  hidden_channels, when=_hidden_dropout)
+    return {name: term for name, term in table.items() if term.when(shape)}
 
 
-def _dims(shape: ModelShape, micro_batch_size: int) -> _Dims:
-    act = shape.activation_bytes
+def _dims(shape: ModelShape, micro_batch_size: int) -> Dims:
+    act_bytes = shape.activation_bytes
     t = shape.tensor_model_parallel_size
-    # torch's RMSNorm computes in fp32: a 16-bit model's norms save an fp32 copy of the input
-    rms_upcasts = models.NORMS[shape.normalization].saves_normed and act == 2
-    return _Dims(s=shape.seq_length, sr=shape.seq_length // t if shape.sequence_parallel
-                 else shape.seq_length, b=micro_batch_size, h=shape.hidden_size,
-                 a=shape.num_attention_heads // t, g=shape.groups // t, hd=shape.head_dim,
-                 f=shape.ffn // t, act=act, softmax=4 if shape.softmax_in_fp32 else act,
-                 norm_in=4 if rms_upcasts else act,
-                 rot=int(shape.head_dim * shape.rotary_percent))
+    return Dims(s=shape.seq_length, sr=shape.seq_length // t if shape.sequence_parallel
+                else shape.seq_length, b=micro_batch_size, h=shape.hidden_size,
+                a=shape.num_attention_heads // t, g=shape.groups // t, hd=shape.head_dim,
+                f=shape.ffn // t, act=act_bytes, act_dtype=_DTYPE_NAMES[shape.precision],
+                softmax=4 if shape.softmax_in_fp32 else act_bytes,
+                rot=int(shape.head_dim * shape.rotary_percent))
 
 
 def site_bytes(shape: ModelShape, micro_batch_size: int) -> dict[str, int]:
     """Full size of every site of one layer."""
     d = _dims(shape, micro_batch_size)
-    return {name: f.elements(d) * f.element_bytes(d) for name, f in _layer_sites(shape).items()}
+    return {name: term.bytes(d) for name, term in _layer_sites(shape).items()}
 
 
 # --- codecs ----------------------------------------------------------------------------------
@@ -627,9 +543,10 @@ def codec_payload_bytes(codec: str, elements: int, dtype: str, channels: int) ->
 
 def _codec_cost(codec: str, full: int, payload: int, bandwidth: float) -> CodecCost:
     rate = bandwidth * CODEC_EFFICIENCY
-    # Encode reads the tensor and writes the payload; the outlier codec first reads it once
-    # more for the per-channel sums. Decode reads the payload and writes the tensor.
-    extra_pass = full if codec == "outlier_int4" else 0
+    # Encode reads the tensor and writes the payload; a codec that separates outliers first
+    # reads it once more for the per-channel sums. Decode reads the payload and writes the
+    # tensor.
+    extra_pass = full if codecs.get(codec).separates_outliers else 0
     return CodecCost(codec=codec, payload_bytes=payload,
                      encode_s=(full + payload + extra_pass) / rate,
                      decode_s=(payload + full) / rate)
@@ -640,11 +557,11 @@ def embedding_activation_bytes(shape: ModelShape, micro_batch_size: int) -> int:
     """Activations the embedding saves for its backward (the first stage's): its dropout's
     mask. They live until the embedding backprops, after every layer."""
     d = _dims(shape, micro_batch_size)
-    return _stream(d) if shape.hidden_dropout > 0 else 0
+    return stream(d) if shape.hidden_dropout > 0 else 0
 
 
 def output_activation_bytes(shape: ModelShape, micro_batch_size: int) -> int:
-    """Activations of the final LayerNorm, the output layer and the loss (the last stage's),
+    """Activations of the final norm, the output layer and the loss (the last stage's),
     alive at the end of forward and freed by the loss backward before any layer backprops.
 
     The final norm saves what a layer's norm saves and the output layer saves the norm's
@@ -653,8 +570,8 @@ def output_activation_bytes(shape: ModelShape, micro_batch_size: int) -> int:
     dominate. Under tensor parallelism each rank holds its vocabulary shard's logits.
     """
     d = _dims(shape, micro_batch_size)
-    norm = _norm_sites(shape, "final", "final_in")
-    norms = sum(f.elements(d) * f.element_bytes(d) for f in norm.values())
+    norms = sum(term.bytes(d)
+                for term in shape.variant.norm.site_terms("final", "final_in").values())
     # In fp32 the cross-entropy needs no copy: it works in place on the logits.
     per_logit = 4 if d.act == 4 else d.act + 4
     logits = d.s * d.b * shape.padded_vocab_size // shape.tensor_model_parallel_size * per_logit
@@ -666,11 +583,12 @@ def backward_workspace_bytes(shape: ModelShape, micro_batch_size: int) -> int:
     residual stream plus the largest op's output and input gradients (the attention
     probabilities' in the attention block, the fc1/GELU pair in the MLP)."""
     d = _dims(shape, micro_batch_size)
-    residual = _stream(d) * d.act
+    residual = stream(d) * d.act
     attention_pair = 2 * d.a * d.s * d.s * d.b * max(d.act, d.softmax)
     if shape.attention_backend == "flash":  # no s^2 gradient: dQ, dK, dV and the output's
         attention_pair = 2 * d.s * d.b * (d.a + d.g) * d.hd * d.act
-    mlp_pair = (3 if shape.swiglu else 2) * d.s * d.b * d.f * d.act
+    # the activation's input gradient (fc1's output) and its output gradient
+    mlp_pair = (shape.variant.mlp.fc1_width + 1) * d.s * d.b * d.f * d.act
     return residual + max(attention_pair, mlp_pair)
 
 
@@ -739,9 +657,6 @@ def _site_costs(shape: ModelShape, micro_batch_size: int, device: Accelerator
     d = _dims(shape, micro_batch_size)
     flop_rate = device.matmul_flops(shape.activation_bytes) * MATMUL_EFFICIENCY
     byte_rate = device.memory_bandwidth * BANDWIDTH_EFFICIENCY
-    dtype_names = {"act": _DTYPE_NAMES[shape.precision],
-                   "softmax": "float32" if d.softmax == 4 else _DTYPE_NAMES[shape.precision],
-                   "norm_in": "float32" if d.norm_in == 4 else _DTYPE_NAMES[shape.precision]}
     formulas = _layer_sites(shape)
     # the forward's time from the previous save to each one
     step_s = {name: formula.flops(d) / flop_rate + formula.bytes_moved(d) / byte_rate
@@ -757,10 +672,9 @@ def _site_costs(shape: ModelShape, micro_batch_size: int, device: Accelerator
     sites = []
     since_start: dict[str, float] = {}   # segment -> forward time up to the last save so far
     for name, formula in formulas.items():
-        elements, element_bytes = formula.elements(d), formula.element_bytes(d)
-        full = elements * element_bytes
+        elements, full = formula.elements(d), formula.bytes(d)
         known = site_table.get(name)
-        dtype = dtype_names.get(formula.dtype, formula.dtype)
+        dtype = formula.dtype(d)
         codecs = ()
         if known.default_codec is not None:
             payload = codec_payload_bytes(known.default_codec, elements, dtype,

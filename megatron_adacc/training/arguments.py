@@ -16,8 +16,9 @@ from typing import Any, Sequence
 import torch
 import yaml
 
+from megatron_adacc import models
 from megatron_adacc.common.errors import InputError
-from megatron_adacc.models.attention import ATTENTION_BACKENDS
+from megatron_adacc.models.attention_backend import ATTENTION_BACKENDS
 from megatron_adacc.training.tokenizers import TOKENIZER_TYPES
 
 
@@ -280,19 +281,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # --- the layer variant: Llama-family flags (Megatron-LM's names, defaults and derivations) ---
-NORMALIZATIONS = ("LayerNorm", "RMSNorm")
-POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope")
-
-
 def _add_layer_variant_flags(model: argparse._ArgumentGroup) -> None:
-    model.add_argument("--normalization", default="LayerNorm", choices=NORMALIZATIONS)
+    model.add_argument("--normalization", default="LayerNorm", choices=tuple(models.NORMS))
     model.add_argument("--norm-epsilon", type=_number(positive=True), default=1e-5,
                        help="epsilon of LayerNorm and RMSNorm")
     model.add_argument("--swiglu", action="store_true",
                        help="gated SiLU MLP (fc1 twice as wide); without --ffn-hidden-size the "
                             "ffn is Megatron-LM's int(4 x hidden x 2/3 / 64) x 64")
     model.add_argument("--position-embedding-type", default="learned_absolute",
-                       choices=POSITION_EMBEDDING_TYPES)
+                       choices=tuple(models.POSITIONS))
     model.add_argument("--rotary-base", type=_POSITIVE, default=10000)
     model.add_argument("--rotary-percent", type=_number(positive=True), default=1.0,
                        help="fraction of each head's dimensions RoPE rotates, in (0, 1]")
@@ -329,9 +326,7 @@ def _finalize_layer_variant(args: argparse.Namespace) -> None:
             raise ConfigError(f"--sequence-parallel: --seq-length {args.seq_length} is not "
                               f"divisible by --tensor-model-parallel-size {tp}")
     if args.swiglu and args.ffn_hidden_size is None:
-        # Megatron-LM: two fc1 projections keep the parameters near the 4h MLP's, rounded
-        # down to a multiple of 64.
-        args.ffn_hidden_size = int((4 * args.hidden_size * 2 / 3) / 64) * 64
+        args.ffn_hidden_size = models.MLPS[args.swiglu].default_ffn(args.hidden_size)
 
 
 def _flag_dests(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:

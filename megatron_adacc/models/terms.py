@@ -1,0 +1,102 @@
+"""The vocabulary of accelerator-model terms: what a layer part tells the analytic model
+(`profiling/hardware.py`) about each tensor it saves, as functions of one tensor-parallel
+rank's dimensions (`Dims`), so the hardware model applies a device's rates to them and
+knows no family.
+
+A `SiteTerm` is one site's size (elements and dtype) and the forward work since the previous
+save: matmul FLOPs and the DRAM traffic of the other ops. The families' parts declare theirs
+(`models/gpt.py`, `models/llama.py`); the layer parts every family shares (core attention,
+the bias-dropout-adds) are the hardware model's.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any, Callable
+
+import torch
+
+from megatron_adacc.common.sites import LAYER_INPUT, SEGMENTS
+
+
+@dataclass(frozen=True)
+class Dims:
+    """One tensor-parallel rank's dimensions."""
+    s: int          # sequence (attention and the MLP see all of it)
+    sr: int         # rows of the residual stream: s / t under sequence parallelism
+    b: int
+    h: int          # hidden size (the residual stream's width)
+    a: int          # attention heads on this rank
+    g: int          # query groups on this rank
+    hd: int         # head dimension
+    f: int          # ffn hidden size on this rank
+    act: int        # activation bytes per element
+    act_dtype: str  # the activations' torch dtype name
+    softmax: int    # bytes per element of the saved softmax output
+    rot: int        # RoPE's rotary dimension
+    mask: int = 1   # a dropout mask is bool on GPU
+
+    @property
+    def aw(self) -> int:
+        """Attention width on this rank: its heads x head dimension."""
+        return self.a * self.hd
+
+
+@dataclass(frozen=True)
+class SiteTerm:
+    """How big a site is and what the forward runs between the previous save of its segment
+    and this one (its rebuild time is the sum along the segment), as functions of the dims.
+    ``when`` reads the model shape (its dropouts, its softmax precision)."""
+
+    elements: Callable[[Dims], int]
+    dtype: Callable[[Dims], str]             # a torch dtype name
+    flops: Callable[[Dims], float]           # matmul FLOPs since the previous save
+    bytes_moved: Callable[[Dims], float]     # DRAM traffic of the non-matmul ops since then
+    channels: Callable[[Dims], int]          # channel count, for per-channel codec scales
+    when: Callable[[Any], bool] = lambda shape: True
+
+    def element_bytes(self, d: Dims) -> int:
+        return getattr(torch, self.dtype(d)).itemsize
+
+    def bytes(self, d: Dims) -> int:
+        return self.elements(d) * self.element_bytes(d)
+
+    def after(self, flops: Callable[[Dims], float]) -> "SiteTerm":
+        """This save with ``flops`` more matmul work ahead of it (a linear layer that runs
+        between the previous save and this one)."""
+        own = self.flops
+        return replace(self, flops=lambda d: flops(d) + own(d))
+
+
+# megatron's local layer has two norms: (their sites' prefix, the site of their input).
+INPUT_NORM = ("ln1", LAYER_INPUT)
+PRE_MLP_NORM = ("ln2", SEGMENTS["mlp"])
+
+
+def act(d: Dims) -> str:
+    return d.act_dtype
+
+
+def fp32(d: Dims) -> str:   # norm statistics, RMSNorm's saves
+    return "float32"
+
+
+def stream(d: Dims) -> int:
+    """Elements of the residual stream on this rank."""
+    return d.sr * d.b * d.h
+
+
+def sbf(d: Dims) -> int:
+    """Elements of one ffn-wide MLP tensor on this rank."""
+    return d.s * d.b * d.f
+
+
+def hidden_channels(d: Dims) -> int:
+    return d.h
+
+
+def no_flops(d: Dims) -> float:
+    return 0.0
+
+
+def no_bytes(d: Dims) -> float:
+    return 0.0
