@@ -79,14 +79,14 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--workdir")
     parser.add_argument("--out")
     parser.add_argument("--publish")
-    parser.add_argument("--figure")
+    parser.add_argument("--figure", help="under docs/figures ('' to skip)")
     args = parser.parse_args()
     stem = ("accuracy_stress" if args.stress else "accuracy") + (
         "" if args.family == "gpt" else f"_{args.family}")
     args.workdir = args.workdir or f"bench_results/{stem}"
     args.out = args.out or f"bench_results/{stem}.json"
     args.publish = f"{stem}.json" if args.publish is None else args.publish
-    args.figure = args.figure or f"{stem}_loss.png"
+    args.figure = f"{stem}_loss.png" if args.figure is None else args.figure
     args.seeds = args.seeds or ([1234] if args.quick or args.stress else [1234, 4321])
     # Full mode: 240 iterations, so the whole suite stays within 45 minutes on 2 cores.
     args.iters = args.iters or ((80 if args.stress else 60) if args.quick else 240)

@@ -367,7 +367,7 @@ def output_names(args, stem: str) -> None:
     tag = f"{stem}{family}_{args.attention_backend}"
     args.out = args.out or f"bench_results/{tag}.json"
     args.publish = f"{tag}.json" if args.publish is None else args.publish
-    args.figure = args.figure or f"{tag}.png"
+    args.figure = f"{tag}.png" if args.figure is None else args.figure
 
 
 def write_json(data: dict, out: str, publish_as: str | None) -> None:
@@ -399,7 +399,11 @@ def pyplot():
     return plt
 
 
-def save_figure(fig, name: str) -> str:
+def save_figure(fig, name: str) -> str | None:
+    """Write ``fig`` under docs/figures as ``name``; '' writes nothing (a --figure '' run
+    leaves the published figure alone, as --publish '' does the JSON)."""
+    if not name:
+        return None
     os.makedirs(FIGURES_DIR, exist_ok=True)
     path = os.path.join(FIGURES_DIR, name)
     fig.savefig(path, dpi=120, bbox_inches="tight")

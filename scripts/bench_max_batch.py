@@ -32,7 +32,7 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--out", help="default bench_results/max_batch_<attention>.json")
     parser.add_argument("--publish", help="copy under docs/results/ (default "
                                           "max_batch_<attention>.json; '' to skip)")
-    parser.add_argument("--figure", help="default max_batch_<attention>.png")
+    parser.add_argument("--figure", help="default max_batch_<attention>.png ('' to skip)")
     args = parser.parse_args()
     bc.output_names(args, "max_batch")
     args.budget_at = args.budget_at or ([2] if args.quick else [2, 4])

@@ -48,7 +48,7 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--out", help="default bench_results/throughput_<attention>.json")
     parser.add_argument("--publish", help="copy under docs/results/ (default "
                                           "throughput_<attention>.json; '' to skip)")
-    parser.add_argument("--figure", help="default throughput_<attention>.png")
+    parser.add_argument("--figure", help="default throughput_<attention>.png ('' to skip)")
     args = parser.parse_args()
     bc.output_names(args, "throughput")
     quick = args.quick
