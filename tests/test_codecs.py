@@ -214,6 +214,29 @@ def test_outlier_channels_are_exact_and_listed():
     assert "outlier_index" not in payload_none.tensors
 
 
+@pytest.mark.parametrize("backend", ["torch", "native"])
+def test_outlier_channels_are_chosen_from_every_kth_row(backend):
+    # Past 2 * STATISTICS_ROWS rows the channel sums read every k-th row only: the planted
+    # channels are found, a channel large only in rows the sample skips is not separated (its
+    # groups still meet the int4 bound), and the payload equals the reference's byte for byte.
+    from megatron_adacc.codecs.outlier import STATISTICS_ROWS
+    rows = 4 * STATISTICS_ROWS  # k = 4: rows 0, 4, 8, ... are read
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(rows, 96, generator=gen)
+    x[:, [7, 50]] *= 100
+    x[1::4, 20] *= 100
+    codec = codecs.get("outlier_int4", backend=backend)
+    payload = codec.encode(x)
+    assert payload.tensors["outlier_index"].tolist() == [7, 50]
+    x_hat = codec.decode(payload)
+    assert torch.equal(x_hat[:, [7, 50]], x[:, [7, 50]])
+    assert_within_bound(codec, x, payload, x_hat)
+    x[0::4, 20] *= 100  # now the sampled rows carry it too
+    assert codec.encode(x).tensors["outlier_index"].tolist() == [7, 20, 50]
+    if backend == "native":
+        assert_same_as_eager("native", "outlier_int4", x)
+
+
 def test_outlier_separation_beats_naive_on_outlier_data():
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(256, 128, generator=gen)

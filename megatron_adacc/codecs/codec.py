@@ -17,7 +17,7 @@ from megatron_adacc.codecs.int4 import (
     split_exceptions,
     zero_channels,
 )
-from megatron_adacc.codecs.outlier import outlier_channels
+from megatron_adacc.codecs.outlier import outlier_channels, statistics_rows
 from megatron_adacc.codecs.payload import Payload
 
 
@@ -183,7 +183,8 @@ class SymInt4(_FlatGroups):
 
 class OutlierInt4(SymInt4):
     """Outlier-separated int4 (paper: outlier-separated activation compression): channels
-    (last dimension) whose z-score of sum |x| exceeds `threshold` are kept exact with their
+    (last dimension) whose z-score of sum |x| (over outlier.statistics_rows, a sample of the
+    rows) exceeds `threshold` are kept exact with their
     indices; the tensor with those channels zeroed goes through sym_int4, untransposed."""
 
     name = "outlier_int4"
@@ -195,7 +196,7 @@ class OutlierInt4(SymInt4):
 
     def _encode(self, x, kernels):
         rows = x.reshape(-1, _channels(x.shape))
-        is_outlier = outlier_channels(kernels.channel_abs_sums(rows), self.threshold)
+        is_outlier = outlier_channels(kernels.channel_abs_sums(statistics_rows(rows)), self.threshold)
         zeroed = (rows.shape[1], is_outlier)
         tensors, ok, raw_groups, exact = self._quantize(rows, kernels, zeroed)
         outliers, unusable = _read_counts(is_outlier.count_nonzero(), (~ok).count_nonzero(),
