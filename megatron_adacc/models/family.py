@@ -133,13 +133,11 @@ class ModelFamily:
 def _part_sites(variant: LayerVariant) -> set[str]:
     mlp = variant.mlp
     return ({mlp.fc1_out, mlp.fc2_in, *mlp.activation_saves.values()}
-            | (set(NORMED_SITES) if variant.norm.saves_normed else set())
-            | ({ROPE_SITE} if variant.rope else set()))
+            | (set(NORMED_SITES) if variant.norm.saves_normed else set()))
 
 
 # Sites of the parts (names in sites.py).
 NORMED_SITES = ("ln1_normed", "ln2_normed")
-ROPE_SITE = "rope_cos_sin"
 
 NORMS: dict[str, NormPart] = {}
 MLPS: dict[bool, MlpPart] = {}    # by gated
