@@ -171,3 +171,34 @@ def test_the_planner_counts_rope_once_and_predicts_what_the_ruler_measures(distr
         result, predicted, measured = planned_and_measured(model, costs, fraction)
         assert abs(measured.after_forward_bytes - predicted) <= 0.02 * predicted, fraction
         assert measured.peak_bytes <= predicted_activation_peak_bytes(costs, result), fraction
+
+
+# --- the table ---------------------------------------------------------------------------------
+def test_a_value_is_shared_by_what_made_it_and_its_bits_are_checked_on_the_cpu():
+    from megatron_adacc.runtime.shared import SharedValues
+
+    table = SharedValues()
+    freqs = torch.linspace(-2.0, 2.0, 8).view(8, 1, 1, 1)
+    cos = torch.cos(freqs)
+    assert table.canonical(("cos",), freqs, cos) is cos
+    assert table.canonical(("cos",), freqs, torch.cos(freqs)) is cos
+    assert table.canonical(("sin",), freqs, torch.sin(freqs)) is not cos
+    other = freqs.clone()   # equal values, another tensor: another source
+    assert table.canonical(("cos",), other, torch.cos(other)) is not cos
+    # A view is never shared (it would pin its base); a dtype or shape is part of the key.
+    whole = torch.cos(torch.cat([freqs, freqs]))
+    assert table.canonical(("cos",), freqs, whole[:8]) is not cos
+    assert table.canonical(("cos",), freqs, cos.double()) is not cos
+    # The same key with other bits: megatron no longer makes it the way the key says. Bits,
+    # not values: -0.0 == 0.0 but a product with it differs.
+    zero = torch.zeros(8, 1, 1, 1)
+    table.canonical(("zero",), freqs, zero)
+    with pytest.raises(RuntimeError, match="differs from the one shared for it"):
+        table.canonical(("cos",), freqs, cos + 1)
+    with pytest.raises(RuntimeError, match="differs from the one shared for it"):
+        table.canonical(("zero",), freqs, -zero)
+    # Nothing is held: once the shared tensor is gone, the next one is remembered anew.
+    del cos
+    gc.collect()
+    fresh = torch.cos(freqs)
+    assert table.canonical(("cos",), freqs, fresh) is fresh

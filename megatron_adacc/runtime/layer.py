@@ -51,7 +51,7 @@ class AdaccTransformerLayer(TransformerLayer):
         # Plain attributes, not submodules: they hold hooks and decisions, no parameters.
         object.__setattr__(self, "attributor", SiteAttributor(self))
         # RoPE's cos and sin, one storage for every layer whatever the decisions: the window
-        # is opened by the first forward given rotary embeddings (none on a GPT layer).
+        # is installed by the first forward given rotary embeddings (none on a GPT layer).
         self._rope_window: RopeWindow | None = None
         # Decisions live in `actions` (site -> (action, codec)); set_decisions fills it, and
         # instruments such as the profiler may swap it between steps.
@@ -96,8 +96,9 @@ class AdaccTransformerLayer(TransformerLayer):
         if not self.actions:
             # Retain everything: that is the stock layer, so run it as one. Nothing needs
             # attributing, so neither saved-tensor hooks nor submodule hooks run (together
-            # they cost a few percent of a step); a ruler measures this layer through its
-            # own outer hook, exactly as it measures a stock layer.
+            # they cost a few percent of a step) but the RoPE window's, which sees RoPE's
+            # saves only; a ruler measures this layer through its own outer hook, exactly as
+            # it measures a stock layer.
             self.attributor.detach()
             return super().forward(*args, **kwargs)
         if not torch.is_grad_enabled():

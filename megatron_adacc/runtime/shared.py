@@ -3,19 +3,25 @@
 
 megatron-core 0.16.1's `apply_rotary_pos_emb` computes `(cos(freqs) * mscale).to(dtype)` and
 the same of sin in every call, Q's and K's in every layer, and the two products with Q and K
-save them: each layer keeps four new [s, 1, 1, rotary dim] storages of two values. (Its
-precomputed `rotary_pos_cos`/`rotary_pos_sin` reach attention only at inference:
+save them, cos first: each layer keeps four new [s, 1, 1, rotary dim] storages of two values.
+(Its precomputed `rotary_pos_cos`/`rotary_pos_sin` reach attention only at inference:
 `Attention.forward` asserts they are None on the training path.) The forward stays
 megatron's; what backward keeps is the runtime's to choose. A `RopeWindow` packs each such
-save as the first live tensor holding the same bits (same shape, strides, dtype and device,
-bytes equal): the call's own copy dies with forward's temporaries, and backward reads the
-identical bits, so gradients are unchanged.
+save as the first live tensor made the same way, and the call's own copy dies with forward's
+temporaries: backward reads the identical bits, so gradients are unchanged.
+
+"Made the same way" is known without reading the values (comparing them would synchronise
+the host with the device at every save): the same frequency tensor (megatron's
+`RotaryEmbedding` caches it per length, so every layer and micro-batch of one length is
+given the same tensor), the same of cos and sin (each call saves cos, then sin), the same
+layer config (mscale) and the same dtype and layout. On the CPU, where comparing costs no
+synchronisation, the bits are compared too, and a difference is an error: the tests hold
+megatron to that order.
 
 What is shared lives exactly as long as a saved slot holds it: `SharedValues` keeps weak
 references only, so once every graph that saved a value is freed (the step's backward, or a
-forward without one) the value is gone and the next step starts anew. Micro-batches in flight
-at one sequence length share one storage; another length is another shape, another rotary
-base or percent other bits or another width: never shared.
+forward without one) the value is gone and the next step starts anew. Another sequence length,
+rotary base or rotary fraction is another frequency tensor: never shared.
 """
 from __future__ import annotations
 
@@ -27,35 +33,43 @@ from megatron_adacc.runtime.attribution import is_rope_cos_sin
 
 
 class SharedValues:
-    """Live tensors by layout, each the one storage of its bits."""
+    """The one live tensor of each value, by what made it (weak references only)."""
 
     def __init__(self):
-        self._by_layout: dict[tuple, list[weakref.ref]] = {}
+        self._live: dict[tuple, tuple[weakref.ref, weakref.ref]] = {}
 
-    def canonical(self, tensor: torch.Tensor) -> torch.Tensor:
-        """The live tensor with ``tensor``'s layout and bits, ``tensor`` itself (now
+    def canonical(self, key: tuple, source: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
+        """The live tensor made from ``source`` as ``key`` says, or ``tensor`` itself (now
         remembered) if there is none. Only a tensor that is its whole storage is shared:
         handing out a view would pin its base, and dropping one would free nothing."""
         if (tensor._base is not None or not tensor.is_contiguous()
                 or tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size()):
             return tensor
-        layout = (tensor.shape, tensor.dtype, tensor.device)
-        held = self._by_layout.setdefault(layout, [])
-        bits = tensor.view(-1).view(torch.uint8)
-        for ref in held:
-            known = ref()
-            # Bitwise, not numerically equal: 0.0 == -0.0, and a product with either differs.
-            if known is not None and torch.equal(known.view(-1).view(torch.uint8), bits):
+        key = (id(source), tuple(tensor.shape), tensor.dtype, tensor.device, *key)
+        entry = self._live.get(key)
+        # The source itself, not a later tensor at its freed address.
+        if entry is not None and entry[1]() is source:
+            known = entry[0]()
+            if known is not None:
+                if tensor.device.type == "cpu" and not _same_bits(known, tensor):
+                    raise RuntimeError(
+                        f"a RoPE save {tuple(tensor.shape)} {tensor.dtype} differs from the "
+                        "one shared for it: megatron's rotation no longer saves cos, then sin, "
+                        "per call")
                 return known
-        held.append(weakref.ref(tensor, lambda ref, layout=layout: self._forget(layout, ref)))
+        self._live[key] = (weakref.ref(tensor, lambda ref: self._forget(key, ref)),
+                           weakref.ref(source))
         return tensor
 
-    def _forget(self, layout, ref) -> None:
-        held = self._by_layout.get(layout)
-        if held is not None:
-            held.remove(ref)
-            if not held:
-                del self._by_layout[layout]
+    def _forget(self, key: tuple, ref: weakref.ref) -> None:
+        entry = self._live.get(key)
+        if entry is not None and entry[0] is ref:
+            del self._live[key]
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    # Bits, not values: 0.0 == -0.0, and a product with either differs.
+    return torch.equal(a.view(-1).view(torch.uint8), b.view(-1).view(torch.uint8))
 
 
 # One table for the process: a value is shared by every layer and every micro-batch in flight.
@@ -70,11 +84,15 @@ class RopeWindow:
     shared tensor, so attribution and the ruler see one storage."""
 
     def __init__(self, attention):
+        self._config = attention.config  # mscale, and every other input of the rotation
+        self._rotations: list[torch.Tensor] = []  # the frequencies of Q's call, of K's
+        self._saves = 0
         self._hooks = None
+        attention.register_forward_pre_hook(self._enter, with_kwargs=True)
         attention.linear_qkv.register_forward_hook(self._open)
         attention.core_attention.register_forward_pre_hook(self._close)
-        # always: an exception between the two still closes it
-        attention.register_forward_hook(self._close_after, always_call=True)
+        # always: an exception between linear_qkv and the core attention still closes it
+        attention.register_forward_hook(self._exit, always_call=True)
 
     @staticmethod
     def applies_to(attention) -> bool:
@@ -83,8 +101,15 @@ class RopeWindow:
         return (getattr(attention, "linear_qkv", None) is not None
                 and not getattr(attention, "offload_qkv_linear", False))
 
+    def _enter(self, module, args, kwargs) -> None:
+        emb = kwargs.get("rotary_pos_emb")
+        # self-attention rotates Q and K with one tensor, or with a (Q's, K's) pair
+        pair = emb if isinstance(emb, tuple) else (emb, emb)
+        self._rotations = [freqs for freqs in pair if isinstance(freqs, torch.Tensor)]
+        self._saves = 0
+
     def _open(self, module, args, output) -> None:
-        if self._hooks is not None or not torch.is_grad_enabled():
+        if self._hooks is not None or not self._rotations or not torch.is_grad_enabled():
             return
         # The hook this window stands inside: saved-tensor hooks nest and the innermost wins,
         # so the window passes every save on to it.
@@ -93,19 +118,27 @@ class RopeWindow:
 
         def pack(tensor):
             if is_rope_cos_sin(tensor):
-                tensor = SHARED.canonical(tensor)
+                tensor = self._shared(tensor)
             return tensor if outer_pack is None else outer_pack(tensor)
 
         self._hooks = torch.autograd.graph.saved_tensors_hooks(pack, outer_unpack)
         self._hooks.__enter__()
+
+    def _shared(self, tensor: torch.Tensor) -> torch.Tensor:
+        call, which = divmod(self._saves, 2)  # each call saves cos (0), then sin (1)
+        self._saves += 1
+        if call >= len(self._rotations):
+            return tensor
+        return SHARED.canonical((which, id(self._config)), self._rotations[call], tensor)
 
     def _close(self, module, args) -> None:
         if self._hooks is not None:
             hooks, self._hooks = self._hooks, None
             hooks.__exit__(None, None, None)
 
-    def _close_after(self, module, args, output) -> None:
+    def _exit(self, module, args, output) -> None:
         self._close(module, args)
+        self._rotations = []
 
 
 def _identity(saved):
