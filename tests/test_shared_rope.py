@@ -167,10 +167,12 @@ def test_the_planner_counts_rope_once_and_predicts_what_the_ruler_measures(distr
     mask = SEQ * SEQ if backend == "unfused" else 0   # megatron's cached causal mask (bool)
     assert "rope_cos_sin" not in {site.name for site in costs.sites}
     assert costs.held_non_layer_bytes == rope + mask
+    # Profiled and run on the same micro-batch, the prediction is byte-exact here: the peak
+    # comes at the end of forward (the logits), where the shared storage is counted once.
     for fraction in (0.0, 0.5, 1.0):
         result, predicted, measured = planned_and_measured(model, costs, fraction)
-        assert abs(measured.after_forward_bytes - predicted) <= 0.02 * predicted, fraction
-        assert measured.peak_bytes <= predicted_activation_peak_bytes(costs, result), fraction
+        assert measured.after_forward_bytes == predicted, fraction
+        assert measured.peak_bytes == predicted_activation_peak_bytes(costs, result), fraction
 
 
 # --- the table ---------------------------------------------------------------------------------
