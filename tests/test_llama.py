@@ -11,7 +11,7 @@ from megatron_adacc.models import build as model_lib
 from megatron_adacc.models.attention import local_layer_spec
 from megatron_adacc.common.plan import Decision, Plan, PlanError
 from megatron_adacc.runtime import adacc_layers, apply_plan, get_adacc_layer_spec, measure_step
-from megatron_adacc.common.sites import COMPRESS, MASK_CODEC, SITES
+from megatron_adacc.common.sites import COMPRESS, MASK_CODEC, SHARED_SITES, SITES
 
 from runtime_helpers import VOCAB, SEQ, loss_of, train
 from test_runtime import assert_same_training
@@ -23,7 +23,7 @@ EMBEDDING = models.EmbeddingOptions(position_embedding_type="rope", rotary_base=
 
 
 def build_llama(adacc: bool, dtype=torch.float32, attention_backend="unfused", layers=2,
-                seed=1, dropout=0.0):
+                seed=1, dropout=0.0, embedding=EMBEDDING):
     model_lib.set_seed(seed)
     config = model_lib.build_transformer_config(
         num_layers=layers, hidden_size=HIDDEN, num_attention_heads=HEADS,
@@ -34,7 +34,7 @@ def build_llama(adacc: bool, dtype=torch.float32, attention_backend="unfused", l
     spec = (get_adacc_layer_spec(attention_backend) if adacc
             else local_layer_spec(attention_backend))
     model = model_lib.build_gpt_model(config, VOCAB, SEQ, spec, attention_backend,
-                                      embedding=EMBEDDING).to(dtype)
+                                      embedding=embedding).to(dtype)
     if adacc:
         apply_plan(model, None, strict=True)
     return model
@@ -72,7 +72,7 @@ def test_every_llama_save_is_attributed_by_what_it_is(distributed, dtype, backen
     _, report = measure_step(model, lambda: loss_of(model), strict=True)
     layer_sites = {site for (layer, site) in report.by_site if layer >= 0}
     assert layer_sites == _expected_sites(dtype, backend, dropout)
-    assert set(LLAMA.sites) >= layer_sites - {"attn_mask"}  # shared: not per layer
+    assert set(LLAMA.sites) >= layer_sites - SHARED_SITES  # shared: not per layer
 
 
 def _site_bytes(report, site):
@@ -82,7 +82,8 @@ def _site_bytes(report, site):
 @DTYPES
 def test_llama_site_bytes(distributed, dtype):
     """What each site holds, byte for byte: fp32 norm internals, the per-rank GQA sizes, V's
-    own copy beside RoPE's Q and K (the fused QKV output is not pinned), the SwiGLU halves."""
+    own copy beside RoPE's Q and K (the fused QKV output is not pinned), the SwiGLU halves,
+    RoPE's one cos and one sin (under the first layer: shared)."""
     s, b, act = SEQ, 2, torch.tensor([], dtype=dtype).element_size()
     head_dim = HIDDEN // HEADS
     for backend in BACKENDS:
@@ -93,7 +94,7 @@ def test_llama_site_bytes(distributed, dtype):
             "ln1_stats": s * b * 4,
             "ln1_normed": s * b * HIDDEN * 4,
             "ln1_out": s * b * HIDDEN * act,
-            "rope_cos_sin": 4 * s * head_dim * act,
+            "rope_cos_sin": 2 * s * head_dim * act,
             "swiglu_in": s * b * 2 * FFN * act,
             "swiglu_up": s * b * FFN * act,
             "swiglu_act": s * b * FFN * act,
@@ -258,7 +259,7 @@ def test_the_analytic_model_sizes_every_llama_site_as_measured(distributed, dtyp
     model = build_llama(True, dtype, backend)
     _, report = measure_step(model, lambda: loss_of(model), strict=True)
     measured = {site: n for (layer, site), n in report.by_site.items()
-                if layer == 0 and site != "attn_mask"}  # the shared mask: non-layer memory
+                if layer == 0 and site not in SHARED_SITES}  # non-layer memory
     shape = hardware.ModelShape(
         num_layers=2, hidden_size=HIDDEN, num_attention_heads=HEADS, seq_length=SEQ,
         vocab_size=VOCAB, ffn_hidden_size=FFN,
@@ -267,6 +268,7 @@ def test_the_analytic_model_sizes_every_llama_site_as_measured(distributed, dtyp
         attention_backend=backend, normalization="RMSNorm", swiglu=True,
         position_embedding_type="rope", num_query_groups=GROUPS, add_bias_linear=False)
     assert hardware.site_bytes(shape, 2) == measured
+    assert hardware.shared_activation_bytes(shape, 2) == report.by_site[(0, "rope_cos_sin")]
 
 
 def test_the_llama3_8b_config_plans_on_an_h100_at_tp2_with_sequence_parallelism(capsys):
@@ -280,7 +282,7 @@ def test_the_llama3_8b_config_plans_on_an_h100_at_tp2_with_sequence_parallelism(
                  "--tensor-model-parallel-size", "2", "--sequence-parallel",
                  "--use-distributed-optimizer", "--data-parallel-size", "4"]) == 0
     table = capsys.readouterr().out
-    for site in ("ln1_normed", "rope_cos_sin", "qkv", "attn_lse", "swiglu_in", "swiglu_out"):
+    for site in ("ln1_normed", "qkv", "attn_lse", "swiglu_in", "swiglu_out"):
         assert site in table
     # One rank's bf16 sites (s 8192, h 4096, sequence over 2 ranks): RMSNorm's fp32 input
     # copy is 4096 x 4096 x 4 B per layer; Q at 16 heads, K and V at 4 groups each, x 128.

@@ -40,6 +40,7 @@ def _rank_main() -> None:
     sys.path.insert(0, str(HERE))
     import torch.distributed as dist
 
+    from megatron_adacc.common.sites import SHARED_SITES
     from megatron_adacc.profiling import hardware
     from megatron_adacc.training import trainer
     from megatron_adacc.training.arguments import parse_args
@@ -72,7 +73,10 @@ def _rank_main() -> None:
     print(VERDICT + json.dumps({
         "rank": dist.get_rank(),
         "measured_layer0": {site: n for (layer, site), n in retained.by_site.items()
-                            if layer == 0},
+                            if layer == 0 and site not in SHARED_SITES},
+        "measured_shared": sum(n for (layer, site), n in retained.by_site.items()
+                               if site in SHARED_SITES),
+        "analytic_shared": hardware.shared_activation_bytes(shape, args.micro_batch_size),
         "analytic_layer": hardware.site_bytes(shape, args.micro_batch_size),
         "measured_bytes": retained.after_forward_bytes,
         "profiled_bytes": costs.embedding_bytes + costs.non_layer_bytes
@@ -104,6 +108,8 @@ def test_every_site_is_one_ranks_and_the_analytic_model_says_so(measured):
         # fp32, micro-batch 2, sequence 64 sharded over 2 ranks: 32 rows of 128 in fp32
         assert verdict["sequence_shard"] == 32 * 2 * 128 * 4
         assert verdict["measured_layer0"] == verdict["analytic_layer"]
+        # RoPE's cos and sin, one storage each for the rank: sequence 64 x head dim 32, fp32
+        assert verdict["measured_shared"] == verdict["analytic_shared"] == 2 * 64 * 32 * 4
 
 
 def test_ruler_planner_and_analytic_model_agree_within_5_percent(measured):

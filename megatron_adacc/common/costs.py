@@ -126,8 +126,9 @@ class ModelCosts:
     segments: tuple[Segment, ...] = MEGATRON_SEGMENTS
     # The operator-level rebuilds, in the order the runtime runs them (sites.REBUILDS).
     operators: tuple[Operator, ...] = ()
-    # Of non_layer_bytes, what backward does not free: a cached tensor every layer shares
-    # (megatron's causal mask), one storage for the stage, alive through every backward.
+    # Of non_layer_bytes, what the layers' backward does not free: the shared sites, one
+    # storage for the stage alive through every layer's backward (megatron's cached causal
+    # mask; RoPE's cos and sin, freed with the stage's first layer's graph).
     held_non_layer_bytes: int = 0
     # Micro-batches whose activations the stage holds at once (1F1B: min(P - s, M)).
     in_flight_micro_batches: int = 1

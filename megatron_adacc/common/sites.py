@@ -51,9 +51,9 @@ class Site:
     # does; None: never rebuilt.
     segment: str | None
     recomputable: bool = True
-    # One storage saved by every layer (megatron's cached causal mask): counted once as
-    # non-layer memory, never decided per layer (compressing or rebuilding it per layer
-    # would cost memory).
+    # One storage saved by every layer (megatron's cached causal mask, RoPE's cos and sin):
+    # counted once as non-layer memory, never decided per layer (compressing or rebuilding
+    # it per layer would cost memory).
     shared: bool = False
 
     @property
@@ -91,11 +91,12 @@ _SITE_LIST = (
     Site("ln1_normed", "input RMSNorm's normalised input x * rstd (fp32), saved by its weight "
          "multiply", "outlier_int4", "attention"),
     # RoPE's cos and sin, [s, 1, 1, rotary dim], saved by the two products with Q and K. They
-    # are the same values in every layer but megatron-core 0.16.1 computes them per call (new
-    # storages): a few bytes per token, and every gradient through RoPE reads them, so they
-    # are never compressed; rebuilding them would re-run the attention segment for nothing.
-    Site("rope_cos_sin", "RoPE's cos and sin, saved by the rotation of Q and K", None,
-         "attention", recomputable=False),
+    # are the same values in every layer; megatron-core 0.16.1 computes them per call (new
+    # storages), and the runtime keeps one storage of each (runtime/shared.py). Every gradient
+    # through RoPE reads them: never compressed, never rebuilt.
+    Site("rope_cos_sin", "RoPE's cos and sin, saved by the rotation of Q and K (the runtime "
+         "keeps one storage of each for every layer)", None, "attention", recomputable=False,
+         shared=True),
     Site("qkv", "query, key and value as core attention takes them: views of linear_qkv's "
          "output, or (RoPE) the rotated Q and K and (grouped-query unfused attention) the "
          "repeated K and V; decided as one unit", "channel_int4", "attention"),

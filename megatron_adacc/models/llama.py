@@ -29,12 +29,13 @@ SWIGLU_MLP = MlpPart(
                                lambda d: d.f),
     },
     default_ffn=lambda hidden: int(4 * hidden * 2 / 3 / 64) * 64)
-# RoPE saves cos and sin ([s, 1, 1, rotary dim], for Q and for K) and rotates Q and K into
-# new tensors. Unfused core attention then keeps the rotated Q and K and, without grouping,
+# RoPE saves cos and sin ([s, 1, 1, rotary dim]) and rotates Q and K into new tensors: cos
+# and sin are computed for Q and for K (four tensors written), kept as one cos and one sin for
+# every layer (sites.py: shared; runtime/shared.py). Unfused core attention then keeps the rotated Q and K and, without grouping,
 # V as a view pinning linear_qkv's whole output; grouped K and V are repeated to the heads.
 ROPE = PositionPart(
     "rope", learned=False,
-    site_terms={"rope_cos_sin": SiteTerm(lambda d: 4 * d.s * d.rot, act, no_flops,
+    site_terms={"rope_cos_sin": SiteTerm(lambda d: 2 * d.s * d.rot, act, no_flops,
                                          lambda d: 4 * d.s * d.rot * d.act,
                                          lambda d: d.rot)},
     unfused_qkv_heads=lambda d: 2 * d.a + (d.a + 2 * d.g) if d.g == d.a else 3 * d.a)

@@ -11,8 +11,8 @@ keeps k = ``in_flight_micro_batches`` micro-batches in flight, 1 without pipelin
 
     A = sum_l stored(l), one micro-batch's layers; E = ``embedding_bytes`` (first stage);
     R = ``received_input_bytes`` (later stages, when a forward follows a backward);
-    H = ``held_non_layer_bytes``, the part of non_layer that backward does not free (a
-    cached tensor every layer shares, megatron's causal mask: one storage for the stage).
+    H = ``held_non_layer_bytes``, the part of non_layer that backward does not free (the
+    shared sites: megatron's causal mask, RoPE's cos and sin; one storage for the stage).
 
 Why: under 1F1B stage s of P runs min(P - s, M) forwards before its first backward, and one
 forward per backward after, so at most k micro-batches are alive. Its peak comes with the

@@ -525,10 +525,21 @@ def _dims(shape: ModelShape, micro_batch_size: int) -> Dims:
                 rot=int(shape.head_dim * shape.rotary_percent))
 
 
-def site_bytes(shape: ModelShape, micro_batch_size: int) -> dict[str, int]:
-    """Full size of every site of one layer."""
+def _full_bytes(shape: ModelShape, micro_batch_size: int, shared: bool) -> dict[str, int]:
     d = _dims(shape, micro_batch_size)
-    return {name: term.bytes(d) for name, term in _layer_sites(shape).items()}
+    return {name: term.bytes(d) for name, term in _layer_sites(shape).items()
+            if site_table.get(name).shared == shared}
+
+
+def site_bytes(shape: ModelShape, micro_batch_size: int) -> dict[str, int]:
+    """Full size of every site of one layer (the sites it decides for)."""
+    return _full_bytes(shape, micro_batch_size, shared=False)
+
+
+def shared_activation_bytes(shape: ModelShape, micro_batch_size: int) -> int:
+    """The shared sites' one storage for every layer of a stage (RoPE's cos and sin): non-layer
+    bytes that live until the stage's first layer backprops."""
+    return sum(_full_bytes(shape, micro_batch_size, shared=True).values())
 
 
 # --- codecs ----------------------------------------------------------------------------------
@@ -618,11 +629,13 @@ def pipeline_costs(shape: ModelShape, micro_batch_size: int, accelerator: str | 
                   + (shape.embedding_parameters if stage == 0 else 0)
                   + (shape.output_parameters(pipelined) if stage == pipeline_size - 1 else 0)
                   for stage, layers in enumerate(counts)]
+    shared = shared_activation_bytes(shape, micro_batch_size)
     memory = [planning.StageMemory(
         static_bytes=static_bytes(count, shape.precision, zero_stage, data_parallel_size),
         embedding_bytes=embedding_activation_bytes(shape, micro_batch_size) if stage == 0 else 0,
-        non_layer_bytes=(output_activation_bytes(shape, micro_batch_size)
-                         if stage == pipeline_size - 1 else 0))
+        non_layer_bytes=shared + (output_activation_bytes(shape, micro_batch_size)
+                                  if stage == pipeline_size - 1 else 0),
+        held_non_layer_bytes=shared)
         for stage, count in enumerate(parameters)]
     sites, operators = _site_costs(shape, micro_batch_size, device)
     layer_costs = ModelCosts(
@@ -672,18 +685,20 @@ def _site_costs(shape: ModelShape, micro_batch_size: int, device: Accelerator
     sites = []
     since_start: dict[str, float] = {}   # segment -> forward time up to the last save so far
     for name, formula in formulas.items():
-        elements, full = formula.elements(d), formula.bytes(d)
         known = site_table.get(name)
+        rebuild_s = 0.0
+        if known.segment is not None:
+            rebuild_s = since_start.get(known.segment, 0.0) + step_s[name]
+            since_start[known.segment] = rebuild_s
+        if known.shared:  # non-layer memory (shared_activation_bytes); its forward time
+            continue      # counts toward the sites after it
+        elements, full = formula.elements(d), formula.bytes(d)
         dtype = formula.dtype(d)
         codecs = ()
         if known.default_codec is not None:
             payload = codec_payload_bytes(known.default_codec, elements, dtype,
                                           formula.channels(d))
             codecs = (_codec_cost(known.default_codec, full, payload, device.memory_bandwidth),)
-        rebuild_s = 0.0
-        if known.segment is not None:
-            rebuild_s = since_start.get(known.segment, 0.0) + step_s[name]
-            since_start[known.segment] = rebuild_s
         edge = site_table.REBUILT_BY.get(name)
         operator = edge.call if edge is not None and edge.call in operator_names else None
         sites.append(SiteCost(

@@ -196,8 +196,8 @@ class SiteAttributor:
             if not tensor.is_floating_point():
                 # megatron's core-attention checkpoint saves the mask type as an int tensor
                 site = "attn_mask" if _drawn(tensor) else None
-            else:  # RoPE's cos and sin: computed from the frequencies, needing no gradient
-                site = "rope_cos_sin" if not tensor.requires_grad else None
+            else:
+                site = "rope_cos_sin" if is_rope_cos_sin(tensor) else None
         elif role == "mlp":
             site = self._mlp.activation_site(tensor)
         elif role == "linear_fc2":
@@ -234,6 +234,12 @@ class SiteAttributor:
         # A new row-sized tensor: before the statistics, the input's fp32 copy torch's
         # RMSNorm computes in (16-bit models); after them, RMSNorm's x * rstd.
         return normed_site if self._norm_statistics_saved else input_site
+
+
+def is_rope_cos_sin(tensor: torch.Tensor) -> bool:
+    """Whether a tensor the attention module saves itself (outside its submodules) is RoPE's
+    cos or sin: computed from the frequencies, floating-point and needing no gradient."""
+    return tensor.is_floating_point() and not tensor.requires_grad
 
 
 def _is_cached_causal_mask(tensor: torch.Tensor) -> bool:

@@ -29,6 +29,7 @@ from megatron_adacc.models.attention import DEFAULT_SPEC_BACKEND, local_layer_sp
 from megatron_adacc.common.plan import Decision, check_decision
 from megatron_adacc.runtime.accounting import active_ruler
 from megatron_adacc.runtime.attribution import SiteAttributor
+from megatron_adacc.runtime.shared import RopeWindow
 from megatron_adacc.runtime.storage import (
     CompressedStorage,
     Handle,
@@ -49,6 +50,9 @@ class AdaccTransformerLayer(TransformerLayer):
         super().__init__(*args, **kwargs)
         # Plain attributes, not submodules: they hold hooks and decisions, no parameters.
         object.__setattr__(self, "attributor", SiteAttributor(self))
+        # RoPE's cos and sin, one storage for every layer whatever the decisions: the window
+        # is installed by the first forward given rotary embeddings (none on a GPT layer).
+        self._rope_window: RopeWindow | None = None
         # Decisions live in `actions` (site -> (action, codec)); set_decisions fills it, and
         # instruments such as the profiler may swap it between steps.
         self.actions: dict[str, tuple[str, object]] = {}
@@ -84,11 +88,15 @@ class AdaccTransformerLayer(TransformerLayer):
 
     # --- forward -------------------------------------------------------------------------
     def forward(self, *args, **kwargs):
+        if (self._rope_window is None and kwargs.get("rotary_pos_emb") is not None
+                and RopeWindow.applies_to(self.self_attention)):
+            self._rope_window = RopeWindow(self.self_attention)
         if not self.actions:
             # Retain everything: that is the stock layer, so run it as one. Nothing needs
             # attributing, so neither saved-tensor hooks nor submodule hooks run (together
-            # they cost a few percent of a step); a ruler measures this layer through its
-            # own outer hook, exactly as it measures a stock layer.
+            # they cost a few percent of a step) but the RoPE window's, which sees RoPE's
+            # saves only; a ruler measures this layer through its own outer hook, exactly as
+            # it measures a stock layer.
             self.attributor.detach()
             return super().forward(*args, **kwargs)
         if not torch.is_grad_enabled():
