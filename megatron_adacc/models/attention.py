@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from megatron_adacc.models.attention_backend import ATTENTION_BACKENDS, resolve_backend
+from megatron_adacc.models.attention_backend import check_backend, resolve_backend
 
 # What megatron-core's local spec and this package's spec functions build unless told.
 DEFAULT_SPEC_BACKEND = "unfused"
@@ -50,9 +50,7 @@ def local_layer_spec(attention_backend: str = DEFAULT_SPEC_BACKEND, **local_spec
 
 def with_attention_backend(spec, backend: str):
     """A local-spec layer `spec` whose self-attention's core attention is `backend`'s."""
-    if backend not in ATTENTION_BACKENDS:
-        raise ValueError(f"--attention-backend {backend}: expected one of "
-                         f"{', '.join(ATTENTION_BACKENDS)}")
+    check_backend(backend)
     attention = spec.submodules.self_attention
     core = dataclasses.replace(attention.submodules, core_attention=_core_attention(backend))
     return dataclasses.replace(

@@ -31,11 +31,16 @@ def flash_runs(attention_dropout: float, cuda: bool | None = None) -> bool:
     return cuda or attention_dropout == 0
 
 
-def resolve_backend(backend: str, attention_dropout: float, cuda: bool | None = None) -> str:
-    """"flash" or "unfused" for a configured backend (auto resolved for this device)."""
+def check_backend(backend: str) -> None:
+    """A ValueError naming --attention-backend unless ``backend`` is one of its choices."""
     if backend not in ATTENTION_BACKENDS:
         raise ValueError(f"--attention-backend {backend}: expected one of "
                          f"{', '.join(ATTENTION_BACKENDS)}")
+
+
+def resolve_backend(backend: str, attention_dropout: float, cuda: bool | None = None) -> str:
+    """"flash" or "unfused" for a configured backend (auto resolved for this device)."""
+    check_backend(backend)
     if backend == "auto":
         return "flash" if flash_runs(attention_dropout, cuda) else "unfused"
     if backend == "flash" and not flash_runs(attention_dropout, cuda):

@@ -280,6 +280,6 @@ def _run_between(module, enter: str, exit_: str, value: torch.Tensor) -> torch.T
 
 def get_adacc_layer_spec(attention_backend: str = DEFAULT_SPEC_BACKEND, **local_spec_kwargs):
     """megatron-core's local GPT layer spec with AdaccTransformerLayer as the layer and
-    `attention_backend`'s core attention (attention.ATTENTION_BACKENDS)."""
+    `attention_backend`'s core attention (attention_backend.ATTENTION_BACKENDS)."""
     spec = local_layer_spec(attention_backend, **local_spec_kwargs)
     return dataclasses.replace(spec, module=AdaccTransformerLayer)
