@@ -121,6 +121,7 @@ class LayerCall:
         # recompute state
         self.ordinals: dict[str, int] = {}
         self.wanted: set[tuple[str, int]] = set()
+        self.saved_dtypes: dict[str, torch.dtype] = {}  # of the recomputed sites
         self.segments: set[int] = set()   # segments holding a site no operator rebuilds
         # site -> its saved form (tensor or Handle), and whether the tensor required grad
         self.sources: dict[str, object] = {}
@@ -154,6 +155,7 @@ class LayerCall:
             key = (site, self.ordinals.get(site, 0))
             self.ordinals[site] = key[1] + 1
             self.wanted.add(key)
+            self.saved_dtypes[site] = tensor.dtype
             if site not in REBUILT_BY:
                 self.segments.add(self.attributor.segment)
             saved = Handle(self, key)
