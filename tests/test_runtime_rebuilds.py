@@ -8,12 +8,13 @@ dropout where the attention allows it, in both model families."""
 import pytest
 import torch
 
-from megatron_adacc import models
-from megatron_adacc.common.plan import Plan
+from megatron_adacc import models, planning
+from megatron_adacc.common.plan import Decision, Plan
+from megatron_adacc.profiling.profiler import profile
 from megatron_adacc.runtime import adacc_layers, apply_plan, measure_step
-from megatron_adacc.common.sites import REBUILDS, REBUILT_BY
+from megatron_adacc.common.sites import COMPRESS, REBUILDS, REBUILT_BY, RECOMPUTE
 
-from runtime_helpers import build, loss_of, train
+from runtime_helpers import batch, build, loss_of, train
 from test_llama import build_llama, train_steps
 from test_runtime import assert_same_training
 
@@ -163,6 +164,26 @@ def test_operator_products_keep_no_bytes_and_free_their_rebuild(distributed):
         if layer >= 0 and site in PRODUCTS)
     for layer in adacc_layers(model):
         assert layer._call is None
+
+
+def test_the_plan_table_rebuilds_ln2_in_from_its_edges_sources(distributed):
+    # Profiled through the runtime: the edge is timed alone, reads the layer input, the
+    # attention output and the mask, and a mask the bitmask codec holds keeps it exact.
+    model = build(True, dropout=0.1)
+    costs = profile(model, batch(0), repeats=1, strict=True)
+    edge = costs.operator("attention_residual")
+    assert edge.sources == ("layer_in", "context", "bda1_mask") and edge.rebuild_s > 0
+    decisions = {"ln2_in": Decision(RECOMPUTE), "bda1_mask": Decision(COMPRESS)}
+    assert planning.is_exact(costs, decisions)
+    assert planning.rebuild_charges(costs, {"ln2_in"}) == {"ln2_in": edge.rebuild_s}
+    layers = [planning.evaluate_layer(costs, decisions)] * costs.num_layers
+    result = planning.PlanResult.from_layers(
+        costs, layers, budget_bytes=planning.peak_bytes(costs, layers), solve_time_s=0.0,
+        minimum_feasible_budget=0, per_layer=False, allow_lossy_sources=False,
+        method="frontier")
+    row = next(row for row in result.rows if row.site == "ln2_in")
+    assert row.rebuilt_from == "layer_in+context+bda1_mask"
+    assert "layer_in+context+bda1_mask" in planning.format_plan(result)
 
 
 def test_an_operator_reads_a_compressed_source_decoded(distributed):
