@@ -5,12 +5,14 @@ every tensor it saves for backward.
 Nothing of megatron's forward is copied. A recomputed site that an operator-level edge of
 `sites.REBUILDS` names is rebuilt by calling that megatron submodule or function (a norm,
 the MLP's activation; the gated MLP's forward between its two linear layers, which stand
-aside) on its sources' backward values, each retained, decoded or rebuilt
-before it (chains). Every other recomputed site is rebuilt by re-running megatron's own
-segments of the forward: `_forward_attention` from the layer input, `_forward_mlp` from
-ln2_in (the MLP segment alone when every such site is in it and ln2_in is kept), with the RNG
+aside; linear_proj and the bias-dropout-add on the kept mask) on its sources' backward
+values, each retained, decoded or rebuilt before it (chains). Every other recomputed site is
+rebuilt by re-running megatron's own segments of the forward: `_forward_attention` from the
+layer input, `_forward_mlp` from ln2_in (the MLP segment alone when every such site is in
+it), with the RNG
 states captured when the segment first ran, stopping as soon as the last of those sites has
-been saved again. Segments re-run first, operators after them, in the table's order.
+been saved again. Operators run in the table's order, the segment re-run before them, or
+right after the edge that rebuilds its start (ln2_in's, before the MLP's re-run).
 
 The RNG states are the ones megatron's own checkpointing saves and restores, through its own
 helpers: the CPU generator, the default CUDA generator (bias-dropout-add draws its masks from

@@ -9,7 +9,7 @@ points at a source that produces the value once and hands it out per saved view:
   storage, are encoded once); decoded on the first unpack, shared by the other views,
   released after the last one.
 - `LayerCall` itself for recomputed sites: the first unpack rebuilds every recomputed site
-  of this layer call (the layer supplies `rebuild`: segment re-runs, then operators),
+  of this layer call (the layer supplies `rebuild`: segment re-runs and operators),
   caches them, and each unpack takes its value out of the cache, so the cache is empty once
   backward has used them all. What a rebuild reads (`sources`: segment starts, operators'
   sources) is remembered in its saved form until then.
