@@ -13,19 +13,23 @@ from megatron_adacc.profiling import hardware
 from megatron_adacc.common.costs import CodecCost, ModelCosts, Operator, SiteCost
 from megatron_adacc.common.plan import Decision
 from megatron_adacc.common.sites import COMPRESS, RECOMPUTE, RETAIN
+from megatron_adacc.common.sites import get as get_site
 
 # Real site names (the planner only recomputes / compresses sites the site table knows), in
 # the megatron segments: layer_in starts the attention re-run, ln2_in (its last save) the
-# MLP's. Each LayerNorm's input and statistics are decoded together (sites.DECODED_TOGETHER),
+# MLP's. A LayerNorm's input and statistics are decoded together (sites.DECODED_TOGETHER),
 # so the decoded term is a group's sum, not one site's size. A drawn site may also be left
-# out of its segment (never rebuilt), or be rebuilt by an operator instead: each operator
-# reads one site, and a site may be the product of an operator declared before the first
-# one that reads it (chains: op_b reads what op_a or op_c may rebuild), several sites of one;
-# a segment's start is no operator's product.
-SEGMENT_OF = {"layer_in": None, "ln1_stats": "attention", "ln2_in": "attention",
+# out of its segment (never rebuilt), or be rebuilt by an operator instead: an operator reads
+# one or two sites, and a site may be the product of an operator declared before the first
+# one that reads it (chains: op_b reads what op_a may rebuild, op_c what op_r may), several
+# sites of one; the MLP's start may be an operator's product (op_r, ln2_in's edge, reading
+# the layer input and the attention segment's dropout mask). Each site's codec is its
+# designated one: the mask's is lossless (a rebuild reading it stays exact), the others not.
+SEGMENT_OF = {"layer_in": None, "bda1_mask": "attention", "ln2_in": "attention",
               "ln2_stats": "mlp"}
-OPERATOR_SOURCES = {"op_a": ("layer_in",), "op_c": ("ln2_in",), "op_b": ("ln1_stats",)}
-OPERATORS_OF = {"ln1_stats": ("op_a", "op_c"), "ln2_in": (),
+OPERATOR_SOURCES = {"op_a": ("layer_in",), "op_r": ("layer_in", "bda1_mask"),
+                    "op_c": ("ln2_in",), "op_b": ("bda1_mask",)}
+OPERATORS_OF = {"bda1_mask": ("op_a",), "ln2_in": ("op_r",),
                 "ln2_stats": ("op_a", "op_b", "op_c")}
 
 
@@ -39,8 +43,9 @@ def small_costs(draw):
         operator = None
         if segment is not None and OPERATORS_OF[name] and draw(st.booleans()):
             segment, operator = None, draw(st.sampled_from(OPERATORS_OF[name]))
-        codecs = (CodecCost("outlier_int4", draw(st.integers(0, size)), draw(st.floats(0, 1)),
-                            draw(st.floats(0, 1))),) if draw(st.booleans()) else ()
+        codecs = (CodecCost(get_site(name).default_codec, draw(st.integers(0, size)),
+                            draw(st.floats(0, 1)), draw(st.floats(0, 1))),
+                  ) if draw(st.booleans()) else ()
         sites.append(SiteCost(name, size, "float16", draw(st.floats(0, 2)), segment, codecs,
                               operator=operator))
     operators = tuple(Operator(name, sources, draw(st.floats(0, 2)))
@@ -62,7 +67,7 @@ def all_layer_policies(costs, allow_lossy):
     for site in costs.sites:
         options = [Decision(RETAIN)]
         if site.can_compress:
-            options.append(Decision(COMPRESS))
+            options += [Decision(COMPRESS, codec.codec) for codec in site.codecs]
         if site.can_recompute:
             options.append(Decision(RECOMPUTE))
         per_site.append(options)
@@ -89,8 +94,35 @@ def brute_force(costs, budget, per_layer, allow_lossy):
     return best, least_peak
 
 
+def _residual_edge_costs(ln2_in_codec_bytes=None, mask_codec_bytes=None):
+    """Three layers whose ln2_in an operator rebuilds from the layer input and the dropout
+    mask (op_r, ln2_in's edge); ln2_stats in the MLP segment, whose re-run starts at ln2_in."""
+    def codecs(name, payload):
+        return () if payload is None else (
+            CodecCost(get_site(name).default_codec, payload, 0.0, 0.0),)
+
+    return ModelCosts(
+        sites=[SiteCost("layer_in", 10, "float16"),
+               SiteCost("bda1_mask", 40, "float16", codecs=codecs("bda1_mask", mask_codec_bytes)),
+               SiteCost("ln2_in", 40, "float16", codecs=codecs("ln2_in", ln2_in_codec_bytes),
+                        operator="op_r"),
+               SiteCost("ln2_stats", 40, "float16", 1.0, "mlp")],
+        num_layers=3, static_bytes=0, non_layer_bytes=0, backward_workspace_bytes=0,
+        micro_batch_size=1,
+        operators=(Operator("op_r", ("layer_in", "bda1_mask"), 5.0),))
+
+
+# An exact plan reads the bitmask-compressed mask to rebuild ln2_in (lossless: held, exact).
+LOSSLESS_SOURCE = _residual_edge_costs(mask_codec_bytes=1)
+# A compressed ln2_in, though an operator's product, starts the MLP's re-run: lossy.
+COMPRESSED_PRODUCT_START = _residual_edge_costs(ln2_in_codec_bytes=1)
+
+
 @settings(max_examples=80, deadline=None)
 @given(small_costs(), st.integers(0, 1500), st.booleans(), st.booleans())
+@example(LOSSLESS_SOURCE, 200, False, False)
+@example(LOSSLESS_SOURCE, 220, True, False)
+@example(COMPRESSED_PRODUCT_START, 240, False, False)
 def test_optimal_against_exhaustive_enumeration(costs, budget, per_layer, allow_lossy):
     best, least_peak = brute_force(costs, budget, per_layer, allow_lossy)
     if best is None:
@@ -124,6 +156,8 @@ TINY_BYTES = ModelCosts(
 @given(small_costs(), st.integers(0, 700), st.booleans(), st.booleans())
 @example(TINY_BYTES, 451, True, False)
 @example(replace(TINY_BYTES, static_bytes=41, non_layer_bytes=29), 484, True, False)
+@example(LOSSLESS_SOURCE, 220, True, False)
+@example(COMPRESSED_PRODUCT_START, 240, False, False)
 def test_direct_milp_against_exhaustive_enumeration(costs, budget, per_layer, allow_lossy):
     best, _ = brute_force(costs, budget, per_layer, allow_lossy)
     if best is None:

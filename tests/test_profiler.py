@@ -61,16 +61,20 @@ def test_every_site_has_a_cost_to_each_action(profiled):
     # What an operator rebuilds, it rebuilds alone: from its sources, no segment re-run.
     assert {site.name: site.operator for site in costs.sites if site.operator} == {
         "ln1_stats": "input_layernorm", "ln1_out": "input_layernorm",
+        "ln2_in": "attention_residual",
         "ln2_stats": "pre_mlp_layernorm", "ln2_out": "pre_mlp_layernorm",
         "gelu_out": "mlp.activation_func"}
+    saved = {site.name for site in costs.sites}
     assert [(op.name, op.sources) for op in costs.operators] == [
-        (edge.call, edge.sources) for edge in REBUILDS   # the GPT layer's edges
-        if {edge.output, *edge.sources} <= {site.name for site in costs.sites}]
+        (edge.call, edge.sources_in(saved)) for edge in REBUILDS   # the GPT layer's edges
+        if edge.used_by(saved)]
+    # ln2_in from the layer input, the attention output and, with dropout, the kept mask
+    assert costs.operator("attention_residual").sources == (
+        "layer_in", "context", *(["bda1_mask"] if "bda1_mask" in saved else []))
     # Rebuild times from the segment start: a deeper save is never reached sooner.
     for segment in costs.segments:
         times = [site.rebuild_s for site in costs.sites if site.segment == segment.name]
         assert times and times == sorted(times), segment
-    assert costs.site("ln2_in").segment == "attention"   # its value is attention's output
 
 
 def test_cost_segments_are_the_runtimes():

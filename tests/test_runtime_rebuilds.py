@@ -1,18 +1,20 @@
-"""Operator-level rebuilds (sites.REBUILDS): a recomputed norm output, norm statistics or
-activation output (GPT's GELU, Llama's SiLU and SwiGLU product) is rebuilt by its own
-megatron submodule or function from its upstream site, and only that operator runs (no
-segment re-run); chains through a rebuilt source are exact; a plan that recomputes from
-exact sources trains bit for bit like the stock layer, in fp32 and bf16, on both attentions,
-with dropout where the attention allows it, in both model families."""
+"""Operator-level rebuilds (sites.REBUILDS): a recomputed norm output, norm statistics,
+activation output (GPT's GELU, Llama's SiLU and SwiGLU product) or residual stream after
+attention (linear_proj and the bias-dropout-add on the kept mask) is rebuilt by its own
+megatron submodules or functions from its upstream sites, and only those run (no segment
+re-run); chains through a rebuilt source are exact; a plan that recomputes from exact
+sources trains bit for bit like the stock layer, in fp32 and bf16, on both attentions, with
+dropout where the attention allows it, in both model families."""
 import pytest
 import torch
 
-from megatron_adacc import models
-from megatron_adacc.common.plan import Plan
+from megatron_adacc import models, planning
+from megatron_adacc.common.plan import Decision, Plan
+from megatron_adacc.profiling.profiler import profile
 from megatron_adacc.runtime import adacc_layers, apply_plan, measure_step
-from megatron_adacc.common.sites import REBUILDS, REBUILT_BY
+from megatron_adacc.common.sites import COMPRESS, REBUILDS, REBUILT_BY, RECOMPUTE
 
-from runtime_helpers import build, loss_of, train
+from runtime_helpers import batch, build, loss_of, train
 from test_llama import build_llama, train_steps
 from test_runtime import assert_same_training
 
@@ -22,20 +24,43 @@ def _family_products(family: str) -> list[str]:
     sources), each once."""
     own = set(models.get(family).sites)
     return list(dict.fromkeys(
-        product for edge in REBUILDS if edge.output in own and set(edge.sources) <= own
+        product for edge in REBUILDS if edge.used_by(own)
         for product in edge.products if product in own))
 
 
 PRODUCTS = _family_products("gpt")
 LLAMA_PRODUCTS = _family_products("llama")
 # The modules a segment re-run would call again in backward; an operator calls none of them
-# (the norms' own operators call only their norm).
-MATMULS = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1",
-           "mlp.linear_fc2")
+# but its own (the norms' operators their norm; ln2_in's edge linear_proj, no attention).
+MATMULS = ("self_attention.linear_qkv", "self_attention.core_attention",
+           "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
+OWN_MODULES = {"input_layernorm": ("input_layernorm",),
+               "pre_mlp_layernorm": ("pre_mlp_layernorm",),
+               "attention_residual": ("self_attention.linear_proj",)}
+RESIDUAL_CHAINS = {
+    # the residual's edge rebuilds ln2_in, then the pre-MLP norm runs on it
+    "norm_from_rebuilt_residual": {"ln2_in": "recompute", "ln2_out": "recompute",
+                                   "ln2_stats": "recompute", "ln2_normed": "recompute"},
+    # the MLP re-run starts from the ln2_in its edge rebuilt
+    "mlp_rerun_from_rebuilt_residual": {"ln2_in": "recompute", "gelu_in": "recompute",
+                                        "swiglu_in": "recompute"},
+    # the attention re-run rebuilds the context (and the mask), then the residual's edge
+    "residual_from_rerun": {"context": "recompute", "bda1_mask": "recompute",
+                            "ln2_in": "recompute", "ln2_out": "recompute"},
+    # the bitmask codec is lossless: the edge reads the decoded mask, exactly
+    "residual_from_bitmask": {"bda1_mask": {"action": "compress", "codec": "bitmask"},
+                              "ln2_in": "recompute"},
+}
+
+
+def _in(family: str, plan: dict) -> dict:
+    """``plan`` restricted to the sites the family's layer saves."""
+    own = set(models.get(family).sites)
+    return {site: decision for site, decision in plan.items() if site in own}
+
+
 CHAINS = {
-    # the attention re-run rebuilds ln2_in, then the pre-MLP norm runs on it
-    "norm_from_rerun": {"ln2_in": "recompute", "ln2_out": "recompute",
-                        "ln2_stats": "recompute"},
+    **{name: _in("gpt", plan) for name, plan in RESIDUAL_CHAINS.items()},
     # the MLP re-run rebuilds the activation's input, then the activation runs on it
     "activation_from_rerun": {"gelu_in": "recompute", "gelu_out": "recompute"},
     # every operator, each from a retained source
@@ -44,7 +69,9 @@ CHAINS = {
     "everything": {name: "recompute" for name in PRODUCTS + ["qkv", "context", "ln2_in",
                                                              "gelu_in"]},
 }
-BACKENDS = [("unfused", 0.1), ("flash", 0.0)]   # (attention, dropout): flash has none on a CPU
+# (attention, dropout): flash has no attention dropout on a CPU, the hidden dropout only
+BACKENDS = [("unfused", 0.1), ("flash", 0.0), ("flash", 0.1)]
+BACKEND_IDS = [f"{backend}-{dropout}" for backend, dropout in BACKENDS]
 
 
 def _model(adacc, backend, dtype, dropout):
@@ -62,10 +89,12 @@ def assert_gradients_close(model, reference, bound: float) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("backend,dropout", BACKENDS, ids=[b for b, _ in BACKENDS])
+@pytest.mark.parametrize("backend,dropout", BACKENDS, ids=BACKEND_IDS)
 def test_every_edge_and_chain_trains_bit_for_bit(distributed, dtype, backend, dropout):
     stock = train(_model(False, backend, dtype, dropout), steps=2)
     plans = {**{product: {product: "recompute"} for product in PRODUCTS}, **CHAINS}
+    if not dropout:  # no mask is saved
+        plans = {name: sites for name, sites in plans.items() if "bda1_mask" not in sites}
     for name, sites in plans.items():
         model = _model(True, backend, dtype, dropout)
         apply_plan(model, Plan.uniform(sites), strict=True)
@@ -104,10 +133,12 @@ def test_an_operator_rebuild_runs_only_its_operator(distributed, product):
     edge = REBUILT_BY[product]
     model = build(True, dropout=0.1)
     apply_plan(model, Plan.uniform({product: "recompute"}), strict=True)
-    norms = [edge.call] if "layernorm" in edge.call else []
+    own = OWN_MODULES.get(edge.call, ())
     calls = _calls_in_backward(model, MATMULS + ("input_layernorm", "pre_mlp_layernorm"))
-    # one call of its own norm per layer, nothing else
-    assert calls == {name: (2 if name in norms else 0) for name in calls}, product
+    # one call of its own modules per layer, nothing else: the residual's edge runs
+    # linear_proj but neither linear_qkv nor the attention
+    assert calls == {name: (2 if name in own else 0) for name in calls}, product
+
 
 
 def test_a_segment_rebuild_still_reruns_its_segment(distributed):
@@ -135,6 +166,26 @@ def test_operator_products_keep_no_bytes_and_free_their_rebuild(distributed):
         assert layer._call is None
 
 
+def test_the_plan_table_rebuilds_ln2_in_from_its_edges_sources(distributed):
+    # Profiled through the runtime: the edge is timed alone, reads the layer input, the
+    # attention output and the mask, and a mask the bitmask codec holds keeps it exact.
+    model = build(True, dropout=0.1)
+    costs = profile(model, batch(0), repeats=1, strict=True)
+    edge = costs.operator("attention_residual")
+    assert edge.sources == ("layer_in", "context", "bda1_mask") and edge.rebuild_s > 0
+    decisions = {"ln2_in": Decision(RECOMPUTE), "bda1_mask": Decision(COMPRESS)}
+    assert planning.is_exact(costs, decisions)
+    assert planning.rebuild_charges(costs, {"ln2_in"}) == {"ln2_in": edge.rebuild_s}
+    layers = [planning.evaluate_layer(costs, decisions)] * costs.num_layers
+    result = planning.PlanResult.from_layers(
+        costs, layers, budget_bytes=planning.peak_bytes(costs, layers), solve_time_s=0.0,
+        minimum_feasible_budget=0, per_layer=False, allow_lossy_sources=False,
+        method="frontier")
+    row = next(row for row in result.rows if row.site == "ln2_in")
+    assert row.rebuilt_from == "layer_in+context+bda1_mask"
+    assert "layer_in+context+bda1_mask" in planning.format_plan(result)
+
+
 def test_an_operator_reads_a_compressed_source_decoded(distributed):
     # A lossy plan: the activation runs on the decoded fc1 output, so its output carries the
     # codec's error; the forward (the loss) is untouched and the gradients stay close.
@@ -156,9 +207,8 @@ LLAMA_CHAINS = {
     # the MLP re-run rebuilds fc1's output (the saved gate half), then glu runs on it whole
     "glu_from_rerun": {"swiglu_in": "recompute", "swiglu_up": "recompute",
                        "swiglu_out": "recompute"},
-    # the attention re-run rebuilds ln2_in, then the RMSNorm runs on it
-    "norm_from_rerun": {"ln2_in": "recompute", "ln2_out": "recompute",
-                        "ln2_normed": "recompute", "ln2_stats": "recompute"},
+    **{name: _in("llama", plan) for name, plan in RESIDUAL_CHAINS.items()
+       if "bda1_mask" not in plan},   # no hidden dropout: no mask
     "every_operator": {name: "recompute" for name in LLAMA_PRODUCTS},
     "everything": {name: "recompute" for name in LLAMA_PRODUCTS + [
         "qkv", "context", "ln2_in", "swiglu_in"]},
@@ -166,10 +216,11 @@ LLAMA_CHAINS = {
 
 
 def test_the_llama_layer_offers_its_norm_and_swiglu_edges():
-    assert set(LLAMA_PRODUCTS) == {"ln1_out", "ln1_stats", "ln1_normed", "ln2_out",
+    assert set(LLAMA_PRODUCTS) == {"ln1_out", "ln1_stats", "ln1_normed", "ln2_in", "ln2_out",
                                    "ln2_stats", "ln2_normed", "swiglu_act", "swiglu_up",
                                    "swiglu_out"}
-    assert set(PRODUCTS) == {"ln1_out", "ln1_stats", "ln2_out", "ln2_stats", "gelu_out"}
+    assert set(PRODUCTS) == {"ln1_out", "ln1_stats", "ln2_in", "ln2_out", "ln2_stats",
+                             "gelu_out"}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -191,9 +242,9 @@ def test_a_llama_operator_rebuild_runs_only_its_operator(distributed, product):
     edge = REBUILT_BY[product]
     model = build_llama(True, torch.bfloat16)
     apply_plan(model, Plan.uniform({product: "recompute"}), strict=True)
-    norms = [edge.call] if "layernorm" in edge.call else []
+    own = OWN_MODULES.get(edge.call, ())
     calls = _calls_in_backward(model, MATMULS + ("input_layernorm", "pre_mlp_layernorm"))
-    assert calls == {name: (2 if name in norms else 0) for name in calls}, product
+    assert calls == {name: (2 if name in own else 0) for name in calls}, product
 
 
 def test_llama_operator_products_keep_no_bytes(distributed):

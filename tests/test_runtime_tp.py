@@ -19,10 +19,12 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 VERDICT = "TP_VERDICT "
 STEPS = 3
-# Every segment, both sides of each anchor: ln2_in recomputed in layer 1 re-runs the whole
-# attention segment, linear_proj's all-reduce included; qkv and softmax_out re-draw the
-# attention dropout from the tracker's per-rank stream; gelu_in and the bda masks re-draw the
-# hidden dropout from the default stream.
+# Every segment, both sides of each anchor: ln2_in recomputed in layer 1 is rebuilt by its
+# edge after the attention re-run rebuilds its context and mask, linear_proj's all-reduce in
+# both; qkv and softmax_out re-draw the attention dropout from the tracker's per-rank stream;
+# gelu_in and the bda masks re-draw the hidden dropout from the default stream. The residual
+# plan rebuilds ln2_in by its edge alone (linear_proj's all-reduce, the kept mask), the
+# norm on it and the MLP re-run from it.
 PLANS = {
     "mixed": {
         "sites": {"qkv": "recompute", "softmax_out": "recompute",
@@ -33,6 +35,8 @@ PLANS = {
     },
     "mlp_only": {"sites": {"ln2_out": "recompute", "gelu_in": "recompute",
                            "bda2_mask": "recompute"}},
+    "residual": {"sites": {"ln2_in": "recompute", "ln2_out": "recompute",
+                           "gelu_in": "recompute"}},
 }
 # The flash layer's attention sites; hidden dropout stays on (its masks, default stream).
 FLASH_PLANS = {
@@ -44,6 +48,7 @@ FLASH_PLANS = {
     },
     "attention_core": {"sites": {"qkv": "recompute", "attn_lse": "recompute",
                                  "context": "recompute"}},
+    "residual": {"sites": {"ln2_in": "recompute", "ln2_out": "recompute"}},
 }
 # backend -> (attention dropout, plans)
 BACKENDS = {"unfused": (0.1, PLANS), "flash": (0.0, FLASH_PLANS)}

@@ -207,11 +207,16 @@ class ModelCosts:
                     raise CostsError(f"site {site.name}: operator {site.operator!r} is not one "
                                      f"of {[op.name for op in self.operators]}")
                 products[site.name] = index
-        for segment in self.segments:
-            # The runtime re-runs segments before it runs operators.
-            if segment.start in products:
-                raise CostsError(f"segment {segment.name} starts from {segment.start}, which "
-                                 f"an operator rebuilds")
+        for index, segment in enumerate(self.segments):
+            # A re-run from a start an operator rebuilds follows that operator (the MLP's from
+            # ln2_in), so the operator cannot read what the re-run rebuilds.
+            rebuilt_by = products.get(segment.start)
+            for source in self.operators[rebuilt_by].sources if rebuilt_by is not None else ():
+                if segment_of.get(source) in order[index:]:
+                    raise CostsError(f"segment {segment.name} starts from {segment.start}, "
+                                     f"which operator {self.operators[rebuilt_by].name} "
+                                     f"rebuilds from {source}, which the same or a later "
+                                     "segment rebuilds")
         for index, operator in enumerate(self.operators):
             if operator.rebuild_s < 0:
                 raise CostsError(f"operator {operator.name}: rebuild_s must be >= 0")

@@ -12,6 +12,7 @@ variant starts here: its sites, and the operator-level rebuild edges its layer o
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Collection
 
 RETAIN = "retain"
 COMPRESS = "compress"
@@ -33,6 +34,9 @@ MLP_SEGMENT = SEGMENT_NAMES.index("mlp")
 # the policies and the rectifier refer to.
 OUTLIER_CODEC = "outlier_int4"   # outputs of Linear, LayerNorm, GELU: outlier separation
 MASK_CODEC = "bitmask"           # dropout masks: lossless
+# Codecs whose decoded value is the encoded one bit for bit: a rebuild reading a site held by
+# one of them is as exact as one reading it retained.
+LOSSLESS_CODECS = frozenset({MASK_CODEC})
 # The paper's "Quantization" baseline, and auto's last resort: per-token int4 keeps no
 # outliers, so its payload is the smallest of the int4 codecs, and a budget the designated
 # codecs cannot meet may still fit it (Site.last_resort_codec).
@@ -122,7 +126,7 @@ _SITE_LIST = (
     Site("bda1_mask", "dropout mask of the attention bias-dropout-add", "bitmask",
          "attention"),
     # Saved by the MLP segment's first op, but its value is the attention segment's output:
-    # rebuilding it re-runs the whole attention segment.
+    # an edge of REBUILDS rebuilds it from the attention output and the layer input.
     Site("ln2_in", "residual stream after attention, saved by pre_mlp_layernorm",
          "outlier_int4", "attention"),
     Site("ln2_out", "pre-MLP layernorm output, saved by linear_fc1", "outlier_int4", "mlp"),
@@ -178,6 +182,10 @@ class Rebuild:
     RMSNorm's x * rstd), captured as it runs, its sources requiring grad as in forward so
     that it saves what forward saved. It draws no random numbers.
 
+    ``optional`` names sources a layer may not save (a dropout's mask where the layer has no
+    dropout, which then draws none): the call takes None in their place. A layer uses an
+    edge when it saves its output and every other source.
+
     ``between`` = (enter, exit) runs a module's forward over the operators between two of
     its megatron linear layers, where no submodule or function of its own holds them (the
     gated MLP's ``glu`` is a closure inside ``MLP.forward``): ``call``'s submodule ``enter``
@@ -194,20 +202,36 @@ class Rebuild:
     output: str
     saves: tuple[str, ...] = ()
     between: tuple[str, str] | None = None
+    optional: tuple[str, ...] = ()
 
     @property
     def products(self) -> tuple[str, ...]:
         return (self.output, *self.saves)
 
+    def used_by(self, saved: Collection[str]) -> bool:
+        """Whether a layer that saves the sites ``saved`` uses this edge."""
+        return self.output in saved and all(
+            source in saved for source in self.sources if source not in self.optional)
+
+    def sources_in(self, saved: Collection[str]) -> tuple[str, ...]:
+        """The sources a layer that saves ``saved`` gives this edge."""
+        return tuple(source for source in self.sources if source in saved)
+
 
 # The edges megatron-core's local layer offers, GPT's and Llama's (models/), in forward
-# order; a layer uses the edges whose output and sources it saves. Q/K/V, the attention
-# output and whatever follows a dropout are left to the segment re-runs, and so are RoPE's
+# order; a layer uses the edges whose output and (non-optional) sources it saves. Q/K/V,
+# the attention output and the masks are left to the segment re-runs, and so are RoPE's
 # rotated Q and K: their unrotated inputs are views of linear_qkv's output that nothing
 # saves, so only the attention re-run (linear_qkv's matmul) reaches them.
 REBUILDS: tuple[Rebuild, ...] = (
     # LayerNorm saves its statistics; torch's RMSNorm its rstd and x * rstd (fp32).
     Rebuild("input_layernorm", (LAYER_INPUT,), "ln1_out", ("ln1_stats", "ln1_normed")),
+    # The residual stream after attention: megatron's linear_proj on the attention output,
+    # then its self_attn_bda onto the layer input, the dropout applying the kept mask
+    # instead of drawing one (runtime/layer.py `AdaccTransformerLayer.attention_residual`):
+    # one matmul, where the attention re-run costs linear_qkv's, the attention and this.
+    Rebuild("attention_residual", (LAYER_INPUT, "context", "bda1_mask"), "ln2_in",
+            optional=("bda1_mask",)),
     Rebuild("pre_mlp_layernorm", ("ln2_in",), "ln2_out", ("ln2_stats", "ln2_normed")),
     Rebuild("mlp.activation_func", ("gelu_in",), "gelu_out"),
     # SwiGLU: megatron's MLP forward between fc1 and fc2 runs its `glu` (chunk, SiLU of the

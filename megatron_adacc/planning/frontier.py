@@ -111,30 +111,27 @@ def clear_frontier_cache() -> None:
 def _frontier(sites: tuple[SiteCost, ...], segments: tuple[Segment, ...],
               operators: tuple[Operator, ...], allow_lossy_sources: bool,
               floor: int) -> Frontier:
-    """Sites are added in this order: the operators' products, last operator first (so every
-    product comes before its operator's sources); then deepest first for the re-runs: the
-    segments last to first, each segment's sites by rebuild time, longest first; then the
-    sites nothing rebuilds. An operator is charged at its first recomputed product (a flag per
-    operator while its products are added), and that product flags the operator's sources:
-    a flagged source compressed is a lossy rebuild, dropped for exact plans and charged its
-    bytes held otherwise. In re-run order the first recomputed site met is the deepest of the
+    """Sites are added in this order (``_build_order``): the operators' products, last
+    operator first; then deepest first for the re-runs: the segments last to first, each
+    segment's sites by rebuild time, longest first; then the sites nothing rebuilds; except
+    that every product comes before its operator's sources and every site of a segment
+    before the segment's start (ln2_in, the MLP's start, is also an operator's product). An
+    operator is charged at its first recomputed product (a flag per operator while its
+    products are added), and that product flags the operator's sources: a flagged source
+    compressed is held, charged its bytes, and a lossy codec there makes the rebuild lossy,
+    dropped for exact plans. In re-run order the first recomputed site met is the deepest of the
     last rebuilt segment, and a recomputed site met in an earlier segment extends the re-run
     to it, so the rebuild time is charged as it is met (``rebuild_charges`` in steps) with one
     number of state: the lowest segment rebuilt so far. A second number marks that the start
-    of that segment was compressed (1; 2 when an operator's flag already charged it held); it
-    clears if a still earlier segment is rebuilt (the re-run then starts elsewhere). A policy
-    still carrying it at the end is lossy: dropped for exact plans, charged
-    ``rerun_source_bytes`` otherwise (unless charged already). The whole is built once per cap
+    of that segment was compressed (1; 2 when an operator's flag already charged it held; 2
+    more by a lossy codec); it clears if a still earlier segment is rebuilt (the re-run then
+    starts elsewhere). A policy still carrying it at the end is charged
+    ``rerun_source_bytes`` (unless charged already), and dropped for exact plans if lossy. The whole is built once per cap
     of the decoded term (module docstring); within a cap, the compressed bytes of each group
     of sites decoded together are carried in the state while the group has sites to come."""
     names = [segment.name for segment in segments]
     none = len(segments)            # "no segment rebuilt yet"
-    order = [site for operator in reversed(operators) for site in sites
-             if site.operator == operator.name]
-    order += [site for index in reversed(range(len(segments)))
-              for site in sorted((s for s in sites if s.segment == names[index]),
-                                 key=lambda s: -s.rebuild_s)]
-    order += [site for site in sites if site.segment is None and site.operator is None]
+    order = _build_order(sites, segments, operators)
     run_s = np.array([segment_run_s(sites, name) for name in names])
     starts = {segment.start: index for index, segment in enumerate(segments)}
     held_source = [rerun_source_bytes(sites, segment) for segment in segments]
@@ -147,6 +144,11 @@ def _frontier(sites: tuple[SiteCost, ...], segments: tuple[Segment, ...],
     reads = [[flag_of[source] for source in operator.sources if source in flag_of]
              for operator in operators]
     options = [site_options(site) for site in order]
+    # Sites a rebuild may read compressed in this mode (held decoded): their bytes may still
+    # join a transient.
+    holdable = {site.name for site, candidates in zip(order, options)
+                if any(o.decision.action == COMPRESS and (allow_lossy_sources or not o.lossy)
+                       for o in candidates)}
     if np.prod([float(len(o)) for o in options]) >= 2.0**63:
         raise ValueError(f"{len(order)} sites have too many options to number every policy")
     # Pruning compares transients clipped at what still cannot reach the floor once every
@@ -156,8 +158,9 @@ def _frontier(sites: tuple[SiteCost, ...], segments: tuple[Segment, ...],
     to_come = np.cumsum([max(o.transient for o in candidates)
                          for candidates in options][::-1])[::-1]
     unreachable = floor - np.append(to_come[1:], 0) - (
-        max(held_source, default=0) + sum(source_bytes(sites, name) for name in flagged)
-        if allow_lossy_sources else 0)
+        max((held for held, segment in zip(held_source, segments)
+             if segment.start in holdable), default=0)
+        + sum(source_bytes(sites, name) for name in flagged if name in holdable))
     compressible = {site.name: site.bytes for site, candidates in zip(order, options)
                     if any(o.decision.action == COMPRESS for o in candidates)}
     groups = [group for group in decoded_sets(sites) if len(group) > 1]
@@ -208,11 +211,11 @@ def _frontier(sites: tuple[SiteCost, ...], segments: tuple[Segment, ...],
                             continue
                         read = flag is not None and flags[flag]
                         if read:
-                            if not allow_lossy_sources:
+                            if option.lossy and not allow_lossy_sources:
                                 continue
                             transient += site.bytes
                         if starts.get(site.name, none) == lowest != none:
-                            key = (lowest, 2 if read else 1)
+                            key = (lowest, (2 if read else 1) + (2 if option.lossy else 0))
                         held = [total + site.bytes if site.name in group else total
                                 for total, group in zip(held, groups)]
                         if max(held, default=0) > cap:
@@ -241,9 +244,9 @@ def _frontier(sites: tuple[SiteCost, ...], segments: tuple[Segment, ...],
     for cap in caps:
         for (lowest, pending, *_), (vectors, codes) in grow(cap).items():
             if pending:
-                if not allow_lossy_sources:
+                if pending > 2 and not allow_lossy_sources:
                     continue
-                if pending == 1:
+                if pending % 2:  # not charged by an operator's flag
                     vectors = vectors + np.array([0.0, 0.0, held_source[lowest]])
             rows.append(vectors)
             row_codes.append(codes)
@@ -263,3 +266,32 @@ def _frontier(sites: tuple[SiteCost, ...], segments: tuple[Segment, ...],
         codes, choices[:, column] = np.divmod(codes, len(candidates))
     return Frontier(order, options, vectors[:, 0], vectors[:, 1].astype(np.int64),
                     vectors[:, 2].astype(np.int64), choices)
+
+
+def _build_order(sites: tuple[SiteCost, ...], segments: tuple[Segment, ...],
+                 operators: tuple[Operator, ...]) -> list[SiteCost]:
+    """The order ``_frontier`` adds sites in: its base order, each site moved after what must
+    come first (a product before its operator's sources, a segment's sites before its
+    start), the first of the base order whose turn it is taken each time."""
+    names = [segment.name for segment in segments]
+    base = [site for operator in reversed(operators) for site in sites
+            if site.operator == operator.name]
+    base += [site for index in reversed(range(len(segments)))
+             for site in sorted((s for s in sites if s.segment == names[index]),
+                                key=lambda s: -s.rebuild_s)]
+    base += [site for site in sites if site.segment is None and site.operator is None]
+    sources = {operator.name: operator.sources for operator in operators}
+    starts = {segment.name: segment.start for segment in segments}
+    after: dict[str, set[str]] = {site.name: set() for site in base}   # site -> what precedes it
+    for site in base:
+        for later in (sources.get(site.operator, ()) + ((starts[site.segment],)
+                                                         if site.segment in starts else ())):
+            if later in after and later != site.name:
+                after[later].add(site.name)
+    order: list[SiteCost] = []
+    while base:
+        placed = {site.name for site in order}
+        site = next(site for site in base if after[site.name] <= placed)
+        order.append(site)
+        base.remove(site)
+    return order

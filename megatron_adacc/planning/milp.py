@@ -6,7 +6,8 @@ The only module that imports PuLP.
 A linear programme cannot call the model per policy, so its coefficients are the model's
 per-site terms: each option's time, stored and additive transient bytes (``site_options``),
 the decoded term as the largest compressed sum over ``decoded_sets``, the held sources (a
-compressed re-run start or operator source, ``source_bytes``), the segments' run times, the
+compressed re-run start or operator source, ``source_bytes``; forbidden for exact plans
+where a lossy codec holds it), the segments' run times, the
 operators' times (once per operator with a recomputed product), and the budget as the peak
 rule's limits (``budget_limits``). The plan CBC returns is re-evaluated by the model and kept only
 if its exact peak fits.
@@ -90,12 +91,14 @@ def plan_direct_milp(costs: ModelCosts, budget: int, per_layer: bool,
             for g in groups for name in readable}
 
     def reads_compressed(g: int, name: str, reader: Any) -> None:
-        # ``reader`` is 1 when a rebuild reads site ``name``: held if compressed, or forbidden.
-        if allow_lossy_sources:
-            problem.addConstraint(hold[g, name] >= source_bytes(costs.sites, name) / unit * (
-                chosen(g, name, COMPRESS) + reader - 1))
-        else:
-            problem.addConstraint(chosen(g, name, COMPRESS) + reader <= 1)
+        # ``reader`` is 1 when a rebuild reads site ``name``: held if compressed, and
+        # forbidden for exact plans if a lossy codec holds it.
+        problem.addConstraint(hold[g, name] >= source_bytes(costs.sites, name) / unit * (
+            chosen(g, name, COMPRESS) + reader - 1))
+        if not allow_lossy_sources:
+            lossy = pulp.lpSum(x[g, name, i] for i, opt in enumerate(options.get(name, ()))
+                               if opt.lossy)
+            problem.addConstraint(lossy + reader <= 1)
 
     weight = 1 if per_layer else num_layers
     problem += pulp.lpSum(weight * (total(g, "time_s", 1 / _MS)

@@ -83,7 +83,8 @@ way the runtime rebuilds it (values cached for the layer's backward), one of two
 
 A layer policy is still a vector (time, stored, transient). Exactness: a rebuild reads
 saved values, the start of its re-run's first segment and its operators' sources; with
-``allow_lossy_sources=False`` none of those may be compressed.
+``allow_lossy_sources=False`` none of those may be compressed by a lossy codec (a mask the
+lossless bitmask codec holds is read decoded, bit for bit: held, and exact).
 """
 from __future__ import annotations
 
@@ -108,6 +109,14 @@ class SiteOption:
     time_s: float
     stored: int
     transient: int
+    # A compression whose decoded value differs from the saved one: a rebuild reading it is
+    # lossy.
+    lossy: bool = False
+
+
+def _lossy(name: str, decision: Decision) -> bool:
+    return (decision.action == COMPRESS
+            and decision.codec_for(name) not in site_table.LOSSLESS_CODECS)
 
 
 def site_options(site: SiteCost) -> list[SiteOption]:
@@ -118,7 +127,8 @@ def site_options(site: SiteCost) -> list[SiteOption]:
         for codec in site.codecs:
             decision = Decision(COMPRESS, None if codec.codec == default_codec else codec.codec)
             options.append(SiteOption(decision, codec.encode_s + codec.decode_s,
-                                      codec.payload_bytes, 0))  # decoded: decoded_bytes
+                                      codec.payload_bytes, 0,  # decoded: decoded_bytes
+                                      _lossy(site.name, decision)))
     if site.can_recompute:
         options.append(SiteOption(Decision(RECOMPUTE), 0.0, 0, site.bytes))
     return options
@@ -267,8 +277,8 @@ def rebuilt_from(costs: ModelCosts, decisions: Mapping[str, Decision]) -> dict[s
 
 
 def is_exact(costs: ModelCosts, decisions: Mapping[str, Decision]) -> bool:
-    """True when the layer's rebuild (if any) reads no compressed value."""
-    return not held_sources(costs, decisions)
+    """True when the layer's rebuild (if any) reads no value a lossy codec holds."""
+    return not any(_lossy(name, decisions[name]) for name in held_sources(costs, decisions))
 
 
 def _chosen_options(costs: ModelCosts, decisions: Mapping[str, Decision]

@@ -12,7 +12,7 @@ produce the same ``ModelCosts`` the profiler measures:
   peak, elementwise / norm / softmax / RNG ops are bound by the bytes they move at
   ``BANDWIDTH_EFFICIENCY`` of peak bandwidth; an op that does both pays both. A site an
   operator rebuilds (sites.REBUILDS) instead costs that operator: the ops the forward runs
-  from its last source's save to the operator's output;
+  from its last source's save (a mask's excepted) to the operator's output;
 - codec payloads from the codecs themselves (``Codec.payload_bytes``: the exact size of a
   finite input's payload) and codec time = bytes the codec moves at ``CODEC_EFFICIENCY`` of
   peak bandwidth;
@@ -677,9 +677,13 @@ def _site_costs(shape: ModelShape, micro_batch_size: int, device: Accelerator
     order = list(formulas)
     operators = []
     for edge in site_table.REBUILDS:
-        if edge.output in formulas and all(source in formulas for source in edge.sources):
-            after = max(order.index(source) for source in edge.sources) + 1
-            operators.append(Operator(edge.call, edge.sources, sum(
+        if edge.used_by(formulas):
+            sources = edge.sources_in(formulas)
+            # A mask is drawn inside the op its edge replays (the dropout, whose mask the
+            # edge reads where forward wrote it): the edge runs from its other sources.
+            after = max(order.index(source) for source in sources
+                        if source not in site_table.MASK_SITES) + 1
+            operators.append(Operator(edge.call, sources, sum(
                 step_s[name] for name in order[after:order.index(edge.output) + 1])))
     operator_names = {operator.name for operator in operators}
     sites = []

@@ -364,10 +364,11 @@ def _profile(run: _Profiling) -> ModelCosts:
     recomputable = [name for name in known if site_table.get(name).recomputable]
     prefix_s = {name: run.rebuild_seconds(name) for name in recomputable
                 if name not in site_table.REBUILT_BY}
-    # Each operator this layer offers, timed with its first product found recomputed.
+    # Each operator this layer offers, timed with its first product found recomputed, reading
+    # the sources this layer saves (no mask without dropout).
     operators = tuple(
-        Operator(edge.call, edge.sources, run.rebuild_seconds(products[0]))
-        for edge in site_table.REBUILDS
+        Operator(edge.call, edge.sources_in(sizes), run.rebuild_seconds(products[0]))
+        for edge in site_table.REBUILDS if edge.used_by(sizes)
         for products in [[name for name in edge.products if name in recomputable]]
         if products)
     operator_of = {name: edge.call for edge in site_table.REBUILDS for name in edge.products

@@ -5,12 +5,14 @@ every tensor it saves for backward.
 Nothing of megatron's forward is copied. A recomputed site that an operator-level edge of
 `sites.REBUILDS` names is rebuilt by calling that megatron submodule or function (a norm,
 the MLP's activation; the gated MLP's forward between its two linear layers, which stand
-aside) on its sources' backward values, each retained, decoded or rebuilt
-before it (chains). Every other recomputed site is rebuilt by re-running megatron's own
-segments of the forward: `_forward_attention` from the layer input, `_forward_mlp` from
-ln2_in (the MLP segment alone when every such site is in it and ln2_in is kept), with the RNG
+aside; linear_proj and the bias-dropout-add on the kept mask) on its sources' backward
+values, each retained, decoded or rebuilt before it (chains). Every other recomputed site is
+rebuilt by re-running megatron's own segments of the forward: `_forward_attention` from the
+layer input, `_forward_mlp` from ln2_in (the MLP segment alone when every such site is in
+it), with the RNG
 states captured when the segment first ran, stopping as soon as the last of those sites has
-been saved again. Segments re-run first, operators after them, in the table's order.
+been saved again. Operators run in the table's order, the segment re-run before them, or
+right after the edge that rebuilds its start (ln2_in's, before the MLP's re-run).
 
 The RNG states are the ones megatron's own checkpointing saves and restores, through its own
 helpers: the CPU generator, the default CUDA generator (bias-dropout-add draws its masks from
@@ -18,6 +20,7 @@ it) and the tensor-parallel tracker's states (attention dropout draws from those
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 
@@ -142,17 +145,23 @@ class AdaccTransformerLayer(TransformerLayer):
 
     # --- recompute -----------------------------------------------------------------------
     def _rebuild(self, call: LayerCall) -> None:
-        """Rebuild every recomputed site of `call` into its cache: the segment re-runs, then
-        the operators. Runs at the first unpack of any of them."""
+        """Rebuild every recomputed site of `call` into its cache: the operators in the
+        table's order, the segment re-run before them, or right after the edge that rebuilds
+        its start (the MLP re-run from a rebuilt ln2_in). Runs at the first unpack of any of
+        them."""
         by_segment = {key for key in call.wanted if key[0] not in REBUILT_BY}
+        start = self._rerun_start(call) if by_segment else None
+        rerun_after = REBUILT_BY.get(start) if (start, 0) in call.wanted else None
         try:
             with _fork_rng(), torch.autograd.graph.saved_tensors_hooks(call.capture_pack,
                                                                        _discarded):
-                if by_segment:
-                    self._rerun_segments(call, by_segment)
+                if start is not None and rerun_after is None:
+                    self._rerun_segments(call, by_segment, start)
                 for edge in REBUILDS:
                     if any(key[0] in edge.products for key in call.wanted):
                         self._run_operator(call, edge)
+                    if edge is rerun_after:
+                        self._rerun_segments(call, by_segment, start)
         finally:
             self.attributor.end()
         missing = call.wanted - set(call.cache)
@@ -162,20 +171,23 @@ class AdaccTransformerLayer(TransformerLayer):
                 f"{sorted(missing)}; the layer's forward is not deterministic in what it saves"
             )
 
-    def _rerun_segments(self, call: LayerCall, keys: set) -> None:
-        """Re-run megatron's forward segments under the capturing hook until every site of
-        `keys` is saved again."""
-        mlp_start = call.sources.get(SEGMENTS[SEGMENT_NAMES[MLP_SEGMENT]])
-        mlp_only = (
-            call.segments == {MLP_SEGMENT}
-            and mlp_start is not None
-            and not (type(mlp_start) is Handle and mlp_start.source is call)
-        )
+    @staticmethod
+    def _rerun_start(call: LayerCall) -> str:
+        """Where the re-run starts: ln2_in when every site it rebuilds is in the MLP segment
+        (ln2_in retained, decoded, or rebuilt by its edge first), else the layer input."""
+        mlp_start = SEGMENTS[SEGMENT_NAMES[MLP_SEGMENT]]
+        if call.segments == {MLP_SEGMENT} and mlp_start in call.sources:
+            return mlp_start
+        return LAYER_INPUT
+
+    def _rerun_segments(self, call: LayerCall, keys: set, start: str) -> None:
+        """Re-run megatron's forward segments from ``start`` under the capturing hook until
+        every site of `keys` is saved again."""
         call.capture({site for site, _ in keys}, set(keys))
         try:
             with torch.enable_grad():
-                if mlp_only:
-                    hidden_states = self._source_value(call, SEGMENTS[SEGMENT_NAMES[MLP_SEGMENT]])
+                if start != LAYER_INPUT:
+                    hidden_states = self._source_value(call, start)
                 else:
                     _set_all_rng_states(*call.rng_states[0])
                     self.attributor.begin(0)
@@ -201,8 +213,9 @@ class AdaccTransformerLayer(TransformerLayer):
         saves = {site for site, _ in call.wanted if site in edge.saves}
         # What a call saves depends on what requires grad (torch's RMSNorm saves its
         # statistics only for its input's gradient): as in forward when it must save.
-        sources = [self._source_value(call, name, requires_grad=None if saves else False,
-                                      whole=edge.between is not None)
+        sources = [None if name in edge.optional and name not in call.sources
+                   else self._source_value(call, name, requires_grad=None if saves else False,
+                                           whole=edge.between is not None)
                    for name in edge.sources]
         call.capture(saves)
         self.attributor.begin(SEGMENT_NAMES.index(SITES[edge.output].segment))
@@ -211,8 +224,21 @@ class AdaccTransformerLayer(TransformerLayer):
                 output = operator(*sources)
             else:
                 output = _run_between(operator, *edge.between, sources[0])
-        if (edge.output, 0) in call.wanted:
-            call.keep((edge.output, 0), output)
+        # Every save of the output, as it was saved: torch's RMSNorm saves its input twice,
+        # and in a 16-bit model as an fp32 copy (ln2_in).
+        for key in sorted(key for key in call.wanted if key[0] == edge.output):
+            call.keep(key, output.to(call.saved_dtypes[edge.output]))
+
+    def attention_residual(self, residual: torch.Tensor, context: torch.Tensor,
+                           mask: torch.Tensor | None) -> torch.Tensor:
+        """The residual stream after attention (ln2_in) from the layer input, the attention
+        output and the hidden dropout's kept mask (None: the layer has no hidden dropout):
+        megatron's own linear_proj and self_attn_bda, called as its forward calls them, the
+        dropout applying ``mask`` instead of drawing one (sites.REBUILDS)."""
+        projected = self.self_attention.linear_proj(context)
+        with _dropout_applying(mask):
+            return self.self_attn_bda(self.training, self.config.bias_dropout_fusion)(
+                projected, residual, self.hidden_dropout)
 
     @staticmethod
     def _source_value(call: LayerCall, name: str, requires_grad: bool | None = None,
@@ -233,6 +259,31 @@ class AdaccTransformerLayer(TransformerLayer):
         if requires_grad is None:
             requires_grad = call.source_requires_grad[name]
         return value.detach().requires_grad_(requires_grad)
+
+
+@contextlib.contextmanager
+def _dropout_applying(mask: torch.Tensor | None):
+    """torch's dropout applying ``mask``, a mask a dropout saved, instead of drawing one, for
+    the call only (megatron's bias-dropout-add calls ``torch.nn.functional.dropout``).
+    The product is the one dropout's forward computes: CPU dropout draws its keep-mask,
+    divides it by 1 - p and saves that, returning input * mask; CUDA's native_dropout saves
+    a bool mask and returns input * mask * (1 / (1 - p)), the product its backward computes
+    (bitwise checked on the CPU's native_dropout only: there is no GPU here)."""
+    if mask is None:
+        yield
+        return
+    draw = torch.nn.functional.dropout
+
+    def apply(input, p=0.5, training=True, inplace=False):
+        if mask.dtype == torch.bool:
+            return torch.ops.aten.native_dropout_backward(input, mask, 1.0 / (1.0 - p))
+        return input * mask
+
+    torch.nn.functional.dropout = apply
+    try:
+        yield
+    finally:
+        torch.nn.functional.dropout = draw
 
 
 def _discarded(_saved):

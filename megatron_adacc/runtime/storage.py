@@ -9,7 +9,7 @@ points at a source that produces the value once and hands it out per saved view:
   storage, are encoded once); decoded on the first unpack, shared by the other views,
   released after the last one.
 - `LayerCall` itself for recomputed sites: the first unpack rebuilds every recomputed site
-  of this layer call (the layer supplies `rebuild`: segment re-runs, then operators),
+  of this layer call (the layer supplies `rebuild`: segment re-runs and operators),
   caches them, and each unpack takes its value out of the cache, so the cache is empty once
   backward has used them all. What a rebuild reads (`sources`: segment starts, operators'
   sources) is remembered in its saved form until then.
@@ -121,6 +121,7 @@ class LayerCall:
         # recompute state
         self.ordinals: dict[str, int] = {}
         self.wanted: set[tuple[str, int]] = set()
+        self.saved_dtypes: dict[str, torch.dtype] = {}  # of the recomputed sites
         self.segments: set[int] = set()   # segments holding a site no operator rebuilds
         # site -> its saved form (tensor or Handle), and whether the tensor required grad
         self.sources: dict[str, object] = {}
@@ -154,6 +155,7 @@ class LayerCall:
             key = (site, self.ordinals.get(site, 0))
             self.ordinals[site] = key[1] + 1
             self.wanted.add(key)
+            self.saved_dtypes[site] = tensor.dtype
             if site not in REBUILT_BY:
                 self.segments.add(self.attributor.segment)
             saved = Handle(self, key)
