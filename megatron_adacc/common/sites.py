@@ -66,9 +66,15 @@ class Site:
         when no plan with the designated codecs fits: per-token int4 on every floating-point
         site. None for dropout masks (bit-packed already: lossless and smaller than int4)
         and for sites never compressed."""
-        if self.default_codec is None or self.default_codec == MASK_CODEC:
+        if self.default_codec is None or self.is_mask:
             return None
         return QUANTIZE_CODEC
+
+    @property
+    def is_mask(self) -> bool:
+        """A dropout or attention mask (bool, or CPU dropout's 0 / 1/(1-p)), the bitmask
+        codec's: drawn, never computed from the values before it."""
+        return self.default_codec == MASK_CODEC
 
     def takes(self, codec: str) -> bool:
         """Whether ``codec`` can hold this site's tensor: the bitmask codec holds a mask's
@@ -76,7 +82,7 @@ class Site:
         wherever it happens to hold two), the int4 codecs quantise floating-point values
         only. plan.check_decision applies it to plan files and to the runtime's layers."""
         return (self.default_codec is not None
-                and (codec == MASK_CODEC) == (self.default_codec == MASK_CODEC))
+                and (codec == MASK_CODEC) == self.is_mask)
 
     @property
     def candidate_codecs(self) -> tuple[str, ...]:

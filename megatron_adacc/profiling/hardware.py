@@ -682,7 +682,7 @@ def _site_costs(shape: ModelShape, micro_batch_size: int, device: Accelerator
             # A mask is drawn inside the op its edge replays (the dropout, whose mask the
             # edge reads where forward wrote it): the edge runs from its other sources.
             after = max(order.index(source) for source in sources
-                        if source not in site_table.MASK_SITES) + 1
+                        if not site_table.get(source).is_mask) + 1
             operators.append(Operator(edge.call, sources, sum(
                 step_s[name] for name in order[after:order.index(edge.output) + 1])))
     operator_names = {operator.name for operator in operators}
