@@ -120,7 +120,7 @@ def probe_budgets(args, flags: list[str]) -> dict:
     decisions compress, and with which codecs: lossless bitmasks or lossy int4)."""
     from collections import Counter
 
-    from megatron_adacc import Adacc, AdaccConfig, planning, policies
+    from megatron_adacc import Adacc, AdaccConfig, policies
     from megatron_adacc.training.arguments import parse_args
     from megatron_adacc.training.trainer import build_model_and_data, first_micro_batch
 
@@ -138,8 +138,8 @@ def probe_budgets(args, flags: list[str]) -> dict:
         budget = int(minimum + fraction * (everything - minimum))
         plans, plan_ids = {}, {}
         for policy in ("auto", "auto-no-outlier"):
-            planned = planning.plan(policies.planning_costs(policy, costs), budget,
-                                   allow_lossy_sources=False)
+            # as the policy plans in training: its own codecs, then its last resort
+            planned = policies.plan(policy, costs, budget, allow_lossy_sources=False)
             plan_ids[policy] = planned.plan.plan_id
             mix = Counter()
             for layer in planned.layer_decisions:
