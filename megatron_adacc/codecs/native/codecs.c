@@ -61,6 +61,7 @@ typedef _Float16 vfh __attribute__((vector_size(2 * LANES)));      /* LANES fp16
 typedef _Float16 vfh_block __attribute__((vector_size(4 * LANES))); /* BLOCK fp16 values */
 typedef uint8_t vbytes __attribute__((vector_size(LANES)));
 typedef double vd __attribute__((vector_size(4 * LANES))); /* LANES / 2 doubles: one register */
+typedef uint64_t vq __attribute__((vector_size(4 * LANES)));
 typedef float vf_half __attribute__((vector_size(2 * LANES)));      /* LANES / 2 floats: half a register */
 typedef uint32_t vu_half __attribute__((vector_size(2 * LANES)));
 typedef _Float16 vfh_half __attribute__((vector_size(LANES)));      /* LANES / 2 fp16 values */
@@ -652,7 +653,12 @@ int sym_decode_rows(const uint8_t *packed, const uint16_t *scales, int64_t rows,
 /* Column reductions (channel_abs_sums, channel_int4's ranges) read CHUNK_ROWS rows together,
  * each block's running values kept in registers across them: walking each column down all
  * rows measured 1.6x slower, updating the arrays row by row 2.3x. */
+#ifndef CHUNK_ROWS
 #define CHUNK_ROWS 16
+#endif
+#ifndef SUM_BLOCKS
+#define SUM_BLOCKS 2
+#endif
 
 /* The column whose values sit at Pair-layout slot s (the inverse of pair_slot). */
 INLINE int64_t slot_column(int64_t s, int64_t cols) {
@@ -672,34 +678,51 @@ static inline void column_share(int64_t cols, int64_t *first, int64_t *last) {
     *last = *last < cols ? *last : cols;
 }
 
-/* |x| of block [i, i + BLOCK) of x as four vectors of LANES / 2 doubles, each converted from
- * half a register of floats (converting a whole register's halves needed a lane-crossing
- * extract per half, and those shared the shuffle port with the conversions): for bf16 the
- * even and odd elements of the block's first half, then of its second (abs_sum_column), for
- * the other types the elements in order. */
+/* |x| of block [i, i + BLOCK) of x as four vectors of LANES / 2 doubles, in abs_sum_column's
+ * order. bf16 and fp32 are widened with integer shifts, no conversion: an element's bits
+ * without the sign, moved so that its exponent field becomes the double's, are the double
+ * |x| * 2^-896 (SCALED_SUM) exactly, zeros and subnormals included, and adding those rounds
+ * as adding the |x| would (every value and partial sum is a multiple of 2^-1074, the scale
+ * is a power of two). The conversions took one of the two shuffle-port operations per four
+ * elements that bounded the pass on AVX2. Infinities and NaNs become finite doubles of at
+ * least 2^-768; channel_abs_sums sums their columns again. fp16 (sums of finite values can
+ * reach that bound) converts, unscaled. */
 INLINE void abs_doubles(const void *x, int64_t i, int dtype, vd out[4]) {
-    for (int q = 0; q < 4; q++) {
-        vf_half v;
-        if (dtype == 1) {
-            vu_half u;
-            memcpy(&u, (const uint16_t *)x + i + q / 2 * LANES, sizeof u);
-            v = (vf_half)(q % 2 ? u & 0xFFFF0000u : u << 16);
-        } else if (dtype == 0) {
-            memcpy(&v, (const float *)x + i + q * LANES / 2, sizeof v);
-        } else {
+    if (dtype == 1) { /* 64-bit lane L holds elements 4L..4L+3; out[j] takes element 4L + j */
+        const vq magnitude = (vq){0} + (0x7FFFull << 45);
+        vq q;
+        memcpy(&q, (const uint16_t *)x + i, sizeof q);
+        out[0] = (vd)((q << 45) & magnitude);
+        out[1] = (vd)((q << 29) & magnitude);
+        out[2] = (vd)((q << 13) & magnitude);
+        out[3] = (vd)((q >> 3) & magnitude);
+    } else if (dtype == 0) { /* register k, lane L: elements k * LANES + 2L (out[2k]) and 2L + 1 */
+        const vq magnitude = (vq){0} + (0x7FFFFFFFull << 29);
+        for (int k = 0; k < 2; k++) {
+            vq q;
+            memcpy(&q, (const float *)x + i + k * LANES, sizeof q);
+            out[2 * k] = (vd)((q << 29) & magnitude);
+            out[2 * k + 1] = (vd)((q >> 3) & magnitude);
+        }
+    } else { /* elements in order */
+        for (int q = 0; q < 4; q++) {
             vfh_half h;
             memcpy(&h, (const _Float16 *)x + i + q * LANES / 2, sizeof h);
-            v = __builtin_convertvector(h, vf_half);
+            out[q] = to_doubles((vf_half)((vu_half)__builtin_convertvector(h, vf_half) & 0x7FFFFFFFu));
         }
-        out[q] = to_doubles((vf_half)((vu_half)v & 0x7FFFFFFFu));
     }
 }
 
+/* The factor from abs_doubles' doubles to |x|, and the least double a scaled infinity or NaN
+ * becomes (2^(255 - 1023)): a scaled sum below it holds finite elements only. */
+#define SCALED_SUM(dtype) ((dtype) == 2 ? 1.0 : 0x1p896)
+#define SCALED_NON_FINITE 0x1p-768
+
 /* The column of slot s of abs_doubles' order in rows of `cols` values. */
 INLINE int64_t abs_sum_column(int64_t s, int64_t cols, int dtype) {
-    if (dtype != 1 || s >= cols / BLOCK * BLOCK) return s;
-    int64_t j = s % BLOCK, quarter = j / (LANES / 2), k = j % (LANES / 2);
-    return s - j + quarter / 2 * LANES + 2 * k + quarter % 2;
+    if (dtype == 2 || s >= cols / BLOCK * BLOCK) return s;
+    int64_t j = s % BLOCK, quarter = j / (LANES / 2), lane = j % (LANES / 2);
+    return s - j + (dtype == 1 ? 4 * lane + quarter : quarter / 2 * LANES + 2 * lane + quarter % 2);
 }
 
 /* Adds |x| of rows [r0, r0 + n) to the running sums of columns [first, last), in float64,
@@ -709,12 +732,25 @@ INLINE int64_t abs_sum_column(int64_t s, int64_t cols, int dtype) {
 INLINE void update_column_abs_sums(const void *x, int dtype, int64_t r0, int64_t n, int64_t cols, int64_t first,
                                    int64_t last, double *sums) {
     int64_t c = first;
+    for (; c + SUM_BLOCKS * BLOCK <= last; c += SUM_BLOCKS * BLOCK) {
+        vd_unaligned *at = (vd_unaligned *)(sums + c);
+        vd s[4 * SUM_BLOCKS];
+        for (int k = 0; k < 4 * SUM_BLOCKS; k++) s[k] = at[k];
+        for (int64_t r = r0; r < r0 + n; r++) {
+            /* CHUNK_ROWS streams at once: a short distance, into L2 (PREFETCH_BYTES into L1 measured 25% slower) */
+            __builtin_prefetch((const char *)x + (r * cols + c) * (dtype == 0 ? 4 : 2) + PREFETCH_BYTES / 4, 0, 2);
+            for (int b = 0; b < SUM_BLOCKS; b++) {
+                vd d[4];
+                abs_doubles(x, r * cols + c + b * BLOCK, dtype, d);
+                for (int k = 0; k < 4; k++) s[4 * b + k] += d[k];
+            }
+        }
+        for (int k = 0; k < 4 * SUM_BLOCKS; k++) at[k] = s[k];
+    }
     for (; c + BLOCK <= last; c += BLOCK) {
         vd_unaligned *at = (vd_unaligned *)(sums + c);
         vd s0 = at[0], s1 = at[1], s2 = at[2], s3 = at[3];
         for (int64_t r = r0; r < r0 + n; r++) {
-            /* CHUNK_ROWS streams at once: a short distance, into L2 (PREFETCH_BYTES into L1 measured 25% slower) */
-            __builtin_prefetch((const char *)x + (r * cols + c) * (dtype == 0 ? 4 : 2) + PREFETCH_BYTES / 4, 0, 2);
             vd d[4];
             abs_doubles(x, r * cols + c, dtype, d);
             s0 += d[0];
@@ -728,7 +764,7 @@ INLINE void update_column_abs_sums(const void *x, int dtype, int64_t r0, int64_t
         at[3] = s3;
     }
     for (; c < last; c++)
-        for (int64_t r = r0; r < r0 + n; r++) sums[c] += fabs((double)load(x, r * cols + c, dtype));
+        for (int64_t r = r0; r < r0 + n; r++) sums[c] += fabs((double)load(x, r * cols + c, dtype)) / SCALED_SUM(dtype);
 }
 
 /* sums[c] = sum over rows of |x[r][c]|, in float64 (outlier.channel_abs_sums), each column's
@@ -745,7 +781,13 @@ void channel_abs_sums(const void *x, int dtype, int64_t rows, int64_t cols, doub
             DTYPE_CASES(CALL)
 #undef CALL
         }
-        for (int64_t s = first; s < last; s++) sums[abs_sum_column(s, cols, dtype)] = scratch[s];
+        for (int64_t s = first; s < last; s++) {
+            const int64_t c = abs_sum_column(s, cols, dtype);
+            double sum = scratch[s] * SCALED_SUM(dtype);
+            if (dtype != 2 && !(scratch[s] < SCALED_NON_FINITE)) /* an infinity or a NaN, maybe */
+                for (int64_t r = (sum = 0.0, 0); r < rows; r++) sum += fabs((double)load(x, r * cols + c, dtype));
+            sums[c] = sum;
+        }
     }
 }
 
