@@ -171,6 +171,40 @@ INLINE vbytes narrow_bytes(vi v) {
     __m128i words = _mm_packus_epi32(_mm256_castsi256_si128((__m256i)v), _mm256_extracti128_si256((__m256i)v, 1));
     return (vbytes)_mm_cvtsi128_si64(_mm_packus_epi16(words, words));
 }
+
+/* bf16 decoding by table (unpack_group): a row's 16 possible values, rounded once, and each
+ * 64 codes (32 bytes) looked up with vpshufb, low and high bytes apart; the arithmetic and
+ * rounding per element were most of the decode. */
+#define BF16_DECODE_TABLES
+typedef struct { __m256i low, high; } Bf16Tables;
+
+/* The tables of the values given, as bf16 bits (low 16 bits of each lane), of codes
+ * 0-3, 8-11 (first) and 4-7, 12-15 (second): vpshufb's 16-byte tables, in both lanes. */
+INLINE Bf16Tables bf16_tables(vu first, vu second) {
+    __m256i words = _mm256_packus_epi32((__m256i)first, (__m256i)second); /* codes 0-7 | 8-15 */
+    const __m256i split = _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15,
+                                           0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+    __m256i bytes = _mm256_shuffle_epi8(words, split); /* low 0-7, high 0-7 | low 8-15, high 8-15 */
+    return (Bf16Tables){_mm256_permute4x64_epi64(bytes, _MM_SHUFFLE(2, 0, 2, 0)),
+                        _mm256_permute4x64_epi64(bytes, _MM_SHUFFLE(3, 1, 3, 1))};
+}
+#define BF16_TABLE_FIRST ((vf){0, 1, 2, 3, 8, 9, 10, 11})
+#define BF16_TABLE_SECOND ((vf){4, 5, 6, 7, 12, 13, 14, 15})
+
+/* 32 bytes of codes -> 64 bf16 values in element order. The dword permutation puts into each
+ * lane the bytes whose codes the unpacking below brings back to that lane's outputs. */
+INLINE void bf16_lookup(const uint8_t *in, Bf16Tables t, uint16_t *out) {
+    const __m256i nibble = _mm256_set1_epi8(15);
+    __m256i b = _mm256_permutevar8x32_epi32(_mm256_loadu_si256((const __m256i *)in),
+                                            _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7));
+    __m256i even = _mm256_and_si256(b, nibble), odd = _mm256_and_si256(_mm256_srli_epi16(b, 4), nibble);
+    __m256i codes[2] = {_mm256_unpacklo_epi8(even, odd), _mm256_unpackhi_epi8(even, odd)};
+    for (int k = 0; k < 2; k++) { /* elements 0-7, 16-23 | 8-15, 24-31 of this half of the 64 */
+        __m256i low = _mm256_shuffle_epi8(t.low, codes[k]), high = _mm256_shuffle_epi8(t.high, codes[k]);
+        _mm256_storeu_si256((__m256i *)out + 2 * k, _mm256_unpacklo_epi8(low, high));
+        _mm256_storeu_si256((__m256i *)out + 2 * k + 1, _mm256_unpackhi_epi8(low, high));
+    }
+}
 #else /* the generic forms compile to three or four instructions each */
 #define VECTOR_ISA "generic"
 INLINE vf vmin(vf a, vf b) { return blend(a < b, a, b); }
@@ -262,6 +296,12 @@ INLINE Pair load_block(const void *x, int64_t i, int dtype, const void *mask) {
 INLINE Pair load_pair(const void *x, int64_t i, int dtype, const void *mask) {
     Pair p = load_block(x, i, dtype, mask);
     return dtype == 1 ? p : deinterleave(p.even, p.odd);
+}
+
+/* Decoded values (never NaN) as bf16 bits in the low halves of the lanes, rounded to nearest even. */
+INLINE vu bf16_rounded(vf v) {
+    vu b = (vu)v;
+    return (b + 0x7FFFu + ((b >> 16) & 1u)) >> 16;
 }
 
 /* The inverse, for decoded values: never NaN, so bf16 rounds to nearest even by hand. */
@@ -415,6 +455,18 @@ INLINE void pack_group(const void *x, int64_t base, int64_t cols, int dtype, Zer
 INLINE void unpack_group(const uint8_t *in, int64_t cols, float shift, float bias, float scale,
                          const float *col_scale, void *out, int64_t base, int dtype) {
     int64_t c = 0;
+#ifdef BF16_DECODE_TABLES
+    if (dtype == 1 && !col_scale && cols >= 64) {
+        const vf first = BF16_TABLE_FIRST, second = BF16_TABLE_SECOND;
+        const Bf16Tables t = bf16_tables(bf16_rounded(shift + (first - bias) * scale),
+                                         bf16_rounded(shift + (second - bias) * scale));
+        for (; c + 64 <= cols; c += 64) {
+            __builtin_prefetch(in + c / 2 + PREFETCH_BYTES / 4);
+            for (int line = 0; line < 128; line += 64) __builtin_prefetch((char *)out + 2 * (base + c) + PREFETCH_BYTES + line, 1);
+            bf16_lookup(in + c / 2, t, (uint16_t *)out + base + c);
+        }
+    }
+#endif
     vf s_even = splat(scale), s_odd = s_even;
     for (; c + BLOCK <= cols; c += BLOCK) {
         if (col_scale) { memcpy(&s_even, col_scale + c, sizeof s_even); memcpy(&s_odd, col_scale + c + LANES, sizeof s_odd); }
