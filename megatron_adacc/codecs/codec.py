@@ -195,9 +195,15 @@ class OutlierInt4(SymInt4):
 
     def _encode(self, x, kernels):
         rows = x.reshape(-1, _channels(x.shape))
-        is_outlier = outlier_channels(kernels.channel_abs_sums(rows), self.threshold)
-        zeroed = (rows.shape[1], is_outlier)
-        tensors, ok, raw_groups, exact = self._quantize(rows, kernels, zeroed)
+        fused = kernels.outlier_encode and kernels.outlier_encode(rows, self.group_size, dtype_max(x.dtype),
+                                                                  self.threshold)
+        if fused:
+            is_outlier, packed, scales, ok, exact = fused
+            tensors = {"packed": packed, "scales": scales}
+            raw_groups = lambda: zero_channels(self._groups(rows), (rows.shape[1], is_outlier))
+        else:
+            is_outlier = outlier_channels(kernels.channel_abs_sums(rows), self.threshold)
+            tensors, ok, raw_groups, exact = self._quantize(rows, kernels, (rows.shape[1], is_outlier))
         outliers, unusable = _read_counts(is_outlier.count_nonzero(), (~ok).count_nonzero(),
                                           bound=max(rows.shape[1], ok.numel()) + 1)
         if unusable:

@@ -24,6 +24,10 @@ class Kernels:
     channel_abs_sums: Callable
     take_columns: Callable
     put_columns: Callable
+    # outlier_int4's encode in one pass, (rows, group_size, dmax, threshold) -> (outlier mask,
+    # packed, scales, usable flags, exact values) or None; without one (None, the reference's)
+    # the codec takes the channel sums, then sym_encode with the outlier channels zeroed.
+    outlier_encode: Callable | None = None
 
 
 REFERENCE = Kernels(

@@ -8,8 +8,8 @@ flags after those (e.g. "-mno-avx512f" builds the AVX2 kernels on an AVX-512 mac
 part of the key; vector_isa() names the vector path a build took.
 
 Covers row- and channel-grouped int4 (even row width), the outlier codec's channel sums,
-channel zeroing and exact channels, and masks of bool, uint8 and float dtypes; other cases
-run the reference.
+channel zeroing and exact channels (in one pass over its input where rows are whole groups:
+_outlier_encode), and masks of bool, uint8 and float dtypes; other cases run the reference.
 """
 from __future__ import annotations
 
@@ -39,6 +39,9 @@ _SIGNATURES = {
     "sym_encode_cols": [_p, _i32, _i64, _i64, _f32, _p, _p, _p, _p, _p],
     "sym_decode_cols": [_p, _p, _i64, _i64, _i32, _p, _p],
     "channel_abs_sums": [_p, _i32, _i64, _i64, _p, _p],
+    "outlier_guess": [_p, _i32, _i64, _i64, _i64, ctypes.c_double, _p, _p],
+    "outlier_encode_rows": [_p, _i32, _i64, _i64, _i64, _f32, _i64, _p, _i64, _p, _p, _p, _p, _p, _p],
+    "sym_encode_group_columns": [_p, _i32, _i64, _i64, _i64, _f32, _p, _i64, _p, _i64, _p, _p, _p],
     "asym_encode_rows": [_p, _i32, _i64, _i64, _f32, _p, _p, _p, _p],
     "asym_decode_rows": [_p, _p, _p, _i64, _i64, _i32, _p],
     "mask_pack": [_p, _i32, _i32, _i64, _p],
@@ -50,8 +53,11 @@ _SIGNATURES = {
     "vector_isa": [],
 }
 _RETURNS = {**{name: ctypes.c_int for name in ("mask_value", "sym_encode_rows", "sym_decode_rows", "take_columns",
-                                               "put_columns")},
-            "vector_isa": ctypes.c_char_p}
+                                               "put_columns", "outlier_encode_rows", "sym_encode_group_columns")},
+            "outlier_guess": ctypes.c_int64, "vector_isa": ctypes.c_char_p}
+# Rows per block of the outlier codec's one-pass encode: the first block's sums guess the
+# outlier channels; more rows guess better, fewer leave less to read twice.
+OUTLIER_GUESS_ROWS = 128
 
 
 def _cpu_model() -> str:
@@ -186,6 +192,40 @@ def _channel_abs_sums(x2d):
     return sums
 
 
+def _outlier_encode(rows2d, group_size, dmax, threshold):
+    """Kernels.outlier_encode: outlier_int4's inliers (packed codes, scales, usable flags), its
+    outlier channels (outlier.outlier_channels of the channel sums) and their exact values,
+    in one read of rows2d (codecs.c: outlier_encode_rows); None for what it does not cover
+    (rows not made of whole groups, say), which the codec encodes in two passes."""
+    rows, channels = rows2d.shape
+    if not (rows2d.device.type == "cpu" and rows2d.is_contiguous() and rows2d.dtype in _DTYPE_CODE
+            and channels % group_size == 0 and group_size % 2 == 0):
+        return None
+    lib, x, dtype = library(), rows2d.data_ptr(), _DTYPE_CODE[rows2d.dtype]
+    partials = torch.empty(-(-rows // OUTLIER_GUESS_ROWS), channels, dtype=torch.float64)
+    guess = torch.empty(channels, dtype=torch.bool)
+    lib.outlier_guess(x, dtype, rows, channels, OUTLIER_GUESS_ROWS, threshold, partials.data_ptr(), guess.data_ptr())
+    index = guess.nonzero().view(-1)
+    exact = torch.empty(rows, index.numel(), dtype=rows2d.dtype)
+    groups = rows * channels // group_size
+    packed = torch.empty(rows * channels // 2, dtype=torch.uint8)
+    scales, ok = torch.empty(groups, dtype=torch.bfloat16), torch.empty(groups, dtype=torch.bool)
+    sums = torch.empty(channels, dtype=torch.float64)
+    out = (packed.data_ptr(), scales.data_ptr(), ok.data_ptr())
+    if not lib.outlier_encode_rows(x, dtype, rows, channels, group_size, dmax, OUTLIER_GUESS_ROWS, index.data_ptr(),
+                                   index.numel(), partials.data_ptr(), sums.data_ptr(), exact.data_ptr(), *out):
+        return None  # out of memory in C
+    is_outlier = outlier.outlier_channels(sums, threshold)
+    if not torch.equal(is_outlier, guess):  # the groups of the channels guessed wrong, again
+        index = is_outlier.nonzero().view(-1)
+        columns = torch.unique((is_outlier ^ guess).nonzero().view(-1) // group_size)
+        if not lib.sym_encode_group_columns(x, dtype, rows, channels, group_size, dmax, index.data_ptr(),
+                                            index.numel(), columns.data_ptr(), columns.numel(), *out):
+            return None
+        exact = _take_columns(rows2d, index)
+    return is_outlier, packed, scales, ok, exact
+
+
 def _asym_encode(x2d, dmax):
     if not _native(x2d):
         return asymmetric.asym_encode(x2d, dmax)
@@ -278,6 +318,7 @@ NATIVE_KERNELS = Kernels(
     mask_unpack=_mask_unpack,
     mask_value=_mask_value,
     channel_abs_sums=_channel_abs_sums,
+    outlier_encode=_outlier_encode,
     take_columns=_take_columns,
     put_columns=_put_columns,
 )

@@ -769,15 +769,11 @@ int sym_decode_rows(const uint8_t *packed, const uint16_t *scales, int64_t rows,
 /* Column reductions (channel_abs_sums, channel_int4's ranges) read CHUNK_ROWS rows together,
  * each block's running values kept in registers across them: walking each column down all
  * rows measured 1.6x slower, updating the arrays row by row 2.3x. */
-#ifndef CHUNK_ROWS
 #define CHUNK_ROWS 16
-#endif
-#ifndef SUM_PREFETCH
+/* The channel sums' prefetch distance along each row, and the blocks they add per row step:
+ * two, a whole cache line of bf16 with AVX2 (one block, half a line, measured 1.2x slower). */
 #define SUM_PREFETCH (PREFETCH_BYTES / 4)
-#endif
-#ifndef SUM_BLOCKS
 #define SUM_BLOCKS 2
-#endif
 
 /* The column whose values sit at Pair-layout slot s (the inverse of pair_slot). */
 INLINE int64_t slot_column(int64_t s, int64_t cols) {
@@ -844,46 +840,45 @@ INLINE int64_t abs_sum_column(int64_t s, int64_t cols, int dtype) {
     return s - j + (dtype == 1 ? 4 * lane + quarter : quarter / 2 * LANES + 2 * lane + quarter % 2);
 }
 
-/* Adds |x| of rows [r0, r0 + n) to the running sums of columns [first, last), in float64,
- * kept in abs_doubles' order, each block's sums in registers across the chunk's rows as
+/* Adds |x| of rows [r0, r0 + n) to the running sums of `blocks` blocks of columns from c, in
+ * float64, kept in abs_doubles' order, the sums in registers across the chunk's rows as
  * update_column_ranges does: adding into the array row by row stored every sum once per row
  * and ran at a third of a copy's speed. Each column still adds its rows in row order. */
+INLINE void add_block_sums(const void *x, int dtype, int64_t r0, int64_t n, int64_t cols, int64_t c, int blocks,
+                           double *sums) {
+    vd_unaligned *at = (vd_unaligned *)(sums + c);
+    vd s[4 * SUM_BLOCKS];
+    for (int k = 0; k < 4 * blocks; k++) s[k] = at[k];
+    for (int64_t r = r0; r < r0 + n; r++) {
+        /* CHUNK_ROWS streams at once: a short distance, into L2 (PREFETCH_BYTES into L1 measured 25% slower) */
+        __builtin_prefetch((const char *)x + (r * cols + c) * (dtype == 0 ? 4 : 2) + SUM_PREFETCH, 0, 2);
+        for (int b = 0; b < blocks; b++) {
+            vd d[4];
+            abs_doubles(x, r * cols + c + b * BLOCK, dtype, d);
+            for (int k = 0; k < 4; k++) s[4 * b + k] += d[k];
+        }
+    }
+    for (int k = 0; k < 4 * blocks; k++) at[k] = s[k];
+}
+
+/* Adds |x| of rows [r0, r0 + n) to the running sums of columns [first, last) (scaled, in
+ * abs_doubles' order past the last whole block too). */
 INLINE void update_column_abs_sums(const void *x, int dtype, int64_t r0, int64_t n, int64_t cols, int64_t first,
                                    int64_t last, double *sums) {
     int64_t c = first;
-    for (; c + SUM_BLOCKS * BLOCK <= last; c += SUM_BLOCKS * BLOCK) {
-        vd_unaligned *at = (vd_unaligned *)(sums + c);
-        vd s[4 * SUM_BLOCKS];
-        for (int k = 0; k < 4 * SUM_BLOCKS; k++) s[k] = at[k];
-        for (int64_t r = r0; r < r0 + n; r++) {
-            /* CHUNK_ROWS streams at once: a short distance, into L2 (PREFETCH_BYTES into L1 measured 25% slower) */
-            __builtin_prefetch((const char *)x + (r * cols + c) * (dtype == 0 ? 4 : 2) + SUM_PREFETCH, 0, 2);
-            for (int b = 0; b < SUM_BLOCKS; b++) {
-                vd d[4];
-                abs_doubles(x, r * cols + c + b * BLOCK, dtype, d);
-                for (int k = 0; k < 4; k++) s[4 * b + k] += d[k];
-            }
-        }
-        for (int k = 0; k < 4 * SUM_BLOCKS; k++) at[k] = s[k];
-    }
-    for (; c + BLOCK <= last; c += BLOCK) {
-        vd_unaligned *at = (vd_unaligned *)(sums + c);
-        vd s0 = at[0], s1 = at[1], s2 = at[2], s3 = at[3];
-        for (int64_t r = r0; r < r0 + n; r++) {
-            vd d[4];
-            abs_doubles(x, r * cols + c, dtype, d);
-            s0 += d[0];
-            s1 += d[1];
-            s2 += d[2];
-            s3 += d[3];
-        }
-        at[0] = s0;
-        at[1] = s1;
-        at[2] = s2;
-        at[3] = s3;
-    }
+    for (; c + SUM_BLOCKS * BLOCK <= last; c += SUM_BLOCKS * BLOCK) add_block_sums(x, dtype, r0, n, cols, c, SUM_BLOCKS, sums);
+    for (; c + BLOCK <= last; c += BLOCK) add_block_sums(x, dtype, r0, n, cols, c, 1, sums);
     for (; c < last; c++)
         for (int64_t r = r0; r < r0 + n; r++) sums[c] += fabs((double)load(x, r * cols + c, dtype)) / SCALED_SUM(dtype);
+}
+
+/* Column c's sum of |x| from its scaled sum (abs_doubles' doubles added): summed again in row
+ * order, as the reference does, where it may hold an infinity or a NaN. */
+static double finish_abs_sum(const void *x, int dtype, int64_t rows, int64_t cols, int64_t c, double scaled) {
+    if (dtype == 2 || scaled < SCALED_NON_FINITE) return scaled * SCALED_SUM(dtype);
+    double sum = 0.0;
+    for (int64_t r = 0; r < rows; r++) sum += fabs((double)load(x, r * cols + c, dtype));
+    return sum;
 }
 
 /* sums[c] = sum over rows of |x[r][c]|, in float64 (outlier.channel_abs_sums), each column's
@@ -902,12 +897,131 @@ void channel_abs_sums(const void *x, int dtype, int64_t rows, int64_t cols, doub
         }
         for (int64_t s = first; s < last; s++) {
             const int64_t c = abs_sum_column(s, cols, dtype);
-            double sum = scratch[s] * SCALED_SUM(dtype);
-            if (dtype != 2 && !(scratch[s] < SCALED_NON_FINITE)) /* an infinity or a NaN, maybe */
-                for (int64_t r = (sum = 0.0, 0); r < rows; r++) sum += fabs((double)load(x, r * cols + c, dtype));
-            sums[c] = sum;
+            sums[c] = finish_abs_sum(x, dtype, rows, cols, c, scratch[s]);
         }
     }
+}
+
+/* The outlier codec in one read of its input, [rows, channels] with whole groups of `group`
+ * elements per row (outlier_encode_rows): each chunk of rows is summed and encoded in the same
+ * visit, while it is in cache, where the sums pass and then the encoding pass read it twice.
+ * The codes need the outlier channels, hence every row's sums: they are guessed from the
+ * first block of rows (outlier_guess), and the codec re-encodes the groups of the channels
+ * the guess got wrong (sym_encode_group_columns) once the sums are complete. Rows are summed
+ * in blocks of block_rows, their partial sums then added in block order: the same sums for
+ * any thread count. */
+
+/* Adds |x| of rows [r0, r0 + n) to the scaled partial sums (abs_doubles' order) of all cols. */
+static void add_abs_sums(const void *x, int dtype, int64_t r0, int64_t n, int64_t cols, double *partial) {
+    for (int64_t r = r0; r < r0 + n; r += CHUNK_ROWS) {
+        int64_t m = r0 + n - r < CHUNK_ROWS ? r0 + n - r : CHUNK_ROWS;
+#define CALL(t) update_column_abs_sums(x, t, r, m, cols, 0, cols, partial)
+        DTYPE_CASES(CALL)
+#undef CALL
+    }
+}
+
+/* The sums of the first block of rows (min(rows, block_rows)) into partial, and in guess the
+ * channels whose z-score of those is above threshold (outlier.outlier_channels' rule); returns
+ * their count. */
+int64_t outlier_guess(const void *x, int dtype, int64_t rows, int64_t cols, int64_t block_rows, double threshold,
+                      double *partial, uint8_t *guess) {
+    memset(partial, 0, (size_t)cols * sizeof(double));
+    add_abs_sums(x, dtype, 0, rows < block_rows ? rows : block_rows, cols, partial);
+    double total = 0.0, squares = 0.0;
+    int64_t finite = 0, count = 0;
+    for (int64_t s = 0; s < cols; s++)
+        if (dtype == 2 ? isfinite(partial[s]) : partial[s] < SCALED_NON_FINITE) { total += partial[s] * SCALED_SUM(dtype); finite++; }
+    const double mean = total / (double)finite;
+    for (int64_t s = 0; s < cols; s++)
+        if (dtype == 2 ? isfinite(partial[s]) : partial[s] < SCALED_NON_FINITE) {
+            double d = partial[s] * SCALED_SUM(dtype) - mean;
+            squares += d * d;
+        }
+    const double std = sqrt(squares / (double)finite);
+    for (int64_t s = 0; s < cols; s++) {
+        int ok = dtype == 2 ? isfinite(partial[s]) : partial[s] < SCALED_NON_FINITE;
+        int is_outlier = !ok || (finite >= 2 && (partial[s] * SCALED_SUM(dtype) - mean) / std > threshold);
+        guess[abs_sum_column(s, cols, dtype)] = (uint8_t)is_outlier;
+        count += is_outlier;
+    }
+    return count;
+}
+
+/* Groups [g0, g1) of `group` elements, symmetric int4 with the channels of z zeroed; each
+ * batch asks for the input `ahead` elements further (short of `numel`) into L2: the next
+ * chunk, whose sums come first, then found it waiting on memory. */
+static void sym_encode_groups(const void *x, int dtype, int64_t g0, int64_t g1, int64_t group, float dmax, Zeroing z,
+                              int64_t ahead, int64_t numel, uint8_t *packed, uint16_t *scales, uint8_t *ok_out) {
+    const int size = dtype == 0 ? 4 : 2;
+    for (int64_t g = g0; g < g1; g += LANES) {
+        int64_t n = g1 - g < LANES ? g1 - g : LANES;
+        const int64_t from = g * group + ahead, to = (g + n) * group + ahead < numel ? (g + n) * group + ahead : numel;
+        for (int64_t i = from; i < to; i += 64 / size) __builtin_prefetch((const char *)x + i * size, 0, 2);
+#define CALL(t) sym_encode_batch(x, t, g, n, group, dmax, z, packed, scales, ok_out)
+        DTYPE_CASES(CALL)
+#undef CALL
+    }
+}
+
+/* outlier_int4's encoding pass with the guessed channels `index` (strictly increasing, n of
+ * them) zeroed and copied into exact ([rows, n]), and the channel sums: partials holds a
+ * block's sums per block of block_rows rows, the first filled by outlier_guess. Returns 0 if
+ * the indices do not strictly increase within [0, channels) or memory ran out, 1 otherwise. */
+int outlier_encode_rows(const void *x, int dtype, int64_t rows, int64_t channels, int64_t group, float dmax,
+                        int64_t block_rows, const int64_t *index, int64_t n, double *partials, double *sums,
+                        void *exact, uint8_t *packed, uint16_t *scales, uint8_t *ok_out) {
+    void *keep = NULL;
+    if (n && (!indices_increasing(index, n, channels) || !(keep = keep_mask(dtype, channels, index, n)))) return 0;
+    const Zeroing z = {keep, channels};
+    const Exact e = {index, n, channels, exact};
+    const int64_t per_row = channels / group, blocks = (rows + block_rows - 1) / block_rows;
+    #pragma omp parallel for schedule(static)
+    for (int64_t b = 0; b < blocks; b++) {
+        double *partial = partials + b * channels;
+        const int64_t end = (b + 1) * block_rows < rows ? (b + 1) * block_rows : rows;
+        if (b) memset(partial, 0, (size_t)channels * sizeof(double));
+        for (int64_t r0 = b * block_rows; r0 < end; r0 += CHUNK_ROWS) {
+            const int64_t m = end - r0 < CHUNK_ROWS ? end - r0 : CHUNK_ROWS;
+            if (b) add_abs_sums(x, dtype, r0, m, channels, partial);
+            sym_encode_groups(x, dtype, r0 * per_row, (r0 + m) * per_row, group, dmax, z, m * channels,
+                              rows * channels, packed, scales, ok_out);
+            if (n) copy_exact(e, (void *)x, dtype == 0 ? 4 : 2, r0 * channels, (r0 + m) * channels, 1);
+        }
+    }
+    #pragma omp parallel
+    {
+        int64_t first, last;
+        column_share(channels, &first, &last);
+        for (int64_t s = first; s < last; s++) {
+            double scaled = partials[s];
+            for (int64_t b = 1; b < blocks; b++) scaled += partials[b * channels + s];
+            const int64_t c = abs_sum_column(s, channels, dtype);
+            sums[c] = finish_abs_sum(x, dtype, rows, channels, c, scaled);
+        }
+    }
+    free(keep);
+    return 1;
+}
+
+/* Encodes again, in each of the rows, its groups at positions columns[0..k) (whole groups per
+ * row of `channels`), with the channels `index` zeroed: where outlier_encode_rows' guess was
+ * wrong. Returns 0 as outlier_encode_rows does. */
+int sym_encode_group_columns(const void *x, int dtype, int64_t rows, int64_t channels, int64_t group, float dmax,
+                             const int64_t *index, int64_t n, const int64_t *columns, int64_t k, uint8_t *packed,
+                             uint16_t *scales, uint8_t *ok_out) {
+    void *keep = NULL;
+    if (n && (!indices_increasing(index, n, channels) || !(keep = keep_mask(dtype, channels, index, n)))) return 0;
+    const Zeroing z = {keep, channels};
+    const int64_t per_row = channels / group;
+    #pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t j = 0; j < k; j++) {
+            const int64_t g = r * per_row + columns[j];
+            sym_encode_groups(x, dtype, g, g + 1, group, dmax, z, 0, 0, packed, scales, ok_out);
+        }
+    free(keep);
+    return 1;
 }
 
 /* The outlier codec's exact channels: out[r][k] = x[r][index[k]] (take_columns) and back
