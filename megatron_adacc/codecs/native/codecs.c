@@ -62,6 +62,7 @@ typedef _Float16 vfh_block __attribute__((vector_size(4 * LANES))); /* BLOCK fp1
 typedef uint8_t vbytes __attribute__((vector_size(LANES)));
 typedef double vd __attribute__((vector_size(4 * LANES))); /* LANES / 2 doubles: one register */
 typedef uint64_t vq __attribute__((vector_size(4 * LANES)));
+typedef int16_t vkey __attribute__((vector_size(4 * LANES))); /* BLOCK bf16 values' bits */
 typedef float vf_half __attribute__((vector_size(2 * LANES)));      /* LANES / 2 floats: half a register */
 typedef uint32_t vu_half __attribute__((vector_size(2 * LANES)));
 typedef _Float16 vfh_half __attribute__((vector_size(LANES)));      /* LANES / 2 fp16 values */
@@ -206,15 +207,12 @@ INLINE void bf16_lookup(const uint8_t *in, Bf16Tables t, uint16_t *out) {
     }
 }
 
-/* bf16 ranges and codes four blocks (64 elements) at a time: group_blocks and pack_group. */
-#define BF16_BLOCKS
-
-/* Order-preserving int16 keys of bf16 bits (the magnitude bits flipped where the sign is set,
- * -0 just below +0), and back: the map is its own inverse. Sixteen lanes to a min or max
- * where the floats took two splitting operations for eight. */
-INLINE __m256i bf16_keys(__m256i w) {
-    return _mm256_xor_si256(w, _mm256_and_si256(_mm256_srai_epi16(w, 15), _mm256_set1_epi16(0x7FFF)));
-}
+/* bf16 ranges on int16 keys (bf16_group_blocks), and codes packed four blocks (64 elements)
+ * at a time (pack_group). */
+#define BF16_KEY_RANGES
+#define BF16_FOUR_BLOCKS
+INLINE vkey key_min(vkey a, vkey b) { return (vkey)_mm256_min_epi16((__m256i)a, (__m256i)b); }
+INLINE vkey key_max(vkey a, vkey b) { return (vkey)_mm256_max_epi16((__m256i)a, (__m256i)b); }
 
 /* Codes of four blocks (Pair layout, each in [0, 16]: pack_group clamps) -> 32 bytes. */
 INLINE void pack_four_blocks(const vi even[4], const vi odd[4], uint8_t *out) {
@@ -388,20 +386,26 @@ INLINE float load_kept(const void *x, int64_t i, int dtype, Zeroing z, int64_t c
     return kept ? v : 0.0f;
 }
 
-#ifdef BF16_BLOCKS
+#ifdef BF16_KEY_RANGES
+/* Order-preserving int16 keys of bf16 bits (the magnitude bits flipped where the sign is set,
+ * -0 just below +0), and back: the map is its own inverse. A register of keys to a min or
+ * max where the floats took two splitting operations for half as many. */
+INLINE vkey bf16_keys(vkey w) { return w ^ ((w >> 15) & 0x7FFF); }
+
 /* group_blocks for bf16 groups of at least one whole block. An infinity or NaN has the
  * greatest or least key, so the range alone tells whether the group is finite. */
 INLINE void bf16_group_blocks(const void *x, int64_t base, int64_t cols, Zeroing z, int64_t ch, vf *lo, vf *hi,
                               vf *poison) {
-    __m256i low = _mm256_set1_epi16(0x7FFF), high = _mm256_set1_epi16(-0x8000);
+    vkey low = (vkey){0} + INT16_MAX, high = (vkey){0} + INT16_MIN;
     for (int64_t c = 0; c + BLOCK <= cols; c += BLOCK) {
         PREFETCH_BLOCK(x, base + c, 1, 0);
-        __m256i w = _mm256_loadu_si256((const __m256i *)((const uint16_t *)x + base + c));
-        if (z.keep) w = _mm256_and_si256(w, _mm256_loadu_si256((const __m256i *)keep_at(z, ch, 1)));
+        vkey w, keep;
+        memcpy(&w, (const uint16_t *)x + base + c, sizeof w);
+        if (z.keep) { memcpy(&keep, keep_at(z, ch, 1), sizeof keep); w &= keep; }
         ch = next_channel(z, ch, BLOCK);
-        __m256i key = bf16_keys(w);
-        low = _mm256_min_epi16(low, key);
-        high = _mm256_max_epi16(high, key);
+        vkey key = bf16_keys(w);
+        low = key_min(low, key);
+        high = key_max(high, key);
     }
     vu l = (vu)bf16_keys(low), h = (vu)bf16_keys(high);
     *lo = vmin((vf)(l << 16), (vf)(l & 0xFFFF0000u));
@@ -416,7 +420,7 @@ INLINE void bf16_group_blocks(const void *x, int64_t base, int64_t cols, Zeroing
  * symmetric.sym_scales). */
 INLINE void group_blocks(const void *x, int64_t base, int64_t cols, int dtype, Zeroing z, int64_t ch, vf *lo,
                          vf *hi, vf *poison) {
-#ifdef BF16_BLOCKS
+#ifdef BF16_KEY_RANGES
     if (dtype == 1 && cols >= BLOCK) {
         bf16_group_blocks(x, base, cols, z, ch, lo, hi, poison);
         return;
@@ -480,7 +484,7 @@ INLINE void pack_group(const void *x, int64_t base, int64_t cols, int dtype, Zer
                        float inv, float bias, Columns col, uint8_t *out) {
     int64_t c = 0;
     vf mul_even = splat(inv), mul_odd = mul_even;
-#ifdef BF16_BLOCKS
+#ifdef BF16_FOUR_BLOCKS
     if (dtype == 1 && !col.inv)
         for (; c + 4 * BLOCK <= cols; c += 4 * BLOCK) {
             vi even[4], odd[4];
