@@ -404,6 +404,30 @@ def test_native_outlier_exact_channels_across_batches(dtype, channels):
     assert_same_as_eager("native", "outlier_int4", x.to(dtype))
 
 
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_native_outlier_channels_from_sums_that_rows_far_apart_decide(dtype):
+    # The native channel sums pick what the reference picks: an outlier further down only, a
+    # channel large in the first rows only (not an outlier over all of them), and columns
+    # whose sum is not finite or passes 2^128 (bf16 and fp32 widen to doubles by integer
+    # shifts and sum such columns again).
+    gen = torch.Generator().manual_seed(5)
+    native_codec = codecs.get("outlier_int4", backend="native")
+    late = torch.randn(600, 256, generator=gen)
+    late[300:, 7] *= 1000
+    assert native_codec.encode(late.to(dtype)).tensors["outlier_index"].tolist() == [7]
+    assert_same_as_eager("native", "outlier_int4", late.to(dtype))
+    early = torch.randn(600, 256, generator=gen)
+    early[:128, 60] *= 3
+    early[128:, 60] *= 0.5
+    assert "outlier_index" not in native_codec.encode(early.to(dtype)).tensors
+    assert_same_as_eager("native", "outlier_int4", early.to(dtype))
+    early[200:203, 150] = 60000.0 if dtype == torch.float16 else 3e38
+    assert native_codec.encode(early.to(dtype)).tensors["outlier_index"].tolist() == [150]
+    assert_same_as_eager("native", "outlier_int4", early.to(dtype))
+    early[400, 9], early[5, 3] = math.inf, math.nan
+    assert_same_as_eager("native", "outlier_int4", early.to(dtype))
+
+
 @pytest.mark.parametrize("dtype", [torch.bool, torch.uint8, torch.float32, torch.bfloat16, torch.float16])
 def test_native_bitmask_wide_masks(dtype):
     # Masks long enough for the native 64-byte steps plus a remainder, with signed zeros,

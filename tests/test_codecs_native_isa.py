@@ -16,8 +16,9 @@ from test_codecs import assert_same_as_eager
 # flags -> the vector paths the build may take, by what the CPU has
 BUILDS = {"-mno-avx512f": ("avx2", "generic"), "-mno-avx2 -mno-fma": ("generic",)}
 # Whole blocks and remainders of 8 and 16 lanes, groups that wrap around rows of 20
-# channels, odd rows (the reference's), per-channel scales over 5000 columns.
-SHAPES = [(4, 64), (7, 3, 96), (33, 70), (3, 5000), (64, 20), (1000,)]
+# channels, odd rows (the reference's), per-channel scales over 5000 columns, the outlier
+# codec's channel sums over a sample of the rows (2100 x 128: every 4th row).
+SHAPES = [(4, 64), (7, 3, 96), (33, 70), (3, 5000), (64, 20), (1000,), (2100, 128)]
 
 
 def inputs(name: str, dtype: torch.dtype):

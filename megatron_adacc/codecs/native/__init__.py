@@ -8,8 +8,8 @@ flags after those (e.g. "-mno-avx512f" builds the AVX2 kernels on an AVX-512 mac
 part of the key; vector_isa() names the vector path a build took.
 
 Covers row- and channel-grouped int4 (even row width), the outlier codec's channel sums,
-channel zeroing and exact channels, and masks of bool, uint8 and float dtypes; other cases
-run the reference.
+channel zeroing and exact channels, and masks of bool, uint8 and float dtypes; other cases run
+the reference.
 """
 from __future__ import annotations
 

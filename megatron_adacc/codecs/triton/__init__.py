@@ -1,7 +1,8 @@
 """Triton kernels of the codecs (CUDA; the CPU under TRITON_INTERPRET=1), one file per codec
-family, byte-identical to the PyTorch reference. The outlier codec reads its input twice, as
-the native kernels do: a Triton pass for the channel sums (the z-scores need every row before
-any code), then the encoding pass, which zeroes the outlier channels as it loads them; its
+family, byte-identical to the PyTorch reference. The outlier codec reads its input once plus
+a sample, as the native kernels do: a Triton pass for the channel sums over every k-th row
+(outlier.statistics_rows), then the encoding pass, which zeroes the outlier channels as it
+loads them; its
 exact channels are taken with one PyTorch gather once the encode's one host read has sized
 them, and written back in the decoding pass.
 
