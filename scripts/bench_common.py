@@ -303,8 +303,20 @@ class Models:
         return Variant("adacc auto", f"budget {budget}", self.adacc, result.plan,
                        info={"mix": mix, "predicted_peak_bytes": result.peak_bytes,
                              "predicted_added_s": result.added_time_s,
+                             "predicted_naive_int4_added_s": predicted_added_s(
+                                 costs, policies.quantize_plan()),
                              "plan_id": result.plan.plan_id,
                              "last_resort_sites": planning.last_resort_sites(result)})
+
+
+def predicted_added_s(costs, plan: Plan) -> float:
+    """The time the planner's model says ``plan`` adds to a step, from the profiled costs: set
+    beside Adacc's own prediction it says whether a gap to a peer is the plan's or the
+    machine's (the model's error)."""
+    return sum(planning.evaluate_layer(costs, {site.name: decision for site in costs.sites
+                                               if (decision := plan.for_layer(layer).get(site.name))}
+                                       ).time_s
+               for layer in range(costs.num_layers))
 
 
 def _budget_backend(fraction: float):

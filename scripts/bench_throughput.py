@@ -193,7 +193,7 @@ def print_table(micro: int, rows, budgets) -> None:
 
 
 FITS_WITHOUT_ADACC = "fits where Adacc does not"
-NOT_METHODS = ("budget", "micro_batch", "adacc_fits", "cpu_paired")  # a tight entry's other keys
+NOT_METHODS = ("budget", "micro_batch", "adacc_fits", "cpu_paired", "planner_added_ms")  # a tight entry's other keys
 UNCONSTRAINED = "unconstrained limit"   # no optimisation at the micro-batch, memory ignored
 # issue 26's targets where no optimisation does not fit: Adacc / peer at least this
 TARGETS = {"naive INT4": 1.03, "megatron full recompute": 1.25,
@@ -237,11 +237,17 @@ def summarise(rows, measured, ample_pairs) -> dict:
                 entry[UNCONSTRAINED] = adacc["tokens_per_s"] / none_run["tokens_per_s"]
                 cpu_paired[UNCONSTRAINED] = bc.paired_ratio(cpu[none_run["variant"]],
                                                             cpu[adacc["variant"]])
-            tight.append({**entry, "cpu_paired": cpu_paired})
+            # the planner's model of the same step: what Adacc's plan and naive INT4 add
+            planner = ({"adacc auto": adacc["predicted_added_s"] * 1e3,
+                        "naive INT4": adacc["predicted_naive_int4_added_s"] * 1e3}
+                       if adacc.get("fits") else {})
+            tight.append({**entry, "cpu_paired": cpu_paired, "planner_added_ms": planner})
             lines.append(f"{name} mb {micro}: " + ", ".join(
                 f"adacc / {m} = {v:.3f} (CPU time paired {cpu_paired[m]:.3f})"
                 if isinstance(v, float) else f"{m}: {v}"
                 for m, v in entry.items() if m not in NOT_METHODS)
+                + (f"; the planner predicts adacc adds {planner['adacc auto']:.1f} ms, naive "
+                   f"INT4 {planner['naive INT4']:.1f} ms" if planner else "")
                 if entry["adacc_fits"] else f"{name} mb {micro}: adacc does not fit; "
                 + (", ".join(m for m, v in entry.items() if v == FITS_WITHOUT_ADACC)
                    or "nothing") + " fits")
