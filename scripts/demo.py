@@ -90,11 +90,12 @@ def reasons(costs, result, budget: int, low: int, high: int) -> list[str]:
         elif action == COMPRESS:
             why = (f"{format_size(whole)} held as {format_size(kept)} of payloads for "
                    f"{added:.3f} ms/step: encoding frees these bytes for less time than "
-                   f"re-running their segment would")
+                   f"rebuilding them would")
         else:
-            why = (f"{format_size(whole)} rebuilt in backward for {added:.3f} ms/step: to "
-                   f"fit {format_size(budget)} more had to go than compression frees as "
-                   f"cheaply, and re-running their segment frees these for the least time")
+            sources = ", ".join(dict.fromkeys(row.rebuilt_from for row in rows if row.rebuilt_from))
+            why = (f"{format_size(whole)} rebuilt in backward (from {sources}) for {added:.3f} "
+                   f"ms/step: to fit {format_size(budget)} more had to go than compression "
+                   f"frees as cheaply, and rebuilding these frees them for the least time")
         lines.append(f"{action:<9}: {where}: {why}")
     return lines
 
