@@ -68,14 +68,7 @@ def parse() -> argparse.Namespace:
                         help="channels whose LayerNorm gains are scaled")
     parser.add_argument("--methods", nargs="*", choices=METHODS, default=None,
                         help="the methods trained (default: all; no optimisation always)")
-    parser.add_argument("--family", choices=sorted(bc.models.FAMILIES), default="gpt",
-                        help="the model family: gpt (GPT-2) or llama (RMSNorm, SwiGLU, RoPE, "
-                             "grouped-query attention, no biases, untied embeddings, no "
-                             "dropout)")
-    parser.add_argument("--query-groups", type=int, default=2,
-                        help="llama: grouped-query attention's key/value heads")
-    parser.add_argument("--ffn", type=int, default=None,
-                        help="ffn hidden size (default: the family's)")
+    bc.add_family_args(parser, query_groups=2, query_groups_default="2")
     parser.add_argument("--workdir")
     parser.add_argument("--out")
     parser.add_argument("--publish")

@@ -97,20 +97,26 @@ class Shape:
                 f"{options['attention_dropout']}, fp32, CPU")
 
 
+def add_family_args(parser: argparse.ArgumentParser, query_groups: int | None,
+                    query_groups_default: str) -> None:
+    """--family, --query-groups and --ffn, as every benchmark takes them."""
+    parser.add_argument("--family", choices=sorted(models.FAMILIES), default="gpt",
+                        help="the model family (megatron_adacc/models): gpt (GPT-2) or llama "
+                             "(RMSNorm, SwiGLU, RoPE, grouped-query attention, no biases, "
+                             "untied embeddings, no dropout)")
+    parser.add_argument("--query-groups", type=int, default=query_groups,
+                        help="llama: grouped-query attention's key/value heads "
+                             f"(default: {query_groups_default})")
+    parser.add_argument("--ffn", type=int, default=None,
+                        help="ffn hidden size (default: the family's)")
+
+
 def add_shape_args(parser: argparse.ArgumentParser, full: Shape, quick: Shape) -> None:
     parser.add_argument("--layers", type=int)
     parser.add_argument("--hidden", type=int)
     parser.add_argument("--heads", type=int)
     parser.add_argument("--seq", type=int)
-    parser.add_argument("--family", choices=sorted(models.FAMILIES), default="gpt",
-                        help="the model family (megatron_adacc/models): gpt (GPT-2) or llama "
-                             "(RMSNorm, SwiGLU, RoPE, grouped-query attention, no biases, "
-                             "untied embeddings, no dropout)")
-    parser.add_argument("--query-groups", type=int, default=None,
-                        help="llama: grouped-query attention's key/value heads "
-                             "(default: heads / 2)")
-    parser.add_argument("--ffn", type=int, default=None,
-                        help="ffn hidden size (default: the family's)")
+    add_family_args(parser, query_groups=None, query_groups_default="heads / 2")
     parser.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="unfused",
                         help="the core attention every method runs (flash: attention dropout "
                              "0 for every method)")
