@@ -11,6 +11,7 @@
 """
 import pytest
 import torch
+from torch.overrides import handle_torch_function, has_torch_function_unary
 
 from megatron_adacc import codecs
 from megatron_adacc.models import build as model_lib
@@ -47,6 +48,10 @@ def cuda_dropout(monkeypatch):
     monkeypatch.setattr(model_lib, "set_seed", seed_every_generator)
 
     def dropout(input, p=0.5, training=True, inplace=False):
+        # As torch's own dropout: a torch function mode (the ln2_in rebuild's) sees it first.
+        if has_torch_function_unary(input):
+            return handle_torch_function(dropout, (input,), input, p=p, training=training,
+                                         inplace=inplace)
         if not training or p == 0:
             return input
         # native_dropout takes no generator: lend it the stand-in's state for this one draw.

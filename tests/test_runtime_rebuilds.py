@@ -4,7 +4,11 @@ attention (linear_proj and the bias-dropout-add on the kept mask) is rebuilt by 
 megatron submodules or functions from its upstream sites, and only those run (no segment
 re-run); chains through a rebuilt source are exact; a plan that recomputes from exact
 sources trains bit for bit like the stock layer, in fp32 and bf16, on both attentions, with
-dropout where the attention allows it, in both model families."""
+dropout where the attention allows it, in both model families. The residual's dropout
+applies the kept mask to its one call on the rebuild's thread, torch's function untouched."""
+import re
+import threading
+
 import pytest
 import torch
 
@@ -14,7 +18,7 @@ from megatron_adacc.profiling.profiler import profile
 from megatron_adacc.runtime import adacc_layers, apply_plan, measure_step
 from megatron_adacc.common.sites import COMPRESS, REBUILDS, REBUILT_BY, RECOMPUTE
 
-from runtime_helpers import batch, build, loss_of, train
+from runtime_helpers import BATCH, SEQ, batch, build, loss_of, train
 from test_llama import build_llama, train_steps
 from test_runtime import assert_same_training
 
@@ -200,6 +204,131 @@ def test_an_operator_reads_a_compressed_source_decoded(distributed):
     assert torch.equal(loss, loss_of(reference))
     loss.backward()
     assert_gradients_close(model, reference, 0.1)
+
+
+# --- ln2_in's dropout: the kept mask, applied on the rebuild's thread to its one call ---------
+DROPOUT = torch.nn.functional.dropout  # torch's own, as imported
+HIDDEN = 64  # runtime_helpers' tiny GPT
+
+
+def _kept_mask(dtype=torch.float32, shape=(SEQ, BATCH, HIDDEN), p=0.1):
+    """A mask as CPU dropout saves it: the keep-mask divided by 1 - p."""
+    return torch.empty(shape).bernoulli_(1 - p, generator=torch.Generator().manual_seed(7)) \
+        .div_(1 - p).to(dtype)
+
+
+def _drawn_elsewhere(value):
+    """torch's dropout of ``value`` on a thread of its own, from a fixed seed."""
+    drawn = {}
+
+    def draw():
+        with torch.random.fork_rng(devices=[]), torch.no_grad():
+            torch.manual_seed(5)
+            drawn["function"] = torch.nn.functional.dropout
+            drawn["value"] = torch.nn.functional.dropout(value, 0.5, training=True)
+
+    thread = threading.Thread(target=draw)
+    thread.start()
+    thread.join()
+    return drawn
+
+
+def test_the_rebuild_applies_the_mask_on_its_own_thread_only(distributed):
+    # While ln2_in's edge runs megatron's bias-dropout-add, torch's dropout is still torch's
+    # own function, on the rebuild's thread and on any other, and another thread's dropout
+    # draws as it would without the rebuild.
+    model = build(True, dropout=0.1)
+    apply_plan(model, Plan.uniform({"ln2_in": "recompute"}), strict=True)
+    layer = adacc_layers(model)[0]
+    bias_dropout_add = layer.self_attn_bda
+    in_backward, seen = [False], []
+
+    def watched(training, fused):
+        run = bias_dropout_add(training, fused)
+
+        def watched_run(x_with_bias, residual, p):
+            if in_backward[0]:
+                seen.append((torch.nn.functional.dropout, _drawn_elsewhere(residual.detach()),
+                             residual.detach()))
+            return run(x_with_bias, residual, p)
+        return watched_run
+
+    layer.self_attn_bda = watched
+    loss = loss_of(model)
+    in_backward[0] = True
+    loss.backward()
+    assert len(seen) == 1  # the edge ran once, in backward
+    here, elsewhere, residual = seen[0]
+    assert here is DROPOUT and elsewhere["function"] is DROPOUT
+    assert torch.equal(elsewhere["value"], _drawn_elsewhere(residual)["value"])
+
+
+def _attention_residual_inputs(dtype=torch.float32):
+    """The layer input and attention output attention_residual reads, [s, b, h]."""
+    generator = torch.Generator().manual_seed(11)
+    residual, context = (torch.randn(SEQ, BATCH, HIDDEN, generator=generator).to(dtype)
+                         for _ in range(2))
+    return residual, context
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_attention_residual_applies_the_mask_and_passes_the_rest_through(distributed, dtype):
+    # The adds around the dropout run as torch runs them outside the rebuild; the dropout
+    # applies the mask, and in eval (nothing drawn) returns its input.
+    layer = adacc_layers(build(True, dtype, dropout=0.1))[0]
+    residual, context = _attention_residual_inputs(dtype)
+    mask = _kept_mask(dtype)
+    with torch.no_grad():
+        projected, bias = layer.self_attention.linear_proj(context)
+        assert torch.equal(layer.attention_residual(residual, context, mask),
+                           torch.add(residual, (projected + bias) * mask))
+        layer.eval()
+        assert torch.equal(layer.attention_residual(residual, context, mask),
+                           torch.add(residual, projected + bias))
+
+
+def test_only_the_first_dropout_of_the_rebuild_applies_the_mask(distributed):
+    # A second dropout in the bias-dropout-add draws, as megatron's would.
+    layer = adacc_layers(build(True, dropout=0.1))[0]
+    residual, context = _attention_residual_inputs()
+    mask = _kept_mask()
+
+    def twice(training, fused):
+        return lambda x_with_bias, residual, p: (
+            torch.nn.functional.dropout(x_with_bias[0], p, training),
+            torch.nn.functional.dropout(x_with_bias[0], p, training))
+
+    layer.self_attn_bda = twice
+    with torch.no_grad(), torch.random.fork_rng(devices=[]):
+        projected, _ = layer.self_attention.linear_proj(context)
+        torch.manual_seed(5)
+        applied, drawn = layer.attention_residual(residual, context, mask)
+        torch.manual_seed(5)
+        assert torch.equal(drawn, DROPOUT(projected, 0.1, training=True))
+    assert torch.equal(applied, projected * mask)
+
+
+def test_a_mask_of_another_shape_is_refused(distributed):
+    # [s, 1, h] would broadcast over the batch: refused, not applied.
+    layer = adacc_layers(build(True, dropout=0.1))[0]
+    residual, context = _attention_residual_inputs()
+    with pytest.raises(RuntimeError, match=re.escape(
+            f"the kept dropout mask has shape ({SEQ}, 1, {HIDDEN}), the input it should "
+            f"apply to ({SEQ}, {BATCH}, {HIDDEN}): not the mask of this dropout")):
+        layer.attention_residual(residual, context, _kept_mask(shape=(SEQ, 1, HIDDEN)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_fused_bias_dropout_add_rebuilds_ln2_in_bit_for_bit(distributed, dtype):
+    # With bias_dropout_fusion megatron's bias-dropout-add is torch.compile'd; the rebuild's
+    # call is compiled through the mask-applying mode as the forward's was (an eager
+    # fallback would round the add differently), the mask retained or bitmask-held.
+    stock = train(build(False, dtype, dropout=0.1, bias_dropout_fusion=True), steps=2)
+    for mask in ("retain", {"action": "compress", "codec": "bitmask"}):
+        model = build(True, dtype, dropout=0.1, bias_dropout_fusion=True)
+        apply_plan(model, Plan.uniform({"ln2_in": "recompute", "bda1_mask": mask}),
+                   strict=True)
+        assert_same_training(stock, train(model, steps=2))
 
 
 # --- the Llama layer's edges: RMSNorm (output, rstd, x * rstd), SwiGLU's SiLU and product ----

@@ -236,7 +236,7 @@ class AdaccTransformerLayer(TransformerLayer):
         megatron's own linear_proj and self_attn_bda, called as its forward calls them, the
         dropout applying ``mask`` instead of drawing one (sites.REBUILDS)."""
         projected = self.self_attention.linear_proj(context)
-        with _dropout_applying(mask):
+        with contextlib.nullcontext() if mask is None else _DropoutApplying(mask):
             return self.self_attn_bda(self.training, self.config.bias_dropout_fusion)(
                 projected, residual, self.hidden_dropout)
 
@@ -261,29 +261,45 @@ class AdaccTransformerLayer(TransformerLayer):
         return value.detach().requires_grad_(requires_grad)
 
 
-@contextlib.contextmanager
-def _dropout_applying(mask: torch.Tensor | None):
-    """torch's dropout applying ``mask``, a mask a dropout saved, instead of drawing one, for
-    the call only (megatron's bias-dropout-add calls ``torch.nn.functional.dropout``).
+class _DropoutApplying(torch.overrides.TorchFunctionMode):
+    """Within it, on this thread only, the first drawing call of torch's dropout (megatron's
+    bias-dropout-add calls ``torch.nn.functional.dropout``, fused or not) applies ``mask``,
+    a mask a dropout saved, instead of drawing one; every other call, that function's
+    included, runs as it would without the mode. A mode, not a substitute for the module's
+    function: other threads, and code that bound the function by name, keep torch's own.
     The product is the one dropout's forward computes: CPU dropout draws its keep-mask,
     divides it by 1 - p and saves that, returning input * mask; CUDA's native_dropout saves
     a bool mask and returns input * mask * (1 / (1 - p)), the product its backward computes
     (bitwise checked on the CPU's native_dropout only: there is no GPU here)."""
-    if mask is None:
-        yield
-        return
-    draw = torch.nn.functional.dropout
 
-    def apply(input, p=0.5, training=True, inplace=False):
-        if mask.dtype == torch.bool:
-            return torch.ops.aten.native_dropout_backward(input, mask, 1.0 / (1.0 - p))
-        return input * mask
+    def __init__(self, mask: torch.Tensor):
+        super().__init__()
+        self.mask = mask
+        # The function as megatron will look it up (a stand-in where one is installed).
+        self.dropout = torch.nn.functional.dropout
+        self.applied = False
 
-    torch.nn.functional.dropout = apply
-    try:
-        yield
-    finally:
-        torch.nn.functional.dropout = draw
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is not self.dropout or self.applied:
+            return func(*args, **kwargs)
+        input, p, training = _dropout_arguments(*args, **kwargs)
+        if p == 0 or not training:  # draws nothing: the input, as torch returns it
+            return func(*args, **kwargs)
+        if self.mask.shape != input.shape:
+            raise RuntimeError(
+                f"the kept dropout mask has shape {tuple(self.mask.shape)}, the input it "
+                f"should apply to {tuple(input.shape)}: not the mask of this dropout")
+        self.applied = True
+        if self.mask.dtype == torch.bool:
+            return torch.ops.aten.native_dropout_backward(input, self.mask, 1.0 / (1.0 - p))
+        return input * self.mask
+
+
+def _dropout_arguments(input, p=0.5, training=True, inplace=False):
+    """(input, p, training) of a call of ``torch.nn.functional.dropout``, whose signature
+    this is (bound without `inspect`, which torch.compile cannot trace)."""
+    return input, p, training
 
 
 def _discarded(_saved):
