@@ -21,7 +21,7 @@ class Kernels:
     mask_pack: Callable
     mask_unpack: Callable
     mask_value: Callable
-    channel_abs_sums: Callable
+    outlier_channels: Callable
     take_columns: Callable
     put_columns: Callable
 
@@ -34,7 +34,7 @@ REFERENCE = Kernels(
     mask_pack=bitmask.mask_pack,
     mask_unpack=bitmask.mask_unpack,
     mask_value=bitmask.mask_value,
-    channel_abs_sums=outlier.channel_abs_sums,
+    outlier_channels=outlier.outlier_channels,
     take_columns=outlier.take_columns,
     put_columns=outlier.put_columns,
 )

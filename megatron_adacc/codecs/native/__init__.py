@@ -7,7 +7,7 @@ it is built for the machine it runs on (-march=native). ADACC_NATIVE_CFLAGS adds
 flags after those (e.g. "-mno-avx512f" builds the AVX2 kernels on an AVX-512 machine), and is
 part of the key; vector_isa() names the vector path a build took.
 
-Covers row- and channel-grouped int4 (even row width), the outlier codec's channel sums,
+Covers row- and channel-grouped int4 (even row width), the outlier codec's channel choice,
 channel zeroing and exact channels, and masks of bool, uint8 and float dtypes; other cases run
 the reference.
 """
@@ -38,7 +38,7 @@ _SIGNATURES = {
     "sym_decode_rows": [_p, _p, _i64, _i64, _i32, _p, _i64, _i64, _i64, _p, _p],
     "sym_encode_cols": [_p, _i32, _i64, _i64, _f32, _p, _p, _p, _p, _p],
     "sym_decode_cols": [_p, _p, _i64, _i64, _i32, _p, _p],
-    "channel_abs_sums": [_p, _i32, _i64, _i64, _p, _p],
+    "outlier_channels": [_p, _i32, _i64, _i64, _i64, ctypes.c_double, _p, _p, _p],
     "asym_encode_rows": [_p, _i32, _i64, _i64, _f32, _p, _p, _p, _p],
     "asym_decode_rows": [_p, _p, _p, _i64, _i64, _i32, _p],
     "mask_pack": [_p, _i32, _i32, _i64, _p],
@@ -51,7 +51,7 @@ _SIGNATURES = {
 }
 _RETURNS = {**{name: ctypes.c_int for name in ("mask_value", "sym_encode_rows", "sym_decode_rows", "take_columns",
                                                "put_columns")},
-            "vector_isa": ctypes.c_char_p}
+            "outlier_channels": _i64, "vector_isa": ctypes.c_char_p}
 
 
 def _cpu_model() -> str:
@@ -177,13 +177,16 @@ def _native_exact(exact, dtype, shape2d) -> bool:
             and values.shape[1] == index.numel() and 0 < values.shape[0] * channels <= shape2d[0] * shape2d[1])
 
 
-def _channel_abs_sums(x2d):
-    if x2d.device.type != "cpu" or not x2d.is_contiguous():
-        return outlier.channel_abs_sums(x2d)
-    sums, scratch = torch.empty(2, x2d.shape[1], dtype=torch.float64)
-    library().channel_abs_sums(x2d.data_ptr(), _DTYPE_CODE[x2d.dtype], x2d.shape[0], x2d.shape[1],
-                               scratch.data_ptr(), sums.data_ptr())
-    return sums
+def _outlier_channels(x2d, threshold):
+    if x2d.device.type != "cpu" or not x2d.is_contiguous() or x2d.dtype not in _DTYPE_CODE:
+        return outlier.outlier_channels(x2d, threshold)
+    rows, cols = x2d.shape
+    sums, scratch = torch.empty(2, cols, dtype=torch.float64)
+    mask = torch.empty(cols, dtype=torch.bool)
+    if library().outlier_channels(x2d.data_ptr(), _DTYPE_CODE[x2d.dtype], rows, cols, outlier.statistics_step(rows),
+                                  threshold, scratch.data_ptr(), sums.data_ptr(), mask.data_ptr()) < 0:
+        return outlier.z_score_outliers(sums, threshold)  # too close to call in another summation order
+    return mask
 
 
 def _asym_encode(x2d, dmax):
@@ -277,7 +280,7 @@ NATIVE_KERNELS = Kernels(
     mask_pack=_mask_pack,
     mask_unpack=_mask_unpack,
     mask_value=_mask_value,
-    channel_abs_sums=_channel_abs_sums,
+    outlier_channels=_outlier_channels,
     take_columns=_take_columns,
     put_columns=_put_columns,
 )

@@ -31,10 +31,10 @@ def _sym_encode(x2d, reduce_dim, dmax, zeroed=None):
     return (*sym_int4.sym_encode_rows(x2d, dmax, zeroed), None)
 
 
-def _channel_abs_sums(x2d):
+def _outlier_channels(x2d, threshold):
     if not x2d.is_contiguous():
-        return outlier.channel_abs_sums(x2d)
-    return sym_int4.channel_abs_sums(x2d)
+        return outlier.outlier_channels(x2d, threshold)
+    return outlier.z_score_outliers(sym_int4.channel_abs_sums(outlier.statistics_rows(x2d)), threshold)
 
 
 def _sym_decode(packed, scales, shape2d, reduce_dim, dtype, exact=None):
@@ -67,7 +67,7 @@ TRITON_KERNELS = Kernels(
     mask_pack=bitmask.mask_pack,
     mask_unpack=_mask_unpack,
     mask_value=reference_bitmask.mask_value,
-    channel_abs_sums=_channel_abs_sums,
+    outlier_channels=_outlier_channels,
     take_columns=outlier.take_columns,
     put_columns=outlier.put_columns,
 )
