@@ -312,10 +312,8 @@ class Bitmask(Codec):
 
     def _encode(self, x, kernels):
         flat = x.reshape(-1)
-        tensors = {"packed": kernels.mask_pack(flat)}
-        if x.dtype != torch.bool:
-            tensors["mask_value"] = kernels.mask_value(flat)
-        return tensors
+        packed, value = kernels.mask_encode(flat)
+        return {"packed": packed} if value is None else {"packed": packed, "mask_value": value}
 
     def _payload_bytes(self, shape, dtype, outlier_channels):
         value_bytes = 0 if dtype == torch.bool else dtype.itemsize  # the mask's one value

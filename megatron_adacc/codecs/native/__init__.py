@@ -41,15 +41,14 @@ _SIGNATURES = {
     "outlier_channels": [_p, _i32, _i64, _i64, _i64, ctypes.c_double, _p, _p, _p],
     "asym_encode_rows": [_p, _i32, _i64, _i64, _f32, _p, _p, _p, _p],
     "asym_decode_rows": [_p, _p, _p, _i64, _i64, _i32, _p],
-    "mask_pack": [_p, _i32, _i32, _i64, _p],
+    "mask_encode": [_p, _i32, _i32, _i64, _p, _p],
     "mask_unpack": [_p, _i64, _p],
     "mask_unpack_values": [_p, _i64, _i32, _f32, _p],
-    "mask_value": [_p, _i32, _i64, _p],
     "take_columns": [_p, _i32, _i64, _i64, _p, _i64, _p],
     "put_columns": [_p, _i32, _i64, _i64, _p, _i64, _p],
     "vector_isa": [],
 }
-_RETURNS = {**{name: ctypes.c_int for name in ("mask_value", "sym_encode_rows", "sym_decode_rows", "take_columns",
+_RETURNS = {**{name: ctypes.c_int for name in ("mask_encode", "sym_encode_rows", "sym_decode_rows", "take_columns",
                                                "put_columns")},
             "outlier_channels": _i64, "vector_isa": ctypes.c_char_p}
 
@@ -211,14 +210,18 @@ def _asym_decode(packed, scales, offsets, shape2d, dtype):
     return out
 
 
-def _mask_pack(flat):
+def _mask_encode(flat):
     if flat.device.type != "cpu" or not (flat.element_size() == 1 or flat.dtype in _DTYPE_CODE):
-        return bitmask.mask_pack(flat)
+        return bitmask.mask_encode(flat)
     flat = flat.contiguous()
     packed = torch.empty((flat.numel() + 7) // 8, dtype=torch.uint8)
-    library().mask_pack(flat.data_ptr(), _DTYPE_CODE.get(flat.dtype, 0), flat.element_size(), flat.numel(),
-                        packed.data_ptr())
-    return packed
+    checked, value = flat.dtype in _DTYPE_CODE, ctypes.c_float()  # float masks: the value checked in the same pass
+    if not library().mask_encode(flat.data_ptr(), _DTYPE_CODE.get(flat.dtype, 0), flat.element_size(), flat.numel(),
+                                 packed.data_ptr(), ctypes.byref(value) if checked else None):
+        raise bitmask.not_a_mask(flat.dtype)
+    if checked:
+        return packed, torch.tensor([value.value], dtype=flat.dtype)
+    return packed, None if flat.dtype == torch.bool else bitmask.mask_value(flat)
 
 
 def _mask_unpack(packed, numel, value=None):
@@ -232,16 +235,6 @@ def _mask_unpack(packed, numel, value=None):
     library().mask_unpack_values(packed.data_ptr(), numel, _DTYPE_CODE[value.dtype], value.item(),
                                  out.data_ptr())
     return out
-
-
-def _mask_value(flat):
-    if flat.device.type != "cpu" or flat.dtype not in _DTYPE_CODE:
-        return bitmask.mask_value(flat)
-    flat = flat.contiguous()
-    value = ctypes.c_float()
-    if not library().mask_value(flat.data_ptr(), _DTYPE_CODE[flat.dtype], flat.numel(), ctypes.byref(value)):
-        raise bitmask.not_a_mask(flat.dtype)
-    return torch.tensor([value.value], dtype=flat.dtype)
 
 
 def _native_columns(x2d: torch.Tensor, index: torch.Tensor, values: torch.Tensor | None = None) -> bool:
@@ -277,9 +270,8 @@ NATIVE_KERNELS = Kernels(
     sym_decode=_sym_decode,
     asym_encode=_asym_encode,
     asym_decode=_asym_decode,
-    mask_pack=_mask_pack,
+    mask_encode=_mask_encode,
     mask_unpack=_mask_unpack,
-    mask_value=_mask_value,
     outlier_channels=_outlier_channels,
     take_columns=_take_columns,
     put_columns=_put_columns,

@@ -1226,6 +1226,25 @@ INLINE int64_t stepped_elements(int64_t numel, int elem_size) {
 #endif
 }
 
+#ifdef MASK_STEPS
+/* A step's flags from and to the packed bytes, in a load or store of their width: a copy of a
+ * variable size into a zeroed 64-bit word stalled each step on store forwarding (the float32
+ * decode ran at a third of a copy's speed). */
+INLINE uint64_t load_step_flags(const uint8_t *packed, int elem_size) {
+    if (elem_size == 4) { uint16_t f; memcpy(&f, packed, 2); return f; }
+    if (elem_size == 2) { uint32_t f; memcpy(&f, packed, 4); return f; }
+    uint64_t f;
+    memcpy(&f, packed, 8);
+    return f;
+}
+
+INLINE void store_step_flags(uint8_t *packed, uint64_t flags, int elem_size) {
+    if (elem_size == 4) { uint16_t f = (uint16_t)flags; memcpy(packed, &f, 2); }
+    else if (elem_size == 2) { uint32_t f = (uint32_t)flags; memcpy(packed, &f, 4); }
+    else memcpy(packed, &flags, 8);
+}
+#endif
+
 static inline uint8_t pack_byte_flags(const uint8_t *x) {
     uint64_t v;
     memcpy(&v, x, 8);
@@ -1236,14 +1255,42 @@ static inline uint8_t pack_byte_flags(const uint8_t *x) {
     return (uint8_t)((v * 0x0102040810204080ull) >> 56); /* gather bit 0 of byte j into bit j */
 }
 
-void mask_pack(const void *x, int dtype, int elem_size, int64_t numel, uint8_t *packed) {
+/* The bits of `value` in the element type (dtype as above). */
+static inline uint32_t value_bits(float value, int dtype) {
+    if (dtype == 0) return float_to_bits(value);
+    if (dtype == 1) return bf16_bits(value);
+    _Float16 h = (_Float16)value;
+    uint16_t bits;
+    memcpy(&bits, &h, 2);
+    return bits;
+}
+
+/* bitmask.mask_pack and, with `value` (float dtypes, dtype as above), bitmask.mask_value in the
+ * same pass: one read of the mask where the two took one each. The value is the first non-zero
+ * element (+0 if none), in *value; returns 0 unless every element is 0 or that value (NaN
+ * never is), 1 otherwise and always without `value`. */
+int mask_encode(const void *x, int dtype, int elem_size, int64_t numel, uint8_t *packed, float *value) {
     const int64_t bytes = (numel + 7) / 8, stepped = stepped_elements(numel, elem_size);
+    const int checked = value != NULL;
+    float v = 0.0f;
+    if (checked) {
+        int64_t first = 0;
+        while (first < numel && (v = load(x, first, dtype)) == 0.0f) first++;
+        v = first < numel ? v : 0.0f;
+    }
+    int ok = v == v;
 #ifdef MASK_STEPS
+    /* an element passes if it is +-0 or has v's bits (v is neither zero nor NaN, so equal
+     * floats have equal bits) */
     const int64_t per_step = MASK_STEP_BYTES / elem_size;
-    #pragma omp parallel for schedule(static)
+    const uint32_t bits = checked ? value_bits(v, dtype) : 0;
+    const uint64_t all = per_step == 64 ? ~0ull : (1ull << per_step) - 1;
+    #pragma omp parallel for reduction(&:ok) schedule(static)
     for (int64_t e = 0; e < stepped; e += per_step) {
-        uint64_t flags = step_flags((const char *)x + e * elem_size, elem_size);
-        memcpy(packed + e / 8, &flags, (size_t)(per_step / 8));
+        const char *at = (const char *)x + e * elem_size;
+        const uint64_t flags = step_flags(at, elem_size);
+        store_step_flags(packed + e / 8, flags, elem_size);
+        if (checked) ok &= ((~flags | step_equal(at, elem_size, bits)) & all) == all;
     }
 #endif
     const int64_t whole = elem_size == 1 ? numel / 8 : stepped / 8;
@@ -1251,16 +1298,24 @@ void mask_pack(const void *x, int dtype, int elem_size, int64_t numel, uint8_t *
         #pragma omp parallel for schedule(static)
         for (int64_t i = stepped / 8; i < whole; i++) packed[i] = pack_byte_flags((const uint8_t *)x + i * 8);
     }
-    #pragma omp parallel for schedule(static)
+    #pragma omp parallel for reduction(&:ok) schedule(static)
     for (int64_t i = whole; i < bytes; i++) {
         uint8_t byte = 0;
         for (int64_t j = 0; j < 8 && i * 8 + j < numel; j++) {
             int64_t k = i * 8 + j;
-            int set = elem_size == 1 ? ((const uint8_t *)x)[k] != 0 : load(x, k, dtype) != 0.0f;
+            int set;
+            if (elem_size == 1) set = ((const uint8_t *)x)[k] != 0;
+            else {
+                const float e = load(x, k, dtype);
+                set = e != 0.0f;
+                ok &= !checked | (e == 0.0f) | (e == v);
+            }
             byte |= (uint8_t)(set << j);
         }
         packed[i] = byte;
     }
+    if (checked) *value = v;
+    return ok;
 }
 
 static uint64_t spread_bits[256]; /* bit j of the index -> byte j of the entry */
@@ -1277,47 +1332,6 @@ void mask_unpack(const uint8_t *packed, int64_t numel, uint8_t *flags) {
     for (int64_t k = whole * 8; k < numel; k++) flags[k] = (packed[k >> 3] >> (k & 7)) & 1;
 }
 
-/* The bits of `value` in the element type (dtype as above). */
-static inline uint32_t value_bits(float value, int dtype) {
-    if (dtype == 0) return float_to_bits(value);
-    if (dtype == 1) return bf16_bits(value);
-    _Float16 h = (_Float16)value;
-    uint16_t bits;
-    memcpy(&bits, &h, 2);
-    return bits;
-}
-
-/* bitmask.mask_value for float dtypes: the first non-zero element (+0 if none) in *value;
- * returns 0 unless every element is 0 or that value (NaN never is). */
-int mask_value(const void *x, int dtype, int64_t numel, float *value) {
-    const int elem_size = dtype == 0 ? 4 : 2;
-    int64_t first = 0;
-    float v = 0.0f;
-    while (first < numel && (v = load(x, first, dtype)) == 0.0f) first++;
-    v = first < numel ? v : 0.0f;
-    int ok = v == v;
-    const int64_t stepped = ok ? stepped_elements(numel, elem_size) : 0;
-#ifdef MASK_STEPS
-    /* an element passes if it is +-0 or has v's bits (v is neither zero nor NaN, so equal
-     * floats have equal bits) */
-    const int64_t per_step = MASK_STEP_BYTES / elem_size;
-    const uint32_t bits = value_bits(v, dtype);
-    const uint64_t all = per_step == 64 ? ~0ull : (1ull << per_step) - 1;
-    #pragma omp parallel for reduction(&:ok) schedule(static)
-    for (int64_t e = 0; e < stepped; e += per_step) {
-        const char *at = (const char *)x + e * elem_size;
-        ok &= ((~step_flags(at, elem_size) | step_equal(at, elem_size, bits)) & all) == all;
-    }
-#endif
-    #pragma omp parallel for reduction(&:ok) schedule(static)
-    for (int64_t k = stepped > first ? stepped : first; k < numel; k++) {
-        float e = load(x, k, dtype);
-        ok &= (e == 0.0f) | (e == v);
-    }
-    *value = v;
-    return ok;
-}
-
 /* bitmask.mask_unpack with a value: `value` where the flag is set, +0 elsewhere, as the
  * bit pattern of the output dtype. */
 void mask_unpack_values(const uint8_t *packed, int64_t numel, int dtype, float value, void *out) {
@@ -1328,9 +1342,7 @@ void mask_unpack_values(const uint8_t *packed, int64_t numel, int dtype, float v
     const int64_t per_step = MASK_STEP_BYTES / elem_size;
     #pragma omp parallel for schedule(static)
     for (int64_t e = 0; e < stepped; e += per_step) {
-        uint64_t flags = 0;
-        memcpy(&flags, packed + e / 8, (size_t)(per_step / 8));
-        step_expand(flags, elem_size, bits, (char *)out + e * elem_size);
+        step_expand(load_step_flags(packed + e / 8, elem_size), elem_size, bits, (char *)out + e * elem_size);
     }
 #endif
     #pragma omp parallel for schedule(static)

@@ -55,6 +55,10 @@ def _asym_decode(packed, scales, offsets, shape2d, dtype):
     return asym_int4.asym_decode_rows(packed, scales, offsets, shape2d, dtype)
 
 
+def _mask_encode(flat):
+    return bitmask.mask_pack(flat), None if flat.dtype == torch.bool else reference_bitmask.mask_value(flat)
+
+
 def _mask_unpack(packed, numel, value=None):
     return reference_bitmask.expand_flags(bitmask.mask_unpack(packed, numel), value)
 
@@ -64,9 +68,8 @@ TRITON_KERNELS = Kernels(
     sym_decode=_sym_decode,
     asym_encode=_asym_encode,
     asym_decode=_asym_decode,
-    mask_pack=bitmask.mask_pack,
+    mask_encode=_mask_encode,
     mask_unpack=_mask_unpack,
-    mask_value=reference_bitmask.mask_value,
     outlier_channels=_outlier_channels,
     take_columns=outlier.take_columns,
     put_columns=outlier.put_columns,
