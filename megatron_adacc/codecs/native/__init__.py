@@ -62,7 +62,12 @@ def _cpu_model() -> str:
 
 def library() -> ctypes.CDLL:
     """The library for the current ADACC_NATIVE_CFLAGS (read on each call, built once per value)."""
-    return _build(tuple(shlex.split(os.environ.get(CFLAGS_ENV_VAR, ""))))
+    return _library_for(os.environ.get(CFLAGS_ENV_VAR, ""))
+
+
+@functools.cache
+def _library_for(cflags: str) -> ctypes.CDLL:  # every kernel call asks: splitting the flags each time cost 2 us
+    return _build(tuple(shlex.split(cflags)))
 
 
 def vector_isa() -> str:
@@ -180,11 +185,11 @@ def _outlier_channels(x2d, threshold):
     if x2d.device.type != "cpu" or not x2d.is_contiguous() or x2d.dtype not in _DTYPE_CODE:
         return outlier.outlier_channels(x2d, threshold)
     rows, cols = x2d.shape
-    sums, scratch = torch.empty(2, cols, dtype=torch.float64)
+    sums = torch.empty(2 * cols, dtype=torch.float64)  # the sums, then scratch
     mask = torch.empty(cols, dtype=torch.bool)
     if library().outlier_channels(x2d.data_ptr(), _DTYPE_CODE[x2d.dtype], rows, cols, outlier.statistics_step(rows),
-                                  threshold, scratch.data_ptr(), sums.data_ptr(), mask.data_ptr()) < 0:
-        return outlier.z_score_outliers(sums, threshold)  # too close to call in another summation order
+                                  threshold, sums.data_ptr() + 8 * cols, sums.data_ptr(), mask.data_ptr()) < 0:
+        return outlier.outlier_channels(x2d, threshold)  # too close to call in another summation order
     return mask
 
 
