@@ -284,28 +284,38 @@ const char *vector_isa(void) { return VECTOR_ISA; }
 /* Elements [i, i + BLOCK) of x as fp32, for reductions that do not depend on the order of a
  * block's elements: bf16 in the Pair layout (it splits into it with two bit operations),
  * fp32 and fp16 in element order, the first LANES in .even (deinterleaving those cost two
- * shuffles a block, on the one shuffle port). */
-INLINE Pair load_block(const void *x, int64_t i, int dtype) {
+ * shuffles a block, on the one shuffle port). With `mask` (BLOCK entries of x's element
+ * width), its bits are ANDed into the elements first. */
+INLINE Pair load_block(const void *x, int64_t i, int dtype, const void *mask) {
     Pair p;
     if (dtype == 1) { /* a 32-bit lane holds an even element in its low half, an odd one above */
-        vu u;
+        vu u, m;
         memcpy(&u, (const uint16_t *)x + i, sizeof u);
+        if (mask) { memcpy(&m, mask, sizeof m); u &= m; }
         p.even = (vf)(u << 16);
         p.odd = (vf)(u & 0xFFFF0000u);
     } else if (dtype == 0) {
         memcpy(&p.even, (const float *)x + i, sizeof p.even);
         memcpy(&p.odd, (const float *)x + i + LANES, sizeof p.odd);
+        if (mask) { /* one register each: a copy of both went through the stack, a stall per block */
+            vi m_a, m_b;
+            memcpy(&m_a, mask, sizeof m_a);
+            memcpy(&m_b, (const vi *)mask + 1, sizeof m_b);
+            p.even = (vf)((vi)p.even & m_a);
+            p.odd = (vf)((vi)p.odd & m_b);
+        }
     } else {
-        vu h;
+        vu h, m;
         memcpy(&h, (const _Float16 *)x + i, sizeof h);
+        if (mask) { memcpy(&m, mask, sizeof m); h &= m; }
         widen_halves(h, &p.even, &p.odd);
     }
     return p;
 }
 
 /* The same elements in the Pair layout: even-indexed ones in .even, odd-indexed in .odd. */
-INLINE Pair load_pair(const void *x, int64_t i, int dtype) {
-    Pair p = load_block(x, i, dtype);
+INLINE Pair load_pair(const void *x, int64_t i, int dtype, const void *mask) {
+    Pair p = load_block(x, i, dtype, mask);
     return dtype == 1 ? p : deinterleave(p.even, p.odd);
 }
 
@@ -351,32 +361,44 @@ INLINE int64_t pair_slot(int64_t c, int64_t cols) {
     return c / BLOCK * BLOCK + c % BLOCK / 2 + (c % 2) * LANES;
 }
 
-/* The outlier codec's zeroed channels (int4.zero_channels) of a tensor seen as rows of
- * `channels` values: `index` strictly increasing, zeroed_before[j] the count of those below j
- * (j <= channels). A group that holds one is encoded from a copy with those elements zeroed
- * (zero_group), so that every group goes through the same loops without zeroing: with the
- * channel mask applied on load, the loops counted channels and ANDed every block, and where
- * one group in sixteen held an outlier channel the encode still ran 10-15% slower. */
-typedef struct { const int64_t *index; const int32_t *zeroed_before; int64_t n, channels; } Zeroing;
+/* Element i of a group starting at `base` is zeroed unless keep[(base + i) % channels] (the
+ * outlier codec's channels): keep (zeroing_for) holds all-ones or 0 in the element width of
+ * the input, for channels + BLOCK entries, keep[j] = keep[j % channels], so one load never
+ * wraps; zeroed_before[j] counts the zeroed channels below j (j <= channels). */
+typedef struct { const void *keep; const int32_t *zeroed_before; int64_t channels; } Zeroing;
 
-static const Zeroing NO_ZEROING = {NULL, NULL, 0, 0};
+static const Zeroing NO_ZEROING = {NULL, NULL, 0};
 
-/* Whether the `len` elements from channel ch (of the cycle of channels) hold a zeroed one. */
-INLINE int holds_zeroed(Zeroing z, int64_t ch, int64_t len) {
-    if (!z.n || len >= z.channels) return z.n != 0;
+/* z for a group of `len` elements from channel ch if it holds a zeroed channel, else
+ * NO_ZEROING. Most groups hold no outlier channel: the kernels branch on this per group into
+ * loops compiled for NO_ZEROING, without the mask's AND and the channel counting (with them
+ * every group cost 10-15% more). */
+INLINE Zeroing group_zeroing(Zeroing z, int64_t ch, int64_t len) {
+    if (!z.keep || len >= z.channels) return z;
     const int32_t *before = z.zeroed_before;
     const int64_t end = ch + len;
-    return (end <= z.channels ? before[end] - before[ch]
-                              : before[z.channels] - before[ch] + before[end - z.channels]) != 0;
+    const int32_t n = end <= z.channels ? before[end] - before[ch]
+                                        : before[z.channels] - before[ch] + before[end - z.channels];
+    return n ? z : NO_ZEROING;
 }
 
-/* The `len` elements at x, the first of channel ch, copied to `copy` with the zeroed
- * channels' elements +0. */
-static void zero_group(const void *x, int64_t len, int elem_size, Zeroing z, int64_t ch, void *copy) {
-    memcpy(copy, x, (size_t)(len * elem_size));
-    for (int64_t k = 0; k < z.n; k++)
-        for (int64_t p = (z.index[k] - ch + z.channels) % z.channels; p < len; p += z.channels)
-            memset((char *)copy + p * elem_size, 0, (size_t)elem_size);
+INLINE int64_t first_channel(Zeroing z, int64_t base) { return z.keep ? base % z.channels : 0; }
+
+INLINE int64_t next_channel(Zeroing z, int64_t ch, int64_t step) {
+    if (!z.keep) return 0;
+    ch += step;
+    return ch >= z.channels ? ch % z.channels : ch;
+}
+
+INLINE const void *keep_at(Zeroing z, int64_t ch, int dtype) {
+    return z.keep ? (const char *)z.keep + ch * (dtype == 0 ? 4 : 2) : NULL;
+}
+
+INLINE float load_kept(const void *x, int64_t i, int dtype, Zeroing z, int64_t ch) {
+    float v = load(x, i, dtype);
+    if (!z.keep) return v;
+    int kept = dtype == 0 ? ((const int32_t *)z.keep)[ch] != 0 : ((const int16_t *)z.keep)[ch] != 0;
+    return kept ? v : 0.0f;
 }
 
 #ifdef BF16_KEY_RANGES
@@ -387,12 +409,15 @@ INLINE vkey bf16_keys(vkey w) { return w ^ ((w >> 15) & 0x7FFF); }
 
 /* group_blocks for bf16 groups of at least one whole block. An infinity or NaN has the
  * greatest or least key, so the range alone tells whether the group is finite. */
-INLINE void bf16_group_blocks(const void *x, int64_t base, int64_t cols, vf *lo, vf *hi, vf *poison) {
+INLINE void bf16_group_blocks(const void *x, int64_t base, int64_t cols, Zeroing z, int64_t ch, vf *lo, vf *hi,
+                              vf *poison) {
     vkey low = (vkey){0} + INT16_MAX, high = (vkey){0} + INT16_MIN;
     for (int64_t c = 0; c + BLOCK <= cols; c += BLOCK) {
         PREFETCH_BLOCK(x, base + c, 1, 0);
-        vkey w;
+        vkey w, keep;
         memcpy(&w, (const uint16_t *)x + base + c, sizeof w);
+        if (z.keep) { memcpy(&keep, keep_at(z, ch, 1), sizeof keep); w &= keep; }
+        ch = next_channel(z, ch, BLOCK);
         vkey key = bf16_keys(w);
         low = key_min(low, key);
         high = key_max(high, key);
@@ -405,19 +430,22 @@ INLINE void bf16_group_blocks(const void *x, int64_t base, int64_t cols, vf *lo,
 #endif
 
 /* Lane-wise minima, maxima and poison (0, or NaN where a NaN or an infinity was met) of the
- * whole blocks of a group of `cols` inputs. Minima and maxima of finite values do not depend
- * on the order (signed zeros cannot change a scale, see symmetric.sym_scales). */
-INLINE void group_blocks(const void *x, int64_t base, int64_t cols, int dtype, vf *lo, vf *hi, vf *poison) {
+ * whole blocks of a group of `cols` inputs starting at channel ch. Minima and maxima of
+ * finite values do not depend on the order (signed zeros cannot change a scale, see
+ * symmetric.sym_scales). */
+INLINE void group_blocks(const void *x, int64_t base, int64_t cols, int dtype, Zeroing z, int64_t ch, vf *lo,
+                         vf *hi, vf *poison) {
 #ifdef BF16_KEY_RANGES
     if (dtype == 1 && cols >= BLOCK) {
-        bf16_group_blocks(x, base, cols, lo, hi, poison);
+        bf16_group_blocks(x, base, cols, z, ch, lo, hi, poison);
         return;
     }
 #endif
     vf vlo = splat(INFINITY), vhi = splat(-INFINITY), bad = {0};
     for (int64_t c = 0; c + BLOCK <= cols; c += BLOCK) {
         PREFETCH_BLOCK(x, base + c, dtype, 0);
-        Pair p = load_block(x, base + c, dtype);
+        Pair p = load_block(x, base + c, dtype, keep_at(z, ch, dtype));
+        ch = next_channel(z, ch, BLOCK);
         bad += (p.even - p.even) + (p.odd - p.odd); /* stays 0 unless a NaN or an infinity */
         vlo = vmin(vmin(p.even, p.odd), vlo);
         vhi = vmax(vmax(p.even, p.odd), vhi);
@@ -429,10 +457,12 @@ INLINE void group_blocks(const void *x, int64_t base, int64_t cols, int dtype, v
 
 /* The group's elements past its whole blocks folded into *lo and *hi; returns 0 if one is NaN
  * or infinite. */
-INLINE int group_tail(const void *x, int64_t base, int64_t cols, int dtype, float *lo, float *hi) {
+INLINE int group_tail(const void *x, int64_t base, int64_t cols, int dtype, Zeroing z, int64_t ch, float *lo,
+                      float *hi) {
     int finite = 1;
-    for (int64_t c = cols / BLOCK * BLOCK; c < cols; c++) {
-        float v = load(x, base + c, dtype);
+    int64_t c = cols / BLOCK * BLOCK;
+    for (ch = next_channel(z, ch, c); c < cols; c++, ch = next_channel(z, ch, 1)) {
+        float v = load_kept(x, base + c, dtype, z, ch);
         finite &= isfinite(v) != 0;
         *lo = v < *lo ? v : *lo;
         *hi = v > *hi ? v : *hi;
@@ -465,8 +495,8 @@ INLINE vi block_codes(vf v, vf shift, vf mul, vf bias, const int32_t *col_ok) {
  * code 8 where its column's flag is 0. The vector path truncates and clamps only above:
  * with a usable scale, (v - shift) * inv + bias >= 0.5 - 2^-20 for both codecs (sym: |v| *
  * |inv| <= 8 and bias 8.5; asym: v >= shift and bias 0.5), where truncating is flooring. */
-INLINE void pack_group(const void *x, int64_t base, int64_t cols, int dtype, float shift, float inv, float bias,
-                       Columns col, uint8_t *out) {
+INLINE void pack_group(const void *x, int64_t base, int64_t cols, int dtype, Zeroing z, int64_t ch, float shift,
+                       float inv, float bias, Columns col, uint8_t *out) {
     int64_t c = 0;
     vf mul_even = splat(inv), mul_odd = mul_even;
 #ifdef BF16_FOUR_BLOCKS
@@ -474,7 +504,8 @@ INLINE void pack_group(const void *x, int64_t base, int64_t cols, int dtype, flo
         for (; c + 4 * BLOCK <= cols; c += 4 * BLOCK) {
             vi even[4], odd[4];
             for (int b = 0; b < 4; b++) {
-                Pair p = load_pair(x, base + c + b * BLOCK, dtype);
+                Pair p = load_pair(x, base + c + b * BLOCK, dtype, keep_at(z, ch, dtype));
+                ch = next_channel(z, ch, BLOCK);
                 even[b] = __builtin_convertvector((p.even - shift) * mul_even + bias, vi);
                 odd[b] = __builtin_convertvector((p.odd - shift) * mul_odd + bias, vi);
             }
@@ -482,7 +513,8 @@ INLINE void pack_group(const void *x, int64_t base, int64_t cols, int dtype, flo
         }
 #endif
     for (; c + BLOCK <= cols; c += BLOCK) {
-        Pair p = load_pair(x, base + c, dtype);
+        Pair p = load_pair(x, base + c, dtype, keep_at(z, ch, dtype));
+        ch = next_channel(z, ch, BLOCK);
         if (col.inv) { memcpy(&mul_even, col.inv + c, sizeof mul_even); memcpy(&mul_odd, col.inv + c + LANES, sizeof mul_odd); }
         pack_pair(block_codes(p.even, splat(shift), mul_even, splat(bias), col.ok ? col.ok + c : NULL),
                   block_codes(p.odd, splat(shift), mul_odd, splat(bias), col.ok ? col.ok + c + LANES : NULL),
@@ -491,7 +523,8 @@ INLINE void pack_group(const void *x, int64_t base, int64_t cols, int dtype, flo
     for (; c < cols; c += 2) {
         uint8_t code[2];
         for (int k = 0; k < 2; k++) {
-            float v = load(x, base + c + k, dtype);
+            float v = load_kept(x, base + c + k, dtype, z, ch);
+            ch = next_channel(z, ch, 1);
             float mul = col.inv ? col.inv[c + k] : inv;
             int ok = col.ok ? col.ok[c + k] != 0 : 1;
             code[k] = ok ? (uint8_t)clamp_code(floorf((v - shift) * mul + bias)) : 8;
@@ -570,19 +603,23 @@ INLINE void asym_scales(vf lo, vf hi, vi finite, float dmax, vf *scale, vf *inv,
 
 static const Columns NO_COLUMNS = {NULL, NULL};
 
-/* Ranges of n <= LANES groups of `cols` elements, group g at group[g], as vectors (lane g:
- * group g); lanes past n unusable. Each group leaves lane-wise partial
+/* Ranges of the groups of rows [r0, r0 + n), n <= LANES, the first starting at channel ch, as
+ * vectors (lane g: group r0 + g); lanes past n unusable. Each group leaves lane-wise partial
  * results, group g's at position BIT_REVERSED[g], and FOLD_LEVEL halves all LANES vectors at
  * once (a transposing reduction) down to one whose lane g is group g's: a fold per group and
  * statistic where reducing each group's vector alone took one per halving, plus moving the
  * results lane by lane into the vector the scales are computed from. */
-INLINE void batch_ranges(const void *const *group, int dtype, int64_t n, int64_t cols, vf *lo, vf *hi,
-                         vi *finite) {
+INLINE void batch_ranges(const void *x, int dtype, int64_t r0, int64_t n, int64_t cols, Zeroing z, int64_t ch,
+                         vf *lo, vf *hi, vi *finite) {
+    const int64_t ch0 = ch;
     vf lows[LANES], highs[LANES], poisons[LANES];
     for (int64_t g = 0; g < LANES; g++) {
         const int p = BIT_REVERSED[g];
         if (g < n) {
-            group_blocks(group[g], 0, cols, dtype, &lows[p], &highs[p], &poisons[p]);
+            if (group_zeroing(z, ch, cols).keep)
+                group_blocks(x, (r0 + g) * cols, cols, dtype, z, ch, &lows[p], &highs[p], &poisons[p]);
+            else group_blocks(x, (r0 + g) * cols, cols, dtype, NO_ZEROING, 0, &lows[p], &highs[p], &poisons[p]);
+            ch = next_channel(z, ch, cols);
         } else {
             lows[p] = splat(INFINITY);
             highs[p] = splat(-INFINITY);
@@ -607,49 +644,32 @@ INLINE void batch_ranges(const void *const *group, int dtype, int64_t n, int64_t
     *hi = highs[0];
     *finite = poisons[0] == 0.0f;
     if (cols % BLOCK) /* rows of odd widths (naive_int4's): the elements past the whole blocks */
-        for (int64_t g = 0; g < n; g++) {
+        for (int64_t g = 0, ch = ch0; g < n; g++, ch = next_channel(z, ch, cols)) {
             float l = (*lo)[g], h = (*hi)[g];
-            int ok = group_tail(group[g], 0, cols, dtype, &l, &h);
+            int ok = group_tail(x, (r0 + g) * cols, cols, dtype, group_zeroing(z, ch, cols), ch, &l, &h);
             (*lo)[g] = l;
             (*hi)[g] = h;
             (*finite)[g] &= -ok;
         }
 }
 
-/* The groups [r0, r0 + n) of x, n <= LANES: each in x, or, where it holds a zeroed channel,
- * its copy zeroed (zero_group) in copies (room for LANES groups). */
-INLINE void locate_groups(const void *x, int dtype, int64_t r0, int64_t n, int64_t cols, Zeroing z, void *copies,
-                          const void *group[LANES]) {
-    const int elem_size = dtype == 0 ? 4 : 2;
-    int64_t ch = z.n ? r0 * cols % z.channels : 0; /* one division per batch, not per group */
-    for (int64_t g = 0; g < n; g++) {
-        group[g] = (const char *)x + (r0 + g) * cols * elem_size;
-        if (holds_zeroed(z, ch, cols)) {
-            void *copy = (char *)copies + g * cols * elem_size;
-            zero_group(group[g], cols, elem_size, z, ch, copy);
-            group[g] = copy;
-        }
-        ch += cols;
-        if (ch >= z.channels) ch = z.n ? ch % z.channels : 0; /* a division per wrap only */
-    }
-}
-
 /* Groups are encoded LANES at a time: the ranges of all, then their scales in one vector
  * computation, then their codes (the group data is still in cache). */
 INLINE void sym_encode_batch(const void *x, int dtype, int64_t r0, int64_t n, int64_t cols, float dmax,
-                             Zeroing z, void *copies, uint8_t *packed, uint16_t *scales, uint8_t *ok_out) {
+                             Zeroing z, uint8_t *packed, uint16_t *scales, uint8_t *ok_out) {
     vf lo, hi, scale, inv;
     vi finite, ok;
-    const void *group[LANES];
-    locate_groups(x, dtype, r0, n, cols, z, copies, group);
-    batch_ranges(group, dtype, n, cols, &lo, &hi, &finite);
+    const int64_t ch0 = first_channel(z, r0 * cols); /* one division per batch, not per group */
+    batch_ranges(x, dtype, r0, n, cols, z, ch0, &lo, &hi, &finite);
     sym_scales(lo, hi, finite, dmax, &scale, &inv, &ok);
-    for (int64_t g = 0; g < n; g++) {
+    for (int64_t g = 0, ch = ch0; g < n; g++, ch = next_channel(z, ch, cols)) {
         uint8_t *out = packed + (r0 + g) * cols / 2;
         scales[r0 + g] = bf16_bits(scale[g]);
         ok_out[r0 + g] = ok[g] != 0;
         if (!ok[g]) memset(out, 0x88, (size_t)(cols / 2));
-        else pack_group(group[g], 0, cols, dtype, 0.0f, inv[g], 8.5f, NO_COLUMNS, out);
+        else if (group_zeroing(z, ch, cols).keep)
+            pack_group(x, (r0 + g) * cols, cols, dtype, z, ch, 0.0f, inv[g], 8.5f, NO_COLUMNS, out);
+        else pack_group(x, (r0 + g) * cols, cols, dtype, NO_ZEROING, 0, 0.0f, inv[g], 8.5f, NO_COLUMNS, out);
     }
 }
 
@@ -660,16 +680,23 @@ static int indices_in_range(const int64_t *index, int64_t n, int64_t limit) {
     return 1;
 }
 
-/* The Zeroing of int4.zero_channels' (channels, index), index strictly increasing, its
- * counts written to `before` (channels + 1 entries). */
-static Zeroing zeroing_of(int64_t channels, const int64_t *index, int64_t n, int32_t *before) {
+/* The Zeroing of int4.zero_channels' (channels, index), index strictly increasing, in the
+ * element width of dtype, in one allocation (its keep, to free); NO_ZEROING if that fails. */
+static Zeroing zeroing_for(int dtype, int64_t channels, const int64_t *index, int64_t n) {
+    const size_t width = dtype == 0 ? 4 : 2, keep_bytes = ((size_t)(channels + BLOCK) * width + 3) & ~(size_t)3;
+    char *keep = malloc(keep_bytes + (size_t)(channels + 1) * sizeof(int32_t));
+    if (!keep) return NO_ZEROING;
+    memset(keep, 0xFF, (size_t)channels * width);
+    for (int64_t k = 0; k < n; k++) memset(keep + index[k] * width, 0, width);
+    for (int64_t j = channels; j < channels + BLOCK; j++) memcpy(keep + j * width, keep + j % channels * width, width);
+    int32_t *before = (int32_t *)(keep + keep_bytes);
     before[0] = 0;
     for (int64_t j = 0, k = 0; j < channels; j++) {
         const int zeroed = k < n && index[k] == j;
         k += zeroed;
         before[j + 1] = before[j] + zeroed;
     }
-    return (Zeroing){index, before, n, channels};
+    return (Zeroing){keep, before, channels};
 }
 
 /* The outlier codec's exact channels, in a tensor seen as rows of `channels` values: row r
@@ -725,24 +752,19 @@ int sym_encode_rows(const void *x, int dtype, int64_t rows, int64_t cols, float 
                     int64_t n_zeroed, int64_t channels, void *exact, uint8_t *packed, uint16_t *scales,
                     uint8_t *ok_out) {
     if (n_zeroed && !indices_increasing(zeroed, n_zeroed, channels)) return 0;
-    const int elem_size = dtype == 0 ? 4 : 2;
-    /* with zeroing: the counts of zeroed channels, then room for each thread's zeroed copies */
-    const size_t counts_bytes = ((size_t)(channels + 1) * sizeof(int32_t) + 63) & ~(size_t)63;
-    const size_t copies_bytes = (size_t)(LANES * cols * elem_size);
-    char *scratch = n_zeroed ? malloc(counts_bytes + (size_t)omp_get_max_threads() * copies_bytes) : NULL;
-    if (n_zeroed && !scratch) return 0;
-    const Zeroing z = n_zeroed ? zeroing_of(channels, zeroed, n_zeroed, (int32_t *)scratch) : NO_ZEROING;
+    const Zeroing z = n_zeroed ? zeroing_for(dtype, channels, zeroed, n_zeroed) : NO_ZEROING;
+    if (n_zeroed && !z.keep) return 0;
     const Exact e = {zeroed, n_zeroed, channels, exact};
+    const int elem_size = dtype == 0 ? 4 : 2;
     #pragma omp parallel for schedule(static)
     for (int64_t r0 = 0; r0 < rows; r0 += LANES) {
         int64_t n = rows - r0 < LANES ? rows - r0 : LANES;
-        void *copies = n_zeroed ? scratch + counts_bytes + (size_t)omp_get_thread_num() * copies_bytes : NULL;
-#define CALL(t) sym_encode_batch(x, t, r0, n, cols, dmax, z, copies, packed, scales, ok_out)
+#define CALL(t) sym_encode_batch(x, t, r0, n, cols, dmax, z, packed, scales, ok_out)
         DTYPE_CASES(CALL)
 #undef CALL
         if (exact) copy_exact(e, (void *)x, elem_size, r0 * cols, (r0 + n) * cols, 1);
     }
-    free(scratch);
+    free((void *)z.keep);
     return 1;
 }
 
@@ -990,7 +1012,7 @@ INLINE void update_column_ranges(const void *x, int dtype, int64_t r0, int64_t n
         vf_unaligned *bad_at = (vf_unaligned *)(poison + c);
         vf l[2] = {lo_at[0], lo_at[1]}, h[2] = {hi_at[0], hi_at[1]}, bad[2] = {bad_at[0], bad_at[1]};
         for (int64_t r = r0; r < r0 + n; r++) {
-            Pair p = load_pair(x, r * cols + c, dtype);
+            Pair p = load_pair(x, r * cols + c, dtype, NULL);
             vf v[2] = {p.even, p.odd};
             for (int k = 0; k < 2; k++) {
                 l[k] = vmin(v[k], l[k]);
@@ -1050,7 +1072,7 @@ void sym_encode_cols(const void *x, int dtype, int64_t rows, int64_t cols, float
     const Columns col = {col_inv, col_ok};
     #pragma omp parallel for schedule(static)
     for (int64_t r = 0; r < rows; r++) {
-#define CALL(t) pack_group(x, r * cols, cols, t, 0.0f, 1.0f, 8.5f, col, packed + r * cols / 2)
+#define CALL(t) pack_group(x, r * cols, cols, t, NO_ZEROING, 0, 0.0f, 1.0f, 8.5f, col, packed + r * cols / 2)
         DTYPE_CASES(CALL)
 #undef CALL
     }
@@ -1071,9 +1093,7 @@ INLINE void asym_encode_batch(const void *x, int dtype, int64_t r0, int64_t n, i
                               uint8_t *packed, uint16_t *scales, void *offsets, uint8_t *ok_out) {
     vf lo, hi, scale, inv, offset;
     vi finite, ok;
-    const void *group[LANES];
-    locate_groups(x, dtype, r0, n, cols, NO_ZEROING, NULL, group);
-    batch_ranges(group, dtype, n, cols, &lo, &hi, &finite);
+    batch_ranges(x, dtype, r0, n, cols, NO_ZEROING, 0, &lo, &hi, &finite);
     asym_scales(lo, hi, finite, dmax, &scale, &inv, &offset, &ok);
     for (int64_t g = 0; g < n; g++) {
         uint8_t *out = packed + (r0 + g) * cols / 2;
@@ -1081,7 +1101,7 @@ INLINE void asym_encode_batch(const void *x, int dtype, int64_t r0, int64_t n, i
         store(offsets, r0 + g, offset[g], dtype); /* an input element: exact */
         ok_out[r0 + g] = ok[g] != 0;
         if (!ok[g]) memset(out, 0, (size_t)(cols / 2));
-        else pack_group(group[g], 0, cols, dtype, offset[g], inv[g], 0.5f, NO_COLUMNS, out);
+        else pack_group(x, (r0 + g) * cols, cols, dtype, NO_ZEROING, 0, offset[g], inv[g], 0.5f, NO_COLUMNS, out);
     }
 }
 
