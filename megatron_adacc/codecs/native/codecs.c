@@ -500,14 +500,26 @@ INLINE void pack_group(const void *x, int64_t base, int64_t cols, int dtype, Zer
     int64_t c = 0;
     vf mul_even = splat(inv), mul_odd = mul_even;
 #ifdef BF16_FOUR_BLOCKS
-    if (dtype == 1 && !col.inv)
+    if (dtype == 1)
         for (; c + 4 * BLOCK <= cols; c += 4 * BLOCK) {
             vi even[4], odd[4];
             for (int b = 0; b < 4; b++) {
-                Pair p = load_pair(x, base + c + b * BLOCK, dtype, keep_at(z, ch, dtype));
+                const int64_t at = c + b * BLOCK;
+                Pair p = load_pair(x, base + at, dtype, keep_at(z, ch, dtype));
                 ch = next_channel(z, ch, BLOCK);
+                if (col.inv) {
+                    memcpy(&mul_even, col.inv + at, sizeof mul_even);
+                    memcpy(&mul_odd, col.inv + at + LANES, sizeof mul_odd);
+                }
                 even[b] = __builtin_convertvector((p.even - shift) * mul_even + bias, vi);
                 odd[b] = __builtin_convertvector((p.odd - shift) * mul_odd + bias, vi);
+                if (col.ok) { /* code 8 in the unusable columns */
+                    vi ok_even, ok_odd;
+                    memcpy(&ok_even, col.ok + at, sizeof ok_even);
+                    memcpy(&ok_odd, col.ok + at + LANES, sizeof ok_odd);
+                    even[b] = (even[b] & ok_even) | (8 & ~ok_even);
+                    odd[b] = (odd[b] & ok_odd) | (8 & ~ok_odd);
+                }
             }
             pack_four_blocks(even, odd, out + c / 2);
         }
