@@ -1021,6 +1021,35 @@ int put_columns(void *x, int elem_size, int64_t rows, int64_t cols, const int64_
 INLINE void update_column_ranges(const void *x, int dtype, int64_t r0, int64_t n, int64_t cols, int64_t first,
                                  int64_t last, float *lo, float *hi, float *poison) {
     int64_t c = first;
+#ifdef BF16_KEY_RANGES
+    /* bf16 on int16 keys (bf16_keys), in element order within the chunk: a min and a max per
+     * block where the floats took two splits, two of each and the poison (the pass ran at 3/4
+     * of AVX-512's speed). The poison follows from the range, as in bf16_group_blocks. */
+    if (dtype == 1)
+        for (; c + BLOCK <= last; c += BLOCK) {
+            vf_unaligned *lo_at = (vf_unaligned *)(lo + c), *hi_at = (vf_unaligned *)(hi + c);
+            vf_unaligned *bad_at = (vf_unaligned *)(poison + c);
+            /* Pair layout -> the bf16 bits in element order (the running values are bf16's) */
+            vkey low = bf16_keys((vkey)(((vu)lo_at[0] >> 16) | ((vu)lo_at[1] & 0xFFFF0000u)));
+            vkey high = bf16_keys((vkey)(((vu)hi_at[0] >> 16) | ((vu)hi_at[1] & 0xFFFF0000u)));
+            for (int64_t r = r0; r < r0 + n; r++) {
+                vkey w;
+                memcpy(&w, (const uint16_t *)x + r * cols + c, sizeof w);
+                vkey key = bf16_keys(w);
+                low = key_min(low, key);
+                high = key_max(high, key);
+            }
+            vu l = (vu)bf16_keys(low), h = (vu)bf16_keys(high);
+            vf l_even = (vf)(l << 16), l_odd = (vf)(l & 0xFFFF0000u);
+            vf h_even = (vf)(h << 16), h_odd = (vf)(h & 0xFFFF0000u);
+            lo_at[0] = l_even;
+            lo_at[1] = l_odd;
+            hi_at[0] = h_even;
+            hi_at[1] = h_odd;
+            bad_at[0] = (l_even - l_even) + (h_even - h_even);
+            bad_at[1] = (l_odd - l_odd) + (h_odd - h_odd);
+        }
+#endif
     for (; c + BLOCK <= last; c += BLOCK) {
         vf_unaligned *lo_at = (vf_unaligned *)(lo + c), *hi_at = (vf_unaligned *)(hi + c);
         vf_unaligned *bad_at = (vf_unaligned *)(poison + c);
