@@ -481,3 +481,67 @@ def test_native_bitmask_matches_eager(dtype):
     for shape in [(0,), (1,), (13,), (4, 33), (2, 8, 64)]:
         keep = torch.rand(shape, generator=gen) > 0.2
         assert_same_as_eager("native", "bitmask", keep.to(dtype) if dtype in (torch.bool, torch.uint8) else keep.to(dtype) / 0.9)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(300, 8, 256), (1100, 200), (2100, 70)])
+def test_native_outlier_paths_match_eager(dtype, shape):
+    # The native outlier codec's paths: no outlier channel (channel magnitudes on a ramp:
+    # every z-score below sqrt(3)); outlier channels in some groups only (the others take the
+    # loops without zeroing); in every group (one in 29 channels); element counts that do not
+    # divide the group size (70 x 2100 leaves a partial last group); every k-th row read in
+    # place for the statistics (k = 2, 4).
+    gen = torch.Generator().manual_seed(13)
+    channels = shape[-1]
+    x = torch.randn(shape, generator=gen).sign() * (1 + torch.arange(channels) / channels)
+    assert "outlier_index" not in codecs.get("outlier_int4", backend="native").encode(x.to(dtype)).tensors
+    assert_same_as_eager("native", "outlier_int4", x.to(dtype))
+    for outliers in ([3], [0, channels - 6], list(range(5, channels, 29))):
+        y = x.clone()
+        y[..., outliers] = y[..., outliers].sign() * 1000
+        payload = codecs.get("outlier_int4", backend="native").encode(y.to(dtype))
+        assert payload.tensors["outlier_index"].tolist() == outliers
+        assert_same_as_eager("native", "outlier_int4", y.to(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_outlier_choice_too_close_to_call_matches_eager(dtype):
+    # A z-score at the threshold itself, and channels whose sums are all equal (z = 0 / 0):
+    # the native choice leaves these to the reference's operations, which decide them.
+    from megatron_adacc.codecs.outlier import channel_abs_sums, statistics_rows
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(64, 96, generator=gen)
+    x[:, 7] *= 20
+    sums = channel_abs_sums(statistics_rows(x.to(dtype)))
+    z = ((sums - sums.mean()) / sums.std(unbiased=False))[7].item()
+    for threshold in (z, math.nextafter(z, 0), math.nextafter(z, math.inf)):
+        for backend in ("torch", "native"):
+            codec = codecs.get("outlier_int4", backend=backend, threshold=threshold)
+            assert ("outlier_index" in codec.encode(x.to(dtype)).tensors) == \
+                ("outlier_index" in codecs.get("outlier_int4", backend="torch", threshold=threshold).encode(x.to(dtype)).tensors)
+        eager = codecs.get("outlier_int4", backend="torch", threshold=threshold).encode(x.to(dtype))
+        native_payload = codecs.get("outlier_int4", backend="native", threshold=threshold).encode(x.to(dtype))
+        assert eager.tensors.keys() == native_payload.tensors.keys()
+        for key, tensor in eager.tensors.items():
+            assert torch.equal(tensor.view(-1).view(torch.uint8), native_payload.tensors[key].view(-1).view(torch.uint8)), key
+    constant = torch.full((64, 96), 0.75, dtype=dtype)
+    assert_same_as_eager("native", "outlier_int4", constant)
+
+
+@pytest.mark.parametrize("dtype", [torch.bool, torch.uint8, torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("numel", [64 * 1000, 64 * 1000 + 1, 64 * 1000 + 31, 64 * 1000 + 63])
+def test_native_bitmask_tails_match_eager(dtype, numel):
+    # Masks of whole vector steps (16, 32 or 64 elements) and tails of every kind past them,
+    # the value checked in the packing pass: a wrong value or a NaN in the tail is refused.
+    gen = torch.Generator().manual_seed(numel)
+    keep = torch.rand(numel, generator=gen) > 0.1
+    mask = keep.to(dtype) if dtype in (torch.bool, torch.uint8) else keep.to(dtype) / 0.9
+    assert_same_as_eager("native", "bitmask", mask)
+    if dtype in (torch.bool, torch.uint8):
+        return
+    codec = codecs.get("bitmask", backend="native")
+    for bad in (2.0, math.nan):
+        wrong = mask.clone()
+        wrong[-1] = bad
+        with pytest.raises(ValueError, match="mask"):
+            codec.encode(wrong)

@@ -43,3 +43,20 @@ def test_vector_path_matches_reference(flags, monkeypatch):
         for dtype in (torch.float32, torch.bfloat16, torch.float16):
             for x in inputs(name, dtype):
                 assert_same_as_eager("native", name, x)
+
+
+@pytest.mark.parametrize("flags", list(BUILDS))
+def test_channel_ranges_with_special_values_match_reference(flags, monkeypatch):
+    # channel_int4's column ranges over several chunks of rows (AVX2 bf16 takes them on int16
+    # keys, four blocks of codes at a time): infinities, NaN and signed zeros in whole blocks,
+    # columns of zeros, and columns stored raw among packed ones.
+    monkeypatch.setenv(native.CFLAGS_ENV_VAR, flags)
+    gen = torch.Generator().manual_seed(23)
+    x = torch.randn(70, 200, generator=gen)
+    x[3, 5], x[40, 6], x[66, 7] = math.inf, -math.inf, math.nan
+    x[:, 8] = -0.0
+    x[:, 9] = 0.0
+    x[::2, 10] = -0.0
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        assert_same_as_eager("native", "channel_int4", x.to(dtype))
+        assert_same_as_eager("native", "outlier_int4", x.to(dtype))

@@ -7,6 +7,12 @@ import torch
 _BIT_SHIFTS = torch.arange(8, dtype=torch.uint8)
 
 
+def mask_encode(flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The bitmask codec's payload of a flat mask: its bits (mask_pack) and, unless it is a
+    bool mask, its value (mask_value)."""
+    return mask_pack(flat), None if flat.dtype == torch.bool else mask_value(flat)
+
+
 def mask_pack(flat: torch.Tensor) -> torch.Tensor:
     """Flat tensor -> uint8 bytes holding (flat != 0), zero-padded to whole bytes."""
     bits = (flat != 0).to(torch.uint8)

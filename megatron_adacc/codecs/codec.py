@@ -17,7 +17,6 @@ from megatron_adacc.codecs.int4 import (
     split_exceptions,
     zero_channels,
 )
-from megatron_adacc.codecs.outlier import outlier_channels, statistics_rows
 from megatron_adacc.codecs.payload import Payload
 
 
@@ -196,7 +195,7 @@ class OutlierInt4(SymInt4):
 
     def _encode(self, x, kernels):
         rows = x.reshape(-1, _channels(x.shape))
-        is_outlier = outlier_channels(kernels.channel_abs_sums(statistics_rows(rows)), self.threshold)
+        is_outlier = kernels.outlier_channels(rows, self.threshold)
         zeroed = (rows.shape[1], is_outlier)
         tensors, ok, raw_groups, exact = self._quantize(rows, kernels, zeroed)
         outliers, unusable = _read_counts(is_outlier.count_nonzero(), (~ok).count_nonzero(),
@@ -313,10 +312,8 @@ class Bitmask(Codec):
 
     def _encode(self, x, kernels):
         flat = x.reshape(-1)
-        tensors = {"packed": kernels.mask_pack(flat)}
-        if x.dtype != torch.bool:
-            tensors["mask_value"] = kernels.mask_value(flat)
-        return tensors
+        packed, value = kernels.mask_encode(flat)
+        return {"packed": packed} if value is None else {"packed": packed, "mask_value": value}
 
     def _payload_bytes(self, shape, dtype, outlier_channels):
         value_bytes = 0 if dtype == torch.bool else dtype.itemsize  # the mask's one value

@@ -18,10 +18,9 @@ class Kernels:
     sym_decode: Callable
     asym_encode: Callable
     asym_decode: Callable
-    mask_pack: Callable
+    mask_encode: Callable
     mask_unpack: Callable
-    mask_value: Callable
-    channel_abs_sums: Callable
+    outlier_channels: Callable
     take_columns: Callable
     put_columns: Callable
 
@@ -31,10 +30,9 @@ REFERENCE = Kernels(
     sym_decode=symmetric.sym_decode,
     asym_encode=asymmetric.asym_encode,
     asym_decode=asymmetric.asym_decode,
-    mask_pack=bitmask.mask_pack,
+    mask_encode=bitmask.mask_encode,
     mask_unpack=bitmask.mask_unpack,
-    mask_value=bitmask.mask_value,
-    channel_abs_sums=outlier.channel_abs_sums,
+    outlier_channels=outlier.outlier_channels,
     take_columns=outlier.take_columns,
     put_columns=outlier.put_columns,
 )

@@ -17,14 +17,25 @@ def channel_abs_sums(x2d: torch.Tensor) -> torch.Tensor:
 STATISTICS_ROWS = 512
 
 
+def statistics_step(rows: int) -> int:
+    """k: the statistics read every k-th row, k = rows // STATISTICS_ROWS (1 below 2 * STATISTICS_ROWS)."""
+    return max(1, rows // STATISTICS_ROWS)
+
+
 def statistics_rows(x2d: torch.Tensor) -> torch.Tensor:
     """The rows whose channel_abs_sums choose the outlier channels: every k-th row of x2d
-    with k = rows // STATISTICS_ROWS (all rows below 2 * STATISTICS_ROWS), contiguous."""
-    step = max(1, x2d.shape[0] // STATISTICS_ROWS)
+    (statistics_step), contiguous."""
+    step = statistics_step(x2d.shape[0])
     return x2d if step == 1 else x2d[::step].contiguous()
 
 
-def outlier_channels(sums: torch.Tensor, threshold: float) -> torch.Tensor:
+def outlier_channels(x2d: torch.Tensor, threshold: float) -> torch.Tensor:
+    """The outlier codec's channels of x2d (a bool mask over its columns): those whose sum of
+    |x| over statistics_rows has a z-score above threshold (z_score_outliers)."""
+    return z_score_outliers(channel_abs_sums(statistics_rows(x2d)), threshold)
+
+
+def z_score_outliers(sums: torch.Tensor, threshold: float) -> torch.Tensor:
     """Which channels (a bool mask) have a sum of |x| (channel_abs_sums) whose z-score is
     above threshold. Device ops only, no host sync: the codec reads the count once.
 

@@ -7,7 +7,7 @@ it is built for the machine it runs on (-march=native). ADACC_NATIVE_CFLAGS adds
 flags after those (e.g. "-mno-avx512f" builds the AVX2 kernels on an AVX-512 machine), and is
 part of the key; vector_isa() names the vector path a build took.
 
-Covers row- and channel-grouped int4 (even row width), the outlier codec's channel sums,
+Covers row- and channel-grouped int4 (even row width), the outlier codec's channel choice,
 channel zeroing and exact channels, and masks of bool, uint8 and float dtypes; other cases run
 the reference.
 """
@@ -38,20 +38,19 @@ _SIGNATURES = {
     "sym_decode_rows": [_p, _p, _i64, _i64, _i32, _p, _i64, _i64, _i64, _p, _p],
     "sym_encode_cols": [_p, _i32, _i64, _i64, _f32, _p, _p, _p, _p, _p],
     "sym_decode_cols": [_p, _p, _i64, _i64, _i32, _p, _p],
-    "channel_abs_sums": [_p, _i32, _i64, _i64, _p, _p],
+    "outlier_channels": [_p, _i32, _i64, _i64, _i64, ctypes.c_double, _p, _p, _p],
     "asym_encode_rows": [_p, _i32, _i64, _i64, _f32, _p, _p, _p, _p],
     "asym_decode_rows": [_p, _p, _p, _i64, _i64, _i32, _p],
-    "mask_pack": [_p, _i32, _i32, _i64, _p],
+    "mask_encode": [_p, _i32, _i32, _i64, _p, _p],
     "mask_unpack": [_p, _i64, _p],
     "mask_unpack_values": [_p, _i64, _i32, _f32, _p],
-    "mask_value": [_p, _i32, _i64, _p],
     "take_columns": [_p, _i32, _i64, _i64, _p, _i64, _p],
     "put_columns": [_p, _i32, _i64, _i64, _p, _i64, _p],
     "vector_isa": [],
 }
-_RETURNS = {**{name: ctypes.c_int for name in ("mask_value", "sym_encode_rows", "sym_decode_rows", "take_columns",
+_RETURNS = {**{name: ctypes.c_int for name in ("mask_encode", "sym_encode_rows", "sym_decode_rows", "take_columns",
                                                "put_columns")},
-            "vector_isa": ctypes.c_char_p}
+            "outlier_channels": _i64, "vector_isa": ctypes.c_char_p}
 
 
 def _cpu_model() -> str:
@@ -63,7 +62,12 @@ def _cpu_model() -> str:
 
 def library() -> ctypes.CDLL:
     """The library for the current ADACC_NATIVE_CFLAGS (read on each call, built once per value)."""
-    return _build(tuple(shlex.split(os.environ.get(CFLAGS_ENV_VAR, ""))))
+    return _library_for(os.environ.get(CFLAGS_ENV_VAR, ""))
+
+
+@functools.cache
+def _library_for(cflags: str) -> ctypes.CDLL:  # every kernel call asks: splitting the flags each time cost 2 us
+    return _build(tuple(shlex.split(cflags)))
 
 
 def vector_isa() -> str:
@@ -177,13 +181,16 @@ def _native_exact(exact, dtype, shape2d) -> bool:
             and values.shape[1] == index.numel() and 0 < values.shape[0] * channels <= shape2d[0] * shape2d[1])
 
 
-def _channel_abs_sums(x2d):
-    if x2d.device.type != "cpu" or not x2d.is_contiguous():
-        return outlier.channel_abs_sums(x2d)
-    sums, scratch = torch.empty(2, x2d.shape[1], dtype=torch.float64)
-    library().channel_abs_sums(x2d.data_ptr(), _DTYPE_CODE[x2d.dtype], x2d.shape[0], x2d.shape[1],
-                               scratch.data_ptr(), sums.data_ptr())
-    return sums
+def _outlier_channels(x2d, threshold):
+    if x2d.device.type != "cpu" or not x2d.is_contiguous() or x2d.dtype not in _DTYPE_CODE:
+        return outlier.outlier_channels(x2d, threshold)
+    rows, cols = x2d.shape
+    sums = torch.empty(2 * cols, dtype=torch.float64)  # the sums, then scratch
+    mask = torch.empty(cols, dtype=torch.bool)
+    if library().outlier_channels(x2d.data_ptr(), _DTYPE_CODE[x2d.dtype], rows, cols, outlier.statistics_step(rows),
+                                  threshold, sums.data_ptr() + 8 * cols, sums.data_ptr(), mask.data_ptr()) < 0:
+        return outlier.outlier_channels(x2d, threshold)  # too close to call in another summation order
+    return mask
 
 
 def _asym_encode(x2d, dmax):
@@ -208,14 +215,18 @@ def _asym_decode(packed, scales, offsets, shape2d, dtype):
     return out
 
 
-def _mask_pack(flat):
+def _mask_encode(flat):
     if flat.device.type != "cpu" or not (flat.element_size() == 1 or flat.dtype in _DTYPE_CODE):
-        return bitmask.mask_pack(flat)
+        return bitmask.mask_encode(flat)
     flat = flat.contiguous()
     packed = torch.empty((flat.numel() + 7) // 8, dtype=torch.uint8)
-    library().mask_pack(flat.data_ptr(), _DTYPE_CODE.get(flat.dtype, 0), flat.element_size(), flat.numel(),
-                        packed.data_ptr())
-    return packed
+    checked, value = flat.dtype in _DTYPE_CODE, ctypes.c_float()  # float masks: the value checked in the same pass
+    if not library().mask_encode(flat.data_ptr(), _DTYPE_CODE.get(flat.dtype, 0), flat.element_size(), flat.numel(),
+                                 packed.data_ptr(), ctypes.byref(value) if checked else None):
+        raise bitmask.not_a_mask(flat.dtype)
+    if checked:
+        return packed, torch.tensor([value.value], dtype=flat.dtype)
+    return packed, None if flat.dtype == torch.bool else bitmask.mask_value(flat)
 
 
 def _mask_unpack(packed, numel, value=None):
@@ -229,16 +240,6 @@ def _mask_unpack(packed, numel, value=None):
     library().mask_unpack_values(packed.data_ptr(), numel, _DTYPE_CODE[value.dtype], value.item(),
                                  out.data_ptr())
     return out
-
-
-def _mask_value(flat):
-    if flat.device.type != "cpu" or flat.dtype not in _DTYPE_CODE:
-        return bitmask.mask_value(flat)
-    flat = flat.contiguous()
-    value = ctypes.c_float()
-    if not library().mask_value(flat.data_ptr(), _DTYPE_CODE[flat.dtype], flat.numel(), ctypes.byref(value)):
-        raise bitmask.not_a_mask(flat.dtype)
-    return torch.tensor([value.value], dtype=flat.dtype)
 
 
 def _native_columns(x2d: torch.Tensor, index: torch.Tensor, values: torch.Tensor | None = None) -> bool:
@@ -274,10 +275,9 @@ NATIVE_KERNELS = Kernels(
     sym_decode=_sym_decode,
     asym_encode=_asym_encode,
     asym_decode=_asym_decode,
-    mask_pack=_mask_pack,
+    mask_encode=_mask_encode,
     mask_unpack=_mask_unpack,
-    mask_value=_mask_value,
-    channel_abs_sums=_channel_abs_sums,
+    outlier_channels=_outlier_channels,
     take_columns=_take_columns,
     put_columns=_put_columns,
 )

@@ -362,10 +362,25 @@ INLINE int64_t pair_slot(int64_t c, int64_t cols) {
 }
 
 /* Element i of a group starting at `base` is zeroed unless keep[(base + i) % channels] (the
- * outlier codec's channels): keep (keep_mask) holds all-ones or 0 in the element width of
+ * outlier codec's channels): keep (zeroing_for) holds all-ones or 0 in the element width of
  * the input, for channels + BLOCK entries, keep[j] = keep[j % channels], so one load never
- * wraps. */
-typedef struct { const void *keep; int64_t channels; } Zeroing;
+ * wraps; zeroed_before[j] counts the zeroed channels below j (j <= channels). */
+typedef struct { const void *keep; const int32_t *zeroed_before; int64_t channels; } Zeroing;
+
+static const Zeroing NO_ZEROING = {NULL, NULL, 0};
+
+/* z for a group of `len` elements from channel ch if it holds a zeroed channel, else
+ * NO_ZEROING. Most groups hold no outlier channel: the kernels branch on this per group into
+ * loops compiled for NO_ZEROING, without the mask's AND and the channel counting (with them
+ * every group cost 10-15% more). */
+INLINE Zeroing group_zeroing(Zeroing z, int64_t ch, int64_t len) {
+    if (!z.keep || len >= z.channels) return z;
+    const int32_t *before = z.zeroed_before;
+    const int64_t end = ch + len;
+    const int32_t n = end <= z.channels ? before[end] - before[ch]
+                                        : before[z.channels] - before[ch] + before[end - z.channels];
+    return n ? z : NO_ZEROING;
+}
 
 INLINE int64_t first_channel(Zeroing z, int64_t base) { return z.keep ? base % z.channels : 0; }
 
@@ -485,14 +500,26 @@ INLINE void pack_group(const void *x, int64_t base, int64_t cols, int dtype, Zer
     int64_t c = 0;
     vf mul_even = splat(inv), mul_odd = mul_even;
 #ifdef BF16_FOUR_BLOCKS
-    if (dtype == 1 && !col.inv)
+    if (dtype == 1)
         for (; c + 4 * BLOCK <= cols; c += 4 * BLOCK) {
             vi even[4], odd[4];
             for (int b = 0; b < 4; b++) {
-                Pair p = load_pair(x, base + c + b * BLOCK, dtype, keep_at(z, ch, dtype));
+                const int64_t at = c + b * BLOCK;
+                Pair p = load_pair(x, base + at, dtype, keep_at(z, ch, dtype));
                 ch = next_channel(z, ch, BLOCK);
+                if (col.inv) {
+                    memcpy(&mul_even, col.inv + at, sizeof mul_even);
+                    memcpy(&mul_odd, col.inv + at + LANES, sizeof mul_odd);
+                }
                 even[b] = __builtin_convertvector((p.even - shift) * mul_even + bias, vi);
                 odd[b] = __builtin_convertvector((p.odd - shift) * mul_odd + bias, vi);
+                if (col.ok) { /* code 8 in the unusable columns */
+                    vi ok_even, ok_odd;
+                    memcpy(&ok_even, col.ok + at, sizeof ok_even);
+                    memcpy(&ok_odd, col.ok + at + LANES, sizeof ok_odd);
+                    even[b] = (even[b] & ok_even) | (8 & ~ok_even);
+                    odd[b] = (odd[b] & ok_odd) | (8 & ~ok_odd);
+                }
             }
             pack_four_blocks(even, odd, out + c / 2);
         }
@@ -587,7 +614,6 @@ INLINE void asym_scales(vf lo, vf hi, vi finite, float dmax, vf *scale, vf *inv,
     }
 
 static const Columns NO_COLUMNS = {NULL, NULL};
-static const Zeroing NO_ZEROING = {NULL, 0};
 
 /* Ranges of the groups of rows [r0, r0 + n), n <= LANES, the first starting at channel ch, as
  * vectors (lane g: group r0 + g); lanes past n unusable. Each group leaves lane-wise partial
@@ -602,7 +628,9 @@ INLINE void batch_ranges(const void *x, int dtype, int64_t r0, int64_t n, int64_
     for (int64_t g = 0; g < LANES; g++) {
         const int p = BIT_REVERSED[g];
         if (g < n) {
-            group_blocks(x, (r0 + g) * cols, cols, dtype, z, ch, &lows[p], &highs[p], &poisons[p]);
+            if (group_zeroing(z, ch, cols).keep)
+                group_blocks(x, (r0 + g) * cols, cols, dtype, z, ch, &lows[p], &highs[p], &poisons[p]);
+            else group_blocks(x, (r0 + g) * cols, cols, dtype, NO_ZEROING, 0, &lows[p], &highs[p], &poisons[p]);
             ch = next_channel(z, ch, cols);
         } else {
             lows[p] = splat(INFINITY);
@@ -630,7 +658,7 @@ INLINE void batch_ranges(const void *x, int dtype, int64_t r0, int64_t n, int64_
     if (cols % BLOCK) /* rows of odd widths (naive_int4's): the elements past the whole blocks */
         for (int64_t g = 0, ch = ch0; g < n; g++, ch = next_channel(z, ch, cols)) {
             float l = (*lo)[g], h = (*hi)[g];
-            int ok = group_tail(x, (r0 + g) * cols, cols, dtype, z, ch, &l, &h);
+            int ok = group_tail(x, (r0 + g) * cols, cols, dtype, group_zeroing(z, ch, cols), ch, &l, &h);
             (*lo)[g] = l;
             (*hi)[g] = h;
             (*finite)[g] &= -ok;
@@ -651,7 +679,9 @@ INLINE void sym_encode_batch(const void *x, int dtype, int64_t r0, int64_t n, in
         scales[r0 + g] = bf16_bits(scale[g]);
         ok_out[r0 + g] = ok[g] != 0;
         if (!ok[g]) memset(out, 0x88, (size_t)(cols / 2));
-        else pack_group(x, (r0 + g) * cols, cols, dtype, z, ch, 0.0f, inv[g], 8.5f, NO_COLUMNS, out);
+        else if (group_zeroing(z, ch, cols).keep)
+            pack_group(x, (r0 + g) * cols, cols, dtype, z, ch, 0.0f, inv[g], 8.5f, NO_COLUMNS, out);
+        else pack_group(x, (r0 + g) * cols, cols, dtype, NO_ZEROING, 0, 0.0f, inv[g], 8.5f, NO_COLUMNS, out);
     }
 }
 
@@ -662,16 +692,23 @@ static int indices_in_range(const int64_t *index, int64_t n, int64_t limit) {
     return 1;
 }
 
-/* Zeroing's keep for int4.zero_channels' (channels, index), in the element width of dtype;
- * NULL if it cannot be allocated. */
-static void *keep_mask(int dtype, int64_t channels, const int64_t *index, int64_t n) {
-    const size_t width = dtype == 0 ? 4 : 2;
-    char *keep = malloc((size_t)(channels + BLOCK) * width);
-    if (!keep) return NULL;
+/* The Zeroing of int4.zero_channels' (channels, index), index strictly increasing, in the
+ * element width of dtype, in one allocation (its keep, to free); NO_ZEROING if that fails. */
+static Zeroing zeroing_for(int dtype, int64_t channels, const int64_t *index, int64_t n) {
+    const size_t width = dtype == 0 ? 4 : 2, keep_bytes = ((size_t)(channels + BLOCK) * width + 3) & ~(size_t)3;
+    char *keep = malloc(keep_bytes + (size_t)(channels + 1) * sizeof(int32_t));
+    if (!keep) return NO_ZEROING;
     memset(keep, 0xFF, (size_t)channels * width);
     for (int64_t k = 0; k < n; k++) memset(keep + index[k] * width, 0, width);
     for (int64_t j = channels; j < channels + BLOCK; j++) memcpy(keep + j * width, keep + j % channels * width, width);
-    return keep;
+    int32_t *before = (int32_t *)(keep + keep_bytes);
+    before[0] = 0;
+    for (int64_t j = 0, k = 0; j < channels; j++) {
+        const int zeroed = k < n && index[k] == j;
+        k += zeroed;
+        before[j + 1] = before[j] + zeroed;
+    }
+    return (Zeroing){keep, before, channels};
 }
 
 /* The outlier codec's exact channels, in a tensor seen as rows of `channels` values: row r
@@ -726,10 +763,9 @@ INLINE void copy_exact(Exact e, void *tensor, int elem_size, int64_t begin, int6
 int sym_encode_rows(const void *x, int dtype, int64_t rows, int64_t cols, float dmax, const int64_t *zeroed,
                     int64_t n_zeroed, int64_t channels, void *exact, uint8_t *packed, uint16_t *scales,
                     uint8_t *ok_out) {
-    void *keep = NULL;
-    if (n_zeroed && (!indices_increasing(zeroed, n_zeroed, channels) || !(keep = keep_mask(dtype, channels, zeroed, n_zeroed))))
-        return 0;
-    const Zeroing z = {keep, channels};
+    if (n_zeroed && !indices_increasing(zeroed, n_zeroed, channels)) return 0;
+    const Zeroing z = n_zeroed ? zeroing_for(dtype, channels, zeroed, n_zeroed) : NO_ZEROING;
+    if (n_zeroed && !z.keep) return 0;
     const Exact e = {zeroed, n_zeroed, channels, exact};
     const int elem_size = dtype == 0 ? 4 : 2;
     #pragma omp parallel for schedule(static)
@@ -740,7 +776,7 @@ int sym_encode_rows(const void *x, int dtype, int64_t rows, int64_t cols, float 
 #undef CALL
         if (exact) copy_exact(e, (void *)x, elem_size, r0 * cols, (r0 + n) * cols, 1);
     }
-    free(keep);
+    free((void *)z.keep);
     return 1;
 }
 
@@ -774,9 +810,8 @@ int sym_decode_rows(const uint8_t *packed, const uint16_t *scales, int64_t rows,
  * each block's running values kept in registers across them: walking each column down all
  * rows measured 1.6x slower, updating the arrays row by row 2.3x. */
 #define CHUNK_ROWS 16
-/* The channel sums' prefetch distance along each row, and the blocks they add per row step:
- * two, a whole cache line of bf16 with AVX2 (one block, half a line, measured 1.2x slower). */
-#define SUM_PREFETCH (PREFETCH_BYTES / 4)
+/* The blocks the channel sums add per row step: two, a whole cache line of bf16 with AVX2 (one
+ * block, half a line, measured 1.2x slower). */
 #define SUM_BLOCKS 2
 
 /* The column whose values sit at Pair-layout slot s (the inverse of pair_slot). */
@@ -844,50 +879,55 @@ INLINE int64_t abs_sum_column(int64_t s, int64_t cols, int dtype) {
     return s - j + (dtype == 1 ? 4 * lane + quarter : quarter / 2 * LANES + 2 * lane + quarter % 2);
 }
 
-/* Adds |x| of rows [r0, r0 + n) to the running sums of `blocks` blocks of columns from c, in
- * float64, kept in abs_doubles' order, the sums in registers across the chunk's rows as
- * update_column_ranges does: adding into the array row by row stored every sum once per row
- * and ran at a third of a copy's speed. Each column still adds its rows in row order. */
-INLINE void add_block_sums(const void *x, int dtype, int64_t r0, int64_t n, int64_t cols, int64_t c, int blocks,
+/* Adds |x| of rows [r0, r0 + n) (row r at element r * stride) to the running sums of `blocks`
+ * blocks of columns from c, in float64, kept in abs_doubles' order, the sums in registers
+ * across the chunk's rows as update_column_ranges does: adding into the array row by row
+ * stored every sum once per row and ran at a third of a copy's speed. Each column still adds
+ * its rows in row order. */
+INLINE void add_block_sums(const void *x, int dtype, int64_t r0, int64_t n, int64_t stride, int64_t c, int blocks,
                            double *sums) {
     vd_unaligned *at = (vd_unaligned *)(sums + c);
     vd s[4 * SUM_BLOCKS];
     for (int k = 0; k < 4 * blocks; k++) s[k] = at[k];
     for (int64_t r = r0; r < r0 + n; r++) {
-        /* CHUNK_ROWS streams at once: a short distance, into L2 (PREFETCH_BYTES into L1 measured 25% slower) */
-        __builtin_prefetch((const char *)x + (r * cols + c) * (dtype == 0 ? 4 : 2) + SUM_PREFETCH, 0, 2);
+        /* CHUNK_ROWS streams at once, into L2 (into L1 measured 25% slower): these lines of the
+         * next chunk's row, whose start the prefetchers miss (the statistics rows lie apart);
+         * 512 bytes ahead in the same row measured 10% slower */
+        const char *next = (const char *)x + ((r + n) * stride + c) * (dtype == 0 ? 4 : 2);
+        for (int line = 0; line < blocks * BLOCK * (dtype == 0 ? 4 : 2); line += 64) __builtin_prefetch(next + line, 0, 2);
         for (int b = 0; b < blocks; b++) {
             vd d[4];
-            abs_doubles(x, r * cols + c + b * BLOCK, dtype, d);
+            abs_doubles(x, r * stride + c + b * BLOCK, dtype, d);
             for (int k = 0; k < 4; k++) s[4 * b + k] += d[k];
         }
     }
     for (int k = 0; k < 4 * blocks; k++) at[k] = s[k];
 }
 
-/* Adds |x| of rows [r0, r0 + n) to the running sums of columns [first, last) (scaled, in
- * abs_doubles' order past the last whole block too). */
-INLINE void update_column_abs_sums(const void *x, int dtype, int64_t r0, int64_t n, int64_t cols, int64_t first,
+/* Adds |x| of rows [r0, r0 + n) (row r at element r * stride) to the running sums of columns
+ * [first, last) (scaled, in abs_doubles' order past the last whole block too). */
+INLINE void update_column_abs_sums(const void *x, int dtype, int64_t r0, int64_t n, int64_t stride, int64_t first,
                                    int64_t last, double *sums) {
     int64_t c = first;
-    for (; c + SUM_BLOCKS * BLOCK <= last; c += SUM_BLOCKS * BLOCK) add_block_sums(x, dtype, r0, n, cols, c, SUM_BLOCKS, sums);
-    for (; c + BLOCK <= last; c += BLOCK) add_block_sums(x, dtype, r0, n, cols, c, 1, sums);
+    for (; c + SUM_BLOCKS * BLOCK <= last; c += SUM_BLOCKS * BLOCK) add_block_sums(x, dtype, r0, n, stride, c, SUM_BLOCKS, sums);
+    for (; c + BLOCK <= last; c += BLOCK) add_block_sums(x, dtype, r0, n, stride, c, 1, sums);
     for (; c < last; c++)
-        for (int64_t r = r0; r < r0 + n; r++) sums[c] += fabs((double)load(x, r * cols + c, dtype)) / SCALED_SUM(dtype);
+        for (int64_t r = r0; r < r0 + n; r++) sums[c] += fabs((double)load(x, r * stride + c, dtype)) / SCALED_SUM(dtype);
 }
 
 /* Column c's sum of |x| from its scaled sum (abs_doubles' doubles added): summed again in row
  * order, as the reference does, where it may hold an infinity or a NaN. */
-static double finish_abs_sum(const void *x, int dtype, int64_t rows, int64_t cols, int64_t c, double scaled) {
+static double finish_abs_sum(const void *x, int dtype, int64_t rows, int64_t stride, int64_t c, double scaled) {
     if (dtype == 2 || scaled < SCALED_NON_FINITE) return scaled * SCALED_SUM(dtype);
     double sum = 0.0;
-    for (int64_t r = 0; r < rows; r++) sum += fabs((double)load(x, r * cols + c, dtype));
+    for (int64_t r = 0; r < rows; r++) sum += fabs((double)load(x, r * stride + c, dtype));
     return sum;
 }
 
-/* sums[c] = sum over rows of |x[r][c]|, in float64 (outlier.channel_abs_sums), each column's
- * rows added in row order. scratch: cols doubles. */
-void channel_abs_sums(const void *x, int dtype, int64_t rows, int64_t cols, double *scratch, double *sums) {
+/* sums[c] = sum over rows of |x[r][c]| with row r at element r * stride, in float64
+ * (outlier.channel_abs_sums), each column's rows added in row order. scratch: cols doubles. */
+static void channel_abs_sums(const void *x, int dtype, int64_t rows, int64_t cols, int64_t stride, double *scratch,
+                             double *sums) {
     #pragma omp parallel
     {
         int64_t first, last;
@@ -895,15 +935,57 @@ void channel_abs_sums(const void *x, int dtype, int64_t rows, int64_t cols, doub
         for (int64_t c = first; c < last; c++) scratch[c] = 0.0;
         for (int64_t r0 = 0; r0 < rows; r0 += CHUNK_ROWS) {
             int64_t n = rows - r0 < CHUNK_ROWS ? rows - r0 : CHUNK_ROWS;
-#define CALL(t) update_column_abs_sums(x, t, r0, n, cols, first, last, scratch)
+#define CALL(t) update_column_abs_sums(x, t, r0, n, stride, first, last, scratch)
             DTYPE_CASES(CALL)
 #undef CALL
         }
         for (int64_t s = first; s < last; s++) {
             const int64_t c = abs_sum_column(s, cols, dtype);
-            sums[c] = finish_abs_sum(x, dtype, rows, cols, c, scratch[s]);
+            sums[c] = finish_abs_sum(x, dtype, rows, stride, c, scratch[s]);
         }
     }
+}
+
+/* A z-score this close to the threshold (relative to the terms it is made of) may fall on
+ * either side with another summation order than the reference's (PyTorch's, which depends on
+ * its vector width). Rounding moves it by about (rows + channels) * 2^-53 of those terms:
+ * 1e-6 leaves a margin of orders of magnitude for any tensor. */
+#define Z_MARGIN 1e-6
+
+/* outlier.outlier_channels(outlier.channel_abs_sums(outlier.statistics_rows(x))) for the
+ * [rows, cols] input, the sample's rows (every step-th) read in place: mask[c] = 1 for the
+ * chosen channels, 0 for the others; returns their count. The z-scores
+ * come from the sums in one scan in C where the reference makes ten small tensor operations.
+ * Returns -1 where a z-score lies within Z_MARGIN of the threshold, or all finite sums are
+ * (nearly) equal: the caller then runs the reference's choice. scratch: cols doubles. */
+int64_t outlier_channels(const void *x, int dtype, int64_t rows, int64_t cols, int64_t step, double threshold,
+                         double *scratch, double *sums, uint8_t *mask) {
+    channel_abs_sums(x, dtype, (rows + step - 1) / step, cols, step * cols, scratch, sums);
+    int64_t finite = 0;
+    double total = 0.0, squares = 0.0;
+    for (int64_t c = 0; c < cols; c++)
+        if (isfinite(sums[c])) {
+            finite++;
+            total += sums[c];
+        }
+    const double mean = total / (double)finite;
+    for (int64_t c = 0; c < cols; c++)
+        if (isfinite(sums[c])) squares += (sums[c] - mean) * (sums[c] - mean);
+    const double std = sqrt(squares / (double)finite), spread = fabs(mean) / std;
+    const int scored = finite >= 2; /* the reference's z-scores need two finite channels */
+    if (scored && !(std > 0.0 && spread < 1.0 / Z_MARGIN)) return -1;
+    int64_t chosen = 0;
+    for (int64_t c = 0; c < cols; c++) {
+        int outlier = !isfinite(sums[c]);
+        if (!outlier && scored) {
+            const double z = (sums[c] - mean) / std;
+            if (fabs(z - threshold) <= Z_MARGIN * (1.0 + fabs(z) + spread)) return -1;
+            outlier = z > threshold;
+        }
+        mask[c] = (uint8_t)outlier;
+        chosen += outlier;
+    }
+    return chosen;
 }
 
 /* The outlier codec's exact channels: out[r][k] = x[r][index[k]] (take_columns) and back
@@ -939,6 +1021,35 @@ int put_columns(void *x, int elem_size, int64_t rows, int64_t cols, const int64_
 INLINE void update_column_ranges(const void *x, int dtype, int64_t r0, int64_t n, int64_t cols, int64_t first,
                                  int64_t last, float *lo, float *hi, float *poison) {
     int64_t c = first;
+#ifdef BF16_KEY_RANGES
+    /* bf16 on int16 keys (bf16_keys), in element order within the chunk: a min and a max per
+     * block where the floats took two splits, two of each and the poison (the pass ran at 3/4
+     * of AVX-512's speed). The poison follows from the range, as in bf16_group_blocks. */
+    if (dtype == 1)
+        for (; c + BLOCK <= last; c += BLOCK) {
+            vf_unaligned *lo_at = (vf_unaligned *)(lo + c), *hi_at = (vf_unaligned *)(hi + c);
+            vf_unaligned *bad_at = (vf_unaligned *)(poison + c);
+            /* Pair layout -> the bf16 bits in element order (the running values are bf16's) */
+            vkey low = bf16_keys((vkey)(((vu)lo_at[0] >> 16) | ((vu)lo_at[1] & 0xFFFF0000u)));
+            vkey high = bf16_keys((vkey)(((vu)hi_at[0] >> 16) | ((vu)hi_at[1] & 0xFFFF0000u)));
+            for (int64_t r = r0; r < r0 + n; r++) {
+                vkey w;
+                memcpy(&w, (const uint16_t *)x + r * cols + c, sizeof w);
+                vkey key = bf16_keys(w);
+                low = key_min(low, key);
+                high = key_max(high, key);
+            }
+            vu l = (vu)bf16_keys(low), h = (vu)bf16_keys(high);
+            vf l_even = (vf)(l << 16), l_odd = (vf)(l & 0xFFFF0000u);
+            vf h_even = (vf)(h << 16), h_odd = (vf)(h & 0xFFFF0000u);
+            lo_at[0] = l_even;
+            lo_at[1] = l_odd;
+            hi_at[0] = h_even;
+            hi_at[1] = h_odd;
+            bad_at[0] = (l_even - l_even) + (h_even - h_even);
+            bad_at[1] = (l_odd - l_odd) + (h_odd - h_odd);
+        }
+#endif
     for (; c + BLOCK <= last; c += BLOCK) {
         vf_unaligned *lo_at = (vf_unaligned *)(lo + c), *hi_at = (vf_unaligned *)(hi + c);
         vf_unaligned *bad_at = (vf_unaligned *)(poison + c);
@@ -1157,6 +1268,25 @@ INLINE int64_t stepped_elements(int64_t numel, int elem_size) {
 #endif
 }
 
+#ifdef MASK_STEPS
+/* A step's flags from and to the packed bytes, in a load or store of their width: a copy of a
+ * variable size into a zeroed 64-bit word stalled each step on store forwarding (the float32
+ * decode ran at a third of a copy's speed). */
+INLINE uint64_t load_step_flags(const uint8_t *packed, int elem_size) {
+    if (elem_size == 4) { uint16_t f; memcpy(&f, packed, 2); return f; }
+    if (elem_size == 2) { uint32_t f; memcpy(&f, packed, 4); return f; }
+    uint64_t f;
+    memcpy(&f, packed, 8);
+    return f;
+}
+
+INLINE void store_step_flags(uint8_t *packed, uint64_t flags, int elem_size) {
+    if (elem_size == 4) { uint16_t f = (uint16_t)flags; memcpy(packed, &f, 2); }
+    else if (elem_size == 2) { uint32_t f = (uint32_t)flags; memcpy(packed, &f, 4); }
+    else memcpy(packed, &flags, 8);
+}
+#endif
+
 static inline uint8_t pack_byte_flags(const uint8_t *x) {
     uint64_t v;
     memcpy(&v, x, 8);
@@ -1167,14 +1297,42 @@ static inline uint8_t pack_byte_flags(const uint8_t *x) {
     return (uint8_t)((v * 0x0102040810204080ull) >> 56); /* gather bit 0 of byte j into bit j */
 }
 
-void mask_pack(const void *x, int dtype, int elem_size, int64_t numel, uint8_t *packed) {
+/* The bits of `value` in the element type (dtype as above). */
+static inline uint32_t value_bits(float value, int dtype) {
+    if (dtype == 0) return float_to_bits(value);
+    if (dtype == 1) return bf16_bits(value);
+    _Float16 h = (_Float16)value;
+    uint16_t bits;
+    memcpy(&bits, &h, 2);
+    return bits;
+}
+
+/* bitmask.mask_pack and, with `value` (float dtypes, dtype as above), bitmask.mask_value in the
+ * same pass: one read of the mask where the two took one each. The value is the first non-zero
+ * element (+0 if none), in *value; returns 0 unless every element is 0 or that value (NaN
+ * never is), 1 otherwise and always without `value`. */
+int mask_encode(const void *x, int dtype, int elem_size, int64_t numel, uint8_t *packed, float *value) {
     const int64_t bytes = (numel + 7) / 8, stepped = stepped_elements(numel, elem_size);
+    const int checked = value != NULL;
+    float v = 0.0f;
+    if (checked) {
+        int64_t first = 0;
+        while (first < numel && (v = load(x, first, dtype)) == 0.0f) first++;
+        v = first < numel ? v : 0.0f;
+    }
+    int ok = v == v;
 #ifdef MASK_STEPS
+    /* an element passes if it is +-0 or has v's bits (v is neither zero nor NaN, so equal
+     * floats have equal bits) */
     const int64_t per_step = MASK_STEP_BYTES / elem_size;
-    #pragma omp parallel for schedule(static)
+    const uint32_t bits = checked ? value_bits(v, dtype) : 0;
+    const uint64_t all = per_step == 64 ? ~0ull : (1ull << per_step) - 1;
+    #pragma omp parallel for reduction(&:ok) schedule(static)
     for (int64_t e = 0; e < stepped; e += per_step) {
-        uint64_t flags = step_flags((const char *)x + e * elem_size, elem_size);
-        memcpy(packed + e / 8, &flags, (size_t)(per_step / 8));
+        const char *at = (const char *)x + e * elem_size;
+        const uint64_t flags = step_flags(at, elem_size);
+        store_step_flags(packed + e / 8, flags, elem_size);
+        if (checked) ok &= ((~flags | step_equal(at, elem_size, bits)) & all) == all;
     }
 #endif
     const int64_t whole = elem_size == 1 ? numel / 8 : stepped / 8;
@@ -1182,16 +1340,24 @@ void mask_pack(const void *x, int dtype, int elem_size, int64_t numel, uint8_t *
         #pragma omp parallel for schedule(static)
         for (int64_t i = stepped / 8; i < whole; i++) packed[i] = pack_byte_flags((const uint8_t *)x + i * 8);
     }
-    #pragma omp parallel for schedule(static)
+    #pragma omp parallel for reduction(&:ok) schedule(static)
     for (int64_t i = whole; i < bytes; i++) {
         uint8_t byte = 0;
         for (int64_t j = 0; j < 8 && i * 8 + j < numel; j++) {
             int64_t k = i * 8 + j;
-            int set = elem_size == 1 ? ((const uint8_t *)x)[k] != 0 : load(x, k, dtype) != 0.0f;
+            int set;
+            if (elem_size == 1) set = ((const uint8_t *)x)[k] != 0;
+            else {
+                const float e = load(x, k, dtype);
+                set = e != 0.0f;
+                ok &= !checked | (e == 0.0f) | (e == v);
+            }
             byte |= (uint8_t)(set << j);
         }
         packed[i] = byte;
     }
+    if (checked) *value = v;
+    return ok;
 }
 
 static uint64_t spread_bits[256]; /* bit j of the index -> byte j of the entry */
@@ -1208,47 +1374,6 @@ void mask_unpack(const uint8_t *packed, int64_t numel, uint8_t *flags) {
     for (int64_t k = whole * 8; k < numel; k++) flags[k] = (packed[k >> 3] >> (k & 7)) & 1;
 }
 
-/* The bits of `value` in the element type (dtype as above). */
-static inline uint32_t value_bits(float value, int dtype) {
-    if (dtype == 0) return float_to_bits(value);
-    if (dtype == 1) return bf16_bits(value);
-    _Float16 h = (_Float16)value;
-    uint16_t bits;
-    memcpy(&bits, &h, 2);
-    return bits;
-}
-
-/* bitmask.mask_value for float dtypes: the first non-zero element (+0 if none) in *value;
- * returns 0 unless every element is 0 or that value (NaN never is). */
-int mask_value(const void *x, int dtype, int64_t numel, float *value) {
-    const int elem_size = dtype == 0 ? 4 : 2;
-    int64_t first = 0;
-    float v = 0.0f;
-    while (first < numel && (v = load(x, first, dtype)) == 0.0f) first++;
-    v = first < numel ? v : 0.0f;
-    int ok = v == v;
-    const int64_t stepped = ok ? stepped_elements(numel, elem_size) : 0;
-#ifdef MASK_STEPS
-    /* an element passes if it is +-0 or has v's bits (v is neither zero nor NaN, so equal
-     * floats have equal bits) */
-    const int64_t per_step = MASK_STEP_BYTES / elem_size;
-    const uint32_t bits = value_bits(v, dtype);
-    const uint64_t all = per_step == 64 ? ~0ull : (1ull << per_step) - 1;
-    #pragma omp parallel for reduction(&:ok) schedule(static)
-    for (int64_t e = 0; e < stepped; e += per_step) {
-        const char *at = (const char *)x + e * elem_size;
-        ok &= ((~step_flags(at, elem_size) | step_equal(at, elem_size, bits)) & all) == all;
-    }
-#endif
-    #pragma omp parallel for reduction(&:ok) schedule(static)
-    for (int64_t k = stepped > first ? stepped : first; k < numel; k++) {
-        float e = load(x, k, dtype);
-        ok &= (e == 0.0f) | (e == v);
-    }
-    *value = v;
-    return ok;
-}
-
 /* bitmask.mask_unpack with a value: `value` where the flag is set, +0 elsewhere, as the
  * bit pattern of the output dtype. */
 void mask_unpack_values(const uint8_t *packed, int64_t numel, int dtype, float value, void *out) {
@@ -1259,9 +1384,7 @@ void mask_unpack_values(const uint8_t *packed, int64_t numel, int dtype, float v
     const int64_t per_step = MASK_STEP_BYTES / elem_size;
     #pragma omp parallel for schedule(static)
     for (int64_t e = 0; e < stepped; e += per_step) {
-        uint64_t flags = 0;
-        memcpy(&flags, packed + e / 8, (size_t)(per_step / 8));
-        step_expand(flags, elem_size, bits, (char *)out + e * elem_size);
+        step_expand(load_step_flags(packed + e / 8, elem_size), elem_size, bits, (char *)out + e * elem_size);
     }
 #endif
     #pragma omp parallel for schedule(static)

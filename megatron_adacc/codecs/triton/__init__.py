@@ -31,10 +31,10 @@ def _sym_encode(x2d, reduce_dim, dmax, zeroed=None):
     return (*sym_int4.sym_encode_rows(x2d, dmax, zeroed), None)
 
 
-def _channel_abs_sums(x2d):
+def _outlier_channels(x2d, threshold):
     if not x2d.is_contiguous():
-        return outlier.channel_abs_sums(x2d)
-    return sym_int4.channel_abs_sums(x2d)
+        return outlier.outlier_channels(x2d, threshold)
+    return outlier.z_score_outliers(sym_int4.channel_abs_sums(outlier.statistics_rows(x2d)), threshold)
 
 
 def _sym_decode(packed, scales, shape2d, reduce_dim, dtype, exact=None):
@@ -55,6 +55,10 @@ def _asym_decode(packed, scales, offsets, shape2d, dtype):
     return asym_int4.asym_decode_rows(packed, scales, offsets, shape2d, dtype)
 
 
+def _mask_encode(flat):
+    return bitmask.mask_pack(flat), None if flat.dtype == torch.bool else reference_bitmask.mask_value(flat)
+
+
 def _mask_unpack(packed, numel, value=None):
     return reference_bitmask.expand_flags(bitmask.mask_unpack(packed, numel), value)
 
@@ -64,10 +68,9 @@ TRITON_KERNELS = Kernels(
     sym_decode=_sym_decode,
     asym_encode=_asym_encode,
     asym_decode=_asym_decode,
-    mask_pack=bitmask.mask_pack,
+    mask_encode=_mask_encode,
     mask_unpack=_mask_unpack,
-    mask_value=reference_bitmask.mask_value,
-    channel_abs_sums=_channel_abs_sums,
+    outlier_channels=_outlier_channels,
     take_columns=outlier.take_columns,
     put_columns=outlier.put_columns,
 )
