@@ -13,10 +13,15 @@ layer has the same shape), so the numbers describe what the runtime will really 
 - codecs: a step per candidate round in which the measured layer compresses every site with
   a candidate codec. Payload bytes are what the ruler counts in that step; encode and decode
   times are the medians of re-running the codec on the tensors the runtime handed it.
-- rebuild: a step per site in which the measured layer recomputes only that site; the
-  runtime's rebuild is re-run and timed at the point backward asks for it. A site an
-  operator rebuilds (sites.REBUILDS) runs only that operator: one step per operator, its
-  output recomputed, gives the operator's own time. Any other site's rebuild re-runs
+- rebuild: steps in which the measured layer recomputes only that site; the runtime's
+  rebuild is timed where backward asks for it, once per step (the median of ``repeats``
+  steps), because that is what training pays: its sources were saved in forward and are
+  read cold, and the rebuild writes fresh memory. Re-running it warm on the spot measured
+  0.5-0.8 of that on this CPU (issue 26: SwiGLU's operator 2.9 ms warm, 5.2 ms in the
+  step). A site an operator rebuilds (sites.REBUILDS) runs only that operator: steps with
+  every product of the operator recomputed (as plans recompute them: an operator that
+  must save a wanted site runs with grad and its sources requiring it) give the operator's
+  own time. Any other site's rebuild re-runs
   Megatron's forward segment (attention from layer_in, MLP from ln2_in) from its start up
   to the site, so the measurement is the site's ``rebuild_s``: what rebuilding costs when it
   is the deepest recomputed site of its segment (the planner combines these into a layer's
@@ -91,23 +96,24 @@ def device_name(device: torch.device | None = None) -> str:
     return f"{cpu} ({torch.get_num_threads()} threads)"
 
 
+def seconds(fn: Callable[[], object], device: torch.device) -> float:
+    """Wall time of one call of ``fn`` (CUDA: device events)."""
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+    began = time.perf_counter()
+    fn()
+    return time.perf_counter() - began
+
+
 def median_seconds(fn: Callable[[], object], repeats: int, device: torch.device) -> float:
     """Median wall time of ``fn`` after one warm-up call (CUDA: device events)."""
     fn()
-    times = []
-    for _ in range(max(1, repeats)):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
-            began = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - began)
-    return statistics.median(times)
+    return statistics.median(seconds(fn, device) for _ in range(max(1, repeats)))
 
 
 # --- instruments ------------------------------------------------------------------------------
@@ -281,27 +287,27 @@ class _Profiling:
                          encode_s=encode_s, decode_s=decode_s)
 
     # --- recompute ---------------------------------------------------------------------------
-    def rebuild_seconds(self, name: str) -> float:
-        """Median time of the runtime's rebuild when ``name`` is the only recomputed site."""
+    def rebuild_seconds(self, names: Sequence[str]) -> float:
+        """The runtime's rebuild when ``names`` are the only recomputed sites, timed in the
+        step where backward asks for it: the median over ``repeats`` steps."""
         measured: list[float] = []
         original = self.layer._rebuild
 
         def timed_rebuild(call):
-            def once():
-                call.cache.clear()
-                original(call)
-            measured.append(median_seconds(once, self.repeats, self.device))
+            measured.append(seconds(lambda: original(call), self.device))
 
         # The layer hands its bound `_rebuild` to each forward call; an instance attribute
-        # shadows it for the one step measured here.
+        # shadows it for the steps measured here.
         self.layer._rebuild = timed_rebuild
         try:
-            self.step({name: Decision(RECOMPUTE)})
+            for _ in range(max(1, self.repeats)):
+                self.step({name: Decision(RECOMPUTE) for name in names})
         finally:
             del self.layer._rebuild
         if not measured:
-            raise RuntimeError(f"site {name}: backward never asked for the rebuilt value")
-        return measured[0]
+            raise RuntimeError(f"sites {', '.join(names)}: backward never asked for the "
+                               "rebuilt values")
+        return statistics.median(measured)
 
 
 def _nondecreasing(values: Sequence[float]) -> list[float]:
@@ -362,12 +368,12 @@ def _profile(run: _Profiling) -> ModelCosts:
     known = [name for name in order if name in site_table.SITES]
     codec_costs = run.codec_costs(known)
     recomputable = [name for name in known if site_table.get(name).recomputable]
-    prefix_s = {name: run.rebuild_seconds(name) for name in recomputable
+    prefix_s = {name: run.rebuild_seconds([name]) for name in recomputable
                 if name not in site_table.REBUILT_BY}
-    # Each operator this layer offers, timed with its first product found recomputed, reading
-    # the sources this layer saves (no mask without dropout).
+    # Each operator this layer offers, timed with every product of it this layer saves
+    # recomputed, reading the sources this layer saves (no mask without dropout).
     operators = tuple(
-        Operator(edge.call, edge.sources_in(sizes), run.rebuild_seconds(products[0]))
+        Operator(edge.call, edge.sources_in(sizes), run.rebuild_seconds(products))
         for edge in site_table.REBUILDS if edge.used_by(sizes)
         for products in [[name for name in edge.products if name in recomputable]]
         if products)
