@@ -154,3 +154,25 @@ def test_the_runtime_reruns_what_the_planner_charges(distributed, monkeypatch):
         expected = (span[0] if len(span) == 1 else
                     order[order.index(span[0]):order.index(span[1]) + 1])
         assert list(dict.fromkeys(resaved)) == expected, recomputed
+
+
+def test_a_rebuild_is_timed_where_backward_asks_once_a_step(distributed, monkeypatch):
+    """The profiler times the rebuild training pays for (its sources read cold), not repeats
+    of it on the spot: each timed step's layer call rebuilds once, for ``repeats`` steps,
+    and an operator's steps recompute every product of it (the norm saves its statistics
+    as it runs, so it runs with grad, as the plans that recompute them run it)."""
+    from megatron_adacc.runtime.storage import LayerCall
+
+    kept: list[tuple[LayerCall, tuple]] = []
+    keep = LayerCall.keep
+
+    def spy(call, key, tensor):
+        kept.append((call, key))
+        return keep(call, key, tensor)
+
+    monkeypatch.setattr(LayerCall, "keep", spy)
+    profile(build(True, dropout=0.1), batch(0), repeats=3, strict=True)
+    for product in ("ln1_out", "ln1_stats"):  # LayerNorm saves two statistics (two keys)
+        rebuilt = [(id(call), key) for call, key in kept if key[0] == product]
+        assert len(rebuilt) == len(set(rebuilt)), product  # no key rebuilt twice in a call
+        assert len({call for call, _ in rebuilt}) == 3, product
