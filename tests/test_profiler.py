@@ -176,3 +176,37 @@ def test_a_rebuild_is_timed_where_backward_asks_once_a_step(distributed, monkeyp
         rebuilt = [(id(call), key) for call, key in kept if key[0] == product]
         assert len(rebuilt) == len(set(rebuilt)), product  # no key rebuilt twice in a call
         assert len({call for call, _ in rebuilt}) == 3, product
+
+
+def test_codecs_are_timed_on_the_calls_the_step_makes(distributed, monkeypatch):
+    """Every encode and decode the profiler makes is one the runtime's step makes (the encode
+    in forward, the decode when backward reads the storage), never a re-run of it on the
+    spot, whose warm caches made decodes look about twice as fast as training pays."""
+    from megatron_adacc.codecs.codec import Codec
+    from megatron_adacc.runtime.storage import CompressedStorage
+
+    inside = [False]
+    calls = {"in the step": 0, "re-run": 0}
+
+    def spy_codec(method):
+        def call(self, *args):
+            calls["in the step" if inside[0] else "re-run"] += 1
+            return method(self, *args)
+        return call
+
+    def spy_storage(method):
+        def call(self, *args):
+            inside[0] = True
+            try:
+                return method(self, *args)
+            finally:
+                inside[0] = False
+        return call
+
+    for cls, name, spy in ((Codec, "encode", spy_codec), (Codec, "decode", spy_codec),
+                           (CompressedStorage, "__init__", spy_storage),
+                           (CompressedStorage, "read", spy_storage)):
+        monkeypatch.setattr(cls, name, spy(getattr(cls, name)))
+    costs = profile(build(True, dropout=0.1), batch(0), repeats=2, strict=True)
+    assert calls["re-run"] == 0 and calls["in the step"] > 0
+    assert all(codec.decode_s > 0 for site in costs.sites for codec in site.codecs)
