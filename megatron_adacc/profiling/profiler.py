@@ -219,15 +219,18 @@ class _Profiling:
         """Forward and backward of the micro-batch with ``decisions`` on the measured layer
         only (``install`` may then adjust the layer's actions); gradients are dropped.
         ``backward=False``: the forward stops once the measured layer is done, since nothing
-        after it is looked at. Returns the ruler."""
+        after it is looked at. ``ruler_type=None``: no ruler watches (its hooks and counts
+        are none of training's), for steps that only time. Returns the ruler."""
         apply_plan(self.model, Plan(layers={(self.index, self.index): decisions}),
                    strict=self.strict)
         if install is not None:
             install()
-        with ruler_type(self.model, strict=self.strict) as ruler:
+        ruler = ruler_type(self.model, strict=self.strict) if ruler_type else None
+        with ruler if ruler is not None else contextlib.nullcontext():
             if backward:
                 loss = self.loss_fn(self.model, self.batch)
-                ruler.forward_done()
+                if ruler is not None:
+                    ruler.forward_done()
                 loss.backward()
             else:
                 self._forward_through_measured_layer(ruler)
@@ -303,7 +306,7 @@ class _Profiling:
         self.layer._rebuild = timed_rebuild
         try:
             for _ in range(max(1, self.repeats)):
-                self.step({name: Decision(RECOMPUTE) for name in names})
+                self.step({name: Decision(RECOMPUTE) for name in names}, ruler_type=None)
         finally:
             del self.layer._rebuild
         if not measured:
