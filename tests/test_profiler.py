@@ -154,3 +154,59 @@ def test_the_runtime_reruns_what_the_planner_charges(distributed, monkeypatch):
         expected = (span[0] if len(span) == 1 else
                     order[order.index(span[0]):order.index(span[1]) + 1])
         assert list(dict.fromkeys(resaved)) == expected, recomputed
+
+
+def test_a_rebuild_is_timed_where_backward_asks_once_a_step(distributed, monkeypatch):
+    """The profiler times the rebuild training pays for (its sources read cold), not repeats
+    of it on the spot: each timed step's layer call rebuilds once, for ``repeats`` steps,
+    and an operator's steps recompute every product of it (the norm saves its statistics
+    as it runs, so it runs with grad, as the plans that recompute them run it)."""
+    from megatron_adacc.runtime.storage import LayerCall
+
+    kept: list[tuple[LayerCall, tuple]] = []
+    keep = LayerCall.keep
+
+    def spy(call, key, tensor):
+        kept.append((call, key))
+        return keep(call, key, tensor)
+
+    monkeypatch.setattr(LayerCall, "keep", spy)
+    profile(build(True, dropout=0.1), batch(0), repeats=3, strict=True)
+    for product in ("ln1_out", "ln1_stats"):  # LayerNorm saves two statistics (two keys)
+        rebuilt = [(id(call), key) for call, key in kept if key[0] == product]
+        assert len(rebuilt) == len(set(rebuilt)), product  # no key rebuilt twice in a call
+        assert len({call for call, _ in rebuilt}) == 3, product
+
+
+def test_codecs_are_timed_on_the_calls_the_step_makes(distributed, monkeypatch):
+    """Every encode and decode the profiler makes is one the runtime's step makes (the encode
+    in forward, the decode when backward reads the storage), never a re-run of it on the
+    spot, whose warm caches made decodes look about twice as fast as training pays."""
+    from megatron_adacc.codecs.codec import Codec
+    from megatron_adacc.runtime.storage import CompressedStorage
+
+    inside = [False]
+    calls = {"in the step": 0, "re-run": 0}
+
+    def spy_codec(method):
+        def call(self, *args):
+            calls["in the step" if inside[0] else "re-run"] += 1
+            return method(self, *args)
+        return call
+
+    def spy_storage(method):
+        def call(self, *args):
+            inside[0] = True
+            try:
+                return method(self, *args)
+            finally:
+                inside[0] = False
+        return call
+
+    for cls, name, spy in ((Codec, "encode", spy_codec), (Codec, "decode", spy_codec),
+                           (CompressedStorage, "__init__", spy_storage),
+                           (CompressedStorage, "read", spy_storage)):
+        monkeypatch.setattr(cls, name, spy(getattr(cls, name)))
+    costs = profile(build(True, dropout=0.1), batch(0), repeats=2, strict=True)
+    assert calls["re-run"] == 0 and calls["in the step"] > 0
+    assert all(codec.decode_s > 0 for site in costs.sites for codec in site.codecs)

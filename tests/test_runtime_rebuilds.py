@@ -154,6 +154,37 @@ def test_a_segment_rebuild_still_reruns_its_segment(distributed):
     assert calls["mlp.linear_fc2"] == calls["self_attention.linear_qkv"] == 0
 
 
+def _generator_state_reads(model, monkeypatch) -> int:
+    """One step; how often it read the CPU generator's state (what capturing or forking the
+    RNG states for a segment re-run does)."""
+    read = torch.get_rng_state
+    reads = [0]
+
+    def counted():
+        reads[0] += 1
+        return read()
+
+    monkeypatch.setattr(torch, "get_rng_state", counted)
+    loss_of(model).backward()
+    monkeypatch.setattr(torch, "get_rng_state", read)
+    return reads[0]
+
+
+def test_only_a_segment_rerun_saves_and_forks_the_rng_states(distributed, monkeypatch):
+    # No operator draws random numbers, so a plan of operators alone neither captures the
+    # RNG states in forward nor forks them in backward: it reads the generator as often as
+    # the all-retain layer (whose dropouts read it themselves, through megatron's tracker).
+    model = build(True, dropout=0.1)
+    retained = _generator_state_reads(model, monkeypatch)
+    apply_plan(model, Plan.uniform(CHAINS["every_operator"]), strict=True)
+    assert _generator_state_reads(model, monkeypatch) == retained
+    # The control: a segment re-run (gelu_in's, the MLP's) captures its states in forward
+    # and forks them around its rebuild.
+    apply_plan(model, Plan.uniform({"gelu_in": "recompute", "gelu_out": "recompute"}),
+               strict=True)
+    assert _generator_state_reads(model, monkeypatch) > retained
+
+
 def test_operator_products_keep_no_bytes_and_free_their_rebuild(distributed):
     stock = build(True, dropout=0.1)
     _, kept = measure_step(stock, lambda: loss_of(stock), strict=True)

@@ -10,21 +10,30 @@ layer has the same shape), so the numbers describe what the runtime will really 
   as the ruler counts it (Q, K and V are one storage; with dropout off the softmax output is
   the attention probabilities). Megatron's cached causal mask is one storage for all layers,
   so it belongs to the non-layer bytes, never to a layer's sites.
-- codecs: a step per candidate round in which the measured layer compresses every site with
-  a candidate codec. Payload bytes are what the ruler counts in that step; encode and decode
-  times are the medians of re-running the codec on the tensors the runtime handed it.
-- rebuild: a step per site in which the measured layer recomputes only that site; the
-  runtime's rebuild is re-run and timed at the point backward asks for it. A site an
-  operator rebuilds (sites.REBUILDS) runs only that operator: one step per operator, its
-  output recomputed, gives the operator's own time. Any other site's rebuild re-runs
-  Megatron's forward segment (attention from layer_in, MLP from ln2_in) from its start up
-  to the site, so the measurement is the site's ``rebuild_s``: what rebuilding costs when it
-  is the deepest recomputed site of its segment (the planner combines these into a layer's
-  rebuild time as the runtime does: a maximum per segment, not a sum). Along a segment the
-  times are fitted to be non-decreasing: a deeper save cannot be reached sooner, and noise
-  that says otherwise is spread over its neighbours.
+- codecs: ``repeats`` steps per candidate round in which the measured layer compresses
+  every site with a candidate codec. Payload bytes are what the ruler counts in that step;
+  encode and decode times are the medians over the steps of each call timed where the
+  runtime makes it (the encode in forward, the decode when backward first reads it).
+- rebuild: steps in which the measured layer recomputes only that site; the runtime's
+  rebuild is timed where backward asks for it, once per step (the median of ``repeats``
+  steps). A site an operator rebuilds (sites.REBUILDS) runs only that operator: steps with
+  every product of the operator recomputed (as plans recompute them: an operator that must
+  save a wanted site runs with grad and its sources requiring it) give the operator's own
+  time. Any other site's rebuild re-runs Megatron's forward segment (attention from
+  layer_in, MLP from ln2_in) from its start up to the site, so the measurement is the
+  site's ``rebuild_s``: what rebuilding costs when it is the deepest recomputed site of its
+  segment (the planner combines these into a layer's rebuild time as the runtime does: a
+  maximum per segment, not a sum). Along a segment the times are fitted to be
+  non-decreasing: a deeper save cannot be reached sooner, and noise that says otherwise is
+  spread over its neighbours.
 
-CPU timings repeat and take the median; CUDA timings use device events.
+Times are taken in the step because that is what training pays: a rebuild's sources and a
+payload were saved in forward and are read cold, and what they make is written to memory
+the cache does not hold. Re-run warm on the spot, the operators measured 0.5-0.85 of their
+in-step time on this CPU (issue 26: SwiGLU's 2.9 ms warm, 5.2 ms in the step) and the
+outlier codec's decode about half; the planner charged that.
+
+CPU timings take the median over steps; CUDA timings use device events.
 """
 from __future__ import annotations
 
@@ -91,23 +100,18 @@ def device_name(device: torch.device | None = None) -> str:
     return f"{cpu} ({torch.get_num_threads()} threads)"
 
 
-def median_seconds(fn: Callable[[], object], repeats: int, device: torch.device) -> float:
-    """Median wall time of ``fn`` after one warm-up call (CUDA: device events)."""
-    fn()
-    times = []
-    for _ in range(max(1, repeats)):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
-            began = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - began)
-    return statistics.median(times)
+def timed(fn: Callable[[], object], device: torch.device) -> tuple[object, float]:
+    """``fn()``'s result and the wall time of that one call (CUDA: device events)."""
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        result = fn()
+        end.record()
+        end.synchronize()
+        return result, start.elapsed_time(end) / 1e3
+    began = time.perf_counter()
+    result = fn()
+    return result, time.perf_counter() - began
 
 
 # --- instruments ------------------------------------------------------------------------------
@@ -159,24 +163,34 @@ class _Unencodable:
 
 
 class _CodecProbe:
-    """Sits in the runtime where a codec goes: encodes with the real codec and keeps what it
-    was given, so the same tensors can be timed after the step."""
+    """Sits in the runtime where a codec goes: encodes and decodes with the real codec, timing
+    each call where the step makes it (the encode in forward, the decode when backward first
+    reads the storage), and keeps what it was given."""
 
-    def __init__(self, codec):
+    def __init__(self, codec, device: torch.device):
         self.codec = codec
+        self.device = device
         self.inputs: list[torch.Tensor] = []
         self.failed = False
+        self.encode_s = 0.0
+        self.decode_s = 0.0
 
     def encode(self, tensor):
         self.inputs.append(tensor.detach())
         try:
-            return self.codec.encode(tensor)
+            payload, elapsed = timed(lambda: self.codec.encode(tensor), self.device)
         except (ValueError, TypeError, RuntimeError):
             self.failed = True
             return _Unencodable(tensor)
+        self.encode_s += elapsed
+        return payload
 
     def decode(self, payload):
-        return payload.tensor if isinstance(payload, _Unencodable) else self.codec.decode(payload)
+        if isinstance(payload, _Unencodable):
+            return payload.tensor
+        decoded, elapsed = timed(lambda: self.codec.decode(payload), self.device)
+        self.decode_s += elapsed
+        return decoded
 
 
 class _MeasuredLayerDone(Exception):
@@ -205,15 +219,18 @@ class _Profiling:
         """Forward and backward of the micro-batch with ``decisions`` on the measured layer
         only (``install`` may then adjust the layer's actions); gradients are dropped.
         ``backward=False``: the forward stops once the measured layer is done, since nothing
-        after it is looked at. Returns the ruler."""
+        after it is looked at. ``ruler_type=None``: no ruler watches (its hooks and counts
+        are none of training's), for steps that only time. Returns the ruler."""
         apply_plan(self.model, Plan(layers={(self.index, self.index): decisions}),
                    strict=self.strict)
         if install is not None:
             install()
-        with ruler_type(self.model, strict=self.strict) as ruler:
+        ruler = ruler_type(self.model, strict=self.strict) if ruler_type else None
+        with ruler if ruler is not None else contextlib.nullcontext():
             if backward:
                 loss = self.loss_fn(self.model, self.batch)
-                ruler.forward_done()
+                if ruler is not None:
+                    ruler.forward_done()
                 loss.backward()
             else:
                 self._forward_through_measured_layer(ruler)
@@ -249,59 +266,53 @@ class _Profiling:
         def install(layer=self.layer):
             for name, (action, codec) in list(layer.actions.items()):
                 if action == COMPRESS:
-                    probes[name] = _CodecProbe(codec)
+                    probes[name] = _CodecProbe(codec, self.device)
                     layer.actions[name] = (COMPRESS, probes[name])
 
         return (self.layer_sites(self.step(decisions, install=install, backward=backward)),
                 probes)
 
     def codec_costs(self, names: Iterable[str]) -> dict[str, list[CodecCost]]:
-        """Every candidate codec of each named site, on this step's real tensors."""
+        """Every candidate codec of each named site, timed in the step on its real tensors
+        (the median over ``repeats`` steps of a candidate round)."""
         candidates = {name: site_table.get(name).candidate_codecs for name in names}
         found: dict[str, list[CodecCost]] = {name: [] for name in candidates}
         for round_ in range(max((len(c) for c in candidates.values()), default=0)):
             chosen = {name: c[round_] for name, c in candidates.items() if round_ < len(c)}
-            sites, probes = self.probed_step(
-                {name: Decision(COMPRESS, codec) for name, codec in chosen.items()})
+            steps = [self.probed_step({name: Decision(COMPRESS, codec)
+                                       for name, codec in chosen.items()})
+                     for _ in range(max(1, self.repeats))]
             for name, codec in chosen.items():
-                probe = probes.get(name)
-                if probe is None or probe.failed or not probe.inputs:
+                probes = [step_probes.get(name) for _, step_probes in steps]
+                if any(probe is None or probe.failed or not probe.inputs for probe in probes):
                     continue
-                found[name].append(self._time_codec(codec, probe, sites[name]))
+                found[name].append(CodecCost(
+                    codec=codec, payload_bytes=int(steps[0][0][name]),
+                    encode_s=statistics.median(probe.encode_s for probe in probes),
+                    decode_s=statistics.median(probe.decode_s for probe in probes)))
         return found
 
-    def _time_codec(self, name: str, probe: _CodecProbe, payload_bytes: int) -> CodecCost:
-        codec = probe.codec
-        encode_s = decode_s = 0.0
-        for tensor in probe.inputs:
-            payload = codec.encode(tensor)
-            encode_s += median_seconds(lambda: codec.encode(tensor), self.repeats, self.device)
-            decode_s += median_seconds(lambda: codec.decode(payload), self.repeats, self.device)
-        return CodecCost(codec=name, payload_bytes=int(payload_bytes),
-                         encode_s=encode_s, decode_s=decode_s)
-
-    # --- recompute ---------------------------------------------------------------------------
-    def rebuild_seconds(self, name: str) -> float:
-        """Median time of the runtime's rebuild when ``name`` is the only recomputed site."""
+    def rebuild_seconds(self, names: Sequence[str]) -> float:
+        """The runtime's rebuild when ``names`` are the only recomputed sites, timed in the
+        step where backward asks for it: the median over ``repeats`` steps."""
         measured: list[float] = []
         original = self.layer._rebuild
 
         def timed_rebuild(call):
-            def once():
-                call.cache.clear()
-                original(call)
-            measured.append(median_seconds(once, self.repeats, self.device))
+            measured.append(timed(lambda: original(call), self.device)[1])
 
         # The layer hands its bound `_rebuild` to each forward call; an instance attribute
-        # shadows it for the one step measured here.
+        # shadows it for the steps measured here.
         self.layer._rebuild = timed_rebuild
         try:
-            self.step({name: Decision(RECOMPUTE)})
+            for _ in range(max(1, self.repeats)):
+                self.step({name: Decision(RECOMPUTE) for name in names}, ruler_type=None)
         finally:
             del self.layer._rebuild
         if not measured:
-            raise RuntimeError(f"site {name}: backward never asked for the rebuilt value")
-        return measured[0]
+            raise RuntimeError(f"sites {', '.join(names)}: backward never asked for the "
+                               "rebuilt values")
+        return statistics.median(measured)
 
 
 def _nondecreasing(values: Sequence[float]) -> list[float]:
@@ -362,12 +373,12 @@ def _profile(run: _Profiling) -> ModelCosts:
     known = [name for name in order if name in site_table.SITES]
     codec_costs = run.codec_costs(known)
     recomputable = [name for name in known if site_table.get(name).recomputable]
-    prefix_s = {name: run.rebuild_seconds(name) for name in recomputable
+    prefix_s = {name: run.rebuild_seconds([name]) for name in recomputable
                 if name not in site_table.REBUILT_BY}
-    # Each operator this layer offers, timed with its first product found recomputed, reading
-    # the sources this layer saves (no mask without dropout).
+    # Each operator this layer offers, timed with every product of it this layer saves
+    # recomputed, reading the sources this layer saves (no mask without dropout).
     operators = tuple(
-        Operator(edge.call, edge.sources_in(sizes), run.rebuild_seconds(products[0]))
+        Operator(edge.call, edge.sources_in(sizes), run.rebuild_seconds(products))
         for edge in site_table.REBUILDS if edge.used_by(sizes)
         for products in [[name for name in edge.products if name in recomputable]]
         if products)

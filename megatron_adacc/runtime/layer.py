@@ -105,11 +105,15 @@ class AdaccTransformerLayer(TransformerLayer):
         if not torch.is_grad_enabled():
             return super().forward(*args, **kwargs)
         self.attributor.attach()
-        recomputes = any(action == RECOMPUTE for action, _ in self.actions.values())
+        recomputed = [site for site, (action, _) in self.actions.items() if action == RECOMPUTE]
         call = LayerCall(self.layer_index, self.attributor, self.actions, active_ruler(),
-                         self._rebuild if recomputes else None)
-        if recomputes:
+                         self._rebuild if recomputed else None)
+        if recomputed:
             self._remember_call_inputs(call, args, kwargs)
+        # Only a segment re-run draws random numbers (no operator does): the RNG states are
+        # captured for it alone (each capture copies every generator's state).
+        call.reruns = any(site not in REBUILT_BY for site in recomputed)
+        if call.reruns:
             call.rng_states[0] = _get_all_rng_states()
         self._call = call
         self.attributor.begin()
@@ -125,7 +129,7 @@ class AdaccTransformerLayer(TransformerLayer):
 
     def _forward_mlp(self, hidden_states, *args, **kwargs):
         call = self._call
-        if call is not None and call.rebuild is not None:
+        if call is not None and call.reruns:
             call.rng_states[MLP_SEGMENT] = _get_all_rng_states()
         return super()._forward_mlp(hidden_states, *args, **kwargs)
 
@@ -152,9 +156,11 @@ class AdaccTransformerLayer(TransformerLayer):
         by_segment = {key for key in call.wanted if key[0] not in REBUILT_BY}
         start = self._rerun_start(call) if by_segment else None
         rerun_after = REBUILT_BY.get(start) if (start, 0) in call.wanted else None
+        # A segment re-run restores the RNG states forward drew with, so it forks them first
+        # (training's streams continue as if nothing was drawn); operators alone draw nothing.
+        rng = _fork_rng() if by_segment else contextlib.nullcontext()
         try:
-            with _fork_rng(), torch.autograd.graph.saved_tensors_hooks(call.capture_pack,
-                                                                       _discarded):
+            with rng, torch.autograd.graph.saved_tensors_hooks(call.capture_pack, _discarded):
                 if start is not None and rerun_after is None:
                     self._rerun_segments(call, by_segment, start)
                 for edge in REBUILDS:

@@ -133,6 +133,9 @@ class LayerCall:
         # The residual stream's dtype. A 16-bit model's RMSNorm saves an fp32 copy of its
         # input (a segment's start site): a rebuild reads it cast back, which is exact.
         self.residual_dtype: torch.dtype | None = None
+        # Whether a recomputed site needs a segment re-run, for which forward captures the
+        # RNG states (of the layer, then of the MLP segment) it drew with.
+        self.reruns = False
         self.rng_states: list = [None, None]
         self.call_args: tuple = ()
         self.call_kwargs: dict = {}
