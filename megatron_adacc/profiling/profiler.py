@@ -165,9 +165,9 @@ class _Unencodable:
 class _CodecProbe:
     """Sits in the runtime where a codec goes: encodes and decodes with the real codec, timing
     each call where the step makes it (the encode in forward, the decode when backward first
-    reads the storage), and keeps what it was given."""
+    reads the storage) unless ``device`` is None, and keeps what it was given."""
 
-    def __init__(self, codec, device: torch.device):
+    def __init__(self, codec, device: torch.device | None):
         self.codec = codec
         self.device = device
         self.inputs: list[torch.Tensor] = []
@@ -175,10 +175,14 @@ class _CodecProbe:
         self.encode_s = 0.0
         self.decode_s = 0.0
 
+    def _run(self, fn: Callable[[], object]) -> tuple[object, float]:
+        # Untimed where only the inputs are wanted: on CUDA timing synchronises the host.
+        return timed(fn, self.device) if self.device is not None else (fn(), 0.0)
+
     def encode(self, tensor):
         self.inputs.append(tensor.detach())
         try:
-            payload, elapsed = timed(lambda: self.codec.encode(tensor), self.device)
+            payload, elapsed = self._run(lambda: self.codec.encode(tensor))
         except (ValueError, TypeError, RuntimeError):
             self.failed = True
             return _Unencodable(tensor)
@@ -188,7 +192,7 @@ class _CodecProbe:
     def decode(self, payload):
         if isinstance(payload, _Unencodable):
             return payload.tensor
-        decoded, elapsed = timed(lambda: self.codec.decode(payload), self.device)
+        decoded, elapsed = self._run(lambda: self.codec.decode(payload))
         self.decode_s += elapsed
         return decoded
 
@@ -257,16 +261,16 @@ class _Profiling:
                 if layer == self.index and site not in site_table.SHARED_SITES}
 
     # --- codecs ------------------------------------------------------------------------------
-    def probed_step(self, decisions: dict[str, Decision], backward: bool = True
-                    ) -> tuple[dict[str, int], dict[str, "_CodecProbe"]]:
+    def probed_step(self, decisions: dict[str, Decision], backward: bool = True,
+                    timing: bool = True) -> tuple[dict[str, int], dict[str, "_CodecProbe"]]:
         """A step with ``decisions`` on the measured layer whose codecs are probed: (the
-        layer's bytes per site, a probe per compressed site)."""
+        layer's bytes per site, a probe per compressed site, timing its calls if ``timing``)."""
         probes: dict[str, _CodecProbe] = {}
 
         def install(layer=self.layer):
             for name, (action, codec) in list(layer.actions.items()):
                 if action == COMPRESS:
-                    probes[name] = _CodecProbe(codec, self.device)
+                    probes[name] = _CodecProbe(codec, self.device if timing else None)
                     layer.actions[name] = (COMPRESS, probes[name])
 
         return (self.layer_sites(self.step(decisions, install=install, backward=backward)),
@@ -279,17 +283,23 @@ class _Profiling:
         found: dict[str, list[CodecCost]] = {name: [] for name in candidates}
         for round_ in range(max((len(c) for c in candidates.values()), default=0)):
             chosen = {name: c[round_] for name, c in candidates.items() if round_ < len(c)}
-            steps = [self.probed_step({name: Decision(COMPRESS, codec)
-                                       for name, codec in chosen.items()})
-                     for _ in range(max(1, self.repeats))]
+            # Per step, each usable probe's times only: the probes and the tensors they were
+            # given go with their step.
+            steps = []
+            for _ in range(max(1, self.repeats)):
+                sizes, probes = self.probed_step({name: Decision(COMPRESS, codec)
+                                                  for name, codec in chosen.items()})
+                steps.append((sizes, {name: (probe.encode_s, probe.decode_s)
+                                      for name, probe in probes.items()
+                                      if not probe.failed and probe.inputs}))
             for name, codec in chosen.items():
-                probes = [step_probes.get(name) for _, step_probes in steps]
-                if any(probe is None or probe.failed or not probe.inputs for probe in probes):
+                times = [step_times.get(name) for _, step_times in steps]
+                if None in times:
                     continue
                 found[name].append(CodecCost(
                     codec=codec, payload_bytes=int(steps[0][0][name]),
-                    encode_s=statistics.median(probe.encode_s for probe in probes),
-                    decode_s=statistics.median(probe.decode_s for probe in probes)))
+                    encode_s=statistics.median(encode_s for encode_s, _ in times),
+                    decode_s=statistics.median(decode_s for _, decode_s in times)))
         return found
 
     def rebuild_seconds(self, names: Sequence[str]) -> float:
@@ -479,7 +489,7 @@ def sample_sites(model: torch.nn.Module, batch: Batch, names: Iterable[str], *,
     Decisions and RNG streams are left as found."""
     with _left_as_found(model):
         sizes, probes = _Profiling(model, batch, strict, 1, loss_fn).probed_step(
-            {name: Decision(COMPRESS) for name in names}, backward=False)
+            {name: Decision(COMPRESS) for name in names}, backward=False, timing=False)
     return {name: SiteSample(probe.codec, probe.inputs, sizes[name])
             for name, probe in probes.items()
             if not probe.failed and probe.inputs and name in sizes}
