@@ -7,10 +7,10 @@ import torch
 _BIT_SHIFTS = torch.arange(8, dtype=torch.uint8)
 
 
-def mask_encode(flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The bitmask codec's payload of a flat mask: its bits (mask_pack) and, unless it is a
-    bool mask, its value (mask_value)."""
-    return mask_pack(flat), None if flat.dtype == torch.bool else mask_value(flat)
+def mask_encode(flat: torch.Tensor, pack=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The bitmask codec's payload of a flat mask: its bits (by ``pack``: a backend's kernel
+    for mask_pack) and, unless it is a bool mask, its value (mask_value)."""
+    return (pack or mask_pack)(flat), None if flat.dtype == torch.bool else mask_value(flat)
 
 
 def mask_pack(flat: torch.Tensor) -> torch.Tensor:

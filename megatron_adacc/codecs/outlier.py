@@ -1,6 +1,8 @@
 """Outlier-channel selection by z-score (paper eq. z-score), PyTorch, any device."""
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 
@@ -29,10 +31,13 @@ def statistics_rows(x2d: torch.Tensor) -> torch.Tensor:
     return x2d if step == 1 else x2d[::step].contiguous()
 
 
-def outlier_channels(x2d: torch.Tensor, threshold: float) -> torch.Tensor:
+def outlier_channels(x2d: torch.Tensor, threshold: float,
+                     abs_sums: Callable[[torch.Tensor], torch.Tensor] = channel_abs_sums
+                     ) -> torch.Tensor:
     """The outlier codec's channels of x2d (a bool mask over its columns): those whose sum of
-    |x| over statistics_rows has a z-score above threshold (z_score_outliers)."""
-    return z_score_outliers(channel_abs_sums(statistics_rows(x2d)), threshold)
+    |x| over statistics_rows (by ``abs_sums``: a backend's kernel for channel_abs_sums) has a
+    z-score above threshold (z_score_outliers)."""
+    return z_score_outliers(abs_sums(statistics_rows(x2d)), threshold)
 
 
 def z_score_outliers(sums: torch.Tensor, threshold: float) -> torch.Tensor:

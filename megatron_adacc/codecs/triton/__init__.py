@@ -34,7 +34,7 @@ def _sym_encode(x2d, reduce_dim, dmax, zeroed=None):
 def _outlier_channels(x2d, threshold):
     if not x2d.is_contiguous():
         return outlier.outlier_channels(x2d, threshold)
-    return outlier.z_score_outliers(sym_int4.channel_abs_sums(outlier.statistics_rows(x2d)), threshold)
+    return outlier.outlier_channels(x2d, threshold, abs_sums=sym_int4.channel_abs_sums)
 
 
 def _sym_decode(packed, scales, shape2d, reduce_dim, dtype, exact=None):
@@ -56,7 +56,7 @@ def _asym_decode(packed, scales, offsets, shape2d, dtype):
 
 
 def _mask_encode(flat):
-    return bitmask.mask_pack(flat), None if flat.dtype == torch.bool else reference_bitmask.mask_value(flat)
+    return reference_bitmask.mask_encode(flat, pack=bitmask.mask_pack)
 
 
 def _mask_unpack(packed, numel, value=None):
