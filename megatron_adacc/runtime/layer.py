@@ -105,14 +105,11 @@ class AdaccTransformerLayer(TransformerLayer):
         if not torch.is_grad_enabled():
             return super().forward(*args, **kwargs)
         self.attributor.attach()
-        recomputed = [site for site, (action, _) in self.actions.items() if action == RECOMPUTE]
+        recomputes = any(action == RECOMPUTE for action, _ in self.actions.values())
         call = LayerCall(self.layer_index, self.attributor, self.actions, active_ruler(),
-                         self._rebuild if recomputed else None)
-        if recomputed:
+                         self._rebuild if recomputes else None)
+        if recomputes:
             self._remember_call_inputs(call, args, kwargs)
-        # Only a segment re-run draws random numbers (no operator does): the RNG states are
-        # captured for it alone (each capture copies every generator's state).
-        call.reruns = any(site not in REBUILT_BY for site in recomputed)
         if call.reruns:
             call.rng_states[0] = _get_all_rng_states()
         self._call = call
