@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_adacc import policies
-from megatron_adacc.profiling import hardware
+from megatron_adacc.profiling import allocator, hardware
 from megatron_adacc.profiling import profiler
 from megatron_adacc.models.attention import DEFAULT_SPEC_BACKEND, local_layer_spec
 from megatron_adacc.common.costs import ModelCosts
@@ -228,8 +228,14 @@ class Adacc:
         ``static_bytes``: what this rank's parameters, gradients and optimizer hold for the
         whole run (the trainer passes ``hardware.engine_static_bytes`` of megatron's
         engine); default: ``hardware.model_static_bytes``, megatron's engine at one
-        data-parallel rank without the distributed optimizer."""
+        data-parallel rank without the distributed optimizer. On a CPU, glibc keeps freed
+        memory for reuse from here on, for the whole process
+        (``allocator.recycle_freed_host_memory``): the profiler's timings and training's
+        steps then see one allocator, not pages faulted in afresh by some calls and not
+        others."""
         _check_setup_arguments(model, batch, loss_fn, num_micro_batches, static_bytes)
+        if batch[0].device.type == "cpu":
+            allocator.recycle_freed_host_memory()
         config = self.config
         stages = policies.pipeline_stage()[1]
         if stages != config.pipeline_model_parallel_size:

@@ -25,7 +25,6 @@ recycled (mallopt: no mmap, no trimming), where a clone runs as fast as a copy.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import importlib.util
 import json
 import os
@@ -38,6 +37,7 @@ from pathlib import Path
 import torch
 
 from megatron_adacc import codecs
+from megatron_adacc.profiling import allocator
 
 INT4_CODECS = ("outlier_int4", "channel_int4", "asym_int4", "sym_int4", "naive_int4")
 OUTLIER_ROUND_TRIP_TARGET = 0.45  # issue 26, native backend, on AVX2 and AVX-512 CPUs
@@ -221,18 +221,6 @@ def bitmask_only_on_masks(codec: str, site: str) -> bool:
     return (codec == "bitmask") == ("mask" in site)
 
 
-def recycle_freed_memory() -> bool:
-    """Make glibc serve every allocation from its heap and keep freed memory there (as the CUDA
-    caching allocator keeps device memory), for the rest of the process. False where that
-    cannot be done (no glibc)."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        return False
-    m_trim_threshold, m_mmap_max = -1, -4  # malloc.h
-    return bool(libc.mallopt(m_mmap_max, 0)) and bool(libc.mallopt(m_trim_threshold, 2**31 - 1))
-
-
 def run_suite(suite: str, inputs: dict[str, torch.Tensor], backends, dtypes, reps: int,
               applies=lambda codec, site: True, memory: str = "fresh") -> list[dict]:
     rows = []
@@ -387,7 +375,7 @@ def main() -> None:
     synthetic = synthetic_inputs(*rows_cols, seed=args.seed)
     results = run_suite("gpt", activations, backends, dtypes, reps) + run_suite(
         "synthetic", synthetic, backends, dtypes, reps, applies=bitmask_only_on_masks)
-    if recycle_freed_memory():  # from here on, for the rest of the process
+    if allocator.recycle_freed_host_memory():  # from here on, for the rest of the process
         results += run_suite("synthetic", synthetic, backends, dtypes, reps, applies=bitmask_only_on_masks,
                              memory="recycled")
     else:

@@ -38,7 +38,7 @@ import torch
 
 from megatron_adacc.models import build as model_lib
 from megatron_adacc import models, planning, policies
-from megatron_adacc.profiling import hardware
+from megatron_adacc.profiling import allocator, hardware
 from megatron_adacc.profiling import profiler
 from megatron_adacc.models.attention import local_layer_spec
 from megatron_adacc.common.plan import Plan
@@ -140,9 +140,13 @@ def shape_from(args) -> Shape:
 
 
 def init(threads: int | None = None) -> None:
+    """Before anything is measured: the threads every method runs with, freed host memory kept
+    for reuse (as ``Adacc.setup`` keeps it on a CPU: every method, and the profiler, run
+    under the one allocator policy) and the process group."""
     warnings.filterwarnings("ignore")
     if threads:
         torch.set_num_threads(threads)
+    allocator.recycle_freed_host_memory()
     model_lib.init_distributed(1)
 
 
@@ -434,6 +438,7 @@ def run_info(args) -> dict:
             "torch": torch.__version__, "threads": torch.get_num_threads(),
             "cpus": os.cpu_count(),
             "device": profiler.device_name(), "load_average": os.getloadavg(),
+            "host_memory_recycled": allocator.host_memory_recycled(),
             "started": time.strftime("%Y-%m-%d %H:%M:%S")}
 
 

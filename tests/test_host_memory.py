@@ -1,0 +1,54 @@
+"""On a CPU, Adacc.setup makes glibc keep freed memory for reuse, so the blocks a training
+step allocates and frees fault no pages in afresh at every step (as the CUDA caching
+allocator reuses device memory). Each case runs in its own process: the policy lasts for
+the rest of a process."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+# One stand-in step's activations, in MiB: allocated and filled together, then all freed.
+STEP_MIB = (4, 16, 8, 32, 16, 4, 64)
+PAGES = sum(STEP_MIB) << 8
+
+# Prints the minor page faults of the last of a few such steps, after Adacc.setup (policy
+# none) on a CPU model when asked to.
+FAULTS = f"""
+import resource, sys, warnings
+warnings.filterwarnings("ignore")
+sys.path.insert(0, {TESTS!r})
+import torch
+from megatron_adacc import Adacc, AdaccConfig
+from megatron_adacc.profiling import allocator
+from runtime_helpers import adacc_batch, adacc_model
+
+if sys.argv[1] == "setup":
+    adacc = Adacc(AdaccConfig())
+    adacc.setup(adacc_model(adacc), adacc_batch(), verbose=False)
+for _ in range(6):
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    kept = [torch.ones(mib << 18) for mib in {STEP_MIB!r}]
+    del kept
+print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before,
+      allocator.host_memory_recycled())
+"""
+
+
+def _faults(mode: str) -> tuple[int, bool]:
+    done = subprocess.run([sys.executable, "-c", FAULTS, mode], capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    faults, recycled = done.stdout.split()[-2:]
+    return int(faults), recycled == "True"
+
+
+def test_after_setup_on_a_cpu_steps_reuse_freed_host_memory_without_faulting_it_in():
+    fresh, recycled_before = _faults("bare")
+    if fresh < PAGES // 2:
+        pytest.skip(f"with its allocator's defaults this machine faulted {fresh} of a step's "
+                    f"{PAGES} pages (huge pages, or not glibc): nothing to compare")
+    reused, recycled = _faults("setup")
+    assert not recycled_before and recycled
+    assert reused < PAGES // 16, (fresh, reused)
