@@ -24,6 +24,7 @@ import argparse
 import gc
 import json
 import os
+import shlex
 import shutil
 import statistics
 import sys
@@ -434,7 +435,7 @@ def save_figure(fig, name: str) -> str | None:
 
 
 def run_info(args) -> dict:
-    return {"command": " ".join(["python", *sys.argv]), "quick": bool(args.quick),
+    return {"command": shlex.join(["python", *sys.argv]), "quick": bool(args.quick),
             "torch": torch.__version__, "threads": torch.get_num_threads(),
             "cpus": os.cpu_count(),
             "device": profiler.device_name(), "load_average": os.getloadavg(),

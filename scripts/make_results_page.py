@@ -1,6 +1,7 @@
 """Writes docs/results.md from the JSON the evaluation benchmarks publish under docs/results/
 (bench_throughput.py, bench_max_batch.py, bench_accuracy.py, and bench_codecs.py as
-codecs_avx512.json and codecs_avx2.json). Every number on the page comes
+codecs_avx512.json and codecs_avx2.json, and codecs_epyc_*.json from an AMD EPYC). Every
+number on the page comes
 from those files; rerun the suite (scripts/run_all_benchmarks.sh) and then this script.
 
     python scripts/make_results_page.py [--out docs/results.md]
@@ -273,8 +274,12 @@ def describe(shape: dict) -> str:
 
 # The codec benchmark's home input of each codec (scripts/bench_codecs.py check_targets).
 CODEC_HOMES = {"asym_int4": ("softmax_probs",), "bitmask": ("dropout_mask_bool",)}
+# Each build on each CPU at hand (the CPUs differ: issue 26 asks for both vector paths on
+# both makes); a column is headed by the CPU its file records.
 CODEC_BUILDS = (("codecs_avx512.json", "as built (`-march=native`)", ""),
-                ("codecs_avx2.json", "the AVX2 path", "ADACC_NATIVE_CFLAGS=-mno-avx512f "))
+                ("codecs_avx2.json", "the AVX2 path", "ADACC_NATIVE_CFLAGS=-mno-avx512f "),
+                ("codecs_epyc_avx512.json", "as built (`-march=native`)", ""),
+                ("codecs_epyc_avx2.json", "the AVX2 path", "ADACC_NATIVE_CFLAGS=-mno-avx512f "))
 OUTLIER_ROUND_TRIP_TARGET = 0.45  # issue 26: of a plain copy, native backend, AVX2 and AVX-512
 
 
@@ -285,7 +290,7 @@ def codec_round_trip(r: dict) -> float:
 
 def codecs_section(builds: list[tuple[str, str, dict]]) -> list[str]:
     """Round trip of each codec against a plain copy (scripts/bench_codecs.py, native backend,
-    4096x4096 synthetic inputs, freed memory recycled), one column per vector path."""
+    4096x4096 synthetic inputs, freed memory recycled), one column per CPU and vector path."""
     out = ["## 6. Codec speed (native CPU kernels)", "",
            "Round trip (encode + decode) as a fraction of a plain copy of the same bytes into an "
            "existing tensor, on 4096x4096 synthetic inputs with freed memory recycled as in a "
@@ -462,7 +467,8 @@ def main() -> None:
             quick |= data["run"]["quick"]
             took.append((name, data["run"]))
             lines += section(data)
-    builds = [(name, label, data) for name, label, _ in CODEC_BUILDS if (data := load(name)) is not None]
+    builds = [(name, f"{data['machine']['cpu']['model']}, {label}", data)
+              for name, label, _ in CODEC_BUILDS if (data := load(name)) is not None]
     if builds:
         lines += codecs_section(builds)
     engine = load("engine.json")
