@@ -19,8 +19,34 @@ class Terminated(KeyboardInterrupt):
     """SIGTERM (torchrun stopping its workers), handled as an interrupt."""
 
 
-def _terminate(signum, frame):
-    raise Terminated()
+class Interrupts:
+    """SIGINT and SIGTERM as KeyboardInterrupt (Terminated for SIGTERM): raised where the
+    signal arrives, as Python raises it, and raised again between training steps if that one
+    was lost. Code that calls back into Python from C (CPython's, torch's) may clear an
+    exception raised inside the callback; a run once trained on past a Ctrl-C that way."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self):
+        self.pending: KeyboardInterrupt | None = None
+        self._previous = {}
+
+    def __enter__(self) -> "Interrupts":
+        self._previous = {signum: signal.signal(signum, self._arrived) for signum in self.SIGNALS}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+
+    def _arrived(self, signum, frame):
+        self.pending = Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
+        raise self.pending
+
+    def raise_pending(self) -> None:
+        """Between steps: the interrupt that arrived and was lost, if one was."""
+        if self.pending is not None:
+            raise self.pending
 
 
 def _interrupted_line(args, trainer) -> str:
@@ -53,25 +79,24 @@ def main(argv: list[str] | None = None) -> int:
     args = trainer = None
     # What this call sets up it shuts down (a caller's own process group stays theirs).
     owns_process_group = not dist.is_initialized()
-    previous = signal.signal(signal.SIGTERM, _terminate)
-    try:
-        args = parse_args(argv, world_size)
-        trainer = Trainer(args)
-        trainer.train()
-    except KeyboardInterrupt as exc:  # one line from rank 0, no traceback on any rank
-        if rank == 0:
-            print(_interrupted_line(args, trainer), file=sys.stderr, flush=True)
-        return 143 if isinstance(exc, Terminated) else 130
-    except (ValueError, FileNotFoundError) as exc:  # errors.InputError is a ValueError
-        print(f"pretrain_gpt.py: error: {exc}", file=sys.stderr)
-        return 2
-    except NonFiniteError as exc:  # not bad input: the run diverged
-        print(f"pretrain_gpt.py: error: {exc}", file=sys.stderr)
-        return 1
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-        if owns_process_group:
-            shutdown_distributed()
+    with Interrupts() as interrupts:
+        try:
+            args = parse_args(argv, world_size)
+            trainer = Trainer(args)
+            trainer.train(between_steps=interrupts.raise_pending)
+        except KeyboardInterrupt as exc:  # one line from rank 0, no traceback on any rank
+            if rank == 0:
+                print(_interrupted_line(args, trainer), file=sys.stderr, flush=True)
+            return 143 if isinstance(exc, Terminated) else 130
+        except (ValueError, FileNotFoundError) as exc:  # errors.InputError is a ValueError
+            print(f"pretrain_gpt.py: error: {exc}", file=sys.stderr)
+            return 2
+        except NonFiniteError as exc:  # not bad input: the run diverged
+            print(f"pretrain_gpt.py: error: {exc}", file=sys.stderr)
+            return 1
+        finally:
+            if owns_process_group:
+                shutdown_distributed()
     return 0
 
 

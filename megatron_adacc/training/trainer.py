@@ -7,6 +7,7 @@ import itertools
 import json
 import sys
 import time
+from typing import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -463,7 +464,10 @@ class Trainer:
         self.train_model.train()
         return _average_over(self.dp_group, sum(losses) / len(losses))
 
-    def train(self) -> list[dict]:
+    def train(self, between_steps: Callable[[], None] = lambda: None) -> list[dict]:
+        """Train to --train-iters (or --exit-interval), calling ``between_steps`` after each
+        step (pretrain_gpt.py: raise the interrupt that arrived during it, if it was lost);
+        returns the metrics records."""
         args = self.args
         last = min(args.train_iters, args.exit_interval or args.train_iters)
         if checkpointing.nothing_to_train(args.load, self.iteration, args.train_iters, last):
@@ -510,6 +514,7 @@ class Trainer:
                     saver.save(self.iteration, [self.train_model], self.optimizer,
                                self.scheduler)
                 saver.poll()
+                between_steps()
         finally:
             saver.finish()
             progress.close()
