@@ -154,6 +154,16 @@ def test_a_segment_rebuild_still_reruns_its_segment(distributed):
     assert calls["mlp.linear_fc2"] == calls["self_attention.linear_qkv"] == 0
 
 
+def test_a_rerun_through_both_segments_takes_ln2_in_from_the_attention_it_ran(distributed):
+    # The attention re-run goes on into the MLP, so it ran linear_proj and the add: its
+    # output is ln2_in, and the residual's edge does not run them once more.
+    model = build(True, dropout=0.1)
+    apply_plan(model, Plan.uniform(CHAINS["everything"]), strict=True)
+    calls = _calls_in_backward(model, MATMULS)
+    # once per layer (two layers); the MLP re-run ends at gelu_in, before fc2
+    assert calls == {name: 0 if name == "mlp.linear_fc2" else 2 for name in MATMULS}
+
+
 def _generator_state_reads(model, monkeypatch) -> int:
     """One step; how often it read the CPU generator's state (what capturing or forking the
     RNG states for a segment re-run does)."""

@@ -161,7 +161,9 @@ class AdaccTransformerLayer(TransformerLayer):
                 if start is not None and rerun_after is None:
                     self._rerun_segments(call, by_segment, start)
                 for edge in REBUILDS:
-                    if any(key[0] in edge.products for key in call.wanted):
+                    # An edge whose products the re-run already kept (ln2_in) is not run.
+                    if any(key[0] in edge.products and key not in call.cache
+                           for key in call.wanted):
                         self._run_operator(call, edge)
                     if edge is rerun_after:
                         self._rerun_segments(call, by_segment, start)
@@ -198,6 +200,10 @@ class AdaccTransformerLayer(TransformerLayer):
                         self._source_value(call, LAYER_INPUT), *call.call_args,
                         **call.call_kwargs
                     )
+                    # Reached only when the re-run goes on into the MLP: the attention ran
+                    # whole, so its output is ln2_in, drawn with forward's RNG states, and
+                    # its edge (linear_proj and the add once more) need not run.
+                    self._keep_output(call, SEGMENTS[SEGMENT_NAMES[MLP_SEGMENT]], hidden_states)
                 _set_all_rng_states(*call.rng_states[MLP_SEGMENT])
                 self.attributor.begin(MLP_SEGMENT)
                 self._forward_mlp(
@@ -227,10 +233,14 @@ class AdaccTransformerLayer(TransformerLayer):
                 output = operator(*sources)
             else:
                 output = _run_between(operator, *edge.between, sources[0])
-        # Every save of the output, as it was saved: torch's RMSNorm saves its input twice,
-        # and in a 16-bit model as an fp32 copy (ln2_in).
-        for key in sorted(key for key in call.wanted if key[0] == edge.output):
-            call.keep(key, output.to(call.saved_dtypes[edge.output]))
+        self._keep_output(call, edge.output, output)
+
+    @staticmethod
+    def _keep_output(call: LayerCall, site: str, value: torch.Tensor) -> None:
+        """``value`` for every wanted save of ``site``, as it was saved: torch's RMSNorm saves
+        its input twice, and in a 16-bit model as an fp32 copy (ln2_in)."""
+        for key in sorted(key for key in call.wanted if key[0] == site):
+            call.keep(key, value.to(call.saved_dtypes[site]))
 
     def attention_residual(self, residual: torch.Tensor, context: torch.Tensor,
                            mask: torch.Tensor | None) -> torch.Tensor:
