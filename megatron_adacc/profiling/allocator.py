@@ -63,7 +63,7 @@ def recycle_freed_host_memory() -> bool:
     MiB as such blocks are freed) comes fresh from the kernel, and each of its pages faults
     on first touch, about a microsecond per 4 KiB on a VM. A CPU step's time then depended
     on where the threshold had drifted: the profiler timed the decode of one 32 MiB value
-    at 1.3 ms in one step and 10 ms in the next, and planned on whichever it saw."""
+    at 1.3 ms in one profile and 10-90 ms in another, and planned on whichever it saw."""
     global _host_memory_recycled
     try:
         libc = ctypes.CDLL("libc.so.6")

@@ -7,9 +7,9 @@ import itertools
 import json
 import sys
 import time
-from typing import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.distributed as dist
