@@ -132,7 +132,7 @@ def max_batch_section(data: dict, attention: str, number: str, tag: str = "") ->
                 cells.append("-")
                 continue
             cell = str(entry["max_micro_batch"])
-            if m == "megatron selective recompute":
+            if m in ("megatron selective recompute", "megatron block recompute"):
                 cell += f" ({entry['detail']})"
             if entry.get("error"):
                 cell += f" (error: {entry['error']})"

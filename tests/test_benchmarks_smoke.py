@@ -44,6 +44,10 @@ def test_throughput_and_max_batch_tiny(tmp_path, attention, family):
     data = json.loads((tmp_path / "m.json").read_text())
     methods = data["results"]["budget@1"]["methods"]
     assert methods["no optimisation"]["max_micro_batch"] == 1
+    # re-running more layers whole keeps less: block recompute's micro-batch grows with them
+    per_layers = list(methods["megatron block recompute"]["per_layers"].values())
+    assert per_layers == sorted(per_layers) and per_layers[-1] == methods[
+        "megatron full recompute"]["max_micro_batch"]
     assert methods["adacc auto"]["max_micro_batch"] >= methods["megatron full recompute"][
         "max_micro_batch"]
     behind = {m for m, e in methods.items() if m != "adacc auto" and e["max_micro_batch"]
