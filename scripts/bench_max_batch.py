@@ -93,25 +93,21 @@ def main() -> None:
 
         search("no optimisation", simple(models.none), start=k)
         full = search("megatron full recompute", simple(models.full_recompute), start=k)
-        selective = {}
-        for variant in models.selective_variants():
-            log: dict[int, bool] = {}
-            selective[variant.detail] = largest(simple(lambda v=variant: v), budget, k,
-                                                args.cap, log)
-        best_set = max(selective, key=selective.get)
-        row["megatron selective recompute"] = {"max_micro_batch": selective[best_set],
-                                               "detail": best_set, "per_set": selective}
-        print(f"  {'megatron selective recompute':32s} {selective[best_set]:4d}  {selective}")
+        def best_of(method: str, variants, key: str, reached: dict | None = None) -> None:
+            """The largest micro-batch of each variant (by its detail; ``reached``: some
+            already known) and, as the method's, the first that reaches the most."""
+            reached = {**{v.detail: largest(simple(lambda v=v: v), budget, k, args.cap, {})
+                          for v in variants}, **(reached or {})}
+            chosen = max(reached, key=reached.get)
+            row[method] = {"max_micro_batch": reached[chosen], "detail": chosen, key: reached}
+            print(f"  {method:32s} {reached[chosen]:4d}  {reached}")
+
+        best_of("megatron selective recompute", models.selective_variants(), "per_set")
         # Block recompute re-runs the first n layers whole (n < layers here); n = every layer
         # keeps what full recompute keeps, so it reaches full recompute's micro-batch. The
         # fewest n that reach the largest is the one reported, as Megatron users pick it.
-        block = {variant.detail: largest(simple(lambda v=variant: v), budget, k, args.cap, {})
-                 for variant in models.block_variants()}
-        block[f"{shape.layers} of {shape.layers} layers"] = full
-        fewest = max(block, key=block.get)
-        row["megatron block recompute"] = {"max_micro_batch": block[fewest], "detail": fewest,
-                                           "per_layers": block}
-        print(f"  {'megatron block recompute':32s} {block[fewest]:4d}  {block}")
+        best_of("megatron block recompute", models.block_variants(), "per_layers",
+                {f"{shape.layers} of {shape.layers} layers": full})
         search("naive INT4", simple(models.naive_int4), start=k)
         if not args.no_compile:
             def compiled_fits(b):

@@ -1,8 +1,8 @@
 """Writes docs/results.md from the JSON the evaluation benchmarks publish under docs/results/
 (bench_throughput.py, bench_max_batch.py, bench_accuracy.py, and bench_codecs.py as
 codecs_avx512.json and codecs_avx2.json, and codecs_epyc_*.json from an AMD EPYC). Every
-number on the page comes
-from those files; rerun the suite (scripts/run_all_benchmarks.sh) and then this script.
+number on the page comes from those files; rerun the suite (scripts/run_all_benchmarks.sh)
+and then this script.
 
     python scripts/make_results_page.py [--out docs/results.md]
 """

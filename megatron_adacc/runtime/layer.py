@@ -44,6 +44,9 @@ from megatron_adacc.common.sites import (COMPRESS, LAYER_INPUT,
                                   MLP_SEGMENT, REBUILDS, REBUILT_BY, RECOMPUTE,
                                   SEGMENT_ANCHORS, SEGMENT_NAMES, SEGMENTS, SITES)
 
+# Where the MLP segment's re-run starts: the residual stream after attention (ln2_in).
+MLP_START = SEGMENTS[SEGMENT_NAMES[MLP_SEGMENT]]
+
 
 class AdaccTransformerLayer(TransformerLayer):
     """megatron-core's TransformerLayer whose saved activations follow per-site decisions
@@ -180,9 +183,8 @@ class AdaccTransformerLayer(TransformerLayer):
     def _rerun_start(call: LayerCall) -> str:
         """Where the re-run starts: ln2_in when every site it rebuilds is in the MLP segment
         (ln2_in retained, decoded, or rebuilt by its edge first), else the layer input."""
-        mlp_start = SEGMENTS[SEGMENT_NAMES[MLP_SEGMENT]]
-        if call.segments == {MLP_SEGMENT} and mlp_start in call.sources:
-            return mlp_start
+        if call.segments == {MLP_SEGMENT} and MLP_START in call.sources:
+            return MLP_START
         return LAYER_INPUT
 
     def _rerun_segments(self, call: LayerCall, keys: set, start: str) -> None:
@@ -203,7 +205,7 @@ class AdaccTransformerLayer(TransformerLayer):
                     # Reached only when the re-run goes on into the MLP: the attention ran
                     # whole, so its output is ln2_in, drawn with forward's RNG states, and
                     # its edge (linear_proj and the add once more) need not run.
-                    self._keep_output(call, SEGMENTS[SEGMENT_NAMES[MLP_SEGMENT]], hidden_states)
+                    self._keep_output(call, MLP_START, hidden_states)
                 _set_all_rng_states(*call.rng_states[MLP_SEGMENT])
                 self.attributor.begin(MLP_SEGMENT)
                 self._forward_mlp(
