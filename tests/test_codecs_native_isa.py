@@ -60,3 +60,25 @@ def test_channel_ranges_with_special_values_match_reference(flags, monkeypatch):
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         assert_same_as_eager("native", "channel_int4", x.to(dtype))
         assert_same_as_eager("native", "outlier_int4", x.to(dtype))
+
+
+@pytest.mark.parametrize("flags", ["", *BUILDS])
+def test_bf16_group_ranges_with_special_values_match_reference(flags, monkeypatch):
+    # bf16 groups of whole blocks take their ranges on int16 keys, reduced for a batch of
+    # groups at once: infinities, NaN, signed zeros and groups of only negatives, of only
+    # -0 and of zeroed outlier channels, in a batch cut short by the end of the tensor
+    # (23 rows of 64: 23 groups of sym_int4, not a multiple of the batch).
+    monkeypatch.setenv(native.CFLAGS_ENV_VAR, flags)
+    gen = torch.Generator().manual_seed(29)
+    x = torch.randn(23, 64, generator=gen)
+    x[0, 3], x[1, 60], x[2, 33], x[3, 0] = math.inf, -math.inf, math.nan, -math.nan
+    x[4] = -x[4].abs() - 1
+    x[5] = -0.0
+    x[6, ::2] = -0.0
+    x[6, 1::2] = 0.0
+    x[7] = -x[7].abs()
+    x[7, 10] = 0.0
+    x[:, 17] *= 500  # an outlier channel, zeroed in every group
+    x = x.to(torch.bfloat16)
+    for name in ("sym_int4", "asym_int4", "outlier_int4", "naive_int4"):
+        assert_same_as_eager("native", name, x)

@@ -73,8 +73,8 @@ typedef float vf_unaligned __attribute__((vector_size(4 * LANES), aligned(4)));
 typedef struct { vf even, odd; } Pair;
 
 #define INLINE static inline __attribute__((always_inline))
-#ifndef PREFETCH_BYTES
-#define PREFETCH_BYTES 2048
+#ifndef PREFETCH_ELEMENTS
+#define PREFETCH_ELEMENTS 1024
 #endif
 /* Shuffle indices: of a BLOCK (two vectors) the even and odd elements, and back. */
 #if LANES == 16
@@ -114,6 +114,12 @@ static const int BIT_REVERSED[LANES] = {0, 4, 2, 6, 1, 5, 3, 7};
 INLINE vf splat(float v) { return (vf){0} + v; }
 INLINE vf blend(vi mask, vf a, vf b) { return (vf)(((vi)a & mask) | ((vi)b & ~mask)); }
 
+/* Decoded values (never NaN) as bf16 bits in the low halves of the lanes, rounded to nearest even. */
+INLINE vu bf16_rounded(vf v) {
+    vu b = (vu)v;
+    return (b + 0x7FFFu + ((b >> 16) & 1u)) >> 16;
+}
+
 /* The vector primitives, per instruction set: AVX-512, AVX2 with F16C, or generic GCC vector
  * code for anything else. vmin and vmax: lane-wise, where a lane holds NaN either returns b
  * (as vminps does). */
@@ -125,6 +131,55 @@ INLINE vf vmax(vf a, vf b) { return (vf)_mm512_max_ps((__m512)a, (__m512)b); }
 INLINE vi widen_bytes(const uint8_t *in) { return (vi)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)in)); }
 INLINE vi min_int(vi a, vi b) { return (vi)_mm512_min_epi32((__m512i)a, (__m512i)b); }
 INLINE vd to_doubles(vf_half v) { return (vd)_mm512_cvtps_pd((__m256)v); } /* GCC splits it in two */
+#ifdef __AVX512BW__
+/* bf16 decoding by table (unpack_group): a group's 16 possible values, rounded once, and
+ * each 16 codes looked up with one vpermw of a 256-bit register (the 512-bit form, two tables
+ * and 32 codes at a time, measured 10% slower); the arithmetic and rounding per element were
+ * most of the decode. */
+#define BF16_DECODE_TABLES
+typedef __m256i Bf16Tables;
+
+INLINE Bf16Tables bf16_tables(float shift, float bias, float scale) {
+    const vf codes = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    return _mm512_cvtepi32_epi16((__m512i)bf16_rounded(shift + (codes - bias) * scale));
+}
+
+/* 32 bytes of codes -> 64 bf16 values in element order: byte j widened into dword j, whose
+ * low word indexes the table by its low nibble and high word by its high nibble (vpermw reads
+ * the low 4 bits of each). */
+INLINE void bf16_lookup(const uint8_t *in, Bf16Tables t, uint16_t *out) {
+    for (int k = 0; k < 4; k++) {
+        __m256i d = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(in + 8 * k)));
+        _mm256_storeu_si256((__m256i *)(out + 16 * k), _mm256_permutexvar_epi16(_mm256_or_si256(d, _mm256_slli_epi32(d, 12)), t));
+    }
+}
+
+/* bf16 ranges on int16 keys (bf16_batch_ranges). */
+#define BF16_KEYS
+INLINE vkey key_min(vkey a, vkey b) { return (vkey)_mm512_min_epi16((__m512i)a, (__m512i)b); }
+INLINE vkey key_max(vkey a, vkey b) { return (vkey)_mm512_max_epi16((__m512i)a, (__m512i)b); }
+
+/* The minima (is_max 0) or maxima of the keys of each of the LANES groups (v[g]: group g's)
+ * in the low half of lane g: a transposing reduction, halving the registers at each step. */
+INLINE vkey fold_keys(vkey v[LANES], int is_max) {
+#define KEY_OP(a, b) (is_max ? key_max((vkey)(a), (vkey)(b)) : key_min((vkey)(a), (vkey)(b)))
+    __m512i w[LANES];
+    for (int j = 0; j < 8; j++) /* 256-bit half k of w[j]: group 2j + k */
+        w[j] = (__m512i)KEY_OP(_mm512_shuffle_i64x2((__m512i)v[2 * j], (__m512i)v[2 * j + 1], 0x44),
+                               _mm512_shuffle_i64x2((__m512i)v[2 * j], (__m512i)v[2 * j + 1], 0xEE));
+    for (int j = 0; j < 4; j++) /* 128-bit lane k of w[j]: group 4j + k */
+        w[j] = (__m512i)KEY_OP(_mm512_shuffle_i64x2(w[2 * j], w[2 * j + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                               _mm512_shuffle_i64x2(w[2 * j], w[2 * j + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+    for (int j = 0; j < 2; j++) /* lane k of w[j]: groups 8j + k, 8j + 4 + k */
+        w[j] = (__m512i)KEY_OP(_mm512_unpacklo_epi64(w[2 * j], w[2 * j + 1]), _mm512_unpackhi_epi64(w[2 * j], w[2 * j + 1]));
+    const __m512 a = _mm512_castsi512_ps(w[0]), b = _mm512_castsi512_ps(w[1]);
+    vkey f = KEY_OP(_mm512_shuffle_ps(a, b, _MM_SHUFFLE(2, 0, 2, 0)), _mm512_shuffle_ps(a, b, _MM_SHUFFLE(3, 1, 3, 1)));
+    f = KEY_OP(f, (vu)f >> 16); /* dword 4k + m: group k + 4m */
+#undef KEY_OP
+    return (vkey)_mm512_permutexvar_epi32(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15),
+                                          (__m512i)f);
+}
+#endif
 #elif defined(__AVX2__) && defined(__F16C__)
 #include <immintrin.h>
 #define VECTOR_ISA "avx2"
@@ -179,18 +234,18 @@ INLINE vbytes narrow_bytes(vi v) {
 #define BF16_DECODE_TABLES
 typedef struct { __m256i low, high; } Bf16Tables;
 
-/* The tables of the values given, as bf16 bits (low 16 bits of each lane), of codes
- * 0-3, 8-11 (first) and 4-7, 12-15 (second): vpshufb's 16-byte tables, in both lanes. */
-INLINE Bf16Tables bf16_tables(vu first, vu second) {
-    __m256i words = _mm256_packus_epi32((__m256i)first, (__m256i)second); /* codes 0-7 | 8-15 */
+/* The tables of a group's 16 values shift + (code - bias) * scale as bf16 bits: vpshufb's
+ * 16-byte tables of their low and high bytes, in both lanes. */
+INLINE Bf16Tables bf16_tables(float shift, float bias, float scale) {
+    const vf first = {0, 1, 2, 3, 8, 9, 10, 11}, second = {4, 5, 6, 7, 12, 13, 14, 15};
+    __m256i words = _mm256_packus_epi32((__m256i)bf16_rounded(shift + (first - bias) * scale),
+                                        (__m256i)bf16_rounded(shift + (second - bias) * scale)); /* codes 0-7 | 8-15 */
     const __m256i split = _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15,
                                            0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
     __m256i bytes = _mm256_shuffle_epi8(words, split); /* low 0-7, high 0-7 | low 8-15, high 8-15 */
     return (Bf16Tables){_mm256_permute4x64_epi64(bytes, _MM_SHUFFLE(2, 0, 2, 0)),
                         _mm256_permute4x64_epi64(bytes, _MM_SHUFFLE(3, 1, 3, 1))};
 }
-#define BF16_TABLE_FIRST ((vf){0, 1, 2, 3, 8, 9, 10, 11})
-#define BF16_TABLE_SECOND ((vf){4, 5, 6, 7, 12, 13, 14, 15})
 
 /* 32 bytes of codes -> 64 bf16 values in element order. The dword permutation puts into each
  * lane the bytes whose codes the unpacking below brings back to that lane's outputs. */
@@ -207,12 +262,30 @@ INLINE void bf16_lookup(const uint8_t *in, Bf16Tables t, uint16_t *out) {
     }
 }
 
-/* bf16 ranges on int16 keys (bf16_group_blocks), and codes packed four blocks (64 elements)
- * at a time (pack_group). */
+/* bf16 ranges on int16 keys (bf16_batch_ranges; per group, bf16_group_blocks), and codes
+ * packed four blocks (64 elements) at a time (pack_group). */
+#define BF16_KEYS
 #define BF16_KEY_RANGES
 #define BF16_FOUR_BLOCKS
 INLINE vkey key_min(vkey a, vkey b) { return (vkey)_mm256_min_epi16((__m256i)a, (__m256i)b); }
 INLINE vkey key_max(vkey a, vkey b) { return (vkey)_mm256_max_epi16((__m256i)a, (__m256i)b); }
+
+/* The minima (is_max 0) or maxima of the keys of each of the LANES groups (v[g]: group g's)
+ * in the low half of lane g: a transposing reduction, halving the registers at each step. */
+INLINE vkey fold_keys(vkey v[LANES], int is_max) {
+#define KEY_OP(a, b) (is_max ? key_max((vkey)(a), (vkey)(b)) : key_min((vkey)(a), (vkey)(b)))
+    __m256i w[LANES];
+    for (int j = 0; j < 4; j++) /* 128-bit lane k of w[j]: group 2j + k */
+        w[j] = (__m256i)KEY_OP(_mm256_permute2x128_si256((__m256i)v[2 * j], (__m256i)v[2 * j + 1], 0x20),
+                               _mm256_permute2x128_si256((__m256i)v[2 * j], (__m256i)v[2 * j + 1], 0x31));
+    for (int j = 0; j < 2; j++) /* lane k of w[j]: groups 4j + k, 4j + 2 + k */
+        w[j] = (__m256i)KEY_OP(_mm256_unpacklo_epi64(w[2 * j], w[2 * j + 1]), _mm256_unpackhi_epi64(w[2 * j], w[2 * j + 1]));
+    const __m256 a = _mm256_castsi256_ps(w[0]), b = _mm256_castsi256_ps(w[1]);
+    vkey f = KEY_OP(_mm256_shuffle_ps(a, b, _MM_SHUFFLE(2, 0, 2, 0)), _mm256_shuffle_ps(a, b, _MM_SHUFFLE(3, 1, 3, 1)));
+    f = KEY_OP(f, (vu)f >> 16); /* dword 4k + m: group k + 2m */
+#undef KEY_OP
+    return (vkey)_mm256_permutevar8x32_epi32((__m256i)f, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
 
 /* Codes of four blocks (Pair layout, each in [0, 16]: pack_group clamps) -> 32 bytes. */
 INLINE void pack_four_blocks(const vi even[4], const vi odd[4], uint8_t *out) {
@@ -270,14 +343,16 @@ INLINE vbytes narrow_bytes(vi v) { return __builtin_convertvector(v, vbytes); }
 
 const char *vector_isa(void) { return VECTOR_ISA; }
 
-/* Asks for the cache lines PREFETCH_BYTES past block [i, i + BLOCK) of x, to read (write: 0)
- * or to write (1): the hardware prefetchers alone left the first loads of each group waiting
- * on memory, 40% of an encode's time, and the decode's loads of codes and stores of values
- * half of its. */
+/* Asks for the cache lines PREFETCH_ELEMENTS past block [i, i + BLOCK) of x, to read (write:
+ * 0) or to write (1): the hardware prefetchers alone left the first loads of each group
+ * waiting on memory, 40% of an encode's time, and the decode's loads of codes and stores of
+ * values half of its. The distance counts elements, a batch of groups ahead whatever their
+ * width: at 2048 bytes, fp32 encodes with zeroed channels waited on memory (28% slower than
+ * at 4096; bf16 the same at both). */
 #define PREFETCH_BLOCK(x, i, dtype, write)                                                      \
     do {                                                                                        \
         const int size_ = (dtype) == 0 ? 4 : 2;                                                 \
-        const char *at_ = (const char *)(x) + (i) * size_ + PREFETCH_BYTES;                     \
+        const char *at_ = (const char *)(x) + ((i) + PREFETCH_ELEMENTS) * size_;                   \
         for (int line_ = 0; line_ < BLOCK * size_; line_ += 64) __builtin_prefetch(at_ + line_, write); \
     } while (0)
 
@@ -319,11 +394,6 @@ INLINE Pair load_pair(const void *x, int64_t i, int dtype, const void *mask) {
     return dtype == 1 ? p : deinterleave(p.even, p.odd);
 }
 
-/* Decoded values (never NaN) as bf16 bits in the low halves of the lanes, rounded to nearest even. */
-INLINE vu bf16_rounded(vf v) {
-    vu b = (vu)v;
-    return (b + 0x7FFFu + ((b >> 16) & 1u)) >> 16;
-}
 
 /* The inverse, for decoded values: never NaN, so bf16 rounds to nearest even by hand. */
 INLINE void store_pair(void *out, int64_t i, Pair v, int dtype) {
@@ -364,23 +434,12 @@ INLINE int64_t pair_slot(int64_t c, int64_t cols) {
 /* Element i of a group starting at `base` is zeroed unless keep[(base + i) % channels] (the
  * outlier codec's channels): keep (zeroing_for) holds all-ones or 0 in the element width of
  * the input, for channels + BLOCK entries, keep[j] = keep[j % channels], so one load never
- * wraps; zeroed_before[j] counts the zeroed channels below j (j <= channels). */
-typedef struct { const void *keep; const int32_t *zeroed_before; int64_t channels; } Zeroing;
+ * wraps. Every group of a tensor with zeroed channels is masked: branching on whether each
+ * group holds one, into loops without the mask, was mispredicted about half the time on
+ * outlier data, and cost more than the masks. */
+typedef struct { const void *keep; int64_t channels; } Zeroing;
 
-static const Zeroing NO_ZEROING = {NULL, NULL, 0};
-
-/* z for a group of `len` elements from channel ch if it holds a zeroed channel, else
- * NO_ZEROING. Most groups hold no outlier channel: the kernels branch on this per group into
- * loops compiled for NO_ZEROING, without the mask's AND and the channel counting (with them
- * every group cost 10-15% more). */
-INLINE Zeroing group_zeroing(Zeroing z, int64_t ch, int64_t len) {
-    if (!z.keep || len >= z.channels) return z;
-    const int32_t *before = z.zeroed_before;
-    const int64_t end = ch + len;
-    const int32_t n = end <= z.channels ? before[end] - before[ch]
-                                        : before[z.channels] - before[ch] + before[end - z.channels];
-    return n ? z : NO_ZEROING;
-}
+static const Zeroing NO_ZEROING = {NULL, 0};
 
 INLINE int64_t first_channel(Zeroing z, int64_t base) { return z.keep ? base % z.channels : 0; }
 
@@ -401,12 +460,14 @@ INLINE float load_kept(const void *x, int64_t i, int dtype, Zeroing z, int64_t c
     return kept ? v : 0.0f;
 }
 
-#ifdef BF16_KEY_RANGES
+#ifdef BF16_KEYS
 /* Order-preserving int16 keys of bf16 bits (the magnitude bits flipped where the sign is set,
  * -0 just below +0), and back: the map is its own inverse. A register of keys to a min or
  * max where the floats took two splitting operations for half as many. */
 INLINE vkey bf16_keys(vkey w) { return w ^ ((w >> 15) & 0x7FFF); }
+#endif
 
+#ifdef BF16_KEY_RANGES
 /* group_blocks for bf16 groups of at least one whole block. An infinity or NaN has the
  * greatest or least key, so the range alone tells whether the group is finite. */
 INLINE void bf16_group_blocks(const void *x, int64_t base, int64_t cols, Zeroing z, int64_t ch, vf *lo, vf *hi,
@@ -552,12 +613,10 @@ INLINE void unpack_group(const uint8_t *in, int64_t cols, float shift, float bia
     int64_t c = 0;
 #ifdef BF16_DECODE_TABLES
     if (dtype == 1 && !col_scale && cols >= 64) {
-        const vf first = BF16_TABLE_FIRST, second = BF16_TABLE_SECOND;
-        const Bf16Tables t = bf16_tables(bf16_rounded(shift + (first - bias) * scale),
-                                         bf16_rounded(shift + (second - bias) * scale));
+        const Bf16Tables t = bf16_tables(shift, bias, scale);
         for (; c + 64 <= cols; c += 64) {
-            __builtin_prefetch(in + c / 2 + PREFETCH_BYTES / 4);
-            for (int line = 0; line < 128; line += 64) __builtin_prefetch((char *)out + 2 * (base + c) + PREFETCH_BYTES + line, 1);
+            __builtin_prefetch(in + (c + PREFETCH_ELEMENTS) / 2);
+            for (int line = 0; line < 128; line += 64) __builtin_prefetch((char *)out + 2 * (base + c + PREFETCH_ELEMENTS) + line, 1);
             bf16_lookup(in + c / 2, t, (uint16_t *)out + base + c);
         }
     }
@@ -565,7 +624,7 @@ INLINE void unpack_group(const uint8_t *in, int64_t cols, float shift, float bia
     vf s_even = splat(scale), s_odd = s_even;
     for (; c + BLOCK <= cols; c += BLOCK) {
         if (col_scale) { memcpy(&s_even, col_scale + c, sizeof s_even); memcpy(&s_odd, col_scale + c + LANES, sizeof s_odd); }
-        __builtin_prefetch(in + c / 2 + PREFETCH_BYTES / 4);
+        __builtin_prefetch(in + (c + PREFETCH_ELEMENTS) / 2);
         PREFETCH_BLOCK(out, base + c, dtype, 1);
         Pair q = unpack_pair(in + c / 2);
         store_pair(out, base + c, (Pair){shift + (q.even - bias) * s_even, shift + (q.odd - bias) * s_odd}, dtype);
@@ -615,6 +674,36 @@ INLINE void asym_scales(vf lo, vf hi, vi finite, float dmax, vf *scale, vf *inv,
 
 static const Columns NO_COLUMNS = {NULL, NULL};
 
+#ifdef BF16_KEYS
+/* batch_ranges for bf16 groups of whole blocks: the keys' minima and maxima of each group
+ * lane-wise, then reduced for all groups at once (fold_keys). An infinity or NaN has the
+ * greatest or least key, so the range alone tells whether the group is finite. */
+INLINE void bf16_batch_ranges(const void *x, int64_t r0, int64_t n, int64_t cols, Zeroing z, int64_t ch, vf *lo,
+                              vf *hi, vi *finite) {
+    vkey mins[LANES], maxs[LANES];
+    for (int64_t g = 0; g < LANES; g++) {
+        vkey low = (vkey){0} + INT16_MAX, high = (vkey){0} + INT16_MIN;
+        for (int64_t c = 0; g < n && c < cols; c += BLOCK) {
+            const int64_t at = (r0 + g) * cols + c;
+            PREFETCH_BLOCK(x, at, 1, 0);
+            vkey w, keep;
+            memcpy(&w, (const uint16_t *)x + at, sizeof w);
+            if (z.keep) { memcpy(&keep, keep_at(z, ch, 1), sizeof keep); w &= keep; }
+            ch = next_channel(z, ch, BLOCK);
+            vkey key = bf16_keys(w);
+            low = key_min(low, key);
+            high = key_max(high, key);
+        }
+        mins[g] = low;
+        maxs[g] = high;
+    }
+    vu l = (vu)bf16_keys(fold_keys(mins, 0)), h = (vu)bf16_keys(fold_keys(maxs, 1));
+    *lo = (vf)(l << 16);
+    *hi = (vf)(h << 16);
+    *finite = (*lo - *lo) + (*hi - *hi) == 0.0f;
+}
+#endif
+
 /* Ranges of the groups of rows [r0, r0 + n), n <= LANES, the first starting at channel ch, as
  * vectors (lane g: group r0 + g); lanes past n unusable. Each group leaves lane-wise partial
  * results, group g's at position BIT_REVERSED[g], and FOLD_LEVEL halves all LANES vectors at
@@ -623,14 +712,18 @@ static const Columns NO_COLUMNS = {NULL, NULL};
  * results lane by lane into the vector the scales are computed from. */
 INLINE void batch_ranges(const void *x, int dtype, int64_t r0, int64_t n, int64_t cols, Zeroing z, int64_t ch,
                          vf *lo, vf *hi, vi *finite) {
+#ifdef BF16_KEYS
+    if (dtype == 1 && cols % BLOCK == 0) {
+        bf16_batch_ranges(x, r0, n, cols, z, ch, lo, hi, finite);
+        return;
+    }
+#endif
     const int64_t ch0 = ch;
     vf lows[LANES], highs[LANES], poisons[LANES];
     for (int64_t g = 0; g < LANES; g++) {
         const int p = BIT_REVERSED[g];
         if (g < n) {
-            if (group_zeroing(z, ch, cols).keep)
-                group_blocks(x, (r0 + g) * cols, cols, dtype, z, ch, &lows[p], &highs[p], &poisons[p]);
-            else group_blocks(x, (r0 + g) * cols, cols, dtype, NO_ZEROING, 0, &lows[p], &highs[p], &poisons[p]);
+            group_blocks(x, (r0 + g) * cols, cols, dtype, z, ch, &lows[p], &highs[p], &poisons[p]);
             ch = next_channel(z, ch, cols);
         } else {
             lows[p] = splat(INFINITY);
@@ -658,12 +751,13 @@ INLINE void batch_ranges(const void *x, int dtype, int64_t r0, int64_t n, int64_
     if (cols % BLOCK) /* rows of odd widths (naive_int4's): the elements past the whole blocks */
         for (int64_t g = 0, ch = ch0; g < n; g++, ch = next_channel(z, ch, cols)) {
             float l = (*lo)[g], h = (*hi)[g];
-            int ok = group_tail(x, (r0 + g) * cols, cols, dtype, group_zeroing(z, ch, cols), ch, &l, &h);
+            int ok = group_tail(x, (r0 + g) * cols, cols, dtype, z, ch, &l, &h);
             (*lo)[g] = l;
             (*hi)[g] = h;
             (*finite)[g] &= -ok;
         }
 }
+
 
 /* Groups are encoded LANES at a time: the ranges of all, then their scales in one vector
  * computation, then their codes (the group data is still in cache). */
@@ -679,9 +773,7 @@ INLINE void sym_encode_batch(const void *x, int dtype, int64_t r0, int64_t n, in
         scales[r0 + g] = bf16_bits(scale[g]);
         ok_out[r0 + g] = ok[g] != 0;
         if (!ok[g]) memset(out, 0x88, (size_t)(cols / 2));
-        else if (group_zeroing(z, ch, cols).keep)
-            pack_group(x, (r0 + g) * cols, cols, dtype, z, ch, 0.0f, inv[g], 8.5f, NO_COLUMNS, out);
-        else pack_group(x, (r0 + g) * cols, cols, dtype, NO_ZEROING, 0, 0.0f, inv[g], 8.5f, NO_COLUMNS, out);
+        else pack_group(x, (r0 + g) * cols, cols, dtype, z, ch, 0.0f, inv[g], 8.5f, NO_COLUMNS, out);
     }
 }
 
@@ -693,22 +785,15 @@ static int indices_in_range(const int64_t *index, int64_t n, int64_t limit) {
 }
 
 /* The Zeroing of int4.zero_channels' (channels, index), index strictly increasing, in the
- * element width of dtype, in one allocation (its keep, to free); NO_ZEROING if that fails. */
+ * element width of dtype (its keep, to free); NO_ZEROING if the allocation fails. */
 static Zeroing zeroing_for(int dtype, int64_t channels, const int64_t *index, int64_t n) {
-    const size_t width = dtype == 0 ? 4 : 2, keep_bytes = ((size_t)(channels + BLOCK) * width + 3) & ~(size_t)3;
-    char *keep = malloc(keep_bytes + (size_t)(channels + 1) * sizeof(int32_t));
+    const size_t width = dtype == 0 ? 4 : 2;
+    char *keep = malloc((size_t)(channels + BLOCK) * width);
     if (!keep) return NO_ZEROING;
     memset(keep, 0xFF, (size_t)channels * width);
     for (int64_t k = 0; k < n; k++) memset(keep + index[k] * width, 0, width);
     for (int64_t j = channels; j < channels + BLOCK; j++) memcpy(keep + j * width, keep + j % channels * width, width);
-    int32_t *before = (int32_t *)(keep + keep_bytes);
-    before[0] = 0;
-    for (int64_t j = 0, k = 0; j < channels; j++) {
-        const int zeroed = k < n && index[k] == j;
-        k += zeroed;
-        before[j + 1] = before[j] + zeroed;
-    }
-    return (Zeroing){keep, before, channels};
+    return (Zeroing){keep, channels};
 }
 
 /* The outlier codec's exact channels, in a tensor seen as rows of `channels` values: row r
@@ -771,7 +856,10 @@ int sym_encode_rows(const void *x, int dtype, int64_t rows, int64_t cols, float 
     #pragma omp parallel for schedule(static)
     for (int64_t r0 = 0; r0 < rows; r0 += LANES) {
         int64_t n = rows - r0 < LANES ? rows - r0 : LANES;
-#define CALL(t) sym_encode_batch(x, t, r0, n, cols, dmax, z, packed, scales, ok_out)
+/* the default groups, 64 wide, in loops of constant trip counts: 13% faster in bf16 with zeroed channels */
+#define CALL(t)                                                                     \
+    if (cols == 64) sym_encode_batch(x, t, r0, n, 64, dmax, z, packed, scales, ok_out); \
+    else sym_encode_batch(x, t, r0, n, cols, dmax, z, packed, scales, ok_out)
         DTYPE_CASES(CALL)
 #undef CALL
         if (exact) copy_exact(e, (void *)x, elem_size, r0 * cols, (r0 + n) * cols, 1);
