@@ -179,6 +179,22 @@ INLINE vkey fold_keys(vkey v[LANES], int is_max) {
     return (vkey)_mm512_permutexvar_epi32(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15),
                                           (__m512i)f);
 }
+
+/* bf16 codes packed two blocks (64 elements) at a time (pack_group): one clamp of 64 bytes
+ * and one permutation where narrowing each block took two. */
+#define BF16_PACKED_BLOCKS 2
+
+/* Codes of two blocks (Pair layout, each in [0, 16]: pack_blocks clamps) -> 32 bytes. */
+INLINE void pack_blocks(const vi even[2], const vi odd[2], uint8_t *out) {
+    /* 128-bit lane k: block 0's even codes 4k..4k+3, block 1's, then the odd ones the same */
+    __m512i bytes = _mm512_packus_epi16(_mm512_packus_epi32((__m512i)even[0], (__m512i)even[1]),
+                                        _mm512_packus_epi32((__m512i)odd[0], (__m512i)odd[1]));
+    bytes = _mm512_min_epu8(bytes, _mm512_set1_epi8(15));
+    bytes = _mm512_or_si512(bytes, _mm512_slli_epi16(_mm512_bsrli_epi128(bytes, 8), 4));
+    /* dword 0 of lane k: block 0's bytes 4k..4k+3; dword 1: block 1's */
+    const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 0, 0, 0, 0, 0, 0, 0, 0);
+    _mm256_storeu_si256((__m256i *)out, _mm512_castsi512_si256(_mm512_permutexvar_epi32(order, bytes)));
+}
 #endif
 #elif defined(__AVX2__) && defined(__F16C__)
 #include <immintrin.h>
@@ -263,10 +279,10 @@ INLINE void bf16_lookup(const uint8_t *in, Bf16Tables t, uint16_t *out) {
 }
 
 /* bf16 ranges on int16 keys (bf16_batch_ranges; per group, bf16_group_blocks), and codes
- * packed four blocks (64 elements) at a time (pack_group). */
+ * packed four blocks (64 elements) at a time (pack_group, pack_blocks). */
 #define BF16_KEYS
 #define BF16_KEY_RANGES
-#define BF16_FOUR_BLOCKS
+#define BF16_PACKED_BLOCKS 4
 INLINE vkey key_min(vkey a, vkey b) { return (vkey)_mm256_min_epi16((__m256i)a, (__m256i)b); }
 INLINE vkey key_max(vkey a, vkey b) { return (vkey)_mm256_max_epi16((__m256i)a, (__m256i)b); }
 
@@ -287,8 +303,8 @@ INLINE vkey fold_keys(vkey v[LANES], int is_max) {
     return (vkey)_mm256_permutevar8x32_epi32((__m256i)f, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
 }
 
-/* Codes of four blocks (Pair layout, each in [0, 16]: pack_group clamps) -> 32 bytes. */
-INLINE void pack_four_blocks(const vi even[4], const vi odd[4], uint8_t *out) {
+/* Codes of four blocks (Pair layout, each in [0, 16]: pack_blocks clamps) -> 32 bytes. */
+INLINE void pack_blocks(const vi even[4], const vi odd[4], uint8_t *out) {
     const __m256i top = _mm256_set1_epi8(15);
     __m256i e = _mm256_packus_epi16(_mm256_packus_epi32((__m256i)even[0], (__m256i)even[1]),
                                     _mm256_packus_epi32((__m256i)even[2], (__m256i)even[3]));
@@ -560,11 +576,11 @@ INLINE void pack_group(const void *x, int64_t base, int64_t cols, int dtype, Zer
                        float inv, float bias, Columns col, uint8_t *out) {
     int64_t c = 0;
     vf mul_even = splat(inv), mul_odd = mul_even;
-#ifdef BF16_FOUR_BLOCKS
+#ifdef BF16_PACKED_BLOCKS
     if (dtype == 1)
-        for (; c + 4 * BLOCK <= cols; c += 4 * BLOCK) {
-            vi even[4], odd[4];
-            for (int b = 0; b < 4; b++) {
+        for (; c + BF16_PACKED_BLOCKS * BLOCK <= cols; c += BF16_PACKED_BLOCKS * BLOCK) {
+            vi even[BF16_PACKED_BLOCKS], odd[BF16_PACKED_BLOCKS];
+            for (int b = 0; b < BF16_PACKED_BLOCKS; b++) {
                 const int64_t at = c + b * BLOCK;
                 Pair p = load_pair(x, base + at, dtype, keep_at(z, ch, dtype));
                 ch = next_channel(z, ch, BLOCK);
@@ -582,7 +598,7 @@ INLINE void pack_group(const void *x, int64_t base, int64_t cols, int dtype, Zer
                     odd[b] = (odd[b] & ok_odd) | (8 & ~ok_odd);
                 }
             }
-            pack_four_blocks(even, odd, out + c / 2);
+            pack_blocks(even, odd, out + c / 2);
         }
 #endif
     for (; c + BLOCK <= cols; c += BLOCK) {
