@@ -278,17 +278,23 @@ class _Profiling:
 
     def codec_costs(self, names: Iterable[str]) -> dict[str, list[CodecCost]]:
         """Every candidate codec of each named site, timed in the step on its real tensors
-        (the median over ``repeats`` steps of a candidate round)."""
+        (the median over ``repeats`` steps of a candidate round, after one untimed)."""
         candidates = {name: site_table.get(name).candidate_codecs for name in names}
         found: dict[str, list[CodecCost]] = {name: [] for name in candidates}
         for round_ in range(max((len(c) for c in candidates.values()), default=0)):
             chosen = {name: c[round_] for name, c in candidates.items() if round_ < len(c)}
+            decisions = {name: Decision(COMPRESS, codec) for name, codec in chosen.items()}
+            # A round's first step grows the host heap to fit its payloads and decoded values
+            # beside the rest, and on a CPU each new page faults on first touch: untimed. (In
+            # a fresh process the decode of Llama's 32 MiB swiglu_in took 6.1-6.3 ms in each
+            # round's first step against 1.1-1.7 in the next two, and a median of three took
+            # 12 ms once.)
+            self.probed_step(decisions)
             # Per step, each usable probe's times only: the probes and the tensors they were
             # given go with their step.
             steps = []
             for _ in range(max(1, self.repeats)):
-                sizes, probes = self.probed_step({name: Decision(COMPRESS, codec)
-                                                  for name, codec in chosen.items()})
+                sizes, probes = self.probed_step(decisions)
                 steps.append((sizes, {name: (probe.encode_s, probe.decode_s)
                                       for name, probe in probes.items()
                                       if not probe.failed and probe.inputs}))
