@@ -232,3 +232,23 @@ def test_a_codec_rounds_first_step_is_not_timed(distributed, monkeypatch):
     timed = [codec for site in costs.sites for codec in site.codecs]
     assert slowed and {codec.codec for codec in timed} >= slowed
     assert all(codec.decode_s < 0.05 for codec in timed)
+
+
+def test_a_payload_is_charged_at_its_largest_over_the_layers(distributed):
+    """Outlier channels, and with them the outlier codec's payload, differ from layer to
+    layer: the profile charges each site's payload at the largest any layer makes, so no
+    layer of a plan keeps more than the planner counts."""
+    model = build(True, dropout=0.0, layers=3)
+    with torch.no_grad():  # outlier channels in the first layer's MLP only; the profile measures the second
+        model.decoder.layers[0].mlp.linear_fc1.weight[:3] *= 50
+    costs = profile(model, batch(0), repeats=1, strict=True)
+    for codec in ("outlier_int4", "sym_int4"):
+        charged = {site.name: cost.payload_bytes for site in costs.sites for cost in site.codecs
+                   if cost.codec == codec}
+        apply_plan(model, Plan(layers={(0, 2): {name: Decision(COMPRESS, codec) for name in charged}}),
+                   strict=True)
+        kept = measure_step(model, lambda: loss_of(model, 0), strict=True)[1].by_site
+        model.zero_grad(set_to_none=True)
+        for name, bytes_charged in charged.items():
+            per_layer = [kept[(layer, name)] for layer in range(3)]
+            assert max(per_layer) == bytes_charged, (codec, name, per_layer)

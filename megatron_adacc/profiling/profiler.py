@@ -219,14 +219,16 @@ class _Profiling:
         self.device = batch[0].device
 
     def step(self, decisions: dict[str, Decision], ruler_type=ActivationRuler,
-             install: Callable[[], None] | None = None, backward: bool = True):
+             install: Callable[[], None] | None = None, backward: bool = True, every_layer: bool = False):
         """Forward and backward of the micro-batch with ``decisions`` on the measured layer
-        only (``install`` may then adjust the layer's actions); gradients are dropped.
+        only, or on each (``every_layer``; ``install`` may then adjust the measured layer's
+        actions); gradients are dropped.
         ``backward=False``: the forward stops once the measured layer is done, since nothing
         after it is looked at. ``ruler_type=None``: no ruler watches (its hooks and counts
         are none of training's), for steps that only time. Returns the ruler."""
-        apply_plan(self.model, Plan(layers={(self.index, self.index): decisions}),
-                   strict=self.strict)
+        first, last = (self.layers[0].layer_index, self.layers[-1].layer_index) if every_layer else (
+            self.index, self.index)
+        apply_plan(self.model, Plan(layers={(first, last): decisions}), strict=self.strict)
         if install is not None:
             install()
         ruler = ruler_type(self.model, strict=self.strict) if ruler_type else None
@@ -278,17 +280,25 @@ class _Profiling:
 
     def codec_costs(self, names: Iterable[str]) -> dict[str, list[CodecCost]]:
         """Every candidate codec of each named site, timed in the step on its real tensors
-        (the median over ``repeats`` steps of a candidate round, after one untimed)."""
+        (the median over ``repeats`` steps of a candidate round, after two untimed), each
+        payload at its largest over the layers."""
         candidates = {name: site_table.get(name).candidate_codecs for name in names}
         found: dict[str, list[CodecCost]] = {name: [] for name in candidates}
         for round_ in range(max((len(c) for c in candidates.values()), default=0)):
             chosen = {name: c[round_] for name, c in candidates.items() if round_ < len(c)}
             decisions = {name: Decision(COMPRESS, codec) for name, codec in chosen.items()}
-            # A round's first step grows the host heap to fit its payloads and decoded values
-            # beside the rest, and on a CPU each new page faults on first touch: untimed. (In
-            # a fresh process the decode of Llama's 32 MiB swiglu_in took 6.1-6.3 ms in each
-            # round's first step against 1.1-1.7 in the next two, and a median of three took
-            # 12 ms once.)
+            # Two untimed steps first. One compresses the sites of every layer, and a site's
+            # payload is charged at its largest over them: outlier channels differ from layer
+            # to layer (in a 3-layer GPT of 64 channels, 0 to 3 of them, and a plan at the
+            # profiled layer's count overran its budget). The other, as the timed steps, grows
+            # the host heap to their payloads and decoded values beside the rest, and on a
+            # CPU each new page faults on first touch (in a fresh process the decode of
+            # Llama's 32 MiB swiglu_in took 6.1-6.3 ms in each round's first step against
+            # 1.1-1.7 in the next two, and a median of three took 12 ms once).
+            largest: dict[str, int] = {}
+            for (_, name), size in self.step(decisions, every_layer=True).report().by_site.items():
+                if name in decisions:
+                    largest[name] = max(largest.get(name, 0), size)
             self.probed_step(decisions)
             # Per step, each usable probe's times only: the probes and the tensors they were
             # given go with their step.
@@ -303,7 +313,7 @@ class _Profiling:
                 if None in times:
                     continue
                 found[name].append(CodecCost(
-                    codec=codec, payload_bytes=int(steps[0][0][name]),
+                    codec=codec, payload_bytes=max(int(steps[0][0][name]), largest.get(name, 0)),
                     encode_s=statistics.median(encode_s for encode_s, _ in times),
                     decode_s=statistics.median(decode_s for _, decode_s in times)))
         return found
