@@ -120,6 +120,12 @@ INLINE vu bf16_rounded(vf v) {
     return (b + 0x7FFFu + ((b >> 16) & 1u)) >> 16;
 }
 
+/* bf16 keys (BF16_KEYS, where an instruction set defines key_min, key_max and fold_keys):
+ * fold_keys(v, is_max) leaves the minima (is_max 0) or maxima of the keys of each of the
+ * LANES groups (v[g]: group g's) in the low half of lane g, by a transposing reduction that
+ * halves the registers at each step of KEY_OP. */
+#define KEY_OP(a, b) (is_max ? key_max((vkey)(a), (vkey)(b)) : key_min((vkey)(a), (vkey)(b)))
+
 /* The vector primitives, per instruction set: AVX-512, AVX2 with F16C, or generic GCC vector
  * code for anything else. vmin and vmax: lane-wise, where a lane holds NaN either returns b
  * (as vminps does). */
@@ -159,10 +165,7 @@ INLINE void bf16_lookup(const uint8_t *in, Bf16Tables t, uint16_t *out) {
 INLINE vkey key_min(vkey a, vkey b) { return (vkey)_mm512_min_epi16((__m512i)a, (__m512i)b); }
 INLINE vkey key_max(vkey a, vkey b) { return (vkey)_mm512_max_epi16((__m512i)a, (__m512i)b); }
 
-/* The minima (is_max 0) or maxima of the keys of each of the LANES groups (v[g]: group g's)
- * in the low half of lane g: a transposing reduction, halving the registers at each step. */
 INLINE vkey fold_keys(vkey v[LANES], int is_max) {
-#define KEY_OP(a, b) (is_max ? key_max((vkey)(a), (vkey)(b)) : key_min((vkey)(a), (vkey)(b)))
     __m512i w[LANES];
     for (int j = 0; j < 8; j++) /* 256-bit half k of w[j]: group 2j + k */
         w[j] = (__m512i)KEY_OP(_mm512_shuffle_i64x2((__m512i)v[2 * j], (__m512i)v[2 * j + 1], 0x44),
@@ -175,7 +178,6 @@ INLINE vkey fold_keys(vkey v[LANES], int is_max) {
     const __m512 a = _mm512_castsi512_ps(w[0]), b = _mm512_castsi512_ps(w[1]);
     vkey f = KEY_OP(_mm512_shuffle_ps(a, b, _MM_SHUFFLE(2, 0, 2, 0)), _mm512_shuffle_ps(a, b, _MM_SHUFFLE(3, 1, 3, 1)));
     f = KEY_OP(f, (vu)f >> 16); /* dword 4k + m: group k + 4m */
-#undef KEY_OP
     return (vkey)_mm512_permutexvar_epi32(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15),
                                           (__m512i)f);
 }
@@ -286,10 +288,7 @@ INLINE void bf16_lookup(const uint8_t *in, Bf16Tables t, uint16_t *out) {
 INLINE vkey key_min(vkey a, vkey b) { return (vkey)_mm256_min_epi16((__m256i)a, (__m256i)b); }
 INLINE vkey key_max(vkey a, vkey b) { return (vkey)_mm256_max_epi16((__m256i)a, (__m256i)b); }
 
-/* The minima (is_max 0) or maxima of the keys of each of the LANES groups (v[g]: group g's)
- * in the low half of lane g: a transposing reduction, halving the registers at each step. */
 INLINE vkey fold_keys(vkey v[LANES], int is_max) {
-#define KEY_OP(a, b) (is_max ? key_max((vkey)(a), (vkey)(b)) : key_min((vkey)(a), (vkey)(b)))
     __m256i w[LANES];
     for (int j = 0; j < 4; j++) /* 128-bit lane k of w[j]: group 2j + k */
         w[j] = (__m256i)KEY_OP(_mm256_permute2x128_si256((__m256i)v[2 * j], (__m256i)v[2 * j + 1], 0x20),
@@ -299,7 +298,6 @@ INLINE vkey fold_keys(vkey v[LANES], int is_max) {
     const __m256 a = _mm256_castsi256_ps(w[0]), b = _mm256_castsi256_ps(w[1]);
     vkey f = KEY_OP(_mm256_shuffle_ps(a, b, _MM_SHUFFLE(2, 0, 2, 0)), _mm256_shuffle_ps(a, b, _MM_SHUFFLE(3, 1, 3, 1)));
     f = KEY_OP(f, (vu)f >> 16); /* dword 4k + m: group k + 2m */
-#undef KEY_OP
     return (vkey)_mm256_permutevar8x32_epi32((__m256i)f, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
 }
 
