@@ -482,8 +482,9 @@ INLINE vkey bf16_keys(vkey w) { return w ^ ((w >> 15) & 0x7FFF); }
 #endif
 
 #ifdef BF16_KEY_RANGES
-/* group_blocks for bf16 groups of at least one whole block. An infinity or NaN has the
- * greatest or least key, so the range alone tells whether the group is finite. */
+/* group_blocks for bf16 groups of at least one whole block and a part of one (whole blocks
+ * take bf16_batch_ranges). An infinity or NaN has the greatest or least key, so the range
+ * alone tells whether the group is finite. */
 INLINE void bf16_group_blocks(const void *x, int64_t base, int64_t cols, Zeroing z, int64_t ch, vf *lo, vf *hi,
                               vf *poison) {
     vkey low = (vkey){0} + INT16_MAX, high = (vkey){0} + INT16_MIN;
