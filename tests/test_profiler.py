@@ -213,8 +213,8 @@ def test_codecs_are_timed_on_the_calls_the_step_makes(distributed, monkeypatch):
 
 
 def test_a_codec_rounds_first_step_is_not_timed(distributed, monkeypatch):
-    """Each candidate round runs one step untimed before the timed ones: in a fresh process
-    that step grows the host heap, and its page faults are not what training pays."""
+    """Each candidate round runs its first steps untimed: in a fresh process they grow the
+    host heap, and their page faults are not what training pays."""
     import time
     from megatron_adacc.codecs.codec import Codec
 
