@@ -479,6 +479,24 @@ INLINE float load_kept(const void *x, int64_t i, int dtype, Zeroing z, int64_t c
  * -0 just below +0), and back: the map is its own inverse. A register of keys to a min or
  * max where the floats took two splitting operations for half as many. */
 INLINE vkey bf16_keys(vkey w) { return w ^ ((w >> 15) & 0x7FFF); }
+
+/* The lane-wise minimum and maximum keys of the whole blocks of a bf16 group of `cols`
+ * inputs starting at channel ch. */
+INLINE void group_keys(const void *x, int64_t base, int64_t cols, Zeroing z, int64_t ch, vkey *low, vkey *high) {
+    vkey lowest = (vkey){0} + INT16_MAX, highest = (vkey){0} + INT16_MIN;
+    for (int64_t c = 0; c + BLOCK <= cols; c += BLOCK) {
+        PREFETCH_BLOCK(x, base + c, 1, 0);
+        vkey w, keep;
+        memcpy(&w, (const uint16_t *)x + base + c, sizeof w);
+        if (z.keep) { memcpy(&keep, keep_at(z, ch, 1), sizeof keep); w &= keep; }
+        ch = next_channel(z, ch, BLOCK);
+        vkey key = bf16_keys(w);
+        lowest = key_min(lowest, key);
+        highest = key_max(highest, key);
+    }
+    *low = lowest;
+    *high = highest;
+}
 #endif
 
 #ifdef BF16_KEY_RANGES
@@ -487,17 +505,8 @@ INLINE vkey bf16_keys(vkey w) { return w ^ ((w >> 15) & 0x7FFF); }
  * alone tells whether the group is finite. */
 INLINE void bf16_group_blocks(const void *x, int64_t base, int64_t cols, Zeroing z, int64_t ch, vf *lo, vf *hi,
                               vf *poison) {
-    vkey low = (vkey){0} + INT16_MAX, high = (vkey){0} + INT16_MIN;
-    for (int64_t c = 0; c + BLOCK <= cols; c += BLOCK) {
-        PREFETCH_BLOCK(x, base + c, 1, 0);
-        vkey w, keep;
-        memcpy(&w, (const uint16_t *)x + base + c, sizeof w);
-        if (z.keep) { memcpy(&keep, keep_at(z, ch, 1), sizeof keep); w &= keep; }
-        ch = next_channel(z, ch, BLOCK);
-        vkey key = bf16_keys(w);
-        low = key_min(low, key);
-        high = key_max(high, key);
-    }
+    vkey low, high;
+    group_keys(x, base, cols, z, ch, &low, &high);
     vu l = (vu)bf16_keys(low), h = (vu)bf16_keys(high);
     *lo = vmin((vf)(l << 16), (vf)(l & 0xFFFF0000u));
     *hi = vmax((vf)(h << 16), (vf)(h & 0xFFFF0000u));
@@ -696,22 +705,9 @@ static const Columns NO_COLUMNS = {NULL, NULL};
 INLINE void bf16_batch_ranges(const void *x, int64_t r0, int64_t n, int64_t cols, Zeroing z, int64_t ch, vf *lo,
                               vf *hi, vi *finite) {
     vkey mins[LANES], maxs[LANES];
-    for (int64_t g = 0; g < LANES; g++) {
-        vkey low = (vkey){0} + INT16_MAX, high = (vkey){0} + INT16_MIN;
-        for (int64_t c = 0; g < n && c < cols; c += BLOCK) {
-            const int64_t at = (r0 + g) * cols + c;
-            PREFETCH_BLOCK(x, at, 1, 0);
-            vkey w, keep;
-            memcpy(&w, (const uint16_t *)x + at, sizeof w);
-            if (z.keep) { memcpy(&keep, keep_at(z, ch, 1), sizeof keep); w &= keep; }
-            ch = next_channel(z, ch, BLOCK);
-            vkey key = bf16_keys(w);
-            low = key_min(low, key);
-            high = key_max(high, key);
-        }
-        mins[g] = low;
-        maxs[g] = high;
-    }
+    for (int64_t g = 0; g < LANES; g++, ch = next_channel(z, ch, cols))
+        if (g < n) group_keys(x, (r0 + g) * cols, cols, z, ch, &mins[g], &maxs[g]);
+        else mins[g] = maxs[g] = (vkey){0}; /* lanes past n are unusable: no group to range */
     vu l = (vu)bf16_keys(fold_keys(mins, 0)), h = (vu)bf16_keys(fold_keys(maxs, 1));
     *lo = (vf)(l << 16);
     *hi = (vf)(h << 16);
