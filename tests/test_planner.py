@@ -46,7 +46,12 @@ def small_costs(draw):
         codecs = (CodecCost(get_site(name).default_codec, draw(st.integers(0, size)),
                             draw(st.floats(0, 1)), draw(st.floats(0, 1))),
                   ) if draw(st.booleans()) else ()
-        sites.append(SiteCost(name, size, "float16", draw(st.floats(0, 2)), segment, codecs,
+        rebuild_s = draw(st.floats(0, 2))
+        if name == "ln2_in" and segment is not None:
+            # the MLP's start, when the attention re-run rebuilds it, is its last save
+            rebuild_s += max((site.rebuild_s for site in sites if site.segment == segment),
+                             default=0.0)
+        sites.append(SiteCost(name, size, "float16", rebuild_s, segment, codecs,
                               operator=operator))
     operators = tuple(Operator(name, sources, draw(st.floats(0, 2)))
                       for name, sources in OPERATOR_SOURCES.items())
@@ -118,8 +123,20 @@ LOSSLESS_SOURCE = _residual_edge_costs(mask_codec_bytes=1)
 COMPRESSED_PRODUCT_START = _residual_edge_costs(ln2_in_codec_bytes=1)
 
 
+# The mask and ln2_stats recomputed, ln2_in kept: the attention re-runs only to the mask
+# (1.0, not its 7.0 to ln2_in) and the MLP from the kept ln2_in, the fastest plan at 80 B.
+SPLIT_RERUNS = ModelCosts(
+    sites=[SiteCost("layer_in", 10, "float16"),
+           SiteCost("bda1_mask", 10, "float16", 1.0, "attention"),
+           SiteCost("ln2_in", 10, "float16", 7.0, "attention"),
+           SiteCost("ln2_stats", 10, "float16", 0.5, "mlp")],
+    num_layers=3, static_bytes=0, non_layer_bytes=0, backward_workspace_bytes=0,
+    micro_batch_size=1)
+
+
 @settings(max_examples=80, deadline=None)
 @given(small_costs(), st.integers(0, 1500), st.booleans(), st.booleans())
+@example(SPLIT_RERUNS, 80, True, False)
 @example(LOSSLESS_SOURCE, 200, False, False)
 @example(LOSSLESS_SOURCE, 220, True, False)
 @example(COMPRESSED_PRODUCT_START, 240, False, False)
@@ -139,11 +156,26 @@ def test_optimal_against_exhaustive_enumeration(costs, budget, per_layer, allow_
     assert sum(row.time_added_s for row in result.rows) == pytest.approx(result.added_time_s)
 
 
+@settings(max_examples=150, deadline=None)
+@given(small_costs(), st.booleans())
+def test_every_frontier_policy_costs_what_the_model_says(costs, allow_lossy):
+    # The frontier carries the rebuild time and the held sources in its state, site by
+    # site; each policy it keeps must cost what the model's definitions say.
+    frontier = planner.layer_frontier(costs, allow_lossy)
+    for k in range(len(frontier)):
+        policy = frontier.policy(k)
+        evaluated = planner.evaluate_layer(costs, policy.decisions)
+        assert (evaluated.stored_bytes, evaluated.transient_bytes) == (
+            policy.stored_bytes, policy.transient_bytes)
+        assert evaluated.time_s == pytest.approx(policy.time_s, abs=1e-12)
+        assert allow_lossy or planner.is_exact(costs, policy.decisions)
+
+
 # CBC returned 1.25 s as optimal for these costs (at 484 B with bytes counted in MiB, at
 # 451 B from its cuts); 1.0 s fits both.
 TINY_BYTES = ModelCosts(
     sites=[SiteCost("layer_in", 39, "float16"),
-           SiteCost("ln1_out", 10, "float16", 2.0, "attention",
+           SiteCost("ln1_out", 10, "float16", 1.25, "attention",
                     (CodecCost("outlier_int4", 0, 0.0, 1.0),)),
            SiteCost("ln2_in", 48, "float16", 1.25, "attention"),
            SiteCost("gelu_in", 56, "float16", 2.0, "mlp",
@@ -154,6 +186,7 @@ TINY_BYTES = ModelCosts(
 
 @settings(max_examples=12, deadline=None)
 @given(small_costs(), st.integers(0, 700), st.booleans(), st.booleans())
+@example(SPLIT_RERUNS, 80, True, False)
 @example(TINY_BYTES, 451, True, False)
 @example(replace(TINY_BYTES, static_bytes=41, non_layer_bytes=29), 484, True, False)
 @example(LOSSLESS_SOURCE, 220, True, False)
@@ -190,7 +223,9 @@ def test_the_minimum_budget_is_feasible_at_gpt345m_scale():
 
 def test_rebuild_time_is_the_runtimes_rerun():
     """A layer's rebuild time: the deepest recomputed site of a lone segment (a maximum, not a
-    sum); the whole attention segment, then the MLP up to its deepest, when both hold one."""
+    sum); with sites in both segments, the attention up to its deepest and the MLP from the
+    ln2_in it keeps, or, ln2_in recomputed as well, the attention whole and the MLP on from
+    it."""
     costs = ModelCosts(
         sites=[SiteCost("layer_in", 10, "float16"),
                SiteCost("ln1_out", 10, "float16", 1.0, "attention"),
@@ -206,16 +241,33 @@ def test_rebuild_time_is_the_runtimes_rerun():
 
     assert seconds("ln1_out", "qkv") == seconds("qkv") == 3.0
     assert seconds("ln2_out", "gelu_in") == 2.0
-    assert seconds("ln1_out", "gelu_in") == 7.0 + 2.0      # attention runs whole
+    assert seconds("ln1_out", "gelu_in") == 1.0 + 2.0      # two re-runs
+    assert seconds("ln1_out", "ln2_in", "gelu_in") == 7.0 + 2.0    # attention runs whole
     assert seconds("ln2_in", "ln2_out") == 7.0 + 0.5
-    charges = planner.rebuild_charges(costs, {"ln1_out", "qkv", "gelu_in"})
-    assert charges == {"qkv": 7.0, "gelu_in": 2.0}
-    # The re-run reads the start of its first segment only.
+    assert planner.rerun_chains(costs, {"qkv", "gelu_in"}) == [[0], [1]]
+    assert planner.rerun_chains(costs, {"qkv", "ln2_in", "gelu_in"}) == [[0, 1]]
+    assert planner.rebuild_charges(costs, {"ln1_out", "qkv", "gelu_in"}) == {
+        "qkv": 3.0, "gelu_in": 2.0}
+    assert planner.rebuild_charges(costs, {"ln1_out", "qkv", "ln2_in", "gelu_in"}) == {
+        "ln2_in": 7.0, "gelu_in": 2.0}
+    # Each re-run reads the start of its first segment: the MLP's reads ln2_in unless ln2_in
+    # is rebuilt by the attention's re-run.
     compressed_ln2_in = {"ln2_in": Decision(COMPRESS), "gelu_in": Decision(RECOMPUTE)}
     assert not planner.is_exact(costs, compressed_ln2_in)
-    assert planner.is_exact(costs, {**compressed_ln2_in, "qkv": Decision(RECOMPUTE)})
-    assert not planner.is_exact(costs, {"layer_in": Decision(COMPRESS),
-                                        "qkv": Decision(RECOMPUTE)})
+    assert not planner.is_exact(costs, {**compressed_ln2_in, "qkv": Decision(RECOMPUTE)})
+    compressed_input = {"layer_in": Decision(COMPRESS), "gelu_in": Decision(RECOMPUTE)}
+    assert planner.is_exact(costs, compressed_input)
+    assert not planner.is_exact(costs, {**compressed_input, "qkv": Decision(RECOMPUTE)})
+    assert not planner.is_exact(costs, {**compressed_input, "ln2_in": Decision(RECOMPUTE)})
+    # The plan table names each re-run's own start.
+    layers = [planner.evaluate_layer(costs, {"qkv": Decision(RECOMPUTE),
+                                             "gelu_in": Decision(RECOMPUTE)})]
+    result = planner.PlanResult.from_layers(
+        costs, layers, budget_bytes=planner.peak_bytes(costs, layers), solve_time_s=0.0,
+        minimum_feasible_budget=0, per_layer=False, allow_lossy_sources=False,
+        method="frontier")
+    assert {row.site: row.rebuilt_from for row in result.rows if row.action == RECOMPUTE} == {
+        "qkv": "layer_in", "gelu_in": "ln2_in"}
 
 
 @settings(max_examples=25, deadline=None)

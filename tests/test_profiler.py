@@ -3,6 +3,7 @@ the runtime then keeps."""
 import pytest
 import torch
 
+from megatron_adacc import planning
 from megatron_adacc.common import costs as costs_lib
 from megatron_adacc.models import build as model_lib
 from megatron_adacc.common.plan import Decision, Plan
@@ -120,9 +121,10 @@ def test_refresh_codec_costs_remeasures_only_the_named_sites(profiled):
 
 
 def test_the_runtime_reruns_what_the_planner_charges(distributed, monkeypatch):
-    """The planner charges one re-run per layer from the first rebuilt segment's start to the
-    deepest recomputed site, earlier segments whole, and an operator's own call for what an
-    operator rebuilds (planning.rebuild_charges): the runtime re-saves exactly those sites."""
+    """The planner charges each re-run from its first segment's start to its deepest
+    recomputed site, its earlier segments whole (planning.rerun_chains), and an operator's own
+    call for what an operator rebuilds (planning.rebuild_charges): the runtime re-saves
+    exactly those sites."""
     from megatron_adacc.runtime.storage import LayerCall
 
     model = build(True, dropout=0.1)
@@ -137,23 +139,33 @@ def test_the_runtime_reruns_what_the_planner_charges(distributed, monkeypatch):
     monkeypatch.setattr(LayerCall, "capture_pack", spy)
     forward = measure_step(model, lambda: loss_of(model), strict=True)[1]
     order = list(dict.fromkeys(s for (layer, s), _ in forward.by_site.items() if layer == 0))
-    segment_runs = [(["context"], "layer_in", "context"), (["gelu_in"], "ln2_in", "gelu_in"),
-                    (["context", "gelu_in"], "layer_in", "gelu_in")]
-    operators = [(["gelu_out"], []),                            # the activation saves nothing
-                 (["ln1_out"], []),
-                 (["ln1_stats"], ["layer_in", "ln1_stats"]),    # the norm, for its statistics
-                 (["gelu_out", "gelu_in"], order[order.index("ln2_in"):
-                                                 order.index("gelu_in") + 1])]
-    for recomputed, *span in segment_runs + operators:
+
+    def run(first, last):
+        return order[order.index(first):order.index(last) + 1]
+
+    # (recomputed, what the runtime re-saves, the re-runs the planner charges)
+    segment_runs = [(["context"], run("layer_in", "context"), [[0]]),
+                    (["gelu_in"], run("ln2_in", "gelu_in"), [[1]]),
+                    # two re-runs: the attention's stops at the context, the MLP's starts
+                    # from the ln2_in kept
+                    (["context", "gelu_in"], run("layer_in", "context") + run("ln2_in", "gelu_in"),
+                     [[0], [1]]),
+                    # one: ln2_in recomputed too, the attention runs whole into the MLP
+                    (["context", "ln2_in", "gelu_in"], run("layer_in", "gelu_in"), [[0, 1]])]
+    operators = [(["gelu_out"], [], []),                        # the activation saves nothing
+                 (["ln1_out"], [], []),
+                 (["ln1_stats"], ["layer_in", "ln1_stats"], []),  # the norm, for its statistics
+                 (["gelu_out", "gelu_in"], run("ln2_in", "gelu_in"), [[1]])]
+    costs = profile(model, batch(0), repeats=1, strict=True)
+    for recomputed, expected, chains in segment_runs + operators:
         resaved.clear()
         apply_plan(model, Plan(layers={(0, 0): {s: Decision(RECOMPUTE) for s in recomputed}}))
         try:
             loss_of(model).backward()
         finally:
             apply_plan(model, None)
-        expected = (span[0] if len(span) == 1 else
-                    order[order.index(span[0]):order.index(span[1]) + 1])
         assert list(dict.fromkeys(resaved)) == expected, recomputed
+        assert planning.rerun_chains(costs, set(recomputed)) == chains, recomputed
 
 
 def test_a_rebuild_is_timed_where_backward_asks_once_a_step(distributed, monkeypatch):

@@ -54,6 +54,9 @@ RESIDUAL_CHAINS = {
     # the bitmask codec is lossless: the edge reads the decoded mask, exactly
     "residual_from_bitmask": {"bda1_mask": {"action": "compress", "codec": "bitmask"},
                               "ln2_in": "recompute"},
+    # ln2_in kept: the attention re-runs to Q/K/V, the MLP from the kept ln2_in
+    "reruns_around_kept_residual": {"qkv": "recompute", "gelu_in": "recompute",
+                                    "swiglu_in": "recompute"},
 }
 
 
@@ -162,6 +165,18 @@ def test_a_rerun_through_both_segments_takes_ln2_in_from_the_attention_it_ran(di
     calls = _calls_in_backward(model, MATMULS)
     # once per layer (two layers); the MLP re-run ends at gelu_in, before fc2
     assert calls == {name: 0 if name == "mlp.linear_fc2" else 2 for name in MATMULS}
+
+
+@pytest.mark.parametrize("backend", ["unfused", "flash"])
+def test_a_kept_residual_splits_the_rerun_in_two(distributed, backend):
+    # ln2_in kept: the attention's re-run stops at Q/K/V, before the attention itself and
+    # linear_proj, and the MLP's starts from ln2_in (its norm and fc1 run, not fc2).
+    model = _model(True, backend, torch.float32, 0.1)
+    apply_plan(model, Plan.uniform(CHAINS["reruns_around_kept_residual"]), strict=True)
+    calls = _calls_in_backward(model, MATMULS + ("pre_mlp_layernorm",))
+    assert calls == {"self_attention.linear_qkv": 2, "self_attention.core_attention": 0,
+                     "self_attention.linear_proj": 0, "mlp.linear_fc1": 2,
+                     "mlp.linear_fc2": 0, "pre_mlp_layernorm": 2}
 
 
 def _generator_state_reads(model, monkeypatch) -> int:

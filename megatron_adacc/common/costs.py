@@ -195,6 +195,11 @@ class ModelCosts:
             if start_segment is not None and order.index(start_segment) >= index:
                 raise CostsError(f"segment {segment.name} starts from {segment.start}, which "
                                  f"is rebuilt by the same or a later segment")
+            # Such a start is what the earlier segment's re-run ends with: its last save.
+            if start_segment is not None and segment_run_s(self.sites, start_segment) > next(
+                    site.rebuild_s for site in self.sites if site.name == segment.start):
+                raise CostsError(f"segment {segment.name} starts from {segment.start}, which "
+                                 f"segment {start_segment} rebuilds before its last save")
         products: dict[str, int] = {}   # site -> index of the operator rebuilding it
         for site in self.sites:
             if site.operator is not None:

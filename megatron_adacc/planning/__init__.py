@@ -14,7 +14,7 @@ Everything outside this package uses the names below only.
 from megatron_adacc.planning.frontier import Frontier, clear_frontier_cache, layer_frontier
 from megatron_adacc.planning.model import (LayerPolicy, activation_peak_bytes, evaluate_layer,
                                            forward_end_bytes, is_exact, peak_bytes,
-                                           rebuild_charges)
+                                           rebuild_charges, rerun_chains)
 from megatron_adacc.planning.pipeline import (StageMemory, StagePlan, in_flight_micro_batches,
                                               plan_stages, stage_costs, stage_layer_counts)
 from megatron_adacc.planning.report import format_plan, format_stages
@@ -31,5 +31,5 @@ __all__ = [
     "format_stages", "forward_end_bytes", "in_flight_micro_batches",
     "is_exact", "last_resort_sites", "layer_frontier", "minimum_budget", "minimum_feasible_budget",
     "peak_bytes", "plan",
-    "plan_in_tiers", "plan_stages", "rebuild_charges", "stage_costs", "stage_layer_counts",
+    "plan_in_tiers", "plan_stages", "rebuild_charges", "rerun_chains", "stage_costs", "stage_layer_counts",
 ]

@@ -115,26 +115,27 @@ def _frontier(sites: tuple[SiteCost, ...], segments: tuple[Segment, ...],
     operator first; then deepest first for the re-runs: the segments last to first, each
     segment's sites by rebuild time, longest first; then the sites nothing rebuilds; except
     that every product comes before its operator's sources and every site of a segment
-    before the segment's start (ln2_in, the MLP's start, is also an operator's product). An
+    before the segment's start, and every segment's start before the sites and starts of the
+    segments before it (ln2_in, the MLP's start, is also an operator's product). An
     operator is charged at its first recomputed product (a flag per operator while its
     products are added), and that product flags the operator's sources: a flagged source
     compressed is held, charged its bytes, and a lossy codec there makes the rebuild lossy,
     dropped for exact plans. In re-run order the first recomputed site met is the deepest of the
-    last rebuilt segment, and a recomputed site met in an earlier segment extends the re-run
-    to it, so the rebuild time is charged as it is met (``rebuild_charges`` in steps) with one
-    number of state: the lowest segment rebuilt so far. A second number marks that the start
-    of that segment was compressed (1; 2 when an operator's flag already charged it held; 2
-    more by a lossy codec); it clears if a still earlier segment is rebuilt (the re-run then
-    starts elsewhere). A policy still carrying it at the end is charged
-    ``rerun_source_bytes`` (unless charged already), and dropped for exact plans if lossy. The whole is built once per cap
-    of the decoded term (module docstring); within a cap, the compressed bytes of each group
-    of sites decoded together are carried in the state while the group has sites to come."""
+    last rebuilt segment, and a recomputed site met in an earlier segment either extends that
+    re-run to it (the segments between run whole) or starts a re-run of its own
+    (``rerun_chains``), so the rebuild time is charged as it is met (``rebuild_charges`` in
+    steps) with two numbers of state: the lowest segment rebuilt so far, and whether every
+    segment start met since is recomputed (the re-run from it can still be extended). A
+    start met while its segment is the lowest rebuilt begins that re-run: compressed, it is
+    held (``rerun_source_bytes``, unless a flag charged it already), dropped for exact plans
+    if lossy. The whole is built once per cap of the decoded term (module docstring); within
+    a cap, the compressed bytes of each group of sites decoded together are carried in the
+    state while the group has sites to come."""
     names = [segment.name for segment in segments]
     none = len(segments)            # "no segment rebuilt yet"
     order = _build_order(sites, segments, operators)
     run_s = np.array([segment_run_s(sites, name) for name in names])
     starts = {segment.start: index for index, segment in enumerate(segments)}
-    held_source = [rerun_source_bytes(sites, segment) for segment in segments]
     operator_index = {operator.name: index for index, operator in enumerate(operators)}
     position = {site.name: index for index, site in enumerate(order)}
     # The sources an operator reads, each a flag in the state until it is added.
@@ -158,8 +159,8 @@ def _frontier(sites: tuple[SiteCost, ...], segments: tuple[Segment, ...],
     to_come = np.cumsum([max(o.transient for o in candidates)
                          for candidates in options][::-1])[::-1]
     unreachable = floor - np.append(to_come[1:], 0) - (
-        max((held for held, segment in zip(held_source, segments)
-             if segment.start in holdable), default=0)
+        sum(rerun_source_bytes(sites, segment) for segment in segments
+            if segment.start in holdable)
         + sum(source_bytes(sites, name) for name in flagged if name in holdable))
     compressible = {site.name: site.bytes for site, candidates in zip(order, options)
                     if any(o.decision.action == COMPRESS for o in candidates)}
@@ -179,10 +180,10 @@ def _frontier(sites: tuple[SiteCost, ...], segments: tuple[Segment, ...],
                          for k in range(len(order))]
 
     def grow(cap: int) -> dict[tuple, tuple[np.ndarray, np.ndarray]]:
-        # (lowest rebuilt segment, its start compressed, compressed bytes of each open group,
-        # flagged sources, operators charged) -> (time, stored, transient) rows and each
-        # row's option choices as one mixed-radix integer (site k's choice is digit k).
-        states = {(none, 0, (0,) * len(groups), (False,) * len(flagged),
+        # (lowest rebuilt segment, its re-run extendable, compressed bytes of each open
+        # group, flagged sources, operators charged) -> (time, stored, transient) rows and
+        # each row's option choices as one mixed-radix integer (site k's choice is digit k).
+        states = {(none, True, (0,) * len(groups), (False,) * len(flagged),
                    (False,) * len(operators)): (np.array([[0.0, 0.0, float(cap)]]),
                                                 np.zeros(1, dtype=np.int64))}
         radix = 1
@@ -190,32 +191,35 @@ def _frontier(sites: tuple[SiteCost, ...], segments: tuple[Segment, ...],
             segment = names.index(site.segment) if site.segment is not None else None
             operator = operator_index.get(site.operator)
             flag = flag_of.get(site.name)
+            starting = starts.get(site.name)    # the segment this site starts, if any
             grown: dict[tuple, list[tuple[np.ndarray, np.ndarray]]] = {}
-            for (lowest, pending, sums, flags, ran), (vectors, codes) in states.items():
+            for (lowest, extendable, sums, flags, ran), (vectors, codes) in states.items():
                 for choice, option in enumerate(candidates):
-                    key, charge = (lowest, pending), option.time_s
+                    charge = option.time_s
                     held, flags_after, ran_after = list(sums), list(flags), list(ran)
                     transient = option.transient
-                    if option.decision.action == RECOMPUTE:
+                    recomputed = option.decision.action == RECOMPUTE
+                    # A start met while a re-run is open keeps it extendable only if it is
+                    # recomputed too; kept or compressed, it begins the lowest one.
+                    low, open_ = lowest, extendable and (starting is None or recomputed)
+                    if recomputed:
                         if operator is not None:
                             if not ran[operator]:
                                 charge, ran_after[operator] = operators[operator].rebuild_s, True
                             for j in reads[operator]:
                                 flags_after[j] = True
-                        elif lowest == none:
-                            key, charge = (segment, 0), site.rebuild_s
-                        elif segment < lowest:
-                            key, charge = (segment, 0), float(run_s[segment:lowest].sum())
+                        elif low == none or (segment < low and not open_):
+                            low, open_, charge = segment, True, site.rebuild_s
+                        elif segment < low:
+                            low, open_, charge = segment, True, float(run_s[segment:low].sum())
                     elif option.decision.action == COMPRESS:
                         if site.bytes > cap:
                             continue
-                        read = flag is not None and flags[flag]
+                        read = (flag is not None and flags[flag]) or starting == lowest
                         if read:
                             if option.lossy and not allow_lossy_sources:
                                 continue
                             transient += site.bytes
-                        if starts.get(site.name, none) == lowest != none:
-                            key = (lowest, (2 if read else 1) + (2 if option.lossy else 0))
                         held = [total + site.bytes if site.name in group else total
                                 for total, group in zip(held, groups)]
                         if max(held, default=0) > cap:
@@ -226,7 +230,8 @@ def _frontier(sites: tuple[SiteCost, ...], segments: tuple[Segment, ...],
                         ran_after[j] = False
                     if flag is not None:
                         flags_after[flag] = False
-                    key = (*key, tuple(held), tuple(flags_after), tuple(ran_after))
+                    key = (low, open_ or low == none, tuple(held), tuple(flags_after),
+                           tuple(ran_after))
                     step = np.array([charge, option.stored, transient], dtype=float)
                     grown.setdefault(key, []).append((vectors + step, codes + choice * radix))
             radix *= len(candidates)
@@ -242,12 +247,7 @@ def _frontier(sites: tuple[SiteCost, ...], segments: tuple[Segment, ...],
 
     rows, row_codes = [], []
     for cap in caps:
-        for (lowest, pending, *_), (vectors, codes) in grow(cap).items():
-            if pending:
-                if pending > 2 and not allow_lossy_sources:
-                    continue
-                if pending % 2:  # not charged by an operator's flag
-                    vectors = vectors + np.array([0.0, 0.0, held_source[lowest]])
+        for vectors, codes in grow(cap).values():
             rows.append(vectors)
             row_codes.append(codes)
     vectors, codes = np.concatenate(rows), np.concatenate(row_codes)
@@ -272,7 +272,8 @@ def _build_order(sites: tuple[SiteCost, ...], segments: tuple[Segment, ...],
                  operators: tuple[Operator, ...]) -> list[SiteCost]:
     """The order ``_frontier`` adds sites in: its base order, each site moved after what must
     come first (a product before its operator's sources, a segment's sites before its
-    start), the first of the base order whose turn it is taken each time."""
+    start, a segment's start before the sites and starts of the segments before it), the
+    first of the base order whose turn it is taken each time."""
     names = [segment.name for segment in segments]
     base = [site for operator in reversed(operators) for site in sites
             if site.operator == operator.name]
@@ -288,6 +289,13 @@ def _build_order(sites: tuple[SiteCost, ...], segments: tuple[Segment, ...],
                                                          if site.segment in starts else ())):
             if later in after and later != site.name:
                 after[later].add(site.name)
+    for index, segment in enumerate(segments):
+        if segment.start not in after:
+            continue
+        earlier = {s.start for s in segments[:index]} | {
+            site.name for site in base if site.segment in names[:index]}
+        for name in (earlier & after.keys()) - {segment.start}:
+            after[name].add(segment.start)
     order: list[SiteCost] = []
     while base:
         placed = {site.name for site in order}

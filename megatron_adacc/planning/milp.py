@@ -14,6 +14,7 @@ if its exact peak fits.
 """
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import pulp
@@ -69,8 +70,8 @@ def plan_direct_milp(costs: ModelCosts, budget: int, per_layer: bool,
                           if opt.decision.action == action)
 
     # Recomputable sites by segment index, and the rebuild time of each (group, segment):
-    # at least the rebuild of each recomputed site in it, and the whole segment when it and
-    # a later segment both hold recomputed sites (see rebuild_charges).
+    # at least the rebuild of each recomputed site in it, and the whole segment when a
+    # re-run goes on through it into a later one (see rerun_chains).
     held = [[site for site in costs.sites if site.segment == segment.name and site.can_recompute]
             for segment in costs.segments]
     rebuild = {(g, k): pulp.LpVariable(f"rebuild_{g}_{k}", lowBound=0)
@@ -112,23 +113,25 @@ def plan_direct_milp(costs: ModelCosts, budget: int, per_layer: bool,
         for k, sites in enumerate(held):
             for site in sites:
                 problem += rebuild[g, k] >= site.rebuild_s * _MS * chosen(g, site.name, RECOMPUTE)
-            up_to, after = sum(held[:k + 1], []), sum(held[k + 1:], [])
-            if up_to and after:
-                # Continuous in [0, 1] and pushed down by the objective: at the optimum each
-                # is 1 exactly when some recomputed site forces it.
-                first = pulp.LpVariable(f"rebuilt_to_{g}_{k}", 0, 1)
-                later = pulp.LpVariable(f"rebuilt_after_{g}_{k}", 0, 1)
-                for site in up_to:
-                    problem += first >= chosen(g, site.name, RECOMPUTE)
-                for site in after:
-                    problem += later >= chosen(g, site.name, RECOMPUTE)
-                run_ms = segment_run_s(costs.sites, costs.segments[k].name) * _MS
-                problem += rebuild[g, k] >= run_ms * (first + later - 1)
-            # A re-run starting at segment k (nothing recomputed before it) reads its start.
-            before = pulp.lpSum(chosen(g, site.name, RECOMPUTE) for site in sum(held[:k], []))
+            # A re-run of segment k starts from its start unless that start is recomputed
+            # (then it is no compressed value): held when compressed.
             for site in sites:
-                reads_compressed(g, costs.segments[k].start,
-                                 chosen(g, site.name, RECOMPUTE) - before)
+                reads_compressed(g, costs.segments[k].start, chosen(g, site.name, RECOMPUTE))
+        # Continuous in [0, 1] and pushed down by the objective: at the optimum each is 1
+        # exactly when some recomputed site of its segment forces it.
+        rebuilt = [pulp.LpVariable(f"rebuilt_{g}_{k}", 0, 1) for k in range(len(held))]
+        for k, sites in enumerate(held):
+            for site in sites:
+                problem += rebuilt[k] >= chosen(g, site.name, RECOMPUTE)
+        # Segments i < j both rebuilt, with every start after i up to j's recomputed: one
+        # re-run, whose segments i..j-1 run whole.
+        for i, j in itertools.combinations(range(len(held)), 2):
+            starts_recomputed = pulp.lpSum(chosen(g, segment.start, RECOMPUTE)
+                                           for segment in costs.segments[i + 1:j + 1])
+            for k in range(i, j):
+                run_ms = segment_run_s(costs.sites, costs.segments[k].name) * _MS
+                problem += rebuild[g, k] >= run_ms * (rebuilt[i] + rebuilt[j] + starts_recomputed
+                                                      - (j - i + 1))
         for k, operator in enumerate(costs.operators):
             for name in products[k]:
                 problem += ran[g, k] >= chosen(g, name, RECOMPUTE)

@@ -76,13 +76,14 @@ way the runtime rebuilds it (values cached for the layer's backward), one of two
   each link). An operator runs once per layer backward however many of its products are
   recomputed: its time is charged to the first of them (``rebuild_charges``). A compressed
   source is decoded for it and held until backward takes it (``held_sources``).
-- by one forward re-run per layer, from the start of the first segment holding such a site
-  to the deepest one of the last. Segments before the last run whole (the next one starts
-  from their output), the last one up to its deepest recomputed site. That is a maximum, not
-  a sum, over those sites, so a layer's time is not additive over its sites; its memory is.
+- by a forward re-run from the start of the segment holding such a site up to its deepest
+  recomputed one: a maximum, not a sum, over those sites, so a layer's time is not additive
+  over its sites; its memory is. A later segment continues the earlier one's re-run when
+  its start is recomputed too (the earlier segment then runs whole, and its output is that
+  start), and re-runs from its start, retained or decoded, otherwise (``rerun_chains``).
 
 A layer policy is still a vector (time, stored, transient). Exactness: a rebuild reads
-saved values, the start of its re-run's first segment and its operators' sources; with
+saved values, the start of each re-run's first segment and its operators' sources; with
 ``allow_lossy_sources=False`` none of those may be compressed by a lossy codec (a mask the
 lossless bitmask codec holds is read decoded, bit for bit: held, and exact).
 """
@@ -196,32 +197,47 @@ def _rebuilt_segments(costs: ModelCosts, recomputed: set[str]) -> list[int]:
                    if site.name in recomputed and site.segment is not None})
 
 
+def rerun_chains(costs: ModelCosts, recomputed: Collection[str]) -> list[list[int]]:
+    """The forward re-runs a layer's backward makes for its ``recomputed`` sites, each the
+    indices (into ``costs.segments``) of the segments it runs, in forward order. A rebuilt
+    segment continues the re-run of the rebuilt segment before it when every segment start
+    after that one up to its own is recomputed (the segments between run whole, and each
+    start is their output); otherwise it re-runs from its own start, retained or decoded: a
+    re-run that went on through a kept start would run the rest of the earlier segment (the
+    attention's core and linear_proj when only Q/K/V is recomputed) for nothing."""
+    chains: list[list[int]] = []
+    for index in _rebuilt_segments(costs, set(recomputed)):
+        if chains and all(costs.segments[between].start in recomputed
+                          for between in range(chains[-1][-1] + 1, index + 1)):
+            chains[-1].extend(range(chains[-1][-1] + 1, index + 1))
+        else:
+            chains.append([index])
+    return chains
+
+
 def rebuild_charges(costs: ModelCosts, recomputed: set[str]) -> dict[str, float]:
     """What rebuilding the ``recomputed`` sites of one layer adds to its backward, by the site
-    that sets each part: the runtime re-runs forward once, from the start of the first segment
-    holding a recomputed site to the deepest recomputed site of the last one. Each segment
-    before the last runs whole (charged to its deepest recomputed site, or to the last
-    segment's when it has none); the last runs up to its deepest recomputed site. Sites an
-    operator rebuilds are no part of a re-run: each operator with a recomputed product runs
-    once, charged to the first such product."""
+    that sets each part: each re-run (``rerun_chains``) runs its segments before the last
+    whole (each charged to its deepest recomputed site, or to the last segment's when it has
+    none) and its last up to its deepest recomputed site. Sites an operator rebuilds are no
+    part of a re-run: each operator with a recomputed product runs once, charged to the first
+    such product."""
     charges: dict[str, float] = {}
     for operator, products in _running_operators(costs, recomputed):
         charges[products[0]] = operator.rebuild_s
-    rebuilt = _rebuilt_segments(costs, recomputed)
-    if not rebuilt:
-        return charges
 
     def deepest(index: int) -> SiteCost | None:
         name = costs.segments[index].name
         held = [site for site in costs.sites if site.segment == name and site.name in recomputed]
         return max(held, key=lambda site: site.rebuild_s, default=None)
 
-    last = deepest(rebuilt[-1])
-    charges[last.name] = last.rebuild_s
-    for index in range(rebuilt[0], rebuilt[-1]):
-        holder = deepest(index) or last
-        run_s = segment_run_s(costs.sites, costs.segments[index].name)
-        charges[holder.name] = charges.get(holder.name, 0.0) + run_s
+    for chain in rerun_chains(costs, recomputed):
+        last = deepest(chain[-1])
+        charges[last.name] = last.rebuild_s
+        for index in chain[:-1]:
+            holder = deepest(index) or last
+            run_s = segment_run_s(costs.sites, costs.segments[index].name)
+            charges[holder.name] = charges.get(holder.name, 0.0) + run_s
     return charges
 
 
@@ -240,39 +256,27 @@ def _running_operators(costs: ModelCosts, recomputed: Collection[str]
 
 def held_sources(costs: ModelCosts, decisions: Mapping[str, Decision]) -> set[str]:
     """The compressed sites a layer's rebuild reads: decoded for it and held until backward
-    takes them (a lossy rebuild). The re-run's start, and the running operators' sources."""
+    takes them (a lossy rebuild). Each re-run's start, and the running operators' sources."""
     compressed = {name for name, decision in decisions.items() if decision.action == COMPRESS}
-    held = {source for operator, _ in _running_operators(costs, _recomputed(decisions))
-            for source in operator.sources if source in compressed}
-    start = _compressed_rerun_start(costs, decisions)
-    if start is not None:
-        held.add(start.start)
-    return held
-
-
-def _compressed_rerun_start(costs: ModelCosts, decisions: Mapping[str, Decision]
-                            ) -> Segment | None:
-    """The segment the layer's rebuild starts from, when its start is compressed (a lossy
-    re-run)."""
-    rebuilt = _rebuilt_segments(costs, _recomputed(decisions))
-    if not rebuilt:
-        return None
-    first = costs.segments[rebuilt[0]]
-    return first if decisions.get(first.start, RETAIN_DECISION).action == COMPRESS else None
+    recomputed = _recomputed(decisions)
+    held = {source for operator, _ in _running_operators(costs, recomputed)
+            for source in operator.sources}
+    held |= {costs.segments[chain[0]].start for chain in rerun_chains(costs, recomputed)}
+    return held & compressed
 
 
 def rebuilt_from(costs: ModelCosts, decisions: Mapping[str, Decision]) -> dict[str, str]:
     """What each recomputed site of a layer policy is rebuilt from: its operator's sources
-    (joined by "+"), or the start of the layer's re-run (the first rebuilt segment's)."""
+    (joined by "+"), or the start of its re-run (its first segment's)."""
     recomputed = _recomputed(decisions)
     sources = {name: "+".join(operator.sources)
                for operator, products in _running_operators(costs, recomputed)
                for name in products}
-    rebuilt = _rebuilt_segments(costs, recomputed)
-    if rebuilt:
-        start = costs.segments[rebuilt[0]].start
+    for chain in rerun_chains(costs, recomputed):
+        start = costs.segments[chain[0]].start
+        segments = {costs.segments[index].name for index in chain}
         sources.update({site.name: start for site in costs.sites
-                        if site.name in recomputed and site.segment is not None})
+                        if site.name in recomputed and site.segment in segments})
     return sources
 
 

@@ -8,11 +8,12 @@ the MLP's activation; the gated MLP's forward between its two linear layers, whi
 aside; linear_proj and the bias-dropout-add on the kept mask) on its sources' backward
 values, each retained, decoded or rebuilt before it (chains). Every other recomputed site is
 rebuilt by re-running megatron's own segments of the forward: `_forward_attention` from the
-layer input, `_forward_mlp` from ln2_in (the MLP segment alone when every such site is in
-it), with the RNG
-states captured when the segment first ran, stopping as soon as the last of those sites has
-been saved again. Operators run in the table's order, the segment re-run before them, or
-right after the edge that rebuilds its start (ln2_in's, before the MLP's re-run).
+layer input, `_forward_mlp` from ln2_in, kept, decoded or rebuilt by its edge (or on from
+the attention's re-run when ln2_in is recomputed and the attention re-runs too), with the
+RNG states captured when the segment first ran, each re-run stopping as soon as the last of
+its sites has been saved again. Operators run in the table's order, the segment re-runs
+before them, or right after the edge that rebuilds a re-run's start (ln2_in's, before the
+MLP's re-run).
 
 The RNG states are the ones megatron's own checkpointing saves and restores, through its own
 helpers: the CPU generator, the default CUDA generator (bias-dropout-add draws its masks from
@@ -149,27 +150,28 @@ class AdaccTransformerLayer(TransformerLayer):
 
     # --- recompute -----------------------------------------------------------------------
     def _rebuild(self, call: LayerCall) -> None:
-        """Rebuild every recomputed site of `call` into its cache: the operators in the
-        table's order, the segment re-run before them, or right after the edge that rebuilds
-        its start (the MLP re-run from a rebuilt ln2_in). Runs at the first unpack of any of
-        them."""
-        by_segment = {key for key in call.wanted if key[0] not in REBUILT_BY}
-        start = self._rerun_start(call) if by_segment else None
-        rerun_after = REBUILT_BY.get(start) if (start, 0) in call.wanted else None
+        """Rebuild every recomputed site of `call` into its cache: the segment re-runs first,
+        then the operators in the table's order, a re-run from a recomputed start right
+        after the edge that rebuilds it (the MLP's from a rebuilt ln2_in). Runs at the first
+        unpack of any of them."""
+        reruns = self._reruns(call)
+        after_edge = {REBUILT_BY[start].output: (keys, start) for start, keys in reruns
+                      if (start, 0) in call.wanted}
         # A segment re-run restores the RNG states forward drew with, so it forks them first
         # (training's streams continue as if nothing was drawn); operators alone draw nothing.
-        rng = _fork_rng() if by_segment else contextlib.nullcontext()
+        rng = _fork_rng() if reruns else contextlib.nullcontext()
         try:
             with rng, torch.autograd.graph.saved_tensors_hooks(call.capture_pack, _discarded):
-                if start is not None and rerun_after is None:
-                    self._rerun_segments(call, by_segment, start)
+                for start, keys in reruns:
+                    if (start, 0) not in call.wanted:
+                        self._rerun_segments(call, keys, start)
                 for edge in REBUILDS:
-                    # An edge whose products the re-run already kept (ln2_in) is not run.
+                    # An edge whose products a re-run already kept (ln2_in) is not run.
                     if any(key[0] in edge.products and key not in call.cache
                            for key in call.wanted):
                         self._run_operator(call, edge)
-                    if edge is rerun_after:
-                        self._rerun_segments(call, by_segment, start)
+                    if edge.output in after_edge:
+                        self._rerun_segments(call, *after_edge[edge.output])
         finally:
             self.attributor.end()
         missing = call.wanted - set(call.cache)
@@ -180,12 +182,23 @@ class AdaccTransformerLayer(TransformerLayer):
             )
 
     @staticmethod
-    def _rerun_start(call: LayerCall) -> str:
-        """Where the re-run starts: ln2_in when every site it rebuilds is in the MLP segment
-        (ln2_in retained, decoded, or rebuilt by its edge first), else the layer input."""
-        if call.segments == {MLP_SEGMENT} and MLP_START in call.sources:
-            return MLP_START
-        return LAYER_INPUT
+    def _reruns(call: LayerCall) -> list[tuple[str, set]]:
+        """The segment re-runs (start, the saves each is for), planning.rerun_chains' rule:
+        a segment re-runs from its start, kept, decoded or rebuilt by its edge, unless its
+        start is recomputed and the segment before it re-runs too (that re-run then goes on
+        through it, and its output is the start). A start the layer does not save is no
+        place to start: the re-run goes on from the layer input."""
+        reruns: list[tuple[str, set]] = []
+        for index, keys in sorted(call.segments.items()):
+            start = SEGMENTS[SEGMENT_NAMES[index]]
+            recomputed = (start, 0) in call.wanted
+            if reruns and (recomputed or start not in call.sources):
+                reruns[-1][1].update(keys)
+            elif start in call.sources and (not recomputed or start in REBUILT_BY):
+                reruns.append((start, set(keys)))
+            else:
+                reruns.append((LAYER_INPUT, set(keys)))
+        return reruns
 
     def _rerun_segments(self, call: LayerCall, keys: set, start: str) -> None:
         """Re-run megatron's forward segments from ``start`` under the capturing hook until

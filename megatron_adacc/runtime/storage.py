@@ -122,7 +122,8 @@ class LayerCall:
         self.ordinals: dict[str, int] = {}
         self.wanted: set[tuple[str, int]] = set()
         self.saved_dtypes: dict[str, torch.dtype] = {}  # of the recomputed sites
-        self.segments: set[int] = set()   # segments holding a site no operator rebuilds
+        # segment index -> the wanted saves in it that no operator rebuilds (a re-run's)
+        self.segments: dict[int, set[tuple[str, int]]] = {}
         # site -> its saved form (tensor or Handle), and whether the tensor required grad
         self.sources: dict[str, object] = {}
         self.source_requires_grad: dict[str, bool] = {}
@@ -162,7 +163,7 @@ class LayerCall:
             self.wanted.add(key)
             self.saved_dtypes[site] = tensor.dtype
             if site not in REBUILT_BY:
-                self.segments.add(self.attributor.segment)
+                self.segments.setdefault(self.attributor.segment, set()).add(key)
             saved = Handle(self, key)
         if self.rebuild is not None and site in REBUILD_SOURCES:
             self.sources[site] = saved
