@@ -43,6 +43,16 @@ def commands(iters: int) -> dict[str, list[str]]:
             "single process": [sys.executable, PRETRAIN, *flags]}
 
 
+def portable(argument: str) -> str:
+    """``argument`` as the record shows it: the interpreter as ``python`` and paths inside the
+    repository relative to it, so that a record reads the same from any checkout."""
+    if argument == sys.executable:
+        return "python"
+    if os.path.isabs(argument) and not os.path.relpath(argument, ROOT).startswith(".."):
+        return os.path.relpath(argument, ROOT)
+    return argument
+
+
 def run_once(command: list[str], timeout: float) -> tuple[int | str, float, str]:
     """(exit code or "hang", seconds, the stderr's last lines)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
@@ -106,8 +116,10 @@ def main(argv: list[str] | None = None) -> int:
               f"{row['other exits']:>7}{row['hangs']:>7}")
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
     with open(args.json, "w") as handle:
-        json.dump({"args": vars(args), "commands": commands(args.iters), "results": results},
-                  handle, indent=1)
+        json.dump({"args": {**vars(args), "json": portable(os.path.abspath(args.json))},
+                   "commands": {kind: [portable(part) for part in command]
+                                for kind, command in commands(args.iters).items()},
+                   "results": results}, handle, indent=1)
     return 0 if all(row["exit 0"] == row["runs"] for row in results.values()) else 1
 
 
