@@ -41,7 +41,7 @@ payloads); transient(l) is what exists at full size only while layer l backprops
     transient(l) = sum of its recomputed sites            (rebuilt together, cached for
                                                            the layer's backward)
                  + its decoded values alive together, at most
-                 + the compressed values its rebuild reads (the start of its re-run, its
+                 + the compressed values its rebuild reads (each re-run's start, its
                                                            operators' sources: decoded
                                                            by the rebuild, held until
                                                            backward takes them)
