@@ -73,9 +73,7 @@ typedef float vf_unaligned __attribute__((vector_size(4 * LANES), aligned(4)));
 typedef struct { vf even, odd; } Pair;
 
 #define INLINE static inline __attribute__((always_inline))
-#ifndef PREFETCH_ELEMENTS
 #define PREFETCH_ELEMENTS 1024
-#endif
 /* Shuffle indices: of a BLOCK (two vectors) the even and odd elements, and back. */
 #if LANES == 16
 #define EVENS 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30
@@ -412,8 +410,7 @@ INLINE Pair load_pair(const void *x, int64_t i, int dtype, const void *mask) {
 /* The inverse, for decoded values: never NaN, so bf16 rounds to nearest even by hand. */
 INLINE void store_pair(void *out, int64_t i, Pair v, int dtype) {
     if (dtype == 1) {
-        vu e = (vu)v.even, o = (vu)v.odd;
-        vu bits = ((e + 0x7FFFu + ((e >> 16) & 1u)) >> 16) | ((o + 0x7FFFu + ((o >> 16) & 1u)) & 0xFFFF0000u);
+        vu bits = bf16_rounded(v.even) | bf16_rounded(v.odd) << 16;
         memcpy((uint16_t *)out + i, &bits, sizeof bits);
     } else if (dtype == 0) {
         vf a, b;
