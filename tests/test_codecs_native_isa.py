@@ -45,11 +45,13 @@ def test_vector_path_matches_reference(flags, monkeypatch):
                 assert_same_as_eager("native", name, x)
 
 
-@pytest.mark.parametrize("flags", list(BUILDS))
+@pytest.mark.parametrize("flags", ["", *BUILDS])
 def test_channel_ranges_with_special_values_match_reference(flags, monkeypatch):
-    # channel_int4's column ranges over several chunks of rows (AVX2 bf16 takes them on int16
-    # keys, four blocks of codes at a time): infinities, NaN and signed zeros in whole blocks,
-    # columns of zeros, and columns stored raw among packed ones.
+    # channel_int4's column ranges over several chunks of rows (bf16 takes them row by row on
+    # int16 keys in both vector builds, fp32 and fp16 on floats a chunk at a time): infinities,
+    # NaN and signed zeros in whole blocks, columns of zeros, and columns stored raw among
+    # packed ones; and the same made finite (the pass that packs codes masks the columns
+    # stored raw only in a tensor that has some).
     monkeypatch.setenv(native.CFLAGS_ENV_VAR, flags)
     gen = torch.Generator().manual_seed(23)
     x = torch.randn(70, 200, generator=gen)
@@ -57,8 +59,10 @@ def test_channel_ranges_with_special_values_match_reference(flags, monkeypatch):
     x[:, 8] = -0.0
     x[:, 9] = 0.0
     x[::2, 10] = -0.0
+    finite = x.nan_to_num(nan=1.5, posinf=7.0, neginf=-7.0)
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         assert_same_as_eager("native", "channel_int4", x.to(dtype))
+        assert_same_as_eager("native", "channel_int4", finite.to(dtype))
         assert_same_as_eager("native", "outlier_int4", x.to(dtype))
 
 

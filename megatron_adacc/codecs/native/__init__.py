@@ -116,7 +116,7 @@ def _sym_encode(x2d, reduce_dim, dmax, zeroed=None):
         packed = torch.empty(rows * cols // 2, dtype=torch.uint8)
         scales = torch.empty(cols, dtype=torch.bfloat16)
         ok = torch.empty(cols, dtype=torch.bool)
-        scratch, col_ok = torch.empty(3 * cols, dtype=torch.float32), torch.empty(cols, dtype=torch.int32)
+        scratch, col_ok = torch.empty(4 * cols, dtype=torch.float32), torch.empty(cols, dtype=torch.int32)
         library().sym_encode_cols(x2d.data_ptr(), _DTYPE_CODE[x2d.dtype], rows, cols, dmax, scratch.data_ptr(),
                                   col_ok.data_ptr(), packed.data_ptr(), scales.data_ptr(), ok.data_ptr())
         return packed, scales, ok

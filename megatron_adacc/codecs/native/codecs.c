@@ -559,7 +559,8 @@ INLINE int group_tail(const void *x, int64_t base, int64_t cols, int dtype, Zero
 
 INLINE vf vadd(vf a, vf b) { return a + b; }
 
-/* Per-column multipliers and flags of channel_int4, in the Pair layout (pair_slot). */
+/* Per-column multipliers and flags of channel_int4, in the Pair layout (pair_slot); no flags
+ * where every column is usable (their masks took a third of the bf16 pass). */
 typedef struct { const float *inv; const int32_t *ok; } Columns;
 
 INLINE vi block_codes(vf v, vf shift, vf mul, vf bias, const int32_t *col_ok) {
@@ -574,8 +575,9 @@ INLINE vi block_codes(vf v, vf shift, vf mul, vf bias, const int32_t *col_ok) {
 
 /* Codes of a group: clamp(floor((v - shift) * inv + bias), 0, 15), packed two per byte.
  * With per-column multipliers, element c multiplies by its column's instead, and takes
- * code 8 where its column's flag is 0. The vector path truncates and clamps only above:
- * with a usable scale, (v - shift) * inv + bias >= 0.5 - 2^-20 for both codecs (sym: |v| *
+ * code 8 where its column's flag is 0; it then prefetches its input, which no range pass
+ * over the group has brought in (fp32 ran 1.3x slower without). The vector path truncates
+ * and clamps only above: with a usable scale, (v - shift) * inv + bias >= 0.5 - 2^-20 for both codecs (sym: |v| *
  * |inv| <= 8 and bias 8.5; asym: v >= shift and bias 0.5), where truncating is flooring. */
 INLINE void pack_group(const void *x, int64_t base, int64_t cols, int dtype, Zeroing z, int64_t ch, float shift,
                        float inv, float bias, Columns col, uint8_t *out) {
@@ -587,6 +589,7 @@ INLINE void pack_group(const void *x, int64_t base, int64_t cols, int dtype, Zer
             vi even[BF16_PACKED_BLOCKS], odd[BF16_PACKED_BLOCKS];
             for (int b = 0; b < BF16_PACKED_BLOCKS; b++) {
                 const int64_t at = c + b * BLOCK;
+                if (col.inv) PREFETCH_BLOCK(x, base + at, dtype, 0);
                 Pair p = load_pair(x, base + at, dtype, keep_at(z, ch, dtype));
                 ch = next_channel(z, ch, BLOCK);
                 if (col.inv) {
@@ -607,6 +610,7 @@ INLINE void pack_group(const void *x, int64_t base, int64_t cols, int dtype, Zer
         }
 #endif
     for (; c + BLOCK <= cols; c += BLOCK) {
+        if (col.inv) PREFETCH_BLOCK(x, base + c, dtype, 0);
         Pair p = load_pair(x, base + c, dtype, keep_at(z, ch, dtype));
         ch = next_channel(z, ch, BLOCK);
         if (col.inv) { memcpy(&mul_even, col.inv + c, sizeof mul_even); memcpy(&mul_odd, col.inv + c + LANES, sizeof mul_odd); }
@@ -902,9 +906,10 @@ int sym_decode_rows(const uint8_t *packed, const uint16_t *scales, int64_t rows,
     return 1;
 }
 
-/* Column reductions (channel_abs_sums, channel_int4's ranges) read CHUNK_ROWS rows together,
- * each block's running values kept in registers across them: walking each column down all
- * rows measured 1.6x slower, updating the arrays row by row 2.3x. */
+/* Column reductions (channel_abs_sums, channel_int4's ranges but bf16's) read CHUNK_ROWS rows
+ * together, each block's running values kept in registers across them: walking each column
+ * down all rows measured 1.6x slower, updating the float arrays row by row 2.3x. bf16 ranges
+ * on int16 keys are the exception (bf16_column_ranges). */
 #define CHUNK_ROWS 16
 /* The blocks the channel sums add per row step: two, a whole cache line of bf16 with AVX2 (one
  * block, half a line, measured 1.2x slower). */
@@ -1117,35 +1122,6 @@ int put_columns(void *x, int elem_size, int64_t rows, int64_t cols, const int64_
 INLINE void update_column_ranges(const void *x, int dtype, int64_t r0, int64_t n, int64_t cols, int64_t first,
                                  int64_t last, float *lo, float *hi, float *poison) {
     int64_t c = first;
-#ifdef BF16_KEY_RANGES
-    /* bf16 on int16 keys (bf16_keys), in element order within the chunk: a min and a max per
-     * block where the floats took two splits, two of each and the poison (the pass ran at 3/4
-     * of AVX-512's speed). The poison follows from the range, as in bf16_group_blocks. */
-    if (dtype == 1)
-        for (; c + BLOCK <= last; c += BLOCK) {
-            vf_unaligned *lo_at = (vf_unaligned *)(lo + c), *hi_at = (vf_unaligned *)(hi + c);
-            vf_unaligned *bad_at = (vf_unaligned *)(poison + c);
-            /* Pair layout -> the bf16 bits in element order (the running values are bf16's) */
-            vkey low = bf16_keys((vkey)(((vu)lo_at[0] >> 16) | ((vu)lo_at[1] & 0xFFFF0000u)));
-            vkey high = bf16_keys((vkey)(((vu)hi_at[0] >> 16) | ((vu)hi_at[1] & 0xFFFF0000u)));
-            for (int64_t r = r0; r < r0 + n; r++) {
-                vkey w;
-                memcpy(&w, (const uint16_t *)x + r * cols + c, sizeof w);
-                vkey key = bf16_keys(w);
-                low = key_min(low, key);
-                high = key_max(high, key);
-            }
-            vu l = (vu)bf16_keys(low), h = (vu)bf16_keys(high);
-            vf l_even = (vf)(l << 16), l_odd = (vf)(l & 0xFFFF0000u);
-            vf h_even = (vf)(h << 16), h_odd = (vf)(h & 0xFFFF0000u);
-            lo_at[0] = l_even;
-            lo_at[1] = l_odd;
-            hi_at[0] = h_even;
-            hi_at[1] = h_odd;
-            bad_at[0] = (l_even - l_even) + (h_even - h_even);
-            bad_at[1] = (l_odd - l_odd) + (h_odd - h_odd);
-        }
-#endif
     for (; c + BLOCK <= last; c += BLOCK) {
         vf_unaligned *lo_at = (vf_unaligned *)(lo + c), *hi_at = (vf_unaligned *)(hi + c);
         vf_unaligned *bad_at = (vf_unaligned *)(poison + c);
@@ -1175,19 +1151,72 @@ INLINE void update_column_ranges(const void *x, int dtype, int64_t r0, int64_t n
 }
 
 
+
+#ifdef BF16_KEYS
+/* update_column_ranges over all rows for the whole blocks of bf16 columns [first, last), row by
+ * row on int16 keys held in `keys` (2 * cols entries, in L1 for rows of up to 8K channels):
+ * the input is read once in order, as a copy reads it, where CHUNK_ROWS streams waited on
+ * memory (twice a plain read's time). Returns the first column it left out. */
+INLINE int64_t bf16_column_ranges(const void *x, int64_t rows, int64_t cols, int64_t first, int64_t last,
+                                  int16_t *keys, float *lo, float *hi, float *poison) {
+    const int64_t end = first + (last - first) / BLOCK * BLOCK;
+    int16_t *low = keys, *high = keys + cols;
+    for (int64_t c = first; c < end; c += BLOCK) {
+        const vkey lowest = (vkey){0} + INT16_MAX, highest = (vkey){0} + INT16_MIN;
+        memcpy(low + c, &lowest, sizeof lowest);
+        memcpy(high + c, &highest, sizeof highest);
+    }
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *row = (const uint16_t *)x + r * cols;
+        for (int64_t c = first; c < end; c += BLOCK) {
+            vkey w, l, h;
+            memcpy(&w, row + c, sizeof w);
+            memcpy(&l, low + c, sizeof l);
+            memcpy(&h, high + c, sizeof h);
+            const vkey key = bf16_keys(w);
+            l = key_min(l, key);
+            h = key_max(h, key);
+            memcpy(low + c, &l, sizeof l);
+            memcpy(high + c, &h, sizeof h);
+        }
+    }
+    for (int64_t c = first; c < end; c += BLOCK) { /* to the Pair layout; the poison follows from the range */
+        vkey l, h;
+        memcpy(&l, low + c, sizeof l);
+        memcpy(&h, high + c, sizeof h);
+        const vu lu = (vu)bf16_keys(l), hu = (vu)bf16_keys(h);
+        const vf l_even = (vf)(lu << 16), l_odd = (vf)(lu & 0xFFFF0000u);
+        const vf h_even = (vf)(hu << 16), h_odd = (vf)(hu & 0xFFFF0000u);
+        memcpy(lo + c, &l_even, sizeof l_even);
+        memcpy(lo + c + LANES, &l_odd, sizeof l_odd);
+        memcpy(hi + c, &h_even, sizeof h_even);
+        memcpy(hi + c + LANES, &h_odd, sizeof h_odd);
+        const vf bad_even = (l_even - l_even) + (h_even - h_even), bad_odd = (l_odd - l_odd) + (h_odd - h_odd);
+        memcpy(poison + c, &bad_even, sizeof bad_even);
+        memcpy(poison + c + LANES, &bad_odd, sizeof bad_odd);
+    }
+    return end;
+}
+#endif
+
 /* Per-channel symmetric int4 (channel_int4): one scale per column of the [rows, cols] input.
- * scratch holds 3 * cols floats, col_ok cols entries. */
+ * scratch holds 4 * cols floats, col_ok cols entries. */
 void sym_encode_cols(const void *x, int dtype, int64_t rows, int64_t cols, float dmax, float *scratch,
                      int32_t *col_ok, uint8_t *packed, uint16_t *scales, uint8_t *ok_out) {
     float *lo = scratch, *hi = scratch + cols, *poison = scratch + 2 * cols, *col_inv = lo;
+    int16_t *keys = (int16_t *)(scratch + 3 * cols);
     #pragma omp parallel
     {
         int64_t first, last;
         column_share(cols, &first, &last);
-        for (int64_t c = first; c < last; c++) { lo[c] = INFINITY; hi[c] = -INFINITY; poison[c] = 0.0f; }
-        for (int64_t r0 = 0; r0 < rows; r0 += CHUNK_ROWS) {
+        int64_t rest = first;
+#ifdef BF16_KEYS
+        if (dtype == 1) rest = bf16_column_ranges(x, rows, cols, first, last, keys, lo, hi, poison);
+#endif
+        for (int64_t c = rest; c < last; c++) { lo[c] = INFINITY; hi[c] = -INFINITY; poison[c] = 0.0f; }
+        for (int64_t r0 = 0; r0 < rows && rest < last; r0 += CHUNK_ROWS) {
             int64_t n = rows - r0 < CHUNK_ROWS ? rows - r0 : CHUNK_ROWS;
-#define CALL(t) update_column_ranges(x, t, r0, n, cols, first, last, lo, hi, poison)
+#define CALL(t) update_column_ranges(x, t, r0, n, cols, rest, last, lo, hi, poison)
             DTYPE_CASES(CALL)
 #undef CALL
         }
@@ -1208,7 +1237,9 @@ void sym_encode_cols(const void *x, int dtype, int64_t rows, int64_t cols, float
             }
         }
     }
-    const Columns col = {col_inv, col_ok};
+    int all_ok = 1;
+    for (int64_t c = 0; c < cols; c++) all_ok &= ok_out[c];
+    const Columns col = {col_inv, all_ok ? NULL : col_ok};
     #pragma omp parallel for schedule(static)
     for (int64_t r = 0; r < rows; r++) {
 #define CALL(t) pack_group(x, r * cols, cols, t, NO_ZEROING, 0, 0.0f, 1.0f, 8.5f, col, packed + r * cols / 2)
