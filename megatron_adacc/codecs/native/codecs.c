@@ -577,8 +577,9 @@ INLINE vi block_codes(vf v, vf shift, vf mul, vf bias, const int32_t *col_ok) {
  * With per-column multipliers, element c multiplies by its column's instead, and takes
  * code 8 where its column's flag is 0; it then prefetches its input, which no range pass
  * over the group has brought in (fp32 ran 1.3x slower without). The vector path truncates
- * and clamps only above: with a usable scale, (v - shift) * inv + bias >= 0.5 - 2^-20 for both codecs (sym: |v| *
- * |inv| <= 8 and bias 8.5; asym: v >= shift and bias 0.5), where truncating is flooring. */
+ * and clamps only above: with a usable scale, (v - shift) * inv + bias >= 0.5 - 2^-20 for
+ * both codecs (sym: |v| * |inv| <= 8 and bias 8.5; asym: v >= shift and bias 0.5), where
+ * truncating is flooring. */
 INLINE void pack_group(const void *x, int64_t base, int64_t cols, int dtype, Zeroing z, int64_t ch, float shift,
                        float inv, float bias, Columns col, uint8_t *out) {
     int64_t c = 0;
@@ -1149,8 +1150,6 @@ INLINE void update_column_ranges(const void *x, int dtype, int64_t r0, int64_t n
             poison[c] += v - v;
         }
 }
-
-
 
 #ifdef BF16_KEYS
 /* update_column_ranges over all rows for the whole blocks of bf16 columns [first, last), row by
