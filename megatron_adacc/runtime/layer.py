@@ -114,7 +114,7 @@ class AdaccTransformerLayer(TransformerLayer):
                          self._rebuild if recomputes else None)
         if recomputes:
             self._remember_call_inputs(call, args, kwargs)
-        if call.reruns:
+        if call.has_segment_reruns:
             call.rng_states[0] = _get_all_rng_states()
         self._call = call
         self.attributor.begin()
@@ -130,7 +130,7 @@ class AdaccTransformerLayer(TransformerLayer):
 
     def _forward_mlp(self, hidden_states, *args, **kwargs):
         call = self._call
-        if call is not None and call.reruns:
+        if call is not None and call.has_segment_reruns:
             call.rng_states[MLP_SEGMENT] = _get_all_rng_states()
         return super()._forward_mlp(hidden_states, *args, **kwargs)
 
@@ -154,7 +154,7 @@ class AdaccTransformerLayer(TransformerLayer):
         then the operators in the table's order, a re-run from a recomputed start right
         after the edge that rebuilds it (the MLP's from a rebuilt ln2_in). Runs at the first
         unpack of any of them."""
-        reruns = self._reruns(call)
+        reruns = self._segment_reruns(call)
         after_edge = {REBUILT_BY[start].output: (keys, start) for start, keys in reruns
                       if (start, 0) in call.wanted}
         # A segment re-run restores the RNG states forward drew with, so it forks them first
@@ -182,7 +182,7 @@ class AdaccTransformerLayer(TransformerLayer):
             )
 
     @staticmethod
-    def _reruns(call: LayerCall) -> list[tuple[str, set]]:
+    def _segment_reruns(call: LayerCall) -> list[tuple[str, set]]:
         """The segment re-runs (start, the saves each is for), planning.rerun_chains' rule:
         a segment re-runs from its start, kept, decoded or rebuilt by its edge, unless its
         start is recomputed and the segment before it re-runs too (that re-run then goes on

@@ -137,7 +137,7 @@ class LayerCall:
         # Whether a recomputed site needs a segment re-run, for which forward captures the
         # RNG states (of the layer, then of the MLP segment) it drew with: only a re-run
         # draws random numbers (no operator does), and each capture copies every generator's.
-        self.reruns = any(action == RECOMPUTE and site not in REBUILT_BY
+        self.has_segment_reruns = any(action == RECOMPUTE and site not in REBUILT_BY
                           for site, (action, _) in actions.items())
         self.rng_states: list = [None, None]
         self.call_args: tuple = ()
