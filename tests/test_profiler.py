@@ -278,7 +278,7 @@ def test_a_timed_step_that_grew_the_heap_is_run_again(distributed, monkeypatch):
     from megatron_adacc.profiling.profiler import gpt_loss
     from megatron_adacc.runtime.storage import LayerCall
 
-    slow_s, pages = 0.02, 64
+    slow_s, pages = 0.05, 64
     steps = [0]
 
     def counting_loss(model, micro_batch):
