@@ -38,8 +38,11 @@ def _rank_main() -> None:
 
     warnings.filterwarnings("ignore")
     sys.path.insert(0, str(HERE))
+    import mmap
+
     import torch.distributed as dist
 
+    from megatron_adacc.codecs.codec import Codec
     from megatron_adacc.common.sites import SHARED_SITES
     from megatron_adacc.profiling import hardware
     from megatron_adacc.training import trainer
@@ -60,6 +63,23 @@ def _rank_main() -> None:
     box = [profile(model, batch, repeats=1, strict=True)]
     dist.broadcast_object_list(box, src=0)
     costs = box[0]
+    # A timed step in which rank 0's decodes grow its host heap runs again on both ranks: the
+    # peers' layers exchange activations in it (rank 0 re-running alone waited for good).
+    decode = Codec.decode
+
+    def heap_growing_decode(codec, payload):
+        fresh = mmap.mmap(-1, 64 * mmap.PAGESIZE)
+        for page in range(64):
+            fresh[page * mmap.PAGESIZE] = 1
+        fresh.close()
+        return decode(codec, payload)
+
+    if dist.get_rank() == 0:
+        Codec.decode = heap_growing_decode
+    try:
+        regrown = profile(model, batch, repeats=1, strict=True)
+    finally:
+        Codec.decode = decode
     low = minimum_budget(costs, allow_lossy_sources=False) + costs.num_layers * default_resolution(costs)
     high = plan(costs, 10 * low).references["no optimisation"].peak_bytes
     result = plan(costs, int((low + high) / 2), allow_lossy_sources=False)
@@ -86,6 +106,8 @@ def _rank_main() -> None:
         "planned_measured": planned.after_forward_bytes,
         "planned_predicted": predicted_activation_bytes(costs, result),
         "sequence_shard": costs.site("layer_in").bytes,
+        "sites": [site.name for site in costs.sites],
+        "sites_when_one_rank_grew_its_heap": [site.name for site in regrown.sites],
     }), flush=True)
     dist.barrier()
     dist.destroy_process_group()
@@ -110,6 +132,12 @@ def test_every_site_is_one_ranks_and_the_analytic_model_says_so(measured):
         assert verdict["measured_layer0"] == verdict["analytic_layer"]
         # RoPE's cos and sin, one storage each for the rank: sequence 64 x head dim 32, fp32
         assert verdict["measured_shared"] == verdict["analytic_shared"] == 2 * 64 * 32 * 4
+
+
+def test_a_step_one_rank_reruns_runs_on_its_peer_too(measured):
+    # the second profile returned on both ranks (no rank waited on the other for good)
+    for verdict in measured:
+        assert verdict["sites_when_one_rank_grew_its_heap"] == verdict["sites"]
 
 
 def test_ruler_planner_and_analytic_model_agree_within_5_percent(measured):

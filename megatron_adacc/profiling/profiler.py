@@ -45,6 +45,8 @@ from dataclasses import dataclass, replace
 from typing import Callable, Iterable, Sequence
 
 import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
 # megatron's own: saves and restores the CPU, default CUDA and tracker generators.
 from megatron.core.tensor_parallel.random import _fork_rng
 
@@ -377,12 +379,28 @@ class _Profiling:
         steady, every = [], []
         for _ in range(2 * wanted):
             result, grew = timed_step()
+            grew = self._on_any_peer(grew)
             every.append(result)
             if not grew:
                 steady.append(result)
                 if len(steady) == wanted:
                     break
         return steady or every
+
+    def _on_any_peer(self, flag: bool) -> bool:
+        """Whether ``flag`` holds on this rank or on any tensor- or context-parallel peer: the
+        peers' layers exchange activations in every step, so they must all run the same
+        steps (a rank that ran one more waited on its peers for good). Only CPU steps can
+        grow the host heap, so a CUDA step asks no peer."""
+        if (self.device.type != "cpu" or not dist.is_initialized()
+                or not parallel_state.model_parallel_is_initialized()):
+            return flag
+        group = parallel_state.get_tensor_and_context_parallel_group()
+        if dist.get_world_size(group) == 1:
+            return flag
+        flags = torch.tensor([int(flag)])
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+        return bool(flags.item())
 
 
 def _nondecreasing(values: Sequence[float]) -> list[float]:
