@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import mmap
 
 import torch
 
@@ -99,3 +100,12 @@ def adacc_batch():
     """A (tokens, labels, loss mask) micro-batch for ``adacc_model``."""
     tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
     return tokens, tokens.roll(-1, 1), torch.ones(2, 16)
+
+
+def touch_fresh_pages(count: int) -> None:
+    """First-touch ``count`` pages of host memory never touched before (a fresh anonymous
+    mapping): what a heap growing into new pages does, counted as minor page faults."""
+    fresh = mmap.mmap(-1, count * mmap.PAGESIZE)
+    for page in range(count):
+        fresh[page * mmap.PAGESIZE] = 1
+    fresh.close()

@@ -11,7 +11,7 @@ from megatron_adacc.profiling.profiler import profile, refresh_codec_costs
 from megatron_adacc.runtime import apply_plan, measure_step
 from megatron_adacc.common.sites import COMPRESS, QUANTIZE_CODEC, REBUILDS, RECOMPUTE, SEGMENT_ANCHORS
 
-from runtime_helpers import batch, build, loss_of, planned_and_measured
+from runtime_helpers import batch, build, loss_of, planned_and_measured, touch_fresh_pages
 
 MODELS = {
     "fp32-dropout": lambda: build(True, dropout=0.1),
@@ -271,7 +271,6 @@ def test_a_timed_step_that_grew_the_heap_is_run_again(distributed, monkeypatch):
     recycled memory pay once only: its step is run again. Here every other step is slow in
     each decode and each rebuilt value, and first-touches 64 fresh pages there; with two
     timed steps wanted, two steps in a row would put the median half way to slow."""
-    import mmap
     import time
 
     from megatron_adacc.codecs.codec import Codec
@@ -288,10 +287,7 @@ def test_a_timed_step_that_grew_the_heap_is_run_again(distributed, monkeypatch):
     def slow_and_growing_in_odd_steps(method):
         def call(*args):
             if steps[0] % 2:
-                fresh = mmap.mmap(-1, pages * mmap.PAGESIZE)
-                for page in range(pages):
-                    fresh[page * mmap.PAGESIZE] = 1
-                fresh.close()
+                touch_fresh_pages(pages)
                 time.sleep(slow_s)
             return method(*args)
         return call

@@ -38,8 +38,6 @@ def _rank_main() -> None:
 
     warnings.filterwarnings("ignore")
     sys.path.insert(0, str(HERE))
-    import mmap
-
     import torch.distributed as dist
 
     from megatron_adacc.codecs.codec import Codec
@@ -51,6 +49,7 @@ def _rank_main() -> None:
     from megatron_adacc.policies import predicted_activation_bytes
     from megatron_adacc.profiling.profiler import profile
     from megatron_adacc.runtime import apply_plan, get_adacc_layer_spec, measure_step
+    from runtime_helpers import touch_fresh_pages
 
     args = parse_args(RUN + ["--sequence-parallel"], world_size=2)
     model, train, _ = trainer.build_model_and_data(args, get_adacc_layer_spec())
@@ -68,10 +67,7 @@ def _rank_main() -> None:
     decode = Codec.decode
 
     def heap_growing_decode(codec, payload):
-        fresh = mmap.mmap(-1, 64 * mmap.PAGESIZE)
-        for page in range(64):
-            fresh[page * mmap.PAGESIZE] = 1
-        fresh.close()
+        touch_fresh_pages(64)
         return decode(codec, payload)
 
     if dist.get_rank() == 0:
