@@ -125,10 +125,11 @@ def timed(fn: Callable[[], object], device: torch.device) -> tuple[object, float
 def _timed_on_the_heap(fn: Callable[[], object], device: torch.device) -> tuple[object, float, bool]:
     """timed(fn, device), and whether the call grew the host heap (first-touched more than
     HEAP_GROWTH_PAGES pages). On CUDA the host's pages are not on the clock."""
+    if device.type != "cpu":
+        return (*timed(fn, device), False)
     touched = allocator.host_pages_first_touched()
     result, seconds = timed(fn, device)
-    grew = device.type == "cpu" and allocator.host_pages_first_touched() - touched > HEAP_GROWTH_PAGES
-    return result, seconds, grew
+    return result, seconds, allocator.host_pages_first_touched() - touched > HEAP_GROWTH_PAGES
 
 
 # --- instruments ------------------------------------------------------------------------------

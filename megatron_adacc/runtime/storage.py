@@ -138,7 +138,7 @@ class LayerCall:
         # RNG states (of the layer, then of the MLP segment) it drew with: only a re-run
         # draws random numbers (no operator does), and each capture copies every generator's.
         self.has_segment_reruns = any(action == RECOMPUTE and site not in REBUILT_BY
-                          for site, (action, _) in actions.items())
+                                      for site, (action, _) in actions.items())
         self.rng_states: list = [None, None]
         self.call_args: tuple = ()
         self.call_kwargs: dict = {}
