@@ -992,11 +992,12 @@ INLINE void add_block_sums(const void *x, int dtype, int64_t r0, int64_t n, int6
     vd s[4 * SUM_BLOCKS];
     for (int k = 0; k < 4 * blocks; k++) s[k] = at[k];
     for (int64_t r = r0; r < r0 + n; r++) {
-        /* CHUNK_ROWS streams at once, into L2 (into L1 measured 25% slower): these lines of the
-         * next chunk's row, whose start the prefetchers miss (the statistics rows lie apart);
-         * 512 bytes ahead in the same row measured 10% slower */
+        /* CHUNK_ROWS streams at once: these lines of the next chunk's row, whose start the
+         * prefetchers miss (the statistics rows lie apart). Into L1: on an AMD EPYC (Zen 5) the
+         * bf16 choice took 0.14 ms against 0.20 with the lines brought into L2 only, fp32 the
+         * same (an Intel Xeon measured L1 25% slower, on an earlier form of this loop) */
         const char *next = (const char *)x + ((r + n) * stride + c) * (dtype == 0 ? 4 : 2);
-        for (int line = 0; line < blocks * BLOCK * (dtype == 0 ? 4 : 2); line += 64) __builtin_prefetch(next + line, 0, 2);
+        for (int line = 0; line < blocks * BLOCK * (dtype == 0 ? 4 : 2); line += 64) __builtin_prefetch(next + line, 0, 3);
         for (int b = 0; b < blocks; b++) {
             vd d[4];
             abs_doubles(x, r * stride + c + b * BLOCK, dtype, d);
