@@ -89,10 +89,10 @@ def _scales_bytes(count: int) -> int:
     return count * SCALE_DTYPE.itemsize
 
 
-def _read_counts(*counts: torch.Tensor, bound: int) -> list[int]:
-    """The values of 0-d integer tensors, each in [0, bound), read to the host at once: an
-    encode's one device sync (on CUDA the host waits for every kernel queued before it), so
-    they travel as one mixed-radix integer."""
+def _read_counts(*counts: torch.Tensor | int, bound: int) -> list[int]:
+    """The values of 0-d integer tensors (or ints: a CPU kernel's counts), each in [0, bound),
+    read to the host at once: an encode's one device sync (on CUDA the host waits for every
+    kernel queued before it), so they travel as one mixed-radix integer."""
     packed = counts[0]
     for count in counts[1:]:
         packed = packed * bound + count
@@ -103,9 +103,9 @@ def _read_counts(*counts: torch.Tensor, bound: int) -> list[int]:
     return digits[::-1]
 
 
-def _exceptions(x2d: torch.Tensor, ok: torch.Tensor, dim: int) -> dict[str, torch.Tensor]:
+def _exceptions(x2d: torch.Tensor, ok: torch.Tensor, dim: int, kernels: Kernels) -> dict[str, torch.Tensor]:
     """split_exceptions, with the count of unusable groups read by the encode's one host sync."""
-    (count,) = _read_counts((~ok).count_nonzero(), bound=ok.numel() + 1)  # count_nonzero: a third of sum's time
+    (count,) = _read_counts(kernels.count_unusable(ok), bound=ok.numel() + 1)
     return split_exceptions(x2d, ok, dim, count)
 
 
@@ -155,12 +155,13 @@ class SymInt4(_FlatGroups):
 
     def _encode(self, x, kernels):
         tensors, ok, raw_groups, _ = self._quantize(x, kernels)
-        return {**tensors, **_exceptions(raw_groups(), ok, dim=0)}
+        return {**tensors, **_exceptions(raw_groups(), ok, dim=0, kernels=kernels)}
 
     def _quantize(self, x, kernels, zeroed=None):
         """Packed codes and scales, the usable-scale flags, a function giving the groups as
         they are stored raw where unusable (zeroed channels zeroed: built only if needed), and
-        the zeroed channels' values where the kernel copied them in its pass (else None).
+        the zeroed channels' (indices, values) where the kernel copied them in its pass (else
+        None).
         `zeroed`: (channels, mask) of channels to encode as zeros (OutlierInt4)."""
         if zeroed is not None and x.numel() % self.group_size:
             # the padding of the last group copies the last element, after zeroing
@@ -198,14 +199,15 @@ class OutlierInt4(SymInt4):
         is_outlier = kernels.outlier_channels(rows, self.threshold)
         zeroed = (rows.shape[1], is_outlier)
         tensors, ok, raw_groups, exact = self._quantize(rows, kernels, zeroed)
-        outliers, unusable = _read_counts(is_outlier.count_nonzero(), (~ok).count_nonzero(),
+        outliers, unusable = _read_counts(is_outlier.count_nonzero(), kernels.count_unusable(ok),
                                           bound=max(rows.shape[1], ok.numel()) + 1)
         if unusable:
             tensors.update(split_exceptions(raw_groups(), ok, 0, unusable))
         if outliers:
-            index = torch.nonzero_static(is_outlier, size=outliers).view(-1)  # sized on the host: no sync
-            values = exact if exact is not None else kernels.take_columns(rows, index)
-            tensors.update(outlier_index=index.to(INDEX_DTYPE), outlier_values=values)
+            if exact is None:  # not copied in the encoding pass: taken now
+                index = torch.nonzero_static(is_outlier, size=outliers).view(-1)  # sized on the host: no sync
+                exact = index, kernels.take_columns(rows, index)
+            tensors.update(outlier_index=exact[0].to(INDEX_DTYPE), outlier_values=exact[1])
         return tensors
 
     def _payload_bytes(self, shape, dtype, outlier_channels):
@@ -241,7 +243,7 @@ class AsymInt4(_FlatGroups):
             "packed": _keep(packed, _packed_bytes(x.numel())),
             "scales": scales,
             "offsets": offsets,
-            **_exceptions(groups, ok, dim=0),
+            **_exceptions(groups, ok, dim=0, kernels=kernels),
         }
 
     def _payload_bytes(self, shape, dtype, outlier_channels):
@@ -265,7 +267,7 @@ class NaiveInt4(Codec):
     def _encode(self, x, kernels):
         rows = x.reshape(-1, _channels(x.shape))
         packed, scales, ok = kernels.sym_encode(rows, 1, dtype_max(x.dtype))
-        return {"packed": packed, "scales": scales, **_exceptions(rows, ok, dim=0)}
+        return {"packed": packed, "scales": scales, **_exceptions(rows, ok, dim=0, kernels=kernels)}
 
     def _payload_bytes(self, shape, dtype, outlier_channels):
         return _packed_bytes(shape.numel()) + _scales_bytes(shape.numel() // _channels(shape))
@@ -286,7 +288,7 @@ class ChannelInt4(Codec):
     def _encode(self, x, kernels):
         rows = x.reshape(-1, _channels(x.shape))
         packed, scales, ok = kernels.sym_encode(rows, 0, dtype_max(x.dtype))
-        return {"packed": packed, "scales": scales, **_exceptions(rows, ok, dim=1)}
+        return {"packed": packed, "scales": scales, **_exceptions(rows, ok, dim=1, kernels=kernels)}
 
     def _payload_bytes(self, shape, dtype, outlier_channels):
         return _packed_bytes(shape.numel()) + _scales_bytes(_channels(shape))

@@ -78,6 +78,12 @@ def zero_channels(x2d: torch.Tensor, zeroed: tuple[int, torch.Tensor] | None) ->
     return x2d.reshape(-1, channels).masked_fill(mask, 0).view(x2d.shape)
 
 
+def count_unusable(ok: torch.Tensor) -> torch.Tensor:
+    """How many scales are unusable (False in the bool flags `ok`), as a 0-d tensor on ok's
+    device: read on the host with the encode's one sync."""
+    return (~ok).count_nonzero()
+
+
 def split_exceptions(x2d: torch.Tensor, ok: torch.Tensor, dim: int, count: int) -> dict[str, torch.Tensor]:
     """Raw copies of the `count` slices of x2d along `dim` whose scale was unusable (`ok`
     False); `count` is read on the host by the caller, with the encode's one sync.

@@ -9,12 +9,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from megatron_adacc.codecs import asymmetric, bitmask, outlier, symmetric
+from megatron_adacc.codecs import asymmetric, bitmask, int4, outlier, symmetric
 
 
 @dataclass(frozen=True)
 class Kernels:
     sym_encode: Callable
+    count_unusable: Callable
     sym_decode: Callable
     asym_encode: Callable
     asym_decode: Callable
@@ -27,6 +28,7 @@ class Kernels:
 
 REFERENCE = Kernels(
     sym_encode=symmetric.sym_encode,
+    count_unusable=int4.count_unusable,
     sym_decode=symmetric.sym_decode,
     asym_encode=asymmetric.asym_encode,
     asym_decode=asymmetric.asym_decode,

@@ -1091,6 +1091,13 @@ int64_t outlier_channels(const void *x, int dtype, int64_t rows, int64_t cols, i
     return chosen;
 }
 
+/* int4.count_unusable: how many of the n flags (bool bytes) are 0. */
+int64_t count_unusable(const uint8_t *ok, int64_t n) {
+    int64_t count = 0;
+    for (int64_t i = 0; i < n; i++) count += ok[i] == 0;
+    return count;
+}
+
 /* The outlier codec's exact channels: out[r][k] = x[r][index[k]] (take_columns) and back
  * (put_columns), for elements of elem_size bytes. Both return 0, touching nothing, if an
  * index is out of range. */

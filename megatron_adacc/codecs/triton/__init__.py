@@ -13,7 +13,7 @@ of fused-enough PyTorch kernels for the small Q/K/V tensors they serve.
 """
 import torch
 
-from megatron_adacc.codecs import asymmetric, outlier, symmetric
+from megatron_adacc.codecs import asymmetric, int4, outlier, symmetric
 from megatron_adacc.codecs import bitmask as reference_bitmask
 from megatron_adacc.codecs.kernels import Kernels
 from megatron_adacc.codecs.triton import asym_int4, bitmask, sym_int4
@@ -65,6 +65,7 @@ def _mask_unpack(packed, numel, value=None):
 
 TRITON_KERNELS = Kernels(
     sym_encode=_sym_encode,
+    count_unusable=int4.count_unusable,
     sym_decode=_sym_decode,
     asym_encode=_asym_encode,
     asym_decode=_asym_decode,
