@@ -12,7 +12,7 @@ variant starts here: its sites, and the operator-level rebuild edges its layer o
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Collection
+from typing import Callable, Collection
 
 RETAIN = "retain"
 COMPRESS = "compress"
@@ -29,6 +29,25 @@ SEGMENT_NAMES: tuple[str, ...] = tuple(SEGMENTS)
 # start site -> index of the segment it starts, in forward order
 SEGMENT_ANCHORS: dict[str, int] = {start: index for index, start in enumerate(SEGMENTS.values())}
 MLP_SEGMENT = SEGMENT_NAMES.index("mlp")
+
+
+def chain_reruns(rebuilt: Collection[int], passes_through: Callable[[int], bool]) -> list[list[int]]:
+    """The forward re-runs that rebuild the segments ``rebuilt`` (indices into SEGMENTS), each
+    the indices of the segments it runs, in forward order: the one rule of the planner's
+    charges and the runtime's re-runs. A rebuilt segment continues the re-run before it when
+    that re-run passes through the start of every segment after its last up to this one
+    (``passes_through(index)``: the start is recomputed, so the segments between run whole
+    and each start is their output); otherwise it re-runs from its own start, retained or
+    decoded: a re-run that went on through a kept start would run the rest of the earlier
+    segment (the attention's core and linear_proj when only Q/K/V is recomputed) for
+    nothing."""
+    chains: list[list[int]] = []
+    for index in sorted(rebuilt):
+        if chains and all(passes_through(between) for between in range(chains[-1][-1] + 1, index + 1)):
+            chains[-1].extend(range(chains[-1][-1] + 1, index + 1))
+        else:
+            chains.append([index])
+    return chains
 
 # Codec roles. Each site has a designated codec (Site.default_codec); these name the roles
 # the policies and the rectifier refer to.

@@ -199,20 +199,10 @@ def _rebuilt_segments(costs: ModelCosts, recomputed: set[str]) -> list[int]:
 
 def rerun_chains(costs: ModelCosts, recomputed: Collection[str]) -> list[list[int]]:
     """The forward re-runs a layer's backward makes for its ``recomputed`` sites, each the
-    indices (into ``costs.segments``) of the segments it runs, in forward order. A rebuilt
-    segment continues the re-run of the rebuilt segment before it when every segment start
-    after that one up to its own is recomputed (the segments between run whole, and each
-    start is their output); otherwise it re-runs from its own start, retained or decoded: a
-    re-run that went on through a kept start would run the rest of the earlier segment (the
-    attention's core and linear_proj when only Q/K/V is recomputed) for nothing."""
-    chains: list[list[int]] = []
-    for index in _rebuilt_segments(costs, set(recomputed)):
-        if chains and all(costs.segments[between].start in recomputed
-                          for between in range(chains[-1][-1] + 1, index + 1)):
-            chains[-1].extend(range(chains[-1][-1] + 1, index + 1))
-        else:
-            chains.append([index])
-    return chains
+    indices (into ``costs.segments``) of the segments it runs, in forward order
+    (sites.chain_reruns: a re-run passes through a segment start that is recomputed)."""
+    return site_table.chain_reruns(_rebuilt_segments(costs, set(recomputed)),
+                                   lambda index: costs.segments[index].start in recomputed)
 
 
 def rebuild_charges(costs: ModelCosts, recomputed: set[str]) -> dict[str, float]:

@@ -43,7 +43,7 @@ from megatron_adacc.runtime.storage import (
 )
 from megatron_adacc.common.sites import (COMPRESS, LAYER_INPUT,
                                   MLP_SEGMENT, REBUILDS, REBUILT_BY, RECOMPUTE,
-                                  SEGMENT_ANCHORS, SEGMENT_NAMES, SEGMENTS, SITES)
+                                  SEGMENT_ANCHORS, SEGMENT_NAMES, SEGMENTS, SITES, chain_reruns)
 
 # Where the MLP segment's re-run starts: the residual stream after attention (ln2_in).
 MLP_START = SEGMENTS[SEGMENT_NAMES[MLP_SEGMENT]]
@@ -183,21 +183,25 @@ class AdaccTransformerLayer(TransformerLayer):
 
     @staticmethod
     def _segment_reruns(call: LayerCall) -> list[tuple[str, set]]:
-        """The segment re-runs (start, the saves each is for), planning.rerun_chains' rule:
-        a segment re-runs from its start, kept, decoded or rebuilt by its edge, unless its
-        start is recomputed and the segment before it re-runs too (that re-run then goes on
-        through it, and its output is the start). A start the layer does not save is no
-        place to start: the re-run goes on from the layer input."""
+        """The segment re-runs (start, the saves each is for), by sites.chain_reruns: a re-run
+        passes through a start that is recomputed, or that the layer does not save (no place
+        to start from). Each starts from its first segment's start, kept, decoded or rebuilt
+        by its edge, or else from the layer input."""
+        def start_of(index: int) -> str:
+            return SEGMENTS[SEGMENT_NAMES[index]]
+
+        def recomputed(index: int) -> bool:
+            return (start_of(index), 0) in call.wanted
+
+        def passes_through(index: int) -> bool:
+            return recomputed(index) or start_of(index) not in call.sources
+
         reruns: list[tuple[str, set]] = []
-        for index, keys in sorted(call.segments.items()):
-            start = SEGMENTS[SEGMENT_NAMES[index]]
-            recomputed = (start, 0) in call.wanted
-            if reruns and (recomputed or start not in call.sources):
-                reruns[-1][1].update(keys)
-            elif start in call.sources and (not recomputed or start in REBUILT_BY):
-                reruns.append((start, set(keys)))
-            else:
-                reruns.append((LAYER_INPUT, set(keys)))
+        for chain in chain_reruns(call.segments, passes_through):
+            start = start_of(chain[0])
+            usable = start in call.sources and (not recomputed(chain[0]) or start in REBUILT_BY)
+            keys = {key for index in chain for key in call.segments.get(index, ())}
+            reruns.append((start if usable else LAYER_INPUT, keys))
         return reruns
 
     def _rerun_segments(self, call: LayerCall, keys: set, start: str) -> None:
