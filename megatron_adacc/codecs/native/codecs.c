@@ -368,6 +368,10 @@ const char *vector_isa(void) { return VECTOR_ISA; }
         for (int line_ = 0; line_ < BLOCK * size_; line_ += 64) __builtin_prefetch(at_ + line_, write); \
     } while (0)
 
+/* bf16 values two to a 32-bit lane (an even element in its low half, an odd one above) as
+ * fp32 in the Pair layout: two bit operations. */
+INLINE Pair bf16_pair(vu bits) { return (Pair){(vf)(bits << 16), (vf)(bits & 0xFFFF0000u)}; }
+
 /* Elements [i, i + BLOCK) of x as fp32, for reductions that do not depend on the order of a
  * block's elements: bf16 in the Pair layout (it splits into it with two bit operations),
  * fp32 and fp16 in element order, the first LANES in .even (deinterleaving those cost two
@@ -375,12 +379,11 @@ const char *vector_isa(void) { return VECTOR_ISA; }
  * width), its bits are ANDed into the elements first. */
 INLINE Pair load_block(const void *x, int64_t i, int dtype, const void *mask) {
     Pair p;
-    if (dtype == 1) { /* a 32-bit lane holds an even element in its low half, an odd one above */
+    if (dtype == 1) {
         vu u, m;
         memcpy(&u, (const uint16_t *)x + i, sizeof u);
         if (mask) { memcpy(&m, mask, sizeof m); u &= m; }
-        p.even = (vf)(u << 16);
-        p.odd = (vf)(u & 0xFFFF0000u);
+        p = bf16_pair(u);
     } else if (dtype == 0) {
         memcpy(&p.even, (const float *)x + i, sizeof p.even);
         memcpy(&p.odd, (const float *)x + i + LANES, sizeof p.odd);
@@ -504,9 +507,9 @@ INLINE void bf16_group_blocks(const void *x, int64_t base, int64_t cols, Zeroing
                               vf *poison) {
     vkey low, high;
     group_keys(x, base, cols, z, ch, &low, &high);
-    vu l = (vu)bf16_keys(low), h = (vu)bf16_keys(high);
-    *lo = vmin((vf)(l << 16), (vf)(l & 0xFFFF0000u));
-    *hi = vmax((vf)(h << 16), (vf)(h & 0xFFFF0000u));
+    const Pair l = bf16_pair((vu)bf16_keys(low)), h = bf16_pair((vu)bf16_keys(high));
+    *lo = vmin(l.even, l.odd);
+    *hi = vmax(h.even, h.odd);
     *poison = (*lo - *lo) + (*hi - *hi);
 }
 #endif
@@ -1191,14 +1194,12 @@ INLINE int64_t bf16_column_ranges(const void *x, int64_t rows, int64_t cols, int
         vkey l, h;
         memcpy(&l, low + c, sizeof l);
         memcpy(&h, high + c, sizeof h);
-        const vu lu = (vu)bf16_keys(l), hu = (vu)bf16_keys(h);
-        const vf l_even = (vf)(lu << 16), l_odd = (vf)(lu & 0xFFFF0000u);
-        const vf h_even = (vf)(hu << 16), h_odd = (vf)(hu & 0xFFFF0000u);
-        memcpy(lo + c, &l_even, sizeof l_even);
-        memcpy(lo + c + LANES, &l_odd, sizeof l_odd);
-        memcpy(hi + c, &h_even, sizeof h_even);
-        memcpy(hi + c + LANES, &h_odd, sizeof h_odd);
-        const vf bad_even = (l_even - l_even) + (h_even - h_even), bad_odd = (l_odd - l_odd) + (h_odd - h_odd);
+        const Pair lp = bf16_pair((vu)bf16_keys(l)), hp = bf16_pair((vu)bf16_keys(h));
+        memcpy(lo + c, &lp.even, sizeof lp.even);
+        memcpy(lo + c + LANES, &lp.odd, sizeof lp.odd);
+        memcpy(hi + c, &hp.even, sizeof hp.even);
+        memcpy(hi + c + LANES, &hp.odd, sizeof hp.odd);
+        const vf bad_even = (lp.even - lp.even) + (hp.even - hp.even), bad_odd = (lp.odd - lp.odd) + (hp.odd - hp.odd);
         memcpy(poison + c, &bad_even, sizeof bad_even);
         memcpy(poison + c + LANES, &bad_odd, sizeof bad_odd);
     }
@@ -1211,14 +1212,14 @@ INLINE int64_t bf16_column_ranges(const void *x, int64_t rows, int64_t cols, int
 void sym_encode_cols(const void *x, int dtype, int64_t rows, int64_t cols, float dmax, float *scratch,
                      int32_t *col_ok, uint8_t *packed, uint16_t *scales, uint8_t *ok_out) {
     float *lo = scratch, *hi = scratch + cols, *poison = scratch + 2 * cols, *col_inv = lo;
-    int16_t *keys = (int16_t *)(scratch + 3 * cols);
     #pragma omp parallel
     {
         int64_t first, last;
         column_share(cols, &first, &last);
         int64_t rest = first;
 #ifdef BF16_KEYS
-        if (dtype == 1) rest = bf16_column_ranges(x, rows, cols, first, last, keys, lo, hi, poison);
+        if (dtype == 1)
+            rest = bf16_column_ranges(x, rows, cols, first, last, (int16_t *)(scratch + 3 * cols), lo, hi, poison);
 #endif
         for (int64_t c = rest; c < last; c++) { lo[c] = INFINITY; hi[c] = -INFINITY; poison[c] = 0.0f; }
         for (int64_t r0 = 0; r0 < rows && rest < last; r0 += CHUNK_ROWS) {
