@@ -199,7 +199,9 @@ class OutlierInt4(SymInt4):
         is_outlier = kernels.outlier_channels(rows, self.threshold)
         zeroed = (rows.shape[1], is_outlier)
         tensors, ok, raw_groups, exact = self._quantize(rows, kernels, zeroed)
-        outliers, unusable = _read_counts(is_outlier.count_nonzero(), kernels.count_unusable(ok),
+        # The indices a kernel took in its pass count the outliers; else the mask does, on the device.
+        outliers = exact[0].numel() if exact is not None else is_outlier.count_nonzero()
+        outliers, unusable = _read_counts(outliers, kernels.count_unusable(ok),
                                           bound=max(rows.shape[1], ok.numel()) + 1)
         if unusable:
             tensors.update(split_exceptions(raw_groups(), ok, 0, unusable))
