@@ -353,8 +353,8 @@ def test_no_autograd_history_and_no_reference_to_input(name):
             else codec.decode(codec.encode(x)).shape == x.shape
 
 
-def assert_same_as_eager(backend: str, name: str, x: torch.Tensor) -> None:
-    eager, fast = codecs.get(name, backend="torch"), codecs.get(name, backend=backend)
+def assert_same_as_eager(backend: str, name: str, x: torch.Tensor, **options) -> None:
+    eager, fast = codecs.get(name, backend="torch", **options), codecs.get(name, backend=backend, **options)
     expected, actual = eager.encode(x), fast.encode(x)
     assert expected.tensors.keys() == actual.tensors.keys()
     for key, tensor in expected.tensors.items():

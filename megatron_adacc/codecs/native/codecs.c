@@ -501,8 +501,9 @@ INLINE void group_keys(const void *x, int64_t base, int64_t cols, Zeroing z, int
 
 #ifdef BF16_KEY_RANGES
 /* group_blocks for bf16 groups of at least one whole block and a part of one (whole blocks
- * take bf16_batch_ranges). An infinity or NaN has the greatest or least key, so the range
- * alone tells whether the group is finite. */
+ * take bf16_batch_ranges). An infinity or NaN has the greatest or least key, so the ranges
+ * alone tell whether the group is finite: the poison is taken before the even and odd halves
+ * are folded, where vmin and vmax would drop a NaN in the first. */
 INLINE void bf16_group_blocks(const void *x, int64_t base, int64_t cols, Zeroing z, int64_t ch, vf *lo, vf *hi,
                               vf *poison) {
     vkey low, high;
@@ -510,7 +511,7 @@ INLINE void bf16_group_blocks(const void *x, int64_t base, int64_t cols, Zeroing
     const Pair l = bf16_pair((vu)bf16_keys(low)), h = bf16_pair((vu)bf16_keys(high));
     *lo = vmin(l.even, l.odd);
     *hi = vmax(h.even, h.odd);
-    *poison = (*lo - *lo) + (*hi - *hi);
+    *poison = (l.even - l.even) + (l.odd - l.odd) + (h.even - h.even) + (h.odd - h.odd);
 }
 #endif
 
