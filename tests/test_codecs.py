@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from megatron_adacc import codecs
-from megatron_adacc.codecs import native
+from megatron_adacc.codecs import native, symmetric
 from megatron_adacc.codecs.int4 import ceil_to_bf16
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -200,6 +200,28 @@ def test_sym_scale_follows_paper_rule():
     assert scale.item() == -ceil_to_bf16(torch.tensor([4.0 / 8])).item()
     assert payload.tensors["packed"][1].item() & 0xF0 == 0  # element 3 (value 4.0) -> code -8 + 8
     assert x_hat[3].item() == 4.0
+
+
+def test_sym_scales_depend_only_on_the_sym_bounds():
+    # The native kernels give symmetric.sym_scales a group's sym bounds, min(lo, -0) and
+    # max(hi, +0), where the reference gives its range (codecs.c): the same scales, bit for
+    # bit, for every pair of finite lo <= hi, zeros of either sign, subnormals and values at
+    # each dtype's limit included.
+    gen = torch.Generator().manual_seed(3)
+    edges = [0.0, 1e-45, 1e-40, 1.1754943508222875e-38, 1e-38, 0.1, 1.0, 7.5, 8.0, 15.0, 448.0, 65504.0, 3e38,
+             3.4028234663852886e38]
+    randoms = (torch.randn(200, generator=gen) * torch.exp(torch.randn(200, generator=gen) * 20)).tolist()
+    values = torch.tensor(edges + [-v for v in edges] + randoms).float()
+    lo, hi = (v.reshape(-1) for v in torch.meshgrid(values, values, indexing="ij"))
+    lo, hi = lo[lo <= hi], hi[lo <= hi]
+    bound_lo = torch.where(torch.signbit(lo), lo, -0.0)
+    bound_hi = torch.where(torch.signbit(hi), 0.0, hi)
+    for dtype in FLOAT_DTYPES:
+        dmax = torch.finfo(dtype).max
+        scale, ok = symmetric.sym_scales(lo, hi, dmax)
+        bound_scale, bound_ok = symmetric.sym_scales(bound_lo, bound_hi, dmax)
+        assert torch.equal(scale.view(torch.int32), bound_scale.view(torch.int32))
+        assert torch.equal(ok, bound_ok)
 
 
 def test_outlier_channels_are_exact_and_listed():

@@ -67,11 +67,12 @@ def test_channel_ranges_with_special_values_match_reference(flags, monkeypatch):
 
 
 @pytest.mark.parametrize("flags", ["", *BUILDS])
-def test_bf16_group_ranges_with_special_values_match_reference(flags, monkeypatch):
-    # bf16 groups of whole blocks take their ranges on int16 keys, reduced for a batch of
-    # groups at once: infinities, NaN, signed zeros and groups of only negatives, of only
-    # -0 and of zeroed outlier channels, in a batch cut short by the end of the tensor
-    # (23 rows of 64: 23 groups of sym_int4, not a multiple of the batch).
+def test_group_ranges_with_special_values_match_reference(flags, monkeypatch):
+    # Group ranges reduced for a batch of groups at once (bf16 on int16 keys), and the
+    # symmetric codecs' sym bounds on the bits (codecs.c), in every dtype: infinities, NaN of
+    # both signs, signed zeros, subnormals and groups of only negatives, of only positives, of
+    # only -0 or +0 and of zeroed outlier channels, in a batch cut short by the end of the
+    # tensor (23 rows of 64: 23 groups of sym_int4, not a multiple of the batch).
     monkeypatch.setenv(native.CFLAGS_ENV_VAR, flags)
     gen = torch.Generator().manual_seed(29)
     x = torch.randn(23, 64, generator=gen)
@@ -82,10 +83,16 @@ def test_bf16_group_ranges_with_special_values_match_reference(flags, monkeypatc
     x[6, 1::2] = 0.0
     x[7] = -x[7].abs()
     x[7, 10] = 0.0
+    x[8] = x[8].abs() + 1
+    x[9] = 0.0
+    x[10] = x[10].abs() * 1e-39  # subnormal in fp32 and bf16, zero in fp16
+    x[11] = -x[11].abs() * 1e-39
+    x[12, 5] = -0.0
+    x[12, 6:] = x[12, 6:].abs()
     x[:, 17] *= 500  # an outlier channel, zeroed in every group
-    x = x.to(torch.bfloat16)
-    for name in ("sym_int4", "asym_int4", "outlier_int4", "naive_int4"):
-        assert_same_as_eager("native", name, x)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        for name in ("sym_int4", "asym_int4", "outlier_int4", "naive_int4"):
+            assert_same_as_eager("native", name, x.to(dtype))
 
 
 @pytest.mark.parametrize("flags", ["", *BUILDS])

@@ -109,7 +109,8 @@ static const int BIT_REVERSED[LANES] = {0, 4, 2, 6, 1, 5, 3, 7};
 #endif
 #define INTERLEAVED INTERLEAVED_LOW, INTERLEAVED_HIGH
 
-INLINE vf splat(float v) { return (vf){0} + v; }
+INLINE vf splat(float v) { return (vf){0} + v; } /* +0 for -0: see NEGATIVE_ZEROS */
+#define NEGATIVE_ZEROS ((vf)((vi){0} + INT32_MIN))
 INLINE vf blend(vi mask, vf a, vf b) { return (vf)(((vi)a & mask) | ((vi)b & ~mask)); }
 
 /* Decoded values (never NaN) as bf16 bits in the low halves of the lanes, rounded to nearest even. */
@@ -118,15 +119,20 @@ INLINE vu bf16_rounded(vf v) {
     return (b + 0x7FFFu + ((b >> 16) & 1u)) >> 16;
 }
 
-/* bf16 keys (BF16_KEYS, where an instruction set defines key_min, key_max and fold_keys):
- * fold_keys(v, is_max) leaves the minima (is_max 0) or maxima of the keys of each of the
- * LANES groups (v[g]: group g's) in the low half of lane g, by a transposing reduction that
- * halves the registers at each step of KEY_OP. */
-#define KEY_OP(a, b) (is_max ? key_max((vkey)(a), (vkey)(b)) : key_min((vkey)(a), (vkey)(b)))
+/* bf16 keys (BF16_KEYS, where an instruction set defines key_min, key_max, key_umax and
+ * fold_keys): fold_keys(v, op) leaves the signed minima (op KEY_MIN), signed maxima (KEY_MAX)
+ * or unsigned maxima (KEY_UMAX) of the 16-bit words of each of the LANES groups (v[g]: group
+ * g's) in the low half of lane g, by a transposing reduction that halves the registers at
+ * each step of KEY_OP. */
+enum { KEY_MIN, KEY_MAX, KEY_UMAX };
+#define KEY_OP(a, b)                                                        \
+    (op == KEY_UMAX ? key_umax((vkey)(a), (vkey)(b))                        \
+     : op == KEY_MAX ? key_max((vkey)(a), (vkey)(b)) : key_min((vkey)(a), (vkey)(b)))
 
 /* The vector primitives, per instruction set: AVX-512, AVX2 with F16C, or generic GCC vector
  * code for anything else. vmin and vmax: lane-wise, where a lane holds NaN either returns b
- * (as vminps does). */
+ * (as vminps does). bits_max and bits_umax: the lane of greater bits, as signed or unsigned
+ * 32-bit integers (sym_bounds). */
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #define VECTOR_ISA "avx512"
@@ -134,6 +140,8 @@ INLINE vf vmin(vf a, vf b) { return (vf)_mm512_min_ps((__m512)a, (__m512)b); }
 INLINE vf vmax(vf a, vf b) { return (vf)_mm512_max_ps((__m512)a, (__m512)b); }
 INLINE vi widen_bytes(const uint8_t *in) { return (vi)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)in)); }
 INLINE vi min_int(vi a, vi b) { return (vi)_mm512_min_epi32((__m512i)a, (__m512i)b); }
+INLINE vf bits_max(vf a, vf b) { return (vf)_mm512_max_epi32((__m512i)a, (__m512i)b); }
+INLINE vf bits_umax(vf a, vf b) { return (vf)_mm512_max_epu32((__m512i)a, (__m512i)b); }
 INLINE vd to_doubles(vf_half v) { return (vd)_mm512_cvtps_pd((__m256)v); } /* GCC splits it in two */
 #ifdef __AVX512BW__
 /* bf16 decoding by table (unpack_group): a group's 16 possible values, rounded once, and
@@ -162,8 +170,9 @@ INLINE void bf16_lookup(const uint8_t *in, Bf16Tables t, uint16_t *out) {
 #define BF16_KEYS
 INLINE vkey key_min(vkey a, vkey b) { return (vkey)_mm512_min_epi16((__m512i)a, (__m512i)b); }
 INLINE vkey key_max(vkey a, vkey b) { return (vkey)_mm512_max_epi16((__m512i)a, (__m512i)b); }
+INLINE vkey key_umax(vkey a, vkey b) { return (vkey)_mm512_max_epu16((__m512i)a, (__m512i)b); }
 
-INLINE vkey fold_keys(vkey v[LANES], int is_max) {
+INLINE vkey fold_keys(vkey v[LANES], int op) {
     __m512i w[LANES];
     for (int j = 0; j < 8; j++) /* 256-bit half k of w[j]: group 2j + k */
         w[j] = (__m512i)KEY_OP(_mm512_shuffle_i64x2((__m512i)v[2 * j], (__m512i)v[2 * j + 1], 0x44),
@@ -206,6 +215,8 @@ INLINE vf vmin(vf a, vf b) { return (vf)_mm256_min_ps((__m256)a, (__m256)b); }
 INLINE vf vmax(vf a, vf b) { return (vf)_mm256_max_ps((__m256)a, (__m256)b); }
 INLINE vi widen_bytes(const uint8_t *in) { return (vi)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)in)); }
 INLINE vi min_int(vi a, vi b) { return (vi)_mm256_min_epi32((__m256i)a, (__m256i)b); }
+INLINE vf bits_max(vf a, vf b) { return (vf)_mm256_max_epi32((__m256i)a, (__m256i)b); }
+INLINE vf bits_umax(vf a, vf b) { return (vf)_mm256_max_epu32((__m256i)a, (__m256i)b); }
 INLINE vd to_doubles(vf_half v) { return (vd)_mm256_cvtps_pd((__m128)v); }
 
 /* The even (odd) elements of the 16 values a, b, in order: a0 a2 b0 b2 | a4 a6 b4 b6 within
@@ -285,8 +296,9 @@ INLINE void bf16_lookup(const uint8_t *in, Bf16Tables t, uint16_t *out) {
 #define BF16_PACKED_BLOCKS 4
 INLINE vkey key_min(vkey a, vkey b) { return (vkey)_mm256_min_epi16((__m256i)a, (__m256i)b); }
 INLINE vkey key_max(vkey a, vkey b) { return (vkey)_mm256_max_epi16((__m256i)a, (__m256i)b); }
+INLINE vkey key_umax(vkey a, vkey b) { return (vkey)_mm256_max_epu16((__m256i)a, (__m256i)b); }
 
-INLINE vkey fold_keys(vkey v[LANES], int is_max) {
+INLINE vkey fold_keys(vkey v[LANES], int op) {
     __m256i w[LANES];
     for (int j = 0; j < 4; j++) /* 128-bit lane k of w[j]: group 2j + k */
         w[j] = (__m256i)KEY_OP(_mm256_permute2x128_si256((__m256i)v[2 * j], (__m256i)v[2 * j + 1], 0x20),
@@ -324,6 +336,8 @@ INLINE vi min_int(vi a, vi b) {
     vi less = a < b;
     return (a & less) | (b & ~less);
 }
+INLINE vf bits_max(vf a, vf b) { return blend((vi)a > (vi)b, a, b); }
+INLINE vf bits_umax(vf a, vf b) { return blend((vi)((vu)a > (vu)b), a, b); }
 INLINE vd to_doubles(vf_half v) { return __builtin_convertvector(v, vd); }
 #endif
 
@@ -474,6 +488,15 @@ INLINE float load_kept(const void *x, int64_t i, int dtype, Zeroing z, int64_t c
     return kept ? v : 0.0f;
 }
 
+/* The symmetric codecs need less of a group than its range: symmetric.sym_scales gives
+ * (lo, hi) the scale it gives (min(lo, -0), max(hi, +0)) (tests/test_codecs.py), the group's
+ * sym bounds: its most negative element or -0 where none is negative, and its most positive
+ * or +0. On IEEE bits both are maxima: the unsigned one from -0 (a set sign bit outweighs
+ * every magnitude, and a greater magnitude weighs more) and the signed one from +0 (the
+ * positive bits order as their values). An integer max a block each, where a range took two
+ * float operations and a NaN check (or the bf16 key transform); a NaN or an infinity has
+ * the greatest bits of its sign, so the bounds alone tell whether the group is finite. */
+
 #ifdef BF16_KEYS
 /* Order-preserving int16 keys of bf16 bits (the magnitude bits flipped where the sign is set,
  * -0 just below +0), and back: the map is its own inverse. A register of keys to a min or
@@ -481,18 +504,25 @@ INLINE float load_kept(const void *x, int64_t i, int dtype, Zeroing z, int64_t c
 INLINE vkey bf16_keys(vkey w) { return w ^ ((w >> 15) & 0x7FFF); }
 
 /* The lane-wise minimum and maximum keys of the whole blocks of a bf16 group of `cols`
- * inputs starting at channel ch. */
-INLINE void group_keys(const void *x, int64_t base, int64_t cols, Zeroing z, int64_t ch, vkey *low, vkey *high) {
-    vkey lowest = (vkey){0} + INT16_MAX, highest = (vkey){0} + INT16_MIN;
+ * inputs starting at channel ch; with `sym`, the lane-wise sym bounds' bits instead (the
+ * sign bit, INT16_MIN, is -0). */
+INLINE void group_keys(const void *x, int64_t base, int64_t cols, Zeroing z, int64_t ch, int sym, vkey *low,
+                       vkey *high) {
+    vkey lowest = (vkey){0} + (int16_t)(sym ? INT16_MIN : INT16_MAX), highest = (vkey){0} + (int16_t)(sym ? 0 : INT16_MIN);
     for (int64_t c = 0; c + BLOCK <= cols; c += BLOCK) {
         PREFETCH_BLOCK(x, base + c, 1, 0);
         vkey w, keep;
         memcpy(&w, (const uint16_t *)x + base + c, sizeof w);
         if (z.keep) { memcpy(&keep, keep_at(z, ch, 1), sizeof keep); w &= keep; }
         ch = next_channel(z, ch, BLOCK);
-        vkey key = bf16_keys(w);
-        lowest = key_min(lowest, key);
-        highest = key_max(highest, key);
+        if (sym) {
+            lowest = key_umax(lowest, w);
+            highest = key_max(highest, w);
+        } else {
+            vkey key = bf16_keys(w);
+            lowest = key_min(lowest, key);
+            highest = key_max(highest, key);
+        }
     }
     *low = lowest;
     *high = highest;
@@ -501,44 +531,50 @@ INLINE void group_keys(const void *x, int64_t base, int64_t cols, Zeroing z, int
 
 #ifdef BF16_KEY_RANGES
 /* group_blocks for bf16 groups of at least one whole block and a part of one (whole blocks
- * take bf16_batch_ranges). An infinity or NaN has the greatest or least key, so the ranges
- * alone tell whether the group is finite: the poison is taken before the even and odd halves
- * are folded, where vmin and vmax would drop a NaN in the first. */
-INLINE void bf16_group_blocks(const void *x, int64_t base, int64_t cols, Zeroing z, int64_t ch, vf *lo, vf *hi,
-                              vf *poison) {
+ * take bf16_batch_ranges). An infinity or NaN has the greatest or least key (or bits), so the
+ * ranges alone tell whether the group is finite: the poison is taken before the even and odd
+ * halves are folded, where vmin and vmax would drop a NaN in the first. */
+INLINE void bf16_group_blocks(const void *x, int64_t base, int64_t cols, Zeroing z, int64_t ch, int sym, vf *lo,
+                              vf *hi, vf *poison) {
     vkey low, high;
-    group_keys(x, base, cols, z, ch, &low, &high);
-    const Pair l = bf16_pair((vu)bf16_keys(low)), h = bf16_pair((vu)bf16_keys(high));
-    *lo = vmin(l.even, l.odd);
-    *hi = vmax(h.even, h.odd);
+    group_keys(x, base, cols, z, ch, sym, &low, &high);
+    if (!sym) low = bf16_keys(low), high = bf16_keys(high);
+    const Pair l = bf16_pair((vu)low), h = bf16_pair((vu)high);
+    *lo = sym ? bits_umax(l.even, l.odd) : vmin(l.even, l.odd);
+    *hi = sym ? bits_max(h.even, h.odd) : vmax(h.even, h.odd);
     *poison = (l.even - l.even) + (l.odd - l.odd) + (h.even - h.even) + (h.odd - h.odd);
 }
 #endif
 
 /* Lane-wise minima, maxima and poison (0, or NaN where a NaN or an infinity was met) of the
- * whole blocks of a group of `cols` inputs starting at channel ch. Minima and maxima of
- * finite values do not depend on the order (signed zeros cannot change a scale, see
- * symmetric.sym_scales). */
-INLINE void group_blocks(const void *x, int64_t base, int64_t cols, int dtype, Zeroing z, int64_t ch, vf *lo,
-                         vf *hi, vf *poison) {
+ * whole blocks of a group of `cols` inputs starting at channel ch; with `sym`, the lane-wise
+ * sym bounds and no poison (the bounds tell). Minima and maxima of finite values do not
+ * depend on the order (signed zeros cannot change a scale, see symmetric.sym_scales). */
+INLINE void group_blocks(const void *x, int64_t base, int64_t cols, int dtype, Zeroing z, int64_t ch, int sym,
+                         vf *lo, vf *hi, vf *poison) {
 #ifdef BF16_KEY_RANGES
     if (dtype == 1 && cols >= BLOCK) {
-        bf16_group_blocks(x, base, cols, z, ch, lo, hi, poison);
+        bf16_group_blocks(x, base, cols, z, ch, sym, lo, hi, poison);
         return;
     }
 #endif
-    vf vlo = splat(INFINITY), vhi = splat(-INFINITY), bad = {0};
+    vf vlo = sym ? NEGATIVE_ZEROS : splat(INFINITY), vhi = splat(sym ? 0.0f : -INFINITY), bad = {0};
     for (int64_t c = 0; c + BLOCK <= cols; c += BLOCK) {
         PREFETCH_BLOCK(x, base + c, dtype, 0);
         Pair p = load_block(x, base + c, dtype, keep_at(z, ch, dtype));
         ch = next_channel(z, ch, BLOCK);
-        bad += (p.even - p.even) + (p.odd - p.odd); /* stays 0 unless a NaN or an infinity */
-        vlo = vmin(vmin(p.even, p.odd), vlo);
-        vhi = vmax(vmax(p.even, p.odd), vhi);
+        if (sym) {
+            vlo = bits_umax(bits_umax(p.even, p.odd), vlo);
+            vhi = bits_max(bits_max(p.even, p.odd), vhi);
+        } else {
+            bad += (p.even - p.even) + (p.odd - p.odd); /* stays 0 unless a NaN or an infinity */
+            vlo = vmin(vmin(p.even, p.odd), vlo);
+            vhi = vmax(vmax(p.even, p.odd), vhi);
+        }
     }
     *lo = vlo;
     *hi = vhi;
-    *poison = bad;
+    *poison = sym ? (vlo - vlo) + (vhi - vhi) : bad;
 }
 
 /* The group's elements past its whole blocks folded into *lo and *hi; returns 0 if one is NaN
@@ -560,6 +596,24 @@ INLINE int group_tail(const void *x, int64_t base, int64_t cols, int dtype, Zero
 #define FOLD_LEVEL(op, v, count, X, Y)                                                              \
     for (int j = 0; j < (count); j++)                                                               \
     v[j] = op(__builtin_shufflevector(v[2 * j], v[2 * j + 1], X), __builtin_shufflevector(v[2 * j], v[2 * j + 1], Y))
+
+/* The LANES vectors v folded by op down to v[0] (see batch_ranges). */
+#if LANES == 16
+#define FOLD(op, v)                               \
+    do {                                          \
+        FOLD_LEVEL(op, v, 8, FOLD8_X, FOLD8_Y);   \
+        FOLD_LEVEL(op, v, 4, FOLD4_X, FOLD4_Y);   \
+        FOLD_LEVEL(op, v, 2, FOLD2_X, FOLD2_Y);   \
+        FOLD_LEVEL(op, v, 1, FOLD1_X, FOLD1_Y);   \
+    } while (0)
+#else
+#define FOLD(op, v)                               \
+    do {                                          \
+        FOLD_LEVEL(op, v, 4, FOLD4_X, FOLD4_Y);   \
+        FOLD_LEVEL(op, v, 2, FOLD2_X, FOLD2_Y);   \
+        FOLD_LEVEL(op, v, 1, FOLD1_X, FOLD1_Y);   \
+    } while (0)
+#endif
 
 INLINE vf vadd(vf a, vf b) { return a + b; }
 
@@ -705,16 +759,18 @@ INLINE void asym_scales(vf lo, vf hi, vi finite, float dmax, vf *scale, vf *inv,
 static const Columns NO_COLUMNS = {NULL, NULL};
 
 #ifdef BF16_KEYS
-/* batch_ranges for bf16 groups of whole blocks: the keys' minima and maxima of each group
- * lane-wise, then reduced for all groups at once (fold_keys). An infinity or NaN has the
- * greatest or least key, so the range alone tells whether the group is finite. */
-INLINE void bf16_batch_ranges(const void *x, int64_t r0, int64_t n, int64_t cols, Zeroing z, int64_t ch, vf *lo,
-                              vf *hi, vi *finite) {
+/* batch_ranges for bf16 groups of whole blocks: the keys' minima and maxima (or the sym
+ * bounds' bits) of each group lane-wise, then reduced for all groups at once (fold_keys). An
+ * infinity or NaN has the greatest or least key (or bits), so the range alone tells whether
+ * the group is finite. */
+INLINE void bf16_batch_ranges(const void *x, int64_t r0, int64_t n, int64_t cols, Zeroing z, int64_t ch, int sym,
+                              vf *lo, vf *hi, vi *finite) {
     vkey mins[LANES], maxs[LANES];
     for (int64_t g = 0; g < LANES; g++, ch = next_channel(z, ch, cols))
-        if (g < n) group_keys(x, (r0 + g) * cols, cols, z, ch, &mins[g], &maxs[g]);
+        if (g < n) group_keys(x, (r0 + g) * cols, cols, z, ch, sym, &mins[g], &maxs[g]);
         else mins[g] = maxs[g] = (vkey){0}; /* lanes past n are unusable: no group to range */
-    vu l = (vu)bf16_keys(fold_keys(mins, 0)), h = (vu)bf16_keys(fold_keys(maxs, 1));
+    vu l = (vu)fold_keys(mins, sym ? KEY_UMAX : KEY_MIN), h = (vu)fold_keys(maxs, KEY_MAX);
+    if (!sym) l = (vu)bf16_keys((vkey)l), h = (vu)bf16_keys((vkey)h);
     *lo = (vf)(l << 16);
     *hi = (vf)(h << 16);
     *finite = (*lo - *lo) + (*hi - *hi) == 0.0f;
@@ -722,16 +778,17 @@ INLINE void bf16_batch_ranges(const void *x, int64_t r0, int64_t n, int64_t cols
 #endif
 
 /* Ranges of the groups of rows [r0, r0 + n), n <= LANES, the first starting at channel ch, as
- * vectors (lane g: group r0 + g); lanes past n unusable. Each group leaves lane-wise partial
- * results, group g's at position BIT_REVERSED[g], and FOLD_LEVEL halves all LANES vectors at
- * once (a transposing reduction) down to one whose lane g is group g's: a fold per group and
- * statistic where reducing each group's vector alone took one per halving, plus moving the
- * results lane by lane into the vector the scales are computed from. */
+ * vectors (lane g: group r0 + g), or with `sym` their sym bounds; lanes past n unusable. Each
+ * group leaves lane-wise partial results, group g's at position BIT_REVERSED[g], and FOLD
+ * halves all LANES vectors at once (a transposing reduction) down to one whose lane g is
+ * group g's: a fold per group and statistic where reducing each group's vector alone took one
+ * per halving, plus moving the results lane by lane into the vector the scales are computed
+ * from. */
 INLINE void batch_ranges(const void *x, int dtype, int64_t r0, int64_t n, int64_t cols, Zeroing z, int64_t ch,
-                         vf *lo, vf *hi, vi *finite) {
+                         int sym, vf *lo, vf *hi, vi *finite) {
 #ifdef BF16_KEYS
     if (dtype == 1 && cols % BLOCK == 0) {
-        bf16_batch_ranges(x, r0, n, cols, z, ch, lo, hi, finite);
+        bf16_batch_ranges(x, r0, n, cols, z, ch, sym, lo, hi, finite);
         return;
     }
 #endif
@@ -740,28 +797,22 @@ INLINE void batch_ranges(const void *x, int dtype, int64_t r0, int64_t n, int64_
     for (int64_t g = 0; g < LANES; g++) {
         const int p = BIT_REVERSED[g];
         if (g < n) {
-            group_blocks(x, (r0 + g) * cols, cols, dtype, z, ch, &lows[p], &highs[p], &poisons[p]);
+            group_blocks(x, (r0 + g) * cols, cols, dtype, z, ch, sym, &lows[p], &highs[p], &poisons[p]);
             ch = next_channel(z, ch, cols);
         } else {
-            lows[p] = splat(INFINITY);
-            highs[p] = splat(-INFINITY);
+            lows[p] = sym ? NEGATIVE_ZEROS : splat(INFINITY);
+            highs[p] = splat(sym ? 0.0f : -INFINITY);
             poisons[p] = splat(0.0f);
         }
     }
-#if LANES == 16
-    FOLD_LEVEL(vmin, lows, 8, FOLD8_X, FOLD8_Y);
-    FOLD_LEVEL(vmax, highs, 8, FOLD8_X, FOLD8_Y);
-    FOLD_LEVEL(vadd, poisons, 8, FOLD8_X, FOLD8_Y);
-#endif
-    FOLD_LEVEL(vmin, lows, 4, FOLD4_X, FOLD4_Y);
-    FOLD_LEVEL(vmax, highs, 4, FOLD4_X, FOLD4_Y);
-    FOLD_LEVEL(vadd, poisons, 4, FOLD4_X, FOLD4_Y);
-    FOLD_LEVEL(vmin, lows, 2, FOLD2_X, FOLD2_Y);
-    FOLD_LEVEL(vmax, highs, 2, FOLD2_X, FOLD2_Y);
-    FOLD_LEVEL(vadd, poisons, 2, FOLD2_X, FOLD2_Y);
-    FOLD_LEVEL(vmin, lows, 1, FOLD1_X, FOLD1_Y);
-    FOLD_LEVEL(vmax, highs, 1, FOLD1_X, FOLD1_Y);
-    FOLD_LEVEL(vadd, poisons, 1, FOLD1_X, FOLD1_Y);
+    if (sym) {
+        FOLD(bits_umax, lows);
+        FOLD(bits_max, highs);
+    } else {
+        FOLD(vmin, lows);
+        FOLD(vmax, highs);
+    }
+    FOLD(vadd, poisons);
     *lo = lows[0];
     *hi = highs[0];
     *finite = poisons[0] == 0.0f;
@@ -783,7 +834,7 @@ INLINE void sym_encode_batch(const void *x, int dtype, int64_t r0, int64_t n, in
     vf lo, hi, scale, inv;
     vi finite, ok;
     const int64_t ch0 = first_channel(z, r0 * cols); /* one division per batch, not per group */
-    batch_ranges(x, dtype, r0, n, cols, z, ch0, &lo, &hi, &finite);
+    batch_ranges(x, dtype, r0, n, cols, z, ch0, 1, &lo, &hi, &finite);
     sym_scales(lo, hi, finite, dmax, &scale, &inv, &ok);
     for (int64_t g = 0, ch = ch0; g < n; g++, ch = next_channel(z, ch, cols)) {
         uint8_t *out = packed + (r0 + g) * cols / 2;
@@ -1272,7 +1323,7 @@ INLINE void asym_encode_batch(const void *x, int dtype, int64_t r0, int64_t n, i
                               uint8_t *packed, uint16_t *scales, void *offsets, uint8_t *ok_out) {
     vf lo, hi, scale, inv, offset;
     vi finite, ok;
-    batch_ranges(x, dtype, r0, n, cols, NO_ZEROING, 0, &lo, &hi, &finite);
+    batch_ranges(x, dtype, r0, n, cols, NO_ZEROING, 0, 0, &lo, &hi, &finite);
     asym_scales(lo, hi, finite, dmax, &scale, &inv, &offset, &ok);
     for (int64_t g = 0; g < n; g++) {
         uint8_t *out = packed + (r0 + g) * cols / 2;
