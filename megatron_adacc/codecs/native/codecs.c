@@ -109,8 +109,8 @@ static const int BIT_REVERSED[LANES] = {0, 4, 2, 6, 1, 5, 3, 7};
 #endif
 #define INTERLEAVED INTERLEAVED_LOW, INTERLEAVED_HIGH
 
-INLINE vf splat(float v) { return (vf){0} + v; } /* +0 for -0: see NEGATIVE_ZEROS */
-#define NEGATIVE_ZEROS ((vf)((vi){0} + INT32_MIN))
+INLINE vf splat(float v) { return (vf){0} + v; }
+#define NEGATIVE_ZEROS ((vf)((vi){0} + INT32_MIN)) /* splat(-0.0f) is +0: 0 + -0 = +0 */
 INLINE vf blend(vi mask, vf a, vf b) { return (vf)(((vi)a & mask) | ((vi)b & ~mask)); }
 
 /* Decoded values (never NaN) as bf16 bits in the low halves of the lanes, rounded to nearest even. */
@@ -548,7 +548,7 @@ INLINE void bf16_group_blocks(const void *x, int64_t base, int64_t cols, Zeroing
 
 /* Lane-wise minima, maxima and poison (0, or NaN where a NaN or an infinity was met) of the
  * whole blocks of a group of `cols` inputs starting at channel ch; with `sym`, the lane-wise
- * sym bounds and no poison (the bounds tell). Minima and maxima of finite values do not
+ * sym bounds, whose poison they tell themselves. Minima and maxima of finite values do not
  * depend on the order (signed zeros cannot change a scale, see symmetric.sym_scales). */
 INLINE void group_blocks(const void *x, int64_t base, int64_t cols, int dtype, Zeroing z, int64_t ch, int sym,
                          vf *lo, vf *hi, vf *poison) {
