@@ -74,7 +74,7 @@ class Shape:
     attention: str = "unfused"
     family: str = "gpt"       # megatron_adacc.models: gpt or llama (no dropout)
     query_groups: int | None = None  # llama: grouped-query attention's K/V heads
-    ffn: int | None = None    # default: the family's (4h; Megatron-LM's SwiGLU width)
+    ffn: int | None = None    # default: the family's, as Megatron-LM's flags give it (4h; SwiGLU 8h/3 in 64s)
 
     @property
     def attention_dropout(self) -> float:
@@ -83,15 +83,15 @@ class Shape:
     def config_options(self) -> dict:
         """TransformerConfig fields of the shape's family, dropouts included."""
         options = dict(hidden_dropout=self.dropout, attention_dropout=self.attention_dropout)
-        options.update(models.get(self.family).transformer_config_options(self.query_groups,
-                                                                          self.ffn))
+        options.update(models.get(self.family).transformer_config_options(
+            self.hidden, self.query_groups, self.ffn))
         return options
 
     def describe(self) -> str:
         options = self.config_options()
         family = (f"{self.family} family, " if self.family == "gpt" else
                   f"{self.family} family ({self.query_groups or self.heads} query groups, "
-                  f"ffn {options.get('ffn_hidden_size', 'default')}), ")
+                  f"ffn {options['ffn_hidden_size']}), ")
         return (f"{family}{self.attention} attention, {self.layers} layers, hidden "
                 f"{self.hidden}, {self.heads} heads, seq {self.seq}, vocab {self.vocab}, "
                 f"hidden dropout {options['hidden_dropout']}, attention dropout "

@@ -216,6 +216,20 @@ def test_llama_flags_reach_megatron_core(distributed):
     assert parse_args(["--swiglu", "--ffn-hidden-size", "96"]).ffn_hidden_size == 96
 
 
+@pytest.mark.parametrize("family", ["gpt", "llama"])
+def test_family_config_matches_the_trainers_flags(family, distributed):
+    # A benchmark builds a family's model without the flag parser
+    # (ModelFamily.transformer_config_options); its MLP must be the one the trainer builds
+    # from the family's flags: Megatron-LM's ffn width, not megatron-core's 4h default.
+    from megatron_adacc.training.trainer import transformer_config
+
+    shape = ["--hidden-size", "256", "--num-attention-heads", "8"]
+    args = parse_args([*models.get(family).argv(num_query_groups=4), *shape])
+    options = models.get(family).transformer_config_options(256, num_query_groups=4)
+    assert options["ffn_hidden_size"] == transformer_config(args).ffn_hidden_size == args.ffn_hidden_size
+    assert options["ffn_hidden_size"] == {"gpt": 1024, "llama": 640}[family]
+
+
 @pytest.mark.parametrize("flags, world, message", [
     (["--group-query-attention", "--num-query-groups", "3"], 1,
      "--num-query-groups 3 does not divide --num-attention-heads 4"),

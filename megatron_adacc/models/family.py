@@ -143,12 +143,12 @@ class ModelFamily:
     variant: LayerVariant
     flags: Mapping[str, Any]
 
-    def transformer_config_options(self, num_query_groups: int | None = None,
+    def transformer_config_options(self, hidden_size: int, num_query_groups: int | None = None,
                                    ffn_hidden_size: int | None = None) -> dict[str, Any]:
         """The TransformerConfig fields of this family's flags (a benchmark's model, built
         without the flag parser): its parts, grouped-query attention at
         ``num_query_groups``, biases, dropouts, and the ffn (default: Megatron-LM's for the
-        MLP)."""
+        MLP at ``hidden_size``, as the trainer's flags give it, not megatron-core's 4h)."""
         import types
 
         flags = {key.replace("-", "_"): value for key, value in self.flags.items()}
@@ -160,8 +160,8 @@ class ModelFamily:
             num_query_groups=num_query_groups)
         options = transformer_config_options(args)
         options["add_bias_linear"] = not flags.get("disable_bias_linear", False)
-        if ffn_hidden_size is not None:
-            options["ffn_hidden_size"] = ffn_hidden_size
+        options["ffn_hidden_size"] = (ffn_hidden_size if ffn_hidden_size is not None
+                                      else self.variant.mlp.default_ffn(hidden_size))
         for dropout in ("hidden_dropout", "attention_dropout"):
             if dropout in flags:
                 options[dropout] = flags[dropout]
