@@ -508,7 +508,8 @@ INLINE vkey bf16_keys(vkey w) { return w ^ ((w >> 15) & 0x7FFF); }
  * sign bit, INT16_MIN, is -0). */
 INLINE void group_keys(const void *x, int64_t base, int64_t cols, Zeroing z, int64_t ch, int sym, vkey *low,
                        vkey *high) {
-    vkey lowest = (vkey){0} + (int16_t)(sym ? INT16_MIN : INT16_MAX), highest = (vkey){0} + (int16_t)(sym ? 0 : INT16_MIN);
+    vkey lowest = (vkey){0} + (int16_t)(sym ? INT16_MIN : INT16_MAX);
+    vkey highest = (vkey){0} + (int16_t)(sym ? 0 : INT16_MIN);
     for (int64_t c = 0; c + BLOCK <= cols; c += BLOCK) {
         PREFETCH_BLOCK(x, base + c, 1, 0);
         vkey w, keep;
