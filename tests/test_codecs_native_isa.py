@@ -107,3 +107,27 @@ def test_rows_with_a_non_finite_whole_block_match_reference(flags, monkeypatch):
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         assert_same_as_eager("native", "naive_int4", rows.to(dtype))
         assert_same_as_eager("native", "sym_int4", rows.to(dtype), group_size=70)
+
+
+@pytest.mark.parametrize("flags", ["", *BUILDS])
+def test_rows_read_in_place_match_reference(flags, monkeypatch):
+    # Views whose rows lie a stride apart, read where they lie (Codec.reads_in_place): the
+    # gate and up halves of a SwiGLU fc1 output of whole groups (64 and 640 channels: several
+    # groups a row, batches that span rows), of widths whose groups span rows (96: a copy,
+    # but naive_int4's rows of 96 in place), the up half of every other row. Each half holds
+    # a NaN and an infinity that an encode of the other reading past its rows would meet.
+    monkeypatch.setenv(native.CFLAGS_ENV_VAR, flags)
+    gen = torch.Generator().manual_seed(23)
+    for ffn in (64, 640, 96):
+        whole = torch.randn(9, 3, 2 * ffn, generator=gen) * 3
+        whole[..., 5] *= 300  # an outlier channel of the gate half
+        whole[2, 1, ffn + 1], whole[4, 0, 2 * ffn - 1] = math.nan, math.inf
+        whole[6, 2, 3], whole[3, 0, ffn - 1] = math.nan, -math.inf
+        for name in codecs.NAMES:
+            if name == "bitmask":
+                continue
+            for dtype in (torch.float32, torch.bfloat16, torch.float16):
+                x = torch.sigmoid(whole) if name == "asym_int4" else whole
+                x = x.to(dtype)
+                for view in (x[..., :ffn], x[..., ffn:], x.view(-1, 2 * ffn)[::2, ffn:]):
+                    assert_same_as_eager("native", name, view)

@@ -1,7 +1,7 @@
 """The codecs: each turns a tensor into a Payload and back, through one kernel backend."""
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -22,7 +22,9 @@ from megatron_adacc.codecs.payload import Payload
 
 class Codec:
     """encode(tensor) -> Payload; decode(payload) -> tensor of the input's shape, dtype and
-    device (contiguous). Both run without autograd and never keep a reference to the input.
+    device (contiguous). Both run without autograd and never keep a reference to the input;
+    a non-contiguous input is encoded as its contiguous copy would be, read in place where
+    the codec and its kernels can (reads_in_place).
     payload_bytes(shape, dtype) -> the payload's size without encoding anything."""
 
     name: str
@@ -36,6 +38,8 @@ class Codec:
         with torch.no_grad():
             x = x.detach()
             kernels = kernels_for(self.backend, x.device)
+            if not (x.is_contiguous() or kernels.strided_rows and self.reads_in_place(x)):
+                x = x.contiguous()
             tensors = self._encode(x, kernels) if x.numel() else {}
         return Payload(self.name, x.shape, x.dtype, x.device, tensors)
 
@@ -63,6 +67,11 @@ class Codec:
             return 0
         return self._payload_bytes(shape, dtype, outlier_channels)
 
+    def reads_in_place(self, x: torch.Tensor) -> bool:
+        """Whether this codec's encode reads a non-contiguous ``x`` where it lies, given
+        kernels that read strided rows (Kernels.strided_rows)."""
+        return False
+
     def _check(self, x: torch.Tensor) -> None:
         check_float_input(x, self.name)
 
@@ -78,6 +87,18 @@ class Codec:
 
 def _channels(shape: torch.Size) -> int:
     return shape[-1] if len(shape) else 1
+
+
+def _dense_rows(x: torch.Tensor) -> bool:
+    """Whether ``x`` is rows of its last dimension, each dense, a stride apart: viewable as
+    [rows, channels] (a slice of the last dimension, such as SwiGLU's gate half)."""
+    if x.dim() == 0 or x.stride(-1) != 1:
+        return False
+    try:
+        x.view(-1, x.shape[-1])
+    except RuntimeError:
+        return False
+    return True
 
 
 def _packed_bytes(numel: int) -> int:
@@ -103,10 +124,12 @@ def _read_counts(*counts: torch.Tensor | int, bound: int) -> list[int]:
     return digits[::-1]
 
 
-def _exceptions(x2d: torch.Tensor, ok: torch.Tensor, dim: int, kernels: Kernels) -> dict[str, torch.Tensor]:
-    """split_exceptions, with the count of unusable groups read by the encode's one host sync."""
+def _exceptions(x2d: Callable[[], torch.Tensor], ok: torch.Tensor, dim: int,
+                kernels: Kernels) -> dict[str, torch.Tensor]:
+    """split_exceptions of the tensor ``x2d()`` gives (built only if a group is unusable),
+    with the count of unusable groups read by the encode's one host sync."""
     (count,) = _read_counts(kernels.count_unusable(ok), bound=ok.numel() + 1)
-    return split_exceptions(x2d, ok, dim, count)
+    return split_exceptions(x2d(), ok, dim, count) if count else {}
 
 
 def _keep(t: torch.Tensor, numel: int) -> torch.Tensor:
@@ -125,7 +148,11 @@ class _FlatGroups(Codec):
         self.group_size = group_size
 
     def _groups(self, x: torch.Tensor) -> torch.Tensor:
-        return pad_to_groups(x.reshape(-1), self.group_size)
+        """[groups, group_size], or, for a tensor read in place (reads_in_place), [rows,
+        groups a row, group_size] over its rows where they lie."""
+        if x.is_contiguous():
+            return pad_to_groups(x.reshape(-1), self.group_size)
+        return x.view(-1, _channels(x.shape)).unflatten(1, (-1, self.group_size))
 
     def _packed_groups(self, payload: Payload) -> tuple[torch.Tensor, tuple[int, int]]:
         """The payload's packed codes, zero-extended to whole groups, and the groups' shape."""
@@ -153,9 +180,13 @@ class SymInt4(_FlatGroups):
     def __init__(self, group_size: int = 64, backend: str | None = None):
         super().__init__(group_size, backend)
 
+    def reads_in_place(self, x):
+        # groups of whole rows: none spans two of them
+        return _dense_rows(x) and _channels(x.shape) % self.group_size == 0
+
     def _encode(self, x, kernels):
         tensors, ok, raw_groups, _ = self._quantize(x, kernels)
-        return {**tensors, **_exceptions(raw_groups(), ok, dim=0, kernels=kernels)}
+        return {**tensors, **_exceptions(raw_groups, ok, dim=0, kernels=kernels)}
 
     def _quantize(self, x, kernels, zeroed=None):
         """Packed codes and scales, the usable-scale flags, a function giving the groups as
@@ -169,7 +200,8 @@ class SymInt4(_FlatGroups):
         groups = self._groups(x)
         packed, scales, ok, *exact = kernels.sym_encode(groups, 1, dtype_max(x.dtype), zeroed)
         tensors = {"packed": _keep(packed, _packed_bytes(x.numel())), "scales": scales}
-        return tensors, ok, lambda: zero_channels(groups, zeroed), exact[0] if exact else None
+        return (tensors, ok, lambda: zero_channels(groups, zeroed).reshape(-1, self.group_size),
+                exact[0] if exact else None)
 
     def _payload_bytes(self, shape, dtype, outlier_channels):
         return _packed_bytes(shape.numel()) + _scales_bytes(self._group_count(shape))
@@ -245,7 +277,7 @@ class AsymInt4(_FlatGroups):
             "packed": _keep(packed, _packed_bytes(x.numel())),
             "scales": scales,
             "offsets": offsets,
-            **_exceptions(groups, ok, dim=0, kernels=kernels),
+            **_exceptions(lambda: groups, ok, dim=0, kernels=kernels),
         }
 
     def _payload_bytes(self, shape, dtype, outlier_channels):
@@ -266,10 +298,14 @@ class NaiveInt4(Codec):
 
     name = "naive_int4"
 
+    def reads_in_place(self, x):
+        return _dense_rows(x)
+
     def _encode(self, x, kernels):
         rows = x.reshape(-1, _channels(x.shape))
         packed, scales, ok = kernels.sym_encode(rows, 1, dtype_max(x.dtype))
-        return {"packed": packed, "scales": scales, **_exceptions(rows, ok, dim=0, kernels=kernels)}
+        return {"packed": packed, "scales": scales,
+                **_exceptions(lambda: rows, ok, dim=0, kernels=kernels)}
 
     def _payload_bytes(self, shape, dtype, outlier_channels):
         return _packed_bytes(shape.numel()) + _scales_bytes(shape.numel() // _channels(shape))
@@ -290,7 +326,8 @@ class ChannelInt4(Codec):
     def _encode(self, x, kernels):
         rows = x.reshape(-1, _channels(x.shape))
         packed, scales, ok = kernels.sym_encode(rows, 0, dtype_max(x.dtype))
-        return {"packed": packed, "scales": scales, **_exceptions(rows, ok, dim=1, kernels=kernels)}
+        return {"packed": packed, "scales": scales,
+                **_exceptions(lambda: rows, ok, dim=1, kernels=kernels)}
 
     def _payload_bytes(self, shape, dtype, outlier_channels):
         return _packed_bytes(shape.numel()) + _scales_bytes(_channels(shape))

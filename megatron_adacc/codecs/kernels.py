@@ -24,6 +24,9 @@ class Kernels:
     outlier_channels: Callable
     take_columns: Callable
     put_columns: Callable
+    # Whether the encode kernels read rows a stride apart where they lie (a view's rows, its
+    # last dimension dense; Codec.reads_in_place): otherwise a codec hands them a copy.
+    strided_rows: bool = False
 
 
 REFERENCE = Kernels(

@@ -34,11 +34,11 @@ CFLAGS_ENV_VAR = "ADACC_NATIVE_CFLAGS"
 _DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _i64, _f32, _i32, _p = ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_void_p
 _SIGNATURES = {
-    "sym_encode_rows": [_p, _i32, _i64, _i64, _f32, _p, _i64, _i64, _p, _p, _p, _p],
+    "sym_encode_rows": [_p, _i32, _i64, _i64, _f32, _i64, _i64, _p, _i64, _p, _p, _p, _p],
     "sym_decode_rows": [_p, _p, _i64, _i64, _i32, _p, _i64, _i64, _i64, _p, _p],
     "sym_encode_cols": [_p, _i32, _i64, _i64, _f32, _p, _p, _p, _p, _p],
     "sym_decode_cols": [_p, _p, _i64, _i64, _i32, _p, _p],
-    "outlier_channels": [_p, _i32, _i64, _i64, _i64, ctypes.c_double, _p, _p, _p],
+    "outlier_channels": [_p, _i32, _i64, _i64, _i64, _i64, ctypes.c_double, _p, _p, _p],
     "count_unusable": [_p, _i64],
     "asym_encode_rows": [_p, _i32, _i64, _i64, _f32, _p, _p, _p, _p],
     "asym_decode_rows": [_p, _p, _p, _i64, _i64, _i32, _p],
@@ -111,9 +111,24 @@ def _native(x2d: torch.Tensor) -> bool:
     return x2d.device.type == "cpu" and x2d.shape[1] % 2 == 0 and x2d.is_contiguous()
 
 
+def _row_layout(x: torch.Tensor) -> tuple[int, int, int, int] | None:
+    """(groups, group width, channels, stride) of a CPU input of groups of even width the C
+    encode reads in place: [groups, width] contiguous, or a codec's rows read where they lie
+    (Codec.reads_in_place), [rows, width] or [rows, groups a row, width], `stride` elements
+    apart, a row `channels` wide; None otherwise."""
+    if x.device.type != "cpu" or x.shape[-1] % 2:
+        return None
+    width, channels = x.shape[-1], x.shape[-1] * (x.shape[1] if x.dim() == 3 else 1)
+    groups = x.numel() // width if width else 0
+    if x.is_contiguous():
+        return groups, width, channels, channels
+    dense = x.stride(-1) == 1 and (x.dim() == 2 or x.stride(1) == width)
+    return (groups, width, channels, x.stride(0)) if dense and x.stride(0) >= channels else None
+
+
 def _sym_encode(x2d, reduce_dim, dmax, zeroed=None):
-    rows, cols = x2d.shape
     if reduce_dim == 0 and zeroed is None and _native(x2d):
+        rows, cols = x2d.shape
         packed = torch.empty(rows * cols // 2, dtype=torch.uint8)
         scales = torch.empty(cols, dtype=torch.bfloat16)
         ok = torch.empty(cols, dtype=torch.bool)
@@ -121,22 +136,30 @@ def _sym_encode(x2d, reduce_dim, dmax, zeroed=None):
         library().sym_encode_cols(x2d.data_ptr(), _DTYPE_CODE[x2d.dtype], rows, cols, dmax, scratch.data_ptr(),
                                   col_ok.data_ptr(), packed.data_ptr(), scales.data_ptr(), ok.data_ptr())
         return packed, scales, ok
-    if reduce_dim != 1 or not _native(x2d) or not _channel_mask(zeroed):
-        return symmetric.sym_encode(x2d, reduce_dim, dmax, zeroed)  # raises on a wrong mask
+    layout = _row_layout(x2d) if reduce_dim == 1 and _channel_mask(zeroed) else None
+    strided = layout is not None and layout[3] != layout[2]
+    # strided rows are the channels that zeroing counts in
+    if layout is None or strided and zeroed is not None and zeroed[0] != layout[2]:
+        # the groups as the reference takes them ([rows, groups a row, width] read in place:
+        # [groups, width]); it raises on a wrong mask
+        return symmetric.sym_encode(x2d.reshape(-1, x2d.shape[-1]), reduce_dim, dmax, zeroed)
+    rows, cols, channels, stride = layout
+    if zeroed is not None and not strided:
+        channels = stride = zeroed[0]
     packed = torch.empty(rows * cols // 2, dtype=torch.uint8)
     scales = torch.empty(rows, dtype=torch.bfloat16)
     ok = torch.empty(rows, dtype=torch.bool)
     if zeroed is None:
-        library().sym_encode_rows(x2d.data_ptr(), _DTYPE_CODE[x2d.dtype], rows, cols, dmax, None, 0, 0, None,
-                                  packed.data_ptr(), scales.data_ptr(), ok.data_ptr())
+        library().sym_encode_rows(x2d.data_ptr(), _DTYPE_CODE[x2d.dtype], rows, cols, dmax, channels, stride,
+                                  None, 0, None, packed.data_ptr(), scales.data_ptr(), ok.data_ptr())
         return packed, scales, ok
-    channels, mask = zeroed
-    index = mask.nonzero().view(-1)  # a CPU tensor: no device to wait for; returned for the payload
+    index = zeroed[1].nonzero().view(-1)  # a CPU tensor: no device to wait for; returned for the payload
     exact = torch.empty(rows * cols // channels, index.numel(), dtype=x2d.dtype)  # whole rows: see the codec
-    if not library().sym_encode_rows(x2d.data_ptr(), _DTYPE_CODE[x2d.dtype], rows, cols, dmax, index.data_ptr(),
-                                     index.numel(), channels, exact.data_ptr(), packed.data_ptr(),
+    if not library().sym_encode_rows(x2d.data_ptr(), _DTYPE_CODE[x2d.dtype], rows, cols, dmax, channels, stride,
+                                     index.data_ptr(), index.numel(), exact.data_ptr(), packed.data_ptr(),
                                      scales.data_ptr(), ok.data_ptr()):
-        return symmetric.sym_encode(x2d, reduce_dim, dmax, zeroed)  # out of memory in C
+        # out of memory in C
+        return symmetric.sym_encode(x2d.reshape(-1, x2d.shape[-1]), reduce_dim, dmax, zeroed)
     return packed, scales, ok, (index, exact)
 
 
@@ -191,13 +214,16 @@ def _native_exact(exact, dtype, shape2d) -> bool:
 
 
 def _outlier_channels(x2d, threshold):
-    if x2d.device.type != "cpu" or not x2d.is_contiguous() or x2d.dtype not in _DTYPE_CODE:
-        return outlier.outlier_channels(x2d, threshold)
     rows, cols = x2d.shape
+    if (x2d.device.type != "cpu" or x2d.dtype not in _DTYPE_CODE
+            or not (x2d.is_contiguous() or x2d.stride(1) == 1 and x2d.stride(0) >= cols)):
+        return outlier.outlier_channels(x2d, threshold)
+    stride = cols if x2d.is_contiguous() else x2d.stride(0)
     sums = torch.empty(2 * cols, dtype=torch.float64)  # the sums, then scratch
     mask = torch.empty(cols, dtype=torch.bool)
-    if library().outlier_channels(x2d.data_ptr(), _DTYPE_CODE[x2d.dtype], rows, cols, outlier.statistics_step(rows),
-                                  threshold, sums.data_ptr() + 8 * cols, sums.data_ptr(), mask.data_ptr()) < 0:
+    if library().outlier_channels(x2d.data_ptr(), _DTYPE_CODE[x2d.dtype], rows, cols, stride,
+                                  outlier.statistics_step(rows), threshold, sums.data_ptr() + 8 * cols,
+                                  sums.data_ptr(), mask.data_ptr()) < 0:
         return outlier.outlier_channels(x2d, threshold)  # too close to call in another summation order
     return mask
 
@@ -290,4 +316,5 @@ NATIVE_KERNELS = Kernels(
     outlier_channels=_outlier_channels,
     take_columns=_take_columns,
     put_columns=_put_columns,
+    strided_rows=True,
 )

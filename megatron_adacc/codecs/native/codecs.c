@@ -369,18 +369,21 @@ INLINE vbytes narrow_bytes(vi v) { return __builtin_convertvector(v, vbytes); }
 
 const char *vector_isa(void) { return VECTOR_ISA; }
 
-/* Asks for the cache lines PREFETCH_ELEMENTS past block [i, i + BLOCK) of x, to read (write:
- * 0) or to write (1): the hardware prefetchers alone left the first loads of each group
- * waiting on memory, 40% of an encode's time, and the decode's loads of codes and stores of
- * values half of its. The distance counts elements, a batch of groups ahead whatever their
- * width: at 2048 bytes, fp32 encodes with zeroed channels waited on memory (28% slower than
- * at 4096; bf16 the same at both). */
-#define PREFETCH_BLOCK(x, i, dtype, write)                                                      \
+/* Asks for the cache lines of block [i, i + BLOCK) of x, to read (write: 0) or to write (1). */
+#define PREFETCH_AT(x, i, dtype, write)                                                         \
     do {                                                                                        \
         const int size_ = (dtype) == 0 ? 4 : 2;                                                 \
-        const char *at_ = (const char *)(x) + ((i) + PREFETCH_ELEMENTS) * size_;                   \
+        const char *at_ = (const char *)(x) + (i) * size_;                                      \
         for (int line_ = 0; line_ < BLOCK * size_; line_ += 64) __builtin_prefetch(at_ + line_, write); \
     } while (0)
+
+/* The block PREFETCH_ELEMENTS past block i: the hardware prefetchers alone left the first
+ * loads of each group waiting on memory, 40% of an encode's time, and the decode's loads of
+ * codes and stores of values half of its. The distance counts elements, a batch of groups
+ * ahead whatever their width: at 2048 bytes, fp32 encodes with zeroed channels waited on
+ * memory (28% slower than at 4096; bf16 the same at both). A strided input's groups ask for
+ * the block as far ahead in their rows (group_offsets). */
+#define PREFETCH_BLOCK(x, i, dtype, write) PREFETCH_AT(x, (i) + PREFETCH_ELEMENTS, dtype, write)
 
 /* bf16 values two to a 32-bit lane (an even element in its low half, an odd one above) as
  * fp32 in the Pair layout: two bit operations. */
@@ -506,12 +509,12 @@ INLINE vkey bf16_keys(vkey w) { return w ^ ((w >> 15) & 0x7FFF); }
 /* The lane-wise minimum and maximum keys of the whole blocks of a bf16 group of `cols`
  * inputs starting at channel ch; with `sym`, the lane-wise sym bounds' bits instead (the
  * sign bit, INT16_MIN, is -0). */
-INLINE void group_keys(const void *x, int64_t base, int64_t cols, Zeroing z, int64_t ch, int sym, vkey *low,
-                       vkey *high) {
+INLINE void group_keys(const void *x, int64_t base, int64_t ahead, int64_t cols, Zeroing z, int64_t ch, int sym,
+                       vkey *low, vkey *high) {
     vkey lowest = (vkey){0} + (int16_t)(sym ? INT16_MIN : INT16_MAX);
     vkey highest = (vkey){0} + (int16_t)(sym ? 0 : INT16_MIN);
     for (int64_t c = 0; c + BLOCK <= cols; c += BLOCK) {
-        PREFETCH_BLOCK(x, base + c, 1, 0);
+        PREFETCH_AT(x, ahead + c, 1, 0);
         vkey w, keep;
         memcpy(&w, (const uint16_t *)x + base + c, sizeof w);
         if (z.keep) { memcpy(&keep, keep_at(z, ch, 1), sizeof keep); w &= keep; }
@@ -535,10 +538,10 @@ INLINE void group_keys(const void *x, int64_t base, int64_t cols, Zeroing z, int
  * take bf16_batch_ranges). An infinity or NaN has the greatest or least key (or bits), so the
  * ranges alone tell whether the group is finite: the poison is taken before the even and odd
  * halves are folded, where vmin and vmax would drop a NaN in the first. */
-INLINE void bf16_group_blocks(const void *x, int64_t base, int64_t cols, Zeroing z, int64_t ch, int sym, vf *lo,
-                              vf *hi, vf *poison) {
+INLINE void bf16_group_blocks(const void *x, int64_t base, int64_t ahead, int64_t cols, Zeroing z, int64_t ch,
+                              int sym, vf *lo, vf *hi, vf *poison) {
     vkey low, high;
-    group_keys(x, base, cols, z, ch, sym, &low, &high);
+    group_keys(x, base, ahead, cols, z, ch, sym, &low, &high);
     if (!sym) low = bf16_keys(low), high = bf16_keys(high);
     const Pair l = bf16_pair((vu)low), h = bf16_pair((vu)high);
     *lo = sym ? bits_umax(l.even, l.odd) : vmin(l.even, l.odd);
@@ -551,17 +554,17 @@ INLINE void bf16_group_blocks(const void *x, int64_t base, int64_t cols, Zeroing
  * whole blocks of a group of `cols` inputs starting at channel ch; with `sym`, the lane-wise
  * sym bounds, whose poison they tell themselves. Minima and maxima of finite values do not
  * depend on the order (signed zeros cannot change a scale, see symmetric.sym_scales). */
-INLINE void group_blocks(const void *x, int64_t base, int64_t cols, int dtype, Zeroing z, int64_t ch, int sym,
-                         vf *lo, vf *hi, vf *poison) {
+INLINE void group_blocks(const void *x, int64_t base, int64_t ahead, int64_t cols, int dtype, Zeroing z,
+                         int64_t ch, int sym, vf *lo, vf *hi, vf *poison) {
 #ifdef BF16_KEY_RANGES
     if (dtype == 1 && cols >= BLOCK) {
-        bf16_group_blocks(x, base, cols, z, ch, sym, lo, hi, poison);
+        bf16_group_blocks(x, base, ahead, cols, z, ch, sym, lo, hi, poison);
         return;
     }
 #endif
     vf vlo = sym ? NEGATIVE_ZEROS : splat(INFINITY), vhi = splat(sym ? 0.0f : -INFINITY), bad = {0};
     for (int64_t c = 0; c + BLOCK <= cols; c += BLOCK) {
-        PREFETCH_BLOCK(x, base + c, dtype, 0);
+        PREFETCH_AT(x, ahead + c, dtype, 0);
         Pair p = load_block(x, base + c, dtype, keep_at(z, ch, dtype));
         ch = next_channel(z, ch, BLOCK);
         if (sym) {
@@ -764,11 +767,11 @@ static const Columns NO_COLUMNS = {NULL, NULL};
  * bounds' bits) of each group lane-wise, then reduced for all groups at once (fold_keys). An
  * infinity or NaN has the greatest or least key (or bits), so the range alone tells whether
  * the group is finite. */
-INLINE void bf16_batch_ranges(const void *x, int64_t r0, int64_t n, int64_t cols, Zeroing z, int64_t ch, int sym,
-                              vf *lo, vf *hi, vi *finite) {
+INLINE void bf16_batch_ranges(const void *x, const int64_t *at, int64_t n, int64_t cols, Zeroing z, int64_t ch,
+                              int sym, vf *lo, vf *hi, vi *finite) {
     vkey mins[LANES], maxs[LANES];
     for (int64_t g = 0; g < LANES; g++, ch = next_channel(z, ch, cols))
-        if (g < n) group_keys(x, (r0 + g) * cols, cols, z, ch, sym, &mins[g], &maxs[g]);
+        if (g < n) group_keys(x, at[g], at[LANES + g], cols, z, ch, sym, &mins[g], &maxs[g]);
         else mins[g] = maxs[g] = (vkey){0}; /* lanes past n are unusable: no group to range */
     vu l = (vu)fold_keys(mins, sym ? KEY_UMAX : KEY_MIN), h = (vu)fold_keys(maxs, KEY_MAX);
     if (!sym) l = (vu)bf16_keys((vkey)l), h = (vu)bf16_keys((vkey)h);
@@ -778,18 +781,19 @@ INLINE void bf16_batch_ranges(const void *x, int64_t r0, int64_t n, int64_t cols
 }
 #endif
 
-/* Ranges of the groups of rows [r0, r0 + n), n <= LANES, the first starting at channel ch, as
- * vectors (lane g: group r0 + g), or with `sym` their sym bounds; lanes past n unusable. Each
+/* Ranges of n <= LANES groups, group g at element at[g] (at[LANES + g]: where it prefetches,
+ * group_offsets) and the first at channel ch, as
+ * vectors (lane g: group g), or with `sym` their sym bounds; lanes past n unusable. Each
  * group leaves lane-wise partial results, group g's at position BIT_REVERSED[g], and FOLD
  * halves all LANES vectors at once (a transposing reduction) down to one whose lane g is
  * group g's: a fold per group and statistic where reducing each group's vector alone took one
  * per halving, plus moving the results lane by lane into the vector the scales are computed
  * from. */
-INLINE void batch_ranges(const void *x, int dtype, int64_t r0, int64_t n, int64_t cols, Zeroing z, int64_t ch,
-                         int sym, vf *lo, vf *hi, vi *finite) {
+INLINE void batch_ranges(const void *x, int dtype, const int64_t *at, int64_t n, int64_t cols, Zeroing z,
+                         int64_t ch, int sym, vf *lo, vf *hi, vi *finite) {
 #ifdef BF16_KEYS
     if (dtype == 1 && cols % BLOCK == 0) {
-        bf16_batch_ranges(x, r0, n, cols, z, ch, sym, lo, hi, finite);
+        bf16_batch_ranges(x, at, n, cols, z, ch, sym, lo, hi, finite);
         return;
     }
 #endif
@@ -798,7 +802,7 @@ INLINE void batch_ranges(const void *x, int dtype, int64_t r0, int64_t n, int64_
     for (int64_t g = 0; g < LANES; g++) {
         const int p = BIT_REVERSED[g];
         if (g < n) {
-            group_blocks(x, (r0 + g) * cols, cols, dtype, z, ch, sym, &lows[p], &highs[p], &poisons[p]);
+            group_blocks(x, at[g], at[LANES + g], cols, dtype, z, ch, sym, &lows[p], &highs[p], &poisons[p]);
             ch = next_channel(z, ch, cols);
         } else {
             lows[p] = sym ? NEGATIVE_ZEROS : splat(INFINITY);
@@ -820,7 +824,7 @@ INLINE void batch_ranges(const void *x, int dtype, int64_t r0, int64_t n, int64_
     if (cols % BLOCK) /* rows of odd widths (naive_int4's): the elements past the whole blocks */
         for (int64_t g = 0, ch = ch0; g < n; g++, ch = next_channel(z, ch, cols)) {
             float l = (*lo)[g], h = (*hi)[g];
-            int ok = group_tail(x, (r0 + g) * cols, cols, dtype, z, ch, &l, &h);
+            int ok = group_tail(x, at[g], cols, dtype, z, ch, &l, &h);
             (*lo)[g] = l;
             (*hi)[g] = h;
             (*finite)[g] &= -ok;
@@ -828,21 +832,49 @@ INLINE void batch_ranges(const void *x, int dtype, int64_t r0, int64_t n, int64_
 }
 
 
+/* Where the groups of an input lie: it is seen as rows of `channels` elements, `stride`
+ * apart (a view's rows, such as SwiGLU's gate half of fc1's output; channels when dense), and
+ * a strided input's rows hold whole groups. */
+typedef struct { int64_t channels, stride; } Rows;
+
+static const Rows DENSE_ROWS = {1, 1};
+
+/* The element offsets of groups [r0, r0 + n) of `cols`, at[g], and of the elements
+ * PREFETCH_ELEMENTS past each in their rows, at[LANES + g] (rows of whole groups read where
+ * they lie: prefetching PREFETCH_ELEMENTS past in memory fell between the rows, and the gate
+ * half of SwiGLU's fc1 output encoded in the time of the whole output). */
+INLINE void group_offsets(Rows rows, int64_t r0, int64_t n, int64_t cols, int64_t *at) {
+    if (rows.stride == rows.channels) {
+        for (int64_t g = 0; g < n; g++) at[g] = (r0 + g) * cols, at[LANES + g] = at[g] + PREFETCH_ELEMENTS;
+        return;
+    }
+    for (int64_t half = 0; half < 2; half++) { /* one division a batch each */
+        const int64_t first = r0 * cols + half * PREFETCH_ELEMENTS;
+        int64_t row = first / rows.channels, c = first - row * rows.channels;
+        for (int64_t g = 0; g < n; g++, c += cols) {
+            while (c >= rows.channels) c -= rows.channels, row++;
+            at[half * LANES + g] = row * rows.stride + c;
+        }
+    }
+}
+
 /* Groups are encoded LANES at a time: the ranges of all, then their scales in one vector
  * computation, then their codes (the group data is still in cache). */
-INLINE void sym_encode_batch(const void *x, int dtype, int64_t r0, int64_t n, int64_t cols, float dmax,
+INLINE void sym_encode_batch(const void *x, int dtype, Rows rows, int64_t r0, int64_t n, int64_t cols, float dmax,
                              Zeroing z, uint8_t *packed, uint16_t *scales, uint8_t *ok_out) {
     vf lo, hi, scale, inv;
     vi finite, ok;
+    int64_t at[2 * LANES];
+    group_offsets(rows, r0, n, cols, at);
     const int64_t ch0 = first_channel(z, r0 * cols); /* one division per batch, not per group */
-    batch_ranges(x, dtype, r0, n, cols, z, ch0, 1, &lo, &hi, &finite);
+    batch_ranges(x, dtype, at, n, cols, z, ch0, 1, &lo, &hi, &finite);
     sym_scales(lo, hi, finite, dmax, &scale, &inv, &ok);
     for (int64_t g = 0, ch = ch0; g < n; g++, ch = next_channel(z, ch, cols)) {
         uint8_t *out = packed + (r0 + g) * cols / 2;
         scales[r0 + g] = bf16_bits(scale[g]);
         ok_out[r0 + g] = ok[g] != 0;
         if (!ok[g]) memset(out, 0x88, (size_t)(cols / 2));
-        else pack_group(x, (r0 + g) * cols, cols, dtype, z, ch, 0.0f, inv[g], 8.5f, NO_COLUMNS, out);
+        else pack_group(x, at[g], cols, dtype, z, ch, 0.0f, inv[g], 8.5f, NO_COLUMNS, out);
     }
 }
 
@@ -868,11 +900,12 @@ static Zeroing zeroing_for(int dtype, int64_t channels, const int64_t *index, in
     return (Zeroing){keep, channels};
 }
 
-/* The outlier codec's exact channels, in a tensor seen as rows of `channels` values: row r
- * of `values` holds elements r * channels + index[k], k < n, index strictly increasing. The
+/* The outlier codec's exact channels, in a tensor seen as rows of `channels` values, `stride`
+ * apart: row r of `values` holds elements r * stride + index[k], k < n, index strictly
+ * increasing. The
  * codecs copy them group batch by group batch, while the batch is in cache: a pass of their
  * own over the tensor (take_columns, put_columns) touched a cache line of nearly every row. */
-typedef struct { const int64_t *index; int64_t n, channels; void *values; } Exact;
+typedef struct { const int64_t *index; int64_t n, channels, stride; void *values; } Exact;
 
 /* 0 unless the n indices strictly increase within [0, limit). */
 static int indices_increasing(const int64_t *index, int64_t n, int64_t limit) {
@@ -892,7 +925,8 @@ INLINE int64_t first_exact(Exact e, int64_t channel) {
     return lo;
 }
 
-/* Copies the exact channels' elements among elements [begin, end) of `tensor` into `values`
+/* Copies the exact channels' elements among elements [begin, end) of `tensor` (counted as if
+ * dense) into `values`
  * (into_values) or back, as elements of type T (a fixed-size copy: memcpy of a variable size
  * was a library call per element). */
 #define COPY_EXACT(T)                                                                          \
@@ -900,7 +934,7 @@ INLINE int64_t first_exact(Exact e, int64_t channel) {
         int64_t row = r * e.channels, from = begin > row ? begin - row : 0;                    \
         T *values = (T *)e.values + r * e.n;                                                   \
         for (int64_t k = first_exact(e, from); k < e.n && row + e.index[k] < end; k++) {       \
-            T *element = (T *)tensor + row + e.index[k];                                       \
+            T *element = (T *)tensor + r * e.stride + e.index[k];                              \
             if (into_values) values[k] = *element;                                             \
             else *element = values[k];                                                         \
         }                                                                                      \
@@ -912,26 +946,28 @@ INLINE void copy_exact(Exact e, void *tensor, int elem_size, int64_t begin, int6
 }
 #undef COPY_EXACT
 
-/* Row-grouped symmetric int4; with n_zeroed > 0, the columns `zeroed` (strictly increasing)
- * of the input seen as rows of `channels` values are encoded as zeros (int4.zero_channels),
- * and, where `exact` is not NULL, copied there (see Exact; rows * cols / channels rows).
- * Returns 0 if the zeroed indices do not strictly increase within [0, channels) or memory
- * ran out (nothing written), 1 otherwise. */
-int sym_encode_rows(const void *x, int dtype, int64_t rows, int64_t cols, float dmax, const int64_t *zeroed,
-                    int64_t n_zeroed, int64_t channels, void *exact, uint8_t *packed, uint16_t *scales,
-                    uint8_t *ok_out) {
+/* Row-grouped symmetric int4 of `rows` groups of `cols`, the input seen as rows of `channels`
+ * values `stride` apart (see Rows; stride == channels: dense); with n_zeroed > 0, the columns
+ * `zeroed` (strictly increasing) are encoded as zeros (int4.zero_channels), and, where
+ * `exact` is not NULL, copied there (see Exact; rows * cols / channels rows). Returns 0 if
+ * the zeroed indices do not strictly increase within [0, channels) or memory ran out
+ * (nothing written), 1 otherwise. */
+int sym_encode_rows(const void *x, int dtype, int64_t rows, int64_t cols, float dmax, int64_t channels,
+                    int64_t stride, const int64_t *zeroed, int64_t n_zeroed, void *exact, uint8_t *packed,
+                    uint16_t *scales, uint8_t *ok_out) {
     if (n_zeroed && !indices_increasing(zeroed, n_zeroed, channels)) return 0;
     const Zeroing z = n_zeroed ? zeroing_for(dtype, channels, zeroed, n_zeroed) : NO_ZEROING;
     if (n_zeroed && !z.keep) return 0;
-    const Exact e = {zeroed, n_zeroed, channels, exact};
+    const Rows layout = {channels, stride};
+    const Exact e = {zeroed, n_zeroed, channels, stride, exact};
     const int elem_size = dtype == 0 ? 4 : 2;
     #pragma omp parallel for schedule(static)
     for (int64_t r0 = 0; r0 < rows; r0 += LANES) {
         int64_t n = rows - r0 < LANES ? rows - r0 : LANES;
 /* the default groups, 64 wide, in loops of constant trip counts: 13% faster in bf16 with zeroed channels */
 #define CALL(t)                                                                     \
-    if (cols == 64) sym_encode_batch(x, t, r0, n, 64, dmax, z, packed, scales, ok_out); \
-    else sym_encode_batch(x, t, r0, n, cols, dmax, z, packed, scales, ok_out)
+    if (cols == 64) sym_encode_batch(x, t, layout, r0, n, 64, dmax, z, packed, scales, ok_out); \
+    else sym_encode_batch(x, t, layout, r0, n, cols, dmax, z, packed, scales, ok_out)
         DTYPE_CASES(CALL)
 #undef CALL
         if (exact) copy_exact(e, (void *)x, elem_size, r0 * cols, (r0 + n) * cols, 1);
@@ -947,7 +983,7 @@ int sym_decode_rows(const uint8_t *packed, const uint16_t *scales, int64_t rows,
                     const int64_t *exact_index, int64_t n_exact, int64_t channels, int64_t exact_rows,
                     const void *exact_values, void *out) {
     if (n_exact && !indices_increasing(exact_index, n_exact, channels)) return 0;
-    const Exact e = {exact_index, n_exact, channels, (void *)exact_values};
+    const Exact e = {exact_index, n_exact, channels, channels, (void *)exact_values};
     const int elem_size = dtype == 0 ? 4 : 2;
     const int64_t exact_end = exact_rows * channels;
     #pragma omp parallel for schedule(static)
@@ -1115,14 +1151,15 @@ static void channel_abs_sums(const void *x, int dtype, int64_t rows, int64_t col
 #define Z_MARGIN 1e-6
 
 /* outlier.outlier_channels(outlier.channel_abs_sums(outlier.statistics_rows(x))) for the
- * [rows, cols] input, the sample's rows (every step-th) read in place: mask[c] = 1 for the
+ * [rows, cols] input (rows `stride` elements apart), the sample's rows (every step-th) read
+ * in place: mask[c] = 1 for the
  * chosen channels, 0 for the others; returns their count. The z-scores
  * come from the sums in one scan in C where the reference makes ten small tensor operations.
  * Returns -1 where a z-score lies within Z_MARGIN of the threshold, or all finite sums are
  * (nearly) equal: the caller then runs the reference's choice. scratch: cols doubles. */
-int64_t outlier_channels(const void *x, int dtype, int64_t rows, int64_t cols, int64_t step, double threshold,
-                         double *scratch, double *sums, uint8_t *mask) {
-    channel_abs_sums(x, dtype, (rows + step - 1) / step, cols, step * cols, scratch, sums);
+int64_t outlier_channels(const void *x, int dtype, int64_t rows, int64_t cols, int64_t stride, int64_t step,
+                         double threshold, double *scratch, double *sums, uint8_t *mask) {
+    channel_abs_sums(x, dtype, (rows + step - 1) / step, cols, step * stride, scratch, sums);
     int64_t finite = 0;
     double total = 0.0, squares = 0.0;
     for (int64_t c = 0; c < cols; c++)
@@ -1327,7 +1364,9 @@ INLINE void asym_encode_batch(const void *x, int dtype, int64_t r0, int64_t n, i
                               uint8_t *packed, uint16_t *scales, void *offsets, uint8_t *ok_out) {
     vf lo, hi, scale, inv, offset;
     vi finite, ok;
-    batch_ranges(x, dtype, r0, n, cols, NO_ZEROING, 0, 0, &lo, &hi, &finite);
+    int64_t at[2 * LANES];
+    group_offsets(DENSE_ROWS, r0, n, cols, at);
+    batch_ranges(x, dtype, at, n, cols, NO_ZEROING, 0, 0, &lo, &hi, &finite);
     asym_scales(lo, hi, finite, dmax, &scale, &inv, &offset, &ok);
     for (int64_t g = 0; g < n; g++) {
         uint8_t *out = packed + (r0 + g) * cols / 2;
@@ -1335,7 +1374,7 @@ INLINE void asym_encode_batch(const void *x, int dtype, int64_t r0, int64_t n, i
         store(offsets, r0 + g, offset[g], dtype); /* an input element: exact */
         ok_out[r0 + g] = ok[g] != 0;
         if (!ok[g]) memset(out, 0, (size_t)(cols / 2));
-        else pack_group(x, (r0 + g) * cols, cols, dtype, NO_ZEROING, 0, offset[g], inv[g], 0.5f, NO_COLUMNS, out);
+        else pack_group(x, at[g], cols, dtype, NO_ZEROING, 0, offset[g], inv[g], 0.5f, NO_COLUMNS, out);
     }
 }
 
