@@ -209,11 +209,18 @@ def test_costs_are_consistent_and_round_trip():
     assert ModelCosts.from_json(costs.to_json()) == costs
 
 
+LLAMA_FLAGS = dict(normalization="RMSNorm", swiglu=True, position_embedding_type="rope",
+                   num_query_groups=2, add_bias_linear=False)
+
+
 @pytest.mark.parametrize("precision", ["fp16", "bf16"])
-def test_codec_payloads_equal_real_encodes(precision):
+@pytest.mark.parametrize("family", [{}, LLAMA_FLAGS], ids=["gpt", "llama"])
+def test_codec_payloads_equal_real_encodes(precision, family):
     # Each site's payload is what its codec really keeps for a finite tensor of the site's
-    # shape and dtype, with the outlier codec keeping OUTLIER_CHANNEL_FRACTION of the channels.
-    shape = hardware.ModelShape(2, 128, 4, 32, 100, ffn_hidden_size=1600, precision=precision)
+    # shape and dtype (the gate half alone for swiglu_in, a view of fc1's whole output), with
+    # the outlier codec keeping OUTLIER_CHANNEL_FRACTION of the channels.
+    shape = hardware.ModelShape(2, 128, 4, 32, 100, ffn_hidden_size=1600, precision=precision,
+                                **family)
     sizes = hardware._layer_sites(shape)
     d = hardware._dims(shape, 2)
     for site in hardware.analytic_costs(shape, 2, "a100-80gb").sites:
@@ -221,7 +228,8 @@ def test_codec_payloads_equal_real_encodes(precision):
         channels = sizes[site.name].channels(d)
         outliers = round(channels * hardware.OUTLIER_CHANNEL_FRACTION) if cost.codec == "outlier_int4" else 0
         dtype = getattr(torch, site.dtype)
-        x = with_outlier_channels((site.bytes // dtype.itemsize // channels, channels), torch.float32, outliers)
+        rows = sizes[site.name].encoded_elements(d) // channels
+        x = with_outlier_channels((rows, channels), torch.float32, outliers)
         x = x > 0 if dtype == torch.bool else x.to(dtype)
         assert cost.payload_bytes == codecs.get(cost.codec, backend="torch").encode(x).nbytes, site.name
 

@@ -108,6 +108,32 @@ def test_llama_site_bytes(distributed, dtype):
 
 
 @DTYPES
+@pytest.mark.parametrize("codec", ["sym_int4", "naive_int4"])
+def test_a_compressed_gate_half_is_encoded_alone(distributed, dtype, codec):
+    """swiglu_in saves the gate half of fc1's output: compressed, its payload is the half's
+    (the up half is swiglu_up's own copy), unless the plan rebuilds the SwiGLU from it, which
+    reads both halves: then the whole output is encoded. The forward is untouched and the
+    gradients stay close either way."""
+    from megatron_adacc import codecs
+    from test_runtime_rebuilds import assert_gradients_close
+
+    s, b = SEQ, 2
+    reference = build_llama(True, dtype)
+    loss_of(reference).backward()
+    compressed = {"swiglu_in": {"action": "compress", "codec": codec}}
+    rebuilt = {name: "recompute" for name in ("swiglu_act", "swiglu_up", "swiglu_out")}
+    half, whole = (codecs.get(codec).payload_bytes((s, b, width), dtype)
+                   for width in (FFN, 2 * FFN))
+    for sites, payload in ((compressed, half), ({**compressed, **rebuilt}, whole)):
+        model = build_llama(True, dtype)
+        apply_plan(model, Plan.uniform(sites), strict=True)
+        loss, report = measure_step(model, lambda: loss_of(model), strict=True)
+        assert _site_bytes(report, "swiglu_in") == payload, sites
+        assert torch.equal(loss, loss_of(reference))
+        assert_gradients_close(model, reference, 0.2)
+
+
+@DTYPES
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_retain_and_recompute_match_the_stock_llama_layer_bitwise(distributed, dtype, backend):
     reference = train_steps(build_llama(False, dtype, backend))

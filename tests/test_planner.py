@@ -314,6 +314,28 @@ def test_lossy_source_constraint_respected():
     assert exact.added_time_s > lossy.added_time_s
 
 
+def test_a_partial_views_payload_never_feeds_a_rebuild():
+    """A compressed swiglu_in holds the gate half alone (sites.VIEW_PAYLOADS) while the
+    SwiGLU's edge reads fc1's whole output: even with lossy sources, neither method rebuilds
+    from it compressed. Here that rebuild is in the fastest plan at 1000 B and in every plan
+    at 850 B."""
+    costs = ModelCosts(
+        sites=[SiteCost("swiglu_in", 100, "float16",
+                        codecs=(CodecCost("outlier_int4", 10, 0.1, 0.1),)),
+               SiteCost("swiglu_out", 500, "float16", operator="mlp",
+                        codecs=(CodecCost("outlier_int4", 10, 2.0, 2.0),))],
+        num_layers=20, static_bytes=0, non_layer_bytes=0, backward_workspace_bytes=0,
+        micro_batch_size=1, operators=(Operator("mlp", ("swiglu_in",), 0.01),))
+    for method in ("frontier", "milp"):
+        with pytest.raises(planner.InfeasibleBudget):
+            planner.plan(costs, 850, allow_lossy_sources=True, method=method)
+        result = planner.plan(costs, 1000, allow_lossy_sources=True, method=method)
+        assert not any(layer["swiglu_in"].action == COMPRESS
+                       and layer["swiglu_out"].action == RECOMPUTE
+                       for layer in result.layer_decisions), method
+        assert result.added_time_s == pytest.approx(19 * 4.2), method
+
+
 def test_layer_in_never_recomputed_and_qkv_one_unit():
     costs = chain_costs()
     result = planner.plan(costs, planner.minimum_budget(costs))

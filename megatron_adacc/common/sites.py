@@ -78,6 +78,11 @@ class Site:
     # counted once as non-layer memory, never decided per layer (compressing or rebuilding
     # it per layer would cost memory).
     shared: bool = False
+    # Its saved tensor is a view of a larger one whose rest nothing saved reads (SwiGLU's gate
+    # half of fc1's output): retained, it pins the whole; compressed, the view is encoded
+    # alone, unless the layer rebuilds from it by an edge that reads the whole
+    # (Rebuild.between), which a plan may then not take compressed (VIEW_PAYLOADS).
+    partial_view: bool = False
 
     @property
     def last_resort_codec(self) -> str | None:
@@ -161,7 +166,7 @@ _SITE_LIST = (
     Site("gelu_out", "activation output, saved by linear_fc2", "outlier_int4", "mlp"),
     # The gated MLP (SwiGLU, models/llama.py): silu(gate) * up.
     Site("swiglu_in", "fc1 output [s, b, 2 x ffn], pinned by the gate half the SiLU saves",
-         "outlier_int4", "mlp"),
+         "outlier_int4", "mlp", partial_view=True),
     Site("swiglu_up", "the up half of fc1's output plus megatron's offset (a copy), saved by "
          "the product", "outlier_int4", "mlp"),
     Site("swiglu_act", "SiLU of the gate half, saved by the product", "outlier_int4", "mlp"),
@@ -275,6 +280,11 @@ REBUILD_SOURCES = frozenset(SEGMENTS.values()) | {source for edge in REBUILDS
 SITES: dict[str, Site] = {site.name: site for site in _SITE_LIST}
 SITE_NAMES: tuple[str, ...] = tuple(SITES)
 SHARED_SITES = frozenset(site.name for site in _SITE_LIST if site.shared)
+# Sites whose payload holds their saved view only (Site.partial_view) though an edge reads
+# them whole: an edge may read them retained, never compressed (the runtime would encode the
+# whole for it, which their profiled payloads do not charge).
+VIEW_PAYLOADS = frozenset(source for edge in REBUILDS if edge.between for source in edge.sources
+                          if SITES[source].partial_view)
 # The sites a plan decides for, per layer.
 DECIDED_SITES: tuple[Site, ...] = tuple(site for site in _SITE_LIST if not site.shared)
 

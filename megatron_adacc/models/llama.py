@@ -20,7 +20,7 @@ SWIGLU_MLP = MlpPart(
     activation_saves={"SiluBackward0": "swiglu_act", "AddBackward0": "swiglu_up"},
     site_terms={
         "swiglu_in": SiteTerm(lambda d: 2 * sbf(d), act, no_flops,
-                              lambda d: 2 * sbf(d) * d.act, lambda d: 2 * d.f),
+                              lambda d: 2 * sbf(d) * d.act, lambda d: d.f, view_elements=sbf),
         "swiglu_act": SiteTerm(sbf, act, no_flops, lambda d: 2 * sbf(d) * d.act,
                                lambda d: d.f),
         "swiglu_up": SiteTerm(sbf, act, no_flops, lambda d: 2 * sbf(d) * d.act,

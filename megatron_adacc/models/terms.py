@@ -51,14 +51,20 @@ class SiteTerm:
     dtype: Callable[[Dims], str]             # a torch dtype name
     flops: Callable[[Dims], float]           # matmul FLOPs since the previous save
     bytes_moved: Callable[[Dims], float]     # DRAM traffic of the non-matmul ops since then
-    channels: Callable[[Dims], int]          # channel count, for per-channel codec scales
+    channels: Callable[[Dims], int]          # channels of what a codec encodes (its scales)
     when: Callable[[Any], bool] = lambda shape: True
+    # The elements of its saved view where that is part of the tensor (Site.partial_view):
+    # what a codec encodes. None: all of them.
+    view_elements: Callable[[Dims], int] | None = None
 
     def element_bytes(self, d: Dims) -> int:
         return getattr(torch, self.dtype(d)).itemsize
 
     def bytes(self, d: Dims) -> int:
         return self.elements(d) * self.element_bytes(d)
+
+    def encoded_elements(self, d: Dims) -> int:
+        return (self.view_elements or self.elements)(d)
 
     def after(self, flops: Callable[[Dims], float]) -> "SiteTerm":
         """This save with ``flops`` more matmul work ahead of it (a linear layer that runs

@@ -27,7 +27,7 @@ from megatron_adacc.common.costs import ModelCosts, Operator, Segment, SiteCost,
 from megatron_adacc.planning.model import (LayerPolicy, SiteOption, decoded_sets,
                                            rerun_source_bytes, site_options, source_bytes,
                                            transient_floor)
-from megatron_adacc.common.sites import COMPRESS, RECOMPUTE
+from megatron_adacc.common.sites import COMPRESS, RECOMPUTE, VIEW_PAYLOADS
 
 
 def pareto_indices(points: np.ndarray) -> np.ndarray:
@@ -148,8 +148,9 @@ def _frontier(sites: tuple[SiteCost, ...], segments: tuple[Segment, ...],
     # Sites a rebuild may read compressed in this mode (held decoded): their bytes may still
     # join a transient.
     holdable = {site.name for site, candidates in zip(order, options)
-                if any(o.decision.action == COMPRESS and (allow_lossy_sources or not o.lossy)
-                       for o in candidates)}
+                if site.name not in VIEW_PAYLOADS
+                and any(o.decision.action == COMPRESS and (allow_lossy_sources or not o.lossy)
+                        for o in candidates)}
     if np.prod([float(len(o)) for o in options]) >= 2.0**63:
         raise ValueError(f"{len(order)} sites have too many options to number every policy")
     # Pruning compares transients clipped at what still cannot reach the floor once every
@@ -217,7 +218,7 @@ def _frontier(sites: tuple[SiteCost, ...], segments: tuple[Segment, ...],
                             continue
                         read = (flag is not None and flags[flag]) or starting == lowest
                         if read:
-                            if option.lossy and not allow_lossy_sources:
+                            if site.name in VIEW_PAYLOADS or option.lossy and not allow_lossy_sources:
                                 continue
                             transient += site.bytes
                         held = [total + site.bytes if site.name in group else total

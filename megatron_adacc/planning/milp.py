@@ -23,7 +23,7 @@ from megatron_adacc.common.costs import ModelCosts, segment_run_s
 from megatron_adacc.planning.model import (LayerPolicy, budget_limits, decoded_sets,
                                            evaluate_layer, peak_bytes, site_options,
                                            source_bytes)
-from megatron_adacc.common.sites import COMPRESS, RECOMPUTE
+from megatron_adacc.common.sites import COMPRESS, RECOMPUTE, VIEW_PAYLOADS
 
 # CBC works in floating point with absolute tolerances near 1e-7: bytes are given to it in
 # units of 1/1024 of the budget and times in ms, so that coefficients are of order 1..1e5
@@ -93,10 +93,13 @@ def plan_direct_milp(costs: ModelCosts, budget: int, per_layer: bool,
 
     def reads_compressed(g: int, name: str, reader: Any) -> None:
         # ``reader`` is 1 when a rebuild reads site ``name``: held if compressed, and
-        # forbidden for exact plans if a lossy codec holds it.
+        # forbidden for exact plans if a lossy codec holds it, for every plan if its payload
+        # holds its saved view only.
         problem.addConstraint(hold[g, name] >= source_bytes(costs.sites, name) / unit * (
             chosen(g, name, COMPRESS) + reader - 1))
-        if not allow_lossy_sources:
+        if name in VIEW_PAYLOADS:
+            problem.addConstraint(chosen(g, name, COMPRESS) + reader <= 1)
+        elif not allow_lossy_sources:
             lossy = pulp.lpSum(x[g, name, i] for i, opt in enumerate(options.get(name, ()))
                                if opt.lossy)
             problem.addConstraint(lossy + reader <= 1)

@@ -696,13 +696,14 @@ def _site_costs(shape: ModelShape, micro_batch_size: int, device: Accelerator
             since_start[known.segment] = rebuild_s
         if known.shared:  # non-layer memory (shared_activation_bytes); its forward time
             continue      # counts toward the sites after it
-        elements, full = formula.elements(d), formula.bytes(d)
-        dtype = formula.dtype(d)
+        full, dtype = formula.bytes(d), formula.dtype(d)
         codecs = ()
         if known.default_codec is not None:
-            payload = codec_payload_bytes(known.default_codec, elements, dtype,
+            encoded = formula.encoded_elements(d)
+            payload = codec_payload_bytes(known.default_codec, encoded, dtype,
                                           formula.channels(d))
-            codecs = (_codec_cost(known.default_codec, full, payload, device.memory_bandwidth),)
+            codecs = (_codec_cost(known.default_codec, encoded * formula.element_bytes(d),
+                                  payload, device.memory_bandwidth),)
         edge = site_table.REBUILT_BY.get(name)
         operator = edge.call if edge is not None and edge.call in operator_names else None
         sites.append(SiteCost(

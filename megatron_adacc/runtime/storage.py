@@ -6,8 +6,9 @@ identity), and a `Handle` for *compress* and *recompute*; unpack resolves handle
 points at a source that produces the value once and hands it out per saved view:
 
 - `CompressedStorage`: one codec payload per storage (Q, K and V, three views of one
-  storage, are encoded once); decoded on the first unpack, shared by the other views,
-  released after the last one.
+  storage, are encoded once), or per saved view where the site is a partial view
+  (sites.Site.partial_view: SwiGLU's gate half, not fc1's whole output); decoded on the first
+  unpack, shared by the other views, released after the last one.
 - `LayerCall` itself for recomputed sites: the first unpack rebuilds every recomputed site
   of this layer call (the layer supplies `rebuild`: segment re-runs and operators),
   caches them, and each unpack takes its value out of the cache, so the cache is empty once
@@ -20,7 +21,8 @@ from typing import Callable
 
 import torch
 
-from megatron_adacc.common.sites import COMPRESS, MASK_CODEC, REBUILD_SOURCES, REBUILT_BY, RECOMPUTE
+from megatron_adacc.common.sites import (COMPRESS, MASK_CODEC, REBUILD_SOURCES, REBUILDS, REBUILT_BY,
+                                         RECOMPUTE, SITES)
 
 
 class Handle:
@@ -58,7 +60,9 @@ class CompressedStorage:
 
     def view_handle(self, tensor: torch.Tensor, root: torch.Tensor) -> Handle:
         self.views += 1
-        geometry = (tensor.size(), tensor.stride(), tensor.storage_offset() - root.storage_offset())
+        # The decoded root is contiguous: a view encoded as its own root is all of it.
+        geometry = None if tensor is root else (
+            tensor.size(), tensor.stride(), tensor.storage_offset() - root.storage_offset())
         return Handle(self, geometry)
 
     def read(self, geometry) -> torch.Tensor:
@@ -117,7 +121,14 @@ class LayerCall:
         self.actions = actions  # site -> (action, codec); absent: retain
         self.ruler = ruler
         self.rebuild = rebuild  # None when the plan recomputes nothing in this layer
-        self._compressed: dict[int, CompressedStorage] = {}  # by id(storage); forward only
+        self._compressed: dict[tuple, CompressedStorage] = {}  # by encoded root; forward only
+        # The compressed partial views encoded alone: all but those an edge rebuilding
+        # something here reads whole.
+        read_whole = {source for edge in REBUILDS if edge.between and any(
+            actions.get(product, (None,))[0] == RECOMPUTE for product in edge.products)
+            for source in edge.sources}
+        self.views_alone = {site for site, (action, _) in actions.items()
+                            if action == COMPRESS and SITES[site].partial_view} - read_whole
         # recompute state
         self.ordinals: dict[str, int] = {}
         self.wanted: set[tuple[str, int]] = set()
@@ -177,8 +188,8 @@ class LayerCall:
             raise RuntimeError(f"layer {self.layer_index}: {site} is a computed "
                                f"{tensor.dtype} tensor, not a mask; the bitmask codec would "
                                "corrupt it")
-        root = _encoding_root(tensor)
-        key = id(root.untyped_storage())
+        root = tensor if site in self.views_alone else _encoding_root(tensor)
+        key = (id(root.untyped_storage()), root.storage_offset(), root.shape, root.stride())
         source = self._compressed.get(key)
         if source is None:
             source = CompressedStorage(codec, root, self.ruler)
