@@ -4,7 +4,7 @@
         [--iters 30] [--out gpu_check.json] [--doc docs/gpu.md]
 
 1. codecs: Triton payloads and decoded tensors byte-identical to the PyTorch reference, for
-   every codec, in fp32, bf16 and fp16 and several shapes;
+   every codec, in fp32, bf16 and fp16 and several shapes, and of a view's strided rows;
 2. exactness: retain and recompute plans bitwise equal to megatron's stock layer in bf16 and
    fp16 with dropout on, attribution strict; host synchronisations per training step, counted
    with torch.cuda.set_sync_debug_mode;
@@ -39,6 +39,9 @@ import torch  # noqa: E402
 
 FLOAT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 CODEC_SHAPES = [(4097,), (333, 70), (64, 1024), (4, 8, 128, 128)]
+# and a view whose rows lie a stride apart, read in place (Kernels.strided_rows): the gate
+# half of a SwiGLU fc1 output of this shape
+GATE_HALF_OF = (64, 4, 2 * 640)
 # Budgets this far from the planner's smallest feasible budget to the allocator's peak with
 # no optimisation: the range where Adacc has to choose.
 BUDGET_FRACTIONS = (0.75, 0.5, 0.25)
@@ -84,10 +87,12 @@ def check_codecs() -> dict:
         reference, triton = codecs.get(name, backend="torch"), codecs.get(name, backend="triton")
         dtypes = list(FLOAT_DTYPES.values()) + ([torch.bool] if name == "bitmask" else [])
         for dtype in dtypes:
-            for shape in CODEC_SHAPES:
+            for shape in [*CODEC_SHAPES, GATE_HALF_OF]:
                 x = _codec_input(name, shape, dtype, gen)
+                if shape is GATE_HALF_OF:
+                    x = x[..., :shape[-1] // 2]
                 expected, actual = reference.encode(x), triton.encode(x)
-                case = f"{name} {dtype} {shape}"
+                case = f"{name} {dtype} {tuple(x.shape)}{'' if x.is_contiguous() else ' view'}"
                 cases += 1
                 if expected.tensors.keys() != actual.tensors.keys():
                     mismatches.append(f"{case}: payload keys differ")

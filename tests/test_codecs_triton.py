@@ -84,6 +84,25 @@ def test_outlier_exact_channels_byte_identical(dtype):
         assert_same_payload_and_output("outlier_int4", x.to(dtype))
 
 
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_rows_read_in_place_byte_identical(dtype):
+    # Views whose rows lie a stride apart, read where they lie (Kernels.strided_rows): the
+    # gate and up halves of a SwiGLU fc1 output (rows of whole 64-element groups: in place;
+    # of 96, whose groups span rows: a copy, but naive_int4's rows of 96 in place), the up
+    # half of every other row. Each half holds a NaN and an infinity that an encode of the
+    # other reading past its rows would meet.
+    gen = torch.Generator().manual_seed(29)
+    for ffn in (128, 96):
+        whole = torch.randn(5, 3, 2 * ffn, generator=gen) * 3
+        whole[..., 5] *= 300  # an outlier channel of the gate half
+        whole[2, 1, ffn + 1], whole[4, 0, 2 * ffn - 1] = math.nan, math.inf
+        whole[1, 2, 3], whole[3, 0, ffn - 1] = math.nan, -math.inf
+        x = whole.to(dtype)
+        for view in (x[..., :ffn], x[..., ffn:], x.view(-1, 2 * ffn)[::2, ffn:]):
+            for name in ("outlier_int4", "sym_int4", "naive_int4"):
+                assert_same_payload_and_output(name, view)
+
+
 @pytest.mark.parametrize("name", ["asym_int4", "sym_int4"])
 def test_subnormal_bf16_inputs_byte_identical(name):
     # The interpreter's bf16 -> fp32 cast flushes subnormals; the kernels widen bf16 bits by

@@ -59,6 +59,28 @@ def unpack_nibbles(packed: torch.Tensor, numel: int) -> torch.Tensor:
     return codes if codes.numel() == numel else codes[:numel]
 
 
+def row_layout(x: torch.Tensor, zeroed: tuple[int, torch.Tensor] | None = None
+               ) -> tuple[int, int, int, int] | None:
+    """(groups, group width, channels, stride) of groups of even width as a kernel reading
+    strided rows (Kernels.strided_rows) takes them where they lie: [groups, width]
+    contiguous, or a codec's rows read in place (Codec.reads_in_place), [rows, width] or
+    [rows, groups a row, width]: rows of `channels` elements `stride` apart (stride ==
+    channels: dense). Zeroing (zero_channels' (channels, mask)) counts in those channels,
+    which strided rows must then be. None for any other input."""
+    if x.dim() not in (2, 3) or x.shape[-1] % 2:
+        return None
+    width = x.shape[-1]
+    groups = x.numel() // width if width else 0
+    if x.is_contiguous():
+        channels = zeroed[0] if zeroed is not None else width
+        return groups, width, channels, channels
+    channels = width * (x.shape[1] if x.dim() == 3 else 1)
+    in_rows = x.stride(-1) == 1 and (x.dim() == 2 or x.stride(1) == width) and x.stride(0) >= channels
+    if not in_rows or zeroed is not None and zeroed[0] != channels:
+        return None
+    return groups, width, channels, x.stride(0)
+
+
 def pad_to_groups(flat: torch.Tensor, group_size: int) -> torch.Tensor:
     """View a flat tensor as [groups, group_size], padding the last group with copies of the
     last element: neutral for every group statistic (min, max, |max|)."""

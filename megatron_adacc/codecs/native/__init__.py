@@ -111,21 +111,6 @@ def _native(x2d: torch.Tensor) -> bool:
     return x2d.device.type == "cpu" and x2d.shape[1] % 2 == 0 and x2d.is_contiguous()
 
 
-def _row_layout(x: torch.Tensor) -> tuple[int, int, int, int] | None:
-    """(groups, group width, channels, stride) of a CPU input of groups of even width the C
-    encode reads in place: [groups, width] contiguous, or a codec's rows read where they lie
-    (Codec.reads_in_place), [rows, width] or [rows, groups a row, width], `stride` elements
-    apart, a row `channels` wide; None otherwise."""
-    if x.device.type != "cpu" or x.shape[-1] % 2:
-        return None
-    width, channels = x.shape[-1], x.shape[-1] * (x.shape[1] if x.dim() == 3 else 1)
-    groups = x.numel() // width if width else 0
-    if x.is_contiguous():
-        return groups, width, channels, channels
-    dense = x.stride(-1) == 1 and (x.dim() == 2 or x.stride(1) == width)
-    return (groups, width, channels, x.stride(0)) if dense and x.stride(0) >= channels else None
-
-
 def _sym_encode(x2d, reduce_dim, dmax, zeroed=None):
     if reduce_dim == 0 and zeroed is None and _native(x2d):
         rows, cols = x2d.shape
@@ -136,16 +121,13 @@ def _sym_encode(x2d, reduce_dim, dmax, zeroed=None):
         library().sym_encode_cols(x2d.data_ptr(), _DTYPE_CODE[x2d.dtype], rows, cols, dmax, scratch.data_ptr(),
                                   col_ok.data_ptr(), packed.data_ptr(), scales.data_ptr(), ok.data_ptr())
         return packed, scales, ok
-    layout = _row_layout(x2d) if reduce_dim == 1 and _channel_mask(zeroed) else None
-    strided = layout is not None and layout[3] != layout[2]
-    # strided rows are the channels that zeroing counts in
-    if layout is None or strided and zeroed is not None and zeroed[0] != layout[2]:
+    layout = (int4.row_layout(x2d, zeroed) if reduce_dim == 1 and x2d.device.type == "cpu"
+              and _channel_mask(zeroed) else None)
+    if layout is None:
         # the groups as the reference takes them ([rows, groups a row, width] read in place:
         # [groups, width]); it raises on a wrong mask
         return symmetric.sym_encode(x2d.reshape(-1, x2d.shape[-1]), reduce_dim, dmax, zeroed)
     rows, cols, channels, stride = layout
-    if zeroed is not None and not strided:
-        channels = stride = zeroed[0]
     packed = torch.empty(rows * cols // 2, dtype=torch.uint8)
     scales = torch.empty(rows, dtype=torch.bfloat16)
     ok = torch.empty(rows, dtype=torch.bool)

@@ -1,6 +1,7 @@
 """Triton kernels of the codecs (CUDA; the CPU under TRITON_INTERPRET=1), one file per codec
-family, byte-identical to the PyTorch reference. The outlier codec reads its input once plus
-a sample, as the native kernels do: a Triton pass for the channel sums over every k-th row
+family, byte-identical to the PyTorch reference, reading a view's rows where they lie as the
+native ones (Kernels.strided_rows). The outlier codec reads its input once plus a
+sample, as the native kernels do: a Triton pass for the channel sums over every k-th row
 (outlier.statistics_rows), then the encoding pass, which zeroes the outlier channels as it
 loads them; its
 exact channels are taken with one PyTorch gather once the encode's one host read has sized
@@ -20,19 +21,21 @@ from megatron_adacc.codecs.triton import asym_int4, bitmask, sym_int4
 
 
 def _sym_encode(x2d, reduce_dim, dmax, zeroed=None):
-    if reduce_dim != 1 or x2d.shape[1] % 2:
-        return symmetric.sym_encode(x2d, reduce_dim, dmax, zeroed)
+    mask_fits = zeroed is None or (zeroed[1].dtype == torch.bool
+                                   and tuple(zeroed[1].shape) == (zeroed[0],))
+    layout = int4.row_layout(x2d, zeroed) if reduce_dim == 1 and mask_fits else None
+    if layout is None:
+        # groups read in place as [rows, groups a row, width] are the reference's [groups,
+        # width]; it raises on a wrong mask
+        return symmetric.sym_encode(x2d.reshape(-1, x2d.shape[-1]), reduce_dim, dmax, zeroed)
     if zeroed is None:
-        return sym_int4.sym_encode_rows(x2d, dmax)
-    channels, mask = zeroed
-    if mask.dtype != torch.bool or tuple(mask.shape) != (channels,):
-        return symmetric.sym_encode(x2d, reduce_dim, dmax, zeroed)  # raises
+        return sym_int4.sym_encode_rows(x2d, layout, dmax)
     # the exact channels' values: taken by the codec once their count is read
-    return (*sym_int4.sym_encode_rows(x2d, dmax, zeroed), None)
+    return (*sym_int4.sym_encode_rows(x2d, layout, dmax, zeroed), None)
 
 
 def _outlier_channels(x2d, threshold):
-    if not x2d.is_contiguous():
+    if x2d.stride(1) != 1:
         return outlier.outlier_channels(x2d, threshold)
     return outlier.outlier_channels(x2d, threshold, abs_sums=sym_int4.channel_abs_sums)
 
@@ -74,4 +77,5 @@ TRITON_KERNELS = Kernels(
     outlier_channels=_outlier_channels,
     take_columns=outlier.take_columns,
     put_columns=outlier.put_columns,
+    strided_rows=True,
 )

@@ -1,6 +1,7 @@
 """Symmetric int4, one scale per row of a [rows, cols] view (cols even): the Triton twin of
 codecs/symmetric.py for reduce_dim=1 (flat groups and per-token scales), and the outlier
-codec's channel statistics and exact channels around it."""
+codec's channel statistics and exact channels around it. The encode reads its groups where
+they lie, in rows a stride apart too (int4.row_layout)."""
 import torch
 import triton
 import triton.language as tl
@@ -11,14 +12,14 @@ from megatron_adacc.codecs.triton.numerics import ceil_to_bf16, load_float, to_o
 
 
 @triton.jit
-def _channel_abs_sums(x_ptr, sums_ptr, rows, cols, IN_BF16: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+def _channel_abs_sums(x_ptr, sums_ptr, rows, cols, stride, IN_BF16: tl.constexpr, BLOCK_ROWS: tl.constexpr,
                       BLOCK_COLS: tl.constexpr):
     col = tl.program_id(0) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
     total = tl.zeros([BLOCK_COLS], dtype=tl.float64)
     for r0 in range(0, rows, BLOCK_ROWS):
         row = r0 + tl.arange(0, BLOCK_ROWS)
         mask = (row < rows)[:, None] & (col < cols)[None, :]
-        v = load_float(x_ptr + row[:, None].to(tl.int64) * cols + col[None, :], mask, IN_BF16)
+        v = load_float(x_ptr + row[:, None].to(tl.int64) * stride + col[None, :], mask, IN_BF16)
         total += tl.sum(tl.abs(v).to(tl.float64), axis=0)
     tl.store(sums_ptr + col, total, mask=col < cols)
 
@@ -35,17 +36,28 @@ def _kept(v, element, zeroed_ptr, channels, ZEROED: tl.constexpr):
 
 
 @triton.jit
-def _sym_encode_rows(x_ptr, zeroed_ptr, packed_ptr, scale_ptr, ok_ptr, rows, cols, channels, dmax, min_scale,
-                     IN_BF16: tl.constexpr, ZEROED: tl.constexpr, BLOCK_ROWS: tl.constexpr,
-                     BLOCK_PAIRS: tl.constexpr):
+def _address(element, channels, stride, STRIDED: tl.constexpr):
+    """Where element `element` of the input seen as rows of `channels` values lies, the rows
+    `stride` apart (int4.row_layout)."""
+    if STRIDED:
+        return element // channels * stride + element % channels
+    else:
+        return element
+
+
+@triton.jit
+def _sym_encode_rows(x_ptr, zeroed_ptr, packed_ptr, scale_ptr, ok_ptr, rows, cols, channels, stride, dmax,
+                     min_scale, IN_BF16: tl.constexpr, ZEROED: tl.constexpr, STRIDED: tl.constexpr,
+                     BLOCK_ROWS: tl.constexpr, BLOCK_PAIRS: tl.constexpr):
     row = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     pair = tl.arange(0, BLOCK_PAIRS)
     in_row = row < rows
     mask = in_row[:, None] & (pair[None, :] < cols // 2)
     offset = row[:, None].to(tl.int64) * cols + 2 * pair[None, :]
+    at = x_ptr + _address(offset, channels, stride, STRIDED)  # a pair never spans two rows
     # Padding lanes read 0, which changes no group's scale (see symmetric.sym_scales).
-    even = _kept(load_float(x_ptr + offset, mask, IN_BF16), offset, zeroed_ptr, channels, ZEROED)
-    odd = _kept(load_float(x_ptr + offset + 1, mask, IN_BF16), offset + 1, zeroed_ptr, channels, ZEROED)
+    even = _kept(load_float(at, mask, IN_BF16), offset, zeroed_ptr, channels, ZEROED)
+    odd = _kept(load_float(at + 1, mask, IN_BF16), offset + 1, zeroed_ptr, channels, ZEROED)
 
     non_finite = (even != even) | (tl.abs(even) == float("inf")) | (odd != odd) | (tl.abs(odd) == float("inf"))
     finite_row = tl.sum(non_finite.to(tl.int32), axis=1) == 0
@@ -101,29 +113,31 @@ def _sym_decode_rows(packed_ptr, scale_ptr, slot_ptr, values_ptr, out_ptr, rows,
 
 
 def channel_abs_sums(x2d: torch.Tensor) -> torch.Tensor:
-    """outlier.channel_abs_sums in one read of x2d: columns in blocks, each program walks down
-    the rows adding in float64 (no |x| temporary)."""
+    """outlier.channel_abs_sums in one read of x2d (its rows dense, a stride apart): columns in
+    blocks, each program walks down the rows adding in float64 (no |x| temporary)."""
     rows, cols = x2d.shape
     sums = torch.empty(cols, dtype=torch.float64, device=x2d.device)
     block_cols = min(triton.next_power_of_2(max(cols, 1)), 256)
     block_rows = max(1, BLOCK_ELEMENTS // block_cols)
-    _channel_abs_sums[(triton.cdiv(cols, block_cols),)](bits_view(x2d), sums, rows, cols,
+    _channel_abs_sums[(triton.cdiv(cols, block_cols),)](bits_view(x2d), sums, rows, cols, x2d.stride(0),
                                                         IN_BF16=x2d.dtype == torch.bfloat16,
                                                         BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols)
     return sums
 
 
-def sym_encode_rows(x2d: torch.Tensor, dmax: float, zeroed=None):
-    """`zeroed`: (channels, bool mask), channels encoded as zeros (int4.zero_channels)."""
-    rows, cols = x2d.shape
-    packed = torch.empty(rows * cols // 2, dtype=torch.uint8, device=x2d.device)
-    scales = torch.empty(rows, dtype=torch.bfloat16, device=x2d.device)
-    ok = torch.empty(rows, dtype=torch.int8, device=x2d.device)
-    channels, mask = zeroed if zeroed is not None else (1, ok)  # the mask is not read without ZEROED
+def sym_encode_rows(x: torch.Tensor, layout, dmax: float, zeroed=None):
+    """The groups of ``x`` as int4.row_layout gives them (``layout``); `zeroed`: (channels,
+    bool mask), channels encoded as zeros (int4.zero_channels)."""
+    rows, cols, channels, stride = layout
+    packed = torch.empty(rows * cols // 2, dtype=torch.uint8, device=x.device)
+    scales = torch.empty(rows, dtype=torch.bfloat16, device=x.device)
+    ok = torch.empty(rows, dtype=torch.int8, device=x.device)
+    mask = zeroed[1] if zeroed is not None else ok  # not read without ZEROED
     grid, block_rows, block_pairs = row_blocks(rows, cols)
-    _sym_encode_rows[grid](bits_view(x2d), mask.view(torch.int8), packed, scales, ok, rows, cols, channels, dmax,
-                           MIN_SCALE, IN_BF16=x2d.dtype == torch.bfloat16, ZEROED=zeroed is not None,
-                           BLOCK_ROWS=block_rows, BLOCK_PAIRS=block_pairs, enable_fp_fusion=FP_FUSION)
+    _sym_encode_rows[grid](bits_view(x), mask.view(torch.int8), packed, scales, ok, rows, cols, channels, stride,
+                           dmax, MIN_SCALE, IN_BF16=x.dtype == torch.bfloat16, ZEROED=zeroed is not None,
+                           STRIDED=stride != channels, BLOCK_ROWS=block_rows, BLOCK_PAIRS=block_pairs,
+                           enable_fp_fusion=FP_FUSION)
     return packed, scales, ok.bool()
 
 
