@@ -382,7 +382,7 @@ const char *vector_isa(void) { return VECTOR_ISA; }
  * codes and stores of values half of its. The distance counts elements, a batch of groups
  * ahead whatever their width: at 2048 bytes, fp32 encodes with zeroed channels waited on
  * memory (28% slower than at 4096; bf16 the same at both). A strided input's groups ask for
- * the block as far ahead in their rows (group_offsets). */
+ * the block as far ahead in their rows (strided_offsets). */
 #define PREFETCH_BLOCK(x, i, dtype, write) PREFETCH_AT(x, (i) + PREFETCH_ELEMENTS, dtype, write)
 
 /* bf16 values two to a 32-bit lane (an even element in its low half, an odd one above) as
@@ -762,16 +762,50 @@ INLINE void asym_scales(vf lo, vf hi, vi finite, float dmax, vf *scale, vf *inv,
 
 static const Columns NO_COLUMNS = {NULL, NULL};
 
+/* Where the groups of an input lie: it is seen as rows of `channels` elements, `stride`
+ * apart (a view's rows, such as SwiGLU's gate half of fc1's output; channels when dense), and
+ * a strided input's rows hold whole groups. */
+typedef struct { int64_t channels, stride; } Rows;
+
+/* Where group g of the batch of groups from r0 lies, and where it prefetches: in a dense input
+ * (at NULL, a constant where the batch is encoded, so the arithmetic is all that is compiled:
+ * offsets read from an array cost 10% of the AVX2 bf16 encode) PREFETCH_ELEMENTS past it;
+ * in strided rows at[g] and at[LANES + g] (strided_offsets). */
+INLINE int64_t group_at(const int64_t *at, int64_t r0, int64_t g, int64_t cols) {
+    return at ? at[g] : (r0 + g) * cols;
+}
+
+INLINE int64_t group_ahead(const int64_t *at, int64_t r0, int64_t g, int64_t cols) {
+    return at ? at[LANES + g] : (r0 + g) * cols + PREFETCH_ELEMENTS;
+}
+
+/* The element offsets of groups [r0, r0 + n) of `cols` in strided rows, at[g], and of the
+ * elements PREFETCH_ELEMENTS past each along the rows, at[LANES + g]: prefetching that far
+ * past in memory fell between the rows, and the gate half of SwiGLU's fc1 output encoded in
+ * the time of the whole output. One division a batch each. */
+INLINE const int64_t *strided_offsets(Rows rows, int64_t r0, int64_t n, int64_t cols, int64_t *at) {
+    for (int64_t half = 0; half < 2; half++) {
+        const int64_t first = r0 * cols + half * PREFETCH_ELEMENTS;
+        int64_t row = first / rows.channels, c = first - row * rows.channels;
+        for (int64_t g = 0; g < n; g++, c += cols) {
+            while (c >= rows.channels) c -= rows.channels, row++;
+            at[half * LANES + g] = row * rows.stride + c;
+        }
+    }
+    return at;
+}
+
 #ifdef BF16_KEYS
 /* batch_ranges for bf16 groups of whole blocks: the keys' minima and maxima (or the sym
  * bounds' bits) of each group lane-wise, then reduced for all groups at once (fold_keys). An
  * infinity or NaN has the greatest or least key (or bits), so the range alone tells whether
  * the group is finite. */
-INLINE void bf16_batch_ranges(const void *x, const int64_t *at, int64_t n, int64_t cols, Zeroing z, int64_t ch,
-                              int sym, vf *lo, vf *hi, vi *finite) {
+INLINE void bf16_batch_ranges(const void *x, const int64_t *at, int64_t r0, int64_t n, int64_t cols, Zeroing z,
+                              int64_t ch, int sym, vf *lo, vf *hi, vi *finite) {
     vkey mins[LANES], maxs[LANES];
     for (int64_t g = 0; g < LANES; g++, ch = next_channel(z, ch, cols))
-        if (g < n) group_keys(x, at[g], at[LANES + g], cols, z, ch, sym, &mins[g], &maxs[g]);
+        if (g < n) group_keys(x, group_at(at, r0, g, cols), group_ahead(at, r0, g, cols), cols, z, ch, sym,
+                              &mins[g], &maxs[g]);
         else mins[g] = maxs[g] = (vkey){0}; /* lanes past n are unusable: no group to range */
     vu l = (vu)fold_keys(mins, sym ? KEY_UMAX : KEY_MIN), h = (vu)fold_keys(maxs, KEY_MAX);
     if (!sym) l = (vu)bf16_keys((vkey)l), h = (vu)bf16_keys((vkey)h);
@@ -781,19 +815,19 @@ INLINE void bf16_batch_ranges(const void *x, const int64_t *at, int64_t n, int64
 }
 #endif
 
-/* Ranges of n <= LANES groups, group g at element at[g] (at[LANES + g]: where it prefetches,
- * group_offsets) and the first at channel ch, as
+/* Ranges of the n <= LANES groups from r0 (where they lie: group_at), the first starting at
+ * channel ch, as
  * vectors (lane g: group g), or with `sym` their sym bounds; lanes past n unusable. Each
  * group leaves lane-wise partial results, group g's at position BIT_REVERSED[g], and FOLD
  * halves all LANES vectors at once (a transposing reduction) down to one whose lane g is
  * group g's: a fold per group and statistic where reducing each group's vector alone took one
  * per halving, plus moving the results lane by lane into the vector the scales are computed
  * from. */
-INLINE void batch_ranges(const void *x, int dtype, const int64_t *at, int64_t n, int64_t cols, Zeroing z,
-                         int64_t ch, int sym, vf *lo, vf *hi, vi *finite) {
+INLINE void batch_ranges(const void *x, int dtype, const int64_t *at, int64_t r0, int64_t n, int64_t cols,
+                         Zeroing z, int64_t ch, int sym, vf *lo, vf *hi, vi *finite) {
 #ifdef BF16_KEYS
     if (dtype == 1 && cols % BLOCK == 0) {
-        bf16_batch_ranges(x, at, n, cols, z, ch, sym, lo, hi, finite);
+        bf16_batch_ranges(x, at, r0, n, cols, z, ch, sym, lo, hi, finite);
         return;
     }
 #endif
@@ -802,7 +836,8 @@ INLINE void batch_ranges(const void *x, int dtype, const int64_t *at, int64_t n,
     for (int64_t g = 0; g < LANES; g++) {
         const int p = BIT_REVERSED[g];
         if (g < n) {
-            group_blocks(x, at[g], at[LANES + g], cols, dtype, z, ch, sym, &lows[p], &highs[p], &poisons[p]);
+            group_blocks(x, group_at(at, r0, g, cols), group_ahead(at, r0, g, cols), cols, dtype, z, ch, sym,
+                         &lows[p], &highs[p], &poisons[p]);
             ch = next_channel(z, ch, cols);
         } else {
             lows[p] = sym ? NEGATIVE_ZEROS : splat(INFINITY);
@@ -824,7 +859,7 @@ INLINE void batch_ranges(const void *x, int dtype, const int64_t *at, int64_t n,
     if (cols % BLOCK) /* rows of odd widths (naive_int4's): the elements past the whole blocks */
         for (int64_t g = 0, ch = ch0; g < n; g++, ch = next_channel(z, ch, cols)) {
             float l = (*lo)[g], h = (*hi)[g];
-            int ok = group_tail(x, at[g], cols, dtype, z, ch, &l, &h);
+            int ok = group_tail(x, group_at(at, r0, g, cols), cols, dtype, z, ch, &l, &h);
             (*lo)[g] = l;
             (*hi)[g] = h;
             (*finite)[g] &= -ok;
@@ -832,49 +867,24 @@ INLINE void batch_ranges(const void *x, int dtype, const int64_t *at, int64_t n,
 }
 
 
-/* Where the groups of an input lie: it is seen as rows of `channels` elements, `stride`
- * apart (a view's rows, such as SwiGLU's gate half of fc1's output; channels when dense), and
- * a strided input's rows hold whole groups. */
-typedef struct { int64_t channels, stride; } Rows;
-
-static const Rows DENSE_ROWS = {1, 1};
-
-/* The element offsets of groups [r0, r0 + n) of `cols`, at[g], and of the elements
- * PREFETCH_ELEMENTS past each in their rows, at[LANES + g] (rows of whole groups read where
- * they lie: prefetching PREFETCH_ELEMENTS past in memory fell between the rows, and the gate
- * half of SwiGLU's fc1 output encoded in the time of the whole output). */
-INLINE void group_offsets(Rows rows, int64_t r0, int64_t n, int64_t cols, int64_t *at) {
-    if (rows.stride == rows.channels) {
-        for (int64_t g = 0; g < n; g++) at[g] = (r0 + g) * cols, at[LANES + g] = at[g] + PREFETCH_ELEMENTS;
-        return;
-    }
-    for (int64_t half = 0; half < 2; half++) { /* one division a batch each */
-        const int64_t first = r0 * cols + half * PREFETCH_ELEMENTS;
-        int64_t row = first / rows.channels, c = first - row * rows.channels;
-        for (int64_t g = 0; g < n; g++, c += cols) {
-            while (c >= rows.channels) c -= rows.channels, row++;
-            at[half * LANES + g] = row * rows.stride + c;
-        }
-    }
-}
-
 /* Groups are encoded LANES at a time: the ranges of all, then their scales in one vector
- * computation, then their codes (the group data is still in cache). */
-INLINE void sym_encode_batch(const void *x, int dtype, Rows rows, int64_t r0, int64_t n, int64_t cols, float dmax,
-                             Zeroing z, uint8_t *packed, uint16_t *scales, uint8_t *ok_out) {
+ * computation, then their codes (the group data is still in cache). `strided` is a constant
+ * where it is called (group_at). */
+INLINE void sym_encode_batch(const void *x, int dtype, int strided, Rows rows, int64_t r0, int64_t n, int64_t cols,
+                             float dmax, Zeroing z, uint8_t *packed, uint16_t *scales, uint8_t *ok_out) {
     vf lo, hi, scale, inv;
     vi finite, ok;
-    int64_t at[2 * LANES];
-    group_offsets(rows, r0, n, cols, at);
+    int64_t offsets[2 * LANES];
+    const int64_t *at = strided ? strided_offsets(rows, r0, n, cols, offsets) : NULL;
     const int64_t ch0 = first_channel(z, r0 * cols); /* one division per batch, not per group */
-    batch_ranges(x, dtype, at, n, cols, z, ch0, 1, &lo, &hi, &finite);
+    batch_ranges(x, dtype, at, r0, n, cols, z, ch0, 1, &lo, &hi, &finite);
     sym_scales(lo, hi, finite, dmax, &scale, &inv, &ok);
     for (int64_t g = 0, ch = ch0; g < n; g++, ch = next_channel(z, ch, cols)) {
         uint8_t *out = packed + (r0 + g) * cols / 2;
         scales[r0 + g] = bf16_bits(scale[g]);
         ok_out[r0 + g] = ok[g] != 0;
         if (!ok[g]) memset(out, 0x88, (size_t)(cols / 2));
-        else pack_group(x, at[g], cols, dtype, z, ch, 0.0f, inv[g], 8.5f, NO_COLUMNS, out);
+        else pack_group(x, group_at(at, r0, g, cols), cols, dtype, z, ch, 0.0f, inv[g], 8.5f, NO_COLUMNS, out);
     }
 }
 
@@ -959,15 +969,17 @@ int sym_encode_rows(const void *x, int dtype, int64_t rows, int64_t cols, float 
     const Zeroing z = n_zeroed ? zeroing_for(dtype, channels, zeroed, n_zeroed) : NO_ZEROING;
     if (n_zeroed && !z.keep) return 0;
     const Rows layout = {channels, stride};
+    const int strided = stride != channels;
     const Exact e = {zeroed, n_zeroed, channels, stride, exact};
     const int elem_size = dtype == 0 ? 4 : 2;
     #pragma omp parallel for schedule(static)
     for (int64_t r0 = 0; r0 < rows; r0 += LANES) {
         int64_t n = rows - r0 < LANES ? rows - r0 : LANES;
 /* the default groups, 64 wide, in loops of constant trip counts: 13% faster in bf16 with zeroed channels */
-#define CALL(t)                                                                     \
-    if (cols == 64) sym_encode_batch(x, t, layout, r0, n, 64, dmax, z, packed, scales, ok_out); \
-    else sym_encode_batch(x, t, layout, r0, n, cols, dmax, z, packed, scales, ok_out)
+#define CALL(t)                                                                                    \
+    if (strided) sym_encode_batch(x, t, 1, layout, r0, n, cols, dmax, z, packed, scales, ok_out);      \
+    else if (cols == 64) sym_encode_batch(x, t, 0, layout, r0, n, 64, dmax, z, packed, scales, ok_out); \
+    else sym_encode_batch(x, t, 0, layout, r0, n, cols, dmax, z, packed, scales, ok_out)
         DTYPE_CASES(CALL)
 #undef CALL
         if (exact) copy_exact(e, (void *)x, elem_size, r0 * cols, (r0 + n) * cols, 1);
@@ -1364,9 +1376,7 @@ INLINE void asym_encode_batch(const void *x, int dtype, int64_t r0, int64_t n, i
                               uint8_t *packed, uint16_t *scales, void *offsets, uint8_t *ok_out) {
     vf lo, hi, scale, inv, offset;
     vi finite, ok;
-    int64_t at[2 * LANES];
-    group_offsets(DENSE_ROWS, r0, n, cols, at);
-    batch_ranges(x, dtype, at, n, cols, NO_ZEROING, 0, 0, &lo, &hi, &finite);
+    batch_ranges(x, dtype, NULL, r0, n, cols, NO_ZEROING, 0, 0, &lo, &hi, &finite);
     asym_scales(lo, hi, finite, dmax, &scale, &inv, &offset, &ok);
     for (int64_t g = 0; g < n; g++) {
         uint8_t *out = packed + (r0 + g) * cols / 2;
@@ -1374,7 +1384,7 @@ INLINE void asym_encode_batch(const void *x, int dtype, int64_t r0, int64_t n, i
         store(offsets, r0 + g, offset[g], dtype); /* an input element: exact */
         ok_out[r0 + g] = ok[g] != 0;
         if (!ok[g]) memset(out, 0, (size_t)(cols / 2));
-        else pack_group(x, at[g], cols, dtype, NO_ZEROING, 0, offset[g], inv[g], 0.5f, NO_COLUMNS, out);
+        else pack_group(x, (r0 + g) * cols, cols, dtype, NO_ZEROING, 0, offset[g], inv[g], 0.5f, NO_COLUMNS, out);
     }
 }
 
