@@ -218,7 +218,8 @@ def _frontier(sites: tuple[SiteCost, ...], segments: tuple[Segment, ...],
                             continue
                         read = (flag is not None and flags[flag]) or starting == lowest
                         if read:
-                            if site.name in VIEW_PAYLOADS or option.lossy and not allow_lossy_sources:
+                            if site.name in VIEW_PAYLOADS or (option.lossy
+                                                              and not allow_lossy_sources):
                                 continue
                             transient += site.bytes
                         held = [total + site.bytes if site.name in group else total

@@ -21,8 +21,8 @@ from typing import Callable
 
 import torch
 
-from megatron_adacc.common.sites import (COMPRESS, MASK_CODEC, REBUILD_SOURCES, REBUILDS, REBUILT_BY,
-                                         RECOMPUTE, SITES)
+from megatron_adacc.common.sites import (COMPRESS, MASK_CODEC, REBUILD_SOURCES, REBUILDS,
+                                         REBUILT_BY, RECOMPUTE, SITES)
 
 
 class Handle:
