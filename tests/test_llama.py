@@ -13,7 +13,7 @@ from megatron_adacc.common.plan import Decision, Plan, PlanError
 from megatron_adacc.runtime import adacc_layers, apply_plan, get_adacc_layer_spec, measure_step
 from megatron_adacc.common.sites import COMPRESS, MASK_CODEC, SHARED_SITES, SITES
 
-from runtime_helpers import VOCAB, SEQ, loss_of, train
+from runtime_helpers import BATCH, VOCAB, SEQ, loss_of, train
 from test_runtime import assert_same_training
 
 LLAMA = models.get("llama")
@@ -117,12 +117,11 @@ def test_a_compressed_gate_half_is_encoded_alone(distributed, dtype, codec):
     from megatron_adacc import codecs
     from test_runtime_rebuilds import assert_gradients_close
 
-    s, b = SEQ, 2
     reference = build_llama(True, dtype)
     loss_of(reference).backward()
     compressed = {"swiglu_in": {"action": "compress", "codec": codec}}
     rebuilt = {name: "recompute" for name in ("swiglu_act", "swiglu_up", "swiglu_out")}
-    half, whole = (codecs.get(codec).payload_bytes((s, b, width), dtype)
+    half, whole = (codecs.get(codec).payload_bytes((SEQ, BATCH, width), dtype)
                    for width in (FFN, 2 * FFN))
     for sites, payload in ((compressed, half), ({**compressed, **rebuilt}, whole)):
         model = build_llama(True, dtype)
