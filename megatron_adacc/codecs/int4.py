@@ -65,9 +65,13 @@ def row_layout(x: torch.Tensor, zeroed: tuple[int, torch.Tensor] | None = None
     strided rows (Kernels.strided_rows) takes them where they lie: [groups, width]
     contiguous, or a codec's rows read in place (Codec.reads_in_place), [rows, width] or
     [rows, groups a row, width]: rows of `channels` elements `stride` apart (stride ==
-    channels: dense). Zeroing (zero_channels' (channels, mask)) counts in those channels,
-    which strided rows must then be. None for any other input."""
+    channels: dense). Zeroing (zero_channels' (channels, mask): a bool mask, one entry per
+    channel, on x's device) counts in those channels, which strided rows must then be. None
+    for any other input or mask (the reference raises on a wrong mask)."""
     if x.dim() not in (2, 3) or x.shape[-1] % 2:
+        return None
+    if zeroed is not None and not (zeroed[1].dtype == torch.bool and zeroed[1].device == x.device
+                                   and tuple(zeroed[1].shape) == (zeroed[0],)):
         return None
     width = x.shape[-1]
     groups = x.numel() // width if width else 0

@@ -121,8 +121,7 @@ def _sym_encode(x2d, reduce_dim, dmax, zeroed=None):
         library().sym_encode_cols(x2d.data_ptr(), _DTYPE_CODE[x2d.dtype], rows, cols, dmax, scratch.data_ptr(),
                                   col_ok.data_ptr(), packed.data_ptr(), scales.data_ptr(), ok.data_ptr())
         return packed, scales, ok
-    layout = (int4.row_layout(x2d, zeroed) if reduce_dim == 1 and x2d.device.type == "cpu"
-              and _channel_mask(zeroed) else None)
+    layout = int4.row_layout(x2d, zeroed) if reduce_dim == 1 and x2d.device.type == "cpu" else None
     if layout is None:
         # the groups as the reference takes them ([rows, groups a row, width] read in place:
         # [groups, width]); it raises on a wrong mask
@@ -151,15 +150,6 @@ def _count_unusable(ok):
     if ok.device.type != "cpu" or ok.dtype != torch.bool or not ok.is_contiguous():
         return int4.count_unusable(ok)
     return library().count_unusable(ok.data_ptr(), ok.numel())
-
-
-def _channel_mask(zeroed) -> bool:
-    """No zeroing, or a bool CPU mask with one entry per channel (int4.zero_channels): what
-    the C kernel takes; the reference raises on the rest."""
-    if zeroed is None:
-        return True
-    channels, mask = zeroed
-    return mask.dtype == torch.bool and mask.device.type == "cpu" and tuple(mask.shape) == (channels,)
 
 
 def _sym_decode(packed, scales, shape2d, reduce_dim, dtype, exact=None):

@@ -12,7 +12,6 @@ asym_int4) and the bitmask. Per-channel scales (channel_int4) reduce across rows
 odd width pair codes across rows; those cases run the reference, which on CUDA is a handful
 of fused-enough PyTorch kernels for the small Q/K/V tensors they serve.
 """
-import torch
 
 from megatron_adacc.codecs import asymmetric, int4, outlier, symmetric
 from megatron_adacc.codecs import bitmask as reference_bitmask
@@ -21,9 +20,7 @@ from megatron_adacc.codecs.triton import asym_int4, bitmask, sym_int4
 
 
 def _sym_encode(x2d, reduce_dim, dmax, zeroed=None):
-    mask_fits = zeroed is None or (zeroed[1].dtype == torch.bool
-                                   and tuple(zeroed[1].shape) == (zeroed[0],))
-    layout = int4.row_layout(x2d, zeroed) if reduce_dim == 1 and mask_fits else None
+    layout = int4.row_layout(x2d, zeroed) if reduce_dim == 1 else None
     if layout is None:
         # groups read in place as [rows, groups a row, width] are the reference's [groups,
         # width]; it raises on a wrong mask
