@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "docs", "results")
@@ -44,9 +45,14 @@ def mode_note(data: dict) -> str:
             if run["quick"] else "full mode")
     took = f", took {run['wall_s'] / 60:.1f} min" if "wall_s" in run else ""
     cpus = f", {run['cpus']} CPUs" if "cpus" in run else ""
-    return (f"{mode}; {run['started']}{took}; machine: {run['device']}{cpus}, torch "
+    paths = run.get("vector_paths")
+    paths = (f", vector paths: torch {paths['torch']}, native kernels {paths['native kernels']}"
+             if paths else "")
+    environment = "".join(f"{name}={shlex.quote(value)} "
+                          for name, value in run.get("environment", {}).items())
+    return (f"{mode}; {run['started']}{took}; machine: {run['device']}{cpus}{paths}, torch "
             f"{run['torch']} with {run['threads']} threads, load average {load_avg} at the "
-            f"start.\n\nCommand: `{run['command']}`")
+            f"start.\n\nCommand: `{environment}{run['command']}`")
 
 
 def throughput_section(data: dict, attention: str, number: str, tag: str = "") -> list[str]:

@@ -12,9 +12,10 @@ TINY = ["--layers", "1", "--hidden", "64", "--heads", "2", "--seq", "32", "--no-
         "--threads", "1"]
 
 
-def _run(script, *flags):
+def _run(script, *flags, **environment):
     done = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", script), *flags],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+                          cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, **environment})
     assert done.returncode == 0, done.stderr[-2000:]
     return done.stdout
 
@@ -26,9 +27,13 @@ def test_throughput_and_max_batch_tiny(tmp_path, attention, family):
          "--family", family,
          "--batches", "1", "2", "--budget-at", "1", "--warmup", "0", "--rounds", "2",
          "--ample-rounds", "3",
-         "--out", str(tmp_path / "t.json"), "--publish", "", "--figure", str(tmp_path / "t.png"))
+         "--out", str(tmp_path / "t.json"), "--publish", "", "--figure", str(tmp_path / "t.png"),
+         ADACC_NATIVE_CFLAGS="-mno-avx512f")
     data = json.loads((tmp_path / "t.json").read_text())
     assert (data["shape"]["attention"], data["shape"]["family"]) == (attention, family)
+    # the run says which vector path its kernels took, and what chose it
+    assert data["run"]["environment"]["ADACC_NATIVE_CFLAGS"] == "-mno-avx512f"
+    assert data["run"]["vector_paths"]["native kernels"] in ("avx2", "generic")
     rows = data["rows"]["budget@1"]
     assert rows["1"]["no optimisation"]["fits"] and not rows["2"]["no optimisation"]["fits"]
     assert rows["1"]["adacc auto"]["fits"]
