@@ -42,7 +42,7 @@ from megatron_adacc import models, planning, policies
 from megatron_adacc.profiling import allocator, hardware
 from megatron_adacc.profiling import profiler
 from megatron_adacc.models.attention import local_layer_spec
-from megatron_adacc.codecs import native
+from megatron_adacc.codecs import BACKEND_ENV_VAR, native
 from megatron_adacc.common.plan import Plan
 from megatron_adacc.runtime import ActivationRuler, apply_plan, get_adacc_layer_spec
 
@@ -435,19 +435,18 @@ def save_figure(fig, name: str) -> str | None:
     return path
 
 
-# The environment variables that choose the vector instructions of a CPU run: the native
-# kernels' build flags (e.g. -mno-avx512f) and PyTorch's, MKL's and oneDNN's ceilings. With
-# all four at AVX2 an AVX-512 machine runs every kernel of a step on the AVX2 path.
-VECTOR_PATH_VARIABLES = (native.CFLAGS_ENV_VAR, "ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS",
-                         "ONEDNN_MAX_CPU_ISA")
+# The environment variables that choose the kernels of a CPU run (the device name says which
+# it got: profiler.device_name): the codec backend, the native kernels' build flags (e.g.
+# -mno-avx512f) and PyTorch's, MKL's and oneDNN's vector ceilings. With the last four at AVX2
+# an AVX-512 machine runs every kernel of a step on the AVX2 path.
+KERNEL_VARIABLES = (BACKEND_ENV_VAR, native.CFLAGS_ENV_VAR, "ATEN_CPU_CAPABILITY",
+                    "MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA")
 
 
 def run_info(args) -> dict:
     return {"command": shlex.join(["python", *sys.argv]), "quick": bool(args.quick),
-            "environment": {name: os.environ[name] for name in VECTOR_PATH_VARIABLES
+            "environment": {name: os.environ[name] for name in KERNEL_VARIABLES
                             if name in os.environ},
-            "vector_paths": {"torch": torch.backends.cpu.get_cpu_capability(),
-                             "native kernels": native.vector_isa() if native.available() else None},
             "torch": torch.__version__, "threads": torch.get_num_threads(),
             "cpus": os.cpu_count(),
             "device": profiler.device_name(), "load_average": os.getloadavg(),

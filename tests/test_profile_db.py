@@ -126,3 +126,20 @@ def test_adacc_plan_without_hardware_profiles_once_then_reads_the_database(
     assert plans[0]["feasible"] and plans[0]["budget_bytes"] == 3 << 20
     assert main([*argv[:5], "--profile-db", str(tmp_path / "p.sqlite")]) == 2  # no budget
     assert "--memory-budget" in capsys.readouterr().err
+
+
+def test_the_device_a_profile_is_keyed_by_names_the_kernels_that_timed_it(monkeypatch):
+    """profiler.device_name, the profile key's device: PyTorch's vector path and the codec
+    kernels (ADACC_CODEC_BACKEND; the native build's vector path, which ADACC_NATIVE_CFLAGS
+    lowers), so a profile timed with other kernels is not reused."""
+    from megatron_adacc.codecs import native
+    from megatron_adacc.profiling import profiler
+
+    if not native.available():
+        pytest.skip("no C compiler: the native codecs cannot be built")
+    monkeypatch.setenv("ADACC_CODEC_BACKEND", "torch")
+    reference = profiler.device_name()
+    assert reference.endswith(", codecs torch)")
+    monkeypatch.setenv("ADACC_CODEC_BACKEND", "native")
+    assert profiler.device_name() == reference.replace(
+        "codecs torch", f"codecs native {native.vector_isa()}")

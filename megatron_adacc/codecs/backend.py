@@ -57,6 +57,19 @@ def triton_supports(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device) >= (7, 0)
 
 
+def describe(device: torch.device, backend: str | None = None) -> str:
+    """Which kernels encode ``device``'s tensors (kernels_for): "torch", "triton", or
+    "native" with the vector path its build took ("native avx2"): timings depend on it."""
+    kernels = kernels_for(resolve_backend(backend), device)
+    if kernels is REFERENCE:
+        return "torch"
+    if kernels is _native():
+        from megatron_adacc.codecs import native
+
+        return f"native {native.vector_isa()}"
+    return "triton"
+
+
 def kernels_for(backend: str, device: torch.device) -> Kernels:
     if backend == "torch":
         return REFERENCE

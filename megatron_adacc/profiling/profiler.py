@@ -51,6 +51,7 @@ from megatron.core import parallel_state
 from megatron.core.tensor_parallel.random import _fork_rng
 
 from megatron_adacc import codecs, planning
+from megatron_adacc.codecs import backend as codec_backend
 from megatron_adacc.profiling import allocator
 from megatron_adacc.profiling import hardware
 from megatron_adacc.models import build as model_lib
@@ -88,9 +89,12 @@ def gpt_loss(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
 
 
 def device_name(device: torch.device | None = None) -> str:
-    """What the timings were measured on: the GPU's name, or the CPU with its thread count."""
+    """What the timings were measured on: the GPU's name, or the CPU with its thread count and
+    PyTorch's vector path (ATEN_CPU_CAPABILITY can lower it), and the codec kernels
+    (backend.describe: ADACC_CODEC_BACKEND and ADACC_NATIVE_CFLAGS choose them): a profile
+    measured on one path misleads a plan for another."""
     if device is not None and device.type == "cuda":
-        return torch.cuda.get_device_name(device)
+        return f"{torch.cuda.get_device_name(device)} (codecs {codec_backend.describe(device)})"
     cpu = "cpu"
     try:
         with open("/proc/cpuinfo") as info:
@@ -100,7 +104,8 @@ def device_name(device: torch.device | None = None) -> str:
                     break
     except OSError:
         pass
-    return f"{cpu} ({torch.get_num_threads()} threads)"
+    return (f"{cpu} ({torch.get_num_threads()} threads, torch {torch.backends.cpu.get_cpu_capability()}, "
+            f"codecs {codec_backend.describe(torch.device('cpu'))})")
 
 
 # A timed call that first-touched more host pages than this (64 KiB: about 16 us on a VM)
