@@ -127,7 +127,7 @@ def main() -> None:
             "ample_pairs": ample_pairs, "summary": summary, "args": {k: v for k, v in vars(args).items()
                                          if not k.startswith("_")}}
     bc.write_json(data, args.out, args.publish or None)
-    plot(rows, budgets, shape, args)
+    plot(rows, budgets, shape, args, run["device"])
     for line in summary["lines"]:
         print(line)
 
@@ -285,7 +285,7 @@ def summarise(rows, measured, ample_pairs) -> dict:
                 "issue26": issue26}}
 
 
-def plot(rows, budgets, shape, args) -> None:
+def plot(rows, budgets, shape, args, device: str) -> None:
     plt = bc.pyplot()
     fig, axes = plt.subplots(1, len(budgets), figsize=(6 * len(budgets), 4.2), squeeze=False)
     for ax, (name, budget) in zip(axes[0], budgets.items()):
@@ -316,7 +316,7 @@ def plot(rows, budgets, shape, args) -> None:
         ax.grid(alpha=0.3)
     axes[0][0].legend(fontsize=7)
     fig.suptitle(f"Throughput under a memory budget ({'--quick, ' if args.quick else ''}"
-                 f"{shape.describe()})", fontsize=9)
+                 f"{shape.describe()})\n{device}", fontsize=9)
     bc.save_figure(fig, args.figure)
 
 
