@@ -769,7 +769,7 @@ typedef struct { int64_t channels, stride; } Rows;
 
 /* Where group g of the batch of groups from r0 lies, and where it prefetches: in a dense input
  * (at NULL, a constant where the batch is encoded, so the arithmetic is all that is compiled:
- * offsets read from an array cost 10% of the AVX2 bf16 encode) PREFETCH_ELEMENTS past it;
+ * offsets read from an array cost 8% of the AVX2 bf16 encode) PREFETCH_ELEMENTS past it;
  * in strided rows at[g] and at[LANES + g] (strided_offsets). */
 INLINE int64_t group_at(const int64_t *at, int64_t r0, int64_t g, int64_t cols) {
     return at ? at[g] : (r0 + g) * cols;
@@ -816,9 +816,8 @@ INLINE void bf16_batch_ranges(const void *x, const int64_t *at, int64_t r0, int6
 #endif
 
 /* Ranges of the n <= LANES groups from r0 (where they lie: group_at), the first starting at
- * channel ch, as
- * vectors (lane g: group g), or with `sym` their sym bounds; lanes past n unusable. Each
- * group leaves lane-wise partial results, group g's at position BIT_REVERSED[g], and FOLD
+ * channel ch, as vectors (lane g: group g), or with `sym` their sym bounds; lanes past n
+ * unusable. Each group leaves lane-wise partial results, group g's at position BIT_REVERSED[g], and FOLD
  * halves all LANES vectors at once (a transposing reduction) down to one whose lane g is
  * group g's: a fold per group and statistic where reducing each group's vector alone took one
  * per halving, plus moving the results lane by lane into the vector the scales are computed
@@ -912,9 +911,9 @@ static Zeroing zeroing_for(int dtype, int64_t channels, const int64_t *index, in
 
 /* The outlier codec's exact channels, in a tensor seen as rows of `channels` values, `stride`
  * apart: row r of `values` holds elements r * stride + index[k], k < n, index strictly
- * increasing. The
- * codecs copy them group batch by group batch, while the batch is in cache: a pass of their
- * own over the tensor (take_columns, put_columns) touched a cache line of nearly every row. */
+ * increasing. The codecs copy them group batch by group batch, while the batch is in cache:
+ * a pass of their own over the tensor (take_columns, put_columns) touched a cache line of
+ * nearly every row. */
 typedef struct { const int64_t *index; int64_t n, channels, stride; void *values; } Exact;
 
 /* 0 unless the n indices strictly increase within [0, limit). */
@@ -936,9 +935,8 @@ INLINE int64_t first_exact(Exact e, int64_t channel) {
 }
 
 /* Copies the exact channels' elements among elements [begin, end) of `tensor` (counted as if
- * dense) into `values`
- * (into_values) or back, as elements of type T (a fixed-size copy: memcpy of a variable size
- * was a library call per element). */
+ * dense) into `values` (into_values) or back, as elements of type T (a fixed-size copy:
+ * memcpy of a variable size was a library call per element). */
 #define COPY_EXACT(T)                                                                          \
     for (int64_t r = begin / e.channels; r * e.channels < end; r++) {                          \
         int64_t row = r * e.channels, from = begin > row ? begin - row : 0;                    \
@@ -1164,9 +1162,9 @@ static void channel_abs_sums(const void *x, int dtype, int64_t rows, int64_t col
 
 /* outlier.outlier_channels(outlier.channel_abs_sums(outlier.statistics_rows(x))) for the
  * [rows, cols] input (rows `stride` elements apart), the sample's rows (every step-th) read
- * in place: mask[c] = 1 for the
- * chosen channels, 0 for the others; returns their count. The z-scores
- * come from the sums in one scan in C where the reference makes ten small tensor operations.
+ * in place: mask[c] = 1 for the chosen channels, 0 for the others; returns their count. The
+ * z-scores come from the sums in one scan in C where the reference makes ten small tensor
+ * operations.
  * Returns -1 where a z-score lies within Z_MARGIN of the threshold, or all finite sums are
  * (nearly) equal: the caller then runs the reference's choice. scratch: cols doubles. */
 int64_t outlier_channels(const void *x, int dtype, int64_t rows, int64_t cols, int64_t stride, int64_t step,
