@@ -10,10 +10,11 @@ from megatron_adacc.common import sites
 from megatron_adacc.common.costs import CodecCost, ModelCosts, SiteCost
 from megatron_adacc.common.plan import Decision, Plan
 from megatron_adacc.planning import evaluate_layer
+from megatron_adacc.profiling import profiler
 from megatron_adacc.runtime import ActivationRuler, apply_plan, measure_step
 from megatron_adacc.common.sites import COMPRESS, RECOMPUTE, SHARED_SITES
 
-from runtime_helpers import BATCH, SEQ, build, loss_of
+from runtime_helpers import BATCH, SEQ, batch, build, loss_of
 
 COMPRESSIBLE = ["ln1_out", "qkv", "softmax_out", "attn_dropout_mask", "attn_probs", "context",
                 "bda1_mask", "ln2_in", "ln2_out", "gelu_in", "gelu_out", "bda2_mask"]
@@ -48,8 +49,8 @@ class StorageWitness(TorchDispatchMode):
 
 def graph_kept_bytes(model) -> tuple[int, int]:
     """(bytes the ruler reports after forward, bytes of storages created in forward that are
-    alive after it and freed by backward). Backward, not `del loss`: megatron's autograd
-    functions hold reference cycles that only backward breaks."""
+    alive after it and freed by dropping the graph). Dropped, not backpropagated: backward
+    also frees what a reference cycle through the graph would keep alive for good."""
     loss_of(model).backward()  # warm-up: megatron's cached causal mask and buffers exist now
     witness = StorageWitness()
     with ActivationRuler(model, strict=True) as ruler:
@@ -57,7 +58,6 @@ def graph_kept_bytes(model) -> tuple[int, int]:
             loss = loss_of(model)
         ruler.forward_done()
     with_graph = witness.alive()
-    loss.backward()
     del loss
     without_graph = witness.alive()
     kept = sum(n for key, n in with_graph.items() if key not in without_graph)
@@ -146,6 +146,52 @@ def test_peak_counts_rebuilt_values_one_layer_at_a_time(distributed):
     # the first unpack in layer 1 rebuilds all of it while layer 0 still holds its input
     assert report.after_forward_bytes < report.peak_bytes
     assert report.peak_bytes <= report.after_forward_bytes + one_layer
+
+
+def new_storages_alive_after(run) -> list[int]:
+    """The bytes of each storage ``run`` made that outlives it (not the views it took of
+    storages that existed before, such as the weights' transposes)."""
+    gc.collect()
+    existing = {o.untyped_storage().data_ptr() for o in gc.get_objects() if isinstance(o, torch.Tensor)}
+    witness = StorageWitness()
+    with witness:
+        run()
+    gc.collect()
+    return sorted(n for ref, n in witness.refs.values()
+                  if ref() is not None and ref().data_ptr() not in existing)
+
+
+@pytest.mark.parametrize("backend,dropout", [("unfused", 0.1), ("flash", 0.0)])
+@pytest.mark.parametrize("case", ["stock", "mixed"])
+def test_a_forward_never_backpropagated_frees_what_it_saved(distributed, case, backend, dropout):
+    # A step abandoned between forward and backward (an error, a skipped micro-batch), with
+    # the Adacc layers' hooks or the ruler's: the graph's saves go with the graph.
+    model = build(case == "mixed", dropout=dropout, attention_backend=backend)
+    if case == "mixed":
+        apply_plan(model, MIXED, strict=True)
+    loss_of(model).backward()  # megatron's cached causal mask and buffers exist now
+
+    def forward_only():
+        with ActivationRuler(model, strict=True):
+            loss_of(model)
+
+    assert new_storages_alive_after(forward_only) == []
+
+
+def test_the_rectifiers_samples_leave_nothing_alive(distributed):
+    # The rectifier samples activations with forwards that are never backpropagated, every
+    # check of a long run: each must free what it saved.
+    model = build(True, dropout=0.1)
+    loss_of(model).backward()
+    names = ["ln2_out", "context", "gelu_in"]
+    sampled = []
+
+    def sample():
+        sampled.append(sorted(profiler.sample_sites(model, batch(), names)))
+        sampled.append(sorted(profiler.sample_sites(model, batch(), names)))
+
+    assert new_storages_alive_after(sample) == []
+    assert sampled == [sorted(names)] * 2
 
 
 def test_fifty_steps_do_not_grow(distributed):

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from megatron_adacc.runtime.attribution import SiteAttributor
+from megatron_adacc.runtime.storage import detached
 
 NON_LAYER = -1  # the layer index of saves outside every transformer layer
 UNATTRIBUTED = "other"
@@ -144,7 +145,7 @@ class ActivationRuler:
         else:
             layer, site = NON_LAYER, UNATTRIBUTED
         self.keep_tensor(layer, site, tensor)
-        return tensor
+        return detached(tensor)
 
     def keep_tensor(self, layer: int, site: str | None, tensor: torch.Tensor) -> None:
         """Count `tensor`'s storage (once) while it is alive."""

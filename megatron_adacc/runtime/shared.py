@@ -30,6 +30,7 @@ import weakref
 import torch
 
 from megatron_adacc.runtime.attribution import is_rope_cos_sin
+from megatron_adacc.runtime.storage import detached
 
 
 class SharedValues:
@@ -119,7 +120,7 @@ class RopeWindow:
         def pack(tensor):
             if is_rope_cos_sin(tensor):
                 tensor = self._shared(tensor)
-            return tensor if outer_pack is None else outer_pack(tensor)
+            return detached(tensor) if outer_pack is None else outer_pack(tensor)
 
         self._hooks = torch.autograd.graph.saved_tensors_hooks(pack, outer_unpack)
         self._hooks.__enter__()

@@ -1,9 +1,10 @@
 """Where a saved activation lives between forward and backward: one pack/unpack pair for
 every action.
 
-pack returns the tensor itself for *retain* (the cheapest handle there is: unpack is the
-identity), and a `Handle` for *compress* and *recompute*; unpack resolves handles. A handle
-points at a source that produces the value once and hands it out per saved view:
+pack returns the tensor for *retain*, detached (`detached`: the cheapest handle there is,
+unpack is the identity), and a `Handle` for *compress* and *recompute*; unpack resolves
+handles. A handle points at a source that produces the value once and hands it out per
+saved view:
 
 - `CompressedStorage`: one codec payload per storage (Q, K and V, three views of one
   storage, are encoded once), or per saved view where the site is a partial view
@@ -40,6 +41,22 @@ class Handle:
 
 def unpack(saved):
     return saved.resolve() if type(saved) is Handle else saved
+
+
+def detached(tensor: torch.Tensor) -> torch.Tensor:
+    """What a pack hook keeps of a tensor it keeps whole: its storage without its autograd
+    history (a view stays a view of its detached base, which a rebuild may read whole).
+    The tensor itself would close a reference cycle wherever an op saves its own output
+    (the output's grad_fn holds what the hook returned, which holds the output): backward
+    breaks it, but no garbage collection does, so a forward that is never backpropagated
+    (the rectifier's samples, a step abandoned by an error) would leak every such output.
+    Autograd gives the unpacked value its history back."""
+    if not tensor.requires_grad:  # no history: nothing to close a cycle through
+        return tensor
+    base = tensor._base
+    if base is None:
+        return tensor.detach()
+    return base.detach().as_strided(tensor.size(), tensor.stride(), tensor.storage_offset())
 
 
 class CompressedStorage:
@@ -165,7 +182,7 @@ class LayerCall:
         if decision is None:
             if self.ruler is not None:
                 self.ruler.keep_tensor(self.layer_index, site, tensor)
-            saved = tensor
+            saved = detached(tensor)
         elif decision[0] == COMPRESS:
             saved = self._compress(site, tensor, decision[1])
         else:
@@ -235,9 +252,7 @@ class LayerCall:
     def keep(self, key, tensor: torch.Tensor) -> None:
         """A rebuilt value, cached until backward takes it; a view stays a view of its
         (detached) base, which an operator may read whole (sites.Rebuild.between)."""
-        base = tensor._base
-        self.cache[key] = (tensor.detach() if base is None else base.detach().as_strided(
-            tensor.size(), tensor.stride(), tensor.storage_offset()))
+        self.cache[key] = detached(tensor)
         if self.ruler is not None:
             self.ruler.transient(tensor)
 
