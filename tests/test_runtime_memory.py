@@ -152,7 +152,8 @@ def new_storages_alive_after(run) -> list[int]:
     """The bytes of each storage ``run`` made that outlives it (not the views it took of
     storages that existed before, such as the weights' transposes)."""
     gc.collect()
-    existing = {o.untyped_storage().data_ptr() for o in gc.get_objects() if isinstance(o, torch.Tensor)}
+    existing = {o.untyped_storage().data_ptr() for o in gc.get_objects()
+                if isinstance(o, torch.Tensor)}
     witness = StorageWitness()
     with witness:
         run()
