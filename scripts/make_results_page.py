@@ -53,7 +53,8 @@ def mode_note(data: dict) -> str:
 
 
 def throughput_section(data: dict, attention: str, number: str, tag: str = "") -> list[str]:
-    who = f"{tag.lstrip('_').replace('_', ' ')} {attention}".strip()  # the family (not GPT's), the path
+    # the family (not GPT's) and the kernels' path, as the targets name them
+    who = f"{tag.lstrip('_').replace('_', ' ')} {attention}".strip()
     out = [f"### {number} Throughput under a memory budget ({attention} attention)", "",
            "Paper: Adacc has the best throughput of its counterparts, 1.01x-1.37x over full "
            "recomputation, and adds nothing when memory is ample (Figure \"throughput\").", "",

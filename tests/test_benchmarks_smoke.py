@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from megatron_adacc.codecs.native import CFLAGS_ENV_VAR
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--layers", "1", "--hidden", "64", "--heads", "2", "--seq", "32", "--no-compile",
         "--threads", "1"]
@@ -28,12 +30,13 @@ def test_throughput_and_max_batch_tiny(tmp_path, attention, family):
          "--batches", "1", "2", "--budget-at", "1", "--warmup", "0", "--rounds", "2",
          "--ample-rounds", "3",
          "--out", str(tmp_path / "t.json"), "--publish", "", "--figure", str(tmp_path / "t.png"),
-         ADACC_NATIVE_CFLAGS="-mno-avx512f")
+         **{CFLAGS_ENV_VAR: "-mno-avx512f"})
     data = json.loads((tmp_path / "t.json").read_text())
     assert (data["shape"]["attention"], data["shape"]["family"]) == (attention, family)
     # the run says which kernels it ran (the native codecs' vector path), and what chose them
-    assert data["run"]["environment"]["ADACC_NATIVE_CFLAGS"] == "-mno-avx512f"
-    assert "codecs native avx2)" in data["run"]["device"] or "codecs native generic)" in data["run"]["device"]
+    assert data["run"]["environment"][CFLAGS_ENV_VAR] == "-mno-avx512f"
+    device = data["run"]["device"]
+    assert "codecs native avx2)" in device or "codecs native generic)" in device
     rows = data["rows"]["budget@1"]
     assert rows["1"]["no optimisation"]["fits"] and not rows["2"]["no optimisation"]["fits"]
     assert rows["1"]["adacc auto"]["fits"]

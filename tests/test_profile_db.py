@@ -132,14 +132,14 @@ def test_the_device_a_profile_is_keyed_by_names_the_kernels_that_timed_it(monkey
     """profiler.device_name, the profile key's device: PyTorch's vector path and the codec
     kernels (ADACC_CODEC_BACKEND; the native build's vector path, which ADACC_NATIVE_CFLAGS
     lowers), so a profile timed with other kernels is not reused."""
-    from megatron_adacc.codecs import native
+    from megatron_adacc.codecs import BACKEND_ENV_VAR, native
     from megatron_adacc.profiling import profiler
 
     if not native.available():
         pytest.skip("no C compiler: the native codecs cannot be built")
-    monkeypatch.setenv("ADACC_CODEC_BACKEND", "torch")
+    monkeypatch.setenv(BACKEND_ENV_VAR, "torch")
     reference = profiler.device_name()
     assert reference.endswith(", codecs torch)")
-    monkeypatch.setenv("ADACC_CODEC_BACKEND", "native")
+    monkeypatch.setenv(BACKEND_ENV_VAR, "native")
     assert profiler.device_name() == reference.replace(
         "codecs torch", f"codecs native {native.vector_isa()}")

@@ -104,7 +104,8 @@ def device_name(device: torch.device | None = None) -> str:
                     break
     except OSError:
         pass
-    return (f"{cpu} ({torch.get_num_threads()} threads, torch {torch.backends.cpu.get_cpu_capability()}, "
+    return (f"{cpu} ({torch.get_num_threads()} threads, "
+            f"torch {torch.backends.cpu.get_cpu_capability()}, "
             f"codecs {codec_backend.describe(torch.device('cpu'))})")
 
 

@@ -817,11 +817,11 @@ INLINE void bf16_batch_ranges(const void *x, const int64_t *at, int64_t r0, int6
 
 /* Ranges of the n <= LANES groups from r0 (where they lie: group_at), the first starting at
  * channel ch, as vectors (lane g: group g), or with `sym` their sym bounds; lanes past n
- * unusable. Each group leaves lane-wise partial results, group g's at position BIT_REVERSED[g], and FOLD
- * halves all LANES vectors at once (a transposing reduction) down to one whose lane g is
- * group g's: a fold per group and statistic where reducing each group's vector alone took one
- * per halving, plus moving the results lane by lane into the vector the scales are computed
- * from. */
+ * unusable. Each group leaves lane-wise partial results, group g's at position
+ * BIT_REVERSED[g], and FOLD halves all LANES vectors at once (a transposing reduction) down to
+ * one whose lane g is group g's: a fold per group and statistic where reducing each group's
+ * vector alone took one per halving, plus moving the results lane by lane into the vector the
+ * scales are computed from. */
 INLINE void batch_ranges(const void *x, int dtype, const int64_t *at, int64_t r0, int64_t n, int64_t cols,
                          Zeroing z, int64_t ch, int sym, vf *lo, vf *hi, vi *finite) {
 #ifdef BF16_KEYS
