@@ -64,7 +64,8 @@ def small_costs(draw):
                       held_non_layer_bytes=draw(st.integers(0, non_layer)),
                       backward_workspace_bytes=draw(st.integers(0, 30)), micro_batch_size=1,
                       in_flight_micro_batches=draw(st.integers(1, 3)),
-                      embedding_bytes=draw(st.integers(0, 20)))
+                      embedding_bytes=draw(st.integers(0, 20)),
+                      hooked_layer_s=draw(st.sampled_from([0.0, 0.3, 1.5])))
 
 
 def all_layer_policies(costs, allow_lossy):
@@ -153,7 +154,11 @@ def test_optimal_against_exhaustive_enumeration(costs, budget, per_layer, allow_
     assert result.peak_bytes <= budget
     assert result.minimum_feasible_budget == least_peak
     assert result.activation_bytes == result.peak_bytes - costs.static_bytes
-    assert sum(row.time_added_s for row in result.rows) == pytest.approx(result.added_time_s)
+    hooked = [layer for layer, decisions in enumerate(result.layer_decisions)
+              if any(decision.action != RETAIN for decision in decisions.values())]
+    assert result.hooks_time_s == pytest.approx(len(hooked) * costs.hooked_layer_s)
+    assert (sum(row.time_added_s for row in result.rows) + result.hooks_time_s
+            == pytest.approx(result.added_time_s))
 
 
 @settings(max_examples=150, deadline=None)
@@ -483,3 +488,33 @@ def test_each_stage_gets_its_fastest_plan_against_exhaustive_enumeration(pipelin
         assert stage_plan.result.peak_bytes <= budget
         assert stage_plan.result.minimum_feasible_budget == least_peak
         first_layer += costs.num_layers
+
+
+@pytest.mark.parametrize("method", ["frontier", "milp"])
+def test_the_hooks_are_charged_once_per_layer_with_any_action(method):
+    """Two layers must shed 10 bytes between them: compressing ln2_out in one layer (1.0 s) or
+    gelu_in in both (0.4 s each). Every layer with an action runs under the runtime's hooks;
+    at 0.5 s a layer, touching one layer is the faster plan."""
+    def costs(hooked_layer_s):
+        return ModelCosts(
+            sites=[SiteCost("ln2_out", 10, "float32",
+                            codecs=(CodecCost(get_site("ln2_out").default_codec, 0, 1.0, 0.0),)),
+                   SiteCost("gelu_in", 10, "float32",
+                            codecs=(CodecCost(get_site("gelu_in").default_codec, 5, 0.4, 0.0),))],
+            num_layers=2, static_bytes=0, non_layer_bytes=50, backward_workspace_bytes=0,
+            micro_batch_size=1, hooked_layer_s=hooked_layer_s)
+
+    def touched(result):
+        return [[name for name, decision in layer.items() if decision.action != RETAIN]
+                for layer in result.layer_decisions]
+
+    free = planner.plan(costs(0.0), 80, method=method)
+    assert touched(free) == [["gelu_in"], ["gelu_in"]]
+    assert free.added_time_s == pytest.approx(0.8)
+    hooked = planner.plan(costs(0.5), 80, method=method)
+    assert sorted(touched(hooked)) == [[], ["ln2_out"]]
+    assert hooked.added_time_s == pytest.approx(1.5)
+    assert hooked.hooks_time_s == pytest.approx(0.5)
+    assert "(runtime hooks)" in planner.format_plan(hooked)
+    # Nothing to shed: no layer is hooked, and nothing is charged.
+    assert planner.plan(costs(0.5), 90, method=method).added_time_s == 0.0

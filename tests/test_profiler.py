@@ -299,3 +299,55 @@ def test_a_timed_step_that_grew_the_heap_is_run_again(distributed, monkeypatch):
     rebuilds = [site.rebuild_s for site in costs.sites if site.segment] + [op.rebuild_s for op in costs.operators]
     assert decodes and rebuilds
     assert max(decodes) < slow_s / 2 and max(rebuilds) < slow_s / 2, (decodes, rebuilds)
+
+
+def test_the_hooks_are_timed_on_the_measured_layer_keeping_everything(distributed, monkeypatch):
+    """hooked_layer_s: one untimed and 10 x ``repeats`` timed steps run the measured layer
+    under its hooks with nothing to act on (the same number stock), each on one short
+    sequence."""
+    from megatron_adacc.runtime.storage import LayerCall
+
+    idle_calls: list[tuple[int, tuple]] = []
+    step_tokens = []
+    init = LayerCall.__init__
+
+    def spy(call, layer_index, attributor, actions, ruler, rebuild):
+        init(call, layer_index, attributor, actions, ruler, rebuild)
+        if not actions:
+            idle_calls.append((layer_index, step_tokens[-1]))
+
+    def recording_loss(model, micro_batch):
+        step_tokens.append(tuple(micro_batch[0].shape))
+        return model_lib.gpt_loss(model, *micro_batch)
+
+    monkeypatch.setattr(LayerCall, "__init__", spy)
+    model = build(True, dropout=0.1)
+    costs = profile(model, batch(0), repeats=2, strict=True, loss_fn=recording_loss)
+    assert len(idle_calls) == 1 + 10 * 2
+    assert set(idle_calls) == {(costs.meta["measured_layer"], (1, 16))}
+    assert step_tokens.count((1, 16)) == 2 * (1 + 10 * 2)
+    assert costs.hooked_layer_s >= 0
+    assert not any(layer.force_hooks for layer in model.decoder.layers)
+
+
+@pytest.mark.parametrize("seq, tp, sp, cp, expected", [
+    (32, 1, False, 1, 16),      # halved down to 16 tokens
+    (96, 1, False, 1, 24),      # 12 would be under 16
+    (100, 1, False, 1, 25),     # odd: no further halving
+    (256, 4, True, 1, 16),      # sequence parallel over 4 ranks: 16 splits evenly
+    (256, 4, True, 4, 32),      # and context parallel in 8 chunks: 32 tokens at least
+    (256, 4, False, 1, 16),     # without sequence parallelism the ranks share the sequence
+])
+def test_the_hooks_are_timed_on_the_shortest_sequence_the_parallelism_splits(seq, tp, sp, cp,
+                                                                              expected):
+    from types import SimpleNamespace
+
+    from megatron_adacc.profiling.profiler import hook_timing_batch
+
+    config = SimpleNamespace(tensor_model_parallel_size=tp, sequence_parallel=sp,
+                             context_parallel_size=cp)
+    tokens = torch.arange(3 * seq).view(3, seq)
+    short = hook_timing_batch((tokens, tokens + 1, torch.ones(3, seq)), config)
+    assert [tuple(tensor.shape) for tensor in short] == [(1, expected)] * 3
+    assert torch.equal(short[0], tokens[:1, :expected])
+    assert torch.equal(short[1], tokens[:1, :expected] + 1)

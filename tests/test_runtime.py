@@ -143,3 +143,26 @@ def test_apply_plan_rejects_layers_outside_the_model_and_stock_models(distribute
         apply_plan(build(True), Plan.from_dict({"layers": {"2-3": {"sites": {"qkv": "recompute"}}}}))
     with pytest.raises(PlanError, match="no Adacc layers"):
         apply_plan(build(False), Plan())
+
+
+@pytest.mark.parametrize("attention_backend", ["unfused", "flash"])
+def test_a_layer_run_under_its_hooks_with_nothing_to_act_on_trains_as_the_stock_layer(
+        distributed, monkeypatch, attention_backend):
+    """What the profiler times as the hooks' own cost (costs.hooked_layer_s): every layer
+    forward enters the runtime's saved-tensor hooks, and training is the stock model's bit
+    for bit."""
+    entered = []
+    hooks = torch.autograd.graph.saved_tensors_hooks
+
+    def counted(pack, unpack):
+        entered.append(pack)
+        return hooks(pack, unpack)
+
+    dropout = 0.0 if attention_backend == "flash" else 0.1
+    stock = train(build(False, dropout=dropout, attention_backend=attention_backend), steps=3)
+    model = build(True, dropout=dropout, attention_backend=attention_backend)
+    for layer in adacc_layers(model):
+        layer.force_hooks = True
+    monkeypatch.setattr(torch.autograd.graph, "saved_tensors_hooks", counted)
+    assert_same_training(stock, train(model, steps=3))
+    assert len(entered) == 3 * len(adacc_layers(model))

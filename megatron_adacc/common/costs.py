@@ -24,6 +24,11 @@ A recomputed site is rebuilt one of two ways (sites.REBUILDS says which):
   is the deepest recomputed site of its segment.
 
 The planner turns these into a layer's rebuild time (planning.rebuild_charges).
+
+A layer with any site compressed or recomputed runs under the runtime's hooks (a pack and an
+unpack call for every tensor it saves, a pre- and post-hook on each of its submodules), which
+a layer that keeps everything does without: ``hooked_layer_s`` is what that adds to a step,
+once per such layer whatever its decisions.
 """
 from __future__ import annotations
 
@@ -35,7 +40,8 @@ from megatron_adacc.common import sites as site_table
 
 # 2: rebuild_s from the segment start and segments replace per-op recompute_s and sources.
 # 3: allocator_overhead_bytes. 4: operator-level rebuilds (operators, SiteCost.operator).
-FORMAT_VERSION = 4
+# 5: hooked_layer_s.
+FORMAT_VERSION = 5
 
 
 class CostsError(ValueError):
@@ -139,6 +145,8 @@ class ModelCosts:
     # holding it) through the next micro-batch's forward: stages after the first whose 1F1B
     # runs a forward after a backward (planning.stage_costs says which).
     received_input_bytes: int = 0
+    # What running one layer under the runtime's hooks adds to a step (module docstring).
+    hooked_layer_s: float = 0.0
     # Free-form provenance: model shape, device or accelerator, dtype, who produced it.
     meta: dict[str, Any] = field(default_factory=dict)
 
@@ -180,6 +188,8 @@ class ModelCosts:
                               (self.held_non_layer_bytes, "held_non_layer_bytes")):
             if number < 0:
                 raise CostsError(f"{label} must be >= 0, got {number}")
+        if self.hooked_layer_s < 0:
+            raise CostsError(f"hooked_layer_s must be >= 0, got {self.hooked_layer_s}")
         if self.held_non_layer_bytes > self.non_layer_bytes:
             raise CostsError(f"held_non_layer_bytes {self.held_non_layer_bytes} exceeds "
                              f"non_layer_bytes {self.non_layer_bytes}")
@@ -281,6 +291,7 @@ class ModelCosts:
             embedding_bytes=int(data.get("embedding_bytes", 0)),
             received_input_bytes=int(data.get("received_input_bytes", 0)),
             held_non_layer_bytes=int(data.get("held_non_layer_bytes", 0)),
+            hooked_layer_s=float(data["hooked_layer_s"]),
             meta=dict(data.get("meta", {})),
         )
 

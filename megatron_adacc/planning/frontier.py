@@ -99,7 +99,7 @@ def layer_frontier(costs: ModelCosts, allow_lossy_sources: bool = True) -> Front
     on the per-layer costs only, so re-planning the same costs at another budget reuses it
     (``clear_frontier_cache`` forgets it, e.g. to time a cold search)."""
     return _frontier(tuple(costs.sites), tuple(costs.segments), tuple(costs.operators),
-                     allow_lossy_sources, transient_floor(costs))
+                     allow_lossy_sources, transient_floor(costs), costs.hooked_layer_s)
 
 
 def clear_frontier_cache() -> None:
@@ -110,7 +110,7 @@ def clear_frontier_cache() -> None:
 @functools.lru_cache(maxsize=32)
 def _frontier(sites: tuple[SiteCost, ...], segments: tuple[Segment, ...],
               operators: tuple[Operator, ...], allow_lossy_sources: bool,
-              floor: int) -> Frontier:
+              floor: int, hooked_layer_s: float) -> Frontier:
     """Sites are added in this order (``_build_order``): the operators' products, last
     operator first; then deepest first for the re-runs: the segments last to first, each
     segment's sites by rebuild time, longest first; then the sites nothing rebuilds; except
@@ -130,7 +130,9 @@ def _frontier(sites: tuple[SiteCost, ...], segments: tuple[Segment, ...],
     held (``rerun_source_bytes``, unless a flag charged it already), dropped for exact plans
     if lossy. The whole is built once per cap of the decoded term (module docstring); within
     a cap, the compressed bytes of each group of sites decoded together are carried in the
-    state while the group has sites to come."""
+    state while the group has sites to come. Every policy but keeping everything is charged
+    ``hooked_layer_s`` at the end: a constant over them, so pruning before it lost at most
+    keeping everything, which is put back."""
     names = [segment.name for segment in segments]
     none = len(segments)            # "no segment rebuilt yet"
     order = _build_order(sites, segments, operators)
@@ -259,6 +261,12 @@ def _frontier(sites: tuple[SiteCost, ...], segments: tuple[Segment, ...],
     first = np.ones(len(by_policy), dtype=bool)
     first[1:] = codes[by_policy][1:] != codes[by_policy][:-1]
     vectors, codes = vectors[by_policy[first]], codes[by_policy[first]]
+    # Choice 0 of every site is to retain it (site_options): code 0 keeps everything. A free
+    # action may have pruned it, but not once every other policy pays for the hooks.
+    if not (codes == 0).any():
+        vectors = np.vstack([vectors, [0.0, sum(site.bytes for site in order), 0.0]])
+        codes = np.append(codes, 0)
+    vectors[codes != 0, 0] += hooked_layer_s
     clipped = vectors.copy()
     clipped[:, 2] = np.maximum(clipped[:, 2], floor)
     keep = pareto_indices(clipped)

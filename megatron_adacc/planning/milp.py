@@ -7,10 +7,10 @@ A linear programme cannot call the model per policy, so its coefficients are the
 per-site terms: each option's time, stored and additive transient bytes (``site_options``),
 the decoded term as the largest compressed sum over ``decoded_sets``, the held sources (a
 compressed re-run start or operator source, ``source_bytes``; forbidden for exact plans
-where a lossy codec holds it), the segments' run times, the
-operators' times (once per operator with a recomputed product), and the budget as the peak
-rule's limits (``budget_limits``). The plan CBC returns is re-evaluated by the model and kept only
-if its exact peak fits.
+where a lossy codec holds it), the segments' run times, the operators' times (once per
+operator with a recomputed product), the hooks' time (once per layer with any action), and
+the budget as the peak rule's limits (``budget_limits``). The plan CBC returns is
+re-evaluated by the model and kept only if its exact peak fits.
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from megatron_adacc.common.costs import ModelCosts, segment_run_s
 from megatron_adacc.planning.model import (LayerPolicy, budget_limits, decoded_sets,
                                            evaluate_layer, peak_bytes, site_options,
                                            source_bytes)
-from megatron_adacc.common.sites import COMPRESS, RECOMPUTE, VIEW_PAYLOADS
+from megatron_adacc.common.sites import COMPRESS, RECOMPUTE, RETAIN, VIEW_PAYLOADS
 
 # CBC works in floating point with absolute tolerances near 1e-7: bytes are given to it in
 # units of 1/1024 of the budget and times in ms, so that coefficients are of order 1..1e5
@@ -104,8 +104,12 @@ def plan_direct_milp(costs: ModelCosts, budget: int, per_layer: bool,
                                if opt.lossy)
             problem.addConstraint(lossy + reader <= 1)
 
+    # A layer with any action runs under the runtime's hooks (model.is_hooked): continuous in
+    # [0, 1], pushed down by the objective.
+    hooked = {g: pulp.LpVariable(f"hooked_{g}", 0, 1) for g in groups}
     weight = 1 if per_layer else num_layers
     problem += pulp.lpSum(weight * (total(g, "time_s", 1 / _MS)
+                                    + costs.hooked_layer_s * _MS * hooked[g]
                                     + pulp.lpSum(rebuild[g, k] for k in range(len(held)))
                                     + pulp.lpSum(operator.rebuild_s * _MS * ran[g, k]
                                                  for k, operator in enumerate(costs.operators)))
@@ -113,6 +117,9 @@ def plan_direct_milp(costs: ModelCosts, budget: int, per_layer: bool,
     for g in groups:
         for name, opts in options.items():
             problem += pulp.lpSum(x[g, name, i] for i in range(len(opts))) == 1
+            for i, opt in enumerate(opts):
+                if opt.decision.action != RETAIN:
+                    problem += hooked[g] >= x[g, name, i]
         for k, sites in enumerate(held):
             for site in sites:
                 problem += rebuild[g, k] >= site.rebuild_s * _MS * chosen(g, site.name, RECOMPUTE)

@@ -82,6 +82,9 @@ way the runtime rebuilds it (values cached for the layer's backward), one of two
   its start is recomputed too (the earlier segment then runs whole, and its output is that
   start), and re-runs from its start, retained or decoded, otherwise (``rerun_chains``).
 
+A layer with any site compressed or recomputed also pays ``hooked_layer_s`` once: the
+runtime's hooks, which a layer keeping everything runs without (``is_hooked``).
+
 A layer policy is still a vector (time, stored, transient). Exactness: a rebuild reads
 saved values, the start of each re-run's first segment and its operators' sources; with
 ``allow_lossy_sources=False`` none of those may be compressed by a lossy codec (a mask the
@@ -97,7 +100,7 @@ import numpy as np
 from megatron_adacc.common import sites as site_table
 from megatron_adacc.common.costs import ModelCosts, Operator, Segment, SiteCost, segment_run_s
 from megatron_adacc.common.plan import RETAIN_DECISION, Decision
-from megatron_adacc.common.sites import COMPRESS, RECOMPUTE
+from megatron_adacc.common.sites import COMPRESS, RECOMPUTE, RETAIN
 
 # --- the per-site terms ----------------------------------------------------------------------
 @dataclass(frozen=True)
@@ -305,10 +308,18 @@ def site_times(costs: ModelCosts, decisions: Mapping[str, Decision]) -> dict[str
     return _site_times(costs, decisions, _chosen_options(costs, decisions))
 
 
+def is_hooked(decisions: Mapping[str, Decision]) -> bool:
+    """Whether a layer under ``decisions`` runs under the runtime's hooks: it compresses or
+    recomputes something."""
+    return any(decision.action != RETAIN for decision in decisions.values())
+
+
 def evaluate_layer(costs: ModelCosts, decisions: Mapping[str, Decision]) -> LayerPolicy:
     """The cost vector of a layer policy, straight from the definitions."""
     options = _chosen_options(costs, decisions)
-    return LayerPolicy(dict(decisions), sum(_site_times(costs, decisions, options).values()),
+    hooks_s = costs.hooked_layer_s if is_hooked(decisions) else 0.0
+    return LayerPolicy(dict(decisions),
+                       sum(_site_times(costs, decisions, options).values()) + hooks_s,
                        sum(option.stored for option in options.values()),
                        _layer_transient(costs, decisions, options))
 

@@ -8,7 +8,7 @@ from typing import Any, Iterable, Sequence
 
 from megatron_adacc.common.costs import ModelCosts
 from megatron_adacc.common.plan import RETAIN_DECISION, Decision, Plan
-from megatron_adacc.planning.model import (LayerPolicy, evaluate_layer, peak_bytes,
+from megatron_adacc.planning.model import (LayerPolicy, evaluate_layer, is_hooked, peak_bytes,
                                            rebuilt_from, site_option, site_times)
 from megatron_adacc.common.sites import RECOMPUTE
 
@@ -54,6 +54,10 @@ class PlanResult:
     allow_lossy_sources: bool
     method: str
     rows: list[SiteRow]
+    # The layers that run under the runtime's hooks (any action), e.g. "0-3", and what the
+    # hooks add to a step there: the part of added_time_s no row holds.
+    hooked_layers: str = ""
+    hooks_time_s: float = 0.0
     references: dict[str, Totals] = field(default_factory=dict)
 
     @classmethod
@@ -67,6 +71,7 @@ class PlanResult:
             for layer in layers
         ]
         peak = peak_bytes(costs, layers)
+        hooked = [index for index, decisions in enumerate(layer_decisions) if is_hooked(decisions)]
         return cls(
             feasible=True,
             plan=Plan.from_layers(layer_decisions),
@@ -82,6 +87,8 @@ class PlanResult:
             allow_lossy_sources=allow_lossy_sources,
             method=method,
             rows=_rows(costs, layer_decisions),
+            hooked_layers=_ranges(hooked),
+            hooks_time_s=len(hooked) * costs.hooked_layer_s,
             references=_reference_totals(costs),
         )
 
@@ -100,6 +107,7 @@ class PlanResult:
             "method": self.method,
             "plan": self.plan.to_dict(),
             "sites": [row.__dict__ for row in self.rows],
+            "hooks": {"layers": self.hooked_layers, "time_s": self.hooks_time_s},
             "references": {name: t.__dict__ for name, t in self.references.items()},
         }
 

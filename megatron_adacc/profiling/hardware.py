@@ -646,6 +646,10 @@ def pipeline_costs(shape: ModelShape, micro_batch_size: int, accelerator: str | 
         non_layer_bytes=0,
         backward_workspace_bytes=backward_workspace_bytes(shape, micro_batch_size),
         micro_batch_size=micro_batch_size,
+        # The runtime's hooks are host code, a few hundred microseconds a layer (profiled on
+        # a CPU), run while the accelerator works through the layer's kernels: hidden, as
+        # the roofline has the host hidden everywhere else.
+        hooked_layer_s=0.0,
         meta={
             "source": "analytic",
             "accelerator": device.name,

@@ -375,6 +375,38 @@ class _Profiling:
                                "rebuilt values")
         return statistics.median(times)
 
+    # --- the runtime's hooks ------------------------------------------------------------
+    def hooked_layer_seconds(self) -> float:
+        """What running the measured layer under the runtime's hooks, with nothing to act
+        on, adds to a step: the median over 10 x ``repeats`` steps of each, stock and hooked
+        alternately, of the differences, after a pair untimed. The hooks are host code run
+        per save and per submodule call, whatever the sizes; on a CPU the steps run on a
+        short slice of the batch (``hook_timing_batch``), where the difference is not lost in
+        the noise of the step's arithmetic. On a GPU they run on the batch itself: there
+        the host code overlaps the kernels of a layer large enough, and hides behind them."""
+        batch = self.batch if self.device.type == "cuda" else hook_timing_batch(
+            self.batch, self.model.config)
+        apply_plan(self.model, Plan(), strict=self.strict)
+
+        def timed_step(hooked: bool) -> float:
+            self.layer.force_hooks = hooked
+            # Outside the clock: training attaches a hooked layer's submodule hooks once.
+            (self.layer.attributor.attach if hooked else self.layer.attributor.detach)()
+            self.model.zero_grad(set_to_none=True)
+            return timed(lambda: self.loss_fn(self.model, batch).backward(), self.device)[1]
+
+        differences = []
+        try:
+            for pair in range(1 + 10 * max(1, self.repeats)):
+                stock = timed_step(False)
+                difference = timed_step(True) - stock
+                if pair:
+                    differences.append(difference)
+        finally:
+            self.layer.force_hooks = False
+            self.model.zero_grad(set_to_none=True)
+        return max(0.0, statistics.median(differences))
+
     def _steady_steps(self, timed_step: Callable[[], tuple[object, bool]]) -> list[object]:
         """The results of ``repeats`` timed steps whose timed calls did not grow the host heap
         (``timed_step()`` runs one: its result, and whether one did). Such a call paid for
@@ -408,6 +440,19 @@ class _Profiling:
         flags = torch.tensor([int(flag)])
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
         return bool(flags.item())
+
+
+def hook_timing_batch(batch: Batch, config) -> Batch:
+    """One sequence of ``batch``, cut to its shortest prefix, by halving, that keeps at least
+    16 tokens and is still split evenly by the model's parallelism (sequence parallelism over
+    the tensor-parallel ranks, context parallelism in 2 x its size chunks)."""
+    unit = config.tensor_model_parallel_size if config.sequence_parallel else 1
+    if config.context_parallel_size > 1:
+        unit *= 2 * config.context_parallel_size
+    length = batch[0].shape[1]
+    while length % 2 == 0 and length // 2 >= 16 and (length // 2) % unit == 0:
+        length //= 2
+    return tuple(tensor[:1, :length] for tensor in batch)
 
 
 def _nondecreasing(values: Sequence[float]) -> list[float]:
@@ -481,6 +526,7 @@ def _profile(run: _Profiling) -> ModelCosts:
                    if edge.call in {operator.name for operator in operators}}
 
     rebuild_s = _rebuild_times(order, prefix_s)
+    hooked_layer_s = run.hooked_layer_seconds()
     sites = []
     for name in order:
         sites.append(SiteCost(
@@ -506,6 +552,7 @@ def _profile(run: _Profiling) -> ModelCosts:
         backward_workspace_bytes=hardware.backward_workspace_bytes(shape, micro_batch),
         micro_batch_size=micro_batch,
         operators=operators,
+        hooked_layer_s=hooked_layer_s,
         meta={
             "source": "profile",
             "device": device_name(run.device),

@@ -64,6 +64,8 @@ class AdaccTransformerLayer(TransformerLayer):
         # instruments such as the profiler may swap it between steps.
         self.actions: dict[str, tuple[str, object]] = {}
         self.codec_backend: str | None = None  # None: the codecs' default
+        # Run under the hooks even with nothing to act on: for instruments that time them.
+        self.force_hooks = False
         self._call: LayerCall | None = None
 
     @property
@@ -98,7 +100,7 @@ class AdaccTransformerLayer(TransformerLayer):
         if (self._rope_window is None and kwargs.get("rotary_pos_emb") is not None
                 and RopeWindow.applies_to(self.self_attention)):
             self._rope_window = RopeWindow(self.self_attention)
-        if not self.actions:
+        if not self.actions and not self.force_hooks:
             # Retain everything: that is the stock layer, so run it as one. Nothing needs
             # attributing, so neither saved-tensor hooks nor submodule hooks run (together
             # they cost a few percent of a step) but the RoPE window's, which sees RoPE's
