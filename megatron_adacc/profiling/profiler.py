@@ -380,10 +380,12 @@ class _Profiling:
         """What running the measured layer under the runtime's hooks, with nothing to act
         on, adds to a step: the median over 10 x ``repeats`` steps of each, stock and hooked
         alternately, of the differences, after a pair untimed. The hooks are host code run
-        per save and per submodule call, whatever the sizes; on a CPU the steps run on a
-        short slice of the batch (``hook_timing_batch``), where the difference is not lost in
-        the noise of the step's arithmetic. On a GPU they run on the batch itself: there
-        the host code overlaps the kernels of a layer large enough, and hides behind them."""
+        per save and per submodule call; on a CPU the steps run on a short slice of the
+        batch (``hook_timing_batch``), where the difference is not lost in the noise of the
+        step's arithmetic. Beside full-size tensors the same code runs on colder caches, so
+        this is a lower bound there (about half on the Llama bench shape, docs/design.md).
+        On a GPU the steps run on the batch itself: there the host code overlaps the kernels
+        of a layer large enough, and hides behind them."""
         batch = self.batch if self.device.type == "cuda" else hook_timing_batch(
             self.batch, self.model.config)
         apply_plan(self.model, Plan(), strict=self.strict)
