@@ -326,7 +326,6 @@ def test_the_hooks_are_timed_on_the_measured_layer_keeping_everything(distribute
     assert len(idle_calls) == 1 + 10 * 2
     assert set(idle_calls) == {(costs.meta["measured_layer"], (1, 16))}
     assert step_tokens.count((1, 16)) == 2 * (1 + 10 * 2)
-    assert costs.hooked_layer_s >= 0
     assert not any(layer.force_hooks for layer in model.decoder.layers)
 
 
