@@ -23,7 +23,7 @@ from megatron_adacc.common.costs import ModelCosts, segment_run_s
 from megatron_adacc.planning.model import (LayerPolicy, budget_limits, decoded_sets,
                                            evaluate_layer, peak_bytes, site_options,
                                            source_bytes)
-from megatron_adacc.common.sites import COMPRESS, RECOMPUTE, RETAIN, VIEW_PAYLOADS
+from megatron_adacc.common.sites import COMPRESS, RECOMPUTE, VIEW_PAYLOADS
 
 # CBC works in floating point with absolute tolerances near 1e-7: bytes are given to it in
 # units of 1/1024 of the budget and times in ms, so that coefficients are of order 1..1e5
@@ -117,9 +117,7 @@ def plan_direct_milp(costs: ModelCosts, budget: int, per_layer: bool,
     for g in groups:
         for name, opts in options.items():
             problem += pulp.lpSum(x[g, name, i] for i in range(len(opts))) == 1
-            for i, opt in enumerate(opts):
-                if opt.decision.action != RETAIN:
-                    problem += hooked[g] >= x[g, name, i]
+            problem += hooked[g] >= chosen(g, name, COMPRESS) + chosen(g, name, RECOMPUTE)
         for k, sites in enumerate(held):
             for site in sites:
                 problem += rebuild[g, k] >= site.rebuild_s * _MS * chosen(g, site.name, RECOMPUTE)
