@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from megatron_adacc.codecs.int4 import MIN_SCALE, SCALE_DTYPE, ceil_to_bf16, pack_nibbles, unpack_nibbles
+from megatron_adacc.codecs.int4 import (MIN_SCALE, SCALE_DTYPE, ceil_to_bf16, pack_nibbles, true_divide,
+                                        unpack_nibbles)
 
 
 def asym_encode(x2d: torch.Tensor, dmax: float):
@@ -19,7 +20,7 @@ def asym_encode(x2d: torch.Tensor, dmax: float):
     lo, hi = torch.aminmax(x2d, dim=1, keepdim=True)
     # Which zero is the minimum of {0.0, -0.0} depends on the reduction order: store +0.
     lo32 = torch.where(lo == 0, 0.0, lo.float())
-    scale = ceil_to_bf16((hi.float() - lo32) / 15).clamp_min(MIN_SCALE)
+    scale = ceil_to_bf16(true_divide(hi.float() - lo32, 15)).clamp_min(MIN_SCALE)
     # Usable when the whole grid min .. min + 15 * scale is finite in the input dtype; this
     # also rejects groups holding NaN or Inf (comparisons with NaN are False).
     ok = (lo32.abs() <= dmax) & ((lo32 + 15 * scale).abs() <= dmax)

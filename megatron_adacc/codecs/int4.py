@@ -44,6 +44,14 @@ def ceil_to_bf16(v: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isfinite(v), up, v)
 
 
+def true_divide(v: torch.Tensor, divisor: float) -> torch.Tensor:
+    """v / divisor rounded once, as the native and Triton kernels divide, on every device:
+    PyTorch's CUDA division by a Python number multiplies by the number's rounded reciprocal
+    instead, which moves a scale (x / 7.5, x / 15) across a bf16 boundary where x is a
+    16-bit value (seen on an H100); a divisor tensor on v's device is divided exactly."""
+    return v / torch.full_like(v, divisor)
+
+
 def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
     """Flat uint8 codes in [0, 15] -> bytes, element 2i in the low nibble of byte i."""
     flat = codes.reshape(-1)

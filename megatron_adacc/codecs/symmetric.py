@@ -21,6 +21,7 @@ from megatron_adacc.codecs.int4 import (
     SCALE_DTYPE,
     ceil_to_bf16,
     pack_nibbles,
+    true_divide,
     unpack_nibbles,
     zero_channels,
 )
@@ -32,7 +33,7 @@ def sym_scales(lo: torch.Tensor, hi: torch.Tensor, dmax: float) -> tuple[torch.T
     negative_extreme = -lo >= hi
     extreme = torch.where(negative_extreme, -lo, hi)
     opposite = torch.where(negative_extreme, hi, -lo)
-    magnitude = ceil_to_bf16(torch.maximum(extreme / 8, opposite / 7.5)).clamp_min(MIN_SCALE)
+    magnitude = ceil_to_bf16(torch.maximum(extreme / 8, true_divide(opposite, 7.5))).clamp_min(MIN_SCALE)
     ok = magnitude * 8 <= dmax
     scale = torch.where(negative_extreme, magnitude, -magnitude)
     return torch.where(ok, scale, 0.0), ok
