@@ -28,12 +28,16 @@ def test_report_renders_passes_failures_and_missing_measurements():
         "device": "NVIDIA H100", "torch": "2.6.0a0", "config": "configs/gpt-345m.yaml",
         "micro_batch_size": 4, "iters": 30,
         "codecs": {"cases": 2, "mismatches": ["bitmask torch.bool (7,): decoded tensors differ"],
-                   "ok": False},
+                   "ok": False,
+                   "speed": [{"codec": "naive_int4", "input_bytes": 1000, "payload_bytes": 262,
+                              "copy_ms": 0.5, "round_trip_ms": 2.0,
+                              "round_trip_of_copy": 0.25}]},
         "exactness": {"host_syncs_per_step": {"bf16 stock": 0, "bf16 recompute all": 2},
                       "mismatches": [], "ok": True},
         "training": {
             "runs": [{"name": "no optimisation", "tokens_per_s": 1234.5,
-                      "max_memory_allocated": 3 << 30, "max_memory_reserved": None},
+                      "max_memory_allocated": 3 << 30, "max_memory_reserved": None,
+                      "skipped_steps": 2},
                      {"name": "adacc auto at 60%", "error": "infeasible budget"}],
             "budgets": [{"budget_bytes": 2 << 30, "max_memory_allocated": None,
                          "predicted_peak_bytes": 1 << 30, "ok": False}],
@@ -43,5 +47,15 @@ def test_report_renders_passes_failures_and_missing_measurements():
     assert "1 mismatches:\n\n- bitmask torch.bool (7,): decoded tensors differ" in page
     assert "| bf16 recompute all | 2 |" in page
     assert "| 2,048 | - | 1,024 | NO |" in page
-    assert "| no optimisation | 1,234 | 3,072 | - |" in page
-    assert "| adacc auto at 60% | failed: infeasible budget | | |" in page
+    assert "| no optimisation | 1,234 | 3,072 | - | 2 |" in page
+    assert "| adacc auto at 60% | failed: infeasible budget | | | |" in page
+    assert "| naive_int4 | 0.262 | 0.500 | 2.000 | 0.25 |" in page
+
+
+def test_report_says_which_checks_did_not_run():
+    results = {"device": "NVIDIA H100", "torch": "2.6.0a0", "config": "configs/gpt-345m.yaml",
+               "micro_batch_size": 4, "iters": 30,
+               "exactness": {"host_syncs_per_step": {}, "mismatches": [], "ok": True}}
+    page = gpu_check.markdown(results)
+    assert "## codecs\n\nNot run." in page and "## training\n\nNot run." in page
+    assert "strict attribution: equal." in page
