@@ -196,6 +196,7 @@ class Adacc:
         self.config = config if config is not None else AdaccConfig(**options)
         self.model: torch.nn.Module | None = None
         self.static_bytes: int | None = None
+        self.optimizer_step_bytes: int | None = None
         self.activation_bytes: int | None = None       # the ruler's last measurement
         self.activation_peak_bytes: int | None = None
         self._resolved: policies.Resolved | None = None
@@ -215,7 +216,8 @@ class Adacc:
     # --- set-up --------------------------------------------------------------------------------
     def setup(self, model: torch.nn.Module, batch: profiler.Batch,
               loss_fn: LossFn | None = None, *, num_micro_batches: int = 1,
-              verbose: bool = True, static_bytes: int | None = None) -> "Adacc":
+              verbose: bool = True, static_bytes: int | None = None,
+              optimizer_step_bytes: int | None = None) -> "Adacc":
         """Resolve the policy for ``model`` (built with ``layer_spec()``; with pipeline
         stages, this rank's stage) and apply it. ``batch`` is a real micro-batch (tokens,
         labels, loss mask) of this rank, at the micro-batch size training runs;
@@ -228,12 +230,16 @@ class Adacc:
         ``static_bytes``: what this rank's parameters, gradients and optimizer hold for the
         whole run (the trainer passes ``hardware.engine_static_bytes`` of megatron's
         engine); default: ``hardware.model_static_bytes``, megatron's engine at one
-        data-parallel rank without the distributed optimizer. On a CPU, glibc keeps freed
+        data-parallel rank without the distributed optimizer. ``optimizer_step_bytes``:
+        what its optimizer step adds on top, when no activation is alive (the trainer
+        passes ``hardware.engine_step_bytes``); default: ``hardware.model_step_bytes``,
+        that same engine's. On a CPU, glibc keeps freed
         memory for reuse from here on, for the whole process
         (``allocator.recycle_freed_host_memory``): the profiler's timings and training's
         steps then see one allocator, not pages faulted in afresh by some calls and not
         others."""
-        _check_setup_arguments(model, batch, loss_fn, num_micro_batches, static_bytes)
+        _check_setup_arguments(model, batch, loss_fn, num_micro_batches, static_bytes,
+                               optimizer_step_bytes)
         if batch[0].device.type == "cpu":
             allocator.recycle_freed_host_memory()
         config = self.config
@@ -245,10 +251,13 @@ class Adacc:
         self._loss_fn = loss_fn
         self.static_bytes = (static_bytes if static_bytes is not None
                              else hardware.model_static_bytes(model))
+        self.optimizer_step_bytes = (optimizer_step_bytes if optimizer_step_bytes is not None
+                                     else hardware.model_step_bytes(model))
         self._resolved = policies.resolve(
             config.policy, self._budget(), model, batch, db=ProfileDB(config.profile_db),
             reprofile=config.reprofile, strict=config.strict, loss_fn=loss_fn,
-            num_micro_batches=num_micro_batches, static_bytes=self.static_bytes)
+            num_micro_batches=num_micro_batches, static_bytes=self.static_bytes,
+            optimizer_step_bytes=self.optimizer_step_bytes)
         if self._resolved.plan is not None:
             self._apply(self._resolved.plan)
         if config.tracks and self._resolved.result is not None:
@@ -413,7 +422,7 @@ class Adacc:
 
 
 def _check_setup_arguments(model, batch, loss_fn, num_micro_batches: int,
-                           static_bytes: int | None) -> None:
+                           static_bytes: int | None, optimizer_step_bytes: int | None) -> None:
     """TypeError/ValueError naming the argument of ``setup`` that has the wrong shape."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"Adacc.setup: model must be a torch.nn.Module, got "
@@ -431,11 +440,12 @@ def _check_setup_arguments(model, batch, loss_fn, num_micro_batches: int,
             or num_micro_batches < 1):
         raise ValueError(f"Adacc.setup: num_micro_batches must be a positive integer, got "
                          f"{num_micro_batches!r}")
-    if static_bytes is not None and (isinstance(static_bytes, bool)
-                                     or not isinstance(static_bytes, numbers.Integral)
-                                     or static_bytes < 0):
-        raise ValueError(f"Adacc.setup: static_bytes must be a non-negative integer or None, "
-                         f"got {static_bytes!r}")
+    for name, value in (("static_bytes", static_bytes),
+                        ("optimizer_step_bytes", optimizer_step_bytes)):
+        if value is not None and (isinstance(value, bool)
+                                  or not isinstance(value, numbers.Integral) or value < 0):
+            raise ValueError(f"Adacc.setup: {name} must be a non-negative integer or None, "
+                             f"got {value!r}")
 
 
 _STAGE_METRICS = ("pipeline_stage", "plan_id", "static_bytes", "activation_bytes",

@@ -127,14 +127,16 @@ def resolve(policy: str, budget_bytes: int | None, model: torch.nn.Module | None
             batch: profiler.Batch | None = None, *, db: ProfileDB | None = None,
             reprofile: bool = False, strict: bool = False,
             loss_fn: profiler.LossFn | None = None, num_micro_batches: int = 1,
-            static_bytes: int | None = None) -> Resolved:
+            static_bytes: int | None = None,
+            optimizer_step_bytes: int | None = None) -> Resolved:
     """The plan for ``policy`` (on this rank's pipeline stage, whose layers it numbers as
     the whole model does). ``auto`` needs the model (built with the Adacc layer spec), one
     real micro-batch and, with pipeline stages, the micro-batches per step (1F1B keeps up to
     that many in flight); it raises planning.InfeasibleBudget (a ValueError naming the
     smallest feasible budget) when nothing fits. ``static_bytes``: what this rank's
     parameters and optimizer hold (``hardware.engine_static_bytes``; None: the profile's, the
-    optimizer held whole), which a stored profile cannot know."""
+    optimizer held whole), which a stored profile cannot know; ``optimizer_step_bytes``
+    likewise what its optimizer step adds (``hardware.engine_step_bytes``)."""
     if policy == "none":
         return Resolved(policy, None, budget_bytes)
     if policy == "full-recompute":
@@ -148,10 +150,12 @@ def resolve(policy: str, budget_bytes: int | None, model: torch.nn.Module | None
                                       loss_fn)
     stage, _ = pipeline_stage()
     own = (planning.StageMemory(costs.static_bytes, costs.embedding_bytes, costs.non_layer_bytes,
-                                costs.held_non_layer_bytes)
+                                costs.held_non_layer_bytes, costs.optimizer_step_bytes)
            if stage == 0 else profiler.stage_memory(model, batch, strict=strict, loss_fn=loss_fn))
     if static_bytes is not None:
         own = replace(own, static_bytes=static_bytes)
+    if optimizer_step_bytes is not None:
+        own = replace(own, optimizer_step_bytes=optimizer_step_bytes)
     stages = planning.stage_costs(costs, from_every_stage(own), model.config.num_layers,
                                   num_micro_batches)
     # Every rank plans every stage from the same costs with the same deterministic planner:

@@ -65,6 +65,8 @@ def small_costs(draw):
                       backward_workspace_bytes=draw(st.integers(0, 30)), micro_batch_size=1,
                       in_flight_micro_batches=draw(st.integers(1, 3)),
                       embedding_bytes=draw(st.integers(0, 20)),
+                      # fp16's gradient copies: none, or up to more than a plan keeps
+                      optimizer_step_bytes=draw(st.sampled_from([0, 40, 400])),
                       hooked_layer_s=draw(st.sampled_from([0.0, 0.3, 1.5])))
 
 
@@ -401,7 +403,7 @@ def simulate_1f1b(costs, layers, stage, pipeline_size, num_micro_batches):
     until this forward returns); a backward walks the layers top down, layer l holding its
     transient and the workspace while the layers below it are still stored. The part of the
     non-layer bytes a cached tensor holds (the causal mask) is allocated by the first forward
-    and never freed."""
+    and never freed. The optimizer step comes last, its gradient copies over what is left."""
     warmup = min(pipeline_size - stage - 1, num_micro_batches)
     order = ["F"] * warmup + ["F", "B"] * (num_micro_batches - warmup) + ["B"] * warmup
     received = costs.site("layer_in").bytes if stage > 0 else 0
@@ -419,7 +421,7 @@ def simulate_1f1b(costs, layers, stage, pipeline_size, num_micro_batches):
                 live -= layer.stored_bytes
             live -= costs.embedding_bytes
     assert live == costs.static_bytes + cached
-    return peak
+    return max(peak, live + costs.optimizer_step_bytes)
 
 
 @st.composite
@@ -431,7 +433,8 @@ def tiny_pipelines(draw):
     embedding, output = draw(st.integers(0, 20)), draw(st.integers(0, 80))
     mask = draw(st.integers(0, 10))   # a cached tensor on every stage, never freed
     memory = [planner.StageMemory(draw(st.integers(0, 50)), embedding if stage == 0 else 0,
-                                  (output if stage == pipeline_size - 1 else 0) + mask, mask)
+                                  (output if stage == pipeline_size - 1 else 0) + mask, mask,
+                                  draw(st.sampled_from([0, 40, 400])))
               for stage in range(pipeline_size)]
     layers = pipeline_size * draw(st.integers(1, 2))
     return planner.stage_costs(costs, memory, layers, num_micro_batches), num_micro_batches

@@ -41,7 +41,7 @@ from megatron_adacc.common import sites as site_table
 # 2: rebuild_s from the segment start and segments replace per-op recompute_s and sources.
 # 3: allocator_overhead_bytes. 4: operator-level rebuilds (operators, SiteCost.operator).
 # 5: hooked_layer_s.
-FORMAT_VERSION = 5
+FORMAT_VERSION = 6
 
 
 class CostsError(ValueError):
@@ -129,6 +129,10 @@ class ModelCosts:
     # How far the CUDA caching allocator's reserved peak of an all-retain step exceeded the
     # peak this model predicts (fragmentation, cached blocks, kernels' workspaces); 0 on a CPU.
     allocator_overhead_bytes: int = 0
+    # What the optimizer step adds to static while no activations are alive: megatron's fp16
+    # optimizer copies every 16-bit gradient to fp32 in its step and drops the copies at the
+    # next zero_grad, before the forward.
+    optimizer_step_bytes: int = 0
     segments: tuple[Segment, ...] = MEGATRON_SEGMENTS
     # The operator-level rebuilds, in the order the runtime runs them (sites.REBUILDS).
     operators: tuple[Operator, ...] = ()
@@ -185,6 +189,7 @@ class ModelCosts:
                               (self.received_input_bytes, "received_input_bytes"),
                               (self.backward_workspace_bytes, "backward_workspace_bytes"),
                               (self.allocator_overhead_bytes, "allocator_overhead_bytes"),
+                              (self.optimizer_step_bytes, "optimizer_step_bytes"),
                               (self.held_non_layer_bytes, "held_non_layer_bytes")):
             if number < 0:
                 raise CostsError(f"{label} must be >= 0, got {number}")
@@ -283,6 +288,7 @@ class ModelCosts:
             backward_workspace_bytes=int(data["backward_workspace_bytes"]),
             micro_batch_size=int(data["micro_batch_size"]),
             allocator_overhead_bytes=int(data["allocator_overhead_bytes"]),
+            optimizer_step_bytes=int(data["optimizer_step_bytes"]),
             segments=tuple(Segment(**segment) for segment in data["segments"]),
             operators=tuple(Operator(name=op["name"], sources=tuple(op["sources"]),
                                      rebuild_s=float(op["rebuild_s"]))

@@ -5,9 +5,10 @@ their charges and their limits from this module; none restates a rule.
 Memory model (one pipeline stage, identical layers, layer 0 nearest the embedding; the stage
 keeps k = ``in_flight_micro_batches`` micro-batches in flight, 1 without pipelining):
 
-    peak = static + allocator_overhead + (k - 1) x (A + E) + E
-                  + max( non_layer + R + A,                                 # end of forward
-                         max_l [ sum_{j<=l} stored(j) + transient(l) ] + workspace + H )
+    peak = static + allocator_overhead + max( (k - 1) x (A + E) + E + max(
+                  non_layer + R + A,                                        # end of forward
+                  max_l [ sum_{j<=l} stored(j) + transient(l) ] + workspace + H ),
+              optimizer_step + H )                                          # the step
 
     A = sum_l stored(l), one micro-batch's layers; E = ``embedding_bytes`` (first stage);
     R = ``received_input_bytes`` (later stages, when a forward follows a backward);
@@ -31,6 +32,11 @@ the received input's AccumulateGrad, which holds the input. So one more stage in
 through every forward that follows a backward, up to the end of that forward (its loss on
 the last stage), and gone before the next backward starts. It is held for no backward, so
 it is no part of the after-forward bytes (``forward_end_bytes``).
+
+optimizer_step (``optimizer_step_bytes``) is what the optimizer step adds while no activation
+is alive but the cached H: megatron's fp16 optimizer's fp32 copies of the gradients, made in
+the step and dropped at the next zero_grad, before the forward. It only sets the peak of a
+plan that keeps less than it.
 
 allocator_overhead is what the profiler saw the CUDA caching allocator reserve beyond this
 model's prediction on an all-retain step (0 on a CPU).
@@ -344,7 +350,9 @@ def activation_terms(costs: ModelCosts, all_stored, backward_peak):
 def peak_from_terms(costs: ModelCosts, all_stored, backward_peak):
     """The peak rule, given A and max_l [prefix(l) + transient(l)]."""
     return (costs.static_bytes + costs.allocator_overhead_bytes
-            + activation_terms(costs, all_stored, backward_peak + costs.backward_workspace_bytes))
+            + np.maximum(activation_terms(costs, all_stored,
+                                          backward_peak + costs.backward_workspace_bytes),
+                         costs.held_non_layer_bytes + costs.optimizer_step_bytes))
 
 
 def _stored_terms(layers: Sequence[LayerPolicy]) -> tuple[int, int]:
@@ -380,7 +388,8 @@ def activation_peak_bytes(costs: ModelCosts, layers: Sequence[LayerPolicy]) -> i
 class Limits(NamedTuple):
     """The peak rule turned round: a plan fits a budget iff its layers store at most
     ``all_stored`` bytes together (one micro-batch) and (k - 1) x that total + every
-    layer's prefix + transient is at most ``backward``."""
+    layer's prefix + transient is at most ``backward`` (and the budget holds the optimizer
+    step, which no plan changes: the searches check the smallest feasible budget first)."""
 
     all_stored: int
     backward: int

@@ -47,12 +47,14 @@ class StageMemory:
     keeps per micro-batch (the first stage) and the non-layer activations freed before its
     layers backprop (the output layer and loss on the last stage; a cached tensor every
     layer shares, such as megatron's causal mask, on every stage), of which backward does not
-    free ``held_non_layer_bytes`` (that cached tensor)."""
+    free ``held_non_layer_bytes`` (that cached tensor), and what its optimizer step adds
+    (ModelCosts.optimizer_step_bytes)."""
 
     static_bytes: int
     embedding_bytes: int
     non_layer_bytes: int
     held_non_layer_bytes: int = 0
+    optimizer_step_bytes: int = 0
 
 
 def stage_costs(layer_costs: ModelCosts, stages: Sequence[StageMemory], num_layers: int,
@@ -70,6 +72,7 @@ def stage_costs(layer_costs: ModelCosts, stages: Sequence[StageMemory], num_laye
         in_flight = in_flight_micro_batches(index, len(stages), num_micro_batches)
         costs.append(replace(
             layer_costs, num_layers=layers, static_bytes=memory.static_bytes,
+            optimizer_step_bytes=memory.optimizer_step_bytes,
             embedding_bytes=memory.embedding_bytes, non_layer_bytes=memory.non_layer_bytes,
             held_non_layer_bytes=memory.held_non_layer_bytes,
             in_flight_micro_batches=in_flight,

@@ -299,6 +299,16 @@ def static_bytes(num_parameters: int, precision: str, zero_stage: int = 0,
                for per_parameter, stage in ((weights, 3), (grads, 2), (optimizer, 1)))
 
 
+def step_bytes(num_parameters: int, precision: str, zero_stage: int = 0,
+               data_parallel_size: int = 1) -> int:
+    """What the optimizer step adds for ``num_parameters`` (ModelCosts.optimizer_step_bytes):
+    with fp16, an fp32 copy of the gradient of each main parameter the rank steps (its
+    shard from ZeRO stage 1 on); Megatron-LM accumulates bf16 gradients in fp32, no copy."""
+    if precision != "fp16":
+        return 0
+    return 4 * (-(-num_parameters // data_parallel_size) if zero_stage >= 1 else num_parameters)
+
+
 # torch's Adam(W) state per stepped tensor: exp_avg and exp_avg_sq like the tensor, and a
 # 0-dim fp32 step count.
 _ADAM_MOMENTS = 2
@@ -309,36 +319,44 @@ def _adam_state_bytes(main_param: torch.Tensor) -> int:
     return _ADAM_MOMENTS * main_param.numel() * main_param.element_size() + _ADAM_STEP_BYTES
 
 
+def _gradient_dtype(param: torch.Tensor, grad_dtype: torch.dtype | None) -> torch.dtype:
+    """megatron's gradient buffer dtype for ``param``: ``grad_dtype``, by default fp32 for
+    fp32 and bf16 models (Megatron-LM accumulates bf16 in fp32), the parameter's for fp16."""
+    return grad_dtype or (param.dtype if param.dtype == torch.float16 else torch.float32)
+
+
 def model_static_bytes(model: torch.nn.Module, grad_dtype: torch.dtype | None = None) -> int:
-    """What megatron's engine holds for ``model`` on one data-parallel rank without the
-    distributed optimizer: parameters and buffers, a gradient buffer of ``grad_dtype``
-    (default: fp32 for fp32 and bf16 models, as Megatron-LM accumulates bf16 in fp32;
-    the parameter's dtype for fp16), fp32 main parameters for a 16-bit model with an fp32
-    copy of each 16-bit gradient, and Adam's state. Equal to ``engine_static_bytes`` of
-    that engine; for a model before it is wrapped (profiling, the Python API)."""
-    held = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
-    total = held
+    """What megatron's engine holds for ``model`` through a step on one data-parallel rank
+    without the distributed optimizer: parameters and buffers, a gradient buffer
+    (``_gradient_dtype``), fp32 main parameters for a 16-bit model, and Adam's state. Equal
+    to ``engine_static_bytes`` of that engine; for a model before it is wrapped (profiling,
+    the Python API)."""
+    total = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
     for param in model.parameters():
         if not param.requires_grad:
             continue
-        dtype = grad_dtype or (param.dtype if param.dtype == torch.float16 else torch.float32)
-        total += param.numel() * dtype.itemsize
+        total += param.numel() * _gradient_dtype(param, grad_dtype).itemsize
         if param.dtype != torch.float32:
             total += param.numel() * 4                       # the fp32 main parameter
-        if param.dtype != torch.float32 and dtype != torch.float32:
-            total += param.numel() * 4                       # its fp32 gradient
         total += _ADAM_MOMENTS * param.numel() * 4 + _ADAM_STEP_BYTES
     return total
 
 
+def model_step_bytes(model: torch.nn.Module, grad_dtype: torch.dtype | None = None) -> int:
+    """What that engine's optimizer step adds (ModelCosts.optimizer_step_bytes): an fp32
+    copy of each 16-bit gradient. Equal to ``engine_step_bytes``."""
+    return sum(param.numel() * 4 for param in model.parameters()
+               if param.requires_grad and param.dtype != torch.float32
+               and _gradient_dtype(param, grad_dtype) != torch.float32)
+
+
 def engine_static_bytes(model_chunks, optimizer) -> int:
-    """What megatron's engine holds on this rank for the whole run, read off the engine
-    before its first step: the distinct storages of the parameters and buffers, of
-    DistributedDataParallel's gradient (and, under the distributed optimizer, parameter)
-    buffers and of the optimizer's main parameters, the fp32 gradients a 16-bit gradient
-    buffer is copied into each step, and Adam's state, which torch allocates at the first
-    step: two moments like each main parameter (its shard, under the distributed
-    optimizer) and a step count."""
+    """What megatron's engine holds on this rank through every forward and backward, read
+    off the engine before its first step: the distinct storages of the parameters and
+    buffers, of DistributedDataParallel's gradient (and, under the distributed optimizer,
+    parameter) buffers and of the optimizer's main parameters, and Adam's state, which
+    torch allocates at the first step: two moments like each main parameter (its shard,
+    under the distributed optimizer) and a step count."""
     storages: dict[int, int] = {}
 
     def hold(tensor: torch.Tensor) -> None:
@@ -352,7 +370,7 @@ def engine_static_bytes(model_chunks, optimizer) -> int:
             hold(buffer.grad_data)
             if buffer.param_data is not None:
                 hold(buffer.param_data)
-    state = copied_grads = 0
+    state = 0
     for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
         stepped = [p for group in inner.optimizer.param_groups for p in group["params"]]
         for main_param in stepped:
@@ -360,10 +378,17 @@ def engine_static_bytes(model_chunks, optimizer) -> int:
             held_state = inner.optimizer.state.get(main_param)
             state += (sum(t.untyped_storage().nbytes() for t in held_state.values()
                           if torch.is_tensor(t)) if held_state else _adam_state_bytes(main_param))
-        for model_param, main_param in _main_params_of(inner):
-            if model_param.main_grad.dtype != torch.float32:
-                copied_grads += main_param.numel() * 4
-    return sum(storages.values()) + state + copied_grads
+    return sum(storages.values()) + state
+
+
+def engine_step_bytes(optimizer) -> int:
+    """What megatron's optimizer step adds on this rank (ModelCosts.optimizer_step_bytes):
+    the fp32 gradient of each main parameter (its shard) whose 16-bit gradient buffer the
+    step copies (``main_grad.float()``), dropped again by the next step's zero_grad."""
+    return sum(main_param.numel() * 4
+               for inner in getattr(optimizer, "chained_optimizers", [optimizer])
+               for model_param, main_param in _main_params_of(inner)
+               if model_param.main_grad.dtype != torch.float32)
 
 
 def _main_params_of(inner) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -632,6 +657,7 @@ def pipeline_costs(shape: ModelShape, micro_batch_size: int, accelerator: str | 
     shared = shared_activation_bytes(shape, micro_batch_size)
     memory = [planning.StageMemory(
         static_bytes=static_bytes(count, shape.precision, zero_stage, data_parallel_size),
+        optimizer_step_bytes=step_bytes(count, shape.precision, zero_stage, data_parallel_size),
         embedding_bytes=embedding_activation_bytes(shape, micro_batch_size) if stage == 0 else 0,
         non_layer_bytes=shared + (output_activation_bytes(shape, micro_batch_size)
                                   if stage == pipeline_size - 1 else 0),

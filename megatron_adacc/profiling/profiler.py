@@ -175,7 +175,8 @@ class _RetainedRuler(ActivationRuler):
                      if layer != NON_LAYER and site in site_table.SHARED_SITES)
         return planning.StageMemory(
             hardware.model_static_bytes(model), self.embedding_bytes,
-            report.after_forward_bytes - layers - self.embedding_bytes, shared)
+            report.after_forward_bytes - layers - self.embedding_bytes, shared,
+            hardware.model_step_bytes(model))
 
 
 class _Unencodable:
@@ -548,6 +549,7 @@ def _profile(run: _Profiling) -> ModelCosts:
         sites=sites,
         num_layers=num_layers,
         static_bytes=memory.static_bytes,
+        optimizer_step_bytes=memory.optimizer_step_bytes,
         non_layer_bytes=memory.non_layer_bytes,
         held_non_layer_bytes=memory.held_non_layer_bytes,
         embedding_bytes=memory.embedding_bytes,

@@ -358,25 +358,29 @@ class Trainer:
         # Profiling (auto) runs throwaway backward passes on the model: under no_sync they
         # only accumulate into the gradient buffers, which the first step clears. Each
         # stage's plan counts the micro-batches 1F1B keeps in flight there, and the bytes
-        # the engine holds.
+        # the engine holds and its optimizer step adds.
         self.static_bytes = hardware.engine_static_bytes([self.train_model], self.optimizer)
+        self.optimizer_step_bytes = hardware.engine_step_bytes(self.optimizer)
+        static_bytes, optimizer_step_bytes = self._most_engine_bytes()
         with self.train_model.no_sync():
             self.adacc.setup(self.model, first_micro_batch(self.train_batches),
                              num_micro_batches=self.train_batches.num_micro_batches,
-                             static_bytes=self._most_static_bytes())
+                             static_bytes=static_bytes,
+                             optimizer_step_bytes=optimizer_step_bytes)
         self.iteration = 0
         if args.load:
             self.iteration = checkpointing.load(args, [self.train_model], self.optimizer,
                                                 self.scheduler)
 
-    def _most_static_bytes(self) -> int:
-        """The most any data-parallel rank of this stage holds (the distributed optimizer's
-        shards differ by a few bytes): one budget for every rank, so every rank plans
-        alike."""
-        most = torch.tensor([self.static_bytes], dtype=torch.int64,
+    def _most_engine_bytes(self) -> tuple[int, int]:
+        """The most any data-parallel rank of this stage holds, and adds in its optimizer
+        step (the distributed optimizer's shards differ by a few bytes): one budget for
+        every rank, so every rank plans alike."""
+        most = torch.tensor([self.static_bytes, self.optimizer_step_bytes], dtype=torch.int64,
                             device=model_lib.collective_device(self.dp_group))
         dist.all_reduce(most, op=dist.ReduceOp.MAX, group=self.dp_group)
-        return int(most.item())
+        static_bytes, optimizer_step_bytes = most.tolist()
+        return static_bytes, optimizer_step_bytes
 
     def _check_grad_norm_before_step(self) -> None:
         """Megatron-LM's --check-for-nan-in-loss-and-grad, before the weights change: the
