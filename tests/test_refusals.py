@@ -92,9 +92,22 @@ def test_an_unwritable_save_directory_is_refused(tmp_path, capsys, corpus):
                            "train,valid,test, the first > 0 (e.g. 969,30,1), got 0,0,0"),
     (["--split", "abc"], "argument --split: expected up to three weights >= 0 for "
                          "train,valid,test, the first > 0 (e.g. 969,30,1), got abc"),
+    (["--profile", "--use-pytorch-profiler"],
+     "--use-pytorch-profiler writes its traces to --tensorboard-dir; give one"),
+    (["--profile", "--use-pytorch-profiler", "--tensorboard-dir", "tb", "--profile-step-start",
+      "5", "--profile-step-end", "5"], "--profile-step-end 5 must be after --profile-step-start 5"),
+    (["--profile", "--use-pytorch-profiler", "--tensorboard-dir", "tb", "--profile-ranks", "0",
+      "3"], "--profile-ranks 3: no such rank in a world of 1"),
 ])
 def test_bad_megatron_flags_are_refused_in_one_line(capsys, corpus, flags, message):
     assert refused(capsys, [*data_flags(corpus), *flags]) == f"pretrain_gpt.py: error: {message}"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="nsys's range needs no refusal on a GPU")
+def test_profile_for_nsys_is_refused_without_a_gpu(capsys, corpus):
+    assert refused(capsys, [*data_flags(corpus), "--profile"]) == (
+        "pretrain_gpt.py: error: --profile marks a CUDA profiler range for nsys, and this "
+        "machine has no GPU; add --use-pytorch-profiler (and --tensorboard-dir)")
 
 
 def test_an_empty_bin_is_refused_naming_the_file(tmp_path, capsys, corpus):

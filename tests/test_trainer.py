@@ -40,6 +40,19 @@ def test_metrics_record_every_iteration_with_full_precision(tmp_path):
     assert [line["loss"] for line in lines] == losses(records)  # no rounding on the way out
 
 
+def test_profile_traces_the_steps_megatron_lm_names(tmp_path):
+    """--profile-step-start 1 --profile-step-end 3: the steps after one iteration up to the
+    third, one trace for the rank, after a warm-up step as Megatron-LM's schedule has."""
+    train("--train-iters", "4", "--profile", "--use-pytorch-profiler", "--profile-step-start",
+          "1", "--profile-step-end", "3", "--tensorboard-dir", str(tmp_path))
+    traces = list(tmp_path.glob("rank0*.pt.trace.json"))
+    assert len(traces) == 1
+    events = json.loads(traces[0].read_text())["traceEvents"]
+    steps = {e["name"] for e in events if e.get("name", "").startswith("ProfilerStep#")}
+    assert steps == {"ProfilerStep#1", "ProfilerStep#2"}
+    assert any(e.get("name") == "aten::mm" for e in events)
+
+
 def test_resume_reproduces_uninterrupted_losses_bit_for_bit(tmp_path):
     common = ("--train-iters", "6", "--hidden-dropout", "0.1", "--attention-dropout", "0.1")
     straight = losses(train(*common))

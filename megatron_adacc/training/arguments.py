@@ -216,6 +216,20 @@ def build_parser() -> argparse.ArgumentParser:
     log.add_argument("--log-interval", type=_COUNT, default=10)
     log.add_argument("--metrics-file", default=None, help="JSON lines, one per iteration")
     log.add_argument("--tensorboard-dir", default=None)
+    log.add_argument("--profile", action="store_true",
+                     help="trace the steps from --profile-step-start to --profile-step-end: "
+                          "a CUDA profiler range for `nsys profile --capture-range="
+                          "cudaProfilerApi`, or PyTorch's profiler with "
+                          "--use-pytorch-profiler")
+    log.add_argument("--use-pytorch-profiler", action="store_true",
+                     help="with --profile: PyTorch's profiler, one trace per rank in "
+                          "--tensorboard-dir (TensorBoard, Perfetto, chrome://tracing)")
+    log.add_argument("--profile-step-start", type=_COUNT, default=10,
+                     help="the first traced step begins after this many iterations")
+    log.add_argument("--profile-step-end", type=_COUNT, default=12,
+                     help="tracing stops once this many iterations are done")
+    log.add_argument("--profile-ranks", type=_COUNT, nargs="+", default=[0],
+                     help="global ranks that trace")
     log.add_argument("--activation-measure-interval", type=_POSITIVE, default=50,
                      help="measure activation bytes on the first step and every N steps")
     log.add_argument("--save", default=None, help="checkpoint directory to write")
@@ -480,9 +494,28 @@ def finalize(args: argparse.Namespace, world_size: int) -> None:
     if args.valid_data_path and not args.train_data_path:
         raise ConfigError("--valid-data-path needs --train-data-path")
     _finalize_adacc(args)
+    _check_profile(args, world_size)
     if args.load and not Path(args.load).is_dir():
         raise ConfigError(f"--load {args.load}: no such checkpoint directory")
     _check_outputs(args)
+
+
+def _check_profile(args: argparse.Namespace, world_size: int) -> None:
+    if not args.profile:
+        return
+    if args.profile_step_end <= args.profile_step_start:
+        raise ConfigError(f"--profile-step-end {args.profile_step_end} must be after "
+                          f"--profile-step-start {args.profile_step_start}")
+    outside = [rank for rank in args.profile_ranks if rank >= world_size]
+    if outside:
+        raise ConfigError(f"--profile-ranks {' '.join(map(str, outside))}: no such rank in a "
+                          f"world of {world_size}")
+    if args.use_pytorch_profiler and not args.tensorboard_dir:
+        raise ConfigError("--use-pytorch-profiler writes its traces to --tensorboard-dir; "
+                          "give one")
+    if not args.use_pytorch_profiler and not torch.cuda.is_available():
+        raise ConfigError("--profile marks a CUDA profiler range for nsys, and this machine "
+                          "has no GPU; add --use-pytorch-profiler (and --tensorboard-dir)")
 
 
 def _check_outputs(args: argparse.Namespace) -> None:

@@ -23,6 +23,7 @@ from megatron_adacc.models import build as model_lib
 from megatron_adacc.training import numerics
 from megatron_adacc.adacc import Adacc, AdaccConfig
 from megatron_adacc.models.attention import local_layer_spec, with_attention_backend
+from megatron_adacc.training.step_trace import StepTrace
 from megatron_adacc.training.tokenizers import build_tokenizer
 
 
@@ -480,8 +481,10 @@ class Trainer:
         progress = Progress(args.train_iters, self.iteration, args.log_interval)
         tokens_per_step = args.global_batch_size * args.seq_length
         saver = checkpointing.Saver(args)
+        trace = StepTrace(args, dist.get_rank(), self.device, self.iteration)
         try:
             while self.iteration < last:
+                trace.before_step(self.iteration)
                 lr = self.optimizer.param_groups[0]["lr"]
                 # The ruler's hooks cost time, so it watches the first step and one step per
                 # --activation-measure-interval; records carry the latest measurement.
@@ -492,6 +495,7 @@ class Trainer:
                     loss, grad_norm = self.train_step(self.iteration, measure)
                 elapsed = time.perf_counter() - start
                 self.iteration += 1
+                trace.after_step(self.iteration)
                 record = {
                     "iteration": self.iteration,
                     "loss": loss,
@@ -520,6 +524,7 @@ class Trainer:
                 saver.poll()
                 between_steps()
         finally:
+            trace.close()
             saver.finish()
             progress.close()
             metrics.close()
