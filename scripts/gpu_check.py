@@ -15,7 +15,9 @@
    stay at or under each budget; the planner's predicted peak (`adacc plan` on the same
    ProfileDB) is reported beside it;
 4. throughput: tokens/s of those runs against no optimisation and megatron's full and
-   selective recompute, all at the same micro-batch.
+   selective recompute, all at the same micro-batch; each run's last step traced with
+   PyTorch's profiler (--profile --use-pytorch-profiler): its wall time, the time its CUDA
+   kernels ran, its host synchronisations and its longest kernels.
 
 Writes the results as JSON and as a Markdown page after each check (what a cut-off run did
 is kept); --checks runs some of them. Without CUDA it says so and exits 0. Exit status 1 when
@@ -24,6 +26,8 @@ a check fails.
 from __future__ import annotations
 
 import argparse
+import collections
+import glob
 import json
 import os
 import statistics
@@ -56,7 +60,11 @@ SPEED_REPEATS = 20
 # first two: a run of tens of iterations from there skips every optimizer step, and its
 # allocator peak never holds Adam's states. Started here, the steps are taken.
 INITIAL_LOSS_SCALE = 4096
-RUN_TIMEOUT_S = 150  # one training run or plan: a hung run is reported, not waited on
+RUN_TIMEOUT_S = 150
+TOP_KERNELS = 8
+# CUDA runtime calls that wait for the device
+SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize",
+              "cudaMemcpy", "cudaMemcpyAsync")  # one training run or plan: a hung run is reported, not waited on
 WARMUP_ITERS = 5  # left out of the tokens/s medians (profiling, first rectifier iterations)
 SYNC_WARNING = "synchronizing CUDA operation"
 
@@ -261,13 +269,16 @@ def check_exactness() -> dict:
 def _pretrain(args, workdir: str, name: str, *flags: str) -> dict:
     """One `pretrain_gpt.py` run; its metrics summarised, or the error it ended with."""
     metrics = os.path.join(workdir, f"{name.replace(' ', '_')}.jsonl")
+    trace = os.path.join(workdir, f"{name.replace(' ', '_')}.trace")
     command = [sys.executable, os.path.join(ROOT, "pretrain_gpt.py"), "--config", args.config,
                "--micro-batch-size", str(args.micro_batch_size),
                "--global-batch-size", str(args.micro_batch_size),
                "--train-iters", str(args.iters), "--lr-warmup-iters", "0", "--eval-interval", "0",
                "--initial-loss-scale", str(INITIAL_LOSS_SCALE),
                "--adacc-profile-db", os.path.join(workdir, "profiles.sqlite"),
-               "--metrics-file", metrics, *flags]
+               "--metrics-file", metrics, "--profile", "--use-pytorch-profiler",
+               "--profile-step-start", str(args.iters - 1), "--profile-step-end",
+               str(args.iters), "--tensorboard-dir", trace, *flags]
     try:
         done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True,
                               timeout=RUN_TIMEOUT_S)
@@ -277,13 +288,38 @@ def _pretrain(args, workdir: str, name: str, *flags: str) -> dict:
         return {"name": name, "error": (done.stderr.strip().splitlines() or ["?"])[-1]}
     with open(metrics) as handle:
         records = [json.loads(line) for line in handle]
-    steady = [r["tokens_per_s"] for r in records if r["iteration"] > WARMUP_ITERS]
+    # the last step is traced, and slower for it
+    steady = [r["tokens_per_s"] for r in records if WARMUP_ITERS < r["iteration"] < args.iters]
     return {
         "name": name,
         "tokens_per_s": statistics.median(steady or [r["tokens_per_s"] for r in records]),
         "max_memory_allocated": _largest(records, "max_memory_allocated"),
         "max_memory_reserved": _largest(records, "max_memory_reserved"),
         "skipped_steps": sum(r.get("skipped_iter", 0) for r in records),
+        "trace": trace_summary(trace),
+    }
+
+
+def trace_summary(directory: str) -> dict:
+    """The traced step of rank 0's PyTorch profiler trace in ``directory``: its wall time,
+    the time CUDA kernels ran in it, the CUDA runtime calls that wait for the device, and
+    the longest kernels by total time (empty if no trace was written)."""
+    paths = sorted(glob.glob(os.path.join(directory, "rank0*.pt.trace.json")))
+    if not paths:
+        return {}
+    with open(paths[-1]) as handle:
+        events = [e for e in json.load(handle)["traceEvents"] if e.get("ph") == "X"]
+    kernels = collections.Counter()
+    for event in events:
+        if event.get("cat") == "kernel":
+            kernels[event["name"]] += event["dur"]
+    return {
+        "step_ms": sum(e["dur"] for e in events
+                       if e["name"].startswith("ProfilerStep#")) / 1e3,
+        "kernel_ms": sum(kernels.values()) / 1e3,
+        "host_syncs": sum(e["name"] in SYNC_CALLS for e in events
+                          if e.get("cat") == "cuda_runtime"),
+        "top_kernels": [[name, us / 1e3] for name, us in kernels.most_common(TOP_KERNELS)],
     }
 
 
@@ -393,17 +429,31 @@ def _training_section(train: dict) -> list[str]:
               f"{_mib(b['predicted_peak_bytes'])} | {'yes' if b['ok'] else 'NO'} |"
               for b in train["budgets"]]
     lines += ["", "## Throughput at the same micro-batch", "",
-              "| method | tokens/s | allocator peak (MiB) | reserved (MiB) | skipped steps |",
-              "|---|---|---|---|---|"]
+              "| method | tokens/s | allocator peak (MiB) | reserved (MiB) | skipped steps | "
+              "traced step (ms) | kernels (ms) | host syncs |",
+              "|---|---|---|---|---|---|---|---|"]
     for run in train["runs"]:
         if "error" in run:
-            lines.append(f"| {run['name']} | failed: {run['error']} | | | |")
-        else:
-            lines.append(f"| {run['name']} | {run['tokens_per_s']:,.0f} | "
-                         f"{_mib(run['max_memory_allocated'])} | "
-                         f"{_mib(run['max_memory_reserved'])} | "
-                         f"{run.get('skipped_steps', 'not counted')} |")
+            lines.append(f"| {run['name']} | failed: {run['error']} | | | | | | |")
+            continue
+        trace = run.get("trace") or {}
+        lines.append(f"| {run['name']} | {run['tokens_per_s']:,.0f} | "
+                     f"{_mib(run['max_memory_allocated'])} | "
+                     f"{_mib(run['max_memory_reserved'])} | "
+                     f"{run.get('skipped_steps', 'not counted')} | "
+                     + " | ".join(_ms(trace.get(key)) for key in ("step_ms", "kernel_ms"))
+                     + f" | {trace.get('host_syncs', '-')} |")
+    traced = [run for run in train["runs"] if (run.get("trace") or {}).get("top_kernels")]
+    if traced:
+        lines += ["", "Longest kernels of each traced step (total ms):", ""]
+        for run in traced:
+            lines.append(f"- {run['name']}: " + "; ".join(
+                f"{name[:60]} {ms:.1f}" for name, ms in run["trace"]["top_kernels"]))
     return lines + [""]
+
+
+def _ms(value) -> str:
+    return "-" if value is None else f"{value:,.1f}"
 
 
 SECTIONS = {"codecs": _codecs_section, "exactness": _exactness_section,

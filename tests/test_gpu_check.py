@@ -1,5 +1,6 @@
 """scripts/gpu_check.py: without CUDA it says so in one line and exits 0; its report renders
 every outcome (the checks themselves need a GPU)."""
+import json
 import os
 import subprocess
 import sys
@@ -37,7 +38,9 @@ def test_report_renders_passes_failures_and_missing_measurements():
         "training": {
             "runs": [{"name": "no optimisation", "tokens_per_s": 1234.5,
                       "max_memory_allocated": 3 << 30, "max_memory_reserved": None,
-                      "skipped_steps": 2},
+                      "skipped_steps": 2,
+                      "trace": {"step_ms": 120.04, "kernel_ms": 100.0, "host_syncs": 3,
+                                "top_kernels": [["gemm", 60.0], ["softmax", 20.25]]}},
                      {"name": "adacc auto at 60%", "error": "infeasible budget"}],
             "budgets": [{"budget_bytes": 2 << 30, "max_memory_allocated": None,
                          "predicted_peak_bytes": 1 << 30, "ok": False}],
@@ -47,8 +50,9 @@ def test_report_renders_passes_failures_and_missing_measurements():
     assert "1 mismatches:\n\n- bitmask torch.bool (7,): decoded tensors differ" in page
     assert "| bf16 recompute all | 2 |" in page
     assert "| 2,048 | - | 1,024 | NO |" in page
-    assert "| no optimisation | 1,234 | 3,072 | - | 2 |" in page
-    assert "| adacc auto at 60% | failed: infeasible budget | | | |" in page
+    assert "| no optimisation | 1,234 | 3,072 | - | 2 | 120.0 | 100.0 | 3 |" in page
+    assert "| adacc auto at 60% | failed: infeasible budget | | | | | | |" in page
+    assert "- no optimisation: gemm 60.0; softmax 20.2" in page
     assert "| naive_int4 | 0.262 | 0.500 | 2.000 | 0.25 |" in page
 
 
@@ -59,3 +63,19 @@ def test_report_says_which_checks_did_not_run():
     page = gpu_check.markdown(results)
     assert "## codecs\n\nNot run." in page and "## training\n\nNot run." in page
     assert "strict attribution: equal." in page
+
+
+def test_the_trace_summary_adds_up_the_traced_steps_kernels_and_waits(tmp_path):
+    def event(name, cat, dur):
+        return {"ph": "X", "name": name, "cat": cat, "dur": dur, "ts": 0}
+
+    events = [event("ProfilerStep#9", "user_annotation", 5000),
+              event("gemm", "kernel", 1500), event("gemm", "kernel", 1500),
+              event("softmax", "kernel", 700), event("cudaStreamSynchronize", "cuda_runtime", 9),
+              event("cudaLaunchKernel", "cuda_runtime", 4), event("aten::mm", "cpu_op", 800),
+              {"ph": "i", "name": "gemm", "cat": "kernel"}]
+    (tmp_path / "rank0.123.pt.trace.json").write_text(json.dumps({"traceEvents": events}))
+    assert gpu_check.trace_summary(str(tmp_path)) == {
+        "step_ms": 5.0, "kernel_ms": 3.7, "host_syncs": 1,
+        "top_kernels": [["gemm", 3.0], ["softmax", 0.7]]}
+    assert gpu_check.trace_summary(str(tmp_path / "none")) == {}
