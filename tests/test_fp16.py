@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from megatron_adacc.models import build as model_lib
+from megatron_adacc.profiling import hardware
 from megatron_adacc.training.arguments import parse_args
 from megatron_adacc.training.trainer import Trainer
 from multirank_engine import main_params
@@ -54,6 +56,28 @@ def test_a_finite_fp16_step_updates_and_keeps_the_scale():
     assert not torch.equal(before[0], next(trainer.model.parameters()))
     assert all(p.dtype == torch.float16 for p in trainer.model.parameters())
     assert all(m.dtype == torch.float32 for m in main_params(trainer).values())
+
+
+@pytest.mark.parametrize("flags, softmax_dtype", [([], torch.bfloat16),
+                                                  (["--attention-softmax-in-fp32"], torch.float32)])
+def test_the_softmax_keeps_megatron_lms_dtype_and_the_accelerator_model_agrees(flags,
+                                                                              softmax_dtype):
+    """Megatron-LM's --attention-softmax-in-fp32 (off by default): the unfused attention's
+    softmax saves its probabilities in that dtype, as ``adacc plan --hardware`` assumes."""
+    argv = TINY + ["--bf16", "--attention-backend", "unfused", "--train-iters", "1", *flags]
+    trainer = Trainer(parse_args(argv))
+    seq = trainer.args.seq_length
+    tokens = torch.randint(0, 100, (2, seq))
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        model_lib.gpt_loss(trainer.model, tokens, tokens, torch.ones_like(tokens))
+    scores = {t.dtype for t in saved if t.dim() == 4 and t.shape[-2:] == (seq, seq)
+              and t.is_floating_point()}
+    assert softmax_dtype in scores and (torch.float32 in scores) == bool(flags)
+    shape = hardware.ModelShape.from_flags(
+        {"num-layers": 2, "hidden-size": 64, "num-attention-heads": 4, "seq-length": seq,
+         "vocab-size": 256, "bf16": True, **{flag[2:]: True for flag in flags}})
+    assert shape.softmax_in_fp32 == bool(flags)
 
 
 def test_fp16_and_bf16_exclude_each_other():

@@ -130,6 +130,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "unfused (megatron-core's local attention), auto (Megatron-LM's "
                             "default: flash wherever this device's SDPA runs its flash kernel "
                             "with the attention dropout, i.e. on CUDA or at dropout 0)")
+    model.add_argument("--attention-softmax-in-fp32", action="store_true",
+                       help="unfused attention: mask and softmax in fp32 (Megatron-LM's "
+                            "default: in the activations' dtype)")
     model.add_argument("--disable-bias-linear", action="store_true",
                        help="linear layers without bias")
     model.add_argument("--init-method-std", type=_number(positive=True), default=0.02)

@@ -50,6 +50,7 @@ def transformer_config(args: argparse.Namespace):
         hidden_dropout=args.hidden_dropout,
         attention_dropout=args.attention_dropout,
         add_bias_linear=not args.disable_bias_linear,
+        attention_softmax_in_fp32=args.attention_softmax_in_fp32,
         init_method_std=args.init_method_std,
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
