@@ -10,7 +10,7 @@ from megatron_adacc.profiling.profiler import profile
 from megatron_adacc.rectifier import Rectifier
 from megatron_adacc.planning import format_plan
 from megatron_adacc.runtime import apply_plan, measure_step
-from megatron_adacc.common.sites import COMPRESS, QUANTIZE_CODEC
+from megatron_adacc.common.sites import COMPRESS, OUTLIER_CODEC, QUANTIZE_CODEC
 from megatron_adacc.common.units import format_size
 
 from runtime_helpers import batch, build, loss_of
@@ -62,7 +62,17 @@ def test_below_the_designated_minimum_auto_plans_naive_int4_and_keeps_what_it_pr
         measured = measure_step(model, lambda: loss_of(model), strict=True)[1]
     finally:
         apply_plan(model, None)
-    assert measured.after_forward_bytes == policies.predicted_activation_bytes(costs, result)
+    predicted = policies.predicted_activation_bytes(costs, result)
+    outlier_sites = {(layer, name) for layer in range(costs.num_layers)
+                     for name, decision in result.plan.for_layer(layer).items()
+                     if decision.codec_for(name) == OUTLIER_CODEC}
+    if outlier_sites:
+        # Which sites it compresses follows the profile's timings (a loaded machine picks
+        # other plans); its payload holds each outlier channel whole, and the profile
+        # charges the most channels any layer had, so a layer with fewer keeps less.
+        assert measured.after_forward_bytes <= predicted
+    else:
+        assert measured.after_forward_bytes == predicted
 
 
 def test_where_the_designated_codecs_fit_the_plan_is_theirs(profiled):
