@@ -233,11 +233,10 @@ class Adacc:
         data-parallel rank without the distributed optimizer. ``optimizer_step_bytes``:
         what its optimizer step adds on top, when no activation is alive (the trainer
         passes ``hardware.engine_step_bytes``); default: ``hardware.model_step_bytes``,
-        that same engine's. On a CPU, glibc keeps freed
-        memory for reuse from here on, for the whole process
-        (``allocator.recycle_freed_host_memory``): the profiler's timings and training's
-        steps then see one allocator, not pages faulted in afresh by some calls and not
-        others."""
+        that same engine's. On a CPU, glibc keeps freed memory for reuse from here on, for
+        the whole process (``allocator.recycle_freed_host_memory``): the profiler's timings
+        and training's steps then see one allocator, not pages faulted in afresh by some
+        calls and not others."""
         _check_setup_arguments(model, batch, loss_fn, num_micro_batches, static_bytes,
                                optimizer_step_bytes)
         if batch[0].device.type == "cpu":

@@ -40,7 +40,7 @@ from megatron_adacc.common import sites as site_table
 
 # 2: rebuild_s from the segment start and segments replace per-op recompute_s and sources.
 # 3: allocator_overhead_bytes. 4: operator-level rebuilds (operators, SiteCost.operator).
-# 5: hooked_layer_s.
+# 5: hooked_layer_s. 6: optimizer_step_bytes.
 FORMAT_VERSION = 6
 
 

@@ -16,9 +16,10 @@ produce the same ``ModelCosts`` the profiler measures:
 - codec payloads from the codecs themselves (``Codec.payload_bytes``: the exact size of a
   finite input's payload) and codec time = bytes the codec moves at ``CODEC_EFFICIENCY`` of
   peak bandwidth;
-- static memory from the parameter count, precision and optimizer (``static_bytes``), or
-  from a model and megatron's engine around it (``model_static_bytes``,
-  ``engine_static_bytes``);
+- static memory and what the optimizer step adds to it from the parameter count, precision
+  and optimizer (``static_bytes``, ``step_bytes``), or from a model and megatron's engine
+  around it (``model_static_bytes``, ``model_step_bytes``, ``engine_static_bytes``,
+  ``engine_step_bytes``);
 - per pipeline stage (``pipeline_costs``): its layers and parameters, the embedding on the
   first stage, the output layer and loss on the last, its 1F1B in-flight micro-batches.
 
