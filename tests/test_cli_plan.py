@@ -102,7 +102,9 @@ def test_pipeline_plans_each_stage_and_the_first_stores_less_when_the_budget_bin
     assert [s["in_flight_micro_batches"] for s in loose] == [2, 1]
     assert [s["layers"] for s in loose] == ["0-1", "2-3"]
     budget = loose[1]["references"]["no optimisation"]["peak_bytes"]
-    assert budget == 47583232
+    # bf16: 2 + 4 + 12 bytes a parameter (fp32 gradients) of stage 1's 1,842,176, and its
+    # activations
+    assert budget == 51267584
     assert loose[0]["minimum_feasible_budget"] <= budget \
         < loose[0]["references"]["no optimisation"]["peak_bytes"]
     stages = _stages(capsys, "--memory-budget", str(budget))

@@ -10,6 +10,7 @@ from megatron_adacc import codecs, planning
 from megatron_adacc.profiling import hardware
 from megatron_adacc.common.costs import ModelCosts
 from megatron_adacc.training.arguments import read_config
+from runtime_helpers import build
 from test_codecs_payload_bytes import with_outlier_channels
 
 GPT345M = hardware.ModelShape(num_layers=24, hidden_size=1024, num_attention_heads=16,
@@ -48,9 +49,25 @@ def test_dropout_off_and_fp32_softmax_change_the_sites():
 def test_static_bytes():
     n = GPT345M.num_parameters
     assert n == pytest.approx(355e6, rel=0.01)
-    assert hardware.static_bytes(n, "fp16") == hardware.static_bytes(n, "bf16") == 16 * n
+    assert hardware.static_bytes(n, "fp16") == 16 * n
+    assert hardware.static_bytes(n, "bf16") == (2 + 4 + 12) * n  # fp32 gradients
     assert hardware.static_bytes(n, "fp32") == (4 + 4 + 8) * n
     assert hardware.static_bytes(10, "fp16", zero_stage=3, data_parallel_size=8) == 2 * 16
+
+
+@pytest.mark.parametrize("dtype, precision", [(torch.float32, "fp32"), (torch.bfloat16, "bf16"),
+                                              (torch.float16, "fp16")])
+def test_the_parameter_count_model_is_the_engines_for_a_real_model(distributed, dtype,
+                                                                   precision):
+    """What ``adacc plan --hardware`` charges for N parameters is what megatron's engine holds
+    for a model of N (``model_static_bytes``, held equal to the engine in test_engine.py) and
+    adds in its step, but for Adam's step count: 4 bytes a tensor, which a count cannot know."""
+    model = build(False, dtype=dtype)
+    tensors = list(model.parameters())
+    n = sum(p.numel() for p in tensors)
+    assert (hardware.model_static_bytes(model)
+            == hardware.static_bytes(n, precision) + 4 * len(tensors))
+    assert hardware.model_step_bytes(model) == hardware.step_bytes(n, precision)
 
 
 def test_zero1_static_bytes_are_the_hand_computed_formula():

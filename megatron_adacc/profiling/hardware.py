@@ -275,10 +275,11 @@ class ModelShape:
 
 
 # --- static memory ------------------------------------------------------------------------
-# Bytes per parameter of weights, gradients and Adam(W) states: mixed precision (fp16/bf16)
-# keeps 16-bit weights and gradients and fp32 master weights, m and v (2 + 2 + 12 = 16, as in
-# the paper); fp32 keeps 4 + 4 + 8 (m, v).
-_STATE_BYTES = {"fp16": (2, 2, 12), "bf16": (2, 2, 12), "fp32": (4, 4, 8)}
+# Bytes per parameter of weights, gradients and Adam(W) states, as megatron's engine holds
+# them (model_static_bytes): fp16 keeps 16-bit weights and gradients and fp32 master weights,
+# m and v (2 + 2 + 12 = 16, as in the paper); bf16 the same but for fp32 gradients, which
+# Megatron-LM always accumulates and reduces bf16 in (2 + 4 + 12); fp32 keeps 4 + 4 + 8.
+_STATE_BYTES = {"fp16": (2, 2, 12), "bf16": (2, 4, 12), "fp32": (4, 4, 8)}
 
 
 def static_bytes(num_parameters: int, precision: str, zero_stage: int = 0,
