@@ -1,7 +1,8 @@
 """Check on a CUDA machine what the CPU test suite cannot, in one command.
 
     python scripts/gpu_check.py [--config configs/gpt-345m.yaml] [--micro-batch-size 4]
-        [--iters 30] [--out gpu_check.json] [--doc docs/gpu.md]
+        [--iters 30] [--checks codecs exactness training] [--out gpu_check.json]
+        [--doc docs/gpu.md]
 
 1. codecs: Triton payloads and decoded tensors byte-identical to the PyTorch reference, for
    every codec, in fp32, bf16 and fp16 and several shapes, and of a view's strided rows; and
