@@ -297,8 +297,26 @@ def _pretrain(args, workdir: str, name: str, *flags: str) -> dict:
         "max_memory_allocated": _largest(records, "max_memory_allocated"),
         "max_memory_reserved": _largest(records, "max_memory_reserved"),
         "skipped_steps": sum(r.get("skipped_iter", 0) for r in records),
+        # the rectifier's swaps: a plan measured after a swap is not the one `adacc plan` makes
+        "plan_swaps": sum(a.get("plan_id") != b.get("plan_id")
+                          for a, b in zip(records, records[1:])),
+        "swap_lines": [line for line in done.stdout.splitlines()
+                       if line.startswith("adacc: iteration")],
         "trace": trace_summary(trace),
+        "plan_table": plan_table(done.stdout),
     }
+
+
+def plan_table(stdout: str) -> list[str]:
+    """The plan table a run printed at set-up, from its ``adacc: policy`` line to its
+    ``budget`` line (none for a run without Adacc)."""
+    lines = stdout.splitlines()
+    start = next((i for i, line in enumerate(lines) if line.startswith("adacc: policy")), None)
+    if start is None:
+        return []
+    end = next((i for i in range(start, len(lines)) if lines[i].startswith("budget ")),
+               len(lines) - 1)
+    return lines[start:end + 1]
 
 
 def trace_summary(directory: str) -> dict:
@@ -431,17 +449,18 @@ def _training_section(train: dict) -> list[str]:
               for b in train["budgets"]]
     lines += ["", "## Throughput at the same micro-batch", "",
               "| method | tokens/s | allocator peak (MiB) | reserved (MiB) | skipped steps | "
-              "traced step (ms) | kernels (ms) | host syncs |",
-              "|---|---|---|---|---|---|---|---|"]
+              "plan swaps | traced step (ms) | kernels (ms) | host syncs |",
+              "|---|---|---|---|---|---|---|---|---|"]
     for run in train["runs"]:
         if "error" in run:
-            lines.append(f"| {run['name']} | failed: {run['error']} | | | | | | |")
+            lines.append(f"| {run['name']} | failed: {run['error']} | | | | | | | |")
             continue
         trace = run.get("trace") or {}
         lines.append(f"| {run['name']} | {run['tokens_per_s']:,.0f} | "
                      f"{_mib(run['max_memory_allocated'])} | "
                      f"{_mib(run['max_memory_reserved'])} | "
                      f"{run.get('skipped_steps', 'not counted')} | "
+                     f"{run.get('plan_swaps', 'not counted')} | "
                      + " | ".join(_ms(trace.get(key)) for key in ("step_ms", "kernel_ms"))
                      + f" | {trace.get('host_syncs', '-')} |")
     traced = [run for run in train["runs"] if (run.get("trace") or {}).get("top_kernels")]
@@ -450,6 +469,10 @@ def _training_section(train: dict) -> list[str]:
         for run in traced:
             lines.append(f"- {run['name']}: " + "; ".join(
                 f"{name[:60]} {ms:.1f}" for name, ms in run["trace"]["top_kernels"]))
+    for run in train["runs"]:
+        if run.get("plan_table"):
+            lines += ["", f"Plan of {run['name']}, as the run printed it:", "", "```text",
+                      *run["plan_table"], *run.get("swap_lines", []), "```"]
     return lines + [""]
 
 

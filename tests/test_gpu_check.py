@@ -38,10 +38,13 @@ def test_report_renders_passes_failures_and_missing_measurements():
         "training": {
             "runs": [{"name": "no optimisation", "tokens_per_s": 1234.5,
                       "max_memory_allocated": 3 << 30, "max_memory_reserved": None,
-                      "skipped_steps": 2,
+                      "skipped_steps": 2, "plan_swaps": 1,
                       "trace": {"step_ms": 120.04, "kernel_ms": 100.0, "host_syncs": 3,
                                 "top_kernels": [["gemm", 60.0], ["softmax", 20.25]]}},
-                     {"name": "adacc auto at 60%", "error": "infeasible budget"}],
+                     {"name": "adacc auto at 60%", "error": "infeasible budget"},
+                     {"name": "adacc auto at 80%", "tokens_per_s": 1000.0,
+                      "max_memory_allocated": 1 << 30, "max_memory_reserved": 2 << 30,
+                      "plan_table": ["adacc: policy auto", "site  action", "budget 2 MiB"]}],
             "budgets": [{"budget_bytes": 2 << 30, "max_memory_allocated": None,
                          "predicted_peak_bytes": 1 << 30, "ok": False}],
             "ok": False},
@@ -50,9 +53,11 @@ def test_report_renders_passes_failures_and_missing_measurements():
     assert "1 mismatches:\n\n- bitmask torch.bool (7,): decoded tensors differ" in page
     assert "| bf16 recompute all | 2 |" in page
     assert "| 2,048 | - | 1,024 | NO |" in page
-    assert "| no optimisation | 1,234 | 3,072 | - | 2 | 120.0 | 100.0 | 3 |" in page
-    assert "| adacc auto at 60% | failed: infeasible budget | | | | | | |" in page
+    assert "| no optimisation | 1,234 | 3,072 | - | 2 | 1 | 120.0 | 100.0 | 3 |" in page
+    assert "| adacc auto at 60% | failed: infeasible budget | | | | | | | |" in page
     assert "- no optimisation: gemm 60.0; softmax 20.2" in page
+    assert ("Plan of adacc auto at 80%, as the run printed it:\n\n```text\n"
+            "adacc: policy auto\nsite  action\nbudget 2 MiB\n```") in page
     assert "| naive_int4 | 0.262 | 0.500 | 2.000 | 0.25 |" in page
 
 
@@ -79,3 +84,10 @@ def test_the_trace_summary_adds_up_the_traced_steps_kernels_and_waits(tmp_path):
         "step_ms": 5.0, "kernel_ms": 3.7, "host_syncs": 1,
         "top_kernels": [["gemm", 3.0], ["softmax", 0.7]]}
     assert gpu_check.trace_summary(str(tmp_path / "none")) == {}
+
+
+def test_the_plan_table_is_cut_from_a_runs_output():
+    out = "loading\nadacc: policy auto (x)\nsite  layers\nqkv   0-3\nbudget 1 MiB; static\niter 1"
+    assert gpu_check.plan_table(out) == ["adacc: policy auto (x)", "site  layers", "qkv   0-3",
+                                         "budget 1 MiB; static"]
+    assert gpu_check.plan_table("iter 1\niter 2") == []
