@@ -10,7 +10,7 @@
 2. exactness: retain and recompute plans (segment re-runs and operator-level rebuilds)
    bitwise equal to megatron's stock layer, GPT and Llama layers, unfused and flash attention,
    in bf16 and fp16 with dropout on, attribution strict; host synchronisations per training
-   step, counted with torch.cuda.set_sync_debug_mode;
+   step of those and of two compress plans, counted with torch.cuda.set_sync_debug_mode;
 3. memory: `pretrain_gpt.py --adacc-policy auto` for --iters steps at three budgets between
    the smallest the planner accepts and what no optimisation needs: the allocator's peak must
    stay at or under each budget; the planner's predicted peak (`adacc plan` on the same
@@ -182,6 +182,22 @@ def _plans(family: str) -> dict:
     }
 
 
+def _compress_plans(family: str) -> dict:
+    """Plans whose host synchronisations are counted, not their bits (their codecs are
+    lossy): every compressible site with its designated codec, and naive INT4 (the quantize
+    baseline)."""
+    from megatron_adacc import models
+    from megatron_adacc.common.plan import Decision, Plan
+    from megatron_adacc.common.sites import COMPRESS, SITES
+
+    own = [SITES[name] for name in models.get(family).sites if SITES[name].default_codec]
+    return {
+        "compress designated": Plan.uniform({s.name: Decision(COMPRESS) for s in own}),
+        "compress naive_int4": Plan.uniform({s.name: Decision(COMPRESS, s.last_resort_codec)
+                                             for s in own}),
+    }
+
+
 def _tiny_model(family: str, attention_backend: str, dtype, plan):
     from megatron_adacc import models
     from megatron_adacc.models import build as model_lib
@@ -259,6 +275,9 @@ def check_exactness() -> dict:
                                 f"{model} {name}: step {step} gradient of {param}"
                                 for param, grad in stock_grads[step].items()
                                 if not torch.equal(_bits(grads[step][param]), _bits(grad))]
+                    for name, plan in _compress_plans(family).items():
+                        syncs = _train(_tiny_model(family, backend, dtype, plan))[2]
+                        results["host_syncs_per_step"][f"{model} {name}"] = syncs[-1]
     finally:
         torch.use_deterministic_algorithms(False)
     results["ok"] = not results["mismatches"]
