@@ -166,12 +166,17 @@ def codec_speed(gen) -> list[dict]:
 VOCAB, SEQ, BATCH, STEPS = 1024, 256, 4, 3
 
 
-def _plans(family: str) -> dict:
+def _own_sites(family: str) -> list:
     from megatron_adacc import models
-    from megatron_adacc.common.plan import Plan
     from megatron_adacc.common.sites import SITES
 
-    own = [SITES[name] for name in models.get(family).sites]
+    return [SITES[name] for name in models.get(family).sites]
+
+
+def _plans(family: str) -> dict:
+    from megatron_adacc.common.plan import Plan
+
+    own = _own_sites(family)
     return {
         "retain": Plan(),
         "recompute attention": Plan.uniform(
@@ -184,17 +189,16 @@ def _plans(family: str) -> dict:
 
 def _compress_plans(family: str) -> dict:
     """Plans whose host synchronisations are counted, not their bits (their codecs are
-    lossy): every compressible site with its designated codec, and naive INT4 (the quantize
-    baseline)."""
-    from megatron_adacc import models
+    lossy): every compressible site with its designated codec, and the quantize baseline's
+    naive INT4."""
+    from megatron_adacc import policies
     from megatron_adacc.common.plan import Decision, Plan
-    from megatron_adacc.common.sites import COMPRESS, SITES
+    from megatron_adacc.common.sites import COMPRESS
 
-    own = [SITES[name] for name in models.get(family).sites if SITES[name].default_codec]
     return {
-        "compress designated": Plan.uniform({s.name: Decision(COMPRESS) for s in own}),
-        "compress naive_int4": Plan.uniform({s.name: Decision(COMPRESS, s.last_resort_codec)
-                                             for s in own}),
+        "compress designated": Plan.uniform({s.name: Decision(COMPRESS)
+                                             for s in _own_sites(family) if s.default_codec}),
+        "compress naive_int4": policies.quantize_plan(),
     }
 
 
