@@ -282,33 +282,41 @@ class ModelShape:
 _STATE_BYTES = {"fp16": (2, 2, 12), "bf16": (2, 4, 12), "fp32": (4, 4, 8)}
 
 
+def _parameters_held(num_parameters: int, zero_stage: int, data_parallel_size: int,
+                     sharded_from: int) -> int:
+    """How many of ``num_parameters`` a rank holds of a part ZeRO shards from stage
+    ``sharded_from`` on: ceil(N / D) once sharded (megatron pads its buffers to a multiple of
+    D and gives each rank an equal range), all N before."""
+    if zero_stage not in (0, 1, 2, 3):
+        raise ValueError(f"zero stage must be 0, 1, 2 or 3, got {zero_stage}")
+    if data_parallel_size < 1:
+        raise ValueError(f"data-parallel size must be >= 1, got {data_parallel_size}")
+    if zero_stage >= sharded_from:
+        return -(-num_parameters // data_parallel_size)
+    return num_parameters
+
+
 def static_bytes(num_parameters: int, precision: str, zero_stage: int = 0,
                  data_parallel_size: int = 1) -> int:
     """Weights + gradients + optimizer states one rank holds for ``num_parameters``.
 
     ZeRO stage 1 (Megatron's ``--use-distributed-optimizer``) shards the optimizer states
-    over the data-parallel group, stage 2 the gradients too, stage 3 the weights too. A
-    sharded part is ceil(N / D) parameters' worth (megatron pads its buffers to a multiple
-    of D and gives each rank an equal range).
+    over the data-parallel group, stage 2 the gradients too, stage 3 the weights too.
     """
-    if zero_stage not in (0, 1, 2, 3):
-        raise ValueError(f"zero stage must be 0, 1, 2 or 3, got {zero_stage}")
-    if data_parallel_size < 1:
-        raise ValueError(f"data-parallel size must be >= 1, got {data_parallel_size}")
-    shard = -(-num_parameters // data_parallel_size)
     weights, grads, optimizer = _STATE_BYTES[precision]
-    return sum(per_parameter * (shard if zero_stage >= stage else num_parameters)
+    return sum(per_parameter * _parameters_held(num_parameters, zero_stage,
+                                                data_parallel_size, stage)
                for per_parameter, stage in ((weights, 3), (grads, 2), (optimizer, 1)))
 
 
 def step_bytes(num_parameters: int, precision: str, zero_stage: int = 0,
                data_parallel_size: int = 1) -> int:
     """What the optimizer step adds for ``num_parameters`` (ModelCosts.optimizer_step_bytes):
-    with fp16, an fp32 copy of the gradient of each main parameter the rank steps (its
-    shard from ZeRO stage 1 on); Megatron-LM accumulates bf16 gradients in fp32, no copy."""
+    with fp16, an fp32 copy of the gradient of each main parameter the rank steps (sharded
+    with the optimizer states); Megatron-LM accumulates bf16 gradients in fp32, no copy."""
     if precision != "fp16":
         return 0
-    return 4 * (-(-num_parameters // data_parallel_size) if zero_stage >= 1 else num_parameters)
+    return 4 * _parameters_held(num_parameters, zero_stage, data_parallel_size, 1)
 
 
 # torch's Adam(W) state per stepped tensor: exp_avg and exp_avg_sq like the tensor, and a
