@@ -193,7 +193,8 @@ def print_table(micro: int, rows, budgets) -> None:
 
 
 FITS_WITHOUT_ADACC = "fits where Adacc does not"
-NOT_METHODS = ("budget", "micro_batch", "adacc_fits", "cpu_paired", "planner_added_ms")  # a tight entry's other keys
+NOT_METHODS = ("budget", "micro_batch", "adacc_fits", "cpu_paired", "planner_added_ms",
+               "naive_int4_headroom")  # a tight entry's other keys
 UNCONSTRAINED = "unconstrained limit"   # no optimisation at the micro-batch, memory ignored
 # issue 26's targets where no optimisation does not fit: Adacc / peer at least this
 TARGETS = {"naive INT4": 1.03, "megatron full recompute": 1.25,
@@ -241,13 +242,18 @@ def summarise(rows, measured, ample_pairs) -> dict:
             planner = ({"adacc auto": adacc["predicted_added_s"] * 1e3,
                         "naive INT4": adacc["predicted_naive_int4_added_s"] * 1e3}
                        if adacc.get("fits") else {})
-            tight.append({**entry, "cpu_paired": cpu_paired, "planner_added_ms": planner})
+            headroom = naive_headroom(methods, measured[micro])
+            tight.append({**entry, "cpu_paired": cpu_paired, "planner_added_ms": planner,
+                          **({"naive_int4_headroom": headroom} if headroom else {})})
             lines.append(f"{name} mb {micro}: " + ", ".join(
                 f"adacc / {m} = {v:.3f} (CPU time paired {cpu_paired[m]:.3f})"
                 if isinstance(v, float) else f"{m}: {v}"
                 for m, v in entry.items() if m not in NOT_METHODS)
                 + (f"; the planner predicts adacc adds {planner['adacc auto']:.1f} ms, naive "
                    f"INT4 {planner['naive INT4']:.1f} ms" if planner else "")
+                + (f"; over the limit's step adacc adds {headroom['adacc_added_ms']:.1f} ms, naive "
+                   f"INT4 {headroom['naive_added_ms']:.1f} ms: {TARGETS['naive INT4']}x naive INT4 "
+                   f"allows adacc {headroom['allowed_added_ms']:.1f} ms" if headroom else "")
                 if entry["adacc_fits"] else f"{name} mb {micro}: adacc does not fit; "
                 + (", ".join(m for m, v in entry.items() if v == FITS_WITHOUT_ADACC)
                    or "nothing") + " fits")
@@ -283,6 +289,22 @@ def summarise(rows, measured, ample_pairs) -> dict:
                 "ample_within_2pct": (all(e["adacc_vs_none"] >= 0.98 for e in ample)
                                       if ample else None),
                 "issue26": issue26}}
+
+
+def naive_headroom(methods, measured_at_micro) -> dict | None:
+    """Where Adacc and naive INT4 both fit: what each adds to the unconstrained limit's step
+    (wall medians), and the most Adacc may add to be TARGETS['naive INT4'] times naive INT4's
+    throughput. Set beside the planner's prediction (its optimum over the measured options),
+    it says whether that target is within reach of any plan the planner can make."""
+    adacc, naive = methods.get("adacc auto", {}), methods.get("naive INT4", {})
+    if not (adacc.get("fits") and naive.get("fits")):
+        return None
+    limit = next(r for r in measured_at_micro if r["method"] == "no optimisation")["median_step_s"]
+    allowed = naive["median_step_s"] / TARGETS["naive INT4"] - limit
+    return {"limit_step_ms": limit * 1e3,
+            "adacc_added_ms": (adacc["median_step_s"] - limit) * 1e3,
+            "naive_added_ms": (naive["median_step_s"] - limit) * 1e3,
+            "allowed_added_ms": allowed * 1e3}
 
 
 def plot(rows, budgets, shape, args, device: str) -> None:

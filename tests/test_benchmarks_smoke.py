@@ -46,6 +46,15 @@ def test_throughput_and_max_batch_tiny(tmp_path, attention, family):
     pair = data["ample_pairs"]["1"]["budget@1"]
     assert len(pair["none_cpu_s"]) == len(pair["adacc_cpu_s"]) == 3
     assert all(len(v["cpu_times_s"]) == 2 for v in data["variants"]["1"] if "times_s" in v)
+    # micro-batch 2 is tight: what Adacc and naive INT4 add over the limit's step, and the most
+    # Adacc may add to be 1.03x naive INT4, from the same wall medians as the ratios
+    (tight,) = data["summary"]["tight"]
+    headroom, steps = tight["naive_int4_headroom"], {m: r["median_step_s"] for m, r in rows["2"].items()
+                                                     if r["fits"]}
+    limit = next(v for v in data["variants"]["2"] if v["method"] == "no optimisation")["median_step_s"]
+    assert headroom["adacc_added_ms"] == pytest.approx((steps["adacc auto"] - limit) * 1e3)
+    assert headroom["naive_added_ms"] == pytest.approx((steps["naive INT4"] - limit) * 1e3)
+    assert headroom["allowed_added_ms"] == pytest.approx((steps["naive INT4"] / 1.03 - limit) * 1e3)
     # three layers: block recompute of one and of two is measured, three is full recompute
     _run("bench_max_batch.py", "--quick", *TINY, "--layers", "3", "--attention-backend", attention,
          "--family", family, "--budget-at", "1", "--cap", "4", "--out", str(tmp_path / "m.json"), "--publish", "",
