@@ -339,6 +339,7 @@ def plot(rows, budgets, shape, args, device: str) -> None:
     axes[0][0].legend(fontsize=7)
     fig.suptitle(f"Throughput under a memory budget ({'--quick, ' if args.quick else ''}"
                  f"{shape.describe()})\n{device}", fontsize=9)
+    fig.tight_layout()  # room for the two-line title above the panels' own
     bc.save_figure(fig, args.figure)
 
 

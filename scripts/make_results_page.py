@@ -283,8 +283,17 @@ CODEC_HOMES = {"asym_int4": ("softmax_probs",), "bitmask": ("dropout_mask_bool",
 CODEC_BUILDS = (("codecs_avx512.json", "as built (`-march=native`)", ""),
                 ("codecs_avx2.json", "the AVX2 path", "ADACC_NATIVE_CFLAGS=-mno-avx512f "),
                 ("codecs_epyc_avx512.json", "as built (`-march=native`)", ""),
-                ("codecs_epyc_avx2.json", "the AVX2 path", "ADACC_NATIVE_CFLAGS=-mno-avx512f "))
+                ("codecs_epyc_avx2.json", "the AVX2 path", "ADACC_NATIVE_CFLAGS=-mno-avx512f "),
+                ("codecs_epyc_f25_avx512.json", "as built (`-march=native`)", ""),
+                ("codecs_epyc_f25_avx2.json", "the AVX2 path", "ADACC_NATIVE_CFLAGS=-mno-avx512f "))
 OUTLIER_ROUND_TRIP_TARGET = 0.45  # issue 26: of a plain copy, native backend, AVX2 and AVX-512
+
+
+def cpu_name(cpu: dict) -> str:
+    """The CPU a codec run records, with its family and model numbers where it has them
+    (runs before they were recorded give the model name alone)."""
+    numbers = f" (family {cpu['cpu_family']}, model {cpu['model_number']})" if "cpu_family" in cpu else ""
+    return cpu["model"] + numbers
 
 
 def codec_round_trip(r: dict) -> float:
@@ -309,7 +318,7 @@ def codecs_section(builds: list[tuple[str, str, dict]]) -> list[str]:
             threads = f" --threads {cfg['threads']}" if cfg.get("threads") else ""
             load_avg = ", ".join(f"{x:.1f}" for x in machine.get("load_average_at_start", []))
             out.append(f"- {label}: `{env}.venv/bin/python scripts/bench_codecs.py --backends "
-                       f"{','.join(cfg['backends'])}{threads}` on {machine['cpu']['model']} "
+                       f"{','.join(cfg['backends'])}{threads}` on {cpu_name(machine['cpu'])} "
                        f"(vector path `{machine['cpu']['native_vector_isa']}`, load average at start "
                        f"{load_avg or 'not recorded'})")
     out += ["", "| codec | input | dtype | " + " | ".join(label for _, label, _ in builds) + " |",
@@ -486,7 +495,7 @@ def main() -> None:
     lines = [HEADER]
     took = []
     render_parts(PARTS, lines, took)
-    builds = [(name, f"{data['machine']['cpu']['model']}, {label}", data)
+    builds = [(name, f"{cpu_name(data['machine']['cpu'])}, {label}", data)
               for name, label, _ in CODEC_BUILDS if (data := load(name)) is not None]
     if builds:
         lines += codecs_section(builds)

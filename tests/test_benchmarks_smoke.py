@@ -115,6 +115,14 @@ def test_codecs_quick(tmp_path):
     speed = [t for t in data["targets"] if "round trip" in t["target"]]
     # one per codec, and issue 26's outlier_int4 targets in bf16 and fp32
     assert len(speed) == 8 and all("recycled memory" in t["target"] and t["value"] > 0 for t in speed)
+    # the CPU is told apart beyond its model name: "AMD EPYC" alone was Zen 4 or Zen 5
+    fields = dict(line.split(":", 1) for line in Path("/proc/cpuinfo").read_text().splitlines()
+                  if ":" in line and line.split(":", 1)[0].strip() in ("model name", "cpu family", "model"))
+    fields = {k.strip(): v.strip() for k, v in fields.items()}
+    cpu = data["machine"]["cpu"]
+    assert cpu["model"] == fields["model name"]
+    if "cpu family" in fields:  # x86's numbers (every machine of this project's so far)
+        assert (cpu["cpu_family"], cpu["model_number"]) == (int(fields["cpu family"]), int(fields["model"]))
 
 
 def test_accuracy_stress_resumes_every_method_from_scaled_gains(tmp_path):
