@@ -324,7 +324,7 @@ def plot(rows, budgets, shape, args, device: str) -> None:
                     misses.append(micro)
             if not xs and not misses:
                 continue
-            line, = ax.plot(xs, ys, marker="o", label=method)
+            line, = ax.plot(xs, ys, marker="o", label=method, color=f"C{i}")  # one colour a method in every figure
             for micro in misses:   # not fitting: an x on the axis, in the method's colour
                 ax.plot([micro], [0], marker="x", markersize=9, color=line.get_color(),
                         clip_on=False, linestyle="")
