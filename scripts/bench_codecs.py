@@ -126,30 +126,15 @@ def synthetic_inputs(rows: int, cols: int, seed: int) -> dict[str, torch.Tensor]
 
 
 def cpu() -> dict:
-    """The CPU's model name, its family and model numbers (a virtual machine's model name is
-    often the make alone: "AMD EPYC" is Zen 4 as family 25 and Zen 5 as family 26, whose
-    codec-to-copy ratios differ), the vector extensions the native kernels can use (from
-    /proc/cpuinfo; empty where there is none), and the path the native build took."""
-    model, flags, numbers = platform.processor(), set(), {}
-    try:
-        with open("/proc/cpuinfo") as info:
-            for line in info:
-                key, _, value = line.partition(":")
-                if key.strip() == "model name":
-                    model = value.strip()
-                elif key.strip() == "cpu family":
-                    numbers["cpu_family"] = int(value)
-                elif key.strip() == "model":
-                    numbers["model_number"] = int(value)
-                elif key.strip() == "flags":
-                    flags = set(value.split())
-                    break
-    except (OSError, ValueError):
-        pass
+    """The CPU (native.host: its model name, and its family and model numbers, which tell
+    apart CPUs whose VM model name is the make alone), the vector extensions the native
+    kernels can use, and the path the native build took."""
     from megatron_adacc.codecs import native
+    from megatron_adacc.codecs.native import host
 
-    return {"model": model, **numbers, "avx512f": "avx512f" in flags, "avx512bw": "avx512bw" in flags,
-            "avx2": "avx2" in flags, "f16c": "f16c" in flags,
+    this = host.host_cpu()
+    return {"model": this.model, "cpu_family": this.family, "model_number": this.model_number,
+            **{flag: flag in this.flags for flag in ("avx512f", "avx512bw", "avx2", "f16c")},
             "native_vector_isa": native.vector_isa() if native.available() else None}
 
 

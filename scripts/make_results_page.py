@@ -13,6 +13,8 @@ import json
 import os
 import shlex
 
+from megatron_adacc.codecs.native import host
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "docs", "results")
 MIB = 2 ** 20
@@ -290,10 +292,10 @@ OUTLIER_ROUND_TRIP_TARGET = 0.45  # issue 26: of a plain copy, native backend, A
 
 
 def cpu_name(cpu: dict) -> str:
-    """The CPU a codec run records, with its family and model numbers where it has them
-    (runs before they were recorded give the model name alone)."""
-    numbers = f" (family {cpu['cpu_family']}, model {cpu['model_number']})" if "cpu_family" in cpu else ""
-    return cpu["model"] + numbers
+    """The CPU a codec run records, as the profiles name it (host.HostCpu.describe): with its
+    family and model numbers where it has them (runs before they were recorded give the model
+    name alone)."""
+    return host.HostCpu(cpu["model"], cpu.get("cpu_family"), cpu.get("model_number")).describe()
 
 
 def codec_round_trip(r: dict) -> float:

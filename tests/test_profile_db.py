@@ -143,3 +143,18 @@ def test_the_device_a_profile_is_keyed_by_names_the_kernels_that_timed_it(monkey
     monkeypatch.setenv(BACKEND_ENV_VAR, "native")
     assert profiler.device_name() == reference.replace(
         "codecs torch", f"codecs native {native.vector_isa()}")
+
+
+def test_the_device_a_profile_is_keyed_by_tells_cpus_of_one_model_name_apart(monkeypatch):
+    """A VM's model name can be the make alone ("AMD EPYC": a Zen 4 and a Zen 5 here, whose
+    codecs run at other speeds against a copy): the profile's device names the family and
+    model too, so a ProfileDB carried to the other machine measures again."""
+    from megatron_adacc.codecs.native import host
+    from megatron_adacc.profiling import profiler
+
+    names = []
+    for family, model in ((25, 17), (26, 2)):
+        monkeypatch.setattr(host, "host_cpu", lambda f=family, m=model: host.HostCpu("AMD EPYC", f, m))
+        names.append(profiler.device_name())
+    assert names[0].startswith("AMD EPYC (family 25, model 17) (")
+    assert names[1].startswith("AMD EPYC (family 26, model 2) (")

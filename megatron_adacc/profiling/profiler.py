@@ -52,6 +52,7 @@ from megatron.core.tensor_parallel.random import _fork_rng
 
 from megatron_adacc import codecs, planning
 from megatron_adacc.codecs import backend as codec_backend
+from megatron_adacc.codecs.native import host
 from megatron_adacc.profiling import allocator
 from megatron_adacc.profiling import hardware
 from megatron_adacc.models import build as model_lib
@@ -89,22 +90,14 @@ def gpt_loss(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
 
 
 def device_name(device: torch.device | None = None) -> str:
-    """What the timings were measured on: the GPU's name, or the CPU with its thread count and
+    """What the timings were measured on: the GPU's name, or the CPU (with its family and model
+    numbers: a VM's model name can be the make alone, host.HostCpu) with its thread count and
     PyTorch's vector path (ATEN_CPU_CAPABILITY can lower it), and the codec kernels
     (backend.describe: ADACC_CODEC_BACKEND and ADACC_NATIVE_CFLAGS choose them): a profile
     measured on one path misleads a plan for another."""
     if device is not None and device.type == "cuda":
         return f"{torch.cuda.get_device_name(device)} (codecs {codec_backend.describe(device)})"
-    cpu = "cpu"
-    try:
-        with open("/proc/cpuinfo") as info:
-            for line in info:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    return (f"{cpu} ({torch.get_num_threads()} threads, "
+    return (f"{host.host_cpu().describe()} ({torch.get_num_threads()} threads, "
             f"torch {torch.backends.cpu.get_cpu_capability()}, "
             f"codecs {codec_backend.describe(torch.device('cpu'))})")
 

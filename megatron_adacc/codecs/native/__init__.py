@@ -2,7 +2,8 @@
 through ctypes: one fused pass per group where the PyTorch reference makes ten.
 
 Byte-identical to the reference (tests/test_codecs.py checks it). The shared object is cached
-under ~/.cache/megatron-adacc/codecs, keyed by the source, the flags and the CPU model, since
+under ~/.cache/megatron-adacc/codecs (library_file), keyed by the source, the flags and the
+CPU (host.HostCpu.build_identity: model name, family, model and instruction-set flags), since
 it is built for the machine it runs on (-march=native). ADACC_NATIVE_CFLAGS adds compiler
 flags after those (e.g. "-mno-avx512f" builds the AVX2 kernels on an AVX-512 machine), and is
 part of the key; vector_isa() names the vector path a build took.
@@ -17,7 +18,6 @@ import ctypes
 import functools
 import hashlib
 import os
-import platform
 import shlex
 import subprocess
 import tempfile
@@ -27,6 +27,7 @@ import torch
 
 from megatron_adacc.codecs import asymmetric, bitmask, int4, outlier, symmetric
 from megatron_adacc.codecs.kernels import Kernels
+from megatron_adacc.codecs.native import host
 
 _SOURCE = Path(__file__).with_name("codecs.c")
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-fast-math", "-shared", "-fPIC"]
@@ -54,13 +55,6 @@ _RETURNS = {**{name: ctypes.c_int for name in ("mask_encode", "sym_encode_rows",
             "outlier_channels": _i64, "count_unusable": _i64, "vector_isa": ctypes.c_char_p}
 
 
-def _cpu_model() -> str:
-    try:
-        return next(line for line in open("/proc/cpuinfo") if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.processor()
-
-
 def library() -> ctypes.CDLL:
     """The library for the current ADACC_NATIVE_CFLAGS (read on each call, built once per value)."""
     return _library_for(os.environ.get(CFLAGS_ENV_VAR, ""))
@@ -76,14 +70,23 @@ def vector_isa() -> str:
     return library().vector_isa().decode()
 
 
+def library_file(cflags: str | None = None) -> Path:
+    """Where the library built with ``cflags`` (default: ADACC_NATIVE_CFLAGS) for this CPU is
+    cached: a cache shared by machines of other CPUs (a home directory on a cluster's file
+    system) holds one build for each."""
+    flags = [*_FLAGS, *shlex.split(os.environ.get(CFLAGS_ENV_VAR, "") if cflags is None else cflags)]
+    key = hashlib.sha256(_SOURCE.read_bytes() + " ".join(flags).encode()
+                         + host.host_cpu().build_identity().encode()).hexdigest()[:16]
+    cache = Path(os.environ.get("ADACC_CACHE_DIR", Path.home() / ".cache" / "megatron-adacc")) / "codecs"
+    return cache / f"codecs-{key}.so"
+
+
 @functools.cache
 def _build(extra_flags: tuple[str, ...]) -> ctypes.CDLL:
-    source = _SOURCE.read_bytes()
     flags = [*_FLAGS, *extra_flags]
-    key = hashlib.sha256(source + " ".join(flags).encode() + _cpu_model().encode()).hexdigest()[:16]
-    cache = Path(os.environ.get("ADACC_CACHE_DIR", Path.home() / ".cache" / "megatron-adacc")) / "codecs"
-    target = cache / f"codecs-{key}.so"
+    target = library_file(shlex.join(extra_flags))
     if not target.exists():
+        cache = target.parent
         cache.mkdir(parents=True, exist_ok=True)
         compiler = os.environ.get("CC", "gcc")
         with tempfile.TemporaryDirectory(dir=cache) as tmp:  # build aside, then rename: atomic
