@@ -60,21 +60,20 @@ def library() -> ctypes.CDLL:
     return _library_for(os.environ.get(CFLAGS_ENV_VAR, ""))
 
 
-@functools.cache
-def _library_for(cflags: str) -> ctypes.CDLL:  # every kernel call asks: splitting the flags each time cost 2 us
-    return _build(tuple(shlex.split(cflags)))
-
-
 def vector_isa() -> str:
     """The vector path the kernels were compiled for: "avx512", "avx2" or "generic"."""
     return library().vector_isa().decode()
+
+
+def _compiler_flags(cflags: str) -> list[str]:
+    return [*_FLAGS, *shlex.split(cflags)]
 
 
 def library_file(cflags: str | None = None) -> Path:
     """Where the library built with ``cflags`` (default: ADACC_NATIVE_CFLAGS) for this CPU is
     cached: a cache shared by machines of other CPUs (a home directory on a cluster's file
     system) holds one build for each."""
-    flags = [*_FLAGS, *shlex.split(os.environ.get(CFLAGS_ENV_VAR, "") if cflags is None else cflags)]
+    flags = _compiler_flags(os.environ.get(CFLAGS_ENV_VAR, "") if cflags is None else cflags)
     key = hashlib.sha256(_SOURCE.read_bytes() + " ".join(flags).encode()
                          + host.host_cpu().build_identity().encode()).hexdigest()[:16]
     cache = Path(os.environ.get("ADACC_CACHE_DIR", Path.home() / ".cache" / "megatron-adacc")) / "codecs"
@@ -82,17 +81,15 @@ def library_file(cflags: str | None = None) -> Path:
 
 
 @functools.cache
-def _build(extra_flags: tuple[str, ...]) -> ctypes.CDLL:
-    flags = [*_FLAGS, *extra_flags]
-    target = library_file(shlex.join(extra_flags))
+def _library_for(cflags: str) -> ctypes.CDLL:  # every kernel call asks: splitting the flags each time cost 2 us
+    target = library_file(cflags)
     if not target.exists():
-        cache = target.parent
-        cache.mkdir(parents=True, exist_ok=True)
+        target.parent.mkdir(parents=True, exist_ok=True)
         compiler = os.environ.get("CC", "gcc")
-        with tempfile.TemporaryDirectory(dir=cache) as tmp:  # build aside, then rename: atomic
+        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:  # build aside, then rename: atomic
             built = Path(tmp) / target.name
-            subprocess.run([compiler, *flags, str(_SOURCE), "-o", str(built), "-lm"], check=True,
-                           capture_output=True)
+            subprocess.run([compiler, *_compiler_flags(cflags), str(_SOURCE), "-o", str(built), "-lm"],
+                           check=True, capture_output=True)
             built.replace(target)
     lib = ctypes.CDLL(str(target))
     for name, argtypes in _SIGNATURES.items():
