@@ -18,23 +18,12 @@ from megatron_adacc.training import checkpointing
 from megatron_adacc.training.data import write_indexed_dataset
 from megatron_adacc.training.tokenizers import ByteLevelTokenizer
 
-ROOT = Path(__file__).resolve().parents[1]
-PRETRAIN = str(ROOT / "pretrain_gpt.py")
+from pretrain_helpers import PRETRAIN, ROOT, run
+
 PREPROCESS = str(ROOT / "scripts" / "preprocess_data.py")
 TINY = ["--config", str(ROOT / "configs" / "tiny-cpu.yaml"), "--log-interval", "1000",
         "--eval-interval", "0", "--num-layers", "2", "--hidden-size", "64", "--seq-length", "32",
         "--micro-batch-size", "2", "--global-batch-size", "4", "--lr-warmup-iters", "1"]
-
-
-def run(script, *flags, cwd, timeout=300):
-    """(exit code, last stderr line, whole stderr) of a script run in a fresh process."""
-    # PYTHONPATH: scripts/ would otherwise import the installed package, not this checkout.
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    done = subprocess.run([sys.executable, script, *map(str, flags)], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=timeout)
-    assert "Traceback" not in done.stderr, done.stderr[-3000:]
-    lines = [line for line in done.stderr.splitlines() if line.strip()]
-    return done.returncode, (lines[-1] if lines else ""), done.stderr
 
 
 def metrics(path):

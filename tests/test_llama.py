@@ -215,11 +215,7 @@ def test_flash_llama_matches_unfused_megatron(distributed):
 
 # --- Megatron-LM's flags ------------------------------------------------------------------------
 from megatron_adacc.training.arguments import ConfigError, parse_args  # noqa: E402
-
-LLAMA_FLAGS = ["--normalization", "RMSNorm", "--swiglu", "--position-embedding-type", "rope",
-               "--group-query-attention", "--num-query-groups", "2",
-               "--untie-embeddings-and-output-weights", "--disable-bias-linear",
-               "--hidden-dropout", "0", "--attention-dropout", "0"]
+from pretrain_helpers import LLAMA_FLAGS  # noqa: E402
 
 
 def test_llama_flags_reach_megatron_core(distributed):

@@ -4,28 +4,13 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from megatron_adacc.training import checkpointing
-from megatron_adacc.training.arguments import parse_args
-from megatron_adacc.training.trainer import Trainer
 
-ROOT = Path(__file__).resolve().parents[1]
-TINY = ["--config", str(ROOT / "configs" / "tiny-cpu.yaml"), "--log-interval", "1000",
-        "--eval-interval", "0", "--num-layers", "2", "--hidden-size", "64", "--seq-length", "32",
-        "--micro-batch-size", "2", "--global-batch-size", "4", "--lr-warmup-iters", "0"]
-
-
-def train(*flags: str) -> list[dict]:
-    args = parse_args(TINY + list(flags))
-    return Trainer(args).train()
-
-
-def losses(records):
-    return [r["loss"] for r in records]
+from pretrain_helpers import ROOT, TINY, losses, train
 
 
 def test_metrics_record_every_iteration_with_full_precision(tmp_path):
