@@ -334,35 +334,6 @@ def _torch_adam_in_use() -> bool:
     return not distrib_optimizer.HAVE_APEX_OR_TE
 
 
-def _weights_only_sharded_objects() -> None:
-    # torch.distributed.checkpoint's load planner, which dist_checkpointing's torch_dist
-    # format loads through, unpickles every non-tensor object (megatron's ShardedObjects:
-    # the random generators, the optimizer's common state) with
-    # torch.load(weights_only=False): a checkpoint from someone else could run code.
-    from megatron.core.dist_checkpointing.strategies import torch as torch_strategy
-
-    def load_bytes(self, read_item, value):
-        value = torch.load(value, weights_only=True)
-        if self.flatten_state_dict:
-            from torch.distributed.checkpoint._traverse import set_element
-
-            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn],
-                        value)
-        else:
-            self.state_dict[read_item.dest_index.fqn] = value
-
-    torch_strategy.MCoreLoadPlanner.load_bytes = load_bytes
-
-
-def _sharded_objects_unpickled() -> bool:
-    import inspect
-
-    from megatron.core.dist_checkpointing.strategies import torch as torch_strategy
-
-    source = inspect.getsource(torch_strategy.MCoreLoadPlanner.load_bytes)
-    return "weights_only=False" in source
-
-
 def _checkpoint_without_output_fp8() -> None:
     # CheckpointWithoutOutput.__init__ sets ``self.fp8 = fp8 is not None``, so the False that
     # selective recompute of layernorm/mlp passes becomes True, and without Transformer
@@ -405,8 +376,6 @@ DEFECT_PATCHES = {
     "cached_causal_mask": (_cached_causal_mask, _causal_mask_uncached),
     "distributed_optimizer_with_torch_adam": (_distributed_optimizer_with_torch_adam,
                                               _torch_adam_in_use),
-    "weights_only_sharded_objects": (_weights_only_sharded_objects,
-                                     _sharded_objects_unpickled),
 }
 
 

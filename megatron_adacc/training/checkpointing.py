@@ -12,15 +12,14 @@ What this module adds to Megatron-LM's save: a model or optimizer state holding 
 is never written; the files go to a staging directory that is renamed into place once every
 rank has finished, and the tracker file is rewritten (write, fsync, rename) only then, so a
 save killed at any point leaves the previous checkpoint the newest; and a newest checkpoint
-that cannot be read falls back to the newest intact one with one line on stderr. Every
-object is read with ``torch.load(weights_only=True)`` (see megatron_compat's
-``weights_only_sharded_objects``): a checkpoint from someone else cannot run code.
+that cannot be read falls back to the newest intact one with one line on stderr. Loading
+runs no code from the checkpoint (megatron_adacc.safe_checkpoint): a file whose pickle names
+a global outside its allow-list is refused, naming both, and nothing is loaded.
 """
 from __future__ import annotations
 
 import argparse
 import os
-import pickle
 import random
 import shutil
 import sys
@@ -31,6 +30,7 @@ import numpy
 import torch
 import torch.distributed as dist
 
+from megatron_adacc import safe_checkpoint
 from megatron_adacc.training import numerics
 from megatron_adacc.common.errors import InputError
 
@@ -292,10 +292,35 @@ def _problem(exc: BaseException) -> str:
         exc = next(iter(failures.values()))[0]
     while exc.__cause__ is not None or exc.__context__ is not None:
         exc = exc.__cause__ or exc.__context__
-    if isinstance(exc, pickle.UnpicklingError):  # torch.load(weights_only=True) refused it
-        return "not plain tensors and values (loading it could run code), refused"
     text = str(exc).strip().splitlines()[0].split(". ")[0] if str(exc).strip() else ""
     return f"unreadable ({type(exc).__name__}{': ' + text if text else ''})"
+
+
+def _load_common(path: Path) -> dict:
+    """The checkpoint's common state, once its DCP metadata is read restrictedly: DCP itself
+    would swallow a refusal there (see safe_checkpoint.read_metadata)."""
+    from megatron.core import dist_checkpointing
+
+    safe_checkpoint.read_metadata(path)
+    return dist_checkpointing.load_common_state_dict(str(path))
+
+
+def _read(args: argparse.Namespace, read) -> tuple[Any, str | None]:
+    """``(read(), None)``, or ``(None, what is wrong)`` when it failed on any rank, so every
+    rank resumes from the same iteration. A file that would run code when loaded is refused
+    on every rank (CheckpointError), whatever older checkpoints there are."""
+    value = refused = problem = None
+    try:
+        value = read()
+    except _UNREADABLE as exc:
+        refused = safe_checkpoint.refusal(exc)
+        problem = None if refused else _problem(exc)
+    if not numerics.agree(refused is None):
+        raise CheckpointError(f"--load {args.load}: "
+                              f"{refused or 'a file was refused on another rank'}")
+    if not numerics.agree(problem is None):
+        return None, problem or "damaged on another rank"
+    return value, None
 
 
 def _check_schedule(args: argparse.Namespace, saved: dict, scheduler, directory: str) -> None:
@@ -319,6 +344,7 @@ def load(args: argparse.Namespace, model_chunks, optimizer, scheduler) -> int:
     back to the newest intact one."""
     from megatron.core import dist_checkpointing
 
+    safe_checkpoint.install()
     root = Path(args.load)
     candidates = _candidates(root)
     if not candidates:
@@ -328,25 +354,16 @@ def load(args: argparse.Namespace, model_chunks, optimizer, scheduler) -> int:
     newest = None
     for iteration in candidates:
         path = iteration_dir(root, iteration)
-        try:
-            common = dist_checkpointing.load_common_state_dict(str(path))
-            problem = None
-        except _UNREADABLE as exc:  # say how, then try the one before
-            common, problem = None, _problem(exc)
-        # Every rank resumes from the same iteration.
-        if not numerics.agree(problem is None):
-            newest = newest or (path, problem or "damaged on another rank")
+        common, problem = _read(args, lambda: _load_common(path))
+        if problem is not None:  # say how, then try the one before
+            newest = newest or (path, problem)
             continue
         with_optimizer, with_rng = _what_to_load(args, common, path, model_chunks)
         state = _state_dict(model_chunks, optimizer, scheduler, iteration=iteration,
                             with_optimizer=with_optimizer, with_rng=with_rng, loading=True)
-        try:
-            loaded = dist_checkpointing.load(state, str(path))
-            problem = None
-        except _UNREADABLE as exc:
-            loaded, problem = None, _problem(exc)
-        if not numerics.agree(problem is None):
-            newest = newest or (path, problem or "damaged on another rank")
+        loaded, problem = _read(args, lambda: dist_checkpointing.load(state, str(path)))
+        if problem is not None:
+            newest = newest or (path, problem)
             continue
         if newest is not None:
             _warn(f"checkpoint {newest[0]} is {newest[1]}; resuming from the newest intact "

@@ -1,0 +1,224 @@
+"""Loading a torch_dist checkpoint never runs code: every pickle in it is read restrictedly.
+
+A torch_dist checkpoint (megatron-core's dist_checkpointing over torch.distributed.checkpoint,
+DCP) holds pickles that torch 2.13 and megatron-core 0.16.1 would unpickle as they stand:
+
+- ``.metadata``: DCP's ``FileSystemReader.read_metadata`` calls ``pickle.load``. Here
+  :func:`load_metadata` reads it with an unpickler that resolves only :data:`METADATA_GLOBALS`
+  and torch's dtypes, the globals DCP's metadata holds.
+- the non-tensor objects in ``*.distcp`` (megatron's ShardedObjects: the random generators,
+  the optimizer's non-tensor state): DCP's load planners call ``torch.load(weights_only=False)``.
+  Here ``weights_only=True``.
+- ``common.pt``: megatron-core 0.16.1 calls ``torch.load`` without ``weights_only`` (True by
+  default, False under ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD``). Here always True.
+
+DCP reads tensors with ``weights_only=True`` itself. A file that names any other global raises
+:class:`CheckpointRefused`, naming the file and the global.
+
+Use: :func:`install` once per process, before loading; :func:`read_metadata` on a checkpoint
+directory before handing it to megatron (DCP catches what ``read_metadata`` raises and fails
+later on "metadata is None", so only this call gives the refusal as it is); :func:`refusal`
+finds a refusal inside the ``CheckpointException`` DCP wraps each rank's error in. Nothing
+here depends on the project's trainer: a Megatron-LM training loop applies it the same way.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import pickle
+import types
+from typing import Any, BinaryIO
+
+import torch
+
+from megatron_adacc.common.errors import InputError
+
+METADATA_FILE = ".metadata"
+
+_DCP = "torch.distributed.checkpoint"
+# The globals a .metadata pickle names, listed from checkpoints this project saves (GPT and
+# Llama; fp32, fp16 and bf16; with and without the distributed optimizer; tensor, pipeline and
+# data parallel; --async-save), plus the classes their fields may hold that those runs left
+# empty (BytesIOWriteData, _StoragePrefix) and megatron-core's two empty classes kept for older
+# checkpoints' metadata. Every dtype is allowed too (_is_dtype): the model's precision picks them.
+METADATA_GLOBALS = frozenset({
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),  # how torch pickles a torch.layout
+    (f"{_DCP}.metadata", "Metadata"),
+    (f"{_DCP}.metadata", "MetadataIndex"),
+    (f"{_DCP}.metadata", "StorageMeta"),
+    (f"{_DCP}.metadata", "TensorStorageMetadata"),
+    (f"{_DCP}.metadata", "BytesStorageMetadata"),
+    (f"{_DCP}.metadata", "ChunkStorageMetadata"),
+    (f"{_DCP}.metadata", "TensorProperties"),
+    (f"{_DCP}.metadata", "_MEM_FORMAT_ENCODING"),
+    (f"{_DCP}.planner", "SavePlan"),  # megatron keeps every rank's plan in the metadata
+    (f"{_DCP}.planner", "WriteItem"),
+    (f"{_DCP}.planner", "WriteItemType"),
+    (f"{_DCP}.planner", "TensorWriteData"),
+    (f"{_DCP}.planner", "BytesIOWriteData"),
+    (f"{_DCP}.filesystem", "_StorageInfo"),
+    (f"{_DCP}.filesystem", "_StoragePrefix"),
+    ("megatron.core.dist_checkpointing.strategies.torch", "MCoreMetadata"),
+    ("megatron.core.dist_checkpointing.strategies.torch", "MCoreSavePlan"),
+})
+_METADATA_ALLOWS = "one of the classes DCP's metadata holds"
+_OBJECT_ALLOWS = "allowed by torch.load(weights_only=True)"
+
+
+class CheckpointRefused(InputError):
+    """A checkpoint file that names a global outside its allow-list: loading it would run code.
+
+    Attributes: ``file``, ``global_name`` (``module.name``; None when torch did not say which),
+    ``allowed`` (what the allow-list is, in words).
+    """
+
+    def __init__(self, file: str, global_name: str | None, allowed: str):
+        # The fields are the exception's args, so it pickles: DCP gathers ranks' errors.
+        super().__init__(file, global_name, allowed)
+        self.file, self.global_name, self.allowed = file, global_name, allowed
+
+    def __str__(self) -> str:
+        what = (f"names {self.global_name}, which is not" if self.global_name
+                else "holds an object not")
+        return (f"{self.file} {what} {self.allowed}: the checkpoint is refused, since loading "
+                f"it would run code")
+
+
+def _is_dtype(module: str, name: str) -> bool:
+    return module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """An unpickler that resolves only DCP metadata's globals."""
+
+    def __init__(self, file: BinaryIO, name: str):
+        super().__init__(file)
+        self.name = name
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in METADATA_GLOBALS or _is_dtype(module, name):
+            return super().find_class(module, name)
+        raise CheckpointRefused(self.name, f"{module}.{name}", _METADATA_ALLOWS)
+
+
+def load_metadata(file: BinaryIO, *args, **kwargs) -> Any:
+    """Unpickle a DCP ``.metadata`` stream; ``pickle.load``'s signature, ``pickle.load``'s result.
+
+    Raises CheckpointRefused (naming ``file.name``) at a global outside METADATA_GLOBALS.
+    """
+    return _MetadataUnpickler(file, str(getattr(file, "name", METADATA_FILE))).load()
+
+
+def read_metadata(directory: str | os.PathLike) -> Any:
+    """The DCP metadata of a checkpoint directory, read with :func:`load_metadata`."""
+    with open(os.path.join(directory, METADATA_FILE), "rb") as file:
+        return load_metadata(file)
+
+
+def load_weights_only(file: Any, name: str, map_location: Any = None) -> Any:
+    """``torch.load(file, weights_only=True)``; CheckpointRefused, naming ``name``, at a refusal."""
+    try:
+        return torch.load(file, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError:  # how torch.load refuses a global
+        raise CheckpointRefused(name, _unsafe_global(file), _OBJECT_ALLOWS) from None
+
+
+def _unsafe_global(file: Any) -> str | None:
+    """The first global of a torch.save file that weights_only refuses; None if unknown."""
+    try:
+        if hasattr(file, "seek"):
+            file.seek(0)
+        names = torch.serialization.get_unsafe_globals_in_checkpoint(file)
+    except Exception:  # not a zip-format torch.save file: torch's message is the only clue
+        return None
+    return names[0] if names else None
+
+
+def refusal(exc: BaseException) -> CheckpointRefused | None:
+    """The CheckpointRefused behind ``exc``: itself, a cause, or a rank's error in a DCP
+    ``CheckpointException`` (its ``failures``: rank -> (exception, traceback))."""
+    pending, seen = [exc], set()
+    while pending:
+        current = pending.pop()
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        if isinstance(current, CheckpointRefused):
+            return current
+        failures = getattr(current, "failures", None)
+        if isinstance(failures, dict):
+            pending += [failure[0] for failure in failures.values()]
+        pending += [current.__cause__, current.__context__]
+    return None
+
+
+class _MetadataPickle(types.ModuleType):
+    """``pickle`` as DCP's filesystem module sees it: ``load`` is :func:`load_metadata`."""
+
+    load = staticmethod(load_metadata)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(pickle, name)
+
+
+class _WeightsOnlyTorch(types.ModuleType):
+    """``torch`` as megatron's common strategy sees it: ``load`` is :func:`load_weights_only`."""
+
+    @staticmethod
+    def load(file, map_location=None, **_) -> Any:
+        return load_weights_only(file, str(file), map_location)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch, name)
+
+
+def _load_bytes(self, read_item, value) -> None:
+    """DCP's ``DefaultLoadPlanner.load_bytes`` with ``weights_only=True``: one object of a
+    ``.distcp`` file (named relative to the checkpoint; ``_naming_directory`` completes it)."""
+    try:
+        file = self.metadata.storage_data[read_item.storage_index].relative_path
+    except (AttributeError, KeyError, TypeError):
+        file = read_item.dest_index.fqn
+    value = load_weights_only(value, file)
+    if self.flatten_state_dict:
+        from torch.distributed.checkpoint._traverse import set_element
+
+        set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], value)
+    else:
+        self.state_dict[read_item.dest_index.fqn] = value
+
+
+def _naming_directory(read_data):
+    """``FileSystemReader.read_data`` whose refusals name the file with its directory."""
+
+    @functools.wraps(read_data)
+    def wrapper(self, plan, planner):
+        try:
+            return read_data(self, plan, planner)
+        except CheckpointRefused as exc:
+            raise CheckpointRefused(os.path.join(str(self.path), exc.file), exc.global_name,
+                                    exc.allowed) from None
+
+    return wrapper
+
+
+_installed = False
+
+
+def install() -> None:
+    """Make every checkpoint read of this process restricted, as the module's docstring lists;
+    idempotent."""
+    global _installed
+    if _installed:
+        return
+    from megatron.core.dist_checkpointing.strategies import common as megatron_common
+    from torch.distributed.checkpoint import default_planner, filesystem
+
+    filesystem.pickle = _MetadataPickle("pickle")  # its one pickle.load is read_metadata's
+    filesystem.FileSystemReader.read_data = _naming_directory(
+        filesystem.FileSystemReader.read_data)
+    # megatron's MCoreLoadPlanner inherits it (megatron-core 0.16.1 and 0.19.2).
+    default_planner.DefaultLoadPlanner.load_bytes = _load_bytes
+    megatron_common.torch = _WeightsOnlyTorch("torch")  # its torch.load calls read common.pt
+    _installed = True
