@@ -11,9 +11,11 @@ DCP) holds pickles that torch 2.13 and megatron-core 0.16.1 would unpickle as th
   Here ``weights_only=True``.
 - ``common.pt``: megatron-core 0.16.1 calls ``torch.load`` without ``weights_only`` (True by
   default, False under ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD``). Here always True.
+- the tensors in ``*.distcp``: DCP reads them with ``weights_only=True`` already. Here a
+  refusal there names its file too, as the others do.
 
-DCP reads tensors with ``weights_only=True`` itself. A file that names any other global raises
-:class:`CheckpointRefused`, naming the file and the global.
+A file that names any other global raises :class:`CheckpointRefused`, naming the file and the
+global.
 
 Use: :func:`install` once per process, before loading; :func:`read_metadata` on a checkpoint
 directory before handing it to megatron (DCP catches what ``read_metadata`` raises and fails
@@ -69,20 +71,18 @@ _OBJECT_ALLOWS = "allowed by torch.load(weights_only=True)"
 class CheckpointRefused(InputError):
     """A checkpoint file that names a global outside its allow-list: loading it would run code.
 
-    Attributes: ``file``, ``global_name`` (``module.name``; None when torch did not say which),
-    ``allowed`` (what the allow-list is, in words).
+    Attributes: ``file``, ``global_name`` (``module.name``), ``allowed`` (what the allow-list
+    is, in words).
     """
 
-    def __init__(self, file: str, global_name: str | None, allowed: str):
+    def __init__(self, file: str, global_name: str, allowed: str):
         # The fields are the exception's args, so it pickles: DCP gathers ranks' errors.
         super().__init__(file, global_name, allowed)
         self.file, self.global_name, self.allowed = file, global_name, allowed
 
     def __str__(self) -> str:
-        what = (f"names {self.global_name}, which is not" if self.global_name
-                else "holds an object not")
-        return (f"{self.file} {what} {self.allowed}: the checkpoint is refused, since loading "
-                f"it would run code")
+        return (f"{self.file} names {self.global_name}, which is not {self.allowed}: the "
+                f"checkpoint is refused, since loading it would run code")
 
 
 def _is_dtype(module: str, name: str) -> bool:
@@ -117,20 +117,24 @@ def read_metadata(directory: str | os.PathLike) -> Any:
 
 
 def load_weights_only(file: Any, name: str, map_location: Any = None) -> Any:
-    """``torch.load(file, weights_only=True)``; CheckpointRefused, naming ``name``, at a refusal."""
+    """``torch.load(file, weights_only=True)``; CheckpointRefused, naming ``name``, where the
+    file names a global weights_only refuses."""
     try:
         return torch.load(file, map_location=map_location, weights_only=True)
-    except pickle.UnpicklingError:  # how torch.load refuses a global
-        raise CheckpointRefused(name, _unsafe_global(file), _OBJECT_ALLOWS) from None
+    except pickle.UnpicklingError:  # a global torch refuses, or a damaged pickle
+        unsafe = _unsafe_global(file)
+        if unsafe is None:  # nothing names code: damage, for the caller's fallback
+            raise
+        raise CheckpointRefused(name, unsafe, _OBJECT_ALLOWS) from None
 
 
 def _unsafe_global(file: Any) -> str | None:
-    """The first global of a torch.save file that weights_only refuses; None if unknown."""
+    """The first global of a torch.save file that weights_only refuses; None if none is."""
     try:
         if hasattr(file, "seek"):
             file.seek(0)
         names = torch.serialization.get_unsafe_globals_in_checkpoint(file)
-    except Exception:  # not a zip-format torch.save file: torch's message is the only clue
+    except Exception:  # not a zip-format torch.save file
         return None
     return names[0] if names else None
 
@@ -163,14 +167,21 @@ class _MetadataPickle(types.ModuleType):
 
 
 class _WeightsOnlyTorch(types.ModuleType):
-    """``torch`` as megatron's common strategy sees it: ``load`` is :func:`load_weights_only`."""
+    """``torch`` as a checkpoint reader sees it: ``load`` is :func:`load_weights_only`."""
 
     @staticmethod
     def load(file, map_location=None, **_) -> Any:
-        return load_weights_only(file, str(file), map_location)
+        return load_weights_only(file, _name_of(file), map_location)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(torch, name)
+
+
+def _name_of(file: Any) -> str:
+    """A path, or the path of the file a DCP stream (a view into a ``.distcp``) reads."""
+    if isinstance(file, (str, os.PathLike)):
+        return str(file)
+    return str(getattr(getattr(file, "base_stream", file), "name", "*.distcp"))
 
 
 def _load_bytes(self, read_item, value) -> None:
@@ -190,13 +201,16 @@ def _load_bytes(self, read_item, value) -> None:
 
 
 def _naming_directory(read_data):
-    """``FileSystemReader.read_data`` whose refusals name the file with its directory."""
+    """``FileSystemReader.read_data`` whose refusals naming a bare file name it with its
+    directory."""
 
     @functools.wraps(read_data)
     def wrapper(self, plan, planner):
         try:
             return read_data(self, plan, planner)
         except CheckpointRefused as exc:
+            if os.path.dirname(exc.file):
+                raise
             raise CheckpointRefused(os.path.join(str(self.path), exc.file), exc.global_name,
                                     exc.allowed) from None
 
@@ -216,6 +230,7 @@ def install() -> None:
     from torch.distributed.checkpoint import default_planner, filesystem
 
     filesystem.pickle = _MetadataPickle("pickle")  # its one pickle.load is read_metadata's
+    filesystem.torch = _WeightsOnlyTorch("torch")  # its tensors' torch.load: weights_only=True
     filesystem.FileSystemReader.read_data = _naming_directory(
         filesystem.FileSystemReader.read_data)
     # megatron's MCoreLoadPlanner inherits it (megatron-core 0.16.1 and 0.19.2).

@@ -2,7 +2,9 @@
 the objects inside ``*.distcp`` are read restrictedly; a file naming any other global is
 refused in one line (exit 2) with nothing created, whatever older checkpoints there are; and
 a checkpoint of every supported configuration still loads and resumes bit for bit."""
+import dataclasses
 import importlib
+import io
 import os
 import pickle
 import shutil
@@ -19,7 +21,9 @@ from megatron_adacc.training import checkpointing
 
 from pretrain_helpers import LLAMA_FLAGS, PRETRAIN, TINY, losses, run, train
 
-FILES = [".metadata", "common.pt", "rng_state"]  # rng_state: a ShardedObject in a .distcp
+# rng_state: a ShardedObject in a .distcp; tensor: the word embeddings' slot in a .distcp
+FILES = [".metadata", "common.pt", "rng_state", "tensor"]
+TENSOR = "embedding.word_embeddings.weight"
 # What each kind of file may name, as a refusal says it.
 METADATA = "one of the classes DCP's metadata holds"
 OBJECT = "allowed by torch.load(weights_only=True)"
@@ -91,6 +95,21 @@ def _plant(which: str, ck: Path, crafted_ck: Path, target: Path, call: str = "sy
         common = torch.load(newest / "common.pt", weights_only=True)
         torch.save({**common, "evil": Payload(target, call)}, newest / "common.pt")
         return newest / "common.pt"
+    if which == "tensor":  # appended to its .distcp, the metadata pointing at it
+        with open(newest / ".metadata", "rb") as file:
+            metadata = pickle.load(file)  # trusted: this test wrote it
+        (index,) = [index for index in metadata.storage_data if index.fqn == TENSOR]
+        info = metadata.storage_data[index]
+        payload = io.BytesIO()
+        torch.save(Payload(target, call), payload)
+        shard = newest / info.relative_path
+        metadata.storage_data[index] = dataclasses.replace(
+            info, offset=shard.stat().st_size, length=len(payload.getvalue()))
+        with open(shard, "ab") as file:
+            file.write(payload.getvalue())
+        with open(newest / ".metadata", "wb") as file:
+            pickle.dump(metadata, file)
+        return shard
     return newest / _rng_state_file(newest)
 
 
@@ -124,18 +143,25 @@ def test_a_crafted_common_state_is_refused_by_megatrons_loader(tmp_path, saved):
     assert not target.exists()
 
 
-def test_a_crafted_sharded_object_is_refused_by_megatrons_loader(tmp_path, saved,
-                                                                 crafted_rng_state):
+@pytest.mark.parametrize("which", ["rng_state", "tensor"])
+def test_a_crafted_distcp_entry_is_refused_by_megatrons_loader(tmp_path, saved,
+                                                               crafted_rng_state, which):
     from megatron.core import dist_checkpointing
-    from megatron.core.dist_checkpointing.mapping import ShardedObject
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 
-    shard = _plant("rng_state", saved, crafted_rng_state, tmp_path / "pwned")
+    target = tmp_path / "pwned"
+    shard = _plant(which, saved, crafted_rng_state, target)
     safe_checkpoint.install()
-    wanted = {"rng_state": ShardedObject("rng_state", None, (1, 1), (0, 0), replica_id=0)}
+    if which == "rng_state":
+        target = crafted_rng_state.parent / "pwned-at-save"
+        wanted = {"rng_state": ShardedObject("rng_state", None, (1, 1), (0, 0), replica_id=0)}
+    else:
+        size = safe_checkpoint.read_metadata(shard.parent).state_dict_metadata[TENSOR].size
+        wanted = {"w": ShardedTensor.from_rank_offsets(TENSOR, torch.empty(size))}
     with pytest.raises(BaseException) as failed:  # DCP wraps it in a CheckpointException
         dist_checkpointing.load(wanted, str(shard.parent))
     assert str(safe_checkpoint.refusal(failed.value)) == _refusal(shard, allowed=OBJECT)
-    assert not (crafted_rng_state.parent / "pwned-at-save").exists()
+    assert not target.exists()
 
 
 # --- pretrain_gpt.py --load -------------------------------------------------------------------
