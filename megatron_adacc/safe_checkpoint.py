@@ -17,15 +17,20 @@ DCP) holds pickles that torch 2.13 and megatron-core 0.16.1 would unpickle as th
 A file that names any other global raises :class:`CheckpointRefused`, naming the file and the
 global.
 
-Use: :func:`install` once per process, before loading; :func:`read_metadata` on a checkpoint
-directory before handing it to megatron (DCP catches what ``read_metadata`` raises and fails
-later on "metadata is None", so only this call gives the refusal as it is); :func:`refusal`
-finds a refusal inside the ``CheckpointException`` DCP wraps each rank's error in. Nothing
-here depends on the project's trainer: a Megatron-LM training loop applies it the same way.
+DCP catches what ``read_metadata`` raises inside its load and fails later on "metadata is
+None", logging a traceback; so megatron's ``dist_checkpointing.load`` and
+``load_common_state_dict`` read the ``.metadata`` with :func:`read_metadata` first, where a
+refusal comes out as it is.
+
+Use: :func:`install` once per process, before loading. A refusal arrives as CheckpointRefused,
+or, from inside DCP's load, wrapped in the ``CheckpointException`` that holds each rank's
+error; :func:`refusal` finds it in either. Nothing here depends on the project's trainer: a
+Megatron-LM training loop applies it the same way.
 """
 from __future__ import annotations
 
 import functools
+import inspect
 import os
 import pickle
 import types
@@ -217,6 +222,20 @@ def _naming_directory(read_data):
     return wrapper
 
 
+def _metadata_read_first(load):
+    """A megatron loader that reads its checkpoint's ``.metadata`` with read_metadata first."""
+    signature = inspect.signature(load)
+
+    @functools.wraps(load)
+    def wrapper(*args, **kwargs):
+        directory = signature.bind(*args, **kwargs).arguments["checkpoint_dir"]
+        if os.path.isfile(os.path.join(directory, METADATA_FILE)):  # torch_dist's
+            read_metadata(directory)
+        return load(*args, **kwargs)
+
+    return wrapper
+
+
 _installed = False
 
 
@@ -226,6 +245,8 @@ def install() -> None:
     global _installed
     if _installed:
         return
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing import serialization
     from megatron.core.dist_checkpointing.strategies import common as megatron_common
     from torch.distributed.checkpoint import default_planner, filesystem
 
@@ -236,4 +257,8 @@ def install() -> None:
     # megatron's MCoreLoadPlanner inherits it (megatron-core 0.16.1 and 0.19.2).
     default_planner.DefaultLoadPlanner.load_bytes = _load_bytes
     megatron_common.torch = _WeightsOnlyTorch("torch")  # its torch.load calls read common.pt
+    for name in ("load", "load_common_state_dict"):
+        checked = _metadata_read_first(getattr(serialization, name))
+        setattr(serialization, name, checked)  # as megatron's own modules call it
+        setattr(dist_checkpointing, name, checked)
     _installed = True

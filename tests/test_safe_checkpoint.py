@@ -116,18 +116,24 @@ def _plant(which: str, ck: Path, crafted_ck: Path, target: Path, call: str = "sy
 # --- the module's functions -------------------------------------------------------------------
 
 @pytest.mark.parametrize("call", ["system", "open"])
-def test_a_crafted_metadata_is_refused_by_the_reader_and_by_dcp(tmp_path, saved, call):
+def test_a_crafted_metadata_is_refused_by_the_reader_dcp_and_megatron(tmp_path, saved, call):
+    from megatron.core import dist_checkpointing
     from torch.distributed.checkpoint import FileSystemReader
 
     target = tmp_path / "pwned"
     metadata = _plant(".metadata", saved, saved, target, call)
+    directory = str(metadata.parent)
     with pytest.raises(CheckpointRefused) as refused:
-        safe_checkpoint.read_metadata(metadata.parent)
+        safe_checkpoint.read_metadata(directory)
     assert str(refused.value) == _refusal(metadata, call)
     safe_checkpoint.install()
-    with pytest.raises(CheckpointRefused) as refused:  # DCP's own reader, as megatron calls it
-        FileSystemReader(str(metadata.parent)).read_metadata()
-    assert str(refused.value) == _refusal(metadata, call)
+    readers = [FileSystemReader(directory).read_metadata,  # DCP's own reader
+               lambda: dist_checkpointing.load_common_state_dict(directory),
+               lambda: dist_checkpointing.load({}, directory)]  # DCP would swallow it here
+    for read in readers:
+        with pytest.raises(CheckpointRefused) as refused:
+            read()
+        assert str(refused.value) == _refusal(metadata, call)
     assert not target.exists()
 
 

@@ -296,15 +296,6 @@ def _problem(exc: BaseException) -> str:
     return f"unreadable ({type(exc).__name__}{': ' + text if text else ''})"
 
 
-def _load_common(path: Path) -> dict:
-    """The checkpoint's common state, once its DCP metadata is read restrictedly: DCP itself
-    would swallow a refusal there (see safe_checkpoint.read_metadata)."""
-    from megatron.core import dist_checkpointing
-
-    safe_checkpoint.read_metadata(path)
-    return dist_checkpointing.load_common_state_dict(str(path))
-
-
 def _read(args: argparse.Namespace, read) -> tuple[Any, str | None]:
     """``(read(), None)``, or ``(None, what is wrong)`` when it failed on any rank, so every
     rank resumes from the same iteration. A file that would run code when loaded is refused
@@ -354,7 +345,7 @@ def load(args: argparse.Namespace, model_chunks, optimizer, scheduler) -> int:
     newest = None
     for iteration in candidates:
         path = iteration_dir(root, iteration)
-        common, problem = _read(args, lambda: _load_common(path))
+        common, problem = _read(args, lambda: dist_checkpointing.load_common_state_dict(str(path)))
         if problem is not None:  # say how, then try the one before
             newest = newest or (path, problem)
             continue
