@@ -15,6 +15,7 @@ the reference.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import hashlib
 import os
@@ -26,7 +27,7 @@ from pathlib import Path
 import torch
 
 from megatron_adacc.codecs import asymmetric, bitmask, int4, outlier, symmetric
-from megatron_adacc.codecs.kernels import Kernels
+from megatron_adacc.codecs.kernels import REFERENCE, Kernels  # noqa: F401
 from megatron_adacc.codecs.native import host
 
 _SOURCE = Path(__file__).with_name("codecs.c")
@@ -277,16 +278,10 @@ def _put_columns(x2d, index, values):
     outlier.put_columns(x2d, index, values)
 
 
-NATIVE_KERNELS = Kernels(
-    sym_encode=_sym_encode,
-    count_unusable=_count_unusable,
-    sym_decode=_sym_decode,
-    asym_encode=_asym_encode,
-    asym_decode=_asym_decode,
-    mask_encode=_mask_encode,
-    mask_unpack=_mask_unpack,
-    outlier_channels=_outlier_channels,
-    take_columns=_take_columns,
-    put_columns=_put_columns,
-    strided_rows=True,
-)
+# Interim: the int4 kernels run the reference until codecs.c follows the sync-free payload
+# format (NaN scales, saturating decode, outlier capacity); the bool masks' packing stays.
+def _mask_unpack_interim(packed, numel, value=None):
+    return _mask_unpack(packed, numel, value) if value is None else bitmask.mask_unpack(packed, numel, value)
+
+
+NATIVE_KERNELS = dataclasses.replace(REFERENCE, mask_unpack=_mask_unpack_interim)
