@@ -100,6 +100,22 @@ def test_torch_backend_runs_on_fake_tensors(name, dtype):
     assert_runs_on_fake_tensors("torch", name, dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("name", codecs.NAMES)
+def test_native_backend_never_syncs_and_keeps_the_shapes(name, dtype):
+    # The native kernels read CPU memory through data_ptr, which fake tensors do not have, so
+    # FakeTensorMode cannot run them (nor Triton's wrappers, whose interpreter reads the data
+    # on the host): the shapes they give are checked against the reference's instead, and
+    # their Python side against the sync counter.
+    assert_sync_free("native", name, dtype)
+    options = codec_options(name)
+    x = activation(name, dtype)
+    reference = codecs.get(name, backend="torch", **options).encode(x)
+    payload = codecs.get(name, backend="native", **options).encode(x)
+    assert {k: (t.shape, t.dtype) for k, t in payload.tensors.items()} == \
+        {k: (t.shape, t.dtype) for k, t in reference.tensors.items()}
+
+
 def test_the_counter_sees_syncs():
     t = torch.ones(4)
     _, syncs = counted(lambda t: (t[t > 0], t.nonzero(), bool(t.sum()), int(t.max()), torch.equal(t, t),
