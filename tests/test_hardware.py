@@ -235,7 +235,7 @@ LLAMA_FLAGS = dict(normalization="RMSNorm", swiglu=True, position_embedding_type
 def test_codec_payloads_equal_real_encodes(precision, family):
     # Each site's payload is what its codec really keeps for a finite tensor of the site's
     # shape and dtype (the gate half alone for swiglu_in, a view of fc1's whole output), with
-    # the outlier codec keeping OUTLIER_CHANNEL_FRACTION of the channels.
+    # the outlier codec's capacity OUTLIER_CHANNEL_FRACTION of the channels.
     shape = hardware.ModelShape(2, 128, 4, 32, 100, ffn_hidden_size=1600, precision=precision,
                                 **family)
     sizes = hardware._layer_sites(shape)
@@ -248,7 +248,9 @@ def test_codec_payloads_equal_real_encodes(precision, family):
         rows = sizes[site.name].encoded_elements(d) // channels
         x = with_outlier_channels((rows, channels), torch.float32, outliers)
         x = x > 0 if dtype == torch.bool else x.to(dtype)
-        assert cost.payload_bytes == codecs.get(cost.codec, backend="torch").encode(x).nbytes, site.name
+        assert cost.capacity == (outliers if cost.codec == "outlier_int4" else None)
+        capacity = {"capacity": outliers} if cost.codec == "outlier_int4" else {}
+        assert cost.payload_bytes == codecs.get(cost.codec, backend="torch", **capacity).encode(x).nbytes, site.name
 
 
 def test_bf16_on_v100_is_refused():

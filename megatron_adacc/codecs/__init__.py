@@ -1,9 +1,13 @@
 """Activation codecs (paper section "Layer-specific compression").
 
-    codec = megatron_adacc.codecs.get("outlier_int4", threshold=3.0, backend="auto")
+    codec = megatron_adacc.codecs.get("outlier_int4", threshold=3.0, capacity=8, backend="auto")
     payload = codec.encode(tensor)       # payload.nbytes, payload.shape/.dtype/.device
     tensor_hat = codec.decode(payload)   # same shape, dtype and device as `tensor`
-    codec.payload_bytes(shape, dtype, outlier_channels=k)  # == payload.nbytes, finite inputs
+    codec.payload_bytes(shape, dtype)    # == payload.nbytes, whatever the data
+
+No encode or decode reads a device value on the host or sizes a tensor by the data: a group
+holding NaN or Inf is stored with a NaN scale and decodes NaN; outlier_int4 keeps a fixed
+capacity of exact channels; a float tensor that is no mask gets a NaN bitmask value.
 
 Backends: "auto" (default: Triton on CUDA, the native C kernels on CPU, eager PyTorch when
 neither is available), "torch" (the eager reference), "native", "triton". All of them
@@ -35,7 +39,7 @@ NAMES = tuple(_CODECS)
 
 def get(name: str, **options) -> Codec:
     """A codec by name; options are its constructor's keywords (group_size, threshold,
-    backend)."""
+    capacity, backend)."""
     try:
         cls = _CODECS[name]
     except KeyError:

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import torch
 
-_BIT_SHIFTS = torch.arange(8, dtype=torch.uint8)
+from megatron_adacc.codecs.int4 import with_nan
+
+
+
+def _bit_shifts(device: torch.device) -> torch.Tensor:
+    # made on the device: a copy from the host would wait for the stream on CUDA
+    return torch.arange(8, dtype=torch.uint8, device=device)
 
 
 def mask_encode(flat: torch.Tensor, pack=None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -19,13 +25,13 @@ def mask_pack(flat: torch.Tensor) -> torch.Tensor:
     tail = (-bits.numel()) % 8
     if tail:
         bits = torch.cat([bits, bits.new_zeros(tail)])
-    return (bits.view(-1, 8) << _BIT_SHIFTS.to(flat.device)).sum(dim=1, dtype=torch.uint8)
+    return (bits.view(-1, 8) << _bit_shifts(flat.device)).sum(dim=1, dtype=torch.uint8)
 
 
 def mask_unpack(packed: torch.Tensor, numel: int, value: torch.Tensor | None = None) -> torch.Tensor:
     """Inverse of mask_pack: the first `numel` flags as a bool tensor or, given the mask's
     value (mask_value), as a tensor of its dtype holding that value where set, +0 elsewhere."""
-    bits = (packed.unsqueeze(1) >> _BIT_SHIFTS.to(packed.device)) & 1
+    bits = (packed.unsqueeze(1) >> _bit_shifts(packed.device)) & 1
     return expand_flags(bits.view(-1)[:numel].bool(), value)
 
 
@@ -35,12 +41,24 @@ def expand_flags(flags: torch.Tensor, value: torch.Tensor | None) -> torch.Tenso
 
 def mask_value(flat: torch.Tensor) -> torch.Tensor:
     """The one non-zero value of a mask held in a non-bool dtype (CPU dropout saves 0 and
-    1/(1-p)), as a 1-element tensor; +0 for an all-zero mask. Raises if it is no mask."""
+    1/(1-p)), as a 1-element tensor; +0 for an all-zero mask. Checked on the device: for a
+    tensor that is no mask (other values, or NaN) the value is NaN, so the decoded mask is
+    NaN where set and training sees it (no host read; check_mask raises instead). An integer
+mask's value is not checked (no NaN to flag it with)."""
     lo, hi = torch.aminmax(flat)
     value = torch.where(hi != 0, hi, torch.where(lo != 0, lo, torch.zeros_like(lo)))
-    if not bool(((flat == 0) | (flat == value)).all()):
-        raise not_a_mask(flat.dtype)
-    return value.reshape(1).clone()
+    if not flat.is_floating_point():  # no NaN to flag with: check_mask is the only check
+        return value.reshape(1).clone()
+    is_mask = ((flat == 0) | (flat == value)).all()
+    return with_nan(value.reshape(1), ~is_mask)
+
+
+def check_mask(flat: torch.Tensor) -> None:
+    """Raise unless ``flat`` holds 0 and at most one other value: a host read, for tests and
+    strict checking, never for the training step (mask_value flags such a tensor instead)."""
+    if flat.dtype != torch.bool and flat.numel():
+        if not bool(((flat == 0) | (flat == mask_value(flat))).all()):
+            raise not_a_mask(flat.dtype)
 
 
 def not_a_mask(dtype: torch.dtype) -> ValueError:

@@ -1,7 +1,7 @@
 """The codecs: each turns a tensor into a Payload and back, through one kernel backend."""
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
 
@@ -11,12 +11,10 @@ from megatron_adacc.codecs.int4 import (
     INDEX_DTYPE,
     SCALE_DTYPE,
     check_float_input,
-    dtype_max,
     pad_to_groups,
-    restore_exceptions,
-    split_exceptions,
     zero_channels,
 )
+from megatron_adacc.codecs.outlier import outlier_channels
 from megatron_adacc.codecs.payload import Payload
 
 
@@ -52,20 +50,27 @@ class Codec:
             kernels = kernels_for(self.backend, payload.device)
             return self._decode(payload, kernels).view(payload.shape)
 
-    def payload_bytes(self, shape: Sequence[int], dtype: torch.dtype, outlier_channels: int = 0) -> int:
-        """encode(x).nbytes for every finite x of this shape and dtype; for outlier_int4, one
-        with exactly `outlier_channels` outlier channels (the other codecs take 0 only).
+    def payload_bytes(self, shape: Sequence[int], dtype: torch.dtype,
+                      outlier_channels: int | None = None) -> int:
+        """encode(x).nbytes for every x of this shape and dtype, finite or not: no size
+        depends on the data.
 
-        The rule holds for finite inputs: a group or channel holding NaN or Inf is stored raw
-        besides (its index and values), so a non-finite input's payload is larger.
+        Args:
+            outlier_channels: outlier_int4's capacity of exact channels to size the payload
+                at; None: this codec's own (OutlierInt4.capacity_for). Other codecs take 0.
         """
         shape = torch.Size(shape)
+        if outlier_channels is None:
+            outlier_channels = self._capacity(shape)
         if not 0 <= outlier_channels <= (_channels(shape) if self.separates_outliers else 0):
             raise ValueError(f"codec {self.name!r} cannot keep {outlier_channels} outlier channels "
                              f"of a tensor of shape {tuple(shape)}")
         if not shape.numel():
             return 0
         return self._payload_bytes(shape, dtype, outlier_channels)
+
+    def _capacity(self, shape: torch.Size) -> int:
+        return 0
 
     def reads_in_place(self, x: torch.Tensor) -> bool:
         """Whether this codec's encode reads a non-contiguous ``x`` where it lies, given
@@ -108,28 +113,6 @@ def _packed_bytes(numel: int) -> int:
 
 def _scales_bytes(count: int) -> int:
     return count * SCALE_DTYPE.itemsize
-
-
-def _read_counts(*counts: torch.Tensor | int, bound: int) -> list[int]:
-    """The values of 0-d integer tensors (or ints: a CPU kernel's counts), each in [0, bound),
-    read to the host at once: an encode's one device sync (on CUDA the host waits for every
-    kernel queued before it), so they travel as one mixed-radix integer."""
-    packed = counts[0]
-    for count in counts[1:]:
-        packed = packed * bound + count
-    value, digits = int(packed), []
-    for _ in counts:
-        value, digit = divmod(value, bound)
-        digits.append(digit)
-    return digits[::-1]
-
-
-def _exceptions(x2d: Callable[[], torch.Tensor], ok: torch.Tensor, dim: int,
-                kernels: Kernels) -> dict[str, torch.Tensor]:
-    """split_exceptions of the tensor ``x2d()`` gives (built only if a group is unusable),
-    with the count of unusable groups read by the encode's one host sync."""
-    (count,) = _read_counts(kernels.count_unusable(ok), bound=ok.numel() + 1)
-    return split_exceptions(x2d(), ok, dim, count) if count else {}
 
 
 def _keep(t: torch.Tensor, numel: int) -> torch.Tensor:
@@ -185,80 +168,98 @@ class SymInt4(_FlatGroups):
         return _dense_rows(x) and _channels(x.shape) % self.group_size == 0
 
     def _encode(self, x, kernels):
-        tensors, ok, raw_groups, _ = self._quantize(x, kernels)
-        return {**tensors, **_exceptions(raw_groups, ok, dim=0, kernels=kernels)}
+        return self._quantize(x, kernels)[0]
 
     def _quantize(self, x, kernels, zeroed=None):
-        """Packed codes and scales, the usable-scale flags, a function giving the groups as
-        they are stored raw where unusable (zeroed channels zeroed: built only if needed), and
-        the zeroed channels' (indices, values) where the kernel copied them in its pass (else
-        None).
-        `zeroed`: (channels, mask) of channels to encode as zeros (OutlierInt4)."""
+        """(packed codes and scales, the zeroed channels' exact values where the kernels
+        took them: None without `zeroed`, or where the codec must take them itself).
+        `zeroed`: (channels, selected mask, index) of channels to encode as zeros
+        (OutlierInt4)."""
+        values = None
         if zeroed is not None and x.numel() % self.group_size:
             # the padding of the last group copies the last element, after zeroing
-            x, zeroed = zero_channels(x.reshape(-1, zeroed[0]), zeroed), None
-        groups = self._groups(x)
-        packed, scales, ok, *exact = kernels.sym_encode(groups, 1, dtype_max(x.dtype), zeroed)
+            rows = x.reshape(-1, zeroed[0])
+            values = kernels.take_columns(rows, zeroed[2])
+            x, zeroed = zero_channels(rows, zeroed), None
+        packed, scales, *exact = kernels.sym_encode(self._groups(x), 1, zeroed)
         tensors = {"packed": _keep(packed, _packed_bytes(x.numel())), "scales": scales}
-        return (tensors, ok, lambda: zero_channels(groups, zeroed).reshape(-1, self.group_size),
-                exact[0] if exact else None)
+        return tensors, exact[0] if exact else values
 
     def _payload_bytes(self, shape, dtype, outlier_channels):
         return _packed_bytes(shape.numel()) + _scales_bytes(self._group_count(shape))
 
-    def _decode(self, payload, kernels):
+    def _decode(self, payload, kernels, exact=None):
         packed, shape2d = self._packed_groups(payload)
-        groups = kernels.sym_decode(packed, payload.tensors["scales"], shape2d, 1, payload.dtype)
-        restore_exceptions(groups, payload.tensors, dim=0)
+        groups = kernels.sym_decode(packed, payload.tensors["scales"], shape2d, 1, payload.dtype, exact)
         return self._ungroup(groups, payload)
+
+
+# Without a capacity given, outlier_int4 keeps up to this share of a tensor's channels exact.
+DEFAULT_CAPACITY_SHARE = 64
 
 
 class OutlierInt4(SymInt4):
     """Outlier-separated int4 (paper: outlier-separated activation compression): channels
     (last dimension) whose z-score of sum |x| (over outlier.statistics_rows, a sample of the
-    rows) exceeds `threshold` are kept exact with their
-    indices; the tensor with those channels zeroed goes through sym_int4, untransposed."""
+    rows) exceeds `threshold` are kept exact with their indices, up to a fixed `capacity`
+    of them (the first in channel order; the rest go through int4 with the others); the
+    tensor with the kept channels zeroed goes through sym_int4, untransposed.
+
+    The capacity fixes the payload whatever the data: a planner sizes it from the profile's
+    largest outlier count, and the rectifier raises it (capacity_for; None: one channel in
+    DEFAULT_CAPACITY_SHARE). Unused slots hold index -1 and zero values.
+    """
 
     name = "outlier_int4"
     separates_outliers = True
 
-    def __init__(self, threshold: float = 3.0, group_size: int = 64, backend: str | None = None):
+    def __init__(self, threshold: float = 3.0, group_size: int = 64, capacity: int | None = None,
+                 backend: str | None = None):
         super().__init__(group_size, backend)
+        if capacity is not None and capacity < 0:
+            raise ValueError(f"capacity must be >= 0, got {capacity}")
         self.threshold = threshold
+        self.capacity = capacity
+
+    def capacity_for(self, shape: Sequence[int]) -> int:
+        """The exact channels a payload of a tensor of ``shape`` holds: the capacity, at
+        most the tensor's channels."""
+        channels = _channels(torch.Size(shape))
+        wanted = channels // DEFAULT_CAPACITY_SHARE if self.capacity is None else self.capacity
+        return min(wanted, channels)
+
+    def _capacity(self, shape):
+        return self.capacity_for(shape)
+
+    def outlier_count(self, x: torch.Tensor) -> torch.Tensor:
+        """How many channels of ``x`` are outliers by the z-score rule, capacity aside: a 0-d
+        tensor on x's device (reading it syncs: for tracking, outside the step)."""
+        with torch.no_grad():
+            rows = x.detach().reshape(-1, _channels(x.shape))
+            return outlier_channels(rows, self.threshold).sum() if rows.numel() else \
+                torch.zeros((), dtype=torch.int64, device=x.device)
 
     def _encode(self, x, kernels):
+        capacity = self.capacity_for(x.shape)
+        if not capacity:
+            return super()._encode(x, kernels)
         rows = x.reshape(-1, _channels(x.shape))
-        is_outlier = kernels.outlier_channels(rows, self.threshold)
-        zeroed = (rows.shape[1], is_outlier)
-        tensors, ok, raw_groups, exact = self._quantize(rows, kernels, zeroed)
-        # The indices a kernel took in its pass count the outliers; else the mask does, on the device.
-        outliers = exact[0].numel() if exact is not None else is_outlier.count_nonzero()
-        outliers, unusable = _read_counts(outliers, kernels.count_unusable(ok),
-                                          bound=max(rows.shape[1], ok.numel()) + 1)
-        if unusable:
-            tensors.update(split_exceptions(raw_groups(), ok, 0, unusable))
-        if outliers:
-            if exact is None:  # not copied in the encoding pass: taken now
-                index = torch.nonzero_static(is_outlier, size=outliers).view(-1)  # sized on the host: no sync
-                exact = index, kernels.take_columns(rows, index)
-            tensors.update(outlier_index=exact[0].to(INDEX_DTYPE), outlier_values=exact[1])
-        return tensors
+        selected, index = kernels.outlier_select(rows, self.threshold, capacity)
+        tensors, values = self._quantize(rows, kernels, (rows.shape[1], selected, index))
+        if values is None:  # not copied in the encoding pass: taken now
+            values = kernels.take_columns(rows, index)
+        return {**tensors, "outlier_index": index, "outlier_values": values}
 
     def _payload_bytes(self, shape, dtype, outlier_channels):
         rows = shape.numel() // _channels(shape)
         exact = outlier_channels * (INDEX_DTYPE.itemsize + rows * dtype.itemsize)
         return super()._payload_bytes(shape, dtype, 0) + exact
 
-    def _decode(self, payload, kernels):
-        t, channels = payload.tensors, _channels(payload.shape)
-        exact = (channels, t["outlier_index"].long(), t["outlier_values"]) if "outlier_index" in t else None
-        if "raw_index" in t:  # raw groups hold the outlier channels zeroed: the exact values go on top after
-            rows = super()._decode(payload, kernels).view(-1, channels)
-            if exact is not None:
-                kernels.put_columns(rows, *exact[1:])
-            return rows
-        packed, shape2d = self._packed_groups(payload)  # the exact channels written in the decoding pass
-        return self._ungroup(kernels.sym_decode(packed, t["scales"], shape2d, 1, payload.dtype, exact), payload)
+    def _decode(self, payload, kernels, exact=None):
+        t = payload.tensors
+        if "outlier_index" in t:  # the exact channels, written in the decoding pass
+            exact = (_channels(payload.shape), t["outlier_index"], t["outlier_values"])
+        return super()._decode(payload, kernels, exact)
 
 
 class AsymInt4(_FlatGroups):
@@ -271,14 +272,8 @@ class AsymInt4(_FlatGroups):
         super().__init__(group_size, backend)
 
     def _encode(self, x, kernels):
-        groups = self._groups(x)
-        packed, scales, offsets, ok = kernels.asym_encode(groups, dtype_max(x.dtype))
-        return {
-            "packed": _keep(packed, _packed_bytes(x.numel())),
-            "scales": scales,
-            "offsets": offsets,
-            **_exceptions(lambda: groups, ok, dim=0, kernels=kernels),
-        }
+        packed, scales, offsets = kernels.asym_encode(self._groups(x))
+        return {"packed": _keep(packed, _packed_bytes(x.numel())), "scales": scales, "offsets": offsets}
 
     def _payload_bytes(self, shape, dtype, outlier_channels):
         groups = self._group_count(shape)
@@ -288,7 +283,6 @@ class AsymInt4(_FlatGroups):
         packed, shape2d = self._packed_groups(payload)
         t = payload.tensors
         groups = kernels.asym_decode(packed, t["scales"], t["offsets"], shape2d, payload.dtype)
-        restore_exceptions(groups, t, dim=0)
         return self._ungroup(groups, payload)
 
 
@@ -302,10 +296,8 @@ class NaiveInt4(Codec):
         return _dense_rows(x)
 
     def _encode(self, x, kernels):
-        rows = x.reshape(-1, _channels(x.shape))
-        packed, scales, ok = kernels.sym_encode(rows, 1, dtype_max(x.dtype))
-        return {"packed": packed, "scales": scales,
-                **_exceptions(lambda: rows, ok, dim=0, kernels=kernels)}
+        packed, scales = kernels.sym_encode(x.reshape(-1, _channels(x.shape)), 1)
+        return {"packed": packed, "scales": scales}
 
     def _payload_bytes(self, shape, dtype, outlier_channels):
         return _packed_bytes(shape.numel()) + _scales_bytes(shape.numel() // _channels(shape))
@@ -313,9 +305,7 @@ class NaiveInt4(Codec):
     def _decode(self, payload, kernels):
         t = payload.tensors
         rows_shape = (t["scales"].numel(), _channels(payload.shape))
-        rows = kernels.sym_decode(t["packed"], t["scales"], rows_shape, 1, payload.dtype)
-        restore_exceptions(rows, t, dim=0)
-        return rows
+        return kernels.sym_decode(t["packed"], t["scales"], rows_shape, 1, payload.dtype)
 
 
 class ChannelInt4(Codec):
@@ -324,10 +314,8 @@ class ChannelInt4(Codec):
     name = "channel_int4"
 
     def _encode(self, x, kernels):
-        rows = x.reshape(-1, _channels(x.shape))
-        packed, scales, ok = kernels.sym_encode(rows, 0, dtype_max(x.dtype))
-        return {"packed": packed, "scales": scales,
-                **_exceptions(lambda: rows, ok, dim=1, kernels=kernels)}
+        packed, scales = kernels.sym_encode(x.reshape(-1, _channels(x.shape)), 0)
+        return {"packed": packed, "scales": scales}
 
     def _payload_bytes(self, shape, dtype, outlier_channels):
         return _packed_bytes(shape.numel()) + _scales_bytes(_channels(shape))
@@ -335,15 +323,14 @@ class ChannelInt4(Codec):
     def _decode(self, payload, kernels):
         t = payload.tensors
         rows_shape = (payload.numel // _channels(payload.shape), _channels(payload.shape))
-        rows = kernels.sym_decode(t["packed"], t["scales"], rows_shape, 0, payload.dtype)
-        restore_exceptions(rows, t, dim=1)
-        return rows
+        return kernels.sym_decode(t["packed"], t["scales"], rows_shape, 0, payload.dtype)
 
 
 class Bitmask(Codec):
     """Lossless bit-packed masks (dropout): 8 flags per byte. Accepts any dtype: bool masks
     (GPU dropout) or masks in the activation dtype holding 0 and one other value (CPU
-    dropout saves 0 and 1/(1-p)); that value is kept as one scalar."""
+    dropout saves 0 and 1/(1-p)); that value is kept as one scalar, NaN if the tensor is no
+    such mask (checked on the device: bitmask.mask_value)."""
 
     name = "bitmask"
 

@@ -13,11 +13,32 @@ FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # range, so no finite input can overflow or underflow its scale (fp16 scales would overflow
 # for bf16 activations above ~5e5).
 SCALE_DTYPE = torch.bfloat16
-# Payloads store group and channel indices (exceptions, outlier channels) in this type.
+# Payloads store the outlier channels' indices in this type; an empty slot holds EMPTY_SLOT.
 INDEX_DTYPE = torch.int32
+EMPTY_SLOT = -1
 # Smallest normal bf16 (= fp32) number. Every scale is at least this, so all-zero and
 # constant groups never divide by zero, and no scale is subnormal (GPUs may flush those).
 MIN_SCALE = 2.0**-126
+
+
+# The NaN every backend writes where the format stores one (a non-finite group's scale, a
+# float tensor that is no mask's value): set bit by bit, since casts differ (torch's CPU
+# fp32 -> bf16 cast of NaN gives 0xFFFF, CUDA's 0x7FFF). Quiet, sign clear.
+NAN_BITS = {torch.float32: 0x7FC00000, torch.bfloat16: 0x7FC0, torch.float16: 0x7E00}
+_BITS_DTYPE = {4: torch.int32, 2: torch.int16}
+
+
+def with_nan(v: torch.Tensor, nan: torch.Tensor) -> torch.Tensor:
+    """``v`` (a float tensor) with NAN_BITS of its dtype where the bool ``nan`` is set."""
+    bits = _BITS_DTYPE[v.element_size()]
+    return torch.where(nan, NAN_BITS[v.dtype], v.view(bits)).view(v.dtype)
+
+
+def store_scales(scale: torch.Tensor) -> torch.Tensor:
+    """fp32 scales as SCALE_DTYPE (a finite scale is bf16-exact: ceil_to_bf16), NaN as
+    NAN_BITS."""
+    nan = torch.isnan(scale)
+    return with_nan(torch.where(nan, 0.0, scale).to(SCALE_DTYPE), nan)
 
 
 def check_float_input(x: object, codec: str) -> None:
@@ -31,6 +52,23 @@ def check_float_input(x: object, codec: str) -> None:
 
 def dtype_max(dtype: torch.dtype) -> float:
     return float(torch.finfo(dtype).max)
+
+
+def saturate(v32: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """fp32 decoded values clamped to [-max, +max] of ``dtype`` (NaN passes), then cast.
+
+    A finite group's grid may reach past the dtype's range (its scale is rounded up); a
+    value is only ever moved towards the range its input came from, so the error bound
+    |x - x^| <= scale / 2 still holds, and a finite input never decodes to +-Inf.
+    """
+    bound = dtype_max(dtype)
+    return v32.clamp(-bound, bound).to(dtype)
+
+
+def finite_groups(lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
+    """Whether each group's minimum and maximum (fp32) are finite: a group holding NaN or
+    +-Inf is stored with a NaN scale and decodes to NaN throughout."""
+    return torch.isfinite(lo) & torch.isfinite(hi)
 
 
 def ceil_to_bf16(v: torch.Tensor) -> torch.Tensor:
@@ -105,33 +143,9 @@ def pad_to_groups(flat: torch.Tensor, group_size: int) -> torch.Tensor:
 def zero_channels(x2d: torch.Tensor, zeroed: tuple[int, torch.Tensor] | None) -> torch.Tensor:
     """x2d with the elements of the given channels set to 0: `zeroed` = (channels, mask)
     treats the flattened x2d as rows of `channels` values and zeroes the columns where the
-    bool `mask` (one entry per channel) is set. A mask, not indices: it needs no host sync."""
+    bool `mask` (one entry per channel) is set; a third element (the outlier codec's slot
+    indices) is ignored. A mask, not indices: it needs no host sync."""
     if zeroed is None:
         return x2d
-    channels, mask = zeroed
+    channels, mask = zeroed[:2]
     return x2d.reshape(-1, channels).masked_fill(mask, 0).view(x2d.shape)
-
-
-def count_unusable(ok: torch.Tensor) -> torch.Tensor:
-    """How many scales are unusable (False in the bool flags `ok`), as a 0-d tensor on ok's
-    device: read on the host with the encode's one sync."""
-    return (~ok).count_nonzero()
-
-
-def split_exceptions(x2d: torch.Tensor, ok: torch.Tensor, dim: int, count: int) -> dict[str, torch.Tensor]:
-    """Raw copies of the `count` slices of x2d along `dim` whose scale was unusable (`ok`
-    False); `count` is read on the host by the caller, with the encode's one sync.
-
-    A scale is unusable when its group holds NaN or Inf or when its int4 grid would not fit
-    the input dtype's finite range. Storing such groups raw makes NaN stay NaN and +-Inf stay
-    +-Inf in the same element, and keeps the finite neighbours exact.
-    """
-    if not count:
-        return {}
-    index = torch.nonzero_static(~ok, size=count).view(-1)  # sized on the host: no sync
-    return {"raw_index": index.to(INDEX_DTYPE), "raw_values": x2d.index_select(dim, index)}
-
-
-def restore_exceptions(out2d: torch.Tensor, tensors: dict[str, torch.Tensor], dim: int) -> None:
-    if "raw_index" in tensors:
-        out2d.index_copy_(dim, tensors["raw_index"].long(), tensors["raw_values"])

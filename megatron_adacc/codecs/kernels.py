@@ -9,21 +9,34 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from megatron_adacc.codecs import asymmetric, bitmask, int4, outlier, symmetric
+from megatron_adacc.codecs import asymmetric, bitmask, outlier, symmetric
 
 
 @dataclass(frozen=True)
 class Kernels:
+    """One backend's kernels. None of them reads a device value on the host, and every
+    output's shape follows from the inputs' shapes and the arguments alone.
+
+    - sym_encode(x2d, reduce_dim, zeroed=None) -> (packed, scales), or with zeroed =
+      (channels, selected mask, index): (packed, scales, exact values or None)
+    - sym_decode(packed, scales, shape2d, reduce_dim, dtype, exact=None) -> [rows, cols];
+      exact = (channels, index, values)
+    - asym_encode(x2d) -> (packed, scales, offsets)
+    - asym_decode(packed, scales, offsets, shape2d, dtype) -> [rows, cols]
+    - mask_encode(flat) -> (packed, value or None); mask_unpack(packed, numel, value=None)
+    - outlier_select(x2d, threshold, capacity) -> (selected mask, index [capacity])
+    - take_columns(x2d, index) -> [rows, len(index)], +0 in empty slots
+    The reference functions (symmetric, asymmetric, bitmask, outlier) document each.
+    """
+
     sym_encode: Callable
-    count_unusable: Callable
     sym_decode: Callable
     asym_encode: Callable
     asym_decode: Callable
     mask_encode: Callable
     mask_unpack: Callable
-    outlier_channels: Callable
+    outlier_select: Callable
     take_columns: Callable
-    put_columns: Callable
     # Whether the encode kernels read rows a stride apart where they lie (a view's rows, its
     # last dimension dense; Codec.reads_in_place): otherwise a codec hands them a copy.
     strided_rows: bool = False
@@ -31,13 +44,11 @@ class Kernels:
 
 REFERENCE = Kernels(
     sym_encode=symmetric.sym_encode,
-    count_unusable=int4.count_unusable,
     sym_decode=symmetric.sym_decode,
     asym_encode=asymmetric.asym_encode,
     asym_decode=asymmetric.asym_decode,
     mask_encode=bitmask.mask_encode,
     mask_unpack=bitmask.mask_unpack,
-    outlier_channels=outlier.outlier_channels,
+    outlier_select=outlier.outlier_select,
     take_columns=outlier.take_columns,
-    put_columns=outlier.put_columns,
 )

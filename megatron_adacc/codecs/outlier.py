@@ -5,6 +5,8 @@ from typing import Callable
 
 import torch
 
+from megatron_adacc.codecs.int4 import EMPTY_SLOT, INDEX_DTYPE
+
 
 def channel_abs_sums(x2d: torch.Tensor) -> torch.Tensor:
     """Sum of |x| over the rows of each column, in float64: exact enough that backends which
@@ -42,7 +44,7 @@ def outlier_channels(x2d: torch.Tensor, threshold: float,
 
 def z_score_outliers(sums: torch.Tensor, threshold: float) -> torch.Tensor:
     """Which channels (a bool mask) have a sum of |x| (channel_abs_sums) whose z-score is
-    above threshold. Device ops only, no host sync: the codec reads the count once.
+    above threshold. Device ops only, no host sync.
 
     Channels whose sum is not finite (NaN or Inf) are outliers by definition and stay out of
     the mean and standard deviation of the others (which need two finite channels). The
@@ -58,11 +60,45 @@ def z_score_outliers(sums: torch.Tensor, threshold: float) -> torch.Tensor:
     return ~finite | ((count >= 2) & (z > threshold))
 
 
+def select_channels(mask: torch.Tensor, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first ``capacity`` outlier channels of ``mask`` in channel order, sized on the host.
+
+    Returns:
+        (selected, index): the bool mask of the kept channels (mask & (cumsum(mask) <=
+        capacity)), and their indices as INDEX_DTYPE [capacity], ascending, EMPTY_SLOT in the
+        unused slots at the end. Device ops only: a prefix scan and a scatter.
+    """
+    rank = mask.cumsum(0)
+    selected = mask & (rank <= capacity)
+    channel = torch.arange(mask.numel(), dtype=INDEX_DTYPE, device=mask.device)
+    # Each selected channel lands in its slot rank - 1; the others offer EMPTY_SLOT to some
+    # slot, which max ignores against a channel (>= 0) and keeps when the slot stays empty.
+    slot = (rank - 1).clamp(0, max(capacity - 1, 0))
+    index = torch.full((capacity,), EMPTY_SLOT, dtype=INDEX_DTYPE, device=mask.device)
+    if capacity:
+        index.scatter_reduce_(0, slot, torch.where(selected, channel, EMPTY_SLOT), "amax")
+    return selected, index
+
+
+def outlier_select(x2d: torch.Tensor, threshold: float, capacity: int
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The outlier codec's exact channels of x2d: select_channels of outlier_channels."""
+    return select_channels(outlier_channels(x2d, threshold), capacity)
+
+
 def take_columns(x2d: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """The columns `index` (int64) of x2d, as a [rows, len(index)] tensor."""
-    return x2d.index_select(1, index)
+    """The columns ``index`` (int slots, EMPTY_SLOT where unused) of x2d as [rows,
+    len(index)], +0 in the unused slots' columns."""
+    values = x2d.index_select(1, index.long().clamp_min(0))
+    return torch.where(index >= 0, values, values.new_zeros(()))
 
 
 def put_columns(x2d: torch.Tensor, index: torch.Tensor, values: torch.Tensor) -> None:
-    """x2d[:, index] = values, in place (the inverse of take_columns)."""
-    x2d.index_copy_(1, index, values)
+    """x2d[:, index] = values for the used slots (index >= 0), in place: take_columns'
+    inverse. Each channel looks up the slot that holds it (a gather; no host sync)."""
+    if not index.numel():
+        return
+    slot = torch.arange(index.numel(), dtype=torch.int64, device=index.device)
+    holder = torch.full((x2d.shape[1],), -1, dtype=torch.int64, device=x2d.device)
+    holder.scatter_reduce_(0, index.long().clamp_min(0), torch.where(index >= 0, slot, -1), "amax")
+    x2d.copy_(torch.where(holder >= 0, values.index_select(1, holder.clamp_min(0)), x2d))

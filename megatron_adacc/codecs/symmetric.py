@@ -7,7 +7,9 @@ Two refinements, both needed for the bound |x - x^| <= |scale| / 2 on every elem
   maximum clips from 8 to 7 and is off by a full step);
 - if the group also holds an element of the other sign beyond 15/16 of that magnitude, the
   scale grows to that element / 7.5 so it rounds to 7 at most half a step away.
-Zero stays exact. Scales are rounded up to bf16 (see int4.ceil_to_bf16).
+Zero stays exact. Scales are rounded up to bf16 (see int4.ceil_to_bf16). A group holding
+NaN or +-Inf gets a NaN scale and decodes to NaN; decoded values saturate to the dtype's
+finite range (int4.saturate).
 
 A reduction dimension picks the grouping: reduce_dim=1 gives one scale per row of the 2-D
 view (flat groups, or per token), reduce_dim=0 one scale per column (per channel).
@@ -18,54 +20,65 @@ import torch
 
 from megatron_adacc.codecs.int4 import (
     MIN_SCALE,
-    SCALE_DTYPE,
     ceil_to_bf16,
+    finite_groups,
     pack_nibbles,
+    saturate,
+    store_scales,
     true_divide,
     unpack_nibbles,
     zero_channels,
 )
-from megatron_adacc.codecs.outlier import put_columns
+from megatron_adacc.codecs.outlier import put_columns, take_columns
 
 
-def sym_scales(lo: torch.Tensor, hi: torch.Tensor, dmax: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Signed fp32 scales from group minima and maxima, and whether each group is usable."""
+def sym_scales(lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
+    """Signed fp32 scales from group minima and maxima (fp32): finite for a finite group,
+    NaN for one holding NaN or +-Inf (int4.finite_groups)."""
     negative_extreme = -lo >= hi
     extreme = torch.where(negative_extreme, -lo, hi)
     opposite = torch.where(negative_extreme, hi, -lo)
     magnitude = ceil_to_bf16(torch.maximum(extreme / 8, true_divide(opposite, 7.5))).clamp_min(MIN_SCALE)
-    ok = magnitude * 8 <= dmax
     scale = torch.where(negative_extreme, magnitude, -magnitude)
-    return torch.where(ok, scale, 0.0), ok
+    return torch.where(finite_groups(lo, hi), scale, torch.nan)
 
 
-def sym_encode(x2d: torch.Tensor, reduce_dim: int, dmax: float,
-               zeroed: tuple[int, torch.Tensor] | None = None):
-    """-> (packed int4 codes of x2d in row-major order, bf16 scales, usable-scale flags).
-    `zeroed`: (channels, mask) of channels to encode as zeros first (int4.zero_channels; the
-    outlier codec's); with it, a fourth value: the zeroed channels' values ([rows, count], in
-    channel order) where a backend copies them in its encoding pass, else None, as here: the
-    codec then takes them (outlier.take_columns) once its one host read has sized them."""
+def sym_encode(x2d: torch.Tensor, reduce_dim: int,
+               zeroed: tuple[int, torch.Tensor, torch.Tensor] | None = None):
+    """-> (packed int4 codes of x2d in row-major order, bf16 scales).
+
+    A group with a NaN scale (sym_scales) stores the zero code 8 throughout.
+    `zeroed`: (channels, mask, index), the outlier codec's selected channels
+    (outlier.select_channels), encoded as zeros (int4.zero_channels); with it, a third value:
+    their exact values [rows, len(index)] (outlier.take_columns), where a backend copies
+    them in its encoding pass, else None (the codec then takes them itself).
+    """
+    if zeroed is not None:
+        values = take_columns(x2d.reshape(-1, zeroed[0]), zeroed[2])
     x2d = zero_channels(x2d, zeroed)
     lo, hi = torch.aminmax(x2d, dim=reduce_dim, keepdim=True)
-    scale, ok = sym_scales(lo.float(), hi.float(), dmax)
+    scale = sym_scales(lo.float(), hi.float())
+    finite = ~torch.isnan(scale)
     # One reciprocal per group, then a multiply per element: a division per element is what
     # bounds a CPU kernel, and every backend rounds 1/scale and x * (1/scale) the same way.
-    y = x2d.float() * torch.where(ok, scale, 1.0).reciprocal()
-    codes = torch.where(ok, torch.floor(y + 8.5).clamp(0, 15), 8.0).to(torch.uint8)
-    encoded = (pack_nibbles(codes), scale.to(SCALE_DTYPE).squeeze(reduce_dim), ok.squeeze(reduce_dim))
-    return encoded if zeroed is None else (*encoded, None)
+    y = x2d.float() * torch.where(finite, scale, 1.0).reciprocal()
+    codes = torch.where(finite, torch.floor(y + 8.5).clamp(0, 15), 8.0).to(torch.uint8)
+    encoded = (pack_nibbles(codes), store_scales(scale).squeeze(reduce_dim))
+    return encoded if zeroed is None else (*encoded, values)
 
 
 def sym_decode(packed: torch.Tensor, scales: torch.Tensor, shape2d: tuple[int, int], reduce_dim: int,
                dtype: torch.dtype, exact: tuple[int, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-    """`exact`: (channels, index, values), the outlier codec's exact channels, written over
-    the decoded values seen as rows of `channels` (outlier.put_columns), in the same pass
-    where a backend can."""
+    """Decoded [rows, cols] of ``dtype``, saturated to its finite range (int4.saturate).
+
+    `exact`: (channels, index, values), the outlier codec's exact channels (int32 slots,
+    EMPTY_SLOT where unused), written over the decoded values seen as rows of `channels`
+    (outlier.put_columns), in the same pass where a backend can.
+    """
     codes = unpack_nibbles(packed, shape2d[0] * shape2d[1]).view(shape2d)
-    # (code - 8) * scale is exact in fp32 (4 x 8 significant bits); the one rounding is the
-    # final cast to the output dtype.
-    out = ((codes.float() - 8) * scales.float().unsqueeze(reduce_dim)).to(dtype)
+    # (code - 8) * scale is exact in fp32 (4 x 8 significant bits) short of overflow; the
+    # one rounding is the final cast to the output dtype.
+    out = saturate((codes.float() - 8) * scales.float().unsqueeze(reduce_dim), dtype)
     if exact is not None:
         channels, index, values = exact
         put_columns(out.view(-1)[: values.shape[0] * channels].view(-1, channels), index, values)
