@@ -33,8 +33,12 @@ the cache does not hold. Re-run warm on the spot, the operators measured 0.5-0.8
 in-step time on this CPU (issue 26: SwiGLU's 2.9 ms warm, 5.2 ms in the step) and the
 outlier codec's decode about half; the planner charged that.
 
-CPU timings take the median over steps; CUDA timings use device events. A CPU step in which a
-timed call grew the host heap (first touches of fresh pages, a cost paid once) is run again.
+Each timed step records its calls on one clock (clock.Spans) and reads them once it is over:
+on CUDA, events recorded around each call between the step's own kernels, with no wait in
+between (a synchronisation per call would time each call on an idle stream, which is not
+what the step pays); on a CPU, the host's counter. The median over steps is taken. A CPU step
+in which a timed call grew the host heap (first touches of fresh pages, a cost paid once) is
+run again.
 """
 from __future__ import annotations
 
@@ -53,7 +57,7 @@ from megatron.core.tensor_parallel.random import _fork_rng
 from megatron_adacc import codecs, planning
 from megatron_adacc.codecs import backend as codec_backend
 from megatron_adacc.codecs.native import host
-from megatron_adacc.profiling import allocator
+from megatron_adacc.profiling import allocator, clock
 from megatron_adacc.profiling import hardware
 from megatron_adacc.models import build as model_lib
 from megatron_adacc.models.attention import backend_of
@@ -108,27 +112,23 @@ HEAP_GROWTH_PAGES = 16
 
 
 def timed(fn: Callable[[], object], device: torch.device) -> tuple[object, float]:
-    """``fn()``'s result and the wall time of that one call (CUDA: device events)."""
-    if device.type == "cuda":
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        result = fn()
-        end.record()
-        end.synchronize()
-        return result, start.elapsed_time(end) / 1e3
-    began = time.perf_counter()
-    result = fn()
-    return result, time.perf_counter() - began
+    """``fn()``'s result and the wall time of that one call (CUDA: device events, read at
+    once: for whole steps, not the calls inside one)."""
+    spans = clock.Spans(clock.for_device(device))
+    result, _ = spans.time(fn)
+    return result, spans.read()[0]
 
 
-def _timed_on_the_heap(fn: Callable[[], object], device: torch.device) -> tuple[object, float, bool]:
-    """timed(fn, device), and whether the call grew the host heap (first-touched more than
-    HEAP_GROWTH_PAGES pages). On CUDA the host's pages are not on the clock."""
-    if device.type != "cpu":
-        return (*timed(fn, device), False)
+def _timed_on_the_heap(fn: Callable[[], object], spans: clock.Spans
+                       ) -> tuple[object, int, bool]:
+    """``spans.time(fn)`` (the result and its span), and whether the call grew the host heap
+    (first-touched more than HEAP_GROWTH_PAGES pages). On CUDA the host's pages are not on
+    the clock."""
+    if spans.clock.deferred:
+        return (*spans.time(fn), False)
     touched = allocator.host_pages_first_touched()
-    result, seconds = timed(fn, device)
-    return result, seconds, allocator.host_pages_first_touched() - touched > HEAP_GROWTH_PAGES
+    result, span = spans.time(fn)
+    return result, span, allocator.host_pages_first_touched() - touched > HEAP_GROWTH_PAGES
 
 
 # --- instruments ------------------------------------------------------------------------------
@@ -183,41 +183,47 @@ class _Unencodable:
 class _CodecProbe:
     """Sits in the runtime where a codec goes: encodes and decodes with the real codec, timing
     each call where the step makes it (the encode in forward, the decode when backward first
-    reads the storage) unless ``device`` is None, and keeps what it was given."""
+    reads the storage) on ``spans`` unless it is None, and keeps what it was given. The
+    times are read after the step (``read_times``): on CUDA the calls' events are recorded
+    in the step and nothing waits for them until it is over."""
 
-    def __init__(self, codec, device: torch.device | None):
+    def __init__(self, codec, spans: clock.Spans | None):
         self.codec = codec
-        self.device = device
+        self.spans = spans
         self.inputs: list[torch.Tensor] = []
         self.failed = False
         self.encode_s = 0.0
         self.decode_s = 0.0
         self.grew_heap = False
+        self._calls: list[tuple[str, int]] = []     # (encode or decode, span)
 
-    def _run(self, fn: Callable[[], object]) -> tuple[object, float]:
-        # Untimed where only the inputs are wanted: on CUDA timing synchronises the host.
-        if self.device is None:
-            return fn(), 0.0
-        result, seconds, grew = _timed_on_the_heap(fn, self.device)
+    def _run(self, kind: str, fn: Callable[[], object]) -> object:
+        # Untimed where only the inputs are wanted.
+        if self.spans is None:
+            return fn()
+        result, span, grew = _timed_on_the_heap(fn, self.spans)
         self.grew_heap |= grew
-        return result, seconds
+        self._calls.append((kind, span))
+        return result
 
     def encode(self, tensor):
         self.inputs.append(tensor.detach())
         try:
-            payload, elapsed = self._run(lambda: self.codec.encode(tensor))
+            return self._run("encode", lambda: self.codec.encode(tensor))
         except (ValueError, TypeError, RuntimeError):
             self.failed = True
             return _Unencodable(tensor)
-        self.encode_s += elapsed
-        return payload
 
     def decode(self, payload):
         if isinstance(payload, _Unencodable):
             return payload.tensor
-        decoded, elapsed = self._run(lambda: self.codec.decode(payload))
-        self.decode_s += elapsed
-        return decoded
+        return self._run("decode", lambda: self.codec.decode(payload))
+
+    def read_times(self, seconds: Sequence[float]) -> None:
+        """Sum this probe's calls into ``encode_s`` and ``decode_s`` from the step's span
+        readings (``Spans.read()``)."""
+        for kind, span in self._calls:
+            setattr(self, f"{kind}_s", getattr(self, f"{kind}_s") + seconds[span])
 
 
 class _OutlierCounter:
@@ -308,15 +314,20 @@ class _Profiling:
         """A step with ``decisions`` on the measured layer whose codecs are probed: (the
         layer's bytes per site, a probe per compressed site, timing its calls if ``timing``)."""
         probes: dict[str, _CodecProbe] = {}
+        spans = clock.Spans(clock.for_device(self.device)) if timing else None
 
         def install(layer=self.layer):
             for name, (action, codec) in list(layer.actions.items()):
                 if action == COMPRESS:
-                    probes[name] = _CodecProbe(codec, self.device if timing else None)
+                    probes[name] = _CodecProbe(codec, spans)
                     layer.actions[name] = (COMPRESS, probes[name])
 
-        return (self.layer_sites(self.step(decisions, install=install, backward=backward)),
-                probes)
+        sizes = self.layer_sites(self.step(decisions, install=install, backward=backward))
+        if spans is not None:
+            seconds = spans.read()      # once, after the step
+            for probe in probes.values():
+                probe.read_times(seconds)
+        return sizes, probes
 
     def outlier_capacities(self, decisions: dict[str, Decision]) -> tuple[dict[str, int], dict[str, int]]:
         """One step with ``decisions`` on every layer: (the largest outlier count over the
@@ -395,16 +406,19 @@ class _Profiling:
     def rebuild_seconds(self, names: Sequence[str]) -> float:
         """The runtime's rebuild when ``names`` are the only recomputed sites, timed in the
         step where backward asks for it: the median over ``repeats`` steps."""
-        measured: list[tuple[float, bool]] = []
         original = self.layer._rebuild
+        spans: clock.Spans | None = None
+        grew: list[bool] = []
 
         def timed_rebuild(call):
-            measured.append(_timed_on_the_heap(lambda: original(call), self.device)[1:])
+            grew.append(_timed_on_the_heap(lambda: original(call), spans)[2])
 
         def timed_step():
-            first = len(measured)
+            nonlocal spans
+            spans = clock.Spans(clock.for_device(self.device))
+            grew.clear()
             self.step({name: Decision(RECOMPUTE) for name in names}, ruler_type=None)
-            return [seconds for seconds, _ in measured[first:]], any(grew for _, grew in measured[first:])
+            return spans.read(), any(grew)
 
         # The layer hands its bound `_rebuild` to each forward call; an instance attribute
         # shadows it for the steps measured here.
@@ -437,8 +451,7 @@ class _Profiling:
             self.layer.force_hooks = hooked
             # Outside the clock: training attaches a hooked layer's submodule hooks once.
             (self.layer.attributor.attach if hooked else self.layer.attributor.detach)()
-            self.model.zero_grad(set_to_none=True)
-            return timed(lambda: self.loss_fn(self.model, batch).backward(), self.device)[1]
+            return self._timed_step(batch)
 
         differences = []
         try:
@@ -451,6 +464,23 @@ class _Profiling:
             self.layer.force_hooks = False
             self.model.zero_grad(set_to_none=True)
         return max(0.0, statistics.median(differences))
+
+    def _timed_step(self, batch: Batch) -> float:
+        """One forward and backward of ``batch`` as the layers are set, timed whole; the
+        gradients are dropped before it."""
+        self.model.zero_grad(set_to_none=True)
+        return timed(lambda: self.loss_fn(self.model, batch).backward(), self.device)[1]
+
+    def step_seconds(self) -> float:
+        """A step of the micro-batch with every layer keeping everything (megatron's stock
+        layer, no hooks): the median of ``repeats`` steps after one untimed. The step time
+        of a plan is predicted as this plus the plan's added time."""
+        apply_plan(self.model, Plan(), strict=self.strict)
+        try:
+            times = [self._timed_step(self.batch) for _ in range(1 + max(1, self.repeats))]
+        finally:
+            self.model.zero_grad(set_to_none=True)
+        return statistics.median(times[1:])
 
     def _steady_steps(self, timed_step: Callable[[], tuple[object, bool]]) -> list[object]:
         """The results of ``repeats`` timed steps whose timed calls did not grow the host heap
@@ -572,6 +602,7 @@ def _profile(run: _Profiling) -> ModelCosts:
 
     rebuild_s = _rebuild_times(order, prefix_s)
     hooked_layer_s = run.hooked_layer_seconds()
+    step_s = run.step_seconds()
     sites = []
     for name in order:
         sites.append(SiteCost(
@@ -606,6 +637,7 @@ def _profile(run: _Profiling) -> ModelCosts:
             "measured_layer": run.index,
             "repeats": run.repeats,
             "rebuild_prefix_s": prefix_s,
+            "step_s": step_s,
         },
     )
     return replace(costs, allocator_overhead_bytes=allocator_overhead(costs, peaks))
@@ -645,6 +677,46 @@ def refresh_codec_costs(costs: ModelCosts, model: torch.nn.Module, batch: Batch,
     sites = [replace(site, codecs=tuple(fresh[site.name])) if site.name in fresh else site
              for site in costs.sites]
     return replace(costs, sites=sites)
+
+
+def refresh_action_costs(costs: ModelCosts, model: torch.nn.Module, batch: Batch,
+                         layer_decisions: Iterable[dict[str, Decision]], *,
+                         repeats: int = DEFAULT_REPEATS, strict: bool = False,
+                         loss_fn: LossFn | None = None) -> ModelCosts:
+    """``costs`` with the actions a plan uses re-timed in steps on ``batch`` (the step
+    watch's way to correct a plan that ran slower than predicted): every candidate codec of
+    each site the plan compresses, the rebuild of each site it recomputes (its segment's
+    times fitted again with the other sites' profiled ones) and each operator it runs, and
+    ``meta["step_s"]``, the step its added time is predicted on top of. Decisions and RNG
+    streams are left as found."""
+    decisions = [decision for layer in layer_decisions for decision in layer.items()]
+    compressed = sorted({name for name, d in decisions if d.action == COMPRESS})
+    recomputed = {name for name, d in decisions if d.action == RECOMPUTE}
+    with _left_as_found(model):
+        run = _Profiling(model, batch, strict, repeats, loss_fn)
+        fresh_codecs = run.codec_costs([name for name in compressed if name in site_table.SITES])
+        on_segments = [site.name for site in costs.sites
+                       if site.name in recomputed and site.segment is not None]
+        prefix_s = {**costs.meta.get("rebuild_prefix_s",
+                                     {site.name: site.rebuild_s for site in costs.sites
+                                      if site.segment is not None}),
+                    **{name: run.rebuild_seconds([name]) for name in on_segments}}
+        # An operator is timed as the profile timed it: with every product it rebuilds here
+        # recomputed.
+        operators = tuple(
+            replace(operator, rebuild_s=run.rebuild_seconds(products))
+            if recomputed & set(products) else operator
+            for operator in costs.operators
+            for products in [[site.name for site in costs.sites
+                              if site.operator == operator.name and site.can_recompute]])
+        step_s = run.step_seconds()
+    rebuild_s = _rebuild_times([site.name for site in costs.sites], prefix_s)
+    sites = [replace(site, codecs=tuple(fresh_codecs.get(site.name, site.codecs)),
+                     rebuild_s=rebuild_s.get(site.name, site.rebuild_s))
+             if site.segment is not None or site.name in fresh_codecs else site
+             for site in costs.sites]
+    return replace(costs, sites=sites, operators=operators,
+                   meta={**costs.meta, "rebuild_prefix_s": prefix_s, "step_s": step_s})
 
 
 @dataclass
