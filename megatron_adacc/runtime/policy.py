@@ -1,10 +1,30 @@
 """Applying a Plan to a whole model: each Adacc layer gets its own row of the plan."""
 from __future__ import annotations
 
+import contextlib
+from typing import Callable, Iterator
+
 import torch
 
 from megatron_adacc.common.plan import Plan, PlanError
+from megatron_adacc.common.sites import COMPRESS
 from megatron_adacc.runtime.layer import AdaccTransformerLayer
+
+# Wraps each codec apply_plan installs; None in training. Tests set it (wrapped_codecs) to
+# make codecs behave otherwise, e.g. slower, everywhere the runtime and the profiler run them.
+_codec_wrapper: Callable[[object], object] | None = None
+
+
+@contextlib.contextmanager
+def wrapped_codecs(wrap: Callable[[object], object]) -> Iterator[None]:
+    """For tests: every codec ``apply_plan`` installs inside the block is ``wrap(codec)``
+    (something with the codec's ``encode``/``decode``); plans applied before keep theirs."""
+    global _codec_wrapper
+    before, _codec_wrapper = _codec_wrapper, wrap
+    try:
+        yield
+    finally:
+        _codec_wrapper = before
 
 
 def adacc_layers(model: torch.nn.Module) -> list[AdaccTransformerLayer]:
@@ -33,3 +53,7 @@ def apply_plan(model: torch.nn.Module, plan: Plan | None, strict: bool | None = 
         if codec_backend is not None:
             layer.codec_backend = codec_backend
         layer.set_decisions(plan.for_layer(layer.layer_index))
+        if _codec_wrapper is not None:
+            layer.actions = {site: (action, _codec_wrapper(codec) if action == COMPRESS
+                                    else codec)
+                             for site, (action, codec) in layer.actions.items()}
