@@ -7,7 +7,7 @@ training loop.
     model = GPTModel(config, adacc.layer_spec(), ...)         # megatron-core's local spec
     adacc.setup(model, (tokens, labels, loss_mask))           # profile or ProfileDB, plan, apply
     for iteration in range(1, iters + 1):
-        with adacc.measure(iteration):                        # measured steps only
+        with adacc.measure(iteration == 1):                   # every step; the ruler now and then
             loss = loss_fn(model, batch); loss.backward()
         optimizer.step()
         record = {**adacc.after_step(iteration, batch), **adacc.metrics()}
@@ -16,8 +16,10 @@ training loop.
 given micro-batch, or reuses its ProfileDB row, and plans for the budget), applied to every
 Adacc layer, and its plan table printed on rank 0. ``after_step`` does nothing but on
 tracking iterations, where the rectifier samples the activations and a better plan is swapped
-in before the next forward. Every rank builds the same plan: rank 0's profile is broadcast,
-the planner is deterministic, the rectifier's statistics are rank 0's.
+in before the next forward, and every few steps, where the step watch compares the steps
+``measure`` timed with the plan's prediction (step_watch.py). Every rank builds the same
+plan: rank 0's profile is broadcast, the planner is deterministic, the rectifier's statistics
+and the step watch's times are rank 0's.
 
 The current plan has one holder: the rectifier while it tracks, else the resolved policy.
 """
@@ -34,8 +36,9 @@ from typing import Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from megatron_adacc import policies
-from megatron_adacc.profiling import allocator, hardware
+from megatron_adacc import planning, policies
+from megatron_adacc import step_watch as watching
+from megatron_adacc.profiling import allocator, clock, hardware
 from megatron_adacc.profiling import profiler
 from megatron_adacc.models.attention import DEFAULT_SPEC_BACKEND, local_layer_spec
 from megatron_adacc.common.costs import ModelCosts
@@ -50,6 +53,7 @@ from megatron_adacc.common.sites import SITE_NAMES
 from megatron_adacc.common.units import parse_size
 
 TRACKING_MODES = ("backoff", "off")
+STEP_WATCH_MODES = ("on", "off")
 LossFn = Callable[[torch.nn.Module, profiler.Batch], torch.Tensor]
 
 
@@ -62,6 +66,7 @@ class AdaccConfig:
     memory_budget: int | str | None = None   # bytes or "12GiB"; auto needs one on a CPU
     tracking: str | None = None          # backoff | off; None: backoff with auto
     tracking_sites: tuple[str, ...] | None = None
+    step_watch: str | None = None        # on | off; None: on while tracking (step_watch.py)
     tracking_max_interval: int = DEFAULT_MAX_INTERVAL
     tracking_reset_fraction: float = DEFAULT_RESET_FRACTION
     guard_threshold: float = DEFAULT_GUARD_THRESHOLD
@@ -102,6 +107,12 @@ class AdaccConfig:
         if self.tracks and self.policy != "auto":
             raise ValueError(f"--adacc-tracking backoff re-plans, so it needs --adacc-policy "
                              f"auto (got {self.policy})")
+        if self.step_watch is not None and self.step_watch not in STEP_WATCH_MODES:
+            raise ValueError(f"--adacc-step-watch {self.step_watch}: expected one of "
+                             f"{', '.join(STEP_WATCH_MODES)}")
+        if self.step_watch == "on" and not self.tracks:
+            raise ValueError("--adacc-step-watch on swaps plans through the rectifier, so it "
+                             "needs --adacc-tracking backoff (and --adacc-policy auto)")
         if self.tracking_max_interval < 1:
             raise ValueError("--adacc-tracking-max-interval must be positive")
         if self.pipeline_model_parallel_size < 1:
@@ -138,7 +149,7 @@ class AdaccConfig:
         def real(value) -> bool:
             return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
-        for name in ("policy", "tracking", "codec_backend"):
+        for name in ("policy", "tracking", "codec_backend", "step_watch"):
             value = getattr(self, name)
             if not (isinstance(value, str) or (value is None and name != "policy")):
                 refuse(name, "a string" if name == "policy" else "a string or None")
@@ -178,6 +189,11 @@ class AdaccConfig:
             else "off"
         return (self.tracking or default) == "backoff"
 
+    @property
+    def watches(self) -> bool:
+        """The step watch is on: asked for, or by default while tracking."""
+        return (self.step_watch or ("on" if self.tracks else "off")) == "on"
+
     @classmethod
     def from_args(cls, args) -> "AdaccConfig":
         """From parsed ``--adacc-*`` flags (``adacc_policy`` -> ``policy``, ...)."""
@@ -203,6 +219,14 @@ class Adacc:
         self._rectifier: Rectifier | None = None
         self._batch: profiler.Batch | None = None
         self._loss_fn: LossFn | None = None
+        self._micro_batches = 1
+        self._watch: watching.StepWatch | None = None
+        self._clock = clock.HostClock()
+        # Steps measure() timed and nothing has read yet: (plan_id, start, end, ruler on).
+        self._windows: list[tuple[str, object, object, bool]] = []
+        self._measured_step: tuple[str, float] | None = None   # (plan_id, seconds), the last
+        # (plan_id, costs, predicted seconds) of the last prediction asked for.
+        self._predicted_step: tuple[str, ModelCosts, float | None] | None = None
 
     # --- building the model ------------------------------------------------------------------
     def layer_spec(self, attention_backend: str = DEFAULT_SPEC_BACKEND):
@@ -248,6 +272,8 @@ class Adacc:
                              f"was configured for {config.pipeline_model_parallel_size}")
         self.model, self._batch = model, batch
         self._loss_fn = loss_fn
+        self._micro_batches = num_micro_batches
+        self._clock = clock.for_device(batch[0].device)
         self.static_bytes = (static_bytes if static_bytes is not None
                              else hardware.model_static_bytes(model))
         self.optimizer_step_bytes = (optimizer_step_bytes if optimizer_step_bytes is not None
@@ -266,6 +292,9 @@ class Adacc:
                 guard_threshold=config.guard_threshold,
                 reset_fraction=config.tracking_reset_fraction,
                 max_interval=config.tracking_max_interval, strict=config.strict)
+            if config.watches:
+                self._watch = watching.StepWatch()
+                self._watch.begin(self._rectifier.result)
         if verbose and _is_rank0() and self._resolved.plan is not None:
             print(policies.describe(self._resolved), flush=True)
         if self._resolved.result is not None:
@@ -292,50 +321,134 @@ class Adacc:
     # --- every step ----------------------------------------------------------------------------
     @contextlib.contextmanager
     def measure(self, enabled: bool = True) -> Iterator[ActivationRuler | None]:
-        """Around one training step (forward and backward of every micro-batch, in whatever
-        order the schedule runs them): the one byte ruler measures the activations kept for
-        backward (``activation_bytes``: the most alive when a forward ends, all in-flight
-        micro-batches together under 1F1B) and the step's peak (``activation_peak_bytes``,
-        backward's decoded and rebuilt values included). Its hooks cost time: measure
-        the first step and then now and then (``enabled``)."""
+        """Around every training step (forward and backward of every micro-batch, in
+        whatever order the schedule runs them). Each step is timed (``measured_step_time_s``;
+        on a GPU by CUDA events, read after a later step, so the host never waits for the
+        step); the step watch compares those times with the plan's prediction. With
+        ``enabled`` the one byte ruler measures the activations kept for backward
+        (``activation_bytes``: the most alive when a forward ends, all in-flight micro-batches
+        together under 1F1B) and the step's peak (``activation_peak_bytes``, backward's
+        decoded and rebuilt values included). Its hooks cost time: measure the first step and
+        then now and then (``enabled``); the step watch leaves those steps out."""
         self._require_setup("measure")
+        plan_id, start = self.plan_id, self._clock.mark()
         if not enabled:
             yield None
-            return
-        with ActivationRuler(self.model, strict=self.config.strict) as ruler:
-            yield ruler
-        report = ruler.report()
-        self.activation_bytes = report.after_forward_bytes
-        self.activation_peak_bytes = report.peak_bytes
+            self._windows.append((plan_id, start, self._clock.mark(), False))
+        else:
+            with ActivationRuler(self.model, strict=self.config.strict) as ruler:
+                yield ruler
+            self._windows.append((plan_id, start, self._clock.mark(), True))
+            report = ruler.report()
+            self.activation_bytes = report.after_forward_bytes
+            self.activation_peak_bytes = report.peak_bytes
+        self._read_windows()
+
+    def _read_windows(self) -> None:
+        """Read the timed steps: every one on a CPU; on a GPU all but the newest, whose
+        events may still be ahead of the host (the next read takes it, at a step every
+        rank counts alike; the host runs at most a step ahead of one it reads)."""
+        ready = self._windows[:-1] if self._clock.deferred else self._windows
+        for plan_id, start, end, ruled in ready:
+            seconds = self._clock.seconds(start, end)
+            self._measured_step = (plan_id, seconds)
+            if self._watch is not None and not ruled:
+                self._watch.record(plan_id, seconds)
+        del self._windows[:len(ready)]
 
     def after_step(self, iteration: int, batch: profiler.Batch | None = None) -> dict:
         """After optimizer step ``iteration`` (1-based: steps done so far). On tracking
         iterations the rectifier samples ``batch`` (default: the set-up batch) and a better
         plan, if it finds one, is applied before the next forward; returns the tracking
-        record. Otherwise does nothing and returns {} (or only the tracking time so far)."""
+        record. The step watch decides every few steps (step_watch.py), re-timing the plan's
+        actions on ``batch`` when it ran slower than predicted, and swaps plans the same way
+        (its record under ``step_watch``). Otherwise does nothing and returns {} (or only
+        the tracking time so far)."""
         self._require_setup("after_step")
         rect = self._rectifier
         if rect is None:
             return {}
+        self._read_windows()
+        batch = batch or self._batch
         record = {}
         if rect.schedule.is_tracking(iteration):
-            outcome = rect.observe(iteration, self.model, batch or self._batch,
-                                   loss_fn=self._loss_fn)
+            outcome = rect.observe(iteration, self.model, batch, loss_fn=self._loss_fn)
             if outcome.infeasible and _is_rank0():
                 print(f"adacc: iteration {iteration}: warning: {outcome.infeasible}; "
                       "running the plan that overruns it least", flush=True)
             if outcome.swap is not None:
-                self._apply(outcome.swap.new.plan)
-                self._warn_last_resort(outcome.swap.new)
-                if _is_rank0():
-                    swap = outcome.swap
-                    print(f"adacc: iteration {iteration}: plan {swap.old.plan.plan_id} -> "
-                          f"{swap.new.plan.plan_id} ({swap.reason}, predicted gain "
-                          f"{swap.predicted_gain_s * 1e3:.3f} ms/step): {swap.changed}",
-                          flush=True)
+                self._take(iteration, outcome.swap)
             record = outcome.to_record()
+        if self._watch is not None:
+            record.update(self._watch_step(iteration, batch, "plan_swap" in record))
         record["tracking_time_s_total"] = rect.tracking_time_s
         return record
+
+    def _take(self, iteration: int, swap) -> None:
+        """Apply the rectifier's ``swap`` (its own or the step watch's) and say so."""
+        self._apply(swap.new.plan)
+        self._warn_last_resort(swap.new)
+        if self._watch is not None:
+            self._watch.begin(swap.new)
+        if _is_rank0():
+            print(f"adacc: iteration {iteration}: plan {swap.old.plan.plan_id} -> "
+                  f"{swap.new.plan.plan_id} ({swap.reason}, predicted gain "
+                  f"{swap.predicted_gain_s * 1e3:.3f} ms/step): {swap.changed}", flush=True)
+
+    def _watch_step(self, iteration: int, batch: profiler.Batch, tracking_swapped: bool
+                    ) -> dict:
+        """The step watch after a step: back to the fastest plan measured when tracking
+        just swapped to one measured slower; at a decision point, its decision."""
+        watch, rect = self._watch, self._rectifier
+
+        def fit(result) -> bool:
+            return watching.fits(rect.costs, result, rect.budget_bytes)
+
+        def predicted(result) -> float | None:
+            return watching.predicted_step_s(rect.costs, result, self._micro_batches)
+
+        def retime() -> list[planning.PlanResult]:
+            options = {"allow_lossy_sources": rect.allow_lossy_sources}
+
+            def refresh(costs, decisions):
+                costs = profiler.refresh_action_costs(
+                    costs, self.model, batch, decisions, repeats=watching.RETIME_REPEATS,
+                    strict=self.config.strict, loss_fn=self._loss_fn)
+                return ModelCosts.from_json(policies.from_rank0(costs.to_json()))
+
+            def replan(costs):
+                try:
+                    return policies.plan(rect.policy, costs, rect.budget_bytes, **options)
+                except planning.InfeasibleBudget:
+                    return None
+
+            rect.costs, new = watching.retime(rect.costs, rect.result.layer_decisions,
+                                              refresh, replan)
+            bare = watching.recompute_only(rect.policy, rect.costs, rect.budget_bytes,
+                                           **options)
+            return [candidate for candidate in (new, bare) if candidate is not None]
+
+        if tracking_swapped:        # to a plan measured slower than another that fits?
+            watch.times = policies.from_rank0(watch.times)
+            faster = watch.faster_than(self.plan_id, fit)
+            if faster is not None:
+                self._take(iteration, rect.take(faster, watching.MEASURED_SLOWER))
+                return {"step_watch": {"plan_id": faster.plan.plan_id,
+                                       "reason": watching.MEASURED_SLOWER}}
+        if not watch.due:
+            return {}
+        watch.times = policies.from_rank0(watch.times)     # rank 0's times decide
+        decision = watch.decide(rect.result, predicted, fit, retime)
+        if decision.retimed and _is_rank0():
+            print(f"adacc: iteration {iteration}: plan {decision.plan_id} ran "
+                  f"{decision.median_s * 1e3:.1f} ms a step, predicted "
+                  f"{decision.predicted_s * 1e3:.1f} ms: its actions re-timed", flush=True)
+        record = decision.to_record()
+        if decision.swap_to is not None:
+            swap = rect.take(decision.swap_to, decision.reason)
+            self._take(iteration, swap)
+            record["changed"] = swap.changed
+        return {"step_watch": record}
 
     # --- readings ------------------------------------------------------------------------------
     @property
@@ -380,6 +493,24 @@ class Adacc:
         return self._resolved.stages if self._resolved is not None else None
 
     @property
+    def step_watch(self) -> watching.StepWatch | None:
+        """The step watch while it is on (step_watch.py)."""
+        return self._watch
+
+    @property
+    def predicted_step_time_s(self) -> float | None:
+        """The forward and backward of a step under the current plan, as the cost model
+        predicts it (auto policies without pipeline stages; None otherwise)."""
+        if self.result is None or policies.pipeline_stage()[1] > 1:
+            return None
+        # Asked for at every step's record: evaluated once per plan and costs.
+        cached = self._predicted_step
+        if cached is None or cached[0] != self.plan_id or cached[1] is not self.costs:
+            self._predicted_step = cached = (self.plan_id, self.costs, watching.predicted_step_s(
+                self.costs, self.result, self._micro_batches))
+        return cached[2]
+
+    @property
     def predicted_activation_bytes(self) -> int | None:
         """What the planner predicts ``activation_bytes`` will measure (auto policies)."""
         if self.result is None:
@@ -406,6 +537,11 @@ class Adacc:
         if self.activation_bytes is not None:
             record["activation_bytes"] = self.activation_bytes
             record["activation_peak_bytes"] = self.activation_peak_bytes
+        self._read_windows()
+        if self._measured_step is not None:
+            record["measured_plan_id"], record["measured_step_time_s"] = self._measured_step
+        if self.predicted_step_time_s is not None:
+            record["predicted_step_time_s"] = self.predicted_step_time_s
         if self.result is not None:
             record["predicted_activation_bytes"] = self.predicted_activation_bytes
             record["predicted_activation_peak_bytes"] = self.predicted_activation_peak_bytes

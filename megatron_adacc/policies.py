@@ -245,7 +245,7 @@ def measured_costs(model, batch, db: ProfileDB, reprofile: bool = False, strict:
                       profiler.device_name(tokens.device), backend_of(model))
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
     found = db.get(key) if rank0 and not reprofile else None
-    missing = _from_rank0(found is None)
+    missing = from_rank0(found is None)
     profile_s = None
     if missing and pipeline_stage()[0] == 0:
         started = time.perf_counter()
@@ -253,10 +253,11 @@ def measured_costs(model, batch, db: ProfileDB, reprofile: bool = False, strict:
         profile_s = time.perf_counter() - started
         if rank0:
             db.put(key, found)
-    return ModelCosts.from_json(_from_rank0(found.to_json() if rank0 else None)), profile_s
+    return ModelCosts.from_json(from_rank0(found.to_json() if rank0 else None)), profile_s
 
 
-def _from_rank0(value):
+def from_rank0(value):
+    """Rank 0's ``value`` on every rank (a picklable object; itself without peers)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return value
     box = [value]

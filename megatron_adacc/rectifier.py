@@ -24,7 +24,9 @@ Beyond the paper:
   retains or recomputes it, whichever fits the budget); a guarded site stays guarded.
 
 Encode and decode times stay those of the profile: they hardly depend on the statistics, and
-re-timing them at every tracking iteration would cost time and make plans flap on noise.
+re-timing them at every tracking iteration would cost time and make plans flap on noise. The
+step watch (step_watch.py) re-times them when a plan's measured steps miss its prediction,
+and swaps through ``take``.
 """
 from __future__ import annotations
 
@@ -151,7 +153,8 @@ class PlanSwap:
 
     old: planning.PlanResult
     new: planning.PlanResult
-    reason: str                        # "faster", "over budget" or "guard"
+    # "faster", "over budget" or "guard"; the step watch's: "retimed", "measured slower"
+    reason: str
     changed: list[dict]                # {site, layers, from, to}
     predicted_gain_s: float            # added time per step saved (< 0: forced, slower)
 
@@ -295,6 +298,15 @@ class Rectifier:
         if new.peak_bytes > (1 - FASTER_SWAP_HEADROOM) * self.budget_bytes:
             return None, "a faster plan exists, but too close to the budget to swap for"
         return self._swap(current, new, "faster", gain), ""
+
+    def take(self, new: planning.PlanResult, reason: str) -> PlanSwap:
+        """Swap to ``new`` for a ``reason`` decided elsewhere (the step watch's measured
+        step times); the caller applies it before the next forward, as its own swaps."""
+        swap = self._swap(self.result, new, reason,
+                          self.result.added_time_s - new.added_time_s)
+        self.result = new
+        self.swaps += 1
+        return swap
 
     @staticmethod
     def _swap(current, new, reason, gain) -> PlanSwap:

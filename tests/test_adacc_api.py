@@ -23,6 +23,11 @@ from test_trainer import TINY
      "--adacc-tracking sometimes: expected one of backoff, off"),
     ({"policy": "auto", "memory_budget": "12 parsecs"}, "--adacc-memory-budget: "),
     ({"policy": "auto", "tracking_sites": ("gelu",)}, "--adacc-tracking-sites: unknown gelu"),
+    ({"policy": "auto", "step_watch": "sometimes"},
+     "--adacc-step-watch sometimes: expected one of on, off"),
+    ({"policy": "auto", "tracking": "off", "step_watch": "on"},
+     "--adacc-step-watch on swaps plans through the rectifier, so it needs --adacc-tracking "
+     "backoff"),
     ({"policy": "auto", "guard_threshold": 0.0},
      "--adacc-tracking-reset-fraction and --adacc-guard-threshold must be positive"),
 ])
@@ -35,12 +40,16 @@ def test_config_refuses_bad_values_naming_the_flag(options, message):
 def test_config_from_flags_keeps_every_adacc_flag():
     args = parse_args(TINY + ["--adacc-policy", "auto", "--adacc-memory-budget", "3MiB",
                               "--adacc-tracking-sites", "gelu_in", "ln2_out",
-                              "--adacc-codec-backend", "torch", "--adacc-strict"])
+                              "--adacc-codec-backend", "torch", "--adacc-strict",
+                              "--adacc-step-watch", "off"])
     config = AdaccConfig.from_args(args)
     assert config == AdaccConfig(policy="auto", memory_budget=3 << 20, tracking="backoff",
                                  tracking_sites=("gelu_in", "ln2_out"), codec_backend="torch",
-                                 strict=True)
+                                 strict=True, step_watch="off")
     assert config.tracks and not AdaccConfig(policy="auto", tracking="off").tracks
+    # The step watch is on while tracking unless turned off.
+    assert not config.watches and AdaccConfig(policy="auto", memory_budget=1).watches
+    assert not AdaccConfig(policy="auto", memory_budget=1, tracking="off").watches
     assert not AdaccConfig(policy="full-recompute").tracks
 
 

@@ -10,7 +10,8 @@ from megatron_adacc.training.trainer import Trainer
 
 from test_trainer import TINY
 
-METRICS = {"static_bytes", "budget_bytes", "plan_id", "activation_bytes"}
+METRICS = {"static_bytes", "budget_bytes", "plan_id", "activation_bytes", "measured_step_time_s",
+           "measured_plan_id"}
 
 
 @pytest.fixture
@@ -57,7 +58,12 @@ def test_auto_across_budgets_profiles_once_and_keeps_what_it_predicts(tmp_path, 
         assert actions(trainer) & {COMPRESS, RECOMPUTE}
         for record in records:
             assert METRICS <= set(record) and record["budget_bytes"] == budget
-            assert record["plan_id"] == trainer.adacc.plan.plan_id
+            assert record["plan_id"] == trainer.adacc.plan.plan_id == record["measured_plan_id"]
+            # The plan's step as predicted: per micro-batch the profiled step plus its added
+            # time.
+            assert record["predicted_step_time_s"] == pytest.approx(
+                trainer.train_batches.num_micro_batches
+                * (costs.meta["step_s"] + trainer.adacc.result.added_time_s))
             assert abs(record["activation_bytes"] - record["predicted_activation_bytes"]) \
                 <= 0.02 * record["predicted_activation_bytes"]
     assert len(counted_profiles) == 1            # later runs reuse the ProfileDB

@@ -282,6 +282,11 @@ def build_parser() -> argparse.ArgumentParser:
     adacc.add_argument("--adacc-tracking", choices=["backoff", "off"], default=None,
                        help="auto only: re-measure the tracked sites at iterations 1, 2, 4, "
                             "8, ... and swap to a better plan (default: backoff with auto)")
+    adacc.add_argument("--adacc-step-watch", choices=["on", "off"], default=None,
+                       help="time every step and keep the plan fastest by measurement: "
+                            "re-time a plan's actions when it runs 10%% over its predicted "
+                            "step, never keep one slower than a measured plan that fits "
+                            "(default: on while tracking)")
     adacc.add_argument("--adacc-tracking-max-interval", type=_POSITIVE, default=256,
                        help="the backoff stops doubling at this many iterations")
     adacc.add_argument("--adacc-tracking-sites", nargs="*", default=None,

@@ -1,0 +1,212 @@
+"""The step watch: Adacc times its own steps and keeps the plan that is fastest measured, not
+only the one the cost model calls fastest.
+
+The planner predicts a plan's step as the profiled step of the micro-batch with every layer
+keeping everything (``meta["step_s"]``) plus the plan's added time, once per micro-batch of
+the step. A model can be wrong on a device (on an H100 a plan predicted at +23.7 ms a step
+took about +110 ms: docs/gpu.md), so Adacc times the forward and backward of every step it
+runs (``Adacc.measure``; steps under the byte ruler are left out, its hooks cost time) and,
+every ``window`` steps of a plan, compares the median of its last ``window`` steps with:
+
+- its prediction: more than ``threshold`` (10%) over it, and the plan's actions are re-timed
+  in steps on the real batch (``profiler.refresh_action_costs``), once per plan, and so are
+  those of the plan the planner then makes, until it makes one of re-timed actions only
+  (``retime``); that plan and the recompute-only plan (the planner's best with no codec, at
+  the same budget) become candidates to measure when their predictions beat the measured
+  median;
+- every plan measured so far that fits the budget: a plan is never kept when one measured
+  faster (by more than ``margin``) fits; Adacc swaps back to that one ("measured slower").
+
+Candidates are measured ``window`` steps each, in turn. Swaps go through the rectifier, as
+its own do: decided between steps, applied before the next forward. Decisions are taken on
+rank 0's times (``sync``), at steps every rank counts alike.
+"""
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, replace
+from typing import Callable, Iterable
+
+from megatron_adacc import planning, policies
+from megatron_adacc.common.costs import ModelCosts
+from megatron_adacc.common.sites import RETAIN
+
+WINDOW = 3              # steps of a plan per median, and between decisions
+THRESHOLD = 0.10        # measured over predicted by more than this: re-time and re-plan
+MARGIN = 0.03           # a plan is left for one measured faster by more than this
+RETIME_REPEATS = 3      # the profiler's repeats when re-timing a plan's actions
+
+RETIMED = "retimed"                 # swap reasons: measuring a candidate after re-timing,
+MEASURED_SLOWER = "measured slower"  # and back to the fastest plan measured
+
+
+def predicted_step_s(costs: ModelCosts, result: planning.PlanResult,
+                     micro_batches: int = 1) -> float | None:
+    """The step time the cost model predicts for ``result`` on ``costs``: per micro-batch
+    the profiled all-retain step plus the plan's added time; None when the costs carry no
+    profiled step (analytic or hand-made costs)."""
+    step_s = costs.meta.get("step_s")
+    if step_s is None:
+        return None
+    try:
+        added_s = sum(planning.evaluate_layer(costs, decisions).time_s
+                      for decisions in result.layer_decisions)
+    except ValueError:   # a codec the costs no longer offer (the guard): as planned
+        added_s = result.added_time_s
+    return micro_batches * (step_s + added_s)
+
+
+def fits(costs: ModelCosts, result: planning.PlanResult, budget_bytes: int) -> bool:
+    """Whether ``result`` can run under ``costs`` (every codec still offered) within the
+    budget."""
+    try:
+        layers = [planning.evaluate_layer(costs, decisions)
+                  for decisions in result.layer_decisions]
+    except ValueError:
+        return False
+    return planning.peak_bytes(costs, layers) <= budget_bytes
+
+
+def recompute_only(policy: str, costs: ModelCosts, budget_bytes: int,
+                   **options) -> planning.PlanResult | None:
+    """The planner's best plan at ``budget_bytes`` using no codec (retain and recompute
+    only), or None when no such plan fits."""
+    bare = replace(costs, sites=[replace(site, codecs=()) for site in costs.sites])
+    try:
+        return policies.plan(policy, bare, budget_bytes, **options)
+    except planning.InfeasibleBudget:
+        return None
+
+
+def retime(costs: ModelCosts, layer_decisions: list[dict],
+           refresh: Callable[[ModelCosts, list[dict]], ModelCosts],
+           replan: Callable[[ModelCosts], planning.PlanResult | None]
+           ) -> tuple[ModelCosts, planning.PlanResult | None]:
+    """Re-time the actions of ``layer_decisions`` (``refresh(costs, decisions)`` re-times
+    those named), re-plan (``replan``), and re-time what that plan uses that was not
+    re-timed yet, until the plan uses re-timed actions only: a plan is never tried on
+    times profiled before the measurements showed them wrong. Returns the re-timed costs
+    and the last plan (None when none fits)."""
+    timed: set[tuple[str, str]] = set()
+    new = None
+    while True:
+        todo = [{site: decision for site, decision in layer.items()
+                 if decision.action != RETAIN and (site, decision.action) not in timed}
+                for layer in layer_decisions]
+        if new is not None and not any(todo):
+            return costs, new
+        costs = refresh(costs, todo)    # the first round re-times the step even with none
+        timed |= {(site, decision.action) for layer in todo for site, decision in layer.items()}
+        new = replan(costs)
+        if new is None:
+            return costs, None
+        layer_decisions = new.layer_decisions
+
+
+@dataclass
+class WatchDecision:
+    """What one decision point of the watch found and decided."""
+
+    plan_id: str
+    median_s: float
+    predicted_s: float | None
+    retimed: bool = False
+    swap_to: planning.PlanResult | None = None
+    reason: str = ""
+
+    def to_record(self) -> dict:
+        record = {"plan_id": self.plan_id, "median_step_time_s": self.median_s,
+                  "predicted_step_time_s": self.predicted_s, "retimed": self.retimed}
+        if self.swap_to is not None:
+            record.update(to=self.swap_to.plan.plan_id, reason=self.reason)
+        return record
+
+
+class StepWatch:
+    """Measured step times per plan and the decisions taken on them (module docstring)."""
+
+    def __init__(self, window: int = WINDOW, threshold: float = THRESHOLD,
+                 margin: float = MARGIN):
+        if window < 1:
+            raise ValueError(f"window must be >= 1, got {window}")
+        self.window, self.threshold, self.margin = window, threshold, margin
+        self.times: dict[str, list[float]] = {}     # plan_id -> its last steps' seconds
+        self.results: dict[str, planning.PlanResult] = {}
+        self.retimed: set[str] = set()
+        self.queue: list[planning.PlanResult] = []  # candidates still to measure
+        self.current: str | None = None
+        self.fresh = 0          # steps of the current plan since it began or was decided on
+
+    def begin(self, result: planning.PlanResult) -> None:
+        """``result`` runs from the next step on."""
+        self.current = result.plan.plan_id
+        self.results[self.current] = result
+        self.fresh = 0
+
+    def record(self, plan_id: str, seconds: float) -> None:
+        """One step of ``plan_id`` took ``seconds`` (forward and backward)."""
+        times = self.times.setdefault(plan_id, [])
+        times.append(seconds)
+        del times[:-self.window]
+        if plan_id == self.current:
+            self.fresh += 1
+
+    @property
+    def due(self) -> bool:
+        """A decision point: the current plan ran ``window`` steps since the last."""
+        return self.fresh >= self.window
+
+    def median(self, plan_id: str) -> float | None:
+        """The median of ``plan_id``'s last ``window`` steps; None until it ran that many."""
+        times = self.times.get(plan_id, [])
+        return statistics.median(times) if len(times) >= self.window else None
+
+    def fastest(self, fit: Callable[[planning.PlanResult], bool]) -> str | None:
+        """The measured plan with the smallest median among those ``fit`` accepts."""
+        measured = [(self.median(plan_id), plan_id) for plan_id in self.results
+                    if self.median(plan_id) is not None and fit(self.results[plan_id])]
+        return min(measured)[1] if measured else None
+
+    def faster_than(self, plan_id: str, fit: Callable[[planning.PlanResult], bool]
+                    ) -> planning.PlanResult | None:
+        """A measured plan that fits and ran faster than ``plan_id`` by more than the
+        margin (the fastest such), or None."""
+        own, best = self.median(plan_id), self.fastest(fit)
+        if own is None or best is None or best == plan_id:
+            return None
+        return self.results[best] if self.median(best) < (1 - self.margin) * own else None
+
+    def decide(self, current: planning.PlanResult,
+               predicted: Callable[[planning.PlanResult], float | None],
+               fit: Callable[[planning.PlanResult], bool],
+               retime: Callable[[], Iterable[planning.PlanResult]]) -> WatchDecision:
+        """At a decision point (``due``): re-time when ``current`` ran more than the
+        threshold over ``predicted(current)``, then pick what runs next: the next candidate
+        still to measure, else the fastest measured plan when ``current`` is slower.
+        ``retime()`` refreshes the costs that ``predicted`` and ``fit`` read and returns the
+        candidates."""
+        plan_id = current.plan.plan_id
+        self.fresh = 0
+        median_s = self.median(plan_id)
+        decision = WatchDecision(plan_id, median_s, predicted(current))
+        if (decision.predicted_s is not None and plan_id not in self.retimed
+                and median_s > (1 + self.threshold) * decision.predicted_s):
+            self.retimed.add(plan_id)
+            decision.retimed = True
+            for candidate in retime():
+                predicted_s = predicted(candidate)
+                if predicted_s is not None and predicted_s < median_s:
+                    self.queue.append(candidate)
+        waiting = {}
+        for candidate in self.queue:   # first come first measured, each once
+            candidate_id = candidate.plan.plan_id
+            if (candidate_id != plan_id and self.median(candidate_id) is None
+                    and fit(candidate)):
+                waiting.setdefault(candidate_id, candidate)
+        self.queue = list(waiting.values())
+        if self.queue:
+            decision.swap_to, decision.reason = self.queue.pop(0), RETIMED
+        else:
+            decision.swap_to = self.faster_than(plan_id, fit)
+            decision.reason = MEASURED_SLOWER if decision.swap_to is not None else ""
+        return decision

@@ -1,0 +1,317 @@
+"""The step watch: decisions on synthetic step times (threshold, median, never a slower plan,
+the recompute-only candidate), the profiler's in-step clock, and Adacc leaving codecs made
+slow after set-up for the recompute-only plan's speed."""
+import statistics
+import time
+from dataclasses import replace
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from megatron_adacc import Adacc, AdaccConfig, planning, step_watch
+from megatron_adacc.common.plan import Decision
+from megatron_adacc.common.sites import COMPRESS, RECOMPUTE
+from megatron_adacc.models import build as model_lib
+from megatron_adacc.profiling import clock, profiler
+from megatron_adacc.runtime import apply_plan
+from megatron_adacc.runtime.policy import wrapped_codecs
+from megatron_adacc.step_watch import MEASURED_SLOWER, RETIMED, StepWatch
+
+from runtime_helpers import adacc_batch, adacc_model, batch, build
+from test_rectifier import synthetic_costs, tight_rectifier
+
+
+# --- decisions on synthetic step times -------------------------------------------------------
+def result(plan_id: str):
+    """A stand-in planner result: the watch reads only its plan id."""
+    return SimpleNamespace(plan=SimpleNamespace(plan_id=plan_id))
+
+
+def ran(watch: StepWatch, plan, *seconds) -> None:
+    for value in seconds:
+        watch.record(plan.plan.plan_id, value)
+
+
+def decide(watch, current, predicted, fit=lambda r: True, candidates=()):
+    retimed = []
+
+    def retime():
+        retimed.append(current.plan.plan_id)
+        return list(candidates)
+
+    decision = watch.decide(current, lambda r: predicted.get(r.plan.plan_id), fit, retime)
+    return decision, retimed
+
+
+def test_a_decision_comes_every_window_steps_of_the_current_plan():
+    watch, a, b = StepWatch(window=3), result("a"), result("b")
+    watch.begin(a)
+    ran(watch, a, 1.0, 1.0)
+    ran(watch, b, 1.0, 1.0, 1.0)            # another plan's late readings do not count
+    assert not watch.due
+    ran(watch, a, 1.0)
+    assert watch.due
+    decide(watch, a, {"a": 1.0})
+    assert not watch.due
+
+
+def test_only_a_median_more_than_ten_percent_over_the_prediction_retimes():
+    a = result("a")
+    for seconds, retimes in (((1.09, 1.09, 1.09), False), ((1.11, 1.11, 1.11), True),
+                             ((1.0, 5.0, 1.0), False),      # one noisy step is no median
+                             ((5.0, 1.2, 5.0), True)):
+        watch = StepWatch(window=3)
+        watch.begin(a)
+        ran(watch, a, *seconds)
+        decision, retimed = decide(watch, a, {"a": 1.0})
+        assert decision.retimed == retimes == bool(retimed), seconds
+        assert decision.median_s == statistics.median(seconds)
+    # Re-timed once per plan: still over its prediction later, it is not re-timed again.
+    ran(watch, a, 5.0, 5.0, 5.0)
+    assert decide(watch, a, {"a": 1.0})[1] == []
+
+
+def test_candidates_are_measured_in_turn_and_the_fastest_measured_is_kept():
+    watch, a, new, bare = StepWatch(window=3), result("a"), result("new"), result("bare")
+    predicted = {"a": 1.0, "new": 1.1, "bare": 1.3}
+    watch.begin(a)
+    ran(watch, a, 2.0, 2.0, 2.0)
+    decision, retimed = decide(watch, a, predicted, candidates=[new, bare])
+    assert retimed == ["a"] and (decision.swap_to, decision.reason) == (new, RETIMED)
+    watch.begin(new)
+    ran(watch, new, 1.6, 1.6, 1.6)         # mispredicted too: re-timed, nothing new to try
+    decision, retimed = decide(watch, new, predicted)
+    assert retimed == ["new"] and (decision.swap_to, decision.reason) == (bare, RETIMED)
+    watch.begin(bare)
+    ran(watch, bare, 1.4, 1.4, 1.4)
+    decision, _ = decide(watch, bare, predicted)
+    assert decision.swap_to is None         # the fastest measured: kept
+    # It slows down later: the next fastest measured one takes over.
+    ran(watch, bare, 1.9, 1.9, 1.9)
+    decision, _ = decide(watch, bare, predicted)
+    assert (decision.swap_to, decision.reason) == (new, MEASURED_SLOWER)
+
+
+def test_a_plan_measured_faster_replaces_a_slower_one_only_if_it_fits_and_beats_the_margin():
+    a, b = result("a"), result("b")
+    for b_seconds, a_fits, swaps in ((1.5, True, True), (1.5, False, False),
+                                     (1.02, True, False)):   # within the 3% margin: kept
+        watch = StepWatch(window=3)
+        watch.begin(a)
+        ran(watch, a, 1.0, 1.0, 1.0)
+        watch.begin(b)
+        ran(watch, b, b_seconds, b_seconds, b_seconds)
+        decision, _ = decide(watch, b, {"a": 1.0, "b": 2.0},
+                             fit=lambda r: a_fits or r.plan.plan_id != "a")
+        assert (decision.swap_to is a) == swaps, (b_seconds, a_fits)
+        assert watch.faster_than("b", lambda r: a_fits or r is not a) == (a if swaps else None)
+
+
+def test_candidates_predicted_no_faster_than_measured_are_not_tried():
+    watch, a, slow = StepWatch(window=3), result("a"), result("slow")
+    watch.begin(a)
+    ran(watch, a, 2.0, 2.0, 2.0)
+    decision, retimed = decide(watch, a, {"a": 1.0, "slow": 2.5}, candidates=[slow])
+    assert retimed == ["a"] and decision.swap_to is None
+
+
+def test_the_recompute_only_candidate_uses_no_codec_and_fits_the_budget():
+    rect = tight_rectifier(slack_per_layer=50)
+    costs, budget = rect.costs, rect.budget_bytes
+    assert any(d["gelu_in"].action == COMPRESS for d in rect.result.layer_decisions)
+    bare = step_watch.recompute_only("auto", costs, budget)
+    assert bare is not None and step_watch.fits(costs, bare, budget)
+    assert all(d.action != COMPRESS for layer in bare.layer_decisions for d in layer.values())
+    assert bare.added_time_s >= rect.result.added_time_s
+    # Below what recompute alone fits: no such candidate.
+    assert step_watch.recompute_only("auto", costs, bare.minimum_feasible_budget - 1) is None
+    assert not step_watch.fits(costs, rect.result, rect.result.peak_bytes - 1)
+
+
+def test_the_predicted_step_is_the_profiled_step_plus_the_added_time_per_micro_batch():
+    rect = tight_rectifier(slack_per_layer=50)
+    assert step_watch.predicted_step_s(rect.costs, rect.result) is None   # nothing profiled
+    costs = replace(rect.costs, meta={"step_s": 0.25})
+    assert step_watch.predicted_step_s(costs, rect.result, 4) == pytest.approx(
+        4 * (0.25 + rect.result.added_time_s))
+
+
+def test_retiming_goes_on_until_the_plan_uses_retimed_actions_only():
+    costs = synthetic_costs()
+    first = {"gelu_in": Decision(COMPRESS), "gelu_out": Decision(RECOMPUTE)}
+    second = {"gelu_in": Decision(RECOMPUTE), "gelu_out": Decision(COMPRESS)}
+    plans = iter([SimpleNamespace(layer_decisions=[second]),
+                  SimpleNamespace(layer_decisions=[second])])
+    refreshed = []
+
+    def refresh(costs, decisions):
+        refreshed.append(sorted((site, d.action) for layer in decisions
+                                for site, d in layer.items()))
+        return costs
+
+    _, last = step_watch.retime(costs, [first], refresh, lambda costs: next(plans))
+    assert refreshed == [[("gelu_in", COMPRESS), ("gelu_out", RECOMPUTE)],
+                         [("gelu_in", RECOMPUTE), ("gelu_out", COMPRESS)]]
+    assert last.layer_decisions == [second]
+
+
+# --- the profiler's clock ------------------------------------------------------------------
+class CountingDeviceClock:
+    """A device clock in the manner of CUDA events: a mark is ready once the host waited for
+    it or a later one; counts the waits and the marks made while a profiling step runs."""
+
+    deferred = True
+
+    def __init__(self):
+        self.waits, self.marks, self.unready = 0, 0, []
+        self.in_step = False
+        self.waits_in_step = 0
+
+    def mark(self):
+        self.marks += 1
+        mark = {"at": time.perf_counter(), "ready": False}
+        self.unready.append(mark)
+        return mark
+
+    def ready(self, mark) -> bool:
+        return mark["ready"]
+
+    def seconds(self, start, end) -> float:
+        if not end["ready"]:
+            self.waits += 1
+            self.waits_in_step += self.in_step
+            for mark in self.unready:       # the stream ran everything recorded before
+                mark["ready"] = True
+            self.unready.clear()
+        return end["at"] - start["at"]
+
+
+def test_the_profiler_reads_a_steps_events_once_after_it(distributed, monkeypatch):
+    """On a device every codec call and rebuild of a step is timed by events recorded in the
+    step; the host waits once per timed step, after it, never between its calls."""
+    fake = CountingDeviceClock()
+    monkeypatch.setattr(clock, "for_device", lambda device: fake)
+    step = profiler._Profiling.step
+
+    def spied_step(self, *args, **kwargs):
+        fake.in_step = True
+        try:
+            return step(self, *args, **kwargs)
+        finally:
+            fake.in_step = False
+
+    reads = []
+    read = clock.Spans.read
+    monkeypatch.setattr(clock.Spans, "read", lambda spans: reads.append(
+        len(spans._marks)) or read(spans))
+    monkeypatch.setattr(profiler._Profiling, "step", spied_step)
+    costs = profiler.profile(build(True, dropout=0.1), batch(0), repeats=2, strict=True)
+    assert fake.waits_in_step == 0
+    assert fake.waits == len(reads) and max(reads) > 1     # several calls, one wait
+    assert fake.marks == 2 * sum(reads)
+    assert all(codec.encode_s > 0 and codec.decode_s > 0
+               for site in costs.sites for codec in site.codecs)
+    assert costs.meta["step_s"] > 0
+
+
+# --- through Adacc: codecs made slow after set-up -----------------------------------------------
+SLOW_S = 0.05
+
+
+class SlowCodec:
+    """A codec that takes SLOW_S longer per encode and per decode."""
+
+    def __init__(self, codec):
+        self.codec = codec
+
+    def __getattr__(self, name):
+        return getattr(self.codec, name)
+
+    def encode(self, tensor):
+        time.sleep(SLOW_S)
+        return self.codec.encode(tensor)
+
+    def decode(self, payload):
+        time.sleep(SLOW_S)
+        return self.codec.decode(payload)
+
+
+def uses_codecs(result) -> bool:
+    return any(d.action == COMPRESS for layer in result.layer_decisions for d in layer.values())
+
+
+def step_seconds(model, plan, steps: int) -> list[float]:
+    apply_plan(model, plan)
+    times = []
+    for _ in range(steps):
+        model.zero_grad(set_to_none=True)
+        began = time.perf_counter()
+        model_lib.gpt_loss(model, *adacc_batch()).backward()
+        times.append(time.perf_counter() - began)
+    return times
+
+
+@pytest.fixture
+def one_thread():
+    """Steps of a few milliseconds on one thread: two threads on cores other processes share
+    wait on each other, and such steps took 30 times as long now and then."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_codecs_made_slow_after_setup_are_left_for_the_recompute_only_plans_speed(
+        distributed, tmp_path, monkeypatch, capsys, one_thread):
+    real = profiler.profile
+
+    def cheap_codecs(*args, **kwargs):
+        # One repeat, and codecs a thousandth of what they measured: nearly free, so auto
+        # compresses wherever it must save memory.
+        costs = real(*args, **{**kwargs, "repeats": 1})
+        return replace(costs, sites=[replace(site, codecs=tuple(
+            replace(codec, encode_s=codec.encode_s / 1000, decode_s=codec.decode_s / 1000)
+            for codec in site.codecs)) for site in costs.sites])
+
+    monkeypatch.setattr(profiler, "profile", cheap_codecs)
+    monkeypatch.setattr(step_watch, "RETIME_REPEATS", 1)
+    probe = Adacc(AdaccConfig(policy="auto", memory_budget="1GiB", tracking="off",
+                              profile_db=str(tmp_path / "profiles.sqlite")))
+    probe.setup(adacc_model(probe), adacc_batch(), verbose=False)
+    # Half way from the least recompute alone fits to no optimisation: auto compresses.
+    least = step_watch.recompute_only("auto", probe.costs, 1 << 40).minimum_feasible_budget
+    high = probe.result.references["no optimisation"].peak_bytes
+    budget = (least + high) // 2
+
+    adacc = Adacc(AdaccConfig(policy="auto", memory_budget=budget,
+                              profile_db=str(tmp_path / "profiles.sqlite")))
+    model = adacc_model(adacc)
+    adacc.setup(model, adacc_batch(), verbose=False)
+    assert adacc.step_watch is not None and uses_codecs(adacc.result)
+    with wrapped_codecs(SlowCodec):
+        apply_plan(model, adacc.plan)       # the plan's codecs, slow from here on
+        records = []
+        for iteration in range(1, 25):
+            model.zero_grad(set_to_none=True)
+            with adacc.measure(iteration == 1):
+                model_lib.gpt_loss(model, *adacc_batch()).backward()
+            records.append({**adacc.metrics(), **adacc.after_step(iteration)})
+            if not uses_codecs(adacc.result) and iteration >= 2 * step_watch.WINDOW + 1:
+                break
+        assert not uses_codecs(adacc.result), [r.get("step_watch") for r in records]
+        decisions = [r["step_watch"] for r in records if "step_watch" in r]
+        assert decisions[0]["retimed"] and decisions[0]["median_step_time_s"] > (
+            1.1 * decisions[0]["predicted_step_time_s"])
+        assert all(r["measured_plan_id"] == r["plan_id"] for r in records)
+        assert all(r["predicted_step_time_s"] > 0 and r["measured_step_time_s"] > 0
+                   for r in records)
+        assert "re-timed" in capsys.readouterr().out
+        # The plan kept against the recompute-only plan, steps of each in turn.
+        bare = step_watch.recompute_only("auto", adacc.costs, budget)
+        kept, recompute_only = [], []
+        for _ in range(21):
+            kept += step_seconds(model, adacc.plan, 1)
+            recompute_only += step_seconds(model, bare.plan, 1)
+    assert statistics.median(kept) <= 1.05 * statistics.median(recompute_only), (
+        adacc.plan_id, bare.plan.plan_id)
