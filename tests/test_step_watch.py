@@ -215,6 +215,30 @@ def test_the_profiler_reads_a_steps_events_once_after_it(distributed, monkeypatc
     assert costs.meta["step_s"] > 0
 
 
+def test_on_a_device_each_step_is_read_a_step_later_without_waiting_inside_one(
+        distributed, monkeypatch):
+    """Adacc times every step inside measure(); on a device (deferred clock) it reads a
+    step's events only after the next step ran, so the host never waits on the step it
+    just launched, and the record names the plan that step ran."""
+    fake = CountingDeviceClock()
+    monkeypatch.setattr(clock, "for_device", lambda device: fake)
+    adacc = Adacc(AdaccConfig(policy="full-recompute"))
+    model = adacc_model(adacc)
+    adacc.setup(model, adacc_batch(), verbose=False)
+    records = []
+    for iteration in range(1, 4):
+        with adacc.measure(iteration == 1):
+            fake.in_step = True
+            model_lib.gpt_loss(model, *adacc_batch()).backward()
+            fake.in_step = False
+        records.append(adacc.metrics())
+    assert fake.waits_in_step == 0 and fake.marks == 2 * 3
+    assert "measured_step_time_s" not in records[0]
+    assert [r["measured_plan_id"] for r in records[1:]] == [adacc.plan_id] * 2
+    assert all(r["measured_step_time_s"] > 0 for r in records[1:])
+    assert "predicted_step_time_s" not in records[-1]     # a fixed plan has no prediction
+
+
 # --- through Adacc: codecs made slow after set-up -----------------------------------------------
 SLOW_S = 0.05
 
