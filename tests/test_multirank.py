@@ -41,3 +41,19 @@ def test_two_processes_run_one_plan_and_match_a_single_process(tmp_path):
     two = _records(tmp_path / "dp2.jsonl")
     assert len(two) == len(one) == 4
     assert max(abs(a["loss"] - b["loss"]) for a, b in zip(two, one)) < 1e-4
+
+
+def test_two_processes_watching_different_step_times_decide_alike(tmp_path):
+    """The step watch decides on rank 0's times: ranks whose clocks disagree (3x and 30x)
+    re-time, re-plan and swap together, at the same iterations, to the same plans."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+           "2", str(HERE / "multirank_watch.py"), *TINY, "--train-iters", "10",
+           "--adacc-policy", "auto", "--adacc-memory-budget", "2.5MiB",
+           "--adacc-profile-db", str(tmp_path / "profiles.sqlite")]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=ENV)
+    assert done.returncode == 0, done.stderr[-3000:]
+    verdict = json.loads(done.stdout.strip().splitlines()[-1])
+    assert verdict["plans"][0] == verdict["plans"][1]
+    assert verdict["watch"][0] == verdict["watch"][1]
+    decisions = [record for record in verdict["watch"][0] if record is not None]
+    assert decisions and decisions[0]["retimed"]        # 3x over its prediction: re-timed
