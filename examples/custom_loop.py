@@ -90,7 +90,7 @@ def main():
     for step in range(1, args.iters + 1):
         batch = synthetic_batch(step, args, device)
         optimizer.zero_grad()
-        with adacc.measure(step % 10 == 1):  # adacc: the byte ruler, now and then
+        with adacc.measure(step % 10 == 1):  # adacc: every step timed, the ruler now and then
             loss = lm_loss(model, batch)
             loss.backward()
         optimizer.step()

@@ -29,6 +29,7 @@ import contextlib
 import math
 import numbers
 import os
+import time
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Callable, Iterator
@@ -438,12 +439,13 @@ class Adacc:
         if not watch.due:
             return {}
         watch.times = policies.from_rank0(watch.times)     # rank 0's times decide
+        started = time.perf_counter()
         decision = watch.decide(rect.result, predicted, fit, retime)
         if decision.retimed and _is_rank0():
             print(f"adacc: iteration {iteration}: plan {decision.plan_id} ran "
                   f"{decision.median_s * 1e3:.1f} ms a step, predicted "
                   f"{decision.predicted_s * 1e3:.1f} ms: its actions re-timed", flush=True)
-        record = decision.to_record()
+        record = {**decision.to_record(), "time_s": time.perf_counter() - started}
         if decision.swap_to is not None:
             swap = rect.take(decision.swap_to, decision.reason)
             self._take(iteration, swap)

@@ -54,6 +54,9 @@ def test_two_processes_watching_different_step_times_decide_alike(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     verdict = json.loads(done.stdout.strip().splitlines()[-1])
     assert verdict["plans"][0] == verdict["plans"][1]
-    assert verdict["watch"][0] == verdict["watch"][1]
+    # Each rank's decision records alike, but for how long it took there.
+    local = [[{k: v for k, v in r.items() if k != "time_s"} if r else r for r in records]
+             for records in verdict["watch"]]
+    assert local[0] == local[1]
     decisions = [record for record in verdict["watch"][0] if record is not None]
     assert decisions and decisions[0]["retimed"]        # 3x over its prediction: re-timed

@@ -327,6 +327,7 @@ def test_codecs_made_slow_after_setup_are_left_for_the_recompute_only_plans_spee
         decisions = [r["step_watch"] for r in records if "step_watch" in r]
         assert decisions[0]["retimed"] and decisions[0]["median_step_time_s"] > (
             1.1 * decisions[0]["predicted_step_time_s"])
+        assert decisions[0]["time_s"] > 0 and decisions[0]["to"] != records[0]["plan_id"]
         assert all(r["measured_plan_id"] == r["plan_id"] for r in records)
         assert all(r["predicted_step_time_s"] > 0 and r["measured_step_time_s"] > 0
                    for r in records)
