@@ -239,6 +239,31 @@ def test_on_a_device_each_step_is_read_a_step_later_without_waiting_inside_one(
     assert "predicted_step_time_s" not in records[-1]     # a fixed plan has no prediction
 
 
+def test_retiming_a_plan_remeasures_only_the_actions_it_uses(distributed):
+    model = build(True, dropout=0.1)
+    costs = profiler.profile(model, batch(0), repeats=1, strict=True)
+    used = {"gelu_out": Decision(COMPRESS), "context": Decision(RECOMPUTE),
+            "ln1_out": Decision(RECOMPUTE)}
+    fresh = profiler.refresh_action_costs(costs, model, batch(3), [used, {}], repeats=1,
+                                          strict=True)
+    for old, new in zip(costs.sites, fresh.sites):
+        if old.name == "gelu_out":
+            assert [c.codec for c in new.codecs] == [c.codec for c in old.codecs]
+            assert new.codecs != old.codecs                # new timings at least
+        elif old.segment != "attention":
+            assert new == old, old.name
+        else:   # the attention's rebuild times, fitted again around the context's
+            assert new.codecs == old.codecs
+    prefix = fresh.meta["rebuild_prefix_s"]
+    assert prefix["context"] != costs.meta["rebuild_prefix_s"]["context"]
+    assert {name: s for name, s in prefix.items() if name != "context"} == {
+        name: s for name, s in costs.meta["rebuild_prefix_s"].items() if name != "context"}
+    assert [op.name for op in fresh.operators if op not in costs.operators] == [
+        "input_layernorm"]
+    assert fresh.meta["step_s"] != costs.meta["step_s"]
+    assert all(layer.actions == {} for layer in model.decoder.layers)
+
+
 # --- through Adacc: codecs made slow after set-up -----------------------------------------------
 SLOW_S = 0.05
 
