@@ -39,7 +39,10 @@ def trainer_args(opts, db: str, budget: int | None, tracking: str) -> list[str]:
              "--adacc-policy", "auto", "--adacc-profile-db", db,
              "--adacc-memory-budget", str(budget if budget is not None else 1 << 40),
              "--adacc-tracking", tracking,
-             "--adacc-tracking-max-interval", str(opts.max_interval)]
+             "--adacc-tracking-max-interval", str(opts.max_interval),
+             # The rectifier alone: the step watch (on by default while tracking) would also
+             # swap plans, on step times this shared CPU makes noisy.
+             "--adacc-step-watch", "off"]
     return flags
 
 
