@@ -29,8 +29,8 @@ from megatron_adacc.common.errors import InputError
 APPLICATION_ID = 0x41444143
 SCHEMA_VERSION = 1
 # The sources whose changes invalidate a profile: what measures and what is measured.
-_MEASURED_CODE = ("profiling/profiler.py", "common/costs.py", "common/sites.py", "runtime", "codecs",
-                  "models")
+_MEASURED_CODE = ("profiling/profiler.py", "profiling/clock.py", "common/costs.py",
+                  "common/sites.py", "runtime", "codecs", "models")
 
 
 def default_path() -> Path:
