@@ -19,7 +19,8 @@ every ``window`` steps of a plan, compares the median of its last ``window`` ste
 
 Candidates are measured ``window`` steps each, in turn. Swaps go through the rectifier, as
 its own do: decided between steps, applied before the next forward. Decisions are taken on
-rank 0's times (``sync``), at steps every rank counts alike.
+rank 0's times (``Adacc`` broadcasts ``times`` at each decision point), at steps every rank
+counts alike.
 """
 from __future__ import annotations
 
