@@ -684,11 +684,12 @@ def refresh_action_costs(costs: ModelCosts, model: torch.nn.Module, batch: Batch
                          repeats: int = DEFAULT_REPEATS, strict: bool = False,
                          loss_fn: LossFn | None = None) -> ModelCosts:
     """``costs`` with the actions a plan uses re-timed in steps on ``batch`` (the step
-    watch's way to correct a plan that ran slower than predicted): every candidate codec of
-    each site the plan compresses, the rebuild of each site it recomputes (its segment's
-    times fitted again with the other sites' profiled ones) and each operator it runs, and
-    ``meta["step_s"]``, the step its added time is predicted on top of. Decisions and RNG
-    streams are left as found."""
+    watch's way to correct a plan that ran slower than predicted): the encode and decode
+    times of every codec entry of each site the plan compresses (payloads and capacities
+    stay what the costs say: the rectifier follows those, and plans name the capacity), the
+    rebuild of each site it recomputes (its segment's times fitted again with the other
+    sites' profiled ones) and each operator it runs, and ``meta["step_s"]``, the step its
+    added time is predicted on top of. Decisions and RNG streams are left as found."""
     decisions = [decision for layer in layer_decisions for decision in layer.items()]
     compressed = sorted({name for name, d in decisions if d.action == COMPRESS})
     recomputed = {name for name, d in decisions if d.action == RECOMPUTE}
@@ -711,7 +712,14 @@ def refresh_action_costs(costs: ModelCosts, model: torch.nn.Module, batch: Batch
                               if site.operator == operator.name and site.can_recompute]])
         step_s = run.step_seconds()
     rebuild_s = _rebuild_times([site.name for site in costs.sites], prefix_s)
-    sites = [replace(site, codecs=tuple(fresh_codecs.get(site.name, site.codecs)),
+
+    def retimed(site: SiteCost) -> tuple[CodecCost, ...]:
+        fresh = {codec.codec: codec for codec in fresh_codecs.get(site.name, ())}
+        return tuple(replace(codec, encode_s=fresh[codec.codec].encode_s,
+                             decode_s=fresh[codec.codec].decode_s)
+                     if codec.codec in fresh else codec for codec in site.codecs)
+
+    sites = [replace(site, codecs=retimed(site),
                      rebuild_s=rebuild_s.get(site.name, site.rebuild_s))
              if site.segment is not None or site.name in fresh_codecs else site
              for site in costs.sites]
