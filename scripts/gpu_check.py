@@ -154,6 +154,8 @@ RUN_OVERHEAD_S = {"gpu": 8.0, "cpu": 4.0}       # one training run's build, data
 TRACE_S = {"gpu": 4.0, "cpu": 0.5}              # a traced step's trace written and read
 # auto's first run profiles the model: about this many steps' time, plus set-up
 PROFILE_STEPS, PROFILE_S = 60, {"gpu": 10.0, "cpu": 6.0}
+# an auto run's rectifier: after iterations 1, 2, 4, 8 an extra forward and a re-plan
+TRACKING_S = {"gpu": 4.0, "cpu": 2.0}
 # Sustained model FLOP/s of a training step, by attention backend (the H100 run of GPT-345M
 # with unfused attention in fp16 reached ~82 TFLOP/s); CPU: this machine's 2 cores.
 STEP_FLOPS = {"gpu": {"flash": 350e12, "unfused": 90e12}, "cpu": {"flash": 5e9, "unfused": 5e9}}
@@ -768,7 +770,8 @@ class RunClock:
                     else RUN_OVERHEAD_S[self.kind] + TRACE_S[self.kind] * traced)
         profile = (PROFILE_S[self.kind] + PROFILE_STEPS * self.step_s
                    if auto and not self.profiled else 0.0)
-        return overhead + iters * self.step_s * STEP_FACTOR[method] + profile
+        return (overhead + iters * self.step_s * STEP_FACTOR[method] + profile
+                + TRACKING_S[self.kind] * auto)
 
     def observe(self, method: str, wall_s: float, steps_s: list[float], auto: bool,
                 traced: bool) -> None:
@@ -1239,17 +1242,19 @@ def estimate_s(section: str, dry_run: bool) -> float:
                 + cases * CODEC_CASE_S[kind])
     if section == "syncs":
         configs = len(sizes.sync_models) * len(sizes.sync_dtypes)
-        return CHILD_START_S[kind] + configs * 10 * SYNC_MODEL_S[kind]
+        # the five policies' counts; the exactness check after them takes what time is left
+        return CHILD_START_S[kind] + configs * 5 * SYNC_MODEL_S[kind]
     name = section.split(":", 1)[1]
     spec = MODELS[name]
     values = _config_values(spec, dry_run)
     clock = RunClock(kind, values, DRY_MICRO_BATCH if dry_run else spec.micro_batch)
     methods = ([NONE, FULL] + [AUTO] * 3 + [BLOCK] * 2 + [QUANTIZE]
                + [SELECTIVE] * len(selective_sets()))
-    # the first auto run profiles
-    return CHILD_START_S[kind] + sum(
-        clock.estimate(m, sizes.iters, auto=m == AUTO and i == 2, traced=m in TRACED)
-        for i, m in enumerate(methods))
+    total = CHILD_START_S[kind] + PREDICT_S[kind]
+    for method in methods:
+        total += clock.estimate(method, sizes.iters, method == AUTO, method in TRACED)
+        clock.profiled |= method == AUTO  # the first auto run profiles
+    return total
 
 
 def allot(section: str, estimates: dict, later: list, left: float) -> float:
