@@ -1,10 +1,13 @@
-"""scripts/gpu_check.py: without CUDA it says so in one line and exits 0; its report renders
-every outcome (the checks themselves need a GPU)."""
+"""scripts/gpu_check.py: without CUDA it says so and exits 0; its dry run (tiny models on the
+CPU) measures every section and records every method at every budget; its time planning
+skips what would not fit and says so; its report renders every outcome."""
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -24,50 +27,260 @@ def test_without_cuda_it_says_so_and_exits_zero(tmp_path):
     assert not out.exists() and not doc.exists()
 
 
-def test_report_renders_passes_failures_and_missing_measurements():
-    results = {
-        "device": "NVIDIA H100", "torch": "2.6.0a0", "config": "configs/gpt-345m.yaml",
-        "micro_batch_size": 4, "iters": 30,
-        "codecs": {"cases": 2, "mismatches": ["bitmask torch.bool (7,): decoded tensors differ"],
-                   "ok": False,
-                   "speed": [{"codec": "naive_int4", "input_bytes": 1000, "payload_bytes": 262,
-                              "copy_ms": 0.5, "round_trip_ms": 2.0,
-                              "round_trip_of_copy": 0.25}]},
-        "exactness": {"host_syncs_per_step": {"bf16 stock": 0, "bf16 recompute all": 2},
-                      "mismatches": [], "ok": True},
-        "training": {
-            "runs": [{"name": "no optimisation", "tokens_per_s": 1234.5,
-                      "max_memory_allocated": 3 << 30, "max_memory_reserved": None,
-                      "skipped_steps": 2, "plan_swaps": 1,
-                      "trace": {"step_ms": 120.04, "kernel_ms": 100.0, "host_syncs": 3,
-                                "top_kernels": [["gemm", 60.0], ["softmax", 20.25]]}},
-                     {"name": "adacc auto at 60%", "error": "infeasible budget"},
-                     {"name": "adacc auto at 80%", "tokens_per_s": 1000.0,
-                      "max_memory_allocated": 1 << 30, "max_memory_reserved": 2 << 30,
-                      "plan_table": ["adacc: policy auto", "site  action", "budget 2 MiB"]}],
-            "budgets": [{"budget_bytes": 2 << 30, "max_memory_allocated": None,
-                         "predicted_peak_bytes": 1 << 30, "ok": False}],
-            "ok": False},
-    }
-    page = gpu_check.markdown(results)
+# --- the dry run, end to end ---------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def dry_run(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("gpu-check")
+    out, doc = folder / "dry.json", folder / "gpu.md"
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_check.py"), "--dry-run",
+                           "--device-budget-s", "1800", "--out", str(out), "--doc", str(doc)],
+                          capture_output=True, text=True, cwd=folder)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return json.loads(out.read_text()), doc.read_text(), done.stdout
+
+
+def _expected_methods() -> list[str]:
+    return [gpu_check.NONE, gpu_check.FULL,
+            *(f"{gpu_check.SELECTIVE} [{'+'.join(mods)}]" for mods in gpu_check.selective_sets()),
+            gpu_check.BLOCK, gpu_check.QUANTIZE, gpu_check.AUTO]
+
+
+def test_dry_run_times_every_codecs_round_trip_against_a_copy(dry_run):
+    from megatron_adacc import codecs
+
+    results = dry_run[0]
+    assert results["dry_run"] and not results["notes"]  # nothing was cut for time
+    speed = results["codecs"]["speed"]
+    assert [row["codec"] for row in speed] == list(codecs.NAMES)
+    for row in speed:
+        assert row["round_trip_ms"] > 0 and row["copy_ms"] > 0
+        assert row["round_trip_host_us"] > 0 and row["copy_host_us"] > 0
+        assert row["round_trip_of_copy"] == row["copy_ms"] / row["round_trip_ms"]
+        assert 0 < row["payload_bytes"] < row["input_bytes"]
+    assert results["codecs"]["cases"] > 0 and results["codecs"]["ok"]
+
+
+def test_dry_run_counts_host_syncs_under_every_policy(dry_run):
+    syncs = dry_run[0]["syncs"]
+    policies = ["none", "full-recompute", "quantize", "auto", "every codec"]
+    models = [f"{family} {backend} bf16" for family, backend in gpu_check.DRY.sync_models]
+    assert [(r["model"], r["policy"]) for r in syncs["rows"]] == [
+        (model, policy) for model in models for policy in policies]
+    for row in syncs["rows"]:
+        assert "error" not in row, row
+        assert row["sync_ops"] == sum(row["by_op"].values())
+        assert row["cuda_syncs"] is None  # no CUDA on this machine
+    stock = {r["model"]: r["sync_ops"] for r in syncs["rows"] if r["policy"] == "none"}
+    assert all(r["added_ops"] == r["sync_ops"] - stock[r["model"]] for r in syncs["rows"])
+    assert syncs["exactness"]["configurations"] == 4 * len(models)
+    assert syncs["exactness"]["ok"], syncs["exactness"]["mismatches"]
+
+
+def test_dry_run_every_codec_plan_uses_every_codec_a_site_takes():
+    from megatron_adacc import codecs
+
+    for family, backend in gpu_check.GPU.sync_models:
+        plan, missing = gpu_check.every_codec_plan(family, backend)
+        used = {decision.codec for decision in plan.sites.values()}
+        assert used | set(missing) == set(codecs.NAMES) and not used & set(missing)
+    # GPT's unfused layer saves a softmax (asym_int4) and dropout masks (bitmask)
+    assert gpu_check.every_codec_plan("gpt", "unfused")[1] == []
+
+
+def test_dry_run_records_every_method_at_every_budget(dry_run):
+    results = dry_run[0]
+    assert set(results["training"]) == set(gpu_check.MODELS)
+    for name, model in results["training"].items():
+        budgets = model["budgets"]
+        assert [b["fraction"] for b in budgets] == list(gpu_check.BUDGET_FRACTIONS)
+        sizes = [b["budget_bytes"] for b in budgets]
+        assert sizes == sorted(sizes) and sizes[0] < sizes[-1]
+        # the budgets run from full recompute's peak to no optimisation's
+        assert sizes[0] == model["runs"]["full"]["peak_bytes"]
+        assert sizes[-1] == model["runs"]["none"]["peak_bytes"]
+        for entry in budgets:
+            assert list(entry["methods"]) == _expected_methods(), name
+            for method, row in entry["methods"].items():
+                run = model["runs"].get(row["run"]) if row["run"] else None
+                assert run is not None, (name, method)
+                if "error" in run:  # refused by the trainer: recorded, fit unknown
+                    assert row["fits"] is None and row["reason"] == run["error"]
+                    continue
+                assert row["fits"] == (run["peak_bytes"] <= entry["budget_bytes"])
+                assert row["step_time_s"] == run["step_time_s"] > 0
+                for source in ("profiled", "analytic"):
+                    assert row[f"{source}_step_s"] == pytest.approx(
+                        model["runs"]["none"]["step_time_s"] + row[f"{source}_added_s"])
+            assert entry["methods"][gpu_check.NONE]["fits"] == (entry["fraction"] == 1.0)
+            assert entry["methods"][gpu_check.FULL]["fits"]
+            assert "analytic_auto" in entry
+            # the auto run's own plan, planned again from its profile, is what was priced
+            assert entry["auto_plan_reproduced"]
+        assert model["accelerator"] == "h200-141gb"
+
+
+def test_dry_run_refusals_and_block_recompute_are_the_trainers(dry_run):
+    results = dry_run[0]
+    gpt, llama = results["training"]["gpt-345m"], results["training"]["llama-1b"]
+    # megatron-core 0.16.1's mlp recompute hangs with biased linear layers: the trainer
+    # refuses it for GPT, and the Llama (no biases) runs it
+    for mods in gpu_check.selective_sets():
+        run_name = f"selective {'+'.join(mods)}"
+        assert ("error" in gpt["runs"][run_name]) == ("mlp" in mods)
+        assert "error" not in llama["runs"][run_name]
+    for model in (gpt, llama):
+        for entry in model["budgets"]:
+            block = entry["methods"][gpu_check.BLOCK]
+            # the fewest layers that fit: with one layer fewer it would not have fitted
+            layers = block["detail"]
+            if layers and layers > 1 and f"block {layers - 1}" in model["runs"]:
+                assert model["runs"][f"block {layers - 1}"]["peak_bytes"] > entry["budget_bytes"]
+            assert block["fits"]
+
+
+def test_dry_run_writes_the_page_and_prints_the_table(dry_run):
+    results, page, stdout = dry_run
+    assert "## How to run" in page and gpu_check.DEVICE_COMMAND in page
+    assert "### (a) Codecs" in page and "### (b) Host synchronisations" in page
+    for name in gpu_check.MODELS:
+        assert f"### (c, d) Training: {name}" in page
+    assert stdout.rstrip().splitlines()[-1].startswith("gpu_check: done in")
+    assert gpu_check.summary_table(results) in stdout
+
+
+# --- planning the time ---------------------------------------------------------------------
+
+def test_time_goes_to_codecs_and_syncs_first_and_is_shared_by_the_models():
+    estimates = {"codecs": 40.0, "syncs": 60.0, "training:a": 100.0, "training:b": 300.0}
+    later = ["syncs", "training:a", "training:b"]
+    # all fits: each its share of the slack too
+    assert gpu_check.allot("codecs", estimates, later, 1000) == 80.0
+    # not all fits: codecs a quarter more than its estimate, or what the rest leave it
+    assert gpu_check.allot("codecs", estimates, later, 400) == 50.0
+    assert gpu_check.allot("codecs", estimates, later, 80) == 80 - 3 * gpu_check.MIN_SECTION_S
+    assert gpu_check.allot("training:a", estimates, ["training:b"], 200) == 50.0
+    assert gpu_check.allot("training:b", estimates, [], 170) == 170
+
+
+def test_a_model_without_time_records_every_method_as_not_run(tmp_path):
+    import torch
+
+    reports = []
+    runs = gpu_check.ModelRuns("llama-1b", gpu_check.MODELS["llama-1b"], torch.device("cpu"),
+                               gpu_check.DRY, gpu_check.Deadline(0), reports.append)
+    runs.measure()
+    gpu_check.predict(runs, "h200-141gb")
+    report = runs.report
+    assert report["runs"]["none"]["skipped"] == "out of time"
+    assert any("skipped none" in note for note in report["notes"])
+    assert [b["budget_bytes"] for b in report["budgets"]] == [None] * 3
+    for entry in report["budgets"]:
+        assert list(entry["methods"]) == _expected_methods()
+        assert all(row["fits"] is None for row in entry["methods"].values())
+    assert reports and reports[-1] is report
+
+
+def test_whether_a_run_fits():
+    fit = gpu_check._fit
+    assert fit({"peak_bytes": 10}, 10, "r") == {"fits": True, "reason": ""}
+    assert fit({"peak_bytes": 11}, 10, "r")["fits"] is False
+    assert fit({"oom": True, "error": "out of memory"}, 10, "r") == {
+        "fits": False, "reason": "out of memory"}
+    assert fit({"error": "memory budget 1 MiB is infeasible: ..."}, 10, "r")["fits"] is False
+    assert fit({"error": "--recompute-modules mlp ... hangs"}, 10, "r")["fits"] is None
+    assert fit({"skipped": "out of time"}, 10, "r") == {
+        "fits": None, "reason": "not run: out of time"}
+    assert fit({}, None, None)["fits"] is None
+
+
+# --- the report ----------------------------------------------------------------------------
+
+RESULTS = {
+    "device": "NVIDIA H200", "torch": "2.11.0", "command": "python scripts/gpu_check.py",
+    "elapsed_s": 300.0, "device_budget_s": 360, "notes": ["llama-1b: skipped block 3"],
+    "codecs": {"cases": 2, "skipped_cases": 0, "ok": False, "speed_shape": [8, 1024, 4096],
+               "mismatches": ["bitmask torch.bool (7,): decoded tensors differ"],
+               "speed": [{"codec": "naive_int4", "input_bytes": 1000, "payload_bytes": 262,
+                          "copy_ms": 0.5, "copy_host_us": 4.0, "round_trip_ms": 2.0,
+                          "round_trip_host_us": 30.0, "round_trip_of_copy": 0.25,
+                          "copy_graph_ms": 0.4, "round_trip_graph_ms": 1.5},
+                         {"codec": "outlier_int4", "input_bytes": 1000, "payload_bytes": 270,
+                          "copy_ms": 0.5, "copy_host_us": 4.0, "round_trip_ms": 5.0,
+                          "round_trip_host_us": 5000.0, "round_trip_of_copy": 0.1,
+                          "graph_error": "RuntimeError: capture"},
+                         {"codec": "bitmask", "skipped": "out of time"}]},
+    "syncs": {"counter": "CUDA", "missing_codecs": {"llama flash bf16": ["bitmask"]},
+              "skipped": [], "exactness": {"configurations": 4, "mismatches": [], "ok": True},
+              "rows": [{"model": "gpt unfused bf16", "policy": "none", "cuda_syncs": 0,
+                        "sync_ops": 1, "by_op": {"equal": 1}, "added_cuda": 0, "added_ops": 0},
+                       {"model": "gpt unfused bf16", "policy": "auto", "error": "boom"}]},
+    "training": {"llama-1b": {
+        "config": "configs/llama-1b.yaml", "precision": "bf16", "attention_backend": "flash",
+        "micro_batch_size": 2, "seq_length": 4096, "iters": 8, "warmup": 3,
+        "accelerator": "h200-141gb",
+        "runs": {"none": {"trace": {"step_ms": 120.04, "kernel_ms": 100.0, "host_syncs": 3,
+                                    "top_kernels": [["gemm", 60.0], ["softmax", 20.25]]}},
+                 "auto 0": {"plan_table": ["adacc: policy auto", "site  action", "budget 2"],
+                            "swap_lines": ["adacc: iteration 4: swap"]}},
+        "budgets": [{"fraction": 0.0, "budget_bytes": 2 << 30,
+                     "analytic_auto": {"feasible": False, "minimum_feasible_budget": 3 << 30},
+                     "methods": {
+                         gpu_check.NONE: {"fits": False, "reason": "peak over", "peak_bytes":
+                                          3 << 30, "step_time_s": 0.2, "tokens_per_s": 40960.0,
+                                          "profiled_step_s": 0.2, "analytic_step_s": 0.2,
+                                          "measured_added_s": 0.0, "analytic_added_s": 0.0},
+                         gpu_check.BLOCK: {"fits": None, "detail": 3,
+                                           "reason": "not run: out of time"},
+                         gpu_check.AUTO: {"fits": True, "reason": "", "peak_bytes": 1 << 30,
+                                          "step_time_s": 0.25, "tokens_per_s": 32768.0,
+                                          "runtime_predicted_step_time_s": 0.24,
+                                          "analytic_step_s": 0.21, "measured_added_s": 0.05,
+                                          "analytic_added_s": 0.01}}}]}},
+}
+
+
+def test_the_report_renders_passes_failures_and_what_was_not_measured():
+    page = gpu_check.markdown(RESULTS)
+    assert "- llama-1b: skipped block 3" in page
     assert "1 mismatches:\n\n- bitmask torch.bool (7,): decoded tensors differ" in page
-    assert "| bf16 recompute all | 2 |" in page
-    assert "| 2,048 | - | 1,024 | NO |" in page
-    assert "| no optimisation | 1,234 | 3,072 | - | 2 | 1 | 120.0 | 100.0 | 3 |" in page
-    assert "| adacc auto at 60% | failed: infeasible budget | | | | | | | |" in page
-    assert "- no optimisation: gemm 60.0; softmax 20.2" in page
-    assert ("Plan of adacc auto at 80%, as the run printed it:\n\n```text\n"
-            "adacc: policy auto\nsite  action\nbudget 2 MiB\n```") in page
-    assert "| naive_int4 | 0.262 | 0.500 | 2.000 | 0.25 |" in page
+    assert "| naive_int4 | 0.262 | 0.500 | 2.000 | 0.25 | 0.400, 1.500 | 4, 30 |" in page
+    assert "| outlier_int4 | 0.270 | 0.500 | 5.000 | 0.10 | capture failed: RuntimeError: " \
+           "capture | 4, 5000 |" in page
+    assert "| bitmask | not run: out of time | | | | | |" in page
+    assert "| gpt unfused bf16 | none | 0 | 1 | 0, 0 | equal 1 |" in page
+    assert "| gpt unfused bf16 | auto | failed: boom | | | |" in page
+    assert "llama flash bf16: bitmask" in page
+    assert ("| no optimisation | NO (peak over) | 3,072 | 200.0 | 40,960 | - | 200.0 | 200.0 "
+            "| 0.0 | 0.0 |") in page
+    assert ("| megatron block recompute (3 layers) | ? (not run: out of time) | - | - | - | - "
+            "| - | - | - | - |") in page
+    assert ("| adacc auto | yes | 1,024 | 250.0 | 32,768 | 240.0 | - | 210.0 | 50.0 | 10.0 |"
+            in page)
+    assert "infeasible (smallest feasible 3,072 MiB)" in page
+    assert "- none: 120.0; 100.0; 3; gemm 60.0; softmax 20.2" in page
+    assert ("Plan of auto 0, as the run printed it:\n\n```text\nadacc: policy auto\n"
+            "site  action\nbudget 2\nadacc: iteration 4: swap\n```") in page
 
 
-def test_report_says_which_checks_did_not_run():
-    results = {"device": "NVIDIA H100", "torch": "2.6.0a0", "config": "configs/gpt-345m.yaml",
-               "micro_batch_size": 4, "iters": 30,
-               "exactness": {"host_syncs_per_step": {}, "mismatches": [], "ok": True}}
-    page = gpu_check.markdown(results)
-    assert "## codecs\n\nNot run." in page and "## training\n\nNot run." in page
-    assert "strict attribution: equal." in page
+def test_the_report_says_which_sections_did_not_run():
+    page = gpu_check.markdown({"device": "NVIDIA H200", "notes": [],
+                               "training": {"gpt-345m": {"skipped": "out of time"}}})
+    assert "### (a) Codecs\n\nNot run." in page
+    assert "### (b) Host synchronisations per training step\n\nNot run." in page
+    assert "### (c, d) Training: gpt-345m\n\nNot run: out of time." in page
+    assert gpu_check.markdown({}).count("No run of this check yet.") == 1
+
+
+def test_rendering_keeps_the_earlier_runs_below_the_marker(tmp_path):
+    page = tmp_path / "gpu.md"
+    page.write_text(f"# old\n\nstale results\n\n{gpu_check.EARLIER_MARKER}\n## H100 run\n\nkept\n")
+    results = tmp_path / "results.json"
+    results.write_text(json.dumps(RESULTS))
+    assert gpu_check.main(["--render", str(results), "--doc", str(page)]) == 0
+    text = page.read_text()
+    assert "stale results" not in text and "## Results: NVIDIA H200" in text
+    assert text.endswith(f"{gpu_check.EARLIER_MARKER}\n## H100 run\n\nkept\n")
 
 
 def test_the_trace_summary_adds_up_the_traced_steps_kernels_and_waits(tmp_path):
@@ -84,6 +297,11 @@ def test_the_trace_summary_adds_up_the_traced_steps_kernels_and_waits(tmp_path):
         "step_ms": 5.0, "kernel_ms": 3.7, "host_syncs": 1,
         "top_kernels": [["gemm", 3.0], ["softmax", 0.7]]}
     assert gpu_check.trace_summary(str(tmp_path / "none")) == {}
+    # on a CPU (no kernels) the longest ATen ops stand in
+    (tmp_path / "rank0.123.pt.trace.json").write_text(json.dumps({"traceEvents": events[:1] + [
+        event("aten::mm", "cpu_op", 800), event("aten::add", "cpu_op", 100)]}))
+    assert gpu_check.trace_summary(str(tmp_path))["top_ops"] == [["aten::mm", 0.8],
+                                                                 ["aten::add", 0.1]]
 
 
 def test_the_plan_table_is_cut_from_a_runs_output():
@@ -91,3 +309,21 @@ def test_the_plan_table_is_cut_from_a_runs_output():
     assert gpu_check.plan_table(out) == ["adacc: policy auto (x)", "site  layers", "qkv   0-3",
                                          "budget 1 MiB; static"]
     assert gpu_check.plan_table("iter 1\niter 2") == []
+
+
+def test_the_h200_is_priced_as_an_h100_with_its_bandwidth():
+    from megatron_adacc.profiling import hardware
+
+    h100, h200 = (gpu_check._analytic_costs(gpu_check.MODELS["llama-1b"], False, name)
+                  for name in ("h100-80gb", "h200-141gb"))
+    ratio = (hardware.get_accelerator("h200-141gb").memory_bandwidth
+             / hardware.get_accelerator("h100-80gb").memory_bandwidth)
+    assert ratio == pytest.approx(4.8 / 3.35)
+    for slow, fast in zip(h100.sites, h200.sites):
+        assert (slow.name, slow.bytes) == (fast.name, fast.bytes)
+        # codecs are bound by bandwidth alone, naive INT4 (the quantize baseline's) too
+        assert [c.codec for c in slow.codecs] == [c.codec for c in fast.codecs]
+        for a, b in zip(slow.codecs, fast.codecs):
+            assert a.payload_bytes == b.payload_bytes
+            assert a.encode_s == pytest.approx(b.encode_s * ratio)
+    assert any(c.codec == "naive_int4" for site in h200.sites for c in site.codecs)

@@ -75,6 +75,9 @@ ACCELERATORS: dict[str, Accelerator] = {
                              supports_bf16=False),
     "a100-80gb": Accelerator("NVIDIA A100 SXM4 80GB", 312e12, 19.5e12, 2039e9, 80 * GiB),
     "h100-80gb": Accelerator("NVIDIA H100 SXM5 80GB", 989e12, 67e12, 3350e9, 80 * GiB),
+    # The H100's processor with 141 GB of HBM3e at 4.8 TB/s (datasheet); CUDA reports about
+    # 140 GiB of it (143,771 MiB by nvidia-smi on this project's lent machine).
+    "h200-141gb": Accelerator("NVIDIA H200 SXM 141GB", 989e12, 67e12, 4800e9, 140 * GiB),
 }
 
 
