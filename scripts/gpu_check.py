@@ -139,11 +139,6 @@ TOP_KERNELS = 8
 SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize",
               "cudaMemcpy", "cudaMemcpyAsync")
 SYNC_WARNING = "synchronizing CUDA operation"
-# ATen ops that read a device value on the host (or size their output by one)
-SYNC_OPS = frozenset({"_local_scalar_dense", "item", "nonzero", "masked_select", "unique",
-                      "_unique", "_unique2", "unique_dim", "unique_consecutive", "equal",
-                      "is_nonzero"})
-
 # --- time estimates (seconds on one H200; the dry run's on this project's CPU) ---------------
 # Leads, not measurements: a section's child re-estimates from what it has timed.
 CHILD_START_S = {"gpu": 10.0, "cpu": 8.0}       # python, torch, megatron-core imports
@@ -411,33 +406,6 @@ def codecs_worker(device, sizes: Sizes, deadline: Deadline, emit) -> None:
 VOCAB, BATCH, STEPS = 1024, 2, 2
 
 
-class SyncOps(torch.utils._python_dispatch.TorchDispatchMode):
-    """Counts the ATen ops that read a device value on the host: SYNC_OPS, boolean-mask
-    indexing, and copies from a device to the host."""
-
-    def __init__(self):
-        super().__init__()
-        self.counts = collections.Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        name = func.overloadpacket.__name__
-        if name in SYNC_OPS:
-            self.counts[name] += 1
-        elif name in ("index", "index_put", "index_put_") and any(
-                isinstance(i, torch.Tensor) and i.dtype == torch.bool
-                for i in (args[1] if len(args) > 1 and isinstance(args[1], (list, tuple))
-                          else ())):
-            self.counts["boolean mask index"] += 1
-        elif name in ("_to_copy", "copy_"):
-            sources = [a for a in args if isinstance(a, torch.Tensor)]
-            target = kwargs.get("device") or (sources[0].device if name == "copy_" else None)
-            if (target is not None and torch.device(target).type == "cpu"
-                    and any(t.device.type != "cpu" for t in sources[-1:])):
-                self.counts["device to host copy"] += 1
-        return func(*args, **kwargs)
-
-
 def _own_sites(family: str) -> list:
     from megatron_adacc import models
     from megatron_adacc.common.sites import SITES
@@ -518,6 +486,7 @@ def _train(model, device, sizes: Sizes) -> tuple[list, list, list]:
     """Losses, gradients and host synchronisations (CUDA's count, the ops' count) of each of
     STEPS steps, on fixed batches and dropout streams."""
     from megatron_adacc.models import build as model_lib
+    from megatron_adacc.profiling.syncs import SyncCounter
 
     # Plain SGD: Adam's eps underflows in fp16 and turns untouched parameters into NaN.
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
@@ -527,7 +496,7 @@ def _train(model, device, sizes: Sizes) -> tuple[list, list, list]:
         optimizer.zero_grad()
         model_lib.set_seed(100 + step)
         _sync(device)
-        with warnings.catch_warnings(record=True) as caught, SyncOps() as ops:
+        with warnings.catch_warnings(record=True) as caught, SyncCounter() as ops:
             warnings.simplefilter("always")
             if device.type == "cuda":
                 torch.cuda.set_sync_debug_mode("warn")
@@ -539,7 +508,7 @@ def _train(model, device, sizes: Sizes) -> tuple[list, list, list]:
                     torch.cuda.set_sync_debug_mode("default")
         cuda_count = (sum(SYNC_WARNING in str(w.message) for w in caught)
                       if device.type == "cuda" else None)
-        syncs.append((cuda_count, sum(ops.counts.values()), dict(ops.counts)))
+        syncs.append((cuda_count, ops.total, dict(ops.counts)))
         losses.append(loss.detach().clone())
         grads.append({n: p.grad.clone() for n, p in model.named_parameters()
                       if p.grad is not None})

@@ -4,53 +4,19 @@ Counted on the CPU as the aten ops that sync on CUDA."""
 from __future__ import annotations
 
 import math
-import os
-import traceback
 
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron_adacc import codecs
-
-aten = torch.ops.aten
-SYNCING = {aten._local_scalar_dense, aten.nonzero, aten.is_nonzero, aten.masked_select, aten.equal,
-           aten.unique_dim, aten.unique_consecutive, aten._unique, aten._unique2, aten.item}
-INDEXING = {aten.index, aten.index_put, aten.index_put_, aten._index_put_impl_}
-
-
-# Code that reads tensors which live on the host on every device: megatron's RNG tracker
-# compares the CPU generator's state (a CPU tensor) when a fork ends. Not a device sync.
-HOST_STATE_READERS = (os.path.join("megatron", "core", "tensor_parallel", "random.py"),)
-
-
-def _reads_host_state() -> bool:
-    return any(frame.filename.endswith(HOST_STATE_READERS) for frame in traceback.extract_stack())
-
-
-class SyncCounter(TorchDispatchMode):
-    """Records every aten op below it that reads a device value on the host under CUDA (or
-    sizes its output by the data: boolean-mask indexing), but those of HOST_STATE_READERS."""
-
-    def __init__(self):
-        super().__init__()
-        self.syncs: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        packet = func.overloadpacket
-        boolean_index = packet in INDEXING and any(
-            isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8)
-            for i in (args[1] if len(args) > 1 and isinstance(args[1], (list, tuple)) else ()) if i is not None)
-        if (packet in SYNCING or boolean_index) and not _reads_host_state():
-            self.syncs.append(str(func))
-        return func(*args, **(kwargs or {}))
+from megatron_adacc.profiling.syncs import SyncCounter
 
 
 def counted(fn, *args):
     with SyncCounter() as counter:
         result = fn(*args)
-    return result, counter.syncs
+    return result, dict(counter.counts)
 
 
 def activation(name: str, dtype: torch.dtype, rows: int = 48) -> torch.Tensor:
@@ -78,10 +44,10 @@ def assert_sync_free(backend: str, name: str, dtype: torch.dtype, rows: int = 48
     codec = codecs.get(name, backend=backend, **codec_options(name))
     x = activation(name, dtype, rows)
     payload, encode_syncs = counted(codec.encode, x)
-    assert encode_syncs == [], encode_syncs
+    assert encode_syncs == {}, encode_syncs
     assert payload.nbytes == codec.payload_bytes(x.shape, x.dtype)
     _, decode_syncs = counted(codec.decode, payload)
-    assert decode_syncs == [], decode_syncs
+    assert decode_syncs == {}, decode_syncs
 
 
 ROWS = pytest.mark.parametrize("rows", [48, 47])
@@ -138,4 +104,4 @@ def test_the_counter_sees_syncs():
     t = torch.ones(4)
     _, syncs = counted(lambda t: (t[t > 0], t.nonzero(), bool(t.sum()), int(t.max()), torch.equal(t, t),
                                   t.unique(), t.masked_select(t > 0)), t)
-    assert len(syncs) >= 7, syncs
+    assert sum(syncs.values()) >= 7, syncs

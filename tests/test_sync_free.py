@@ -2,7 +2,7 @@
 
 On CUDA a host sync (reading a device value, or an output sized by the data) stalls the host
 until the GPU has drained its queue, so the host can no longer run ahead. Counted on the CPU
-as the aten ops that sync on CUDA (test_codecs_sync.SyncCounter), over one forward and
+as the aten ops that sync on CUDA (profiling.syncs.SyncCounter), over one forward and
 backward of a small GPT and a small Llama: the Adacc layer under each policy must make no
 sync op the stock layer does not. The codecs run the "torch" backend here, whose every
 operation dispatches through aten (the native kernels run outside it; their Python side is
@@ -19,10 +19,10 @@ from megatron_adacc.common.plan import Decision, Plan
 from megatron_adacc.common.sites import COMPRESS
 from megatron_adacc.planning import default_resolution, minimum_budget, plan as make_plan
 from megatron_adacc.profiling.profiler import profile
+from megatron_adacc.profiling.syncs import SyncCounter
 from megatron_adacc.runtime import apply_plan
 
 from runtime_helpers import batch, build, loss_of
-from test_codecs_sync import SyncCounter
 from test_llama import build_llama
 
 # One site per codec (GPT): every codec of codecs.NAMES runs in one step.
@@ -40,7 +40,7 @@ def counted_step(model) -> Counter:
     with SyncCounter() as counter:
         loss_of(model).backward()
     model.zero_grad(set_to_none=True)
-    return Counter(counter.syncs)
+    return counter.counts
 
 
 def auto_plan(model) -> Plan:
@@ -96,4 +96,4 @@ def test_the_step_counter_sees_a_sync_in_a_layer(distributed, monkeypatch):
         return output
 
     monkeypatch.setattr(block, "forward", syncing_forward)
-    assert counted_step(model)["aten._local_scalar_dense.default"] == 1
+    assert counted_step(model)["_local_scalar_dense"] == 1
