@@ -119,6 +119,21 @@ def test_outlier_many_exact_channels_in_one_column_block():
         assert_same_payload_and_output("outlier_int4", x.to(torch.bfloat16), capacity=capacity)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_tiles_across_row_and_column_blocks_byte_identical(dtype):
+    # Tensors of several row blocks and column blocks: channel_int4's statistics in several
+    # chunks (a NaN in one), outlier_int4's exact channels in several column blocks.
+    gen = torch.Generator().manual_seed(43)
+    for shape in [(3000, 64), (70, 2048)]:
+        x = torch.randn(shape, generator=gen)
+        x[2500 % shape[0], 9] = math.nan
+        assert_same_payload_and_output("channel_int4", x.to(dtype))
+    x = torch.randn(16, 3072, generator=gen)
+    x[:, [5, 1030, 1031, 2100, 3071]] *= 400
+    assert_same_payload_and_output("outlier_int4", x.to(dtype), capacity=5)
+    assert_same_payload_and_output("naive_int4", x.to(dtype))
+
+
 @pytest.mark.parametrize("name", INT4_CODECS)
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
 def test_non_finite_groups_and_saturation_byte_identical(name, dtype):

@@ -66,8 +66,11 @@ def _channel_encode(x_ptr, counter_ptr, lo_ptr, hi_ptr, bad_ptr, scale32_ptr, pa
         col = (tile % col_blocks) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
         mask = (row < rows)[:, None] & (col < channels)[None, :]
         x = load_float(x_ptr + row[:, None] * channels + col[None, :], mask, IN_BF16)
-        while tl.atomic_add(counter_ptr + 1, 0) <= stat_programs:
+        # Spin on plain reads (an atomic would queue behind every other spinner's), then one
+        # acquiring atomic orders the scales' stores before the reads below.
+        while tl.load(counter_ptr + 1, volatile=True) <= stat_programs:
             pass
+        tl.atomic_add(counter_ptr + 1, 0)
         scale = tl.load(scale32_ptr + col, mask=col < channels, other=1.0, volatile=True)
         inverse = tl.div_rn(1.0, tl.where(scale != scale, 1.0, scale))
         inverse = tl.where(scale != scale, float("nan"), inverse)  # NaN marks a bad channel
