@@ -7,7 +7,14 @@ stale. At tracking iterations, spaced by exponential backoff (1, 2, 4, 8, ... up
 the rectifier samples the tracked sites' real tensors (one forward, up to the profiled
 layer, through the profiler's probes, see ``profiler.sample_sites``), measures outlier
 channels, payload bytes and reconstruction error with the real codecs, writes the payloads
-into the planner's costs, re-plans and decides whether to swap. It decides; the trainer
+into the planner's costs, re-plans and decides whether to swap.
+
+An outlier-separating codec keeps a fixed capacity of exact channels (the profile's largest
+outlier count over the layers; its payload never depends on the data). Tracking counts the
+outliers (reading the count is a host sync, but tracking runs between steps); where more
+channels are outliers than the capacity holds, the site's capacity is raised to the count
+(capacities never shrink: that would trade accuracy back for bytes on one batch's word),
+its payload grows with it, and a plan using the old capacity is swapped ("capacity"). It decides; the trainer
 applies the swap with ``apply_plan`` between steps; the planner plans.
 
 Beyond the paper:
@@ -89,36 +96,53 @@ class SiteStats:
     """One tracked site at one tracking iteration (one layer, the profiled micro-batch)."""
 
     codec: str
-    payload_bytes: int
+    payload_bytes: int                 # at `capacity` for an outlier-separating codec
     compression_rate: float            # payload / full bytes
     outlier_channels: int | None       # None for codecs without outlier separation
     channels: int
     error: float                       # ||x - decode(encode(x))|| / ||x||
+    capacity: int | None = None        # exact channels the site's payload keeps from now on
 
 
-def site_stats(sample: profiler.SiteSample, full_bytes: int) -> SiteStats:
-    """Statistics of the tensors the runtime handed a site's codec, with that codec."""
+def site_stats(sample: profiler.SiteSample, full_bytes: int, capacity: int | None = None) -> SiteStats:
+    """Statistics of the tensors the runtime handed a site's codec, with that codec.
+
+    Args:
+        capacity: the site's capacity of exact outlier channels so far (outlier-separating
+            codecs): raised to the largest outlier count of the tensors where that is more;
+            the payload is the one at the result, the error the codec's at its own.
+    """
     codec = sample.codec
-    threshold = getattr(codec, "threshold", None)
+    separates = getattr(codec, "separates_outliers", False)
     outliers, squared_error, squared_norm = 0, 0.0, 0.0
+    payload_bytes = sample.payload_bytes
     for tensor in sample.tensors:
         payload = codec.encode(tensor)
-        if threshold is not None:  # the outlier channels the codec itself separated
-            index = payload.tensors.get("outlier_index")
-            outliers = max(outliers, 0 if index is None else index.numel())
+        if separates:  # every outlier channel, whatever the capacity (a host read: tracking)
+            outliers = max(outliers, int(codec.outlier_count(tensor)))
         exact = tensor.float()
         error = exact - codec.decode(payload).float()
         squared_error += error.square().sum(dtype=torch.float64).item()
         squared_norm += exact.square().sum(dtype=torch.float64).item()
+    if separates:
+        capacity = max(capacity or 0, outliers)
+        # the ruler's bytes, moved from the sampled codec's capacity to the site's
+        payload_bytes += sum(codec.payload_bytes(t.shape, t.dtype, min(capacity, _channels(t)))
+                             - codec.payload_bytes(t.shape, t.dtype) for t in sample.tensors)
     last = sample.tensors[-1]
     return SiteStats(
         codec=codec.name,
-        payload_bytes=sample.payload_bytes,
-        compression_rate=sample.payload_bytes / full_bytes if full_bytes else 1.0,
-        outlier_channels=outliers if threshold is not None else None,
-        channels=last.shape[-1] if last.dim() else 1,
+        payload_bytes=payload_bytes,
+        compression_rate=payload_bytes / full_bytes if full_bytes else 1.0,
+        outlier_channels=outliers if separates else None,
+        channels=_channels(last),
         error=math.sqrt(squared_error / squared_norm) if squared_norm else 0.0,
+        capacity=capacity if separates else None,
     )
+
+
+def _channels(tensor: torch.Tensor) -> int:
+    return tensor.shape[-1] if tensor.dim() else 1
 
 
 @dataclass
@@ -155,6 +179,7 @@ class Outcome:
             "tracking": True,
             "tracking_time_s": self.tracking_time_s,
             "outlier_channels": {name: s.outlier_channels for name, s in self.stats.items()},
+            "outlier_capacity": {name: s.capacity for name, s in self.stats.items()},
             "compression_rate": {name: s.compression_rate for name, s in self.stats.items()},
             "reconstruction_error": {name: s.error for name, s in self.stats.items()},
         }
@@ -214,7 +239,8 @@ class Rectifier:
                 loss_fn: profiler.LossFn | None = None) -> dict[str, SiteStats]:
         samples = profiler.sample_sites(model, batch, self.sites, strict=self.strict,
                                         loss_fn=loss_fn)
-        return {name: site_stats(sample, self.costs.site(name).bytes)
+        return {name: site_stats(sample, self.costs.site(name).bytes,
+                                 _capacity(self.costs, name, sample.codec.name))
                 for name, sample in samples.items()}
 
     def update(self, iteration: int, stats: Mapping[str, SiteStats]) -> Outcome:
@@ -251,6 +277,9 @@ class Rectifier:
                  ) -> tuple[PlanSwap | None, str]:
         if new.plan.plan_id == current.plan.plan_id:
             return None, "the plan is still optimal"
+        if _below_capacity(current, self.costs):
+            # more outlier channels than it keeps exact: a raised capacity keeps them
+            return self._swap(current, new, "capacity", current.added_time_s - new.added_time_s), ""
         # Refreshing moves payloads only, never times: the current plan's added time is
         # still the one it was planned with.
         gain = current.added_time_s - new.added_time_s
@@ -296,10 +325,28 @@ def refreshed_costs(costs: ModelCosts, stats: Mapping[str, SiteStats],
         elif site.name in stats:
             now = stats[site.name]
             site = replace(site, codecs=tuple(
-                replace(codec, payload_bytes=now.payload_bytes) if codec.codec == now.codec
-                else codec for codec in site.codecs))
+                replace(codec, payload_bytes=now.payload_bytes,
+                        capacity=now.capacity if now.capacity is not None else codec.capacity)
+                if codec.codec == now.codec else codec for codec in site.codecs))
         sites.append(site)
     return replace(costs, sites=sites)
+
+
+def _capacity(costs: ModelCosts, site: str, codec: str) -> int | None:
+    """The capacity ``costs`` give ``codec`` at ``site`` (None: none, or no such entry)."""
+    return next((c.capacity for c in costs.site(site).codecs if c.codec == codec), None)
+
+
+def _below_capacity(result: planning.PlanResult, costs: ModelCosts) -> bool:
+    """Whether ``result`` compresses a site with fewer exact outlier channels than ``costs``
+    now give its codec there."""
+    for decisions in result.layer_decisions:
+        for site, decision in decisions.items():
+            codec = decision.codec_for(site)
+            wanted = _capacity(costs, site, codec) if codec is not None else None
+            if wanted is not None and (decision.capacity or 0) < wanted:
+                return True
+    return False
 
 
 def changed_decisions(old: planning.PlanResult, new: planning.PlanResult) -> list[dict]:
@@ -316,7 +363,8 @@ def changed_decisions(old: planning.PlanResult, new: planning.PlanResult) -> lis
 
 def _label(site: str, decision) -> str:
     codec = decision.codec_for(site)
-    return decision.action if codec is None else f"{decision.action}:{codec}"
+    label = decision.action if codec is None else f"{decision.action}:{codec}"
+    return label if decision.capacity is None else f"{label}@{decision.capacity}"
 
 
 def _from_rank0(stats: dict[str, SiteStats]) -> dict[str, SiteStats]:

@@ -27,9 +27,11 @@ def inputs(name: str, dtype: torch.dtype):
         x = torch.randn(shape, generator=gen) * 3
         x[..., 1] *= 300  # an outlier channel
         flat = x.view(-1)
-        flat[[5, -3]] = torch.tensor([math.nan, 1e-39])  # a group stored raw; a subnormal
+        flat[[5, -3]] = torch.tensor([math.nan, 1e-39])  # a NaN group; a subnormal
         if name == "asym_int4":
             x = torch.sigmoid(x)
+        if name != "bitmask":  # a group at the dtype's maximum: its grid reaches past it, decoded saturated
+            x.view(-1)[-70:-60] = torch.finfo(dtype).max * torch.tensor([1.0, -1.0]).repeat(5)
         elif name == "bitmask":
             x = (x > 0) / 0.9
         yield x.to(dtype)
@@ -49,9 +51,9 @@ def test_vector_path_matches_reference(flags, monkeypatch):
 def test_channel_ranges_with_special_values_match_reference(flags, monkeypatch):
     # channel_int4's column ranges over several chunks of rows (bf16 takes them row by row on
     # int16 keys in both vector builds, fp32 and fp16 on floats a chunk at a time): infinities,
-    # NaN and signed zeros in whole blocks, columns of zeros, and columns stored raw among
-    # packed ones; and the same made finite (the pass that packs codes masks the columns
-    # stored raw only in a tensor that has some).
+    # NaN and signed zeros in whole blocks, columns of zeros, and NaN-scale columns among
+    # packed ones; and the same made finite (the pass that packs codes masks the NaN-scale
+    # columns only in a tensor that has some).
     monkeypatch.setenv(native.CFLAGS_ENV_VAR, flags)
     gen = torch.Generator().manual_seed(23)
     x = torch.randn(70, 200, generator=gen)

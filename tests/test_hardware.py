@@ -248,6 +248,7 @@ def test_codec_payloads_equal_real_encodes(precision, family):
         rows = sizes[site.name].encoded_elements(d) // channels
         x = with_outlier_channels((rows, channels), torch.float32, outliers)
         x = x > 0 if dtype == torch.bool else x.to(dtype)
+        assert cost.capacity == (outliers if cost.codec == "outlier_int4" else None)
         capacity = {"capacity": outliers} if cost.codec == "outlier_int4" else {}
         assert cost.payload_bytes == codecs.get(cost.codec, backend="torch", **capacity).encode(x).nbytes, site.name
 

@@ -246,24 +246,31 @@ def test_a_codec_rounds_first_step_is_not_timed(distributed, monkeypatch):
     assert all(codec.decode_s < 0.05 for codec in timed)
 
 
-def test_a_payload_is_charged_at_its_largest_over_the_layers(distributed):
-    """Outlier channels, and with them the outlier codec's payload, differ from layer to
-    layer: the profile charges each site's payload at the largest any layer makes, so no
-    layer of a plan keeps more than the planner counts."""
+def test_an_outlier_sites_capacity_is_its_largest_outlier_count_over_the_layers(distributed):
+    """Outlier channels differ from layer to layer: the profile makes each outlier site's
+    capacity the largest count any layer has (read after the step), and every payload is
+    then fixed by its shape and that capacity, so every layer of a plan keeps exactly what
+    the planner counts."""
     model = build(True, dropout=0.0, layers=3)
     with torch.no_grad():  # outlier channels in the first layer's MLP only; the profile measures the second
         model.decoder.layers[0].mlp.linear_fc1.weight[:3] *= 50
     costs = profile(model, batch(0), repeats=1, strict=True)
+    capacities = {site.name: cost.capacity for site in costs.sites for cost in site.codecs
+                  if cost.codec == "outlier_int4"}
+    assert capacities and all(isinstance(c, int) for c in capacities.values())
+    assert capacities["gelu_in"] >= 3  # the first layer's planted channels, not the second's
+    assert all(cost.capacity is None for site in costs.sites for cost in site.codecs
+               if cost.codec != "outlier_int4")
     for codec in ("outlier_int4", "sym_int4"):
-        charged = {site.name: cost.payload_bytes for site in costs.sites for cost in site.codecs
-                   if cost.codec == codec}
-        apply_plan(model, Plan(layers={(0, 2): {name: Decision(COMPRESS, codec) for name in charged}}),
-                   strict=True)
+        charged = {site.name: cost for site in costs.sites for cost in site.codecs if cost.codec == codec}
+        apply_plan(model, Plan(layers={(0, 2): {name: Decision(COMPRESS, codec, cost.capacity)
+                                                for name, cost in charged.items()}}), strict=True)
         kept = measure_step(model, lambda: loss_of(model, 0), strict=True)[1].by_site
         model.zero_grad(set_to_none=True)
-        for name, bytes_charged in charged.items():
+        for name, cost in charged.items():
             per_layer = [kept[(layer, name)] for layer in range(3)]
-            assert max(per_layer) == bytes_charged, (codec, name, per_layer)
+            assert per_layer == [cost.payload_bytes] * 3, (codec, name, per_layer)
+    apply_plan(model, None)
 
 
 def test_a_timed_step_that_grew_the_heap_is_run_again(distributed, monkeypatch):

@@ -1,6 +1,8 @@
 """The rectifier: tracking schedule, swap decisions on synthetic costs and statistics, the
 accuracy guard with the real codec, and tracking through the real trainer without touching
 the loss."""
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -61,8 +63,8 @@ def stats(payload=PAYLOAD, outliers=2, error=0.09) -> dict[str, SiteStats]:
     return {"gelu_in": SiteStats("outlier_int4", payload, payload / FULL, outliers, 1024, error)}
 
 
-def tight_rectifier(slack_per_layer: int) -> Rectifier:
-    costs = synthetic_costs()
+def tight_rectifier(slack_per_layer: int, costs: ModelCosts | None = None) -> Rectifier:
+    costs = synthetic_costs() if costs is None else costs
     for budget in range(LAYERS * FULL, 0, -LAYERS * 100):   # tighten until gelu_in compresses
         first = planning.plan(costs, budget)
         if any(d["gelu_in"].action == COMPRESS for d in first.layer_decisions):
@@ -156,6 +158,39 @@ def test_the_guard_threshold_separates_bell_shaped_tensors_from_spiky_ones():
     assert good_stats.error < DEFAULT_GUARD_THRESHOLD < spiky_stats.error
     rect = tight_rectifier(slack_per_layer=50)
     assert rect.update(1, {"gelu_in": spiky_stats}).guarded == ["gelu_in"]
+
+
+def test_tracking_counts_every_outlier_and_raises_the_capacity_to_hold_them():
+    # More outlier channels than the capacity holds: the capacity rises to the count (never
+    # falls), and the payload is the one at the new capacity, byte for byte.
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(64, 128, generator=gen)
+    x[:, [3, 20, 50, 70, 100]] *= 100
+    codec = codecs.get("outlier_int4", backend="torch")      # its default capacity: 2 of 128
+    sample = profiler.SiteSample(codec, [x], codec.encode(x).nbytes)
+    full = x.numel() * x.element_size()
+    for capacity, expected in ((2, 5), (5, 5), (8, 8), (None, 5)):
+        now = site_stats(sample, full, capacity)
+        assert (now.outlier_channels, now.capacity) == (5, expected)
+        assert now.payload_bytes == codecs.get("outlier_int4", capacity=expected).encode(x).nbytes
+    assert site_stats(profiler.SiteSample(codecs.get("sym_int4"), [x], 1), full).capacity is None
+
+
+def test_a_plan_below_the_needed_capacity_is_swapped_for_one_that_holds_it():
+    costs = synthetic_costs()
+    costs = replace(costs, sites=[replace(site, codecs=tuple(replace(c, capacity=2) for c in site.codecs))
+                                  for site in costs.sites])
+    rect = tight_rectifier(slack_per_layer=50, costs=costs)
+    compressed = [d["gelu_in"] for d in rect.result.layer_decisions if d["gelu_in"].action == COMPRESS]
+    assert compressed and all(d.capacity == 2 for d in compressed)   # the costs' capacity, in the plan
+    more = {"gelu_in": SiteStats("outlier_int4", PAYLOAD + 40, (PAYLOAD + 40) / FULL, 5, 1024, 0.09, capacity=5)}
+    outcome = rect.update(1, more)
+    assert outcome.swap is not None and outcome.swap.reason == "capacity"
+    assert all(d["gelu_in"].capacity == 5 for d in rect.result.layer_decisions
+               if d["gelu_in"].action == COMPRESS)
+    assert any("@2" in c["from"] and "@5" in c["to"] for c in outcome.swap.changed)
+    assert outcome.to_record()["outlier_capacity"] == {"gelu_in": 5}
+    assert rect.update(2, more).swap is None     # held now
 
 
 # --- through the trainer -------------------------------------------------------------------

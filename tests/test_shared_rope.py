@@ -61,6 +61,15 @@ class _RopeSaves:
         return sum(ref() is not None for _, ref in self.storages.values())
 
 
+@pytest.fixture(autouse=True)
+def checked_bits(monkeypatch):
+    """Every shared RoPE value's bits compared with each save it stands for (a host read, so
+    off outside tests: shared.SharedValues.check_bits)."""
+    from megatron_adacc.runtime.shared import SHARED
+
+    monkeypatch.setattr(SHARED, "check_bits", True)
+
+
 # --- counted once ------------------------------------------------------------------------------
 @DTYPES
 @BACKENDS
@@ -176,10 +185,11 @@ def test_the_planner_counts_rope_once_and_predicts_what_the_ruler_measures(distr
 
 
 # --- the table ---------------------------------------------------------------------------------
-def test_a_value_is_shared_by_what_made_it_and_its_bits_are_checked_on_the_cpu():
+def test_a_value_is_shared_by_what_made_it_and_its_bits_are_checked_when_asked():
     from megatron_adacc.runtime.shared import SharedValues
 
-    table = SharedValues()
+    assert not SharedValues().check_bits  # a host read: off unless asked for
+    table = SharedValues(check_bits=True)
     freqs = torch.linspace(-2.0, 2.0, 8).view(8, 1, 1, 1)
     cos = torch.cos(freqs)
     assert table.canonical(("cos",), freqs, cos) is cos

@@ -40,8 +40,8 @@ from megatron_adacc.common import sites as site_table
 
 # 2: rebuild_s from the segment start and segments replace per-op recompute_s and sources.
 # 3: allocator_overhead_bytes. 4: operator-level rebuilds (operators, SiteCost.operator).
-# 5: hooked_layer_s. 6: optimizer_step_bytes.
-FORMAT_VERSION = 6
+# 5: hooked_layer_s. 6: optimizer_step_bytes. 7: CodecCost.capacity.
+FORMAT_VERSION = 7
 
 
 class CostsError(ValueError):
@@ -56,6 +56,9 @@ class CodecCost:
     payload_bytes: int      # what stays in memory between forward and backward
     encode_s: float         # compress once in forward
     decode_s: float         # decompress once in backward
+    # The exact channels an outlier-separating codec keeps (OutlierInt4's capacity): the
+    # payload is sized at it, and the runtime's codec is built with it. None for the others.
+    capacity: int | None = None
 
 
 @dataclass(frozen=True)
@@ -255,6 +258,8 @@ class ModelCosts:
             for codec in site.codecs:
                 if codec.payload_bytes < 0 or codec.encode_s < 0 or codec.decode_s < 0:
                     raise CostsError(f"site {site.name}, codec {codec.codec}: negative cost")
+                if codec.capacity is not None and codec.capacity < 0:
+                    raise CostsError(f"site {site.name}, codec {codec.codec}: negative capacity")
 
     # --- serialisation -------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:

@@ -8,7 +8,11 @@ Plain data. It round-trips through YAML in the form users write by hand:
 
 Layers are numbered from 0 across the whole model (megatron's 1-based ``layer_number`` - 1).
 A site the plan does not name is retained. ``compress`` without a codec means the site's
-default codec (sites.SITES).
+default codec (sites.SITES). An outlier-separating codec (outlier_int4) may take a
+``capacity``: how many outlier channels its payload keeps exact (the planner writes the
+profile's count there, so the runtime keeps the bytes it planned):
+
+    sites: {ln1_out: {action: compress, codec: outlier_int4, capacity: 12}}
 """
 from __future__ import annotations
 
@@ -38,6 +42,7 @@ def _codec_names() -> tuple[str, ...]:
 class Decision:
     action: str
     codec: str | None = None
+    capacity: int | None = None  # outlier channels kept exact (outlier-separating codecs)
 
     def codec_for(self, site: str) -> str | None:
         """The codec actually used at ``site`` (None unless compressing)."""
@@ -46,30 +51,43 @@ class Decision:
         return self.codec or site_table.get(site).default_codec
 
     def to_yaml_value(self) -> Any:
-        return self.action if self.codec is None else {"action": self.action, "codec": self.codec}
+        if self.codec is None and self.capacity is None:
+            return self.action
+        value = {"action": self.action}
+        if self.codec is not None:
+            value["codec"] = self.codec
+        if self.capacity is not None:
+            value["capacity"] = self.capacity
+        return value
+
+    def codec_options(self) -> dict[str, Any]:
+        """The keywords the codec is built with (codecs.get) besides its name."""
+        return {} if self.capacity is None else {"capacity": self.capacity}
 
 
 RETAIN_DECISION = Decision(RETAIN)
 
 
 def _parse_decision(where: str, site: str, value: Any) -> Decision:
+    capacity = None
     if isinstance(value, str):
         action, codec = value, None
     elif isinstance(value, Mapping):
-        unknown = set(value) - {"action", "codec"}
+        unknown = set(value) - {"action", "codec", "capacity"}
         if unknown:
             raise PlanError(
-                f"{where}.{site}: unknown key(s) {sorted(unknown)}; valid keys: action, codec"
+                f"{where}.{site}: unknown key(s) {sorted(unknown)}; valid keys: action, codec, "
+                "capacity"
             )
         if "action" not in value:
             raise PlanError(f"{where}.{site}: missing 'action' (one of {', '.join(ACTIONS)})")
-        action, codec = value["action"], value.get("codec")
+        action, codec, capacity = value["action"], value.get("codec"), value.get("capacity")
     else:
         raise PlanError(
             f"{where}.{site}: expected an action ({', '.join(ACTIONS)}) or "
             f"{{action: ..., codec: ...}}, got {value!r}"
         )
-    return check_decision(where, site, Decision(action, codec))
+    return check_decision(where, site, Decision(action, codec, capacity))
 
 
 def check_decision(where: str, site: str, decision: Decision) -> Decision:
@@ -101,6 +119,14 @@ def check_decision(where: str, site: str, decision: Decision) -> Decision:
         raise PlanError(f"{where}.{site}: codec {codec!r} cannot hold {site} "
                         f"({site_table.get(site).description}); codecs for it: "
                         f"{', '.join(fitting)}")
+    if decision.capacity is not None:
+        if isinstance(decision.capacity, bool) or not isinstance(decision.capacity, int) \
+                or decision.capacity < 0:
+            raise PlanError(f"{where}.{site}: capacity must be a whole number >= 0, got "
+                            f"{decision.capacity!r}")
+        if action != COMPRESS or decision.codec_for(site) != site_table.OUTLIER_CODEC:
+            raise PlanError(f"{where}.{site}: a capacity only applies to compress with "
+                            f"{site_table.OUTLIER_CODEC}")
     if action == RECOMPUTE and not site_table.get(site).recomputable:
         raise PlanError(
             f"{where}.{site}: {site} cannot be recomputed ({site_table.get(site).description}); "

@@ -135,7 +135,8 @@ def site_options(site: SiteCost) -> list[SiteOption]:
     if site.can_compress:
         default_codec = site_table.get(site.name).default_codec
         for codec in site.codecs:
-            decision = Decision(COMPRESS, None if codec.codec == default_codec else codec.codec)
+            decision = Decision(COMPRESS, None if codec.codec == default_codec else codec.codec,
+                                codec.capacity)
             options.append(SiteOption(decision, codec.encode_s + codec.decode_s,
                                       codec.payload_bytes, 0,  # decoded: decoded_bytes
                                       _lossy(site.name, decision)))

@@ -578,16 +578,22 @@ def shared_activation_bytes(shape: ModelShape, micro_batch_size: int) -> int:
 
 
 # --- codecs ----------------------------------------------------------------------------------
+def outlier_capacity(codec: str, channels: int) -> int | None:
+    """The exact channels the analytic model gives an outlier-separating codec
+    (``OUTLIER_CHANNEL_FRACTION`` of the channels); None for the other codecs."""
+    return int(round(channels * OUTLIER_CHANNEL_FRACTION)) if codecs.get(codec).separates_outliers else None
+
+
 def codec_payload_bytes(codec: str, elements: int, dtype: str, channels: int) -> int:
-    """Bytes a codec keeps for a finite tensor of `elements` elements of `dtype` (a torch
-    dtype name) in rows of `channels`, as the codec itself counts them; the outlier codec
-    keeps ``OUTLIER_CHANNEL_FRACTION`` of the channels exact."""
-    selected = codecs.get(codec)
-    outliers = int(round(channels * OUTLIER_CHANNEL_FRACTION)) if selected.separates_outliers else 0
-    return selected.payload_bytes((elements // channels, channels), getattr(torch, dtype), outliers)
+    """Bytes a codec keeps for a tensor of `elements` elements of `dtype` (a torch dtype
+    name) in rows of `channels`, as the codec itself counts them; the outlier codec at its
+    capacity ``outlier_capacity``."""
+    return codecs.get(codec).payload_bytes((elements // channels, channels), getattr(torch, dtype),
+                                           outlier_capacity(codec, channels) or 0)
 
 
-def _codec_cost(codec: str, full: int, payload: int, bandwidth: float) -> CodecCost:
+def _codec_cost(codec: str, full: int, payload: int, bandwidth: float,
+                capacity: int | None = None) -> CodecCost:
     rate = bandwidth * CODEC_EFFICIENCY
     # Encode reads the tensor and writes the payload; a codec that separates outliers first
     # reads it once more for the per-channel sums. Decode reads the payload and writes the
@@ -595,7 +601,7 @@ def _codec_cost(codec: str, full: int, payload: int, bandwidth: float) -> CodecC
     extra_pass = full if codecs.get(codec).separates_outliers else 0
     return CodecCost(codec=codec, payload_bytes=payload,
                      encode_s=(full + payload + extra_pass) / rate,
-                     decode_s=(payload + full) / rate)
+                     decode_s=(payload + full) / rate, capacity=capacity)
 
 
 # --- the costs --------------------------------------------------------------------------------
@@ -743,7 +749,8 @@ def _site_costs(shape: ModelShape, micro_batch_size: int, device: Accelerator
             payload = codec_payload_bytes(known.default_codec, encoded, dtype,
                                           formula.channels(d))
             codecs = (_codec_cost(known.default_codec, encoded * formula.element_bytes(d),
-                                  payload, device.memory_bandwidth),)
+                                  payload, device.memory_bandwidth,
+                                  outlier_capacity(known.default_codec, formula.channels(d))),)
         edge = site_table.REBUILT_BY.get(name)
         operator = edge.call if edge is not None and edge.call in operator_names else None
         sites.append(SiteCost(

@@ -220,6 +220,23 @@ class _CodecProbe:
         return decoded
 
 
+class _OutlierCounter:
+    """Sits in the runtime where an outlier-separating codec goes: encodes and decodes with
+    it, and keeps how many channels of each tensor it was given are outliers (a device
+    count, read once the step is done: never inside it)."""
+
+    def __init__(self, codec, counts: list[torch.Tensor]):
+        self.codec = codec
+        self.counts = counts
+
+    def encode(self, tensor):
+        self.counts.append(self.codec.outlier_count(tensor))
+        return self.codec.encode(tensor)
+
+    def decode(self, payload):
+        return self.codec.decode(payload)
+
+
 class _MeasuredLayerDone(Exception):
     """Ends a forward-only profiling step after the measured layer."""
 
@@ -301,27 +318,57 @@ class _Profiling:
         return (self.layer_sites(self.step(decisions, install=install, backward=backward)),
                 probes)
 
+    def outlier_capacities(self, decisions: dict[str, Decision]) -> tuple[dict[str, int], dict[str, int]]:
+        """One step with ``decisions`` on every layer: (the largest outlier count over the
+        layers of each site whose codec separates outliers, the largest payload of each
+        site). The counts are read after the step, the same on every tensor- and
+        context-parallel peer (their largest)."""
+        counts: dict[str, list[torch.Tensor]] = {}
+
+        def count():
+            for layer in self.layers:
+                for name, (action, codec) in list(layer.actions.items()):
+                    if action == COMPRESS and getattr(codec, "separates_outliers", False):
+                        layer.actions[name] = (COMPRESS, _OutlierCounter(codec, counts.setdefault(name, [])))
+
+        largest: dict[str, int] = {}
+        for (_, name), size in self.step(decisions, every_layer=True, install=count).report().by_site.items():
+            if name in decisions:
+                largest[name] = max(largest.get(name, 0), size)
+        return {name: self._largest_on_peers(max(int(n) for n in found))
+                for name, found in counts.items() if found}, largest
+
+    def _largest_on_peers(self, value: int) -> int:
+        if (not dist.is_initialized() or not parallel_state.model_parallel_is_initialized()):
+            return value
+        group = parallel_state.get_tensor_and_context_parallel_group()
+        if dist.get_world_size(group) == 1:
+            return value
+        box = torch.tensor([value], device=self.device if self.device.type == "cuda" else "cpu")
+        dist.all_reduce(box, op=dist.ReduceOp.MAX, group=group)
+        return int(box.item())
+
     def codec_costs(self, names: Iterable[str]) -> dict[str, list[CodecCost]]:
         """Every candidate codec of each named site, timed in the step on its real tensors
         (the median over ``repeats`` steps of a candidate round, after two untimed), each
-        payload at its largest over the layers."""
+        payload at its largest over the layers; an outlier-separating codec's at the
+        capacity of the largest outlier count over the layers (CodecCost.capacity)."""
         candidates = {name: site_table.get(name).candidate_codecs for name in names}
         found: dict[str, list[CodecCost]] = {name: [] for name in candidates}
         for round_ in range(max((len(c) for c in candidates.values()), default=0)):
             chosen = {name: c[round_] for name, c in candidates.items() if round_ < len(c)}
-            decisions = {name: Decision(COMPRESS, codec) for name, codec in chosen.items()}
-            # Two untimed steps first. One compresses the sites of every layer, and a site's
-            # payload is charged at its largest over them: outlier channels differ from layer
-            # to layer (in a 3-layer GPT of 64 channels, 0 to 3 of them, and a plan at the
-            # profiled layer's count overran its budget). The other, as the timed steps, grows
+            # Two untimed steps first. One compresses the sites of every layer and counts
+            # their outlier channels: an outlier site's capacity is the largest count over
+            # the layers, which differ (in a 3-layer GPT of 64 channels, 0 to 3 of them, and a
+            # plan at the profiled layer's count overran its budget); every payload is then
+            # fixed by its shape and that capacity. The other, as the timed steps, grows
             # the host heap to their payloads and decoded values beside the rest, and on a
             # CPU each new page faults on first touch (in a fresh process the decode of
             # Llama's 32 MiB swiglu_in took 6.1-6.3 ms in each round's first step against
             # 1.1-1.7 in the next two, and a median of three took 12 ms once).
-            largest: dict[str, int] = {}
-            for (_, name), size in self.step(decisions, every_layer=True).report().by_site.items():
-                if name in decisions:
-                    largest[name] = max(largest.get(name, 0), size)
+            capacities, largest = self.outlier_capacities(
+                {name: Decision(COMPRESS, codec) for name, codec in chosen.items()})
+            decisions = {name: Decision(COMPRESS, codec, capacities.get(name)) for name, codec in chosen.items()}
             self.probed_step(decisions)
 
             def timed_step():
@@ -337,10 +384,12 @@ class _Profiling:
                 times = [step_times.get(name) for _, step_times in steps]
                 if None in times:
                     continue
+                payload = int(steps[0][0][name])  # at the capacity: the same in every layer
                 found[name].append(CodecCost(
-                    codec=codec, payload_bytes=max(int(steps[0][0][name]), largest.get(name, 0)),
+                    codec=codec, payload_bytes=payload if name in capacities else max(payload, largest.get(name, 0)),
                     encode_s=statistics.median(encode_s for encode_s, _ in times),
-                    decode_s=statistics.median(decode_s for _, decode_s in times)))
+                    decode_s=statistics.median(decode_s for _, decode_s in times),
+                    capacity=capacities.get(name)))
         return found
 
     def rebuild_seconds(self, names: Sequence[str]) -> float:

@@ -90,7 +90,8 @@ class AdaccTransformerLayer(TransformerLayer):
                 from megatron_adacc import codecs
 
                 actions[site] = (COMPRESS, codecs.get(decision.codec_for(site),
-                                                      backend=self.codec_backend))
+                                                      backend=self.codec_backend,
+                                                      **decision.codec_options()))
             elif decision.action == RECOMPUTE:
                 actions[site] = (RECOMPUTE, None)
         self.actions = actions

@@ -8,14 +8,13 @@ it is built for the machine it runs on (-march=native). ADACC_NATIVE_CFLAGS adds
 flags after those (e.g. "-mno-avx512f" builds the AVX2 kernels on an AVX-512 machine), and is
 part of the key; vector_isa() names the vector path a build took.
 
-Covers row- and channel-grouped int4 (even row width), the outlier codec's channel choice,
-channel zeroing and exact channels, and masks of bool, uint8 and float dtypes; other cases run
-the reference.
+Covers row- and channel-grouped int4 (even row width), the outlier codec's channel choice up
+to its capacity, channel zeroing and exact channels, and masks of bool, uint8 and float
+dtypes; other cases run the reference. No kernel's output size depends on the data.
 """
 from __future__ import annotations
 
 import ctypes
-import dataclasses
 import functools
 import hashlib
 import os
@@ -27,7 +26,7 @@ from pathlib import Path
 import torch
 
 from megatron_adacc.codecs import asymmetric, bitmask, int4, outlier, symmetric
-from megatron_adacc.codecs.kernels import REFERENCE, Kernels  # noqa: F401
+from megatron_adacc.codecs.kernels import Kernels
 from megatron_adacc.codecs.native import host
 
 _SOURCE = Path(__file__).with_name("codecs.c")
@@ -36,24 +35,21 @@ CFLAGS_ENV_VAR = "ADACC_NATIVE_CFLAGS"
 _DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _i64, _f32, _i32, _p = ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_void_p
 _SIGNATURES = {
-    "sym_encode_rows": [_p, _i32, _i64, _i64, _f32, _i64, _i64, _p, _i64, _p, _p, _p, _p],
+    "sym_encode_rows": [_p, _i32, _i64, _i64, _i64, _i64, _p, _i64, _p, _p, _p],
     "sym_decode_rows": [_p, _p, _i64, _i64, _i32, _p, _i64, _i64, _i64, _p, _p],
-    "sym_encode_cols": [_p, _i32, _i64, _i64, _f32, _p, _p, _p, _p, _p],
+    "sym_encode_cols": [_p, _i32, _i64, _i64, _p, _p, _p, _p],
     "sym_decode_cols": [_p, _p, _i64, _i64, _i32, _p, _p],
-    "outlier_channels": [_p, _i32, _i64, _i64, _i64, _i64, ctypes.c_double, _p, _p, _p],
-    "count_unusable": [_p, _i64],
-    "asym_encode_rows": [_p, _i32, _i64, _i64, _f32, _p, _p, _p, _p],
+    "outlier_channels": [_p, _i32, _i64, _i64, _i64, _i64, ctypes.c_double, _i64, _p, _p, _p, _p],
+    "asym_encode_rows": [_p, _i32, _i64, _i64, _p, _p, _p],
     "asym_decode_rows": [_p, _p, _p, _i64, _i64, _i32, _p],
     "mask_encode": [_p, _i32, _i32, _i64, _p, _p],
     "mask_unpack": [_p, _i64, _p],
-    "mask_unpack_values": [_p, _i64, _i32, _f32, _p],
+    "mask_unpack_values": [_p, _i64, _i32, _p, _p],
     "take_columns": [_p, _i32, _i64, _i64, _p, _i64, _p],
-    "put_columns": [_p, _i32, _i64, _i64, _p, _i64, _p],
     "vector_isa": [],
 }
-_RETURNS = {**{name: ctypes.c_int for name in ("mask_encode", "sym_encode_rows", "sym_decode_rows", "take_columns",
-                                               "put_columns")},
-            "outlier_channels": _i64, "count_unusable": _i64, "vector_isa": ctypes.c_char_p}
+_RETURNS = {**{name: ctypes.c_int for name in ("mask_encode", "sym_encode_rows", "sym_decode_rows", "take_columns")},
+            "outlier_channels": _i64, "vector_isa": ctypes.c_char_p}
 
 
 def library() -> ctypes.CDLL:
@@ -112,45 +108,41 @@ def _native(x2d: torch.Tensor) -> bool:
     return x2d.device.type == "cpu" and x2d.shape[1] % 2 == 0 and x2d.is_contiguous()
 
 
-def _sym_encode(x2d, reduce_dim, dmax, zeroed=None):
+def _slots(index: torch.Tensor) -> bool:
+    """Slot indices (outlier.select_channels' layout) the C kernels take: int32 on the CPU,
+    contiguous; they check the values themselves."""
+    return index.dtype == torch.int32 and index.device.type == "cpu" and index.dim() == 1 and index.is_contiguous()
+
+
+def _sym_encode(x2d, reduce_dim, zeroed=None):
     if reduce_dim == 0 and zeroed is None and _native(x2d):
         rows, cols = x2d.shape
         packed = torch.empty(rows * cols // 2, dtype=torch.uint8)
         scales = torch.empty(cols, dtype=torch.bfloat16)
-        ok = torch.empty(cols, dtype=torch.bool)
         scratch, col_ok = torch.empty(4 * cols, dtype=torch.float32), torch.empty(cols, dtype=torch.int32)
-        library().sym_encode_cols(x2d.data_ptr(), _DTYPE_CODE[x2d.dtype], rows, cols, dmax, scratch.data_ptr(),
-                                  col_ok.data_ptr(), packed.data_ptr(), scales.data_ptr(), ok.data_ptr())
-        return packed, scales, ok
+        library().sym_encode_cols(x2d.data_ptr(), _DTYPE_CODE[x2d.dtype], rows, cols, scratch.data_ptr(),
+                                  col_ok.data_ptr(), packed.data_ptr(), scales.data_ptr())
+        return packed, scales
     layout = int4.row_layout(x2d, zeroed) if reduce_dim == 1 and x2d.device.type == "cpu" else None
-    if layout is None:
+    if layout is None or zeroed is not None and not _slots(zeroed[2]):
         # the groups as the reference takes them ([rows, groups a row, width] read in place:
         # [groups, width]); it raises on a wrong mask
-        return symmetric.sym_encode(x2d.reshape(-1, x2d.shape[-1]), reduce_dim, dmax, zeroed)
+        return symmetric.sym_encode(x2d.reshape(-1, x2d.shape[-1]), reduce_dim, zeroed)
     rows, cols, channels, stride = layout
     packed = torch.empty(rows * cols // 2, dtype=torch.uint8)
     scales = torch.empty(rows, dtype=torch.bfloat16)
-    ok = torch.empty(rows, dtype=torch.bool)
     if zeroed is None:
-        library().sym_encode_rows(x2d.data_ptr(), _DTYPE_CODE[x2d.dtype], rows, cols, dmax, channels, stride,
-                                  None, 0, None, packed.data_ptr(), scales.data_ptr(), ok.data_ptr())
-        return packed, scales, ok
-    index = zeroed[1].nonzero().view(-1)  # a CPU tensor: no device to wait for; returned for the payload
+        library().sym_encode_rows(x2d.data_ptr(), _DTYPE_CODE[x2d.dtype], rows, cols, channels, stride,
+                                  None, 0, None, packed.data_ptr(), scales.data_ptr())
+        return packed, scales
+    index = zeroed[2]  # the slots: the C kernel zeroes their channels and copies them in its pass
     exact = torch.empty(rows * cols // channels, index.numel(), dtype=x2d.dtype)  # whole rows: see the codec
-    if not library().sym_encode_rows(x2d.data_ptr(), _DTYPE_CODE[x2d.dtype], rows, cols, dmax, channels, stride,
+    if not library().sym_encode_rows(x2d.data_ptr(), _DTYPE_CODE[x2d.dtype], rows, cols, channels, stride,
                                      index.data_ptr(), index.numel(), exact.data_ptr(), packed.data_ptr(),
-                                     scales.data_ptr(), ok.data_ptr()):
-        # out of memory in C
-        return symmetric.sym_encode(x2d.reshape(-1, x2d.shape[-1]), reduce_dim, dmax, zeroed)
-    return packed, scales, ok, (index, exact)
-
-
-def _count_unusable(ok):
-    """An int: the reference's two tensor operations took 40-90 us over the 262144 flags of a
-    4096 x 4096 tensor, about 1% of an outlier_int4 round trip."""
-    if ok.device.type != "cpu" or ok.dtype != torch.bool or not ok.is_contiguous():
-        return int4.count_unusable(ok)
-    return library().count_unusable(ok.data_ptr(), ok.numel())
+                                     scales.data_ptr()):
+        # slots out of their layout (the reference raises or follows them) or out of memory in C
+        return symmetric.sym_encode(x2d.reshape(-1, x2d.shape[-1]), reduce_dim, zeroed)
+    return packed, scales, exact
 
 
 def _sym_decode(packed, scales, shape2d, reduce_dim, dtype, exact=None):
@@ -171,47 +163,46 @@ def _sym_decode(packed, scales, shape2d, reduce_dim, dtype, exact=None):
     if not library().sym_decode_rows(packed.data_ptr(), scales.data_ptr(), shape2d[0], shape2d[1], _DTYPE_CODE[dtype],
                                      index.data_ptr(), index.numel(), channels, values.shape[0], values.data_ptr(),
                                      out.data_ptr()):
-        # indices out of range (the reference raises) or not increasing (it copies them all the same)
+        # slots out of their layout: the reference raises on those out of range, follows the rest
         return symmetric.sym_decode(packed, scales, shape2d, reduce_dim, dtype, exact)
     return out
 
 
 def _native_exact(exact, dtype, shape2d) -> bool:
-    """Exact channels the C decode writes: int64 CPU indices, contiguous [rows, n] values of
-    the output dtype, rows of `channels` within the output. It checks the indices itself; the
+    """Exact channels the C decode writes: int32 CPU slots, contiguous [rows, slots] values of
+    the output dtype, rows of `channels` within the output. It checks the slots itself; the
     reference raises on the rest."""
     channels, index, values = exact
-    return (index.dtype == torch.int64 and index.device.type == "cpu" and index.dim() == 1 and index.is_contiguous()
-            and values.dtype == dtype and values.is_contiguous() and values.dim() == 2
+    return (_slots(index) and values.dtype == dtype and values.is_contiguous() and values.dim() == 2
             and values.shape[1] == index.numel() and 0 < values.shape[0] * channels <= shape2d[0] * shape2d[1])
 
 
-def _outlier_channels(x2d, threshold):
+def _outlier_select(x2d, threshold, capacity):
     rows, cols = x2d.shape
     if (x2d.device.type != "cpu" or x2d.dtype not in _DTYPE_CODE
             or not (x2d.is_contiguous() or x2d.stride(1) == 1 and x2d.stride(0) >= cols)):
-        return outlier.outlier_channels(x2d, threshold)
+        return outlier.outlier_select(x2d, threshold, capacity)
     stride = cols if x2d.is_contiguous() else x2d.stride(0)
     sums = torch.empty(2 * cols, dtype=torch.float64)  # the sums, then scratch
     mask = torch.empty(cols, dtype=torch.bool)
+    index = torch.empty(capacity, dtype=torch.int32)
     if library().outlier_channels(x2d.data_ptr(), _DTYPE_CODE[x2d.dtype], rows, cols, stride,
-                                  outlier.statistics_step(rows), threshold, sums.data_ptr() + 8 * cols,
-                                  sums.data_ptr(), mask.data_ptr()) < 0:
-        return outlier.outlier_channels(x2d, threshold)  # too close to call in another summation order
-    return mask
+                                  outlier.statistics_step(rows), threshold, capacity, sums.data_ptr() + 8 * cols,
+                                  sums.data_ptr(), mask.data_ptr(), index.data_ptr()) < 0:
+        return outlier.outlier_select(x2d, threshold, capacity)  # too close to call in another summation order
+    return mask, index
 
 
-def _asym_encode(x2d, dmax):
+def _asym_encode(x2d):
     if not _native(x2d):
-        return asymmetric.asym_encode(x2d, dmax)
+        return asymmetric.asym_encode(x2d)
     rows, cols = x2d.shape
     packed = torch.empty(rows * cols // 2, dtype=torch.uint8)
     scales = torch.empty(rows, dtype=torch.bfloat16)
     offsets = torch.empty(rows, dtype=x2d.dtype)
-    ok = torch.empty(rows, dtype=torch.bool)
-    library().asym_encode_rows(x2d.data_ptr(), _DTYPE_CODE[x2d.dtype], rows, cols, dmax,
-                               packed.data_ptr(), scales.data_ptr(), offsets.data_ptr(), ok.data_ptr())
-    return packed, scales, offsets, ok
+    library().asym_encode_rows(x2d.data_ptr(), _DTYPE_CODE[x2d.dtype], rows, cols,
+                               packed.data_ptr(), scales.data_ptr(), offsets.data_ptr())
+    return packed, scales, offsets
 
 
 def _asym_decode(packed, scales, offsets, shape2d, dtype):
@@ -229,59 +220,45 @@ def _mask_encode(flat):
     flat = flat.contiguous()
     packed = torch.empty((flat.numel() + 7) // 8, dtype=torch.uint8)
     checked, value = flat.dtype in _DTYPE_CODE, ctypes.c_float()  # float masks: the value checked in the same pass
-    if not library().mask_encode(flat.data_ptr(), _DTYPE_CODE.get(flat.dtype, 0), flat.element_size(), flat.numel(),
-                                 packed.data_ptr(), ctypes.byref(value) if checked else None):
-        raise bitmask.not_a_mask(flat.dtype)
-    if checked:
-        return packed, torch.tensor([value.value], dtype=flat.dtype)
+    is_mask = library().mask_encode(flat.data_ptr(), _DTYPE_CODE.get(flat.dtype, 0), flat.element_size(),
+                                    flat.numel(), packed.data_ptr(), ctypes.byref(value) if checked else None)
+    if checked:  # a CPU function's result: no device to wait for
+        stored = torch.tensor([value.value], dtype=flat.dtype)
+        return packed, stored if is_mask else int4.with_nan(stored, torch.ones(1, dtype=torch.bool))
     return packed, None if flat.dtype == torch.bool else bitmask.mask_value(flat)
 
 
 def _mask_unpack(packed, numel, value=None):
-    if packed.device.type != "cpu" or (value is not None and value.dtype not in _DTYPE_CODE):
+    if packed.device.type != "cpu" or (value is not None and not (
+            value.dtype in _DTYPE_CODE and value.device.type == "cpu" and value.is_contiguous())):
         return bitmask.mask_unpack(packed, numel, value)
     if value is None:
         flags = torch.empty(numel, dtype=torch.bool)
         library().mask_unpack(packed.data_ptr(), numel, flags.data_ptr())
         return flags
     out = torch.empty(numel, dtype=value.dtype)
-    library().mask_unpack_values(packed.data_ptr(), numel, _DTYPE_CODE[value.dtype], value.item(),
+    library().mask_unpack_values(packed.data_ptr(), numel, _DTYPE_CODE[value.dtype], value.data_ptr(),
                                  out.data_ptr())
     return out
 
 
-def _native_columns(x2d: torch.Tensor, index: torch.Tensor, values: torch.Tensor | None = None) -> bool:
-    """What the C copies cover; they check the indices' range themselves. The rest (values of
-    another shape or dtype, say) goes to the reference, which raises on what is wrong."""
-    return (x2d.device.type == "cpu" and x2d.is_contiguous() and x2d.element_size() in (2, 4)
-            and index.dtype == torch.int64 and index.device.type == "cpu" and index.dim() == 1
-            and (values is None or (values.is_contiguous() and values.dtype == x2d.dtype
-                                    and tuple(values.shape) == (x2d.shape[0], index.numel()))))
-
-
 def _take_columns(x2d, index):
-    if _native_columns(x2d, index):
-        index = index.contiguous()
+    if (x2d.device.type == "cpu" and x2d.is_contiguous() and x2d.element_size() in (2, 4) and _slots(index)):
         values = torch.empty(x2d.shape[0], index.numel(), dtype=x2d.dtype)
         if library().take_columns(x2d.data_ptr(), x2d.element_size(), x2d.shape[0], x2d.shape[1],
                                   index.data_ptr(), index.numel(), values.data_ptr()):
             return values
-    return outlier.take_columns(x2d, index)
+    return outlier.take_columns(x2d, index)  # it raises on slots out of range
 
 
-def _put_columns(x2d, index, values):
-    if _native_columns(x2d, index, values):
-        index = index.contiguous()
-        if library().put_columns(x2d.data_ptr(), x2d.element_size(), x2d.shape[0], x2d.shape[1],
-                                 index.data_ptr(), index.numel(), values.data_ptr()):
-            return
-    outlier.put_columns(x2d, index, values)
-
-
-# Interim: the int4 kernels run the reference until codecs.c follows the sync-free payload
-# format (NaN scales, saturating decode, outlier capacity); the bool masks' packing stays.
-def _mask_unpack_interim(packed, numel, value=None):
-    return _mask_unpack(packed, numel, value) if value is None else bitmask.mask_unpack(packed, numel, value)
-
-
-NATIVE_KERNELS = dataclasses.replace(REFERENCE, mask_unpack=_mask_unpack_interim)
+NATIVE_KERNELS = Kernels(
+    sym_encode=_sym_encode,
+    sym_decode=_sym_decode,
+    asym_encode=_asym_encode,
+    asym_decode=_asym_decode,
+    mask_encode=_mask_encode,
+    mask_unpack=_mask_unpack,
+    outlier_select=_outlier_select,
+    take_columns=_take_columns,
+    strided_rows=True,
+)

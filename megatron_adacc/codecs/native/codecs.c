@@ -11,6 +11,7 @@
 #include <string.h>
 
 #define MIN_SCALE 1.1754943508222875e-38f /* 2^-126, as int4.MIN_SCALE */
+#define NAN_SCALE_BITS 0x7FC0u /* int4.NAN_BITS[bfloat16]: a non-finite group's scale */
 
 static inline float bits_to_float(uint32_t b) { float f; memcpy(&f, &b, 4); return f; }
 static inline uint32_t float_to_bits(float f) { uint32_t b; memcpy(&b, &f, 4); return b; }
@@ -23,7 +24,7 @@ static inline float load(const void *p, int64_t i, int dtype) {
 
 static inline void store(void *p, int64_t i, float v, int dtype) {
     if (dtype == 0) { ((float *)p)[i] = v; return; }
-    if (dtype == 1) { /* round to nearest even; inputs here are never NaN */
+    if (dtype == 1) { /* round to nearest even; a quiet NaN stays NaN */
         uint32_t b = float_to_bits(v);
         ((uint16_t *)p)[i] = (uint16_t)((b + 0x7FFFu + ((b >> 16) & 1u)) >> 16);
         return;
@@ -38,6 +39,14 @@ static inline float ceil_to_bf16(float v) { /* finite v >= 0 */
 static inline uint16_t bf16_bits(float exactly_bf16) { return (uint16_t)(float_to_bits(exactly_bf16) >> 16); }
 
 static inline float clamp_code(float v) { return v < 0.0f ? 0.0f : (v > 15.0f ? 15.0f : v); }
+
+/* The largest finite value of the element type (int4.saturate clamps decoded values to it). */
+static inline float dtype_max(int dtype) {
+    return dtype == 0 ? 3.4028234663852886e38f : dtype == 1 ? 3.3895313892515355e38f : 65504.0f;
+}
+
+/* int4.saturate in fp32: v clamped to [-dmax, dmax]; NaN passes (both comparisons fail). */
+static inline float saturate(float v, float dmax) { return v > dmax ? dmax : (v < -dmax ? -dmax : v); }
 
 /* Vectors of LANES fp32 lanes, one register: 16 with AVX-512, 8 elsewhere (one AVX2
  * register; wider GCC vectors there are split for arithmetic but shuffled, narrowed and
@@ -112,8 +121,13 @@ static const int BIT_REVERSED[LANES] = {0, 4, 2, 6, 1, 5, 3, 7};
 INLINE vf splat(float v) { return (vf){0} + v; }
 #define NEGATIVE_ZEROS ((vf)((vi){0} + INT32_MIN)) /* splat(-0.0f) is +0: 0 + -0 = +0 */
 INLINE vf blend(vi mask, vf a, vf b) { return (vf)(((vi)a & mask) | ((vi)b & ~mask)); }
+INLINE vf vsaturate(vf v, float dmax) { /* saturate, lane-wise */
+    v = blend(v > dmax, splat(dmax), v);
+    return blend(v < -dmax, splat(-dmax), v);
+}
 
-/* Decoded values (never NaN) as bf16 bits in the low halves of the lanes, rounded to nearest even. */
+/* Decoded values as bf16 bits in the low halves of the lanes, rounded to nearest even (a quiet
+ * NaN stays a NaN: its top mantissa bit absorbs the carry). */
 INLINE vu bf16_rounded(vf v) {
     vu b = (vu)v;
     return (b + 0x7FFFu + ((b >> 16) & 1u)) >> 16;
@@ -153,7 +167,7 @@ typedef __m256i Bf16Tables;
 
 INLINE Bf16Tables bf16_tables(float shift, float bias, float scale) {
     const vf codes = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-    return _mm512_cvtepi32_epi16((__m512i)bf16_rounded(shift + (codes - bias) * scale));
+    return _mm512_cvtepi32_epi16((__m512i)bf16_rounded(vsaturate(shift + (codes - bias) * scale, dtype_max(1))));
 }
 
 /* 32 bytes of codes -> 64 bf16 values in element order: byte j widened into dword j, whose
@@ -265,8 +279,10 @@ typedef struct { __m256i low, high; } Bf16Tables;
  * 16-byte tables of their low and high bytes, in both lanes. */
 INLINE Bf16Tables bf16_tables(float shift, float bias, float scale) {
     const vf first = {0, 1, 2, 3, 8, 9, 10, 11}, second = {4, 5, 6, 7, 12, 13, 14, 15};
-    __m256i words = _mm256_packus_epi32((__m256i)bf16_rounded(shift + (first - bias) * scale),
-                                        (__m256i)bf16_rounded(shift + (second - bias) * scale)); /* codes 0-7 | 8-15 */
+    const float dmax = dtype_max(1);
+    __m256i words = _mm256_packus_epi32((__m256i)bf16_rounded(vsaturate(shift + (first - bias) * scale, dmax)),
+                                        (__m256i)bf16_rounded(vsaturate(shift + (second - bias) * scale, dmax)));
+    /* codes 0-7 | 8-15 */
     const __m256i split = _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15,
                                            0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
     __m256i bytes = _mm256_shuffle_epi8(words, split); /* low 0-7, high 0-7 | low 8-15, high 8-15 */
@@ -427,7 +443,7 @@ INLINE Pair load_pair(const void *x, int64_t i, int dtype, const void *mask) {
 }
 
 
-/* The inverse, for decoded values: never NaN, so bf16 rounds to nearest even by hand. */
+/* The inverse, for decoded values: bf16 rounds to nearest even by hand (bf16_rounded). */
 INLINE void store_pair(void *out, int64_t i, Pair v, int dtype) {
     if (dtype == 1) {
         vu bits = bf16_rounded(v.even) | bf16_rounded(v.odd) << 16;
@@ -694,8 +710,9 @@ INLINE void pack_group(const void *x, int64_t base, int64_t cols, int dtype, Zer
     }
 }
 
-/* One group of codes -> values shift + (code - bias) * scale, in element order; with
- * `col_scale` (Pair layout), element c takes its column's scale. */
+/* One group of codes -> values shift + (code - bias) * scale, saturated to the element type's
+ * range (int4.saturate), in element order; with `col_scale` (Pair layout), element c takes its
+ * column's scale. A NaN scale decodes NaN. */
 INLINE void unpack_group(const uint8_t *in, int64_t cols, float shift, float bias, float scale,
                          const float *col_scale, void *out, int64_t base, int dtype) {
     int64_t c = 0;
@@ -709,44 +726,50 @@ INLINE void unpack_group(const uint8_t *in, int64_t cols, float shift, float bia
         }
     }
 #endif
+    const float dmax = dtype_max(dtype);
     vf s_even = splat(scale), s_odd = s_even;
     for (; c + BLOCK <= cols; c += BLOCK) {
         if (col_scale) { memcpy(&s_even, col_scale + c, sizeof s_even); memcpy(&s_odd, col_scale + c + LANES, sizeof s_odd); }
         __builtin_prefetch(in + (c + PREFETCH_ELEMENTS) / 2);
         PREFETCH_BLOCK(out, base + c, dtype, 1);
         Pair q = unpack_pair(in + c / 2);
-        store_pair(out, base + c, (Pair){shift + (q.even - bias) * s_even, shift + (q.odd - bias) * s_odd}, dtype);
+        store_pair(out, base + c, (Pair){vsaturate(shift + (q.even - bias) * s_even, dmax),
+                                         vsaturate(shift + (q.odd - bias) * s_odd, dmax)}, dtype);
     }
     for (; c < cols; c += 2) {
         uint8_t byte = in[c / 2];
         float s0 = col_scale ? col_scale[c] : scale, s1 = col_scale ? col_scale[c + 1] : scale;
-        store(out, base + c, shift + ((float)(byte & 15) - bias) * s0, dtype);
-        store(out, base + c + 1, shift + ((float)(byte >> 4) - bias) * s1, dtype);
+        store(out, base + c, saturate(shift + ((float)(byte & 15) - bias) * s0, dmax), dtype);
+        store(out, base + c + 1, saturate(shift + ((float)(byte >> 4) - bias) * s1, dmax), dtype);
     }
 }
 
+/* A lane of these bits is the fp32 NaN whose bf16 bits are NAN_SCALE_BITS. */
+#define NAN_SCALES ((vf)((vu){0} + (NAN_SCALE_BITS << 16)))
+
 /* symmetric.sym_scales for LANES groups at once, from their minima, maxima and finiteness
- * (-1 or 0): the signed scales (0 if unusable), their reciprocals, and whether usable. */
-INLINE void sym_scales(vf lo, vf hi, vi finite, float dmax, vf *scale, vf *inv, vi *ok) {
+ * (-1 or 0): the signed scales (NaN for a non-finite group), their reciprocals (1 there), and
+ * whether finite. */
+INLINE void sym_scales(vf lo, vf hi, vi finite, vf *scale, vf *inv, vi *ok) {
     vi negative_extreme = -lo >= hi;
     vf extreme = blend(negative_extreme, -lo, hi), opposite = blend(negative_extreme, hi, -lo);
     vf a = extreme / 8.0f, b = opposite / 7.5f;
     vf magnitude = (vf)(((vu)blend(a > b, a, b) + 0xFFFFu) & 0xFFFF0000u); /* ceil_to_bf16 */
     magnitude = blend(magnitude < MIN_SCALE, splat(MIN_SCALE), magnitude);
-    *ok = finite & (magnitude * 8.0f <= dmax);
-    *scale = blend(*ok, blend(negative_extreme, magnitude, -magnitude), splat(0.0f));
+    *ok = finite;
+    *scale = blend(*ok, blend(negative_extreme, magnitude, -magnitude), NAN_SCALES);
     *inv = 1.0f / blend(*ok, *scale, splat(1.0f));
 }
 
-/* asymmetric.asym_encode's scales and offsets for LANES groups at once. */
-INLINE void asym_scales(vf lo, vf hi, vi finite, float dmax, vf *scale, vf *inv, vf *offset, vi *ok) {
+/* asymmetric.asym_encode's scales and offsets for LANES groups at once; a group is flagged
+ * (NaN scale, offset +0) unless finite with a finite grid top 15 * scale. */
+INLINE void asym_scales(vf lo, vf hi, vi finite, vf *scale, vf *inv, vf *offset, vi *ok) {
     lo = blend(lo == 0.0f, splat(0.0f), lo); /* +0 whichever zero the reduction met first */
     vf s = (vf)(((vu)((hi - lo) / 15.0f) + 0xFFFFu) & 0xFFFF0000u); /* ceil_to_bf16 */
     s = blend(s < MIN_SCALE, splat(MIN_SCALE), s);
-    vf top = lo + 15.0f * s;
     const vi magnitude_bits = (vi){0} + 0x7FFFFFFF;
-    *ok = finite & ((vf)((vi)lo & magnitude_bits) <= dmax) & ((vf)((vi)top & magnitude_bits) <= dmax);
-    *scale = blend(*ok, s, splat(0.0f));
+    *ok = finite & ((vf)((vi)(15.0f * s) & magnitude_bits) < INFINITY);
+    *scale = blend(*ok, s, NAN_SCALES);
     *offset = blend(*ok, lo, splat(0.0f));
     *inv = 1.0f / blend(*ok, s, splat(1.0f));
 }
@@ -870,27 +893,26 @@ INLINE void batch_ranges(const void *x, int dtype, const int64_t *at, int64_t r0
  * computation, then their codes (the group data is still in cache). `strided` is a constant
  * where it is called (group_at). */
 INLINE void sym_encode_batch(const void *x, int dtype, int strided, Rows rows, int64_t r0, int64_t n, int64_t cols,
-                             float dmax, Zeroing z, uint8_t *packed, uint16_t *scales, uint8_t *ok_out) {
+                             Zeroing z, uint8_t *packed, uint16_t *scales) {
     vf lo, hi, scale, inv;
     vi finite, ok;
     int64_t offsets[2 * LANES];
     const int64_t *at = strided ? strided_offsets(rows, r0, n, cols, offsets) : NULL;
     const int64_t ch0 = first_channel(z, r0 * cols); /* one division per batch, not per group */
     batch_ranges(x, dtype, at, r0, n, cols, z, ch0, 1, &lo, &hi, &finite);
-    sym_scales(lo, hi, finite, dmax, &scale, &inv, &ok);
+    sym_scales(lo, hi, finite, &scale, &inv, &ok);
     for (int64_t g = 0, ch = ch0; g < n; g++, ch = next_channel(z, ch, cols)) {
         uint8_t *out = packed + (r0 + g) * cols / 2;
         scales[r0 + g] = bf16_bits(scale[g]);
-        ok_out[r0 + g] = ok[g] != 0;
-        if (!ok[g]) memset(out, 0x88, (size_t)(cols / 2));
+        if (!ok[g]) memset(out, 0x88, (size_t)(cols / 2)); /* the zero code */
         else pack_group(x, group_at(at, r0, g, cols), cols, dtype, z, ch, 0.0f, inv[g], 8.5f, NO_COLUMNS, out);
     }
 }
 
-/* 0 unless every one of the n indices lies in [0, limit). */
-static int indices_in_range(const int64_t *index, int64_t n, int64_t limit) {
+/* 0 unless every one of the n slots is -1 (empty) or lies in [0, limit). */
+static int slots_in_range(const int32_t *index, int64_t n, int64_t limit) {
     for (int64_t k = 0; k < n; k++)
-        if (index[k] < 0 || index[k] >= limit) return 0;
+        if (index[k] < -1 || index[k] >= limit) return 0;
     return 1;
 }
 
@@ -899,28 +921,42 @@ static int indices_in_range(const int64_t *index, int64_t n, int64_t limit) {
  * a cache line, so that a group's mask loads do not straddle two where the input's do not
  * (malloc's 16-byte alignment split every AVX-512 fp32 one: in cache, 40 zeroed channels of
  * 4096 then added 3 ns to the 6.2 a group of 64 took without; aligned, 1). */
-static Zeroing zeroing_for(int dtype, int64_t channels, const int64_t *index, int64_t n) {
+static Zeroing zeroing_for(int dtype, int64_t channels, const int32_t *index, int64_t n) {
     const size_t width = dtype == 0 ? 4 : 2;
     char *keep = aligned_alloc(64, ((size_t)(channels + BLOCK) * width + 63) / 64 * 64);
     if (!keep) return NO_ZEROING;
     memset(keep, 0xFF, (size_t)channels * width);
-    for (int64_t k = 0; k < n; k++) memset(keep + index[k] * width, 0, width);
+    for (int64_t k = 0; k < n; k++) memset(keep + (int64_t)index[k] * width, 0, width);
     for (int64_t j = channels; j < channels + BLOCK; j++) memcpy(keep + j * width, keep + j % channels * width, width);
     return (Zeroing){keep, channels};
 }
 
 /* The outlier codec's exact channels, in a tensor seen as rows of `channels` values, `stride`
- * apart: row r of `values` holds elements r * stride + index[k], k < n, index strictly
- * increasing. The codecs copy them group batch by group batch, while the batch is in cache:
- * a pass of their own over the tensor (take_columns, put_columns) touched a cache line of
- * nearly every row. */
-typedef struct { const int64_t *index; int64_t n, channels, stride; void *values; } Exact;
+ * apart: row r of `values` (rows of `width` slots) holds elements r * stride + index[k],
+ * k < n, index strictly increasing (the used slots; the `width - n` empty ones follow). The
+ * codecs copy them group batch by group batch, while the batch is in cache: a pass of their
+ * own over the tensor (take_columns) touched a cache line of nearly every row. */
+typedef struct { const int32_t *index; int64_t n, width, channels, stride; void *values; } Exact;
 
-/* 0 unless the n indices strictly increase within [0, limit). */
-static int indices_increasing(const int64_t *index, int64_t n, int64_t limit) {
-    for (int64_t k = 0; k < n; k++)
-        if (index[k] >= limit || index[k] < (k ? index[k - 1] + 1 : 0)) return 0;
-    return 1;
+/* How many of the `width` slots are used: the leading ones >= 0, strictly increasing within
+ * [0, limit), all others -1 (outlier.select_channels' layout); -1 if the slots break it. */
+static int64_t used_slots(const int32_t *index, int64_t width, int64_t limit) {
+    int64_t n = 0;
+    while (n < width && index[n] >= 0) {
+        if (index[n] >= limit || (n && index[n] <= index[n - 1])) return -1;
+        n++;
+    }
+    for (int64_t k = n; k < width; k++)
+        if (index[k] != -1) return -1;
+    return n;
+}
+
+/* Zeroes the empty slots [n, width) of each of `rows` rows of values (+0 bits). */
+static void zero_empty_slots(void *values, int elem_size, int64_t rows, int64_t n, int64_t width) {
+    if (n == width) return;
+    #pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < rows; r++)
+        memset((char *)values + (r * width + n) * elem_size, 0, (size_t)((width - n) * elem_size));
 }
 
 /* The first k with index[k] >= channel (n if none). */
@@ -940,7 +976,7 @@ INLINE int64_t first_exact(Exact e, int64_t channel) {
 #define COPY_EXACT(T)                                                                          \
     for (int64_t r = begin / e.channels; r * e.channels < end; r++) {                          \
         int64_t row = r * e.channels, from = begin > row ? begin - row : 0;                    \
-        T *values = (T *)e.values + r * e.n;                                                   \
+        T *values = (T *)e.values + r * e.width;                                               \
         for (int64_t k = first_exact(e, from); k < e.n && row + e.index[k] < end; k++) {       \
             T *element = (T *)tensor + r * e.stride + e.index[k];                              \
             if (into_values) values[k] = *element;                                             \
@@ -955,45 +991,47 @@ INLINE void copy_exact(Exact e, void *tensor, int elem_size, int64_t begin, int6
 #undef COPY_EXACT
 
 /* Row-grouped symmetric int4 of `rows` groups of `cols`, the input seen as rows of `channels`
- * values `stride` apart (see Rows; stride == channels: dense); with n_zeroed > 0, the columns
- * `zeroed` (strictly increasing) are encoded as zeros (int4.zero_channels), and, where
- * `exact` is not NULL, copied there (see Exact; rows * cols / channels rows). Returns 0 if
- * the zeroed indices do not strictly increase within [0, channels) or memory ran out
- * (nothing written), 1 otherwise. */
-int sym_encode_rows(const void *x, int dtype, int64_t rows, int64_t cols, float dmax, int64_t channels,
-                    int64_t stride, const int64_t *zeroed, int64_t n_zeroed, void *exact, uint8_t *packed,
-                    uint16_t *scales, uint8_t *ok_out) {
-    if (n_zeroed && !indices_increasing(zeroed, n_zeroed, channels)) return 0;
+ * values `stride` apart (see Rows; stride == channels: dense); with `slots` > 0, the channels
+ * of the used slots of `zeroed` (outlier.select_channels' int32 layout) are encoded as zeros
+ * (int4.zero_channels), and, where `exact` is not NULL, copied there, the empty slots' columns
+ * +0 (see Exact; rows * cols / channels rows of `slots`). Returns 0 if the slots break their
+ * layout or memory ran out (nothing written), 1 otherwise. */
+int sym_encode_rows(const void *x, int dtype, int64_t rows, int64_t cols, int64_t channels, int64_t stride,
+                    const int32_t *zeroed, int64_t slots, void *exact, uint8_t *packed, uint16_t *scales) {
+    const int64_t n_zeroed = slots ? used_slots(zeroed, slots, channels) : 0;
+    if (n_zeroed < 0) return 0;
     const Zeroing z = n_zeroed ? zeroing_for(dtype, channels, zeroed, n_zeroed) : NO_ZEROING;
     if (n_zeroed && !z.keep) return 0;
     const Rows layout = {channels, stride};
     const int strided = stride != channels;
-    const Exact e = {zeroed, n_zeroed, channels, stride, exact};
+    const Exact e = {zeroed, n_zeroed, slots, channels, stride, exact};
     const int elem_size = dtype == 0 ? 4 : 2;
     #pragma omp parallel for schedule(static)
     for (int64_t r0 = 0; r0 < rows; r0 += LANES) {
         int64_t n = rows - r0 < LANES ? rows - r0 : LANES;
 /* the default groups, 64 wide, in loops of constant trip counts: 13% faster in bf16 with zeroed channels */
 #define CALL(t)                                                                                    \
-    if (strided) sym_encode_batch(x, t, 1, layout, r0, n, cols, dmax, z, packed, scales, ok_out);      \
-    else if (cols == 64) sym_encode_batch(x, t, 0, layout, r0, n, 64, dmax, z, packed, scales, ok_out); \
-    else sym_encode_batch(x, t, 0, layout, r0, n, cols, dmax, z, packed, scales, ok_out)
+    if (strided) sym_encode_batch(x, t, 1, layout, r0, n, cols, z, packed, scales);      \
+    else if (cols == 64) sym_encode_batch(x, t, 0, layout, r0, n, 64, z, packed, scales); \
+    else sym_encode_batch(x, t, 0, layout, r0, n, cols, z, packed, scales)
         DTYPE_CASES(CALL)
 #undef CALL
-        if (exact) copy_exact(e, (void *)x, elem_size, r0 * cols, (r0 + n) * cols, 1);
+        if (exact && n_zeroed) copy_exact(e, (void *)x, elem_size, r0 * cols, (r0 + n) * cols, 1);
     }
+    if (exact) zero_empty_slots(exact, elem_size, rows * cols / channels, n_zeroed, slots);
     free((void *)z.keep);
     return 1;
 }
 
-/* With n_exact > 0, the exact channels' values (rows `exact_rows` of `channels` values, see
- * Exact) are then written over the decoded groups. Returns 0 if the indices do not strictly
- * increase within [0, channels) (nothing written), 1 otherwise. */
+/* With `slots` > 0, the exact channels' values of the used slots (rows `exact_rows` of
+ * `channels` values, see Exact) are then written over the decoded groups. Returns 0 if the
+ * slots break their layout (nothing written), 1 otherwise. */
 int sym_decode_rows(const uint8_t *packed, const uint16_t *scales, int64_t rows, int64_t cols, int dtype,
-                    const int64_t *exact_index, int64_t n_exact, int64_t channels, int64_t exact_rows,
+                    const int32_t *exact_index, int64_t slots, int64_t channels, int64_t exact_rows,
                     const void *exact_values, void *out) {
-    if (n_exact && !indices_increasing(exact_index, n_exact, channels)) return 0;
-    const Exact e = {exact_index, n_exact, channels, channels, (void *)exact_values};
+    const int64_t n_exact = slots ? used_slots(exact_index, slots, channels) : 0;
+    if (n_exact < 0) return 0;
+    const Exact e = {exact_index, n_exact, slots, channels, channels, (void *)exact_values};
     const int elem_size = dtype == 0 ? 4 : 2;
     const int64_t exact_end = exact_rows * channels;
     #pragma omp parallel for schedule(static)
@@ -1160,15 +1198,18 @@ static void channel_abs_sums(const void *x, int dtype, int64_t rows, int64_t col
  * 1e-6 leaves a margin of orders of magnitude for any tensor. */
 #define Z_MARGIN 1e-6
 
-/* outlier.outlier_channels(outlier.channel_abs_sums(outlier.statistics_rows(x))) for the
- * [rows, cols] input (rows `stride` elements apart), the sample's rows (every step-th) read
- * in place: mask[c] = 1 for the chosen channels, 0 for the others; returns their count. The
+/* outlier.outlier_select: outlier.outlier_channels(outlier.channel_abs_sums(
+ * outlier.statistics_rows(x))) for the [rows, cols] input (rows `stride` elements apart), the
+ * sample's rows (every step-th) read in place, then the first `capacity` of them kept
+ * (outlier.select_channels): mask[c] = 1 for the kept channels, 0 for the others, index[k]
+ * the k-th kept channel or -1; returns how many channels are outliers (capacity aside). The
  * z-scores come from the sums in one scan in C where the reference makes ten small tensor
  * operations.
  * Returns -1 where a z-score lies within Z_MARGIN of the threshold, or all finite sums are
  * (nearly) equal: the caller then runs the reference's choice. scratch: cols doubles. */
 int64_t outlier_channels(const void *x, int dtype, int64_t rows, int64_t cols, int64_t stride, int64_t step,
-                         double threshold, double *scratch, double *sums, uint8_t *mask) {
+                         double threshold, int64_t capacity, double *scratch, double *sums, uint8_t *mask,
+                         int32_t *index) {
     channel_abs_sums(x, dtype, (rows + step - 1) / step, cols, step * stride, scratch, sums);
     int64_t finite = 0;
     double total = 0.0, squares = 0.0;
@@ -1194,40 +1235,29 @@ int64_t outlier_channels(const void *x, int dtype, int64_t rows, int64_t cols, i
         mask[c] = (uint8_t)outlier;
         chosen += outlier;
     }
+    int64_t kept = 0;
+    for (int64_t c = 0; c < cols; c++)
+        if (mask[c]) {
+            if (kept < capacity) index[kept++] = (int32_t)c;
+            else mask[c] = 0;
+        }
+    for (int64_t k = kept; k < capacity; k++) index[k] = -1;
     return chosen;
 }
 
-/* int4.count_unusable: how many of the n flags (bool bytes) are 0. */
-int64_t count_unusable(const uint8_t *ok, int64_t n) {
-    int64_t count = 0;
-    for (int64_t i = 0; i < n; i++) count += ok[i] == 0;
-    return count;
-}
-
-/* The outlier codec's exact channels: out[r][k] = x[r][index[k]] (take_columns) and back
- * (put_columns), for elements of elem_size bytes. Both return 0, touching nothing, if an
- * index is out of range. */
-#define COLUMN_LOOP(RowT, ValueT, body)                                             \
-    _Pragma("omp parallel for schedule(static)")                                    \
-    for (int64_t r = 0; r < rows; r++) {                                            \
-        RowT *row = (RowT *)x + r * cols;                                           \
-        ValueT *picked = (ValueT *)values + r * n;                                  \
-        for (int64_t k = 0; k < n; k++) body;                                       \
-    }
-
-int take_columns(const void *x, int elem_size, int64_t rows, int64_t cols, const int64_t *index, int64_t n,
+/* outlier.take_columns: out[r][k] = x[r][index[k]], +0 where index[k] is -1 (an empty slot),
+ * for elements of elem_size bytes. Returns 0, touching nothing, if a slot is out of range. */
+int take_columns(const void *x, int elem_size, int64_t rows, int64_t cols, const int32_t *index, int64_t n,
                  void *values) {
-    if (!indices_in_range(index, n, cols)) return 0;
-    if (elem_size == 4) { COLUMN_LOOP(const uint32_t, uint32_t, picked[k] = row[index[k]]) }
-    else { COLUMN_LOOP(const uint16_t, uint16_t, picked[k] = row[index[k]]) }
-    return 1;
-}
-
-int put_columns(void *x, int elem_size, int64_t rows, int64_t cols, const int64_t *index, int64_t n,
-                const void *values) {
-    if (!indices_in_range(index, n, cols)) return 0;
-    if (elem_size == 4) { COLUMN_LOOP(uint32_t, const uint32_t, row[index[k]] = picked[k]) }
-    else { COLUMN_LOOP(uint16_t, const uint16_t, row[index[k]] = picked[k]) }
+    if (!slots_in_range(index, n, cols)) return 0;
+    #pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t k = 0; k < n; k++) {
+            if (elem_size == 4)
+                ((uint32_t *)values)[r * n + k] = index[k] < 0 ? 0u : ((const uint32_t *)x)[r * cols + index[k]];
+            else
+                ((uint16_t *)values)[r * n + k] = index[k] < 0 ? 0u : ((const uint16_t *)x)[r * cols + index[k]];
+        }
     return 1;
 }
 
@@ -1312,8 +1342,8 @@ INLINE int64_t bf16_column_ranges(const void *x, int64_t rows, int64_t cols, int
 
 /* Per-channel symmetric int4 (channel_int4): one scale per column of the [rows, cols] input.
  * scratch holds 4 * cols floats, col_ok cols entries. */
-void sym_encode_cols(const void *x, int dtype, int64_t rows, int64_t cols, float dmax, float *scratch,
-                     int32_t *col_ok, uint8_t *packed, uint16_t *scales, uint8_t *ok_out) {
+void sym_encode_cols(const void *x, int dtype, int64_t rows, int64_t cols, float *scratch,
+                     int32_t *col_ok, uint8_t *packed, uint16_t *scales) {
     float *lo = scratch, *hi = scratch + cols, *poison = scratch + 2 * cols, *col_inv = lo;
     #pragma omp parallel
     {
@@ -1338,18 +1368,17 @@ void sym_encode_cols(const void *x, int dtype, int64_t rows, int64_t cols, float
             memcpy(&l, lo + s0, width * sizeof(float));
             memcpy(&h, hi + s0, width * sizeof(float));
             memcpy(&bad, poison + s0, width * sizeof(float));
-            sym_scales(l, h, bad == 0.0f, dmax, &scale, &inv, &ok); /* lanes past width: unused */
+            sym_scales(l, h, bad == 0.0f, &scale, &inv, &ok); /* lanes past width: unused */
             for (int64_t k = 0; k < width; k++) {
                 int64_t c = slot_column(s0 + k, cols);
                 scales[c] = bf16_bits(scale[k]);
-                ok_out[c] = ok[k] != 0;
                 col_inv[s0 + k] = inv[k]; /* 1 where unusable; lo[s0 + k] is read already */
                 col_ok[s0 + k] = ok[k];
             }
         }
     }
     int all_ok = 1;
-    for (int64_t c = 0; c < cols; c++) all_ok &= ok_out[c];
+    for (int64_t s = 0; s < cols; s++) all_ok &= col_ok[s] != 0;
     const Columns col = {col_inv, all_ok ? NULL : col_ok};
     #pragma omp parallel for schedule(static)
     for (int64_t r = 0; r < rows; r++) {
@@ -1370,28 +1399,27 @@ void sym_decode_cols(const uint8_t *packed, const uint16_t *scales, int64_t rows
     }
 }
 
-INLINE void asym_encode_batch(const void *x, int dtype, int64_t r0, int64_t n, int64_t cols, float dmax,
-                              uint8_t *packed, uint16_t *scales, void *offsets, uint8_t *ok_out) {
+INLINE void asym_encode_batch(const void *x, int dtype, int64_t r0, int64_t n, int64_t cols,
+                              uint8_t *packed, uint16_t *scales, void *offsets) {
     vf lo, hi, scale, inv, offset;
     vi finite, ok;
     batch_ranges(x, dtype, NULL, r0, n, cols, NO_ZEROING, 0, 0, &lo, &hi, &finite);
-    asym_scales(lo, hi, finite, dmax, &scale, &inv, &offset, &ok);
+    asym_scales(lo, hi, finite, &scale, &inv, &offset, &ok);
     for (int64_t g = 0; g < n; g++) {
         uint8_t *out = packed + (r0 + g) * cols / 2;
         scales[r0 + g] = bf16_bits(scale[g]);
         store(offsets, r0 + g, offset[g], dtype); /* an input element: exact */
-        ok_out[r0 + g] = ok[g] != 0;
         if (!ok[g]) memset(out, 0, (size_t)(cols / 2));
         else pack_group(x, (r0 + g) * cols, cols, dtype, NO_ZEROING, 0, offset[g], inv[g], 0.5f, NO_COLUMNS, out);
     }
 }
 
-void asym_encode_rows(const void *x, int dtype, int64_t rows, int64_t cols, float dmax,
-                      uint8_t *packed, uint16_t *scales, void *offsets, uint8_t *ok_out) {
+void asym_encode_rows(const void *x, int dtype, int64_t rows, int64_t cols,
+                      uint8_t *packed, uint16_t *scales, void *offsets) {
     #pragma omp parallel for schedule(static)
     for (int64_t r0 = 0; r0 < rows; r0 += LANES) {
         int64_t n = rows - r0 < LANES ? rows - r0 : LANES;
-#define CALL(t) asym_encode_batch(x, t, r0, n, cols, dmax, packed, scales, offsets, ok_out)
+#define CALL(t) asym_encode_batch(x, t, r0, n, cols, packed, scales, offsets)
         DTYPE_CASES(CALL)
 #undef CALL
     }
@@ -1612,11 +1640,11 @@ void mask_unpack(const uint8_t *packed, int64_t numel, uint8_t *flags) {
     for (int64_t k = whole * 8; k < numel; k++) flags[k] = (packed[k >> 3] >> (k & 7)) & 1;
 }
 
-/* bitmask.mask_unpack with a value: `value` where the flag is set, +0 elsewhere, as the
- * bit pattern of the output dtype. */
-void mask_unpack_values(const uint8_t *packed, int64_t numel, int dtype, float value, void *out) {
+/* bitmask.mask_unpack with a value: the bits of *value (one element of the output dtype, NaN
+ * included) where the flag is set, +0 elsewhere. */
+void mask_unpack_values(const uint8_t *packed, int64_t numel, int dtype, const void *value, void *out) {
     const int elem_size = dtype == 0 ? 4 : 2;
-    const uint32_t bits = value_bits(value, dtype);
+    const uint32_t bits = elem_size == 4 ? *(const uint32_t *)value : *(const uint16_t *)value;
     const int64_t bytes = (numel + 7) / 8, stepped = stepped_elements(numel, elem_size);
 #ifdef MASK_STEPS
     const int64_t per_step = MASK_STEP_BYTES / elem_size;
