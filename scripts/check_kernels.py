@@ -60,8 +60,9 @@ SITES = {
 }
 # Q/K/V sites serve channel_int4 only; it serves nothing else.
 QKV_CODECS = ("channel_int4",)
+# fp32: the outlier codec's RMSNorm sites (x * rstd, saved in fp32).
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-DEFAULT_DTYPES = ("bf16", "fp16")
+DEFAULT_DTYPES = tuple(DTYPES)
 TARGETS = (90, 80, 70)
 # The pointer argument holding the activation: what a kernel reads (encode) or writes (decode).
 ACTIVATION_ARG = {

@@ -1,7 +1,7 @@
 """The Triton codec kernels compiled for sm_90 and sm_80 with no GPU (scripts/check_kernels.py),
-at the configurations the codecs launch for GPT-345M- and Llama-3-8B-sized sites: no spills,
-at most 128 registers, no 64-bit integer division, activations moved by 16-byte vector
-accesses, one kernel per encode and decode (two for outlier_int4's encode).
+at the configurations the codecs launch for GPT-345M- and Llama-3-8B-sized sites in bf16 and
+fp16: no spills, at most 128 registers, no 64-bit integer division, activations moved by
+16-byte vector accesses, one kernel per encode and decode (two for outlier_int4's encode).
 
 The script runs once per session, in a subprocess: it must import the kernels without
 TRITON_INTERPRET, which this test session sets (conftest.py). Triton's own cache keeps the
@@ -20,6 +20,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 TARGETS = (90, 80)
+# The training dtypes; the script's default adds fp32 (and sm_70), a minute more of compiling.
+DTYPES = ("bf16", "fp16")
 MAX_REGISTERS = 128
 MIN_VECTOR_SHARE = 0.75
 KERNELS_PER_CALL = {("outlier_int4", "encode"): 2}
@@ -32,7 +34,7 @@ def checked(tmp_path_factory):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     run = subprocess.run([sys.executable, str(ROOT / "scripts" / "check_kernels.py"), "--targets",
-                          *map(str, TARGETS), "--json", str(out)],
+                          *map(str, TARGETS), "--dtypes", *DTYPES, "--json", str(out)],
                          capture_output=True, text=True, env=env, timeout=900)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     return json.loads(out.read_text()), run.stdout
