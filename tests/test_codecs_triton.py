@@ -134,6 +134,19 @@ def test_tiles_across_row_and_column_blocks_byte_identical(dtype):
     assert_same_payload_and_output("naive_int4", x.to(dtype))
 
 
+@pytest.mark.parametrize("name", codecs.NAMES)
+def test_int64_offsets_byte_identical(name, monkeypatch):
+    # Tensors past 2**31 elements index in int64 (a constexpr); the limit lowered, small ones
+    # take that path.
+    from megatron_adacc.codecs.triton import launch
+
+    monkeypatch.setattr(launch, "INT32_LIMIT", 64)
+    x = _site_like(name, torch.bfloat16)
+    assert_same_payload_and_output(name, x)
+    if name == "outlier_int4":  # the flat-group channel path too
+        assert_same_payload_and_output(name, torch.randn(33, 70).to(torch.bfloat16), capacity=2)
+
+
 @pytest.mark.parametrize("name", INT4_CODECS)
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
 def test_non_finite_groups_and_saturation_byte_identical(name, dtype):
