@@ -57,9 +57,9 @@ def _sym_encode(x2d, reduce_dim, zeroed=None):
         return symmetric.sym_encode(x2d.reshape(-1, x2d.shape[-1]), reduce_dim, zeroed)
     if zeroed is None:
         return sym_int4.sym_encode(x2d, layout)
-    channels, _, index = zeroed
+    channels, selected, index = zeroed
     values = torch.empty(x2d.numel() // channels, index.numel(), dtype=x2d.dtype, device=x2d.device)
-    return (*sym_int4.sym_encode(x2d, layout, (index, values, channels)), values)
+    return (*sym_int4.sym_encode(x2d, layout, (index, values, channels, selected)), values)
 
 
 def _sym_decode(packed, scales, shape2d, reduce_dim, dtype, exact=None):

@@ -22,17 +22,18 @@ from megatron_adacc.codecs.triton.numerics import (bf16_bits_to_float, non_finit
                                                    widen)
 
 
-# Exact channels a decoding program writes at once: a column block of 1024 channels at
+# Exact channels a program copies at once: a column block of 1024 channels at
 # outlier_int4's default capacity (one in 64) holds 16.
 EXACT_SLOTS = 16
 
 
 @triton.jit
-def _sym_encode(x_ptr, index_ptr, packed_ptr, scale_ptr, values_ptr,
+def _sym_encode(x_ptr, selected_ptr, index_ptr, packed_ptr, scale_ptr, values_ptr,
                 rows, width, stride, row_groups, channels, capacity, tensor_rows, min_scale,
                 IN_BF16: tl.constexpr, GROUP: tl.constexpr, BLOCK_ROWS: tl.constexpr,
                 BLOCK_COLS: tl.constexpr, OUTLIER: tl.constexpr, CAPACITY_BLOCK: tl.constexpr,
-                EXACT_ROWS: tl.constexpr, CHANNEL_MOD: tl.constexpr, INT64: tl.constexpr):
+                EXACT_SLOTS: tl.constexpr, EXACT_ROWS: tl.constexpr, CHANNEL_MOD: tl.constexpr,
+                INT64: tl.constexpr):
     row = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     col = tl.program_id(1) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
     if INT64:
@@ -42,18 +43,20 @@ def _sym_encode(x_ptr, index_ptr, packed_ptr, scale_ptr, values_ptr,
     raw = tl.load(x_ptr + row[:, None] * stride + col[None, :], mask=mask, other=0)
     x = widen(raw, IN_BF16)
     if OUTLIER:
-        # The selected channels (slot >= 0) go exact into their slot's column and are zeroed
-        # for the int4 pass.
+        # The selected channels go exact into their slot's column and are zeroed for the
+        # int4 pass.
         if CHANNEL_MOD:
             element = row[:, None] * width + col[None, :]
             slot = _slot_of(element % channels, index_ptr, capacity, CAPACITY_BLOCK)
             tensor_row = element // channels
-        else:  # a tile's columns are channels: one search a column
-            slot = _slot_of(col, index_ptr, capacity, CAPACITY_BLOCK)[None, :]
-            tensor_row = row[:, None]
-        exact = slot >= 0
-        tl.store(values_ptr + tensor_row * capacity + slot, raw, mask=mask & exact)
-        x = tl.where(exact, 0.0, x)
+            tl.store(values_ptr + tensor_row * capacity + slot, raw, mask=mask & (slot >= 0))
+            x = tl.where(slot >= 0, 0.0, x)
+        else:  # a tile's columns are channels: the selection's mask, one load a column
+            chosen = tl.load(selected_ptr + col, mask=col < width, other=0) != 0
+            x = tl.where(chosen[None, :], 0.0, x)
+            _copy_exact_run(x_ptr, stride, values_ptr, index_ptr, row, rows, capacity,
+                            tl.program_id(1) * BLOCK_COLS, BLOCK_COLS, CAPACITY_BLOCK, EXACT_SLOTS,
+                            TO_VALUES=True)
         # Empty slots' columns hold +0: each tensor row's by the program holding its start.
         slot = tl.arange(0, CAPACITY_BLOCK)
         empty = (tl.load(index_ptr + slot, mask=slot < capacity, other=0) < 0)[None, :]
@@ -135,19 +138,31 @@ def _sym_decode(packed_ptr, scale_ptr, index_ptr, values_ptr, out_ptr,
             exact = tl.load(values_ptr + at, mask=ok, other=0)
             tl.store(out_ptr + target, exact, mask=ok)
         else:
-            # The slots of this column block are a run of the ascending indices: found by two
-            # searches, then written EXACT_SLOTS at a time (one pass unless the block holds
-            # more exact channels than that).
-            start = tl.program_id(1) * BLOCK_COLS
-            first_slot = _lower_bound(start, index_ptr, capacity, CAPACITY_BLOCK)
-            end_slot = _lower_bound(start + BLOCK_COLS, index_ptr, capacity, CAPACITY_BLOCK)
-            for first in range(first_slot, end_slot, EXACT_SLOTS):
-                slot = first + tl.arange(0, EXACT_SLOTS)
-                index = tl.load(index_ptr + slot, mask=slot < end_slot, other=0)
-                ok = (row < rows)[:, None] & (slot < end_slot)[None, :]
-                at = row[:, None] * capacity + slot[None, :]
-                exact = tl.load(values_ptr + at, mask=ok, other=0)
-                tl.store(out_ptr + row[:, None] * width + index[None, :], exact, mask=ok)
+            _copy_exact_run(out_ptr, width, values_ptr, index_ptr, row, rows, capacity,
+                            tl.program_id(1) * BLOCK_COLS, BLOCK_COLS, CAPACITY_BLOCK, EXACT_SLOTS,
+                            TO_VALUES=False)
+
+
+@triton.jit
+def _copy_exact_run(tensor_ptr, stride, values_ptr, index_ptr, row, rows, capacity, start,
+                    BLOCK_COLS: tl.constexpr, CAPACITY_BLOCK: tl.constexpr,
+                    EXACT_SLOTS: tl.constexpr, TO_VALUES: tl.constexpr):
+    """Copy the exact channels among columns [start, start + BLOCK_COLS) of ``row`` between
+    the tensor (rows ``stride`` apart) and their slots' columns of the values ([rows,
+    capacity]). They are a run of the ascending slot indices, found by two searches and
+    copied EXACT_SLOTS at a time (one pass unless the block holds more exact channels)."""
+    first_slot = _lower_bound(start, index_ptr, capacity, CAPACITY_BLOCK)
+    end_slot = _lower_bound(start + BLOCK_COLS, index_ptr, capacity, CAPACITY_BLOCK)
+    for first in range(first_slot, end_slot, EXACT_SLOTS):
+        slot = first + tl.arange(0, EXACT_SLOTS)
+        index = tl.load(index_ptr + slot, mask=slot < end_slot, other=0)
+        ok = (row < rows)[:, None] & (slot < end_slot)[None, :]
+        in_tensor = tensor_ptr + row[:, None] * stride + index[None, :]
+        in_values = values_ptr + row[:, None] * capacity + slot[None, :]
+        if TO_VALUES:
+            tl.store(in_values, tl.load(in_tensor, mask=ok, other=0), mask=ok)
+        else:
+            tl.store(in_tensor, tl.load(in_values, mask=ok, other=0), mask=ok)
 
 
 @triton.jit
@@ -197,26 +212,30 @@ def _exact_rows(layout: Layout, channels: int) -> int:
 
 def _exact_channels(exact, unused: torch.Tensor, layout: Layout):
     """(slot indices, values, channels, capacity) of outlier_int4's exact channels, given as
-    (slot indices, values, channels); without them, placeholders the kernels never read."""
+    (slot indices, values, channels, ...); without them, placeholders the kernels never read."""
     if exact is None:
         return unused, unused, layout.width, 0
-    index, values, channels = exact
+    index, values, channels = exact[:3]
     return index, values, channels, index.numel()
 
 
 def sym_encode(x: torch.Tensor, layout: Layout, outlier=None):
     """-> (packed codes, bf16 scales) of ``x`` seen through ``layout``. ``outlier``: (slot
-    indices int32 [capacity] (outlier_select), [rows, capacity] output of their exact
-    values, channels): those channels are copied to their slot and encoded as zeros."""
+    indices int32 [capacity], [rows, capacity] output of their exact values, channels, the
+    selected channels' bool mask), as outlier_select gives them: those channels are copied
+    to their slot and encoded as zeros."""
     t = layout.tile
     packed = torch.empty(layout.rows * layout.width // 2, dtype=torch.uint8, device=x.device)
     scales = torch.empty(layout.rows * layout.row_groups, dtype=torch.bfloat16, device=x.device)
     index, values, channels, capacity = _exact_channels(outlier, scales, layout)
+    selected = scales if outlier is None else outlier[3].view(torch.int8)  # read with OUTLIER
     _sym_encode[t.grid](
-        bits_view(x), index, packed, scales.view(torch.int16), bits_view(values), layout.rows,
-        layout.width, layout.stride, layout.row_groups, channels, capacity, values.shape[0],
-        MIN_SCALE, IN_BF16=x.dtype == torch.bfloat16, GROUP=layout.group, BLOCK_ROWS=t.rows,
-        BLOCK_COLS=t.cols, OUTLIER=outlier is not None, CAPACITY_BLOCK=_capacity_block(capacity),
+        bits_view(x), selected, index, packed, scales.view(torch.int16), bits_view(values),
+        layout.rows, layout.width, layout.stride, layout.row_groups, channels, capacity,
+        values.shape[0], MIN_SCALE, IN_BF16=x.dtype == torch.bfloat16, GROUP=layout.group,
+        BLOCK_ROWS=t.rows, BLOCK_COLS=t.cols, OUTLIER=outlier is not None,
+        CAPACITY_BLOCK=_capacity_block(capacity),
+        EXACT_SLOTS=min(_capacity_block(capacity), EXACT_SLOTS),
         EXACT_ROWS=_exact_rows(layout, channels), CHANNEL_MOD=channels != layout.width,
         INT64=layout.int64, num_warps=t.num_warps, enable_fp_fusion=FP_FUSION)
     return packed, scales
