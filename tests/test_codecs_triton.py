@@ -1,5 +1,6 @@
 """Triton codec kernels, run on the CPU by the Triton interpreter, against the PyTorch reference:
-payloads byte for byte, decoded tensors bit for bit.
+payloads byte for byte, decoded tensors bit for bit but for NaN's bits; and each encode and
+decode one kernel launch with nothing else but allocations.
 
 TRITON_INTERPRET must be set before a @triton.jit kernel is defined, i.e. before
 megatron_adacc.codecs.triton is imported. Setting it here, at collection, is harmless to the
@@ -20,11 +21,14 @@ from unittest import mock  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from megatron_adacc import codecs  # noqa: E402
+from megatron_adacc.codecs.triton.numerics import to_output  # noqa: E402
 from test_codecs import edge_tensors  # noqa: E402
 from test_codecs_sync import assert_sync_free  # noqa: E402
 
@@ -182,6 +186,25 @@ def test_rows_read_in_place_byte_identical(dtype):
         for view in (x[..., :ffn], x[..., ffn:], x.view(-1, 2 * ffn)[::2, ffn:]):
             for name in ("outlier_int4", "sym_int4", "naive_int4"):
                 assert_same_payload_and_output(name, view)
+
+
+@triton.jit
+def _to_bf16_bits(src, dst, n, BLOCK: tl.constexpr):
+    i = tl.arange(0, BLOCK)
+    v = tl.load(src + i, mask=i < n, other=0.0)
+    tl.store(dst + i, to_output(v, True, tl.int16), mask=i < n)
+
+
+def test_bf16_outputs_keep_every_nan():
+    # A GPU's arithmetic on NaN gives 0x7FFFFFFF (or 0xFFFFFFFF); the kernels' hand rounding
+    # to bf16 must keep such a NaN a NaN (a carry would reach the sign: -0), and round the
+    # rest as torch does (the largest fp32 to +inf).
+    bits = torch.tensor([0x7FFFFFFF, -1, 0x7FC00000, 0x7F800000, 0x3F808000, 0x3F818000,
+                         0x7F7FFFFF, -0x7F800000], dtype=torch.int32)
+    out = torch.empty(bits.numel(), dtype=torch.int16)
+    _to_bf16_bits[(1,)](bits.view(torch.float32), out, bits.numel(), BLOCK=8)
+    expected = bits.view(torch.float32).to(torch.bfloat16)
+    assert_same_decoded(expected, out.view(torch.bfloat16), "to_output")
 
 
 @pytest.mark.parametrize("name", ["asym_int4", "sym_int4"])

@@ -14,11 +14,13 @@ def ceil_to_bf16(v):
 @triton.jit
 def to_output(v, OUT_BF16: tl.constexpr, out_dtype: tl.constexpr):
     """fp32 -> output dtype, rounding to nearest even. bf16 is rounded by hand and returned
-    as its int16 bit pattern: the Triton interpreter truncates fp32 -> bf16 casts."""
+    as its int16 bit pattern: the Triton interpreter truncates fp32 -> bf16 casts. NaN gives
+    the quiet NaN 0x7FC0: rounding a GPU's NaN (0x7FFFFFFF) by hand would carry into the sign
+    and give -0."""
     if OUT_BF16:
         bits = v.to(tl.int32, bitcast=True)
-        rounded = bits + 0x7FFF + ((bits >> 16) & 1)
-        return (rounded >> 16).to(tl.int16)
+        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        return tl.where(v != v, 0x7FC0, rounded).to(tl.int16)
     else:
         return v.to(out_dtype)
 

@@ -13,7 +13,8 @@ import triton.language as tl
 
 from megatron_adacc.codecs.int4 import EMPTY_SLOT, INDEX_DTYPE
 from megatron_adacc.codecs.outlier import statistics_step
-from megatron_adacc.codecs.triton.launch import bits_view, needs_int64, row_tile, warps_for
+from megatron_adacc.codecs.triton.launch import (FP_FUSION, bits_view, needs_int64, row_tile,
+                                                 warps_for)
 from megatron_adacc.codecs.triton.numerics import load_float
 
 # Channels a program sums: a few hundred programs for a wide layer, rows 128 bytes long.
@@ -102,5 +103,5 @@ def outlier_select(x2d: torch.Tensor, threshold: float, capacity: int):
         step, sample_rows, capacity, threshold, IN_BF16=x2d.dtype == torch.bfloat16,
         BLOCK_ROWS=tile.rows, BLOCK_COLS=STATISTICS_COLS, SELECT_BLOCK=SELECT_BLOCK,
         EMPTY=EMPTY_SLOT, INT64=needs_int64(rows * x2d.stride(0)),
-        num_warps=warps_for(tile.rows * tile.cols))
+        num_warps=warps_for(tile.rows * tile.cols), enable_fp_fusion=FP_FUSION)
     return selected, index
