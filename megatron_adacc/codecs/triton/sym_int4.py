@@ -22,9 +22,10 @@ from megatron_adacc.codecs.triton.numerics import (bf16_bits_to_float, non_finit
                                                    widen)
 
 
-# Exact channels a program copies at once: a column block of 1024 channels at
-# outlier_int4's default capacity (one in 64) holds 16.
-EXACT_SLOTS = 16
+# Exact channels a program copies at once (a column block of 1024 channels at outlier_int4's
+# default capacity, one in 64, holds 16: two passes). 16 made ptxas spill 4 bytes of the fp32
+# encode for sm_80 at 48 registers (scripts/check_kernels.py).
+EXACT_SLOTS = 8
 
 
 @triton.jit
