@@ -49,7 +49,7 @@ from megatron_adacc.codecs import codec as codec_module  # noqa: E402
 
 # Model sites, [tokens, channels]: GPT-345M (seq 2048 x micro-batch 4; hidden 1024, fc1
 # 4096, Q/K/V rows of 64 per head) and Llama-3-8B (8192 tokens; hidden 4096, fc1 14336,
-# heads of 128).
+# heads of 128); Llama-3-70B's fc1 half (28672) for the widest rows naive_int4 holds whole.
 SITES = {
     "gpt345m-hidden": (2048 * 4, 1024),
     "gpt345m-fc1": (2048 * 4, 4096),
@@ -57,6 +57,7 @@ SITES = {
     "llama8b-hidden": (8192, 4096),
     "llama8b-fc1": (8192, 14336),
     "llama8b-qkv": (8192 * 32, 128),
+    "llama70b-fc1": (8192, 28672),
 }
 # Q/K/V sites serve channel_int4 only; it serves nothing else.
 QKV_CODECS = ("channel_int4",)

@@ -127,6 +127,8 @@ def test_tiles_across_row_and_column_blocks_byte_identical(dtype):
     x[:, [5, 1030, 1031, 2100, 3071]] *= 400
     assert_same_payload_and_output("outlier_int4", x.to(dtype), capacity=5)
     assert_same_payload_and_output("naive_int4", x.to(dtype))
+    # rows wider than one program holds (launch.MAX_ROW) go to the reference
+    assert_same_payload_and_output("naive_int4", torch.randn(2, 32770, generator=gen).to(dtype))
 
 
 @pytest.mark.parametrize("name", codecs.NAMES)

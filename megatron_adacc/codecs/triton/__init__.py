@@ -10,7 +10,8 @@ the PyTorch reference, one file per kernel family beside it:
 Each encode and decode is one kernel launch (outlier_int4's encode two: the selection, then
 the codes) and allocations; nothing reads a device value on the host. Launch geometry comes
 from launch.py. Inputs outside the kernels' layouts fall back to the reference, which is
-sync-free too: rows of odd width (their code pairs span rows), per-channel scales of an odd
+sync-free too: rows of odd width (their code pairs span rows) or wider than launch.MAX_ROW
+(naive_int4's rows are a group, held whole by one program), per-channel scales of an odd
 channel count, integer masks.
 """
 
@@ -18,7 +19,8 @@ import torch
 
 from megatron_adacc.codecs import asymmetric, bitmask as reference_bitmask, outlier, symmetric
 from megatron_adacc.codecs.kernels import Kernels
-from megatron_adacc.codecs.triton import asym_int4, bitmask, channel_int4, outlier_select, sym_int4
+from megatron_adacc.codecs.triton import (asym_int4, bitmask, channel_int4, launch, outlier_select,
+                                          sym_int4)
 
 
 def _power_of_two(n: int) -> bool:
@@ -31,7 +33,7 @@ def _layout(x2d: torch.Tensor, channels: int | None = None) -> sym_int4.Layout |
     kernels do not apply. ``channels``: the outlier codec's, whose rows become the kernel's
     rows where the groups tile them, so that a tile's columns are channels."""
     width = x2d.shape[-1]
-    if width % 2 or x2d.stride(-1) != 1:
+    if width % 2 or x2d.stride(-1) != 1 or width > launch.MAX_ROW:
         return None
     if x2d.dim() == 3:
         if x2d.stride(1) != width or not _power_of_two(width):
@@ -68,7 +70,7 @@ def _sym_decode(packed, scales, shape2d, reduce_dim, dtype, exact=None):
         if width % 2:
             return symmetric.sym_decode(packed, scales, shape2d, reduce_dim, dtype, exact)
         return channel_int4.channel_decode(packed, scales, shape2d, dtype)
-    if width % 2:
+    if width % 2 or width > launch.MAX_ROW:
         return symmetric.sym_decode(packed, scales, shape2d, reduce_dim, dtype, exact)
     if exact is not None and _channel_rows(exact[0], width):
         layout = sym_int4.Layout(rows * width // exact[0], exact[0], exact[0], width)

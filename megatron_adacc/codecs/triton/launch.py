@@ -29,6 +29,11 @@ MAX_BLOCK_COLS = 1024
 # Threads a warp holds; num_warps is tile / (ELEMENTS_PER_THREAD * WARP) within [4, 16].
 WARP = 32
 ELEMENTS_PER_THREAD = 16
+MAX_WARPS = 16
+# The widest row one program takes whole (naive_int4's group): 64 values a thread at 16 warps
+# (32768, Llama-3-70B's fc1 half; checked free of spills). Wider rows spill (at 32 warps a
+# thread may hold only 64 registers): they go to the reference.
+MAX_ROW = 64 * MAX_WARPS * WARP
 INT32_LIMIT = 2**31
 
 
@@ -49,7 +54,7 @@ def _tile_elements() -> int:
 def warps_for(elements: int) -> int:
     """num_warps for a program moving ``elements`` values (the layer-norm tutorial's rule:
     scale with the tile, within [4, 16])."""
-    return min(max(elements // (ELEMENTS_PER_THREAD * WARP), 4), 16)
+    return min(max(elements // (ELEMENTS_PER_THREAD * WARP), 4), MAX_WARPS)
 
 
 def row_tile(rows: int, width: int, group: int) -> Tile:
