@@ -1,6 +1,5 @@
 #!/usr/bin/env python
-"""Compile every Triton codec kernel for GPU targets, with no GPU present, at the launch
-configurations the codecs really use, and report what bounds its speed.
+"""Compile every Triton codec kernel for GPU targets, no GPU needed, as the codecs launch them.
 
 The configurations are recorded, not restated: each codec encodes and decodes an empty CPU
 tensor of a model site's shape through the Triton backend while a hook stands in for
@@ -10,13 +9,14 @@ instead of running it. Each launch is then specialised as Triton's launcher woul
 compiled with triton.compile for GPUTarget("cuda", cc, 32). Per kernel it reports, from the
 cubin (the bundled cuobjdump -res-usage) and the PTX:
 
-- registers and spilled (local-memory) bytes;
+- registers and spilled bytes (the stack and local memory ptxas gave the kernel);
 - the share of activation bytes moved by 16-byte (128-bit) vector accesses, counted over the
   ld.global / st.global instructions whose address derives from the activation pointer (the
   encode's input, the decode's output), each weighted by its width;
 - 64-bit integer division or remainder (div/rem .s64/.u64).
 
-    python scripts/check_kernels.py [--targets 90 80 70] [--json out.json]
+    python scripts/check_kernels.py [--targets 90 80 70] [--dtypes bf16 fp16 fp32]
+                                    [--json out.json]
 
 Must run without TRITON_INTERPRET (the interpreter replaces the kernels); the PTX analysis
 (analyse_ptx) imports anywhere.

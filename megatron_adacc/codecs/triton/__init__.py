@@ -10,9 +10,9 @@ the PyTorch reference, one file per kernel family beside it:
 Each encode and decode is one kernel launch (outlier_int4's encode two: the selection, then
 the codes) and allocations; nothing reads a device value on the host. Launch geometry comes
 from launch.py. Inputs outside the kernels' layouts fall back to the reference, which is
-sync-free too: rows of odd width (their code pairs span rows) or wider than launch.MAX_ROW
-(naive_int4's rows are a group, held whole by one program), per-channel scales of an odd
-channel count, integer masks.
+sync-free too: rows of odd width (their code pairs span rows), encodes of rows wider than
+launch.MAX_ROW (naive_int4's rows are a group, held whole by one program), per-channel scales
+of an odd channel count, integer masks.
 """
 
 import torch
@@ -70,7 +70,7 @@ def _sym_decode(packed, scales, shape2d, reduce_dim, dtype, exact=None):
         if width % 2:
             return symmetric.sym_decode(packed, scales, shape2d, reduce_dim, dtype, exact)
         return channel_int4.channel_decode(packed, scales, shape2d, dtype)
-    if width % 2 or width > launch.MAX_ROW:
+    if width % 2:
         return symmetric.sym_decode(packed, scales, shape2d, reduce_dim, dtype, exact)
     if exact is not None and _channel_rows(exact[0], width):
         layout = sym_int4.Layout(rows * width // exact[0], exact[0], exact[0], width)

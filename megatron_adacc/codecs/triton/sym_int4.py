@@ -15,8 +15,8 @@ import triton
 import triton.language as tl
 
 from megatron_adacc.codecs.int4 import MIN_SCALE, dtype_max
-from megatron_adacc.codecs.triton.launch import (FP_FUSION, bits_view, needs_int64, row_tile,
-                                                 tl_dtype)
+from megatron_adacc.codecs.triton.launch import (FP_FUSION, Tile, bits_view, needs_int64,
+                                                 row_tile, tl_dtype)
 from megatron_adacc.codecs.triton.numerics import (bf16_bits_to_float, non_finite, saturate,
                                                    scale_bits, sym_codes, sym_scale, to_output,
                                                    widen)
@@ -96,10 +96,9 @@ def _sym_encode(x_ptr, selected_ptr, index_ptr, packed_ptr, scale_ptr, values_pt
 def _sym_decode(packed_ptr, scale_ptr, index_ptr, values_ptr, out_ptr,
                 rows, width, row_groups, numel, channels, capacity, tensor_rows, dmax,
                 OUT_BF16: tl.constexpr, out_dtype: tl.constexpr, GROUP: tl.constexpr,
-                BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr,
+                BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr, ROW_SCALE: tl.constexpr,
                 EXACT: tl.constexpr, CAPACITY_BLOCK: tl.constexpr, EXACT_SLOTS: tl.constexpr,
-                EXACT_ROWS: tl.constexpr,
-                CHANNEL_MOD: tl.constexpr, INT64: tl.constexpr):
+                EXACT_ROWS: tl.constexpr, CHANNEL_MOD: tl.constexpr, INT64: tl.constexpr):
     row = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     if INT64:
         row = row.to(tl.int64)
@@ -108,10 +107,14 @@ def _sym_decode(packed_ptr, scale_ptr, index_ptr, values_ptr, out_ptr,
     pair_mask = (row < rows)[:, None] & (pair_col < width // 2)[None, :]
     byte = tl.load(packed_ptr + pair, mask=pair_mask, other=0)
     GROUPS: tl.constexpr = BLOCK_COLS // GROUP
-    group = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
-    bits = tl.load(scale_ptr + row[:, None] * row_groups + group[None, :],
-                   mask=(row < rows)[:, None] & (group < row_groups)[None, :], other=0)
-    scale = bf16_bits_to_float(bits)[:, :, None]
+    if ROW_SCALE:  # a row a group, decoded in column blocks (no statistics to hold whole)
+        bits = tl.load(scale_ptr + row, mask=row < rows, other=0)
+        scale = bf16_bits_to_float(bits)[:, None, None]
+    else:
+        group = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
+        bits = tl.load(scale_ptr + row[:, None] * row_groups + group[None, :],
+                       mask=(row < rows)[:, None] & (group < row_groups)[None, :], other=0)
+        scale = bf16_bits_to_float(bits)[:, :, None]
     byte = tl.reshape(byte, [BLOCK_ROWS, GROUPS, GROUP // 2])
     # (code - 8) * scale is exact in fp32; saturating keeps a finite group finite in the
     # output dtype, and a NaN scale (a non-finite group) decodes NaN.
@@ -196,6 +199,9 @@ class Layout:
         self.group = triton.next_power_of_2(width) if group is None else group
         self.row_groups = 1 if group is None else width // group
         self.tile = row_tile(rows, width, self.group)
+        # A decode holds no group statistics: a row-wide group's rows decode in column blocks.
+        self.whole_rows = group is None
+        self.decode_tile = row_tile(rows, width, 2) if self.whole_rows else self.tile
         self.int64 = needs_int64((rows - 1) * stride + width, rows * width)
 
 
@@ -203,12 +209,12 @@ def _capacity_block(capacity: int) -> int:
     return triton.next_power_of_2(max(capacity, 1))
 
 
-def _exact_rows(layout: Layout, channels: int) -> int:
+def _exact_rows(tile: Tile, width: int, channels: int) -> int:
     """Tensor rows (of ``channels``) a program's elements can touch: its tile's rows, or,
     where flat groups cross the rows (CHANNEL_MOD), the rows its element range spans."""
-    if channels == layout.width:
-        return layout.tile.rows
-    return triton.next_power_of_2(-(-layout.tile.rows * layout.width // channels) + 1)
+    if channels == width:
+        return tile.rows
+    return triton.next_power_of_2(-(-tile.rows * width // channels) + 1)
 
 
 def _exact_channels(exact, unused: torch.Tensor, layout: Layout):
@@ -237,7 +243,7 @@ def sym_encode(x: torch.Tensor, layout: Layout, outlier=None):
         BLOCK_ROWS=t.rows, BLOCK_COLS=t.cols, OUTLIER=outlier is not None,
         CAPACITY_BLOCK=_capacity_block(capacity),
         EXACT_SLOTS=min(_capacity_block(capacity), EXACT_SLOTS),
-        EXACT_ROWS=_exact_rows(layout, channels), CHANNEL_MOD=channels != layout.width,
+        EXACT_ROWS=_exact_rows(t, layout.width, channels), CHANNEL_MOD=channels != layout.width,
         INT64=layout.int64, num_warps=t.num_warps, enable_fp_fusion=FP_FUSION)
     return packed, scales
 
@@ -247,17 +253,18 @@ def sym_decode(packed: torch.Tensor, scales: torch.Tensor, layout: Layout, dtype
     """The decoded [rows, width] tensor of ``dtype``. ``exact``: (slot indices int32
     [capacity], their values [rows, capacity], channels), written over the decoded values in
     the same pass."""
-    t = layout.tile
+    t = layout.decode_tile
     out = torch.empty(layout.rows, layout.width, dtype=dtype, device=packed.device)
     index, values, channels, capacity = _exact_channels(exact, scales, layout)
     _sym_decode[t.grid](
         packed, scales.view(torch.int16), index, bits_view(values), bits_view(out), layout.rows,
         layout.width, layout.row_groups, layout.rows * layout.width, channels, capacity,
         values.shape[0], dtype_max(dtype),
-        OUT_BF16=dtype == torch.bfloat16, out_dtype=tl_dtype(dtype), GROUP=layout.group,
-        BLOCK_ROWS=t.rows, BLOCK_COLS=t.cols, EXACT=exact is not None,
+        OUT_BF16=dtype == torch.bfloat16, out_dtype=tl_dtype(dtype),
+        GROUP=t.cols if layout.whole_rows else layout.group, BLOCK_ROWS=t.rows,
+        BLOCK_COLS=t.cols, ROW_SCALE=layout.whole_rows, EXACT=exact is not None,
         CAPACITY_BLOCK=_capacity_block(capacity),
         EXACT_SLOTS=min(_capacity_block(capacity), EXACT_SLOTS),
-        EXACT_ROWS=_exact_rows(layout, channels), CHANNEL_MOD=channels != layout.width,
+        EXACT_ROWS=_exact_rows(t, layout.width, channels), CHANNEL_MOD=channels != layout.width,
         INT64=layout.int64, num_warps=t.num_warps)
     return out
