@@ -319,6 +319,21 @@ def table(reports: list[Report]) -> str:
     return "\n".join(lines)
 
 
+def summary(reports: list[Report]) -> str:
+    """The worst case of each kernel at each target, over its configurations."""
+    head = (f"{'kernel':<16} {'sm':>3} {'configs':>7} {'max regs':>8} {'spill':>5} "
+            f"{'min vec16%':>10} {'div64':>5}")
+    lines = [head, "-" * len(head)]
+    for kernel, cc in sorted({(r.kernel, r.target) for r in reports if not r.error}):
+        group = [r for r in reports if (r.kernel, r.target) == (kernel, cc) and not r.error]
+        shares = [r.vector_share for r in group if r.vector_share is not None]
+        share = f"{100 * min(shares):.0f}" if shares else "-"
+        lines.append(f"{kernel:<16} {cc:>3} {len(group):>7} {max(r.registers for r in group):>8} "
+                     f"{max(r.spill_bytes for r in group):>5} {share:>10} "
+                     f"{sum(len(r.div64) for r in group):>5}")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--targets", type=int, nargs="+", default=list(TARGETS))
@@ -329,6 +344,8 @@ def main(argv=None) -> int:
     reports, launches = check(tuple(args.targets), SITES, {k: DTYPES[k] for k in args.dtypes})
     elapsed = time.perf_counter() - start
     print(table(reports))
+    print()
+    print(summary(reports))
     failed = [r for r in reports if r.error]
     for cc in sorted({r.target for r in failed}):
         print(f"sm_{cc}: Triton {triton.__version__} did not compile "

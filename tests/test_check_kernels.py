@@ -5,8 +5,8 @@ fp16: no spills, at most 128 registers, no 64-bit integer division, activations 
 
 The script runs once per session, in a subprocess: it must import the kernels without
 TRITON_INTERPRET, which this test session sets (conftest.py). Triton's own cache keeps the
-compiled kernels between sessions; a cold run compiles about 90 configurations (~45 s of one
-core).
+compiled kernels between sessions; a cold run compiles 98 configurations (41 s of one core,
+measured with an empty TRITON_CACHE_DIR).
 """
 from __future__ import annotations
 
