@@ -301,19 +301,21 @@ def check(targets=TARGETS, sites=SITES, dtypes=None) -> tuple[list[Report], list
 
 
 def table(reports: list[Report]) -> str:
-    head = (f"{'kernel':<16} {'sm':>3} {'warps':>5} {'regs':>4} {'spill':>5} {'vec16%':>6} "
-            f"{'div64':>5} {'compile s':>9}  config / used by")
+    head = (f"{'kernel':<16} {'sm':>3} {'dtype':<5} {'warps':>5} {'regs':>4} {'spill':>5} "
+            f"{'vec16%':>6} {'div64':>5} {'compile s':>9}  config | used by")
     lines = [head, "-" * len(head)]
     for r in reports:
         config = " ".join(f"{k}={v}" for k, v in r.constexprs.items()
                           if k not in ("IN_BF16", "OUT_BF16"))
         sites = sorted({" ".join(u.split()[:2]) for u in r.used_by})
+        dtype = "/".join(sorted({u.split()[2] for u in r.used_by}))
         if r.error:
-            lines.append(f"{r.kernel:<16} {r.target:>3} {r.num_warps:>5}  not compiled: {r.error}")
+            lines.append(f"{r.kernel:<16} {r.target:>3} {dtype:<5} {r.num_warps:>5}  "
+                         f"not compiled: {r.error}")
             continue
         share = "-" if r.vector_share is None else f"{100 * r.vector_share:.0f}"
         used = "; ".join(sites[:3]) + (" ..." if len(sites) > 3 else "")
-        lines.append(f"{r.kernel:<16} {r.target:>3} {r.num_warps:>5} {r.registers:>4} "
+        lines.append(f"{r.kernel:<16} {r.target:>3} {dtype:<5} {r.num_warps:>5} {r.registers:>4} "
                      f"{r.spill_bytes:>5} {share:>6} {len(r.div64):>5} {r.compile_s:>9.2f}  "
                      f"{config} | {used}")
     return "\n".join(lines)
