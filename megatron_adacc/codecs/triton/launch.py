@@ -1,20 +1,87 @@
-"""Launch geometry and output views shared by the Triton codec wrappers."""
+"""Launch geometry of the Triton codec kernels, from the shape (as the Triton tutorials'
+softmax and layer-norm pick theirs), and the views the wrappers hand them.
+
+Every wrapper asks one of the functions here for its tile and num_warps; nothing else sizes a
+launch, so scripts/check_kernels.py compiles what the codecs really launch by recording the
+launches themselves. Under TRITON_INTERPRET=1 one fixed geometry of large tiles is used: the
+interpreter pays milliseconds per program instance, and num_warps means nothing there.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
 import torch
 import triton
 
-# Elements per program instance: large, because each instance costs milliseconds under the
-# CPU interpreter, and still a sensible tile on a GPU.
-BLOCK_ELEMENTS = 8192
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # Encoders compute x * (1 / scale) + bias with two roundings, as the reference does; a fused
-# multiply-add would round once and change codes at ties.
+# multiply-add would round once and change codes at ties (and the outlier z-scores' sum of
+# squares, the reference's). Decodes need no flag: code * scale is exact in fp32.
 FP_FUSION = False
+# Elements a program instance moves on a GPU: 16 to 32 a thread at 4 to 16 warps keeps two to
+# four 16-byte accesses in flight per thread, which is what streams at bandwidth.
+GPU_TILE = 4096
+# The interpreter's tile: few programs.
+INTERPRET_TILE = 1 << 16
+# Widest column block of a 2-D tile whose columns are channels.
+MAX_BLOCK_COLS = 1024
+# Threads a warp holds; num_warps is tile / (ELEMENTS_PER_THREAD * WARP) within [4, 16].
+WARP = 32
+ELEMENTS_PER_THREAD = 16
+MAX_WARPS = 16
+# The widest row one program takes whole (naive_int4's group): 64 values a thread at 16 warps
+# (32768, Llama-3-70B's fc1 half; checked free of spills). Wider rows spill (at 32 warps a
+# thread may hold only 64 registers): they go to the reference.
+MAX_ROW = 64 * MAX_WARPS * WARP
+INT32_LIMIT = 2**31
 
 
-def row_blocks(rows: int, cols: int):
-    """(grid, rows per program, pairs per row padded to a power of two) for row kernels."""
-    block_pairs = triton.next_power_of_2(max(cols // 2, 1))
-    block_rows = max(1, BLOCK_ELEMENTS // (2 * block_pairs))
-    return (triton.cdiv(rows, block_rows),), block_rows, block_pairs
+@dataclass(frozen=True)
+class Tile:
+    """A 2-D tile: rows x cols elements a program, over a grid of row blocks x column blocks."""
+
+    rows: int
+    cols: int
+    grid: tuple[int, int]
+    num_warps: int
+
+
+def _tile_elements() -> int:
+    return INTERPRET_TILE if INTERPRET else GPU_TILE
+
+
+def warps_for(elements: int) -> int:
+    """num_warps for a program moving ``elements`` values (the layer-norm tutorial's rule:
+    scale with the tile, within [4, 16])."""
+    return min(max(elements // (ELEMENTS_PER_THREAD * WARP), 4), MAX_WARPS)
+
+
+def row_tile(rows: int, width: int, group: int) -> Tile:
+    """The tile of a kernel reducing groups of ``group`` consecutive elements of rows
+    ``width`` wide (``group`` divides ``width``, or is ``width``'s power-of-two ceiling: a whole
+    row a group). Columns: the row, cut into blocks of whole groups at most MAX_BLOCK_COLS
+    wide unless a group is wider; rows: as many as fill the tile."""
+    cols = triton.next_power_of_2(width)
+    if group < cols:
+        cols = max(group, min(cols, MAX_BLOCK_COLS))
+    block_rows = max(1, min(_tile_elements() // cols, triton.next_power_of_2(rows)))
+    grid = (triton.cdiv(rows, block_rows), triton.cdiv(width, cols))
+    return Tile(block_rows, cols, grid, warps_for(block_rows * cols))
+
+
+def flat_tile(numel: int, granule: int = 1) -> Tile:
+    """A 1-D tile over ``numel`` elements in whole granules (a byte's 8 mask flags): rows of
+    granules, one column block."""
+    granules = triton.cdiv(numel, granule)
+    rows = max(1, min(_tile_elements() // granule, triton.next_power_of_2(granules)))
+    return Tile(rows, granule, (triton.cdiv(granules, rows), 1), warps_for(rows * granule))
+
+
+def needs_int64(*extents: int) -> bool:
+    """Whether an element offset (the largest of ``extents``) can reach 2**31: the kernels
+    then index in int64 (a constexpr), else int32."""
+    return max(extents, default=0) >= INT32_LIMIT
 
 
 def bits_view(t: torch.Tensor) -> torch.Tensor:

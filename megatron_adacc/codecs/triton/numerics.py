@@ -1,4 +1,4 @@
-"""Rounding helpers shared by the Triton codec kernels, bit-exact with codecs/int4.py."""
+"""Rounding and NaN helpers shared by the Triton codec kernels, bit-exact with codecs/int4.py."""
 import triton
 import triton.language as tl
 
@@ -14,22 +14,73 @@ def ceil_to_bf16(v):
 @triton.jit
 def to_output(v, OUT_BF16: tl.constexpr, out_dtype: tl.constexpr):
     """fp32 -> output dtype, rounding to nearest even. bf16 is rounded by hand and returned
-    as its int16 bit pattern: the Triton interpreter truncates fp32 -> bf16 casts."""
+    as its int16 bit pattern: the Triton interpreter truncates fp32 -> bf16 casts. NaN gives
+    the quiet NaN 0x7FC0: rounding a GPU's NaN (0x7FFFFFFF) by hand would carry into the sign
+    and give -0."""
     if OUT_BF16:
         bits = v.to(tl.int32, bitcast=True)
-        rounded = bits + 0x7FFF + ((bits >> 16) & 1)
-        return (rounded >> 16).to(tl.int16)
+        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        return tl.where(v != v, 0x7FC0, rounded).to(tl.int16)
     else:
         return v.to(out_dtype)
 
 
 @triton.jit
-def load_float(ptr, mask, BF16_BITS: tl.constexpr):
-    """Values as fp32. bf16 tensors are passed as their int16 bit patterns (launch.bits_view)
-    and widened by hand: the Triton interpreter's bf16 -> fp32 cast flushes subnormals to 0,
-    where a GPU's (a shift) keeps them."""
+def widen(raw, BF16_BITS: tl.constexpr):
+    """Loaded values as fp32. bf16 tensors are passed as their int16 bit patterns
+    (launch.bits_view) and widened by hand: the Triton interpreter's bf16 -> fp32 cast flushes
+    subnormals to 0, where a GPU's (a shift) keeps them."""
     if BF16_BITS:
-        bits = tl.load(ptr, mask=mask, other=0).to(tl.int32) << 16
-        return bits.to(tl.float32, bitcast=True)
+        return (raw.to(tl.int32) << 16).to(tl.float32, bitcast=True)
     else:
-        return tl.load(ptr, mask=mask, other=0.0).to(tl.float32)
+        return raw.to(tl.float32)
+
+
+@triton.jit
+def load_float(ptr, mask, BF16_BITS: tl.constexpr):
+    """Values at ``ptr`` as fp32 (widen); masked lanes read 0."""
+    return widen(tl.load(ptr, mask=mask, other=0), BF16_BITS)
+
+
+@triton.jit
+def non_finite(v):
+    """1 where v is NaN or +-Inf, else 0 (int32): v * 0 is NaN exactly there."""
+    return ((v * 0.0) != 0.0).to(tl.int32)
+
+
+@triton.jit
+def scale_bits(scale, bad):
+    """bf16 bits (int16) of an fp32 scale that is bf16-exact (ceil_to_bf16), or of NaN where
+    ``bad``: stored by hand, as a GPU's cvt would canonicalise NaN to 0x7FFF."""
+    bits = scale.to(tl.int32, bitcast=True) >> 16
+    return tl.where(bad, 0x7FC0, bits).to(tl.int16)
+
+
+@triton.jit
+def bf16_bits_to_float(bits):
+    """fp32 value of bf16 bits (int16), widened by a shift (subnormals kept)."""
+    return (bits.to(tl.int32) << 16).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def saturate(v, dmax):
+    """v clamped to [-dmax, dmax], NaN passing through (comparisons with NaN are false)."""
+    return tl.where(v > dmax, dmax, tl.where(v < -dmax, -dmax, v))
+
+
+@triton.jit
+def sym_scale(lo, hi, min_scale):
+    """Signed fp32 scales from group minima and maxima (symmetric.sym_scales), finite groups'."""
+    negative_extreme = -lo >= hi
+    extreme = tl.where(negative_extreme, -lo, hi)
+    opposite = tl.where(negative_extreme, hi, -lo)
+    unrounded = tl.maximum(tl.div_rn(extreme, 8.0), tl.div_rn(opposite, 7.5))
+    magnitude = tl.maximum(ceil_to_bf16(unrounded), min_scale)
+    return tl.where(negative_extreme, magnitude, -magnitude)
+
+
+@triton.jit
+def sym_codes(x, inverse, bad):
+    """int4 codes (uint8, 8 = zero) of x * inverse (1 / scale), the zero code in bad groups."""
+    code = tl.minimum(tl.maximum(tl.floor(x * inverse + 8.5), 0.0), 15.0)
+    return tl.where(bad, 8.0, code).to(tl.uint8)

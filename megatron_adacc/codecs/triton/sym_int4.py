@@ -1,159 +1,270 @@
-"""Symmetric int4, one scale per row of a [rows, cols] view (cols even): the Triton twin of
-codecs/symmetric.py for reduce_dim=1 (flat groups and per-token scales), and the outlier
-codec's channel statistics and exact channels around it. The encode reads its groups where
-they lie, in rows a stride apart too (int4.row_layout)."""
+"""Symmetric int4 with one scale per group of consecutive elements of a row: the Triton twin
+of codecs/symmetric.py for sym_int4's flat groups, naive_int4's whole rows and outlier_int4's
+inliers (with its exact channels taken in the encoding pass and written back in the decoding
+pass). One encode kernel, one decode kernel.
+
+The input is seen as [rows, width] rows ``stride`` apart (a view's rows read where they lie);
+a tile is [BLOCK_ROWS, BLOCK_COLS] of whole groups, loaded as unit-stride vectors, reshaped to
+[rows, groups, group] for the group statistics and split into even and odd elements for the
+nibble pairs. Exact channels that are not columns of the tile (CHANNEL_MOD: flat groups of
+a tensor whose channels are no multiple of the group) take a slower index path, which no
+model site's shape reaches.
+"""
 import torch
 import triton
 import triton.language as tl
 
-from megatron_adacc.codecs.int4 import MIN_SCALE
-from megatron_adacc.codecs.triton.launch import BLOCK_ELEMENTS, FP_FUSION, bits_view, row_blocks, tl_dtype
-from megatron_adacc.codecs.triton.numerics import ceil_to_bf16, load_float, to_output
+from megatron_adacc.codecs.int4 import MIN_SCALE, dtype_max
+from megatron_adacc.codecs.triton.launch import (FP_FUSION, Tile, bits_view, needs_int64,
+                                                 row_tile, tl_dtype)
+from megatron_adacc.codecs.triton.numerics import (bf16_bits_to_float, non_finite, saturate,
+                                                   scale_bits, sym_codes, sym_scale, to_output,
+                                                   widen)
+
+
+# Exact channels a program copies at once (a column block of 1024 channels at outlier_int4's
+# default capacity, one in 64, holds 16: two passes). 16 made ptxas spill 4 bytes of the fp32
+# encode for sm_80 at 48 registers (scripts/check_kernels.py).
+EXACT_SLOTS = 8
 
 
 @triton.jit
-def _channel_abs_sums(x_ptr, sums_ptr, rows, cols, stride, IN_BF16: tl.constexpr, BLOCK_ROWS: tl.constexpr,
-                      BLOCK_COLS: tl.constexpr):
-    col = tl.program_id(0) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
-    total = tl.zeros([BLOCK_COLS], dtype=tl.float64)
-    for r0 in range(0, rows, BLOCK_ROWS):
-        row = r0 + tl.arange(0, BLOCK_ROWS)
-        mask = (row < rows)[:, None] & (col < cols)[None, :]
-        v = load_float(x_ptr + row[:, None].to(tl.int64) * stride + col[None, :], mask, IN_BF16)
-        total += tl.sum(tl.abs(v).to(tl.float64), axis=0)
-    tl.store(sums_ptr + col, total, mask=col < cols)
-
-
-@triton.jit
-def _kept(v, element, zeroed_ptr, channels, ZEROED: tl.constexpr):
-    """v, or +0 where the element's channel is zeroed (int4.zero_channels), read from the
-    channel mask as the element is loaded: no zeroed copy of the tensor."""
-    if ZEROED:
-        zeroed = tl.load(zeroed_ptr + element % channels) != 0
-        return tl.where(zeroed, 0.0, v)
-    else:
-        return v
-
-
-@triton.jit
-def _address(element, channels, stride, STRIDED: tl.constexpr):
-    """Where element `element` of the input seen as rows of `channels` values lies, the rows
-    `stride` apart (int4.row_layout)."""
-    if STRIDED:
-        return element // channels * stride + element % channels
-    else:
-        return element
-
-
-@triton.jit
-def _sym_encode_rows(x_ptr, zeroed_ptr, packed_ptr, scale_ptr, ok_ptr, rows, cols, channels, stride, dmax,
-                     min_scale, IN_BF16: tl.constexpr, ZEROED: tl.constexpr, STRIDED: tl.constexpr,
-                     BLOCK_ROWS: tl.constexpr, BLOCK_PAIRS: tl.constexpr):
+def _sym_encode(x_ptr, selected_ptr, index_ptr, packed_ptr, scale_ptr, values_ptr,
+                rows, width, stride, row_groups, channels, capacity, tensor_rows, min_scale,
+                IN_BF16: tl.constexpr, GROUP: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+                BLOCK_COLS: tl.constexpr, OUTLIER: tl.constexpr, CAPACITY_BLOCK: tl.constexpr,
+                EXACT_SLOTS: tl.constexpr, EXACT_ROWS: tl.constexpr, CHANNEL_MOD: tl.constexpr,
+                INT64: tl.constexpr):
     row = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
-    pair = tl.arange(0, BLOCK_PAIRS)
-    in_row = row < rows
-    mask = in_row[:, None] & (pair[None, :] < cols // 2)
-    offset = row[:, None].to(tl.int64) * cols + 2 * pair[None, :]
-    at = x_ptr + _address(offset, channels, stride, STRIDED)  # a pair never spans two rows
+    col = tl.program_id(1) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
+    if INT64:
+        row = row.to(tl.int64)
+    mask = (row < rows)[:, None] & (col < width)[None, :]
     # Padding lanes read 0, which changes no group's scale (see symmetric.sym_scales).
-    even = _kept(load_float(at, mask, IN_BF16), offset, zeroed_ptr, channels, ZEROED)
-    odd = _kept(load_float(at + 1, mask, IN_BF16), offset + 1, zeroed_ptr, channels, ZEROED)
+    raw = tl.load(x_ptr + row[:, None] * stride + col[None, :], mask=mask, other=0)
+    x = widen(raw, IN_BF16)
+    if OUTLIER:
+        # The selected channels go exact into their slot's column and are zeroed for the
+        # int4 pass.
+        if CHANNEL_MOD:
+            element = row[:, None] * width + col[None, :]
+            slot = _slot_of(element % channels, index_ptr, capacity, CAPACITY_BLOCK)
+            tensor_row = element // channels
+            tl.store(values_ptr + tensor_row * capacity + slot, raw, mask=mask & (slot >= 0))
+            x = tl.where(slot >= 0, 0.0, x)
+        else:  # a tile's columns are channels: the selection's mask, one load a column
+            chosen = tl.load(selected_ptr + col, mask=col < width, other=0) != 0
+            x = tl.where(chosen[None, :], 0.0, x)
+            _copy_exact_run(x_ptr, stride, values_ptr, index_ptr, row, rows, capacity,
+                            tl.program_id(1) * BLOCK_COLS, BLOCK_COLS, CAPACITY_BLOCK, EXACT_SLOTS,
+                            TO_VALUES=True)
+        # Empty slots' columns hold +0: each tensor row's by the program holding its start.
+        slot = tl.arange(0, CAPACITY_BLOCK)
+        empty = (tl.load(index_ptr + slot, mask=slot < capacity, other=0) < 0)[None, :]
+        if CHANNEL_MOD:
+            first = tl.min(row, axis=0) * width  # the program's first element, offsets' type
+            starts = (first + channels - 1) // channels + tl.arange(0, EXACT_ROWS)
+            owned = (starts * channels < first + BLOCK_ROWS * width) & (starts < tensor_rows)
+        else:
+            starts = row
+            owned = (row < rows) & (row * 0 + tl.program_id(1) == 0)  # a block: see outlier_select
+        tl.store(values_ptr + starts[:, None] * capacity + slot[None, :],
+                 tl.zeros([EXACT_ROWS, CAPACITY_BLOCK], raw.dtype), mask=owned[:, None] & empty)
 
-    non_finite = (even != even) | (tl.abs(even) == float("inf")) | (odd != odd) | (tl.abs(odd) == float("inf"))
-    finite_row = tl.sum(non_finite.to(tl.int32), axis=1) == 0
-    lo = tl.min(tl.minimum(even, odd), axis=1)
-    hi = tl.max(tl.maximum(even, odd), axis=1)
-    negative_extreme = -lo >= hi
-    extreme = tl.where(negative_extreme, -lo, hi)
-    opposite = tl.where(negative_extreme, hi, -lo)
-    magnitude = tl.maximum(ceil_to_bf16(tl.maximum(tl.div_rn(extreme, 8.0), tl.div_rn(opposite, 7.5))), min_scale)
-    ok = finite_row & (magnitude * 8 <= dmax)
-    scale = tl.where(ok, tl.where(negative_extreme, magnitude, -magnitude), 0.0)
+    GROUPS: tl.constexpr = BLOCK_COLS // GROUP
+    bad = tl.max(tl.reshape(non_finite(x), [BLOCK_ROWS, GROUPS, GROUP]), axis=2) > 0
+    grouped = tl.reshape(x, [BLOCK_ROWS, GROUPS, GROUP])
+    lo = tl.min(grouped, axis=2)
+    hi = tl.max(grouped, axis=2)
+    scale = sym_scale(lo, hi, min_scale)
+    inverse = tl.div_rn(1.0, tl.where(bad, 1.0, scale))[:, :, None]
 
-    inverse = tl.div_rn(1.0, tl.where(ok, scale, 1.0))[:, None]
-    code_even = tl.minimum(tl.maximum(tl.floor(even * inverse + 8.5), 0.0), 15.0)
-    code_odd = tl.minimum(tl.maximum(tl.floor(odd * inverse + 8.5), 0.0), 15.0)
-    code_even = tl.where(ok[:, None], code_even, 8.0).to(tl.uint8)
-    code_odd = tl.where(ok[:, None], code_odd, 8.0).to(tl.uint8)
-    tl.store(packed_ptr + row[:, None].to(tl.int64) * (cols // 2) + pair[None, :], code_even | (code_odd << 4), mask=mask)
-    tl.store(scale_ptr + row, scale.to(tl.bfloat16), mask=in_row)
-    tl.store(ok_ptr + row, ok.to(tl.int8), mask=in_row)
+    even, odd = tl.split(tl.reshape(x, [BLOCK_ROWS, GROUPS, GROUP // 2, 2]))
+    code_even = sym_codes(even, inverse, bad[:, :, None])
+    code_odd = sym_codes(odd, inverse, bad[:, :, None])
+    byte = tl.reshape(code_even | (code_odd << 4), [BLOCK_ROWS, BLOCK_COLS // 2])
+    pair_col = tl.program_id(1) * (BLOCK_COLS // 2) + tl.arange(0, BLOCK_COLS // 2)
+    pair = row[:, None] * (width // 2) + pair_col[None, :]
+    pair_mask = (row < rows)[:, None] & (pair_col < width // 2)[None, :]
+    tl.store(packed_ptr + pair, byte, mask=pair_mask)
+    group = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
+    tl.store(scale_ptr + row[:, None] * row_groups + group[None, :], scale_bits(scale, bad),
+             mask=(row < rows)[:, None] & (group < row_groups)[None, :])
 
 
 @triton.jit
-def _exact_or(decoded, element, slot_ptr, values_ptr, channels, n_exact, numel, EXACT: tl.constexpr):
-    """decoded, or the exact value where the element's channel is an exact one (slot >= 0: its
-    column in values, rows of n_exact), written in the decoding pass."""
-    if EXACT:
-        in_tensor = element < numel
-        slot = tl.load(slot_ptr + element % channels, mask=in_tensor, other=-1)
-        exact = slot >= 0
-        value = tl.load(values_ptr + (element // channels) * n_exact + slot, mask=exact, other=0)
-        return tl.where(exact, value, decoded)
-    else:
-        return decoded
-
-
-@triton.jit
-def _sym_decode_rows(packed_ptr, scale_ptr, slot_ptr, values_ptr, out_ptr, rows, cols, channels, n_exact, numel,
-                     OUT_BF16: tl.constexpr, out_dtype: tl.constexpr, EXACT: tl.constexpr,
-                     BLOCK_ROWS: tl.constexpr, BLOCK_PAIRS: tl.constexpr):
+def _sym_decode(packed_ptr, scale_ptr, index_ptr, values_ptr, out_ptr,
+                rows, width, row_groups, numel, channels, capacity, tensor_rows, dmax,
+                OUT_BF16: tl.constexpr, out_dtype: tl.constexpr, GROUP: tl.constexpr,
+                BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr, ROW_SCALE: tl.constexpr,
+                EXACT: tl.constexpr, CAPACITY_BLOCK: tl.constexpr, EXACT_SLOTS: tl.constexpr,
+                EXACT_ROWS: tl.constexpr, CHANNEL_MOD: tl.constexpr, INT64: tl.constexpr):
     row = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
-    pair = tl.arange(0, BLOCK_PAIRS)
-    mask = (row < rows)[:, None] & (pair[None, :] < cols // 2)
-    byte = tl.load(packed_ptr + row[:, None].to(tl.int64) * (cols // 2) + pair[None, :], mask=mask, other=0)
-    scale = tl.load(scale_ptr + row, mask=row < rows, other=0.0).to(tl.float32)[:, None]
-    even = to_output(((byte & 15).to(tl.float32) - 8) * scale, OUT_BF16, out_dtype)
-    odd = to_output(((byte >> 4).to(tl.float32) - 8) * scale, OUT_BF16, out_dtype)
-    offset = row[:, None].to(tl.int64) * cols + 2 * pair[None, :]
-    even = _exact_or(even, offset, slot_ptr, values_ptr, channels, n_exact, numel, EXACT)
-    odd = _exact_or(odd, offset + 1, slot_ptr, values_ptr, channels, n_exact, numel, EXACT)
-    tl.store(out_ptr + offset, even, mask=mask)
-    tl.store(out_ptr + offset + 1, odd, mask=mask)
-
-
-def channel_abs_sums(x2d: torch.Tensor) -> torch.Tensor:
-    """outlier.channel_abs_sums in one read of x2d (its rows dense, a stride apart): columns in
-    blocks, each program walks down the rows adding in float64 (no |x| temporary)."""
-    rows, cols = x2d.shape
-    sums = torch.empty(cols, dtype=torch.float64, device=x2d.device)
-    block_cols = min(triton.next_power_of_2(max(cols, 1)), 256)
-    block_rows = max(1, BLOCK_ELEMENTS // block_cols)
-    _channel_abs_sums[(triton.cdiv(cols, block_cols),)](bits_view(x2d), sums, rows, cols, x2d.stride(0),
-                                                        IN_BF16=x2d.dtype == torch.bfloat16,
-                                                        BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols)
-    return sums
-
-
-def sym_encode_rows(x: torch.Tensor, layout, dmax: float, zeroed=None):
-    """The groups of ``x`` as int4.row_layout gives them (``layout``); `zeroed`: (channels,
-    bool mask), channels encoded as zeros (int4.zero_channels)."""
-    rows, cols, channels, stride = layout
-    packed = torch.empty(rows * cols // 2, dtype=torch.uint8, device=x.device)
-    scales = torch.empty(rows, dtype=torch.bfloat16, device=x.device)
-    ok = torch.empty(rows, dtype=torch.int8, device=x.device)
-    mask = zeroed[1] if zeroed is not None else ok  # not read without ZEROED
-    grid, block_rows, block_pairs = row_blocks(rows, cols)
-    _sym_encode_rows[grid](bits_view(x), mask.view(torch.int8), packed, scales, ok, rows, cols, channels, stride,
-                           dmax, MIN_SCALE, IN_BF16=x.dtype == torch.bfloat16, ZEROED=zeroed is not None,
-                           STRIDED=stride != channels, BLOCK_ROWS=block_rows, BLOCK_PAIRS=block_pairs,
-                           enable_fp_fusion=FP_FUSION)
-    return packed, scales, ok.bool()
-
-
-def sym_decode_rows(packed: torch.Tensor, scales: torch.Tensor, shape2d, dtype: torch.dtype, exact=None) -> torch.Tensor:
-    """`exact`: (channels, index, values), the outlier codec's exact channels (outlier.put_columns)."""
-    rows, cols = shape2d
-    out = torch.empty(shape2d, dtype=dtype, device=packed.device)
-    if exact is not None:
-        channels, index, values = exact
-        slot = torch.full((channels,), -1, dtype=torch.int32, device=packed.device)
-        slot.index_copy_(0, index, torch.arange(index.numel(), dtype=torch.int32, device=packed.device))
-        n_exact, numel, values = index.numel(), values.shape[0] * channels, bits_view(values.contiguous())
+    if INT64:
+        row = row.to(tl.int64)
+    pair_col = tl.program_id(1) * (BLOCK_COLS // 2) + tl.arange(0, BLOCK_COLS // 2)
+    pair = row[:, None] * (width // 2) + pair_col[None, :]
+    pair_mask = (row < rows)[:, None] & (pair_col < width // 2)[None, :]
+    byte = tl.load(packed_ptr + pair, mask=pair_mask, other=0)
+    GROUPS: tl.constexpr = BLOCK_COLS // GROUP
+    if ROW_SCALE:  # a row a group, decoded in column blocks (no statistics to hold whole)
+        bits = tl.load(scale_ptr + row, mask=row < rows, other=0)
+        scale = bf16_bits_to_float(bits)[:, None, None]
     else:
-        channels, slot, n_exact, numel, values = 1, scales, 0, 0, out  # not read without EXACT
-    grid, block_rows, block_pairs = row_blocks(rows, cols)
-    _sym_decode_rows[grid](packed, scales, slot, values, bits_view(out), rows, cols, channels, n_exact, numel,
-                           OUT_BF16=dtype == torch.bfloat16, out_dtype=tl_dtype(dtype), EXACT=exact is not None,
-                           BLOCK_ROWS=block_rows, BLOCK_PAIRS=block_pairs)
+        group = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
+        bits = tl.load(scale_ptr + row[:, None] * row_groups + group[None, :],
+                       mask=(row < rows)[:, None] & (group < row_groups)[None, :], other=0)
+        scale = bf16_bits_to_float(bits)[:, :, None]
+    byte = tl.reshape(byte, [BLOCK_ROWS, GROUPS, GROUP // 2])
+    # (code - 8) * scale is exact in fp32; saturating keeps a finite group finite in the
+    # output dtype, and a NaN scale (a non-finite group) decodes NaN.
+    even = saturate(((byte & 15).to(tl.float32) - 8) * scale, dmax)
+    odd = saturate(((byte >> 4).to(tl.float32) - 8) * scale, dmax)
+    value = tl.reshape(tl.interleave(even, odd), [BLOCK_ROWS, BLOCK_COLS])
+    value = to_output(value, OUT_BF16, out_dtype)
+    col = tl.program_id(1) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
+    mask = (row < rows)[:, None] & (col < width)[None, :]
+    tl.store(out_ptr + row[:, None] * width + col[None, :], value, mask=mask)
+    if EXACT:
+        # The exact channels of this tile's elements, written over the decoded ones by the
+        # same program after a barrier (no other program writes these elements).
+        tl.debug_barrier()
+        if CHANNEL_MOD:
+            slot = tl.arange(0, CAPACITY_BLOCK)
+            index = tl.load(index_ptr + slot, mask=slot < capacity, other=-1)
+            first = tl.min(row, axis=0) * width  # the program's first element
+            end = tl.minimum(first + BLOCK_ROWS * width, numel)
+            tensor_row = first // channels + tl.arange(0, EXACT_ROWS)
+            target = tensor_row[:, None] * channels + index[None, :]
+            ok = (index >= 0)[None, :] & (target >= first) & (target < end)
+            ok = ok & (tensor_row < tensor_rows)[:, None]
+            at = tensor_row[:, None] * capacity + slot[None, :]
+            exact = tl.load(values_ptr + at, mask=ok, other=0)
+            tl.store(out_ptr + target, exact, mask=ok)
+        else:
+            _copy_exact_run(out_ptr, width, values_ptr, index_ptr, row, rows, capacity,
+                            tl.program_id(1) * BLOCK_COLS, BLOCK_COLS, CAPACITY_BLOCK, EXACT_SLOTS,
+                            TO_VALUES=False)
+
+
+@triton.jit
+def _copy_exact_run(tensor_ptr, stride, values_ptr, index_ptr, row, rows, capacity, start,
+                    BLOCK_COLS: tl.constexpr, CAPACITY_BLOCK: tl.constexpr,
+                    EXACT_SLOTS: tl.constexpr, TO_VALUES: tl.constexpr):
+    """Copy the exact channels among columns [start, start + BLOCK_COLS) of ``row`` between
+    the tensor (rows ``stride`` apart) and their slots' columns of the values ([rows,
+    capacity]). They are a run of the ascending slot indices, found by two searches and
+    copied EXACT_SLOTS at a time (one pass unless the block holds more exact channels)."""
+    first_slot = _lower_bound(start, index_ptr, capacity, CAPACITY_BLOCK)
+    end_slot = _lower_bound(start + BLOCK_COLS, index_ptr, capacity, CAPACITY_BLOCK)
+    for first in range(first_slot, end_slot, EXACT_SLOTS):
+        slot = first + tl.arange(0, EXACT_SLOTS)
+        index = tl.load(index_ptr + slot, mask=slot < end_slot, other=0)
+        ok = (row < rows)[:, None] & (slot < end_slot)[None, :]
+        in_tensor = tensor_ptr + row[:, None] * stride + index[None, :]
+        in_values = values_ptr + row[:, None] * capacity + slot[None, :]
+        if TO_VALUES:
+            tl.store(in_values, tl.load(in_tensor, mask=ok, other=0), mask=ok)
+        else:
+            tl.store(in_tensor, tl.load(in_values, mask=ok, other=0), mask=ok)
+
+
+@triton.jit
+def _lower_bound(channel, index_ptr, capacity, CAPACITY_BLOCK: tl.constexpr):
+    """How many used slots hold a channel below ``channel`` (the slot indices ascend, empty
+    slots, -1, at the end): a binary search, log2(CAPACITY_BLOCK) + 1 gathers of the index."""
+    position = tl.zeros_like(channel)
+    for level in tl.static_range(CAPACITY_BLOCK.bit_length()):  # steps up to 2 x block - 1
+        probe = position + (CAPACITY_BLOCK >> level)
+        below = tl.load(index_ptr + probe - 1, mask=probe <= capacity, other=-1)
+        below = tl.where(below < 0, 2147483647, below)  # an empty slot sorts last
+        position = tl.where(below < channel, probe, position)
+    return position
+
+
+@triton.jit
+def _slot_of(channel, index_ptr, capacity, CAPACITY_BLOCK: tl.constexpr):
+    """The slot holding each ``channel`` in the ascending slot indices, or -1."""
+    position = _lower_bound(channel, index_ptr, capacity, CAPACITY_BLOCK)
+    found = tl.load(index_ptr + position, mask=position < capacity, other=-1)
+    return tl.where(found == channel, position, -1)
+
+
+class Layout:
+    """How the sym kernels see a tensor: [rows, width] (width even), rows ``stride`` elements
+    apart, cut into groups of ``group`` elements (None: a whole row a group)."""
+
+    def __init__(self, rows: int, width: int, stride: int, group: int | None = None):
+        self.rows, self.width, self.stride = rows, width, stride
+        self.group = triton.next_power_of_2(width) if group is None else group
+        self.row_groups = 1 if group is None else width // group
+        self.tile = row_tile(rows, width, self.group)
+        # A decode holds no group statistics: a row-wide group's rows decode in column blocks.
+        self.whole_rows = group is None
+        self.decode_tile = row_tile(rows, width, 2) if self.whole_rows else self.tile
+        self.int64 = needs_int64((rows - 1) * stride + width, rows * width)
+
+
+def _capacity_block(capacity: int) -> int:
+    return triton.next_power_of_2(max(capacity, 1))
+
+
+def _exact_rows(tile: Tile, width: int, channels: int) -> int:
+    """Tensor rows (of ``channels``) a program's elements can touch: its tile's rows, or,
+    where flat groups cross the rows (CHANNEL_MOD), the rows its element range spans."""
+    if channels == width:
+        return tile.rows
+    return triton.next_power_of_2(-(-tile.rows * width // channels) + 1)
+
+
+def _exact_channels(exact, unused: torch.Tensor, layout: Layout):
+    """(slot indices, values, channels, capacity) of outlier_int4's exact channels, given as
+    (slot indices, values, channels, ...); without them, placeholders the kernels never read."""
+    if exact is None:
+        return unused, unused, layout.width, 0
+    index, values, channels = exact[:3]
+    return index, values, channels, index.numel()
+
+
+def sym_encode(x: torch.Tensor, layout: Layout, outlier=None):
+    """-> (packed codes, bf16 scales) of ``x`` seen through ``layout``. ``outlier``: (slot
+    indices int32 [capacity], [rows, capacity] output of their exact values, channels, the
+    selected channels' bool mask), as outlier_select gives them: those channels are copied
+    to their slot and encoded as zeros."""
+    t = layout.tile
+    packed = torch.empty(layout.rows * layout.width // 2, dtype=torch.uint8, device=x.device)
+    scales = torch.empty(layout.rows * layout.row_groups, dtype=torch.bfloat16, device=x.device)
+    index, values, channels, capacity = _exact_channels(outlier, scales, layout)
+    selected = scales if outlier is None else outlier[3].view(torch.int8)  # read with OUTLIER
+    _sym_encode[t.grid](
+        bits_view(x), selected, index, packed, scales.view(torch.int16), bits_view(values),
+        layout.rows, layout.width, layout.stride, layout.row_groups, channels, capacity,
+        values.shape[0], MIN_SCALE, IN_BF16=x.dtype == torch.bfloat16, GROUP=layout.group,
+        BLOCK_ROWS=t.rows, BLOCK_COLS=t.cols, OUTLIER=outlier is not None,
+        CAPACITY_BLOCK=_capacity_block(capacity),
+        EXACT_SLOTS=min(_capacity_block(capacity), EXACT_SLOTS),
+        EXACT_ROWS=_exact_rows(t, layout.width, channels), CHANNEL_MOD=channels != layout.width,
+        INT64=layout.int64, num_warps=t.num_warps, enable_fp_fusion=FP_FUSION)
+    return packed, scales
+
+
+def sym_decode(packed: torch.Tensor, scales: torch.Tensor, layout: Layout, dtype: torch.dtype,
+               exact=None) -> torch.Tensor:
+    """The decoded [rows, width] tensor of ``dtype``. ``exact``: (slot indices int32
+    [capacity], their values [rows, capacity], channels), written over the decoded values in
+    the same pass."""
+    t = layout.decode_tile
+    out = torch.empty(layout.rows, layout.width, dtype=dtype, device=packed.device)
+    index, values, channels, capacity = _exact_channels(exact, scales, layout)
+    _sym_decode[t.grid](
+        packed, scales.view(torch.int16), index, bits_view(values), bits_view(out), layout.rows,
+        layout.width, layout.row_groups, layout.rows * layout.width, channels, capacity,
+        values.shape[0], dtype_max(dtype),
+        OUT_BF16=dtype == torch.bfloat16, out_dtype=tl_dtype(dtype),
+        GROUP=t.cols if layout.whole_rows else layout.group, BLOCK_ROWS=t.rows,
+        BLOCK_COLS=t.cols, ROW_SCALE=layout.whole_rows, EXACT=exact is not None,
+        CAPACITY_BLOCK=_capacity_block(capacity),
+        EXACT_SLOTS=min(_capacity_block(capacity), EXACT_SLOTS),
+        EXACT_ROWS=_exact_rows(t, layout.width, channels), CHANNEL_MOD=channels != layout.width,
+        INT64=layout.int64, num_warps=t.num_warps)
     return out

@@ -1,0 +1,168 @@
+"""Symmetric int4 with one scale per channel (column) of [rows, channels]: the Triton twin of
+codecs/symmetric.py for reduce_dim=0 (channel_int4). One encode kernel, one decode kernel.
+
+A channel's scale needs every row before any of its codes, so the encode launches programs
+of two kinds, told apart by a ticket each draws as it starts (not its program id): the first
+`stat_programs` tickets take the column minima and maxima of a chunk of rows, and the last of
+them to finish turns them into scales; every later ticket codes a tile once the scales are
+out. A coder only waits on programs that drew earlier tickets, so those are running already:
+the wait cannot deadlock however many programs the GPU holds (the forward-progress argument
+of decoupled look-back scans), and the interpreter, which runs programs one by one in order,
+never waits. The input is read twice (statistics, then codes), with no other launch.
+"""
+import torch
+import triton
+import triton.language as tl
+
+from megatron_adacc.codecs.int4 import MIN_SCALE, dtype_max
+from megatron_adacc.codecs.triton.launch import (FP_FUSION, INTERPRET, bits_view, needs_int64,
+                                                 row_tile, tl_dtype)
+from megatron_adacc.codecs.triton.numerics import (bf16_bits_to_float, load_float, non_finite,
+                                                   saturate, scale_bits, sym_codes, sym_scale,
+                                                   to_output)
+
+# Row chunks the statistics are split into: enough programs to fill a GPU; few interpreted.
+STAT_CHUNKS = 4 if INTERPRET else 256
+
+
+@triton.jit
+def _channel_encode(x_ptr, counter_ptr, lo_ptr, hi_ptr, bad_ptr, scale32_ptr, packed_ptr, scale_ptr,
+                    rows, channels, col_blocks, chunks, chunk_rows, min_scale,
+                    IN_BF16: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr,
+                    INT64: tl.constexpr):
+    ticket = tl.atomic_add(counter_ptr, 1)
+    stat_programs = chunks * col_blocks
+    if ticket < stat_programs:
+        chunk = ticket // col_blocks
+        col = (ticket % col_blocks) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
+        lo = tl.full([BLOCK_COLS], float("inf"), tl.float32)
+        hi = tl.full([BLOCK_COLS], -float("inf"), tl.float32)
+        bad = tl.zeros([BLOCK_COLS], tl.int32)
+        end = tl.minimum(rows, (chunk + 1) * chunk_rows)
+        for first in range(chunk * chunk_rows, end, BLOCK_ROWS):
+            row = first + tl.arange(0, BLOCK_ROWS)
+            if INT64:
+                row = row.to(tl.int64)
+            mask = (row < rows)[:, None] & (col < channels)[None, :]
+            x = load_float(x_ptr + row[:, None] * channels + col[None, :], mask, IN_BF16)
+            lo = tl.minimum(lo, tl.min(tl.where(mask, x, float("inf")), axis=0))
+            hi = tl.maximum(hi, tl.max(tl.where(mask, x, -float("inf")), axis=0))
+            bad = tl.maximum(bad, tl.max(non_finite(x), axis=0))
+        partial = chunk * channels + col
+        tl.store(lo_ptr + partial, lo, mask=col < channels)
+        tl.store(hi_ptr + partial, hi, mask=col < channels)
+        tl.store(bad_ptr + partial, bad, mask=col < channels)
+        tl.debug_barrier()
+        if tl.atomic_add(counter_ptr + 1, 1) == stat_programs - 1:
+            _channel_scales(lo_ptr, hi_ptr, bad_ptr, scale32_ptr, scale_ptr, channels, chunks,
+                            min_scale, BLOCK_ROWS, BLOCK_COLS)
+            tl.debug_barrier()
+            tl.atomic_add(counter_ptr + 1, 1)  # the scales are out
+    else:
+        tile = ticket - stat_programs
+        row = (tile // col_blocks) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+        if INT64:
+            row = row.to(tl.int64)
+        col = (tile % col_blocks) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
+        mask = (row < rows)[:, None] & (col < channels)[None, :]
+        x = load_float(x_ptr + row[:, None] * channels + col[None, :], mask, IN_BF16)
+        # Spin on plain reads (an atomic would queue behind every other spinner's), then one
+        # acquiring atomic orders the scales' stores before the reads below.
+        while tl.load(counter_ptr + 1, volatile=True) <= stat_programs:
+            pass
+        tl.atomic_add(counter_ptr + 1, 0)
+        scale = tl.load(scale32_ptr + col, mask=col < channels, other=1.0, volatile=True)
+        inverse = tl.div_rn(1.0, tl.where(scale != scale, 1.0, scale))
+        inverse = tl.where(scale != scale, float("nan"), inverse)  # NaN marks a bad channel
+        inverse_even, inverse_odd = tl.split(tl.reshape(inverse, [BLOCK_COLS // 2, 2]))
+        even, odd = tl.split(tl.reshape(x, [BLOCK_ROWS, BLOCK_COLS // 2, 2]))
+        code_even = sym_codes(even, inverse_even[None, :], (inverse_even != inverse_even)[None, :])
+        code_odd = sym_codes(odd, inverse_odd[None, :], (inverse_odd != inverse_odd)[None, :])
+        pair_col = (tile % col_blocks) * (BLOCK_COLS // 2) + tl.arange(0, BLOCK_COLS // 2)
+        pair_mask = (row < rows)[:, None] & (pair_col < channels // 2)[None, :]
+        tl.store(packed_ptr + row[:, None] * (channels // 2) + pair_col[None, :],
+                 code_even | (code_odd << 4), mask=pair_mask)
+
+
+@triton.jit
+def _channel_scales(lo_ptr, hi_ptr, bad_ptr, scale32_ptr, scale_ptr, channels, chunks, min_scale,
+                    BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr):
+    """Every channel's scale (symmetric.sym_scales) from the chunks' minima and maxima."""
+    for first_col in range(0, channels, BLOCK_COLS):
+        col = first_col + tl.arange(0, BLOCK_COLS)
+        lo = tl.full([BLOCK_COLS], float("inf"), tl.float32)
+        hi = tl.full([BLOCK_COLS], -float("inf"), tl.float32)
+        bad = tl.zeros([BLOCK_COLS], tl.int32)
+        for first in range(0, chunks, BLOCK_ROWS):
+            chunk = first + tl.arange(0, BLOCK_ROWS)
+            mask = (chunk < chunks)[:, None] & (col < channels)[None, :]
+            at = chunk[:, None] * channels + col[None, :]
+            part_lo = tl.load(lo_ptr + at, mask=mask, other=float("inf"), volatile=True)
+            part_hi = tl.load(hi_ptr + at, mask=mask, other=-float("inf"), volatile=True)
+            part_bad = tl.load(bad_ptr + at, mask=mask, other=0, volatile=True)
+            lo = tl.minimum(lo, tl.min(part_lo, axis=0))
+            hi = tl.maximum(hi, tl.max(part_hi, axis=0))
+            bad = tl.maximum(bad, tl.max(part_bad, axis=0))
+        scale = sym_scale(lo, hi, min_scale)
+        tl.store(scale_ptr + col, scale_bits(scale, bad > 0), mask=col < channels)
+        tl.store(scale32_ptr + col, tl.where(bad > 0, float("nan"), scale), mask=col < channels)
+
+
+@triton.jit
+def _channel_decode(packed_ptr, scale_ptr, out_ptr, rows, channels, dmax,
+                    OUT_BF16: tl.constexpr, out_dtype: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+                    BLOCK_COLS: tl.constexpr, INT64: tl.constexpr):
+    row = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    if INT64:
+        row = row.to(tl.int64)
+    pair_col = tl.program_id(1) * (BLOCK_COLS // 2) + tl.arange(0, BLOCK_COLS // 2)
+    pair_mask = (row < rows)[:, None] & (pair_col < channels // 2)[None, :]
+    byte = tl.load(packed_ptr + row[:, None] * (channels // 2) + pair_col[None, :], mask=pair_mask,
+                   other=0)
+    col = tl.program_id(1) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
+    scale = bf16_bits_to_float(tl.load(scale_ptr + col, mask=col < channels, other=0))
+    scale_even, scale_odd = tl.split(tl.reshape(scale, [BLOCK_COLS // 2, 2]))
+    even = saturate(((byte & 15).to(tl.float32) - 8) * scale_even[None, :], dmax)
+    odd = saturate(((byte >> 4).to(tl.float32) - 8) * scale_odd[None, :], dmax)
+    value = to_output(tl.interleave(even, odd), OUT_BF16, out_dtype)
+    mask = (row < rows)[:, None] & (col < channels)[None, :]
+    tl.store(out_ptr + row[:, None] * channels + col[None, :], value, mask=mask)
+
+
+def channel_encode(x2d: torch.Tensor):
+    """-> (packed codes, bf16 scales [channels]) of a contiguous [rows, channels] (channels
+    even), as symmetric.sym_encode(x2d, 0)."""
+    rows, channels = x2d.shape
+    tile = row_tile(rows, channels, 2)  # columns: channels, in blocks
+    col_blocks = tile.grid[1]
+    chunks = min(tile.grid[0], STAT_CHUNKS)
+    chunk_rows = triton.cdiv(triton.cdiv(rows, chunks), tile.rows) * tile.rows
+    chunks = triton.cdiv(rows, chunk_rows)
+    device = x2d.device
+    counter = torch.zeros(2, dtype=torch.int32, device=device)
+    lo = torch.empty(chunks, channels, dtype=torch.float32, device=device)
+    hi = torch.empty(chunks, channels, dtype=torch.float32, device=device)
+    bad = torch.empty(chunks, channels, dtype=torch.int32, device=device)
+    scale32 = torch.empty(channels, dtype=torch.float32, device=device)
+    packed = torch.empty(rows * channels // 2, dtype=torch.uint8, device=device)
+    scales = torch.empty(channels, dtype=torch.bfloat16, device=device)
+    grid = ((chunks + tile.grid[0]) * col_blocks,)
+    _channel_encode[grid](
+        bits_view(x2d), counter, lo, hi, bad, scale32, packed, scales.view(torch.int16), rows,
+        channels, col_blocks, chunks, chunk_rows, MIN_SCALE, IN_BF16=x2d.dtype == torch.bfloat16,
+        BLOCK_ROWS=tile.rows, BLOCK_COLS=tile.cols, INT64=needs_int64(rows * channels),
+        num_warps=tile.num_warps, enable_fp_fusion=FP_FUSION)
+    return packed, scales
+
+
+def channel_decode(packed: torch.Tensor, scales: torch.Tensor, shape2d,
+                   dtype: torch.dtype) -> torch.Tensor:
+    """The decoded [rows, channels] of ``dtype`` (symmetric.sym_decode with reduce_dim=0)."""
+    rows, channels = shape2d
+    out = torch.empty(shape2d, dtype=dtype, device=packed.device)
+    tile = row_tile(rows, channels, 2)  # columns: channels, in blocks
+    _channel_decode[tile.grid](
+        packed, scales.view(torch.int16), bits_view(out), rows, channels, dtype_max(dtype),
+        OUT_BF16=dtype == torch.bfloat16, out_dtype=tl_dtype(dtype), BLOCK_ROWS=tile.rows,
+        BLOCK_COLS=tile.cols, INT64=needs_int64(rows * channels), num_warps=tile.num_warps)
+    return out

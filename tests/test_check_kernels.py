@@ -1,0 +1,111 @@
+"""The Triton codec kernels compiled for sm_90 and sm_80 with no GPU (scripts/check_kernels.py),
+at the configurations the codecs launch for GPT-345M- and Llama-3-8B-sized sites in bf16 and
+fp16: no spills, at most 128 registers, no 64-bit integer division, activations moved by
+16-byte vector accesses, one kernel per encode and decode (two for outlier_int4's encode).
+
+The script runs once per session, in a subprocess: it must import the kernels without
+TRITON_INTERPRET, which this test session sets (conftest.py). Triton's own cache keeps the
+compiled kernels between sessions; a cold run compiles 98 configurations (41 s of one core,
+measured with an empty TRITON_CACHE_DIR).
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+TARGETS = (90, 80)
+# The training dtypes; the script's default adds fp32 (and sm_70), a minute more of compiling.
+DTYPES = ("bf16", "fp16")
+MAX_REGISTERS = 128
+MIN_VECTOR_SHARE = 0.75
+KERNELS_PER_CALL = {("outlier_int4", "encode"): 2}
+
+
+@pytest.fixture(scope="module")
+def checked(tmp_path_factory):
+    pytest.importorskip("triton")
+    out = tmp_path_factory.mktemp("check_kernels") / "kernels.json"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    run = subprocess.run([sys.executable, str(ROOT / "scripts" / "check_kernels.py"), "--targets",
+                          *map(str, TARGETS), "--dtypes", *DTYPES, "--json", str(out)],
+                         capture_output=True, text=True, env=env, timeout=900)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    return json.loads(out.read_text()), run.stdout
+
+
+def test_every_kernel_compiles_for_each_target(checked):
+    data, stdout = checked
+    reports = data["reports"]
+    assert {r["target"] for r in reports} == set(TARGETS)
+    assert [r for r in reports if r["error"]] == []
+    kernels = {r["kernel"] for r in reports}
+    assert kernels == {"_sym_encode", "_sym_decode", "_outlier_select", "_asym_encode",
+                       "_asym_decode", "_channel_encode", "_channel_decode", "_mask_pack",
+                       "_mask_unpack"}
+    for target in TARGETS:
+        assert f"sm_{target}: every configuration compiled" in stdout
+
+
+def test_no_spills_and_registers_bounded(checked):
+    for r in checked[0]["reports"]:
+        assert r["spill_bytes"] == 0, r
+        assert 0 < r["registers"] <= MAX_REGISTERS, r
+
+
+def test_no_64_bit_integer_division(checked):
+    assert [(r["kernel"], r["div64"]) for r in checked[0]["reports"] if r["div64"]] == []
+
+
+def test_activations_move_in_16_byte_vectors(checked):
+    for r in checked[0]["reports"]:
+        assert r["activation_bytes"], f"no access attributed to the activation: {r}"
+        assert r["vector_share"] >= MIN_VECTOR_SHARE, r
+
+
+def test_one_kernel_per_encode_and_decode_at_model_sites(checked):
+    launches = checked[0]["launches"]
+    assert {e["codec"] for e in launches} >= {"sym_int4", "outlier_int4", "naive_int4", "asym_int4",
+                                              "channel_int4", "bitmask"}
+    for e in launches:
+        assert len(e["kernels"]) == KERNELS_PER_CALL.get((e["codec"], e["phase"]), 1), e
+    # the sites differ in the tiles they launch with: the configurations are the codecs', not one
+    configs = {(r["kernel"], json.dumps(r["constexprs"], sort_keys=True))
+               for r in checked[0]["reports"]}
+    assert len({c for c in configs if c[0] == "_sym_encode"}) > 2
+
+
+def test_the_ptx_analysis_attributes_accesses_and_finds_64_bit_division():
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from check_kernels import analyse_ptx
+
+    ptx = """
+    .visible .entry k(
+    .param .u64 .ptr .global .align 1 k_param_0,
+    .param .u64 .ptr .global .align 1 k_param_1,
+    .param .u32 k_param_2
+    )
+    {
+    ld.param.b64 %rd1, [k_param_0];
+    ld.param.b64 %rd2, [k_param_1];
+    ld.param.b32 %r1, [k_param_2];
+    mad.wide.s32 %rd3, %r1, 2, %rd1;
+    @%p1 ld.global.v4.b32 { %r2, %r3, %r4, %r5 }, [ %rd3 + 0 ];
+    add.s64 %rd4, %rd2, 8;
+    ld.global.b16 %rs1, [ %rd4 + 0 ];
+    st.global.b16 [ %rd3 + 0 ], { %rs1 };
+    @!%p2 st.global.v2.b32 [ %rd4 + 0 ], { %r2, %r3 };
+    div.s64 %rd5, %rd4, %rd3;
+    rem.u32 %r6, %r1, 3;
+    }
+    """
+    widths, div64 = analyse_ptx(ptx, "k", ["x_ptr", "y_ptr", "n"], "x_ptr")
+    assert widths == {16: 16, 2: 2}  # y_ptr's load and store are not the activation's
+    assert div64 == ["div.s64"]
+    assert analyse_ptx(ptx, "k", ["x_ptr", "y_ptr", "n"], "y_ptr")[0] == {2: 2, 8: 8}
