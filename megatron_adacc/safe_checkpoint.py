@@ -68,6 +68,11 @@ METADATA_GLOBALS = frozenset({
     (f"{_DCP}.filesystem", "_StoragePrefix"),
     ("megatron.core.dist_checkpointing.strategies.torch", "MCoreMetadata"),
     ("megatron.core.dist_checkpointing.strategies.torch", "MCoreSavePlan"),
+    # DCP's own FileSystemWriter (torch.distributed.checkpoint.save, as bench_accuracy's
+    # gain-scaled checkpoints are written) keeps the folder as StorageMeta.checkpoint_id: a
+    # path, which builds from its string parts and runs nothing else.
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
 })
 _METADATA_ALLOWS = "one of the classes DCP's metadata holds"
 _OBJECT_ALLOWS = "allowed by torch.load(weights_only=True)"

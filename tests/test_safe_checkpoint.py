@@ -227,6 +227,19 @@ def test_older_megatron_metadata_classes_load(tmp_path):
     assert (type(loaded.mcore_data), type(loaded.plan)) == (MCoreMetadata, MCoreSavePlan)
 
 
+def test_a_checkpoint_saved_by_dcp_itself_loads(tmp_path):
+    # DCP's FileSystemWriter keeps the folder, a pathlib path, in the metadata
+    import torch.distributed.checkpoint as dcp
+
+    state = {"weight": torch.arange(6.0).view(2, 3)}
+    dcp.save(state, checkpoint_id=str(tmp_path), no_dist=True)
+    metadata = safe_checkpoint.read_metadata(tmp_path)
+    assert set(metadata.state_dict_metadata) == {"weight"}
+    loaded = {"weight": torch.zeros(2, 3)}
+    dcp.load(loaded, checkpoint_id=str(tmp_path), no_dist=True)
+    assert torch.equal(loaded["weight"], state["weight"])
+
+
 PROBE = """
 import io, os, pickle, sys
 import torch
