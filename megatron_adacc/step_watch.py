@@ -13,7 +13,9 @@ every ``window`` steps of a plan, compares the median of its last ``window`` ste
   those of the plan the planner then makes, until it makes one of re-timed actions only
   (``retime``); that plan and the recompute-only plan (the planner's best with no codec, at
   the same budget) become candidates to measure when their predictions beat the measured
-  median;
+  median. What the re-timed plan still misses is taken as work outside the layers (the
+  schedule, gradient hooks, data), the same for every plan, and added to every prediction
+  the watch compares from then on: a constant miss re-times once, not for every plan;
 - every plan measured so far that fits the budget: a plan is never kept when one measured
   faster (by more than ``margin``) fits; Adacc swaps back to that one ("measured slower").
 
@@ -137,6 +139,9 @@ class StepWatch:
         self.queue: list[planning.PlanResult] = []  # candidates still to measure
         self.current: str | None = None
         self.fresh = 0          # steps of the current plan since it began or was decided on
+        # Seconds a step spends outside the layers' modelled work (the schedule, gradient
+        # hooks, data): what a re-timed plan still misses, the same for every plan.
+        self.overhead_s = 0.0
 
     def begin(self, result: planning.PlanResult) -> None:
         """``result`` runs from the next step on."""
@@ -191,12 +196,16 @@ class StepWatch:
         median_s = self.median(plan_id)
         decision = WatchDecision(plan_id, median_s, predicted(current))
         if (decision.predicted_s is not None and plan_id not in self.retimed
-                and median_s > (1 + self.threshold) * decision.predicted_s):
+                and median_s > (1 + self.threshold) * (decision.predicted_s + self.overhead_s)):
             self.retimed.add(plan_id)
             decision.retimed = True
-            for candidate in retime():
+            candidates = list(retime())
+            retimed_s = predicted(current)
+            if retimed_s is not None:
+                self.overhead_s = max(0.0, median_s - retimed_s)
+            for candidate in candidates:
                 predicted_s = predicted(candidate)
-                if predicted_s is not None and predicted_s < median_s:
+                if predicted_s is not None and predicted_s + self.overhead_s < median_s:
                     self.queue.append(candidate)
         waiting = {}
         for candidate in self.queue:   # first come first measured, each once

@@ -33,11 +33,15 @@ def ran(watch: StepWatch, plan, *seconds) -> None:
         watch.record(plan.plan.plan_id, value)
 
 
-def decide(watch, current, predicted, fit=lambda r: True, candidates=()):
+def decide(watch, current, predicted, fit=lambda r: True, candidates=(), refreshed=None):
+    """``refreshed``: the predictions re-timing gives (default: the current plan's then
+    explains its whole median, no work outside the layers)."""
     retimed = []
 
     def retime():
         retimed.append(current.plan.plan_id)
+        predicted.update(refreshed if refreshed is not None
+                         else {current.plan.plan_id: watch.median(current.plan.plan_id)})
         return list(candidates)
 
     decision = watch.decide(current, lambda r: predicted.get(r.plan.plan_id), fit, retime)
@@ -91,6 +95,24 @@ def test_candidates_are_measured_in_turn_and_the_fastest_measured_is_kept():
     ran(watch, bare, 1.9, 1.9, 1.9)
     decision, _ = decide(watch, bare, predicted)
     assert (decision.swap_to, decision.reason) == (new, MEASURED_SLOWER)
+
+
+def test_what_a_retimed_plan_still_misses_is_overhead_and_retimes_no_other_plan():
+    # Re-timed, plan a still runs 0.5 s over its prediction: work outside the layers, which
+    # the watch adds to every prediction from then on.
+    watch, a, b, c = StepWatch(window=3), result("a"), result("b"), result("c")
+    predicted = {"a": 1.0, "b": 0.9, "c": 2.0}
+    watch.begin(a)
+    ran(watch, a, 1.5, 1.5, 1.5)
+    decision, retimed = decide(watch, a, predicted, candidates=[b, c], refreshed={})
+    assert retimed == ["a"] and watch.overhead_s == pytest.approx(0.5)
+    assert (decision.swap_to, decision.reason) == (b, RETIMED)  # c: 2.5 is no faster than 1.5
+    watch.begin(b)
+    ran(watch, b, 1.45, 1.45, 1.45)         # 0.9 + 0.5, within 10%: not re-timed
+    decision, retimed = decide(watch, b, predicted)
+    assert retimed == [] and decision.swap_to is None
+    ran(watch, b, 1.8, 1.8, 1.8)            # over 0.9 + 0.5 by more than 10%: re-timed
+    assert decide(watch, b, predicted)[1] == ["b"]
 
 
 def test_a_plan_measured_faster_replaces_a_slower_one_only_if_it_fits_and_beats_the_margin():
