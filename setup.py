@@ -7,13 +7,13 @@ setup(
         "Adaptive activation-memory optimiser for Megatron-core GPT training: per-tensor "
         "retain / compress / recompute planned by a MILP and re-planned during training."
     ),
-    python_requires=">=3.10",
+    python_requires=">=3.12",
     packages=find_packages(include=["megatron_adacc", "megatron_adacc.*"]),
     py_modules=["pretrain_gpt"],
     install_requires=[
         # The Makefile installs the CPU wheel torch==2.13.0 first; GPU images keep their own build.
         "torch>=2.4",
-        "megatron-core==0.16.1",
+        "megatron-core[training]==0.19.2",
         "psutil",  # dist_checkpointing's writer needs it; megatron-core does not declare it
         "pulp>=2.8",
         "pyyaml>=6",

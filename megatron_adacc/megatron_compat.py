@@ -399,3 +399,165 @@ def apply(force_cpu_shims: bool = False) -> list[str]:
             patch()
             _applied.append(name)
     return applied_patches()
+
+
+# --- megatron.training (Megatron-LM's loop) on a CPU ------------------------------------------
+# megatron.training assumes a GPU throughout: tensors made on "cuda", streams, the CUDA RNG
+# state in checkpoints, memory statistics. The modules below see a ``torch`` whose CUDA parts
+# are the host's; nothing else about them changes.
+
+def _no_op(*args, **kwargs):
+    return None
+
+
+def _zero(*args, **kwargs):
+    return 0
+
+
+class _NoStream:
+    """A CUDA stream or event on a host: every call does nothing."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def __getattr__(self, name):
+        return _no_op
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _host_cuda(**overrides) -> types.SimpleNamespace:
+    """``torch.cuda`` as a host sees it: one "device", the host, with nothing to wait for."""
+    calls = dict(
+        is_available=lambda: False, device_count=_zero, current_device=lambda: "cpu",
+        synchronize=_no_op, empty_cache=_no_op, set_device=_no_op,
+        memory_allocated=_zero, max_memory_allocated=_zero, memory_reserved=_zero,
+        max_memory_reserved=_zero, reset_peak_memory_stats=_no_op,
+        memory_stats=lambda *args, **kwargs: {},
+        Stream=_NoStream, Event=_NoStream, current_stream=lambda *args, **kwargs: _NoStream(),
+        stream=lambda *args, **kwargs: contextlib.nullcontext(),
+        # A checkpoint's "cuda_rng_state": the host has none; dropout draws from the CPU
+        # generator, which the checkpoint saves as torch_rng_state.
+        get_rng_state=lambda *args, **kwargs: torch.empty(0, dtype=torch.uint8),
+        set_rng_state=_no_op,
+        nvtx=types.SimpleNamespace(range_push=_no_op, range_pop=_no_op),
+    )
+    return types.SimpleNamespace(**{**calls, **overrides})
+
+
+class _TrainingTorch(_HostTorch):
+    """``torch`` for a megatron.training module on a host: _HostTorch, every factory on the
+    host, ``torch.device("cuda...")`` the host, and the whole of ``torch.cuda`` _host_cuda's."""
+
+    def __init__(self, **cuda_overrides):
+        super().__init__()
+        self.cuda = _host_cuda(**cuda_overrides)
+        for name in ("ones", "full", "arange", "rand", "randn"):
+            setattr(self, name, self._on_host(getattr(torch, name)))
+
+    @staticmethod
+    def device(*args, **kwargs):
+        if args and isinstance(args[0], str) and args[0].startswith("cuda"):
+            return torch.device("cpu")
+        return torch.device(*args, **kwargs)
+
+
+# Modules of Megatron-LM's loop that reach torch.cuda, with what they do with it.
+TRAINING_MODULES = (
+    "megatron.training.training",            # device tensors, streams, memory reports
+    "megatron.training.checkpointing",       # cuda_rng_state, the iteration all-reduce
+    "megatron.training.utils.common_utils",  # norms and reductions made on "cuda"
+    "megatron.training.models.dist_utils",   # the DDP stream
+    "megatron.core.timers",                  # torch.cuda.synchronize at every timer
+    "megatron.core.rerun_state_machine",     # saves cuda_rng_state every step
+    "megatron.core.distributed.param_and_grad_buffer",  # the grad-reduce streams
+)
+
+
+def _cpu_training_loop() -> None:
+    import importlib
+
+    for name in TRAINING_MODULES:
+        importlib.import_module(name).torch = _TrainingTorch()
+    # initialize_megatron asserts CUDA, and sets up megatron's process groups and seeds the
+    # tensor-parallel RNG tracker only when a device is counted: one host "device" here.
+    from megatron.training import initialize, training
+
+    initialize.torch = _TrainingTorch(device_count=lambda: 1)
+    training.initialize_megatron = functools.partial(initialize.initialize_megatron,
+                                                     allow_no_cuda=True)
+
+
+def _prebuilt_dataset_helpers() -> None:
+    # initialize_megatron runs `make` in megatron/core/datasets to build helpers_cpp; the
+    # wheel ships the built module without the Makefile, so make fails and the run exits.
+    from megatron.core.datasets import utils
+
+    utils.compile_helpers = _no_op
+
+
+def _dataset_helpers_without_makefile() -> bool:
+    import importlib.util
+    from pathlib import Path
+
+    from megatron.core.datasets import utils
+
+    return (importlib.util.find_spec("megatron.core.datasets.helpers_cpp") is not None
+            and not (Path(utils.__file__).parent / "Makefile").exists())
+
+
+# Megatron-LM's defaults that name a GPU-only kernel (apex, Transformer Engine, torch.compile
+# through a C++ toolchain): off on a host, where megatron-core has a plain path for each.
+CPU_ARG_DEFAULTS = {
+    "gradient_accumulation_fusion": False,   # apex's fused wgrad
+    "no_persist_layer_norm": True,           # apex's persistent layer norm
+    "masked_softmax_fusion": False,          # megatron's CUDA softmax kernels
+    "apply_rope_fusion": False,              # Transformer Engine's / apex's RoPE
+    "bias_gelu_fusion": False,               # torch.compile, minutes of inductor on a host
+    "bias_swiglu_fusion": False,
+    "bias_dropout_fusion": False,
+    "cross_entropy_loss_fusion": False,
+    "use_cpu_initialization": True,          # else parameters are made on "cuda"
+}
+
+
+def cpu_arg_defaults(args) -> None:
+    """On a host, turn off Megatron-LM's defaults that only a GPU can run."""
+    if torch.cuda.is_available():
+        return
+    for name, value in CPU_ARG_DEFAULTS.items():
+        if hasattr(args, name):
+            setattr(args, name, value)
+
+
+def _cpu_eager_fusions() -> None:
+    # megatron-core wraps its fusions (bias-dropout-add, norms, RoPE, ...) in torch.compile
+    # at import, whatever the flags say; on a host inductor then builds C++ for seconds per
+    # shape. Eager runs the same math.
+    torch._dynamo.config.disable = True
+
+
+TRAINING_CPU_SHIMS = {"cpu_training_loop": _cpu_training_loop,
+                      "cpu_eager_fusions": _cpu_eager_fusions}
+TRAINING_DEFECT_PATCHES = {
+    "prebuilt_dataset_helpers": (_prebuilt_dataset_helpers, _dataset_helpers_without_makefile),
+}
+
+
+def apply_training(force_cpu_shims: bool = False) -> list[str]:
+    """apply(), and the patches Megatron-LM's loop needs here; idempotent."""
+    apply(force_cpu_shims)
+    if force_cpu_shims or not torch.cuda.is_available():
+        for name, patch in TRAINING_CPU_SHIMS.items():
+            if name not in _applied:
+                patch()
+                _applied.append(name)
+    for name, (patch, needed) in TRAINING_DEFECT_PATCHES.items():
+        if name not in _applied and needed():
+            patch()
+            _applied.append(name)
+    return applied_patches()
