@@ -110,7 +110,10 @@ def _pretrain(args) -> None:
 
     from megatron_adacc import megatron_lm
 
-    model_cfg = gpt_config_from_args(args)
+    try:  # megatron-core's config checks are assertions and ValueErrors: bad flags
+        model_cfg = gpt_config_from_args(args)
+    except (AssertionError, ValueError) as exc:
+        raise megatron_lm.ConfigError(str(exc).splitlines()[0]) from None
     megatron_lm.install(model_cfg, args)
     pretrain(pretrain_cfg_container_from_args(args, model_cfg), datasets_provider,
              ModelType.encoder_or_decoder, forward_step)

@@ -168,14 +168,22 @@ def _world_of_one() -> None:
                       MASTER_PORT=str(port))
 
 
-def teardown() -> None:
-    """Megatron-LM's global state and process group, so the next run starts afresh."""
+def teardown(owns_process_group: bool) -> None:
+    """Megatron-LM's global state, so the next run in this process starts afresh; the process
+    group and model-parallel state too when this run set them up (a caller's stay theirs)."""
     import torch.distributed as dist
-    from megatron.training import training
+    from megatron.core import num_microbatches_calculator, parallel_state, rerun_state_machine
+    from megatron.training import global_vars, training
 
-    training.destroy_global_state()
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    if owns_process_group:
+        training.destroy_global_state()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        return
+    global_vars.destroy_global_vars()
+    num_microbatches_calculator.destroy_num_microbatches_calculator()
+    rerun_state_machine.destroy_rerun_state_machine()
+    parallel_state.destroy_global_memory_buffer()
 
 
 class _Interrupts:
@@ -201,7 +209,10 @@ def run(argv: Sequence[str], prog: str, pretrain: Callable[[argparse.Namespace],
     """Parse ``argv`` and call ``pretrain(args)``; returns the exit status."""
     from megatron_adacc import megatron_compat, megatron_lm
 
+    import torch.distributed as dist
+
     rank = int(os.environ.get("RANK", "0"))
+    owns_process_group = not dist.is_initialized()
     _world_of_one()
     args = None
     with _Interrupts():
@@ -225,5 +236,5 @@ def run(argv: Sequence[str], prog: str, pretrain: Callable[[argparse.Namespace],
             current = megatron_lm.session()
             if current is not None:
                 current.close()
-            teardown()
+            teardown(owns_process_group)
     return 0

@@ -1,5 +1,4 @@
-"""Builders the pretrain_gpt.py tests share: the tiny run's flags, an in-process run, and a
-run in a fresh process that must end without a traceback."""
+"""Running pretrain_gpt.py from tests: in this process (fast) or in a fresh one."""
 import os
 import subprocess
 import sys
@@ -7,8 +6,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PRETRAIN = str(ROOT / "pretrain_gpt.py")
+# A GPT small enough for a test: Megatron-LM's flags over configs/tiny-cpu.yaml.
 TINY = ["--config", str(ROOT / "configs" / "tiny-cpu.yaml"), "--log-interval", "1000",
-        "--eval-interval", "0", "--num-layers", "2", "--hidden-size", "64", "--seq-length", "32",
+        "--eval-interval", "1000", "--eval-iters", "0", "--num-layers", "2",
+        "--hidden-size", "64", "--seq-length", "32", "--max-position-embeddings", "32",
         "--micro-batch-size", "2", "--global-batch-size", "4", "--lr-warmup-iters", "0"]
 # Megatron-LM's Llama architecture flags (no dropout, as Llama trains).
 LLAMA_FLAGS = ["--normalization", "RMSNorm", "--swiglu", "--position-embedding-type", "rope",
@@ -17,24 +18,42 @@ LLAMA_FLAGS = ["--normalization", "RMSNorm", "--swiglu", "--position-embedding-t
                "--hidden-dropout", "0", "--attention-dropout", "0"]
 
 
+def pretrain(*flags: str):
+    """The Adacc session of a TINY run with ``flags`` in this process (records, adacc)."""
+    import pretrain_gpt
+    from megatron_adacc import megatron_lm
+
+    status = pretrain_gpt.main(TINY + [str(flag) for flag in flags])
+    assert status == 0, f"pretrain_gpt.py exited {status}"
+    return megatron_lm.session()
+
+
 def train(*flags: str) -> list[dict]:
     """The metrics records of a TINY run with ``flags``, in this process."""
-    from megatron_adacc.training.arguments import parse_args
-    from megatron_adacc.training.trainer import Trainer
-
-    return Trainer(parse_args(TINY + list(flags))).train()
+    return pretrain(*flags).records
 
 
 def losses(records):
     return [r["loss"] for r in records]
 
 
-def run(script, *flags, cwd, timeout=300):
-    """(exit code, last stderr line, whole stderr) of a script run in a fresh process."""
+def run(script, *flags, cwd, timeout=300, nproc=None):
+    """(exit code, last stderr line, whole stderr) of a script run in a fresh process
+    (under torchrun with ``nproc`` processes)."""
     # PYTHONPATH: scripts/ would otherwise import the installed package, not this checkout.
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    done = subprocess.run([sys.executable, script, *map(str, flags)], cwd=cwd, env=env,
+    launcher = ([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node",
+                 str(nproc), "--master_port", str(_free_port())] if nproc else [sys.executable])
+    done = subprocess.run([*launcher, script, *map(str, flags)], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=timeout)
     assert "Traceback" not in done.stderr, done.stderr[-3000:]
     lines = [line for line in done.stderr.splitlines() if line.strip()]
     return done.returncode, (lines[-1] if lines else ""), done.stderr
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
