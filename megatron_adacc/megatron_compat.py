@@ -1,4 +1,4 @@
-"""Runtime patches that let megatron-core 0.16.1 build and train a GPTModel on a CPU.
+"""Runtime patches that let megatron-core 0.19.2 build and train a GPTModel on a CPU.
 
 Every patch names the megatron-core version it was written against and is applied only when
 CUDA is absent (CPU shims) or when the defect it works around is present. Each one has a
@@ -15,7 +15,7 @@ import warnings
 
 import torch
 
-TARGET_MEGATRON_CORE = "0.16.1"
+TARGET_MEGATRON_CORE = "0.19.2"
 
 _applied: list[str] = []
 
@@ -320,7 +320,8 @@ def _distributed_optimizer_with_torch_adam() -> None:
         held = {"param": main_param, **self.optimizer.state[main_param]}
         with torch.no_grad():
             for key, tensor in held.items():
-                if key != "step" and key in tensors:
+                # 0.19 passes non-tensor entries too (then leaves the state as it is)
+                if key != "step" and isinstance(tensors.get(key), torch.Tensor):
                     tensor.copy_(tensors[key])
 
     optimizer_class.state_dict = state_dict_of_fresh_optimizer

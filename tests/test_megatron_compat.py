@@ -1,8 +1,9 @@
-"""Each patch in megatron_compat exists because megatron-core 0.16.1 fails without it.
+"""Each patch in megatron_compat exists because megatron-core 0.19.2 fails without it.
 
 These tests run the *unpatched* megatron-core in a fresh interpreter and assert the failure
 is still there: when one of them fails, megatron-core has fixed the problem and the patch
-should be deleted.
+should be deleted. A probe records how its call failed, so that one failing for another
+reason (an API the probe calls has changed) is told apart from the defect.
 """
 import json
 import subprocess
@@ -12,17 +13,19 @@ import pytest
 import torch
 
 PROBE = r"""
-import json, warnings
+import json, re, warnings
 warnings.filterwarnings("ignore")
 import torch
 results = {}
 
 def probe(name, fn):
+    # "cuda": it reached for CUDA (no driver, or a CPU build of torch); else how it failed.
     try:
         fn()
         results[name] = "ok"
     except Exception as exc:
-        results[name] = type(exc).__name__
+        text = f"{type(exc).__name__}: {exc}"
+        results[name] = "cuda" if re.search("cuda|nvidia", text, re.IGNORECASE) else text
 
 from megatron.core.utils import GlobalMemoryBuffer
 probe("cpu_global_memory_buffer",
@@ -76,7 +79,8 @@ last_stage = types.SimpleNamespace(
     pre_process=False, post_process=True, share_embeddings_and_output_weights=True,
     output_layer=types.SimpleNamespace(weight=weight), vp_stage=None, vp_size=None,
     pp_group=types.SimpleNamespace(rank=lambda: 1, size=lambda: 2), embd_group=dist.group.WORLD,
-    config=types.SimpleNamespace(pipeline_model_parallel_size=2),
+    config=types.SimpleNamespace(pipeline_model_parallel_size=2, use_mup=False,
+                                  init_model_with_meta_device=False),
     shared_embedding_or_output_weight=lambda: weight, _is_in_embd_group=lambda: True)
 probe("cpu_shared_embedding",
       lambda: LanguageModule.setup_embeddings_and_output_layer(last_stage))
@@ -138,6 +142,13 @@ def unpatched():
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+# How a probe fails that does not reach for CUDA: clip_grad_by_total_norm_fp32 asserts (with
+# no message) that each gradient is a torch.cuda.FloatTensor; sequence parallelism's source
+# is read.
+SHIM_FAILURES = {"cpu_optimizer_type_names": "AssertionError: ",
+                 "cpu_sequence_parallel": "defect"}
+
+
 @pytest.mark.parametrize("shim", ["cpu_global_memory_buffer", "cpu_rng_tracker",
                                   "cpu_grad_scaler", "cpu_pipeline_schedules",
                                   "cpu_pipeline_p2p", "cpu_shared_embedding",
@@ -148,6 +159,8 @@ def test_cpu_shim_is_still_needed(unpatched, shim):
     # cpu_pipeline_schedules and cpu_pipeline_p2p are one patch (both modules' CUDA
     # placements), probed separately: it goes when neither needs it.
     assert unpatched[shim] != "ok", f"megatron-core no longer needs {shim}: delete it"
+    assert unpatched[shim] == SHIM_FAILURES.get(shim, "cuda"), (
+        f"the probe of {shim} no longer reaches the defect")
 
 
 def test_fp8_defect_is_still_present(unpatched):
