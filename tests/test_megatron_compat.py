@@ -106,6 +106,12 @@ probe("cpu_grad_buffers", lambda: DistributedDataParallel(
     TransformerConfig(num_layers=1, hidden_size=4, num_attention_heads=1),
     DistributedDataParallelConfig(), torch.nn.Linear(2, 2)))
 
+# Since 0.19 every gradient sync first makes the current CUDA stream wait for CUDA graphs.
+from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBucketGroup
+probe("cpu_grad_sync", lambda: _ParamAndGradBucketGroup.start_grad_sync(types.SimpleNamespace(
+    is_first_batch=False, grad_reduce_handle=None, previous_grad_reduce_bucket_group=None,
+    buckets=[])))
+
 from megatron.core.optimizer import clip_grads
 probe("cpu_optimizer", lambda: clip_grads.get_grad_norm_fp32([torch.ones(2)]))
 graded = torch.nn.Parameter(torch.ones(2))
@@ -153,11 +159,12 @@ SHIM_FAILURES = {"cpu_optimizer_type_names": "AssertionError: ",
                                   "cpu_grad_scaler", "cpu_pipeline_schedules",
                                   "cpu_pipeline_p2p", "cpu_shared_embedding",
                                    "cpu_rotary_embedding", "cpu_sequence_parallel",
-                                  "cpu_grad_buffers", "cpu_optimizer",
+                                  "cpu_grad_buffers", "cpu_grad_sync", "cpu_optimizer",
                                   "cpu_optimizer_type_names", "cpu_dist_checkpointing"])
 def test_cpu_shim_is_still_needed(unpatched, shim):
     # cpu_pipeline_schedules and cpu_pipeline_p2p are one patch (both modules' CUDA
-    # placements), probed separately: it goes when neither needs it.
+    # placements), probed separately: it goes when neither needs it; so are cpu_grad_buffers
+    # and cpu_grad_sync.
     assert unpatched[shim] != "ok", f"megatron-core no longer needs {shim}: delete it"
     assert unpatched[shim] == SHIM_FAILURES.get(shim, "cuda"), (
         f"the probe of {shim} no longer reaches the defect")
@@ -243,3 +250,23 @@ def test_patched_grad_scalers_keep_megatrons_arithmetic_on_the_host():
     restored.load_state_dict(scaler.state_dict())
     assert restored.scale.item() == 512.0 and restored.scale.device.type == "cpu"
     assert ConstantGradScaler(4.0).scale.item() == 4.0
+
+
+def test_patched_ddp_reduces_gradients_on_the_host(distributed):
+    # Construction (the buffers) and finish_grad_sync (the gradient sync, waiting on the
+    # current stream since 0.19) on the host, in a world of one: main_grad is the gradient.
+    from megatron_adacc import megatron_compat
+
+    megatron_compat.apply()
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.transformer import TransformerConfig
+
+    module = torch.nn.Linear(2, 2)
+    model = DistributedDataParallel(
+        TransformerConfig(num_layers=1, hidden_size=4, num_attention_heads=1),
+        DistributedDataParallelConfig(), module)
+    model(torch.ones(3, 2)).sum().backward()
+    model.finish_grad_sync()
+    assert module.weight.main_grad.device.type == "cpu"
+    assert torch.equal(module.weight.main_grad, torch.full((2, 2), 3.0))
+    assert torch.equal(module.bias.main_grad, torch.full((2,), 3.0))
