@@ -15,7 +15,7 @@ setup(
         "torch>=2.4",
         "megatron-core[training]==0.19.2",
         "psutil",  # dist_checkpointing's writer needs it; megatron-core does not declare it
-        "pulp>=2.8",
+        "pulp[cbc]>=4",  # PuLP 4 bundles no CBC: the extra installs it
         "pyyaml>=6",
         "triton>=3.0",
         "numpy",

@@ -1,4 +1,4 @@
-"""Runtime patches that let megatron-core 0.16.1 build and train a GPTModel on a CPU.
+"""Runtime patches that let megatron-core 0.19.2 build and train a GPTModel on a CPU.
 
 Every patch names the megatron-core version it was written against and is applied only when
 CUDA is absent (CPU shims) or when the defect it works around is present. Each one has a
@@ -15,7 +15,7 @@ import warnings
 
 import torch
 
-TARGET_MEGATRON_CORE = "0.16.1"
+TARGET_MEGATRON_CORE = "0.19.2"
 
 _applied: list[str] = []
 
@@ -115,17 +115,31 @@ def _causal_mask_uncached() -> bool:
     return not hasattr(tutils.get_default_causal_mask, "cache_info")
 
 
+class _HostStream:
+    """The host's one stream: there is no other to wait for, and no event is ever recorded."""
+
+    def wait_event(self, event) -> None:
+        pass
+
+    def wait_stream(self, stream) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+
 class _HostTorch(types.ModuleType):
     """``torch`` as a megatron-core module sees it after a CPU shim: every name is torch's,
     except that the tensor factories ignore ``device`` (megatron passes "cuda" or
-    torch.cuda.current_device()), torch.cuda.current_device() is the host and
-    torch.cuda.synchronize() has nothing to wait for. Only modules whose every use of
-    torch.cuda is one of those get it."""
+    torch.cuda.current_device()), torch.cuda.current_device() is the host,
+    torch.cuda.synchronize() has nothing to wait for and torch.cuda.current_stream() is the
+    host's one stream. Only modules whose every use of torch.cuda is one of those get it."""
 
     def __init__(self):
         super().__init__("torch")
         self.cuda = types.SimpleNamespace(current_device=lambda: "cpu",
-                                          synchronize=lambda *args, **kwargs: None)
+                                          synchronize=lambda *args, **kwargs: None,
+                                          current_stream=lambda *args, **kwargs: _HostStream())
         for name in ("tensor", "zeros", "empty"):
             setattr(self, name, self._on_host(getattr(torch, name)))
 
@@ -205,7 +219,9 @@ def _cpu_sequence_parallel() -> None:
 
 def _cpu_grad_buffers() -> None:
     # DistributedDataParallel's _ParamAndGradBuffer allocates its parameter and gradient
-    # buffers on torch.cuda.current_device().
+    # buffers on torch.cuda.current_device(); since 0.19 every start_grad_sync makes the
+    # current stream wait for CUDA-graph replays' events. (Its torch.cuda.stream and
+    # communication stream serve several distributed-optimizer instances only.)
     from megatron.core.distributed import param_and_grad_buffer
 
     param_and_grad_buffer.torch = _HostTorch()
@@ -320,7 +336,8 @@ def _distributed_optimizer_with_torch_adam() -> None:
         held = {"param": main_param, **self.optimizer.state[main_param]}
         with torch.no_grad():
             for key, tensor in held.items():
-                if key != "step" and key in tensors:
+                # 0.19 passes non-tensor entries too (then leaves the state as it is)
+                if key != "step" and isinstance(tensors.get(key), torch.Tensor):
                     tensor.copy_(tensors[key])
 
     optimizer_class.state_dict = state_dict_of_fresh_optimizer
