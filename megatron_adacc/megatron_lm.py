@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
-import itertools
 import json
 import math
 import time
@@ -162,7 +161,7 @@ class Session:
         iteration = self.args.curr_iteration if hasattr(self.args, "curr_iteration") else 0
         data_iterator = self._keep_first(data_iterator)
         if not self.ready:
-            self._setup(model, optimizer)
+            self._setup(model, optimizer, forward_step_func)
         measure = (self.adacc.activation_bytes is None
                    or iteration % self.args.activation_measure_interval == 0)
         self.step_started = time.perf_counter()
@@ -185,13 +184,15 @@ class Session:
         except StopIteration:
             return data_iterator
         self.step_batch = head
-        chained = itertools.chain([head], inner)
+        chained = _put_back(head, inner)
         if inner is data_iterator:
             return chained
         data_iterator.iterable = chained
         return data_iterator
 
-    def _setup(self, ddp_models: list, optimizer) -> None:
+    def _setup(self, ddp_models: list, optimizer, forward_step_func=None) -> None:
+        from megatron.core import mpu
+
         from megatron_adacc.profiling import hardware
 
         self.ready = True
@@ -206,10 +207,50 @@ class Session:
         static, step = most.tolist()
         from megatron.core.num_microbatches_calculator import get_num_microbatches
 
+        # One stage's loss is forward_step's; a pipeline stage alone is profiled with
+        # Adacc's stand-in loss (profiler.gpt_loss).
+        loss_fn = (functools.partial(self.loss, forward_step_func)
+                   if forward_step_func is not None
+                   and mpu.get_pipeline_model_parallel_world_size() == 1 else None)
         with _no_sync(ddp_models):
             self.adacc.setup(self.model, batch_tuple(self.step_batch, self.model),
-                             num_micro_batches=get_num_microbatches(),
+                             loss_fn, num_micro_batches=get_num_microbatches(),
                              static_bytes=static, optimizer_step_bytes=step)
+
+    def loss(self, forward_step_func, model: torch.nn.Module, batch) -> torch.Tensor:
+        """The loss a training step backpropagates for ``batch`` (tokens, labels, loss mask):
+        ``forward_step_func`` under Megatron-LM's schedule, scaled as its backward scales it.
+
+        What it saves for backward is what a step of the loop saves: the loader's position
+        ids and attention mask, the loss function's tensors, the token count and the loss
+        scale, so the profile predicts the bytes the loop keeps."""
+        from megatron.core import mpu
+        from megatron.core.num_microbatches_calculator import get_num_microbatches
+        from megatron.core.pipeline_parallel import schedules
+
+        config = model.config
+        output, _ = schedules.forward_step(
+            forward_step_func, iter([self.loader_batch(batch)]), model, get_num_microbatches(),
+            None, [], config, mpu.get_context_parallel_world_size(), is_last_stage=True)
+        return config.grad_scale_func(output) if config.grad_scale_func is not None else output
+
+    def loader_batch(self, batch) -> dict:
+        """The data loader's micro-batch for ``batch`` (tokens, labels, loss mask): the other
+        fields of this step's micro-batch (position ids, attention mask), cut to its shape
+        when the profiler times a shorter one."""
+        tokens, labels, loss_mask = batch
+        size, length = tokens.shape
+        loader = {"tokens": tokens, "labels": labels, "loss_mask": loss_mask}
+        for key, value in self.step_batch.items():
+            if key in loader:
+                continue
+            if torch.is_tensor(value) and tuple(value.shape[:2]) != (size, length):
+                if key == "attention_mask":  # [batch, 1, seq, seq]
+                    value = value[:size, :, :length, :length].contiguous()
+                elif key == "position_ids":
+                    value = value[:size, :length].contiguous()
+            loader[key] = value.to(tokens.device) if torch.is_tensor(value) else value
+        return loader
 
     # --- after the step ----------------------------------------------------------------------
     def readings(self) -> dict:
@@ -277,6 +318,14 @@ class Session:
         if self._metrics is not None:
             self._metrics.close()
             self._metrics = None
+
+
+def _put_back(head, rest):
+    """``head`` then ``rest``, holding ``head`` no longer than its consumer does."""
+    held = [head]
+    del head
+    yield held.pop()
+    yield from rest
 
 
 def _json_safe(value):
