@@ -28,6 +28,19 @@ def pretrain(*flags: str):
     return megatron_lm.session()
 
 
+def parse(*flags: str, tiny: bool = True):
+    """Megatron-LM's args for (TINY +) ``flags`` as pretrain_gpt.py takes them, Adacc's
+    checks included; nothing is built. Raises megatron_lm.ConfigError on a refusal."""
+    from megatron_adacc import launch, megatron_lm
+
+    try:
+        args = launch.parse((TINY if tiny else []) + [str(flag) for flag in flags])
+        megatron_lm.check_args(args)
+    finally:
+        launch.teardown(owns_process_group=False)
+    return args
+
+
 def train(*flags: str) -> list[dict]:
     """The metrics records of a TINY run with ``flags``, in this process."""
     return pretrain(*flags).records
