@@ -212,10 +212,15 @@ class Session:
         loss_fn = (functools.partial(self.loss, forward_step_func)
                    if forward_step_func is not None
                    and mpu.get_pipeline_model_parallel_world_size() == 1 else None)
-        with _no_sync(ddp_models):
-            self.adacc.setup(self.model, batch_tuple(self.step_batch, self.model),
-                             loss_fn, num_micro_batches=get_num_microbatches(),
-                             static_bytes=static, optimizer_step_bytes=step)
+        from megatron_adacc.planning import InfeasibleBudget
+
+        try:
+            with _no_sync(ddp_models):
+                self.adacc.setup(self.model, batch_tuple(self.step_batch, self.model),
+                                 loss_fn, num_micro_batches=get_num_microbatches(),
+                                 static_bytes=static, optimizer_step_bytes=step)
+        except InfeasibleBudget as exc:  # the flag's budget: one line, exit status 2
+            raise ConfigError(str(exc)) from None
 
     def loss(self, forward_step_func, model: torch.nn.Module, batch) -> torch.Tensor:
         """The loss a training step backpropagates for ``batch`` (tokens, labels, loss mask):
