@@ -110,6 +110,11 @@ def check_args(args: argparse.Namespace) -> None:
             policies.require_budget(config.policy, config.budget_bytes)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
+    heads, groups = args.num_attention_heads, args.num_query_groups
+    if args.group_query_attention and groups and heads % groups:
+        # Megatron-LM accepts it and fails in the first forward with a reshape error.
+        raise ConfigError(f"--num-query-groups {groups} does not divide "
+                          f"--num-attention-heads {heads}")
     if config.policy != "none" and args.transformer_impl != "local":
         raise ConfigError(f"--adacc-policy {config.policy} runs Adacc's layer, which builds on "
                           f"megatron-core's local spec; add --transformer-impl local "
@@ -144,6 +149,11 @@ class Session:
         self.record: dict = {}
         self.val_loss: float | None = None
         self.records: list[dict] = []
+        # Megatron-LM's engine of this run, as the last step left it (tests read them).
+        self.ddp_models: list | None = None
+        self.optimizer = None
+        self.scheduler = None
+        self.device = torch.device("cpu")  # where the allocator is read: the model's
         self._metrics = None
 
     # --- model build -------------------------------------------------------------------------
@@ -164,12 +174,18 @@ class Session:
             self._setup(model, optimizer, forward_step_func)
         measure = (self.adacc.activation_bytes is None
                    or iteration % self.args.activation_measure_interval == 0)
+        from megatron_adacc.profiling import allocator
+
         self.step_started = time.perf_counter()
-        with self.adacc.measure(measure) if self.ready else contextlib.nullcontext():
+        with allocator.watch(self.device) as peaks, \
+                self.adacc.measure(measure) if self.ready else contextlib.nullcontext():
             result = original(forward_step_func, data_iterator, model, optimizer,
                               *args, **kwargs)
         self.record = {"step_time_s": time.perf_counter() - self.step_started,
                        "activation_measured": measure}
+        if self.device.type == "cuda":  # the caching allocator's peaks over the step
+            self.record.update(max_memory_allocated=peaks.max_allocated,
+                               max_memory_reserved=peaks.max_reserved)
         return result
 
     def _keep_first(self, data_iterator):
@@ -196,6 +212,7 @@ class Session:
         from megatron_adacc.profiling import hardware
 
         self.ready = True
+        self.device = next(self.model.parameters()).device
         if self.step_batch is None:
             raise ConfigError("Adacc profiles a real micro-batch; this pipeline stage reads no "
                               "data (pipeline stages beyond one are not supported here)")
@@ -296,12 +313,13 @@ class Session:
     def after_step(self, original, model, optimizer, opt_param_scheduler, iteration,
                    *args, **kwargs):
         result = original(model, optimizer, opt_param_scheduler, iteration, *args, **kwargs)
-        tracking = {}
+        self.ddp_models, self.optimizer, self.scheduler = model, optimizer, opt_param_scheduler
+        # The plan the step ran under; a swap after_step makes applies from the next forward.
+        record = {**self.record, **(self.adacc.metrics() if self.ready else {})}
         if self.ready:
             with _no_sync(model):  # the rectifier's samples run backward too
-                tracking = self.adacc.after_step(iteration, batch_tuple(self.step_batch,
-                                                                       self.model))
-        record = {**self.record, **(self.adacc.metrics() if self.ready else {}), **tracking}
+                record.update(self.adacc.after_step(iteration, batch_tuple(self.step_batch,
+                                                                           self.model)))
         if self.val_loss is not None:
             record["val_loss"], self.val_loss = self.val_loss, None
         self.write(record)

@@ -6,7 +6,7 @@ from megatron_adacc.profiling import profiler
 from megatron_adacc.common import sites
 from megatron_adacc.megatron_lm import ConfigError
 from megatron_adacc.common.sites import COMPRESS, RECOMPUTE, RETAIN
-from pretrain_helpers import TINY, parse, pretrain
+from pretrain_helpers import TINY, main, parse, pretrain
 
 METRICS = {"static_bytes", "budget_bytes", "plan_id", "activation_bytes", "measured_step_time_s",
            "measured_plan_id"}
@@ -78,9 +78,7 @@ def test_auto_across_budgets_profiles_once_and_keeps_what_it_predicts(tmp_path, 
 
 
 def test_auto_with_an_infeasible_budget_names_the_smallest_feasible_one(tmp_path, capsys):
-    import pretrain_gpt
-
-    code = pretrain_gpt.main([*TINY, "--train-iters", "1", "--adacc-policy", "auto",
+    code = main([*TINY, "--train-iters", "1", "--adacc-policy", "auto",
                               "--adacc-memory-budget", "100KiB",
                               "--adacc-profile-db", str(tmp_path / "p.sqlite")])
     assert code == 2
