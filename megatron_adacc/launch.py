@@ -245,6 +245,10 @@ def run(argv: Sequence[str], prog: str, pretrain: Callable[[argparse.Namespace],
         except Diverged as exc:
             print(f"{prog}: error: {exc}", file=sys.stderr, flush=True)
             return 1
+        except SystemExit as exc:  # Megatron-LM ends --exit-interval/-duration with sys.exit
+            if isinstance(exc.code, int) or exc.code is None:
+                return exc.code or 0
+            raise
         finally:
             current = megatron_lm.session()
             if current is not None:

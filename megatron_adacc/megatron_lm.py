@@ -151,6 +151,7 @@ class Session:
         self.records: list[dict] = []
         # Megatron-LM's engine of this run, as the last step left it (tests read them).
         self.ddp_models: list | None = None
+        self.rank_static_bytes: int | None = None
         self.optimizer = None
         self.scheduler = None
         self.device = torch.device("cpu")  # where the allocator is read: the model's
@@ -212,12 +213,14 @@ class Session:
         from megatron_adacc.profiling import hardware
 
         self.ready = True
+        self.ddp_models, self.optimizer = ddp_models, optimizer
         self.device = next(self.model.parameters()).device
         if self.step_batch is None:
             raise ConfigError("Adacc profiles a real micro-batch; this pipeline stage reads no "
                               "data (pipeline stages beyond one are not supported here)")
         static = hardware.engine_static_bytes(ddp_models, optimizer)
         step = hardware.engine_step_bytes(optimizer)
+        self.rank_static_bytes = static  # this rank's; Adacc plans every rank with the most
         most = torch.tensor([static, step], dtype=torch.int64)
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(most, op=dist.ReduceOp.MAX)  # one budget, so every rank plans alike
