@@ -66,8 +66,8 @@ def forward_step(data_iterator, model):
                 create_attention_mask_in_dataloader=args.create_attention_mask_in_dataloader,
                 micro_batch_size=args.micro_batch_size, seq_length=args.seq_length,
                 is_pipeline_first_stage=first, is_pipeline_last_stage=last)
-        elif mpu.get_tensor_model_parallel_world_size() > 1:
-            batch = _broadcast_batch(batch)
+        else:
+            batch = _batch_on_host(batch)
     output = model(batch.get("tokens"), batch.get("position_ids"), batch.get("attention_mask"),
                    labels=batch.get("labels"))
     loss_mask = batch.get("loss_mask")
@@ -83,15 +83,22 @@ def forward_step(data_iterator, model):
     return output, loss_func
 
 
-def _broadcast_batch(batch: dict) -> dict:
-    """Tensor-parallel rank 0's micro-batch on every rank of its group, on a host (gloo)."""
+def _batch_on_host(batch: dict) -> dict:
+    """Tensor-parallel rank 0's micro-batch on every rank of its group (gloo), copied as
+    a GPU copies it to the device: what the model saves for backward is the step's own,
+    never the loader's tensors, which Megatron-LM's rerun state machine keeps for the whole
+    step."""
+    import torch
     import torch.distributed as dist
     from megatron.core import mpu
 
-    payload = [batch if mpu.get_tensor_model_parallel_rank() == 0 else None]
-    dist.broadcast_object_list(payload, src=mpu.get_tensor_model_parallel_src_rank(),
-                               group=mpu.get_tensor_model_parallel_group())
-    return payload[0]
+    if mpu.get_tensor_model_parallel_world_size() > 1:
+        payload = [batch if mpu.get_tensor_model_parallel_rank() == 0 else None]
+        dist.broadcast_object_list(payload, src=mpu.get_tensor_model_parallel_src_rank(),
+                                   group=mpu.get_tensor_model_parallel_group())
+        batch = payload[0]
+    return {key: value.clone() if torch.is_tensor(value) else value
+            for key, value in batch.items()}
 
 
 def main(argv: list[str] | None = None) -> int:

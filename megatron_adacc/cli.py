@@ -131,6 +131,17 @@ def _flags(args: argparse.Namespace) -> dict[str, Any]:
     return flags
 
 
+def _with_vocab_size(flags: dict[str, Any]) -> dict[str, Any]:
+    """``flags`` with --vocab-size: its --tokenizer-type's vocabulary when not given."""
+    if flags.get("vocab-size") is not None or flags.get("tokenizer-type") is None:
+        return flags
+    from megatron_adacc.training.tokenizers import build_tokenizer  # until plan moves over
+
+    tokenizer = build_tokenizer(str(flags["tokenizer-type"]), flags.get("vocab-file"),
+                                flags.get("merge-file"))
+    return {**flags, "vocab-size": tokenizer.vocab_size}
+
+
 def _profiled_costs(args: argparse.Namespace, budget: int | None
                     ) -> tuple[ModelCosts, int | None]:
     """This machine's measured costs from the ProfileDB, profiled first (on the model and
@@ -220,7 +231,7 @@ def _costs(args: argparse.Namespace, budget: int | None
         return [costs], default_budget
     try:
         flags = _flags(args)
-        shape = hardware.ModelShape.from_flags(flags)
+        shape = hardware.ModelShape.from_flags(_with_vocab_size(flags))
         stages = hardware.pipeline_costs(
             shape, args.micro_batch_size, args.hardware, args.pipeline_model_parallel_size,
             _num_micro_batches(args, flags), zero_stage, args.data_parallel_size)

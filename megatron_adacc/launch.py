@@ -113,6 +113,11 @@ def parse(argv: Sequence[str], prog: str = "pretrain_gpt.py") -> argparse.Namesp
     try:
         with _one_line_parse_errors():
             args = parse_args(extra_args_provider=add_arguments)
+    except KeyError as exc:  # an enum flag's type (AttnBackend[...]) fails past argparse
+        value = exc.args[0] if exc.args else ""
+        flag = next((argv[at - 1] for at in range(1, len(argv)) if argv[at] == value
+                     and argv[at - 1].startswith("--")), "a flag")
+        raise ConfigError(f"argument {flag}: invalid choice: {value!r}") from None
     finally:
         sys.argv = saved
     megatron_compat.cpu_arg_defaults(args)
@@ -123,9 +128,17 @@ def parse(argv: Sequence[str], prog: str = "pretrain_gpt.py") -> argparse.Namesp
         validate_args(args, {"tokenizer_type": "GPT2BPETokenizer"})
     except AssertionError as exc:
         raise ConfigError(str(exc).splitlines()[0] if str(exc) else
-                          "Megatron-LM refused the flags") from None
+                          _bare_assertion(exc)) from None
     set_global_variables(args)
     return args
+
+
+def _bare_assertion(exc: AssertionError) -> str:
+    """A message-less assertion of validate_args as one line: the check that failed."""
+    import traceback
+
+    frame = traceback.extract_tb(exc.__traceback__)[-1]
+    return f"Megatron-LM refused the flags: {frame.line} ({Path(frame.filename).name})"
 
 
 def _default_data(args: argparse.Namespace) -> None:
@@ -232,6 +245,10 @@ def run(argv: Sequence[str], prog: str, pretrain: Callable[[argparse.Namespace],
         except Diverged as exc:
             print(f"{prog}: error: {exc}", file=sys.stderr, flush=True)
             return 1
+        except SystemExit as exc:  # Megatron-LM ends --exit-interval/-duration with sys.exit
+            if isinstance(exc.code, int) or exc.code is None:
+                return exc.code or 0
+            raise
         finally:
             current = megatron_lm.session()
             if current is not None:

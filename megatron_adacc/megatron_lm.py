@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
-import itertools
 import json
 import math
 import time
@@ -111,6 +110,11 @@ def check_args(args: argparse.Namespace) -> None:
             policies.require_budget(config.policy, config.budget_bytes)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
+    heads, groups = args.num_attention_heads, args.num_query_groups
+    if args.group_query_attention and groups and heads % groups:
+        # Megatron-LM accepts it and fails in the first forward with a reshape error.
+        raise ConfigError(f"--num-query-groups {groups} does not divide "
+                          f"--num-attention-heads {heads}")
     if config.policy != "none" and args.transformer_impl != "local":
         raise ConfigError(f"--adacc-policy {config.policy} runs Adacc's layer, which builds on "
                           f"megatron-core's local spec; add --transformer-impl local "
@@ -151,6 +155,12 @@ class Session:
         self.record: dict = {}
         self.val_loss: float | None = None
         self.records: list[dict] = []
+        # Megatron-LM's engine of this run, as the last step left it (tests read them).
+        self.ddp_models: list | None = None
+        self.rank_static_bytes: int | None = None
+        self.optimizer = None
+        self.scheduler = None
+        self.device = torch.device("cpu")  # where the allocator is read: the model's
         self._metrics = None
 
     # --- model build -------------------------------------------------------------------------
@@ -168,15 +178,21 @@ class Session:
         iteration = self.args.curr_iteration if hasattr(self.args, "curr_iteration") else 0
         data_iterator = self._keep_first(data_iterator)
         if not self.ready:
-            self._setup(model, optimizer)
+            self._setup(model, optimizer, forward_step_func)
         measure = (self.adacc.activation_bytes is None
                    or iteration % self.args.activation_measure_interval == 0)
+        from megatron_adacc.profiling import allocator
+
         self.step_started = time.perf_counter()
-        with self.adacc.measure(measure) if self.ready else contextlib.nullcontext():
+        with allocator.watch(self.device) as peaks, \
+                self.adacc.measure(measure) if self.ready else contextlib.nullcontext():
             result = original(forward_step_func, data_iterator, model, optimizer,
                               *args, **kwargs)
         self.record = {"step_time_s": time.perf_counter() - self.step_started,
                        "activation_measured": measure}
+        if self.device.type == "cuda":  # the caching allocator's peaks over the step
+            self.record.update(max_memory_allocated=peaks.max_allocated,
+                               max_memory_reserved=peaks.max_reserved)
         return result
 
     def _keep_first(self, data_iterator):
@@ -191,31 +207,81 @@ class Session:
         except StopIteration:
             return data_iterator
         self.step_batch = head
-        chained = itertools.chain([head], inner)
+        chained = _put_back(head, inner)
         if inner is data_iterator:
             return chained
         data_iterator.iterable = chained
         return data_iterator
 
-    def _setup(self, ddp_models: list, optimizer) -> None:
+    def _setup(self, ddp_models: list, optimizer, forward_step_func=None) -> None:
+        from megatron.core import mpu
+
         from megatron_adacc.profiling import hardware
 
         self.ready = True
+        self.ddp_models, self.optimizer = ddp_models, optimizer
+        self.device = next(self.model.parameters()).device
         if self.step_batch is None:
             raise ConfigError("Adacc profiles a real micro-batch; this pipeline stage reads no "
                               "data (pipeline stages beyond one are not supported here)")
         static = hardware.engine_static_bytes(ddp_models, optimizer)
         step = hardware.engine_step_bytes(optimizer)
+        self.rank_static_bytes = static  # this rank's; Adacc plans every rank with the most
         most = torch.tensor([static, step], dtype=torch.int64)
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(most, op=dist.ReduceOp.MAX)  # one budget, so every rank plans alike
         static, step = most.tolist()
         from megatron.core.num_microbatches_calculator import get_num_microbatches
 
-        with _no_sync(ddp_models):
-            self.adacc.setup(self.model, batch_tuple(self.step_batch, self.model),
-                             num_micro_batches=get_num_microbatches(),
-                             static_bytes=static, optimizer_step_bytes=step)
+        # One stage's loss is forward_step's; a pipeline stage alone is profiled with
+        # Adacc's stand-in loss (profiler.gpt_loss).
+        loss_fn = (functools.partial(self.loss, forward_step_func)
+                   if forward_step_func is not None
+                   and mpu.get_pipeline_model_parallel_world_size() == 1 else None)
+        from megatron_adacc.planning import InfeasibleBudget
+
+        try:
+            with _no_sync(ddp_models):
+                self.adacc.setup(self.model, batch_tuple(self.step_batch, self.model),
+                                 loss_fn, num_micro_batches=get_num_microbatches(),
+                                 static_bytes=static, optimizer_step_bytes=step)
+        except InfeasibleBudget as exc:  # the flag's budget: one line, exit status 2
+            raise ConfigError(str(exc)) from None
+
+    def loss(self, forward_step_func, model: torch.nn.Module, batch) -> torch.Tensor:
+        """The loss a training step backpropagates for ``batch`` (tokens, labels, loss mask):
+        ``forward_step_func`` under Megatron-LM's schedule, scaled as its backward scales it.
+
+        What it saves for backward is what a step of the loop saves: the loader's position
+        ids and attention mask, the loss function's tensors, the token count and the loss
+        scale, so the profile predicts the bytes the loop keeps."""
+        from megatron.core import mpu
+        from megatron.core.num_microbatches_calculator import get_num_microbatches
+        from megatron.core.pipeline_parallel import schedules
+
+        config = model.config
+        output, _ = schedules.forward_step(
+            forward_step_func, iter([self.loader_batch(batch)]), model, get_num_microbatches(),
+            None, [], config, mpu.get_context_parallel_world_size(), is_last_stage=True)
+        return config.grad_scale_func(output) if config.grad_scale_func is not None else output
+
+    def loader_batch(self, batch) -> dict:
+        """The data loader's micro-batch for ``batch`` (tokens, labels, loss mask): the other
+        fields of this step's micro-batch (position ids, attention mask), cut to its shape
+        when the profiler times a shorter one."""
+        tokens, labels, loss_mask = batch
+        size, length = tokens.shape
+        loader = {"tokens": tokens, "labels": labels, "loss_mask": loss_mask}
+        for key, value in self.step_batch.items():
+            if key in loader:
+                continue
+            if torch.is_tensor(value) and tuple(value.shape[:2]) != (size, length):
+                if key == "attention_mask":  # [batch, 1, seq, seq]
+                    value = value[:size, :, :length, :length].contiguous()
+                elif key == "position_ids":
+                    value = value[:size, :length].contiguous()
+            loader[key] = value.to(tokens.device) if torch.is_tensor(value) else value
+        return loader
 
     # --- after the step ----------------------------------------------------------------------
     def readings(self) -> dict:
@@ -256,12 +322,13 @@ class Session:
     def after_step(self, original, model, optimizer, opt_param_scheduler, iteration,
                    *args, **kwargs):
         result = original(model, optimizer, opt_param_scheduler, iteration, *args, **kwargs)
-        tracking = {}
+        self.ddp_models, self.optimizer, self.scheduler = model, optimizer, opt_param_scheduler
+        # The plan the step ran under; a swap after_step makes applies from the next forward.
+        record = {**self.record, **(self.adacc.metrics() if self.ready else {})}
         if self.ready:
             with _no_sync(model):  # the rectifier's samples run backward too
-                tracking = self.adacc.after_step(iteration, batch_tuple(self.step_batch,
-                                                                       self.model))
-        record = {**self.record, **(self.adacc.metrics() if self.ready else {}), **tracking}
+                record.update(self.adacc.after_step(iteration, batch_tuple(self.step_batch,
+                                                                           self.model)))
         if self.val_loss is not None:
             record["val_loss"], self.val_loss = self.val_loss, None
         self.write(record)
@@ -283,6 +350,14 @@ class Session:
         if self._metrics is not None:
             self._metrics.close()
             self._metrics = None
+
+
+def _put_back(head, rest):
+    """``head`` then ``rest``, holding ``head`` no longer than its consumer does."""
+    held = [head]
+    del head
+    yield held.pop()
+    yield from rest
 
 
 def _json_safe(value):
