@@ -22,7 +22,7 @@ from typing import Any
 
 import megatron_adacc
 from megatron_adacc.common.costs import ModelCosts
-from megatron_adacc.training.data import default_data_dir
+from megatron_adacc.corpus import default_data_dir
 from megatron_adacc.common.errors import InputError
 
 # PRAGMA application_id marks the file as ours ("ADAC"); user_version is the schema.
