@@ -104,15 +104,15 @@ def training_argv(args: argparse.Namespace, rest: Sequence[str]) -> list[str]:
 
 
 def training_flags(argv: Sequence[str]) -> argparse.Namespace:
-    """pretrain_gpt.py's parser over ``argv`` (no validation: nothing is built), every
-    refusal a one-line ConfigError."""
+    """pretrain_gpt.py's parser over ``argv`` (``--config`` read; no validation: nothing is
+    built), every refusal a one-line ConfigError."""
     parser = launch.build_parser()
 
     def refuse(message: str):
         raise launch.ConfigError(message)
 
     parser.error = refuse  # argparse would print its usage and exit
-    return parser.parse_args(list(argv))
+    return parser.parse_args(launch.config_argv(argv, parser))
 
 
 def shape_flags(flags: argparse.Namespace) -> dict[str, Any]:
@@ -149,7 +149,7 @@ def trainer_costs(argv: Sequence[str], budget: int | None = None) -> ModelCosts:
     import pretrain_gpt
     from megatron_adacc import megatron_lm
 
-    argv = list(argv)
+    argv = launch.config_argv(argv)
     kept: list[str] = []
     while argv:
         flag = argv.pop(0)
