@@ -1441,10 +1441,14 @@ HOW_TO_RUN = f"""## How to run
 
 On a lent H200 (`nvidia-h200`; the device tool's `status` says whether a session has one),
 in one `run` call. Once, here, in the checkout the session was started in (the wheels
-`/work/shared/gpu-wheels/README.md` lists: megatron-core 0.16.1, pulp and the rest):
+`/work/shared/gpu-wheels/README.md` lists: megatron-core 0.19.2 with `megatron.training`,
+pulp and the rest; never the 0.16.1 wheel beside it: two versions of one package stop the
+whole install):
 
     echo /.whl/ >> .git/info/exclude
-    mkdir -p .whl && cp ../shared/gpu-wheels/*.whl .whl/
+    rm -rf .whl && mkdir -p .whl
+    cp $(ls ../shared/gpu-wheels/*.whl | grep -v megatron_core-0.16.1) .whl/
+    cp ../shared/gpu-wheels/megatron-core-0.19/*.whl .whl/
 
 Then `run` with `carry: [".whl"]`, `timeout_s: 420` and this command:
 
