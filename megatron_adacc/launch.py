@@ -155,7 +155,11 @@ def _default_data(args: argparse.Namespace) -> None:
         return
     train, valid = corpus.prepare_demo_corpus()
     args.train_data_path, args.valid_data_path, args.test_data_path = [train], [valid], [valid]
-    args.tokenizer_type, args.vocab_size = "NullTokenizer", corpus.ByteTokenizer.vocab_size
+    # A config's own vocabulary (a Llama's 128256) is kept, the bytes its first ids, so the
+    # model trained is the shape the config describes (and `adacc plan` plans).
+    args.tokenizer_type = "NullTokenizer"
+    args.vocab_size = max(args.vocab_size or 0, corpus.ByteTokenizer.vocab_size)
+    args.null_tokenizer_eod_id = corpus.ByteTokenizer.eod  # NullTokenizer reads it by name
 
 
 def _prefixes(paths) -> list[str]:

@@ -139,6 +139,32 @@ def test_dry_run_refusals_and_block_recompute_are_the_trainers(dry_run):
             assert block["fits"]
 
 
+def test_the_device_command_carries_megatron_core_0_19(tmp_path):
+    # The wheels copied for the device: every shared wheel but 0.16.1's, then 0.19's (two
+    # versions of one package stop pip's whole install). docs/gpu.md is the rendered page.
+    import re
+    import subprocess
+
+    (copy,) = [line.strip() for line in gpu_check.HOW_TO_RUN.splitlines()
+               if "grep -v megatron_core" in line]
+    (extra,) = [line.strip() for line in gpu_check.HOW_TO_RUN.splitlines()
+                if "megatron-core-0.19/" in line]
+    shared = tmp_path / "shared" / "gpu-wheels"
+    (shared / "megatron-core-0.19").mkdir(parents=True)
+    for name in ("pulp-3.3.2-py3-none-any.whl",
+                 "megatron_core-0.16.1-cp312-cp312-manylinux_2_28_x86_64.whl",
+                 "megatron-core-0.19/megatron_core-0.19.2-cp312-cp312-manylinux_2_28_x86_64.whl"):
+        (shared / name).write_text("")
+    checkout = tmp_path / "checkout"
+    (checkout / ".whl").mkdir(parents=True)
+    subprocess.run(f"{copy} && {extra}", shell=True, cwd=checkout, check=True)
+    wheels = sorted(p.name for p in (checkout / ".whl").iterdir())
+    assert [re.split(r"-(?=\d)", w)[0] for w in wheels] == ["megatron_core", "pulp"]
+    assert wheels[0].startswith("megatron_core-0.19.2-cp312")
+    page = (ROOT / "docs" / "gpu.md").read_text()
+    assert gpu_check.HOW_TO_RUN.strip() in page
+
+
 def test_dry_run_writes_the_page_and_prints_the_table(dry_run):
     results, page, stdout = dry_run
     assert "## How to run" in page and gpu_check.DEVICE_COMMAND in page
