@@ -189,7 +189,7 @@ def teardown(owns_process_group: bool) -> None:
     """Megatron-LM's global state, so the next run in this process starts afresh; the process
     group and model-parallel state too when this run set them up (a caller's stay theirs)."""
     import torch.distributed as dist
-    from megatron.core import num_microbatches_calculator, parallel_state, rerun_state_machine
+    from megatron.core import num_microbatches_calculator, rerun_state_machine
     from megatron.training import global_vars, training
 
     if owns_process_group:
@@ -200,7 +200,6 @@ def teardown(owns_process_group: bool) -> None:
     global_vars.destroy_global_vars()
     num_microbatches_calculator.destroy_num_microbatches_calculator()
     rerun_state_machine.destroy_rerun_state_machine()
-    parallel_state.destroy_global_memory_buffer()
 
 
 class _Interrupts:
@@ -222,6 +221,22 @@ class _Terminated(KeyboardInterrupt):
     pass
 
 
+# Megatron-core sets these from --attention-backend when it builds a GPTModel and asserts
+# they agree with the backend: a run's are its own, whatever ran before it in the process.
+TE_ATTENTION_ENV = ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN")
+
+
+@contextlib.contextmanager
+def _own_attention_env():
+    saved = {name: os.environ.pop(name) for name in TE_ATTENTION_ENV if name in os.environ}
+    try:
+        yield
+    finally:
+        for name in TE_ATTENTION_ENV:
+            os.environ.pop(name, None)
+        os.environ.update(saved)
+
+
 def run(argv: Sequence[str], prog: str, pretrain: Callable[[argparse.Namespace], None]) -> int:
     """Parse ``argv`` and call ``pretrain(args)``; returns the exit status."""
     from megatron_adacc import megatron_compat, megatron_lm
@@ -232,7 +247,7 @@ def run(argv: Sequence[str], prog: str, pretrain: Callable[[argparse.Namespace],
     owns_process_group = not dist.is_initialized()
     _world_of_one()
     args = None
-    with _Interrupts():
+    with _Interrupts(), _own_attention_env():
         try:
             megatron_compat.apply_training()
             args = parse(argv, prog)

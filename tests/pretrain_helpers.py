@@ -1,5 +1,4 @@
 """Running pretrain_gpt.py from tests: in this process (fast) or in a fresh one."""
-import contextlib
 import os
 import subprocess
 import sys
@@ -19,36 +18,11 @@ LLAMA_FLAGS = ["--normalization", "RMSNorm", "--swiglu", "--position-embedding-t
                "--hidden-dropout", "0", "--attention-dropout", "0"]
 
 
-# Set by every megatron GPTModel from its attention backend, and checked against it: a run
-# starts without them, as in a fresh process, and the tests' own models get theirs back.
-TE_ATTENTION_ENV = ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN")
-
-
-@contextlib.contextmanager
-def as_a_fresh_process():
-    """A run of pretrain_gpt.py in this process as a fresh process would see it; what the
-    tests' own megatron state had (TE's attention variables, the global memory buffer,
-    which a run's teardown drops) is theirs again afterwards."""
-    from megatron.core import parallel_state
-
-    had_buffer = parallel_state._GLOBAL_MEMORY_BUFFER is not None
-    saved = {name: os.environ.pop(name) for name in TE_ATTENTION_ENV if name in os.environ}
-    try:
-        yield
-    finally:
-        for name in TE_ATTENTION_ENV:
-            os.environ.pop(name, None)
-        os.environ.update(saved)
-        if had_buffer and parallel_state._GLOBAL_MEMORY_BUFFER is None:
-            parallel_state._set_global_memory_buffer()
-
-
 def main(argv: list[str]) -> int:
-    """pretrain_gpt.main(argv) in this process (as_a_fresh_process)."""
+    """pretrain_gpt.main(argv) in this process."""
     import pretrain_gpt
 
-    with as_a_fresh_process():
-        return pretrain_gpt.main(argv)
+    return pretrain_gpt.main(argv)
 
 
 def pretrain(*flags: str):
@@ -65,12 +39,11 @@ def parse(*flags: str, tiny: bool = True):
     checks included; nothing is built. Raises megatron_lm.ConfigError on a refusal."""
     from megatron_adacc import launch, megatron_lm
 
-    with as_a_fresh_process():
-        try:
-            args = launch.parse((TINY if tiny else []) + [str(flag) for flag in flags])
-            megatron_lm.check_args(args)
-        finally:
-            launch.teardown(owns_process_group=False)
+    try:
+        args = launch.parse((TINY if tiny else []) + [str(flag) for flag in flags])
+        megatron_lm.check_args(args)
+    finally:
+        launch.teardown(owns_process_group=False)
     return args
 
 
