@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import os
 import signal
 import socket
@@ -120,12 +121,27 @@ def parse(argv: Sequence[str], prog: str = "pretrain_gpt.py") -> argparse.Namesp
         args.distributed_backend = "gloo"
     _default_data(args)
     try:
-        validate_args(args, {"tokenizer_type": "GPT2BPETokenizer"})
+        # Megatron-LM's pretrain_gpt.py default, given only where no tokenizer is (it warns
+        # on stderr about overriding one).
+        validate_args(args, {} if args.tokenizer_type else {"tokenizer_type": "GPT2BPETokenizer"})
     except AssertionError as exc:
-        raise ConfigError(str(exc).splitlines()[0] if str(exc) else
-                          "Megatron-LM refused the flags") from None
+        raise ConfigError(assertion_line(exc)) from None
     set_global_variables(args)
     return args
+
+
+def assertion_line(exc: Exception) -> str:
+    """One line for a Megatron-LM assertion: its message, else the assertion it failed."""
+    import traceback
+
+    if str(exc).strip():
+        return str(exc).strip().splitlines()[0]
+    frames = traceback.extract_tb(exc.__traceback__)
+    if not frames:
+        return "Megatron-LM refused the flags"
+    where = frames[-1]
+    return (f"Megatron-LM refused the flags: {where.line} "
+            f"({Path(where.filename).name}:{where.lineno})")
 
 
 def _default_data(args: argparse.Namespace) -> None:
@@ -187,27 +203,121 @@ def teardown(owns_process_group: bool) -> None:
 
 
 class _Interrupts:
-    """SIGTERM as an interrupt (torchrun stopping its workers), like SIGINT."""
+    """SIGINT and SIGTERM (torchrun stopping its workers) raise KeyboardInterrupt, and stay
+    noted: an interrupt that C code calling back into Python swallowed still ends the run at
+    the end of its step (see ``_stop_if_interrupted``)."""
+
+    received: int | None = None
 
     def __enter__(self):
-        self._previous = signal.signal(signal.SIGTERM, self._terminated)
+        _Interrupts.received = None
+        self._previous = {number: signal.signal(number, self._raise)
+                          for number in (signal.SIGINT, signal.SIGTERM)}
         return self
 
     def __exit__(self, *exc):
-        signal.signal(signal.SIGTERM, self._previous)
+        for number, previous in self._previous.items():
+            signal.signal(number, previous)
 
     @staticmethod
-    def _terminated(signum, frame):
-        raise _Terminated()
+    def _raise(signum, frame):
+        _Interrupts.received = signum
+        raise _Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
 
 
 class _Terminated(KeyboardInterrupt):
     pass
 
 
+def _stop_if_interrupted(original, *args, **kwargs):
+    """Megatron-LM's ``checkpoint_and_decide_exit``, then the interrupt a step swallowed."""
+    result = original(*args, **kwargs)
+    if _Interrupts.received is not None:
+        raise _Terminated() if _Interrupts.received == signal.SIGTERM else KeyboardInterrupt()
+    return result
+
+
+def _watch_step_ends() -> None:
+    from megatron.training import training
+
+    original = getattr(training.checkpoint_and_decide_exit, "__wrapped_by_launch__",
+                       training.checkpoint_and_decide_exit)
+    watched = functools.partial(_stop_if_interrupted, original)
+    watched.__wrapped_by_launch__ = original
+    training.checkpoint_and_decide_exit = watched
+
+
+# Megatron-LM's rerun state machine's exit codes (EXIT_CODE_RESUME_TO_DISAMBIGUATE,
+# EXIT_CODE_FAILED_ON_RESULT_VALIDATION): a result, NaN or Inf, failed its validation.
+RERUN_EXIT_CODES = (16, 17)
+
+
+def _iteration(args) -> int:
+    """The iteration in progress (Megatron-LM's ``curr_iteration`` counts those done)."""
+    done = getattr(args, "curr_iteration", None) if args is not None else None
+    return 0 if done is None else done + 1
+
+
+def latest_checkpoint(directory) -> int | None:
+    """The iteration Megatron-LM's tracker file in ``directory`` names; None without one."""
+    from megatron.training.checkpointing import get_checkpoint_tracker_filename
+
+    if not directory:
+        return None
+    try:
+        text = Path(get_checkpoint_tracker_filename(str(directory))).read_text().strip()
+        return int(text)
+    except (OSError, ValueError):
+        return None
+
+
+def _interrupted(args) -> str:
+    saved = latest_checkpoint(getattr(args, "save", None)) if args is not None else None
+    if saved is None:
+        return f"interrupted at iteration {_iteration(args)}; no checkpoint saved"
+    return (f"interrupted at iteration {_iteration(args)}; last checkpoint: iteration {saved} "
+            f"in {args.save} (resume with --load {args.save})")
+
+
+def _diverged(args) -> Diverged:
+    """What Megatron-LM's result validation stopped the run on, as a Diverged."""
+    from megatron.core.rerun_state_machine import get_rerun_state_machine
+
+    machine = get_rerun_state_machine()
+    call = machine.failed_validation_call
+    what = call.caller.message if call is not None else "a result failed validation"
+    saved = latest_checkpoint(args.save)
+    kept = (f"the weights before it saved as iteration {saved} in {args.save}"
+            if saved is not None and saved == _iteration(args) - 1 else "nothing saved")
+    return Diverged(f"iteration {_iteration(args)}: {what} ({machine.initial_result}); "
+                    f"stopped before the optimizer step, {kept} (lower --lr, or --load the "
+                    f"last checkpoint)")
+
+
+def _choose_checkpoint(args: argparse.Namespace, rank: int) -> None:
+    """Every checkpoint read restricted; ``--load``'s newest whole checkpoint as --ckpt-step
+    when the newest is damaged (one warning line)."""
+    from megatron_adacc import safe_checkpoint
+
+    safe_checkpoint.install()
+    if not args.load or args.ckpt_step is not None or args.exit_on_missing_checkpoint:
+        return
+
+    def warn(line: str) -> None:
+        if rank == 0:
+            print(f"warning: {line}", file=sys.stderr, flush=True)
+
+    try:
+        step = safe_checkpoint.choose_checkpoint(args.load, warn)
+    except safe_checkpoint.CheckpointRefused as exc:
+        raise InputError(f"--load {args.load}: {exc}") from None
+    if step is not None:
+        args.ckpt_step = step
+
+
 def run(argv: Sequence[str], prog: str, pretrain: Callable[[argparse.Namespace], None]) -> int:
     """Parse ``argv`` and call ``pretrain(args)``; returns the exit status."""
-    from megatron_adacc import megatron_compat, megatron_lm
+    from megatron_adacc import megatron_compat, megatron_lm, safe_checkpoint
 
     import torch.distributed as dist
 
@@ -217,21 +327,34 @@ def run(argv: Sequence[str], prog: str, pretrain: Callable[[argparse.Namespace],
     args = None
     with _Interrupts():
         try:
-            megatron_compat.apply_training()
-            args = parse(argv, prog)
-            pretrain(args)
+            try:
+                megatron_compat.apply_training()
+                _watch_step_ends()
+                args = parse(argv, prog)
+                _choose_checkpoint(args, rank)
+                pretrain(args)
+            except SystemExit as exc:  # Megatron-LM's loop ends its early exits so
+                if exc.code in RERUN_EXIT_CODES:
+                    raise _diverged(args) from None
+                if exc.code not in (0, None):
+                    raise
         except KeyboardInterrupt as exc:
             if rank == 0:
-                iteration = getattr(args, "curr_iteration", 0) if args else 0
-                print(f"{prog}: interrupted at iteration {iteration}", file=sys.stderr,
-                      flush=True)
+                print(f"{prog}: {_interrupted(args)}", file=sys.stderr, flush=True)
             return 143 if isinstance(exc, _Terminated) else 130
         except (InputError, FileNotFoundError) as exc:
             print(f"{prog}: error: {exc}", file=sys.stderr, flush=True)
             return 2
         except Diverged as exc:
-            print(f"{prog}: error: {exc}", file=sys.stderr, flush=True)
+            if rank == 0:
+                print(f"{prog}: error: {exc}", file=sys.stderr, flush=True)
             return 1
+        except BaseException as exc:  # DCP's CheckpointException is no Exception
+            refused = safe_checkpoint.refusal(exc)
+            if refused is None:
+                raise
+            print(f"{prog}: error: --load {args.load}: {refused}", file=sys.stderr, flush=True)
+            return 2
         finally:
             current = megatron_lm.session()
             if current is not None:
