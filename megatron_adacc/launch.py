@@ -13,7 +13,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import math
 import os
+import re
 import signal
 import socket
 import sys
@@ -82,8 +84,18 @@ def _flags_of(values: dict, path: str, parser: argparse.ArgumentParser) -> list[
             flags += [option] if value else []
         elif value is not None:
             items = value if isinstance(value, list) else [value]
-            flags += [option, *map(str, items)]
+            flags += [option, *(_yaml_number(item, action) for item in items)]
     return flags
+
+
+def _yaml_number(value, action: argparse.Action) -> str:
+    """A config value as a flag's text; YAML 1.1 reads 1e3 as a string, an integer flag
+    takes it as 1000."""
+    if (action.type is int and isinstance(value, str)
+            and re.fullmatch(r"[-+]?\d+(\.\d*)?[eE][-+]?\d+", value)
+            and float(value).is_integer()):
+        return str(int(float(value)))
+    return str(value)
 
 
 @contextlib.contextmanager
@@ -119,6 +131,8 @@ def parse(argv: Sequence[str], prog: str = "pretrain_gpt.py") -> argparse.Namesp
     megatron_compat.cpu_arg_defaults(args)
     if not torch.cuda.is_available():
         args.distributed_backend = "gloo"
+    _check_profile(args)
+    _check_outputs(args)
     _default_data(args)
     try:
         # Megatron-LM's pretrain_gpt.py default, given only where no tokenizer is (it warns
@@ -144,6 +158,71 @@ def assertion_line(exc: Exception) -> str:
             f"({Path(where.filename).name}:{where.lineno})")
 
 
+def _check_profile(args: argparse.Namespace) -> None:
+    """--profile's flags that Megatron-LM would only trip over mid-run, in one line."""
+    import torch
+
+    if not args.profile:
+        return
+    if args.use_pytorch_profiler and not args.tensorboard_dir:
+        raise ConfigError("--use-pytorch-profiler writes its traces to --tensorboard-dir; "
+                          "give one")
+    if not args.use_pytorch_profiler and not torch.cuda.is_available():
+        raise ConfigError("--profile marks a CUDA profiler range for nsys, and this machine "
+                          "has no GPU; add --use-pytorch-profiler (and --tensorboard-dir)")
+    if args.profile_step_end <= args.profile_step_start:
+        raise ConfigError(f"--profile-step-end {args.profile_step_end} must be after "
+                          f"--profile-step-start {args.profile_step_start}")
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    outside = [rank for rank in args.profile_ranks if rank >= world_size]
+    if outside:
+        raise ConfigError(f"--profile-ranks {' '.join(map(str, outside))}: no such rank in a "
+                          f"world of {world_size}")
+
+
+def _check_outputs(args: argparse.Namespace) -> None:
+    """Every path the run will write, checked before anything is built or trained (a save
+    failing after the last step would lose the run); nothing is created here."""
+    from megatron_adacc import corpus, policies
+    from megatron_adacc.profiling.profile_db import ProfileDB
+
+    for flag, path in (("--save", args.save), ("--tensorboard-dir", args.tensorboard_dir)):
+        if path:
+            check_writable(path, flag, directory=True)
+    if args.metrics_file:
+        check_writable(args.metrics_file, "--metrics-file", directory=False)
+    if not (args.mock_data or args.data_path or args.train_data_path
+            or corpus.demo_corpus_ready()):
+        check_writable(corpus.demo_corpus_prefixes()[0].parent,
+                       "$ADACC_DATA_DIR (the demo corpus, no --data-path)", directory=True)
+    if args.adacc_policy in policies.AUTO_POLICIES:  # they profile into the ProfileDB
+        check_writable(ProfileDB(args.adacc_profile_db).path, "--adacc-profile-db",
+                       directory=False)
+
+
+def check_writable(path: str | Path, flag: str, directory: bool) -> None:
+    """ConfigError naming ``flag`` unless ``path`` is (or can be made, parents included) a
+    writable directory (``directory``) or file."""
+    path = Path(path)
+    kind = "directory" if directory else "file"
+    if path.exists():
+        if path.is_dir() != directory:
+            raise ConfigError(f"{flag} {path}: is a {'file' if directory else 'directory'}, "
+                              f"not a {kind}")
+        if not os.access(path, os.W_OK | (os.X_OK if directory else 0)):
+            raise ConfigError(f"{flag} {path}: not writable")
+        return
+    ancestor = path.absolute().parent
+    while not ancestor.exists():
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise ConfigError(f"{flag} {path}: {ancestor} is a file, so the {kind} cannot be "
+                          f"created")
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        raise ConfigError(f"{flag} {path}: {ancestor} is not writable, so the {kind} cannot "
+                          f"be created")
+
+
 def _default_data(args: argparse.Namespace) -> None:
     """No data flags: the built-in corpus, bytes read through NullTokenizer."""
     from megatron_adacc import corpus
@@ -155,10 +234,44 @@ def _default_data(args: argparse.Namespace) -> None:
         for flag in ("data_path", "train_data_path", "valid_data_path", "test_data_path"):
             for prefix in _prefixes(getattr(args, flag)):
                 corpus.check_dataset(prefix, f"--{flag.replace('_', '-')}")
+        for prefix in _prefixes(args.data_path):
+            _check_split(prefix, args)
         return
     train, valid = corpus.prepare_demo_corpus()
     args.train_data_path, args.valid_data_path, args.test_data_path = [train], [valid], [valid]
     args.tokenizer_type, args.vocab_size = "NullTokenizer", corpus.ByteTokenizer.vocab_size
+
+
+def _check_split(prefix: str, args: argparse.Namespace) -> None:
+    """ConfigError when a split the run reads holds less than one sample of ``prefix``:
+    Megatron-LM's GPTDataset would add epochs of it without end."""
+    import numpy
+    from megatron.core.datasets.blended_megatron_dataset_config import (
+        convert_split_vector_to_split_matrix, parse_and_normalize_split)
+    from megatron.core.datasets.indexed_dataset import _IndexReader
+
+    split = args.split or "969, 30, 1"  # validate_args' default, set after this check
+    try:
+        weights = parse_and_normalize_split(split)
+        if not all(math.isfinite(weight) for weight in weights):
+            raise ValueError("expected up to three weights >= 0, the first > 0")
+        matrix = convert_split_vector_to_split_matrix(weights)
+    except (AssertionError, ValueError) as exc:
+        raise ConfigError(f"--split {split}: {assertion_line(exc)}") from None
+    index = _IndexReader(f"{prefix}.idx", multimodal=False)
+    documents = len(index.document_indices) - 1
+    read = ("train",) + (("valid", "test") if args.eval_iters > 0 else ())
+    for name, bounds in zip(("train", "valid", "test"), matrix):
+        if name not in read or bounds is None:
+            continue
+        begin, end = (int(round(bound * documents)) for bound in bounds)
+        first, last = index.document_indices[begin], index.document_indices[end]
+        tokens = int(numpy.sum(index.sequence_lengths[first:last]))
+        if (tokens - 1) // args.seq_length < 1:
+            raise ConfigError(
+                f"dataset {prefix}: its {name} split (--split {split}) gets {end - begin} "
+                f"of its {documents} documents, {tokens} tokens, less than one sample of "
+                f"--seq-length {args.seq_length}; add documents or change --split")
 
 
 def _prefixes(paths) -> list[str]:
@@ -294,6 +407,22 @@ def _diverged(args) -> Diverged:
                     f"last checkpoint)")
 
 
+def _flag_assertion(exc: AssertionError, args) -> ConfigError | None:
+    """A ConfigError for an assertion of Megatron-LM's learning-rate schedule (the flags'
+    warm-up and decay, or a --load whose schedule differs); None for any other."""
+    import traceback
+
+    frames = traceback.extract_tb(exc.__traceback__)
+    if not frames or Path(frames[-1].filename).name != "optimizer_param_scheduler.py":
+        return None
+    line = assertion_line(exc)
+    if frames[-1].name == "_check_and_set":  # loading a checkpoint of another schedule
+        return ConfigError(f"--load {args.load}: {line}; add --override-opt_param-scheduler "
+                           f"to train on the flags' schedule or "
+                           f"--use-checkpoint-opt_param-scheduler to keep the checkpoint's")
+    return ConfigError(line)
+
+
 def _choose_checkpoint(args: argparse.Namespace, rank: int) -> None:
     """Every checkpoint read restricted; ``--load``'s newest whole checkpoint as --ckpt-step
     when the newest is damaged (one warning line)."""
@@ -332,7 +461,10 @@ def run(argv: Sequence[str], prog: str, pretrain: Callable[[argparse.Namespace],
                 _watch_step_ends()
                 args = parse(argv, prog)
                 _choose_checkpoint(args, rank)
-                pretrain(args)
+                try:
+                    pretrain(args)
+                except AssertionError as exc:
+                    raise _flag_assertion(exc, args) or exc
             except SystemExit as exc:  # Megatron-LM's loop ends its early exits so
                 if exc.code in RERUN_EXIT_CODES:
                     raise _diverged(args) from None
