@@ -301,7 +301,7 @@ def teardown(owns_process_group: bool) -> None:
     """Megatron-LM's global state, so the next run in this process starts afresh; the process
     group and model-parallel state too when this run set them up (a caller's stay theirs)."""
     import torch.distributed as dist
-    from megatron.core import num_microbatches_calculator, parallel_state, rerun_state_machine
+    from megatron.core import num_microbatches_calculator, rerun_state_machine
     from megatron.training import global_vars, training
 
     if owns_process_group:
@@ -309,10 +309,11 @@ def teardown(owns_process_group: bool) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
         return
+    # The caller's model-parallel state stays whole, its global memory buffer included:
+    # initialize_megatron finds it initialized next time and makes no new buffer.
     global_vars.destroy_global_vars()
     num_microbatches_calculator.destroy_num_microbatches_calculator()
     rerun_state_machine.destroy_rerun_state_machine()
-    parallel_state.destroy_global_memory_buffer()
 
 
 class _Interrupts:
