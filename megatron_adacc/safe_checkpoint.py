@@ -9,8 +9,9 @@ DCP) holds pickles that torch 2.13 and megatron-core 0.19.2 would unpickle as th
 - the non-tensor objects in ``*.distcp`` (megatron's ShardedObjects: the random generators,
   the optimizer's non-tensor state): DCP's load planners call ``torch.load(weights_only=False)``.
   Here ``weights_only=True``.
-- the common state: megatron-core 0.19 keeps it as one more of those objects; a ``common.pt`` beside it (older megatron-core's, still read when present) it loads
-  with ``torch.load`` without ``weights_only`` (True by default, False under
+- the common state: megatron-core 0.19 keeps it as one more of those objects; a ``common.pt``
+  beside it (older megatron-core's, still read when present) it loads with ``torch.load``
+  without ``weights_only`` (True by default, False under
   ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD``). Here always True.
 - the tensors in ``*.distcp``: DCP reads them with ``weights_only=True`` already. Here a
   refusal there names its file too, as the others do.

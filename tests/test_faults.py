@@ -18,7 +18,7 @@ import torch
 from megatron_adacc import launch, safe_checkpoint
 from megatron_adacc.corpus import ByteTokenizer, write_indexed_dataset
 
-from pretrain_helpers import PRETRAIN, ROOT, losses, run, train
+from pretrain_helpers import PRETRAIN, ROOT, losses, run
 
 PREPROCESS = str(ROOT / "scripts" / "preprocess_data.py")
 TINY = ["--config", str(ROOT / "configs" / "tiny-cpu.yaml"), "--log-interval", "1000",
