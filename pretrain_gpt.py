@@ -12,6 +12,7 @@ interrupted (Ctrl-C; 143 on SIGTERM).
 """
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import warnings
@@ -103,7 +104,10 @@ def _batch_on_host(batch: dict) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     """Run Megatron-LM's ``pretrain`` with Adacc on ``argv``; returns the exit status."""
-    warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine|apex).*")
+    # Import-time notices about kernels a host has no use for; stderr keeps one line.
+    warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine|apex|"
+                                              "transformer-engine).*")
+    logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)  # "No CUDA runtime"
     from megatron_adacc import launch
 
     return launch.run(sys.argv[1:] if argv is None else argv, PROG, _pretrain)
@@ -115,12 +119,12 @@ def _pretrain(args) -> None:
     from megatron.training.argument_utils import (gpt_config_from_args,
                                                   pretrain_cfg_container_from_args)
 
-    from megatron_adacc import megatron_lm
+    from megatron_adacc import launch, megatron_lm
 
     try:  # megatron-core's config checks are assertions and ValueErrors: bad flags
         model_cfg = gpt_config_from_args(args)
     except (AssertionError, ValueError) as exc:
-        raise megatron_lm.ConfigError(str(exc).splitlines()[0]) from None
+        raise megatron_lm.ConfigError(launch.assertion_line(exc)) from None
     megatron_lm.install(model_cfg, args)
     pretrain(pretrain_cfg_container_from_args(args, model_cfg), datasets_provider,
              ModelType.encoder_or_decoder, forward_step)

@@ -558,10 +558,61 @@ def _cpu_eager_fusions() -> None:
     torch._dynamo.config.disable = True
 
 
+def _rerun_checkpoint_only_with_save() -> None:
+    # When the rerun state machine finds a NaN it asks train() for a checkpoint, and train()
+    # calls save_checkpoint_and_time whether or not --save was given; without one the save
+    # dies on os.path.join(None, ...) and the run ends in a TypeError traceback, not the
+    # state machine's exit. Every other caller checks args.save first.
+    from megatron.training import training
+
+    original = training.save_checkpoint_and_time
+
+    @functools.wraps(original)
+    def save_checkpoint_and_time(*args, **kwargs):
+        if training.get_args().save is None:
+            return None
+        return original(*args, **kwargs)
+
+    training.save_checkpoint_and_time = save_checkpoint_and_time
+
+
+def _rerun_checkpoint_ignores_save() -> bool:
+    import inspect
+
+    from megatron.training import training
+
+    source = inspect.getsource(training.train)
+    return "if should_checkpoint:\n            save_checkpoint_and_time(" in source
+
+
+def _cpu_data_loader_seeds() -> None:
+    # A DataLoader without a generator draws its workers' base seed from torch's global
+    # generator whenever an iterator over it starts. On a host that generator is dropout's,
+    # and a resumed run restores it from the checkpoint before building its loaders: the draw
+    # then lands in the restored stream, and the resumed losses differ from the uninterrupted
+    # run's. Each loader gets a generator of its own, seeded from --seed.
+    from megatron.training import training
+
+    build = getattr(training.build_pretraining_data_loader, "__wrapped__",
+                    training.build_pretraining_data_loader)
+
+    @functools.wraps(build)
+    def build_pretraining_data_loader(*args, **kwargs):
+        loader = build(*args, **kwargs)
+        if loader is not None and loader.generator is None:
+            loader.generator = torch.Generator().manual_seed(training.get_args().seed)
+        return loader
+
+    training.build_pretraining_data_loader = build_pretraining_data_loader
+
+
 TRAINING_CPU_SHIMS = {"cpu_training_loop": _cpu_training_loop,
-                      "cpu_eager_fusions": _cpu_eager_fusions}
+                      "cpu_eager_fusions": _cpu_eager_fusions,
+                      "cpu_data_loader_seeds": _cpu_data_loader_seeds}
 TRAINING_DEFECT_PATCHES = {
     "prebuilt_dataset_helpers": (_prebuilt_dataset_helpers, _dataset_helpers_without_makefile),
+    "rerun_checkpoint_only_with_save": (_rerun_checkpoint_only_with_save,
+                                        _rerun_checkpoint_ignores_save),
 }
 
 

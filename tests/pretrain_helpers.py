@@ -18,6 +18,10 @@ LLAMA_FLAGS = ["--normalization", "RMSNorm", "--swiglu", "--position-embedding-t
                "--hidden-dropout", "0", "--attention-dropout", "0"]
 
 
+DISTRIBUTED_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                   "MASTER_PORT")
+
+
 def main(argv: list[str]) -> int:
     """pretrain_gpt.main(argv) in this process."""
     import pretrain_gpt
@@ -61,6 +65,8 @@ def run(script, *flags, cwd, timeout=300, nproc=None):
     (under torchrun with ``nproc`` processes)."""
     # PYTHONPATH: scripts/ would otherwise import the installed package, not this checkout.
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    for name in DISTRIBUTED_ENV:  # this process's world (in-process runs set one), not theirs
+        env.pop(name, None)
     launcher = ([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node",
                  str(nproc), "--master_port", str(_free_port())] if nproc else [sys.executable])
     done = subprocess.run([*launcher, script, *map(str, flags)], cwd=cwd, env=env,

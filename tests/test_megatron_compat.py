@@ -270,3 +270,27 @@ def test_patched_ddp_reduces_gradients_on_the_host(distributed):
     assert module.weight.main_grad.device.type == "cpu"
     assert torch.equal(module.weight.main_grad, torch.full((2, 2), 3.0))
     assert torch.equal(module.bias.main_grad, torch.full((2,), 3.0))
+
+
+# --- megatron.training (Megatron-LM's loop) -----------------------------------------------------
+
+def test_data_loaders_still_draw_their_seed_from_the_global_generator():
+    """Why cpu_data_loader_seeds gives each loader a generator: when this fails, Megatron-LM's
+    loaders (or torch's) no longer draw from dropout's stream on a host; delete the shim."""
+    import inspect
+
+    from megatron.training.datasets import data_samplers
+
+    assert "generator=" not in inspect.getsource(data_samplers.build_pretraining_data_loader)
+    loader = torch.utils.data.DataLoader(range(4), batch_size=2)
+    before = torch.get_rng_state()
+    iter(loader)
+    assert not torch.equal(torch.get_rng_state(), before)
+
+
+def test_a_rerun_checkpoint_is_still_asked_for_without_save():
+    """Why rerun_checkpoint_only_with_save exists: when this fails, train() checks --save
+    before the rerun state machine's checkpoint; delete the patch."""
+    from megatron_adacc import megatron_compat
+
+    assert megatron_compat._rerun_checkpoint_ignores_save()
