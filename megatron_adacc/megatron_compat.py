@@ -445,6 +445,11 @@ def _host_cuda(**overrides) -> types.SimpleNamespace:
         get_rng_state=lambda *args, **kwargs: torch.empty(0, dtype=torch.uint8),
         set_rng_state=_no_op,
         nvtx=types.SimpleNamespace(range_push=_no_op, range_pop=_no_op),
+        # No GPU architecture (major 0): validate_args then asks tensor parallelism for
+        # CUDA_DEVICE_MAX_CONNECTIONS=1 as on a pre-Blackwell GPU, which Megatron-LM's
+        # scripts export.
+        get_device_properties=lambda *args, **kwargs: types.SimpleNamespace(
+            major=0, minor=0, name="cpu", total_memory=0, multi_processor_count=0),
     )
     return types.SimpleNamespace(**{**calls, **overrides})
 
