@@ -49,6 +49,8 @@ def train(flags: list[str], stretch: list[float] | None = None):
         adacc_lib.Adacc.setup = stretched_setup
     try:
         status = pretrain_gpt.main(flags)
+    except SystemExit as exc:  # Megatron-LM's loop ends an --exit-interval run with sys.exit
+        status = exc.code or 0
     finally:
         adacc_lib.Adacc.setup = setup
     if status != 0:
