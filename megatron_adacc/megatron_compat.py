@@ -462,6 +462,11 @@ def _host_cuda(**overrides) -> types.SimpleNamespace:
         get_rng_state=lambda *args, **kwargs: torch.empty(0, dtype=torch.uint8),
         set_rng_state=_no_op,
         nvtx=types.SimpleNamespace(range_push=_no_op, range_pop=_no_op),
+        # No GPU architecture (major 0): validate_args then asks tensor parallelism for
+        # CUDA_DEVICE_MAX_CONNECTIONS=1 as on a pre-Blackwell GPU, which Megatron-LM's
+        # scripts export.
+        get_device_properties=lambda *args, **kwargs: types.SimpleNamespace(
+            major=0, minor=0, name="cpu", total_memory=0, multi_processor_count=0),
     )
     return types.SimpleNamespace(**{**calls, **overrides})
 
@@ -606,6 +611,43 @@ def _cpu_data_loader_seeds() -> None:
     training.build_pretraining_data_loader = build_pretraining_data_loader
 
 
+class _Gpt2FromFiles:
+    """transformers' AutoTokenizer, but GPT-2 given its vocab and merges files is built from
+    them alone."""
+
+    def __init__(self, auto):
+        self._auto = auto
+
+    def from_pretrained(self, pretrained_model_name_or_path, *args, vocab_file=None,
+                        merges_file=None, **kwargs):
+        if pretrained_model_name_or_path == "gpt2" and vocab_file and merges_file:
+            from transformers import GPT2TokenizerFast
+
+            return GPT2TokenizerFast(vocab=vocab_file, merges=merges_file)
+        files = {key: value for key, value in (("vocab_file", vocab_file),
+                                               ("merges_file", merges_file)) if value}
+        return self._auto.from_pretrained(pretrained_model_name_or_path, *args, **files,
+                                          **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._auto, name)
+
+
+def _gpt2_tokenizer_from_files() -> None:
+    # Megatron-LM's GPT2BPETokenizer asks the Hugging Face Hub for "gpt2" even when
+    # --vocab-file and --merge-file name both its files: offline, every GPT-2 run fails.
+    from megatron.core.tokenizers.text.libraries import huggingface_tokenizer
+
+    huggingface_tokenizer.AutoTokenizer = _Gpt2FromFiles(huggingface_tokenizer.AutoTokenizer)
+
+
+def _gpt2_tokenizer_reaches_the_hub() -> bool:
+    from megatron.core.tokenizers.text.libraries import megatron_hf_tokenizer
+
+    config = megatron_hf_tokenizer.MEGATRON_CONFIG_MAP.get("GPT2BPETokenizer", {})
+    return config.get("tokenizer_name") == "gpt2"
+
+
 TRAINING_CPU_SHIMS = {"cpu_training_loop": _cpu_training_loop,
                       "cpu_eager_fusions": _cpu_eager_fusions,
                       "cpu_data_loader_seeds": _cpu_data_loader_seeds}
@@ -613,6 +655,7 @@ TRAINING_DEFECT_PATCHES = {
     "prebuilt_dataset_helpers": (_prebuilt_dataset_helpers, _dataset_helpers_without_makefile),
     "rerun_checkpoint_only_with_save": (_rerun_checkpoint_only_with_save,
                                         _rerun_checkpoint_ignores_save),
+    "gpt2_tokenizer_from_files": (_gpt2_tokenizer_from_files, _gpt2_tokenizer_reaches_the_hub),
 }
 
 

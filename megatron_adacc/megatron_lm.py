@@ -221,9 +221,7 @@ class Session:
         self.ready = True
         self.ddp_models, self.optimizer = ddp_models, optimizer
         self.device = next(self.model.parameters()).device
-        if self.step_batch is None:
-            raise ConfigError("Adacc profiles a real micro-batch; this pipeline stage reads no "
-                              "data (pipeline stages beyond one are not supported here)")
+        self.step_batch = self._shared_batch()
         static = hardware.engine_static_bytes(ddp_models, optimizer)
         step = hardware.engine_step_bytes(optimizer)
         self.rank_static_bytes = static  # this rank's; Adacc plans every rank with the most
@@ -283,6 +281,29 @@ class Session:
             loader[key] = value.to(tokens.device) if torch.is_tensor(value) else value
         return loader
 
+    def _shared_batch(self) -> dict:
+        """This step's first micro-batch, on every rank; collective over the tensor-parallel
+        group. Megatron-LM's loader reads data on a group's first rank only: the others get
+        its micro-batch, as its forward step does. A pipeline stage with neither embedding
+        nor output layer may get no data at all: it gets a stand-in of the training shape,
+        the only thing of the batch it reads (the profiler feeds it stand-in hidden
+        states)."""
+        from megatron.core import parallel_state
+
+        batch = self.step_batch
+        if parallel_state.get_tensor_model_parallel_world_size() > 1:
+            box = [batch]
+            dist.broadcast_object_list(
+                box, src=parallel_state.get_tensor_model_parallel_src_rank(),
+                group=parallel_state.get_tensor_model_parallel_group())
+            batch = box[0]
+        if batch is None:
+            shape = (self.args.micro_batch_size, self.args.seq_length)
+            batch = {"tokens": torch.zeros(shape, dtype=torch.long),
+                     "labels": torch.zeros(shape, dtype=torch.long),
+                     "loss_mask": torch.ones(shape)}
+        return batch
+
     # --- after the step ----------------------------------------------------------------------
     def readings(self) -> dict:
         """Adacc's readings for Megatron-LM's log line, in MiB."""
@@ -298,10 +319,10 @@ class Session:
                      loss_scale, report_memory_flag, skipped_iter, grad_norm, *args, **kwargs):
         for key, value in self.readings().items():
             loss_dict[key] = torch.tensor(float(value))
-        loss = loss_dict.get("lm loss")
+        loss = _from_last_stage(loss_dict.get("lm loss"))
         self.record.update(
             iteration=iteration,
-            loss=float(loss) if loss is not None else None,
+            loss=loss,
             lr=learning_rate,
             grad_norm=None if skipped_iter else grad_norm,
             tokens_per_s=(self.args.global_batch_size * self.args.seq_length
@@ -326,6 +347,8 @@ class Session:
         # The plan the step ran under; a swap after_step makes applies from the next forward.
         record = {**self.record, **(self.adacc.metrics() if self.ready else {})}
         if self.ready:
+            if self.adacc.config.tracks:  # the rectifier samples this step's micro-batch
+                self.step_batch = self._shared_batch()
             with _no_sync(model):  # the rectifier's samples run backward too
                 record.update(self.adacc.after_step(iteration, batch_tuple(self.step_batch,
                                                                            self.model)))
@@ -358,6 +381,20 @@ def _put_back(head, rest):
     del head
     yield held.pop()
     yield from rest
+
+
+def _from_last_stage(loss) -> float | None:
+    """The step's loss, which only the last pipeline stage computes, on every stage (rank 0
+    writes the metrics file); collective over the pipeline group."""
+    from megatron.core import parallel_state
+
+    value = float(loss) if loss is not None else math.nan
+    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+        shared = torch.tensor([value], dtype=torch.float64)
+        dist.broadcast(shared, src=parallel_state.get_pipeline_model_parallel_last_rank(),
+                       group=parallel_state.get_pipeline_model_parallel_group())
+        value = float(shared)
+    return None if loss is None and math.isnan(value) else value
 
 
 def _json_safe(value):

@@ -1,4 +1,5 @@
 """Running pretrain_gpt.py from tests: in this process (fast) or in a fresh one."""
+import json
 import os
 import subprocess
 import sys
@@ -82,3 +83,24 @@ def _free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
+
+
+def torchrun(nproc: int, runs: dict, *flags, timeout=600, tiny=True) -> dict:
+    """Several TINY pretrain_gpt.py runs in one torchrun launch of ``nproc`` processes
+    (tests/multirank.py): ``runs`` maps a name to its flags (after TINY, unless not ``tiny``,
+    and ``flags``) or to {"flags": [...], "stretch": [...]}; returns {name: [each rank's
+    report]}."""
+    spec = json.dumps([{"name": name, **(run if isinstance(run, dict) else {"flags": run})}
+                       for name, run in runs.items()])
+    # Megatron-LM asks tensor parallelism for this as on a GPU before Blackwell (its scripts
+    # export it).
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT),
+               CUDA_DEVICE_MAX_CONNECTIONS="1")
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node",
+                           str(nproc), "--master_port", str(_free_port()),
+                           str(ROOT / "tests" / "multirank.py"), spec, *(TINY if tiny else []),
+                           *map(str, flags)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    (line,) = [line for line in done.stdout.splitlines() if line.startswith("MULTIRANK ")]
+    return json.loads(line.removeprefix("MULTIRANK "))
