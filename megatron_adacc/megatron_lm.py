@@ -120,7 +120,7 @@ def check_args(args: argparse.Namespace) -> None:
                           f"megatron-core's local spec; add --transformer-impl local "
                           f"(Transformer Engine's spec is not supported yet)")
     if (args.recompute_granularity == "selective" and "mlp" in (args.recompute_modules or [])
-            and not args.disable_bias_linear):
+            and args.add_bias_linear):
         # megatron-core 0.19.2: the checkpointed MLP returns the fc2 bias parameter, and its
         # backward recurses forever.
         raise ConfigError("--recompute-modules mlp with biased linear layers hangs in "
