@@ -50,25 +50,8 @@ datasets_provider.is_distributed = True
 def forward_step(data_iterator, model):
     """One micro-batch through the model; the loss is Megatron-LM's masked token sum."""
     import torch
-    from megatron.core import mpu
-    from megatron.core.utils import get_batch_on_this_tp_rank
-    from megatron.training import get_args
 
-    args = get_args()
-    first, last = mpu.is_pipeline_first_stage(), mpu.is_pipeline_last_stage()
-    batch = {}
-    if first or last:
-        batch = next(data_iterator) if mpu.get_tensor_model_parallel_rank() == 0 else {}
-        if torch.cuda.is_available():
-            batch = get_batch_on_this_tp_rank(
-                {key: value for key, value in batch.items()},
-                broadcast_src_rank=mpu.get_tensor_model_parallel_src_rank(),
-                broadcast_group=mpu.get_tensor_model_parallel_group(),
-                create_attention_mask_in_dataloader=args.create_attention_mask_in_dataloader,
-                micro_batch_size=args.micro_batch_size, seq_length=args.seq_length,
-                is_pipeline_first_stage=first, is_pipeline_last_stage=last)
-        else:
-            batch = _batch_on_host(batch)
+    batch = get_batch(data_iterator)
     output = model(batch.get("tokens"), batch.get("position_ids"), batch.get("attention_mask"),
                    labels=batch.get("labels"))
     loss_mask = batch.get("loss_mask")
@@ -84,11 +67,41 @@ def forward_step(data_iterator, model):
     return output, loss_func
 
 
-def _batch_on_host(batch: dict) -> dict:
-    """Tensor-parallel rank 0's micro-batch on every rank of its group (gloo), copied as
-    a GPU copies it to the device: what the model saves for backward is the step's own,
-    never the loader's tensors, which Megatron-LM's rerun state machine keeps for the whole
-    step."""
+def get_batch(data_iterator) -> dict:
+    """This rank's micro-batch, as Megatron-LM's ``get_batch`` gives it: read on the
+    tensor-parallel group's first rank, shared with the others, and only the fields this
+    pipeline stage reads (the first its inputs, the last its labels and loss mask)."""
+    import torch
+    from megatron.core import mpu
+    from megatron.core.utils import get_batch_on_this_tp_rank
+    from megatron.training import get_args
+
+    args = get_args()
+    first, last = mpu.is_pipeline_first_stage(), mpu.is_pipeline_last_stage()
+    if not (first or last):  # megatron_lm.check_args refuses multi-token prediction
+        return {}
+    tp_rank = mpu.get_tensor_model_parallel_rank()
+    batch = next(data_iterator) if tp_rank == 0 else {}
+    if not torch.cuda.is_available():
+        return _batch_on_host(batch, first, last, args.pipeline_model_parallel_size > 1)
+    batch = {key: value.cuda(non_blocking=True) if torch.is_tensor(value) else value
+             for key, value in batch.items()}
+    return get_batch_on_this_tp_rank(
+        batch, has_cu_seqlens=False, is_hybrid_cp=False,
+        create_attention_mask_in_dataloader=args.create_attention_mask_in_dataloader,
+        broadcast_src_rank=mpu.get_tensor_model_parallel_src_rank(),
+        broadcast_group=mpu.get_tensor_model_parallel_group(),
+        cp_size=args.context_parallel_size, tp_rank=tp_rank,
+        micro_batch_size=args.micro_batch_size, seq_length=args.seq_length,
+        mtp_on_this_rank=False, pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        is_pipeline_first_stage=first, is_pipeline_last_stage=last)
+
+
+def _batch_on_host(batch: dict, first: bool, last: bool, pipelined: bool) -> dict:
+    """get_batch_on_this_tp_rank on a host (gloo): rank 0's micro-batch on every rank of its
+    group, copied as a GPU copies it to the device, so what the model saves for backward is
+    the step's own, never the loader's tensors (Megatron-LM's rerun state machine keeps
+    those for the whole step)."""
     import torch
     import torch.distributed as dist
     from megatron.core import mpu
@@ -98,7 +111,9 @@ def _batch_on_host(batch: dict) -> dict:
         dist.broadcast_object_list(payload, src=mpu.get_tensor_model_parallel_src_rank(),
                                    group=mpu.get_tensor_model_parallel_group())
         batch = payload[0]
-    return {key: value.clone() if torch.is_tensor(value) else value
+    unread = ({"labels", "loss_mask"} if not last else set()) | (
+        {"tokens", "position_ids"} if not first else set()) if pipelined else set()
+    return {key: value.clone() if torch.is_tensor(value) and key not in unread else None
             for key, value in batch.items()}
 
 

@@ -136,6 +136,8 @@ def parse(argv: Sequence[str], prog: str = "pretrain_gpt.py") -> argparse.Namesp
     megatron_compat.cpu_arg_defaults(args)
     if not torch.cuda.is_available():
         args.distributed_backend = "gloo"
+    if args.lr is None:  # Megatron-LM would pass it on to torch's AdamW, which raises TypeError
+        raise ConfigError("--lr is required: Megatron-LM has no default learning rate")
     _check_profile(args)
     _check_outputs(args)
     _default_data(args)
@@ -145,6 +147,9 @@ def parse(argv: Sequence[str], prog: str = "pretrain_gpt.py") -> argparse.Namesp
         validate_args(args, {} if args.tokenizer_type else {"tokenizer_type": "GPT2BPETokenizer"})
     except AssertionError as exc:
         raise ConfigError(assertion_line(exc)) from None
+    if args.eval_interval is None:
+        # Megatron-LM documents "no evaluation during training" here, then divides by it.
+        args.eval_interval = sys.maxsize
     set_global_variables(args)
     return args
 

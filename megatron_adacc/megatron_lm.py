@@ -115,6 +115,9 @@ def check_args(args: argparse.Namespace) -> None:
         # Megatron-LM accepts it and fails in the first forward with a reshape error.
         raise ConfigError(f"--num-query-groups {groups} does not divide "
                           f"--num-attention-heads {heads}")
+    if args.mtp_num_layers:
+        raise ConfigError("--mtp-num-layers: multi-token prediction is not supported yet "
+                          "(pretrain_gpt.py's forward step does not feed it)")
     if config.policy != "none" and args.transformer_impl != "local":
         raise ConfigError(f"--adacc-policy {config.policy} runs Adacc's layer, which builds on "
                           f"megatron-core's local spec; add --transformer-impl local "
@@ -231,11 +234,8 @@ class Session:
         static, step = most.tolist()
         from megatron.core.num_microbatches_calculator import get_num_microbatches
 
-        # One stage's loss is forward_step's; a pipeline stage alone is profiled with
-        # Adacc's stand-in loss (profiler.gpt_loss).
         loss_fn = (functools.partial(self.loss, forward_step_func)
-                   if forward_step_func is not None
-                   and mpu.get_pipeline_model_parallel_world_size() == 1 else None)
+                   if forward_step_func is not None else None)
         from megatron_adacc.planning import InfeasibleBudget
 
         try:
@@ -252,15 +252,22 @@ class Session:
 
         What it saves for backward is what a step of the loop saves: the loader's position
         ids and attention mask, the loss function's tensors, the token count and the loss
-        scale, so the profile predicts the bytes the loop keeps."""
+        scale, so the profile predicts the bytes the loop keeps. A pipeline stage is profiled
+        alone, as profiler.gpt_loss profiles it: fed stand-in hidden states without the
+        embedding, backpropagating its output's sum without the output layer."""
         from megatron.core import mpu
         from megatron.core.num_microbatches_calculator import get_num_microbatches
         from megatron.core.pipeline_parallel import schedules
 
-        config = model.config
+        from megatron_adacc.profiling import profiler
+
+        config, last = model.config, mpu.is_pipeline_last_stage()
+        inputs = None if model.pre_process else profiler.stand_in_input(model, batch[0])
         output, _ = schedules.forward_step(
             forward_step_func, iter([self.loader_batch(batch)]), model, get_num_microbatches(),
-            None, [], config, mpu.get_context_parallel_world_size(), is_last_stage=True)
+            inputs, [], config, mpu.get_context_parallel_world_size(), is_last_stage=last)
+        if not last:
+            return output.float().sum()
         return config.grad_scale_func(output) if config.grad_scale_func is not None else output
 
     def loader_batch(self, batch) -> dict:

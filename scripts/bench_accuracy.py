@@ -219,7 +219,8 @@ def main() -> None:
             scaled = os.path.join(args.workdir, f"outlier-gains-seed{seed}")
             shutil.rmtree(trained, ignore_errors=True)
             runs.append(run(args, flags, "pretrain", seed, extra=(
-                "--exit-interval", str(args.stress_pretrain), "--save", trained)))
+                "--exit-interval", str(args.stress_pretrain), "--save", trained,
+                "--save-interval", str(args.stress_pretrain))))
             if runs[-1].get("failed"):
                 continue
             stress[seed] = scale_layernorm_gains(trained, scaled, args.stress_channels)
@@ -354,8 +355,10 @@ def scale_layernorm_gains(source: str, dest: str, channels: int) -> dict:
     # Unflattened: megatron's objects (lists) stay one entry each, as megatron wrote them.
     dcp.save(state, checkpoint_id=str(target), no_dist=True,
              planner=DefaultSavePlanner(flatten_state_dict=False))
-    for megatron_file in ("common.pt", "metadata.json"):
-        shutil.copy(folder / megatron_file, target / megatron_file)
+    # megatron's own files beside DCP's (metadata.json; common.pt before megatron-core 0.19)
+    for megatron_file in folder.iterdir():
+        if megatron_file.name != ".metadata" and megatron_file.suffix != ".distcp":
+            shutil.copy(megatron_file, target / megatron_file.name)
     with open(os.path.join(dest, tracker), "w") as f:
         f.write(f"{iteration}\n")
     return {"iteration": iteration, "channels": chosen.tolist(), "factors": factors.tolist(),

@@ -64,10 +64,7 @@ def losses(records):
 def run(script, *flags, cwd, timeout=300, nproc=None):
     """(exit code, last stderr line, whole stderr) of a script run in a fresh process
     (under torchrun with ``nproc`` processes)."""
-    # PYTHONPATH: scripts/ would otherwise import the installed package, not this checkout.
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    for name in DISTRIBUTED_ENV:  # this process's world (in-process runs set one), not theirs
-        env.pop(name, None)
+    env = _child_env()
     launcher = ([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node",
                  str(nproc), "--master_port", str(_free_port())] if nproc else [sys.executable])
     done = subprocess.run([*launcher, script, *map(str, flags)], cwd=cwd, env=env,
@@ -75,6 +72,15 @@ def run(script, *flags, cwd, timeout=300, nproc=None):
     assert "Traceback" not in done.stderr, done.stderr[-3000:]
     lines = [line for line in done.stderr.splitlines() if line.strip()]
     return done.returncode, (lines[-1] if lines else ""), done.stderr
+
+
+def _child_env() -> dict:
+    """This process's environment for a fresh one on one thread, without its world."""
+    # PYTHONPATH: scripts/ would otherwise import the installed package, not this checkout.
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    for name in DISTRIBUTED_ENV:  # this process's world (in-process runs set one), not theirs
+        env.pop(name, None)
+    return env
 
 
 def _free_port() -> int:
@@ -94,8 +100,7 @@ def torchrun(nproc: int, runs: dict, *flags, timeout=600, tiny=True) -> dict:
                        for name, run in runs.items()])
     # Megatron-LM asks tensor parallelism for this as on a GPU before Blackwell (its scripts
     # export it).
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT),
-               CUDA_DEVICE_MAX_CONNECTIONS="1")
+    env = dict(_child_env(), CUDA_DEVICE_MAX_CONNECTIONS="1")
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node",
                            str(nproc), "--master_port", str(_free_port()),
                            str(ROOT / "tests" / "multirank.py"), spec, *(TINY if tiny else []),

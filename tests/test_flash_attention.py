@@ -8,6 +8,7 @@ attention, no hooks): retain and recompute are bitwise, compress is the codecs' 
 """
 import pytest
 import torch
+from megatron.core.transformer.enums import AttnMaskType
 
 from megatron_adacc.models import attention
 from megatron_adacc.profiling import hardware
@@ -163,8 +164,13 @@ def test_flash_core_attention_matches_megatrons_and_refuses_mask_tensors(distrib
     expected = unfused_core(q, k, v, None)
     assert torch.allclose(flash_core(q, k, v, None), expected, atol=1e-5)
     assert flash_core(q, k, v, None).shape == (S, B, H)
+    # Under the causal type the data loader's causal mask is the mask type's own.
+    causal_mask = torch.ones(B, 1, S, S, dtype=torch.bool).triu(1)
+    assert torch.equal(flash_core(q, k, v, causal_mask), flash_core(q, k, v, None))
     with pytest.raises(ValueError, match="not by an attention mask"):
-        flash_core(q, k, v, torch.ones(B, 1, S, S, dtype=torch.bool).triu(1))
+        flash_core(q, k, v, causal_mask, attn_mask_type=AttnMaskType.padding)
+    with pytest.raises(ValueError, match="not by an attention mask"):
+        flash_core(q, k, v, None, attention_bias=torch.zeros(1, A, S, S))
 
 
 def test_the_log_sum_exp_is_never_compressed(distributed):

@@ -1,6 +1,7 @@
 """scripts/gpu_check.py: without CUDA it says so and exits 0; its dry run (tiny models on the
 CPU) measures every section and records every method at every budget; its time planning
 skips what would not fit and says so; its report renders every outcome."""
+import gzip
 import json
 import os
 import subprocess
@@ -318,14 +319,21 @@ def test_the_trace_summary_adds_up_the_traced_steps_kernels_and_waits(tmp_path):
               event("softmax", "kernel", 700), event("cudaStreamSynchronize", "cuda_runtime", 9),
               event("cudaLaunchKernel", "cuda_runtime", 4), event("aten::mm", "cpu_op", 800),
               {"ph": "i", "name": "gemm", "cat": "kernel"}]
-    (tmp_path / "rank0.123.pt.trace.json").write_text(json.dumps({"traceEvents": events}))
+    # where Megatron-LM's --use-pytorch-profiler writes rank 0's trace
+    trace = tmp_path / "torch_profile" / "rank-0.json.gz"
+    trace.parent.mkdir()
+
+    def write(events):
+        with gzip.open(trace, "wt") as handle:
+            json.dump({"traceEvents": events}, handle)
+
+    write(events)
     assert gpu_check.trace_summary(str(tmp_path)) == {
         "step_ms": 5.0, "kernel_ms": 3.7, "host_syncs": 1,
         "top_kernels": [["gemm", 3.0], ["softmax", 0.7]]}
     assert gpu_check.trace_summary(str(tmp_path / "none")) == {}
     # on a CPU (no kernels) the longest ATen ops stand in
-    (tmp_path / "rank0.123.pt.trace.json").write_text(json.dumps({"traceEvents": events[:1] + [
-        event("aten::mm", "cpu_op", 800), event("aten::add", "cpu_op", 100)]}))
+    write(events[:1] + [event("aten::mm", "cpu_op", 800), event("aten::add", "cpu_op", 100)])
     assert gpu_check.trace_summary(str(tmp_path))["top_ops"] == [["aten::mm", 0.8],
                                                                  ["aten::add", 0.1]]
 

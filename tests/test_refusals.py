@@ -105,6 +105,13 @@ def test_bad_megatron_flags_are_refused_in_one_line(capsys, corpus, flags, messa
         f"pretrain_gpt.py: error: {message}")
 
 
+def test_a_run_without_a_learning_rate_is_refused(capsys):
+    # Megatron-LM has no default --lr and hands None to torch's AdamW (a TypeError).
+    assert _main(["--train-iters", "2"]) == 2
+    assert capsys.readouterr().err == (
+        "pretrain_gpt.py: error: --lr is required: Megatron-LM has no default learning rate\n")
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="nsys's range needs no refusal on a GPU")
 def test_profile_for_nsys_is_refused_without_a_gpu(capsys, corpus):
     assert refused(capsys, [*data_flags(corpus), "--profile"]) == (
