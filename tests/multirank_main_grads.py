@@ -25,9 +25,10 @@ def main() -> None:
     batches, verdict = [], {}
     on_host = pretrain_gpt._batch_on_host
 
-    def recorded(batch):  # every micro-batch the loop's forward_step takes
-        batch = on_host(batch)
-        batches.append({key: value.clone() for key, value in batch.items()})
+    def recorded(*args):  # every micro-batch the loop's forward_step takes
+        batch = on_host(*args)
+        batches.append({key: value.clone() for key, value in batch.items()
+                        if torch.is_tensor(value)})
         return batch
 
     pretrain_gpt._batch_on_host = recorded
