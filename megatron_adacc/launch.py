@@ -17,7 +17,6 @@ import math
 import os
 import re
 import signal
-import socket
 import sys
 from pathlib import Path
 from typing import Callable, Sequence
@@ -304,11 +303,10 @@ def _world_of_one() -> None:
     """A plain ``python`` run: torch.distributed's environment for one process."""
     if "WORLD_SIZE" in os.environ:
         return
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    # Port 0: the store binds a free port itself (no one else connects to a world of one), so
+    # runs started together never race for one a probe found free.
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
+                      MASTER_PORT="0")
 
 
 def teardown(owns_process_group: bool) -> None:

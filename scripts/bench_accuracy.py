@@ -116,6 +116,10 @@ def probe_budgets(args, flags: list[str]) -> dict:
 
     from megatron_adacc import cli, policies
 
+    if not set(args.methods) & {"auto", "auto-no-outlier", "codecs", "codecs-no-outlier"}:
+        # no method plans or compresses by Adacc's codecs: nothing to profile for
+        return {"minimum_feasible_budget": None, "no_optimisation_peak": None, "budgets": {},
+                "forced_plans": {}}
     # one iteration of pretrain_gpt.py profiles the trainer's own model (kept in the DB)
     costs = cli.trainer_costs(flags + ["--seed", str(args.seeds[0])])
     result = policies.plan("auto", costs, 1 << 40, allow_lossy_sources=False)
