@@ -61,17 +61,3 @@ def distributed():
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: takes more than a minute (deselect with -m 'not slow')")
 
-
-# make test runs the files on every core (pytest-xdist, --dist loadfile), handing them out in
-# collection order: the slowest go first, so the workers finish together.
-SLOWEST_FIRST = ("test_benchmarks_smoke.py", "test_gpu_check.py", "test_pipeline.py",
-                 "test_megatron_lm_scripts.py", "test_profiler.py", "test_pipeline_plans.py",
-                 "test_sequence_parallel.py", "test_faults.py", "test_trainer.py",
-                 "test_engine.py", "test_multirank.py", "test_cli_plan.py", "test_refusals.py",
-                 "test_runtime_rebuilds.py")
-
-
-def pytest_collection_modifyitems(items):
-    rank = {name: index for index, name in enumerate(SLOWEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
-
