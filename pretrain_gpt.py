@@ -1,103 +1,148 @@
-"""Train a megatron-core GPT with Adacc's activation-memory optimiser.
+"""Train a GPT with Megatron-LM's own loop (``megatron.training.pretrain``) and Adacc.
 
     python pretrain_gpt.py --config configs/tiny-cpu.yaml
-    torchrun --nproc_per_node 2 pretrain_gpt.py --config configs/tiny-cpu.yaml \
-        --tensor-model-parallel-size 2
+    torchrun --nproc_per_node 2 pretrain_gpt.py <Megatron-LM's flags> \
+        --transformer-impl local --adacc-policy auto --adacc-memory-budget 2GiB
+
+Every Megatron-LM flag works as in Megatron-LM; ``--config FILE`` reads flags from YAML
+(keys are flag names). Without data flags it trains on the built-in corpus.
 
 Exit status: 0 trained, 1 the run diverged, 2 bad input (one line on stderr), 130
-interrupted (Ctrl-C; 143 on SIGTERM), with one line naming the last checkpoint.
+interrupted (Ctrl-C; 143 on SIGTERM).
 """
 from __future__ import annotations
 
+import logging
 import os
-import signal
 import sys
 import warnings
 
-
-class Terminated(KeyboardInterrupt):
-    """SIGTERM (torchrun stopping its workers), handled as an interrupt."""
+PROG = "pretrain_gpt.py"
 
 
-class Interrupts:
-    """SIGINT and SIGTERM as KeyboardInterrupt (Terminated for SIGTERM): raised where the
-    signal arrives, as Python raises it, and raised again between training steps if that one
-    was lost. Code that calls back into Python from C (CPython's, torch's) may clear an
-    exception raised inside the callback; a run once trained on past a Ctrl-C that way."""
+def datasets_provider(train_val_test_num_samples, vp_stage=None):
+    """Megatron-LM's dataset provider: GPTDatasets over the flags' blend (or mock data)."""
+    from megatron.core import mpu
+    from megatron.core.datasets.blended_megatron_dataset_builder import (
+        BlendedMegatronDatasetBuilder)
+    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
+    from megatron.training import get_args, get_tokenizer
+    from megatron.training.utils import get_blend_and_blend_per_split
 
-    SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
-    def __init__(self):
-        self.pending: KeyboardInterrupt | None = None
-        self._previous = {}
-
-    def __enter__(self) -> "Interrupts":
-        self._previous = {signum: signal.signal(signum, self._arrived) for signum in self.SIGNALS}
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for signum, handler in self._previous.items():
-            signal.signal(signum, handler)
-
-    def _arrived(self, signum, frame):
-        self.pending = Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
-        raise self.pending
-
-    def raise_pending(self) -> None:
-        """Between steps: the interrupt that arrived and was lost, if one was."""
-        if self.pending is not None:
-            raise self.pending
+    args = get_args()
+    blend, blend_per_split = get_blend_and_blend_per_split(args)
+    config = GPTDatasetConfig(
+        random_seed=args.seed, sequence_length=args.seq_length, blend=blend,
+        blend_per_split=blend_per_split, split=args.split, path_to_cache=args.data_cache_path,
+        tokenizer=get_tokenizer(), reset_position_ids=args.reset_position_ids,
+        reset_attention_mask=args.reset_attention_mask, eod_mask_loss=args.eod_mask_loss,
+        create_attention_mask=args.create_attention_mask_in_dataloader,
+        mmap_bin_files=args.mmap_bin_files, mid_level_dataset_surplus=args.mid_level_dataset_surplus)
+    dataset_type = MockGPTDataset if args.mock_data else GPTDataset
+    return BlendedMegatronDatasetBuilder(
+        dataset_type, train_val_test_num_samples,
+        lambda: mpu.get_tensor_model_parallel_rank() == 0, config).build()
 
 
-def _interrupted_line(args, trainer) -> str:
-    from megatron_adacc.training import checkpointing
+datasets_provider.is_distributed = True
 
-    iteration = trainer.iteration if trainer is not None else 0
-    saved = None
-    if args is not None and args.save:
-        try:
-            saved = checkpointing.latest_iteration(args.save)
-        except ValueError:
-            saved = None
-    last = (f"last checkpoint: iteration {saved} in {args.save} (resume with --load "
-            f"{args.save})" if saved is not None else "no checkpoint saved")
-    return f"pretrain_gpt.py: interrupted at iteration {iteration}; {last}"
+
+def forward_step(data_iterator, model):
+    """One micro-batch through the model; the loss is Megatron-LM's masked token sum."""
+    import torch
+
+    batch = get_batch(data_iterator)
+    output = model(batch.get("tokens"), batch.get("position_ids"), batch.get("attention_mask"),
+                   labels=batch.get("labels"))
+    loss_mask = batch.get("loss_mask")
+
+    def loss_func(per_token):
+        losses = per_token.view(-1).float()
+        mask = loss_mask.view(-1).float()
+        loss = torch.sum(losses * mask)
+        num_tokens = mask.sum().clone().detach().to(torch.int)
+        return loss, num_tokens, {"lm loss": torch.cat([loss.detach().view(1),
+                                                        num_tokens.view(1)])}
+
+    return output, loss_func
+
+
+def get_batch(data_iterator) -> dict:
+    """This rank's micro-batch, as Megatron-LM's ``get_batch`` gives it: read on the
+    tensor-parallel group's first rank, shared with the others, and only the fields this
+    pipeline stage reads (the first its inputs, the last its labels and loss mask)."""
+    import torch
+    from megatron.core import mpu
+    from megatron.core.utils import get_batch_on_this_tp_rank
+    from megatron.training import get_args
+
+    args = get_args()
+    first, last = mpu.is_pipeline_first_stage(), mpu.is_pipeline_last_stage()
+    if not (first or last):  # megatron_lm.check_args refuses multi-token prediction
+        return {}
+    tp_rank = mpu.get_tensor_model_parallel_rank()
+    batch = next(data_iterator) if tp_rank == 0 else {}
+    if not torch.cuda.is_available():
+        return _batch_on_host(batch, first, last, args.pipeline_model_parallel_size > 1)
+    batch = {key: value.cuda(non_blocking=True) if torch.is_tensor(value) else value
+             for key, value in batch.items()}
+    return get_batch_on_this_tp_rank(
+        batch, has_cu_seqlens=False, is_hybrid_cp=False,
+        create_attention_mask_in_dataloader=args.create_attention_mask_in_dataloader,
+        broadcast_src_rank=mpu.get_tensor_model_parallel_src_rank(),
+        broadcast_group=mpu.get_tensor_model_parallel_group(),
+        cp_size=args.context_parallel_size, tp_rank=tp_rank,
+        micro_batch_size=args.micro_batch_size, seq_length=args.seq_length,
+        mtp_on_this_rank=False, pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        is_pipeline_first_stage=first, is_pipeline_last_stage=last)
+
+
+def _batch_on_host(batch: dict, first: bool, last: bool, pipelined: bool) -> dict:
+    """get_batch_on_this_tp_rank on a host (gloo): rank 0's micro-batch on every rank of its
+    group, copied as a GPU copies it to the device, so what the model saves for backward is
+    the step's own, never the loader's tensors (Megatron-LM's rerun state machine keeps
+    those for the whole step)."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core import mpu
+
+    if mpu.get_tensor_model_parallel_world_size() > 1:
+        payload = [batch if mpu.get_tensor_model_parallel_rank() == 0 else None]
+        dist.broadcast_object_list(payload, src=mpu.get_tensor_model_parallel_src_rank(),
+                                   group=mpu.get_tensor_model_parallel_group())
+        batch = payload[0]
+    unread = ({"labels", "loss_mask"} if not last else set()) | (
+        {"tokens", "position_ids"} if not first else set()) if pipelined else set()
+    return {key: value.clone() if torch.is_tensor(value) and key not in unread else None
+            for key, value in batch.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
-    # megatron-core warns at import about every optional fused kernel it cannot find.
-    warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*")
-    import torch.distributed as dist
+    """Run Megatron-LM's ``pretrain`` with Adacc on ``argv``; returns the exit status."""
+    # Import-time notices about kernels a host has no use for; stderr keeps one line.
+    warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine|apex|"
+                                              "transformer-engine).*")
+    logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)  # "No CUDA runtime"
+    from megatron_adacc import launch
 
-    from megatron_adacc.training.arguments import parse_args
-    from megatron_adacc.models.build import shutdown_distributed
-    from megatron_adacc.training.numerics import NonFiniteError
-    from megatron_adacc.training.trainer import Trainer
+    return launch.run(sys.argv[1:] if argv is None else argv, PROG, _pretrain)
 
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
-    args = trainer = None
-    # What this call sets up it shuts down (a caller's own process group stays theirs).
-    owns_process_group = not dist.is_initialized()
-    with Interrupts() as interrupts:
-        try:
-            args = parse_args(argv, world_size)
-            trainer = Trainer(args)
-            trainer.train(between_steps=interrupts.raise_pending)
-        except KeyboardInterrupt as exc:  # one line from rank 0, no traceback on any rank
-            if rank == 0:
-                print(_interrupted_line(args, trainer), file=sys.stderr, flush=True)
-            return 143 if isinstance(exc, Terminated) else 130
-        except (ValueError, FileNotFoundError) as exc:  # errors.InputError is a ValueError
-            print(f"pretrain_gpt.py: error: {exc}", file=sys.stderr)
-            return 2
-        except NonFiniteError as exc:  # not bad input: the run diverged
-            print(f"pretrain_gpt.py: error: {exc}", file=sys.stderr)
-            return 1
-        finally:
-            if owns_process_group:
-                shutdown_distributed()
-    return 0
+
+def _pretrain(args) -> None:
+    from megatron.core.enums import ModelType
+    from megatron.training import pretrain
+    from megatron.training.argument_utils import (gpt_config_from_args,
+                                                  pretrain_cfg_container_from_args)
+
+    from megatron_adacc import launch, megatron_lm
+
+    try:  # megatron-core's config checks are assertions and ValueErrors: bad flags
+        model_cfg = gpt_config_from_args(args)
+    except (AssertionError, ValueError) as exc:
+        raise megatron_lm.ConfigError(launch.assertion_line(exc)) from None
+    megatron_lm.install(model_cfg, args)
+    pretrain(pretrain_cfg_container_from_args(args, model_cfg), datasets_provider,
+             ModelType.encoder_or_decoder, forward_step)
 
 
 if __name__ == "__main__":

@@ -11,35 +11,43 @@ on the first stages), each the fastest that fits the per-device budget. Plans ar
 designated codecs first, the quantize baseline's per-token INT4 only when those fit no plan
 (the table marks its rows "last resort"; the analytic model prices designated codecs only).
 
+The model is pretrain_gpt.py's: every flag but ``adacc``'s own (``_build_parser``) is one of
+pretrain_gpt.py's (Megatron-LM's and Adacc's), and ``--config`` is read as pretrain_gpt.py
+reads it (megatron_adacc.launch), the same keys accepted and refused.
+
 Costs come from a source: the analytic model of a named accelerator (``--hardware``), or,
 without it, this machine's ProfileDB (``--profile-db``, default in $ADACC_DATA_DIR), profiling
-the model first, as the trainer would, when the database has no row for it. Exit codes:
-0 planned, 2 a bad request or an infeasible budget (with a one-line reason on stderr).
+the model first, by one iteration of pretrain_gpt.py in this process, when the database has
+no row for it. Exit codes: 0 planned, 2 a bad request or an infeasible budget (with a
+one-line reason on stderr).
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
+import io
 import json
 import sys
-import tempfile
-from pathlib import Path
 from typing import Any, Sequence
 
 import torch
-import yaml
 
+from megatron_adacc import launch
 from megatron_adacc.profiling import hardware
-from megatron_adacc.training.arguments import read_config
 from megatron_adacc.common.costs import ModelCosts
 from megatron_adacc.common.errors import InputError
 from megatron_adacc.planning import InfeasibleBudget, plan_stages
 from megatron_adacc.planning import format_plan, format_stages
 from megatron_adacc.common.units import parse_size
 
-_SHAPE_FLAGS = ("num-layers", "hidden-size", "num-attention-heads", "ffn-hidden-size",
-                "seq-length", "max-position-embeddings", "vocab-size", "tokenizer-type",
-                "attention-dropout", "hidden-dropout", "attention-backend")
+# Data flags: with none of them pretrain_gpt.py trains on the built-in corpus.
+_DATA_FLAGS = ("data_path", "train_data_path", "valid_data_path", "test_data_path",
+               "mock_data", "data_args_path", "per_split_data_args_path")
+# What a profiling run writes or reads that a plan must not: output and checkpoint folders.
+_OUTPUT_FLAGS = ("--metrics-file", "--tensorboard-dir", "--save", "--load", "--wandb-project",
+                 "--wandb-save-dir")
+# A budget no model reaches: the profiling run plans at it, the plan here at the user's.
+_NO_LIMIT = 1 << 60
 
 
 class UsageError(Exception):
@@ -52,16 +60,16 @@ class _OneLineParser(argparse.ArgumentParser):
 
 
 def _build_parser() -> argparse.ArgumentParser:
-    parser = _OneLineParser(prog="adacc", description=__doc__.split("\n")[0])
+    """``adacc``'s own flags; every other flag of ``adacc plan`` is pretrain_gpt.py's."""
+    parser = _OneLineParser(prog="adacc", description=__doc__.split("\n")[0],
+                            allow_abbrev=False)
     commands = parser.add_subparsers(dest="command", required=True)
-    p = commands.add_parser("plan", help="the fastest plan that fits a memory budget")
-    p.add_argument("--config", help="YAML of Megatron-style flags (num-layers, hidden-size, ...)")
-    for flag in _SHAPE_FLAGS:
-        p.add_argument(f"--{flag}", default=None)
+    p = commands.add_parser("plan", help="the fastest plan that fits a memory budget",
+                            allow_abbrev=False)
+    p.add_argument("--config", help="YAML of pretrain_gpt.py's flags (num-layers, ...), read "
+                   "as pretrain_gpt.py reads it")
     p.add_argument("--precision", choices=("fp16", "bf16", "fp32"),
                    help="override the config's fp16/bf16 (a V100 has no bf16)")
-    p.add_argument("--micro-batch-size", type=int, default=None,
-                   help="default: the config's micro-batch-size")
     p.add_argument("--memory-budget", help="e.g. 30GiB; default: the accelerator's capacity "
                    f"minus {hardware.DEFAULT_RESERVED_BYTES >> 30} GiB reserved")
     p.add_argument("--hardware", choices=sorted(hardware.ACCELERATORS),
@@ -69,19 +77,9 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--profile-db", help="ProfileDB file for plans without --hardware "
                    "(default: $ADACC_DATA_DIR/profiles.sqlite)")
     p.add_argument("--zero-stage", type=int, default=None, choices=(0, 1, 2, 3))
-    p.add_argument("--use-distributed-optimizer", action="store_true",
-                   help="Megatron's distributed optimizer: ZeRO stage 1 (optimizer states "
-                   "sharded over the data-parallel group)")
     p.add_argument("--data-parallel-size", type=int, default=1)
-    p.add_argument("--tensor-model-parallel-size", type=int, default=None,
-                   help="plan one tensor-parallel rank: its shards of the layers")
-    p.add_argument("--sequence-parallel", action="store_true", default=None,
-                   help="the norms and the residual stream sharded along the sequence")
-    p.add_argument("--pipeline-model-parallel-size", type=int, default=None,
-                   help="pipeline stages (1F1B); each gets its own plan; default: the "
-                   "config's, else 1")
     p.add_argument("--num-micro-batches", type=int, default=None,
-                   help="micro-batches per step; default: the config's global-batch-size / "
+                   help="micro-batches per step; default: global-batch-size / "
                    "(micro-batch-size x data-parallel-size), else 1")
     p.add_argument("--uniform", dest="per_layer", action="store_false",
                    help="one policy for every layer (the paper's model)")
@@ -95,90 +93,99 @@ def _build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _config_flags(path: str | None) -> dict[str, Any]:
-    """The config as pretrain_gpt.py reads it (arguments.read_config: the same keys and
-    values accepted, the same refused), keyed by flag name."""
-    if not path:
-        return {}
-    return {dest.replace("_", "-"): value for dest, value in read_config(path).items()}
-
-
-def _settle_config_defaults(args: argparse.Namespace) -> None:
-    """Flags left out take the config's value, as pretrain_gpt.py's do; what the planner
-    cannot plan is refused before anything is measured."""
-    config = _config_flags(args.config)
-    if args.micro_batch_size is None:
-        args.micro_batch_size = config.get("micro-batch-size")
-    if args.micro_batch_size is None:
-        raise UsageError("--micro-batch-size is needed (on the command line or in the config)")
-    if args.pipeline_model_parallel_size is None:
-        args.pipeline_model_parallel_size = config.get("pipeline-model-parallel-size", 1)
-    args.use_distributed_optimizer |= bool(config.get("use-distributed-optimizer"))
-
-
-def _flags(args: argparse.Namespace) -> dict[str, Any]:
-    flags: dict[str, Any] = _config_flags(args.config)
-    for flag in _SHAPE_FLAGS:
-        value = getattr(args, flag.replace("-", "_"))
-        if value is not None:
-            flags[flag] = value
+def training_argv(args: argparse.Namespace, rest: Sequence[str]) -> list[str]:
+    """pretrain_gpt.py's flags of a plan: the config's first, then the command line's, with
+    ``--precision`` in place of any fp16/bf16 (a flag can switch one on, never off)."""
+    argv = launch.config_argv(["--config", args.config, *rest] if args.config else rest)
     if args.precision:
-        flags.update({"fp16": args.precision == "fp16", "bf16": args.precision == "bf16"})
-    for flag in ("tensor-model-parallel-size", "sequence-parallel"):
-        value = getattr(args, flag.replace("-", "_"))
-        if value is not None:
-            flags[flag] = value
-    return flags
-
-
-def _profiled_costs(args: argparse.Namespace, budget: int | None
-                    ) -> tuple[ModelCosts, int | None]:
-    """This machine's measured costs from the ProfileDB, profiled first (on the model and
-    first micro-batch the trainer would build from this config) when it has none; and the
-    default budget (a GPU's usable memory, None on a CPU)."""
-    from megatron_adacc import policies
-    from megatron_adacc.training import trainer
-    from megatron_adacc.training.arguments import ConfigError, parse_args
-    from megatron_adacc.profiling.profile_db import ProfileDB
-    from megatron_adacc.runtime import get_adacc_layer_spec
-
-    if args.vocab_size is not None:
-        raise UsageError("--vocab-size describes a model for --hardware; a profile measures "
-                         "the trainer's model, whose vocabulary is its --tokenizer-type's")
-    tensor_parallel = _flags(args).get("tensor-model-parallel-size", 1)
-    if tensor_parallel != 1:
-        raise UsageError(f"tensor-model-parallel-size {tensor_parallel}: a profile on this "
-                         "machine measures one process; plan it with --hardware, or train "
-                         "it under torchrun, which profiles every rank")
-    with tempfile.TemporaryDirectory() as scratch:
-        config = args.config
-        if config and args.precision:
-            # --precision replaces the config's fp16/bf16: a trainer flag could switch one
-            # on, never the config's other one off.
-            config = str(Path(scratch) / "config.yaml")
-            Path(config).write_text(yaml.safe_dump(
-                {k: v for k, v in _config_flags(args.config).items()
-                 if k not in ("fp16", "bf16")}))
-        argv = ["--config", config] if config else []
-        for flag in _SHAPE_FLAGS:
-            value = getattr(args, flag.replace("-", "_"))
-            if value is not None:
-                argv += [f"--{flag}", str(value)]
+        argv = [flag for flag in argv if flag not in ("--fp16", "--bf16")]
         argv += {"bf16": ["--bf16"], "fp16": ["--fp16"]}.get(args.precision, [])
-        argv += ["--micro-batch-size", str(args.micro_batch_size), "--global-batch-size",
-                 str(args.micro_batch_size), "--train-iters", "1", "--lr-warmup-iters", "0",
-                 "--eval-interval", "0", "--adacc-policy", "auto"]
-        # The trainer's auto run this plans for (whatever policy the config names).
-        argv += ["--adacc-memory-budget", str(budget)] if budget is not None else []
-        try:
-            with contextlib.redirect_stdout(sys.stderr):  # keep stdout for the table / JSON
-                model, batches, _ = trainer.build_model_and_data(parse_args(argv),
-                                                                 get_adacc_layer_spec())
-        except (ConfigError, ValueError) as exc:
-            raise UsageError(str(exc)) from None
-    costs, _ = policies.measured_costs(model, trainer.first_micro_batch(batches),
-                                       ProfileDB(args.profile_db))
-    return costs, policies.default_budget()
+    return argv
+
+
+def training_flags(argv: Sequence[str]) -> argparse.Namespace:
+    """pretrain_gpt.py's parser over ``argv`` (``--config`` read; no validation: nothing is
+    built), every refusal a one-line ConfigError."""
+    parser = launch.build_parser()
+
+    def refuse(message: str):
+        raise launch.ConfigError(message)
+
+    parser.error = refuse  # argparse would print its usage and exit
+    return parser.parse_args(launch.config_argv(argv, parser))
+
+
+def shape_flags(flags: argparse.Namespace) -> dict[str, Any]:
+    """The model-shape flags of parsed pretrain_gpt.py flags, by flag name, as
+    ``hardware.ModelShape.from_flags`` reads them. The vocabulary is the one pretrain_gpt.py
+    trains: ``--vocab-size``, else the built-in corpus's bytes when no data flag is given."""
+    from megatron_adacc import corpus
+
+    shape = {dest.replace("_", "-"): value for dest, value in vars(flags).items()
+             if value is not None}
+    backend = flags.attention_backend
+    shape["attention-backend"] = getattr(backend, "name", str(backend))
+    shape["disable-bias-linear"] = not flags.add_bias_linear
+    if flags.vocab_size is None:
+        if any(getattr(flags, name, None) for name in _DATA_FLAGS):
+            raise UsageError(f"--vocab-size is needed: a plan does not build the "
+                             f"{flags.tokenizer_type} tokenizer to read its size")
+        shape["vocab-size"] = corpus.ByteTokenizer.vocab_size
+    return shape
+
+
+def model_shape(argv: Sequence[str]) -> hardware.ModelShape:
+    """The accelerator model's shape of the GPT pretrain_gpt.py trains with ``argv``."""
+    try:
+        return hardware.ModelShape.from_flags(shape_flags(training_flags(argv)))
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def trainer_costs(argv: Sequence[str], budget: int | None = None) -> ModelCosts:
+    """The costs ``--adacc-policy auto`` plans pretrain_gpt.py's run of ``argv`` with: its
+    model, first micro-batch and engine's static bytes, from the ProfileDB or profiled by
+    one training iteration in this process (nothing written but the ProfileDB)."""
+    import pretrain_gpt
+    from megatron_adacc import megatron_lm
+
+    argv = launch.config_argv(argv)
+    kept: list[str] = []
+    while argv:
+        flag = argv.pop(0)
+        if flag in _OUTPUT_FLAGS:
+            argv.pop(0) if argv else None
+        else:
+            kept.append(flag)
+    # a plan needs no learning rate, but Megatron-LM's optimizer does: the user's wins
+    probe = ["--lr", "1e-4", *kept, "--train-iters", "1", "--lr-warmup-iters", "0", "--eval-iters", "0",
+             "--log-interval", "1000", "--adacc-policy", "auto", "--adacc-tracking", "off",
+             "--adacc-memory-budget", str(_NO_LIMIT if budget is None else budget)]
+    chatter, errors = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(chatter), contextlib.redirect_stderr(errors):
+        status = pretrain_gpt.main(probe)
+    if status != 0:
+        lines = [line for line in errors.getvalue().splitlines() if line.strip()]
+        message = lines[-1] if lines else f"pretrain_gpt.py exited {status}"
+        raise UsageError(message.removeprefix(f"{pretrain_gpt.PROG}: error: "))
+    return megatron_lm.session().adacc.costs
+
+
+def _profiled_costs(args: argparse.Namespace, flags: argparse.Namespace, argv: list[str]
+                    ) -> tuple[ModelCosts, int | None]:
+    """This machine's measured costs of the trainer's model and the default budget (a GPU's
+    usable memory, None on a CPU)."""
+    from megatron_adacc import policies
+
+    if flags.tensor_model_parallel_size != 1:
+        raise UsageError(f"tensor-model-parallel-size {flags.tensor_model_parallel_size}: a "
+                         "profile on this machine measures one process; plan it with "
+                         "--hardware, or train it under torchrun, which profiles every rank")
+    if args.profile_db:
+        argv = [*argv, "--adacc-profile-db", args.profile_db]
+    argv += ["--micro-batch-size", str(args.micro_batch_size), "--global-batch-size",
+             str(args.micro_batch_size)]
+    return trainer_costs(argv), policies.default_budget()
 
 
 def _zero_stage(args: argparse.Namespace) -> int:
@@ -190,12 +197,12 @@ def _zero_stage(args: argparse.Namespace) -> int:
     return 1
 
 
-def _num_micro_batches(args: argparse.Namespace, flags: dict[str, Any]) -> int:
+def _num_micro_batches(args: argparse.Namespace, flags: argparse.Namespace) -> int:
     if args.num_micro_batches is not None:
         if args.num_micro_batches < 1:
             raise UsageError(f"--num-micro-batches must be >= 1, got {args.num_micro_batches}")
         return args.num_micro_batches
-    global_batch = flags.get("global-batch-size")
+    global_batch = flags.global_batch_size
     if global_batch is None or args.pipeline_model_parallel_size == 1:
         return 1        # one stage holds one micro-batch whatever their number
     per_step = args.micro_batch_size * args.data_parallel_size
@@ -205,7 +212,7 @@ def _num_micro_batches(args: argparse.Namespace, flags: dict[str, Any]) -> int:
     return int(global_batch) // per_step
 
 
-def _costs(args: argparse.Namespace, budget: int | None
+def _costs(args: argparse.Namespace, flags: argparse.Namespace, argv: list[str]
            ) -> tuple[list[ModelCosts], int | None]:
     """The costs of each pipeline stage to plan from and the default budget (the device's
     usable memory)."""
@@ -216,11 +223,10 @@ def _costs(args: argparse.Namespace, budget: int | None
         if args.pipeline_model_parallel_size > 1 or zero_stage:
             raise UsageError("pipeline stages and ZeRO are planned with --hardware: a profile "
                              "measures the whole model on this machine")
-        costs, default_budget = _profiled_costs(args, budget)
+        costs, default_budget = _profiled_costs(args, flags, argv)
         return [costs], default_budget
     try:
-        flags = _flags(args)
-        shape = hardware.ModelShape.from_flags(flags)
+        shape = hardware.ModelShape.from_flags(shape_flags(flags))
         stages = hardware.pipeline_costs(
             shape, args.micro_batch_size, args.hardware, args.pipeline_model_parallel_size,
             _num_micro_batches(args, flags), zero_stage, args.data_parallel_size)
@@ -230,8 +236,15 @@ def _costs(args: argparse.Namespace, budget: int | None
     return stages, device.capacity_bytes - hardware.DEFAULT_RESERVED_BYTES
 
 
-def _plan_command(args: argparse.Namespace) -> int:
-    _settle_config_defaults(args)
+def _plan_command(args: argparse.Namespace, rest: list[str]) -> int:
+    argv = training_argv(args, rest)
+    flags = training_flags(argv)
+    # pretrain_gpt.py's flags (the config's or the command line's) that shape the plan
+    args.micro_batch_size = flags.micro_batch_size
+    args.pipeline_model_parallel_size = flags.pipeline_model_parallel_size
+    args.use_distributed_optimizer = flags.use_distributed_optimizer
+    if args.micro_batch_size is None:
+        raise UsageError("--micro-batch-size is needed (on the command line or in the config)")
     if args.micro_batch_size < 1:
         raise UsageError(f"--micro-batch-size must be >= 1, got {args.micro_batch_size}")
     budget = None
@@ -244,7 +257,7 @@ def _plan_command(args: argparse.Namespace) -> int:
         # Before profiling: a CPU has no capacity to default to.
         raise UsageError("--memory-budget SIZE is needed to plan for a CPU (no device capacity "
                          "to default to)")
-    stages, default_budget = _costs(args, budget)
+    stages, default_budget = _costs(args, flags, argv)
     budget = default_budget if budget is None else budget
     try:
         plans = plan_stages(stages, budget, per_layer=args.per_layer,
@@ -272,9 +285,11 @@ def _plan_command(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _build_parser().parse_args(argv)
+    """``adacc``'s exit status: 0 planned, 2 a bad request or an infeasible budget."""
+    parser = _build_parser()
+    args, rest = parser.parse_known_args(argv)
     try:
-        return _plan_command(args)
+        return _plan_command(args, rest)
     except (UsageError, InputError) as exc:
         print(f"adacc {args.command}: {exc}", file=sys.stderr)
         return 2

@@ -1,4 +1,4 @@
-"""Runtime patches that let megatron-core 0.16.1 build and train a GPTModel on a CPU.
+"""Runtime patches that let megatron-core 0.19.2 build and train a GPTModel on a CPU.
 
 Every patch names the megatron-core version it was written against and is applied only when
 CUDA is absent (CPU shims) or when the defect it works around is present. Each one has a
@@ -15,7 +15,7 @@ import warnings
 
 import torch
 
-TARGET_MEGATRON_CORE = "0.16.1"
+TARGET_MEGATRON_CORE = "0.19.2"
 
 _applied: list[str] = []
 
@@ -115,17 +115,31 @@ def _causal_mask_uncached() -> bool:
     return not hasattr(tutils.get_default_causal_mask, "cache_info")
 
 
+class _HostStream:
+    """The host's one stream: there is no other to wait for, and no event is ever recorded."""
+
+    def wait_event(self, event) -> None:
+        pass
+
+    def wait_stream(self, stream) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+
 class _HostTorch(types.ModuleType):
     """``torch`` as a megatron-core module sees it after a CPU shim: every name is torch's,
     except that the tensor factories ignore ``device`` (megatron passes "cuda" or
-    torch.cuda.current_device()), torch.cuda.current_device() is the host and
-    torch.cuda.synchronize() has nothing to wait for. Only modules whose every use of
-    torch.cuda is one of those get it."""
+    torch.cuda.current_device()), torch.cuda.current_device() is the host,
+    torch.cuda.synchronize() has nothing to wait for and torch.cuda.current_stream() is the
+    host's one stream. Only modules whose every use of torch.cuda is one of those get it."""
 
     def __init__(self):
         super().__init__("torch")
         self.cuda = types.SimpleNamespace(current_device=lambda: "cpu",
-                                          synchronize=lambda *args, **kwargs: None)
+                                          synchronize=lambda *args, **kwargs: None,
+                                          current_stream=lambda *args, **kwargs: _HostStream())
         for name in ("tensor", "zeros", "empty"):
             setattr(self, name, self._on_host(getattr(torch, name)))
 
@@ -205,7 +219,9 @@ def _cpu_sequence_parallel() -> None:
 
 def _cpu_grad_buffers() -> None:
     # DistributedDataParallel's _ParamAndGradBuffer allocates its parameter and gradient
-    # buffers on torch.cuda.current_device().
+    # buffers on torch.cuda.current_device(); since 0.19 every start_grad_sync makes the
+    # current stream wait for CUDA-graph replays' events. (Its torch.cuda.stream and
+    # communication stream serve several distributed-optimizer instances only.)
     from megatron.core.distributed import param_and_grad_buffer
 
     param_and_grad_buffer.torch = _HostTorch()
@@ -320,7 +336,8 @@ def _distributed_optimizer_with_torch_adam() -> None:
         held = {"param": main_param, **self.optimizer.state[main_param]}
         with torch.no_grad():
             for key, tensor in held.items():
-                if key != "step" and key in tensors:
+                # 0.19 passes non-tensor entries too (then leaves the state as it is)
+                if key != "step" and isinstance(tensors.get(key), torch.Tensor):
                     tensor.copy_(tensors[key])
 
     optimizer_class.state_dict = state_dict_of_fresh_optimizer
@@ -395,6 +412,262 @@ def apply(force_cpu_shims: bool = False) -> list[str]:
                 patch()
                 _applied.append(name)
     for name, (patch, needed) in DEFECT_PATCHES.items():
+        if name not in _applied and needed():
+            patch()
+            _applied.append(name)
+    return applied_patches()
+
+
+# --- megatron.training (Megatron-LM's loop) on a CPU ------------------------------------------
+# megatron.training assumes a GPU throughout: tensors made on "cuda", streams, the CUDA RNG
+# state in checkpoints, memory statistics. The modules below see a ``torch`` whose CUDA parts
+# are the host's; nothing else about them changes.
+
+def _no_op(*args, **kwargs):
+    return None
+
+
+def _zero(*args, **kwargs):
+    return 0
+
+
+class _NoStream:
+    """A CUDA stream or event on a host: every call does nothing."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def __getattr__(self, name):
+        return _no_op
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _host_cuda(**overrides) -> types.SimpleNamespace:
+    """``torch.cuda`` as a host sees it: one "device", the host, with nothing to wait for."""
+    calls = dict(
+        is_available=lambda: False, device_count=_zero, current_device=lambda: "cpu",
+        synchronize=_no_op, empty_cache=_no_op, set_device=_no_op,
+        memory_allocated=_zero, max_memory_allocated=_zero, memory_reserved=_zero,
+        max_memory_reserved=_zero, reset_peak_memory_stats=_no_op,
+        memory_stats=lambda *args, **kwargs: {},
+        Stream=_NoStream, Event=_NoStream, current_stream=lambda *args, **kwargs: _NoStream(),
+        stream=lambda *args, **kwargs: contextlib.nullcontext(),
+        # A checkpoint's "cuda_rng_state": the host has none; dropout draws from the CPU
+        # generator, which the checkpoint saves as torch_rng_state.
+        get_rng_state=lambda *args, **kwargs: torch.empty(0, dtype=torch.uint8),
+        set_rng_state=_no_op,
+        nvtx=types.SimpleNamespace(range_push=_no_op, range_pop=_no_op),
+        # No GPU architecture (major 0): validate_args then asks tensor parallelism for
+        # CUDA_DEVICE_MAX_CONNECTIONS=1 as on a pre-Blackwell GPU, which Megatron-LM's
+        # scripts export.
+        get_device_properties=lambda *args, **kwargs: types.SimpleNamespace(
+            major=0, minor=0, name="cpu", total_memory=0, multi_processor_count=0),
+    )
+    return types.SimpleNamespace(**{**calls, **overrides})
+
+
+class _TrainingTorch(_HostTorch):
+    """``torch`` for a megatron.training module on a host: _HostTorch, every factory on the
+    host, ``torch.device("cuda...")`` the host, and the whole of ``torch.cuda`` _host_cuda's."""
+
+    def __init__(self, **cuda_overrides):
+        super().__init__()
+        self.cuda = _host_cuda(**cuda_overrides)
+        for name in ("ones", "full", "arange", "rand", "randn"):
+            setattr(self, name, self._on_host(getattr(torch, name)))
+
+    @staticmethod
+    def device(*args, **kwargs):
+        if args and isinstance(args[0], str) and args[0].startswith("cuda"):
+            return torch.device("cpu")
+        return torch.device(*args, **kwargs)
+
+
+# Modules of Megatron-LM's loop that reach torch.cuda, with what they do with it.
+TRAINING_MODULES = (
+    "megatron.training.training",            # device tensors, streams, memory reports
+    "megatron.training.checkpointing",       # cuda_rng_state, the iteration all-reduce
+    "megatron.training.utils.common_utils",  # norms and reductions made on "cuda"
+    "megatron.training.models.dist_utils",   # the DDP stream
+    "megatron.core.timers",                  # torch.cuda.synchronize at every timer
+    "megatron.core.rerun_state_machine",     # saves cuda_rng_state every step
+    "megatron.core.distributed.param_and_grad_buffer",  # the grad-reduce streams
+)
+
+
+def _cpu_training_loop() -> None:
+    import importlib
+
+    for name in TRAINING_MODULES:
+        importlib.import_module(name).torch = _TrainingTorch()
+    # initialize_megatron asserts CUDA, and sets up megatron's process groups and seeds the
+    # tensor-parallel RNG tracker only when a device is counted: one host "device" here.
+    from megatron.training import initialize, training
+
+    initialize.torch = _TrainingTorch(device_count=lambda: 1)
+    training.initialize_megatron = functools.partial(initialize.initialize_megatron,
+                                                     allow_no_cuda=True)
+
+
+def _prebuilt_dataset_helpers() -> None:
+    # initialize_megatron runs `make` in megatron/core/datasets to build helpers_cpp; the
+    # wheel ships the built module without the Makefile, so make fails and the run exits.
+    from megatron.core.datasets import utils
+
+    utils.compile_helpers = _no_op
+
+
+def _dataset_helpers_without_makefile() -> bool:
+    import importlib.util
+    from pathlib import Path
+
+    from megatron.core.datasets import utils
+
+    return (importlib.util.find_spec("megatron.core.datasets.helpers_cpp") is not None
+            and not (Path(utils.__file__).parent / "Makefile").exists())
+
+
+# Megatron-LM's defaults that name a GPU-only kernel (apex, Transformer Engine, torch.compile
+# through a C++ toolchain): off on a host, where megatron-core has a plain path for each.
+CPU_ARG_DEFAULTS = {
+    "gradient_accumulation_fusion": False,   # apex's fused wgrad
+    "no_persist_layer_norm": True,           # apex's persistent layer norm
+    "masked_softmax_fusion": False,          # megatron's CUDA softmax kernels
+    "apply_rope_fusion": False,              # Transformer Engine's / apex's RoPE
+    "bias_gelu_fusion": False,               # torch.compile, minutes of inductor on a host
+    "bias_swiglu_fusion": False,
+    "bias_dropout_fusion": False,
+    "cross_entropy_loss_fusion": False,
+    "use_cpu_initialization": True,          # else parameters are made on "cuda"
+}
+
+
+def cpu_arg_defaults(args) -> None:
+    """On a host, turn off Megatron-LM's defaults that only a GPU can run."""
+    if torch.cuda.is_available():
+        return
+    for name, value in CPU_ARG_DEFAULTS.items():
+        if hasattr(args, name):
+            setattr(args, name, value)
+
+
+def _cpu_eager_fusions() -> None:
+    # megatron-core wraps its fusions (bias-dropout-add, norms, RoPE, ...) in torch.compile
+    # at import, whatever the flags say; on a host inductor then builds C++ for seconds per
+    # shape. Eager runs the same math.
+    torch._dynamo.config.disable = True
+
+
+def _rerun_checkpoint_only_with_save() -> None:
+    # When the rerun state machine finds a NaN it asks train() for a checkpoint, and train()
+    # calls save_checkpoint_and_time whether or not --save was given; without one the save
+    # dies on os.path.join(None, ...) and the run ends in a TypeError traceback, not the
+    # state machine's exit. Every other caller checks args.save first.
+    from megatron.training import training
+
+    original = training.save_checkpoint_and_time
+
+    @functools.wraps(original)
+    def save_checkpoint_and_time(*args, **kwargs):
+        if training.get_args().save is None:
+            return None
+        return original(*args, **kwargs)
+
+    training.save_checkpoint_and_time = save_checkpoint_and_time
+
+
+def _rerun_checkpoint_ignores_save() -> bool:
+    import inspect
+
+    from megatron.training import training
+
+    source = inspect.getsource(training.train)
+    return "if should_checkpoint:\n            save_checkpoint_and_time(" in source
+
+
+def _cpu_data_loader_seeds() -> None:
+    # A DataLoader without a generator draws its workers' base seed from torch's global
+    # generator whenever an iterator over it starts. On a host that generator is dropout's,
+    # and a resumed run restores it from the checkpoint before building its loaders: the draw
+    # then lands in the restored stream, and the resumed losses differ from the uninterrupted
+    # run's. Each loader gets a generator of its own, seeded from --seed.
+    from megatron.training import training
+
+    build = getattr(training.build_pretraining_data_loader, "__wrapped__",
+                    training.build_pretraining_data_loader)
+
+    @functools.wraps(build)
+    def build_pretraining_data_loader(*args, **kwargs):
+        loader = build(*args, **kwargs)
+        if loader is not None and loader.generator is None:
+            loader.generator = torch.Generator().manual_seed(training.get_args().seed)
+        return loader
+
+    training.build_pretraining_data_loader = build_pretraining_data_loader
+
+
+class _Gpt2FromFiles:
+    """transformers' AutoTokenizer, but GPT-2 given its vocab and merges files is built from
+    them alone."""
+
+    def __init__(self, auto):
+        self._auto = auto
+
+    def from_pretrained(self, pretrained_model_name_or_path, *args, vocab_file=None,
+                        merges_file=None, **kwargs):
+        if pretrained_model_name_or_path == "gpt2" and vocab_file and merges_file:
+            from transformers import GPT2TokenizerFast
+
+            return GPT2TokenizerFast(vocab=vocab_file, merges=merges_file)
+        files = {key: value for key, value in (("vocab_file", vocab_file),
+                                               ("merges_file", merges_file)) if value}
+        return self._auto.from_pretrained(pretrained_model_name_or_path, *args, **files,
+                                          **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._auto, name)
+
+
+def _gpt2_tokenizer_from_files() -> None:
+    # Megatron-LM's GPT2BPETokenizer asks the Hugging Face Hub for "gpt2" even when
+    # --vocab-file and --merge-file name both its files: offline, every GPT-2 run fails.
+    from megatron.core.tokenizers.text.libraries import huggingface_tokenizer
+
+    huggingface_tokenizer.AutoTokenizer = _Gpt2FromFiles(huggingface_tokenizer.AutoTokenizer)
+
+
+def _gpt2_tokenizer_reaches_the_hub() -> bool:
+    from megatron.core.tokenizers.text.libraries import megatron_hf_tokenizer
+
+    config = megatron_hf_tokenizer.MEGATRON_CONFIG_MAP.get("GPT2BPETokenizer", {})
+    return config.get("tokenizer_name") == "gpt2"
+
+
+TRAINING_CPU_SHIMS = {"cpu_training_loop": _cpu_training_loop,
+                      "cpu_eager_fusions": _cpu_eager_fusions,
+                      "cpu_data_loader_seeds": _cpu_data_loader_seeds}
+TRAINING_DEFECT_PATCHES = {
+    "prebuilt_dataset_helpers": (_prebuilt_dataset_helpers, _dataset_helpers_without_makefile),
+    "rerun_checkpoint_only_with_save": (_rerun_checkpoint_only_with_save,
+                                        _rerun_checkpoint_ignores_save),
+    "gpt2_tokenizer_from_files": (_gpt2_tokenizer_from_files, _gpt2_tokenizer_reaches_the_hub),
+}
+
+
+def apply_training(force_cpu_shims: bool = False) -> list[str]:
+    """apply(), and the patches Megatron-LM's loop needs here; idempotent."""
+    apply(force_cpu_shims)
+    if force_cpu_shims or not torch.cuda.is_available():
+        for name, patch in TRAINING_CPU_SHIMS.items():
+            if name not in _applied:
+                patch()
+                _applied.append(name)
+    for name, (patch, needed) in TRAINING_DEFECT_PATCHES.items():
         if name not in _applied and needed():
             patch()
             _applied.append(name)

@@ -231,6 +231,14 @@ def last_resort_warning(policy: str, result: planning.PlanResult) -> str | None:
             f"the accuracy of the quantize baseline there")
 
 
+def _loss_name(loss_fn) -> str:
+    """The ProfileDB's name of a profile's loss: the module and name of its function."""
+    if loss_fn is None:
+        return "gpt_loss"
+    func = getattr(loss_fn, "func", loss_fn)  # a functools.partial's function
+    return f"{func.__module__}.{func.__qualname__}"
+
+
 def measured_costs(model, batch, db: ProfileDB, reprofile: bool = False, strict: bool = False,
                    loss_fn: profiler.LossFn | None = None
                    ) -> tuple[ModelCosts, float | None]:
@@ -242,7 +250,8 @@ def measured_costs(model, batch, db: ProfileDB, reprofile: bool = False, strict:
     config = model.config
     tokens = batch[0]
     key = profile_key(config, model.vocab_size, tokens.shape[1], tokens.shape[0],
-                      profiler.device_name(tokens.device), backend_of(model))
+                      profiler.device_name(tokens.device), backend_of(model),
+                      _loss_name(loss_fn))
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
     found = db.get(key) if rank0 and not reprofile else None
     missing = from_rank0(found is None)

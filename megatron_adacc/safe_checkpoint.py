@@ -1,7 +1,7 @@
 """Loading a torch_dist checkpoint never runs code: every pickle in it is read restrictedly.
 
 A torch_dist checkpoint (megatron-core's dist_checkpointing over torch.distributed.checkpoint,
-DCP) holds pickles that torch 2.13 and megatron-core 0.16.1 would unpickle as they stand:
+DCP) holds pickles that torch 2.13 and megatron-core 0.19.2 would unpickle as they stand:
 
 - ``.metadata``: DCP's ``FileSystemReader.read_metadata`` calls ``pickle.load``. Here
   :func:`load_metadata` reads it with an unpickler that resolves only :data:`METADATA_GLOBALS`
@@ -9,8 +9,10 @@ DCP) holds pickles that torch 2.13 and megatron-core 0.16.1 would unpickle as th
 - the non-tensor objects in ``*.distcp`` (megatron's ShardedObjects: the random generators,
   the optimizer's non-tensor state): DCP's load planners call ``torch.load(weights_only=False)``.
   Here ``weights_only=True``.
-- ``common.pt``: megatron-core 0.16.1 calls ``torch.load`` without ``weights_only`` (True by
-  default, False under ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD``). Here always True.
+- the common state: megatron-core 0.19 keeps it as one more of those objects; a ``common.pt``
+  beside it (older megatron-core's, still read when present) it loads with ``torch.load``
+  without ``weights_only`` (True by default, False under
+  ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD``). Here always True.
 - the tensors in ``*.distcp``: DCP reads them with ``weights_only=True`` already. Here a
   refusal there names its file too, as the others do.
 
@@ -31,8 +33,10 @@ from __future__ import annotations
 
 import functools
 import inspect
+import json
 import os
 import pickle
+import re
 import types
 from typing import Any, BinaryIO
 
@@ -41,6 +45,8 @@ import torch
 from megatron_adacc.common.errors import InputError
 
 METADATA_FILE = ".metadata"
+COMMON_FILE = "common.pt"  # megatron-core's common state before 0.19 (read if present)
+MEGATRON_METADATA_FILE = "metadata.json"  # marks a megatron-core distributed checkpoint
 
 _DCP = "torch.distributed.checkpoint"
 # The globals a .metadata pickle names, listed from checkpoints this project saves (GPT and
@@ -241,6 +247,12 @@ def _metadata_read_first(load):
     return wrapper
 
 
+def _load_common(checkpoint_dir) -> Any:
+    """megatron-core's ``load_common``: a checkpoint's ``common.pt``, weights only."""
+    path = os.path.join(str(checkpoint_dir), COMMON_FILE)
+    return load_weights_only(path, path, map_location="cpu")
+
+
 _installed = False
 
 
@@ -262,8 +274,107 @@ def install() -> None:
     # megatron's MCoreLoadPlanner inherits it (megatron-core 0.16.1 and 0.19.2).
     default_planner.DefaultLoadPlanner.load_bytes = _load_bytes
     megatron_common.torch = _WeightsOnlyTorch("torch")  # its torch.load calls read common.pt
+    # megatron-core 0.19 reads a legacy common.pt through its msc wrapper's torch.load:
+    # weights_only by torch's default only, and TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD undoes that.
+    megatron_common.load_common = serialization.load_common = _load_common
     for name in ("load", "load_common_state_dict"):
         checked = _metadata_read_first(getattr(serialization, name))
         setattr(serialization, name, checked)  # as megatron's own modules call it
         setattr(dist_checkpointing, name, checked)
     _installed = True
+
+
+# --- which checkpoint a --load reads ------------------------------------------------------------
+
+TRACKER_FILE = "latest_checkpointed_iteration.txt"  # Megatron-LM's name for the newest one
+_ITERATION_DIR = re.compile(r"^iter_(\d{7})$")
+
+
+def damage(checkpoint: str | os.PathLike) -> str | None:
+    """What makes a saved checkpoint unloadable, in words; None if it looks whole.
+
+    Reads the ``.metadata`` and ``common.pt`` restrictedly (a refusal propagates as
+    CheckpointRefused: a crafted file is no damage to fall back from) and checks that every
+    ``.distcp`` holds the bytes the metadata places in it. A checkpoint in Megatron-LM's older
+    ``torch`` format (no ``.metadata``) is taken as whole.
+    """
+    directory = str(checkpoint)
+    if not os.path.isdir(directory):
+        return f"missing ({directory} is not a directory)"
+    if not os.path.exists(os.path.join(directory, METADATA_FILE)):
+        return None
+    common = os.path.join(directory, COMMON_FILE)
+    try:
+        metadata = read_metadata(directory)
+        if os.path.exists(common):  # older megatron-core's; newer keep it in a .distcp
+            load_weights_only(common, common)
+        with open(os.path.join(directory, MEGATRON_METADATA_FILE)) as file:
+            json.load(file)
+    except CheckpointRefused:
+        raise
+    except Exception as exc:  # damage of any kind: the caller falls back
+        return f"unreadable ({_described(exc)})"
+    needed: dict[str, int] = {}
+    for info in getattr(metadata, "storage_data", {}).values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0),
+                                         info.offset + info.length)
+    for name, size in sorted(needed.items()):
+        path = os.path.join(directory, name)
+        if not os.path.isfile(path):
+            return f"unreadable ({path} is missing)"
+        held = os.path.getsize(path)
+        if held < size:
+            return (f"unreadable ({path} holds {held} bytes, its .metadata places {size}; "
+                    f"truncated?)")
+    return None
+
+
+def _described(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+
+
+def saved_iterations(directory: str | os.PathLike) -> tuple[int | None, list[int]]:
+    """(the iteration Megatron-LM's tracker file names or None, every ``iter_*`` there)."""
+    directory = str(directory)
+    tracker = None
+    try:
+        with open(os.path.join(directory, TRACKER_FILE)) as file:
+            tracker = int(file.read().strip())
+    except (OSError, ValueError):
+        pass
+    found = []
+    if os.path.isdir(directory):
+        for name in os.listdir(directory):
+            match = _ITERATION_DIR.match(name)
+            if match and os.path.isdir(os.path.join(directory, name)):
+                found.append(int(match.group(1)))
+    return tracker, sorted(found)
+
+
+def choose_checkpoint(load: str, warn) -> int | None:
+    """The iteration a ``--load load`` should read: the newest whole checkpoint.
+
+    Returns None to leave Megatron-LM's choice (the tracker file's, or none to start from
+    scratch); otherwise the older iteration to pass as ``--ckpt-step``, with one ``warn(line)``
+    naming what was wrong with the newer one. Raises CheckpointRefused at a crafted file and
+    InputError when no checkpoint is whole.
+    """
+    tracker, found = saved_iterations(load)
+    if tracker is None and not found:
+        warn(f"--load {load}: no checkpoint there (no {TRACKER_FILE}, no iter_*); training "
+             f"starts from scratch")
+        return None
+    newest = tracker if tracker is not None else found[-1]
+    candidates = [newest] + [it for it in reversed(found) if it < newest]
+    problems = []
+    for iteration in candidates:
+        path = os.path.join(load, f"iter_{iteration:07d}")
+        problem = damage(path)
+        if problem is None:
+            if problems:
+                warn(f"checkpoint {problems[0][0]} is {problems[0][1]}; resuming from the "
+                     f"newest intact one, {path}")
+            return None if iteration == tracker else iteration
+        problems.append((path, problem))
+    raise InputError(f"--load {load}: no intact checkpoint: " + "; ".join(
+        f"{path} is {problem}" for path, problem in problems))

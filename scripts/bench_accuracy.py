@@ -97,10 +97,11 @@ def model_flags(args) -> list[str]:
     layers, hidden, heads, seq = (2, 128, 4, 128) if args.quick else (4, 128, 4, 128)
     return ["--num-layers", str(layers), "--hidden-size", str(hidden),
             "--num-attention-heads", str(heads), "--seq-length", str(seq),
+            "--max-position-embeddings", str(seq), "--transformer-impl", "local",
             "--micro-batch-size", "8", "--global-batch-size", "8",
             "--train-iters", str(args.iters), "--lr", "1e-3", "--min-lr", "1e-4",
             "--lr-warmup-iters", str(max(1, args.iters // 20)), "--lr-decay-style", "cosine",
-            "--tokenizer-type", "ByteLevel", "--eval-interval", str(max(1, args.iters // 10)),
+            "--eval-interval", str(max(1, args.iters // 10)),
             "--eval-iters", "4", "--log-interval", str(max(1, args.iters // 10)),
             "--adacc-profile-db", os.path.join(args.workdir, "profiles.sqlite"),
             *bc.models.get(args.family).argv(args.query_groups),
@@ -113,17 +114,15 @@ def probe_budgets(args, flags: list[str]) -> dict:
     decisions compress, and with which codecs: lossless bitmasks or lossy int4)."""
     from collections import Counter
 
-    from megatron_adacc import Adacc, AdaccConfig, policies
-    from megatron_adacc.training.arguments import parse_args
-    from megatron_adacc.training.trainer import build_model_and_data, first_micro_batch
+    from megatron_adacc import cli, policies
 
-    probe = parse_args(flags + ["--train-iters", "1", "--lr-warmup-iters", "0",
-                                "--seed", str(args.seeds[0]), "--adacc-policy", "auto",
-                                "--adacc-memory-budget", "1TiB", "--adacc-tracking", "off"])
-    adacc = Adacc(AdaccConfig.from_args(probe))
-    model, batches, _ = build_model_and_data(probe, adacc.layer_spec())
-    adacc.setup(model, first_micro_batch(batches))
-    result, costs = adacc.result, adacc.costs
+    if not set(args.methods) & {"auto", "auto-no-outlier", "codecs", "codecs-no-outlier"}:
+        # no method plans or compresses by Adacc's codecs: nothing to profile for
+        return {"minimum_feasible_budget": None, "no_optimisation_peak": None, "budgets": {},
+                "forced_plans": {}}
+    # one iteration of pretrain_gpt.py profiles the trainer's own model (kept in the DB)
+    costs = cli.trainer_costs(flags + ["--seed", str(args.seeds[0])])
+    result = policies.plan("auto", costs, 1 << 40, allow_lossy_sources=False)
     minimum = result.minimum_feasible_budget
     everything = result.references["no optimisation"].peak_bytes
     budgets = {}
@@ -224,7 +223,8 @@ def main() -> None:
             scaled = os.path.join(args.workdir, f"outlier-gains-seed{seed}")
             shutil.rmtree(trained, ignore_errors=True)
             runs.append(run(args, flags, "pretrain", seed, extra=(
-                "--exit-interval", str(args.stress_pretrain), "--save", trained)))
+                "--exit-interval", str(args.stress_pretrain), "--save", trained,
+                "--save-interval", str(args.stress_pretrain))))
             if runs[-1].get("failed"):
                 continue
             stress[seed] = scale_layernorm_gains(trained, scaled, args.stress_channels)
@@ -335,11 +335,12 @@ def scale_layernorm_gains(source: str, dest: str, channels: int) -> dict:
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 
-    from megatron_adacc.training import checkpointing
+    from pathlib import Path
 
-    iteration = checkpointing.latest_iteration(source)
-    folder = checkpointing.iteration_dir(source, iteration)
-    target = checkpointing.iteration_dir(dest, iteration)
+    tracker = "latest_checkpointed_iteration.txt"   # Megatron-LM's layout
+    iteration = int(Path(source, tracker).read_text().strip())
+    folder = Path(source, f"iter_{iteration:07d}")
+    target = Path(dest, f"iter_{iteration:07d}")
     shutil.rmtree(dest, ignore_errors=True)
     # Every entry, rewritten whole. The layers' gains are stacked tensors, one row per
     # layer, under the names megatron shares with Transformer Engine's fused layers
@@ -358,9 +359,11 @@ def scale_layernorm_gains(source: str, dest: str, channels: int) -> dict:
     # Unflattened: megatron's objects (lists) stay one entry each, as megatron wrote them.
     dcp.save(state, checkpoint_id=str(target), no_dist=True,
              planner=DefaultSavePlanner(flatten_state_dict=False))
-    for megatron_file in ("common.pt", "metadata.json"):
-        shutil.copy(folder / megatron_file, target / megatron_file)
-    with open(os.path.join(dest, checkpointing.TRACKER), "w") as f:
+    # megatron's own files beside DCP's (metadata.json; common.pt before megatron-core 0.19)
+    for megatron_file in folder.iterdir():
+        if megatron_file.name != ".metadata" and megatron_file.suffix != ".distcp":
+            shutil.copy(megatron_file, target / megatron_file.name)
+    with open(os.path.join(dest, tracker), "w") as f:
         f.write(f"{iteration}\n")
     return {"iteration": iteration, "channels": chosen.tolist(), "factors": factors.tolist(),
             "tensors": gains}

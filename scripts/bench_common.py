@@ -70,7 +70,7 @@ class Shape:
     hidden: int
     heads: int
     seq: int
-    vocab: int = 258          # ByteLevel tokenizer: logits stay small
+    vocab: int = 258          # a byte-level vocabulary: logits stay small
     dropout: float = 0.1      # hidden dropout; attention dropout too, except on flash
     attention: str = "unfused"
     family: str = "gpt"       # megatron_adacc.models: gpt or llama (no dropout)

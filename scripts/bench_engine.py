@@ -33,8 +33,9 @@ RUNS = {
 
 def model_flags(args) -> list[str]:
     return ["--config", str(ROOT / "configs" / "tiny-cpu.yaml"), "--log-interval", "1000",
-            "--eval-interval", "0", "--num-layers", str(args.layers), "--hidden-size",
-            str(args.hidden), "--seq-length", str(args.seq), "--micro-batch-size", "2",
+            "--eval-iters", "0", "--num-layers", str(args.layers), "--hidden-size",
+            str(args.hidden), "--seq-length", str(args.seq),
+            "--max-position-embeddings", str(args.seq), "--micro-batch-size", "2",
             "--global-batch-size", "8", "--lr-warmup-iters", "0", "--hidden-dropout", "0",
             "--attention-dropout", "0", "--train-iters", str(args.iters),
             "--ddp-bucket-size", str(args.bucket_size)]
@@ -42,20 +43,30 @@ def model_flags(args) -> list[str]:
 
 def worker(flags: list[str], out: str) -> None:
     """One run under torchrun; rank 0 writes its step times, losses and bucket count."""
-    import torch.distributed as dist
+    from megatron.training import training
 
-    from megatron_adacc.training.arguments import parse_args
-    from megatron_adacc.training.trainer import Trainer
+    import pretrain_gpt
+    from megatron_adacc import megatron_lm
 
-    trainer = Trainer(parse_args(flags, world_size=int(os.environ["WORLD_SIZE"])))
-    records = trainer.train()
-    if dist.get_rank() == 0:
+    # The DDP-wrapped model Megatron-LM builds, kept to count its gradient buckets.
+    built = {}
+    setup = training.setup_model_and_optimizer
+
+    def keep(*args, **kwargs):
+        result = setup(*args, **kwargs)
+        built["model"] = result[0]
+        return result
+
+    training.setup_model_and_optimizer = keep
+    if pretrain_gpt.main(flags) != 0:
+        raise SystemExit("bench_engine.py: pretrain_gpt.py failed")
+    records = megatron_lm.session().records
+    if int(os.environ["RANK"]) == 0:
         Path(out).write_text(json.dumps({
             "step_time_s": [r["step_time_s"] for r in records],
             "losses": [r["loss"] for r in records],
-            "buckets": sum(len(b.buckets) for b in trainer.train_model.buffers)}))
-    dist.barrier()
-    dist.destroy_process_group()
+            "buckets": sum(len(b.buckets) for chunk in built["model"]
+                           for b in chunk.buffers)}))
 
 
 def run(flags: list[str]) -> dict:

@@ -33,8 +33,9 @@ METHODS = ("per-stage", "shared", "full")
 
 def model_flags(args) -> list[str]:
     return ["--config", str(ROOT / "configs" / "tiny-cpu.yaml"), "--log-interval", "1000",
-            "--eval-interval", "0", "--num-layers", str(args.layers), "--hidden-size",
-            str(args.hidden), "--seq-length", str(args.seq), "--micro-batch-size", "2",
+            "--eval-iters", "0", "--num-layers", str(args.layers), "--hidden-size",
+            str(args.hidden), "--seq-length", str(args.seq), "--max-position-embeddings",
+            str(args.seq), "--micro-batch-size", "2",
             "--global-batch-size", str(2 * args.micro_batches), "--lr-warmup-iters", "0",
             "--hidden-dropout", "0", "--attention-dropout", "0",
             "--pipeline-model-parallel-size", str(args.pipeline)]
@@ -43,24 +44,21 @@ def model_flags(args) -> list[str]:
 def worker(flags: list[str], out: str) -> None:
     """One training run under torchrun; rank 0 writes its records (every stage's readings)
     and, for auto, the shared plan: the first stage's plan on every stage's layers."""
-    import torch.distributed as dist
-
-    from megatron_adacc.training.arguments import parse_args
+    import pretrain_gpt
+    from megatron_adacc import megatron_lm
     from megatron_adacc.common.plan import Plan
-    from megatron_adacc.training.trainer import Trainer
 
-    args = parse_args(flags, world_size=int(os.environ["WORLD_SIZE"]))
-    trainer = Trainer(args)
-    records = trainer.train()
-    if dist.get_rank() == 0:
+    if pretrain_gpt.main(flags) != 0:
+        raise SystemExit("bench_pipeline.py: pretrain_gpt.py failed")
+    session = megatron_lm.session()
+    records = session.records
+    if int(os.environ["RANK"]) == 0:
         result = {"records": records}
-        stages = trainer.adacc.stage_plans
+        stages = session.adacc.stage_plans
         if stages is not None:
             first = stages[0].result.layer_decisions
             result["shared_plan"] = Plan.from_layers(first * len(stages)).to_yaml()
         Path(out).write_text(json.dumps(result))
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 def run(args, method: str, budget_flags: list[str], scratch: Path, shared_plan: Path) -> dict:

@@ -1,7 +1,9 @@
 """The rectifier on the demo corpus (KJV) on this CPU: --adacc-policy auto with tracking
 (backoff) against the same run with tracking off, i.e. the plan made at iteration 0 kept
-for good. Same seed, same profile (one ProfileDB), same budget; the two runs train in
-alternating chunks of iterations so that load on a shared machine hits both alike.
+for good. Same seed, same profile (one ProfileDB), same budget; each run is one pretrain_gpt.py
+(Megatron-LM's loop) in this process, the tracking run first: the runs no longer alternate in
+chunks (a resumed run would start its rectifier afresh), so load on a shared machine can hit
+them unevenly.
 
 Reports each run's throughput (tokens over step time plus, for the tracking run, tracking
 time), their ratio (the paper reports 1.11x-1.2x from adaptation), the tracking overhead in
@@ -20,9 +22,7 @@ import statistics
 import tempfile
 import warnings
 
-from megatron_adacc import Adacc, AdaccConfig, planning, policies
-from megatron_adacc.training.arguments import parse_args
-from megatron_adacc.training.trainer import Trainer, build_model_and_data, first_micro_batch
+from megatron_adacc import cli, megatron_lm, planning, policies
 from megatron_adacc.common.units import format_size
 
 ACTION_CODE = {"retain": 0, "compress": 1, "recompute": 2}
@@ -31,9 +31,10 @@ ACTION_CODE = {"retain": 0, "compress": 1, "recompute": 2}
 def trainer_args(opts, db: str, budget: int | None, tracking: str) -> list[str]:
     flags = ["--num-layers", str(opts.layers), "--hidden-size", str(opts.hidden),
              "--num-attention-heads", str(opts.heads), "--seq-length", str(opts.seq),
+             "--max-position-embeddings", str(opts.seq),
              "--micro-batch-size", str(opts.batch), "--global-batch-size", str(opts.batch),
              "--train-iters", str(opts.iters), "--lr", "1e-3", "--min-lr", "1e-4",
-             "--lr-warmup-iters", "5", "--tokenizer-type", "ByteLevel", "--eval-interval", "0",
+             "--lr-warmup-iters", "5", "--eval-iters", "0", "--transformer-impl", "local",
              "--log-interval", "1000000", "--seed", "1234",
              "--activation-measure-interval", str(opts.measure_interval),
              "--adacc-policy", "auto", "--adacc-profile-db", db,
@@ -50,10 +51,7 @@ def pick_budget(opts, db: str) -> tuple[int, planning.PlanResult]:
     """Profile once (into ``db``) and take the budget ``--budget-fraction`` of the way from
     the smallest feasible budget to no optimisation: tight enough that the plan has to pay
     for every byte, so payload changes can matter."""
-    flags = parse_args(trainer_args(opts, db, None, "off"))
-    adacc = Adacc(AdaccConfig.from_args(flags))
-    model, batches, _ = build_model_and_data(flags, adacc.layer_spec())
-    costs = policies.designated_codecs(adacc.setup(model, first_micro_batch(batches)).costs)
+    costs = policies.designated_codecs(cli.trainer_costs(trainer_args(opts, db, None, "off")))
     loose = planning.plan(costs, 1 << 40, allow_lossy_sources=False)
     low = loose.minimum_feasible_budget
     high = loose.references["no optimisation"].peak_bytes
@@ -61,13 +59,16 @@ def pick_budget(opts, db: str) -> tuple[int, planning.PlanResult]:
     return budget, planning.plan(costs, budget, allow_lossy_sources=False)
 
 
-def interleaved(opts, db: str, budget: int) -> dict[str, tuple[Trainer, list[dict]]]:
-    runs = {name: (Trainer(parse_args(trainer_args(opts, db, budget, name))), [])
-            for name in ("backoff", "off")}
-    for stop in range(opts.chunk, opts.iters + opts.chunk, opts.chunk):
-        for trainer, records in runs.values():
-            trainer.args.exit_interval = min(stop, opts.iters)
-            records.extend(trainer.train())
+def interleaved(opts, db: str, budget: int) -> dict[str, tuple[object, list[dict]]]:
+    """Each tracking setting's pretrain_gpt.py run: (its Adacc session, its records)."""
+    import pretrain_gpt
+
+    runs = {}
+    for name in ("backoff", "off"):
+        if pretrain_gpt.main(trainer_args(opts, db, budget, name)) != 0:
+            raise SystemExit(f"bench_rectifier.py: the {name} run failed")
+        session = megatron_lm.session()
+        runs[name] = (session, session.records)
     return runs
 
 
@@ -161,9 +162,6 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--iters", type=int, default=200)
-    parser.add_argument("--chunk", type=int, default=1,
-                        help="iterations per turn (1: alternate every step; this machine's load "
-                             "swings step times tenfold within seconds)")
     parser.add_argument("--max-interval", type=int, default=64,
                         help="--adacc-tracking-max-interval (the product default is 256; a "
                              "short run would stop tracking after iteration 128)")

@@ -11,17 +11,14 @@ too). One line says why each action was chosen where it was; then pretrain_gpt.p
 """
 from __future__ import annotations
 
-import argparse
-import contextlib
 import os
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from megatron_adacc.common.sites import ACTIONS, COMPRESS, RETAIN
+from megatron_adacc.common.units import format_size
 
-from megatron_adacc.common.sites import ACTIONS, COMPRESS, RECOMPUTE, RETAIN  # noqa: E402
-from megatron_adacc.common.units import format_size  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 # Budgets tried between the smallest feasible one and no optimisation's peak.
 FRONTIER_POINTS = 24
@@ -31,20 +28,11 @@ TRAINER_OPTIONS = {"allow_lossy_sources": False}
 
 
 def plan_costs(argv: list[str]):
-    """The costs auto plans this run with (the trainer's model, first micro-batch, static
-    memory), measured once into the ProfileDB."""
-    from megatron_adacc import Adacc, AdaccConfig
-    from megatron_adacc.training.arguments import parse_args
-    from megatron_adacc.training.trainer import build_model_and_data, first_micro_batch
+    """The costs auto plans this run with (the trainer's model, first micro-batch, engine),
+    measured once into the ProfileDB by one iteration of pretrain_gpt.py."""
+    from megatron_adacc import cli
 
-    # Any budget will do to resolve the costs; the demo's is chosen from them below.
-    args = parse_args([*argv, "--adacc-policy", "auto", "--adacc-memory-budget", "1TiB",
-                       "--adacc-tracking", "off"])
-    adacc = Adacc(AdaccConfig.from_args(args))
-    model, train, _ = build_model_and_data(args, adacc.layer_spec(args.attention_backend))
-    adacc.setup(model, first_micro_batch(train), num_micro_batches=train.num_micro_batches,
-                verbose=False)
-    return adacc.costs
+    return cli.trainer_costs(argv)
 
 
 def actions_of(result) -> set[str]:
@@ -106,18 +94,15 @@ def main(argv: list[str] | None = None) -> int:
         argv = ["--config", str(ROOT / "configs" / "demo.yaml"), *argv]
     os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
     import pretrain_gpt
+    from megatron_adacc import cli
+    from megatron_adacc.common.errors import InputError
 
     try:
-        with contextlib.redirect_stdout(sys.stderr):  # megatron's set-up chatter
-            costs = plan_costs(argv)
+        costs = plan_costs(argv)
         budget, result, low, high = choose_budget(costs)
-    except ValueError as exc:  # bad flags: the trainer's one line, exit 2
+    except (cli.UsageError, InputError, ValueError) as exc:  # the trainer's one line, exit 2
         print(f"demo.py: error: {exc}", file=sys.stderr)
         return 2
-    finally:
-        from megatron_adacc.models.build import shutdown_distributed
-
-        shutdown_distributed()
     for line in reasons(costs, result, budget, low, high):
         print(line, flush=True)
     return pretrain_gpt.main([*argv, "--adacc-policy", "auto", "--adacc-memory-budget",

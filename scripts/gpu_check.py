@@ -631,11 +631,13 @@ def check_exactness(device, sizes: Sizes, deadline: Deadline) -> dict:
 
 # --- (c, d) training ---------------------------------------------------------------------------
 
-def selective_sets() -> list[tuple[str, ...]]:
-    """Every non-empty set of the recompute modules a dense layer has (megatron-core 0.16.1's
-    TransformerConfig accepts each; which the trainer refuses for a model, its run says)."""
-    from megatron_adacc.training.arguments import RECOMPUTE_MODULES
+# Megatron-LM's --recompute-modules a dense GPT layer has (the rest are MoE's, MLA's, ...).
+RECOMPUTE_MODULES = ("core_attn", "layernorm", "mlp")
 
+
+def selective_sets() -> list[tuple[str, ...]]:
+    """Every non-empty set of the recompute modules a dense layer has (megatron-core's
+    TransformerConfig accepts each; which Megatron-LM refuses for a model, its run says)."""
     return [mods for n in range(1, len(RECOMPUTE_MODULES) + 1)
             for mods in itertools.combinations(RECOMPUTE_MODULES, n)]
 
@@ -646,17 +648,20 @@ def model_flags(spec: ModelSpec, dry_run: bool) -> list[str]:
         return ["--config", os.path.join(ROOT, spec.dry_config), *spec.dry_flags,
                 "--micro-batch-size", str(DRY_MICRO_BATCH),
                 "--global-batch-size", str(DRY_MICRO_BATCH)]
+    # No data flags: the built-in corpus, its bytes inside the model's own vocabulary.
     return ["--config", os.path.join(ROOT, spec.config), "--micro-batch-size",
             str(spec.micro_batch), "--global-batch-size", str(spec.micro_batch),
-            "--tokenizer-type", "ByteLevel", "--vocab-size", str(spec.vocab_size)]
+            "--vocab-size", str(spec.vocab_size)]
 
 
 def _config_values(spec: ModelSpec, dry_run: bool) -> dict:
-    """The model's flags as the trainer reads them (config, then the shared flags)."""
-    from megatron_adacc.training.arguments import parse_args
+    """The model's flags as pretrain_gpt.py reads them (config, then the shared flags)."""
+    from megatron_adacc import cli
 
-    with contextlib.redirect_stdout(io.StringIO()):
-        return vars(parse_args(model_flags(spec, dry_run)))
+    values = vars(cli.training_flags(model_flags(spec, dry_run)))
+    backend = values["attention_backend"]
+    return {**values, "config": os.path.join(ROOT, spec.dry_config if dry_run else spec.config),
+            "attention_backend": getattr(backend, "name", str(backend))}
 
 
 def _median_of(records: list[dict], key: str, warmup: int, iters: int) -> float | None:
@@ -699,11 +704,14 @@ def plan_table(stdout: str) -> list[str]:
 def trace_summary(directory: str) -> dict:
     """The traced step of rank 0's PyTorch profiler trace in ``directory``: its wall time,
     the time CUDA kernels ran in it, the CUDA runtime calls that wait for the device, and
-    the longest kernels by total time (on a CPU, the longest ATen ops; empty if no trace)."""
-    paths = sorted(glob.glob(os.path.join(directory, "rank0*.pt.trace.json")))
+    the longest kernels by total time (on a CPU, the longest ATen ops; empty if no trace).
+    Megatron-LM writes it to ``torch_profile/rank-0.json.gz`` beside its --tensorboard-dir."""
+    paths = sorted(glob.glob(os.path.join(directory, "torch_profile", "rank-0.json.gz")))
     if not paths:
         return {}
-    with open(paths[-1]) as handle:
+    import gzip
+
+    with gzip.open(paths[-1], "rt") as handle:
         events = [e for e in json.load(handle)["traceEvents"] if e.get("ph") == "X"]
     kernels, ops = collections.Counter(), collections.Counter()
     for event in events:
@@ -729,11 +737,11 @@ class RunClock:
     from the steps and overheads the runs so far measured."""
 
     def __init__(self, kind: str, values: dict, micro_batch: int):
+        from megatron_adacc import cli
         from megatron_adacc.profiling import hardware
 
         self.kind = kind
-        flags = {k.replace("_", "-"): v for k, v in values.items() if v is not None}
-        shape = hardware.ModelShape.from_flags(flags)
+        shape = hardware.ModelShape.from_flags(cli.shape_flags(argparse.Namespace(**values)))
         tokens = micro_batch * shape.seq_length
         attention = 12 * shape.num_layers * shape.seq_length * shape.hidden_size * tokens
         self.step_s = ((6 * shape.num_parameters * tokens + attention)
@@ -822,14 +830,15 @@ class ModelRuns:
 
         stem = os.path.join(self.workdir, run_name.replace(" ", "_").replace("/", "_"))
         argv = [*model_flags(self.spec, self.dry_run), "--train-iters", str(iters),
-                "--lr-warmup-iters", "0", "--eval-interval", "0", "--log-interval", "1000",
+                "--lr-warmup-iters", "0", "--eval-interval", "1000000", "--eval-iters", "0",
+                "--log-interval", "1000",
                 "--activation-measure-interval", "100000",
                 "--adacc-profile-db", os.path.join(self.workdir, "profiles.sqlite"),
                 "--metrics-file", f"{stem}.jsonl", *flags]
         if traced:
             argv += ["--profile", "--use-pytorch-profiler", "--profile-step-start",
                      str(iters - 1), "--profile-step-end", str(iters), "--tensorboard-dir",
-                     f"{stem}.trace"]
+                     os.path.join(f"{stem}.trace", "tensorboard")]
         if self.values["fp16"]:
             argv += ["--initial-loss-scale", str(INITIAL_LOSS_SCALE)]
         if self.sizes.profile_repeats:
@@ -1012,17 +1021,12 @@ def _analytic_costs(spec: ModelSpec, dry_run: bool, accelerator: str):
     """`adacc plan --hardware`'s costs of the model at the runs' micro-batch."""
     from megatron_adacc import cli
 
-    values = _config_values(spec, dry_run)
-    argv = ["plan", "--config", values["config"], "--micro-batch-size",
-            str(values["micro_batch_size"]), "--hardware", accelerator,
-            "--vocab-size", str(spec.vocab_size if not dry_run else 258)]
-    for flag in ("hidden-size", "ffn-hidden-size", "seq-length", "max-position-embeddings"):
-        value = values[flag.replace("-", "_")]
-        if value is not None:
-            argv += [f"--{flag}", str(value)]
-    args = cli._build_parser().parse_args(argv)
-    cli._settle_config_defaults(args)
-    return _with_naive_int4(cli._costs(args, None)[0][0], accelerator, values["hidden_size"])
+    flags = cli.training_flags(model_flags(spec, dry_run))
+    args, _ = cli._build_parser().parse_known_args(["plan", "--hardware", accelerator])
+    args.micro_batch_size = flags.micro_batch_size
+    args.pipeline_model_parallel_size = flags.pipeline_model_parallel_size
+    args.use_distributed_optimizer = flags.use_distributed_optimizer
+    return _with_naive_int4(cli._costs(args, flags, [])[0][0], accelerator, flags.hidden_size)
 
 
 def _with_naive_int4(costs, accelerator: str, channels: int):
@@ -1174,14 +1178,14 @@ def training_worker(name: str, device, sizes: Sizes, deadline: Deadline, emit,
     from megatron_adacc.models import build as model_lib
 
     warnings.filterwarnings("ignore")
-    model_lib.init_distributed(1)
     # the predictions after the runs take seconds of planning
     runs = ModelRuns(name, MODELS[name], device, sizes,
                      Deadline(deadline.left() - PREDICT_S[_kind(device.type == "cpu")]), emit)
     device_name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     try:
-        runs.measure()
+        runs.measure()  # each run is pretrain_gpt.py's, with a process group of its own
     finally:
+        model_lib.init_distributed(1)   # the predictions' profiles
         predict(runs, _accelerator_for(device_name, accelerator))
         emit(runs.report)
         shutil.rmtree(runs.workdir, ignore_errors=True)
@@ -1441,10 +1445,14 @@ HOW_TO_RUN = f"""## How to run
 
 On a lent H200 (`nvidia-h200`; the device tool's `status` says whether a session has one),
 in one `run` call. Once, here, in the checkout the session was started in (the wheels
-`/work/shared/gpu-wheels/README.md` lists: megatron-core 0.16.1, pulp and the rest):
+`/work/shared/gpu-wheels/README.md` lists: megatron-core 0.19.2 with `megatron.training`,
+pulp and the rest; never the 0.16.1 wheel beside it: two versions of one package stop the
+whole install):
 
     echo /.whl/ >> .git/info/exclude
-    mkdir -p .whl && cp ../shared/gpu-wheels/*.whl .whl/
+    rm -rf .whl && mkdir -p .whl
+    cp $(ls ../shared/gpu-wheels/*.whl | grep -v megatron_core-0.16.1) .whl/
+    cp ../shared/gpu-wheels/megatron-core-0.19/*.whl .whl/
 
 Then `run` with `carry: [".whl"]`, `timeout_s: 420` and this command:
 

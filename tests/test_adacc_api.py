@@ -4,10 +4,9 @@ import pytest
 
 from megatron_adacc import Adacc, AdaccConfig
 from megatron_adacc.models import build as model_lib
-from megatron_adacc.training.arguments import parse_args
 from megatron_adacc.runtime import ActivationRuler, AdaccTransformerLayer
 from runtime_helpers import adacc_batch, adacc_model
-from test_trainer import TINY
+from pretrain_helpers import parse
 
 
 @pytest.mark.parametrize("options, message", [
@@ -38,10 +37,9 @@ def test_config_refuses_bad_values_naming_the_flag(options, message):
 
 
 def test_config_from_flags_keeps_every_adacc_flag():
-    args = parse_args(TINY + ["--adacc-policy", "auto", "--adacc-memory-budget", "3MiB",
-                              "--adacc-tracking-sites", "gelu_in", "ln2_out",
-                              "--adacc-codec-backend", "torch", "--adacc-strict",
-                              "--adacc-step-watch", "off"])
+    args = parse("--adacc-policy", "auto", "--adacc-memory-budget", "3MiB",
+                 "--adacc-tracking-sites", "gelu_in", "ln2_out", "--adacc-codec-backend",
+                 "torch", "--adacc-strict", "--adacc-step-watch", "off")
     config = AdaccConfig.from_args(args)
     assert config == AdaccConfig(policy="auto", memory_budget=3 << 20, tracking="backoff",
                                  tracking_sites=("gelu_in", "ln2_out"), codec_backend="torch",

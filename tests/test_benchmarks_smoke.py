@@ -91,10 +91,12 @@ def test_results_page_from_published_json(tmp_path):
                for line in targets)
 
 
-@pytest.mark.parametrize("family", ["gpt", "llama"])
-def test_accuracy_two_steps(tmp_path, family):
+# The GPT runs every method; the Llama the three whose code differs by family.
+@pytest.mark.parametrize("family, methods", [("gpt", []),
+                                             ("llama", ["--methods", "auto", "codecs", "quantize"])])
+def test_accuracy_two_steps(tmp_path, family, methods):
     _run("bench_accuracy.py", "--quick", "--iters", "2", "--seeds", "1", "--budget-fractions", "0.5",
-         "--family", family,
+         "--family", family, *methods,
          "--workdir", str(tmp_path / "work"), "--out", str(tmp_path / "a.json"), "--publish", "",
          "--figure", str(tmp_path / "a.png"))
     data = json.loads((tmp_path / "a.json").read_text())

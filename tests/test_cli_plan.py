@@ -45,9 +45,14 @@ def test_bad_size_one_line(capsys, bad):
     assert "\n" not in err and "memory size" in err
 
 
-def test_no_profile_no_hardware(capsys):
-    assert main(["plan", *MODEL[:-4], "--memory-budget", "1GiB"]) == 2
-    assert "--hardware" in capsys.readouterr().err
+def test_a_profile_is_refused_as_pretrain_gpt_refuses_its_flags(capsys, tmp_path):
+    # Without --hardware the model is profiled by pretrain_gpt.py itself, so its refusals
+    # are the plan's, in one line: Megatron-LM requires --max-position-embeddings.
+    assert main(["plan", *MODEL[:-4], "--memory-budget", "1GiB",
+                 "--profile-db", str(tmp_path / "p.sqlite")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("adacc plan: ") and err.count("\n") == 1
+    assert "max_position_embeddings" in err, err   # Megatron-LM's own words
 
 
 def test_units():
@@ -203,14 +208,41 @@ def test_the_projects_own_configs_plan(capsys, config):
 
 
 def test_a_config_is_accepted_and_refused_as_the_trainer_does(tmp_path, capsys):
-    from megatron_adacc.training.arguments import ConfigError, parse_args
+    from megatron_adacc import launch
+    from megatron_adacc.megatron_lm import ConfigError
 
     config = tmp_path / "c.yaml"
     config.write_text((CONFIGS / "tiny-cpu.yaml").read_text() + "num-layerz: 3\n")
     with pytest.raises(ConfigError) as info:
-        parse_args(["--config", str(config)])
+        launch.parse(["--config", str(config)])
     assert main(["plan", "--config", str(config), "--hardware", "a100-80gb"]) == 2
     assert capsys.readouterr().err == f"adacc plan: {info.value}\n"
+
+
+def test_a_bad_training_flag_is_refused_as_pretrain_gpt_refuses_it(capsys):
+    import pretrain_gpt
+
+    assert pretrain_gpt.main(["--num-layerz", "3"]) == 2
+    trainer = capsys.readouterr().err.strip().removeprefix("pretrain_gpt.py: error: ")
+    assert main(["plan", *MODEL, "--num-layerz", "3"]) == 2
+    assert capsys.readouterr().err == f"adacc plan: {trainer}\n"
+
+
+def test_megatron_lms_flags_shape_the_plan(capsys):
+    # Llama flags of Megatron-LM (no config): the planned shape is the one they describe.
+    from megatron_adacc import cli
+
+    llama = ["--num-layers", "2", "--hidden-size", "256", "--num-attention-heads", "4",
+             "--seq-length", "256", "--max-position-embeddings", "256", "--swiglu",
+             "--normalization", "RMSNorm", "--group-query-attention", "--num-query-groups",
+             "2", "--disable-bias-linear", "--position-embedding-type", "rope"]
+    shape = cli.model_shape(llama)
+    assert (shape.swiglu, shape.normalization, shape.num_query_groups) == (True, "RMSNorm", 2)
+    assert not shape.add_bias_linear and shape.vocab_size == 257   # the built-in corpus's
+    assert cli.model_shape([*llama, "--vocab-size", "1000"]).vocab_size == 1000
+    assert main(["plan", *llama, "--micro-batch-size", "1", "--hardware", "a100-80gb",
+                 "--memory-budget", "1GiB", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["feasible"]
 
 
 def test_a_configs_tensor_parallel_size_is_planned_not_ignored(tmp_path, capsys):

@@ -4,35 +4,31 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_adacc.training import data
+from megatron_adacc import Adacc, megatron_lm
 from megatron_adacc.models import build as model_lib
-from megatron_adacc.training import trainer
-from megatron_adacc.training.arguments import parse_args
-from test_trainer import TINY
+from pretrain_helpers import pretrain
 
 
-def test_batches_are_built_where_the_model_lives(distributed, monkeypatch):
-    # "meta" stands for the GPU: a batch left on the host would be on "cpu".
-    real_build = trainer.build_model
-    monkeypatch.setattr(trainer, "build_model", lambda *a: real_build(*a).to("meta"))
-    args = parse_args(TINY + ["--train-iters", "1", "--eval-interval", "1",
-                              "--eval-iters", "1"])
-    _, train, valid = trainer.build_model_and_data(args)
-    assert [t.device.type for t in trainer.first_micro_batch(train)] == ["meta"] * 3
-    assert {t.device.type for t in next(valid.micro_batches(0)).values()} == {"meta"}
-
-
-def test_a_batch_reaches_a_gpu_through_pinned_memory_without_blocking(monkeypatch):
-    copies = []
-
-    class Pinned:
-        def to(self, device, non_blocking=False):
-            copies.append((device, non_blocking))
-            return "on the device"
-
-    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: Pinned())
-    assert data.to_device(torch.zeros(2), torch.device("cuda", 3)) == "on the device"
-    assert copies == [(torch.device("cuda", 3), True)]
+def test_adaccs_batches_are_built_where_the_model_lives():
+    # "meta" stands for the GPU: a batch left on the host would be on "cpu". Megatron-LM's
+    # forward_step puts the loop's own batches on the GPU (get_batch_on_this_tp_rank);
+    # Adacc's profiling and tracking batches follow the model.
+    model = torch.nn.Linear(2, 2, device="meta")
+    loader = {"tokens": torch.zeros(2, 8, dtype=torch.long),
+              "labels": torch.zeros(2, 8, dtype=torch.long), "loss_mask": torch.ones(2, 8),
+              "position_ids": torch.arange(8).repeat(2, 1),
+              "attention_mask": torch.ones(2, 1, 8, 8, dtype=torch.bool)}
+    batch = megatron_lm.batch_tuple(loader, model)
+    assert [t.device.type for t in batch] == ["meta"] * 3
+    session = megatron_lm.Session.__new__(megatron_lm.Session)
+    session.step_batch = loader
+    full = session.loader_batch(batch)
+    assert {t.device.type for t in full.values()} == {"meta"}
+    # The profiler's shorter batches get the loader's fields cut to their shape.
+    short = session.loader_batch(tuple(t[:1, :4] for t in batch))
+    assert full["attention_mask"].shape == (2, 1, 8, 8)
+    assert short["attention_mask"].shape == (1, 1, 4, 4)
+    assert short["position_ids"].shape == (1, 4)
 
 
 @pytest.fixture
@@ -53,15 +49,6 @@ def nccl_group(distributed, monkeypatch):
 
 def test_collectives_on_an_nccl_group_use_the_current_cuda_device(nccl_group):
     assert model_lib.collective_device(dist.group.WORLD) == torch.device("cuda", 2)
-
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only torch: follows the NCCL path "
-                    "up to the CUDA allocation")
-def test_the_loss_average_is_reduced_on_the_gpu_for_nccl(nccl_group):
-    # This torch has no CUDA: asking for a CUDA tensor is as far as the CPU can follow.
-    with pytest.raises(AssertionError, match="Torch not compiled with CUDA enabled"):
-        trainer._average_over(dist.group.WORLD, 1.5)
-    assert nccl_group == []
 
 
 def test_collectives_on_a_gloo_group_stay_on_the_host(distributed):
@@ -87,17 +74,25 @@ def fake_allocator(monkeypatch):
     return state
 
 
-def test_metrics_carry_the_allocators_peaks_reset_every_step(distributed, fake_allocator):
-    t = trainer.Trainer(parse_args(TINY + ["--train-iters", "2"]))
-    t.device = torch.device("cuda", 0)  # where the allocator is read; the model stays put
-    records = t.train()
+def test_metrics_carry_the_allocators_peaks_reset_every_step(fake_allocator, monkeypatch):
+    real = Adacc.setup
+
+    def setup(adacc, *args, **kwargs):
+        result = real(adacc, *args, **kwargs)
+        # Where the allocator is read; the model stays put.
+        megatron_lm.session().device = torch.device("cuda", 0)
+        fake_allocator["resets"] = 0
+        return result
+
+    monkeypatch.setattr(Adacc, "setup", setup)
+    records = pretrain("--train-iters", "2").records
     assert [(r["max_memory_allocated"], r["max_memory_reserved"]) for r in records] == \
         [(100, 1000), (200, 2000)]
     assert fake_allocator["resets"] == 2
 
 
-def test_no_allocator_numbers_on_a_cpu(distributed):
-    (record,) = trainer.Trainer(parse_args(TINY + ["--train-iters", "1"])).train()
+def test_no_allocator_numbers_on_a_cpu():
+    (record,) = pretrain("--train-iters", "1").records
     assert "max_memory_allocated" not in record and "max_memory_reserved" not in record
 
 

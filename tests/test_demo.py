@@ -6,9 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron_adacc import planning
+from megatron_adacc import cli, planning
 from megatron_adacc.profiling import hardware
-from megatron_adacc.training.arguments import read_config
 from megatron_adacc.common.sites import ACTIONS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -22,10 +21,10 @@ def _demo():
 
 
 def _demo_costs(accelerator):
-    flags = {key.replace("_", "-"): value
-             for key, value in read_config(str(ROOT / "configs" / "demo.yaml")).items()}
-    return hardware.analytic_costs(hardware.ModelShape.from_flags(flags),
-                                   flags["micro-batch-size"], accelerator)
+    # the demo's model as pretrain_gpt.py reads configs/demo.yaml
+    argv = ["--config", str(ROOT / "configs" / "demo.yaml")]
+    return hardware.analytic_costs(cli.model_shape(argv),
+                                   cli.training_flags(argv).micro_batch_size, accelerator)
 
 
 def _with_codec_time(costs, factor):
@@ -49,3 +48,24 @@ def test_the_demo_budget_mixes_every_action_whatever_the_costs(accelerator, code
     lines = demo.reasons(costs, result, budget, low, high)
     assert len(lines) == 1 + len(ACTIONS)
     assert [line.split(":")[0].strip() for line in lines[1:]] == list(ACTIONS)
+
+
+def test_make_demo_plans_a_mix_then_trains_with_it(tmp_path, capsys, monkeypatch):
+    # scripts/demo.py end to end on a tiny shape: the budget from the trainer's own costs,
+    # one line per action, then pretrain_gpt.py trains auto at that budget with that plan.
+    from megatron_adacc import megatron_lm
+    from pretrain_helpers import TINY
+
+    monkeypatch.chdir(tmp_path)
+    demo = _demo()
+    assert demo.main([*TINY, "--train-iters", "2", "--hidden-dropout", "0.1",
+                      "--adacc-profile-db", str(tmp_path / "p.sqlite")]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("demo budget ")
+    for action in ACTIONS:
+        assert f"\n{action:<9}: " in out
+    assert "rebuilt from" in out and "no optimisation" in out   # the plan table
+    session = megatron_lm.session()
+    assert session.args.adacc_policy == "auto"
+    assert demo.actions_of(session.adacc.result) == set(ACTIONS)
+    assert [r["iteration"] for r in session.records] == [1, 2]

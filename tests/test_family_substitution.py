@@ -9,7 +9,7 @@ from megatron_adacc import models
 from megatron_adacc.models.gpt import GELU_MLP
 from megatron_adacc.models.llama import LLAMA, RMSNORM
 from megatron_adacc.profiling import hardware
-from megatron_adacc.training.arguments import read_config
+from megatron_adacc.launch import read_config
 
 LLAMA3_8B_FLAGS = {dest.replace("_", "-"): value for dest, value in read_config(
     str(Path(__file__).parent.parent / "configs" / "llama3-8b.yaml")).items()}

@@ -8,10 +8,11 @@ attention, no hooks): retain and recompute are bitwise, compress is the codecs' 
 """
 import pytest
 import torch
+from megatron.core.transformer.enums import AttnMaskType
 
 from megatron_adacc.models import attention
 from megatron_adacc.profiling import hardware
-from megatron_adacc.training.arguments import ConfigError, parse_args
+from megatron_adacc.megatron_lm import LOCAL_IMPL_ATTENTION, ConfigError
 from megatron_adacc.cli import main as adacc_main
 from megatron_adacc.models.flash_attention import FlashDotProductAttention
 from megatron_adacc.common.plan import Plan, PlanError
@@ -163,8 +164,13 @@ def test_flash_core_attention_matches_megatrons_and_refuses_mask_tensors(distrib
     expected = unfused_core(q, k, v, None)
     assert torch.allclose(flash_core(q, k, v, None), expected, atol=1e-5)
     assert flash_core(q, k, v, None).shape == (S, B, H)
+    # Under the causal type the data loader's causal mask is the mask type's own.
+    causal_mask = torch.ones(B, 1, S, S, dtype=torch.bool).triu(1)
+    assert torch.equal(flash_core(q, k, v, causal_mask), flash_core(q, k, v, None))
     with pytest.raises(ValueError, match="not by an attention mask"):
-        flash_core(q, k, v, torch.ones(B, 1, S, S, dtype=torch.bool).triu(1))
+        flash_core(q, k, v, causal_mask, attn_mask_type=AttnMaskType.padding)
+    with pytest.raises(ValueError, match="not by an attention mask"):
+        flash_core(q, k, v, None, attention_bias=torch.zeros(1, A, S, S))
 
 
 def test_the_log_sum_exp_is_never_compressed(distributed):
@@ -263,9 +269,18 @@ def test_backend_resolution_follows_what_sdpa_can_run():
     assert attention.resolve_backend("unfused", 0.0, cuda=True) == "unfused"
     with pytest.raises(ValueError, match="no flash kernel with dropout"):
         attention.resolve_backend("flash", 0.1, cuda=False)
-    assert parse_args([]).attention_backend == "auto"  # Megatron-LM's default
+    from megatron_adacc import launch
+    from pretrain_helpers import parse
+
+    default = launch.build_parser().get_default("attention_backend")
+    assert getattr(default, "name", default) == "auto"  # Megatron-LM's default
+    # Under the local spec Megatron-LM runs megatron-core's attention whatever the backend
+    # (the old trainer refused fused): only flash and auto pick SDPA.
+    assert {name for name, core in LOCAL_IMPL_ATTENTION.items() if core == "unfused"} \
+        == {"local", "unfused", "fused"}
+    assert parse("--attention-backend", "fused").attention_backend.name == "fused"
     with pytest.raises(ConfigError, match="attention-backend"):
-        parse_args(["--attention-backend", "fused"])
+        parse("--attention-backend", "sdpa")
 
 
 def test_auto_builds_flash_at_dropout_zero_on_the_cpu(distributed):
@@ -309,15 +324,13 @@ def test_adacc_plan_for_a_v100_with_flash_prints_no_s2_sites(capsys):
         assert site not in out
 
 
-def test_the_trainer_builds_and_trains_the_flash_layer_from_flags(distributed):
-    from test_trainer import TINY
-    from megatron_adacc.training.trainer import Trainer
+def test_megatron_lms_loop_builds_and_trains_the_flash_layer_from_flags():
+    from pretrain_helpers import pretrain
 
-    args = parse_args(TINY + ["--attention-backend", "auto", "--attention-dropout", "0",
-                              "--train-iters", "2", "--adacc-policy", "full-recompute",
-                              "--adacc-strict"])
-    trainer = Trainer(args)
-    assert {type(layer.self_attention.core_attention) for layer in adacc_layers(trainer.model)} \
-        == {FlashDotProductAttention}
-    records = trainer.train()
+    session = pretrain("--attention-backend", "auto", "--attention-dropout", "0",
+                       "--train-iters", "2", "--adacc-policy", "full-recompute",
+                       "--adacc-strict")
+    assert {type(layer.self_attention.core_attention)
+            for layer in adacc_layers(session.model)} == {FlashDotProductAttention}
+    records = session.records
     assert len(records) == 2 and all(r["activation_bytes"] > 0 for r in records[:1])

@@ -1,6 +1,7 @@
 """scripts/gpu_check.py: without CUDA it says so and exits 0; its dry run (tiny models on the
 CPU) measures every section and records every method at every budget; its time planning
 skips what would not fit and says so; its report renders every outcome."""
+import gzip
 import json
 import os
 import subprocess
@@ -137,6 +138,32 @@ def test_dry_run_refusals_and_block_recompute_are_the_trainers(dry_run):
             if layers and layers > 1 and f"block {layers - 1}" in model["runs"]:
                 assert model["runs"][f"block {layers - 1}"]["peak_bytes"] > entry["budget_bytes"]
             assert block["fits"]
+
+
+def test_the_device_command_carries_megatron_core_0_19(tmp_path):
+    # The wheels copied for the device: every shared wheel but 0.16.1's, then 0.19's (two
+    # versions of one package stop pip's whole install). docs/gpu.md is the rendered page.
+    import re
+    import subprocess
+
+    (copy,) = [line.strip() for line in gpu_check.HOW_TO_RUN.splitlines()
+               if "grep -v megatron_core" in line]
+    (extra,) = [line.strip() for line in gpu_check.HOW_TO_RUN.splitlines()
+                if "megatron-core-0.19/" in line]
+    shared = tmp_path / "shared" / "gpu-wheels"
+    (shared / "megatron-core-0.19").mkdir(parents=True)
+    for name in ("pulp-3.3.2-py3-none-any.whl",
+                 "megatron_core-0.16.1-cp312-cp312-manylinux_2_28_x86_64.whl",
+                 "megatron-core-0.19/megatron_core-0.19.2-cp312-cp312-manylinux_2_28_x86_64.whl"):
+        (shared / name).write_text("")
+    checkout = tmp_path / "checkout"
+    (checkout / ".whl").mkdir(parents=True)
+    subprocess.run(f"{copy} && {extra}", shell=True, cwd=checkout, check=True)
+    wheels = sorted(p.name for p in (checkout / ".whl").iterdir())
+    assert [re.split(r"-(?=\d)", w)[0] for w in wheels] == ["megatron_core", "pulp"]
+    assert wheels[0].startswith("megatron_core-0.19.2-cp312")
+    page = (ROOT / "docs" / "gpu.md").read_text()
+    assert gpu_check.HOW_TO_RUN.strip() in page
 
 
 def test_dry_run_writes_the_page_and_prints_the_table(dry_run):
@@ -292,14 +319,21 @@ def test_the_trace_summary_adds_up_the_traced_steps_kernels_and_waits(tmp_path):
               event("softmax", "kernel", 700), event("cudaStreamSynchronize", "cuda_runtime", 9),
               event("cudaLaunchKernel", "cuda_runtime", 4), event("aten::mm", "cpu_op", 800),
               {"ph": "i", "name": "gemm", "cat": "kernel"}]
-    (tmp_path / "rank0.123.pt.trace.json").write_text(json.dumps({"traceEvents": events}))
+    # where Megatron-LM's --use-pytorch-profiler writes rank 0's trace
+    trace = tmp_path / "torch_profile" / "rank-0.json.gz"
+    trace.parent.mkdir()
+
+    def write(events):
+        with gzip.open(trace, "wt") as handle:
+            json.dump({"traceEvents": events}, handle)
+
+    write(events)
     assert gpu_check.trace_summary(str(tmp_path)) == {
         "step_ms": 5.0, "kernel_ms": 3.7, "host_syncs": 1,
         "top_kernels": [["gemm", 3.0], ["softmax", 0.7]]}
     assert gpu_check.trace_summary(str(tmp_path / "none")) == {}
     # on a CPU (no kernels) the longest ATen ops stand in
-    (tmp_path / "rank0.123.pt.trace.json").write_text(json.dumps({"traceEvents": events[:1] + [
-        event("aten::mm", "cpu_op", 800), event("aten::add", "cpu_op", 100)]}))
+    write(events[:1] + [event("aten::mm", "cpu_op", 800), event("aten::add", "cpu_op", 100)])
     assert gpu_check.trace_summary(str(tmp_path))["top_ops"] == [["aten::mm", 0.8],
                                                                  ["aten::add", 0.1]]
 

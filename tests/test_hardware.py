@@ -9,7 +9,7 @@ import torch
 from megatron_adacc import codecs, planning
 from megatron_adacc.profiling import hardware
 from megatron_adacc.common.costs import ModelCosts
-from megatron_adacc.training.arguments import read_config
+from megatron_adacc.launch import read_config
 from runtime_helpers import build
 from test_codecs_payload_bytes import with_outlier_channels
 
@@ -260,10 +260,15 @@ def test_bf16_on_v100_is_refused():
 
 
 def test_shape_from_megatron_flags():
+    # GPT-2's vocabulary: the caller resolves a --tokenizer-type's (adacc plan does).
     shape = hardware.ModelShape.from_flags({"num-layers": 12, "hidden_size": 768,
                                             "num-attention-heads": 12, "seq-length": 1024,
-                                            "tokenizer-type": "GPT2BPETokenizer", "fp16": True})
+                                            "vocab-size": 50257, "fp16": True})
     assert (shape.vocab_size, shape.padded_vocab_size, shape.precision) == (50257, 50304, "fp16")
+    with pytest.raises(ValueError, match="needs --vocab-size"):
+        hardware.ModelShape.from_flags({"num-layers": 2, "hidden-size": 64, "seq-length": 8,
+                                        "num-attention-heads": 4,
+                                        "tokenizer-type": "GPT2BPETokenizer"})
     assert hardware.ModelShape.from_flags({
         "num-layers": 2, "hidden-size": 64, "num-attention-heads": 4, "seq-length": 8,
         "vocab-size": 10, "untie-embeddings-and-output-weights": True,

@@ -214,73 +214,70 @@ def test_flash_llama_matches_unfused_megatron(distributed):
 
 
 # --- Megatron-LM's flags ------------------------------------------------------------------------
-from megatron_adacc.training.arguments import ConfigError, parse_args  # noqa: E402
-from pretrain_helpers import LLAMA_FLAGS  # noqa: E402
+from megatron_adacc.megatron_lm import ConfigError  # noqa: E402
+from pretrain_helpers import LLAMA_FLAGS, TINY, main, parse  # noqa: E402
 
 
-def test_llama_flags_reach_megatron_core(distributed):
-    from megatron_adacc.training.trainer import transformer_config
+def model_config(*flags):
+    """(args, Megatron-LM's GPTModelConfig) of ``flags`` as pretrain_gpt.py builds them."""
+    from megatron.training.argument_utils import gpt_config_from_args
 
-    args = parse_args([*LLAMA_FLAGS, "--hidden-size", "64", "--num-attention-heads", "4",
-                       "--norm-epsilon", "1e-6", "--rotary-base", "500000"])
+    args = parse(*flags)
+    return args, gpt_config_from_args(args)
+
+
+def test_llama_flags_reach_megatron_core():
+    args, config = model_config(*LLAMA_FLAGS, "--hidden-size", "64", "--num-attention-heads",
+                                "4", "--norm-epsilon", "1e-6", "--rotary-base", "500000")
     # Megatron-LM's SwiGLU width: 4h x 2/3, rounded down to a multiple of 64
-    assert args.ffn_hidden_size == 128
-    config = transformer_config(args)
-    assert (config.normalization, config.layernorm_epsilon, config.gated_linear_unit,
-            config.activation_func, config.num_query_groups) == ("RMSNorm", 1e-6, True, F.silu, 2)
-    embedding = models.EmbeddingOptions.from_args(args)
-    assert embedding.gpt_model_kwargs() == dict(
-        position_embedding_type="rope", rotary_base=500000, rotary_percent=1.0,
-        share_embeddings_and_output_weights=False)
-    assert parse_args(["--swiglu", "--hidden-size", "4096", "--num-attention-heads", "32"]
-                      ).ffn_hidden_size == 10880
-    assert parse_args(["--swiglu", "--ffn-hidden-size", "96"]).ffn_hidden_size == 96
+    assert args.ffn_hidden_size == config.transformer.ffn_hidden_size == 128
+    layer = config.transformer
+    assert (layer.normalization, layer.layernorm_epsilon, layer.gated_linear_unit,
+            layer.activation_func, layer.num_query_groups) == ("RMSNorm", 1e-6, True, F.silu, 2)
+    assert (config.position_embedding_type, config.rotary_base, config.rotary_percent,
+            config.share_embeddings_and_output_weights) == ("rope", 500000, 1.0, False)
+    assert parse("--swiglu", "--hidden-size", "4096", "--num-attention-heads", "32"
+                 ).ffn_hidden_size == 10880
+    assert parse("--swiglu", "--ffn-hidden-size", "96").ffn_hidden_size == 96
 
 
 @pytest.mark.parametrize("family", ["gpt", "llama"])
-def test_family_config_matches_the_trainers_flags(family, distributed):
+def test_family_config_matches_the_trainers_flags(family):
     # A benchmark builds a family's model without the flag parser
-    # (ModelFamily.transformer_config_options); its MLP must be the one the trainer builds
+    # (ModelFamily.transformer_config_options); its MLP must be the one Megatron-LM builds
     # from the family's flags: Megatron-LM's ffn width, not megatron-core's 4h default.
-    from megatron_adacc.training.trainer import transformer_config
-
     shape = ["--hidden-size", "256", "--num-attention-heads", "8"]
-    args = parse_args([*models.get(family).argv(num_query_groups=4), *shape])
+    args, config = model_config(*models.get(family).argv(num_query_groups=4), *shape)
     options = models.get(family).transformer_config_options(256, num_query_groups=4)
-    assert options["ffn_hidden_size"] == transformer_config(args).ffn_hidden_size == args.ffn_hidden_size
+    assert options["ffn_hidden_size"] == config.transformer.ffn_hidden_size \
+        == args.ffn_hidden_size
     assert options["ffn_hidden_size"] == {"gpt": 1024, "llama": 640}[family]
 
 
-@pytest.mark.parametrize("flags, world, message", [
-    (["--group-query-attention", "--num-query-groups", "3"], 1,
+@pytest.mark.parametrize("flags, message", [
+    (["--group-query-attention", "--num-query-groups", "3"],
      "--num-query-groups 3 does not divide --num-attention-heads 4"),
-    (["--group-query-attention", "--num-query-groups", "1", "--tensor-model-parallel-size",
-      "2"], 2, "--num-query-groups 1 is not divisible by --tensor-model-parallel-size 2"),
-    (["--sequence-parallel"], 1, "--sequence-parallel shards over the tensor-parallel ranks; "
-     "it needs --tensor-model-parallel-size > 1"),
-    (["--rotary-percent", "1.5"], 1, "--rotary-percent 1.5: must be in (0, 1]"),
-    (["--rotary-percent", "0"], 1, "argument --rotary-percent: must be a number > 0, got 0"),
-    (["--normalization", "L2Norm"], 1, "argument --normalization: invalid choice: 'L2Norm' "
+    (["--normalization", "L2Norm"], "argument --normalization: invalid choice: 'L2Norm' "
      "(choose from 'LayerNorm', 'RMSNorm')"),
 ])
-def test_bad_llama_flags_are_one_line_naming_the_flag(flags, world, message):
+def test_bad_llama_flags_are_one_line_naming_the_flag(flags, message):
     with pytest.raises(ConfigError) as error:
-        parse_args(["--num-attention-heads", "4", *flags], world_size=world)
+        parse("--num-attention-heads", "4", *flags)
     assert str(error.value) == message
 
 
-def test_bad_llama_flags_exit_2_before_training(capsys):
-    import importlib.util
-    from pathlib import Path
+def test_llama_flags_megatron_lm_accepts_behave_as_there():
+    # Megatron-LM turns --sequence-parallel off at one tensor-parallel rank (with a warning)
+    # and takes --rotary-percent as given; the old trainer refused both.
+    assert parse("--sequence-parallel").sequence_parallel is False
+    assert parse("--rotary-percent", "0.5").rotary_percent == 0.5
 
-    path = Path(__file__).resolve().parents[1] / "pretrain_gpt.py"
-    spec = importlib.util.spec_from_file_location("pretrain_gpt", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    assert module.main(["--sequence-parallel", "--train-iters", "1"]) == 2
+
+def test_bad_llama_flags_exit_2_before_training(capsys):
+    assert main(TINY + ["--group-query-attention", "--num-query-groups", "3",
+                                     "--train-iters", "1"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1].endswith("--sequence-parallel shards over the tensor-parallel ranks; "
-                            "it needs --tensor-model-parallel-size > 1")
+    assert err[-1].endswith("--num-query-groups 3 does not divide --num-attention-heads 4")
 
 
 # --- the analytic accelerator model -------------------------------------------------------------

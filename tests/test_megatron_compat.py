@@ -1,8 +1,9 @@
-"""Each patch in megatron_compat exists because megatron-core 0.16.1 fails without it.
+"""Each patch in megatron_compat exists because megatron-core 0.19.2 fails without it.
 
 These tests run the *unpatched* megatron-core in a fresh interpreter and assert the failure
 is still there: when one of them fails, megatron-core has fixed the problem and the patch
-should be deleted.
+should be deleted. A probe records how its call failed, so that one failing for another
+reason (an API the probe calls has changed) is told apart from the defect.
 """
 import json
 import subprocess
@@ -12,17 +13,19 @@ import pytest
 import torch
 
 PROBE = r"""
-import json, warnings
+import json, re, warnings
 warnings.filterwarnings("ignore")
 import torch
 results = {}
 
 def probe(name, fn):
+    # "cuda": it reached for CUDA (no driver, or a CPU build of torch); else how it failed.
     try:
         fn()
         results[name] = "ok"
     except Exception as exc:
-        results[name] = type(exc).__name__
+        text = f"{type(exc).__name__}: {exc}"
+        results[name] = "cuda" if re.search("cuda|nvidia", text, re.IGNORECASE) else text
 
 from megatron.core.utils import GlobalMemoryBuffer
 probe("cpu_global_memory_buffer",
@@ -76,7 +79,8 @@ last_stage = types.SimpleNamespace(
     pre_process=False, post_process=True, share_embeddings_and_output_weights=True,
     output_layer=types.SimpleNamespace(weight=weight), vp_stage=None, vp_size=None,
     pp_group=types.SimpleNamespace(rank=lambda: 1, size=lambda: 2), embd_group=dist.group.WORLD,
-    config=types.SimpleNamespace(pipeline_model_parallel_size=2),
+    config=types.SimpleNamespace(pipeline_model_parallel_size=2, use_mup=False,
+                                  init_model_with_meta_device=False),
     shared_embedding_or_output_weight=lambda: weight, _is_in_embd_group=lambda: True)
 probe("cpu_shared_embedding",
       lambda: LanguageModule.setup_embeddings_and_output_layer(last_stage))
@@ -101,6 +105,12 @@ from megatron.core.transformer import TransformerConfig
 probe("cpu_grad_buffers", lambda: DistributedDataParallel(
     TransformerConfig(num_layers=1, hidden_size=4, num_attention_heads=1),
     DistributedDataParallelConfig(), torch.nn.Linear(2, 2)))
+
+# Since 0.19 every gradient sync first makes the current CUDA stream wait for CUDA graphs.
+from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBucketGroup
+probe("cpu_grad_sync", lambda: _ParamAndGradBucketGroup.start_grad_sync(types.SimpleNamespace(
+    is_first_batch=False, grad_reduce_handle=None, previous_grad_reduce_bucket_group=None,
+    buckets=[])))
 
 from megatron.core.optimizer import clip_grads
 probe("cpu_optimizer", lambda: clip_grads.get_grad_norm_fp32([torch.ones(2)]))
@@ -138,16 +148,26 @@ def unpatched():
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+# How a probe fails that does not reach for CUDA: clip_grad_by_total_norm_fp32 asserts (with
+# no message) that each gradient is a torch.cuda.FloatTensor; sequence parallelism's source
+# is read.
+SHIM_FAILURES = {"cpu_optimizer_type_names": "AssertionError: ",
+                 "cpu_sequence_parallel": "defect"}
+
+
 @pytest.mark.parametrize("shim", ["cpu_global_memory_buffer", "cpu_rng_tracker",
                                   "cpu_grad_scaler", "cpu_pipeline_schedules",
                                   "cpu_pipeline_p2p", "cpu_shared_embedding",
                                    "cpu_rotary_embedding", "cpu_sequence_parallel",
-                                  "cpu_grad_buffers", "cpu_optimizer",
+                                  "cpu_grad_buffers", "cpu_grad_sync", "cpu_optimizer",
                                   "cpu_optimizer_type_names", "cpu_dist_checkpointing"])
 def test_cpu_shim_is_still_needed(unpatched, shim):
     # cpu_pipeline_schedules and cpu_pipeline_p2p are one patch (both modules' CUDA
-    # placements), probed separately: it goes when neither needs it.
+    # placements), probed separately: it goes when neither needs it; so are cpu_grad_buffers
+    # and cpu_grad_sync.
     assert unpatched[shim] != "ok", f"megatron-core no longer needs {shim}: delete it"
+    assert unpatched[shim] == SHIM_FAILURES.get(shim, "cuda"), (
+        f"the probe of {shim} no longer reaches the defect")
 
 
 def test_fp8_defect_is_still_present(unpatched):
@@ -230,3 +250,47 @@ def test_patched_grad_scalers_keep_megatrons_arithmetic_on_the_host():
     restored.load_state_dict(scaler.state_dict())
     assert restored.scale.item() == 512.0 and restored.scale.device.type == "cpu"
     assert ConstantGradScaler(4.0).scale.item() == 4.0
+
+
+def test_patched_ddp_reduces_gradients_on_the_host(distributed):
+    # Construction (the buffers) and finish_grad_sync (the gradient sync, waiting on the
+    # current stream since 0.19) on the host, in a world of one: main_grad is the gradient.
+    from megatron_adacc import megatron_compat
+
+    megatron_compat.apply()
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.transformer import TransformerConfig
+
+    module = torch.nn.Linear(2, 2)
+    model = DistributedDataParallel(
+        TransformerConfig(num_layers=1, hidden_size=4, num_attention_heads=1),
+        DistributedDataParallelConfig(), module)
+    model(torch.ones(3, 2)).sum().backward()
+    model.finish_grad_sync()
+    assert module.weight.main_grad.device.type == "cpu"
+    assert torch.equal(module.weight.main_grad, torch.full((2, 2), 3.0))
+    assert torch.equal(module.bias.main_grad, torch.full((2,), 3.0))
+
+
+# --- megatron.training (Megatron-LM's loop) -----------------------------------------------------
+
+def test_data_loaders_still_draw_their_seed_from_the_global_generator():
+    """Why cpu_data_loader_seeds gives each loader a generator: when this fails, Megatron-LM's
+    loaders (or torch's) no longer draw from dropout's stream on a host; delete the shim."""
+    import inspect
+
+    from megatron.training.datasets import data_samplers
+
+    assert "generator=" not in inspect.getsource(data_samplers.build_pretraining_data_loader)
+    loader = torch.utils.data.DataLoader(range(4), batch_size=2)
+    before = torch.get_rng_state()
+    iter(loader)
+    assert not torch.equal(torch.get_rng_state(), before)
+
+
+def test_a_rerun_checkpoint_is_still_asked_for_without_save():
+    """Why rerun_checkpoint_only_with_save exists: when this fails, train() checks --save
+    before the rerun state machine's checkpoint; delete the patch."""
+    from megatron_adacc import megatron_compat
+
+    assert megatron_compat._rerun_checkpoint_ignores_save()

@@ -2,33 +2,20 @@
 own plan, and the ruler's activation bytes on each stage (all in-flight micro-batches
 together) and its activation peak (later stages: with the previous micro-batch's received
 input, alive through the next forward) are what the planner predicted for that stage."""
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-from test_trainer import TINY
-
-HERE = Path(__file__).resolve().parent
-ENV = dict(os.environ, OMP_NUM_THREADS="1")
+from pretrain_helpers import torchrun
 
 
 def _pipelined_run(tmp_path, stages: int, budget: str) -> dict:
-    metrics = tmp_path / f"pp{stages}.jsonl"
     # 4 layers over the stages; 4 micro-batches per step, so stage s keeps min(P - s, 4).
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-           str(stages), str(HERE.parent / "pretrain_gpt.py"), *TINY, "--num-layers", "4",
-           "--global-batch-size", "8", "--train-iters", "1", "--hidden-dropout", "0",
-           "--attention-dropout", "0", "--pipeline-model-parallel-size", str(stages),
-           "--adacc-policy", "auto-no-outlier", "--adacc-memory-budget", budget,
-           "--adacc-profile-db", str(tmp_path / "profiles.sqlite"),
-           "--metrics-file", str(metrics)]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=ENV)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(metrics.read_text().splitlines()[0])
+    reports = torchrun(stages, {"pp": [
+        "--num-layers", "4", "--global-batch-size", "8", "--train-iters", "1",
+        "--hidden-dropout", "0", "--attention-dropout", "0",
+        "--pipeline-model-parallel-size", str(stages), "--adacc-policy", "auto-no-outlier",
+        "--adacc-memory-budget", budget, "--adacc-profile-db",
+        str(tmp_path / "profiles.sqlite")]})
+    return reports["pp"][0]["records"][0]  # rank 0 holds every stage's readings
 
 
 # auto-no-outlier: the outlier codec's payload depends on the data (its exact channels, one

@@ -2,11 +2,10 @@
 import pytest
 
 from megatron_adacc import policies
-from megatron_adacc.training.arguments import ConfigError, parse_args
 from megatron_adacc.common.sites import COMPRESS
-from megatron_adacc.training.trainer import Trainer
+from megatron_adacc.megatron_lm import ConfigError
 
-from test_trainer import TINY
+from pretrain_helpers import parse, pretrain
 
 
 def test_no_outlier_plans_plain_int4_where_auto_separates_outliers(tmp_path, monkeypatch):
@@ -16,24 +15,22 @@ def test_no_outlier_plans_plain_int4_where_auto_separates_outliers(tmp_path, mon
     monkeypatch.setattr(profiler, "profile", lambda *a, **k: real(*a, **k, repeats=1))
     db = str(tmp_path / "profiles.sqlite")
     # A budget that forces compression: a little above the smallest feasible one.
-    probe = Trainer(parse_args(TINY + ["--train-iters", "1", "--adacc-profile-db", db,
-                                       "--adacc-policy", "auto", "--adacc-memory-budget",
-                                       "1GiB"]))
+    probe = pretrain("--train-iters", "1", "--adacc-profile-db", db, "--adacc-policy", "auto",
+                     "--adacc-memory-budget", "1GiB")
     result = probe.adacc.result
     budget = result.minimum_feasible_budget + (
         result.references["no optimisation"].peak_bytes - result.minimum_feasible_budget) // 3
     codecs = {}
     for policy in policies.AUTO_POLICIES:
-        trainer = Trainer(parse_args(TINY + ["--train-iters", "1", "--adacc-profile-db", db,
-                                             "--adacc-policy", policy, "--adacc-memory-budget",
-                                             str(budget), "--adacc-tracking", "off"]))
-        codecs[policy] = {d.codec for layer in trainer.adacc.result.layer_decisions
+        session = pretrain("--train-iters", "1", "--adacc-profile-db", db, "--adacc-policy",
+                           policy, "--adacc-memory-budget", str(budget),
+                           "--adacc-tracking", "off")
+        codecs[policy] = {d.codec for layer in session.adacc.result.layer_decisions
                           for d in layer.values() if d.action == COMPRESS}
-        trainer.train()
     assert "outlier_int4" not in codecs["auto-no-outlier"]
     assert "sym_int4" not in codecs["auto"]
 
 
 def test_no_outlier_needs_a_budget_on_cpu():
     with pytest.raises(ConfigError, match="auto-no-outlier"):
-        parse_args(TINY + ["--adacc-policy", "auto-no-outlier"])
+        parse("--adacc-policy", "auto-no-outlier")

@@ -114,7 +114,8 @@ def test_adacc_plan_without_hardware_profiles_once_then_reads_the_database(
                         lambda *a, **k: calls.append(1) or real(*a, **k, repeats=1))
     config = tmp_path / "tiny.yaml"
     config.write_text("num-layers: 2\nhidden-size: 64\nnum-attention-heads: 4\n"
-                      "seq-length: 32\ntokenizer-type: ByteLevel\n")
+                      "seq-length: 32\nmax-position-embeddings: 32\n"
+                      "tokenizer-type: NullTokenizer\nvocab-size: 257\ntransformer-impl: local\n")
     argv = ["plan", "--config", str(config), "--micro-batch-size", "2", "--memory-budget",
             "3MiB", "--profile-db", str(tmp_path / "p.sqlite"), "--json"]
     plans = []

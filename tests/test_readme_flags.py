@@ -1,11 +1,13 @@
-"""Every flag of pretrain_gpt.py and ``adacc plan`` is documented in README.md: the parsers
-themselves are read, so a flag added without a word in the README fails here."""
+"""README.md and the parsers agree: every flag Adacc adds to pretrain_gpt.py and every flag of
+``adacc plan`` is documented, and every flag the README's flag table names is one that
+pretrain_gpt.py accepts (Megatron-LM's parser with Adacc's flags)."""
+import argparse
 import re
 from pathlib import Path
 
 import pytest
 
-from megatron_adacc.training.arguments import build_parser
+from megatron_adacc import launch, megatron_lm
 from megatron_adacc.cli import _build_parser
 
 README = (Path(__file__).resolve().parents[1] / "README.md").read_text()
@@ -21,7 +23,11 @@ def _flags(parser) -> set[str]:
     return flags - {"--help"}
 
 
-@pytest.mark.parametrize("name, parser", [("pretrain_gpt.py", build_parser()),
+def _adacc_flags() -> argparse.ArgumentParser:
+    return megatron_lm.add_arguments(argparse.ArgumentParser())
+
+
+@pytest.mark.parametrize("name, parser", [("pretrain_gpt.py's Adacc flags", _adacc_flags()),
                                           ("adacc plan", _build_parser())])
 def test_every_flag_is_in_the_readme(name, parser):
     flags = _flags(parser)
@@ -30,3 +36,11 @@ def test_every_flag_is_in_the_readme(name, parser):
     missing = sorted(flag for flag in flags
                      if not re.search(re.escape(flag) + r"(?![\w-])", README))
     assert missing == [], f"{name}: flags missing from README.md: {missing}"
+
+
+def test_every_flag_of_the_readmes_table_is_pretrain_gpts():
+    table = [line for line in README.splitlines() if re.match(r"\| [\w ]+ \| `--", line)]
+    named = {flag for line in table for flag in re.findall(r"--[\w-]+", line)}
+    assert len(named) > 30
+    unknown = sorted(named - _flags(launch.build_parser()))
+    assert unknown == [], f"README.md's flag table names flags pretrain_gpt.py refuses: {unknown}"

@@ -1,5 +1,5 @@
 """The rectifier: tracking schedule, swap decisions on synthetic costs and statistics, the
-accuracy guard with the real codec, and tracking through the real trainer without touching
+accuracy guard with the real codec, and tracking through Megatron-LM's loop without touching
 the loss."""
 from dataclasses import replace
 
@@ -8,7 +8,7 @@ import torch
 
 from megatron_adacc import codecs, planning
 from megatron_adacc.profiling import profiler
-from megatron_adacc.training.arguments import ConfigError, parse_args
+from megatron_adacc.megatron_lm import ConfigError
 from megatron_adacc.common.costs import CodecCost, ModelCosts, SiteCost
 from megatron_adacc.rectifier import (
     DEFAULT_GUARD_THRESHOLD,
@@ -18,9 +18,7 @@ from megatron_adacc.rectifier import (
     site_stats,
 )
 from megatron_adacc.common.sites import COMPRESS
-from megatron_adacc.training.trainer import Trainer
-
-from test_trainer import TINY
+from pretrain_helpers import parse, pretrain
 
 
 def tracked(schedule: TrackingSchedule, iterations, resets=()) -> list[int]:
@@ -193,14 +191,24 @@ def test_a_plan_below_the_needed_capacity_is_swapped_for_one_that_holds_it():
     assert rect.update(2, more).swap is None     # held now
 
 
-# --- through the trainer -------------------------------------------------------------------
+# --- through Megatron-LM's loop ---------------------------------------------------------------
 def run(tmp_path, *flags, adjust=None):
-    args = parse_args(TINY + ["--train-iters", "4", "--adacc-policy", "auto",
-                              "--adacc-profile-db", str(tmp_path / "profiles.sqlite"), *flags])
-    trainer = Trainer(args)
-    if adjust is not None:
-        adjust(trainer)
-    return trainer.train()
+    """The records of 4 iterations; ``adjust(adacc)`` runs once its plan is set up, before
+    the first step's forward."""
+    from megatron_adacc import Adacc
+
+    real_setup = Adacc.setup
+
+    def setup(adacc, *args, **kwargs):
+        result = real_setup(adacc, *args, **kwargs)
+        if adjust is not None:
+            adjust(adacc)
+        return result
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(Adacc, "setup", setup)
+        return pretrain("--train-iters", "4", "--adacc-policy", "auto", "--adacc-profile-db",
+                        str(tmp_path / "profiles.sqlite"), *flags).records
 
 
 @pytest.fixture
@@ -214,8 +222,8 @@ def test_tracking_never_changes_the_loss_of_the_iteration_it_runs_in(tmp_path, o
     off = run(tmp_path, *budget, "--adacc-tracking", "off")
     assert not any("tracking" in r for r in off)
 
-    def never_swap(trainer):
-        trainer.adacc.rectifier._compare = lambda current, new: (None, "test")
+    def never_swap(adacc):
+        adacc.rectifier._compare = lambda current, new: (None, "test")
 
     kept = run(tmp_path, *budget, adjust=never_swap)
     assert kept[0]["tracking"] and kept[1]["tracking"]       # iterations 1 and 2 track
@@ -223,9 +231,9 @@ def test_tracking_never_changes_the_loss_of_the_iteration_it_runs_in(tmp_path, o
     assert all(r["tracking_time_s_total"] > 0 for r in kept)
     assert set(kept[0]["outlier_channels"]) >= {"ln1_out", "ln2_out", "gelu_in", "gelu_out"}
 
-    def tighten(trainer):
+    def tighten(adacc):
         # A budget the all-retain plan breaks: the first tracking iteration must swap.
-        trainer.adacc.rectifier.budget_bytes = trainer.adacc.result.minimum_feasible_budget
+        adacc.rectifier.budget_bytes = adacc.result.minimum_feasible_budget
 
     swapped = run(tmp_path, *budget, adjust=tighten)
     first = swapped[0]
@@ -236,12 +244,12 @@ def test_tracking_never_changes_the_loss_of_the_iteration_it_runs_in(tmp_path, o
 
 def test_tracking_flags():
     auto = ["--adacc-policy", "auto", "--adacc-memory-budget", "1GiB"]
-    assert parse_args(TINY + auto).adacc_tracking == "backoff"
-    assert parse_args(TINY).adacc_tracking == "off"
+    assert parse(*auto).adacc_tracking == "backoff"
+    assert parse().adacc_tracking == "off"
     with pytest.raises(ConfigError, match="needs --adacc-policy auto"):
-        parse_args(TINY + ["--adacc-tracking", "backoff"])
+        parse("--adacc-tracking", "backoff")
     with pytest.raises(ConfigError, match="unknown gelu"):
-        parse_args(TINY + auto + ["--adacc-tracking-sites", "gelu"])
+        parse(*auto, "--adacc-tracking-sites", "gelu")
 
 
 def test_a_plan_close_to_the_budget_is_not_taken_back_just_for_speed(monkeypatch):

@@ -1,7 +1,8 @@
-"""Loading a checkpoint runs no code from it (issue 43): DCP's ``.metadata``, ``common.pt`` and
-the objects inside ``*.distcp`` are read restrictedly; a file naming any other global is
-refused in one line (exit 2) with nothing created, whatever older checkpoints there are; and
-a checkpoint of every supported configuration still loads and resumes bit for bit."""
+"""Loading a checkpoint runs no code from it (issue 43): DCP's ``.metadata``, a ``common.pt``
+and the objects inside ``*.distcp`` (megatron-core 0.19 keeps the common state there too) are
+read restrictedly; a file naming any other global is refused in one line (exit 2) with nothing
+created, whatever older checkpoints there are; and a checkpoint of every supported
+configuration still loads and resumes bit for bit."""
 import dataclasses
 import importlib
 import io
@@ -17,12 +18,13 @@ import torch
 
 from megatron_adacc import safe_checkpoint
 from megatron_adacc.safe_checkpoint import CheckpointRefused
-from megatron_adacc.training import checkpointing
 
 from pretrain_helpers import LLAMA_FLAGS, PRETRAIN, TINY, losses, run, train
 
-# rng_state: a ShardedObject in a .distcp; tensor: the word embeddings' slot in a .distcp
-FILES = [".metadata", "common.pt", "rng_state", "tensor"]
+# common.pt: a legacy common-state file planted beside the checkpoint (megatron-core still
+# reads one where present); distcp_object: the rng_state and common_state ShardedObjects in a
+# .distcp; tensor: the word embeddings' slot in a .distcp
+FILES = [".metadata", "common.pt", "distcp_object", "tensor"]
 TENSOR = "embedding.word_embeddings.weight"
 # What each kind of file may name, as a refusal says it.
 METADATA = "one of the classes DCP's metadata holds"
@@ -34,6 +36,9 @@ class Payload:
 
     def __init__(self, target: Path, call: str = "system"):
         self.target, self.call = target, call
+
+    def __deepcopy__(self, memo):  # megatron copies the state it saves: no call there
+        return self
 
     def __reduce__(self):
         if self.call == "system":
@@ -60,29 +65,38 @@ def saved(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def crafted_rng_state(tmp_path_factory):
-    """Checkpoints like ``saved`` whose random-generator ShardedObject holds a Payload."""
+def crafted(tmp_path_factory):
+    """Checkpoints like ``saved`` whose random-generator ShardedObject and common state each
+    hold a Payload (pwned-at-save-rng, pwned-at-save-common)."""
+    from megatron.core import dist_checkpointing
+
     work = tmp_path_factory.mktemp("crafted")
+    save = dist_checkpointing.save
+
+    def crafted_save(state_dict, *args, **kwargs):
+        state_dict["rng_state"].data = [{"evil": Payload(work / "pwned-at-save-rng")}]
+        state_dict["evil"] = Payload(work / "pwned-at-save-common")  # into the common state
+        return save(state_dict, *args, **kwargs)
+
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(checkpointing, "_rng_state",
-                      lambda: {"evil": Payload(work / "pwned-at-save")})
+        patch.setattr(dist_checkpointing, "save", crafted_save)
         train("--train-iters", "2", "--save", str(work / "ck"), "--save-interval", "1")
-    assert not (work / "pwned-at-save").exists()  # pickling a payload runs nothing
+    assert not list(work.glob("pwned*"))  # pickling a payload runs nothing
     return work / "ck"
 
 
-def _rng_state_file(checkpoint: Path) -> str:
-    """The .distcp file holding the rng_state ShardedObject, as DCP's metadata says."""
+def _object_file(checkpoint: Path, key: str) -> str:
+    """The .distcp file holding ShardedObject ``key``, as DCP's metadata says."""
     metadata = safe_checkpoint.read_metadata(checkpoint)
     (info,) = [info for index, info in metadata.storage_data.items()
-               if index.fqn.startswith("rng_state")]
+               if index.fqn.startswith(key)]
     return info.relative_path
 
 
 def _plant(which: str, ck: Path, crafted_ck: Path, target: Path, call: str = "system") -> Path:
     """A copy of ``ck`` whose newest checkpoint (iteration 2) holds a Payload in ``which``;
     returns the file to name."""
-    shutil.copytree(crafted_ck if which == "rng_state" else ck, target.parent / "ck")
+    shutil.copytree(crafted_ck if which == "distcp_object" else ck, target.parent / "ck")
     newest = target.parent / "ck" / "iter_0000002"
     if which == ".metadata":  # the real metadata with one more attribute
         with open(newest / ".metadata", "rb") as file:
@@ -92,8 +106,7 @@ def _plant(which: str, ck: Path, crafted_ck: Path, target: Path, call: str = "sy
             pickle.dump(metadata, file)
         return newest / ".metadata"
     if which == "common.pt":
-        common = torch.load(newest / "common.pt", weights_only=True)
-        torch.save({**common, "evil": Payload(target, call)}, newest / "common.pt")
+        torch.save({"iteration": 2, "evil": Payload(target, call)}, newest / "common.pt")
         return newest / "common.pt"
     if which == "tensor":  # appended to its .distcp, the metadata pointing at it
         with open(newest / ".metadata", "rb") as file:
@@ -110,7 +123,7 @@ def _plant(which: str, ck: Path, crafted_ck: Path, target: Path, call: str = "sy
         with open(newest / ".metadata", "wb") as file:
             pickle.dump(metadata, file)
         return shard
-    return newest / _rng_state_file(newest)
+    return newest / _object_file(newest, "rng_state")
 
 
 # --- the module's functions -------------------------------------------------------------------
@@ -137,7 +150,7 @@ def test_a_crafted_metadata_is_refused_by_the_reader_dcp_and_megatron(tmp_path, 
     assert not target.exists()
 
 
-def test_a_crafted_common_state_is_refused_by_megatrons_loader(tmp_path, saved):
+def test_a_crafted_common_pt_is_refused_by_megatrons_loader(tmp_path, saved):
     from megatron.core import dist_checkpointing
 
     target = tmp_path / "pwned"
@@ -149,42 +162,49 @@ def test_a_crafted_common_state_is_refused_by_megatrons_loader(tmp_path, saved):
     assert not target.exists()
 
 
-@pytest.mark.parametrize("which", ["rng_state", "tensor"])
-def test_a_crafted_distcp_entry_is_refused_by_megatrons_loader(tmp_path, saved,
-                                                               crafted_rng_state, which):
+@pytest.mark.parametrize("which", ["common_state", "rng_state", "tensor"])
+def test_a_crafted_distcp_entry_is_refused_by_megatrons_loader(tmp_path, saved, crafted,
+                                                               which, distributed):
     from megatron.core import dist_checkpointing
-    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
     target = tmp_path / "pwned"
-    shard = _plant(which, saved, crafted_rng_state, target)
+    shard = _plant("tensor" if which == "tensor" else "distcp_object", saved, crafted,
+                   target)
     safe_checkpoint.install()
-    if which == "rng_state":
-        target = crafted_rng_state.parent / "pwned-at-save"
-        wanted = {"rng_state": ShardedObject("rng_state", None, (1, 1), (0, 0), replica_id=0)}
-    else:
+    if which == "tensor":
         size = safe_checkpoint.read_metadata(shard.parent).state_dict_metadata[TENSOR].size
         wanted = {"w": ShardedTensor.from_rank_offsets(TENSOR, torch.empty(size))}
+        load = lambda: dist_checkpointing.load(wanted, str(shard.parent))  # noqa: E731
+    elif which == "rng_state":  # megatron reads it after the common state: alone, with DCP
+        import torch.distributed.checkpoint as dcp
+
+        (key,) = [index.fqn for index in
+                  safe_checkpoint.read_metadata(shard.parent).storage_data
+                  if index.fqn.startswith("rng_state")]
+        load = lambda: dcp.load({key: io.BytesIO()}, no_dist=True,  # noqa: E731
+                                storage_reader=dcp.FileSystemReader(str(shard.parent)))
+    else:
+        load = lambda: dist_checkpointing.load_common_state_dict(str(shard.parent))  # noqa
     with pytest.raises(BaseException) as failed:  # DCP wraps it in a CheckpointException
-        dist_checkpointing.load(wanted, str(shard.parent))
+        load()
     assert str(safe_checkpoint.refusal(failed.value)) == _refusal(shard, allowed=OBJECT)
-    assert not target.exists()
+    assert not target.exists() and not list(crafted.parent.glob("pwned*"))
 
 
 # --- pretrain_gpt.py --load -------------------------------------------------------------------
 
 @pytest.mark.parametrize("which", FILES)
-def test_load_refuses_a_crafted_file_in_one_line(tmp_path, saved, crafted_rng_state, which):
+def test_load_refuses_a_crafted_file_in_one_line(tmp_path, saved, crafted, which):
     target = tmp_path / "pwned"
-    file = _plant(which, saved, crafted_rng_state, target)
-    if which == "rng_state":  # the payload save wrote names its own target
-        target = crafted_rng_state.parent / "pwned-at-save"
+    file = _plant(which, saved, crafted, target)
     code, line, stderr = run(PRETRAIN, *TINY, "--train-iters", "2", "--load", "ck",
                              cwd=tmp_path)
     allowed = METADATA if which == ".metadata" else OBJECT
     assert (code, line) == (2, f"pretrain_gpt.py: error: --load ck: "
                                f"{_refusal(file.relative_to(tmp_path), allowed=allowed)}")
     assert "resuming from" not in stderr  # no fallback to iteration 1
-    assert not target.exists()
+    assert not target.exists() and not list(crafted.parent.glob("pwned*"))
 
 
 # --- what the allow-list lets through ---------------------------------------------------------
@@ -203,7 +223,7 @@ def test_every_configurations_checkpoint_loads_and_resumes_bit_for_bit(tmp_path,
     common = ["--train-iters", "3", *flags]
     straight = losses(train(*common))
     ck = str(tmp_path / "ck")
-    first = losses(train(*common, "--save", ck, "--exit-interval", "2"))
+    first = losses(train(*common, "--save", ck, "--save-interval", "2", "--exit-interval", "2"))
     rest = losses(train(*common, "--load", ck))
     assert first + rest == straight
     # ... through the restricted readers, which the load installed

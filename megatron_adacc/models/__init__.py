@@ -11,7 +11,7 @@ from megatron_adacc.models.family import (
     ModelFamily,
     NormPart,
     PositionPart,
-    SequenceParallelNorm,
+    TorchNorm,
     get,
     layer_variant,
     mlp_part,
@@ -20,5 +20,5 @@ from megatron_adacc.models.family import (
 )
 
 __all__ = ["FAMILIES", "MLPS", "NORMS", "POSITIONS", "EmbeddingOptions", "LayerVariant",
-           "MlpPart", "ModelFamily", "NormPart", "PositionPart", "SequenceParallelNorm", "get",
+           "MlpPart", "ModelFamily", "NormPart", "PositionPart", "TorchNorm", "get",
            "layer_variant", "mlp_part", "register", "transformer_config_options"]

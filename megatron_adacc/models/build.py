@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from megatron_adacc import megatron_compat
 from megatron_adacc.models.attention import DEFAULT_SPEC_BACKEND, local_layer_spec
-from megatron_adacc.models import EmbeddingOptions, SequenceParallelNorm
+from megatron_adacc.models import EmbeddingOptions, TorchNorm
 
 
 def _free_port() -> int:
@@ -130,10 +130,10 @@ def build_gpt_model(config, vocab_size: int, max_sequence_length: int, layer_spe
     layer). With pipeline stages (config.pipeline_model_parallel_size > 1) it is this rank's
     stage: megatron's own split of the layers, the embedding on the first stage, the output
     layer (megatron's copy of a tied word embedding) on the last. Under sequence parallelism
-    the norms are `SequenceParallelNorm`s (megatron's torch norm asserts there)."""
+    or zero-centred gamma the norms are `TorchNorm`s (megatron's torch norm asserts there)."""
     spec = layer_spec if layer_spec is not None else local_layer_spec(attention_backend)
-    if config.sequence_parallel:
-        spec = _sequence_parallel_block(config, spec)
+    if config.sequence_parallel or config.layernorm_zero_centered_gamma:
+        spec = torch_norm_block(config, spec)
     first, last = pipeline_stage() if config.pipeline_model_parallel_size > 1 else (True, True)
     if not first and config.use_cpu_initialization:
         _draw_earlier_stages(config, spec, vocab_size, max_sequence_length, embedding)
@@ -147,9 +147,9 @@ def build_gpt_model(config, vocab_size: int, max_sequence_length: int, layer_spe
     return model
 
 
-def _sequence_parallel_block(config, layer_spec):
-    """The block spec of `layer_spec`'s layers with every norm (the layers' and the final
-    one) a SequenceParallelNorm."""
+def torch_norm_block(config, layer_spec, vp_stage: int | None = None):
+    """The block spec of ``layer_spec``'s layers with every megatron torch norm (the layers'
+    and the final one) a TorchNorm."""
     import dataclasses
 
     from megatron.core.transformer.transformer_block import (
@@ -159,12 +159,13 @@ def _sequence_parallel_block(config, layer_spec):
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
     submodules = layer_spec.submodules
-    norms = {name: SequenceParallelNorm for name in ("input_layernorm", "pre_mlp_layernorm")
+    norms = {name: TorchNorm for name in ("input_layernorm", "pre_mlp_layernorm")
              if getattr(submodules, name) is WrappedTorchNorm}
     layer_spec = dataclasses.replace(layer_spec,
                                      submodules=dataclasses.replace(submodules, **norms))
-    return TransformerBlockSubmodules(layer_specs=[layer_spec] * get_num_layers_to_build(config),
-                                      layer_norm=SequenceParallelNorm)
+    return TransformerBlockSubmodules(
+        layer_specs=[layer_spec] * get_num_layers_to_build(config, vp_stage=vp_stage),
+        layer_norm=TorchNorm)
 
 
 def _gpt_model(config, spec, vocab_size: int, max_sequence_length: int, pre_process: bool,

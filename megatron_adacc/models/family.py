@@ -282,19 +282,46 @@ class EmbeddingOptions:
                     not self.untie_embeddings_and_output_weights)
 
 
-class SequenceParallelNorm:
-    """megatron's WrappedTorchNorm (LayerNorm or RMSNorm from the config) under sequence
-    parallelism. WrappedTorchNorm asserts under sequence parallelism, yet a norm computes
-    row by row, so it runs unchanged on a sequence shard: it is built from the config without
-    the flag, and its parameters are marked ``sequence_parallel`` so megatron's
-    ``finalize_model_grads`` all-reduces their gradients over the tensor-parallel group
-    (each rank saw only its shard of the rows)."""
+class TorchNorm:
+    """megatron's WrappedTorchNorm with two things it asserts against that a torch norm can do.
+
+    - Zero-centred gamma (``--apply-layernorm-1p``): the weight starts at 0 and the norm
+      scales by weight + 1, as Apex's and Transformer Engine's norms do.
+    - Sequence parallelism: a norm computes row by row, so it runs unchanged on a sequence
+      shard; its parameters are marked ``sequence_parallel`` so megatron's
+      ``finalize_model_grads`` all-reduces their gradients over the tensor-parallel group.
+    """
 
     def __new__(cls, config, *args, **kwargs):
+        import torch
         from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
-        norm = WrappedTorchNorm(dataclasses.replace(config, sequence_parallel=False),
-                                *args, **kwargs)
-        for parameter in norm.parameters():
-            parameter.sequence_parallel = True
+        plain = dataclasses.replace(config, sequence_parallel=False,
+                                    layernorm_zero_centered_gamma=False)
+        norm = WrappedTorchNorm(plain, *args, **kwargs)
+        if config.layernorm_zero_centered_gamma:
+            norm.__class__ = _ZERO_CENTERED[type(norm)]
+            with torch.no_grad():
+                norm.weight.zero_()
+        if config.sequence_parallel:
+            for parameter in norm.parameters():
+                parameter.sequence_parallel = True
         return norm
+
+
+def _zero_centered_norms() -> dict:
+    import torch
+    import torch.nn.functional as F
+
+    class ZeroCenteredLayerNorm(torch.nn.LayerNorm):
+        def forward(self, x):
+            return F.layer_norm(x, self.normalized_shape, self.weight + 1, self.bias, self.eps)
+
+    class ZeroCenteredRMSNorm(torch.nn.RMSNorm):
+        def forward(self, x):
+            return F.rms_norm(x, self.normalized_shape, self.weight + 1, self.eps)
+
+    return {torch.nn.LayerNorm: ZeroCenteredLayerNorm, torch.nn.RMSNorm: ZeroCenteredRMSNorm}
+
+
+_ZERO_CENTERED = _zero_centered_norms()

@@ -48,15 +48,18 @@ class FlashDotProductAttention(DotProductAttention):
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None,
                 attention_bias=None, packed_seq_params=None):
+        mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
         # A mask tensor or a bias would send SDPA to a kernel that takes one (on the CPU its
-        # math path, which saves the s^2 tensors the flash sites do not name).
-        if attention_mask is not None or attention_bias is not None:
+        # math path, which saves the s^2 tensors the flash sites do not name). Under the
+        # causal type the mask is the one Megatron-LM's data loader makes for it, which
+        # Transformer Engine's flash attention ignores too.
+        if (attention_mask is not None and mask_type != AttnMaskType.causal) \
+                or attention_bias is not None:
             raise ValueError("--attention-backend flash masks by the mask type (causal or "
                              "none), not by an attention mask or bias tensor; use "
                              "--attention-backend unfused for those")
         if packed_seq_params is not None:
             raise ValueError("--attention-backend flash does not support packed sequences")
-        mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
         seq, batch = query.shape[:2]
         # megatron's softmax masks causally only past one query (one query attends to all)
         causal = mask_type == AttnMaskType.causal and seq > 1

@@ -37,14 +37,17 @@ _MS = 1e3
 def _cbc() -> pulp.LpSolver:
     # Cuts off: on a 3-layer test model CBC's cut generation removed the optimum (1.0 s,
     # feasible when the binaries are fixed to it) and it reported a 1.25 s plan as optimal.
-    # A cross-check must be exact before it is fast.
-    return pulp.PULP_CBC_CMD(msg=False, gapRel=0.0, gapAbs=1e-9, threads=1,
-                             options=["cuts off"])
+    # A cross-check must be exact before it is fast. PuLP 4 bundles no solver: COIN_CMD runs
+    # the CBC binary its ``cbc`` extra installs (cbcbox).
+    return pulp.COIN_CMD(msg=False, gapRel=0.0, gapAbs=1e-9, threads=1, options=["cuts off"])
 
 
 def _solve(problem: pulp.LpProblem) -> bool:
-    problem.solve(_cbc())
-    return pulp.LpStatus[problem.status] == "Optimal"
+    # PuLP 4 reports CBC's "optimal (within gap tolerance)" as GapLimit: with _cbc's gaps of
+    # zero (and 1e-9 absolute) that is the optimum.
+    stats = problem.solve(_cbc())
+    return stats.has_solution and stats.status in (pulp.LpSolveStatus.Optimal,
+                                                   pulp.LpSolveStatus.GapLimit)
 
 
 def plan_direct_milp(costs: ModelCosts, budget: int, per_layer: bool,
@@ -58,7 +61,7 @@ def plan_direct_milp(costs: ModelCosts, budget: int, per_layer: bool,
     options = {site.name: site_options(site) for site in costs.sites}
     groups = range(num_layers) if per_layer else range(1)
     problem = pulp.LpProblem("adacc_direct", pulp.LpMinimize)
-    x = {(g, name, i): pulp.LpVariable(f"x_{g}_{name}_{i}", cat="Binary")
+    x = {(g, name, i): problem.add_variable(f"x_{g}_{name}_{i}", cat="Binary")
          for g in groups for name, opts in options.items() for i in range(len(opts))}
 
     def total(g: int, attribute: str, scale: float) -> Any:
@@ -74,21 +77,21 @@ def plan_direct_milp(costs: ModelCosts, budget: int, per_layer: bool,
     # re-run goes on through it into a later one (see rerun_chains).
     held = [[site for site in costs.sites if site.segment == segment.name and site.can_recompute]
             for segment in costs.segments]
-    rebuild = {(g, k): pulp.LpVariable(f"rebuild_{g}_{k}", lowBound=0)
+    rebuild = {(g, k): problem.add_variable(f"rebuild_{g}_{k}", 0)
                for g in groups for k in range(len(held))}
     # Each operator runs (continuous in [0, 1], pushed down by the objective) when one of its
     # products is recomputed.
-    ran = {(g, k): pulp.LpVariable(f"ran_{g}_{k}", 0, 1)
+    ran = {(g, k): problem.add_variable(f"ran_{g}_{k}", 0, 1)
            for g in groups for k in range(len(costs.operators))}
     products = [[site.name for site in costs.sites
                  if site.operator == operator.name and site.can_recompute]
                 for operator in costs.operators]
     # The non-additive parts of transient(l), in budget units: the decoded term (the largest
     # compressed sum over decoded_sets) and each compressed value a rebuild reads, held.
-    decoded = {g: pulp.LpVariable(f"decoded_{g}", lowBound=0) for g in groups}
+    decoded = {g: problem.add_variable(f"decoded_{g}", 0) for g in groups}
     readable = sorted({segment.start for segment in costs.segments}
                       | {source for operator in costs.operators for source in operator.sources})
-    hold = {(g, name): pulp.LpVariable(f"hold_{g}_{name}", lowBound=0)
+    hold = {(g, name): problem.add_variable(f"hold_{g}_{name}", 0)
             for g in groups for name in readable}
 
     def reads_compressed(g: int, name: str, reader: Any) -> None:
@@ -106,7 +109,7 @@ def plan_direct_milp(costs: ModelCosts, budget: int, per_layer: bool,
 
     # A layer with any action runs under the runtime's hooks (model.is_hooked): continuous in
     # [0, 1], pushed down by the objective.
-    hooked = {g: pulp.LpVariable(f"hooked_{g}", 0, 1) for g in groups}
+    hooked = {g: problem.add_variable(f"hooked_{g}", 0, 1) for g in groups}
     weight = 1 if per_layer else num_layers
     problem += pulp.lpSum(weight * (total(g, "time_s", 1 / _MS)
                                     + costs.hooked_layer_s * _MS * hooked[g]
@@ -127,7 +130,7 @@ def plan_direct_milp(costs: ModelCosts, budget: int, per_layer: bool,
                 reads_compressed(g, costs.segments[k].start, chosen(g, site.name, RECOMPUTE))
         # Continuous in [0, 1] and pushed down by the objective: at the optimum each is 1
         # exactly when some recomputed site of its segment forces it.
-        rebuilt = [pulp.LpVariable(f"rebuilt_{g}_{k}", 0, 1) for k in range(len(held))]
+        rebuilt = [problem.add_variable(f"rebuilt_{g}_{k}", 0, 1) for k in range(len(held))]
         for k, sites in enumerate(held):
             for site in sites:
                 problem += rebuilt[k] >= chosen(g, site.name, RECOMPUTE)

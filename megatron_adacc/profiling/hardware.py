@@ -38,7 +38,6 @@ from megatron_adacc.models.attention_backend import resolve_backend
 from megatron_adacc.models.terms import (INPUT_NORM, PRE_MLP_NORM, Dims, SiteTerm, act, fp32,
                                          hidden_channels, no_bytes, no_flops, stream)
 from megatron_adacc.common.costs import CodecCost, ModelCosts, Operator, SiteCost
-from megatron_adacc.training.tokenizers import TOKENIZER_TYPES, build_tokenizer
 
 GiB = 1024**3
 
@@ -233,13 +232,8 @@ class ModelShape:
                 raise ValueError(f"model shape needs --{key} (in the config or as a flag)")
             return norm[key]
 
-        vocab = norm.get("vocab-size")
-        if vocab is None and "tokenizer-type" in norm:  # the trainer's tokenizer's own size
-            vocab = build_tokenizer(str(norm["tokenizer-type"]), norm.get("vocab-file"),
-                                    norm.get("merge-file")).vocab_size
-        if vocab is None:
-            raise ValueError("model shape needs --vocab-size (or a --tokenizer-type: "
-                             f"{', '.join(TOKENIZER_TYPES)})")
+        # A tokenizer's vocabulary is the caller's to resolve (cli.py for adacc plan).
+        vocab = need("vocab-size")
         precision = "bf16" if norm.get("bf16") else "fp16" if norm.get("fp16") else "fp32"
         groups = (int(norm.get("num-query-groups", 1)) if norm.get("group-query-attention")
                   else None)

@@ -22,7 +22,7 @@ from typing import Any
 
 import megatron_adacc
 from megatron_adacc.common.costs import ModelCosts
-from megatron_adacc.training.data import default_data_dir
+from megatron_adacc.corpus import default_data_dir
 from megatron_adacc.common.errors import InputError
 
 # PRAGMA application_id marks the file as ours ("ADAC"); user_version is the schema.
@@ -52,11 +52,14 @@ def code_version() -> str:
 
 
 def profile_key(config, vocab_size: int, seq_length: int, micro_batch_size: int,
-                device: str, attention_backend: str = "unfused") -> dict[str, Any]:
+                device: str, attention_backend: str = "unfused",
+                loss: str = "gpt_loss") -> dict[str, Any]:
     """What a profile depends on, from the model's megatron TransformerConfig and its
-    resolved attention backend (attention.backend_of: the two save different sites)."""
+    resolved attention backend (attention.backend_of: the two save different sites), and
+    the loss it was profiled with (what that saves is in the non-layer bytes)."""
     return {
         "attention_backend": attention_backend,
+        "loss": loss,
         "num_layers": config.num_layers,
         "hidden_size": config.hidden_size,
         "num_attention_heads": config.num_attention_heads,

@@ -65,6 +65,7 @@ from megatron_adacc.common import sites as site_table
 from megatron_adacc.common.costs import MEGATRON_SEGMENTS, CodecCost, ModelCosts, Operator, SiteCost
 from megatron_adacc.common.plan import Decision, Plan
 from megatron_adacc.runtime import ActivationRuler, adacc_layers, apply_plan
+from megatron_adacc.runtime import attribution
 from megatron_adacc.runtime.accounting import NON_LAYER, UNATTRIBUTED
 from megatron_adacc.common.sites import COMPRESS, RECOMPUTE
 
@@ -83,14 +84,19 @@ def gpt_loss(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
     without the output layer backpropagates the sum of its output."""
     tokens, labels, loss_mask = batch
     if not getattr(model, "pre_process", True):
-        config = model.config
-        hidden = torch.randn(tokens.shape[1], tokens.shape[0], config.hidden_size,
-                             generator=torch.Generator(tokens.device).manual_seed(0),
-                             dtype=config.params_dtype, device=tokens.device)
-        model.set_input_tensor(hidden.requires_grad_())
+        model.set_input_tensor(stand_in_input(model, tokens))
     if getattr(model, "post_process", True):
         return model_lib.gpt_loss(model, tokens, labels, loss_mask)
     return model_lib.gpt_forward(model, tokens, None).float().sum()
+
+
+def stand_in_input(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    """Hidden states for a stage without the embedding, drawn from a fixed generator."""
+    config = model.config
+    hidden = torch.randn(tokens.shape[1], tokens.shape[0], config.hidden_size,
+                         generator=torch.Generator(tokens.device).manual_seed(0),
+                         dtype=config.params_dtype, device=tokens.device)
+    return hidden.requires_grad_()
 
 
 def device_name(device: torch.device | None = None) -> str:
@@ -141,6 +147,9 @@ class _RetainedRuler(ActivationRuler):
         super().__init__(model, **kwargs)
         self.dtypes: dict[tuple[int, str], torch.dtype] = {}
         self.embedding_bytes = 0
+        # The data loader's attention masks (Megatron-LM's --create-attention-mask-in-
+        # dataloader): one per micro-batch, unlike megatron's cached causal mask.
+        self._loader_masks: dict[int, int] = {}
         # megatron's GPTModel has an embedding on the first pipeline stage only.
         self._embedding = getattr(model, "embedding", None)
 
@@ -155,20 +164,31 @@ class _RetainedRuler(ActivationRuler):
 
     def keep_tensor(self, layer, site, tensor):
         self.dtypes.setdefault((layer, site or UNATTRIBUTED), tensor.dtype)
+        if site == "attn_mask" and not attribution.is_cached_causal_mask(tensor):
+            storage = tensor.untyped_storage()
+            self._loader_masks[id(storage)] = storage.nbytes()
         super().keep_tensor(layer, site, tensor)
 
     def stage_memory(self, model: torch.nn.Module) -> planning.StageMemory:
         """What the model holds besides its layers' activations, by this step: the
         activations kept when forward ended less the layers' (their shared sites are
-        non-layer bytes: one storage for every layer) and the embedding's."""
+        non-layer bytes: one storage for every layer) and the embedding's.
+
+        A data loader's attention mask is one micro-batch's, held until its backward ends,
+        so the first stage (several micro-batches in flight) counts it with the embedding's;
+        later stages get none (Megatron-LM's get_batch) or are the last (one in flight)."""
         report = self.report()
         layers = sum(nbytes for (layer, site), nbytes in report.by_site.items()
                      if layer != NON_LAYER and site not in site_table.SHARED_SITES)
         shared = sum(nbytes for (layer, site), nbytes in report.by_site.items()
                      if layer != NON_LAYER and site in site_table.SHARED_SITES)
+        embedding = self.embedding_bytes
+        if self._embedding is not None:
+            masks = sum(self._loader_masks.values())
+            embedding, shared = embedding + masks, shared - masks
         return planning.StageMemory(
-            hardware.model_static_bytes(model), self.embedding_bytes,
-            report.after_forward_bytes - layers - self.embedding_bytes, shared,
+            hardware.model_static_bytes(model), embedding,
+            report.after_forward_bytes - layers - embedding, shared,
             hardware.model_step_bytes(model))
 
 

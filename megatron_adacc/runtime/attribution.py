@@ -206,7 +206,7 @@ class SiteAttributor:
             if tensor.dtype != torch.bool:
                 site = "softmax_out"
             else:
-                site = "attn_mask" if _is_cached_causal_mask(tensor) else None
+                site = "attn_mask" if is_cached_causal_mask(tensor) else None
         elif role == "flash_attention":
             site = _flash_site(tensor)
         elif role == "attention_dropout":
@@ -242,7 +242,8 @@ def is_rope_cos_sin(tensor: torch.Tensor) -> bool:
     return tensor.is_floating_point() and not tensor.requires_grad
 
 
-def _is_cached_causal_mask(tensor: torch.Tensor) -> bool:
+def is_cached_causal_mask(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is megatron's cached causal mask (one for every micro-batch)."""
     # megatron_compat caches the causal mask per length, so the mask the softmax just saved
     # is the cached tensor itself and this lookup is a cache hit. The binding is read at call
     # time because that patch replaces it.

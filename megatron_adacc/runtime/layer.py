@@ -235,6 +235,12 @@ class AdaccTransformerLayer(TransformerLayer):
                 )
         except RebuildComplete:
             pass
+        finally:
+            # megatron-core >= 0.19 keeps the pre-MLP norm's input on the layer
+            # (mlp_norm_manager) until _forward_mlp's end, which a halted re-run never
+            # reaches: left there, it would hold ln2_in alive until the next forward.
+            if getattr(self, "mlp_norm_manager", None) is not None:
+                self.mlp_norm_manager = None
 
     def _run_operator(self, call: LayerCall, edge) -> None:
         """Call `edge`'s megatron submodule or function on its sources' values, keeping its

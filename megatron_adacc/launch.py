@@ -1,0 +1,528 @@
+"""The process around Megatron-LM's ``pretrain``: flags in, one line and an exit status out.
+
+- ``--config FILE``: YAML whose keys are flag names, read before the command line's flags
+  (which win);
+- Megatron-LM's parser and ``validate_args``, whose usage dumps and assertions become one
+  line and exit status 2;
+- a single process without torchrun gets a world of one; a host without CUDA, gloo and the
+  CPU defaults of megatron_compat; no data flags, the built-in corpus;
+- Ctrl-C (130), SIGTERM (143) and a diverged run (1) end in one line, without a traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import math
+import os
+import re
+import signal
+import sys
+from pathlib import Path
+from typing import Callable, Sequence
+
+import yaml
+
+from megatron_adacc.common.errors import InputError
+from megatron_adacc.megatron_lm import ConfigError, add_arguments
+
+
+class Diverged(RuntimeError):
+    """The loss or gradient went non-finite and Megatron-LM stopped the run."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Megatron-LM's parser with Adacc's flags: what ``--config`` keys are checked against."""
+    from megatron.training.arguments import add_megatron_arguments
+
+    parser = argparse.ArgumentParser(prog="pretrain_gpt.py", allow_abbrev=False)
+    return add_arguments(add_megatron_arguments(parser))
+
+
+def config_argv(argv: Sequence[str], parser: argparse.ArgumentParser | None = None
+                ) -> list[str]:
+    """``argv`` with ``--config FILE`` replaced by the file's flags, placed first."""
+    argv = list(argv)
+    if "--config" not in argv:
+        return argv
+    at = argv.index("--config")
+    if at + 1 >= len(argv):
+        raise ConfigError("--config: expected a YAML file")
+    path, rest = argv[at + 1], argv[:at] + argv[at + 2:]
+    return _flags_of(read_config(path), path, parser or build_parser()) + rest
+
+
+def read_config(path: str) -> dict:
+    """A ``--config`` file's mapping of flag name to value."""
+    file = Path(path)
+    if not file.is_file():
+        raise ConfigError(f"--config {path}: file not found")
+    try:
+        values = yaml.safe_load(file.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"--config {path}: not valid YAML ({str(exc).splitlines()[0]})")
+    if not isinstance(values, dict):
+        raise ConfigError(f"--config {path}: expected a mapping of flag-name: value")
+    return values
+
+
+def _flags_of(values: dict, path: str, parser: argparse.ArgumentParser) -> list[str]:
+    actions = {option: action for action in parser._actions
+               for option in action.option_strings}
+    flags: list[str] = []
+    for key, value in values.items():
+        option = "--" + str(key).replace("_", "-")
+        action = actions.get(option)
+        if action is None:
+            raise ConfigError(f"--config {path}: unknown key {key!r} (keys are the "
+                              f"command-line flag names, e.g. num-layers)")
+        if action.nargs == 0:  # store_true / store_false
+            if not isinstance(value, bool):
+                raise ConfigError(f"--config {path}: {key}: must be true or false, "
+                                  f"got {value!r}")
+            flags += [option] if value else []
+        elif value is not None:
+            items = value if isinstance(value, list) else [value]
+            flags += [option, *(_yaml_number(item, action) for item in items)]
+    return flags
+
+
+def _yaml_number(value, action: argparse.Action) -> str:
+    """A config value as a flag's text; YAML 1.1 reads 1e3 as a string, an integer flag
+    takes it as 1000."""
+    if (action.type is int and isinstance(value, str)
+            and re.fullmatch(r"[-+]?\d+(\.\d*)?[eE][-+]?\d+", value)
+            and float(value).is_integer()):
+        return str(int(float(value)))
+    return str(value)
+
+
+@contextlib.contextmanager
+def _one_line_parse_errors():
+    """argparse's usage-and-exit as a ConfigError."""
+    def error(self, message):
+        raise ConfigError(message)
+
+    original = argparse.ArgumentParser.error
+    argparse.ArgumentParser.error = error
+    try:
+        yield
+    finally:
+        argparse.ArgumentParser.error = original
+
+
+def parse(argv: Sequence[str], prog: str = "pretrain_gpt.py") -> argparse.Namespace:
+    """Megatron-LM's flags (``parse_and_validate_args``), each refusal a ConfigError."""
+    import torch
+    from megatron.training.arguments import parse_args, validate_args
+    from megatron.training.global_vars import set_global_variables
+
+    from megatron_adacc import megatron_compat
+
+    argv = config_argv(argv)
+    saved = sys.argv
+    sys.argv = [prog, *argv]
+    try:
+        with _one_line_parse_errors():
+            args = parse_args(extra_args_provider=add_arguments)
+    except KeyError as exc:  # an enum flag's type (AttnBackend[...]) fails past argparse
+        value = exc.args[0] if exc.args else ""
+        flag = next((argv[at - 1] for at in range(1, len(argv)) if argv[at] == value
+                     and argv[at - 1].startswith("--")), "a flag")
+        raise ConfigError(f"argument {flag}: invalid choice: {value!r}") from None
+    finally:
+        sys.argv = saved
+    megatron_compat.cpu_arg_defaults(args)
+    if not torch.cuda.is_available():
+        args.distributed_backend = "gloo"
+    if args.lr is None:  # Megatron-LM would pass it on to torch's AdamW, which raises TypeError
+        raise ConfigError("--lr is required: Megatron-LM has no default learning rate")
+    _check_profile(args)
+    _check_outputs(args)
+    _default_data(args)
+    try:
+        # Megatron-LM's pretrain_gpt.py default, given only where no tokenizer is (it warns
+        # on stderr about overriding one).
+        validate_args(args, {} if args.tokenizer_type else {"tokenizer_type": "GPT2BPETokenizer"})
+    except AssertionError as exc:
+        raise ConfigError(assertion_line(exc)) from None
+    if args.eval_interval is None:
+        # Megatron-LM documents "no evaluation during training" here, then divides by it.
+        args.eval_interval = sys.maxsize
+    set_global_variables(args)
+    return args
+
+
+def assertion_line(exc: Exception) -> str:
+    """One line for a Megatron-LM assertion: its message, else the assertion it failed."""
+    import traceback
+
+    if str(exc).strip():
+        return str(exc).strip().splitlines()[0]
+    frames = traceback.extract_tb(exc.__traceback__)
+    if not frames:
+        return "Megatron-LM refused the flags"
+    where = frames[-1]
+    return (f"Megatron-LM refused the flags: {where.line} "
+            f"({Path(where.filename).name}:{where.lineno})")
+
+
+def _check_profile(args: argparse.Namespace) -> None:
+    """--profile's flags that Megatron-LM would only trip over mid-run, in one line."""
+    import torch
+
+    if not args.profile:
+        return
+    if args.use_pytorch_profiler and not args.tensorboard_dir:
+        raise ConfigError("--use-pytorch-profiler writes its traces to --tensorboard-dir; "
+                          "give one")
+    if not args.use_pytorch_profiler and not torch.cuda.is_available():
+        raise ConfigError("--profile marks a CUDA profiler range for nsys, and this machine "
+                          "has no GPU; add --use-pytorch-profiler (and --tensorboard-dir)")
+    if args.profile_step_end <= args.profile_step_start:
+        raise ConfigError(f"--profile-step-end {args.profile_step_end} must be after "
+                          f"--profile-step-start {args.profile_step_start}")
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    outside = [rank for rank in args.profile_ranks if rank >= world_size]
+    if outside:
+        raise ConfigError(f"--profile-ranks {' '.join(map(str, outside))}: no such rank in a "
+                          f"world of {world_size}")
+
+
+def _check_outputs(args: argparse.Namespace) -> None:
+    """Every path the run will write, checked before anything is built or trained (a save
+    failing after the last step would lose the run); nothing is created here."""
+    from megatron_adacc import corpus, policies
+    from megatron_adacc.profiling.profile_db import ProfileDB
+
+    for flag, path in (("--save", args.save), ("--tensorboard-dir", args.tensorboard_dir)):
+        if path:
+            check_writable(path, flag, directory=True)
+    if args.metrics_file:
+        check_writable(args.metrics_file, "--metrics-file", directory=False)
+    if not (args.mock_data or args.data_path or args.train_data_path
+            or corpus.demo_corpus_ready()):
+        check_writable(corpus.demo_corpus_prefixes()[0].parent,
+                       "$ADACC_DATA_DIR (the demo corpus, no --data-path)", directory=True)
+    if args.adacc_policy in policies.AUTO_POLICIES:  # they profile into the ProfileDB
+        check_writable(ProfileDB(args.adacc_profile_db).path, "--adacc-profile-db",
+                       directory=False)
+
+
+def check_writable(path: str | Path, flag: str, directory: bool) -> None:
+    """ConfigError naming ``flag`` unless ``path`` is (or can be made, parents included) a
+    writable directory (``directory``) or file."""
+    path = Path(path)
+    kind = "directory" if directory else "file"
+    if path.exists():
+        if path.is_dir() != directory:
+            raise ConfigError(f"{flag} {path}: is a {'file' if directory else 'directory'}, "
+                              f"not a {kind}")
+        if not os.access(path, os.W_OK | (os.X_OK if directory else 0)):
+            raise ConfigError(f"{flag} {path}: not writable")
+        return
+    ancestor = path.absolute().parent
+    while not ancestor.exists():
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise ConfigError(f"{flag} {path}: {ancestor} is a file, so the {kind} cannot be "
+                          f"created")
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        raise ConfigError(f"{flag} {path}: {ancestor} is not writable, so the {kind} cannot "
+                          f"be created")
+
+
+def _default_data(args: argparse.Namespace) -> None:
+    """No data flags: the built-in corpus, bytes read through NullTokenizer."""
+    from megatron_adacc import corpus
+
+    given = (args.data_path, args.train_data_path, args.valid_data_path, args.test_data_path,
+             getattr(args, "data_args_path", None), getattr(args, "per_split_data_args_path",
+                                                            None))
+    if args.mock_data or any(given):
+        for flag in ("data_path", "train_data_path", "valid_data_path", "test_data_path"):
+            for prefix in _prefixes(getattr(args, flag)):
+                corpus.check_dataset(prefix, f"--{flag.replace('_', '-')}")
+        for prefix in _prefixes(args.data_path):
+            _check_split(prefix, args)
+        return
+    train, valid = corpus.prepare_demo_corpus()
+    args.train_data_path, args.valid_data_path, args.test_data_path = [train], [valid], [valid]
+    # A config's own vocabulary (a Llama's 128256) is kept, the bytes its first ids, so the
+    # model trained is the shape the config describes (and `adacc plan` plans).
+    args.tokenizer_type = "NullTokenizer"
+    args.vocab_size = max(args.vocab_size or 0, corpus.ByteTokenizer.vocab_size)
+    args.null_tokenizer_eod_id = corpus.ByteTokenizer.eod  # NullTokenizer reads it by name
+
+
+def _check_split(prefix: str, args: argparse.Namespace) -> None:
+    """ConfigError when a split the run reads holds less than one sample of ``prefix``:
+    Megatron-LM's GPTDataset would add epochs of it without end."""
+    import numpy
+    from megatron.core.datasets.blended_megatron_dataset_config import (
+        convert_split_vector_to_split_matrix, parse_and_normalize_split)
+    from megatron.core.datasets.indexed_dataset import _IndexReader
+
+    split = args.split or "969, 30, 1"  # validate_args' default, set after this check
+    try:
+        weights = parse_and_normalize_split(split)
+        if not all(math.isfinite(weight) for weight in weights):
+            raise ValueError("expected up to three weights >= 0, the first > 0")
+        matrix = convert_split_vector_to_split_matrix(weights)
+    except (AssertionError, ValueError) as exc:
+        raise ConfigError(f"--split {split}: {assertion_line(exc)}") from None
+    index = _IndexReader(f"{prefix}.idx", multimodal=False)
+    documents = len(index.document_indices) - 1
+    read = ("train",) + (("valid", "test") if args.eval_iters > 0 else ())
+    for name, bounds in zip(("train", "valid", "test"), matrix):
+        if name not in read or bounds is None:
+            continue
+        begin, end = (int(round(bound * documents)) for bound in bounds)
+        first, last = index.document_indices[begin], index.document_indices[end]
+        tokens = int(numpy.sum(index.sequence_lengths[first:last]))
+        if (tokens - 1) // args.seq_length < 1:
+            raise ConfigError(
+                f"dataset {prefix}: its {name} split (--split {split}) gets {end - begin} "
+                f"of its {documents} documents, {tokens} tokens, less than one sample of "
+                f"--seq-length {args.seq_length}; add documents or change --split")
+
+
+def _prefixes(paths) -> list[str]:
+    """The dataset prefixes of a blend (``A``, or ``0.3 A 0.7 B``)."""
+    if not paths:
+        return []
+    items = paths[0].split() if len(paths) == 1 else list(paths)
+    try:
+        float(items[0])
+        return items[1::2]
+    except ValueError:
+        return items
+
+
+def _world_of_one() -> None:
+    """A plain ``python`` run: torch.distributed's environment for one process."""
+    if "WORLD_SIZE" in os.environ:
+        return
+    # Port 0: the store binds a free port itself (no one else connects to a world of one), so
+    # runs started together never race for one a probe found free.
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT="0")
+
+
+def teardown(owns_process_group: bool) -> None:
+    """Megatron-LM's global state, so the next run in this process starts afresh; the process
+    group and model-parallel state too when this run set them up (a caller's stay theirs)."""
+    import torch.distributed as dist
+    from megatron.core import num_microbatches_calculator, rerun_state_machine
+    from megatron.training import global_vars, training
+
+    if owns_process_group:
+        training.destroy_global_state()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        return
+    # The caller's model-parallel state stays whole, its global memory buffer included:
+    # initialize_megatron finds it initialized next time and makes no new buffer.
+    global_vars.destroy_global_vars()
+    num_microbatches_calculator.destroy_num_microbatches_calculator()
+    rerun_state_machine.destroy_rerun_state_machine()
+
+
+class _Interrupts:
+    """SIGINT and SIGTERM (torchrun stopping its workers) raise KeyboardInterrupt, and stay
+    noted: an interrupt that C code calling back into Python swallowed still ends the run at
+    the end of its step (see ``_stop_if_interrupted``)."""
+
+    received: int | None = None
+
+    def __enter__(self):
+        _Interrupts.received = None
+        self._previous = {number: signal.signal(number, self._raise)
+                          for number in (signal.SIGINT, signal.SIGTERM)}
+        return self
+
+    def __exit__(self, *exc):
+        for number, previous in self._previous.items():
+            signal.signal(number, previous)
+
+    @staticmethod
+    def _raise(signum, frame):
+        _Interrupts.received = signum
+        raise _Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
+
+
+class _Terminated(KeyboardInterrupt):
+    pass
+
+
+# Megatron-core sets these from --attention-backend when it builds a GPTModel and asserts
+# they agree with the backend: a run's are its own, whatever ran before it in the process.
+TE_ATTENTION_ENV = ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN")
+
+
+@contextlib.contextmanager
+def _own_attention_env():
+    saved = {name: os.environ.pop(name) for name in TE_ATTENTION_ENV if name in os.environ}
+    try:
+        yield
+    finally:
+        for name in TE_ATTENTION_ENV:
+            os.environ.pop(name, None)
+        os.environ.update(saved)
+
+
+def _stop_if_interrupted(original, *args, **kwargs):
+    """Megatron-LM's ``checkpoint_and_decide_exit``, then the interrupt a step swallowed."""
+    result = original(*args, **kwargs)
+    if _Interrupts.received is not None:
+        raise _Terminated() if _Interrupts.received == signal.SIGTERM else KeyboardInterrupt()
+    return result
+
+
+def _watch_step_ends() -> None:
+    from megatron.training import training
+
+    original = getattr(training.checkpoint_and_decide_exit, "__wrapped_by_launch__",
+                       training.checkpoint_and_decide_exit)
+    watched = functools.partial(_stop_if_interrupted, original)
+    watched.__wrapped_by_launch__ = original
+    training.checkpoint_and_decide_exit = watched
+
+
+# Megatron-LM's rerun state machine's exit codes (EXIT_CODE_RESUME_TO_DISAMBIGUATE,
+# EXIT_CODE_FAILED_ON_RESULT_VALIDATION): a result, NaN or Inf, failed its validation.
+RERUN_EXIT_CODES = (16, 17)
+
+
+def _iteration(args) -> int:
+    """The iteration in progress (Megatron-LM's ``curr_iteration`` counts those done)."""
+    done = getattr(args, "curr_iteration", None) if args is not None else None
+    return 0 if done is None else done + 1
+
+
+def latest_checkpoint(directory) -> int | None:
+    """The iteration Megatron-LM's tracker file in ``directory`` names; None without one."""
+    from megatron.training.checkpointing import get_checkpoint_tracker_filename
+
+    if not directory:
+        return None
+    try:
+        text = Path(get_checkpoint_tracker_filename(str(directory))).read_text().strip()
+        return int(text)
+    except (OSError, ValueError):
+        return None
+
+
+def _interrupted(args) -> str:
+    saved = latest_checkpoint(getattr(args, "save", None)) if args is not None else None
+    if saved is None:
+        return f"interrupted at iteration {_iteration(args)}; no checkpoint saved"
+    return (f"interrupted at iteration {_iteration(args)}; last checkpoint: iteration {saved} "
+            f"in {args.save} (resume with --load {args.save})")
+
+
+def _diverged(args) -> Diverged:
+    """What Megatron-LM's result validation stopped the run on, as a Diverged."""
+    from megatron.core.rerun_state_machine import get_rerun_state_machine
+
+    machine = get_rerun_state_machine()
+    call = machine.failed_validation_call
+    what = call.caller.message if call is not None else "a result failed validation"
+    saved = latest_checkpoint(args.save)
+    kept = (f"the weights before it saved as iteration {saved} in {args.save}"
+            if saved is not None and saved == _iteration(args) - 1 else "nothing saved")
+    return Diverged(f"iteration {_iteration(args)}: {what} ({machine.initial_result}); "
+                    f"stopped before the optimizer step, {kept} (lower --lr, or --load the "
+                    f"last checkpoint)")
+
+
+def _flag_assertion(exc: AssertionError, args) -> ConfigError | None:
+    """A ConfigError for an assertion of Megatron-LM's learning-rate schedule (the flags'
+    warm-up and decay, or a --load whose schedule differs); None for any other."""
+    import traceback
+
+    frames = traceback.extract_tb(exc.__traceback__)
+    if not frames or Path(frames[-1].filename).name != "optimizer_param_scheduler.py":
+        return None
+    line = assertion_line(exc)
+    if frames[-1].name == "_check_and_set":  # loading a checkpoint of another schedule
+        return ConfigError(f"--load {args.load}: {line}; add --override-opt_param-scheduler "
+                           f"to train on the flags' schedule or "
+                           f"--use-checkpoint-opt_param-scheduler to keep the checkpoint's")
+    return ConfigError(line)
+
+
+def _choose_checkpoint(args: argparse.Namespace, rank: int) -> None:
+    """Every checkpoint read restricted; ``--load``'s newest whole checkpoint as --ckpt-step
+    when the newest is damaged (one warning line)."""
+    from megatron_adacc import safe_checkpoint
+
+    safe_checkpoint.install()
+    if not args.load or args.ckpt_step is not None or args.exit_on_missing_checkpoint:
+        return
+
+    def warn(line: str) -> None:
+        if rank == 0:
+            print(f"warning: {line}", file=sys.stderr, flush=True)
+
+    try:
+        step = safe_checkpoint.choose_checkpoint(args.load, warn)
+    except safe_checkpoint.CheckpointRefused as exc:
+        raise InputError(f"--load {args.load}: {exc}") from None
+    if step is not None:
+        args.ckpt_step = step
+
+
+def run(argv: Sequence[str], prog: str, pretrain: Callable[[argparse.Namespace], None]) -> int:
+    """Parse ``argv`` and call ``pretrain(args)``; returns the exit status."""
+    from megatron_adacc import megatron_compat, megatron_lm, safe_checkpoint
+
+    import torch.distributed as dist
+
+    rank = int(os.environ.get("RANK", "0"))
+    owns_process_group = not dist.is_initialized()
+    _world_of_one()
+    args = None
+    with _Interrupts(), _own_attention_env():
+        try:
+            try:
+                megatron_compat.apply_training()
+                _watch_step_ends()
+                args = parse(argv, prog)
+                _choose_checkpoint(args, rank)
+                try:
+                    pretrain(args)
+                except AssertionError as exc:
+                    raise _flag_assertion(exc, args) or exc
+            except SystemExit as exc:  # Megatron-LM's loop ends its early exits so
+                if exc.code in RERUN_EXIT_CODES:
+                    raise _diverged(args) from None
+                if exc.code not in (0, None):
+                    raise
+        except KeyboardInterrupt as exc:
+            if rank == 0:
+                print(f"{prog}: {_interrupted(args)}", file=sys.stderr, flush=True)
+            return 143 if isinstance(exc, _Terminated) else 130
+        except (InputError, FileNotFoundError) as exc:
+            print(f"{prog}: error: {exc}", file=sys.stderr, flush=True)
+            return 2
+        except Diverged as exc:
+            if rank == 0:
+                print(f"{prog}: error: {exc}", file=sys.stderr, flush=True)
+            return 1
+        except SystemExit as exc:  # Megatron-LM ends --exit-interval/-duration with sys.exit
+            if isinstance(exc.code, int) or exc.code is None:
+                return exc.code or 0
+            raise
+        except BaseException as exc:  # DCP's CheckpointException is no Exception
+            refused = safe_checkpoint.refusal(exc)
+            if refused is None:
+                raise
+            print(f"{prog}: error: --load {args.load}: {refused}", file=sys.stderr, flush=True)
+            return 2
+        finally:
+            current = megatron_lm.session()
+            if current is not None:
+                current.close()
+            teardown(owns_process_group)
+    return 0

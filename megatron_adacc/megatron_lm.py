@@ -1,0 +1,476 @@
+"""Adacc inside Megatron-LM's own training loop (``megatron.training.pretrain``).
+
+A Megatron-LM ``pretrain_gpt.py`` adds two calls (docs/megatron-lm.md):
+
+    args = parse_and_validate_args(extra_args_provider=megatron_lm.add_arguments, ...)
+    model_cfg = gpt_config_from_args(args)
+    megatron_lm.install(model_cfg, args)
+
+``install`` puts Adacc's layer spec and a pre-wrap hook on the model config, and wraps three
+functions of ``megatron.training.training`` that ``train()`` calls by name:
+
+- ``train_step``: the first one profiles and plans (``Adacc.setup``) on the real first
+  micro-batch, with megatron's DDP and optimizer built; every one runs under
+  ``Adacc.measure`` and keeps the step's first micro-batch;
+- ``training_log``: Adacc's readings join the loss dict, so they appear in Megatron-LM's log
+  line and TensorBoard;
+- ``post_training_step_callbacks``: ``Adacc.after_step``, then one JSON line per iteration
+  in ``--metrics-file``.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megatron_adacc.common.errors import InputError
+
+# Core attention under --transformer-impl local, by --attention-backend. Megatron-LM's local
+# spec runs megatron-core's DotProductAttention whatever the backend; "flash" runs PyTorch's
+# scaled_dot_product_attention instead (its flash kernel on a GPU), "auto" picks it where
+# that kernel runs the attention dropout.
+LOCAL_IMPL_ATTENTION = {"local": "unfused", "unfused": "unfused", "fused": "unfused",
+                        "flash": "flash", "auto": "auto"}
+
+
+class ConfigError(InputError):
+    """A bad flag or config key: one line that says what to change."""
+
+
+def _positive_int(value: str) -> int:
+    number = int(value)
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return number
+
+
+def _positive_float(value: str) -> float:
+    number = float(value)
+    if not number > 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
+    return number
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Megatron-LM's ``extra_args_provider``: the ``--adacc-*`` flags and the metrics file."""
+    adacc = parser.add_argument_group("adacc")
+    adacc.add_argument("--adacc-policy", default="none",
+                       help="none (Megatron-LM's layer), auto (profile and plan for "
+                            "--adacc-memory-budget), auto-no-outlier, full-recompute, quantize, "
+                            "or a plan YAML file")
+    adacc.add_argument("--adacc-memory-budget", default=None,
+                       help="memory for parameters, optimizer and activations, e.g. 12GiB; "
+                            "default on a GPU: its free memory once the model is built, less "
+                            "1 GiB; required with auto on a CPU")
+    adacc.add_argument("--adacc-reprofile", action="store_true",
+                       help="measure the model again instead of reusing the ProfileDB")
+    adacc.add_argument("--adacc-profile-db", default=None,
+                       help="ProfileDB file (default: $ADACC_DATA_DIR/profiles.sqlite)")
+    adacc.add_argument("--adacc-codec-backend", default=None,
+                       choices=("auto", "torch", "native", "triton"),
+                       help="codec kernels (default: $ADACC_CODEC_BACKEND, else auto)")
+    adacc.add_argument("--adacc-strict", action="store_true",
+                       help="fail on a saved tensor that no site accounts for")
+    adacc.add_argument("--adacc-tracking", choices=["backoff", "off"], default=None,
+                       help="auto only: re-measure the tracked sites at iterations 1, 2, 4, ... "
+                            "and swap to a better plan (default: backoff with auto)")
+    adacc.add_argument("--adacc-step-watch", choices=["on", "off"], default=None,
+                       help="time every step and re-plan when the plan runs 10%% over its "
+                            "prediction (default: on while tracking)")
+    adacc.add_argument("--adacc-tracking-max-interval", type=_positive_int, default=256,
+                       help="the backoff stops doubling at this many iterations")
+    adacc.add_argument("--adacc-tracking-sites", nargs="*", default=None,
+                       help="sites to re-measure (default: the outlier-separated ones)")
+    adacc.add_argument("--adacc-tracking-reset-fraction", type=_positive_float, default=0.25,
+                       help="a compression rate moving by more than this resets the backoff")
+    adacc.add_argument("--adacc-guard-threshold", type=_positive_float, default=0.2,
+                       help="a site whose relative error exceeds this is never compressed")
+    adacc.add_argument("--activation-measure-interval", type=_positive_int, default=50,
+                       help="measure activation bytes on the first step and every N steps")
+    adacc.add_argument("--metrics-file", default=None,
+                       help="JSON lines, one per iteration (rank 0)")
+    return parser
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Refuse what Adacc cannot run, in one line, before anything is built."""
+    from megatron_adacc import policies
+    from megatron_adacc.adacc import AdaccConfig
+
+    try:
+        config = AdaccConfig.from_args(args)
+        if not torch.cuda.is_available():  # a GPU's default is read once the model is built
+            policies.require_budget(config.policy, config.budget_bytes)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    heads, groups = args.num_attention_heads, args.num_query_groups
+    if args.group_query_attention and groups and heads % groups:
+        # Megatron-LM accepts it and fails in the first forward with a reshape error.
+        raise ConfigError(f"--num-query-groups {groups} does not divide "
+                          f"--num-attention-heads {heads}")
+    if args.mtp_num_layers:
+        raise ConfigError("--mtp-num-layers: multi-token prediction is not supported yet "
+                          "(pretrain_gpt.py's forward step does not feed it)")
+    if args.fp8 and args.transformer_impl == "local":
+        # megatron-core's local spec has no fp8 layers: the run would train without it.
+        raise ConfigError(f"--fp8-format {args.fp8} runs in Transformer Engine's layers on a "
+                          f"GPU; --transformer-impl local has no fp8")
+    if config.policy != "none" and args.transformer_impl != "local":
+        raise ConfigError(f"--adacc-policy {config.policy} runs Adacc's layer, which builds on "
+                          f"megatron-core's local spec; add --transformer-impl local "
+                          f"(Transformer Engine's spec is not supported yet)")
+    if (args.recompute_granularity == "selective" and "mlp" in (args.recompute_modules or [])
+            and args.add_bias_linear):
+        # megatron-core 0.19.2: the checkpointed MLP returns the fc2 bias parameter, and its
+        # backward recurses forever.
+        raise ConfigError("--recompute-modules mlp with biased linear layers hangs in "
+                          "megatron-core 0.19.2; add --disable-bias-linear or drop mlp")
+    args.adacc_tracking = "backoff" if config.tracks else "off"
+    args.adacc_memory_budget = config.budget_bytes
+
+
+def layer_spec(args: argparse.Namespace, adacc):
+    """Adacc's layer spec under ``--transformer-impl local`` (the stock one for policy none)."""
+    backend = args.attention_backend
+    name = getattr(backend, "name", str(backend))
+    if name not in LOCAL_IMPL_ATTENTION:
+        raise ConfigError(f"--attention-backend {name} is Transformer Engine's; under "
+                          f"--transformer-impl local use one of "
+                          f"{', '.join(LOCAL_IMPL_ATTENTION)}")
+    return adacc.layer_spec(LOCAL_IMPL_ATTENTION[name])
+
+
+class Session:
+    """Adacc's state over one ``pretrain`` call: the Adacc, its model and the metrics file."""
+
+    def __init__(self, args: argparse.Namespace):
+        from megatron_adacc.adacc import Adacc, AdaccConfig
+
+        self.args = args
+        self.adacc = Adacc(AdaccConfig.from_args(args))
+        self.model: torch.nn.Module | None = None   # the unwrapped GPTModel of this rank
+        self.ready = False
+        self.step_batch = None
+        self.step_started = 0.0
+        self.record: dict = {}
+        self.val_loss: float | None = None
+        self.records: list[dict] = []
+        # Megatron-LM's engine of this run, as the last step left it (tests read them).
+        self.ddp_models: list | None = None
+        self.rank_static_bytes: int | None = None
+        self.optimizer = None
+        self.scheduler = None
+        self.device = torch.device("cpu")  # where the allocator is read: the model's
+        self._metrics = None
+
+    # --- model build -------------------------------------------------------------------------
+    def remember_model(self, model_chunks: list) -> list:
+        """Pre-wrap hook: keep this rank's GPTModel, before DDP and Float16Module wrap it."""
+        if len(model_chunks) != 1:
+            raise ConfigError("Adacc plans one model chunk per rank; drop "
+                              "--num-layers-per-virtual-pipeline-stage")
+        self.model = model_chunks[0]
+        return model_chunks
+
+    # --- the step ----------------------------------------------------------------------------
+    def train_step(self, original, forward_step_func, data_iterator, model, optimizer,
+                   *args, **kwargs):
+        iteration = self.args.curr_iteration if hasattr(self.args, "curr_iteration") else 0
+        data_iterator = self._keep_first(data_iterator)
+        if not self.ready:
+            self._setup(model, optimizer, forward_step_func)
+        measure = (self.adacc.activation_bytes is None
+                   or iteration % self.args.activation_measure_interval == 0)
+        from megatron_adacc.profiling import allocator
+
+        self.step_started = time.perf_counter()
+        with allocator.watch(self.device) as peaks, \
+                self.adacc.measure(measure) if self.ready else contextlib.nullcontext():
+            result = original(forward_step_func, data_iterator, model, optimizer,
+                              *args, **kwargs)
+        self.record = {"step_time_s": time.perf_counter() - self.step_started,
+                       "activation_measured": measure}
+        if self.device.type == "cuda":  # the caching allocator's peaks over the step
+            self.record.update(max_memory_allocated=peaks.max_allocated,
+                               max_memory_reserved=peaks.max_reserved)
+        return result
+
+    def _keep_first(self, data_iterator):
+        """The step's iterator, whose first micro-batch is kept for setup and after_step."""
+        if data_iterator is None or isinstance(data_iterator, list):
+            return data_iterator
+        # Megatron-LM wraps the loader in a RerunDataIterator, which must stay the iterator
+        # train_step gets: the peeked micro-batch goes back in front of what it wraps.
+        inner = getattr(data_iterator, "iterable", data_iterator)
+        try:
+            head = next(inner)
+        except StopIteration:
+            return data_iterator
+        self.step_batch = head
+        chained = _put_back(head, inner)
+        if inner is data_iterator:
+            return chained
+        data_iterator.iterable = chained
+        return data_iterator
+
+    def _setup(self, ddp_models: list, optimizer, forward_step_func=None) -> None:
+        from megatron.core import mpu
+
+        from megatron_adacc.profiling import hardware
+
+        self.ready = True
+        self.ddp_models, self.optimizer = ddp_models, optimizer
+        self.device = next(self.model.parameters()).device
+        self.step_batch = self._shared_batch()
+        static = hardware.engine_static_bytes(ddp_models, optimizer)
+        step = hardware.engine_step_bytes(optimizer)
+        self.rank_static_bytes = static  # this rank's; Adacc plans every rank with the most
+        most = torch.tensor([static, step], dtype=torch.int64)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(most, op=dist.ReduceOp.MAX)  # one budget, so every rank plans alike
+        static, step = most.tolist()
+        from megatron.core.num_microbatches_calculator import get_num_microbatches
+
+        loss_fn = (functools.partial(self.loss, forward_step_func)
+                   if forward_step_func is not None else None)
+        from megatron_adacc.planning import InfeasibleBudget
+
+        try:
+            with _no_sync(ddp_models):
+                self.adacc.setup(self.model, batch_tuple(self.step_batch, self.model),
+                                 loss_fn, num_micro_batches=get_num_microbatches(),
+                                 static_bytes=static, optimizer_step_bytes=step)
+        except InfeasibleBudget as exc:  # the flag's budget: one line, exit status 2
+            raise ConfigError(str(exc)) from None
+
+    def loss(self, forward_step_func, model: torch.nn.Module, batch) -> torch.Tensor:
+        """The loss a training step backpropagates for ``batch`` (tokens, labels, loss mask):
+        ``forward_step_func`` under Megatron-LM's schedule, scaled as its backward scales it.
+
+        What it saves for backward is what a step of the loop saves: the loader's position
+        ids and attention mask, the loss function's tensors, the token count and the loss
+        scale, so the profile predicts the bytes the loop keeps. A pipeline stage is profiled
+        alone, as profiler.gpt_loss profiles it: fed stand-in hidden states without the
+        embedding, backpropagating its output's sum without the output layer."""
+        from megatron.core import mpu
+        from megatron.core.num_microbatches_calculator import get_num_microbatches
+        from megatron.core.pipeline_parallel import schedules
+
+        from megatron_adacc.profiling import profiler
+
+        config, last = model.config, mpu.is_pipeline_last_stage()
+        inputs = None if model.pre_process else profiler.stand_in_input(model, batch[0])
+        output, _ = schedules.forward_step(
+            forward_step_func, iter([self.loader_batch(batch)]), model, get_num_microbatches(),
+            inputs, [], config, mpu.get_context_parallel_world_size(), is_last_stage=last)
+        if not last:
+            return output.float().sum()
+        return config.grad_scale_func(output) if config.grad_scale_func is not None else output
+
+    def loader_batch(self, batch) -> dict:
+        """The data loader's micro-batch for ``batch`` (tokens, labels, loss mask): the other
+        fields of this step's micro-batch (position ids, attention mask), cut to its shape
+        when the profiler times a shorter one."""
+        tokens, labels, loss_mask = batch
+        size, length = tokens.shape
+        loader = {"tokens": tokens, "labels": labels, "loss_mask": loss_mask}
+        for key, value in self.step_batch.items():
+            if key in loader:
+                continue
+            if torch.is_tensor(value) and tuple(value.shape[:2]) != (size, length):
+                if key == "attention_mask":  # [batch, 1, seq, seq]
+                    value = value[:size, :, :length, :length].contiguous()
+                elif key == "position_ids":
+                    value = value[:size, :length].contiguous()
+            loader[key] = value.to(tokens.device) if torch.is_tensor(value) else value
+        return loader
+
+    def _shared_batch(self) -> dict:
+        """This step's first micro-batch, on every rank; collective over the tensor-parallel
+        group. Megatron-LM's loader reads data on a group's first rank only: the others get
+        its micro-batch, as its forward step does. A pipeline stage with neither embedding
+        nor output layer may get no data at all: it gets a stand-in of the training shape,
+        the only thing of the batch it reads (the profiler feeds it stand-in hidden
+        states)."""
+        from megatron.core import parallel_state
+
+        batch = self.step_batch
+        if parallel_state.get_tensor_model_parallel_world_size() > 1:
+            box = [batch]
+            dist.broadcast_object_list(
+                box, src=parallel_state.get_tensor_model_parallel_src_rank(),
+                group=parallel_state.get_tensor_model_parallel_group())
+            batch = box[0]
+        if batch is None:
+            shape = (self.args.micro_batch_size, self.args.seq_length)
+            batch = {"tokens": torch.zeros(shape, dtype=torch.long),
+                     "labels": torch.zeros(shape, dtype=torch.long),
+                     "loss_mask": torch.ones(shape)}
+        return batch
+
+    # --- after the step ----------------------------------------------------------------------
+    def readings(self) -> dict:
+        """Adacc's readings for Megatron-LM's log line, in MiB."""
+        out = {}
+        if self.adacc.activation_bytes is not None:
+            out["adacc activation MiB"] = self.adacc.activation_bytes / 2**20
+        predicted = self.ready and self.adacc.predicted_activation_bytes
+        if predicted:
+            out["adacc predicted MiB"] = predicted / 2**20
+        return out
+
+    def training_log(self, original, loss_dict, total_loss_dict, learning_rate, iteration,
+                     loss_scale, report_memory_flag, skipped_iter, grad_norm, *args, **kwargs):
+        for key, value in self.readings().items():
+            loss_dict[key] = torch.tensor(float(value))
+        loss = _from_last_stage(loss_dict.get("lm loss"))
+        self.record.update(
+            iteration=iteration,
+            loss=loss,
+            lr=learning_rate,
+            grad_norm=None if skipped_iter else grad_norm,
+            tokens_per_s=(self.args.global_batch_size * self.args.seq_length
+                          / self.record.get("step_time_s", float("nan"))),
+        )
+        if self.args.fp16 or self.args.loss_scale:
+            self.record.update(loss_scale=float(loss_scale), skipped_iter=int(skipped_iter))
+        return original(loss_dict, total_loss_dict, learning_rate, iteration, loss_scale,
+                        report_memory_flag, skipped_iter, grad_norm, *args, **kwargs)
+
+    def evaluate(self, original, *args, **kwargs):
+        result = original(*args, **kwargs)
+        losses = result[0] if isinstance(result, tuple) else result
+        if isinstance(losses, dict) and "lm loss" in losses:
+            self.val_loss = float(losses["lm loss"])
+        return result
+
+    def after_step(self, original, model, optimizer, opt_param_scheduler, iteration,
+                   *args, **kwargs):
+        result = original(model, optimizer, opt_param_scheduler, iteration, *args, **kwargs)
+        self.ddp_models, self.optimizer, self.scheduler = model, optimizer, opt_param_scheduler
+        # The plan the step ran under; a swap after_step makes applies from the next forward.
+        record = {**self.record, **(self.adacc.metrics() if self.ready else {})}
+        if self.ready:
+            if self.adacc.config.tracks:  # the rectifier samples this step's micro-batch
+                self.step_batch = self._shared_batch()
+            with _no_sync(model):  # the rectifier's samples run backward too
+                record.update(self.adacc.after_step(iteration, batch_tuple(self.step_batch,
+                                                                           self.model)))
+        if self.val_loss is not None:
+            record["val_loss"], self.val_loss = self.val_loss, None
+        self.write(record)
+        return result
+
+    def write(self, record: dict) -> None:
+        self.records.append(record)
+        if not self.args.metrics_file or (dist.is_initialized() and dist.get_rank() != 0):
+            return
+        if self._metrics is None:
+            path = Path(self.args.metrics_file)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self._metrics = open(path, "a" if self.args.iteration else "w")
+        # Strict JSON: NaN and Inf as null.
+        self._metrics.write(json.dumps(_json_safe(record), allow_nan=False) + "\n")
+        self._metrics.flush()
+
+    def close(self) -> None:
+        if self._metrics is not None:
+            self._metrics.close()
+            self._metrics = None
+
+
+def _put_back(head, rest):
+    """``head`` then ``rest``, holding ``head`` no longer than its consumer does."""
+    held = [head]
+    del head
+    yield held.pop()
+    yield from rest
+
+
+def _from_last_stage(loss) -> float | None:
+    """The step's loss, which only the last pipeline stage computes, on every stage (rank 0
+    writes the metrics file); collective over the pipeline group."""
+    from megatron.core import parallel_state
+
+    value = float(loss) if loss is not None else math.nan
+    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+        shared = torch.tensor([value], dtype=torch.float64)
+        dist.broadcast(shared, src=parallel_state.get_pipeline_model_parallel_last_rank(),
+                       group=parallel_state.get_pipeline_model_parallel_group())
+        value = float(shared)
+    return None if loss is None and math.isnan(value) else value
+
+
+def _json_safe(value):
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {key: _json_safe(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(item) for item in value]
+    return value
+
+
+@contextlib.contextmanager
+def _no_sync(ddp_models):
+    """Gradients of throwaway backward passes stay in the buffers the next step clears."""
+    with contextlib.ExitStack() as stack:
+        for chunk in ddp_models if isinstance(ddp_models, list) else [ddp_models]:
+            if hasattr(chunk, "no_sync"):
+                stack.enter_context(chunk.no_sync())
+        yield
+
+
+def batch_tuple(batch: dict, model: torch.nn.Module):
+    """(tokens, labels, loss mask) of a micro-batch from the data loader, on the model's
+    device."""
+    device = next(model.parameters()).device
+    return tuple(batch[key].to(device) for key in ("tokens", "labels", "loss_mask"))
+
+
+_session: Session | None = None
+
+
+def session() -> Session | None:
+    """The running ``pretrain``'s Adacc session (None before ``install``)."""
+    return _session
+
+
+def _torch_norm_block(layer_spec, model_cfg, vp_stage=None):
+    # Without Apex, megatron's local spec norms with WrappedTorchNorm, which asserts under
+    # sequence parallelism and zero-centred gamma: the block's norms become TorchNorms.
+    from megatron_adacc.models import build
+
+    return build.torch_norm_block(model_cfg.transformer, layer_spec, vp_stage)
+
+
+def install(model_cfg, args: argparse.Namespace) -> Session:
+    """Put Adacc into ``model_cfg`` and Megatron-LM's loop for this run; returns its session."""
+    global _session
+    from megatron.training import training
+
+    check_args(args)
+    _session = current = Session(args)
+    if args.transformer_impl == "local":
+        spec = layer_spec(args, current.adacc)
+        if args.sequence_parallel or args.layernorm_zero_centered_gamma:
+            spec = functools.partial(_torch_norm_block, spec)
+        model_cfg.transformer_layer_spec = spec
+    model_cfg.pre_wrap_hooks.append(current.remember_model)
+    for name, method in (("train_step", current.train_step),
+                         ("training_log", current.training_log),
+                         ("evaluate", current.evaluate),
+                         ("post_training_step_callbacks", current.after_step)):
+        original = getattr(training, name)
+        original = getattr(original, "__wrapped_by_adacc__", original)
+        wrapped = functools.partial(method, original)
+        wrapped.__wrapped_by_adacc__ = original
+        setattr(training, name, wrapped)
+    return current

@@ -1,1 +1,0 @@
-"""The training side: Megatron-LM's arguments, data, and the loop behind pretrain_gpt.py."""
