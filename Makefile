@@ -41,10 +41,8 @@ $(STAMP): setup.py
 demo: $(STAMP)
 	$(PY) scripts/demo.py --config configs/demo.yaml
 
-# One pytest worker per core (pytest-xdist); a file's tests stay on one worker, which builds
-# its module fixtures once.
 test: $(STAMP)
-	$(PY) -m pytest -q -p no:cacheprovider -n auto --dist loadfile tests
+	$(PY) -m pytest -q -p no:cacheprovider tests
 
 clean:
 	rm -rf $(VENV) data/ runs/ checkpoints/

@@ -396,11 +396,18 @@ DEFECT_PATCHES = {
 }
 
 
+def megatron_core_version() -> str:
+    """The installed megatron-core distribution's version."""
+    from importlib import metadata
+
+    # Not megatron.core.__version__: it appends the short hash of whatever git checkout the
+    # interpreter runs in (a virtualenv inside a clone, say).
+    return metadata.version("megatron-core")
+
+
 def apply(force_cpu_shims: bool = False) -> list[str]:
     """Install the patches this process needs; idempotent. Returns the names applied."""
-    import megatron.core
-
-    version = getattr(megatron.core, "__version__", "unknown")
+    version = megatron_core_version()
     if version != TARGET_MEGATRON_CORE and not _applied:
         warnings.warn(
             f"megatron-adacc's patches target megatron-core {TARGET_MEGATRON_CORE}, "

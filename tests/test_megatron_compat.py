@@ -294,3 +294,14 @@ def test_a_rerun_checkpoint_is_still_asked_for_without_save():
     from megatron_adacc import megatron_compat
 
     assert megatron_compat._rerun_checkpoint_ignores_save()
+
+
+def test_the_target_version_is_the_installed_distributions(monkeypatch):
+    import megatron.core
+
+    from megatron_adacc import megatron_compat
+
+    # megatron.core.__version__ inside a git checkout (a virtualenv in a clone of this repo)
+    monkeypatch.setattr(megatron.core, "__version__", "0.19.2+6dc3245")
+    assert megatron_compat.megatron_core_version() == megatron_compat.TARGET_MEGATRON_CORE
+
