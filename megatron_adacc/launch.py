@@ -132,9 +132,12 @@ def parse(argv: Sequence[str], prog: str = "pretrain_gpt.py") -> argparse.Namesp
         raise ConfigError(f"argument {flag}: invalid choice: {value!r}") from None
     finally:
         sys.argv = saved
-    megatron_compat.cpu_arg_defaults(args)
+    off = megatron_compat.kernel_arg_defaults(args)
     if not torch.cuda.is_available():
         args.distributed_backend = "gloo"
+    elif off and int(os.environ.get("RANK", "0")) == 0:
+        print(f"{prog}: no fused kernel installed for {', '.join(off)}: megatron-core's "
+              "plain path runs them", file=sys.stderr, flush=True)
     if args.lr is None:  # Megatron-LM would pass it on to torch's AdamW, which raises TypeError
         raise ConfigError("--lr is required: Megatron-LM has no default learning rate")
     _check_profile(args)

@@ -539,28 +539,58 @@ def _dataset_helpers_without_makefile() -> bool:
             and not (Path(utils.__file__).parent / "Makefile").exists())
 
 
-# Megatron-LM's defaults that name a GPU-only kernel (apex, Transformer Engine, torch.compile
-# through a C++ toolchain): off on a host, where megatron-core has a plain path for each.
-CPU_ARG_DEFAULTS = {
-    "gradient_accumulation_fusion": False,   # apex's fused wgrad
-    "no_persist_layer_norm": True,           # apex's persistent layer norm
-    "masked_softmax_fusion": False,          # megatron's CUDA softmax kernels
-    "apply_rope_fusion": False,              # Transformer Engine's / apex's RoPE
-    "bias_gelu_fusion": False,               # torch.compile, minutes of inductor on a host
+# Megatron-LM's defaults that name a kernel outside megatron-core, each with the modules that
+# provide it (any one will do). Where none is importable (always on a host), the default is
+# set to megatron-core's plain path: Megatron-LM itself would assert or fail at the first
+# forward, although the run needs none of them.
+KERNEL_ARG_DEFAULTS = {
+    "gradient_accumulation_fusion": (False, ("fused_weight_gradient_mlp_cuda",
+                                             "transformer_engine"), "gradient accumulation"),
+    "no_persist_layer_norm": (True, ("apex.contrib.layer_norm.layer_norm",),
+                              "persistent layer norm"),
+    "masked_softmax_fusion": (False, ("scaled_upper_triang_masked_softmax_cuda",),
+                              "masked softmax"),
+    "apply_rope_fusion": (False, ("transformer_engine",), "RoPE"),
+}
+# On a host also torch.compile's fusions (minutes of inductor building C++) and device
+# initialisation, which would make parameters on "cuda".
+HOST_ARG_DEFAULTS = {
+    "bias_gelu_fusion": False,
     "bias_swiglu_fusion": False,
     "bias_dropout_fusion": False,
     "cross_entropy_loss_fusion": False,
-    "use_cpu_initialization": True,          # else parameters are made on "cuda"
+    "use_cpu_initialization": True,
 }
 
 
-def cpu_arg_defaults(args) -> None:
-    """On a host, turn off Megatron-LM's defaults that only a GPU can run."""
-    if torch.cuda.is_available():
-        return
-    for name, value in CPU_ARG_DEFAULTS.items():
-        if hasattr(args, name):
+def _importable(module: str) -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a parent package is missing
+        return False
+
+
+def kernel_arg_defaults(args) -> list[str]:
+    """Turn off Megatron-LM's defaults whose kernels are not installed (all GPU-only ones on
+    a host).
+
+    Returns:
+        What each changed default's kernel does, for a GPU run to report.
+    """
+    host = not torch.cuda.is_available()
+    changed = []
+    for name, (value, providers, label) in KERNEL_ARG_DEFAULTS.items():
+        if hasattr(args, name) and (host or not any(map(_importable, providers))):
+            if getattr(args, name) != value:
+                changed.append(label)
             setattr(args, name, value)
+    if host:
+        for name, value in HOST_ARG_DEFAULTS.items():
+            if hasattr(args, name):
+                setattr(args, name, value)
+    return changed
 
 
 def _cpu_eager_fusions() -> None:

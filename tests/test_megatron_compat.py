@@ -305,3 +305,22 @@ def test_the_target_version_is_the_installed_distributions(monkeypatch):
     monkeypatch.setattr(megatron.core, "__version__", "0.19.2+6dc3245")
     assert megatron_compat.megatron_core_version() == megatron_compat.TARGET_MEGATRON_CORE
 
+
+
+def test_megatron_lms_fused_kernel_defaults_follow_what_is_installed(monkeypatch):
+    # Megatron-LM defaults to apex's and Transformer Engine's kernels; on a GPU without them
+    # its run asserts (persist_layer_norm), raises (apply_rope_fusion) or fails at the first
+    # forward (the compiled masked softmax). Each is turned off only where it is missing.
+    from megatron_adacc import megatron_compat
+    from pretrain_helpers import parse
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(megatron_compat, "_importable", lambda module: False)
+    args = parse("--position-embedding-type", "rope")
+    assert (args.gradient_accumulation_fusion, args.no_persist_layer_norm,
+            args.masked_softmax_fusion, args.apply_rope_fusion) == (False, True, False, False)
+    assert args.bias_gelu_fusion and not args.use_cpu_initialization   # torch.compile's: kept
+    monkeypatch.setattr(megatron_compat, "_importable", lambda module: True)
+    args = parse("--position-embedding-type", "rope")
+    assert (args.gradient_accumulation_fusion, args.no_persist_layer_norm,
+            args.masked_softmax_fusion, args.apply_rope_fusion) == (True, False, True, True)
