@@ -502,14 +502,19 @@ class Adacc:
     @property
     def predicted_step_time_s(self) -> float | None:
         """The forward and backward of a step under the current plan, as the cost model
-        predicts it (auto policies without pipeline stages; None otherwise)."""
+        predicts it, plus the overhead the step watch measured (auto policies without
+        pipeline stages; None otherwise)."""
         if self.result is None or policies.pipeline_stage()[1] > 1:
             return None
         # Asked for at every step's record: evaluated once per plan and costs.
         cached = self._predicted_step
         if cached is None or cached[0] != self.plan_id or cached[1] is not self.costs:
-            self._predicted_step = cached = (self.plan_id, self.costs, watching.predicted_step_s(
-                self.costs, self.result, self._micro_batches))
+            predicted = watching.predicted_step_s(self.costs, self.result, self._micro_batches)
+            if predicted is not None and self._watch is not None:
+                # what re-timing found a step spends outside the modelled work (a retime
+                # refreshes the costs too, so the cache is renewed with it)
+                predicted += self._watch.overhead_s
+            self._predicted_step = cached = (self.plan_id, self.costs, predicted)
         return cached[2]
 
     @property

