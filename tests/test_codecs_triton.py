@@ -24,6 +24,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
 from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
@@ -344,3 +345,28 @@ def test_the_work_counter_sees_kernels_and_ops():
     with gpu_work() as (launches, ops):
         codecs.get("sym_int4", backend="triton").encode(x)
     assert launches == ["_sym_encode"] and ops == []
+
+
+@given(st.integers(min_value=1, max_value=2**40), st.integers(min_value=1, max_value=2**20))
+@settings(max_examples=300, deadline=None)
+def test_host_side_geometry_arithmetic_is_tritons(n, d):
+    # The wrappers size launches with plain-Python twins of triton.next_power_of_2 and
+    # triton.cdiv (Triton 3.6's are constexpr functions costing microseconds a host call).
+    from megatron_adacc.codecs.triton import launch
+
+    assert launch.next_power_of_2(n) == triton.next_power_of_2(n)
+    assert launch.cdiv(n, d) == triton.cdiv(n, d)
+
+
+def test_codec_calls_never_reach_tritons_constexpr_helpers(monkeypatch):
+    # Every codec's round trip sizes its launches without triton.next_power_of_2/cdiv (what
+    # made a round trip's host path about twice as long).
+    def refuse(*args, **kwargs):
+        raise AssertionError("a codec called a Triton constexpr helper on the host")
+
+    monkeypatch.setattr(triton, "next_power_of_2", refuse)
+    monkeypatch.setattr(triton, "cdiv", refuse)
+    x = torch.randn(6, 64, 96, dtype=torch.bfloat16)
+    for name in codecs.NAMES:
+        codec = codecs.get(name, backend="triton")
+        codec.decode(codec.encode(x if name != "bitmask" else x > 0))

@@ -6,8 +6,8 @@ import triton
 import triton.language as tl
 
 from megatron_adacc.codecs.int4 import MIN_SCALE, dtype_max
-from megatron_adacc.codecs.triton.launch import (FP_FUSION, bits_view, needs_int64, row_tile,
-                                                 tl_dtype)
+from megatron_adacc.codecs.triton.launch import (FP_FUSION, bits_view, needs_int64,
+                                                 next_power_of_2, row_tile, tl_dtype)
 from megatron_adacc.codecs.triton.numerics import (bf16_bits_to_float, ceil_to_bf16, load_float,
                                                    non_finite, saturate, scale_bits, to_output)
 
@@ -70,7 +70,7 @@ def _asym_decode(packed_ptr, scale_ptr, offset_ptr, out_ptr, rows, width, dmax,
 def asym_encode(x2d: torch.Tensor):
     """-> (packed codes, bf16 scales, offsets in x2d's dtype) of contiguous [groups, width]."""
     rows, width = x2d.shape
-    tile = row_tile(rows, width, triton.next_power_of_2(width))
+    tile = row_tile(rows, width, next_power_of_2(width))
     packed = torch.empty(rows * width // 2, dtype=torch.uint8, device=x2d.device)
     scales = torch.empty(rows, dtype=torch.bfloat16, device=x2d.device)
     offsets = torch.empty(rows, dtype=x2d.dtype, device=x2d.device)
@@ -87,7 +87,7 @@ def asym_decode(packed: torch.Tensor, scales: torch.Tensor, offsets: torch.Tenso
     """The decoded [groups, width] of ``dtype``."""
     rows, width = shape2d
     out = torch.empty(shape2d, dtype=dtype, device=packed.device)
-    tile = row_tile(rows, width, triton.next_power_of_2(width))
+    tile = row_tile(rows, width, next_power_of_2(width))
     _asym_decode[tile.grid](
         packed, scales.view(torch.int16), bits_view(offsets), bits_view(out), rows, width,
         dtype_max(dtype), OUT_BF16=dtype == torch.bfloat16, out_dtype=tl_dtype(dtype),

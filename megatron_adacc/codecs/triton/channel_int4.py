@@ -15,8 +15,8 @@ import triton
 import triton.language as tl
 
 from megatron_adacc.codecs.int4 import MIN_SCALE, dtype_max
-from megatron_adacc.codecs.triton.launch import (FP_FUSION, INTERPRET, bits_view, needs_int64,
-                                                 row_tile, tl_dtype)
+from megatron_adacc.codecs.triton.launch import (FP_FUSION, INTERPRET, bits_view, cdiv,
+                                                 needs_int64, row_tile, tl_dtype)
 from megatron_adacc.codecs.triton.numerics import (bf16_bits_to_float, load_float, non_finite,
                                                    saturate, scale_bits, sym_codes, sym_scale,
                                                    to_output)
@@ -136,8 +136,8 @@ def channel_encode(x2d: torch.Tensor):
     tile = row_tile(rows, channels, 2)  # columns: channels, in blocks
     col_blocks = tile.grid[1]
     chunks = min(tile.grid[0], STAT_CHUNKS)
-    chunk_rows = triton.cdiv(triton.cdiv(rows, chunks), tile.rows) * tile.rows
-    chunks = triton.cdiv(rows, chunk_rows)
+    chunk_rows = cdiv(cdiv(rows, chunks), tile.rows) * tile.rows
+    chunks = cdiv(rows, chunk_rows)
     device = x2d.device
     counter = torch.zeros(2, dtype=torch.int32, device=device)
     lo = torch.empty(chunks, channels, dtype=torch.float32, device=device)

@@ -8,11 +8,13 @@ interpreter pays milliseconds per program instance, and num_warps means nothing 
 """
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
 import torch
 import triton
+import triton.language as tl
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # Encoders compute x * (1 / scale) + bias with two roundings, as the reference does; a fused
@@ -47,6 +49,17 @@ class Tile:
     num_warps: int
 
 
+def next_power_of_2(n: int) -> int:
+    """triton.next_power_of_2 in plain Python: Triton 3.6's is a constexpr function whose
+    host call costs microseconds, paid on every codec call."""
+    return 1 << (n - 1).bit_length() if n > 1 else 1
+
+
+def cdiv(a: int, b: int) -> int:
+    """triton.cdiv in plain Python (see next_power_of_2)."""
+    return -(-a // b)
+
+
 def _tile_elements() -> int:
     return INTERPRET_TILE if INTERPRET else GPU_TILE
 
@@ -57,25 +70,29 @@ def warps_for(elements: int) -> int:
     return min(max(elements // (ELEMENTS_PER_THREAD * WARP), 4), MAX_WARPS)
 
 
+# Tiles depend on the shape alone, and a training step asks for the same few thousands of
+# times: cached, they cost a dictionary lookup on the codecs' host path.
+@functools.lru_cache(maxsize=4096)
 def row_tile(rows: int, width: int, group: int) -> Tile:
     """The tile of a kernel reducing groups of ``group`` consecutive elements of rows
     ``width`` wide (``group`` divides ``width``, or is ``width``'s power-of-two ceiling: a whole
     row a group). Columns: the row, cut into blocks of whole groups at most MAX_BLOCK_COLS
     wide unless a group is wider; rows: as many as fill the tile."""
-    cols = triton.next_power_of_2(width)
+    cols = next_power_of_2(width)
     if group < cols:
         cols = max(group, min(cols, MAX_BLOCK_COLS))
-    block_rows = max(1, min(_tile_elements() // cols, triton.next_power_of_2(rows)))
-    grid = (triton.cdiv(rows, block_rows), triton.cdiv(width, cols))
+    block_rows = max(1, min(_tile_elements() // cols, next_power_of_2(rows)))
+    grid = (cdiv(rows, block_rows), cdiv(width, cols))
     return Tile(block_rows, cols, grid, warps_for(block_rows * cols))
 
 
+@functools.lru_cache(maxsize=4096)
 def flat_tile(numel: int, granule: int = 1) -> Tile:
     """A 1-D tile over ``numel`` elements in whole granules (a byte's 8 mask flags): rows of
     granules, one column block."""
-    granules = triton.cdiv(numel, granule)
-    rows = max(1, min(_tile_elements() // granule, triton.next_power_of_2(granules)))
-    return Tile(rows, granule, (triton.cdiv(granules, rows), 1), warps_for(rows * granule))
+    granules = cdiv(numel, granule)
+    rows = max(1, min(_tile_elements() // granule, next_power_of_2(granules)))
+    return Tile(rows, granule, (cdiv(granules, rows), 1), warps_for(rows * granule))
 
 
 def needs_int64(*extents: int) -> bool:
@@ -90,8 +107,9 @@ def bits_view(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int16) if t.dtype == torch.bfloat16 else t
 
 
+_TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.int16}
+
+
 def tl_dtype(dtype: torch.dtype):
     """Triton element type a kernel writes for `dtype` (bf16 as int16 bits, see bits_view)."""
-    import triton.language as tl
-
-    return {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.int16}[dtype]
+    return _TL_DTYPES[dtype]

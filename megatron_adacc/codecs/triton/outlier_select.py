@@ -13,7 +13,7 @@ import triton.language as tl
 
 from megatron_adacc.codecs.int4 import EMPTY_SLOT, INDEX_DTYPE
 from megatron_adacc.codecs.outlier import statistics_step
-from megatron_adacc.codecs.triton.launch import (FP_FUSION, bits_view, needs_int64, row_tile,
+from megatron_adacc.codecs.triton.launch import (FP_FUSION, bits_view, cdiv, needs_int64, row_tile,
                                                  warps_for)
 from megatron_adacc.codecs.triton.numerics import load_float
 
@@ -91,13 +91,13 @@ def outlier_select(x2d: torch.Tensor, threshold: float, capacity: int):
     outlier.outlier_select, of x2d [rows, channels] (rows a stride apart, channels dense)."""
     rows, channels = x2d.shape
     step = statistics_step(rows)
-    sample_rows = triton.cdiv(rows, step)
+    sample_rows = cdiv(rows, step)
     tile = row_tile(sample_rows, STATISTICS_COLS, STATISTICS_COLS)
     sums = torch.empty(channels, dtype=torch.float64, device=x2d.device)
     ticket = torch.zeros(1, dtype=torch.int32, device=x2d.device)
     selected = torch.empty(channels, dtype=torch.bool, device=x2d.device)
     index = torch.empty(capacity, dtype=INDEX_DTYPE, device=x2d.device)
-    grid = (triton.cdiv(channels, STATISTICS_COLS),)
+    grid = (cdiv(channels, STATISTICS_COLS),)
     _outlier_select[grid](
         bits_view(x2d), sums, ticket, selected.view(torch.int8), index, channels, x2d.stride(0),
         step, sample_rows, capacity, threshold, IN_BF16=x2d.dtype == torch.bfloat16,

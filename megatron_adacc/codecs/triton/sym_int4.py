@@ -16,7 +16,7 @@ import triton.language as tl
 
 from megatron_adacc.codecs.int4 import MIN_SCALE, dtype_max
 from megatron_adacc.codecs.triton.launch import (FP_FUSION, Tile, bits_view, needs_int64,
-                                                 row_tile, tl_dtype)
+                                                 next_power_of_2, row_tile, tl_dtype)
 from megatron_adacc.codecs.triton.numerics import (bf16_bits_to_float, non_finite, saturate,
                                                    scale_bits, sym_codes, sym_scale, to_output,
                                                    widen)
@@ -196,7 +196,7 @@ class Layout:
 
     def __init__(self, rows: int, width: int, stride: int, group: int | None = None):
         self.rows, self.width, self.stride = rows, width, stride
-        self.group = triton.next_power_of_2(width) if group is None else group
+        self.group = next_power_of_2(width) if group is None else group
         self.row_groups = 1 if group is None else width // group
         self.tile = row_tile(rows, width, self.group)
         # A decode holds no group statistics: a row-wide group's rows decode in column blocks.
@@ -206,7 +206,7 @@ class Layout:
 
 
 def _capacity_block(capacity: int) -> int:
-    return triton.next_power_of_2(max(capacity, 1))
+    return next_power_of_2(max(capacity, 1))
 
 
 def _exact_rows(tile: Tile, width: int, channels: int) -> int:
@@ -214,7 +214,7 @@ def _exact_rows(tile: Tile, width: int, channels: int) -> int:
     where flat groups cross the rows (CHANNEL_MOD), the rows its element range spans."""
     if channels == width:
         return tile.rows
-    return triton.next_power_of_2(-(-tile.rows * width // channels) + 1)
+    return next_power_of_2(-(-tile.rows * width // channels) + 1)
 
 
 def _exact_channels(exact, unused: torch.Tensor, layout: Layout):
