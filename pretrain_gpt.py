@@ -13,7 +13,6 @@ interrupted (Ctrl-C; 143 on SIGTERM).
 from __future__ import annotations
 
 import logging
-import os
 import sys
 import warnings
 

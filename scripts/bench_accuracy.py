@@ -21,7 +21,6 @@ training from it (--load) to --iters with every method. Published as accuracy_st
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import os
 import shutil

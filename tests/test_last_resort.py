@@ -10,7 +10,7 @@ from megatron_adacc.profiling.profiler import profile
 from megatron_adacc.rectifier import Rectifier
 from megatron_adacc.planning import format_plan
 from megatron_adacc.runtime import apply_plan, measure_step
-from megatron_adacc.common.sites import COMPRESS, OUTLIER_CODEC, QUANTIZE_CODEC
+from megatron_adacc.common.sites import COMPRESS, QUANTIZE_CODEC
 from megatron_adacc.common.units import format_size
 
 from runtime_helpers import batch, build, loss_of

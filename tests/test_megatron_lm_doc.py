@@ -4,7 +4,6 @@ import json
 import re
 from pathlib import Path
 
-import pytest
 
 from pretrain_helpers import PRETRAIN, ROOT, TINY, losses, run, train
 

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megatron_adacc import Adacc, AdaccConfig, planning, step_watch
+from megatron_adacc import Adacc, AdaccConfig, step_watch
 from megatron_adacc.common.plan import Decision
 from megatron_adacc.common.sites import COMPRESS, RECOMPUTE
 from megatron_adacc.models import build as model_lib

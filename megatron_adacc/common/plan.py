@@ -245,7 +245,7 @@ class Plan:
         layers: dict[tuple[int, int], dict[str, Decision]] = {}
         raw_layers = data.get("layers") or {}
         if not isinstance(raw_layers, Mapping):
-            raise PlanError(f"layers: expected a mapping of layer range -> {{sites: ...}}")
+            raise PlanError("layers: expected a mapping of layer range -> {sites: ...}")
         for key, body in raw_layers.items():
             span = _parse_layer_range(key)
             for other in layers:

@@ -197,7 +197,7 @@ def _draw_earlier_stages(config, spec, vocab_size: int, max_sequence_length: int
     earlier = get_transformer_layer_offset(config)
     one_stage = dataclasses.replace(config, num_layers=earlier, pipeline_model_parallel_size=1)
     if isinstance(spec, TransformerBlockSubmodules):  # one stage's layers: rebuild for all
-        spec = _sequence_parallel_block(one_stage, spec.layer_specs[0])
+        spec = torch_norm_block(one_stage, spec.layer_specs[0])
     _gpt_model(one_stage, spec, vocab_size, max_sequence_length, True, False, embedding)
 
 

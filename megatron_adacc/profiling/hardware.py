@@ -740,12 +740,12 @@ def _site_costs(shape: ModelShape, micro_batch_size: int, device: Accelerator
         if known.shared:  # non-layer memory (shared_activation_bytes); its forward time
             continue      # counts toward the sites after it
         full, dtype = formula.bytes(d), formula.dtype(d)
-        codecs = ()
+        site_codecs = ()
         if known.default_codec is not None:
             encoded = formula.encoded_elements(d)
             payload = codec_payload_bytes(known.default_codec, encoded, dtype,
                                           formula.channels(d))
-            codecs = (_codec_cost(known.default_codec, encoded * formula.element_bytes(d),
+            site_codecs = (_codec_cost(known.default_codec, encoded * formula.element_bytes(d),
                                   payload, device.memory_bandwidth,
                                   outlier_capacity(known.default_codec, formula.channels(d))),)
         edge = site_table.REBUILT_BY.get(name)
@@ -756,7 +756,7 @@ def _site_costs(shape: ModelShape, micro_batch_size: int, device: Accelerator
             dtype=dtype,
             rebuild_s=0.0 if operator else rebuild_s,
             segment=None if operator else known.segment,
-            codecs=codecs,
+            codecs=site_codecs,
             operator=operator,
         ))
     return sites, tuple(operators)

@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import contextlib
 import statistics
-import time
 from dataclasses import dataclass, replace
 from typing import Callable, Iterable, Sequence
 

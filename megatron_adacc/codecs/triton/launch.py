@@ -13,7 +13,6 @@ import os
 from dataclasses import dataclass
 
 import torch
-import triton
 import triton.language as tl
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
