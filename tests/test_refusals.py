@@ -308,3 +308,19 @@ def test_the_pipeline_size_field_names_its_own_flag():
                                "(--pipeline-model-parallel-size) takes an integer, got 2.0")
     with pytest.raises(ValueError, match="^--pipeline-model-parallel-size must be positive$"):
         AdaccConfig(pipeline_model_parallel_size=0)
+
+
+def test_the_in_house_builder_refuses_pipeline_stages():
+    # Pipeline stages come from Megatron-LM's model provider; models.build builds whole
+    # models for benchmarks, examples and tests, and says where stages are built.
+    from megatron_adacc.models import build
+
+    config = build.build_transformer_config(num_layers=2, hidden_size=32,
+                                            num_attention_heads=4,
+                                            pipeline_model_parallel_size=2,
+                                            pipeline_dtype=torch.float32)
+    with pytest.raises(ValueError) as info:
+        build.build_gpt_model(config, 64, 16)
+    assert str(info.value) == ("build_gpt_model builds a whole model; train pipeline stages "
+                               "with pretrain_gpt.py, whose model provider builds each rank's "
+                               "stage")

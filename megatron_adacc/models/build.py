@@ -78,14 +78,6 @@ def shutdown_distributed() -> None:
         dist.destroy_process_group()
 
 
-def pipeline_stage() -> tuple[bool, bool]:
-    """(first stage, last stage) of this rank's pipeline stage: the first holds the
-    embedding and reads tokens, the last the output layer and the loss."""
-    from megatron.core import parallel_state
-
-    return parallel_state.is_pipeline_first_stage(), parallel_state.is_pipeline_last_stage()
-
-
 def collective_device(group=None) -> torch.device:
     """Where a tensor for a collective on ``group`` must live: NCCL reduces only CUDA
     tensors (megatron puts its scalars on torch.cuda.current_device()), gloo host ones."""
@@ -127,17 +119,16 @@ def build_gpt_model(config, vocab_size: int, max_sequence_length: int, layer_spe
     """megatron-core GPTModel built from `layer_spec`, by default megatron-core's local spec
     with `attention_backend`'s core attention (see attention.py); its positions and output
     layer are `embedding`'s (default GPT-2's: learned absolute positions, tied output
-    layer). With pipeline stages (config.pipeline_model_parallel_size > 1) it is this rank's
-    stage: megatron's own split of the layers, the embedding on the first stage, the output
-    layer (megatron's copy of a tied word embedding) on the last. Under sequence parallelism
-    or zero-centred gamma the norms are `TorchNorm`s (megatron's torch norm asserts there)."""
+    layer). Under sequence parallelism or zero-centred gamma the norms are `TorchNorm`s
+    (megatron's torch norm asserts there). One whole model: pipeline stages are built by
+    Megatron-LM's model provider (pretrain_gpt.py)."""
+    if config.pipeline_model_parallel_size > 1:
+        raise ValueError("build_gpt_model builds a whole model; train pipeline stages with "
+                         "pretrain_gpt.py, whose model provider builds each rank's stage")
     spec = layer_spec if layer_spec is not None else local_layer_spec(attention_backend)
     if config.sequence_parallel or config.layernorm_zero_centered_gamma:
         spec = torch_norm_block(config, spec)
-    first, last = pipeline_stage() if config.pipeline_model_parallel_size > 1 else (True, True)
-    if not first and config.use_cpu_initialization:
-        _draw_earlier_stages(config, spec, vocab_size, max_sequence_length, embedding)
-    model = _gpt_model(config, spec, vocab_size, max_sequence_length, first, last, embedding)
+    model = _gpt_model(config, spec, vocab_size, max_sequence_length, embedding)
     if config.bf16 or config.fp16:
         # megatron's Float16Module does the same: every parameter (position embedding and
         # layernorms included) in 16 bits, so activations stay 16-bit from the embedding on.
@@ -168,8 +159,8 @@ def torch_norm_block(config, layer_spec, vp_stage: int | None = None):
         layer_norm=TorchNorm)
 
 
-def _gpt_model(config, spec, vocab_size: int, max_sequence_length: int, pre_process: bool,
-               post_process: bool, embedding: EmbeddingOptions):
+def _gpt_model(config, spec, vocab_size: int, max_sequence_length: int,
+               embedding: EmbeddingOptions):
     from megatron.core.models.gpt import GPTModel
 
     return GPTModel(
@@ -177,28 +168,8 @@ def _gpt_model(config, spec, vocab_size: int, max_sequence_length: int, pre_proc
         spec,
         vocab_size=vocab_size,
         max_sequence_length=max_sequence_length,
-        pre_process=pre_process,
-        post_process=post_process,
         **embedding.gpt_model_kwargs(),
     )
-
-
-def _draw_earlier_stages(config, spec, vocab_size: int, max_sequence_length: int,
-                         embedding: EmbeddingOptions) -> None:
-    """Draw, and throw away, the initial weights of the embedding and of the layers before
-    this stage, so this stage's layers take the random numbers they take in one process:
-    every pipeline split starts from the weights PP=1 starts from (CPU initialisation
-    draws every weight from the default generator, one module after another)."""
-    import dataclasses
-
-    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
-    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
-
-    earlier = get_transformer_layer_offset(config)
-    one_stage = dataclasses.replace(config, num_layers=earlier, pipeline_model_parallel_size=1)
-    if isinstance(spec, TransformerBlockSubmodules):  # one stage's layers: rebuild for all
-        spec = torch_norm_block(one_stage, spec.layer_specs[0])
-    _gpt_model(one_stage, spec, vocab_size, max_sequence_length, True, False, embedding)
 
 
 def gpt_loss(model, tokens: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor):
