@@ -168,3 +168,13 @@ def test_accuracy_stress_resumes_every_method_from_scaled_gains(tmp_path):
     # two LayerNorms a layer, each stacked over the layers
     assert stress["tensors"] == ["decoder.layers.mlp.linear_fc1.layer_norm_weight",
                                  "decoder.layers.self_attention.linear_qkv.layer_norm_weight"]
+
+
+def test_codec_host_time_covers_every_codec(tmp_path):
+    from megatron_adacc import codecs
+
+    _run("bench_codec_host.py", "--shape", "2", "64", "128", "--calls", "5",
+         "--out", str(tmp_path / "h.json"))
+    data = json.loads((tmp_path / "h.json").read_text())
+    assert [r["codec"] for r in data["rows"]] == list(codecs.NAMES)
+    assert all(r["host_us"] > 0 for r in data["rows"])
