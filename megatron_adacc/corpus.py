@@ -138,7 +138,8 @@ def _bible_chapters() -> tuple[list[str], list[str]]:
     train, valid = [], []
     for (book, chapter), verses in chapters.items():
         text = f"{book} {chapter}\n" + "\n".join(verses) + "\n"
-        (valid if books.index(book) % _VALID_BOOK_STRIDE == _VALID_BOOK_STRIDE - 1 else train).append(text)
+        (valid if books.index(book) % _VALID_BOOK_STRIDE == _VALID_BOOK_STRIDE - 1
+         else train).append(text)
     return train, valid
 
 

@@ -19,7 +19,8 @@ layer: every policy keeps it (compressing or rebuilding it per layer would cost 
 
 ``auto`` plans with each site's designated codec and exact rebuild sources (no recomputed site
 rebuilt from a compressed value: a re-run's start, or an operator's source such as gelu_in for
-gelu_out): a rebuild from a lossy layer_in or ln2_in would change every rebuilt value. Its last resort: when no plan with the designated codecs fits the budget, it plans
+gelu_out): a rebuild from a lossy layer_in or ln2_in would change every rebuilt value. Its last
+resort: when no plan with the designated codecs fits the budget, it plans
 again with the quantize baseline's per-token INT4 (sites.QUANTIZE_CODEC) added to the options
 of each floating-point site where it keeps fewer bytes than the designated codec. Per-token
 INT4 separates no outliers, so its payload is smaller and it fits micro-batches the

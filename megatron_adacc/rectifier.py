@@ -14,8 +14,8 @@ outlier count over the layers; its payload never depends on the data). Tracking 
 outliers (reading the count is a host sync, but tracking runs between steps); where more
 channels are outliers than the capacity holds, the site's capacity is raised to the count
 (capacities never shrink: that would trade accuracy back for bytes on one batch's word),
-its payload grows with it, and a plan using the old capacity is swapped ("capacity"). It decides; the trainer
-applies the swap with ``apply_plan`` between steps; the planner plans.
+its payload grows with it, and a plan using the old capacity is swapped ("capacity"). It
+decides; the trainer applies the swap with ``apply_plan`` between steps; the planner plans.
 
 Beyond the paper:
 - a jump in a tracked site's compression rate resets the backoff to frequent tracking;
@@ -106,7 +106,8 @@ class SiteStats:
     capacity: int | None = None        # exact channels the site's payload keeps from now on
 
 
-def site_stats(sample: profiler.SiteSample, full_bytes: int, capacity: int | None = None) -> SiteStats:
+def site_stats(sample: profiler.SiteSample, full_bytes: int,
+               capacity: int | None = None) -> SiteStats:
     """Statistics of the tensors the runtime handed a site's codec, with that codec.
 
     Args:

@@ -51,7 +51,8 @@ STRESS_GAIN_RANGE = (10.0, 30.0)
 
 def parse() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="minutes: 2 layers, 60 steps (--stress: 80), 1 seed")
+    parser.add_argument("--quick", action="store_true",
+                        help="minutes: 2 layers, 60 steps (--stress: 80), 1 seed")
     parser.add_argument("--seeds", type=int, nargs="*")
     parser.add_argument("--iters", type=int)
     parser.add_argument("--budget-fractions", type=float, nargs="*",
@@ -240,7 +241,8 @@ def main() -> None:
             if (base is None or r["seed"] != seed or r.get("failed") or base.get("failed")
                     or r["policy"] == "pretrain"):
                 continue
-            r["gap_pct"] = 100 * (r["final_val_loss"] - base["final_val_loss"]) / base["final_val_loss"]
+            r["gap_pct"] = (100 * (r["final_val_loss"] - base["final_val_loss"])
+                            / base["final_val_loss"])
             if r["policy"] != "none":
                 gaps.setdefault(r["tag"], []).append(r["gap_pct"])
     auto_gaps = [g for tag, values in gaps.items() if tag.startswith("auto@") for g in values]

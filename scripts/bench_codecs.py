@@ -1,6 +1,7 @@
 """Benchmark the activation codecs: size, error and speed against a plain copy.
 
-    python scripts/bench_codecs.py [--out bench_results/codecs.json] [--quick] [--backends native] [--threads 1]
+    python scripts/bench_codecs.py [--out bench_results/codecs.json] [--quick] [--backends native]
+        [--threads 1]
 
 Inputs: (a) every tensor a tiny megatron-core GPT saves for backward, captured after some
 AdamW steps on the KJV text (byte-level tokens), each named by the module running when it was
@@ -52,14 +53,16 @@ def kjv_bytes() -> torch.Tensor:
     return torch.frombuffer(bytearray(text.encode("utf-8")), dtype=torch.uint8).long()
 
 
-def captured_activations(train_steps: int, batch: int, seq: int, seed: int) -> dict[str, torch.Tensor]:
+def captured_activations(train_steps: int, batch: int, seq: int,
+                         seed: int) -> dict[str, torch.Tensor]:
     """Every tensor saved for backward in one training step of a tiny GPT, after training it."""
     from megatron_adacc.models import build as gpt
 
     gpt.init_distributed()
     gpt.set_seed(seed)
     config = gpt.build_transformer_config(
-        num_layers=2, hidden_size=128, num_attention_heads=4, hidden_dropout=0.1, attention_dropout=0.1
+        num_layers=2, hidden_size=128, num_attention_heads=4, hidden_dropout=0.1,
+        attention_dropout=0.1
     )
     net = gpt.build_gpt_model(config, vocab_size=256, max_sequence_length=seq)
     optimizer = torch.optim.AdamW(net.parameters(), lr=1e-3)
@@ -157,7 +160,8 @@ def paired_round_trip(times: dict[str, list[tuple[float, float]]], clock: int) -
     of a shared machine slows the whole round, not one side of the ratio. clock 0: wall, 1:
     CPU (the process's; with one thread, time spent descheduled by other jobs does not count)."""
     return statistics.median(copy[clock] / (enc[clock] + dec[clock])
-                             for enc, dec, copy in zip(times["encode"], times["decode"], times["copy"]))
+                             for enc, dec, copy in zip(times["encode"], times["decode"],
+                                                       times["copy"]))
 
 
 def measure(codec, x: torch.Tensor, reps: int) -> dict | None:
@@ -192,9 +196,11 @@ def measure(codec, x: torch.Tensor, reps: int) -> dict | None:
         "clone_gbps": in_bytes / t["clone"] / 1e9,
         "roundtrip_per_copy_paired": paired_round_trip(times, 0),
         "roundtrip_per_copy_cpu": paired_round_trip(times, 1),
-        "outlier_channels": int((payload.tensors["outlier_index"] >= 0).sum()) if "outlier_index" in payload.tensors else 0,
+        "outlier_channels": (int((payload.tensors["outlier_index"] >= 0).sum())
+                             if "outlier_index" in payload.tensors else 0),
         "outlier_capacity": _count(payload, "outlier_index"),
-        "nan_scale_groups": int(payload.tensors["scales"].float().isnan().sum()) if "scales" in payload.tensors else 0,
+        "nan_scale_groups": (int(payload.tensors["scales"].float().isnan().sum())
+                             if "scales" in payload.tensors else 0),
     }
 
 
@@ -228,9 +234,10 @@ def run_suite(suite: str, inputs: dict[str, torch.Tensor], backends, dtypes, rep
                         continue  # bool/int tensors do not change with the float dtype
                     result = measure(codec, x, reps)
                     if result is not None:
-                        rows.append({"suite": suite, "site": site, "shape": list(x.shape), "dtype": str(x.dtype),
-                                     "codec": name, "backend": backend, "memory": memory,
-                                     "threads": torch.get_num_threads(), **result})
+                        rows.append({"suite": suite, "site": site, "shape": list(x.shape),
+                                     "dtype": str(x.dtype), "codec": name, "backend": backend,
+                                     "memory": memory, "threads": torch.get_num_threads(),
+                                     **result})
     return rows
 
 
@@ -241,13 +248,16 @@ def print_site_table(rows: list[dict], dtype: str) -> None:
     names = [n for n in codecs.NAMES if any(r["codec"] == n for r in rows)]
     by_site: dict[str, dict] = {}
     for r in rows:
-        if r["suite"] == "gpt" and r["dtype"] in (dtype, "torch.bool") and r["backend"] == rows[0]["backend"]:
+        if (r["suite"] == "gpt" and r["dtype"] in (dtype, "torch.bool")
+                and r["backend"] == rows[0]["backend"]):
             by_site.setdefault((r["site"], tuple(r["shape"])), {})[r["codec"]] = r
-    print(f"\n(a) tiny GPT saved tensors, {dtype[6:]}: payload/input ratio and relative error per codec")
+    print(f"\n(a) tiny GPT saved tensors, {dtype[6:]}: payload/input ratio and relative error "
+          "per codec")
     print(f"{'site':58} {'shape':16}" + "".join(f" {n:>19}" for n in names))
     for (site, shape), per_codec in by_site.items():
         cells = "".join(
-            f" {per_codec[n]['ratio']:8.3f} {per_codec[n]['rel_error']:10.2e}" if n in per_codec else f" {'-':>19}"
+            f" {per_codec[n]['ratio']:8.3f} {per_codec[n]['rel_error']:10.2e}" if n in per_codec
+            else f" {'-':>19}"
             for n in names)
         print(f"{site[-58:]:58} {'x'.join(map(str, shape)):16}{cells}")
 
@@ -255,7 +265,8 @@ def print_site_table(rows: list[dict], dtype: str) -> None:
 def print_speed_summary(rows: list[dict]) -> None:
     """Throughput over all captured sites of a codec (total input bytes / total time)."""
     print("\n(a) tiny GPT, all sites together: throughput in GB/s of input")
-    print(f"{'codec':12} {'backend':8} {'dtype':8} {'enc':>7} {'dec':>7} {'rt':>7} {'copy':>7} {'rt/copy':>8}")
+    print(f"{'codec':12} {'backend':8} {'dtype':8} {'enc':>7} {'dec':>7} {'rt':>7} {'copy':>7} "
+          f"{'rt/copy':>8}")
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
         if r["suite"] == "gpt":
@@ -266,20 +277,22 @@ def print_speed_summary(rows: list[dict]) -> None:
         t_dec = sum(r["input_bytes"] / r["decode_gbps"] for r in rs)
         t_copy = sum(r["input_bytes"] / r["copy_gbps"] for r in rs)
         print(f"{codec:12} {backend:8} {dtype[6:]:8} {total / t_enc:7.3f} {total / t_dec:7.3f} "
-              f"{total / (t_enc + t_dec):7.3f} {total / t_copy:7.2f} {t_copy / (t_enc + t_dec):8.1%}")
+              f"{total / (t_enc + t_dec):7.3f} {total / t_copy:7.2f} "
+              f"{t_copy / (t_enc + t_dec):8.1%}")
 
 
 def print_table(rows: list[dict]) -> None:
     print("\n(b) synthetic inputs")
-    header = f"{'memory':8} {'input':22} {'dtype':8} {'codec':12} {'backend':8} {'ratio':>6} {'rel.err':>9} " \
-             f"{'enc GB/s':>8} {'dec GB/s':>8} {'rt GB/s':>8} {'copy':>6} {'clone':>6} {'rt/copy':>7} {'paired':>6} " \
-             f"{'cpu':>6}"
+    header = f"{'memory':8} {'input':22} {'dtype':8} {'codec':12} {'backend':8} {'ratio':>6} " \
+             f"{'rel.err':>9} {'enc GB/s':>8} {'dec GB/s':>8} {'rt GB/s':>8} {'copy':>6} " \
+             f"{'clone':>6} {'rt/copy':>7} {'paired':>6} {'cpu':>6}"
     print(header)
     print("-" * len(header))
     for r in rows:
-        print(f"{r['memory']:8} {r['site'][-22:]:22} {r['dtype'].replace('torch.', ''):8} {r['codec']:12} "
-              f"{r['backend']:8} {r['ratio']:6.3f} {r['rel_error']:9.2e} {r['encode_gbps']:8.3f} "
-              f"{r['decode_gbps']:8.3f} {r['roundtrip_gbps']:8.3f} {r['copy_gbps']:6.2f} {r['clone_gbps']:6.2f} "
+        print(f"{r['memory']:8} {r['site'][-22:]:22} {r['dtype'].replace('torch.', ''):8} "
+              f"{r['codec']:12} {r['backend']:8} {r['ratio']:6.3f} {r['rel_error']:9.2e} "
+              f"{r['encode_gbps']:8.3f} {r['decode_gbps']:8.3f} {r['roundtrip_gbps']:8.3f} "
+              f"{r['copy_gbps']:6.2f} {r['clone_gbps']:6.2f} "
               f"{r['roundtrip_gbps'] / r['copy_gbps']:7.1%} {r['roundtrip_per_copy_paired']:6.1%} "
               f"{r['roundtrip_per_copy_cpu']:6.1%}")
 
@@ -289,7 +302,9 @@ def check_targets(rows: list[dict]) -> list[dict]:
 
     def pick(codec, site, dtype, backend=None, memory="fresh"):
         # Sizes and errors are the same on every backend (byte-identical payloads).
-        return next((r for r in synthetic if (r["codec"], r["site"], r["dtype"], r["memory"]) == (codec, site, dtype, memory)
+        return next((r for r in synthetic
+                     if (r["codec"], r["site"], r["dtype"], r["memory"])
+                     == (codec, site, dtype, memory)
                      and backend in (None, r["backend"])), None)
 
     checks = []
@@ -297,41 +312,48 @@ def check_targets(rows: list[dict]) -> list[dict]:
         site = "softmax_probs" if codec == "asym_int4" else "heavy_tailed_outliers"
         for dtype, limit in (("torch.bfloat16", 0.27), ("torch.float32", 0.14)):
             r = pick(codec, site, dtype)
-            checks.append({"target": f"{codec} ratio on {dtype[6:]} <= {limit}", "value": r["ratio"],
-                           "met": r["ratio"] <= limit})
+            checks.append({"target": f"{codec} ratio on {dtype[6:]} <= {limit}",
+                           "value": r["ratio"], "met": r["ratio"] <= limit})
     for dtype in ("torch.bfloat16", "torch.float32"):
-        outlier, sym = pick("outlier_int4", "heavy_tailed_outliers", dtype), pick("sym_int4", "heavy_tailed_outliers", dtype)
+        outlier, sym = (pick("outlier_int4", "heavy_tailed_outliers", dtype),
+                        pick("sym_int4", "heavy_tailed_outliers", dtype))
         naive = pick("naive_int4", "heavy_tailed_outliers", dtype)
         rows = outlier["shape"][0]
         exact_bytes = outlier["outlier_capacity"] * (4 + rows * (2 if "bfloat16" in dtype else 4))
-        checks.append({"target": f"outlier_int4 bytes - sym_int4 bytes <= {outlier['outlier_capacity']} exact "
-                                 f"channels with int32 indices ({exact_bytes} B), {dtype[6:]}",
+        checks.append({"target": "outlier_int4 bytes - sym_int4 bytes <= "
+                                 f"{outlier['outlier_capacity']} exact channels with int32 indices "
+                                 f"({exact_bytes} B), {dtype[6:]}",
                        "value": outlier["payload_bytes"] - sym["payload_bytes"],
                        "met": outlier["payload_bytes"] - sym["payload_bytes"] <= exact_bytes})
         checks.append({"target": f"naive/outlier rel.err on outlier data, {dtype[6:]} >= 3",
                        "value": naive["rel_error"] / outlier["rel_error"],
                        "met": naive["rel_error"] >= 3 * outlier["rel_error"]})
     mask = pick("bitmask", "dropout_mask_bool", "torch.bool")
-    checks.append({"target": "bitmask ratio on a bool mask == 1/8", "value": mask["ratio"], "met": mask["ratio"] == 0.125})
+    checks.append({"target": "bitmask ratio on a bool mask == 1/8", "value": mask["ratio"],
+                   "met": mask["ratio"] == 0.125})
     # Speed: a round trip against a copy into an existing tensor, both with memory recycled (as
     # in a training step); with fresh memory the fair ceiling is a clone, given for reference.
-    home = {"asym_int4": ("softmax_probs", "torch.bfloat16"), "bitmask": ("dropout_mask_bool", "torch.bool")}
+    home = {"asym_int4": ("softmax_probs", "torch.bfloat16"),
+            "bitmask": ("dropout_mask_bool", "torch.bool")}
     memory = "recycled" if any(r["memory"] == "recycled" for r in synthetic) else "fresh"
     for backend in sorted({r["backend"] for r in synthetic}):
         for codec in codecs.NAMES:
             where = home.get(codec, ("heavy_tailed_outliers", "torch.bfloat16"))
-            r, fresh = pick(codec, *where, backend=backend, memory=memory), pick(codec, *where, backend=backend)
+            r, fresh = (pick(codec, *where, backend=backend, memory=memory),
+                        pick(codec, *where, backend=backend))
             fraction = round_trip_per_copy(r)
-            checks.append({"target": f"{codec} [{backend}] round trip on {r['site']} >= 1/3 of copy, {memory} "
-                                     f"memory (fresh memory: {fresh['roundtrip_gbps'] / fresh['clone_gbps']:.0%} "
+            checks.append({"target": f"{codec} [{backend}] round trip on {r['site']} >= 1/3 of "
+                                     f"copy, {memory} memory (fresh memory: "
+                                     f"{fresh['roundtrip_gbps'] / fresh['clone_gbps']:.0%} "
                                      "of a clone)",
                            "value": fraction, "met": fraction >= 1 / 3})
     for backend in sorted({r["backend"] for r in synthetic}):
         for dtype in ("torch.bfloat16", "torch.float32"):
             r = pick("outlier_int4", "heavy_tailed_outliers", dtype, backend=backend, memory=memory)
             fraction = round_trip_per_copy(r)
-            checks.append({"target": f"outlier_int4 [{backend}] round trip on {r['site']} {dtype[6:]} >= "
-                                     f"{OUTLIER_ROUND_TRIP_TARGET} of copy (issue 26), {memory} memory",
+            checks.append({"target": f"outlier_int4 [{backend}] round trip on {r['site']} "
+                                     f"{dtype[6:]} >= {OUTLIER_ROUND_TRIP_TARGET} of copy "
+                                     f"(issue 26), {memory} memory",
                            "value": fraction, "met": fraction >= OUTLIER_ROUND_TRIP_TARGET})
     return checks
 
@@ -344,33 +366,36 @@ def main() -> None:
                         help="comma list of codec backends (default: torch,native)")
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--threads", type=int, default=None,
-                        help="CPU threads of torch and of the native kernels (default: torch's choice; 1 is "
-                             "steadier when other jobs share the cores)")
+                        help="CPU threads of torch and of the native kernels (default: torch's "
+                             "choice; 1 is steadier when other jobs share the cores)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
         # read by the native kernels' OpenMP runtime when their library loads, below
         os.environ["OMP_NUM_THREADS"] = str(args.threads)
     warnings.filterwarnings("ignore")
-    load_at_start = list(os.getloadavg())  # a shared machine's timings are only as steady as its load
+    # a shared machine's timings are only as steady as its load
+    load_at_start = list(os.getloadavg())
     machine = cpu()
-    print(f"CPU: {machine['model']}; AVX-512F {machine['avx512f']}, AVX-512BW {machine['avx512bw']}, "
-          f"AVX2 {machine['avx2']}, F16C {machine['f16c']}; native kernels: {machine['native_vector_isa']}")
+    print(f"CPU: {machine['model']}; AVX-512F {machine['avx512f']}, "
+          f"AVX-512BW {machine['avx512bw']}, AVX2 {machine['avx2']}, F16C {machine['f16c']}; "
+          f"native kernels: {machine['native_vector_isa']}")
 
     backends = (args.backends or "torch,native").split(",")
-    # 15 rounds: the median of 5 moved a round trip / copy by up to 0.16 between repeats in one process
+    # 15 rounds: the median of 5 moved a round trip / copy by up to 0.16 between repeats in one
+    # process
     steps, rows_cols, reps = (5, (256, 512), 1) if args.quick else (50, (4096, 4096), 15)
     dtypes = (torch.bfloat16, torch.float32)
 
     activations = captured_activations(steps, batch=8, seq=128, seed=args.seed)
-    print(f"captured {len(activations)} saved tensors; synthetic inputs {rows_cols[0]}x{rows_cols[1]}; "
-          f"torch threads {torch.get_num_threads()}")
+    print(f"captured {len(activations)} saved tensors; synthetic inputs "
+          f"{rows_cols[0]}x{rows_cols[1]}; torch threads {torch.get_num_threads()}")
     synthetic = synthetic_inputs(*rows_cols, seed=args.seed)
     results = run_suite("gpt", activations, backends, dtypes, reps) + run_suite(
         "synthetic", synthetic, backends, dtypes, reps, applies=bitmask_only_on_masks)
     if allocator.recycle_freed_host_memory():  # from here on, for the rest of the process
-        results += run_suite("synthetic", synthetic, backends, dtypes, reps, applies=bitmask_only_on_masks,
-                             memory="recycled")
+        results += run_suite("synthetic", synthetic, backends, dtypes, reps,
+                             applies=bitmask_only_on_masks, memory="recycled")
     else:
         print("could not make glibc recycle freed memory: speed targets use fresh memory")
     print_site_table(results, "torch.bfloat16")
@@ -385,10 +410,11 @@ def main() -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-                    "torch": torch.__version__, "cpu": machine, "load_average_at_start": load_at_start},
-        "config": {"quick": args.quick, "backends": backends, "threads": args.threads, "train_steps": steps,
-                   "synthetic_shape": rows_cols, "reps": reps},
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
+                    "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
+                    "cpu": machine, "load_average_at_start": load_at_start},
+        "config": {"quick": args.quick, "backends": backends, "threads": args.threads,
+                   "train_steps": steps, "synthetic_shape": rows_cols, "reps": reps},
         "results": results,
         "targets": checks,
     }, indent=1))

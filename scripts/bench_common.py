@@ -33,8 +33,6 @@ import warnings
 from dataclasses import asdict, dataclass, replace
 from typing import Callable
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
 import torch
 
 from megatron_adacc.models import build as model_lib
@@ -46,6 +44,7 @@ from megatron_adacc.codecs import BACKEND_ENV_VAR, native
 from megatron_adacc.common.plan import Plan
 from megatron_adacc.runtime import ActivationRuler, apply_plan, get_adacc_layer_spec
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS_DIR = os.path.join(ROOT, "docs", "results")
 FIGURES_DIR = os.path.join(ROOT, "docs", "figures")
 
@@ -75,7 +74,8 @@ class Shape:
     attention: str = "unfused"
     family: str = "gpt"       # megatron_adacc.models: gpt or llama (no dropout)
     query_groups: int | None = None  # llama: grouped-query attention's K/V heads
-    ffn: int | None = None    # default: the family's, as Megatron-LM's flags give it (4h; SwiGLU 8h/3 in 64s)
+    ffn: int | None = None    # default: the family's, as Megatron-LM's flags give it (4h;
+                              # SwiGLU 8h/3 in 64s)
 
     @property
     def attention_dropout(self) -> float:
@@ -325,9 +325,9 @@ def predicted_added_s(costs, plan: Plan) -> float:
     """The time the planner's model says ``plan`` adds to a step, from the profiled costs: set
     beside Adacc's own prediction it says whether a gap to a peer is the plan's or the
     machine's (the model's error)."""
-    return sum(planning.evaluate_layer(costs, {site.name: decision for site in costs.sites
-                                               if (decision := plan.for_layer(layer).get(site.name))}
-                                       ).time_s
+    return sum(planning.evaluate_layer(
+                   costs, {site.name: decision for site in costs.sites
+                           if (decision := plan.for_layer(layer).get(site.name))}).time_s
                for layer in range(costs.num_layers))
 
 

@@ -8,7 +8,8 @@ layers; the fewest that reach the largest micro-batch is reported), Megatron sel
 recompute (each recompute_modules set; the best is reported), the paper's naive INT4,
 torch.compile at activation_memory_budget 0 (its most memory-saving setting) and Adacc auto
 (profiled and planned at each micro-batch tried; it fits when the planner finds a plan and the
-plan's measured bytes fit). Budgets are "budget@k": static + the stock model's peak at micro-batch k.
+plan's measured bytes fit). Budgets are "budget@k": static + the stock model's peak at
+micro-batch k.
 
     python scripts/bench_max_batch.py [--quick] [--attention-backend flash|unfused]
 """

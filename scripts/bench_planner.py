@@ -54,7 +54,8 @@ def main() -> None:
                          "frontier": "cold" if cold else "warm", "median_ms": median_ms,
                          "added_time_ms": result.added_time_s * 1e3,
                          "peak_bytes": result.peak_bytes, "repeats": repeats})
-    header = f"{'budget':>10} {'plan':>9} {'method':>8} {'frontier':>8} {'median ms':>10} {'added ms':>9}"
+    header = (f"{'budget':>10} {'plan':>9} {'method':>8} {'frontier':>8} {'median ms':>10} "
+              f"{'added ms':>9}")
     print(header)
     print("-" * len(header))
     for row in rows:

@@ -93,7 +93,8 @@ def main() -> None:
         _, report = measure_step(model, lambda: model_lib.gpt_loss(model, tokens, labels, mask))
         per_layer = [report.layer_bytes(layer) for layer in range(args.layers)]
         median = statistics.median(times[name])
-        results[name] = {"layer_bytes": per_layer, "after_forward_bytes": report.after_forward_bytes,
+        results[name] = {"layer_bytes": per_layer,
+                         "after_forward_bytes": report.after_forward_bytes,
                          "peak_bytes": report.peak_bytes, "median_step_s": median,
                          "time_vs_stock": median / base,
                          "paired_vs_stock": statistics.median(

@@ -124,8 +124,8 @@ def main() -> None:
             "budgets": budgets, "stock_activation_peak": stock_peak,
             "compile_fractions": args.fractions, "compile_errors": models.compile_errors,
             "compile_s": models.compile_s, "rows": rows, "variants": measured_all,
-            "ample_pairs": ample_pairs, "summary": summary, "args": {k: v for k, v in vars(args).items()
-                                         if not k.startswith("_")}}
+            "ample_pairs": ample_pairs, "summary": summary,
+            "args": {k: v for k, v in vars(args).items() if not k.startswith("_")}}
     bc.write_json(data, args.out, args.publish or None)
     plot(rows, budgets, shape, args, run["device"])
     for line in summary["lines"]:
@@ -324,7 +324,8 @@ def plot(rows, budgets, shape, args, device: str) -> None:
                     misses.append(micro)
             if not xs and not misses:
                 continue
-            line, = ax.plot(xs, ys, marker="o", label=method, color=f"C{i}")  # one colour a method in every figure
+            # one colour a method in every figure
+            line, = ax.plot(xs, ys, marker="o", label=method, color=f"C{i}")
             for micro in misses:   # not fitting: an x on the axis, in the method's colour
                 ax.plot([micro], [0], marker="x", markersize=9, color=line.get_color(),
                         clip_on=False, linestyle="")

@@ -321,8 +321,8 @@ def codecs_section(builds: list[tuple[str, str, dict]]) -> list[str]:
             load_avg = ", ".join(f"{x:.1f}" for x in machine.get("load_average_at_start", []))
             out.append(f"- {label}: `{env}.venv/bin/python scripts/bench_codecs.py --backends "
                        f"{','.join(cfg['backends'])}{threads}` on {cpu_name(machine['cpu'])} "
-                       f"(vector path `{machine['cpu']['native_vector_isa']}`, load average at start "
-                       f"{load_avg or 'not recorded'})")
+                       f"(vector path `{machine['cpu']['native_vector_isa']}`, load average "
+                       f"at start {load_avg or 'not recorded'})")
     out += ["", "| codec | input | dtype | " + " | ".join(label for _, label, _ in builds) + " |",
             "|---|---|---|" + "---|" * len(builds)]
     rows = [r for _, _, d in builds for r in d["results"] if r["suite"] == "synthetic"]
@@ -332,17 +332,22 @@ def codecs_section(builds: list[tuple[str, str, dict]]) -> list[str]:
     for codec, site, dtype in keys:
         cells = []
         for _, _, data in builds:
-            r = next((r for r in data["results"] if (r["suite"], r["memory"], r["codec"], r["site"], r["dtype"])
+            r = next((r for r in data["results"]
+                      if (r["suite"], r["memory"], r["codec"], r["site"], r["dtype"])
                       == ("synthetic", memory, codec, site, dtype)), None)
-            cells.append("-" if r is None else f"{codec_round_trip(r):.2f} (medians: enc {r['encode_gbps']:.1f}, "
-                         f"dec {r['decode_gbps']:.1f}, copy {r['copy_gbps']:.1f} GB/s)")
+            cells.append("-" if r is None else f"{codec_round_trip(r):.2f} (medians: enc "
+                         f"{r['encode_gbps']:.1f}, dec {r['decode_gbps']:.1f}, "
+                         f"copy {r['copy_gbps']:.1f} GB/s)")
         out.append(f"| {codec} | {site} | {dtype[6:]} | " + " | ".join(cells) + " |")
     out.append("")
     for _, label, data in builds:
-        r = next(r for r in data["results"] if (r["suite"], r["memory"], r["codec"], r["site"], r["dtype"])
-                 == ("synthetic", memory, "outlier_int4", "heavy_tailed_outliers", "torch.bfloat16"))
+        r = next(r for r in data["results"]
+                 if (r["suite"], r["memory"], r["codec"], r["site"], r["dtype"])
+                 == ("synthetic", memory, "outlier_int4", "heavy_tailed_outliers",
+                     "torch.bfloat16"))
         fraction = codec_round_trip(r)
-        out.append(target(f"outlier_int4 round trip >= {OUTLIER_ROUND_TRIP_TARGET} of a copy, bf16, {label}",
+        out.append(target(f"outlier_int4 round trip >= {OUTLIER_ROUND_TRIP_TARGET} of a copy, "
+                          f"bf16, {label}",
                           fraction >= OUTLIER_ROUND_TRIP_TARGET, f"{fraction:.2f}"))
     return out + [""]
 
@@ -382,7 +387,8 @@ Raw JSON goes to `bench_results/` (git-ignored) with a copy under `docs/results/
 ## How memory is measured (every method alike)
 
 A method *fits* a budget when static bytes (parameters, gradients, fp32 AdamW moments, as
-`hardware.engine_static_bytes` reads them off megatron's engine) plus the activation peak of one training step measured by
+`hardware.engine_static_bytes` reads them off megatron's engine) plus the activation peak of one \
+training step measured by
 the `ActivationRuler` is at most the budget. The ruler counts every storage saved for backward
 once while it is alive, plus values rebuilt or decoded during backward: megatron's full and
 selective recompute are seen as their re-run forward saves; Adacc plans as payloads and
@@ -397,7 +403,8 @@ planner models that workspace, so the benchmarks plan Adacc with it set to zero,
 the same yardstick.
 
 Megatron selective recompute is tried with every `recompute_modules` set that runs on this
-layer spec, on both attentions (`core_attn`, `layernorm`, both); `mlp` is excluded because with biased linear
+layer spec, on both attentions (`core_attn`, `layernorm`, both); `mlp` is excluded because \
+with biased linear
 layers its backward recurses forever in megatron-core 0.16.1 (a known defect, see DESIGN.md).
 """
 

@@ -59,5 +59,6 @@ def distributed():
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "slow: takes more than a minute (deselect with -m 'not slow')")
+    config.addinivalue_line("markers",
+                            "slow: takes more than a minute (deselect with -m 'not slow')")
 

@@ -121,8 +121,8 @@ def test_below_what_the_designated_codecs_fit_auto_warns_and_uses_naive_int4(tmp
                      "--adacc-memory-budget", "1GiB")
     costs = session.adacc.costs
     quantize = policies.quantize_plan()
-    budget = planning.peak_bytes(costs, [planning.evaluate_layer(costs, quantize.for_layer(l))
-                                         for l in range(costs.num_layers)])
+    budget = planning.peak_bytes(costs, [planning.evaluate_layer(costs, quantize.for_layer(layer))
+                                         for layer in range(costs.num_layers)])
     designated = planning.codec_tiers(costs)[0]
     # Below the designated codecs' minimum (training plans exact rebuild sources).
     assert budget < planning.minimum_budget(designated, allow_lossy_sources=False)

@@ -49,16 +49,17 @@ def test_throughput_and_max_batch_tiny(tmp_path, attention, family):
     # micro-batch 2 is tight: what Adacc and naive INT4 add over the limit's step, and the most
     # Adacc may add to be 1.03x naive INT4, from the same wall medians as the ratios
     (tight,) = data["summary"]["tight"]
-    headroom, steps = tight["naive_int4_headroom"], {m: r["median_step_s"] for m, r in rows["2"].items()
-                                                     if r["fits"]}
-    limit = next(v for v in data["variants"]["2"] if v["method"] == "no optimisation")["median_step_s"]
+    headroom, steps = tight["naive_int4_headroom"], {m: r["median_step_s"]
+                                                     for m, r in rows["2"].items() if r["fits"]}
+    limit = next(v for v in data["variants"]["2"]
+                 if v["method"] == "no optimisation")["median_step_s"]
     assert headroom["adacc_added_ms"] == pytest.approx((steps["adacc auto"] - limit) * 1e3)
     assert headroom["naive_added_ms"] == pytest.approx((steps["naive INT4"] - limit) * 1e3)
     assert headroom["allowed_added_ms"] == pytest.approx((steps["naive INT4"] / 1.03 - limit) * 1e3)
     # three layers: block recompute of one and of two is measured, three is full recompute
     _run("bench_max_batch.py", "--quick", *TINY, "--layers", "3", "--attention-backend", attention,
-         "--family", family, "--budget-at", "1", "--cap", "4", "--out", str(tmp_path / "m.json"), "--publish", "",
-         "--figure", str(tmp_path / "m.png"))
+         "--family", family, "--budget-at", "1", "--cap", "4", "--out", str(tmp_path / "m.json"),
+         "--publish", "", "--figure", str(tmp_path / "m.png"))
     data = json.loads((tmp_path / "m.json").read_text())
     methods = data["results"]["budget@1"]["methods"]
     assert methods["no optimisation"]["max_micro_batch"] == 1
@@ -66,7 +67,8 @@ def test_throughput_and_max_batch_tiny(tmp_path, attention, family):
     # up to full recompute's (the last entry, every layer, is full recompute's own)
     per_layers = methods["megatron block recompute"]["per_layers"]
     measured = [per_layers[f"{n} of 3 layers"] for n in (1, 2)]
-    assert measured == sorted(measured) and measured[-1] <= methods["megatron full recompute"]["max_micro_batch"]
+    assert measured == sorted(measured) and measured[-1] <= methods["megatron full recompute"][
+        "max_micro_batch"]
     assert methods["adacc auto"]["max_micro_batch"] >= methods["megatron full recompute"][
         "max_micro_batch"]
     behind = {m for m, e in methods.items() if m != "adacc auto" and e["max_micro_batch"]
@@ -97,8 +99,8 @@ def test_results_page_from_published_json(tmp_path):
     ("gpt", ["auto-no-outlier", "codecs-no-outlier", "quantize"]),
     ("llama", ["auto", "codecs", "quantize"])])
 def test_accuracy_two_steps(tmp_path, family, methods):
-    _run("bench_accuracy.py", "--quick", "--iters", "2", "--seeds", "1", "--budget-fractions", "0.5",
-         "--family", family, "--methods", *methods,
+    _run("bench_accuracy.py", "--quick", "--iters", "2", "--seeds", "1",
+         "--budget-fractions", "0.5", "--family", family, "--methods", *methods,
          "--workdir", str(tmp_path / "work"), "--out", str(tmp_path / "a.json"), "--publish", "",
          "--figure", str(tmp_path / "a.png"))
     data = json.loads((tmp_path / "a.json").read_text())
@@ -120,23 +122,26 @@ def test_codecs_quick(tmp_path):
     assert size_and_error and all(t["met"] for t in size_and_error), size_and_error
     speed = [t for t in data["targets"] if "round trip" in t["target"]]
     # one per codec, and issue 26's outlier_int4 targets in bf16 and fp32
-    assert len(speed) == 8 and all("recycled memory" in t["target"] and t["value"] > 0 for t in speed)
+    assert len(speed) == 8 and all("recycled memory" in t["target"] and t["value"] > 0
+                                   for t in speed)
     # the CPU is told apart beyond its model name: "AMD EPYC" alone was Zen 4 or Zen 5
     fields = dict(line.split(":", 1) for line in Path("/proc/cpuinfo").read_text().splitlines()
-                  if ":" in line and line.split(":", 1)[0].strip() in ("model name", "cpu family", "model"))
+                  if ":" in line
+                  and line.split(":", 1)[0].strip() in ("model name", "cpu family", "model"))
     fields = {k.strip(): v.strip() for k, v in fields.items()}
     cpu = data["machine"]["cpu"]
     assert cpu["model"] == fields["model name"]
     if "cpu family" in fields:  # x86's numbers (every machine of this project's so far)
-        assert (cpu["cpu_family"], cpu["model_number"]) == (int(fields["cpu family"]), int(fields["model"]))
+        assert (cpu["cpu_family"], cpu["model_number"]) == (int(fields["cpu family"]),
+                                                            int(fields["model"]))
 
 
 def test_accuracy_stress_resumes_every_method_from_scaled_gains(tmp_path):
     work = tmp_path / "work"
     # the exact baseline and naive INT4: every stress path without the plain test's profiling
     _run("bench_accuracy.py", "--quick", "--stress", "--iters", "3", "--stress-pretrain", "2",
-         "--methods", "quantize", "megatron-full-recompute", "--workdir", str(work), "--out", str(tmp_path / "s.json"),
-         "--publish", "", "--figure", str(tmp_path / "s.png"))
+         "--methods", "quantize", "megatron-full-recompute", "--workdir", str(work),
+         "--out", str(tmp_path / "s.json"), "--publish", "", "--figure", str(tmp_path / "s.png"))
     data = json.loads((tmp_path / "s.json").read_text())
     ran = {r["tag"]: r for r in data["runs"]}
     assert set(ran) == {"pretrain", "none", "quantize", "megatron-full-recompute"}

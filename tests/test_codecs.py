@@ -105,9 +105,12 @@ def assert_within_bound(codec, x, payload, x_hat):
     x32, xh32 = x.float(), x_hat.float()
     step = element_step(codec, payload)
     flagged = torch.isnan(step)
-    assert bool(torch.isnan(xh32[flagged]).all()), f"{codec.name}: a NaN-scale group decoded a number"
+    assert bool(torch.isnan(xh32[flagged]).all()), (
+        f"{codec.name}: a NaN-scale group decoded a number"
+    )
     exact = step == 0
-    assert torch.equal(x32[exact & ~torch.isfinite(x32)].nan_to_num(), xh32[exact & ~torch.isfinite(x32)].nan_to_num()), \
+    assert torch.equal(x32[exact & ~torch.isfinite(x32)].nan_to_num(),
+                       xh32[exact & ~torch.isfinite(x32)].nan_to_num()), \
         f"{codec.name}: an exact non-finite element changed"
     assert not bool((torch.isinf(xh32) & ~exact).any()), f"{codec.name}: a decoded value overflowed"
     finfo = torch.finfo(x.dtype)
@@ -118,10 +121,13 @@ def assert_within_bound(codec, x, payload, x_hat):
     err = (x32 - xh32).abs()
     ok = (err <= bound) | flagged | exact & ~torch.isfinite(x32)
     assert bool(ok.all()), (
-        f"{codec.name} {x.dtype}: worst excess {(err - bound)[~ok].max().item()} at {(~ok).nonzero()[:3].tolist()}"
+        f"{codec.name} {x.dtype}: worst excess {(err - bound)[~ok].max().item()} "
+        f"at {(~ok).nonzero()[:3].tolist()}"
     )
     # Every non-finite input element is exact or in a flagged group: it decodes non-finite.
-    assert bool((exact | flagged)[~torch.isfinite(x32)].all()), f"{codec.name}: a non-finite input was lost"
+    assert bool((exact | flagged)[~torch.isfinite(x32)].all()), (
+        f"{codec.name}: a non-finite input was lost"
+    )
 
 
 def round_trip(name, x, **options):
@@ -137,7 +143,8 @@ def _prepare(name, x):
 # -------------------------------------------------------------------------------- tests
 
 def test_registry_names_and_errors(monkeypatch):
-    assert set(codecs.NAMES) == {"outlier_int4", "channel_int4", "asym_int4", "sym_int4", "bitmask", "naive_int4"}
+    assert set(codecs.NAMES) == {"outlier_int4", "channel_int4", "asym_int4", "sym_int4", "bitmask",
+                                 "naive_int4"}
     with pytest.raises(ValueError, match="unknown codec"):
         codecs.get("zstd")
     with pytest.raises(ValueError, match="unknown codec backend"):
@@ -171,7 +178,9 @@ def test_edge_values_within_half_step(name, x):
     if bool(flagged.any()):  # asym_int4's one edge: a group's grid beyond fp32
         assert name == "asym_int4" and x.dtype in (torch.float32, torch.bfloat16)
         assert x.max().double() - x.min().double() > 3.38e38
-    assert bool(torch.isfinite(x_hat[~flagged]).all()), "a finite input decoded to a non-finite value"
+    assert bool(torch.isfinite(x_hat[~flagged]).all()), (
+        "a finite input decoded to a non-finite value"
+    )
     assert_within_bound(codec, x, payload, x_hat)
 
 
@@ -185,8 +194,10 @@ def test_non_finite_groups_decode_nan(name, dtype, data):
     # other group keeps the bound, and the payload keeps its predicted size.
     x = _prepare(name, data.draw(activation_tensors(dtypes=(dtype,)))).contiguous()
     flat = x.view(-1)
-    where = data.draw(st.lists(st.integers(0, flat.numel() - 1), min_size=1, max_size=4, unique=True))
-    specials = data.draw(st.lists(st.sampled_from([math.nan, math.inf, -math.inf]), min_size=len(where), max_size=len(where)))
+    where = data.draw(st.lists(st.integers(0, flat.numel() - 1), min_size=1, max_size=4,
+                               unique=True))
+    specials = data.draw(st.lists(st.sampled_from([math.nan, math.inf, -math.inf]),
+                                  min_size=len(where), max_size=len(where)))
     flat[where] = torch.tensor(specials, dtype=dtype)
     codec, payload, x_hat = round_trip(name, x)
     step = element_step(codec, payload)
@@ -224,9 +235,10 @@ def test_sym_scales_depend_only_on_the_sym_bounds():
     # bit, for every pair of finite lo <= hi, zeros of either sign, subnormals and values at
     # each dtype's limit included.
     gen = torch.Generator().manual_seed(3)
-    edges = [0.0, 1e-45, 1e-40, 1.1754943508222875e-38, 1e-38, 0.1, 1.0, 7.5, 8.0, 15.0, 448.0, 65504.0, 3e38,
-             3.4028234663852886e38]
-    randoms = (torch.randn(200, generator=gen) * torch.exp(torch.randn(200, generator=gen) * 20)).tolist()
+    edges = [0.0, 1e-45, 1e-40, 1.1754943508222875e-38, 1e-38, 0.1, 1.0, 7.5, 8.0, 15.0, 448.0,
+             65504.0, 3e38, 3.4028234663852886e38]
+    randoms = (torch.randn(200, generator=gen)
+               * torch.exp(torch.randn(200, generator=gen) * 20)).tolist()
     values = torch.tensor(edges + [-v for v in edges] + randoms).float()
     lo, hi = (v.reshape(-1) for v in torch.meshgrid(values, values, indexing="ij"))
     lo, hi = lo[lo <= hi], hi[lo <= hi]
@@ -234,7 +246,8 @@ def test_sym_scales_depend_only_on_the_sym_bounds():
     bound_hi = torch.where(torch.signbit(hi), 0.0, hi)
     scale = symmetric.sym_scales(lo, hi)
     assert bool(torch.isfinite(scale).all())  # every finite group has a finite scale
-    assert torch.equal(scale.view(torch.int32), symmetric.sym_scales(bound_lo, bound_hi).view(torch.int32))
+    assert torch.equal(scale.view(torch.int32),
+                       symmetric.sym_scales(bound_lo, bound_hi).view(torch.int32))
 
 
 def test_outlier_channels_are_exact_and_listed():
@@ -269,7 +282,8 @@ def test_outliers_beyond_the_capacity_go_through_int4():
         assert_within_bound(codec, x, payload, x_hat)
     # Without a capacity given: one channel in DEFAULT_CAPACITY_SHARE (2 of 128).
     assert codecs.get("outlier_int4").capacity_for(x.shape) == 128 // 64
-    assert codecs.get("outlier_int4", capacity=500).capacity_for(x.shape) == 128  # at most every channel
+    # at most every channel
+    assert codecs.get("outlier_int4", capacity=500).capacity_for(x.shape) == 128
     assert int(codecs.get("outlier_int4", capacity=1).outlier_count(x)) == 4
 
 
@@ -354,7 +368,8 @@ def test_non_finite_group_costs_nothing_extra_and_decodes_nan():
     x[2, 5] = -math.inf
     payload = round_trip("asym_int4", x)[1]
     assert payload.tensors["scales"].view(torch.int16)[1].item() == 0x7FC0  # the 2nd group of 128
-    assert payload.tensors["offsets"][1].item() == 0 and payload.tensors["packed"][64:128].eq(0).all()
+    assert (payload.tensors["offsets"][1].item() == 0
+            and payload.tensors["packed"][64:128].eq(0).all())
 
 
 @pytest.mark.parametrize("name", INT4_CODECS)
@@ -374,7 +389,8 @@ def test_near_dtype_max_saturates_within_bound(name):
     assert_within_bound(codec, x, payload, x_hat)
 
 
-@pytest.mark.parametrize("dtype", [torch.bool, torch.float32, torch.bfloat16, torch.float16, torch.uint8])
+@pytest.mark.parametrize("dtype", [torch.bool, torch.float32, torch.bfloat16, torch.float16,
+                                   torch.uint8])
 @PROPERTY
 @given(shape=shapes(), p=st.floats(0.0, 1.0), seed=st.integers(0, 2**31 - 1))
 def test_bitmask_lossless_and_eighth_of_bool(dtype, shape, p, seed):
@@ -406,7 +422,8 @@ def test_bitmask_flags_non_masks(backend):
         assert payload.tensors["mask_value"].isnan().all()
         assert payload.nbytes == codec.payload_bytes((len(bad),), torch.float32)
         decoded = codec.decode(payload)
-        assert torch.equal(decoded.isnan(), torch.tensor(bad) != 0) and decoded[decoded == 0].numel() == 1
+        assert (torch.equal(decoded.isnan(), torch.tensor(bad) != 0)
+                and decoded[decoded == 0].numel() == 1)
         with pytest.raises(ValueError, match="mask"):
             check_mask(torch.tensor(bad))
     check_mask(torch.tensor([0.0, 1.5, 1.5]))
@@ -419,7 +436,8 @@ def test_bitmask_flags_non_masks(backend):
 @pytest.mark.parametrize("name", INT4_CODECS)
 def test_wrong_inputs_raise_clear_errors(name):
     codec = codecs.get(name, backend="torch")
-    for bad in (torch.arange(6), torch.ones(3, dtype=torch.bool), torch.ones(3, dtype=torch.float64)):
+    for bad in (torch.arange(6), torch.ones(3, dtype=torch.bool),
+                torch.ones(3, dtype=torch.float64)):
         with pytest.raises(TypeError, match="float32, bfloat16 or float16"):
             codec.encode(bad)
     with pytest.raises(TypeError, match="torch.Tensor"):
@@ -448,12 +466,14 @@ def test_no_autograd_history_and_no_reference_to_input(name):
 
 
 def assert_same_as_eager(backend: str, name: str, x: torch.Tensor, **options) -> None:
-    eager, fast = codecs.get(name, backend="torch", **options), codecs.get(name, backend=backend, **options)
+    eager, fast = (codecs.get(name, backend="torch", **options),
+                   codecs.get(name, backend=backend, **options))
     expected, actual = eager.encode(x), fast.encode(x)
     assert expected.tensors.keys() == actual.tensors.keys()
     for key, tensor in expected.tensors.items():
         assert tensor.dtype == actual.tensors[key].dtype, key
-        assert torch.equal(tensor.reshape(-1).view(torch.uint8), actual.tensors[key].reshape(-1).view(torch.uint8)), key
+        assert torch.equal(tensor.reshape(-1).view(torch.uint8),
+                           actual.tensors[key].reshape(-1).view(torch.uint8)), key
     assert_same_decoded(eager.decode(expected), fast.decode(actual))
 
 
@@ -480,8 +500,8 @@ def test_native_matches_eager(name, x):
 def test_native_outlier_capacities_match_eager(x, capacity, specials):
     # Empty slots, full ones and outliers beyond the capacity, with NaN and Inf groups.
     x = x.contiguous()
-    x.view(-1)[torch.arange(specials) * 37 % x.numel()] = torch.tensor([math.nan, math.inf, -math.inf][:specials],
-                                                                        dtype=x.dtype)
+    x.view(-1)[torch.arange(specials) * 37 % x.numel()] = torch.tensor(
+        [math.nan, math.inf, -math.inf][:specials], dtype=x.dtype)
     assert_same_as_eager("native", "outlier_int4", x, capacity=capacity)
 
 
@@ -544,7 +564,8 @@ def test_native_outlier_channels_from_sums_that_rows_far_apart_decide(dtype):
     assert_same_as_eager("native", "outlier_int4", early.to(dtype), capacity=4)
 
 
-@pytest.mark.parametrize("dtype", [torch.bool, torch.uint8, torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.bool, torch.uint8, torch.float32, torch.bfloat16,
+                                   torch.float16])
 def test_native_bitmask_wide_masks(dtype):
     # Masks long enough for the native 64-byte steps plus a remainder, with signed zeros,
     # a wrong value and a NaN placed inside the stepped part (flagged by a NaN value).
@@ -575,10 +596,12 @@ def test_native_column_copies_refuse_what_they_would_overrun():
     assert torch.equal(native._take_columns(rows, torch.tensor([0, 5, -1], dtype=torch.int32)),
                        torch.tensor([[2.0, 1.0, 0.0]] * 4, dtype=torch.bfloat16))
     with pytest.raises((IndexError, RuntimeError)):  # a zeroing mask longer than the channels
-        native._sym_encode(rows.view(-1, 8), 1, (6, torch.ones(7, dtype=torch.bool), torch.tensor([0], dtype=torch.int32)))
+        native._sym_encode(rows.view(-1, 8), 1, (6, torch.ones(7, dtype=torch.bool),
+                                                 torch.tensor([0], dtype=torch.int32)))
     # The decode writes exact channels in its pass for slots in their layout; others go to
     # the reference, which writes unordered ones and raises on the rest.
-    packed, scales, shape2d = torch.full((12,), 0x88, dtype=torch.uint8), torch.ones(3, dtype=torch.bfloat16), (3, 8)
+    packed, scales, shape2d = (torch.full((12,), 0x88, dtype=torch.uint8),
+                               torch.ones(3, dtype=torch.bfloat16), (3, 8))
     values = torch.tensor([[1.0, 2.0, 5.0], [3.0, 4.0, 5.0]], dtype=torch.bfloat16)
     for index in ([0, 11, -1], [11, 0, -1], [0, -1, 11]):
         out = native._sym_decode(packed, scales, shape2d, 1, torch.bfloat16,
@@ -593,12 +616,15 @@ def test_native_column_copies_refuse_what_they_would_overrun():
                            (12, torch.tensor([0, 12, -1], dtype=torch.int32), values))
 
 
-@pytest.mark.parametrize("dtype", [torch.bool, torch.uint8, torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.bool, torch.uint8, torch.float32, torch.bfloat16,
+                                   torch.float16])
 def test_native_bitmask_matches_eager(dtype):
     gen = torch.Generator().manual_seed(5)
     for shape in [(0,), (1,), (13,), (4, 33), (2, 8, 64)]:
         keep = torch.rand(shape, generator=gen) > 0.2
-        assert_same_as_eager("native", "bitmask", keep.to(dtype) if dtype in (torch.bool, torch.uint8) else keep.to(dtype) / 0.9)
+        assert_same_as_eager("native", "bitmask",
+                             keep.to(dtype) if dtype in (torch.bool, torch.uint8)
+                             else keep.to(dtype) / 0.9)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -612,12 +638,14 @@ def test_native_outlier_paths_match_eager(dtype, shape):
     gen = torch.Generator().manual_seed(13)
     channels = shape[-1]
     x = torch.randn(shape, generator=gen).sign() * (1 + torch.arange(channels) / channels)
-    assert codecs.get("outlier_int4", backend="native").encode(x.to(dtype)).tensors["outlier_index"].lt(0).all()
+    assert codecs.get("outlier_int4", backend="native").encode(
+        x.to(dtype)).tensors["outlier_index"].lt(0).all()
     assert_same_as_eager("native", "outlier_int4", x.to(dtype))
     for outliers in ([3], [0, channels - 6], list(range(5, channels, 29))):
         y = x.clone()
         y[..., outliers] = y[..., outliers].sign() * 1000
-        payload = codecs.get("outlier_int4", backend="native", capacity=len(outliers)).encode(y.to(dtype))
+        payload = codecs.get("outlier_int4", backend="native",
+                             capacity=len(outliers)).encode(y.to(dtype))
         assert payload.tensors["outlier_index"].tolist() == outliers
         for capacity in (len(outliers), len(outliers) // 2 + 1):
             assert_same_as_eager("native", "outlier_int4", y.to(dtype), capacity=capacity)
@@ -637,18 +665,21 @@ def test_native_outlier_choice_too_close_to_call_matches_eager(dtype):
         for backend in ("torch", "native"):
             codec = codecs.get("outlier_int4", backend=backend, threshold=threshold)
             assert torch.equal(codec.encode(x.to(dtype)).tensors["outlier_index"],
-                               codecs.get("outlier_int4", backend="torch", threshold=threshold).encode(
-                                   x.to(dtype)).tensors["outlier_index"])
+                               codecs.get("outlier_int4", backend="torch", threshold=threshold)
+                               .encode(x.to(dtype)).tensors["outlier_index"])
         eager = codecs.get("outlier_int4", backend="torch", threshold=threshold).encode(x.to(dtype))
-        native_payload = codecs.get("outlier_int4", backend="native", threshold=threshold).encode(x.to(dtype))
+        native_payload = codecs.get("outlier_int4", backend="native",
+                                    threshold=threshold).encode(x.to(dtype))
         assert eager.tensors.keys() == native_payload.tensors.keys()
         for key, tensor in eager.tensors.items():
-            assert torch.equal(tensor.view(-1).view(torch.uint8), native_payload.tensors[key].view(-1).view(torch.uint8)), key
+            assert torch.equal(tensor.view(-1).view(torch.uint8),
+                               native_payload.tensors[key].view(-1).view(torch.uint8)), key
     constant = torch.full((64, 96), 0.75, dtype=dtype)
     assert_same_as_eager("native", "outlier_int4", constant)
 
 
-@pytest.mark.parametrize("dtype", [torch.bool, torch.uint8, torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.bool, torch.uint8, torch.float32, torch.bfloat16,
+                                   torch.float16])
 @pytest.mark.parametrize("numel", [64 * 1000, 64 * 1000 + 1, 64 * 1000 + 31, 64 * 1000 + 63])
 def test_native_bitmask_tails_match_eager(dtype, numel):
     # Masks of whole vector steps (16, 32 or 64 elements) and tails of every kind past them,

@@ -30,7 +30,8 @@ def inputs(name: str, dtype: torch.dtype):
         flat[[5, -3]] = torch.tensor([math.nan, 1e-39])  # a NaN group; a subnormal
         if name == "asym_int4":
             x = torch.sigmoid(x)
-        if name != "bitmask":  # a group at the dtype's maximum: its grid reaches past it, decoded saturated
+        # a group at the dtype's maximum: its grid reaches past it, decoded saturated
+        if name != "bitmask":
             x.view(-1)[-70:-60] = torch.finfo(dtype).max * torch.tensor([1.0, -1.0]).repeat(5)
         elif name == "bitmask":
             x = (x > 0) / 0.9
@@ -136,7 +137,8 @@ def test_rows_read_in_place_match_reference(flags, monkeypatch):
 
 
 # Two /proc/cpuinfo entries this project's machines gave, under one model name.
-ZEN4 = "processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\nmodel\t\t: 17\nmodel name\t: AMD EPYC\nflags\t\t: fpu avx2 avx512f\n\nprocessor\t: 1\ncpu family\t: 99\n"
+ZEN4 = ("processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\nmodel\t\t: 17\n"
+        "model name\t: AMD EPYC\nflags\t\t: fpu avx2 avx512f\n\nprocessor\t: 1\ncpu family\t: 99\n")
 ZEN5 = ZEN4.replace(": 25", ": 26").replace(": 17", ": 2").replace("avx512f", "avx512f avx_vnni")
 
 
@@ -144,13 +146,16 @@ def test_the_host_cpu_is_named_by_its_family_and_model_beyond_a_shared_model_nam
     from megatron_adacc.codecs.native import host
 
     zen4, zen5 = host.parse_cpuinfo(ZEN4), host.parse_cpuinfo(ZEN5)
-    assert zen4 == host.HostCpu("AMD EPYC", 25, 17, frozenset({"fpu", "avx2", "avx512f"}))  # the first entry only
-    assert (zen4.describe(), zen5.describe()) == ("AMD EPYC (family 25, model 17)", "AMD EPYC (family 26, model 2)")
+    # the first entry only
+    assert zen4 == host.HostCpu("AMD EPYC", 25, 17, frozenset({"fpu", "avx2", "avx512f"}))
+    assert (zen4.describe(), zen5.describe()) == ("AMD EPYC (family 25, model 17)",
+                                                  "AMD EPYC (family 26, model 2)")
     # numbers alike, another instruction set: another build
     assert host.HostCpu("AMD EPYC", 25, 17).build_identity() != host.HostCpu(
         "AMD EPYC", 25, 17, frozenset({"avx512f"})).build_identity()
     # no x86 numbers (an Arm entry): the model name alone
-    arm = host.parse_cpuinfo("processor\t: 0\nmodel name\t: Neoverse-V2\nmodel\t: 1\nFeatures\t: fp asimd\n")
+    arm = host.parse_cpuinfo("processor\t: 0\nmodel name\t: Neoverse-V2\nmodel\t: 1\n"
+                             "Features\t: fp asimd\n")
     assert arm.describe() == "Neoverse-V2" and arm.model_number is None
 
 
@@ -166,6 +171,8 @@ def test_a_build_is_cached_per_cpu_and_flags(monkeypatch, tmp_path):
         monkeypatch.setattr(host, "host_cpu", lambda text=text: host.parse_cpuinfo(text))
         files[name] = {flags: native.library_file(flags) for flags in ("", *BUILDS)}
     assert len({f for per_cpu in files.values() for f in per_cpu.values()}) == 2 * (1 + len(BUILDS))
-    assert all(f.parent == tmp_path / "codecs" for per_cpu in files.values() for f in per_cpu.values())
+    assert all(f.parent == tmp_path / "codecs"
+               for per_cpu in files.values() for f in per_cpu.values())
     monkeypatch.setenv(native.CFLAGS_ENV_VAR, "-mno-avx512f")
-    assert native.library_file() == files["zen5"]["-mno-avx512f"]  # the environment's flags by default
+    # the environment's flags by default
+    assert native.library_file() == files["zen5"]["-mno-avx512f"]

@@ -11,7 +11,8 @@ from megatron_adacc import codecs
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Odd sizes, partial groups of 64 and 128, one row, many rows, more than two dimensions.
-SHAPES = [(), (1,), (7,), (63,), (129,), (0, 4), (3, 5), (5, 65), (4, 96), (3, 130), (2, 3, 257), (1, 1000)]
+SHAPES = [(), (1,), (7,), (63,), (129,), (0, 4), (3, 5), (5, 65), (4, 96), (3, 130), (2, 3, 257),
+          (1, 1000)]
 OUTLIER_COUNTS = (0, 1, 3, 6)
 
 
@@ -52,7 +53,8 @@ def with_non_finite(x: torch.Tensor, seed: int = 1) -> torch.Tensor:
 @pytest.mark.parametrize("name", [n for n in codecs.NAMES if n != "bitmask"])
 def test_int4_payload_bytes_equal_encoded_nbytes(name, dtype):
     # Finite inputs and inputs holding NaN and Inf: the same bytes, as predicted.
-    for options in ({}, {"group_size": 16}) if name in ("sym_int4", "asym_int4", "outlier_int4") else ({},):
+    for options in (({}, {"group_size": 16}) if name in ("sym_int4", "asym_int4", "outlier_int4")
+                    else ({},)):
         for shape, k in cases():
             if k and name != "outlier_int4":
                 continue
@@ -61,11 +63,15 @@ def test_int4_payload_bytes_equal_encoded_nbytes(name, dtype):
             x = with_outlier_channels(shape, dtype, k)
             payload = codec.encode(x)
             if name == "outlier_int4" and k:
-                assert payload.tensors["outlier_index"].ge(0).sum() == k  # the input is what it claims
-            assert codec.payload_bytes(shape, dtype, outlier_channels=k) == payload.nbytes, (shape, k, options)
-            assert codec.payload_bytes(shape, dtype) == payload.nbytes  # at the codec's own capacity
+                # the input is what it claims
+                assert payload.tensors["outlier_index"].ge(0).sum() == k
+            assert codec.payload_bytes(shape, dtype, outlier_channels=k) == payload.nbytes, (
+                shape, k, options)
+            # at the codec's own capacity
+            assert codec.payload_bytes(shape, dtype) == payload.nbytes
             if x.numel():
-                assert codec.encode(with_non_finite(x)).nbytes == payload.nbytes, (shape, k, options)
+                assert codec.encode(with_non_finite(x)).nbytes == payload.nbytes, (
+                    shape, k, options)
 
 
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
@@ -90,7 +96,8 @@ def test_bitmask_payload_bytes_equal_encoded_nbytes(dtype):
         x = mask if dtype == torch.bool else mask.to(dtype) / 0.9
         assert codec.payload_bytes(shape, dtype) == codec.encode(x).nbytes, shape
         if dtype != torch.bool and x.numel():  # no mask: a NaN value, the same bytes
-            assert codec.payload_bytes(shape, dtype) == codec.encode(with_non_finite(x)).nbytes, shape
+            assert (codec.payload_bytes(shape, dtype)
+                    == codec.encode(with_non_finite(x)).nbytes), shape
 
 
 def test_outlier_count_is_for_the_outlier_codec_only():

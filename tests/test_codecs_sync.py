@@ -102,6 +102,6 @@ def test_native_backend_never_syncs_and_keeps_the_shapes(name, dtype, rows):
 
 def test_the_counter_sees_syncs():
     t = torch.ones(4)
-    _, syncs = counted(lambda t: (t[t > 0], t.nonzero(), bool(t.sum()), int(t.max()), torch.equal(t, t),
-                                  t.unique(), t.masked_select(t > 0)), t)
+    _, syncs = counted(lambda t: (t[t > 0], t.nonzero(), bool(t.sum()), int(t.max()),
+                                  torch.equal(t, t), t.unique(), t.masked_select(t > 0)), t)
     assert sum(syncs.values()) >= 7, syncs

@@ -61,7 +61,8 @@ def test_make_demo_plans_a_mix_then_trains_with_it(tmp_path, capsys, monkeypatch
     monkeypatch.chdir(tmp_path)
     demo = _demo()
     assert demo.main([*TINY, "--train-iters", "2", "--hidden-dropout", "0.1",
-                      "--adacc-tracking", "off", "--adacc-profile-db", str(tmp_path / "p.sqlite")]) == 0
+                      "--adacc-tracking", "off",
+                      "--adacc-profile-db", str(tmp_path / "p.sqlite")]) == 0
     out = capsys.readouterr().out
     assert out.startswith("demo budget ")
     for action in ACTIONS:

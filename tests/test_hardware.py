@@ -124,7 +124,7 @@ def test_rebuild_times_accumulate_along_each_segment():
         (None, "mlp.activation_func"), ("mlp", None)]
     # The attention re-run ends at the bias-dropout-add's mask (ln2_in has its edge) and
     # holds all of the segment's matmuls.
-    s, b, h, a = 1024, 8, 1024, 16
+    s, b, h = 1024, 8, 1024
     flops = 2 * s * b * h * 3 * h + 2 * 2 * b * s * s * h + 2 * s * b * h * h
     assert costs.site("bda1_mask").rebuild_s == max(site.rebuild_s for site in costs.sites)
     assert costs.site("bda1_mask").rebuild_s >= flops / (125e12 * hardware.MATMUL_EFFICIENCY)
@@ -187,8 +187,8 @@ def test_llama_operators_cost_their_own_ops():
         == {"ln1_stats": "input_layernorm", "ln1_normed": "input_layernorm",
             "ln1_out": "input_layernorm", "ln2_stats": "pre_mlp_layernorm",
             "ln2_normed": "pre_mlp_layernorm", "ln2_out": "pre_mlp_layernorm",
-            "ln2_in": "attention_residual", "swiglu_in": None, "swiglu_up": "mlp", "swiglu_act": "mlp",
-            "swiglu_out": "mlp"}
+            "ln2_in": "attention_residual", "swiglu_in": None, "swiglu_up": "mlp",
+            "swiglu_act": "mlp", "swiglu_out": "mlp"}
     # glu: the SiLU reads the gate half and writes its output, the add the up half, the
     # product reads two and writes one
     assert costs.operator("mlp").rebuild_s == pytest.approx(7 * s * b * f * act / byte_rate)
@@ -243,14 +243,16 @@ def test_codec_payloads_equal_real_encodes(precision, family):
     for site in hardware.analytic_costs(shape, 2, "a100-80gb").sites:
         cost = site.codecs[0]
         channels = sizes[site.name].channels(d)
-        outliers = round(channels * hardware.OUTLIER_CHANNEL_FRACTION) if cost.codec == "outlier_int4" else 0
+        outliers = (round(channels * hardware.OUTLIER_CHANNEL_FRACTION)
+                    if cost.codec == "outlier_int4" else 0)
         dtype = getattr(torch, site.dtype)
         rows = sizes[site.name].encoded_elements(d) // channels
         x = with_outlier_channels((rows, channels), torch.float32, outliers)
         x = x > 0 if dtype == torch.bool else x.to(dtype)
         assert cost.capacity == (outliers if cost.codec == "outlier_int4" else None)
         capacity = {"capacity": outliers} if cost.codec == "outlier_int4" else {}
-        assert cost.payload_bytes == codecs.get(cost.codec, backend="torch", **capacity).encode(x).nbytes, site.name
+        assert cost.payload_bytes == codecs.get(cost.codec, backend="torch",
+                                                **capacity).encode(x).nbytes, site.name
 
 
 def test_bf16_on_v100_is_refused():

@@ -131,8 +131,10 @@ import inspect
 from megatron.core.optimizer import distrib_optimizer
 results["distributed_optimizer_with_torch_adam"] = (
     "defect" if not distrib_optimizer.HAVE_APEX_OR_TE
-    and "assert len(steps) == 1" in inspect.getsource(distrib_optimizer.DistributedOptimizer.state_dict)
-    and 's["step"] = step\n' in inspect.getsource(distrib_optimizer.DistributedOptimizer.load_state_dict)
+    and "assert len(steps) == 1" in inspect.getsource(
+        distrib_optimizer.DistributedOptimizer.state_dict)
+    and 's["step"] = step\n' in inspect.getsource(
+        distrib_optimizer.DistributedOptimizer.load_state_dict)
     else "ok")
 
 print(json.dumps(results))

@@ -102,7 +102,8 @@ def test_make_builds_the_venv_from_python_312():
 
 
 def _dockerfile_instruction(name: str) -> list[str]:
-    lines = [l for l in (ROOT / "Dockerfile").read_text().splitlines() if l.startswith(name + " ")]
+    lines = [line for line in (ROOT / "Dockerfile").read_text().splitlines()
+             if line.startswith(name + " ")]
     return json.loads(lines[-1][len(name):]) if lines else []
 
 

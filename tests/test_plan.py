@@ -28,14 +28,14 @@ layers:
 
 def test_an_outlier_capacity_round_trips_and_builds_the_runtimes_codec():
     # The planner writes each outlier site's capacity into the plan: the payload it counts.
-    plan = Plan.from_yaml("""
-sites: {gelu_in: {action: compress, capacity: 5}, ln1_out: {action: compress, codec: outlier_int4, capacity: 0}}
-""")
+    plan = Plan.from_yaml("\nsites: {gelu_in: {action: compress, capacity: 5}, "
+                          "ln1_out: {action: compress, codec: outlier_int4, capacity: 0}}\n")
     again = Plan.from_yaml(plan.to_yaml())
     assert again == plan and again.plan_id == plan.plan_id
     assert plan.decision(0, "gelu_in") == Decision("compress", None, 5)
     assert plan.decision(0, "gelu_in").codec_options() == {"capacity": 5}
-    assert plan.plan_id != Plan.from_yaml("sites: {gelu_in: {action: compress, capacity: 6}}").plan_id
+    assert plan.plan_id != Plan.from_yaml(
+        "sites: {gelu_in: {action: compress, capacity: 6}}").plan_id
 
 
 def test_for_layer_covers_every_site():
@@ -61,16 +61,26 @@ def test_plan_id_changes_with_the_plan():
 
 @pytest.mark.parametrize("data, message", [
     ({"sites": {"qkvv": "retain"}}, r"sites: unknown site 'qkvv'; valid sites: layer_in, "),
-    ({"sites": {"qkv": "drop"}}, r"sites\.qkv: unknown action 'drop'; valid actions: retain, compress, recompute"),
-    ({"sites": {"qkv": {"action": "compress", "codec": "zip"}}}, r"unknown codec 'zip'; valid codecs: .*channel_int4"),
-    ({"sites": {"layer_in": "recompute"}}, r"sites\.layer_in: layer_in cannot be recomputed.*retain or compress"),
-    ({"sites": {"qkv": {"action": "retain", "codec": "bitmask"}}}, r"a codec only applies to action 'compress'"),
-    ({"sites": {"qkv": {"acton": "retain"}}}, r"unknown key\(s\) \['acton'\]; valid keys: action, codec, capacity"),
-    ({"sites": {"qkv": {"action": "compress", "capacity": 2}}}, r"sites\.qkv: a capacity only applies to compress with outlier_int4"),
-    ({"sites": {"gelu_in": {"action": "compress", "codec": "sym_int4", "capacity": 2}}}, r"a capacity only applies"),
-    ({"sites": {"gelu_in": {"action": "compress", "capacity": -1}}}, r"capacity must be a whole number >= 0, got -1"),
-    ({"sites": {"gelu_in": {"action": "compress", "capacity": "4"}}}, r"capacity must be a whole number"),
-    ({"layers": {"0-1": {"sites": {"qkv": "retain"}}, "1": {"sites": {}}}}, r"range '1' overlaps '0-1'"),
+    ({"sites": {"qkv": "drop"}},
+     r"sites\.qkv: unknown action 'drop'; valid actions: retain, compress, recompute"),
+    ({"sites": {"qkv": {"action": "compress", "codec": "zip"}}},
+     r"unknown codec 'zip'; valid codecs: .*channel_int4"),
+    ({"sites": {"layer_in": "recompute"}},
+     r"sites\.layer_in: layer_in cannot be recomputed.*retain or compress"),
+    ({"sites": {"qkv": {"action": "retain", "codec": "bitmask"}}},
+     r"a codec only applies to action 'compress'"),
+    ({"sites": {"qkv": {"acton": "retain"}}},
+     r"unknown key\(s\) \['acton'\]; valid keys: action, codec, capacity"),
+    ({"sites": {"qkv": {"action": "compress", "capacity": 2}}},
+     r"sites\.qkv: a capacity only applies to compress with outlier_int4"),
+    ({"sites": {"gelu_in": {"action": "compress", "codec": "sym_int4", "capacity": 2}}},
+     r"a capacity only applies"),
+    ({"sites": {"gelu_in": {"action": "compress", "capacity": -1}}},
+     r"capacity must be a whole number >= 0, got -1"),
+    ({"sites": {"gelu_in": {"action": "compress", "capacity": "4"}}},
+     r"capacity must be a whole number"),
+    ({"layers": {"0-1": {"sites": {"qkv": "retain"}}, "1": {"sites": {}}}},
+     r"range '1' overlaps '0-1'"),
     ({"layers": {"a-b": {"sites": {}}}}, r"bad layer range 'a-b'"),
     ({"layers": {"0": {"sites": {"bogus": "retain"}}}}, r"layers\.0\.sites: unknown site 'bogus'"),
     ({"sitez": {}}, r"unknown plan key\(s\) \['sitez'\]; valid keys: sites, layers"),

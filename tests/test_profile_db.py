@@ -32,7 +32,8 @@ def test_a_profile_is_found_again_under_its_key_only(tmp_path):
     assert again.get(KEY).non_layer_bytes == 7
 
 
-@pytest.mark.parametrize("content", [b"garbage, not sqlite" * 100, b"SQLite format 3\x00" + b"\xff" * 4000])
+@pytest.mark.parametrize("content", [b"garbage, not sqlite" * 100,
+                                     b"SQLite format 3\x00" + b"\xff" * 4000])
 def test_a_corrupt_file_is_reported_and_rebuilt(tmp_path, capsys, content):
     path = tmp_path / "p.sqlite"
     path.write_bytes(content)
@@ -155,7 +156,8 @@ def test_the_device_a_profile_is_keyed_by_tells_cpus_of_one_model_name_apart(mon
 
     names = []
     for family, model in ((25, 17), (26, 2)):
-        monkeypatch.setattr(host, "host_cpu", lambda f=family, m=model: host.HostCpu("AMD EPYC", f, m))
+        monkeypatch.setattr(host, "host_cpu",
+                            lambda f=family, m=model: host.HostCpu("AMD EPYC", f, m))
         names.append(profiler.device_name())
     assert names[0].startswith("AMD EPYC (family 25, model 17) (")
     assert names[1].startswith("AMD EPYC (family 26, model 2) (")

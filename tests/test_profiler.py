@@ -9,8 +9,8 @@ from megatron_adacc.models import build as model_lib
 from megatron_adacc.common.plan import Decision, Plan
 from megatron_adacc.profiling.profiler import profile, refresh_codec_costs
 from megatron_adacc.runtime import apply_plan, measure_step
-from megatron_adacc.common.sites import (COMPRESS, OUTLIER_CODEC, QUANTIZE_CODEC, REBUILDS, RECOMPUTE,
-                                         SEGMENT_ANCHORS)
+from megatron_adacc.common.sites import (COMPRESS, OUTLIER_CODEC, QUANTIZE_CODEC, REBUILDS,
+                                         RECOMPUTE, SEGMENT_ANCHORS)
 
 from runtime_helpers import batch, build, loss_of, planned_and_measured, touch_fresh_pages
 
@@ -280,7 +280,8 @@ def test_an_outlier_sites_capacity_is_its_largest_outlier_count_over_the_layers(
     then fixed by its shape and that capacity, so every layer of a plan keeps exactly what
     the planner counts."""
     model = build(True, dropout=0.0, layers=3)
-    with torch.no_grad():  # outlier channels in the first layer's MLP only; the profile measures the second
+    # outlier channels in the first layer's MLP only; the profile measures the second
+    with torch.no_grad():
         model.decoder.layers[0].mlp.linear_fc1.weight[:3] *= 50
     costs = profile(model, batch(0), repeats=1, strict=True)
     capacities = {site.name: cost.capacity for site in costs.sites for cost in site.codecs
@@ -290,7 +291,8 @@ def test_an_outlier_sites_capacity_is_its_largest_outlier_count_over_the_layers(
     assert all(cost.capacity is None for site in costs.sites for cost in site.codecs
                if cost.codec != "outlier_int4")
     for codec in ("outlier_int4", "sym_int4"):
-        charged = {site.name: cost for site in costs.sites for cost in site.codecs if cost.codec == codec}
+        charged = {site.name: cost for site in costs.sites for cost in site.codecs
+                   if cost.codec == codec}
         apply_plan(model, Plan(layers={(0, 2): {name: Decision(COMPRESS, codec, cost.capacity)
                                                 for name, cost in charged.items()}}), strict=True)
         kept = measure_step(model, lambda: loss_of(model, 0), strict=True)[1].by_site
@@ -329,9 +331,11 @@ def test_a_timed_step_that_grew_the_heap_is_run_again(distributed, monkeypatch):
 
     monkeypatch.setattr(Codec, "decode", slow_and_growing_in_odd_steps(Codec.decode))
     monkeypatch.setattr(LayerCall, "keep", slow_and_growing_in_odd_steps(LayerCall.keep))
-    costs = profile(build(True, dropout=0.1), batch(0), repeats=2, strict=True, loss_fn=counting_loss)
+    costs = profile(build(True, dropout=0.1), batch(0), repeats=2, strict=True,
+                    loss_fn=counting_loss)
     decodes = [codec.decode_s for site in costs.sites for codec in site.codecs]
-    rebuilds = [site.rebuild_s for site in costs.sites if site.segment] + [op.rebuild_s for op in costs.operators]
+    rebuilds = ([site.rebuild_s for site in costs.sites if site.segment]
+                + [op.rebuild_s for op in costs.operators])
     assert decodes and rebuilds
     assert max(decodes) < slow_s / 2 and max(rebuilds) < slow_s / 2, (decodes, rebuilds)
 

@@ -176,12 +176,16 @@ def test_tracking_counts_every_outlier_and_raises_the_capacity_to_hold_them():
 
 def test_a_plan_below_the_needed_capacity_is_swapped_for_one_that_holds_it():
     costs = synthetic_costs()
-    costs = replace(costs, sites=[replace(site, codecs=tuple(replace(c, capacity=2) for c in site.codecs))
+    costs = replace(costs, sites=[replace(site, codecs=tuple(replace(c, capacity=2)
+                                                             for c in site.codecs))
                                   for site in costs.sites])
     rect = tight_rectifier(slack_per_layer=50, costs=costs)
-    compressed = [d["gelu_in"] for d in rect.result.layer_decisions if d["gelu_in"].action == COMPRESS]
-    assert compressed and all(d.capacity == 2 for d in compressed)   # the costs' capacity, in the plan
-    more = {"gelu_in": SiteStats("outlier_int4", PAYLOAD + 40, (PAYLOAD + 40) / FULL, 5, 1024, 0.09, capacity=5)}
+    compressed = [d["gelu_in"] for d in rect.result.layer_decisions
+                  if d["gelu_in"].action == COMPRESS]
+    # the costs' capacity, in the plan
+    assert compressed and all(d.capacity == 2 for d in compressed)
+    more = {"gelu_in": SiteStats("outlier_int4", PAYLOAD + 40, (PAYLOAD + 40) / FULL, 5, 1024, 0.09,
+                                 capacity=5)}
     outcome = rect.update(1, more)
     assert outcome.swap is not None and outcome.swap.reason == "capacity"
     assert all(d["gelu_in"].capacity == 5 for d in rect.result.layer_decisions

@@ -130,17 +130,18 @@ def test_unknown_sites_are_retained_outside_strict_mode(distributed):
 def test_adacc_spec_builds_adacc_layers_and_apply_plan_sets_per_layer_decisions(distributed):
     model = build(True)
     layers = adacc_layers(model)
-    assert [type(l) for l in layers] == [AdaccTransformerLayer] * 2
+    assert [type(layer) for layer in layers] == [AdaccTransformerLayer] * 2
     apply_plan(model, PLANS["mixed"])
     assert layers[0].actions["softmax_out"][0] == "recompute"
     assert "softmax_out" not in layers[1].actions and "context" in layers[1].actions
     apply_plan(model, None)
-    assert all(not l.actions for l in layers)
+    assert all(not layer.actions for layer in layers)
 
 
 def test_apply_plan_rejects_layers_outside_the_model_and_stock_models(distributed):
     with pytest.raises(PlanError, match="outside the model's 2 layers"):
-        apply_plan(build(True), Plan.from_dict({"layers": {"2-3": {"sites": {"qkv": "recompute"}}}}))
+        apply_plan(build(True),
+                   Plan.from_dict({"layers": {"2-3": {"sites": {"qkv": "recompute"}}}}))
     with pytest.raises(PlanError, match="no Adacc layers"):
         apply_plan(build(False), Plan())
 

@@ -140,7 +140,8 @@ def test_recompute_and_compress_shrink_what_is_kept(distributed):
 def test_peak_counts_rebuilt_values_one_layer_at_a_time(distributed):
     retained = measure_step(m := build(True, dropout=0.1), lambda: loss_of(m))[1]
     one_layer = retained.layer_bytes(1)
-    recompute_all = Plan.uniform({s: "recompute" for s in COMPRESSIBLE + ["ln1_stats", "ln2_stats"]})
+    recompute_all = Plan.uniform({s: "recompute"
+                                  for s in COMPRESSIBLE + ["ln1_stats", "ln2_stats"]})
     model = _with(build(True, dropout=0.1), recompute_all)
     report = measure_step(model, lambda: loss_of(model))[1]
     assert report.layer_bytes(1) == retained.by_site[(1, "layer_in")]

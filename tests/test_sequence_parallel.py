@@ -59,13 +59,17 @@ def _rank_main() -> None:
     # under Adacc's layer); the process group is this script's, so the model-parallel state
     # outlives the run.
     dist.init_process_group("gloo")
-    status = pretrain_gpt.main(RUN + ["--sequence-parallel", "--train-iters", "1", "--lr-warmup-iters", "0",
+    status = pretrain_gpt.main(RUN + ["--sequence-parallel", "--train-iters", "1",
+                                      "--lr-warmup-iters", "0",
                                       "--adacc-policy", "full-recompute"])
     assert status == 0, status
     session = megatron_lm.session()
     args, model = session.args, session.model
     batch = batch_tuple(session.step_batch, model)
-    loss = lambda: gpt_loss(model, *batch)
+
+    def loss():
+        return gpt_loss(model, *batch)
+
     apply_plan(model, None, strict=True)
     _, retained = measure_step(model, loss, strict=True)
     # Every rank plans from rank 0's costs (as Adacc does): a recompute that re-runs the
@@ -87,7 +91,8 @@ def _rank_main() -> None:
         regrown = profile(model, batch, repeats=1, strict=True)
     finally:
         Codec.decode = decode
-    low = minimum_budget(costs, allow_lossy_sources=False) + costs.num_layers * default_resolution(costs)
+    low = (minimum_budget(costs, allow_lossy_sources=False)
+           + costs.num_layers * default_resolution(costs))
     high = plan(costs, 10 * low).references["no optimisation"].peak_bytes
     result = plan(costs, int((low + high) / 2), allow_lossy_sources=False)
     apply_plan(model, result.plan, strict=True)

@@ -47,7 +47,8 @@ def auto_plan(model) -> Plan:
     """auto's plan a quarter of the way from the smallest budget it can meet to no
     optimisation: a budget that makes it compress."""
     costs = profile(model, batch(0), repeats=1, strict=True)
-    low = minimum_budget(costs, allow_lossy_sources=False) + costs.num_layers * default_resolution(costs)
+    low = (minimum_budget(costs, allow_lossy_sources=False)
+           + costs.num_layers * default_resolution(costs))
     high = make_plan(costs, 10 * low).references["no optimisation"].peak_bytes
     result = policies.plan("auto", costs, int(low + 0.25 * (high - low)))
     return result.plan
@@ -60,7 +61,8 @@ def plans(model, every_codec: dict[str, str]) -> dict[str, Plan | None]:
         "full-recompute": policies.full_recompute_plan(),
         "quantize": policies.quantize_plan(),
         "auto": auto_plan(model),
-        "every codec": Plan.uniform({site: Decision(COMPRESS, codec) for site, codec in every_codec.items()}),
+        "every codec": Plan.uniform({site: Decision(COMPRESS, codec)
+                                     for site, codec in every_codec.items()}),
     }
 
 

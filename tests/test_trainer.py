@@ -79,7 +79,8 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint_loadable(tmp_path, 
 @pytest.mark.parametrize("recompute", [
     ["--recompute-granularity", "full", "--recompute-method", "uniform",
      "--recompute-num-layers", "1"],
-    ["--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "1"],
+    ["--recompute-granularity", "full", "--recompute-method", "block",
+     "--recompute-num-layers", "1"],
     ["--recompute-granularity", "selective", "--recompute-modules", "core_attn"],
     ["--recompute-granularity", "selective", "--recompute-modules", "layernorm", "core_attn"],
 ])

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from megatron_adacc.codecs.int4 import (MIN_SCALE, ceil_to_bf16, finite_groups, pack_nibbles, saturate,
-                                        store_scales, true_divide, unpack_nibbles)
+from megatron_adacc.codecs.int4 import (MIN_SCALE, ceil_to_bf16, finite_groups, pack_nibbles,
+                                        saturate, store_scales, true_divide, unpack_nibbles)
 
 
 def asym_encode(x2d: torch.Tensor):
@@ -31,7 +31,8 @@ def asym_encode(x2d: torch.Tensor):
     finite = finite_groups(lo32, hi.float()) & torch.isfinite(15 * scale)
     scale = torch.where(finite, scale, torch.nan)
     offset = torch.where(finite, lo32, 0.0)
-    y = (x2d.float() - offset) * torch.where(finite, scale, 1.0).reciprocal()  # as symmetric.sym_encode
+    # as symmetric.sym_encode
+    y = (x2d.float() - offset) * torch.where(finite, scale, 1.0).reciprocal()
     codes = torch.where(finite, torch.floor(y + 0.5).clamp(0, 15), 0.0).to(torch.uint8)
     return pack_nibbles(codes), store_scales(scale).squeeze(1), offset.to(x2d.dtype).squeeze(1)
 
@@ -40,4 +41,5 @@ def asym_decode(packed: torch.Tensor, scales: torch.Tensor, offsets: torch.Tenso
                 shape2d: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
     """Decoded [rows, cols] of ``dtype``, saturated to its finite range (int4.saturate)."""
     codes = unpack_nibbles(packed, shape2d[0] * shape2d[1]).view(shape2d)
-    return saturate(offsets.float().unsqueeze(1) + codes.float() * scales.float().unsqueeze(1), dtype)
+    return saturate(offsets.float().unsqueeze(1) + codes.float() * scales.float().unsqueeze(1),
+                    dtype)

@@ -75,7 +75,8 @@ def kernels_for(backend: str, device: torch.device) -> Kernels:
         return REFERENCE
     if backend == "native":
         if _native() is None:
-            raise RuntimeError("codec backend 'native' could not build codecs/native/codecs.c (no C compiler?)")
+            raise RuntimeError("codec backend 'native' could not build codecs/native/codecs.c "
+                               "(no C compiler?)")
         return _native()
     if backend == "triton":
         if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":

@@ -28,7 +28,8 @@ def mask_pack(flat: torch.Tensor) -> torch.Tensor:
     return (bits.view(-1, 8) << _bit_shifts(flat.device)).sum(dim=1, dtype=torch.uint8)
 
 
-def mask_unpack(packed: torch.Tensor, numel: int, value: torch.Tensor | None = None) -> torch.Tensor:
+def mask_unpack(packed: torch.Tensor, numel: int,
+                value: torch.Tensor | None = None) -> torch.Tensor:
     """Inverse of mask_pack: the first `numel` flags as a bool tensor or, given the mask's
     value (mask_value), as a tensor of its dtype holding that value where set, +0 elsewhere."""
     bits = (packed.unsqueeze(1) >> _bit_shifts(packed.device)) & 1

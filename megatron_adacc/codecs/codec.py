@@ -190,7 +190,8 @@ class SymInt4(_FlatGroups):
 
     def _decode(self, payload, kernels, exact=None):
         packed, shape2d = self._packed_groups(payload)
-        groups = kernels.sym_decode(packed, payload.tensors["scales"], shape2d, 1, payload.dtype, exact)
+        groups = kernels.sym_decode(packed, payload.tensors["scales"], shape2d, 1, payload.dtype,
+                                    exact)
         return self._ungroup(groups, payload)
 
 
@@ -273,11 +274,13 @@ class AsymInt4(_FlatGroups):
 
     def _encode(self, x, kernels):
         packed, scales, offsets = kernels.asym_encode(self._groups(x))
-        return {"packed": _keep(packed, _packed_bytes(x.numel())), "scales": scales, "offsets": offsets}
+        return {"packed": _keep(packed, _packed_bytes(x.numel())), "scales": scales,
+                "offsets": offsets}
 
     def _payload_bytes(self, shape, dtype, outlier_channels):
         groups = self._group_count(shape)
-        return _packed_bytes(shape.numel()) + _scales_bytes(groups) + groups * dtype.itemsize  # offsets
+        return (_packed_bytes(shape.numel()) + _scales_bytes(groups)
+                + groups * dtype.itemsize)  # offsets
 
     def _decode(self, payload, kernels):
         packed, shape2d = self._packed_groups(payload)

@@ -125,7 +125,8 @@ def row_layout(x: torch.Tensor, zeroed: tuple[int, torch.Tensor] | None = None
         channels = zeroed[0] if zeroed is not None else width
         return groups, width, channels, channels
     channels = width * (x.shape[1] if x.dim() == 3 else 1)
-    in_rows = x.stride(-1) == 1 and (x.dim() == 2 or x.stride(1) == width) and x.stride(0) >= channels
+    in_rows = (x.stride(-1) == 1 and (x.dim() == 2 or x.stride(1) == width)
+               and x.stride(0) >= channels)
     if not in_rows or zeroed is not None and zeroed[0] != channels:
         return None
     return groups, width, channels, x.stride(0)

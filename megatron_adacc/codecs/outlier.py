@@ -22,7 +22,8 @@ STATISTICS_ROWS = 512
 
 
 def statistics_step(rows: int) -> int:
-    """k: the statistics read every k-th row, k = rows // STATISTICS_ROWS (1 below 2 * STATISTICS_ROWS)."""
+    """k: the statistics read every k-th row, k = rows // STATISTICS_ROWS (1 below
+    2 * STATISTICS_ROWS)."""
     return max(1, rows // STATISTICS_ROWS)
 
 

@@ -38,7 +38,8 @@ def sym_scales(lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
     negative_extreme = -lo >= hi
     extreme = torch.where(negative_extreme, -lo, hi)
     opposite = torch.where(negative_extreme, hi, -lo)
-    magnitude = ceil_to_bf16(torch.maximum(extreme / 8, true_divide(opposite, 7.5))).clamp_min(MIN_SCALE)
+    magnitude = ceil_to_bf16(torch.maximum(extreme / 8,
+                                           true_divide(opposite, 7.5))).clamp_min(MIN_SCALE)
     scale = torch.where(negative_extreme, magnitude, -magnitude)
     return torch.where(finite_groups(lo, hi), scale, torch.nan)
 
@@ -67,8 +68,9 @@ def sym_encode(x2d: torch.Tensor, reduce_dim: int,
     return encoded if zeroed is None else (*encoded, values)
 
 
-def sym_decode(packed: torch.Tensor, scales: torch.Tensor, shape2d: tuple[int, int], reduce_dim: int,
-               dtype: torch.dtype, exact: tuple[int, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+def sym_decode(packed: torch.Tensor, scales: torch.Tensor, shape2d: tuple[int, int],
+               reduce_dim: int, dtype: torch.dtype,
+               exact: tuple[int, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Decoded [rows, cols] of ``dtype``, saturated to its finite range (int4.saturate).
 
     `exact`: (channels, index, values), the outlier codec's exact channels (int32 slots,

@@ -31,7 +31,8 @@ SEGMENT_ANCHORS: dict[str, int] = {start: index for index, start in enumerate(SE
 MLP_SEGMENT = SEGMENT_NAMES.index("mlp")
 
 
-def chain_reruns(rebuilt: Collection[int], passes_through: Callable[[int], bool]) -> list[list[int]]:
+def chain_reruns(rebuilt: Collection[int],
+                 passes_through: Callable[[int], bool]) -> list[list[int]]:
     """The forward re-runs that rebuild the segments ``rebuilt`` (indices into SEGMENTS), each
     the indices of the segments it runs, in forward order: the one rule of the planner's
     charges and the runtime's re-runs. A rebuilt segment continues the re-run before it when
@@ -43,7 +44,8 @@ def chain_reruns(rebuilt: Collection[int], passes_through: Callable[[int], bool]
     nothing."""
     chains: list[list[int]] = []
     for index in sorted(rebuilt):
-        if chains and all(passes_through(between) for between in range(chains[-1][-1] + 1, index + 1)):
+        if chains and all(passes_through(between)
+                          for between in range(chains[-1][-1] + 1, index + 1)):
             chains[-1].extend(range(chains[-1][-1] + 1, index + 1))
         else:
             chains.append([index])

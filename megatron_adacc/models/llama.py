@@ -31,7 +31,8 @@ SWIGLU_MLP = MlpPart(
     default_ffn=lambda hidden: int(4 * hidden * 2 / 3 / 64) * 64)
 # RoPE saves cos and sin ([s, 1, 1, rotary dim]) and rotates Q and K into new tensors: cos
 # and sin are computed for Q and for K (four tensors written), kept as one cos and one sin for
-# every layer (sites.py: shared; runtime/shared.py). Unfused core attention then keeps the rotated Q and K and, without grouping,
+# every layer (sites.py: shared; runtime/shared.py). Unfused core attention then keeps the
+# rotated Q and K and, without grouping,
 # V as a view pinning linear_qkv's whole output; grouped K and V are repeated to the heads.
 ROPE = PositionPart(
     "rope", learned=False,

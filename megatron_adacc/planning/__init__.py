@@ -31,5 +31,6 @@ __all__ = [
     "format_stages", "forward_end_bytes", "in_flight_micro_batches",
     "is_exact", "last_resort_sites", "layer_frontier", "minimum_budget", "minimum_feasible_budget",
     "peak_bytes", "plan",
-    "plan_in_tiers", "plan_stages", "rebuild_charges", "rerun_chains", "stage_costs", "stage_layer_counts",
+    "plan_in_tiers", "plan_stages", "rebuild_charges", "rerun_chains", "stage_costs",
+    "stage_layer_counts",
 ]

@@ -8,18 +8,18 @@ Per-layer plans, over the layer frontier (``frontier.py``):
    for maximum lateness: transient is the "delivery time", stored the "processing time").
    The top layer backprops with every other layer's activations still stored, so it should be
    the one with the least to rebuild.
-2. The choice: a dynamic programme over layers on the state (prefix stored, time so far;
-   on a pipeline stage with k > 1 micro-batches in flight also the running maximum of
-   prefix + transient, since the backward term adds (k - 1) x the total stored, known only
-   at the end), keeping only Pareto states, pruned by branch and bound (lower bound: the LP relaxation,
-   i.e. the convex hull of the frontier in (stored, time); upper bound: the better of the best
-   uniform plan and the rounded LP optimum). Stored bytes are rounded up to a resolution
-   (``default_resolution``: 1/1024 of a layer, 1 byte on small problems, where the result is
-   exactly optimal); the plan always fits the true budget and is no slower than the optimum
-   at (budget - num_layers x resolution). CBC on the same problem as a knapsack over the
-   frontier (hundreds of near-tied integer columns) did not prove optimality in 20 s, hence
-   the dynamic programme. The smallest feasible budget is the peak of a least-peak plan
-   found without rounding, which ``plan`` falls back to: a budget it names is feasible.
+2. The choice: a dynamic programme over layers on the state (prefix stored, time so far; on a
+   pipeline stage with k > 1 micro-batches in flight also the running maximum of prefix + transient,
+   since the backward term adds (k - 1) x the total stored, known only at the end), keeping only
+   Pareto states, pruned by branch and bound (lower bound: the LP relaxation, i.e. the convex hull
+   of the frontier in (stored, time); upper bound: the better of the best uniform plan and the
+   rounded LP optimum). Stored bytes are rounded up to a resolution (``default_resolution``: 1/1024
+   of a layer, 1 byte on small problems, where the result is exactly optimal); the plan always fits
+   the true budget and is no slower than the optimum at (budget - num_layers x resolution). CBC on
+   the same problem as a knapsack over the frontier (hundreds of near-tied integer columns) did not
+   prove optimality in 20 s, hence the dynamic programme. The smallest feasible budget is the peak
+   of a least-peak plan found without rounding, which ``plan`` falls back to: a budget it names is
+   feasible.
 
 Uniform plans (one policy for every layer) are a scan of the same frontier. ``method="milp"``
 solves the direct formulation instead (``milp.py``): slower, kept as the cross-check and

@@ -1,1 +1,2 @@
-"""Measuring costs: the profiler, its SQLite store, the analytic accelerator model, allocator readings."""
+"""Measuring costs: the profiler, its SQLite store, the analytic accelerator model, allocator
+readings."""

@@ -463,7 +463,8 @@ def _qkv_sites(shape: ModelShape) -> dict[str, SiteTerm]:
     positions = shape.variant.positions
     if shape.attention_backend == "flash":
         # SDPA keeps K and V at the groups; V is its own copy beside RoPE's Q and K
-        heads = lambda d: d.a + 2 * d.g
+        def heads(d):
+            return d.a + 2 * d.g
     else:
         heads = positions.unfused_qkv_heads
     qkv = SiteTerm(lambda d: heads(d) * d.s * d.b * d.hd, act, no_flops,
@@ -473,7 +474,9 @@ def _qkv_sites(shape: ModelShape) -> dict[str, SiteTerm]:
 
 
 def _unfused_core_sites(shape: ModelShape) -> dict[str, SiteTerm]:
-    attn = lambda d: d.a * d.s * d.s * d.b
+    def attn(d):
+        return d.a * d.s * d.s * d.b
+
     return {
         # Q K^T, scale and mask, softmax: scores written and read in 16 bit, probs written.
         "softmax_out": SiteTerm(attn, _softmax, lambda d: 2 * d.b * d.s * d.s * d.aw,
@@ -521,7 +524,9 @@ def _layer_sites(shape: ModelShape) -> dict[str, SiteTerm]:
     shape's layer variant (its parts' terms, models/) and attention backend, in the order
     forward saves them; each term's op costs are those of the ops since the previous save."""
     norm = shape.variant.norm
-    proj_flops = lambda d: 2 * d.s * d.b * d.aw * d.h
+    def proj_flops(d):
+        return 2 * d.s * d.b * d.aw * d.h
+
     # Without the bias-dropout-add mask, the next save after the context is ln2_in: the
     # output projection runs before it.
     ln2_in_flops = no_flops if _hidden_dropout(shape) else proj_flops
@@ -578,7 +583,8 @@ def shared_activation_bytes(shape: ModelShape, micro_batch_size: int) -> int:
 def outlier_capacity(codec: str, channels: int) -> int | None:
     """The exact channels the analytic model gives an outlier-separating codec
     (``OUTLIER_CHANNEL_FRACTION`` of the channels); None for the other codecs."""
-    return int(round(channels * OUTLIER_CHANNEL_FRACTION)) if codecs.get(codec).separates_outliers else None
+    return (int(round(channels * OUTLIER_CHANNEL_FRACTION)) if codecs.get(codec).separates_outliers
+            else None)
 
 
 def codec_payload_bytes(codec: str, elements: int, dtype: str, channels: int) -> int:

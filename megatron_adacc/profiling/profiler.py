@@ -284,15 +284,16 @@ class _Profiling:
         self.device = batch[0].device
 
     def step(self, decisions: dict[str, Decision], ruler_type=ActivationRuler,
-             install: Callable[[], None] | None = None, backward: bool = True, every_layer: bool = False):
+             install: Callable[[], None] | None = None, backward: bool = True,
+             every_layer: bool = False):
         """Forward and backward of the micro-batch with ``decisions`` on the measured layer
         only, or on each (``every_layer``; ``install`` may then adjust the measured layer's
         actions); gradients are dropped.
         ``backward=False``: the forward stops once the measured layer is done, since nothing
         after it is looked at. ``ruler_type=None``: no ruler watches (its hooks and counts
         are none of training's), for steps that only time. Returns the ruler."""
-        first, last = (self.layers[0].layer_index, self.layers[-1].layer_index) if every_layer else (
-            self.index, self.index)
+        first, last = ((self.layers[0].layer_index, self.layers[-1].layer_index) if every_layer
+                       else (self.index, self.index))
         apply_plan(self.model, Plan(layers={(first, last): decisions}), strict=self.strict)
         if install is not None:
             install()
@@ -348,7 +349,8 @@ class _Profiling:
                 probe.read_times(seconds)
         return sizes, probes
 
-    def outlier_capacities(self, decisions: dict[str, Decision]) -> tuple[dict[str, int], dict[str, int]]:
+    def outlier_capacities(self, decisions: dict[str, Decision]
+                           ) -> tuple[dict[str, int], dict[str, int]]:
         """One step with ``decisions`` on every layer: (the largest outlier count over the
         layers of each site whose codec separates outliers, the largest payload of each
         site). The counts are read after the step, the same on every tensor- and
@@ -359,10 +361,12 @@ class _Profiling:
             for layer in self.layers:
                 for name, (action, codec) in list(layer.actions.items()):
                     if action == COMPRESS and getattr(codec, "separates_outliers", False):
-                        layer.actions[name] = (COMPRESS, _OutlierCounter(codec, counts.setdefault(name, [])))
+                        layer.actions[name] = (COMPRESS,
+                                               _OutlierCounter(codec, counts.setdefault(name, [])))
 
         largest: dict[str, int] = {}
-        for (_, name), size in self.step(decisions, every_layer=True, install=count).report().by_site.items():
+        for (_, name), size in self.step(decisions, every_layer=True,
+                                         install=count).report().by_site.items():
             if name in decisions:
                 largest[name] = max(largest.get(name, 0), size)
         return {name: self._largest_on_peers(max(int(n) for n in found))
@@ -398,15 +402,18 @@ class _Profiling:
             # 1.1-1.7 in the next two, and a median of three took 12 ms once).
             capacities, largest = self.outlier_capacities(
                 {name: Decision(COMPRESS, codec) for name, codec in chosen.items()})
-            decisions = {name: Decision(COMPRESS, codec, capacities.get(name)) for name, codec in chosen.items()}
+            decisions = {name: Decision(COMPRESS, codec, capacities.get(name))
+                         for name, codec in chosen.items()}
             self.probed_step(decisions)
 
             def timed_step():
                 # Each usable probe's times only: the probes and the tensors they were given
                 # go with their step.
                 sizes, probes = self.probed_step(decisions)
-                usable = {name: probe for name, probe in probes.items() if not probe.failed and probe.inputs}
-                return ((sizes, {name: (probe.encode_s, probe.decode_s) for name, probe in usable.items()}),
+                usable = {name: probe for name, probe in probes.items()
+                          if not probe.failed and probe.inputs}
+                return ((sizes, {name: (probe.encode_s, probe.decode_s)
+                                 for name, probe in usable.items()}),
                         any(probe.grew_heap for probe in usable.values()))
 
             steps = self._steady_steps(timed_step)
@@ -416,7 +423,8 @@ class _Profiling:
                     continue
                 payload = int(steps[0][0][name])  # at the capacity: the same in every layer
                 found[name].append(CodecCost(
-                    codec=codec, payload_bytes=payload if name in capacities else max(payload, largest.get(name, 0)),
+                    codec=codec, payload_bytes=(payload if name in capacities
+                                                else max(payload, largest.get(name, 0))),
                     encode_s=statistics.median(encode_s for encode_s, _ in times),
                     decode_s=statistics.median(decode_s for _, decode_s in times),
                     capacity=capacities.get(name)))

@@ -211,7 +211,8 @@ class ActivationRuler:
                                 dict(self._after_forward_by_site), self.transient_peak_bytes)
 
 
-def measure_step(model: torch.nn.Module, loss_fn, strict: bool = False) -> tuple[torch.Tensor, ActivationReport]:
+def measure_step(model: torch.nn.Module, loss_fn,
+                 strict: bool = False) -> tuple[torch.Tensor, ActivationReport]:
     """Run `loss_fn()` (forward) and its backward under one ruler; returns (loss, report)."""
     with ActivationRuler(model, strict=strict) as ruler:
         loss = loss_fn()

@@ -19,8 +19,8 @@ saves several kinds and the tensor decides:
 - the MLP's activation saves per its model family's part (models.MlpPart);
 - the layer itself saves the bias-dropout-add masks: drawn, shaped like the residual stream.
 
-Mask sites (those whose designated codec is the bitmask codec) are only named for tensors that are masks
-by how they were made: drawn by a dropout, or the attention mask by identity.
+Mask sites (those whose designated codec is the bitmask codec) are only named for tensors
+that are masks by how they were made: drawn by a dropout, or the attention mask by identity.
 
 The attention mask is one tensor for every layer (megatron's cached causal mask, or the mask
 the model was called with), so it is recognised by its storage, never by its dtype: dropout

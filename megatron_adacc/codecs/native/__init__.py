@@ -30,7 +30,8 @@ from megatron_adacc.codecs.kernels import Kernels
 from megatron_adacc.codecs.native import host
 
 _SOURCE = Path(__file__).with_name("codecs.c")
-_FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-fast-math", "-shared", "-fPIC"]
+_FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-fast-math", "-shared",
+          "-fPIC"]
 CFLAGS_ENV_VAR = "ADACC_NATIVE_CFLAGS"
 _DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _i64, _f32, _i32, _p = ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_void_p
@@ -48,7 +49,8 @@ _SIGNATURES = {
     "take_columns": [_p, _i32, _i64, _i64, _p, _i64, _p],
     "vector_isa": [],
 }
-_RETURNS = {**{name: ctypes.c_int for name in ("mask_encode", "sym_encode_rows", "sym_decode_rows", "take_columns")},
+_RETURNS = {**{name: ctypes.c_int
+               for name in ("mask_encode", "sym_encode_rows", "sym_decode_rows", "take_columns")},
             "outlier_channels": _i64, "vector_isa": ctypes.c_char_p}
 
 
@@ -73,19 +75,23 @@ def library_file(cflags: str | None = None) -> Path:
     flags = _compiler_flags(os.environ.get(CFLAGS_ENV_VAR, "") if cflags is None else cflags)
     key = hashlib.sha256(_SOURCE.read_bytes() + " ".join(flags).encode()
                          + host.host_cpu().build_identity().encode()).hexdigest()[:16]
-    cache = Path(os.environ.get("ADACC_CACHE_DIR", Path.home() / ".cache" / "megatron-adacc")) / "codecs"
+    cache = Path(os.environ.get("ADACC_CACHE_DIR",
+                                Path.home() / ".cache" / "megatron-adacc")) / "codecs"
     return cache / f"codecs-{key}.so"
 
 
 @functools.cache
-def _library_for(cflags: str) -> ctypes.CDLL:  # every kernel call asks: splitting the flags each time cost 2 us
+def _library_for(cflags: str) -> ctypes.CDLL:  # every kernel call asks: splitting the flags each
+                                               # time cost 2 us
     target = library_file(cflags)
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         compiler = os.environ.get("CC", "gcc")
-        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:  # build aside, then rename: atomic
+        # build aside, then rename: atomic
+        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
             built = Path(tmp) / target.name
-            subprocess.run([compiler, *_compiler_flags(cflags), str(_SOURCE), "-o", str(built), "-lm"],
+            subprocess.run([compiler, *_compiler_flags(cflags), str(_SOURCE), "-o", str(built),
+                            "-lm"],
                            check=True, capture_output=True)
             built.replace(target)
     lib = ctypes.CDLL(str(target))
@@ -111,7 +117,8 @@ def _native(x2d: torch.Tensor) -> bool:
 def _slots(index: torch.Tensor) -> bool:
     """Slot indices (outlier.select_channels' layout) the C kernels take: int32 on the CPU,
     contiguous; they check the values themselves."""
-    return index.dtype == torch.int32 and index.device.type == "cpu" and index.dim() == 1 and index.is_contiguous()
+    return (index.dtype == torch.int32 and index.device.type == "cpu" and index.dim() == 1
+            and index.is_contiguous())
 
 
 def _sym_encode(x2d, reduce_dim, zeroed=None):
@@ -119,9 +126,11 @@ def _sym_encode(x2d, reduce_dim, zeroed=None):
         rows, cols = x2d.shape
         packed = torch.empty(rows * cols // 2, dtype=torch.uint8)
         scales = torch.empty(cols, dtype=torch.bfloat16)
-        scratch, col_ok = torch.empty(4 * cols, dtype=torch.float32), torch.empty(cols, dtype=torch.int32)
-        library().sym_encode_cols(x2d.data_ptr(), _DTYPE_CODE[x2d.dtype], rows, cols, scratch.data_ptr(),
-                                  col_ok.data_ptr(), packed.data_ptr(), scales.data_ptr())
+        scratch, col_ok = (torch.empty(4 * cols, dtype=torch.float32),
+                           torch.empty(cols, dtype=torch.int32))
+        library().sym_encode_cols(x2d.data_ptr(), _DTYPE_CODE[x2d.dtype], rows, cols,
+                                  scratch.data_ptr(), col_ok.data_ptr(), packed.data_ptr(),
+                                  scales.data_ptr())
         return packed, scales
     layout = int4.row_layout(x2d, zeroed) if reduce_dim == 1 and x2d.device.type == "cpu" else None
     if layout is None or zeroed is not None and not _slots(zeroed[2]):
@@ -132,14 +141,15 @@ def _sym_encode(x2d, reduce_dim, zeroed=None):
     packed = torch.empty(rows * cols // 2, dtype=torch.uint8)
     scales = torch.empty(rows, dtype=torch.bfloat16)
     if zeroed is None:
-        library().sym_encode_rows(x2d.data_ptr(), _DTYPE_CODE[x2d.dtype], rows, cols, channels, stride,
-                                  None, 0, None, packed.data_ptr(), scales.data_ptr())
+        library().sym_encode_rows(x2d.data_ptr(), _DTYPE_CODE[x2d.dtype], rows, cols, channels,
+                                  stride, None, 0, None, packed.data_ptr(), scales.data_ptr())
         return packed, scales
     index = zeroed[2]  # the slots: the C kernel zeroes their channels and copies them in its pass
-    exact = torch.empty(rows * cols // channels, index.numel(), dtype=x2d.dtype)  # whole rows: see the codec
-    if not library().sym_encode_rows(x2d.data_ptr(), _DTYPE_CODE[x2d.dtype], rows, cols, channels, stride,
-                                     index.data_ptr(), index.numel(), exact.data_ptr(), packed.data_ptr(),
-                                     scales.data_ptr()):
+    # whole rows: see the codec
+    exact = torch.empty(rows * cols // channels, index.numel(), dtype=x2d.dtype)
+    if not library().sym_encode_rows(x2d.data_ptr(), _DTYPE_CODE[x2d.dtype], rows, cols, channels,
+                                     stride, index.data_ptr(), index.numel(), exact.data_ptr(),
+                                     packed.data_ptr(), scales.data_ptr()):
         # slots out of their layout (the reference raises or follows them) or out of memory in C
         return symmetric.sym_encode(x2d.reshape(-1, x2d.shape[-1]), reduce_dim, zeroed)
     return packed, scales, exact
@@ -156,13 +166,13 @@ def _sym_decode(packed, scales, shape2d, reduce_dim, dtype, exact=None):
                                   _DTYPE_CODE[dtype], col_scale.data_ptr(), out.data_ptr())
         return out
     if exact is None:
-        library().sym_decode_rows(packed.data_ptr(), scales.data_ptr(), shape2d[0], shape2d[1], _DTYPE_CODE[dtype],
-                                  None, 0, 1, 0, None, out.data_ptr())
+        library().sym_decode_rows(packed.data_ptr(), scales.data_ptr(), shape2d[0], shape2d[1],
+                                  _DTYPE_CODE[dtype], None, 0, 1, 0, None, out.data_ptr())
         return out
     channels, index, values = exact
-    if not library().sym_decode_rows(packed.data_ptr(), scales.data_ptr(), shape2d[0], shape2d[1], _DTYPE_CODE[dtype],
-                                     index.data_ptr(), index.numel(), channels, values.shape[0], values.data_ptr(),
-                                     out.data_ptr()):
+    if not library().sym_decode_rows(packed.data_ptr(), scales.data_ptr(), shape2d[0], shape2d[1],
+                                     _DTYPE_CODE[dtype], index.data_ptr(), index.numel(), channels,
+                                     values.shape[0], values.data_ptr(), out.data_ptr()):
         # slots out of their layout: the reference raises on those out of range, follows the rest
         return symmetric.sym_decode(packed, scales, shape2d, reduce_dim, dtype, exact)
     return out
@@ -174,7 +184,8 @@ def _native_exact(exact, dtype, shape2d) -> bool:
     reference raises on the rest."""
     channels, index, values = exact
     return (_slots(index) and values.dtype == dtype and values.is_contiguous() and values.dim() == 2
-            and values.shape[1] == index.numel() and 0 < values.shape[0] * channels <= shape2d[0] * shape2d[1])
+            and values.shape[1] == index.numel()
+            and 0 < values.shape[0] * channels <= shape2d[0] * shape2d[1])
 
 
 def _outlier_select(x2d, threshold, capacity):
@@ -187,9 +198,11 @@ def _outlier_select(x2d, threshold, capacity):
     mask = torch.empty(cols, dtype=torch.bool)
     index = torch.empty(capacity, dtype=torch.int32)
     if library().outlier_channels(x2d.data_ptr(), _DTYPE_CODE[x2d.dtype], rows, cols, stride,
-                                  outlier.statistics_step(rows), threshold, capacity, sums.data_ptr() + 8 * cols,
+                                  outlier.statistics_step(rows), threshold, capacity,
+                                  sums.data_ptr() + 8 * cols,
                                   sums.data_ptr(), mask.data_ptr(), index.data_ptr()) < 0:
-        return outlier.outlier_select(x2d, threshold, capacity)  # too close to call in another summation order
+        # too close to call in another summation order
+        return outlier.outlier_select(x2d, threshold, capacity)
     return mask, index
 
 
@@ -219,9 +232,11 @@ def _mask_encode(flat):
         return bitmask.mask_encode(flat)
     flat = flat.contiguous()
     packed = torch.empty((flat.numel() + 7) // 8, dtype=torch.uint8)
-    checked, value = flat.dtype in _DTYPE_CODE, ctypes.c_float()  # float masks: the value checked in the same pass
-    is_mask = library().mask_encode(flat.data_ptr(), _DTYPE_CODE.get(flat.dtype, 0), flat.element_size(),
-                                    flat.numel(), packed.data_ptr(), ctypes.byref(value) if checked else None)
+    # float masks: the value checked in the same pass
+    checked, value = flat.dtype in _DTYPE_CODE, ctypes.c_float()
+    is_mask = library().mask_encode(flat.data_ptr(), _DTYPE_CODE.get(flat.dtype, 0),
+                                    flat.element_size(), flat.numel(), packed.data_ptr(),
+                                    ctypes.byref(value) if checked else None)
     if checked:  # a CPU function's result: no device to wait for
         stored = torch.tensor([value.value], dtype=flat.dtype)
         return packed, stored if is_mask else int4.with_nan(stored, torch.ones(1, dtype=torch.bool))
@@ -237,13 +252,14 @@ def _mask_unpack(packed, numel, value=None):
         library().mask_unpack(packed.data_ptr(), numel, flags.data_ptr())
         return flags
     out = torch.empty(numel, dtype=value.dtype)
-    library().mask_unpack_values(packed.data_ptr(), numel, _DTYPE_CODE[value.dtype], value.data_ptr(),
-                                 out.data_ptr())
+    library().mask_unpack_values(packed.data_ptr(), numel, _DTYPE_CODE[value.dtype],
+                                 value.data_ptr(), out.data_ptr())
     return out
 
 
 def _take_columns(x2d, index):
-    if (x2d.device.type == "cpu" and x2d.is_contiguous() and x2d.element_size() in (2, 4) and _slots(index)):
+    if (x2d.device.type == "cpu" and x2d.is_contiguous() and x2d.element_size() in (2, 4)
+            and _slots(index)):
         values = torch.empty(x2d.shape[0], index.numel(), dtype=x2d.dtype)
         if library().take_columns(x2d.data_ptr(), x2d.element_size(), x2d.shape[0], x2d.shape[1],
                                   index.data_ptr(), index.numel(), values.data_ptr()):

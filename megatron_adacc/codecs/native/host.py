@@ -19,7 +19,8 @@ CPUINFO = "/proc/cpuinfo"
 
 @dataclass(frozen=True)
 class HostCpu:
-    model: str                   # the model name (platform.processor() where /proc/cpuinfo has none)
+    model: str                   # the model name (platform.processor() where /proc/cpuinfo
+                                 # has none)
     family: int | None = None    # "cpu family" (x86)
     model_number: int | None = None  # "model" (x86)
     flags: frozenset[str] = frozenset()
