@@ -1,100 +1,19 @@
-"""The memory and time model: what a layer policy costs and what a plan's peak is. Every
-search (the frontier, the uniform and per-layer searches, the MILP) and the plan table take
-their charges and their limits from this module; none restates a rule.
+"""The memory and time model: what a layer policy costs and what a plan's peak is.
 
-Memory model (one pipeline stage, identical layers, layer 0 nearest the embedding; the stage
-keeps k = ``in_flight_micro_batches`` micro-batches in flight, 1 without pipelining):
+Every search and the plan table take their charges and limits from here; none restates a rule.
+The derivation of each term is in docs/memory-model.md. In short, for one pipeline stage with
+k micro-batches in flight:
 
     peak = static + allocator_overhead + max( (k - 1) x (A + E) + E + max(
                   non_layer + R + A,                                        # end of forward
                   max_l [ sum_{j<=l} stored(j) + transient(l) ] + workspace + H ),
               optimizer_step + H )                                          # the step
 
-    A = sum_l stored(l), one micro-batch's layers; E = ``embedding_bytes`` (first stage);
-    R = ``received_input_bytes`` (later stages, when a forward follows a backward);
-    H = ``held_non_layer_bytes``, the part of non_layer that backward does not free (the
-    shared sites: megatron's causal mask, RoPE's cos and sin; one storage for the stage).
-
-Why: under 1F1B stage s of P runs min(P - s, M) forwards before its first backward, and one
-forward per backward after, so at most k micro-batches are alive. Its peak comes with the
-k-th forward or with the backward that follows. At the end of the k-th forward all k hold
-their layers and embedding whole, plus the newest one's output layer and loss tensors
-(non_layer, the last stage's; k = 1 there). While the oldest backprops layer l, the other
-k - 1 still hold A + E whole, and it holds E, its layers 0..l and layer l's transient plus the
-workspace: its non_layer tensors are gone (the loss backward freed them before any layer
-backprops) and the embedding's backward comes last. Both terms share (k - 1)(A + E) + E.
-
-R: a stage after the first receives its input (megatron's p2p recv, a leaf that requires
-grad). In 1F1B's steady state megatron-core's schedule keeps the output tensor of the
-micro-batch it last backpropagated in ``output_tensor`` until the next ``forward_step``
-returns; backward freed that graph's saved values but not its nodes, and the graph ends in
-the received input's AccumulateGrad, which holds the input. So one more stage input is alive
-through every forward that follows a backward, up to the end of that forward (its loss on
-the last stage), and gone before the next backward starts. It is held for no backward, so
-it is no part of the after-forward bytes (``forward_end_bytes``).
-
-optimizer_step (``optimizer_step_bytes``) is what the optimizer step adds while no activation
-is alive but the cached H: megatron's fp16 optimizer's fp32 copies of the gradients, made in
-the step and dropped at the next zero_grad, before the forward. It only sets the peak of a
-plan that keeps less than it.
-
-allocator_overhead is what the profiler saw the CUDA caching allocator reserve beyond this
-model's prediction on an all-retain step (0 on a CPU).
-
-stored(l) is what layer l keeps between its forward and backward (retained bytes + codec
-payloads); transient(l) is what exists at full size only while layer l backprops:
-
-    transient(l) = sum of its recomputed sites            (rebuilt together, cached for
-                                                           the layer's backward)
-                 + its decoded values alive together, at most
-                 + the compressed values its rebuild reads (each re-run's start, its
-                                                           operators' sources: decoded
-                                                           by the rebuild, held until
-                                                           backward takes them)
-
-The runtime decodes a compressed value when backward first asks for it and frees it once
-every view of it is taken, so decoded values do not pile up the way rebuilt ones do: two
-meet only where one backward node reads both or one is held across the nodes between its
-reads. ``sites.DECODED_TOGETHER`` names those groups (unfused attention: the Q/K/V storage,
-decoded by the matmul with V and held until the score matmul, with each s^2 value read in
-between; flash: the context, decoded by linear_proj and read again with Q/K/V by SDPA;
-LayerNorm's input with its statistics). The decoded term is the largest sum of compressed
-sites over those groups and the single sites (``decoded_sets``), which is what the ruler
-measures for compress-only plans: a plan compressing every site of the unfused layer
-decodes its largest s^2 value plus Q/K/V at once, not twice the s^2 value. Rebuilt values
-are charged all at once although backward frees each as it reads it: with recompute the
-charge is an upper bound (the ruler measured 52-83% of it on the tiny test models).
-``workspace`` is the gradient working set of one layer's backward, the same for every plan.
-The logits and loss tensors (non_layer) are freed by the loss backward before any layer
-backprops, so they meet the layers' stored bytes only at the end of forward.
-
-The per-site terms: ``site_options`` (each action's time, stored bytes and additive transient
-bytes), ``decoded_sets`` (the groups of sites whose decoded bytes add up; the decoded term,
-``decoded_bytes``, is the largest compressed sum over them) and ``rerun_source_bytes`` (the
-source term). The searches that cannot call ``evaluate_layer`` per policy (the vectorised
-frontier, the linear MILP) combine these.
-
-Time model: each compressed site costs its encode + decode. A recomputed site is rebuilt the
-way the runtime rebuilds it (values cached for the layer's backward), one of two ways:
-
-- by its operator (``costs.operators``, sites.REBUILDS): one of megatron's submodules run on
-  its sources' backward values, each retained, decoded or rebuilt in turn (a chain charges
-  each link). An operator runs once per layer backward however many of its products are
-  recomputed: its time is charged to the first of them (``rebuild_charges``). A compressed
-  source is decoded for it and held until backward takes it (``held_sources``).
-- by a forward re-run from the start of the segment holding such a site up to its deepest
-  recomputed one: a maximum, not a sum, over those sites, so a layer's time is not additive
-  over its sites; its memory is. A later segment continues the earlier one's re-run when
-  its start is recomputed too (the earlier segment then runs whole, and its output is that
-  start), and re-runs from its start, retained or decoded, otherwise (``rerun_chains``).
-
-A layer with any site compressed or recomputed also pays ``hooked_layer_s`` once: the
-runtime's hooks, which a layer keeping everything runs without (``is_hooked``).
-
-A layer policy is still a vector (time, stored, transient). Exactness: a rebuild reads
-saved values, the start of each re-run's first segment and its operators' sources; with
-``allow_lossy_sources=False`` none of those may be compressed by a lossy codec (a mask the
-lossless bitmask codec holds is read decoded, bit for bit: held, and exact).
+- stored(l): what layer l keeps between forward and backward (retained bytes, payloads);
+- transient(l): its recomputed sites, its decoded values alive together, and the compressed
+  sources its rebuild reads;
+- time: each compressed site's encode + decode, each rebuild by its operator or by a forward
+  re-run of its segment, and ``hooked_layer_s`` once for a layer with any action.
 """
 from __future__ import annotations
 
