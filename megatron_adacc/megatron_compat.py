@@ -540,12 +540,14 @@ def _dataset_helpers_without_makefile() -> bool:
 
 
 # Megatron-LM's defaults that name a kernel outside megatron-core, each with the modules that
-# provide it (any one will do). Where none is importable (always on a host), the default is
-# set to megatron-core's plain path: Megatron-LM itself would assert or fail at the first
-# forward, although the run needs none of them.
+# provide it (any one will do; per --transformer-impl where they differ). Where none is
+# importable (always on a host), the default is set to megatron-core's plain path:
+# Megatron-LM itself would assert or fail at the first forward, although the run needs none.
 KERNEL_ARG_DEFAULTS = {
-    "gradient_accumulation_fusion": (False, ("fused_weight_gradient_mlp_cuda",
-                                             "transformer_engine"), "gradient accumulation"),
+    # megatron-core's own linear layers fuse with apex's kernel; Transformer Engine's its own
+    "gradient_accumulation_fusion": (False, {"local": ("fused_weight_gradient_mlp_cuda",),
+                                             "transformer_engine": ("transformer_engine",)},
+                                     "gradient accumulation"),
     "no_persist_layer_norm": (True, ("apex.contrib.layer_norm.layer_norm",),
                               "persistent layer norm"),
     "masked_softmax_fusion": (False, ("scaled_upper_triang_masked_softmax_cuda",),
@@ -582,6 +584,8 @@ def kernel_arg_defaults(args) -> list[str]:
     host = not torch.cuda.is_available()
     changed = []
     for name, (value, providers, label) in KERNEL_ARG_DEFAULTS.items():
+        if isinstance(providers, dict):
+            providers = providers.get(getattr(args, "transformer_impl", "local"), ())
         if hasattr(args, name) and (host or not any(map(_importable, providers))):
             if getattr(args, name) != value:
                 changed.append(label)

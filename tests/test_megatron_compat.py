@@ -8,6 +8,7 @@ reason (an API the probe calls has changed) is told apart from the defect.
 import json
 import subprocess
 import sys
+import types
 
 import pytest
 import torch
@@ -326,3 +327,19 @@ def test_megatron_lms_fused_kernel_defaults_follow_what_is_installed(monkeypatch
     args = parse("--position-embedding-type", "rope")
     assert (args.gradient_accumulation_fusion, args.no_persist_layer_norm,
             args.masked_softmax_fusion, args.apply_rope_fusion) == (True, False, True, True)
+
+
+def test_gradient_accumulation_fusion_asks_for_the_kernel_its_layers_use(monkeypatch):
+    # Local layers fuse with apex's fused_weight_gradient_mlp_cuda, Transformer Engine's with
+    # its own: Transformer Engine alone keeps the fusion for its layers only.
+    from megatron_adacc import megatron_compat
+    from pretrain_helpers import parse
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(megatron_compat, "_importable",
+                        lambda module: module == "transformer_engine")
+    assert not parse("--transformer-impl", "local").gradient_accumulation_fusion
+    args = types.SimpleNamespace(transformer_impl="transformer_engine",
+                                 gradient_accumulation_fusion=True)
+    assert megatron_compat.kernel_arg_defaults(args) == []
+    assert args.gradient_accumulation_fusion
