@@ -53,8 +53,7 @@ def test_the_demo_budget_mixes_every_action_whatever_the_costs(accelerator, code
 def test_make_demo_plans_a_mix_then_trains_with_it(tmp_path, capsys, monkeypatch):
     # scripts/demo.py end to end on a tiny shape: the budget from the trainer's own costs,
     # one line per action, then pretrain_gpt.py trains auto at that budget with that plan.
-    # Tracking is off: its first refresh moves payload sizes, and on a tiny model that can
-    # tip the plan to another one, which is the rectifier's business, not the demo's.
+    # Tracking is off, so the plan trained is the one planned.
     from megatron_adacc import megatron_lm
     from pretrain_helpers import TINY
 
@@ -70,7 +69,14 @@ def test_make_demo_plans_a_mix_then_trains_with_it(tmp_path, capsys, monkeypatch
     assert "rebuilt from" in out and "no optimisation" in out   # the plan table
     session = megatron_lm.session()
     assert session.args.adacc_policy == "auto"
-    assert demo.actions_of(session.adacc.result) == set(ACTIONS)
-    # the trainer read the demo's profile back from the ProfileDB, so it planned the same
-    assert session.adacc.plan_id == demo.choose_budget(session.adacc.costs)[1].plan.plan_id
+    # The trainer read the demo's profile back from the ProfileDB, so it planned the same
+    # plan at the same budget.
+    budget, chosen, _, _ = demo.choose_budget(session.adacc.costs)
+    assert "reused the profile in the ProfileDB" in out
+    assert (session.adacc.budget_bytes, session.adacc.plan_id) == (budget, chosen.plan.plan_id)
+    # A mix wherever the frontier has one, and the demo says so where it has none: on this
+    # tiny model a timing spike in the profile can leave none (one run in six here, and CI);
+    # on the demo's own model every cost model has one (the test above).
+    mixed = demo.actions_of(session.adacc.result) == set(ACTIONS)
+    assert mixed == ("nowhere (no budget on the frontier needs all three)" not in out)
     assert [r["iteration"] for r in session.records] == [1, 2]
