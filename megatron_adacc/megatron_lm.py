@@ -221,7 +221,6 @@ class Session:
         return data_iterator
 
     def _setup(self, ddp_models: list, optimizer, forward_step_func=None) -> None:
-
         from megatron_adacc.profiling import hardware
 
         self.ready = True

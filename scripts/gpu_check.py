@@ -679,11 +679,11 @@ def adacc_work_iterations(records: list[dict]) -> set[int]:
     return work | {i + 1 for i in work}
 
 
-def _median_of(records: list[dict], key: str, warmup: int, iters: int) -> float | None:
+def _median_of(records: list[dict], key: str, warmup: int, iters: int,
+               skip: set[int] = frozenset()) -> float | None:
     # the traced last step is slower for its tracing; the first steps warm up
-    work = adacc_work_iterations(records)
     values = [r[key] for r in records if r.get(key) is not None
-              and warmup < r["iteration"] < iters and r["iteration"] not in work]
+              and warmup < r["iteration"] < iters and r["iteration"] not in skip]
     values = values or [r[key] for r in records if r.get(key) is not None]
     return statistics.median(values) if values else None
 
@@ -898,14 +898,13 @@ class ModelRuns:
             return result
         peak, source = _peak(records)
         warm, total = self.sizes.warmup, iters
+        work = adacc_work_iterations(records)
         result.update({
-            "step_time_s": _median_of(records, "step_time_s", warm, total),
+            "step_time_s": _median_of(records, "step_time_s", warm, total, work),
             # with Adacc's periodic work in: what these first iterations paid
-            "step_time_with_adacc_work_s": statistics.median(
-                [r["step_time_s"] for r in records if warm < r["iteration"] < total]
-                or [r["step_time_s"] for r in records]),
-            "adacc_work_iterations": sorted(adacc_work_iterations(records)),
-            "tokens_per_s": _median_of(records, "tokens_per_s", warm, total),
+            "step_time_with_adacc_work_s": _median_of(records, "step_time_s", warm, total),
+            "adacc_work_iterations": sorted(work),
+            "tokens_per_s": _median_of(records, "tokens_per_s", warm, total, work),
             "peak_bytes": peak, "peak_source": source,
             "max_memory_reserved": _largest(records, "max_memory_reserved"),
             "static_bytes": _largest(records, "static_bytes"),
@@ -921,7 +920,7 @@ class ModelRuns:
         })
         # the trainer's own prediction and measurement, where it writes them
         for key in ("predicted_step_time_s", "measured_step_time_s"):
-            value = _median_of(records, key, warm, total)
+            value = _median_of(records, key, warm, total, work)
             if value is not None:
                 result[key] = value
         return result
