@@ -45,9 +45,9 @@ GiB = 1024**3
 MATMUL_EFFICIENCY = 0.6
 # Fraction of peak DRAM bandwidth a streaming elementwise kernel reaches.
 BANDWIDTH_EFFICIENCY = 0.8
-# Fused int4 codec kernels do a little arithmetic per byte and a reduction for the scales; on
-# this repository's CPU the fused codecs reach 27% of a copy (DESIGN.md). We assume GPU Triton
-# kernels reach half the bandwidth of a copy.
+# Fused int4 codec kernels do a little arithmetic per byte and a reduction for the scales (CPU
+# figures: docs/results.md section 6). We assume GPU Triton kernels reach half the bandwidth
+# of a copy.
 CODEC_EFFICIENCY = 0.4
 # Fraction of channels the outlier codec keeps exact (z-score > 3 over channel |sum|; a few
 # channels in GPT activations). Each costs its values at full width plus a 4-byte index.

@@ -467,7 +467,7 @@ class _Profiling:
         per save and per submodule call; on a CPU the steps run on a short slice of the
         batch (``hook_timing_batch``), where the difference is not lost in the noise of the
         step's arithmetic. Beside full-size tensors the same code runs on colder caches, so
-        this is a lower bound there (about half on the Llama bench shape, docs/design.md).
+        this is a lower bound there (about half on the Llama bench shape, docs/decisions.md).
         On a GPU the steps run on the batch itself: there the host code overlaps the kernels
         of a layer large enough, and hides behind them."""
         batch = self.batch if self.device.type == "cuda" else hook_timing_batch(
