@@ -1540,10 +1540,10 @@ def write_page(path: str, results: dict) -> None:
 
 def _results_lines(results: dict) -> list[str]:
     lines = [f"## Results: {results.get('device', '?')}", "",
-             f"`{results.get('command', 'python scripts/gpu_check.py')}` on "
-             f"{results.get('device', '?')} (torch {results.get('torch', '?')}), "
-             f"{results.get('elapsed_s', 0):.0f} s of a {results.get('device_budget_s', 0):.0f} s "
-             "budget.", ""]
+             f"Run on {results.get('device', '?')} (torch {results.get('torch', '?')}). It "
+             f"took {results.get('elapsed_s', 0):.0f} s of a "
+             f"{results.get('device_budget_s', 0):.0f} s budget. The command:", "", "```text",
+             results.get("command", "python scripts/gpu_check.py"), "```", ""]
     if results.get("notes"):
         lines += ["Planned around the time budget:", ""]
         lines += [f"- {note}" for note in results["notes"]] + [""]
@@ -1567,11 +1567,12 @@ def _codecs_lines(codec: dict | None) -> list[str]:
                   + (f" {codec['skipped_cases']} cases not run (time)."
                      if codec.get("skipped_cases") else ""), ""]
         lines += [f"- {m}" for m in codec["mismatches"][:40]]
-    lines += ["", f"Round trip (encode + decode) of one bf16 tensor of "
-              f"{tuple(codec.get('speed_shape', ()))} against a copy into an existing tensor: "
-              "device ms per call from CUDA events around a loop of calls with no "
-              "synchronisation between them (median of loops), from graph replay where "
-              "capture works, and the host's microseconds per call (its launches alone):", "",
+    lines += ["", "Each row times a round trip (encode + decode) of one bf16 tensor of "
+              f"{tuple(codec.get('speed_shape', ()))}. It is set against a copy into an "
+              "existing tensor. Device times come from CUDA events around a loop of calls, "
+              "with no synchronisation between calls. Each is the median of loops. The graph "
+              "column replays a captured CUDA graph, where capture works. The host column is "
+              "the host's microseconds per call: its launches alone.", "",
               "| codec | payload / input | copy (ms) | round trip (ms) | round trip / copy "
               "| graph: copy, round trip (ms) | host us/call: copy, round trip |",
               "|---|---|---|---|---|---|---|"]
@@ -1612,7 +1613,7 @@ def _syncs_lines(syncs: dict | None) -> list[str]:
         lines += ["", f"Not counted (time): {', '.join(syncs['skipped'])}."]
     exact = syncs.get("exactness")
     if exact:
-        lines += ["", f"Retain and recompute plans against the stock layer, bitwise over "
+        lines += ["", f"Retain and recompute plans, bitwise against the stock layer over "
                   f"{STEPS} steps with dropout: {exact['configurations']} plans, "
                   + ("equal." if exact["ok"] else f"{len(exact['mismatches'])} mismatches.")
                   + (f" Not run (time): {', '.join(exact['skipped'])}."
@@ -1631,12 +1632,13 @@ def _training_lines(name: str, model: dict) -> list[str]:
         return lines + [f"Not run{': ' + model['skipped'] if 'skipped' in model else ''}.", ""]
     lines += [f"`{model['config']}`, {model['precision']}, {model['attention_backend']} "
               f"attention, micro-batch {model['micro_batch_size']}, sequence "
-              f"{model['seq_length']}, {model['iters']} iterations a run (median step of "
-              f"those after {model['warmup']}, the last traced). Predicted step = no "
-              "optimisation's measured step + what the model says the method's plan adds: "
-              "`profiled` from the auto runs' profile on this device, `analytic` from "
-              f"`adacc plan --hardware {model.get('accelerator', '?')}`; `runtime` is the "
-              "trainer's own prediction (metrics' predicted_step_time_s) where it writes one.",
+              f"{model['seq_length']}. Each run takes {model['iters']} iterations. Its step is "
+              f"the median of those after {model['warmup']}. The last one is traced.", "",
+              "Predicted step = no optimisation's measured step + what the model says the "
+              "method's plan adds. `profiled` prices the plan from the auto runs' profile on "
+              "this device. `analytic` prices it with "
+              f"`adacc plan --hardware {model.get('accelerator', '?')}`. `runtime` is the "
+              "trainer's own prediction (metrics' predicted_step_time_s), where it writes one.",
               ""]
     if model.get("ended"):
         lines += [f"The model's runs were cut: {model['ended']}.", ""]
@@ -1646,9 +1648,9 @@ def _training_lines(name: str, model: dict) -> list[str]:
             if r.get("memory_held_before") is not None}
     grown = {n: b for n, b in held.items() if b > min(held.values()) + (64 << 20)}
     if grown:
-        lines += ["Runs that began with more device memory held than the first (a leak "
-                  "between runs in one process would show in their peaks): "
-                  + ", ".join(f"{n} {_mib(b)} MiB" for n, b in grown.items()) + ".", ""]
+        lines += ["Runs that began with more device memory held than the first:", "",
+                  *(f"- {n}: {_mib(b)} MiB" for n, b in grown.items()), "",
+                  "A leak between runs in one process would show in their peaks.", ""]
     for entry in model.get("budgets", []):
         lines += [f"Budget {_mib(entry.get('budget_bytes'))} MiB (fraction "
                   f"{entry['fraction']} of the way from full recompute's peak to no "
@@ -1669,11 +1671,11 @@ def _training_lines(name: str, model: dict) -> list[str]:
                 f"{_ms(r.get('profiled_step_s'))} | {_ms(r.get('analytic_step_s'))} | "
                 f"{_ms(r.get('measured_added_s'))} | {_ms(r.get('analytic_added_s'))} |")
         if entry.get("methods", {}).get(AUTO, {}).get("run"):
-            lines += ["", "Adacc auto's plan priced by the profile and the analytic model: "
+            lines += ["", "Adacc auto's plan, as priced by the profile and the analytic model: "
                       + ("the run's, planned again from its profile." if
                          entry.get("auto_plan_reproduced") else
-                         "planned again from the profile, but not the plan the run began "
-                         "with (or no profile).")]
+                         "planned again from the profile. It is not the plan the run began "
+                         "with, or there was no profile.")]
         auto = entry.get("analytic_auto")
         if auto:
             lines += ["", "The analytic model's own auto plan at this budget: "
@@ -1685,8 +1687,9 @@ def _training_lines(name: str, model: dict) -> list[str]:
     traced = [(n, r) for n, r in model["runs"].items()
               if (r.get("trace") or {}).get("top_kernels") or (r.get("trace") or {}).get("top_ops")]
     if traced:
-        lines += ["Traced step of each run (wall ms; kernel ms; host syncs; longest kernels, "
-                  "or on a CPU ATen ops, total ms):", ""]
+        lines += ["Each run's traced step follows. The fields are wall ms, kernel ms and host "
+                  "syncs. Then come the longest kernels with their total ms (ATen ops on a "
+                  "CPU).", ""]
         for run_name, r in traced:
             t = r["trace"]
             top = t.get("top_kernels") or t.get("top_ops")
