@@ -1,5 +1,4 @@
-"""``Adacc``: the one public entry point, owning Adacc's whole lifecycle in any megatron-core
-training loop.
+"""``Adacc``: the one public entry point; it runs Adacc's whole lifecycle in a megatron-core loop.
 
     from megatron_adacc import Adacc, AdaccConfig
 
@@ -12,14 +11,13 @@ training loop.
         optimizer.step()
         record = {**adacc.after_step(iteration, batch), **adacc.metrics()}
 
-``setup`` runs once: the policy is resolved (``auto`` profiles one step of the model on the
-given micro-batch, or reuses its ProfileDB row, and plans for the budget), applied to every
-Adacc layer, and its plan table printed on rank 0. ``after_step`` does nothing but on
-tracking iterations, where the rectifier samples the activations and a better plan is swapped
-in before the next forward, and every few steps, where the step watch compares the steps
-``measure`` timed with the plan's prediction (step_watch.py). Every rank builds the same
-plan: rank 0's profile is broadcast, the planner is deterministic, the rectifier's statistics
-and the step watch's times are rank 0's.
+- ``setup`` runs once. It resolves the policy, applies it to every Adacc layer and prints the plan
+  table on rank 0. ``auto`` profiles one step (or reuses its ProfileDB row) and plans.
+- ``after_step`` acts only on tracking iterations and every few steps. On the first, the rectifier
+  samples the activations and swaps in a better plan before the next forward. On the second, the
+  step watch compares the timed steps with the plan's prediction.
+- Every rank builds the same plan. Rank 0's profile is broadcast and the planner is deterministic.
+  The rectifier's statistics and the step watch's times are rank 0's.
 
 The current plan has one holder: the rectifier while it tracks, else the resolved policy.
 """
@@ -136,8 +134,9 @@ class AdaccConfig:
                              f"{self.memory_budget}: expected a positive size")
 
     def _check_types(self) -> None:
-        """TypeError naming the field and what it takes, before any value is compared;
-        tracking_sites is kept as a tuple (a list is accepted)."""
+        """TypeError naming the field and what it takes, before any value is compared.
+
+        Keeps tracking_sites as a tuple (a list is accepted)."""
         def refuse(name: str, accepts: str) -> None:
             flag = name.replace("_", "-")
             flag = flag if name == "pipeline_model_parallel_size" else f"adacc-{flag}"
@@ -207,7 +206,7 @@ class AdaccConfig:
 
 
 class Adacc:
-    """Adacc for one model. See the module docstring for the loop it fits into."""
+    """Adacc for one model; the module docstring shows the loop it fits into."""
 
     def __init__(self, config: AdaccConfig | None = None, **options):
         self.config = config if config is not None else AdaccConfig(**options)
@@ -231,9 +230,11 @@ class Adacc:
 
     # --- building the model ------------------------------------------------------------------
     def layer_spec(self, attention_backend: str = DEFAULT_SPEC_BACKEND):
-        """The layer spec to build the GPTModel with: megatron-core's local spec for policy
-        ``none``, its Adacc substitution for every other policy; its core attention is
-        ``attention_backend``'s (flash, unfused or auto: see attention.py)."""
+        """The layer spec to build the GPTModel with.
+
+        Policy ``none`` gets megatron-core's local spec; every other policy its Adacc
+        substitution. The core attention is ``attention_backend``'s (flash, unfused or auto: see
+        attention.py)."""
         if not policies.uses_runtime(self.config.policy):
             return local_layer_spec(attention_backend)
         return get_adacc_layer_spec(attention_backend)
@@ -243,28 +244,33 @@ class Adacc:
               loss_fn: LossFn | None = None, *, num_micro_batches: int = 1,
               verbose: bool = True, static_bytes: int | None = None,
               optimizer_step_bytes: int | None = None) -> "Adacc":
-        """Resolve the policy for ``model`` (built with ``layer_spec()``; with pipeline
-        stages, this rank's stage) and apply it. ``batch`` is a real micro-batch (tokens,
-        labels, loss mask) of this rank, at the micro-batch size training runs;
-        ``loss_fn(model, batch)`` its scalar loss (default: the GPT language-model loss, a
-        stand-in for a stage alone); ``num_micro_batches`` per step sets how many 1F1B keeps
-        in flight on each stage. Every rank plans every stage and applies its own stage's
-        plan. Call before wrapping the model for data parallelism: profiling steps must not
-        synchronise their throwaway gradients. Raises planning.InfeasibleBudget (a
-        ValueError naming the smallest feasible budget) when no plan fits.
-        ``static_bytes``: what this rank's parameters, gradients and optimizer hold for the
-        whole run (the trainer passes ``hardware.engine_static_bytes`` of megatron's
-        engine); default: ``hardware.model_static_bytes``, megatron's engine at one
-        data-parallel rank without the distributed optimizer. ``optimizer_step_bytes``:
-        what its optimizer step adds on top, when no activation is alive (the trainer
-        passes ``hardware.engine_step_bytes``); default: ``hardware.model_step_bytes``,
-        that same engine's. On a CPU, glibc keeps freed memory for reuse from here on, for
-        the whole process (``allocator.recycle_freed_host_memory``): the profiler's timings
-        and training's steps then see one allocator, not pages faulted in afresh by some
-        calls and not others."""
+        """Resolve the policy for ``model`` and apply it; raises InfeasibleBudget when no plan fits.
+
+        Call it before wrapping the model for data parallelism: profiling steps must not synchronise
+        their throwaway gradients. Every rank plans every stage and applies its own stage's plan.
+
+        Args:
+            model: built with ``layer_spec()``; with pipeline stages, this rank's stage.
+            batch: a real micro-batch of this rank (tokens, labels, loss mask), at the training
+                micro-batch size.
+            loss_fn: ``loss_fn(model, batch)`` gives the scalar loss. Default: the GPT
+                language-model loss, a stand-in for a stage alone.
+            num_micro_batches: micro-batches per step. It sets how many 1F1B keeps in flight.
+            static_bytes: what this rank's parameters, gradients and optimizer hold for the whole
+                run. The trainer passes ``hardware.engine_static_bytes``. Default:
+                ``hardware.model_static_bytes`` (one data-parallel rank, no distributed optimizer).
+            optimizer_step_bytes: what the optimizer step adds while no activation is alive. The
+                trainer passes ``hardware.engine_step_bytes``. Default:
+                ``hardware.model_step_bytes``.
+
+        Raises:
+            planning.InfeasibleBudget: a ValueError naming the smallest feasible budget."""
         _check_setup_arguments(model, batch, loss_fn, num_micro_batches, static_bytes,
                                optimizer_step_bytes)
         if batch[0].device.type == "cpu":
+            # glibc keeps freed memory for reuse from here on, for the whole process, so the
+            # profiler's timings and training's steps see one allocator: no call pays for
+            # pages faulted in afresh while another reuses them.
             allocator.recycle_freed_host_memory()
         config = self.config
         stages = policies.pipeline_stage()[1]
@@ -322,15 +328,18 @@ class Adacc:
     # --- every step ----------------------------------------------------------------------------
     @contextlib.contextmanager
     def measure(self, enabled: bool = True) -> Iterator[ActivationRuler | None]:
-        """Around every training step (forward and backward of every micro-batch, in
-        whatever order the schedule runs them). Each step is timed (``measured_step_time_s``;
-        on a GPU by CUDA events, read after a later step, so the host never waits for the
-        step); the step watch compares those times with the plan's prediction. With
-        ``enabled`` the one byte ruler measures the activations kept for backward
-        (``activation_bytes``: the most alive when a forward ends, all in-flight micro-batches
-        together under 1F1B) and the step's peak (``activation_peak_bytes``, backward's
-        decoded and rebuilt values included). Its hooks cost time: measure the first step and
-        then now and then (``enabled``); the step watch leaves those steps out."""
+        """Context manager around every training step: all micro-batches' forward and backward.
+
+        Each step is timed (``measured_step_time_s``), and the step watch compares those times with
+        the plan's prediction. On a GPU, CUDA events time the step and are read after a later step,
+        so the host never waits.
+
+        With ``enabled``, the byte ruler also measures two values. Its hooks cost time, so measure
+        the first step and then now and then; the step watch leaves those steps out.
+
+        - ``activation_bytes``: the most kept for backward when a forward ends, all in-flight
+          micro-batches together.
+        - ``activation_peak_bytes``: the step's peak, with backward's decoded and rebuilt values."""
         self._require_setup("measure")
         plan_id, start = self.plan_id, self._clock.mark()
         if not enabled:
@@ -346,9 +355,11 @@ class Adacc:
         self._read_windows()
 
     def _read_windows(self) -> None:
-        """Read the timed steps: every one on a CPU; on a GPU all but the newest, whose
-        events may still be ahead of the host (the next read takes it, at a step every
-        rank counts alike; the host runs at most a step ahead of one it reads)."""
+        """Read the timed steps: all of them on a CPU, all but the newest on a GPU.
+
+        The newest step's events may still be ahead of the host; the next read takes it. Every
+        rank reads at the same steps, and the host runs at most one step ahead of the one it
+        reads."""
         ready = self._windows[:-1] if self._clock.deferred else self._windows
         for plan_id, start, end, ruled in ready:
             seconds = self._clock.seconds(start, end)
@@ -358,13 +369,15 @@ class Adacc:
         del self._windows[:len(ready)]
 
     def after_step(self, iteration: int, batch: profiler.Batch | None = None) -> dict:
-        """After optimizer step ``iteration`` (1-based: steps done so far). On tracking
-        iterations the rectifier samples ``batch`` (default: the set-up batch) and a better
-        plan, if it finds one, is applied before the next forward; returns the tracking
-        record. The step watch decides every few steps (step_watch.py), re-timing the plan's
-        actions on ``batch`` when it ran slower than predicted, and swaps plans the same way
-        (its record under ``step_watch``). Otherwise does nothing and returns {} (or only
-        the tracking time so far)."""
+        """Run after optimizer step ``iteration`` (1-based); returns the tracking record or {}.
+
+        - On tracking iterations the rectifier samples ``batch`` (default: the set-up batch). A
+          better plan, if it finds one, is applied before the next forward.
+        - Every few steps the step watch decides (step_watch.py). When the plan ran slower than
+          predicted, it re-times the plan's actions on ``batch`` and swaps plans the same way. Its
+          record is under ``step_watch``.
+
+        Otherwise it does nothing and returns {} (or only the tracking time so far)."""
         self._require_setup("after_step")
         rect = self._rectifier
         if rect is None:
@@ -398,8 +411,10 @@ class Adacc:
 
     def _watch_step(self, iteration: int, batch: profiler.Batch, tracking_swapped: bool
                     ) -> dict:
-        """The step watch after a step: back to the fastest plan measured when tracking
-        just swapped to one measured slower; at a decision point, its decision."""
+        """The step watch after a step, or its decision at a decision point.
+
+        When tracking has just swapped to a plan measured slower, it goes back to the fastest
+        one."""
         watch, rect = self._watch, self._rectifier
 
         def fit(result) -> bool:
@@ -467,8 +482,10 @@ class Adacc:
 
     @property
     def plan(self) -> Plan | None:
-        """The plan the layers run now (None: megatron's stock layer); with pipeline stages
-        this rank's stage's, its layers numbered as in the whole model."""
+        """The plan the layers run now (None: megatron's stock layer).
+
+        With pipeline stages, it is this rank's stage's plan, its layers numbered as in the
+        model."""
         if self._rectifier is not None:
             return self._rectifier.result.plan
         return self._resolved.plan if self._resolved is not None else None
@@ -490,8 +507,9 @@ class Adacc:
 
     @property
     def stage_plans(self):
-        """Every pipeline stage's plan (planning.StagePlan; one without pipelining), as
-        every rank planned them (auto policies); None for fixed plans."""
+        """Every pipeline stage's plan, as every rank planned them (auto policies only).
+
+        Each is a planning.StagePlan; there is one without pipelining. None for fixed plans."""
         return self._resolved.stages if self._resolved is not None else None
 
     @property
@@ -501,9 +519,10 @@ class Adacc:
 
     @property
     def predicted_step_time_s(self) -> float | None:
-        """The forward and backward of a step under the current plan, as the cost model
-        predicts it, plus the overhead the step watch measured (auto policies without
-        pipeline stages; None otherwise)."""
+        """The predicted forward and backward time of a step under the current plan.
+
+        It adds the overhead the step watch measured. Only for auto policies without pipeline
+        stages; None otherwise."""
         if self.result is None or policies.pipeline_stage()[1] > 1:
             return None
         # Asked for at every step's record: evaluated once per plan and costs.
@@ -526,15 +545,15 @@ class Adacc:
 
     @property
     def predicted_activation_peak_bytes(self) -> int | None:
-        """What the planner predicts ``activation_peak_bytes`` will at most measure (auto
-        policies)."""
+        """The ``activation_peak_bytes`` the planner predicts, an upper bound (auto policies)."""
         if self.result is None:
             return None
         return policies.predicted_activation_peak_bytes(self.costs, self.result)
 
     def metrics(self) -> dict:
-        """The numbers a metrics record carries about Adacc, this rank's (with pipeline
-        stages: its stage's plan, activations and predictions)."""
+        """The numbers a metrics record carries about Adacc on this rank.
+
+        With pipeline stages they are its stage's plan, activations and predictions."""
         self._require_setup("metrics")
         record = {"static_bytes": self.static_bytes, "budget_bytes": self.budget_bytes,
                   "plan_id": self.plan_id}

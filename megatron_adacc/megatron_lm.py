@@ -6,16 +6,16 @@ A Megatron-LM ``pretrain_gpt.py`` adds two calls (docs/megatron-lm.md):
     model_cfg = gpt_config_from_args(args)
     megatron_lm.install(model_cfg, args)
 
-``install`` puts Adacc's layer spec and a pre-wrap hook on the model config, and wraps three
+``install`` puts Adacc's layer spec and a pre-wrap hook on the model config. It also wraps three
 functions of ``megatron.training.training`` that ``train()`` calls by name:
 
-- ``train_step``: the first one profiles and plans (``Adacc.setup``) on the real first
-  micro-batch, with megatron's DDP and optimizer built; every one runs under
-  ``Adacc.measure`` and keeps the step's first micro-batch;
-- ``training_log``: Adacc's readings join the loss dict, so they appear in Megatron-LM's log
-  line and TensorBoard;
-- ``post_training_step_callbacks``: ``Adacc.after_step``, then one JSON line per iteration
-  in ``--metrics-file``.
+- ``train_step``: the first one profiles and plans (``Adacc.setup``) on the real first micro-batch,
+  with megatron's DDP and optimizer built. Every one runs under ``Adacc.measure`` and keeps the
+  step's first micro-batch.
+- ``training_log``: Adacc's readings join the loss dict, so they appear in Megatron-LM's log line
+  and TensorBoard.
+- ``post_training_step_callbacks``: ``Adacc.after_step``, then one JSON line per iteration in
+  ``--metrics-file``.
 """
 from __future__ import annotations
 
@@ -249,14 +249,18 @@ class Session:
             raise ConfigError(str(exc)) from None
 
     def loss(self, forward_step_func, model: torch.nn.Module, batch) -> torch.Tensor:
-        """The loss a training step backpropagates for ``batch`` (tokens, labels, loss mask):
-        ``forward_step_func`` under Megatron-LM's schedule, scaled as its backward scales it.
+        """The loss a training step backpropagates for ``batch`` (tokens, labels, loss mask).
 
-        What it saves for backward is what a step of the loop saves: the loader's position
-        ids and attention mask, the loss function's tensors, the token count and the loss
-        scale, so the profile predicts the bytes the loop keeps. A pipeline stage is profiled
-        alone, as profiler.gpt_loss profiles it: fed stand-in hidden states without the
-        embedding, backpropagating its output's sum without the output layer."""
+        It is ``forward_step_func`` under Megatron-LM's schedule, scaled as its backward scales it.
+        It saves for backward what a step of the loop saves, so the profile predicts the loop's
+        bytes:
+
+        - the loader's position ids and attention mask;
+        - the loss function's tensors, the token count and the loss scale.
+
+        A pipeline stage is profiled alone, as profiler.gpt_loss profiles it. It gets stand-in
+        hidden states without the embedding and backpropagates its output's sum without the
+        output layer."""
         from megatron.core import mpu
         from megatron.core.num_microbatches_calculator import get_num_microbatches
         from megatron.core.pipeline_parallel import schedules
@@ -273,9 +277,10 @@ class Session:
         return config.grad_scale_func(output) if config.grad_scale_func is not None else output
 
     def loader_batch(self, batch) -> dict:
-        """The data loader's micro-batch for ``batch`` (tokens, labels, loss mask): the other
-        fields of this step's micro-batch (position ids, attention mask), cut to its shape
-        when the profiler times a shorter one."""
+        """The data loader's micro-batch for ``batch`` (tokens, labels, loss mask).
+
+        It adds the other fields of this step's micro-batch (position ids, attention mask). They
+        are cut to the batch's shape when the profiler times a shorter one."""
         tokens, labels, loss_mask = batch
         size, length = tokens.shape
         loader = {"tokens": tokens, "labels": labels, "loss_mask": loss_mask}
@@ -291,12 +296,12 @@ class Session:
         return loader
 
     def _shared_batch(self) -> dict:
-        """This step's first micro-batch, on every rank; collective over the tensor-parallel
-        group. Megatron-LM's loader reads data on a group's first rank only: the others get
-        its micro-batch, as its forward step does. A pipeline stage with neither embedding
-        nor output layer may get no data at all: it gets a stand-in of the training shape,
-        the only thing of the batch it reads (the profiler feeds it stand-in hidden
-        states)."""
+        """This step's first micro-batch, on every rank; collective over the tensor-parallel group.
+
+        Megatron-LM's loader reads data on a group's first rank only; the others get its
+        micro-batch, as in its forward step. A pipeline stage with neither embedding nor output
+        layer may get no data at all. It gets a stand-in of the training shape, the only part of
+        the batch it reads."""
         from megatron.core import parallel_state
 
         batch = self.step_batch
@@ -393,8 +398,9 @@ def _put_back(head, rest):
 
 
 def _from_last_stage(loss) -> float | None:
-    """The step's loss, which only the last pipeline stage computes, on every stage (rank 0
-    writes the metrics file); collective over the pipeline group."""
+    """The step's loss on every stage; only the last pipeline stage computes it.
+
+    Rank 0 writes the metrics file. Collective over the pipeline group."""
     from megatron.core import parallel_state
 
     value = float(loss) if loss is not None else math.nan
@@ -427,8 +433,7 @@ def _no_sync(ddp_models):
 
 
 def batch_tuple(batch: dict, model: torch.nn.Module):
-    """(tokens, labels, loss mask) of a micro-batch from the data loader, on the model's
-    device."""
+    """(tokens, labels, loss mask) of a data-loader micro-batch, on the model's device."""
     device = next(model.parameters()).device
     return tuple(batch[key].to(device) for key in ("tokens", "labels", "loss_mask"))
 
@@ -475,8 +480,10 @@ def install(model_cfg, args: argparse.Namespace) -> Session:
 
 
 def release() -> None:
-    """Forget the last run: Megatron-LM's loop gets its own functions back and its model,
-    optimizer and Adacc session can be freed (a process that trains again, e.g. a benchmark)."""
+    """Forget the last run, so its model, optimizer and Adacc session can be freed.
+
+    Megatron-LM's loop gets its own functions back. A process that trains again needs this, e.g.
+    a benchmark."""
     global _session
     from megatron.training import training
 

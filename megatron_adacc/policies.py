@@ -1,38 +1,28 @@
 """``--adacc-policy``: from a name to the Plan the runtime applies.
 
-    none            megatron's stock layer, no hooks at all (no plan)
-    FILE.yaml       a plan written, or pinned, by hand
-    full-recompute  every site rebuilt from layer_in in backward: the paper's "Megatron-LM"
-                    full-recomputation baseline, run by the Adacc runtime
-    quantize        the paper's "Quantization" baseline: every floating-point site, layer_in
-                    included, per-token INT4 (naive_int4). Dropout masks are bit-packed
-                    instead: lossless, smaller than INT4, and on a GPU they are bool tensors,
-                    which INT4 does not define
-    auto            profile the model (or reuse its ProfileDB row), then plan the fastest mix
-                    of retain, compress and recompute that fits --adacc-memory-budget
-    auto-no-outlier the paper's ablation "Adacc w/o outlier": auto, with plain group-wise
-                    int4 (sym_int4) wherever auto would separate outliers (outlier_int4)
+- ``none``: megatron's stock layer, no hooks at all (no plan).
+- ``FILE.yaml``: a plan written, or pinned, by hand.
+- ``full-recompute``: the paper's "Megatron-LM" baseline. Every site is rebuilt from layer_in.
+- ``quantize``: the paper's "Quantization" baseline. Every floating-point site, layer_in included,
+  is per-token INT4 (naive_int4); dropout masks are bit-packed.
+- ``auto``: profile the model (or reuse its ProfileDB row). Then plan the fastest mix of retain,
+  compress and recompute that fits --adacc-memory-budget.
+- ``auto-no-outlier``: the paper's "Adacc w/o outlier" ablation. It is auto with plain group-wise
+  int4 (sym_int4) where auto would separate outliers (outlier_int4).
 
-The baselines are Plans through the same runtime as ``auto``, so the comparison measures the
-decisions, not two mechanisms. Megatron's cached causal mask is one storage shared by every
-layer: every policy keeps it (compressing or rebuilding it per layer would cost memory).
+The baselines are Plans run by the same runtime as ``auto``, so a comparison measures the
+decisions, not two mechanisms. (Every policy keeps the shared sites, such as the causal mask.)
 
-``auto`` plans with each site's designated codec and exact rebuild sources (no recomputed site
-rebuilt from a compressed value: a re-run's start, or an operator's source such as gelu_in for
-gelu_out): a rebuild from a lossy layer_in or ln2_in would change every rebuilt value. Its last
-resort: when no plan with the designated codecs fits the budget, it plans
-again with the quantize baseline's per-token INT4 (sites.QUANTIZE_CODEC) added to the options
-of each floating-point site where it keeps fewer bytes than the designated codec. Per-token
-INT4 separates no outliers, so its payload is smaller and it fits micro-batches the
-outlier-separating codecs do not; the plan table marks those
-sites and rank 0 warns that their accuracy is the quantize baseline's. Only when that wider
-space is infeasible too does auto raise InfeasibleBudget, naming its smallest feasible budget.
-``auto-no-outlier`` likewise: its ablation codecs first, per-token INT4 as the last resort.
-``plan`` is the one entry point of both tiers: set-up, the rectifier's re-plans, ``adacc plan``
-(every pipeline stage on its own) and the benchmarks plan through it. Costs that lack the last
-resort's measurements (analytic costs, a hand-made profile) simply have no last resort; a
-ProfileDB row stored before the profiler measured it is keyed by an older code version and is
-profiled again.
+``auto`` plans in two tiers, both through ``plan``:
+- First tier: each site's designated codec, and exact rebuild sources only. A rebuild from a lossy
+  layer_in or ln2_in would change every rebuilt value.
+- Last resort: per-token INT4 (sites.QUANTIZE_CODEC) joins each floating-point site's options where
+  it keeps fewer bytes. The plan table marks those sites, and rank 0 warns that their accuracy is
+  the quantize baseline's.
+- When both tiers fail, it raises InfeasibleBudget with the smallest feasible budget.
+
+``auto-no-outlier`` does the same with its ablation codecs. Costs without the last resort's
+measurements (analytic costs, a hand-made profile) have no last resort.
 """
 from __future__ import annotations
 
@@ -63,7 +53,8 @@ def full_recompute_plan() -> Plan:
 
 def quantize_plan() -> Plan:
     # A site without a last resort codec but with a designated one is a dropout mask: its
-    # designated bit-packing (codec None) is lossless and smaller than INT4.
+    # designated bit-packing (codec None) is lossless and smaller than INT4, and on a GPU
+    # the mask is a bool tensor, which INT4 does not define.
     return Plan.uniform({site.name: Decision(COMPRESS, site.last_resort_codec)
                          for site in DECIDED_SITES if site.default_codec is not None})
 
@@ -78,29 +69,34 @@ def uses_runtime(policy: str) -> bool:
 
 
 def default_budget() -> int | None:
-    """On a GPU, the memory this process may still plan for, read once the model is built
-    (other processes' and the CUDA context's memory is not the budget's); None on a CPU."""
+    """On a GPU, the memory this process may still plan for; None on a CPU.
+
+    It is read once the model is built. Other processes' memory and the CUDA context's are not
+    part of the budget."""
     return allocator.plannable_bytes()
 
 
 def require_budget(policy: str, budget_bytes: int | None) -> None:
-    """An auto policy plans for a budget: without one (a CPU has no capacity to default
-    to) it is a ValueError saying what to pass."""
+    """Raise a ValueError saying what to pass when an auto policy has no budget.
+
+    A CPU has no device capacity to default to."""
     if policy in AUTO_POLICIES and budget_bytes is None:
         raise ValueError(f"--adacc-policy {policy} on a CPU needs --adacc-memory-budget SIZE "
                          "(e.g. 512MiB): there is no device capacity to default to")
 
 
 def predicted_activation_bytes(costs: ModelCosts, result: planning.PlanResult) -> int:
-    """Activation bytes kept when forward ends under ``result``, the quantity the ruler
-    reports as ``activation_bytes``: with k micro-batches in flight, k times (every layer's
-    stored bytes + the embedding's), plus the non-layer bytes."""
+    """Activation bytes kept when forward ends under ``result``: the ruler's ``activation_bytes``.
+
+    With k micro-batches in flight, that is k times (every layer's stored bytes + the
+    embedding's), plus the non-layer bytes."""
     return planning.forward_end_bytes(costs, _layer_policies(costs, result))
 
 
 def predicted_activation_peak_bytes(costs: ModelCosts, result: planning.PlanResult) -> int:
-    """The activation peak the ruler reports as ``activation_peak_bytes`` (an upper bound:
-    planning.activation_peak_bytes)."""
+    """The activation peak the ruler reports as ``activation_peak_bytes``, as an upper bound.
+
+    See planning.activation_peak_bytes."""
     return planning.activation_peak_bytes(costs, _layer_policies(costs, result))
 
 
@@ -130,14 +126,19 @@ def resolve(policy: str, budget_bytes: int | None, model: torch.nn.Module | None
             loss_fn: profiler.LossFn | None = None, num_micro_batches: int = 1,
             static_bytes: int | None = None,
             optimizer_step_bytes: int | None = None) -> Resolved:
-    """The plan for ``policy`` (on this rank's pipeline stage, whose layers it numbers as
-    the whole model does). ``auto`` needs the model (built with the Adacc layer spec), one
-    real micro-batch and, with pipeline stages, the micro-batches per step (1F1B keeps up to
-    that many in flight); it raises planning.InfeasibleBudget (a ValueError naming the
-    smallest feasible budget) when nothing fits. ``static_bytes``: what this rank's
-    parameters and optimizer hold (``hardware.engine_static_bytes``; None: the profile's, the
-    optimizer held whole), which a stored profile cannot know; ``optimizer_step_bytes``
-    likewise what its optimizer step adds (``hardware.engine_step_bytes``)."""
+    """The plan for ``policy`` on this rank's pipeline stage, its layers numbered as in the model.
+
+    Args:
+        model, batch: ``auto`` needs the model (built with the Adacc layer spec) and one real
+            micro-batch.
+        num_micro_batches: per step. 1F1B keeps up to that many in flight on a stage.
+        static_bytes: what this rank's parameters and optimizer hold
+            (``hardware.engine_static_bytes``). A stored profile cannot know it. None: the
+            profile's, with the optimizer held whole.
+        optimizer_step_bytes: what the optimizer step adds (``hardware.engine_step_bytes``).
+
+    Raises:
+        planning.InfeasibleBudget: a ValueError naming the smallest feasible budget."""
     if policy == "none":
         return Resolved(policy, None, budget_bytes)
     if policy == "full-recompute":
@@ -170,8 +171,9 @@ def resolve(policy: str, budget_bytes: int | None, model: torch.nn.Module | None
 
 
 def pipeline_stage() -> tuple[int, int]:
-    """(this rank's pipeline stage, the number of stages): megatron's parallel state, one
-    stage when it is not set up."""
+    """(this rank's pipeline stage, the number of stages) from megatron's parallel state.
+
+    Without a parallel state it is one stage."""
     from megatron.core import parallel_state
 
     if not parallel_state.model_parallel_is_initialized():
@@ -181,8 +183,7 @@ def pipeline_stage() -> tuple[int, int]:
 
 
 def from_every_stage(value):
-    """[stage 0's ``value``, stage 1's, ...] on every rank (a value per pipeline rank of
-    this rank's pipeline)."""
+    """[stage 0's ``value``, stage 1's, ...] on every rank of this rank's pipeline."""
     from megatron.core import parallel_state
 
     if pipeline_stage()[1] == 1:
@@ -194,10 +195,16 @@ def from_every_stage(value):
 
 
 def plan(policy: str, costs: ModelCosts, budget_bytes: int, **options) -> planning.PlanResult:
-    """The fastest plan of auto policy ``policy`` that fits ``budget_bytes`` (``options`` as
-    ``planning.plan``'s): its own codecs first, the last resort only when they fit no plan
-    (planning.plan_in_tiers). Raises planning.InfeasibleBudget naming the smallest budget
-    of the wider space when neither fits."""
+    """The fastest plan of auto policy ``policy`` that fits ``budget_bytes``.
+
+    Its own codecs come first, and the last resort only when they fit no plan
+    (planning.plan_in_tiers). ``options`` are ``planning.plan``'s. Set-up, the rectifier's re-plans,
+    ``adacc plan`` and the benchmarks all plan through it.
+
+    Raises:
+        planning.InfeasibleBudget: naming the smallest budget of the wider space."""
+    # The last resort's per-token INT4 separates no outliers, so its payload is smaller and
+    # it fits micro-batches the outlier-separating codecs do not.
     return planning.plan_in_tiers(costs, budget_bytes, separate_outliers=_separates(policy),
                                   **options)
 
@@ -219,8 +226,7 @@ def _separates(policy: str) -> bool:
 
 
 def last_resort_warning(policy: str, result: planning.PlanResult) -> str | None:
-    """The line rank 0 prints when ``policy``'s plan had to use the last resort; None
-    otherwise."""
+    """The line rank 0 prints when ``policy``'s plan had to use the last resort, else None."""
     used = planning.last_resort_sites(result)
     if not used:
         return None
@@ -243,17 +249,19 @@ def _loss_name(loss_fn) -> str:
 def measured_costs(model, batch, db: ProfileDB, reprofile: bool = False, strict: bool = False,
                    loss_fn: profiler.LossFn | None = None
                    ) -> tuple[ModelCosts, float | None]:
-    """(costs, seconds spent profiling or None when the ProfileDB had them), on every rank:
-    rank 0 looks the costs up (or measures them) and every rank gets rank 0's copy. When
-    measuring, every rank of the first pipeline stage (rank 0's) runs the profiling steps:
-    tensor-parallel layers need their peers, and every stage's layers are alike, so the
-    first stage's profile serves them all (its costs describe that stage)."""
+    """(costs, seconds spent profiling or None from the ProfileDB), the same on every rank.
+
+    Rank 0 looks the costs up, or measures them, and every rank gets rank 0's copy. To measure,
+    every rank of the first pipeline stage runs the profiling steps. Tensor-parallel layers need
+    their peers. Every stage's layers are alike, so the first stage's profile serves them all."""
     config = model.config
     tokens = batch[0]
     key = profile_key(config, model.vocab_size, tokens.shape[1], tokens.shape[0],
                       profiler.device_name(tokens.device), backend_of(model),
                       _loss_name(loss_fn))
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    # A row stored before the profiler measured the last resort is keyed by an older code
+    # version, so it is not found and the model is profiled again.
     found = db.get(key) if rank0 and not reprofile else None
     missing = from_rank0(found is None)
     profile_s = None
@@ -276,8 +284,9 @@ def from_rank0(value):
 
 
 def describe(resolved: Resolved) -> str:
-    """What rank 0 prints before training: where the costs came from and the plan table,
-    one block per stage with pipeline stages."""
+    """What rank 0 prints before training: where the costs came from, and the plan table.
+
+    With pipeline stages, there is one block per stage."""
     from megatron_adacc.planning import format_plan, format_stages
 
     if resolved.result is None:

@@ -1,32 +1,25 @@
-"""The rectifier (paper: "Adaptive Policy Evolution"): follows the activation statistics
-that drive the plan and swaps the plan when a better one exists.
+"""The rectifier (paper: "Adaptive Policy Evolution") re-plans as activation statistics move.
 
-Outlier channel counts move early in training and settle later, and with them the payload
-(the compression rate) of every outlier-separated site; a plan made at iteration 0 goes
-stale. At tracking iterations, spaced by exponential backoff (1, 2, 4, 8, ... up to a cap),
-the rectifier samples the tracked sites' real tensors (one forward, up to the profiled
-layer, through the profiler's probes, see ``profiler.sample_sites``), measures outlier
-channels, payload bytes and reconstruction error with the real codecs, writes the payloads
-into the planner's costs, re-plans and decides whether to swap.
+Outlier channel counts move early in training and settle later, and the payloads of the
+outlier-separated sites move with them. A plan made at iteration 0 goes stale. At each tracking
+iteration (exponential backoff: 1, 2, 4, 8, ... up to a cap) the rectifier:
+- samples the tracked sites' real tensors: one forward through the profiler's probes
+  (``profiler.sample_sites``);
+- measures outlier channels, payload bytes and reconstruction error with the real codecs;
+- writes the payloads into the planner's costs, re-plans and decides whether to swap.
+The trainer applies a swap with ``apply_plan`` between steps.
 
-An outlier-separating codec keeps a fixed capacity of exact channels (the profile's largest
-outlier count over the layers; its payload never depends on the data). Tracking counts the
-outliers (reading the count is a host sync, but tracking runs between steps); where more
-channels are outliers than the capacity holds, the site's capacity is raised to the count
-(capacities never shrink: that would trade accuracy back for bytes on one batch's word),
-its payload grows with it, and a plan using the old capacity is swapped ("capacity"). It
-decides; the trainer applies the swap with ``apply_plan`` between steps; the planner plans.
+An outlier-separating codec keeps a fixed capacity of exact channels: the profile's largest outlier
+count over the layers. Where tracking counts more outliers, it raises the site's capacity to the
+count and swaps away a plan with the old capacity ("capacity").
 
 Beyond the paper:
 - a jump in a tracked site's compression rate resets the backoff to frequent tracking;
-- an accuracy guard forbids compression at a site whose measured relative reconstruction
-  error exceeds a threshold (its codec entries are dropped from the costs, so the planner
-  retains or recomputes it, whichever fits the budget); a guarded site stays guarded.
+- an accuracy guard forbids compression at a site whose relative reconstruction error exceeds a
+  threshold. The planner then retains or recomputes it; a guarded site stays guarded.
 
-Encode and decode times stay those of the profile: they hardly depend on the statistics, and
-re-timing them at every tracking iteration would cost time and make plans flap on noise. The
-step watch (step_watch.py) re-times them when a plan's measured steps miss its prediction,
-and swaps through ``take``.
+Encode and decode times stay the profile's. The step watch (step_watch.py) re-times them when a
+plan's measured steps miss its prediction, and swaps through ``take``.
 """
 from __future__ import annotations
 
@@ -62,8 +55,9 @@ FASTER_SWAP_HEADROOM = 0.01
 
 
 def default_sites(costs: ModelCosts) -> tuple[str, ...]:
-    """The outlier-separated sites (outputs of Linear, LayerNorm and GELU) these costs can
-    compress: the sites whose compression rate follows the outlier counts."""
+    """The outlier-separated sites (outputs of Linear, LayerNorm and GELU) these costs can compress.
+
+    Their compression rates follow the outlier counts."""
     return tuple(site.name for site in costs.sites
                  if site.can_compress and site.name in site_table.SITES
                  and site_table.get(site.name).default_codec == site_table.OUTLIER_CODEC)
@@ -71,6 +65,7 @@ def default_sites(costs: ModelCosts) -> tuple[str, ...]:
 
 class TrackingSchedule:
     """Exponential backoff: tracking iterations 1, 2, 4, 8, ..., then every ``max_interval``.
+
     ``reset(iteration)`` starts over from there: iteration + 1, + 2, + 4, ..."""
 
     def __init__(self, max_interval: int = DEFAULT_MAX_INTERVAL):
@@ -83,8 +78,7 @@ class TrackingSchedule:
         return iteration >= self.next_iteration
 
     def tracked(self, iteration: int) -> None:
-        """Tracking happened at ``iteration``: the next one is an interval later, and the
-        interval doubles (up to the cap)."""
+        """Record tracking at ``iteration``; the interval doubles (up to the cap)."""
         self.next_iteration = iteration + self.interval
         self.interval = min(2 * self.interval, self.max_interval)
 
@@ -111,9 +105,9 @@ def site_stats(sample: profiler.SiteSample, full_bytes: int,
     """Statistics of the tensors the runtime handed a site's codec, with that codec.
 
     Args:
-        capacity: the site's capacity of exact outlier channels so far (outlier-separating
-            codecs): raised to the largest outlier count of the tensors where that is more;
-            the payload is the one at the result, the error the codec's at its own.
+        capacity: the site's capacity of exact outlier channels so far (outlier-separating codecs).
+            It is raised to the tensors' largest outlier count where that is more. The payload is
+            the one at the raised capacity; the error is the codec's at its own.
     """
     codec = sample.codec
     separates = getattr(codec, "separates_outliers", False)
@@ -121,13 +115,16 @@ def site_stats(sample: profiler.SiteSample, full_bytes: int,
     payload_bytes = sample.payload_bytes
     for tensor in sample.tensors:
         payload = codec.encode(tensor)
-        if separates:  # every outlier channel, whatever the capacity (a host read: tracking)
+        # Every outlier channel, whatever the capacity: a host sync, but tracking runs
+        # between steps.
+        if separates:
             outliers = max(outliers, int(codec.outlier_count(tensor)))
         exact = tensor.float()
         error = exact - codec.decode(payload).float()
         squared_error += error.square().sum(dtype=torch.float64).item()
         squared_norm += exact.square().sum(dtype=torch.float64).item()
     if separates:
+        # Capacities never shrink: that would trade accuracy back for bytes on one batch's word.
         capacity = max(capacity or 0, outliers)
         # the ruler's bytes, moved from the sampled codec's capacity to the site's
         payload_bytes += sum(codec.payload_bytes(t.shape, t.dtype, min(capacity, _channels(t)))
@@ -231,8 +228,9 @@ class Rectifier:
     # --- the tracking iteration ------------------------------------------------------------
     def observe(self, iteration: int, model: torch.nn.Module, batch: profiler.Batch,
                 loss_fn: profiler.LossFn | None = None) -> Outcome:
-        """Sample the tracked sites on ``batch`` (one forward, model left as found) and
-        decide. Call between steps."""
+        """Sample the tracked sites on ``batch`` and decide; call between steps.
+
+        The sample is one forward, and the model is left as found."""
         started = time.perf_counter()
         outcome = self.update(iteration, _from_rank0(self.measure(model, batch, loss_fn)))
         outcome.tracking_time_s = time.perf_counter() - started
@@ -248,8 +246,9 @@ class Rectifier:
                 for name, sample in samples.items()}
 
     def update(self, iteration: int, stats: Mapping[str, SiteStats]) -> Outcome:
-        """The decision from fresh ``stats`` (no tensors touched): backoff, guard, re-plan,
-        swap or keep."""
+        """The decision from fresh ``stats``: backoff, guard, re-plan, swap or keep.
+
+        It touches no tensors."""
         outcome = Outcome(iteration, dict(stats))
         outcome.jumped = [name for name, now in stats.items()
                           if _jumped(self.last_stats.get(name), now, self.reset_fraction)]
@@ -261,6 +260,8 @@ class Rectifier:
         outcome.guarded = sorted(name for name, now in stats.items()
                                  if now.error > self.guard_threshold and name not in self.guarded)
         self.guarded.update(outcome.guarded)
+        # Only payloads are refreshed: codec times hardly depend on the statistics, and
+        # re-timing them here would cost time and make plans flap on noise.
         self.costs = refreshed_costs(self.costs, stats, self.guarded)
 
         try:
@@ -301,8 +302,9 @@ class Rectifier:
         return self._swap(current, new, "faster", gain), ""
 
     def take(self, new: planning.PlanResult, reason: str) -> PlanSwap:
-        """Swap to ``new`` for a ``reason`` decided elsewhere (the step watch's measured
-        step times); the caller applies it before the next forward, as its own swaps."""
+        """Swap to ``new`` for a ``reason`` decided elsewhere, such as the step watch's step times.
+
+        The caller applies it before the next forward, as with the rectifier's own swaps."""
         swap = self._swap(self.result, new, reason,
                           self.result.added_time_s - new.added_time_s)
         self.result = new
@@ -316,11 +318,11 @@ class Rectifier:
 
 # --- helpers -------------------------------------------------------------------------------
 def _jumped(before: SiteStats | None, now: SiteStats, fraction: float) -> bool:
-    """Did the site's compression rate move by more than ``fraction`` of its previous value?
-    The rate, not the outlier count, is what the planner sees: early in training counts
-    move from a few channels to a few dozen while the payload moves by a fraction of that
-    (2 -> 17 outlier channels took a GELU site from 13.7% to 16.6% of its size on the demo
-    corpus), and a reset at each such move kept tracking at every iteration or two."""
+    """Whether the site's compression rate moved by more than ``fraction`` of its previous value."""
+    # The rate, not the outlier count, is what the planner sees. Early in training counts
+    # move from a few channels to a few dozen while the payload moves by a fraction of that
+    # (2 -> 17 outlier channels took a GELU site from 13.7% to 16.6% of its size on the demo
+    # corpus); a reset at each such move kept tracking at every iteration or two.
     if before is None:
         return False
     return abs(now.compression_rate - before.compression_rate) > fraction * before.compression_rate
@@ -328,8 +330,9 @@ def _jumped(before: SiteStats | None, now: SiteStats, fraction: float) -> bool:
 
 def refreshed_costs(costs: ModelCosts, stats: Mapping[str, SiteStats],
                     guarded: Iterable[str]) -> ModelCosts:
-    """``costs`` with the measured payloads of the sampled codecs, and no codec at all for
-    the guarded sites (the planner then retains or recomputes them)."""
+    """``costs`` with the sampled codecs' measured payloads, and no codec at the guarded sites.
+
+    The planner then retains or recomputes the guarded sites."""
     guarded = set(guarded)
     sites = []
     for site in costs.sites:
@@ -351,8 +354,7 @@ def _capacity(costs: ModelCosts, site: str, codec: str) -> int | None:
 
 
 def _below_capacity(result: planning.PlanResult, costs: ModelCosts) -> bool:
-    """Whether ``result`` compresses a site with fewer exact outlier channels than ``costs``
-    now give its codec there."""
+    """Whether ``result`` keeps fewer exact outlier channels at a site than ``costs`` now give."""
     for decisions in result.layer_decisions:
         for site, decision in decisions.items():
             codec = decision.codec_for(site)
@@ -381,8 +383,10 @@ def _label(site: str, decision) -> str:
 
 
 def _from_rank0(stats: dict[str, SiteStats]) -> dict[str, SiteStats]:
-    """Rank 0's statistics on every rank: ranks see different data (and tensor-parallel
-    shards), yet must make the same decisions and track at the same iterations."""
+    """Rank 0's statistics on every rank.
+
+    Ranks see different data (and tensor-parallel shards), yet must make the same decisions and
+    track at the same iterations."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return stats
     box = [{name: asdict(s) for name, s in stats.items()}]

@@ -1,33 +1,25 @@
 """Loading a torch_dist checkpoint never runs code: every pickle in it is read restrictedly.
 
-A torch_dist checkpoint (megatron-core's dist_checkpointing over torch.distributed.checkpoint,
-DCP) holds pickles that torch 2.13 and megatron-core 0.19.2 would unpickle as they stand:
+A torch_dist checkpoint (megatron-core's dist_checkpointing over torch.distributed.checkpoint, DCP)
+holds pickles that torch 2.13 and megatron-core 0.19.2 would unpickle as they stand:
 
 - ``.metadata``: DCP's ``FileSystemReader.read_metadata`` calls ``pickle.load``. Here
-  :func:`load_metadata` reads it with an unpickler that resolves only :data:`METADATA_GLOBALS`
-  and torch's dtypes, the globals DCP's metadata holds.
-- the non-tensor objects in ``*.distcp`` (megatron's ShardedObjects: the random generators,
-  the optimizer's non-tensor state): DCP's load planners call ``torch.load(weights_only=False)``.
-  Here ``weights_only=True``.
-- the common state: megatron-core 0.19 keeps it as one more of those objects; a ``common.pt``
-  beside it (older megatron-core's, still read when present) it loads with ``torch.load``
-  without ``weights_only`` (True by default, False under
-  ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD``). Here always True.
-- the tensors in ``*.distcp``: DCP reads them with ``weights_only=True`` already. Here a
-  refusal there names its file too, as the others do.
+  :func:`load_metadata` resolves only :data:`METADATA_GLOBALS` and torch's dtypes.
+- the non-tensor objects in ``*.distcp`` (megatron's ShardedObjects: the random generators, the
+  optimizer's non-tensor state): DCP calls ``torch.load(weights_only=False)``. Here
+  ``weights_only=True``.
+- the common state: one more such object in megatron-core 0.19. An older ``common.pt`` is still
+  read when present, with ``torch.load``'s default ``weights_only``, which
+  ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD`` turns off. Here always True.
+- the tensors in ``*.distcp``: DCP reads them with ``weights_only=True`` already. Here a refusal
+  names its file too, as the others do.
 
 A file that names any other global raises :class:`CheckpointRefused`, naming the file and the
 global.
 
-DCP catches what ``read_metadata`` raises inside its load and fails later on "metadata is
-None", logging a traceback; so megatron's ``dist_checkpointing.load`` and
-``load_common_state_dict`` read the ``.metadata`` with :func:`read_metadata` first, where a
-refusal comes out as it is.
-
-Use: :func:`install` once per process, before loading. A refusal arrives as CheckpointRefused,
-or, from inside DCP's load, wrapped in the ``CheckpointException`` that holds each rank's
-error; :func:`refusal` finds it in either. Nothing here depends on the project's trainer: a
-Megatron-LM training loop applies it the same way.
+Use: call :func:`install` once per process, before loading. A refusal arrives as CheckpointRefused
+or wrapped in DCP's ``CheckpointException``; :func:`refusal` finds it in either. Nothing here
+depends on the project's trainer: a Megatron-LM training loop applies it the same way.
 """
 from __future__ import annotations
 
@@ -87,8 +79,10 @@ _OBJECT_ALLOWS = "allowed by torch.load(weights_only=True)"
 class CheckpointRefused(InputError):
     """A checkpoint file that names a global outside its allow-list: loading it would run code.
 
-    Attributes: ``file``, ``global_name`` (``module.name``), ``allowed`` (what the allow-list
-    is, in words).
+    Attributes:
+        file: the file's path.
+        global_name: ``module.name``.
+        allowed: what the allow-list is, in words.
     """
 
     def __init__(self, file: str, global_name: str, allowed: str):
@@ -119,7 +113,7 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 
 def load_metadata(file: BinaryIO, *args, **kwargs) -> Any:
-    """Unpickle a DCP ``.metadata`` stream; ``pickle.load``'s signature, ``pickle.load``'s result.
+    """Unpickle a DCP ``.metadata`` stream, with ``pickle.load``'s signature and result.
 
     Raises CheckpointRefused (naming ``file.name``) at a global outside METADATA_GLOBALS.
     """
@@ -133,8 +127,9 @@ def read_metadata(directory: str | os.PathLike) -> Any:
 
 
 def load_weights_only(file: Any, name: str, map_location: Any = None) -> Any:
-    """``torch.load(file, weights_only=True)``; CheckpointRefused, naming ``name``, where the
-    file names a global weights_only refuses."""
+    """``torch.load(file, weights_only=True)``; a refused global raises CheckpointRefused.
+
+    The refusal names ``name``."""
     try:
         return torch.load(file, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError:  # a global torch refuses, or a damaged pickle
@@ -156,8 +151,9 @@ def _unsafe_global(file: Any) -> str | None:
 
 
 def refusal(exc: BaseException) -> CheckpointRefused | None:
-    """The CheckpointRefused behind ``exc``: itself, a cause, or a rank's error in a DCP
-    ``CheckpointException`` (its ``failures``: rank -> (exception, traceback))."""
+    """The CheckpointRefused behind ``exc``: itself, a cause, or a rank's error in a DCP exception.
+
+    A DCP ``CheckpointException`` holds ``failures``: rank -> (exception, traceback)."""
     pending, seen = [exc], set()
     while pending:
         current = pending.pop()
@@ -201,8 +197,10 @@ def _name_of(file: Any) -> str:
 
 
 def _load_bytes(self, read_item, value) -> None:
-    """DCP's ``DefaultLoadPlanner.load_bytes`` with ``weights_only=True``: one object of a
-    ``.distcp`` file (named relative to the checkpoint; ``_naming_directory`` completes it)."""
+    """DCP's ``DefaultLoadPlanner.load_bytes``, with ``weights_only=True``.
+
+    It loads one object of a ``.distcp`` file, named relative to the checkpoint;
+    ``_naming_directory`` completes the name."""
     try:
         file = self.metadata.storage_data[read_item.storage_index].relative_path
     except (AttributeError, KeyError, TypeError):
@@ -217,8 +215,7 @@ def _load_bytes(self, read_item, value) -> None:
 
 
 def _naming_directory(read_data):
-    """``FileSystemReader.read_data`` whose refusals naming a bare file name it with its
-    directory."""
+    """``FileSystemReader.read_data`` that adds the directory to a refusal naming a bare file."""
 
     @functools.wraps(read_data)
     def wrapper(self, plan, planner):
@@ -240,6 +237,8 @@ def _metadata_read_first(load):
     @functools.wraps(load)
     def wrapper(*args, **kwargs):
         directory = signature.bind(*args, **kwargs).arguments["checkpoint_dir"]
+        # DCP catches what read_metadata raises inside its load and fails later on "metadata
+        # is None"; read first, a refusal comes out as it is.
         if os.path.isfile(os.path.join(directory, METADATA_FILE)):  # torch_dist's
             read_metadata(directory)
         return load(*args, **kwargs)
@@ -257,8 +256,9 @@ _installed = False
 
 
 def install() -> None:
-    """Make every checkpoint read of this process restricted, as the module's docstring lists;
-    idempotent."""
+    """Make every checkpoint read of this process restricted, as the module docstring lists.
+
+    Calling it again does nothing."""
     global _installed
     if _installed:
         return
@@ -293,10 +293,10 @@ _ITERATION_DIR = re.compile(r"^iter_(\d{7})$")
 def damage(checkpoint: str | os.PathLike) -> str | None:
     """What makes a saved checkpoint unloadable, in words; None if it looks whole.
 
-    Reads the ``.metadata`` and ``common.pt`` restrictedly (a refusal propagates as
-    CheckpointRefused: a crafted file is no damage to fall back from) and checks that every
+    It reads the ``.metadata`` and ``common.pt`` restrictedly. A refusal propagates as
+    CheckpointRefused: a crafted file is no damage to fall back from. It also checks that every
     ``.distcp`` holds the bytes the metadata places in it. A checkpoint in Megatron-LM's older
-    ``torch`` format (no ``.metadata``) is taken as whole.
+    ``torch`` format (no ``.metadata``) counts as whole.
     """
     directory = str(checkpoint)
     if not os.path.isdir(directory):
@@ -354,10 +354,13 @@ def saved_iterations(directory: str | os.PathLike) -> tuple[int | None, list[int
 def choose_checkpoint(load: str, warn) -> int | None:
     """The iteration a ``--load load`` should read: the newest whole checkpoint.
 
-    Returns None to leave Megatron-LM's choice (the tracker file's, or none to start from
-    scratch); otherwise the older iteration to pass as ``--ckpt-step``, with one ``warn(line)``
-    naming what was wrong with the newer one. Raises CheckpointRefused at a crafted file and
-    InputError when no checkpoint is whole.
+    Returns None to leave Megatron-LM's choice: the tracker file's, or a start from scratch.
+    Otherwise it returns the older iteration to pass as ``--ckpt-step``, and calls ``warn(line)``
+    once to say what was wrong with the newer one.
+
+    Raises:
+        CheckpointRefused: at a crafted file.
+        InputError: when no checkpoint is whole.
     """
     tracker, found = saved_iterations(load)
     if tracker is None and not found:

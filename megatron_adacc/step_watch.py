@@ -1,28 +1,22 @@
-"""The step watch: Adacc times its own steps and keeps the plan that is fastest measured, not
-only the one the cost model calls fastest.
+"""The step watch: Adacc times its own steps and keeps the plan that is measured fastest.
 
-The planner predicts a plan's step as the profiled step of the micro-batch with every layer
-keeping everything (``meta["step_s"]``) plus the plan's added time, once per micro-batch of
-the step. A model can be wrong on a device (on an H100 a plan predicted at +23.7 ms a step
-took about +110 ms: docs/gpu.md), so Adacc times the forward and backward of every step it
-runs (``Adacc.measure``; steps under the byte ruler are left out, its hooks cost time) and,
-every ``window`` steps of a plan, compares the median of its last ``window`` steps with:
+The planner predicts a plan's step as the profiled all-retain step (``meta["step_s"]``) plus the
+plan's added time, per micro-batch. A cost model can be wrong on a device. On an H100, a plan
+predicted at +23.7 ms a step took about +110 ms (docs/gpu.md). So Adacc times the forward and
+backward of every step (``Adacc.measure``), except steps under the byte ruler. Every ``window``
+steps of a plan, it compares the median of the plan's last ``window`` steps with:
 
-- its prediction: more than ``threshold`` (10%) over it, and the plan's actions are re-timed
-  in steps on the real batch (``profiler.refresh_action_costs``), once per plan, and so are
-  those of the plan the planner then makes, until it makes one of re-timed actions only
-  (``retime``); that plan and the recompute-only plan (the planner's best with no codec, at
-  the same budget) become candidates to measure when their predictions beat the measured
-  median. What the re-timed plan still misses is taken as work outside the layers (the
-  schedule, gradient hooks, data), the same for every plan, and added to every prediction
-  the watch compares from then on: a constant miss re-times once, not for every plan;
-- every plan measured so far that fits the budget: a plan is never kept when one measured
-  faster (by more than ``margin``) fits; Adacc swaps back to that one ("measured slower").
+- its prediction. At more than ``threshold`` (10%) over it, the plan's actions are re-timed on the
+  real batch (``profiler.refresh_action_costs``), once per plan (``retime``). The re-timed plan and
+  the recompute-only plan become candidates when their predictions beat the median. What the
+  re-timed plan still misses counts as work outside the layers (``overhead_s``). It is added to
+  every later prediction, so a constant miss re-times once.
+- every measured plan that fits the budget. A plan is never kept when one measured faster (by more
+  than ``margin``) fits; Adacc swaps back to that one ("measured slower").
 
-Candidates are measured ``window`` steps each, in turn. Swaps go through the rectifier, as
-its own do: decided between steps, applied before the next forward. Decisions are taken on
-rank 0's times (``Adacc`` broadcasts ``times`` at each decision point), at steps every rank
-counts alike.
+Candidates are measured ``window`` steps each, in turn. Swaps go through the rectifier, like its
+own: decided between steps, applied before the next forward. Decisions use rank 0's times (``Adacc``
+broadcasts them at each decision point), at steps every rank counts alike.
 """
 from __future__ import annotations
 
@@ -45,9 +39,10 @@ MEASURED_SLOWER = "measured slower"  # and back to the fastest plan measured
 
 def predicted_step_s(costs: ModelCosts, result: planning.PlanResult,
                      micro_batches: int = 1) -> float | None:
-    """The step time the cost model predicts for ``result`` on ``costs``: per micro-batch
-    the profiled all-retain step plus the plan's added time; None when the costs carry no
-    profiled step (analytic or hand-made costs)."""
+    """The cost model's step time for ``result`` on ``costs``; None without a profiled step.
+
+    Per micro-batch, it is the profiled all-retain step plus the plan's added time. Analytic or
+    hand-made costs carry no profiled step."""
     step_s = costs.meta.get("step_s")
     if step_s is None:
         return None
@@ -60,8 +55,7 @@ def predicted_step_s(costs: ModelCosts, result: planning.PlanResult,
 
 
 def fits(costs: ModelCosts, result: planning.PlanResult, budget_bytes: int) -> bool:
-    """Whether ``result`` can run under ``costs`` (every codec still offered) within the
-    budget."""
+    """Whether ``result`` fits the budget under ``costs``, every codec it uses still offered."""
     try:
         layers = [planning.evaluate_layer(costs, decisions)
                   for decisions in result.layer_decisions]
@@ -72,8 +66,7 @@ def fits(costs: ModelCosts, result: planning.PlanResult, budget_bytes: int) -> b
 
 def recompute_only(policy: str, costs: ModelCosts, budget_bytes: int,
                    **options) -> planning.PlanResult | None:
-    """The planner's best plan at ``budget_bytes`` using no codec (retain and recompute
-    only), or None when no such plan fits."""
+    """The planner's best retain-and-recompute plan at ``budget_bytes``, or None when none fits."""
     bare = replace(costs, sites=[replace(site, codecs=()) for site in costs.sites])
     try:
         return policies.plan(policy, bare, budget_bytes, **options)
@@ -85,11 +78,13 @@ def retime(costs: ModelCosts, layer_decisions: list[dict],
            refresh: Callable[[ModelCosts, list[dict]], ModelCosts],
            replan: Callable[[ModelCosts], planning.PlanResult | None]
            ) -> tuple[ModelCosts, planning.PlanResult | None]:
-    """Re-time the actions of ``layer_decisions`` (``refresh(costs, decisions)`` re-times
-    those named), re-plan (``replan``), and re-time what that plan uses that was not
-    re-timed yet, until the plan uses re-timed actions only: a plan is never tried on
-    times profiled before the measurements showed them wrong. Returns the re-timed costs
-    and the last plan (None when none fits)."""
+    """Re-time a plan's actions and re-plan until the plan uses re-timed actions only.
+
+    ``refresh(costs, decisions)`` re-times the actions named; ``replan`` plans anew. So a plan is
+    never tried on times profiled before the measurements showed them wrong.
+
+    Returns:
+        The re-timed costs and the last plan (None when none fits)."""
     timed: set[tuple[str, str]] = set()
     new = None
     while True:
@@ -126,7 +121,7 @@ class WatchDecision:
 
 
 class StepWatch:
-    """Measured step times per plan and the decisions taken on them (module docstring)."""
+    """Measured step times per plan and the decisions taken on them (see the module docstring)."""
 
     def __init__(self, window: int = WINDOW, threshold: float = THRESHOLD,
                  margin: float = MARGIN):
@@ -175,8 +170,7 @@ class StepWatch:
 
     def faster_than(self, plan_id: str, fit: Callable[[planning.PlanResult], bool]
                     ) -> planning.PlanResult | None:
-        """A measured plan that fits and ran faster than ``plan_id`` by more than the
-        margin (the fastest such), or None."""
+        """The fastest measured plan that fits and beat ``plan_id`` by over the margin, or None."""
         own, best = self.median(plan_id), self.fastest(fit)
         if own is None or best is None or best == plan_id:
             return None
@@ -186,11 +180,13 @@ class StepWatch:
                predicted: Callable[[planning.PlanResult], float | None],
                fit: Callable[[planning.PlanResult], bool],
                retime: Callable[[], Iterable[planning.PlanResult]]) -> WatchDecision:
-        """At a decision point (``due``): re-time when ``current`` ran more than the
-        threshold over ``predicted(current)``, then pick what runs next: the next candidate
-        still to measure, else the fastest measured plan when ``current`` is slower.
-        ``retime()`` refreshes the costs that ``predicted`` and ``fit`` read and returns the
-        candidates."""
+        """At a decision point (``due``), re-time if needed and pick the plan to run next.
+
+        - It re-times when ``current`` ran more than the threshold over ``predicted(current)``.
+          ``retime()`` refreshes the costs that ``predicted`` and ``fit`` read and returns the
+          candidates.
+        - Next runs the next candidate still to measure, else the fastest measured plan when
+          ``current`` is slower."""
         plan_id = current.plan.plan_id
         self.fresh = 0
         median_s = self.median(plan_id)
