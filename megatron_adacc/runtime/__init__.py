@@ -1,5 +1,4 @@
-"""The policy runtime: applies a Plan inside every transformer layer's forward and measures
-the activation bytes it keeps.
+"""The policy runtime: it applies a Plan in every transformer layer and measures what it keeps.
 
     spec = get_adacc_layer_spec()                  # build the GPTModel with it
     apply_plan(model, Plan.load("plan.yaml"))      # between steps, any time

@@ -2,17 +2,17 @@
 
 One ruler measures every way of running the model, so methods compare fairly:
 
-- Adacc layers with decisions report what their pack hook keeps (a retained tensor's
-  storage, a payload's `nbytes`; a recompute handle keeps nothing) and, in backward, the
-  transient values they decode or rebuild.
-- Everything else (stock megatron layers, Adacc layers without decisions, which run as the
-  stock layer, megatron's own checkpoint functions, embedding, final norm, loss) is seen by
-  an accounting-only saved-tensor hook around the whole step;
-  hooks nest and the innermost wins, so it never sees, nor disturbs, an Adacc layer's saves.
+- Adacc layers with decisions report what their pack hook keeps: a retained tensor's storage, a
+  payload's ``nbytes``, nothing for a recompute handle. In backward they report the transient values
+  they decode or rebuild.
+- An accounting-only saved-tensor hook around the whole step sees everything else: stock megatron
+  layers, Adacc layers without decisions, megatron's own checkpoint functions, embedding, final norm
+  and loss. Hooks nest and the innermost wins, so it never sees, nor disturbs, an Adacc layer's
+  saves.
 
-Each storage is counted once, under the (layer, site) that saved it first, and leaves the
-count when it is freed (a weakref callback on the UntypedStorage; storages' Python objects
-live exactly as long as the storage). The peak is the largest live total during the step.
+Each storage is counted once, under the (layer, site) that saved it first. It leaves the count when
+it is freed: a weakref callback on the UntypedStorage, whose Python object lives exactly as long as
+the storage. The peak is the largest live total during the step.
 """
 from __future__ import annotations
 
@@ -67,9 +67,9 @@ class ActivationRuler:
             loss = forward(); loss.backward()
         report = ruler.report()
 
-    The end of the forwards is taken when a backward first reads a saved tensor after them
-    (whichever hook saved it: Adacc layers report their reads); ``forward_done()`` takes
-    it explicitly, for a forward with no backward.
+    The forwards end when a backward first reads a saved tensor after them. Adacc layers report
+    their reads; the ruler's hook sees its own. ``forward_done()`` marks the end explicitly, for a
+    forward with no backward.
     """
 
     def __init__(self, model: torch.nn.Module | None = None, strict: bool = False):
@@ -159,8 +159,9 @@ class ActivationRuler:
         self._add(id(obj), obj, nbytes, (layer, site))
 
     def transient(self, tensor: torch.Tensor) -> None:
-        """A value that exists only during backward (decoded or rebuilt): it counts toward
-        the peak, never toward the after-forward bytes."""
+        """A value that exists only during backward (decoded or rebuilt).
+
+        It counts toward the peak, never toward the after-forward bytes."""
         self.keep_tensor(*TRANSIENT, tensor)
 
     def _add(self, key: int, obj, nbytes: int, label: tuple[int, str]) -> None:
@@ -191,10 +192,10 @@ class ActivationRuler:
         return saved
 
     def backward_reads(self) -> None:
-        """A backward read a saved value (through this ruler's hook or an Adacc layer's):
-        the forwards that saved since the last read have ended. Under 1F1B several
-        micro-batches' forwards run before the first backward, and that backward may first
-        read an Adacc layer's values, never this ruler's."""
+        """A backward read a saved value, so the forwards that saved since the last read have ended.
+
+        Under 1F1B several micro-batches' forwards run before the first backward. That backward
+        may first read an Adacc layer's values, none that this ruler's hook saved."""
         if self._forward_open:
             self.forward_done()
 

@@ -1,30 +1,26 @@
 """Which site a tensor saved for backward inside one transformer layer belongs to.
 
-Forward pre/post hooks on the layer's submodules say which one is running (its *role*); a
-per-call map from storage to site says what a storage already is, so views of one storage
-(Q, K and V; the softmax output reused as attention probabilities when dropout is off) share
-one site. Only the submodules that name a site are hooked, which keeps IdentityOp
-pass-throughs from stealing attribution and keeps the per-call cost to a few dict lookups.
+Forward pre/post hooks on the layer's submodules say which one is running (its *role*). A per-call
+map from storage to site says what a storage already is, so views of one storage share one site (Q,
+K and V; the softmax output reused as attention probabilities when dropout is off). Only submodules
+that name a site are hooked: IdentityOp pass-throughs cannot steal attribution, and a call costs a
+few dict lookups.
 
-Rules, discovered by watching what megatron-core 0.16.1's local layer saves (see sites.py),
-GPT's and Llama's (models/): a role names the site of what it saves, except where one role
-saves several kinds and the tensor decides:
+The rules come from what megatron-core 0.16.1's local layer saves, GPT's and Llama's (sites.py,
+models/). A role names the site of what it saves, except where one role saves several kinds:
 
-- a norm saves its input (torch's RMSNorm in a 16-bit model: an fp32 copy, made before its
-  statistics), one statistic per row, and (RMSNorm) x * rstd after the statistics;
-- core attention saves what it was called with (Q, K, V: views of linear_qkv's output, or
-  RoPE's rotated Q and K), what it makes of them (grouped-query attention repeats K and V)
-  and the probabilities the softmax and the dropout produce;
+- a norm saves its input, one statistic per row, and (RMSNorm) x * rstd. torch's RMSNorm in a 16-bit
+  model saves an fp32 copy of the input, made before its statistics.
+- core attention saves its inputs (Q, K, V: views of linear_qkv's output, or RoPE's rotated Q and
+  K), what it makes of them (grouped-query attention repeats K and V), and the probabilities of the
+  softmax and the dropout;
 - the attention module itself saves RoPE's cos and sin (computed, never requiring grad);
 - the MLP's activation saves per its model family's part (models.MlpPart);
 - the layer itself saves the bias-dropout-add masks: drawn, shaped like the residual stream.
 
-Mask sites (those whose designated codec is the bitmask codec) are only named for tensors
-that are masks by how they were made: drawn by a dropout, or the attention mask by identity.
-
-The attention mask is one tensor for every layer (megatron's cached causal mask, or the mask
-the model was called with), so it is recognised by its storage, never by its dtype: dropout
-masks are bool too on CUDA, where dropout is `native_dropout`.
+Mask sites (bitmask codec) are named only for tensors that are masks by how they were made: drawn by
+a dropout, or the attention mask by identity. The attention mask is one tensor for every layer, so
+it is recognised by its storage, never by its dtype: on CUDA, dropout masks are bool too.
 """
 from __future__ import annotations
 
@@ -175,8 +171,7 @@ class SiteAttributor:
 
     # --- the question --------------------------------------------------------------------
     def site_of(self, tensor: torch.Tensor) -> str | None:
-        """The site of a saved tensor; None (or UnknownSiteError in strict mode) if no rule
-        names it."""
+        """The site of a saved tensor; None if no rule names it (strict mode: UnknownSiteError)."""
         storage = tensor.untyped_storage()
         known = self._storage_site.get(id(storage))
         if known is not None:
@@ -237,8 +232,9 @@ class SiteAttributor:
 
 
 def is_rope_cos_sin(tensor: torch.Tensor) -> bool:
-    """Whether a tensor the attention module saves itself (outside its submodules) is RoPE's
-    cos or sin: computed from the frequencies, floating-point and needing no gradient."""
+    """Whether a tensor the attention module saves itself (outside submodules) is RoPE's cos or sin.
+
+    RoPE's are computed from the frequencies, floating-point and need no gradient."""
     return tensor.is_floating_point() and not tensor.requires_grad
 
 

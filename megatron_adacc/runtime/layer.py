@@ -1,23 +1,21 @@
-"""The Adacc transformer layer: megatron-core's own layer, run under a layer-scoped pair of
-saved-tensor hooks that applies the layer's decisions (retain / compress / recompute) to
-every tensor it saves for backward.
+"""The Adacc transformer layer: megatron-core's layer, its saved tensors following site decisions.
 
-Nothing of megatron's forward is copied. A recomputed site that an operator-level edge of
-`sites.REBUILDS` names is rebuilt by calling that megatron submodule or function (a norm,
-the MLP's activation; the gated MLP's forward between its two linear layers, which stand
-aside; linear_proj and the bias-dropout-add on the kept mask) on its sources' backward
-values, each retained, decoded or rebuilt before it (chains). Every other recomputed site is
-rebuilt by re-running megatron's own segments of the forward: `_forward_attention` from the
-layer input, `_forward_mlp` from ln2_in, kept, decoded or rebuilt by its edge (or on from
-the attention's re-run when ln2_in is recomputed and the attention re-runs too), with the
-RNG states captured when the segment first ran, each re-run stopping as soon as the last of
-its sites has been saved again. Operators run in the table's order, the segment re-runs
-before them, or right after the edge that rebuilds a re-run's start (ln2_in's, before the
-MLP's re-run).
+A layer-scoped pair of saved-tensor hooks retains, compresses or recomputes every tensor the layer
+saves for backward. Nothing of megatron's forward is copied:
 
-The RNG states are the ones megatron's own checkpointing saves and restores, through its own
-helpers: the CPU generator, the default CUDA generator (bias-dropout-add draws its masks from
-it) and the tensor-parallel tracker's states (attention dropout draws from those).
+- Operator edges of ``sites.REBUILDS`` rebuild their site by calling that megatron submodule or
+  function: a norm, the MLP's activation, linear_proj with the bias-dropout-add on the kept mask, or
+  the gated MLP's forward between its two linear layers. They read their sources' backward values:
+  retained, decoded or rebuilt before (chains).
+- Every other recomputed site is rebuilt by re-running megatron's forward segments:
+  ``_forward_attention`` from the layer input, ``_forward_mlp`` from ln2_in. A re-run stops as soon
+  as the last of its sites is saved again. When ln2_in is recomputed and the attention re-runs too,
+  that re-run goes on into the MLP.
+- Segment re-runs come first, then the operators in the table's order. A re-run whose start an edge
+  rebuilds runs right after that edge (the MLP's, after ln2_in's).
+- A re-run restores the RNG states captured when its segment first ran, with megatron's own
+  checkpointing helpers: the CPU generator, the default CUDA generator (bias-dropout-add's masks)
+  and the tensor-parallel tracker's states (attention dropout).
 """
 from __future__ import annotations
 
@@ -50,8 +48,10 @@ MLP_START = SEGMENTS[SEGMENT_NAMES[MLP_SEGMENT]]
 
 
 class AdaccTransformerLayer(TransformerLayer):
-    """megatron-core's TransformerLayer whose saved activations follow per-site decisions
-    (`set_decisions`); with no decisions it retains everything, like the stock layer."""
+    """megatron-core's TransformerLayer whose saved activations follow per-site decisions.
+
+    ``set_decisions`` installs them; with no decisions it retains everything, like the stock
+    layer."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -81,8 +81,9 @@ class AdaccTransformerLayer(TransformerLayer):
         self.attributor.strict = value
 
     def set_decisions(self, decisions: dict[str, Decision]) -> None:
-        """Install this layer's site decisions; takes effect at the next forward (never call
-        it between a forward and its backward)."""
+        """Install this layer's site decisions; they take effect at the next forward.
+
+        Never call it between a forward and its backward."""
         actions = {}
         for site, decision in decisions.items():
             check_decision(f"layer {self.layer_index}", site, decision)
@@ -153,10 +154,11 @@ class AdaccTransformerLayer(TransformerLayer):
 
     # --- recompute -----------------------------------------------------------------------
     def _rebuild(self, call: LayerCall) -> None:
-        """Rebuild every recomputed site of `call` into its cache: the segment re-runs first,
-        then the operators in the table's order, a re-run from a recomputed start right
-        after the edge that rebuilds it (the MLP's from a rebuilt ln2_in). Runs at the first
-        unpack of any of them."""
+        """Rebuild every recomputed site of ``call`` into its cache, at the first unpack of any.
+
+        Segment re-runs come first, then the operators in the table's order. A re-run from a
+        recomputed start runs right after the edge that rebuilds it (the MLP's from a rebuilt
+        ln2_in)."""
         reruns = self._segment_reruns(call)
         after_edge = {REBUILT_BY[start].output: (keys, start) for start, keys in reruns
                       if (start, 0) in call.wanted}
@@ -186,10 +188,11 @@ class AdaccTransformerLayer(TransformerLayer):
 
     @staticmethod
     def _segment_reruns(call: LayerCall) -> list[tuple[str, set]]:
-        """The segment re-runs (start, the saves each is for), by sites.chain_reruns: a re-run
-        passes through a start that is recomputed, or that the layer does not save (no place
-        to start from). Each starts from its first segment's start, kept, decoded or rebuilt
-        by its edge, or else from the layer input."""
+        """The segment re-runs: (start, the saves each is for), by sites.chain_reruns.
+
+        A re-run passes through a start that is recomputed, or that the layer does not save. Each
+        starts from its first segment's start (kept, decoded or rebuilt by its edge), else from
+        the layer input."""
         def start_of(index: int) -> str:
             return SEGMENTS[SEGMENT_NAMES[index]]
 
@@ -208,8 +211,7 @@ class AdaccTransformerLayer(TransformerLayer):
         return reruns
 
     def _rerun_segments(self, call: LayerCall, keys: set, start: str) -> None:
-        """Re-run megatron's forward segments from ``start`` under the capturing hook until
-        every site of `keys` is saved again."""
+        """Re-run megatron's forward segments from ``start`` until all of ``keys`` are saved."""
         call.capture({site for site, _ in keys}, set(keys))
         try:
             with torch.enable_grad():
@@ -243,9 +245,11 @@ class AdaccTransformerLayer(TransformerLayer):
                 self.mlp_norm_manager = None
 
     def _run_operator(self, call: LayerCall, edge) -> None:
-        """Call `edge`'s megatron submodule or function on its sources' values, keeping its
-        output and, captured as it runs, what it saves that is wanted. Nothing it computes
-        needs a graph unless it saves a wanted site (a norm's statistics, glu's SiLU output)."""
+        """Call ``edge``'s megatron submodule or function on its sources and keep its output.
+
+        It also keeps what the call saves that is wanted, captured as it runs. Nothing it
+        computes needs a graph unless it saves a wanted site (a norm's statistics, glu's SiLU
+        output)."""
         operator = functools.reduce(getattr, edge.call.split("."), self)
         saves = {site for site, _ in call.wanted if site in edge.saves}
         # What a call saves depends on what requires grad (torch's RMSNorm saves its
@@ -265,17 +269,19 @@ class AdaccTransformerLayer(TransformerLayer):
 
     @staticmethod
     def _keep_output(call: LayerCall, site: str, value: torch.Tensor) -> None:
-        """``value`` for every wanted save of ``site``, as it was saved: torch's RMSNorm saves
-        its input twice, and in a 16-bit model as an fp32 copy (ln2_in)."""
+        """Keep ``value`` for every wanted save of ``site``, in the dtype it was saved in.
+
+        torch's RMSNorm saves its input twice, and in a 16-bit model as an fp32 copy (ln2_in)."""
         for key in sorted(key for key in call.wanted if key[0] == site):
             call.keep(key, value.to(call.saved_dtypes[site]))
 
     def attention_residual(self, residual: torch.Tensor, context: torch.Tensor,
                            mask: torch.Tensor | None) -> torch.Tensor:
-        """The residual stream after attention (ln2_in) from the layer input, the attention
-        output and the hidden dropout's kept mask (None: the layer has no hidden dropout):
-        megatron's own linear_proj and self_attn_bda, called as its forward calls them, the
-        dropout applying ``mask`` instead of drawing one (sites.REBUILDS)."""
+        """The residual stream after attention (ln2_in), rebuilt from the layer input and output.
+
+        It calls megatron's own linear_proj and self_attn_bda as its forward does
+        (sites.REBUILDS). The dropout applies ``mask``, the hidden dropout's kept mask, instead
+        of drawing one. None: the layer has no hidden dropout."""
         projected = self.self_attention.linear_proj(context)
         with contextlib.nullcontext() if mask is None else _DropoutApplying(mask):
             return self.self_attn_bda(self.training, self.config.bias_dropout_fusion)(
@@ -284,10 +290,11 @@ class AdaccTransformerLayer(TransformerLayer):
     @staticmethod
     def _source_value(call: LayerCall, name: str, requires_grad: bool | None = None,
                       whole: bool = False) -> torch.Tensor:
-        """The backward value of a site a rebuild reads: retained, decoded (read, not taken:
-        autograd takes the same view afterwards) or rebuilt before (a chain); ``whole``: the
-        tensor its saved view is a view of (the forward's, the decoded copy, the rebuilt
-        one). Requires grad as the forward's did, unless told."""
+        """The backward value of a site a rebuild reads: retained, decoded or rebuilt before.
+
+        A decoded value is read, not taken: autograd takes the same view afterwards. With
+        ``whole``, it is the tensor the saved view is a view of. It requires grad as the
+        forward's did, unless told."""
         saved = call.sources[name]
         if type(saved) is Handle and isinstance(saved.source, CompressedStorage):
             value = saved.source.read(None if whole else saved.key)
@@ -303,15 +310,19 @@ class AdaccTransformerLayer(TransformerLayer):
 
 
 class _DropoutApplying(torch.overrides.TorchFunctionMode):
-    """Within it, on this thread only, the first drawing call of torch's dropout (megatron's
-    bias-dropout-add calls ``torch.nn.functional.dropout``, fused or not) applies ``mask``,
-    a mask a dropout saved, instead of drawing one; every other call, that function's
-    included, runs as it would without the mode. A mode, not a substitute for the module's
-    function: other threads, and code that bound the function by name, keep torch's own.
-    The product is the one dropout's forward computes: CPU dropout draws its keep-mask,
-    divides it by 1 - p and saves that, returning input * mask; CUDA's native_dropout saves
-    a bool mask and returns input * mask * (1 / (1 - p)), the product its backward computes
-    (bitwise checked on the CPU's native_dropout only: there is no GPU here)."""
+    """Within it, this thread's first drawing dropout call applies ``mask`` instead of drawing one.
+
+    megatron's bias-dropout-add calls ``torch.nn.functional.dropout``, fused or not; ``mask`` is a
+    mask a dropout saved. Every other call, that function's included, runs as without the mode. It
+    is a mode, not a substitute for the function: other threads, and code that bound the function by
+    name, keep torch's own.
+
+    The product is the one dropout's forward computes:
+    - CPU dropout saves its keep-mask divided by 1 - p and returns input * mask.
+    - CUDA's native_dropout saves a bool mask and returns input * mask * (1 / (1 - p)), the product
+      its backward computes.
+    Only the CPU's native_dropout is checked bitwise.
+    """
 
     def __init__(self, mask: torch.Tensor):
         super().__init__()
@@ -338,8 +349,9 @@ class _DropoutApplying(torch.overrides.TorchFunctionMode):
 
 
 def _dropout_arguments(input, p=0.5, training=True, inplace=False):
-    """(input, p, training) of a call of ``torch.nn.functional.dropout``, whose signature
-    this is (bound without `inspect`, which torch.compile cannot trace)."""
+    """(input, p, training) of a ``torch.nn.functional.dropout`` call, whose signature this is.
+
+    It binds without ``inspect``, which torch.compile cannot trace."""
     return input, p, training
 
 
@@ -365,16 +377,18 @@ class _Emits(torch.nn.Module):
 
 
 class _Halts(torch.nn.Module):
-    """Stands in for the linear layer a rebuild stops at: hands back what it is called with."""
+    """Stands in for the linear layer a rebuild stops at: returns what it is called with."""
 
     def forward(self, value, *_args, **_kwargs):
         raise _Halted(value)
 
 
 def _run_between(module, enter: str, exit_: str, value: torch.Tensor) -> torch.Tensor:
-    """Run ``module``'s own forward from ``value`` as its submodule ``enter``'s output up to
-    its call of submodule ``exit_``, and return that call's input (sites.Rebuild.between).
-    Both submodules are swapped for stand-ins for the call only."""
+    """Run ``module``'s forward between two submodules and return ``exit_``'s input.
+
+    ``value`` stands in for the output of submodule ``enter``; the run stops at the call of
+    submodule ``exit_`` (sites.Rebuild.between). Both submodules are swapped for stand-ins for
+    the call only."""
     originals = {name: module._modules[name] for name in (enter, exit_)}
     module._modules[enter], module._modules[exit_] = _Emits(value), _Halts()
     try:
@@ -387,7 +401,8 @@ def _run_between(module, enter: str, exit_: str, value: torch.Tensor) -> torch.T
 
 
 def get_adacc_layer_spec(attention_backend: str = DEFAULT_SPEC_BACKEND, **local_spec_kwargs):
-    """megatron-core's local GPT layer spec with AdaccTransformerLayer as the layer and
-    `attention_backend`'s core attention (attention_backend.ATTENTION_BACKENDS)."""
+    """megatron-core's local GPT layer spec, with AdaccTransformerLayer as the layer.
+
+    Its core attention is ``attention_backend``'s (attention_backend.ATTENTION_BACKENDS)."""
     spec = local_layer_spec(attention_backend, **local_spec_kwargs)
     return dataclasses.replace(spec, module=AdaccTransformerLayer)

@@ -17,8 +17,9 @@ _codec_wrapper: Callable[[object], object] | None = None
 
 @contextlib.contextmanager
 def wrapped_codecs(wrap: Callable[[object], object]) -> Iterator[None]:
-    """For tests: every codec ``apply_plan`` installs inside the block is ``wrap(codec)``
-    (something with the codec's ``encode``/``decode``); plans applied before keep theirs."""
+    """For tests: every codec ``apply_plan`` installs inside the block is ``wrap(codec)``.
+
+    A wrapper has the codec's ``encode``/``decode``. Plans applied before the block keep theirs."""
     global _codec_wrapper
     before, _codec_wrapper = _codec_wrapper, wrap
     try:
@@ -33,11 +34,14 @@ def adacc_layers(model: torch.nn.Module) -> list[AdaccTransformerLayer]:
 
 def apply_plan(model: torch.nn.Module, plan: Plan | None, strict: bool | None = None,
                codec_backend: str | None = None) -> None:
-    """Give every AdaccTransformerLayer its decisions from `plan` (None: retain everything).
+    """Give every AdaccTransformerLayer its decisions from ``plan`` (None: retain everything).
 
-    Call between training steps, never between a forward and its backward. `strict` makes
-    an unattributed saved tensor an error instead of a retained "other"; `codec_backend`
-    picks the codec kernels (see codecs.BACKENDS); None leaves either as it was.
+    Call it between training steps, never between a forward and its backward.
+
+    Args:
+        strict: an unattributed saved tensor is an error instead of a retained "other".
+        codec_backend: picks the codec kernels (see codecs.BACKENDS).
+    None leaves either as it was.
     """
     layers = adacc_layers(model)
     if not layers:

@@ -1,28 +1,22 @@
-"""One storage for values every layer saves anew: RoPE's cos and sin (the shared site
-`rope_cos_sin`, like megatron's cached causal mask).
+"""One storage for values every layer saves anew: RoPE's cos and sin (shared site rope_cos_sin).
 
-megatron-core 0.16.1's `apply_rotary_pos_emb` computes `(cos(freqs) * mscale).to(dtype)` and
-the same of sin in every call, Q's and K's in every layer, and the two products with Q and K
-save them, cos first: each layer keeps four new [s, 1, 1, rotary dim] storages of two values.
-(Its precomputed `rotary_pos_cos`/`rotary_pos_sin` reach attention only at inference:
-`Attention.forward` asserts they are None on the training path.) The forward stays
-megatron's; what backward keeps is the runtime's to choose. A `RopeWindow` packs each such
-save as the first live tensor made the same way, and the call's own copy dies with forward's
-temporaries: backward reads the identical bits, so gradients are unchanged.
+megatron-core 0.16.1's ``apply_rotary_pos_emb`` computes ``(cos(freqs) * mscale).to(dtype)`` and the
+same of sin in every call, for Q and K in every layer. The two products with Q and K save them, so
+each layer keeps four new [s, 1, 1, rotary dim] storages of two values. (The precomputed
+``rotary_pos_cos``/``rotary_pos_sin`` reach attention only at inference.) A ``RopeWindow`` packs
+each such save as the first live tensor made the same way. The call's own copy dies with forward's
+temporaries; backward reads identical bits, so gradients are the same.
 
-"Made the same way" is known without reading the values (comparing them would synchronise
-the host with the device at every save): the same frequency tensor (megatron's
-`RotaryEmbedding` caches it per length, so every layer and micro-batch of one length is
-given the same tensor), the same of cos and sin (each call saves cos, then sin), the same
-layer config (mscale) and the same dtype and layout. Under the debug switch
-`SharedValues.check_bits` (off: comparing reads the data on the host, a sync in every step;
-the tests turn it on where they hold megatron to that order) the bits are compared too, and
-a difference is an error.
+"Made the same way" is known without reading the values, which would sync the host at every save:
+- the same frequency tensor (megatron's ``RotaryEmbedding`` caches one per length);
+- the same of cos and sin (each call saves cos, then sin);
+- the same layer config (mscale), dtype and layout.
+The debug switch ``SharedValues.check_bits`` compares the bits too; a difference is an error. It is
+off by default, since comparing is a host sync in every step.
 
-What is shared lives exactly as long as a saved slot holds it: `SharedValues` keeps weak
-references only, so once every graph that saved a value is freed (the step's backward, or a
-forward without one) the value is gone and the next step starts anew. Another sequence length,
-rotary base or rotary fraction is another frequency tensor: never shared.
+``SharedValues`` keeps weak references only, so a shared value lives as long as a saved slot holds
+it. Once every graph that saved it is freed, it is gone and the next step starts anew. Another
+sequence length, rotary base or rotary fraction means another frequency tensor: never shared.
 """
 from __future__ import annotations
 
@@ -43,9 +37,10 @@ class SharedValues:
         self.check_bits = check_bits
 
     def canonical(self, key: tuple, source: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
-        """The live tensor made from ``source`` as ``key`` says, or ``tensor`` itself (now
-        remembered) if there is none. Only a tensor that is its whole storage is shared:
-        handing out a view would pin its base, and dropping one would free nothing."""
+        """The live tensor made from ``source`` as ``key`` says, else ``tensor``, now remembered.
+
+        Only a tensor that is its whole storage is shared: handing out a view would pin its base,
+        and dropping one would free nothing."""
         if (tensor._base is not None or not tensor.is_contiguous()
                 or tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size()):
             return tensor
@@ -81,11 +76,12 @@ SHARED = SharedValues()
 
 
 class RopeWindow:
-    """Shares RoPE's cos and sin in one attention module: a saved-tensor hook open from
-    linear_qkv's return to the core attention's call, where megatron applies RoPE and nothing
-    else is saved by the attention module itself (attribution's `self_attention` role). It
-    hands each RoPE save to the hook around it (the Adacc layer's, the ruler's or none) as its
-    shared tensor, so attribution and the ruler see one storage."""
+    """Shares RoPE's cos and sin in one attention module: one storage for attribution and ruler.
+
+    It is a saved-tensor hook open from linear_qkv's return to the core attention's call. There
+    megatron applies RoPE, and the attention module itself saves nothing else (attribution's
+    ``self_attention`` role). It hands each RoPE save, as its shared tensor, to the hook around
+    it: the Adacc layer's, the ruler's or none."""
 
     def __init__(self, attention):
         self._config = attention.config  # mscale, and every other input of the rotation

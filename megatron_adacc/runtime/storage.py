@@ -1,20 +1,17 @@
-"""Where a saved activation lives between forward and backward: one pack/unpack pair for
-every action.
+"""One pack/unpack hook pair that keeps a saved activation between forward and backward.
 
-pack returns the tensor for *retain*, detached (`detached`: the cheapest handle there is,
-unpack is the identity), and a `Handle` for *compress* and *recompute*; unpack resolves
-handles. A handle points at a source that produces the value once and hands it out per
-saved view:
+For *retain*, pack returns the tensor itself, detached (``detached``: the cheapest handle, and
+unpack is the identity). For *compress* and *recompute*, it returns a ``Handle``, which unpack
+resolves. A handle points at a source that makes the value once and hands it out per view:
 
-- `CompressedStorage`: one codec payload per storage (Q, K and V, three views of one
-  storage, are encoded once), or per saved view where the site is a partial view
-  (sites.Site.partial_view: SwiGLU's gate half, not fc1's whole output); decoded on the first
-  unpack, shared by the other views, released after the last one.
-- `LayerCall` itself for recomputed sites: the first unpack rebuilds every recomputed site
-  of this layer call (the layer supplies `rebuild`: segment re-runs and operators),
-  caches them, and each unpack takes its value out of the cache, so the cache is empty once
-  backward has used them all. What a rebuild reads (`sources`: segment starts, operators'
-  sources) is remembered in its saved form until then.
+- ``CompressedStorage``: one codec payload per storage; Q, K and V, three views of one storage, are
+  encoded once. A partial-view site (sites.Site.partial_view: SwiGLU's gate half) gets a payload per
+  saved view. The payload is decoded on the first unpack, shared by the other views and released
+  after the last one.
+- ``LayerCall`` itself, for recomputed sites. The first unpack rebuilds every recomputed site of
+  this layer call and caches them; the layer supplies ``rebuild`` (segment re-runs and operators).
+  Each unpack takes its value out of the cache, so the cache is empty once backward has used them
+  all. What a rebuild reads (``sources``) stays in its saved form until then.
 """
 from __future__ import annotations
 
@@ -44,13 +41,14 @@ def unpack(saved):
 
 
 def detached(tensor: torch.Tensor) -> torch.Tensor:
-    """What a pack hook keeps of a tensor it keeps whole: its storage without its autograd
-    history (a view stays a view of its detached base, which a rebuild may read whole).
-    The tensor itself would close a reference cycle wherever an op saves its own output
-    (the output's grad_fn holds what the hook returned, which holds the output): backward
-    breaks it, but no garbage collection does, so a forward that is never backpropagated
-    (the rectifier's samples, a step abandoned by an error) would leak every such output.
-    Autograd gives the unpacked value its history back."""
+    """What a pack hook keeps of a tensor it keeps whole: its storage without its autograd history.
+
+    A view stays a view of its detached base, which a rebuild may read whole. Autograd gives the
+    unpacked value its history back."""
+    # The tensor itself would close a reference cycle wherever an op saves its own output:
+    # the output's grad_fn holds what the hook returned, which holds the output. Backward
+    # breaks the cycle, garbage collection does not, so a forward never backpropagated (the
+    # rectifier's samples, a step abandoned by an error) would leak every such output.
     if not tensor.requires_grad:  # no history: nothing to close a cycle through
         return tensor
     base = tensor._base
@@ -83,8 +81,9 @@ class CompressedStorage:
         return Handle(self, geometry)
 
     def read(self, geometry) -> torch.Tensor:
-        """The value of one view without handing it out (None: the whole encoded root): a
-        rebuild reads its compressed starting tensor this way, and autograd still takes that
+        """The value of one view without handing it out (None: the whole encoded root).
+
+        A rebuild reads its compressed starting tensor this way, and autograd still takes that
         view later."""
         if self.decoded is None:
             if self.payload is None:
@@ -107,12 +106,12 @@ class CompressedStorage:
 
 
 def _encoding_root(tensor: torch.Tensor) -> torch.Tensor:
-    """What to encode so that every saved view of `tensor`'s storage is a view of the
-    decoded copy (decode returns a contiguous tensor): the whole base, in memory order.
+    """What to encode so that every saved view of ``tensor``'s storage views the decoded copy.
 
-    A dense base whose dimensions are permuted (SDPA's output is [b, heads, s, dim] laid out
-    as [s, b, heads, dim]) is encoded as its contiguous permutation, so the saved strides
-    hold on the decoded copy. Anything else non-contiguous is its own root.
+    Decode returns a contiguous tensor, so this is the whole base, in memory order. A dense base
+    whose dimensions are permuted (SDPA's output is [b, heads, s, dim] laid out as [s, b, heads,
+    dim]) is encoded as its contiguous permutation, so the saved strides hold on the decoded copy.
+    Anything else non-contiguous is its own root.
     """
     base = tensor._base if tensor._base is not None else tensor
     if not base.is_contiguous():
@@ -123,13 +122,15 @@ def _encoding_root(tensor: torch.Tensor) -> torch.Tensor:
 
 
 class RebuildComplete(Exception):
-    """Raised from the capture hook once a segment re-run has saved every site it is for:
-    the rest of the layer's forward is not needed."""
+    """Raised from the capture hook once a segment re-run has saved every site it is for.
+
+    The rest of the layer's forward is not needed."""
 
 
 class LayerCall:
-    """One forward call of one Adacc layer: its pack hook, and everything that has to outlive
-    forward to serve backward (payload handles, recompute anchors, RNG states, the cache)."""
+    """One forward call of one Adacc layer: its pack hook, and what must outlive forward.
+
+    That is everything backward needs: payload handles, recompute anchors, RNG states, the cache."""
 
     def __init__(self, layer_index: int, attributor, actions: dict, ruler,
                  rebuild: Callable[["LayerCall"], None] | None):
@@ -219,8 +220,7 @@ class LayerCall:
         self._compressed.clear()
 
     def measured_unpack(self, saved):
-        """The layer's unpack hook while a ruler watches: the value, and the ruler told that
-        backward reads."""
+        """The layer's unpack hook while a ruler watches: returns the value and tells the ruler."""
         self.ruler.backward_reads()
         return unpack(saved)
 
@@ -243,22 +243,24 @@ class LayerCall:
         return value
 
     def capture(self, sites, awaited: set | None = None) -> None:
-        """Start a rebuild step that captures the wanted saves of ``sites``; a segment
-        re-run passes the keys it is for as ``awaited`` and stops once all are saved."""
+        """Start a rebuild step that captures the wanted saves of ``sites``.
+
+        A segment re-run passes the keys it is for as ``awaited`` and stops once all are saved."""
         self.capturing = frozenset(sites)
         self.awaited = awaited
         self.ordinals = {}
 
     def keep(self, key, tensor: torch.Tensor) -> None:
-        """A rebuilt value, cached until backward takes it; a view stays a view of its
-        (detached) base, which an operator may read whole (sites.Rebuild.between)."""
+        """A rebuilt value, cached until backward takes it.
+
+        A view stays a view of its detached base, which an operator may read whole
+        (sites.Rebuild.between)."""
         self.cache[key] = detached(tensor)
         if self.ruler is not None:
             self.ruler.transient(tensor)
 
     def capture_pack(self, tensor):
-        """The pack hook while rebuilding: keep the wanted saves of the sites this step
-        rebuilds, discard everything else."""
+        """The pack hook while rebuilding: keep this step's wanted saves, discard the rest."""
         if isinstance(tensor, torch.nn.Parameter):
             return None
         site = self.attributor.site_of(tensor)
