@@ -1,2 +1,1 @@
-"""Measuring costs: the profiler, its SQLite store, the analytic accelerator model, allocator
-readings."""
+"""Measuring costs: the profiler, its SQLite store, the analytic model, allocator readings."""

@@ -1,8 +1,9 @@
-"""Readings of the CUDA caching allocator: its peaks over a stretch of work, and the memory a
-process may still plan for. On a CPU there is no caching allocator between tensors and
-memory, so every reading is zero and the memory to plan for is unknown (None); glibc can be
-told to keep freed host memory the way the caching allocator keeps device memory
-(``recycle_freed_host_memory``)."""
+"""Readings of the CUDA caching allocator: its peaks over a stretch of work, and plannable memory.
+
+On a CPU there is no caching allocator between tensors and memory. Every reading is zero, and the
+memory to plan for is unknown (None). glibc can be told to keep freed host memory the way the
+caching allocator keeps device memory (``recycle_freed_host_memory``).
+"""
 from __future__ import annotations
 
 import contextlib
@@ -45,9 +46,10 @@ def watch(device: torch.device) -> Iterator[Peaks]:
 
 
 def plannable_bytes() -> int | None:
-    """The memory this process may plan for on its current GPU: what the device has free now
-    plus what the process already holds through the allocator (its model among it), less
-    BUDGET_MARGIN_BYTES. None without CUDA."""
+    """The memory this process may plan for on its current GPU; None without CUDA.
+
+    It is what the device has free now, plus what the process already holds through the allocator
+    (its model among it), less BUDGET_MARGIN_BYTES."""
     if not torch.cuda.is_available():
         return None
     device = torch.cuda.current_device()
@@ -56,15 +58,15 @@ def plannable_bytes() -> int | None:
 
 
 def recycle_freed_host_memory() -> bool:
-    """Make glibc serve every allocation from its heap and keep freed memory there, for the
-    rest of the process, as the CUDA caching allocator keeps device memory. False where that
-    cannot be done (no glibc).
+    """Make glibc keep freed memory in its heap for the rest of the process; False without glibc.
 
-    Why: with glibc's defaults a block above its mmap threshold (128 KiB, drifting up to 32
-    MiB as such blocks are freed) comes fresh from the kernel, and each of its pages faults
-    on first touch, about a microsecond per 4 KiB on a VM. A CPU step's time then depended
-    on where the threshold had drifted: the profiler timed the decode of one 32 MiB value
-    at 1.3 ms in one profile and 10-90 ms in another, and planned on whichever it saw."""
+    Every allocation is then served from the heap, as the CUDA caching allocator keeps device
+    memory."""
+    # With glibc's defaults a block above its mmap threshold (128 KiB, drifting up to 32 MiB
+    # as such blocks are freed) comes fresh from the kernel, and each of its pages faults on
+    # first touch, about a microsecond per 4 KiB on a VM. A CPU step's time then depended on
+    # where the threshold had drifted: one 32 MiB decode profiled at 1.3 ms in one profile
+    # and 10-90 ms in another, and the planner planned on whichever it saw.
     global _host_memory_recycled
     try:
         libc = ctypes.CDLL("libc.so.6")
@@ -82,8 +84,9 @@ def host_memory_recycled() -> bool:
 
 
 def host_pages_first_touched() -> int:
-    """How many pages of host memory this process has touched for the first time so far (its
-    minor page faults). On recycled memory a training step repeats its allocations and
-    touches none; a stretch of work that adds to the count grew the heap, and paid about a
-    microsecond a page that later steps do not pay."""
+    """How many pages of host memory this process has first touched so far (its minor page faults).
+
+    On recycled memory a training step repeats its allocations and touches none. A stretch of
+    work that adds to the count grew the heap, and paid about a microsecond a page that later
+    steps do not pay."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt

@@ -1,11 +1,9 @@
-"""Clocks for timing calls inside a step: the host's ``perf_counter`` on a CPU, CUDA events on
-a GPU, one interface for both.
+"""Clocks for timing calls inside a step: ``perf_counter`` on a CPU, CUDA events on a GPU.
 
-A CUDA event is recorded on the stream and read later, so the calls of a step are timed
-where they run, between the step's other kernels, without the host waiting on the device in
-between; ``Spans`` reads every span of a step once the step is over (one wait, on its last
-mark). The profiler times actions this way and the step watch its steps. A CPU mark is
-its reading: always ready.
+A CUDA event is recorded on the stream and read later. So the calls of a step are timed where they
+run, between the step's other kernels, and the host does not wait on the device in between.
+``Spans`` reads every span of a step once the step is over: one wait, on its last mark. The profiler
+times actions this way, and the step watch times steps. A CPU mark is its reading, always ready.
 """
 from __future__ import annotations
 
@@ -68,8 +66,7 @@ class Spans:
         return result, len(self._marks) - 1
 
     def read(self) -> list[float]:
-        """Every span's seconds, in the order they were timed (a device clock waits once,
-        for the last)."""
+        """Every span's seconds, in timing order; a device clock waits once, for the last."""
         if self._marks and not self.clock.ready(self._marks[-1][1]):
             self.clock.seconds(*self._marks[-1])      # waits for the step's last span
         return [self.clock.seconds(start, end) for start, end in self._marks]

@@ -1,44 +1,25 @@
-"""The model profiler (paper: "Model profiler"): a few instrumented steps of the user's real
-model on a real micro-batch, written down as ``ModelCosts`` for the planner. It measures; it
-does not decide.
+"""The model profiler (paper: "Model profiler"): measures the user's model into ``ModelCosts``.
 
-Everything is measured through the Adacc runtime itself, on one layer (the middle one: every
-layer has the same shape), so the numbers describe what the runtime will really do:
+It runs a few instrumented steps of the real model on a real micro-batch; it measures and does not
+decide. Everything is measured through the Adacc runtime itself, on the middle layer (all layers
+have the same shape), so the numbers describe what the runtime will really do:
 
-- bytes and dtype of each site: the ActivationRuler's attribution of a retain-everything
-  step, the very ruler behind the trainer's ``activation_bytes``. Storage sharing is counted
-  as the ruler counts it (Q, K and V are one storage; with dropout off the softmax output is
-  the attention probabilities). Megatron's cached causal mask is one storage for all layers,
-  so it belongs to the non-layer bytes, never to a layer's sites.
-- codecs: ``repeats`` steps per candidate round in which the measured layer compresses
-  every site with a candidate codec. Payload bytes are what the ruler counts in that step;
-  encode and decode times are the medians over the steps of each call timed where the
-  runtime makes it (the encode in forward, the decode when backward first reads it).
-- rebuild: steps in which the measured layer recomputes only that site; the runtime's
-  rebuild is timed where backward asks for it, once per step (the median of ``repeats``
-  steps). A site an operator rebuilds (sites.REBUILDS) runs only that operator: steps with
-  every product of the operator recomputed (as plans recompute them: an operator that must
-  save a wanted site runs with grad and its sources requiring it) give the operator's own
-  time. Any other site's rebuild re-runs Megatron's forward segment (attention from
-  layer_in, MLP from ln2_in) from its start up to the site, so the measurement is the
-  site's ``rebuild_s``: what rebuilding costs when it is the deepest recomputed site of its
-  segment (the planner combines these into a layer's rebuild time as the runtime does: a
-  maximum per segment, not a sum). Along a segment the times are fitted to be
-  non-decreasing: a deeper save cannot be reached sooner, and noise that says otherwise is
-  spread over its neighbours.
+- bytes and dtype of each site: the ActivationRuler's attribution of an all-retain step, the ruler
+  behind the trainer's ``activation_bytes``. Storage sharing counts as the ruler counts it.
+  Megatron's cached causal mask is one storage for all layers: non-layer bytes.
+- codecs: ``repeats`` steps per candidate round, in which the measured layer compresses every site
+  with a candidate codec. Payload bytes are what the ruler counts. The encode is timed in forward,
+  the decode when backward first reads the storage.
+- rebuilds: steps in which the measured layer recomputes only that site, timed where backward asks
+  for it. A site an operator rebuilds (sites.REBUILDS) times that operator, with all its products
+  recomputed. Any other site times a segment re-run up to it: its ``rebuild_s``
+  (docs/memory-model.md, "Time").
 
-Times are taken in the step because that is what training pays: a rebuild's sources and a
-payload were saved in forward and are read cold, and what they make is written to memory
-the cache does not hold. Re-run warm on the spot, the operators measured 0.5-0.85 of their
-in-step time on this CPU (issue 26: SwiGLU's 2.9 ms warm, 5.2 ms in the step) and the
-outlier codec's decode about half; the planner charged that.
-
-Each timed step records its calls on one clock (clock.Spans) and reads them once it is over:
-on CUDA, events recorded around each call between the step's own kernels, with no wait in
-between (a synchronisation per call would time each call on an idle stream, which is not
-what the step pays); on a CPU, the host's counter. The median over steps is taken. A CPU step
-in which a timed call grew the host heap (first touches of fresh pages, a cost paid once) is
-run again.
+Times are medians over steps, taken in the step, since that is what training pays: sources and
+payloads are read cold, and products go to memory the cache does not hold (docs/design.md). Each
+timed step records its calls on one clock (clock.Spans) and reads them after the step. On CUDA these
+are events between the step's own kernels, with no wait in between; on a CPU, the host's counter. A
+CPU step in which a timed call grew the host heap is run again.
 """
 from __future__ import annotations
 
@@ -76,11 +57,13 @@ LossFn = Callable[[torch.nn.Module, Batch], torch.Tensor]
 
 
 def gpt_loss(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
-    """The default loss: megatron's GPT language-model loss over the loss mask. A pipeline
-    stage (megatron's ``pre_process``/``post_process``) is profiled alone, without its
-    neighbours: a stage without the embedding is fed stand-in hidden states (drawn from a
-    fixed generator: only their shape matters to what is measured there), and a stage
-    without the output layer backpropagates the sum of its output."""
+    """The default loss: megatron's GPT language-model loss over the loss mask.
+
+    A pipeline stage (megatron's ``pre_process``/``post_process``) is profiled alone:
+    - a stage without the embedding is fed stand-in hidden states from a fixed generator (only their
+      shape matters there);
+    - a stage without the output layer backpropagates the sum of its output.
+    """
     tokens, labels, loss_mask = batch
     if not getattr(model, "pre_process", True):
         model.set_input_tensor(stand_in_input(model, tokens))
@@ -99,11 +82,13 @@ def stand_in_input(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor
 
 
 def device_name(device: torch.device | None = None) -> str:
-    """What the timings were measured on: the GPU's name, or the CPU (with its family and model
-    numbers: a VM's model name can be the make alone, host.HostCpu) with its thread count and
-    PyTorch's vector path (ATEN_CPU_CAPABILITY can lower it), and the codec kernels
-    (backend.describe: ADACC_CODEC_BACKEND and ADACC_NATIVE_CFLAGS choose them): a profile
-    measured on one path misleads a plan for another."""
+    """What the timings were measured on: a profile from one path misleads a plan for another.
+
+    - a GPU: its name;
+    - a CPU: its family and model numbers (a VM's model name can be the make alone, host.HostCpu),
+      its thread count and PyTorch's vector path (ATEN_CPU_CAPABILITY can lower it);
+    - the codec kernels (backend.describe; ADACC_CODEC_BACKEND and ADACC_NATIVE_CFLAGS choose them).
+    """
     if device is not None and device.type == "cuda":
         return f"{torch.cuda.get_device_name(device)} (codecs {codec_backend.describe(device)})"
     return (f"{host.host_cpu().describe()} ({torch.get_num_threads()} threads, "
@@ -117,8 +102,9 @@ HEAP_GROWTH_PAGES = 16
 
 
 def timed(fn: Callable[[], object], device: torch.device) -> tuple[object, float]:
-    """``fn()``'s result and the wall time of that one call (CUDA: device events, read at
-    once: for whole steps, not the calls inside one)."""
+    """``fn()``'s result and the wall time of that one call.
+
+    On CUDA it reads device events at once: use it for whole steps, not for calls inside one."""
     spans = clock.Spans(clock.for_device(device))
     result, _ = spans.time(fn)
     return result, spans.read()[0]
@@ -126,9 +112,10 @@ def timed(fn: Callable[[], object], device: torch.device) -> tuple[object, float
 
 def _timed_on_the_heap(fn: Callable[[], object], spans: clock.Spans
                        ) -> tuple[object, int, bool]:
-    """``spans.time(fn)`` (the result and its span), and whether the call grew the host heap
-    (first-touched more than HEAP_GROWTH_PAGES pages). On CUDA the host's pages are not on
-    the clock."""
+    """``spans.time(fn)`` (the result and its span), and whether the call grew the host heap.
+
+    Growing means first-touching more than HEAP_GROWTH_PAGES pages. On CUDA the host's pages are
+    not on the clock."""
     if spans.clock.deferred:
         return (*spans.time(fn), False)
     touched = allocator.host_pages_first_touched()
@@ -138,9 +125,10 @@ def _timed_on_the_heap(fn: Callable[[], object], spans: clock.Spans
 
 # --- instruments ------------------------------------------------------------------------------
 class _RetainedRuler(ActivationRuler):
-    """The ruler of an all-retain step, also noting the dtype of the first tensor it counts
-    for each site and what the embedding keeps: its saves are the step's first, so the
-    bytes alive when it returns are its own."""
+    """The ruler of an all-retain step; it also notes each site's dtype and the embedding's bytes.
+
+    The dtype is that of the first tensor it counts for the site. The embedding's saves are the
+    step's first, so the bytes alive when it returns are its own."""
 
     def __init__(self, model: torch.nn.Module, **kwargs):
         super().__init__(model, **kwargs)
@@ -169,13 +157,15 @@ class _RetainedRuler(ActivationRuler):
         super().keep_tensor(layer, site, tensor)
 
     def stage_memory(self, model: torch.nn.Module) -> planning.StageMemory:
-        """What the model holds besides its layers' activations, by this step: the
-        activations kept when forward ended less the layers' (their shared sites are
-        non-layer bytes: one storage for every layer) and the embedding's.
+        """What the model holds besides its layers' activations, by this step.
 
-        A data loader's attention mask is one micro-batch's, held until its backward ends,
-        so the first stage (several micro-batches in flight) counts it with the embedding's;
-        later stages get none (Megatron-LM's get_batch) or are the last (one in flight)."""
+        That is the activations kept when forward ended, less the layers' and the embedding's. The
+        layers' shared sites count as non-layer bytes: one storage for every layer.
+
+        A data loader's attention mask is one micro-batch's, held until its backward ends. So the
+        first stage (several micro-batches in flight) counts it with the embedding's. Later stages
+        get none (Megatron-LM's get_batch) or are the last (one in flight).
+        """
         report = self.report()
         layers = sum(nbytes for (layer, site), nbytes in report.by_site.items()
                      if layer != NON_LAYER and site not in site_table.SHARED_SITES)
@@ -192,7 +182,7 @@ class _RetainedRuler(ActivationRuler):
 
 
 class _Unencodable:
-    """Stands in for a payload when a candidate codec rejects a tensor: keeps it whole."""
+    """Stands in for a payload when a candidate codec rejects a tensor, keeping the tensor whole."""
 
     def __init__(self, tensor: torch.Tensor):
         self.tensor = tensor
@@ -200,11 +190,12 @@ class _Unencodable:
 
 
 class _CodecProbe:
-    """Sits in the runtime where a codec goes: encodes and decodes with the real codec, timing
-    each call where the step makes it (the encode in forward, the decode when backward first
-    reads the storage) on ``spans`` unless it is None, and keeps what it was given. The
-    times are read after the step (``read_times``): on CUDA the calls' events are recorded
-    in the step and nothing waits for them until it is over."""
+    """Sits in the runtime where a codec goes: runs the real codec and times its calls.
+
+    Each call is timed on ``spans`` (unless None) where the step makes it: the encode in forward,
+    the decode when backward first reads the storage. It keeps what it was given. The times are
+    read after the step (``read_times``): on CUDA nothing waits for the calls' events until the
+    step is over."""
 
     def __init__(self, codec, spans: clock.Spans | None):
         self.codec = codec
@@ -239,16 +230,16 @@ class _CodecProbe:
         return self._run("decode", lambda: self.codec.decode(payload))
 
     def read_times(self, seconds: Sequence[float]) -> None:
-        """Sum this probe's calls into ``encode_s`` and ``decode_s`` from the step's span
-        readings (``Spans.read()``)."""
+        """Sum this probe's calls into ``encode_s`` and ``decode_s`` from the step's spans."""
         for kind, span in self._calls:
             setattr(self, f"{kind}_s", getattr(self, f"{kind}_s") + seconds[span])
 
 
 class _OutlierCounter:
-    """Sits in the runtime where an outlier-separating codec goes: encodes and decodes with
-    it, and keeps how many channels of each tensor it was given are outliers (a device
-    count, read once the step is done: never inside it)."""
+    """Sits in the runtime where an outlier-separating codec goes, and counts outlier channels.
+
+    It encodes and decodes with the codec, and keeps each given tensor's outlier count. That is a
+    device count, read once the step is done, never inside it."""
 
     def __init__(self, codec, counts: list[torch.Tensor]):
         self.codec = codec
@@ -286,12 +277,16 @@ class _Profiling:
     def step(self, decisions: dict[str, Decision], ruler_type=ActivationRuler,
              install: Callable[[], None] | None = None, backward: bool = True,
              every_layer: bool = False):
-        """Forward and backward of the micro-batch with ``decisions`` on the measured layer
-        only, or on each (``every_layer``; ``install`` may then adjust the measured layer's
-        actions); gradients are dropped.
-        ``backward=False``: the forward stops once the measured layer is done, since nothing
-        after it is looked at. ``ruler_type=None``: no ruler watches (its hooks and counts
-        are none of training's), for steps that only time. Returns the ruler."""
+        """Forward and backward of the micro-batch with ``decisions``; returns the ruler.
+
+        Args:
+            decisions: on the measured layer only, or on each with ``every_layer``. ``install`` may
+                then adjust the measured layer's actions.
+            backward: False stops the forward once the measured layer is done; nothing after it is
+                looked at.
+            ruler_type: None means no ruler watches, for steps that only time. Its hooks and counts
+                are none of training's.
+        Gradients are dropped."""
         first, last = ((self.layers[0].layer_index, self.layers[-1].layer_index) if every_layer
                        else (self.index, self.index))
         apply_plan(self.model, Plan(layers={(first, last): decisions}), strict=self.strict)
@@ -331,8 +326,11 @@ class _Profiling:
     # --- codecs ------------------------------------------------------------------------------
     def probed_step(self, decisions: dict[str, Decision], backward: bool = True,
                     timing: bool = True) -> tuple[dict[str, int], dict[str, "_CodecProbe"]]:
-        """A step with ``decisions`` on the measured layer whose codecs are probed: (the
-        layer's bytes per site, a probe per compressed site, timing its calls if ``timing``)."""
+        """A step with ``decisions`` on the measured layer, its codecs probed.
+
+        Returns:
+            (the layer's bytes per site, a probe per compressed site). The probes time their calls
+            if ``timing``."""
         probes: dict[str, _CodecProbe] = {}
         spans = clock.Spans(clock.for_device(self.device)) if timing else None
 
@@ -351,10 +349,13 @@ class _Profiling:
 
     def outlier_capacities(self, decisions: dict[str, Decision]
                            ) -> tuple[dict[str, int], dict[str, int]]:
-        """One step with ``decisions`` on every layer: (the largest outlier count over the
-        layers of each site whose codec separates outliers, the largest payload of each
-        site). The counts are read after the step, the same on every tensor- and
-        context-parallel peer (their largest)."""
+        """One step with ``decisions`` on every layer; returns outlier counts and payloads.
+
+        Returns:
+            (the largest outlier count over the layers of each site whose codec separates outliers,
+            the largest payload of each site).
+        The counts are read after the step. Tensor- and context-parallel peers get the same,
+        their largest."""
         counts: dict[str, list[torch.Tensor]] = {}
 
         def count():
@@ -383,10 +384,11 @@ class _Profiling:
         return int(box.item())
 
     def codec_costs(self, names: Iterable[str]) -> dict[str, list[CodecCost]]:
-        """Every candidate codec of each named site, timed in the step on its real tensors
-        (the median over ``repeats`` steps of a candidate round, after two untimed), each
-        payload at its largest over the layers; an outlier-separating codec's at the
-        capacity of the largest outlier count over the layers (CodecCost.capacity)."""
+        """Every candidate codec of each named site, timed in the step on its real tensors.
+
+        - Times: the median over ``repeats`` steps of a candidate round, after two untimed.
+        - Payloads: each at its largest over the layers. An outlier-separating codec's is at the
+          capacity of the largest outlier count over the layers (CodecCost.capacity)."""
         candidates = {name: site_table.get(name).candidate_codecs for name in names}
         found: dict[str, list[CodecCost]] = {name: [] for name in candidates}
         for round_ in range(max((len(c) for c in candidates.values()), default=0)):
@@ -431,8 +433,9 @@ class _Profiling:
         return found
 
     def rebuild_seconds(self, names: Sequence[str]) -> float:
-        """The runtime's rebuild when ``names`` are the only recomputed sites, timed in the
-        step where backward asks for it: the median over ``repeats`` steps."""
+        """The runtime's rebuild when ``names`` are the only recomputed sites, timed in the step.
+
+        It is timed where backward asks for it: the median over ``repeats`` steps."""
         original = self.layer._rebuild
         spans: clock.Spans | None = None
         grew: list[bool] = []
@@ -461,15 +464,16 @@ class _Profiling:
 
     # --- the runtime's hooks ------------------------------------------------------------
     def hooked_layer_seconds(self) -> float:
-        """What running the measured layer under the runtime's hooks, with nothing to act
-        on, adds to a step: the median over 10 x ``repeats`` steps of each, stock and hooked
-        alternately, of the differences, after a pair untimed. The hooks are host code run
-        per save and per submodule call; on a CPU the steps run on a short slice of the
-        batch (``hook_timing_batch``), where the difference is not lost in the noise of the
-        step's arithmetic. Beside full-size tensors the same code runs on colder caches, so
-        this is a lower bound there (about half on the Llama bench shape, docs/decisions.md).
-        On a GPU the steps run on the batch itself: there the host code overlaps the kernels
-        of a layer large enough, and hides behind them."""
+        """What the runtime's hooks on the measured layer add to a step, with nothing to act on.
+
+        It is the median difference over 10 x ``repeats`` pairs of steps, stock and hooked in
+        turn, after one pair untimed. On a CPU, the steps run on a short slice of the batch
+        (``hook_timing_batch``), so the difference is not lost in the noise of the step's
+        arithmetic. On a GPU they run on the batch itself."""
+        # The hooks are host code run per save and per submodule call. Beside full-size
+        # tensors the same code runs on colder caches, so the CPU figure is a lower bound
+        # there (about half on the Llama bench shape, docs/decisions.md). On a GPU the host code
+        # overlaps the kernels of a large enough layer and hides behind them.
         batch = self.batch if self.device.type == "cuda" else hook_timing_batch(
             self.batch, self.model.config)
         apply_plan(self.model, Plan(), strict=self.strict)
@@ -493,15 +497,17 @@ class _Profiling:
         return max(0.0, statistics.median(differences))
 
     def _timed_step(self, batch: Batch) -> float:
-        """One forward and backward of ``batch`` as the layers are set, timed whole; the
-        gradients are dropped before it."""
+        """One forward and backward of ``batch`` as the layers are set, timed whole.
+
+        The gradients are dropped before it."""
         self.model.zero_grad(set_to_none=True)
         return timed(lambda: self.loss_fn(self.model, batch).backward(), self.device)[1]
 
     def step_seconds(self) -> float:
-        """A step of the micro-batch with every layer keeping everything (megatron's stock
-        layer, no hooks): the median of ``repeats`` steps after one untimed. The step time
-        of a plan is predicted as this plus the plan's added time."""
+        """A step of the micro-batch with every layer keeping everything (megatron's stock layer).
+
+        It is the median of ``repeats`` steps after one untimed. A plan's step time is predicted
+        as this plus the plan's added time."""
         apply_plan(self.model, Plan(), strict=self.strict)
         try:
             times = [self._timed_step(self.batch) for _ in range(1 + max(1, self.repeats))]
@@ -510,12 +516,13 @@ class _Profiling:
         return statistics.median(times[1:])
 
     def _steady_steps(self, timed_step: Callable[[], tuple[object, bool]]) -> list[object]:
-        """The results of ``repeats`` timed steps whose timed calls did not grow the host heap
-        (``timed_step()`` runs one: its result, and whether one did). Such a call paid for
-        pages that steps on recycled memory touch once only (one decode of Llama's 32 MiB
-        swiglu_in took 6.5 ms against 1.3, and a profile's median of three 5.2 ms), so its
-        step runs again, up to ``repeats`` more steps; if fewer than ``repeats`` did not,
-        those few, or if none, all."""
+        """The results of ``repeats`` timed steps whose timed calls did not grow the host heap.
+
+        ``timed_step()`` runs one step and returns its result and whether a call grew the heap.
+        Such a step runs again, up to ``repeats`` more steps. If fewer than ``repeats`` steps
+        were steady, it returns those few; if none, all."""
+        # A call that grew the heap paid for pages that steps on recycled memory touch once
+        # only: one decode of Llama's 32 MiB swiglu_in took 6.5 ms against 1.3.
         wanted = max(1, self.repeats)
         steady, every = [], []
         for _ in range(2 * wanted):
@@ -529,13 +536,14 @@ class _Profiling:
         return steady or every
 
     def _on_any_peer(self, flag: bool) -> bool:
-        """Whether ``flag`` holds on this rank or on any tensor- or context-parallel peer: the
-        peers' layers exchange activations in every step, so they must all run the same
-        steps (a rank that ran one more waited on its peers for good). Only CPU steps can
-        grow the host heap, so a CUDA step asks no peer."""
+        """Whether ``flag`` holds on this rank or on any tensor- or context-parallel peer.
+
+        Peers' layers exchange activations in every step, so they must all run the same steps.
+        Only CPU steps can grow the host heap, so a CUDA step asks no peer."""
         if (self.device.type != "cpu" or not dist.is_initialized()
                 or not parallel_state.model_parallel_is_initialized()):
             return flag
+        # A rank that ran one step more than its peers would wait on them for good.
         group = parallel_state.get_tensor_and_context_parallel_group()
         if dist.get_world_size(group) == 1:
             return flag
@@ -545,9 +553,10 @@ class _Profiling:
 
 
 def hook_timing_batch(batch: Batch, config) -> Batch:
-    """One sequence of ``batch``, cut to its shortest prefix, by halving, that keeps at least
-    16 tokens and is still split evenly by the model's parallelism (sequence parallelism over
-    the tensor-parallel ranks, context parallelism in 2 x its size chunks)."""
+    """One sequence of ``batch``, halved to the shortest prefix that keeps at least 16 tokens.
+
+    The prefix is still split evenly by the model's parallelism: sequence parallelism over the
+    tensor-parallel ranks, context parallelism in chunks of 2 x its size."""
     unit = config.tensor_model_parallel_size if config.sequence_parallel else 1
     if config.context_parallel_size > 1:
         unit *= 2 * config.context_parallel_size
@@ -558,8 +567,9 @@ def hook_timing_batch(batch: Batch, config) -> Batch:
 
 
 def _nondecreasing(values: Sequence[float]) -> list[float]:
-    """The closest non-decreasing sequence (least squares, pool adjacent violators). Prefix
-    times cannot shrink along a segment; noise that says otherwise is spread over its
+    """The closest non-decreasing sequence (least squares, pool adjacent violators).
+
+    Prefix times cannot shrink along a segment. Noise that says otherwise is spread over its
     neighbours instead of making a deeper site look cheaper to rebuild."""
     blocks: list[list[float]] = []  # [mean, count]
     for value in values:
@@ -572,8 +582,7 @@ def _nondecreasing(values: Sequence[float]) -> list[float]:
 
 
 def _rebuild_times(order: Sequence[str], prefix_s: dict[str, float]) -> dict[str, float]:
-    """site -> its rebuild time from its segment's start, fitted along the segment in the
-    order the sites are saved."""
+    """site -> its rebuild time from its segment's start, fitted along the segment in save order."""
     fitted = {}
     for segment in MEGATRON_SEGMENTS:
         measured = [name for name in order
@@ -584,8 +593,9 @@ def _rebuild_times(order: Sequence[str], prefix_s: dict[str, float]) -> dict[str
 
 @contextlib.contextmanager
 def _left_as_found(model: torch.nn.Module):
-    """Profiling steps change the layers' decisions and draw dropout masks; put both back so
-    training computes afterwards exactly what it would have computed without them."""
+    """Put back the layers' decisions and dropout RNG streams that profiling steps changed.
+
+    Training then computes exactly what it would have computed without the profiling steps."""
     actions = {layer: layer.actions for layer in adacc_layers(model)}
     try:
         with _fork_rng():
@@ -597,9 +607,12 @@ def _left_as_found(model: torch.nn.Module):
 
 def profile(model: torch.nn.Module, batch: Batch, *, repeats: int = DEFAULT_REPEATS,
             strict: bool = False, loss_fn: LossFn | None = None) -> ModelCosts:
-    """Measure ``model`` (built with the Adacc layer spec) on one micro-batch ``batch``
-    (tokens, labels, loss mask; ``loss_fn`` its loss, default ``gpt_loss``). The model's
-    decisions, gradients (none) and RNG streams are as before."""
+    """Measure ``model`` (built with the Adacc layer spec) on one micro-batch ``batch``.
+
+    Args:
+        batch: tokens, labels, loss mask.
+        loss_fn: its loss; default ``gpt_loss``.
+    The model's decisions, gradients (none) and RNG streams are left as before."""
     with _left_as_found(model):
         return _profile(_Profiling(model, batch, strict, repeats, loss_fn))
 
@@ -672,20 +685,21 @@ def _profile(run: _Profiling) -> ModelCosts:
 
 def stage_memory(model: torch.nn.Module, batch: Batch, *, strict: bool = False,
                  loss_fn: LossFn | None = None) -> planning.StageMemory:
-    """What ``model`` (a pipeline stage, built with the Adacc layer spec) holds besides its
-    layers' activations, measured in one all-retain step on ``batch``: every stage measures
-    its own (the embedding is the first stage's, the output layer and loss the last's),
-    while one profile of a layer serves every stage. Decisions and RNG streams are left as
-    found."""
+    """What ``model`` holds besides its layers' activations, measured in one all-retain step.
+
+    ``model`` is a pipeline stage built with the Adacc layer spec. Every stage measures its own:
+    the embedding is the first stage's, the output layer and loss the last's. One profile of a
+    layer serves every stage. Decisions and RNG streams are left as found."""
     with _left_as_found(model):
         run = _Profiling(model, batch, strict, 1, loss_fn)
         return run.step({}, _RetainedRuler).stage_memory(model)
 
 
 def allocator_overhead(costs: ModelCosts, peaks: allocator.Peaks) -> int:
-    """How far the allocator's reserved peak over an all-retain step exceeded what the
-    planner predicts for it: the bytes already in tensors when the step began (parameters,
-    buffers) plus its predicted activation peak. 0 on a CPU (no allocator readings)."""
+    """How far the allocator's reserved peak over an all-retain step exceeded the prediction.
+
+    The prediction is the bytes already in tensors when the step began (parameters, buffers) plus
+    the predicted activation peak. 0 on a CPU (no allocator readings)."""
     if not peaks.max_reserved:
         return 0
     retain_all = [planning.evaluate_layer(costs, {})] * costs.num_layers
@@ -696,9 +710,10 @@ def allocator_overhead(costs: ModelCosts, peaks: allocator.Peaks) -> int:
 def refresh_codec_costs(costs: ModelCosts, model: torch.nn.Module, batch: Batch,
                         names: Iterable[str], *, repeats: int = DEFAULT_REPEATS,
                         strict: bool = False) -> ModelCosts:
-    """``costs`` with the codec entries of ``names`` re-measured on ``batch``'s real tensors
-    (one forward and backward; the rectifier's way to follow activation statistics, e.g. the
-    outlier sites' compression rates, as training moves them)."""
+    """``costs`` with the codec entries of ``names`` re-measured on ``batch``'s real tensors.
+
+    It runs one forward and backward. The rectifier uses it to follow activation statistics as
+    training moves them, e.g. the outlier sites' compression rates."""
     with _left_as_found(model):
         fresh = _Profiling(model, batch, strict, repeats).codec_costs(list(names))
     sites = [replace(site, codecs=tuple(fresh[site.name])) if site.name in fresh else site
@@ -710,13 +725,15 @@ def refresh_action_costs(costs: ModelCosts, model: torch.nn.Module, batch: Batch
                          layer_decisions: Iterable[dict[str, Decision]], *,
                          repeats: int = DEFAULT_REPEATS, strict: bool = False,
                          loss_fn: LossFn | None = None) -> ModelCosts:
-    """``costs`` with the actions a plan uses re-timed in steps on ``batch`` (the step
-    watch's way to correct a plan that ran slower than predicted): the encode and decode
-    times of every codec entry of each site the plan compresses (payloads and capacities
-    stay what the costs say: the rectifier follows those, and plans name the capacity), the
-    rebuild of each site it recomputes (its segment's times fitted again with the other
-    sites' profiled ones) and each operator it runs, and ``meta["step_s"]``, the step its
-    added time is predicted on top of. Decisions and RNG streams are left as found."""
+    """``costs`` with the actions a plan uses re-timed in steps on ``batch``.
+
+    The step watch uses it to correct a plan that ran slower than predicted. It re-times:
+    - the encode and decode of every codec entry of each site the plan compresses. Payloads and
+      capacities stay as the costs say: the rectifier follows those, and plans name the capacity.
+    - the rebuild of each site the plan recomputes (its segment fitted again with the other sites'
+      profiled times), and each operator it runs;
+    - ``meta["step_s"]``, the step the plan's added time is predicted on top of.
+    Decisions and RNG streams are left as found."""
     decisions = [decision for layer in layer_decisions for decision in layer.items()]
     compressed = sorted({name for name, d in decisions if d.action == COMPRESS})
     recomputed = {name for name, d in decisions if d.action == RECOMPUTE}
@@ -756,8 +773,10 @@ def refresh_action_costs(costs: ModelCosts, model: torch.nn.Module, batch: Batch
 
 @dataclass
 class SiteSample:
-    """One site of the measured layer compressed in one real step: the codec, the tensors
-    the runtime handed it and the payload bytes the ruler counted."""
+    """One site of the measured layer compressed in one real step.
+
+    It holds the codec, the tensors the runtime handed it and the payload bytes the ruler
+    counted."""
 
     codec: codecs.Codec
     tensors: list[torch.Tensor]
@@ -767,11 +786,12 @@ class SiteSample:
 def sample_sites(model: torch.nn.Module, batch: Batch, names: Iterable[str], *,
                  strict: bool = False, loss_fn: LossFn | None = None
                  ) -> dict[str, SiteSample]:
-    """One forward of ``batch``, up to the measured layer, with ``names`` compressed by
-    their designated codecs there, keeping what each codec was given (the rectifier's view
-    of the activations as training moves them). Forward only: the payloads are what forward
-    keeps, and no backward means no gradient (nor data-parallel reduction) is touched.
-    Decisions and RNG streams are left as found."""
+    """One forward of ``batch`` up to the measured layer, with ``names`` compressed there.
+
+    Each site uses its designated codec and keeps what the codec was given: the rectifier's view
+    of the activations as training moves them. Forward only: the payloads are what forward keeps,
+    and without a backward no gradient (nor data-parallel reduction) is touched. Decisions and
+    RNG streams are left as found."""
     with _left_as_found(model):
         sizes, probes = _Profiling(model, batch, strict, 1, loss_fn).probed_step(
             {name: Decision(COMPRESS) for name in names}, backward=False, timing=False)
@@ -782,9 +802,10 @@ def sample_sites(model: torch.nn.Module, batch: Batch, names: Iterable[str], *,
 
 def model_shape(config, vocab_size: int, seq_length: int, attention_backend: str = "unfused",
                 position_embedding_type: str = "learned_absolute") -> hardware.ModelShape:
-    """The planner's description of a megatron TransformerConfig, the model's resolved
-    attention backend and its positions (for the analytic parts and the ProfileDB key: a
-    Llama layer is never served a GPT layer's profile)."""
+    """The planner's description of a megatron TransformerConfig (analytic model, ProfileDB key).
+
+    It includes the model's resolved attention backend and its positions, so a Llama layer is
+    never served a GPT layer's profile."""
     precision = "bf16" if config.bf16 else "fp16" if config.fp16 else "fp32"
     return hardware.ModelShape(
         num_layers=config.num_layers,
