@@ -1,13 +1,13 @@
 """The planner: the fastest plan whose predicted peak memory fits a budget.
 
-    model     the memory/time model: a layer policy's (time, stored, transient), the peak rule
-    frontier  the per-layer Pareto frontier of single-layer policies
-    search    plan(), minimum_budget(): the per-layer and uniform searches over the frontier
-    milp      the direct PuLP/CBC formulation, plan(..., method="milp") (imported on use only)
-    pipeline  1F1B's in-flight micro-batches per stage, the layer split, a plan per stage
-    tiers     which codecs auto plans with: its own first, the quantize baseline's last
-    result    PlanResult and the rows of the plan table
-    report    the plan table as a person reads it
+- ``model``: the memory/time model, a layer policy's (time, stored, transient), the peak rule.
+- ``frontier``: the per-layer Pareto frontier of single-layer policies.
+- ``search``: plan(), minimum_budget(), the per-layer and uniform searches over the frontier.
+- ``milp``: the direct PuLP/CBC formulation, plan(..., method="milp"), imported on use only.
+- ``pipeline``: 1F1B's in-flight micro-batches per stage, the layer split, a plan per stage.
+- ``tiers``: which codecs auto plans with, its own first and the quantize baseline's last.
+- ``result``: PlanResult and the rows of the plan table.
+- ``report``: the plan table as a person reads it.
 
 Everything outside this package uses the names below only.
 """

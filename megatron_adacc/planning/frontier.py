@@ -1,16 +1,10 @@
-"""The per-layer Pareto frontier: every single-layer policy (one action per site, layer_in-style
-sites never recomputed, with ``allow_lossy_sources=False`` no rebuild reading a compressed value)
-reduced to its Pareto frontier in (time, stored, transient), built site by site so the 3^n
-policies are never listed (``_frontier`` says how the rebuild time is carried).
+"""The per-layer Pareto frontier of single-layer policies in (time, stored, transient).
 
-Swapping a dominated policy for one that dominates it lowers no constraint's slack and no
-time, so some optimal plan uses frontier policies only. The decoded term is a maximum, not a
-sum: the frontier is built once per cap (each value the compressed sum over one of
-``decoded_sets`` can take, and 0), allowing only policies whose every such sum is within the
-cap and charging the cap; a policy's own decoded term (``decoded_bytes``) is one of the
-caps, so the union of these frontiers holds every policy at its exact cost. Transient is
-clipped from below at ``model.transient_floor``: no prefix exceeds the total stored, so a
-smaller transient can never set the peak.
+A single-layer policy takes one action per site. layer_in-style sites are never recomputed, and with
+``allow_lossy_sources=False`` no rebuild reads a compressed value. The frontier is built site by
+site, so the 3^n policies are never listed (``_frontier`` says how). It is built once per cap of the
+decoded term, with transient clipped at ``model.transient_floor``. docs/memory-model.md ("Search")
+says why some optimal plan uses frontier policies only.
 
 Every charge comes from the model's per-site terms (``site_options``, ``decoded_sets``,
 ``rerun_source_bytes``, ``source_bytes``, the segments' run times, the operators' times).
@@ -31,12 +25,13 @@ from megatron_adacc.common.sites import COMPRESS, RECOMPUTE, VIEW_PAYLOADS
 
 
 def pareto_indices(points: np.ndarray) -> np.ndarray:
-    """Indices of the rows of ``points`` (time, stored, transient) that no other row weakly
-    dominates (duplicates keep one). In lexicographic order a row is dominated iff some
-    earlier row has stored and transient <= its own (its time is <= by the order). Rows are
+    """Indices of the rows of ``points`` (time, stored, transient) that no other row dominates.
+
+    Weak dominance counts, and duplicates keep one. In lexicographic order a row is dominated iff
+    some earlier row has stored and transient <= its own; its time is <= by the order. Rows are
     checked in blocks: against each other, and against the staircase of (stored, transient)
-    minima of all earlier blocks (one binary search per row), so the cost stays near n log n
-    instead of n^2."""
+    minima of all earlier blocks, with one binary search per row. So the cost stays near n log n,
+    not n^2."""
     order = np.lexsort((points[:, 2], points[:, 1], points[:, 0]))
     stored, transient = points[order, 1], points[order, 2]
     if len(order) and (transient == transient[0]).all():
@@ -94,10 +89,11 @@ class Frontier:
 
 
 def layer_frontier(costs: ModelCosts, allow_lossy_sources: bool = True) -> Frontier:
-    """The Pareto frontier of single-layer policies in (time, stored, transient), with
-    transient clipped from below at ``transient_floor`` (which changes no peak). It depends
-    on the per-layer costs only, so re-planning the same costs at another budget reuses it
-    (``clear_frontier_cache`` forgets it, e.g. to time a cold search)."""
+    """The Pareto frontier of single-layer policies in (time, stored, transient).
+
+    Transient is clipped from below at ``transient_floor``, which changes no peak. The frontier
+    depends on the per-layer costs only, so re-planning the same costs at another budget reuses
+    it. ``clear_frontier_cache`` forgets it, e.g. to time a cold search."""
     return _frontier(tuple(costs.sites), tuple(costs.segments), tuple(costs.operators),
                      allow_lossy_sources, transient_floor(costs), costs.hooked_layer_s)
 
@@ -111,28 +107,31 @@ def clear_frontier_cache() -> None:
 def _frontier(sites: tuple[SiteCost, ...], segments: tuple[Segment, ...],
               operators: tuple[Operator, ...], allow_lossy_sources: bool,
               floor: int, hooked_layer_s: float) -> Frontier:
-    """Sites are added in this order (``_build_order``): the operators' products, last
-    operator first; then deepest first for the re-runs: the segments last to first, each
-    segment's sites by rebuild time, longest first; then the sites nothing rebuilds; except
-    that every product comes before its operator's sources and every site of a segment
-    before the segment's start, and every segment's start before the sites and starts of the
-    segments before it (ln2_in, the MLP's start, is also an operator's product). An
-    operator is charged at its first recomputed product (a flag per operator while its
-    products are added), and that product flags the operator's sources: a flagged source
-    compressed is held, charged its bytes, and a lossy codec there makes the rebuild lossy,
-    dropped for exact plans. In re-run order the first recomputed site met is the deepest of the
-    last rebuilt segment, and a recomputed site met in an earlier segment either extends that
-    re-run to it (the segments between run whole) or starts a re-run of its own
-    (``rerun_chains``), so the rebuild time is charged as it is met (``rebuild_charges`` in
-    steps) with two numbers of state: the lowest segment rebuilt so far, and whether every
-    segment start met since is recomputed (the re-run from it can still be extended). A
-    start met while its segment is the lowest rebuilt begins that re-run: compressed, it is
-    held (``rerun_source_bytes``, unless a flag charged it already), dropped for exact plans
-    if lossy. The whole is built once per cap of the decoded term (module docstring); within
-    a cap, the compressed bytes of each group of sites decoded together are carried in the
-    state while the group has sites to come. Every policy but keeping everything is charged
-    ``hooked_layer_s`` at the end: a constant over them, so pruning before it lost at most
-    keeping everything, which is put back."""
+    """Build the frontier site by site, carrying the rebuild time in a small state.
+
+    Site order (``_build_order``): the operators' products, last operator first; then the re-runs,
+    deepest first (segments last to first, each segment's sites longest rebuild first); then the
+    sites nothing rebuilds. Each product comes before its operator's sources, each site of a segment
+    before the segment's start, and each segment's start before the earlier segments' sites and
+    starts. (ln2_in, the MLP's start, is also an operator's product.)
+
+    Charges, as sites are met:
+    - An operator is charged at its first recomputed product, marked by a flag per operator. That
+      product flags the operator's sources. A flagged compressed source is held and charged its
+      bytes. A lossy codec there makes the rebuild lossy, dropped for exact plans.
+    - The first recomputed site met is the deepest of the last rebuilt segment. A recomputed site in
+      an earlier segment either extends that re-run (the segments between run whole) or starts its
+      own (``rerun_chains``). So the rebuild time is charged as met (``rebuild_charges`` in steps).
+      The state holds the lowest segment rebuilt so far, and whether every segment start met since
+      is recomputed (then the re-run can still be extended).
+    - A start met while its segment is the lowest rebuilt begins that re-run. Compressed, it is held
+      (``rerun_source_bytes``, unless a flag charged it already); lossy, it is dropped for exact
+      plans.
+    - The whole is built once per cap of the decoded term. Within a cap, each decoded-together
+      group's compressed bytes are carried in the state while the group has sites to come.
+    - Every policy but keeping everything is charged ``hooked_layer_s`` at the end. It is the same
+      for all of them, so pruning before it lost at most keeping everything, which is put back.
+    """
     names = [segment.name for segment in segments]
     none = len(segments)            # "no segment rebuilt yet"
     order = _build_order(sites, segments, operators)
@@ -280,10 +279,11 @@ def _frontier(sites: tuple[SiteCost, ...], segments: tuple[Segment, ...],
 
 def _build_order(sites: tuple[SiteCost, ...], segments: tuple[Segment, ...],
                  operators: tuple[Operator, ...]) -> list[SiteCost]:
-    """The order ``_frontier`` adds sites in: its base order, each site moved after what must
-    come first (a product before its operator's sources, a segment's sites before its
-    start, a segment's start before the sites and starts of the segments before it), the
-    first of the base order whose turn it is taken each time."""
+    """The order ``_frontier`` adds sites in: its base order, with dependencies moved first.
+
+    A product comes before its operator's sources, a segment's sites before its start, and a
+    segment's start before the sites and starts of earlier segments. Each time, the first site of
+    the base order whose turn it is is taken."""
     names = [segment.name for segment in segments]
     base = [site for operator in reversed(operators) for site in sites
             if site.operator == operator.name]

@@ -1,16 +1,19 @@
-"""The direct MILP (``plan(..., method="milp")``): one binary per layer, site and action; the
-paper's model extended with the same constraints, the rebuild time as one continuous variable
-per layer and segment. Slower than the frontier search; kept as the cross-check and benchmark.
-The only module that imports PuLP.
+"""The direct MILP (``plan(..., method="milp")``): one binary per layer, site and action.
 
-A linear programme cannot call the model per policy, so its coefficients are the model's
-per-site terms: each option's time, stored and additive transient bytes (``site_options``),
-the decoded term as the largest compressed sum over ``decoded_sets``, the held sources (a
-compressed re-run start or operator source, ``source_bytes``; forbidden for exact plans
-where a lossy codec holds it), the segments' run times, the operators' times (once per
-operator with a recomputed product), the hooks' time (once per layer with any action), and
-the budget as the peak rule's limits (``budget_limits``). The plan CBC returns is
-re-evaluated by the model and kept only if its exact peak fits.
+It is the paper's model extended with the same constraints, with the rebuild time as one continuous
+variable per layer and segment. It is slower than the frontier search, kept as the cross-check and
+benchmark, and the only module that imports PuLP.
+
+A linear programme cannot call the model per policy, so its coefficients are the model's per-site
+terms:
+- each option's time, stored and additive transient bytes (``site_options``);
+- the decoded term, as the largest compressed sum over ``decoded_sets``;
+- the held sources: a compressed re-run start or operator source (``source_bytes``), forbidden for
+  exact plans where a lossy codec holds it;
+- the segments' run times, and the operators' times once per operator with a recomputed product;
+- the hooks' time, once per layer with any action;
+- the budget, as the peak rule's limits (``budget_limits``).
+The plan CBC returns is re-evaluated by the model and kept only if its exact peak fits.
 """
 from __future__ import annotations
 
@@ -52,9 +55,10 @@ def _solve(problem: pulp.LpProblem) -> bool:
 
 def plan_direct_milp(costs: ModelCosts, budget: int, per_layer: bool,
                      allow_lossy_sources: bool) -> list[LayerPolicy] | None:
-    """The fastest plan by the direct formulation: a binary per (layer, site, action), a peak
-    constraint per layer. With ``per_layer=False`` all layers share one set of binaries (the
-    paper's model). None when CBC finds nothing that fits."""
+    """The fastest plan by the direct formulation, or None when CBC finds nothing that fits.
+
+    It has a binary per (layer, site, action) and a peak constraint per layer. With
+    ``per_layer=False`` all layers share one set of binaries (the paper's model)."""
     num_layers = costs.num_layers
     limits = budget_limits(costs, budget)
     unit = max(1, budget) / _BUDGET_UNITS

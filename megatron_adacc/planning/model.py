@@ -30,9 +30,10 @@ from megatron_adacc.common.sites import COMPRESS, RECOMPUTE, RETAIN
 # --- the per-site terms ----------------------------------------------------------------------
 @dataclass(frozen=True)
 class SiteOption:
-    """One action at one site: its time, stored and additive transient bytes. A recompute's
-    time is not its own (it depends on the layer's other recomputed sites:
-    ``rebuild_charges``), nor is a compression's transient (``decoded_bytes``)."""
+    """One action at one site: its time, stored and additive transient bytes.
+
+    A recompute's time is not its own: it depends on the layer's other recomputed sites
+    (``rebuild_charges``). Nor is a compression's transient (``decoded_bytes``)."""
 
     decision: Decision
     time_s: float
@@ -74,17 +75,16 @@ def site_option(site: SiteCost, decision: Decision) -> SiteOption:
 
 
 def decoded_sets(sites: Iterable[SiteCost]) -> list[frozenset[str]]:
-    """The sets of sites whose decoded values can be alive together while the layer
-    backprops: each site alone, and each group of ``sites.DECODED_TOGETHER`` that the layer
-    saves whole."""
+    """The sets of sites whose decoded values can be alive together while the layer backprops.
+
+    That is each site alone, and each group of ``sites.DECODED_TOGETHER`` the layer saves whole."""
     names = {site.name for site in sites}
     return ([frozenset({name}) for name in sorted(names)]
             + [group for group in site_table.DECODED_TOGETHER if group <= names])
 
 
 def decoded_bytes(sites: Iterable[SiteCost], compressed: Collection[str]) -> int:
-    """The decoded term of transient(l) for a layer whose compressed sites are
-    ``compressed``: the most bytes its decoded values hold at once."""
+    """transient(l)'s decoded term: the most bytes the compressed sites hold decoded at once."""
     sites = list(sites)
     size = {site.name: site.bytes for site in sites if site.name in compressed}
     return max((sum(size.get(name, 0) for name in group) for group in decoded_sets(sites)),
@@ -92,15 +92,14 @@ def decoded_bytes(sites: Iterable[SiteCost], compressed: Collection[str]) -> int
 
 
 def source_bytes(sites: Iterable[SiteCost], name: str) -> int:
-    """A rebuild source held decoded: its full size (0 when it is no site the plan decides,
-    so never compressed)."""
+    """A rebuild source held decoded: its full size, or 0 for a site the plan never decides."""
     return next((site.bytes for site in sites if site.name == name), 0)
 
 
 def rerun_source_bytes(sites: Iterable[SiteCost], segment: Segment) -> int:
-    """The source term of transient(l) for a re-run starting at ``segment`` from a compressed
-    start: the start at full size (0 when it is no site the plan decides, so never
-    compressed)."""
+    """The source term of transient(l) for a re-run from ``segment``'s compressed start.
+
+    It is the start at full size, or 0 for a site the plan never decides (so never compressed)."""
     return source_bytes(sites, segment.start)
 
 
@@ -127,20 +126,22 @@ def _rebuilt_segments(costs: ModelCosts, recomputed: set[str]) -> list[int]:
 
 
 def rerun_chains(costs: ModelCosts, recomputed: Collection[str]) -> list[list[int]]:
-    """The forward re-runs a layer's backward makes for its ``recomputed`` sites, each the
-    indices (into ``costs.segments``) of the segments it runs, in forward order
-    (sites.chain_reruns: a re-run passes through a segment start that is recomputed)."""
+    """The forward re-runs a layer's backward makes for its ``recomputed`` sites.
+
+    Each is the indices (into ``costs.segments``) of the segments it runs, in forward order. A
+    re-run passes through a segment start that is recomputed (sites.chain_reruns)."""
     return site_table.chain_reruns(_rebuilt_segments(costs, set(recomputed)),
                                    lambda index: costs.segments[index].start in recomputed)
 
 
 def rebuild_charges(costs: ModelCosts, recomputed: set[str]) -> dict[str, float]:
-    """What rebuilding the ``recomputed`` sites of one layer adds to its backward, by the site
-    that sets each part: each re-run (``rerun_chains``) runs its segments before the last
-    whole (each charged to its deepest recomputed site, or to the last segment's when it has
-    none) and its last up to its deepest recomputed site. Sites an operator rebuilds are no
-    part of a re-run: each operator with a recomputed product runs once, charged to the first
-    such product."""
+    """What rebuilding the ``recomputed`` sites of one layer adds to its backward, by site.
+
+    - Each re-run (``rerun_chains``) runs its segments before the last whole. Each is charged to its
+      deepest recomputed site, or to the last segment's when it has none.
+    - The last segment runs up to its deepest recomputed site.
+    - Sites an operator rebuilds are no part of a re-run. Each operator with a recomputed product
+      runs once, charged to the first such product."""
     charges: dict[str, float] = {}
     for operator, products in _running_operators(costs, recomputed):
         charges[products[0]] = operator.rebuild_s
@@ -162,8 +163,7 @@ def rebuild_charges(costs: ModelCosts, recomputed: set[str]) -> dict[str, float]
 
 def _running_operators(costs: ModelCosts, recomputed: Collection[str]
                        ) -> list[tuple[Operator, list[str]]]:
-    """The operators a layer backward runs: each with its recomputed products (in the
-    costs' site order)."""
+    """The operators a layer backward runs, each with its recomputed products in site order."""
     running = []
     for operator in costs.operators:
         products = [site.name for site in costs.sites
@@ -174,8 +174,9 @@ def _running_operators(costs: ModelCosts, recomputed: Collection[str]
 
 
 def held_sources(costs: ModelCosts, decisions: Mapping[str, Decision]) -> set[str]:
-    """The compressed sites a layer's rebuild reads: decoded for it and held until backward
-    takes them (a lossy rebuild). Each re-run's start, and the running operators' sources."""
+    """The compressed sites a layer's rebuild reads, decoded and held until backward takes them.
+
+    They are each re-run's start and the running operators' sources (a lossy rebuild)."""
     compressed = {name for name, decision in decisions.items() if decision.action == COMPRESS}
     recomputed = _recomputed(decisions)
     held = {source for operator, _ in _running_operators(costs, recomputed)
@@ -185,8 +186,10 @@ def held_sources(costs: ModelCosts, decisions: Mapping[str, Decision]) -> set[st
 
 
 def rebuilt_from(costs: ModelCosts, decisions: Mapping[str, Decision]) -> dict[str, str]:
-    """What each recomputed site of a layer policy is rebuilt from: its operator's sources
-    (joined by "+"), or the start of its re-run (its first segment's)."""
+    """What each recomputed site of a layer policy is rebuilt from.
+
+    That is its operator's sources (joined by "+"), or the start of its re-run (its first
+    segment's)."""
     recomputed = _recomputed(decisions)
     sources = {name: "+".join(operator.sources)
                for operator, products in _running_operators(costs, recomputed)
@@ -235,8 +238,7 @@ def site_times(costs: ModelCosts, decisions: Mapping[str, Decision]) -> dict[str
 
 
 def is_hooked(decisions: Mapping[str, Decision]) -> bool:
-    """Whether a layer under ``decisions`` runs under the runtime's hooks: it compresses or
-    recomputes something."""
+    """Whether a layer under ``decisions`` runs under the runtime's hooks: it has an action."""
     return any(decision.action != RETAIN for decision in decisions.values())
 
 
@@ -252,16 +254,18 @@ def evaluate_layer(costs: ModelCosts, decisions: Mapping[str, Decision]) -> Laye
 
 # --- a plan's peak ---------------------------------------------------------------------------
 def _held_by_others(costs: ModelCosts, all_stored):
-    """(k - 1)(A + E) + E: the other in-flight micro-batches whole and this one's
-    embedding, given one micro-batch's layers' stored bytes together (A)."""
+    """(k - 1)(A + E) + E: the other in-flight micro-batches whole, and this one's embedding.
+
+    A is one micro-batch's layers' stored bytes together."""
     others = costs.in_flight_micro_batches - 1
     return others * all_stored + (others + 1) * costs.embedding_bytes
 
 
 def activation_terms(costs: ModelCosts, all_stored, backward_peak):
-    """The activations part of the peak rule: (k - 1)(A + E) + E + max(non_layer + R + A,
-    ``backward_peak`` + H), given A. Either argument may be an array (the searches evaluate many
-    plans at once)."""
+    """The activations part of the peak rule, given A.
+
+    That is (k - 1)(A + E) + E + max(non_layer + R + A, ``backward_peak`` + H). Either argument
+    may be an array: the searches evaluate many plans at once."""
     return _held_by_others(costs, all_stored) + np.maximum(
         costs.non_layer_bytes + costs.received_input_bytes + all_stored,
         backward_peak + costs.held_non_layer_bytes)
@@ -285,31 +289,37 @@ def _stored_terms(layers: Sequence[LayerPolicy]) -> tuple[int, int]:
 
 
 def peak_bytes(costs: ModelCosts, layers: Sequence[LayerPolicy]) -> int:
-    """Predicted peak memory of a plan whose layer l (0 = nearest the embedding) follows
-    ``layers[l]``: the memory model in this module's docstring."""
+    """Predicted peak memory of a plan whose layer l (0 = nearest the embedding) follows layers[l].
+
+    The memory model is in this module's docstring."""
     return int(peak_from_terms(costs, *_stored_terms(layers)))
 
 
 def forward_end_bytes(costs: ModelCosts, layers: Sequence[LayerPolicy]) -> int:
-    """Activations the stage holds when the forward of its k-th in-flight micro-batch ends,
-    the most it keeps for backward (the ruler's ``activation_bytes``): k (A + E) + non_layer."""
+    """Activations the stage holds when its k-th in-flight micro-batch's forward ends.
+
+    That is the most it keeps for backward, the ruler's ``activation_bytes``: k (A + E) +
+    non_layer."""
     all_stored = _stored_terms(layers)[0]
     return int(_held_by_others(costs, all_stored) + costs.non_layer_bytes + all_stored)
 
 
 def activation_peak_bytes(costs: ModelCosts, layers: Sequence[LayerPolicy]) -> int:
-    """The activation bytes alive at the stage's peak, backward's decoded and rebuilt values
-    included, without static memory and the gradients' workspace (the ruler's
-    ``activation_peak_bytes``). An upper bound where decoded values or a rebuild meet
-    stored values backward has already freed."""
+    """The activation bytes alive at the stage's peak (the ruler's ``activation_peak_bytes``).
+
+    It includes backward's decoded and rebuilt values, but not static memory or the gradients'
+    workspace. It is an upper bound where decoded values or a rebuild meet stored values backward
+    has already freed."""
     return int(activation_terms(costs, *_stored_terms(layers)))
 
 
 class Limits(NamedTuple):
-    """The peak rule turned round: a plan fits a budget iff its layers store at most
-    ``all_stored`` bytes together (one micro-batch) and (k - 1) x that total + every
-    layer's prefix + transient is at most ``backward`` (and the budget holds the optimizer
-    step, which no plan changes: the searches check the smallest feasible budget first)."""
+    """The peak rule turned round: the limits a budget sets on a plan.
+
+    A plan fits iff its layers store at most ``all_stored`` bytes together (one micro-batch), and
+    (k - 1) x that total + every layer's prefix + transient is at most ``backward``. The budget
+    must also hold the optimizer step, which no plan changes; the searches check the smallest
+    feasible budget first."""
 
     all_stored: int
     backward: int
@@ -325,8 +335,9 @@ def budget_limits(costs: ModelCosts, budget_bytes: int) -> Limits:
 
 
 def transient_floor(costs: ModelCosts) -> int:
-    """Transient bytes below which a layer's transient cannot set the peak: any prefix is at
-    most the total stored, and total + non_layer + R is itself a term of the peak, so
-    prefix + max(transient, non_layer + R - workspace) + workspace gives the same peak."""
+    """Transient bytes below which a layer's transient cannot set the peak.
+
+    Any prefix is at most the total stored, and total + non_layer + R is itself a term of the
+    peak. So prefix + max(transient, non_layer + R - workspace) + workspace gives the same peak."""
     return max(0, costs.non_layer_bytes + costs.received_input_bytes
                - costs.backward_workspace_bytes - costs.held_non_layer_bytes)

@@ -1,12 +1,10 @@
-"""Pipeline stages: how many micro-batches each stage of megatron-core's 1F1B schedule keeps in
-flight, how the layers split over the stages, and a plan per stage.
+"""Pipeline stages under 1F1B: micro-batches in flight per stage, the layer split, a plan per stage.
 
-Stage s (0-based) of P holds the activations of min(P - s, M) micro-batches at once, so the
-first stage needs several times the last one's memory: one plan for every stage would either
-waste the last stages' memory or overrun the first's. Each stage is planned on its own costs
-(a ``ModelCosts`` per stage: its layers, static bytes, in-flight count, embedding or output
-activations; ``planning.model`` states the peak rule) and gets the fastest plan that fits the
-per-device budget.
+Stage s (0-based) of P holds the activations of min(P - s, M) micro-batches at once. So the first
+stage needs several times the last one's memory, and one plan for every stage would either waste the
+last stages' memory or overrun the first's. Each stage is planned on its own ``ModelCosts`` (its
+layers, static bytes, in-flight count, embedding or output activations). Each gets the fastest plan
+that fits the per-device budget; ``planning.model`` states the peak rule.
 """
 from __future__ import annotations
 
@@ -22,9 +20,10 @@ from megatron_adacc.planning.tiers import plan_in_tiers
 
 
 def in_flight_micro_batches(stage: int, pipeline_size: int, num_micro_batches: int) -> int:
-    """Micro-batches stage ``stage`` holds at once under 1F1B (megatron-core's
-    forward_backward_pipelining_without_interleaving): min(P - s - 1, M) warm-up forwards,
-    then one more forward before each backward."""
+    """Micro-batches stage ``stage`` holds at once under megatron-core's 1F1B schedule.
+
+    That schedule (forward_backward_pipelining_without_interleaving) runs min(P - s - 1, M)
+    warm-up forwards, then one more forward before each backward."""
     if not 0 <= stage < pipeline_size:
         raise ValueError(f"stage {stage} is not one of 0..{pipeline_size - 1}")
     if num_micro_batches < 1:
@@ -42,13 +41,17 @@ def stage_layer_counts(num_layers: int, pipeline_size: int) -> list[int]:
 
 @dataclass(frozen=True)
 class StageMemory:
-    """What one stage holds besides its layers' activations, measured on that stage: its
-    static bytes (its own parameters, gradients and optimizer states), what the embedding
-    keeps per micro-batch (the first stage) and the non-layer activations freed before its
-    layers backprop (the output layer and loss on the last stage; a cached tensor every
-    layer shares, such as megatron's causal mask, on every stage), of which backward does not
-    free ``held_non_layer_bytes`` (that cached tensor), and what its optimizer step adds
-    (ModelCosts.optimizer_step_bytes)."""
+    """What one stage holds besides its layers' activations, measured on that stage.
+
+    Fields:
+        static_bytes: its own parameters, gradients and optimizer states.
+        embedding_bytes: what the embedding keeps per micro-batch (the first stage).
+        non_layer_bytes: non-layer activations freed before its layers backprop. That is the output
+            layer and loss on the last stage, and on every stage a cached tensor every layer shares,
+            such as megatron's causal mask.
+        held_non_layer_bytes: the part backward does not free (that cached tensor).
+        optimizer_step_bytes: what its optimizer step adds (ModelCosts.optimizer_step_bytes).
+    """
 
     static_bytes: int
     embedding_bytes: int
@@ -59,10 +62,11 @@ class StageMemory:
 
 def stage_costs(layer_costs: ModelCosts, stages: Sequence[StageMemory], num_layers: int,
                 num_micro_batches: int) -> list[ModelCosts]:
-    """The ``ModelCosts`` of every stage of a ``num_layers``-layer model split over
-    ``len(stages)`` stages under 1F1B, from one profile of a layer (``layer_costs``: the
-    sites, segments and allocator overhead every stage shares, since the stages' layers are
-    alike) and what each stage holds besides its layers."""
+    """The ``ModelCosts`` of every stage of a ``num_layers``-layer model split over the stages.
+
+    ``layer_costs`` is one profile of a layer: the sites, segments and allocator overhead every
+    stage shares, since the stages' layers are alike. ``stages`` says what each stage holds
+    besides its layers."""
     counts = stage_layer_counts(num_layers, len(stages))
     # A stage after the first receives its input, its first layer's input at full size; one
     # more stays alive through each forward that follows a backward (planning.model).
@@ -84,8 +88,9 @@ def stage_costs(layer_costs: ModelCosts, stages: Sequence[StageMemory], num_laye
 
 @dataclass
 class StagePlan:
-    """One stage's plan: the stage, the first (global) layer it holds, and its result (whose
-    layers are numbered from 0 within the stage, as the stage's own model numbers them)."""
+    """One stage's plan: the stage, the first (global) layer it holds, and its result.
+
+    The result numbers its layers from 0 within the stage, as the stage's own model does."""
 
     stage: int
     first_layer: int
@@ -110,11 +115,14 @@ class StagePlan:
 
 def plan_stages(stages: Sequence[ModelCosts], budget_bytes: int, **options: Any
                 ) -> list[StagePlan]:
-    """The fastest plan of each stage that fits ``budget_bytes`` (every device has the same
-    budget), each stage planned on its own in auto's codec tiers (``plan_in_tiers``: a stage
-    may need the last resort where another does not); ``options`` as ``plan_in_tiers``'s.
-    Raises ``InfeasibleBudget`` naming the first stage that fits no plan (when there are
-    several) and that stage's smallest feasible budget."""
+    """The fastest plan of each stage that fits ``budget_bytes``, the same budget on every device.
+
+    Each stage is planned on its own in auto's codec tiers (``plan_in_tiers``): a stage may need the
+    last resort where another does not. ``options`` are ``plan_in_tiers``'s.
+
+    Raises:
+        InfeasibleBudget: naming the first stage that fits no plan and its smallest budget.
+    """
     plans, first_layer = [], 0
     for index, costs in enumerate(stages):
         try:

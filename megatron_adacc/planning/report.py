@@ -1,7 +1,9 @@
-"""The plan as a table a person reads: one row per site and decision, then totals against no
-optimisation and full recompute; with pipeline stages, one such block per stage under a line
-naming the stage, its layers, its in-flight micro-batches, its peak and the budget. Plain
-text, no dependencies."""
+"""The plan as a table a person reads; plain text, no dependencies.
+
+It has one row per site and decision, then totals against no optimisation and full recompute. With
+pipeline stages there is one such block per stage, under a line naming the stage, its layers, its
+in-flight micro-batches, its peak and the budget.
+"""
 from __future__ import annotations
 
 from megatron_adacc.planning.pipeline import StagePlan

@@ -1,6 +1,8 @@
-"""What ``plan`` returns: the plan, its predicted peak and added time, the rows of the plan
-table (one per site and decision), and the totals of no optimisation and full recompute to
-compare against. Every number comes from the model."""
+"""What ``plan`` returns: the plan, its predicted peak and added time, and the plan table's rows.
+
+There is one row per site and decision, and the totals of no optimisation and full recompute to
+compare against. Every number comes from the model.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -64,8 +66,9 @@ class PlanResult:
     def from_layers(cls, costs: ModelCosts, layers: Sequence[LayerPolicy], *,
                     budget_bytes: int, solve_time_s: float, minimum_feasible_budget: int,
                     per_layer: bool, allow_lossy_sources: bool, method: str) -> "PlanResult":
-        """The result of planning layer l to follow ``layers[l]``; sites a policy leaves out
-        are retained."""
+        """The result of planning layer l to follow ``layers[l]``.
+
+        Sites a policy leaves out are retained."""
         layer_decisions = [
             {site.name: layer.decisions.get(site.name, RETAIN_DECISION) for site in costs.sites}
             for layer in layers

@@ -1,29 +1,17 @@
-"""The searches: the fastest plan whose predicted peak fits a budget (``plan``), and the
-smallest budget any plan fits (``minimum_budget``). Input ``ModelCosts`` (plain data), output a
-``PlanResult``; it never touches tensors.
+"""The searches: the fastest plan whose predicted peak fits a budget, and the smallest such budget.
 
-Per-layer plans, over the layer frontier (``frontier.py``):
-1. The order: for a given multiset of layer policies the peak term max_l [prefix(l) +
-   transient(l)] is minimised by putting larger transients on lower layers (Jackson's rule
-   for maximum lateness: transient is the "delivery time", stored the "processing time").
-   The top layer backprops with every other layer's activations still stored, so it should be
-   the one with the least to rebuild.
-2. The choice: a dynamic programme over layers on the state (prefix stored, time so far; on a
-   pipeline stage with k > 1 micro-batches in flight also the running maximum of prefix + transient,
-   since the backward term adds (k - 1) x the total stored, known only at the end), keeping only
-   Pareto states, pruned by branch and bound (lower bound: the LP relaxation, i.e. the convex hull
-   of the frontier in (stored, time); upper bound: the better of the best uniform plan and the
-   rounded LP optimum). Stored bytes are rounded up to a resolution (``default_resolution``: 1/1024
-   of a layer, 1 byte on small problems, where the result is exactly optimal); the plan always fits
-   the true budget and is no slower than the optimum at (budget - num_layers x resolution). CBC on
-   the same problem as a knapsack over the frontier (hundreds of near-tied integer columns) did not
-   prove optimality in 20 s, hence the dynamic programme. The smallest feasible budget is the peak
-   of a least-peak plan found without rounding, which ``plan`` falls back to: a budget it names is
-   feasible.
+``plan`` returns a ``PlanResult``, and ``minimum_budget`` the smallest budget any plan fits. The
+input is ``ModelCosts`` (plain data); nothing here touches tensors. Budgets become limits, and plans
+peaks, through the model's peak rule only.
 
-Uniform plans (one policy for every layer) are a scan of the same frontier. ``method="milp"``
-solves the direct formulation instead (``milp.py``): slower, kept as the cross-check and
-benchmark. Budgets become limits, and plans peaks, through the model's peak rule only.
+- Per-layer plans: the layers ordered by Jackson's rule, and a dynamic programme over the layer
+  frontier (``frontier.py``), pruned by branch and bound. Stored bytes are rounded to
+  ``default_resolution``; the plan always fits the true budget.
+- Uniform plans (one policy for every layer): a scan of the same frontier.
+- ``method="milp"``: the direct formulation (``milp.py``), slower, kept as the cross-check and
+  benchmark.
+
+docs/memory-model.md ("Search") derives the order, the bounds and the rounding's guarantee.
 """
 from __future__ import annotations
 
@@ -41,8 +29,9 @@ from megatron_adacc.planning.result import PlanResult
 
 
 class InfeasibleBudget(ValueError):
-    """No plan fits the budget. ``minimum_budget`` is the smallest budget that has one (of
-``stage``, when a pipeline stage's plan is meant)."""
+    """No plan fits the budget; ``minimum_budget`` is the smallest budget that has one.
+
+    With ``stage`` set, it is that pipeline stage's plan that does not fit."""
 
     def __init__(self, budget_bytes: int, minimum_budget: int, static_bytes: int,
                  stage: int | None = None) -> None:
@@ -61,8 +50,9 @@ class InfeasibleBudget(ValueError):
 
 
 def default_resolution(costs: ModelCosts) -> int:
-    """Memory grid of the per-layer search: 1/1024 of a layer's activations (1 byte for
-    small problems, where the search is exact)."""
+    """Memory grid of the per-layer search: 1/1024 of a layer's activations.
+
+    Small problems get 1 byte, where the search is exact."""
     return max(1, costs.layer_bytes // 1024)
 
 
@@ -78,8 +68,11 @@ def plan(costs: ModelCosts, budget_bytes: int, per_layer: bool = True,
          resolution_bytes: int | None = None) -> PlanResult:
     """The plan with the least added time whose predicted peak fits ``budget_bytes``.
 
-    Raises ``InfeasibleBudget`` (naming the smallest feasible budget) when none fits.
-    ``method``: "frontier" (default, see module docstring) or "milp" (direct formulation).
+    Args:
+        method: "frontier" (default, see the module docstring) or "milp" (direct formulation).
+
+    Raises:
+        InfeasibleBudget: naming the smallest feasible budget, when no plan fits.
     """
     if method not in ("frontier", "milp"):
         raise ValueError(f"unknown planner method {method!r}; use 'frontier' or 'milp'")
@@ -113,8 +106,9 @@ def plan(costs: ModelCosts, budget_bytes: int, per_layer: bool = True,
 
 # --- uniform plans -----------------------------------------------------------------------------
 def _uniform_peaks(costs: ModelCosts, frontier: Frontier) -> np.ndarray:
-    """Peak of each frontier policy used by every layer (the top layer sets the backward
-    term, with every layer stored)."""
+    """Peak of each frontier policy used by every layer.
+
+    The top layer sets the backward term, with every layer stored."""
     all_stored = costs.num_layers * frontier.stored
     return peak_from_terms(costs, all_stored, all_stored + frontier.transient)
 
@@ -131,16 +125,20 @@ def _plan_uniform(costs: ModelCosts, budget: int, frontier: Frontier) -> list[La
 def _layer_dp(costs: ModelCosts, stored: np.ndarray, step_cost, final_cost,
               cost_bound: float = np.inf, carried: np.ndarray | None = None
               ) -> tuple[float, list[int]] | None:
-    """Exact dynamic programme over layers, bottom (0) to top, on the state (prefix stored
-    bytes, cost so far, and with ``carried`` the running maximum of prefix + carried[policy]).
-    Future constraints and costs depend on these only, and grow with each, so a state that
-    no other state matches or beats in all of them is all that needs keeping.
+    """Exact dynamic programme over layers, bottom (0) to top; returns (objective, picks) or None.
 
-    ``step_cost(cost, prefix)`` -> cost after adding each frontier policy (arrays broadcast
-    over states x policies; inf where not allowed); ``final_cost(prefix, cost, high,
-    layers)`` -> the objective, or a lower bound on it, of a plan whose first ``layers``
-    layers end in that state (inf where infeasible; ``high`` is 0 without ``carried``).
-    Returns (objective, policy per layer) or None when nothing is feasible."""
+    The state is (prefix stored bytes, cost so far), and with ``carried`` the running maximum of
+    prefix + carried[policy]. Future limits and costs depend on these only, and grow with each. So
+    only states that no other state matches or beats in all of them are kept.
+
+    Args:
+        step_cost: ``step_cost(cost, prefix)`` -> cost after adding each frontier policy. Arrays
+            broadcast over states x policies; inf where not allowed.
+        final_cost: ``final_cost(prefix, cost, high, layers)`` -> the objective, or a lower bound on
+            it, of a plan whose first ``layers`` layers end in that state. inf where infeasible;
+            ``high`` is 0 without ``carried``.
+    Returns None when nothing is feasible.
+    """
     num_layers = costs.num_layers
     prefix = np.zeros(1, dtype=np.int64)
     cost = np.zeros(1)
@@ -175,16 +173,16 @@ def _layer_dp(costs: ModelCosts, stored: np.ndarray, step_cost, final_cost,
 
 
 def _jackson_order(frontier: Frontier, picks: Sequence[int]) -> list[LayerPolicy]:
-    """Layers 0.. with the largest transients lowest: the order that minimises the peak for
-    this multiset of policies (see module docstring)."""
+    """Layers 0.. with the largest transients lowest, the peak's best order for these policies."""
     policies = [frontier.policy(k) for k in picks]
     return sorted(policies, key=lambda p: -p.transient_bytes)
 
 
 def _time_lower_bound(frontier: Frontier):
-    """``bound(layers, capacity)``: a lower bound on the time of ``layers`` more layers that
-    together store at most ``capacity`` bytes: the LP relaxation (layers may mix policies
-    fractionally), i.e. ``layers`` x the lower convex hull of (stored, time) at the average."""
+    """``bound(layers, capacity)``: a lower bound on the time of ``layers`` more layers.
+
+    Those layers together store at most ``capacity`` bytes. The bound is the LP relaxation, where
+    layers may mix policies: ``layers`` x the lower convex hull of (stored, time) at the average."""
     order = np.lexsort((frontier.time_s, frontier.stored))
     xs, ys = frontier.stored[order].astype(float), frontier.time_s[order]
     hull: list[int] = []
@@ -213,10 +211,11 @@ def _time_lower_bound(frontier: Frontier):
 
 def _rounded_lp_plan(costs: ModelCosts, budget: int, frontier: Frontier,
                      hull: np.ndarray) -> list[LayerPolicy] | None:
-    """A good feasible plan to bound the exact search: the LP optimum mixes two neighbouring
-    hull policies; round the mix down to whole layers and spend what is left of the budget
-    layer by layer, each on the fastest policy it pays for. None if it breaks a backward
-    constraint."""
+    """A good feasible plan to bound the exact search; None if it breaks a backward limit.
+
+    The LP optimum mixes two neighbouring hull policies. This rounds the mix down to whole
+    layers, then spends what is left of the budget layer by layer, each on the fastest policy it
+    pays for."""
     num_layers = costs.num_layers
     capacity = budget_limits(costs, budget).all_stored
     stored = frontier.stored[hull]
@@ -280,8 +279,9 @@ def _plan_per_layer(costs: ModelCosts, budget: int, frontier: Frontier,
 # --- least-peak plans --------------------------------------------------------------------------
 def _least_peak_per_layer(costs: ModelCosts, frontier: Frontier,
                           upper_bound: int) -> list[LayerPolicy]:
-    """A per-layer plan with the smallest peak (bytes exact, no rounding): the same
-    programme with the running maximum of (prefix + transient) as the cost."""
+    """A per-layer plan with the smallest peak, bytes exact (no rounding).
+
+    It is the same programme, with the running maximum of (prefix + transient) as the cost."""
     transient = frontier.transient
 
     def step_cost(cost, prefix):
@@ -299,8 +299,10 @@ def _least_peak_per_layer(costs: ModelCosts, frontier: Frontier,
 
 
 def _least_peak_plan(costs: ModelCosts, frontier: Frontier, per_layer: bool) -> list[LayerPolicy]:
-    """A plan with the smallest peak: its peak is the smallest feasible budget, and ``plan``
-    returns it where the rounded search finds nothing, so that budget really is feasible."""
+    """A plan with the smallest peak, whose peak is the smallest feasible budget.
+
+    ``plan`` returns it where the rounded search finds nothing, so that budget really is
+    feasible."""
     uniform = [frontier.policy(int(np.argmin(_uniform_peaks(costs, frontier))))] * costs.num_layers
     if not per_layer:
         return uniform

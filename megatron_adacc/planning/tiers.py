@@ -1,14 +1,16 @@
 """Which codecs auto plans with, in two tiers, and the plan of the first tier that fits.
 
-The profiler measures every candidate codec of a site (sites.Site.candidate_codecs); a plan
-may use only some. First tier: each site's designated codec, or with ``separate_outliers``
-off (the paper's ablation "Adacc w/o outlier") plain int4 where auto separates outliers. The
-ablation's codec is faster than outlier separation and would win on time alone, at the price
-of the accuracy the separation is there for, so auto never mixes the two. Second tier, the
-last resort: the same plus the quantize baseline's per-token INT4
-(sites.Site.last_resort_codec), offered where its payload is smaller than the first tier's
-codec's and planned only when no plan of the first tier fits. Costs that did not measure it
-have no second tier.
+The profiler measures every candidate codec of a site (sites.Site.candidate_codecs); a plan may use
+only some.
+- First tier: each site's designated codec. With ``separate_outliers`` off (the paper's "Adacc w/o
+  outlier" ablation), plain int4 where auto separates outliers.
+- Second tier, the last resort: the same plus the quantize baseline's per-token INT4
+  (sites.Site.last_resort_codec). It is offered where its payload is smaller than the first tier's
+  codec's, and planned only when no first-tier plan fits. Costs that did not measure it have no
+  second tier.
+
+Auto never mixes outlier separation with the ablation's codec. That codec is faster and would win on
+time alone, at the price of the accuracy the separation is there for.
 """
 from __future__ import annotations
 
@@ -23,10 +25,10 @@ from megatron_adacc.planning.search import InfeasibleBudget, minimum_budget, pla
 
 def plan_in_tiers(costs: ModelCosts, budget_bytes: int, *, separate_outliers: bool = True,
                   **options: Any) -> PlanResult:
-    """The fastest plan that fits ``budget_bytes`` with the first tier's codecs; only if
-    none fits, with the last resort's too (``options`` as ``plan``'s). The result's
-    ``minimum_feasible_budget``, and the ``InfeasibleBudget`` raised when no tier fits,
-    name ``minimum_feasible_budget(costs)``."""
+    """The fastest plan that fits ``budget_bytes``; the last resort only when the first tier fails.
+
+    ``options`` are ``plan``'s. The result's ``minimum_feasible_budget``, and the
+    ``InfeasibleBudget`` raised when no tier fits, name ``minimum_feasible_budget(costs)``."""
     *narrower, widest = codec_tiers(costs, separate_outliers)
     for tier in narrower:
         try:
@@ -40,9 +42,10 @@ def plan_in_tiers(costs: ModelCosts, budget_bytes: int, *, separate_outliers: bo
 
 def minimum_feasible_budget(costs: ModelCosts, *, separate_outliers: bool = True,
                             **options: Any) -> int:
-    """The smallest budget ``plan_in_tiers`` plans for (``options`` as its): the least peak
-    with the widest tier's codecs. The one figure the plan table, the infeasibility error
-    and ``adacc plan`` quote: a plan fits it, and none fits one byte less."""
+    """The smallest budget ``plan_in_tiers`` plans for: the least peak with the widest tier.
+
+    ``options`` are as ``plan_in_tiers``'s. The plan table, the infeasibility error and ``adacc
+    plan`` all quote this figure: a plan fits it, and none fits one byte less."""
     return _minimum_budget(codec_tiers(costs, separate_outliers)[-1], options)
 
 
@@ -52,10 +55,11 @@ def _minimum_budget(costs: ModelCosts, options: dict[str, Any]) -> int:
 
 
 def codec_tiers(costs: ModelCosts, separate_outliers: bool = True) -> list[ModelCosts]:
-    """``costs`` narrowed to each tier's codecs, narrowest first. The last resort is offered
-    only at sites where its payload is smaller than the first tier's codec's (where it is
-    not, it would trade accuracy for time alone); a wider tier that adds no codec is left
-    out."""
+    """``costs`` narrowed to each tier's codecs, narrowest first.
+
+    The last resort is offered only at sites where its payload is smaller than the first tier's
+    codec's; elsewhere it would trade accuracy for time alone. A wider tier that adds no codec is
+    left out."""
     def own(site: site_table.Site) -> str | None:
         if separate_outliers:
             return site.default_codec
