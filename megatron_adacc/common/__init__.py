@@ -1,2 +1,1 @@
-"""The vocabulary every layer shares: sites, byte units, plain-data plans and costs, the one-line
-error."""
+"""The vocabulary every layer shares: sites, byte units, plans, costs, the one-line error."""

@@ -1,34 +1,27 @@
-"""The planner's input: what every site of one transformer layer costs to keep, compress or
-rebuild, plus the memory that no plan changes.
+"""The planner's input: what each site of one layer costs to keep, compress or rebuild.
 
-Plain data, serialisable to a dict / JSON so the ProfileDB can store it. Two producers fill it:
-the profiler (measured on this machine) and ``hardware.analytic_costs`` (a roofline model of a
-named accelerator). The planner reads nothing else.
+It also holds the memory no plan changes. It is plain data, serialisable to a dict / JSON so the
+ProfileDB can store it. Two producers fill it: the profiler (measured on this machine) and
+``hardware.analytic_costs`` (a roofline model of a named accelerator). The planner reads nothing
+else.
 
-Units: bytes are integers, times are seconds, all at ``micro_batch_size`` for ONE layer (every
-layer is assumed to cost the same; a profiler measuring one layer and the analytic model both
-produce that).
+Units: bytes are integers and times are seconds, all at ``micro_batch_size`` for ONE layer. Every
+layer is assumed to cost the same; the profiler and the analytic model both produce that.
 
-A ``ModelCosts`` describes one pipeline stage: its layers, what it holds besides them, and how
-many micro-batches it keeps in flight (``planning.model`` states the peak rule that reads them).
-Without pipeline parallelism the one stage is the whole model.
+A ``ModelCosts`` describes one pipeline stage: its layers, what it holds besides them, and how many
+micro-batches it keeps in flight (``planning.model`` states the peak rule). Without pipeline
+parallelism the one stage is the whole model.
 
 A recomputed site is rebuilt one of two ways (sites.REBUILDS says which):
+- by an operator (``operators``): one of megatron's submodules, run once per layer backward.
+  ``Operator.rebuild_s`` is that call's own time.
+- by re-running its forward segment (``segments``) from the start up to the site.
+  ``SiteCost.rebuild_s`` is that time: the rebuild's cost when the site is the deepest recomputed
+  one of its segment.
+planning.rebuild_charges turns these into a layer's rebuild time (docs/memory-model.md).
 
-- by an operator (``operators``; the site's ``operator``): one of megatron's submodules run on
-  the backward values of its sources, once per layer backward however many of its products
-  are recomputed; ``Operator.rebuild_s`` is that call's own time.
-- by re-running its forward segment (``segments``, in forward order) from the segment's
-  start, which stops once the deepest recomputed site is saved again. So such a site records
-  ``rebuild_s``, the time from its segment's start to its save: what rebuilding costs when it
-  is the deepest recomputed site of its segment.
-
-The planner turns these into a layer's rebuild time (planning.rebuild_charges).
-
-A layer with any site compressed or recomputed runs under the runtime's hooks (a pack and an
-unpack call for every tensor it saves, a pre- and post-hook on each of its submodules), which
-a layer that keeps everything does without: ``hooked_layer_s`` is what that adds to a step,
-once per such layer whatever its decisions.
+``hooked_layer_s`` is what the runtime's hooks add to a step, once per layer with any action. The
+hooks are a pack and an unpack call per saved tensor and a pre- and post-hook per submodule.
 """
 from __future__ import annotations
 

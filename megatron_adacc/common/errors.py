@@ -3,5 +3,6 @@ from __future__ import annotations
 
 
 class InputError(ValueError):
-    """Bad user input (a flag, a config key, a data, checkpoint or database file): the message
-    is one line that names what is wrong and says what to do."""
+    """Bad user input, such as a flag, a config key, or a data, checkpoint or database file.
+
+    The message is one line that names what is wrong and says what to do."""

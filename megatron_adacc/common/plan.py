@@ -6,11 +6,12 @@ Plain data. It round-trips through YAML in the form users write by hand:
     layers:                                                                # overrides
       "0-3": {sites: {gelu_in: {action: compress, codec: sym_int4}}}
 
-Layers are numbered from 0 across the whole model (megatron's 1-based ``layer_number`` - 1).
-A site the plan does not name is retained. ``compress`` without a codec means the site's
-default codec (sites.SITES). An outlier-separating codec (outlier_int4) may take a
-``capacity``: how many outlier channels its payload keeps exact (the planner writes the
-profile's count there, so the runtime keeps the bytes it planned):
+- Layers are numbered from 0 across the whole model (megatron's 1-based ``layer_number`` - 1).
+- A site the plan does not name is retained.
+- ``compress`` without a codec means the site's default codec (sites.SITES).
+- An outlier-separating codec (outlier_int4) may take a ``capacity``: how many outlier channels its
+  payload keeps exact. The planner writes the profile's count there, so the runtime keeps the bytes
+  it planned:
 
     sites: {ln1_out: {action: compress, codec: outlier_int4, capacity: 12}}
 """
@@ -91,9 +92,10 @@ def _parse_decision(where: str, site: str, value: Any) -> Decision:
 
 
 def check_decision(where: str, site: str, decision: Decision) -> Decision:
-    """``decision`` if ``site`` can take it, else a PlanError naming ``where``: the one rule
-    for a plan file and for the runtime's layers (a codec must be able to hold the site's
-    tensor: never the bitmask codec for a floating-point value)."""
+    """``decision`` if ``site`` can take it, else a PlanError naming ``where``.
+
+    This is the one rule for plan files and the runtime's layers. A codec must be able to hold
+    the site's tensor: never the bitmask codec for a floating-point value."""
     action, codec = decision.action, decision.codec
     if site not in site_table.SITES:
         raise PlanError(
@@ -188,9 +190,10 @@ class Plan:
                 )
 
     def shifted(self, offset: int) -> "Plan":
-        """This plan with its layer ranges moved up by ``offset``: a pipeline stage's plan,
-        planned with the stage's layers numbered from 0, as the stage's layers are numbered
-        in the whole model (its first layer is layer ``offset``)."""
+        """This plan with its layer ranges moved up by ``offset``.
+
+        It turns a pipeline stage's plan, its layers numbered from 0, into the whole model's
+        numbering, where the stage's first layer is layer ``offset``."""
         return Plan(dict(self.sites), {(first + offset, last + offset): dict(overrides)
                                        for (first, last), overrides in self.layers.items()})
 
@@ -207,8 +210,10 @@ class Plan:
 
     @classmethod
     def from_layers(cls, per_layer: Iterable[Mapping[str, Decision]]) -> "Plan":
-        """The compact plan for an explicit per-layer list: the most common layer policy
-        becomes the default and runs of other layers become range overrides."""
+        """The compact plan for an explicit per-layer list.
+
+        The most common layer policy becomes the default, and runs of other layers become range
+        overrides."""
         policies = [
             {s: d for s, d in layer.items() if d != RETAIN_DECISION} for layer in per_layer
         ]

@@ -1,13 +1,15 @@
 """The named sites: kinds of tensor a transformer layer saves for backward.
 
 A site is the unit of every decision (retain, compress, recompute). This module is the one
-vocabulary shared by the runtime (which attributes saved tensors to sites), the costs, the
-profiler (which measures them), the planner and policies (which decide for them), the
-rectifier and the analytic accelerator model. The runtime discovers what a layer really
-saves; this table says what each discovered site *is*: which codec suits it, whether it can
-be rebuilt, what rebuilds it (an operator from upstream sites, ``REBUILDS``, or else a re-run of
-its forward segment), and whether it is one storage shared by every layer. Adding a layer
-variant starts here: its sites, and the operator-level rebuild edges its layer offers.
+vocabulary of the runtime, the costs, the profiler, the planner, the policies, the rectifier and the
+analytic accelerator model. The runtime discovers what a layer really saves; this table says what
+each discovered site *is*:
+- which codec suits it, and whether it can be rebuilt;
+- what rebuilds it: an operator from upstream sites (``REBUILDS``), or else a re-run of its forward
+  segment;
+- whether it is one storage shared by every layer.
+Adding a layer variant starts here: its sites, and the operator-level rebuild edges its layer
+offers.
 """
 from __future__ import annotations
 
@@ -33,15 +35,17 @@ MLP_SEGMENT = SEGMENT_NAMES.index("mlp")
 
 def chain_reruns(rebuilt: Collection[int],
                  passes_through: Callable[[int], bool]) -> list[list[int]]:
-    """The forward re-runs that rebuild the segments ``rebuilt`` (indices into SEGMENTS), each
-    the indices of the segments it runs, in forward order: the one rule of the planner's
-    charges and the runtime's re-runs. A rebuilt segment continues the re-run before it when
-    that re-run passes through the start of every segment after its last up to this one
-    (``passes_through(index)``: the start is recomputed, so the segments between run whole
-    and each start is their output); otherwise it re-runs from its own start, retained or
-    decoded: a re-run that went on through a kept start would run the rest of the earlier
-    segment (the attention's core and linear_proj when only Q/K/V is recomputed) for
-    nothing."""
+    """The forward re-runs that rebuild the segments ``rebuilt`` (indices into SEGMENTS).
+
+    Each re-run is the indices of the segments it runs, in forward order. This is the one rule of
+    the planner's charges and the runtime's re-runs.
+
+    A rebuilt segment continues the re-run before it when that re-run passes through the start of
+    every segment after its last, up to this one. ``passes_through(index)`` says so: the start is
+    recomputed, so the segments between run whole and each start is their output. Otherwise it
+    re-runs from its own start, retained or decoded. Going on through a kept start would run the
+    rest of the earlier segment for nothing (the attention's core and linear_proj, when only
+    Q/K/V is recomputed)."""
     chains: list[list[int]] = []
     for index in sorted(rebuilt):
         if chains and all(passes_through(between)
@@ -88,32 +92,35 @@ class Site:
 
     @property
     def last_resort_codec(self) -> str | None:
-        """The quantize baseline's codec for this site, which auto adds to its options only
-        when no plan with the designated codecs fits: per-token int4 on every floating-point
-        site. None for dropout masks (bit-packed already: lossless and smaller than int4)
-        and for sites never compressed."""
+        """The quantize baseline's codec for this site: per-token int4 on every floating-point site.
+
+        Auto adds it to its options only when no plan with the designated codecs fits. None for
+        dropout masks (bit-packed already: lossless and smaller than int4) and for sites never
+        compressed."""
         if self.default_codec is None or self.is_mask:
             return None
         return QUANTIZE_CODEC
 
     @property
     def is_mask(self) -> bool:
-        """A dropout or attention mask (bool, or CPU dropout's 0 / 1/(1-p)), the bitmask
-        codec's: drawn, never computed from the values before it."""
+        """A dropout or attention mask, the bitmask codec's: drawn, never computed from values.
+
+        Its values are bool, or CPU dropout's 0 and 1/(1-p)."""
         return self.default_codec == MASK_CODEC
 
     def takes(self, codec: str) -> bool:
-        """Whether ``codec`` can hold this site's tensor: the bitmask codec holds a mask's
-        two values only (a floating-point value sent to it would be silently binarised
-        wherever it happens to hold two), the int4 codecs quantise floating-point values
-        only. plan.check_decision applies it to plan files and to the runtime's layers."""
+        """Whether ``codec`` can hold this site's tensor.
+
+        The bitmask codec holds a mask's two values only; a floating-point value sent to it would
+        be silently binarised wherever it happens to hold two. The int4 codecs quantise
+        floating-point values only. plan.check_decision applies this to plan files and to the
+        runtime's layers."""
         return (self.default_codec is not None
                 and (codec == MASK_CODEC) == self.is_mask)
 
     @property
     def candidate_codecs(self) -> tuple[str, ...]:
-        """The codecs the profiler measures: the designated one, its ablation, the last
-        resort (each once)."""
+        """The codecs the profiler measures: designated, ablation and last resort, once each."""
         roles = (self.default_codec, ABLATION_CODECS.get(self.default_codec),
                  self.last_resort_codec)
         return tuple(dict.fromkeys(codec for codec in roles if codec is not None))
@@ -206,28 +213,30 @@ DECODED_TOGETHER: tuple[frozenset[str], ...] = (
 
 @dataclass(frozen=True)
 class Rebuild:
-    """An operator-level rebuild edge: in backward, the runtime calls ``call`` (a dotted path
-    from the transformer layer to one of megatron's own submodules or functions, e.g.
-    ``mlp.activation_func``) on the values of ``sources`` (positionally, each retained,
-    decoded or itself rebuilt: chains) and takes its return value as ``output``; the sites
-    in ``saves`` are what that call saves for backward on the way (a norm's statistics,
-    RMSNorm's x * rstd), captured as it runs, its sources requiring grad as in forward so
-    that it saves what forward saved. It draws no random numbers.
+    """An operator-level rebuild edge: in backward, the runtime calls ``call`` on ``sources``.
 
-    ``optional`` names sources a layer may not save (a dropout's mask where the layer has no
-    dropout, which then draws none): the call takes None in their place. A layer uses an
-    edge when it saves its output and every other source.
+    Fields:
+        call: a dotted path from the transformer layer to one of megatron's own submodules or
+            functions, e.g. ``mlp.activation_func``.
+        sources: the sites passed positionally, each retained, decoded or itself rebuilt (chains).
+        output: the site the call's return value rebuilds.
+        saves: the sites the call saves for backward on the way (a norm's statistics, RMSNorm's x *
+            rstd). They are captured as it runs, its sources requiring grad as in forward, so it
+            saves what forward saved.
+        between: (enter, exit) runs a module's forward over the operators between two of its
+            megatron linear layers, where no submodule or function holds them (the gated MLP's
+            ``glu``, a closure in ``MLP.forward``). Submodule ``enter`` stands in, returning the
+            source's whole value and no bias. The whole is the tensor the source's saved view is a
+            view of (SwiGLU's gate half pins fc1's whole output). The call stops at submodule
+            ``exit``, whose input is ``output``; neither linear layer runs.
+        optional: sources a layer may not save (a dropout's mask where the layer has no dropout).
+            The call takes None in their place.
 
-    ``between`` = (enter, exit) runs a module's forward over the operators between two of
-    its megatron linear layers, where no submodule or function of its own holds them (the
-    gated MLP's ``glu`` is a closure inside ``MLP.forward``): ``call``'s submodule ``enter``
-    stands in returning (the source's whole value, no bias), the whole being the tensor the
-    source's saved view is a view of (SwiGLU's gate half pins fc1's whole output), and the
-    call stops where it calls its submodule ``exit``, whose input is ``output``. Neither
-    linear layer runs. A recomputed site named here is always
-    rebuilt this way, never by its segment's re-run; the operators run once per layer
-    backward each, in the order of this table, which must put an edge after every edge that
-    rebuilds one of its sources."""
+    A layer uses an edge when it saves its output and every other source. A recomputed site named
+    here is always rebuilt this way, never by its segment's re-run. The call draws no random
+    numbers. The operators run once per layer backward each, in the order of this table, which must
+    put an edge after every edge that rebuilds one of its sources.
+    """
 
     call: str
     sources: tuple[str, ...]

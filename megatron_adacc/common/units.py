@@ -1,8 +1,8 @@
 """Memory sizes as people write them: ``24GiB``, ``512 MiB``, ``32GB``, ``1073741824``.
 
-One parser for every entry point (the planner's CLI, the trainer's ``--memory-budget``), so a
-size means the same thing everywhere. Binary units (KiB, MiB, GiB, TiB) are powers of 1024;
-decimal units (KB, MB, GB, TB) are powers of 1000, as on a GPU's spec sheet.
+One parser serves every entry point (the planner's CLI, the trainer's ``--memory-budget``), so a
+size means the same everywhere. Binary units (KiB, MiB, GiB, TiB) are powers of 1024. Decimal units
+(KB, MB, GB, TB) are powers of 1000, as on a GPU's spec sheet.
 """
 from __future__ import annotations
 
