@@ -5,17 +5,18 @@
     tensor_hat = codec.decode(payload)   # same shape, dtype and device as `tensor`
     codec.payload_bytes(shape, dtype)    # == payload.nbytes, whatever the data
 
-No encode or decode reads a device value on the host or sizes a tensor by the data: a group
-holding NaN or Inf is stored with a NaN scale and decodes NaN; outlier_int4 keeps a fixed
-capacity of exact channels; a float tensor that is no mask gets a NaN bitmask value.
+No encode or decode reads a device value on the host or sizes a tensor by the data:
+- a group holding NaN or Inf is stored with a NaN scale and decodes to NaN;
+- outlier_int4 keeps a fixed capacity of exact channels;
+- a float tensor that is no mask gets a NaN bitmask value.
 
-Backends: "auto" (default: Triton on CUDA, the native C kernels on CPU, eager PyTorch when
-neither is available), "torch" (the eager reference), "native", "triton". All of them
-produce byte-identical payloads. ADACC_CODEC_BACKEND sets the default for codecs built
-without an explicit backend.
+Backends: "auto", "torch" (the eager reference), "native", "triton". "auto" is the default: Triton
+on CUDA, the native C kernels on CPU, eager PyTorch when neither is available. All of them produce
+byte-identical payloads. ADACC_CODEC_BACKEND sets the default for codecs built without an explicit
+backend.
 
-Defaults: sym_int4 and outlier_int4 use groups of 64, asym_int4 groups of 128; scales are
-bf16 (2 bytes), so payloads are 0.266 of a 16-bit tensor and 0.133 (asym 0.137) of fp32.
+Defaults: sym_int4 and outlier_int4 use groups of 64, asym_int4 groups of 128. Scales are bf16 (2
+bytes), so payloads are 0.266 of a 16-bit tensor and 0.133 (asym 0.137) of fp32.
 """
 from __future__ import annotations
 
@@ -38,8 +39,7 @@ NAMES = tuple(_CODECS)
 
 
 def get(name: str, **options) -> Codec:
-    """A codec by name; options are its constructor's keywords (group_size, threshold,
-    capacity, backend)."""
+    """A codec by name; options are its constructor's keywords (group_size, threshold, ...)."""
     try:
         cls = _CODECS[name]
     except KeyError:

@@ -1,12 +1,14 @@
 """Asymmetric int4 reference kernels (PyTorch, any device), one scale and offset per row.
 
-Meant for tensors on one side of zero such as softmax probabilities. The paper stores
-offset = (max + min) / 2 and scale = (max - min) / 16 with codes clipped to [-8, 7]; that
-grid stops a step short of the maximum. Here the 16 levels span [min, max] exactly:
-offset = min (stored in the input dtype, so it is exact, and exact zeros of masked
-probabilities decode to exact zeros), scale = (max - min) / 15 rounded up to bf16,
-code = round((x - min) / scale) in [0, 15]. Every element is within scale / 2. A group
-holding NaN or +-Inf decodes to NaN; decoded values saturate to the dtype's finite range.
+They are meant for tensors on one side of zero, such as softmax probabilities. The paper stores
+offset = (max + min) / 2 and scale = (max - min) / 16, with codes clipped to [-8, 7]; that grid
+stops a step short of the maximum. Here the 16 levels span [min, max] exactly:
+- offset = min, stored in the input dtype. So it is exact, and the exact zeros of masked
+  probabilities decode to exact zeros.
+- scale = (max - min) / 15, rounded up to bf16;
+- code = round((x - min) / scale), in [0, 15].
+Every element is within scale / 2. A group holding NaN or +-Inf decodes to NaN. Decoded values
+saturate to the dtype's finite range.
 """
 from __future__ import annotations
 
@@ -19,9 +21,9 @@ from megatron_adacc.codecs.int4 import (MIN_SCALE, ceil_to_bf16, finite_groups, 
 def asym_encode(x2d: torch.Tensor):
     """-> (packed int4 codes, bf16 scales, offsets in x2d's dtype).
 
-    A group holding NaN or +-Inf, or whose grid 15 * scale overflows fp32 (a range max - min
-    past ~3.39e38: fp32 or bf16 inputs of both signs near the limit), stores a NaN scale,
-    offset +0 and code 0 throughout: it decodes NaN.
+    Some groups store a NaN scale, offset +0 and code 0 throughout, so they decode to NaN. These are
+    groups holding NaN or +-Inf, and groups whose grid 15 * scale overflows fp32. That takes a range
+    max - min past ~3.39e38: fp32 or bf16 inputs of both signs near the limit.
     """
     lo, hi = torch.aminmax(x2d, dim=1, keepdim=True)
     # Which zero is the minimum of {0.0, -0.0} depends on the reduction order: store +0.

@@ -1,17 +1,16 @@
 """Which implementation of the codec kernels (kernels.Kernels) runs.
 
-- "torch": the eager reference (kernels.REFERENCE), the ground truth every other backend is
-  tested against.
-- "native": fused C kernels for the CPU (codecs/native), built with the system C compiler
-  on first use; the fastest CPU path.
+- "torch": the eager reference (kernels.REFERENCE), the ground truth every other backend is tested
+  against.
+- "native": fused C kernels for the CPU (codecs/native), built with the system C compiler on first
+  use; the fastest CPU path.
 - "triton": the Triton kernels in codecs/triton (CUDA, or the CPU under TRITON_INTERPRET=1).
 - "auto": Triton for CUDA tensors when Triton supports the GPU; native for CPU tensors when a C
   compiler is available; the eager reference otherwise.
 
-The default comes from the ADACC_CODEC_BACKEND environment variable, else "auto". The
-native and Triton modules are imported on first use only: building the C library or
-importing Triton costs seconds, and Triton must not be imported before TRITON_INTERPRET is
-set.
+The default comes from the ADACC_CODEC_BACKEND environment variable, else "auto". The native and
+Triton modules are imported on first use only. Building the C library or importing Triton costs
+seconds, and Triton must not be imported before TRITON_INTERPRET is set.
 """
 from __future__ import annotations
 
@@ -58,8 +57,9 @@ def triton_supports(device: torch.device) -> bool:
 
 
 def describe(device: torch.device, backend: str | None = None) -> str:
-    """Which kernels encode ``device``'s tensors (kernels_for): "torch", "triton", or
-    "native" with the vector path its build took ("native avx2"): timings depend on it."""
+    """Which kernels encode ``device``'s tensors (kernels_for); timings depend on it.
+
+    It is "torch", "triton", or "native" with the vector path its build took ("native avx2")."""
     kernels = kernels_for(resolve_backend(backend), device)
     if kernels is REFERENCE:
         return "torch"

@@ -1,5 +1,4 @@
-"""Bit-packing reference kernels (PyTorch, any device): 8 flags per byte, flag i of a byte in
-bit i."""
+"""Bit-packing reference kernels (PyTorch, any device): 8 flags per byte, flag i in bit i."""
 from __future__ import annotations
 
 import torch
@@ -14,8 +13,9 @@ def _bit_shifts(device: torch.device) -> torch.Tensor:
 
 
 def mask_encode(flat: torch.Tensor, pack=None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The bitmask codec's payload of a flat mask: its bits (by ``pack``: a backend's kernel
-    for mask_pack) and, unless it is a bool mask, its value (mask_value)."""
+    """The bitmask codec's payload of a flat mask: its bits and, unless bool, its value.
+
+    ``pack`` is a backend's kernel for mask_pack; the value is mask_value's."""
     return (pack or mask_pack)(flat), None if flat.dtype == torch.bool else mask_value(flat)
 
 
@@ -30,8 +30,10 @@ def mask_pack(flat: torch.Tensor) -> torch.Tensor:
 
 def mask_unpack(packed: torch.Tensor, numel: int,
                 value: torch.Tensor | None = None) -> torch.Tensor:
-    """Inverse of mask_pack: the first `numel` flags as a bool tensor or, given the mask's
-    value (mask_value), as a tensor of its dtype holding that value where set, +0 elsewhere."""
+    """Inverse of mask_pack: the first ``numel`` flags, as bool or holding the mask's value.
+
+    Given the mask's value (mask_value), it returns a tensor of the value's dtype, holding that
+    value where set and +0 elsewhere."""
     bits = (packed.unsqueeze(1) >> _bit_shifts(packed.device)) & 1
     return expand_flags(bits.view(-1)[:numel].bool(), value)
 
@@ -41,11 +43,12 @@ def expand_flags(flags: torch.Tensor, value: torch.Tensor | None) -> torch.Tenso
 
 
 def mask_value(flat: torch.Tensor) -> torch.Tensor:
-    """The one non-zero value of a mask held in a non-bool dtype (CPU dropout saves 0 and
-    1/(1-p)), as a 1-element tensor; +0 for an all-zero mask. Checked on the device: for a
-    tensor that is no mask (other values, or NaN) the value is NaN, so the decoded mask is
-    NaN where set and training sees it (no host read; check_mask raises instead). An integer
-mask's value is not checked (no NaN to flag it with)."""
+    """The one non-zero value of a mask held in a non-bool dtype, as a 1-element tensor.
+
+    CPU dropout saves 0 and 1/(1-p). An all-zero mask gives +0. The check runs on the device: for
+    a tensor that is no mask (other values, or NaN) the value is NaN. The decoded mask is then
+    NaN where set, and training sees it with no host read; check_mask raises instead. An integer
+    mask's value is not checked, having no NaN to flag it with."""
     lo, hi = torch.aminmax(flat)
     value = torch.where(hi != 0, hi, torch.where(lo != 0, lo, torch.zeros_like(lo)))
     if not flat.is_floating_point():  # no NaN to flag with: check_mask is the only check
@@ -55,8 +58,10 @@ mask's value is not checked (no NaN to flag it with)."""
 
 
 def check_mask(flat: torch.Tensor) -> None:
-    """Raise unless ``flat`` holds 0 and at most one other value: a host read, for tests and
-    strict checking, never for the training step (mask_value flags such a tensor instead)."""
+    """Raise unless ``flat`` holds 0 and at most one other value.
+
+    It reads on the host, so it is for tests and strict checking, never for the training step.
+    mask_value flags such a tensor instead."""
     if flat.dtype != torch.bool and flat.numel():
         if not bool(((flat == 0) | (flat == mask_value(flat))).all()):
             raise not_a_mask(flat.dtype)

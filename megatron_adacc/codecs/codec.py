@@ -19,11 +19,13 @@ from megatron_adacc.codecs.payload import Payload
 
 
 class Codec:
-    """encode(tensor) -> Payload; decode(payload) -> tensor of the input's shape, dtype and
-    device (contiguous). Both run without autograd and never keep a reference to the input;
-    a non-contiguous input is encoded as its contiguous copy would be, read in place where
-    the codec and its kernels can (reads_in_place).
-    payload_bytes(shape, dtype) -> the payload's size without encoding anything."""
+    """A codec: ``encode(tensor) -> Payload``, ``decode(payload) -> tensor``.
+
+    - decode returns a contiguous tensor of the input's shape, dtype and device.
+    - Both run without autograd and never keep a reference to the input.
+    - A non-contiguous input is encoded as its contiguous copy would be. It is read in place where
+      the codec and its kernels can (reads_in_place).
+    - ``payload_bytes(shape, dtype)`` gives the payload's size without encoding anything."""
 
     name: str
     separates_outliers = False  # whether payload_bytes takes an outlier channel count
@@ -52,12 +54,11 @@ class Codec:
 
     def payload_bytes(self, shape: Sequence[int], dtype: torch.dtype,
                       outlier_channels: int | None = None) -> int:
-        """encode(x).nbytes for every x of this shape and dtype, finite or not: no size
-        depends on the data.
+        """``encode(x).nbytes`` for every x of this shape and dtype, finite or not.
 
         Args:
-            outlier_channels: outlier_int4's capacity of exact channels to size the payload
-                at; None: this codec's own (OutlierInt4.capacity_for). Other codecs take 0.
+            outlier_channels: outlier_int4's capacity of exact channels to size the payload at;
+                None: this codec's own (OutlierInt4.capacity_for). Other codecs take 0.
         """
         shape = torch.Size(shape)
         if outlier_channels is None:
@@ -73,8 +74,9 @@ class Codec:
         return 0
 
     def reads_in_place(self, x: torch.Tensor) -> bool:
-        """Whether this codec's encode reads a non-contiguous ``x`` where it lies, given
-        kernels that read strided rows (Kernels.strided_rows)."""
+        """Whether this codec's encode reads a non-contiguous ``x`` where it lies.
+
+        That takes kernels that read strided rows (Kernels.strided_rows)."""
         return False
 
     def _check(self, x: torch.Tensor) -> None:
@@ -95,8 +97,9 @@ def _channels(shape: torch.Size) -> int:
 
 
 def _dense_rows(x: torch.Tensor) -> bool:
-    """Whether ``x`` is rows of its last dimension, each dense, a stride apart: viewable as
-    [rows, channels] (a slice of the last dimension, such as SwiGLU's gate half)."""
+    """Whether ``x`` is dense rows of its last dimension, a stride apart: [rows, channels].
+
+    A slice of the last dimension, such as SwiGLU's gate half, is such a tensor."""
     if x.dim() == 0 or x.stride(-1) != 1:
         return False
     try:
@@ -121,8 +124,9 @@ def _keep(t: torch.Tensor, numel: int) -> torch.Tensor:
 
 
 class _FlatGroups(Codec):
-    """Base of the codecs that cut the flattened tensor into groups of `group_size`
-    consecutive elements, in memory order: no transpose, the last group padded."""
+    """Base of the codecs that cut the flattened tensor into groups of ``group_size`` elements.
+
+    The groups are consecutive in memory order: no transpose, and the last group is padded."""
 
     def __init__(self, group_size: int, backend: str | None = None):
         super().__init__(backend)
@@ -131,8 +135,9 @@ class _FlatGroups(Codec):
         self.group_size = group_size
 
     def _groups(self, x: torch.Tensor) -> torch.Tensor:
-        """[groups, group_size], or, for a tensor read in place (reads_in_place), [rows,
-        groups a row, group_size] over its rows where they lie."""
+        """The groups as [groups, group_size], or over rows where they lie for in-place reads.
+
+        A tensor read in place (reads_in_place) gives [rows, groups a row, group_size]."""
         if x.is_contiguous():
             return pad_to_groups(x.reshape(-1), self.group_size)
         return x.view(-1, _channels(x.shape)).unflatten(1, (-1, self.group_size))
@@ -171,10 +176,11 @@ class SymInt4(_FlatGroups):
         return self._quantize(x, kernels)[0]
 
     def _quantize(self, x, kernels, zeroed=None):
-        """(packed codes and scales, the zeroed channels' exact values where the kernels
-        took them: None without `zeroed`, or where the codec must take them itself).
-        `zeroed`: (channels, selected mask, index) of channels to encode as zeros
-        (OutlierInt4)."""
+        """(packed codes and scales, the zeroed channels' exact values where the kernels took them).
+
+        ``zeroed``: (channels, selected mask, index) of channels to encode as zeros
+        (OutlierInt4). The exact values are None without ``zeroed``, or where the codec must take
+        them itself."""
         values = None
         if zeroed is not None and x.numel() % self.group_size:
             # the padding of the last group copies the last element, after zeroing
@@ -200,15 +206,17 @@ DEFAULT_CAPACITY_SHARE = 64
 
 
 class OutlierInt4(SymInt4):
-    """Outlier-separated int4 (paper: outlier-separated activation compression): channels
-    (last dimension) whose z-score of sum |x| (over outlier.statistics_rows, a sample of the
-    rows) exceeds `threshold` are kept exact with their indices, up to a fixed `capacity`
-    of them (the first in channel order; the rest go through int4 with the others); the
-    tensor with the kept channels zeroed goes through sym_int4, untransposed.
+    """Outlier-separated int4 (paper: outlier-separated activation compression).
 
-    The capacity fixes the payload whatever the data: a planner sizes it from the profile's
-    largest outlier count, and the rectifier raises it (capacity_for; None: one channel in
-    DEFAULT_CAPACITY_SHARE). Unused slots hold index -1 and zero values.
+    Outlier channels (last dimension) are kept exact with their indices. A channel is an outlier
+    when the z-score of its sum |x| exceeds ``threshold``; the sum runs over
+    outlier.statistics_rows, a sample of the rows. At most ``capacity`` channels are kept, the first
+    in channel order; the rest go through int4 with the others. The tensor with the kept channels
+    zeroed goes through sym_int4, untransposed.
+
+    The capacity fixes the payload whatever the data. A planner sizes it from the profile's largest
+    outlier count, and the rectifier raises it. None means capacity_for's default: one channel in
+    DEFAULT_CAPACITY_SHARE. Unused slots hold index -1 and zero values.
     """
 
     name = "outlier_int4"
@@ -223,8 +231,7 @@ class OutlierInt4(SymInt4):
         self.capacity = capacity
 
     def capacity_for(self, shape: Sequence[int]) -> int:
-        """The exact channels a payload of a tensor of ``shape`` holds: the capacity, at
-        most the tensor's channels."""
+        """The exact channels a payload of a ``shape`` tensor holds: the capacity, at most all."""
         channels = _channels(torch.Size(shape))
         wanted = channels // DEFAULT_CAPACITY_SHARE if self.capacity is None else self.capacity
         return min(wanted, channels)
@@ -233,8 +240,10 @@ class OutlierInt4(SymInt4):
         return self.capacity_for(shape)
 
     def outlier_count(self, x: torch.Tensor) -> torch.Tensor:
-        """How many channels of ``x`` are outliers by the z-score rule, capacity aside: a 0-d
-        tensor on x's device (reading it syncs: for tracking, outside the step)."""
+        """How many channels of ``x`` are outliers by the z-score rule, capacity aside.
+
+        It returns a 0-d tensor on x's device. Reading it syncs, so it is for tracking, outside
+        the step."""
         with torch.no_grad():
             rows = x.detach().reshape(-1, _channels(x.shape))
             return outlier_channels(rows, self.threshold).sum() if rows.numel() else \
@@ -264,8 +273,7 @@ class OutlierInt4(SymInt4):
 
 
 class AsymInt4(_FlatGroups):
-    """Asymmetric int4 in groups of `group_size` consecutive elements, for tensors in (0, 1)
-    such as softmax probabilities."""
+    """Asymmetric int4 in groups of ``group_size``, for values in (0, 1) such as softmax's."""
 
     name = "asym_int4"
 
@@ -290,8 +298,9 @@ class AsymInt4(_FlatGroups):
 
 
 class NaiveInt4(Codec):
-    """The paper's "Quantization" baseline: symmetric int4 with one scale per token (row of
-    the last dimension), applied to everything."""
+    """The paper's "Quantization" baseline: symmetric int4 with one scale per token, on everything.
+
+    A token is a row of the last dimension."""
 
     name = "naive_int4"
 
@@ -330,10 +339,11 @@ class ChannelInt4(Codec):
 
 
 class Bitmask(Codec):
-    """Lossless bit-packed masks (dropout): 8 flags per byte. Accepts any dtype: bool masks
-    (GPU dropout) or masks in the activation dtype holding 0 and one other value (CPU
-    dropout saves 0 and 1/(1-p)); that value is kept as one scalar, NaN if the tensor is no
-    such mask (checked on the device: bitmask.mask_value)."""
+    """Lossless bit-packed masks (dropout): 8 flags per byte.
+
+    It accepts any dtype: bool masks (GPU dropout), or masks in the activation dtype holding 0
+    and one other value (CPU dropout saves 0 and 1/(1-p)). That value is kept as one scalar. It
+    is NaN if the tensor is no such mask, checked on the device (bitmask.mask_value)."""
 
     name = "bitmask"
 

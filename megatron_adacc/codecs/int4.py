@@ -35,8 +35,7 @@ def with_nan(v: torch.Tensor, nan: torch.Tensor) -> torch.Tensor:
 
 
 def store_scales(scale: torch.Tensor) -> torch.Tensor:
-    """fp32 scales as SCALE_DTYPE (a finite scale is bf16-exact: ceil_to_bf16), NaN as
-    NAN_BITS."""
+    """fp32 scales as SCALE_DTYPE, NaN as NAN_BITS; a finite scale is bf16-exact (ceil_to_bf16)."""
     nan = torch.isnan(scale)
     return with_nan(torch.where(nan, 0.0, scale).to(SCALE_DTYPE), nan)
 
@@ -57,17 +56,18 @@ def dtype_max(dtype: torch.dtype) -> float:
 def saturate(v32: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """fp32 decoded values clamped to [-max, +max] of ``dtype`` (NaN passes), then cast.
 
-    A finite group's grid may reach past the dtype's range (its scale is rounded up); a
-    value is only ever moved towards the range its input came from, so the error bound
-    |x - x^| <= scale / 2 still holds, and a finite input never decodes to +-Inf.
+    A finite group's grid may reach past the dtype's range, since its scale is rounded up. A value
+    is only ever moved towards the range its input came from. So the error bound |x - x^| <= scale /
+    2 still holds, and a finite input never decodes to +-Inf.
     """
     bound = dtype_max(dtype)
     return v32.clamp(-bound, bound).to(dtype)
 
 
 def finite_groups(lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
-    """Whether each group's minimum and maximum (fp32) are finite: a group holding NaN or
-    +-Inf is stored with a NaN scale and decodes to NaN throughout."""
+    """Whether each group's fp32 minimum and maximum are finite.
+
+    A group holding NaN or +-Inf is stored with a NaN scale and decodes to NaN throughout."""
     return torch.isfinite(lo) & torch.isfinite(hi)
 
 
@@ -83,10 +83,11 @@ def ceil_to_bf16(v: torch.Tensor) -> torch.Tensor:
 
 
 def true_divide(v: torch.Tensor, divisor: float) -> torch.Tensor:
-    """v / divisor rounded once, as the native and Triton kernels divide, on every device:
-    PyTorch's CUDA division by a Python number multiplies by the number's rounded reciprocal
-    instead, which moves a scale (x / 7.5, x / 15) across a bf16 boundary where x is a
-    16-bit value (seen on an H100); a divisor tensor on v's device is divided exactly."""
+    """``v / divisor`` rounded once, as the native and Triton kernels divide, on every device.
+
+    PyTorch's CUDA division by a Python number multiplies by the number's rounded reciprocal. On
+    a 16-bit x, that moves a scale (x / 7.5, x / 15) across a bf16 boundary (seen on an H100). A
+    divisor tensor on v's device is divided exactly."""
     return v / torch.full_like(v, divisor)
 
 
@@ -107,13 +108,15 @@ def unpack_nibbles(packed: torch.Tensor, numel: int) -> torch.Tensor:
 
 def row_layout(x: torch.Tensor, zeroed: tuple[int, torch.Tensor] | None = None
                ) -> tuple[int, int, int, int] | None:
-    """(groups, group width, channels, stride) of groups of even width as a kernel reading
-    strided rows (Kernels.strided_rows) takes them where they lie: [groups, width]
-    contiguous, or a codec's rows read in place (Codec.reads_in_place), [rows, width] or
-    [rows, groups a row, width]: rows of `channels` elements `stride` apart (stride ==
-    channels: dense). Zeroing (zero_channels' (channels, mask): a bool mask, one entry per
-    channel, on x's device) counts in those channels, which strided rows must then be. None
-    for any other input or mask (the reference raises on a wrong mask)."""
+    """(groups, group width, channels, stride) of groups of even width, for a strided-rows kernel.
+
+    Such a kernel (Kernels.strided_rows) takes the groups where they lie:
+    - [groups, width] contiguous;
+    - a codec's rows read in place (Codec.reads_in_place), [rows, width] or [rows, groups a row,
+      width]: rows of ``channels`` elements ``stride`` apart (stride == channels: dense).
+    Zeroing (zero_channels' (channels, mask), a bool mask per channel on x's device) counts in
+    those channels, which strided rows must then be. None for any other input or mask; the
+    reference raises on a wrong mask."""
     if x.dim() not in (2, 3) or x.shape[-1] % 2:
         return None
     if zeroed is not None and not (zeroed[1].dtype == torch.bool and zeroed[1].device == x.device
@@ -133,8 +136,9 @@ def row_layout(x: torch.Tensor, zeroed: tuple[int, torch.Tensor] | None = None
 
 
 def pad_to_groups(flat: torch.Tensor, group_size: int) -> torch.Tensor:
-    """View a flat tensor as [groups, group_size], padding the last group with copies of the
-    last element: neutral for every group statistic (min, max, |max|)."""
+    """View a flat tensor as [groups, group_size], padding the last group with its last element.
+
+    That padding is neutral for every group statistic (min, max, |max|)."""
     tail = (-flat.numel()) % group_size
     if tail:
         flat = torch.cat([flat, flat[-1:].expand(tail)])
@@ -142,10 +146,11 @@ def pad_to_groups(flat: torch.Tensor, group_size: int) -> torch.Tensor:
 
 
 def zero_channels(x2d: torch.Tensor, zeroed: tuple[int, torch.Tensor] | None) -> torch.Tensor:
-    """x2d with the elements of the given channels set to 0: `zeroed` = (channels, mask)
-    treats the flattened x2d as rows of `channels` values and zeroes the columns where the
-    bool `mask` (one entry per channel) is set; a third element (the outlier codec's slot
-    indices) is ignored. A mask, not indices: it needs no host sync."""
+    """x2d with the elements of the given channels set to 0.
+
+    ``zeroed`` = (channels, mask) treats the flattened x2d as rows of ``channels`` values. It
+    zeroes the columns where the bool ``mask`` (one entry per channel) is set. A third element
+    (the outlier codec's slot indices) is ignored. A mask, not indices, needs no host sync."""
     if zeroed is None:
         return x2d
     channels, mask = zeroed[:2]

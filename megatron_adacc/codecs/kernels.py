@@ -1,8 +1,8 @@
 """The kernel interface every codec backend implements, and its reference implementation.
 
-The codecs (codec.py) call these functions only; a backend (native/, triton/) is one
-`Kernels` value. REFERENCE is the eager PyTorch set: the ground truth the other backends
-must match byte for byte, and their fallback for the cases they do not cover.
+The codecs (codec.py) call these functions only, and a backend (native/, triton/) is one ``Kernels``
+value. REFERENCE is the eager PyTorch set. It is the ground truth the other backends must match byte
+for byte, and their fallback for the cases they do not cover.
 """
 from __future__ import annotations
 
@@ -14,13 +14,14 @@ from megatron_adacc.codecs import asymmetric, bitmask, outlier, symmetric
 
 @dataclass(frozen=True)
 class Kernels:
-    """One backend's kernels. None of them reads a device value on the host, and every
-    output's shape follows from the inputs' shapes and the arguments alone.
+    """One backend's kernels; none reads a device value on the host.
 
-    - sym_encode(x2d, reduce_dim, zeroed=None) -> (packed, scales), or with zeroed =
-      (channels, selected mask, index): (packed, scales, exact values or None)
-    - sym_decode(packed, scales, shape2d, reduce_dim, dtype, exact=None) -> [rows, cols];
-      exact = (channels, index, values)
+    Every output's shape follows from the inputs' shapes and the arguments alone.
+
+    - sym_encode(x2d, reduce_dim, zeroed=None) -> (packed, scales), or with zeroed = (channels,
+      selected mask, index): (packed, scales, exact values or None)
+    - sym_decode(packed, scales, shape2d, reduce_dim, dtype, exact=None) -> [rows, cols]; exact =
+      (channels, index, values)
     - asym_encode(x2d) -> (packed, scales, offsets)
     - asym_decode(packed, scales, offsets, shape2d, dtype) -> [rows, cols]
     - mask_encode(flat) -> (packed, value or None); mask_unpack(packed, numel, value=None)

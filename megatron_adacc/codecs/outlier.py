@@ -9,8 +9,10 @@ from megatron_adacc.codecs.int4 import EMPTY_SLOT, INDEX_DTYPE
 
 
 def channel_abs_sums(x2d: torch.Tensor) -> torch.Tensor:
-    """Sum of |x| over the rows of each column, in float64: exact enough that backends which
-    add in different orders select the same outliers (and no finite input overflows)."""
+    """Sum of |x| over the rows of each column, in float64.
+
+    That is exact enough that backends adding in different orders select the same outliers, and
+    no finite input overflows."""
     return x2d.abs().sum(dim=0, dtype=torch.float64)
 
 
@@ -22,14 +24,14 @@ STATISTICS_ROWS = 512
 
 
 def statistics_step(rows: int) -> int:
-    """k: the statistics read every k-th row, k = rows // STATISTICS_ROWS (1 below
-    2 * STATISTICS_ROWS)."""
+    """k: the statistics read every k-th row, k = rows // STATISTICS_ROWS (1 below 2 x that)."""
     return max(1, rows // STATISTICS_ROWS)
 
 
 def statistics_rows(x2d: torch.Tensor) -> torch.Tensor:
-    """The rows whose channel_abs_sums choose the outlier channels: every k-th row of x2d
-    (statistics_step), contiguous."""
+    """The rows whose channel_abs_sums choose the outlier channels: every k-th row, contiguous.
+
+    k is statistics_step's."""
     step = statistics_step(x2d.shape[0])
     return x2d if step == 1 else x2d[::step].contiguous()
 
@@ -37,19 +39,19 @@ def statistics_rows(x2d: torch.Tensor) -> torch.Tensor:
 def outlier_channels(x2d: torch.Tensor, threshold: float,
                      abs_sums: Callable[[torch.Tensor], torch.Tensor] = channel_abs_sums
                      ) -> torch.Tensor:
-    """The outlier codec's channels of x2d (a bool mask over its columns): those whose sum of
-    |x| over statistics_rows (by ``abs_sums``: a backend's kernel for channel_abs_sums) has a
-    z-score above threshold (z_score_outliers)."""
+    """The outlier codec's channels of x2d, as a bool mask over its columns.
+
+    A channel is chosen when its sum of |x| over statistics_rows has a z-score above threshold
+    (z_score_outliers). ``abs_sums`` is a backend's kernel for channel_abs_sums."""
     return z_score_outliers(abs_sums(statistics_rows(x2d)), threshold)
 
 
 def z_score_outliers(sums: torch.Tensor, threshold: float) -> torch.Tensor:
-    """Which channels (a bool mask) have a sum of |x| (channel_abs_sums) whose z-score is
-    above threshold. Device ops only, no host sync.
+    """Which channels (a bool mask) have a sum of |x| whose z-score is above threshold.
 
-    Channels whose sum is not finite (NaN or Inf) are outliers by definition and stay out of
-    the mean and standard deviation of the others (which need two finite channels). The
-    standard deviation is the population one, over channels.
+    It uses device ops only, no host sync. Channels whose sum is not finite (NaN or Inf) are
+    outliers by definition. They stay out of the mean and standard deviation of the others, which
+    need two finite channels. The standard deviation is the population one, over channels.
     """
     finite = torch.isfinite(sums)
     count = finite.sum()
@@ -88,15 +90,17 @@ def outlier_select(x2d: torch.Tensor, threshold: float, capacity: int
 
 
 def take_columns(x2d: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """The columns ``index`` (int slots, EMPTY_SLOT where unused) of x2d as [rows,
-    len(index)], +0 in the unused slots' columns."""
+    """The columns ``index`` of x2d as [rows, len(index)], +0 in the unused slots' columns.
+
+    ``index`` holds int slots, EMPTY_SLOT where unused."""
     values = x2d.index_select(1, index.long().clamp_min(0))
     return torch.where(index >= 0, values, values.new_zeros(()))
 
 
 def put_columns(x2d: torch.Tensor, index: torch.Tensor, values: torch.Tensor) -> None:
-    """x2d[:, index] = values for the used slots (index >= 0), in place: take_columns'
-    inverse. Each channel looks up the slot that holds it (a gather; no host sync)."""
+    """x2d[:, index] = values for the used slots (index >= 0), in place: take_columns' inverse.
+
+    Each channel looks up the slot that holds it: a gather, no host sync."""
     if not index.numel():
         return
     slot = torch.arange(index.numel(), dtype=torch.int64, device=index.device)

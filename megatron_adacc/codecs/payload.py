@@ -10,10 +10,10 @@ import torch
 class Payload:
     """A compressed tensor: the decoded result's metadata plus the tensors that encode it.
 
-    `nbytes` is computed from the tensors held, so it counts every byte the payload keeps
-    alive (packed codes, scales, offsets, exception and outlier values and indices). Codecs
-    never store views of their input here: each tensor is freshly computed, so holding a
-    payload does not pin the original activation.
+    ``nbytes`` is computed from the tensors held, so it counts every byte the payload keeps alive:
+    packed codes, scales, offsets, exception and outlier values and indices. Codecs never store
+    views of their input here. Each tensor is freshly computed, so holding a payload does not pin
+    the original activation.
     """
 
     codec: str

@@ -1,16 +1,17 @@
-"""Native CPU kernels (codecs.c), built with the system C compiler on first use and called
-through ctypes: one fused pass per group where the PyTorch reference makes ten.
+"""Native CPU kernels (codecs.c), built with the system C compiler on first use, called by ctypes.
 
-Byte-identical to the reference (tests/test_codecs.py checks it). The shared object is cached
-under ~/.cache/megatron-adacc/codecs (library_file), keyed by the source, the flags and the
-CPU (host.HostCpu.build_identity: model name, family, model and instruction-set flags), since
-it is built for the machine it runs on (-march=native). ADACC_NATIVE_CFLAGS adds compiler
-flags after those (e.g. "-mno-avx512f" builds the AVX2 kernels on an AVX-512 machine), and is
-part of the key; vector_isa() names the vector path a build took.
+They make one fused pass per group where the PyTorch reference makes ten. They are byte-identical to
+the reference (tests/test_codecs.py checks it).
 
-Covers row- and channel-grouped int4 (even row width), the outlier codec's channel choice up
-to its capacity, channel zeroing and exact channels, and masks of bool, uint8 and float
-dtypes; other cases run the reference. No kernel's output size depends on the data.
+The shared object is built for the machine it runs on (-march=native). So it is cached under
+~/.cache/megatron-adacc/codecs (library_file), keyed by the source, the flags and the CPU
+(host.HostCpu.build_identity: model name, family, model and instruction-set flags).
+ADACC_NATIVE_CFLAGS adds compiler flags after those and is part of the key; e.g. "-mno-avx512f"
+builds the AVX2 kernels on an AVX-512 machine. vector_isa() names the vector path a build took.
+
+They cover row- and channel-grouped int4 (even row width), the outlier codec's channel choice up to
+its capacity, channel zeroing and exact channels, and masks of bool, uint8 and float dtypes. Other
+cases run the reference. No kernel's output size depends on the data.
 """
 from __future__ import annotations
 
@@ -55,7 +56,7 @@ _RETURNS = {**{name: ctypes.c_int
 
 
 def library() -> ctypes.CDLL:
-    """The library for the current ADACC_NATIVE_CFLAGS (read on each call, built once per value)."""
+    """The library for the current ADACC_NATIVE_CFLAGS (read each call, built once per value)."""
     return _library_for(os.environ.get(CFLAGS_ENV_VAR, ""))
 
 
@@ -69,9 +70,10 @@ def _compiler_flags(cflags: str) -> list[str]:
 
 
 def library_file(cflags: str | None = None) -> Path:
-    """Where the library built with ``cflags`` (default: ADACC_NATIVE_CFLAGS) for this CPU is
-    cached: a cache shared by machines of other CPUs (a home directory on a cluster's file
-    system) holds one build for each."""
+    """Where this CPU's library built with ``cflags`` (default: ADACC_NATIVE_CFLAGS) is cached.
+
+    A cache shared by machines of other CPUs (a home directory on a cluster's file system) holds
+    one build for each."""
     flags = _compiler_flags(os.environ.get(CFLAGS_ENV_VAR, "") if cflags is None else cflags)
     key = hashlib.sha256(_SOURCE.read_bytes() + " ".join(flags).encode()
                          + host.host_cpu().build_identity().encode()).hexdigest()[:16]
@@ -115,8 +117,9 @@ def _native(x2d: torch.Tensor) -> bool:
 
 
 def _slots(index: torch.Tensor) -> bool:
-    """Slot indices (outlier.select_channels' layout) the C kernels take: int32 on the CPU,
-    contiguous; they check the values themselves."""
+    """Slot indices (outlier.select_channels' layout) as the C kernels take them.
+
+    They are int32 on the CPU, contiguous; the kernels check the values themselves."""
     return (index.dtype == torch.int32 and index.device.type == "cpu" and index.dim() == 1
             and index.is_contiguous())
 
@@ -179,9 +182,11 @@ def _sym_decode(packed, scales, shape2d, reduce_dim, dtype, exact=None):
 
 
 def _native_exact(exact, dtype, shape2d) -> bool:
-    """Exact channels the C decode writes: int32 CPU slots, contiguous [rows, slots] values of
-    the output dtype, rows of `channels` within the output. It checks the slots itself; the
-    reference raises on the rest."""
+    """Exact channels as the C decode writes them.
+
+    Slots are int32 on the CPU; values are contiguous [rows, slots] of the output dtype; rows of
+    ``channels`` lie within the output. It checks the slots itself; the reference raises on the
+    rest."""
     channels, index, values = exact
     return (_slots(index) and values.dtype == dtype and values.is_contiguous() and values.dim() == 2
             and values.shape[1] == index.numel()

@@ -1,12 +1,12 @@
 """Which CPU this is, as far as the native build and the profiles must tell CPUs apart.
 
-A virtual machine's model name is often the make alone: "AMD EPYC" has been a Zen 4 (family
-25) and a Zen 5 (family 26) on this project's machines, and "Intel(R) Xeon(R) Processor"
-covers generations with and without AVX-512. A library built with -march=native on one may
-use instructions the other lacks, and codec timings taken on one mislead plans on the other
-(outlier_int4's round trip was 0.54 of a copy on the Zen 4's AVX2 path, 0.39-0.43 on the Zen
-5's). So the CPU is named by its model name with its family and model numbers, and a build is
-keyed by those and the instruction-set flags the kernel reports.
+A virtual machine's model name is often the make alone. "AMD EPYC" has been a Zen 4 (family 25) and
+a Zen 5 (family 26) on this project's machines. "Intel(R) Xeon(R) Processor" covers generations with
+and without AVX-512. A library built with -march=native on one may use instructions the other lacks.
+Codec timings taken on one mislead plans on the other: outlier_int4's round trip was 0.54 of a copy
+on the Zen 4's AVX2 path, 0.39-0.43 on the Zen 5's. So the CPU is named by its model name with its
+family and model numbers. A build is keyed by those and the instruction-set flags the kernel
+reports.
 """
 from __future__ import annotations
 
@@ -26,8 +26,9 @@ class HostCpu:
     flags: frozenset[str] = frozenset()
 
     def describe(self) -> str:
-        """The model name, with the family and model numbers where there are some:
-        "AMD EPYC (family 25, model 17)"."""
+        """The model name, with the family and model numbers where there are some.
+
+        For example "AMD EPYC (family 25, model 17)"."""
         if self.family is None:
             return self.model
         return f"{self.model} (family {self.family}, model {self.model_number})"
@@ -38,8 +39,9 @@ class HostCpu:
 
 
 def parse_cpuinfo(text: str) -> HostCpu:
-    """The first processor's entry of a /proc/cpuinfo text (every core of a machine is alike
-    here); fields it lacks stay unknown."""
+    """The first processor's entry of a /proc/cpuinfo text; fields it lacks stay unknown.
+
+    Every core of a machine is alike here."""
     fields: dict[str, str] = {}
     for line in text.splitlines():
         if not line.strip():

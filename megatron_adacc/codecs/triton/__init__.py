@@ -1,18 +1,19 @@
-"""Triton kernels of the codecs (CUDA; the CPU under TRITON_INTERPRET=1), byte-identical to
-the PyTorch reference, one file per kernel family beside it:
+"""Triton kernels of the codecs (CUDA, or the CPU under TRITON_INTERPRET=1), byte-exact.
 
-- sym_int4.py: sym_int4's flat groups, naive_int4's rows, outlier_int4's inliers (taking the
-  exact channels in the encoding pass, writing them back in the decoding pass);
+They are byte-identical to the PyTorch reference, one file per kernel family:
+- sym_int4.py: sym_int4's flat groups, naive_int4's rows, and outlier_int4's inliers. It takes the
+  exact channels in the encoding pass and writes them back in the decoding pass.
 - outlier_select.py: outlier_int4's channel sums, z-scores and capacity slots;
-- channel_int4.py: per-channel scales; asym_int4.py; bitmask.py (the float mask's value
-  check on the device).
+- channel_int4.py: per-channel scales; asym_int4.py; bitmask.py (it checks the float mask's value on
+  the device).
 
-Each encode and decode is one kernel launch (outlier_int4's encode two: the selection, then
-the codes) and allocations; nothing reads a device value on the host. Launch geometry comes
-from launch.py. Inputs outside the kernels' layouts fall back to the reference, which is
-sync-free too: rows of odd width (their code pairs span rows), encodes of rows wider than
-launch.MAX_ROW (naive_int4's rows are a group, held whole by one program), per-channel scales
-of an odd channel count, integer masks.
+Each encode and decode is one kernel launch and its allocations; outlier_int4's encode is two (the
+selection, then the codes). Nothing reads a device value on the host. Launch geometry comes from
+launch.py. Inputs outside the kernels' layouts fall back to the reference, which is sync-free too:
+- rows of odd width, whose code pairs span rows;
+- encodes of rows wider than launch.MAX_ROW (naive_int4's rows are a group, held whole by one
+  program);
+- per-channel scales of an odd channel count, and integer masks.
 """
 
 import torch
@@ -28,10 +29,11 @@ def _power_of_two(n: int) -> bool:
 
 
 def _layout(x2d: torch.Tensor, channels: int | None = None) -> sym_int4.Layout | None:
-    """The sym kernels' view of the groups a codec hands over: [groups, width] or [rows,
-    width] (a row a group), or, read in place, [rows, groups a row, width]; None where the
-    kernels do not apply. ``channels``: the outlier codec's, whose rows become the kernel's
-    rows where the groups tile them, so that a tile's columns are channels."""
+    """The sym kernels' view of the groups a codec hands over; None where the kernels do not apply.
+
+    The view is [groups, width] or [rows, width] (a row a group), or, read in place, [rows,
+    groups a row, width]. ``channels`` is the outlier codec's. Its rows become the kernel's rows
+    where the groups tile them, so that a tile's columns are channels."""
     width = x2d.shape[-1]
     if width % 2 or x2d.stride(-1) != 1 or width > launch.MAX_ROW:
         return None

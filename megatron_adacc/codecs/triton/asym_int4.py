@@ -1,6 +1,8 @@
-"""Asymmetric int4, one scale and offset per group (a row of [groups, width], width even): the
-Triton twin of codecs/asymmetric.py. One encode kernel, one decode kernel; tiles of whole
-groups loaded as unit-stride vectors and split into even and odd elements for the nibbles."""
+"""Asymmetric int4, one scale and offset per group: the Triton twin of codecs/asymmetric.py.
+
+A group is a row of [groups, width], width even. There is one encode kernel and one decode kernel.
+Tiles of whole groups load as unit-stride vectors, split into even and odd elements for the nibbles.
+"""
 import torch
 import triton
 import triton.language as tl

@@ -1,8 +1,10 @@
-"""Bit packing of masks, 8 flags per byte: the Triton twin of codecs/bitmask.py. One pack
-kernel, which also checks a float mask's value on the device (bitmask.mask_value: each program
-takes the least and greatest non-zero element of its block and whether it met a NaN, and the
-last program to finish, by an atomic ticket, writes the value or NaN), and one unpack kernel,
-which writes the value where a flag is set."""
+"""Bit packing of masks, 8 flags per byte: the Triton twin of codecs/bitmask.py.
+
+- The pack kernel also checks a float mask's value on the device (bitmask.mask_value). Each program
+  takes the least and greatest non-zero element of its block, and whether it met a NaN. The last
+  program to finish, by an atomic ticket, writes the value or NaN.
+- The unpack kernel writes the value where a flag is set.
+"""
 import torch
 import triton
 import triton.language as tl
@@ -84,8 +86,7 @@ def _mask_unpack(packed_ptr, value_ptr, out_ptr, numel, VALUE: tl.constexpr,
 
 
 def mask_encode(flat: torch.Tensor):
-    """(packed flags, the mask's value or None) as bitmask.mask_encode, for bool and float
-    masks."""
+    """(packed flags, the mask's value or None) as bitmask.mask_encode, for bool and float masks."""
     check = flat.dtype != torch.bool
     x = flat.view(torch.uint8) if not check else bits_view(flat)
     tile = flat_tile(flat.numel(), 8)

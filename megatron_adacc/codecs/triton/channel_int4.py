@@ -1,14 +1,17 @@
-"""Symmetric int4 with one scale per channel (column) of [rows, channels]: the Triton twin of
-codecs/symmetric.py for reduce_dim=0 (channel_int4). One encode kernel, one decode kernel.
+"""Symmetric int4 with one scale per channel (column) of [rows, channels], in Triton.
 
-A channel's scale needs every row before any of its codes, so the encode launches programs
-of two kinds, told apart by a ticket each draws as it starts (not its program id): the first
-`stat_programs` tickets take the column minima and maxima of a chunk of rows, and the last of
-them to finish turns them into scales; every later ticket codes a tile once the scales are
-out. A coder only waits on programs that drew earlier tickets, so those are running already:
-the wait cannot deadlock however many programs the GPU holds (the forward-progress argument
-of decoupled look-back scans), and the interpreter, which runs programs one by one in order,
-never waits. The input is read twice (statistics, then codes), with no other launch.
+It is the Triton twin of codecs/symmetric.py for reduce_dim=0 (channel_int4): one encode kernel, one
+decode kernel.
+
+A channel's scale needs every row before any of its codes. So the encode launches programs of two
+kinds, told apart by a ticket each draws as it starts (not its program id):
+- The first ``stat_programs`` tickets take the column minima and maxima of a chunk of rows. The last
+  of them to finish turns those into scales.
+- Every later ticket codes a tile once the scales are out.
+A coder only waits on programs that drew earlier tickets, which are running already. So the wait
+cannot deadlock however many programs the GPU holds (the forward-progress argument of decoupled
+look-back scans). The interpreter runs programs one by one in order and never waits. The input is
+read twice (statistics, then codes), with no other launch.
 """
 import torch
 import triton
@@ -130,8 +133,9 @@ def _channel_decode(packed_ptr, scale_ptr, out_ptr, rows, channels, dmax,
 
 
 def channel_encode(x2d: torch.Tensor):
-    """-> (packed codes, bf16 scales [channels]) of a contiguous [rows, channels] (channels
-    even), as symmetric.sym_encode(x2d, 0)."""
+    """-> (packed codes, bf16 scales [channels]) of a contiguous [rows, channels], channels even.
+
+    It matches symmetric.sym_encode(x2d, 0)."""
     rows, channels = x2d.shape
     tile = row_tile(rows, channels, 2)  # columns: channels, in blocks
     col_blocks = tile.grid[1]

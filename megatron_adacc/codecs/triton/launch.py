@@ -1,10 +1,10 @@
-"""Launch geometry of the Triton codec kernels, from the shape (as the Triton tutorials'
-softmax and layer-norm pick theirs), and the views the wrappers hand them.
+"""Launch geometry of the Triton codec kernels, from the shape, and the views the wrappers pass.
 
-Every wrapper asks one of the functions here for its tile and num_warps; nothing else sizes a
-launch, so scripts/check_kernels.py compiles what the codecs really launch by recording the
-launches themselves. Under TRITON_INTERPRET=1 one fixed geometry of large tiles is used: the
-interpreter pays milliseconds per program instance, and num_warps means nothing there.
+The geometry follows the Triton tutorials' softmax and layer-norm. Every wrapper asks one of the
+functions here for its tile and num_warps, and nothing else sizes a launch. So
+scripts/check_kernels.py compiles what the codecs really launch, by recording the launches
+themselves. Under TRITON_INTERPRET=1 one fixed geometry of large tiles is used: the interpreter pays
+milliseconds per program instance, and num_warps means nothing there.
 """
 from __future__ import annotations
 
@@ -49,8 +49,10 @@ class Tile:
 
 
 def next_power_of_2(n: int) -> int:
-    """triton.next_power_of_2 in plain Python: Triton 3.6's is a constexpr function whose
-    host call costs microseconds, paid on every codec call."""
+    """triton.next_power_of_2 in plain Python.
+
+    Triton 3.6's is a constexpr function whose host call costs microseconds, paid on every codec
+    call."""
     return 1 << (n - 1).bit_length() if n > 1 else 1
 
 
@@ -64,8 +66,9 @@ def _tile_elements() -> int:
 
 
 def warps_for(elements: int) -> int:
-    """num_warps for a program moving ``elements`` values (the layer-norm tutorial's rule:
-    scale with the tile, within [4, 16])."""
+    """num_warps for a program moving ``elements`` values: with the tile, within [4, 16].
+
+    That is the layer-norm tutorial's rule."""
     return min(max(elements // (ELEMENTS_PER_THREAD * WARP), 4), MAX_WARPS)
 
 
@@ -73,10 +76,12 @@ def warps_for(elements: int) -> int:
 # times: cached, they cost a dictionary lookup on the codecs' host path.
 @functools.lru_cache(maxsize=4096)
 def row_tile(rows: int, width: int, group: int) -> Tile:
-    """The tile of a kernel reducing groups of ``group`` consecutive elements of rows
-    ``width`` wide (``group`` divides ``width``, or is ``width``'s power-of-two ceiling: a whole
-    row a group). Columns: the row, cut into blocks of whole groups at most MAX_BLOCK_COLS
-    wide unless a group is wider; rows: as many as fill the tile."""
+    """The tile of a kernel reducing groups of ``group`` elements of rows ``width`` wide.
+
+    ``group`` divides ``width``, or is ``width``'s power-of-two ceiling (a whole row a group).
+    - Columns: the row, cut into blocks of whole groups at most MAX_BLOCK_COLS wide, unless a group
+      is wider.
+    - Rows: as many as fill the tile."""
     cols = next_power_of_2(width)
     if group < cols:
         cols = max(group, min(cols, MAX_BLOCK_COLS))
@@ -87,22 +92,25 @@ def row_tile(rows: int, width: int, group: int) -> Tile:
 
 @functools.lru_cache(maxsize=4096)
 def flat_tile(numel: int, granule: int = 1) -> Tile:
-    """A 1-D tile over ``numel`` elements in whole granules (a byte's 8 mask flags): rows of
-    granules, one column block."""
+    """A 1-D tile over ``numel`` elements in whole granules: rows of granules, one column block.
+
+    A granule is, e.g., a byte's 8 mask flags."""
     granules = cdiv(numel, granule)
     rows = max(1, min(_tile_elements() // granule, next_power_of_2(granules)))
     return Tile(rows, granule, (cdiv(granules, rows), 1), warps_for(rows * granule))
 
 
 def needs_int64(*extents: int) -> bool:
-    """Whether an element offset (the largest of ``extents``) can reach 2**31: the kernels
-    then index in int64 (a constexpr), else int32."""
+    """Whether an element offset (the largest of ``extents``) can reach 2**31.
+
+    The kernels then index in int64 (a constexpr), else in int32."""
     return max(extents, default=0) >= INT32_LIMIT
 
 
 def bits_view(t: torch.Tensor) -> torch.Tensor:
-    """bf16 tensors go to the kernels as their int16 bit patterns (see numerics.to_output and
-    numerics.load_float)."""
+    """bf16 tensors go to the kernels as their int16 bit patterns.
+
+    See numerics.to_output and numerics.load_float."""
     return t.view(torch.int16) if t.dtype == torch.bfloat16 else t
 
 

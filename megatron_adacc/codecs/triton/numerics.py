@@ -6,6 +6,7 @@ import triton.language as tl
 @triton.jit
 def ceil_to_bf16(v):
     """Smallest bf16-representable fp32 value >= v for finite v >= 0 (as int4.ceil_to_bf16).
+
     Callers exclude non-finite groups separately."""
     bits = v.to(tl.int32, bitcast=True)
     return ((bits + 0xFFFF) & -65536).to(tl.float32, bitcast=True)
@@ -13,10 +14,11 @@ def ceil_to_bf16(v):
 
 @triton.jit
 def to_output(v, OUT_BF16: tl.constexpr, out_dtype: tl.constexpr):
-    """fp32 -> output dtype, rounding to nearest even. bf16 is rounded by hand and returned
-    as its int16 bit pattern: the Triton interpreter truncates fp32 -> bf16 casts. NaN gives
-    the quiet NaN 0x7FC0: rounding a GPU's NaN (0x7FFFFFFF) by hand would carry into the sign
-    and give -0."""
+    """fp32 -> output dtype, rounding to nearest even.
+
+    bf16 is rounded by hand and returned as its int16 bit pattern: the Triton interpreter
+    truncates fp32 -> bf16 casts. NaN gives the quiet NaN 0x7FC0. Rounding a GPU's NaN
+    (0x7FFFFFFF) by hand would carry into the sign and give -0."""
     if OUT_BF16:
         bits = v.to(tl.int32, bitcast=True)
         rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
@@ -27,9 +29,10 @@ def to_output(v, OUT_BF16: tl.constexpr, out_dtype: tl.constexpr):
 
 @triton.jit
 def widen(raw, BF16_BITS: tl.constexpr):
-    """Loaded values as fp32. bf16 tensors are passed as their int16 bit patterns
-    (launch.bits_view) and widened by hand: the Triton interpreter's bf16 -> fp32 cast flushes
-    subnormals to 0, where a GPU's (a shift) keeps them."""
+    """Loaded values as fp32; bf16 comes as int16 bits (launch.bits_view), widened by hand.
+
+    The Triton interpreter's bf16 -> fp32 cast flushes subnormals to 0, where a GPU's (a shift)
+    keeps them."""
     if BF16_BITS:
         return (raw.to(tl.int32) << 16).to(tl.float32, bitcast=True)
     else:
@@ -50,8 +53,9 @@ def non_finite(v):
 
 @triton.jit
 def scale_bits(scale, bad):
-    """bf16 bits (int16) of an fp32 scale that is bf16-exact (ceil_to_bf16), or of NaN where
-    ``bad``: stored by hand, as a GPU's cvt would canonicalise NaN to 0x7FFF."""
+    """bf16 bits (int16) of a bf16-exact fp32 scale (ceil_to_bf16), or of NaN where ``bad``.
+
+    They are stored by hand, since a GPU's cvt would canonicalise NaN to 0x7FFF."""
     bits = scale.to(tl.int32, bitcast=True) >> 16
     return tl.where(bad, 0x7FC0, bits).to(tl.int16)
 

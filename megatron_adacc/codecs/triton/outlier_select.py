@@ -1,11 +1,11 @@
 """outlier_int4's channel selection in one kernel: the Triton twin of outlier.outlier_select.
 
-Each program sums |x| in float64 over the statistics rows (every k-th row,
-outlier.statistics_rows) for a block of channels; the last program to finish (an atomic
-ticket) has every sum and takes the z-scores, the prefix count of outliers and the first
-`capacity` of them (outlier.select_channels): the selected mask and the slot indices, on the
-device, with no other launch. Programs sum in another order than torch: the float64 sums of
-16-bit values are exact, and z-scores differ by an ulp at most.
+Each program sums |x| in float64 over the statistics rows (every k-th row, outlier.statistics_rows)
+for a block of channels. The last program to finish (an atomic ticket) has every sum. It takes the
+z-scores, the prefix count of outliers and the first ``capacity`` of them (outlier.select_channels).
+The result, the selected mask and the slot indices, stays on the device, with no other launch.
+Programs sum in another order than torch: the float64 sums of 16-bit values are exact, and z-scores
+differ by an ulp at most.
 """
 import torch
 import triton
@@ -87,8 +87,10 @@ def _select(sums_ptr, selected_ptr, index_ptr, channels, capacity, threshold,
 
 
 def outlier_select(x2d: torch.Tensor, threshold: float, capacity: int):
-    """(selected channels, a bool mask; their indices int32 [capacity], EMPTY_SLOT-filled), as
-    outlier.outlier_select, of x2d [rows, channels] (rows a stride apart, channels dense)."""
+    """(selected channels' bool mask, their int32 indices [capacity]), as outlier.outlier_select.
+
+    Unused index slots hold EMPTY_SLOT. x2d is [rows, channels], rows a stride apart, channels
+    dense."""
     rows, channels = x2d.shape
     step = statistics_step(rows)
     sample_rows = cdiv(rows, step)

@@ -1,14 +1,14 @@
-"""Symmetric int4 with one scale per group of consecutive elements of a row: the Triton twin
-of codecs/symmetric.py for sym_int4's flat groups, naive_int4's whole rows and outlier_int4's
-inliers (with its exact channels taken in the encoding pass and written back in the decoding
-pass). One encode kernel, one decode kernel.
+"""Symmetric int4 with one scale per group of consecutive elements of a row, in Triton.
 
-The input is seen as [rows, width] rows ``stride`` apart (a view's rows read where they lie);
-a tile is [BLOCK_ROWS, BLOCK_COLS] of whole groups, loaded as unit-stride vectors, reshaped to
-[rows, groups, group] for the group statistics and split into even and odd elements for the
-nibble pairs. Exact channels that are not columns of the tile (CHANNEL_MOD: flat groups of
-a tensor whose channels are no multiple of the group) take a slower index path, which no
-model site's shape reaches.
+It is the Triton twin of codecs/symmetric.py for sym_int4's flat groups, naive_int4's whole rows and
+outlier_int4's inliers. For the outlier codec it takes the exact channels in the encoding pass and
+writes them back in the decoding pass. One encode kernel, one decode kernel.
+
+The input is seen as [rows, width] rows ``stride`` apart (a view's rows read where they lie). A tile
+is [BLOCK_ROWS, BLOCK_COLS] of whole groups, loaded as unit-stride vectors. It is reshaped to [rows,
+groups, group] for the group statistics, and split into even and odd elements for the nibble pairs.
+Exact channels that are not columns of the tile take a slower index path (CHANNEL_MOD: flat groups
+of a tensor whose channels are no multiple of the group). No model site's shape reaches it.
 """
 import torch
 import triton
@@ -151,10 +151,11 @@ def _sym_decode(packed_ptr, scale_ptr, index_ptr, values_ptr, out_ptr,
 def _copy_exact_run(tensor_ptr, stride, values_ptr, index_ptr, row, rows, capacity, start,
                     BLOCK_COLS: tl.constexpr, CAPACITY_BLOCK: tl.constexpr,
                     EXACT_SLOTS: tl.constexpr, TO_VALUES: tl.constexpr):
-    """Copy the exact channels among columns [start, start + BLOCK_COLS) of ``row`` between
-    the tensor (rows ``stride`` apart) and their slots' columns of the values ([rows,
-    capacity]). They are a run of the ascending slot indices, found by two searches and
-    copied EXACT_SLOTS at a time (one pass unless the block holds more exact channels)."""
+    """Copy the exact channels among columns [start, start + BLOCK_COLS) of ``row``.
+
+    They go between the tensor (rows ``stride`` apart) and their slots' columns of the values
+    ([rows, capacity]). They are a run of the ascending slot indices, found by two searches. They
+    are copied EXACT_SLOTS at a time: one pass, unless the block holds more exact channels."""
     first_slot = _lower_bound(start, index_ptr, capacity, CAPACITY_BLOCK)
     end_slot = _lower_bound(start + BLOCK_COLS, index_ptr, capacity, CAPACITY_BLOCK)
     for first in range(first_slot, end_slot, EXACT_SLOTS):
@@ -171,8 +172,10 @@ def _copy_exact_run(tensor_ptr, stride, values_ptr, index_ptr, row, rows, capaci
 
 @triton.jit
 def _lower_bound(channel, index_ptr, capacity, CAPACITY_BLOCK: tl.constexpr):
-    """How many used slots hold a channel below ``channel`` (the slot indices ascend, empty
-    slots, -1, at the end): a binary search, log2(CAPACITY_BLOCK) + 1 gathers of the index."""
+    """How many used slots hold a channel below ``channel``: a binary search.
+
+    The slot indices ascend, with the empty slots (-1) at the end. The search makes
+    log2(CAPACITY_BLOCK) + 1 gathers of the index."""
     position = tl.zeros_like(channel)
     for level in tl.static_range(CAPACITY_BLOCK.bit_length()):  # steps up to 2 x block - 1
         probe = position + (CAPACITY_BLOCK >> level)
@@ -191,8 +194,9 @@ def _slot_of(channel, index_ptr, capacity, CAPACITY_BLOCK: tl.constexpr):
 
 
 class Layout:
-    """How the sym kernels see a tensor: [rows, width] (width even), rows ``stride`` elements
-    apart, cut into groups of ``group`` elements (None: a whole row a group)."""
+    """How the sym kernels see a tensor: [rows, width] (width even), rows ``stride`` elements apart.
+
+    The rows are cut into groups of ``group`` elements (None: a whole row a group)."""
 
     def __init__(self, rows: int, width: int, stride: int, group: int | None = None):
         self.rows, self.width, self.stride = rows, width, stride
@@ -210,16 +214,20 @@ def _capacity_block(capacity: int) -> int:
 
 
 def _exact_rows(tile: Tile, width: int, channels: int) -> int:
-    """Tensor rows (of ``channels``) a program's elements can touch: its tile's rows, or,
-    where flat groups cross the rows (CHANNEL_MOD), the rows its element range spans."""
+    """Tensor rows (of ``channels``) a program's elements can touch.
+
+    That is its tile's rows, or, where flat groups cross the rows (CHANNEL_MOD), the rows its
+    element range spans."""
     if channels == width:
         return tile.rows
     return next_power_of_2(-(-tile.rows * width // channels) + 1)
 
 
 def _exact_channels(exact, unused: torch.Tensor, layout: Layout):
-    """(slot indices, values, channels, capacity) of outlier_int4's exact channels, given as
-    (slot indices, values, channels, ...); without them, placeholders the kernels never read."""
+    """(slot indices, values, channels, capacity) of outlier_int4's exact channels.
+
+    They are given as (slot indices, values, channels, ...). Without them, it returns
+    placeholders the kernels never read."""
     if exact is None:
         return unused, unused, layout.width, 0
     index, values, channels = exact[:3]
@@ -227,10 +235,13 @@ def _exact_channels(exact, unused: torch.Tensor, layout: Layout):
 
 
 def sym_encode(x: torch.Tensor, layout: Layout, outlier=None):
-    """-> (packed codes, bf16 scales) of ``x`` seen through ``layout``. ``outlier``: (slot
-    indices int32 [capacity], [rows, capacity] output of their exact values, channels, the
-    selected channels' bool mask), as outlier_select gives them: those channels are copied
-    to their slot and encoded as zeros."""
+    """-> (packed codes, bf16 scales) of ``x`` seen through ``layout``.
+
+    Args:
+        outlier: (slot indices int32 [capacity], a [rows, capacity] output for their exact values,
+            channels, the selected channels' bool mask), as outlier_select gives them. Those
+            channels are copied to their slot and encoded as zeros.
+    """
     t = layout.tile
     packed = torch.empty(layout.rows * layout.width // 2, dtype=torch.uint8, device=x.device)
     scales = torch.empty(layout.rows * layout.row_groups, dtype=torch.bfloat16, device=x.device)
@@ -250,9 +261,12 @@ def sym_encode(x: torch.Tensor, layout: Layout, outlier=None):
 
 def sym_decode(packed: torch.Tensor, scales: torch.Tensor, layout: Layout, dtype: torch.dtype,
                exact=None) -> torch.Tensor:
-    """The decoded [rows, width] tensor of ``dtype``. ``exact``: (slot indices int32
-    [capacity], their values [rows, capacity], channels), written over the decoded values in
-    the same pass."""
+    """The decoded [rows, width] tensor of ``dtype``.
+
+    Args:
+        exact: (slot indices int32 [capacity], their values [rows, capacity], channels), written
+            over the decoded values in the same pass.
+    """
     t = layout.decode_tile
     out = torch.empty(layout.rows, layout.width, dtype=dtype, device=packed.device)
     index, values, channels, capacity = _exact_channels(exact, scales, layout)
