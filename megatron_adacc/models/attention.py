@@ -1,7 +1,8 @@
-"""The core attention of a layer spec: megatron-core's unfused `DotProductAttention`, or
-`FlashDotProductAttention` (flash_attention.py), the same module on PyTorch's
-`scaled_dot_product_attention`, as ``--attention-backend`` resolves (attention_backend.py).
-Light to import: megatron is imported where a spec is built.
+"""The core attention of a layer spec, as ``--attention-backend`` resolves (attention_backend.py).
+
+It is megatron-core's unfused ``DotProductAttention``, or ``FlashDotProductAttention``
+(flash_attention.py), the same module on PyTorch's ``scaled_dot_product_attention``. Light to
+import: megatron is imported where a spec is built.
 """
 from __future__ import annotations
 
@@ -14,8 +15,9 @@ DEFAULT_SPEC_BACKEND = "unfused"
 
 
 def auto_core_attention(config, *args, **kwargs):
-    """A core-attention builder (megatron calls it like a module class) that picks flash or
-    unfused from the config's attention dropout on this device."""
+    """A core-attention builder, called by megatron like a module class.
+
+    It picks flash or unfused from the config's attention dropout on this device."""
     backend = resolve_backend("auto", config.attention_dropout)
     return _core_attention(backend)(config, *args, **kwargs)
 

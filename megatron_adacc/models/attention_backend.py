@@ -1,7 +1,7 @@
-"""What ``--attention-backend`` means on a device: the backend a layer computes attention
-with (`resolve_backend`). Light to import (the flag parser and the analytic model use it);
-the core attention modules (attention.py builds specs with them, flash_attention.py) import
-it, not the other way round.
+"""What ``--attention-backend`` means on a device: the backend a layer computes attention with.
+
+``resolve_backend`` decides. Light to import: the flag parser and the analytic model use it. The
+core attention modules (attention.py, flash_attention.py) import it, not the other way round.
 
     --attention-backend unfused   megatron-core's local core attention (the s^2 tensors)
     --attention-backend flash     SDPA: its flash (or memory-efficient) kernel saves Q, K, V,
@@ -9,11 +9,11 @@ it, not the other way round.
     --attention-backend auto      flash wherever this device's SDPA runs such a kernel with
                                   the configured attention dropout, else unfused
 
-Megatron-LM names the flag the same and defaults to auto. On the CPU, SDPA runs its flash
-kernel only without dropout (with dropout it falls back to its math path, which saves the
-s^2 tensors under names the flash sites do not have), so auto picks flash there only at
-attention dropout 0 and an explicit flash with dropout is refused. On CUDA the flash and
-memory-efficient kernels draw their own dropout (their philox seed and offset are saved).
+Megatron-LM names the flag the same and defaults to auto. On the CPU, SDPA runs its flash kernel
+only without dropout. With dropout it falls back to its math path, which saves the s^2 tensors under
+names the flash sites do not have. So auto picks flash there only at attention dropout 0, and an
+explicit flash with dropout is refused. On CUDA the flash and memory-efficient kernels draw their
+own dropout (their philox seed and offset are saved).
 """
 from __future__ import annotations
 
@@ -21,9 +21,10 @@ ATTENTION_BACKENDS = ("auto", "flash", "unfused")
 
 
 def flash_runs(attention_dropout: float, cuda: bool | None = None) -> bool:
-    """Whether SDPA runs a kernel that saves only Q, K, V, the output and the log-sum-exp
-    (flash or memory-efficient) at this attention dropout on this device (default: CUDA if
-    there is one)."""
+    """Whether SDPA runs a flash or memory-efficient kernel at this attention dropout.
+
+    Such a kernel saves only Q, K, V, the output and the log-sum-exp. ``device`` defaults to CUDA
+    if there is one."""
     if cuda is None:
         import torch
 

@@ -1,8 +1,8 @@
 """Building megatron-core GPT models and the process groups they live in.
 
-One place for the steps every entry point repeats (the trainer, the profiler, tests,
-benchmarks): CPU shims, the gloo/NCCL process group, model-parallel state, seeds, and a
-``GPTModel`` built from megatron-core's local layer spec (or an Adacc subclass of it).
+One place for the steps every entry point repeats (the trainer, the profiler, tests, benchmarks):
+CPU shims, the gloo/NCCL process group, model-parallel state, seeds, and a ``GPTModel``. The model
+is built from megatron-core's local layer spec, or an Adacc subclass.
 """
 from __future__ import annotations
 
@@ -27,10 +27,11 @@ def _free_port() -> int:
 
 def init_distributed(tensor_model_parallel_size: int = 1,
                      pipeline_model_parallel_size: int = 1) -> None:
-    """Join (or, for a plain ``python`` run, create) the process group and set up
-    megatron-core's model-parallel groups (tensor, pipeline and the embedding group that
-    ties the first and last stages' word embeddings). gloo on CPU, NCCL on GPU.
-    Idempotent."""
+    """Join or create the process group, and set up megatron-core's model-parallel groups.
+
+    A plain ``python`` run creates the group: gloo on CPU, NCCL on GPU. The model-parallel groups
+    are tensor, pipeline and the embedding group that ties the first and last stages' word
+    embeddings. Calling it again does nothing."""
     megatron_compat.apply()
     from megatron.core import parallel_state
 
@@ -66,10 +67,11 @@ def init_distributed(tensor_model_parallel_size: int = 1,
 
 
 def shutdown_distributed() -> None:
-    """Undo ``init_distributed``: megatron-core's model-parallel groups, then the default
-    process group (no-op for what was never set up). Entry points call it on every exit: a
-    process group left for the interpreter's exit to tear down can abort the process
-    (``terminate called without an active exception``) once training has finished."""
+    """Undo ``init_distributed``: megatron-core's model-parallel groups, then the process group.
+
+    It skips what was never set up. Entry points call it on every exit: a process group left for
+    the interpreter's exit to tear down can abort the process once training has finished
+    (``terminate called without an active exception``)."""
     from megatron.core import parallel_state
 
     if parallel_state.model_parallel_is_initialized():
@@ -79,8 +81,9 @@ def shutdown_distributed() -> None:
 
 
 def collective_device(group=None) -> torch.device:
-    """Where a tensor for a collective on ``group`` must live: NCCL reduces only CUDA
-    tensors (megatron puts its scalars on torch.cuda.current_device()), gloo host ones."""
+    """Where a tensor for a collective on ``group`` must live: CUDA for NCCL, the host for gloo.
+
+    NCCL reduces only CUDA tensors; megatron puts its scalars on torch.cuda.current_device()."""
     if dist.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
@@ -116,12 +119,15 @@ def build_transformer_config(**overrides: Any):
 def build_gpt_model(config, vocab_size: int, max_sequence_length: int, layer_spec=None,
                     attention_backend: str = DEFAULT_SPEC_BACKEND,
                     embedding: EmbeddingOptions = EmbeddingOptions()):
-    """megatron-core GPTModel built from `layer_spec`, by default megatron-core's local spec
-    with `attention_backend`'s core attention (see attention.py); its positions and output
-    layer are `embedding`'s (default GPT-2's: learned absolute positions, tied output
-    layer). Under sequence parallelism or zero-centred gamma the norms are `TorchNorm`s
-    (megatron's torch norm asserts there). One whole model: pipeline stages are built by
-    Megatron-LM's model provider (pretrain_gpt.py)."""
+    """megatron-core GPTModel built from ``layer_spec``; one whole model, not a pipeline stage.
+
+    - ``layer_spec`` defaults to megatron-core's local spec with ``attention_backend``'s core
+      attention (see attention.py).
+    - Positions and output layer are ``embedding``'s; the default is GPT-2's (learned absolute
+      positions, tied output layer).
+    - Under sequence parallelism or zero-centred gamma the norms are ``TorchNorm``s, since
+      megatron's torch norm asserts there.
+    Megatron-LM's model provider (pretrain_gpt.py) builds pipeline stages."""
     if config.pipeline_model_parallel_size > 1:
         raise ValueError("build_gpt_model builds a whole model; train pipeline stages with "
                          "pretrain_gpt.py, whose model provider builds each rank's stage")
@@ -139,8 +145,9 @@ def build_gpt_model(config, vocab_size: int, max_sequence_length: int, layer_spe
 
 
 def torch_norm_block(config, layer_spec, vp_stage: int | None = None):
-    """The block spec of ``layer_spec``'s layers with every megatron torch norm (the layers'
-    and the final one) a TorchNorm."""
+    """The block spec of ``layer_spec``'s layers, every megatron torch norm a TorchNorm.
+
+    That covers the layers' norms and the final one."""
     import dataclasses
 
     from megatron.core.transformer.transformer_block import (
@@ -179,9 +186,10 @@ def gpt_loss(model, tokens: torch.Tensor, labels: torch.Tensor, loss_mask: torch
 
 
 def gpt_forward(model, tokens: torch.Tensor | None, labels: torch.Tensor | None):
-    """The model's output for one micro-batch: the per-token loss [batch, seq] on the last
-    pipeline stage (labels given), the hidden states for the next stage elsewhere. A stage
-    after the first takes its input from megatron's set_input_tensor, not ``tokens``."""
+    """The model's output for one micro-batch: per-token loss on the last stage, else hidden states.
+
+    The loss is [batch, seq], given labels; other stages return hidden states for the next. A
+    stage after the first takes its input from megatron's set_input_tensor, not ``tokens``."""
     position_ids = None
     if tokens is not None:
         position_ids = (torch.arange(tokens.shape[1], device=tokens.device)

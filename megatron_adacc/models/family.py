@@ -1,25 +1,23 @@
-"""What a model family is: a small declarative unit, so the next family is added by
-substitution rather than by conditionals spread across modules.
+"""What a model family is: a small declarative unit, so a new family is a substitution.
 
-A family names the layer variant it trains (`LayerVariant`: its normalisation, its MLP, its
-positions) and the Megatron-LM flags that build it (`ModelFamily.flags`: the variant's, and
-grouped-query attention, biases, tied embeddings), and each part of the variant says what
-the layer saves and what that costs, in the vocabulary of `terms.py`:
+No conditionals spread across modules. A family names two things:
+- the layer variant it trains (``LayerVariant``: its normalisation, its MLP, its positions);
+- the Megatron-LM flags that build it (``ModelFamily.flags``: the variant's, grouped-query
+  attention, biases, tied embeddings).
+Each part of the variant says what the layer saves and what that costs, in ``terms.py``'s
+vocabulary:
+- ``NormPart``: what the norm saves besides its input and statistics, its dtype, and its parameters;
+- ``MlpPart``: the sites of what the MLP saves (attribution asks it), their terms, fc1's width and
+  Megatron-LM's default ffn size;
+- ``PositionPart``: what the positions save before core attention, what unfused attention then saves
+  of Q, K and V, and the embedding's position table.
 
-- `NormPart`: what the norm saves besides its input and statistics, in which dtype, and its
-  parameters;
-- `MlpPart`: the sites of what the MLP saves (attribution asks it, `runtime/attribution.py`),
-  their accelerator-model terms, fc1's width and Megatron-LM's default ffn size;
-- `PositionPart`: what the positions save before core attention, what unfused attention
-  then saves of Q, K and V, and the embedding's position table.
-
-The analytic accelerator model (`profiling/hardware.py`) asks the parts the shape's flags
-select (`layer_variant`) for their terms; it holds only the parts every family shares.
-The layer is megatron-core's local spec in every family (WrappedTorchNorm reads
-`config.normalization`, the MLP `config.gated_linear_unit`), so megatron's forward is never
-copied; the recompute segments are megatron's two (sites.SEGMENTS) and the rebuild edges
-sites.REBUILDS's in both families. `mlp_part(config)` reads a built TransformerConfig's MLP,
-in one place.
+The analytic model (``profiling/hardware.py``) asks the parts the flags select (``layer_variant``)
+for their terms; it holds only the parts every family shares. The layer is megatron-core's local
+spec in every family, so megatron's forward is never copied: WrappedTorchNorm reads
+``config.normalization``, the MLP ``config.gated_linear_unit``. Both families use megatron's two
+recompute segments (sites.SEGMENTS) and sites.REBUILDS's edges. ``mlp_part(config)`` reads a built
+TransformerConfig's MLP, in one place.
 """
 from __future__ import annotations
 
@@ -34,10 +32,15 @@ from megatron_adacc.models.terms import (INPUT_NORM, PRE_MLP_NORM, Dims, SiteTer
 
 @dataclass(frozen=True)
 class NormPart:
-    """A normalisation (megatron's ``config.normalization``) and what it saves: always its
-    input (in ``input_dtype``; None: the activations') and one statistic per row, and if
-    ``saves_normed`` its normalised input x * rstd, in fp32; then the next linear layer saves
-    its output. ``parameters_per_channel``: its affine parameters per hidden channel."""
+    """A normalisation (megatron's ``config.normalization``) and what it saves.
+
+    It always saves its input and one statistic per row; the next linear layer saves its output.
+
+    Fields:
+        input_dtype: the dtype its input is saved in; None: the activations'.
+        saves_normed: it also saves its normalised input x * rstd, in fp32.
+        parameters_per_channel: its affine parameters per hidden channel.
+    """
     name: str
     saves_normed: bool
     statistics_per_row: int
@@ -45,8 +48,9 @@ class NormPart:
     input_dtype: str | None = None
 
     def site_terms(self, prefix: str, input_site: str) -> dict[str, SiteTerm]:
-        """The norm's saves in forward order, its sites named by ``prefix`` (a layer's two
-        norms: terms.INPUT_NORM, terms.PRE_MLP_NORM)."""
+        """The norm's saves in forward order, its sites named by ``prefix``.
+
+        A layer's two norms use terms.INPUT_NORM and terms.PRE_MLP_NORM."""
         statistics = self.statistics_per_row
         input_dtype = act if self.input_dtype is None else (lambda d: self.input_dtype)
         terms = {
@@ -67,14 +71,16 @@ class NormPart:
 class MlpPart:
     """An MLP's activation, the sites of what it saves and their terms.
 
-    ``fc1_out``: the site of linear_fc1's output, which the activation saves (for a gated
-    unit, as the gate half: a view pinning the whole [s, b, 2 x ffn] output);
-    ``activation_saves``: what else the activation saves, by the autograd node that made the
-    tensor (a gated unit saves the SiLU's output and the up half plus its offset, a copy);
-    ``fc2_in``: the site of what linear_fc2 saves (the activation's output);
-    ``site_terms``: each of those sites' terms, in forward order (the hardware model adds
-    fc1's matmul ahead of the first and fc2's after the last);
-    ``default_ffn``: Megatron-LM's ffn hidden size for a hidden size."""
+    Fields:
+        fc1_out: the site of linear_fc1's output, which the activation saves. For a gated unit it is
+            the gate half: a view pinning the whole [s, b, 2 x ffn] output.
+        activation_saves: what else the activation saves, by the autograd node that made the tensor.
+            A gated unit saves the SiLU's output and the up half plus its offset, a copy.
+        fc2_in: the site of what linear_fc2 saves (the activation's output).
+        site_terms: each of those sites' terms, in forward order. The hardware model adds fc1's
+            matmul ahead of the first and fc2's after the last.
+        default_ffn: Megatron-LM's ffn hidden size for a hidden size.
+    """
     name: str
     gated: bool
     fc1_out: str
@@ -96,9 +102,10 @@ class MlpPart:
         return 2 if self.gated else 1
 
     def activation_site(self, tensor) -> str | None:
-        """The site of a tensor the activation saves: a view is of fc1's output (the gate
-        half); anything else is named by the node that made it (GELU saves nothing but its
-        input)."""
+        """The site of a tensor the activation saves.
+
+        A view is of fc1's output (the gate half). Anything else is named by the node that made
+        it. GELU saves nothing but its input."""
         if tensor._base is not None or not self.activation_saves:
             return self.fc1_out
         node = tensor.grad_fn
@@ -107,11 +114,15 @@ class MlpPart:
 
 @dataclass(frozen=True)
 class PositionPart:
-    """Positions (Megatron-LM's ``--position-embedding-type``, its name): a ``learned``
-    position table in the embedding, or what the layer saves for them between linear_qkv and
-    core attention (``site_terms``, forward order). ``unfused_qkv_heads``: how many
-    [s, b, head dim] tensors megatron's unfused core attention keeps alive for its Q, K and V
-    (the site ``qkv``) once these positions are applied."""
+    """Positions (Megatron-LM's ``--position-embedding-type``, its name) and what they save.
+
+    Fields:
+        learned: the positions are a table in the embedding.
+        site_terms: what the layer saves for them between linear_qkv and core attention, in forward
+            order.
+        unfused_qkv_heads: how many [s, b, head dim] tensors megatron's unfused core attention keeps
+            alive for its Q, K and V (the site ``qkv``) once these positions are applied.
+    """
     name: str
     learned: bool
     site_terms: Mapping[str, SiteTerm]
@@ -136,8 +147,9 @@ class LayerVariant:
 
 @dataclass(frozen=True)
 class ModelFamily:
-    """A named family: its layer variant and the Megatron-LM flags that build it (beside the
-    shape flags: layers, hidden, heads, ffn, sequence)."""
+    """A named family: its layer variant and the Megatron-LM flags that build it.
+
+    Those flags come beside the shape flags: layers, hidden, heads, ffn, sequence."""
     name: str
     description: str
     variant: LayerVariant
@@ -145,10 +157,11 @@ class ModelFamily:
 
     def transformer_config_options(self, hidden_size: int, num_query_groups: int | None = None,
                                    ffn_hidden_size: int | None = None) -> dict[str, Any]:
-        """The TransformerConfig fields of this family's flags (a benchmark's model, built
-        without the flag parser): its parts, grouped-query attention at
-        ``num_query_groups``, biases, dropouts, and the ffn (default: Megatron-LM's for the
-        MLP at ``hidden_size``, as the trainer's flags give it, not megatron-core's 4h)."""
+        """The TransformerConfig fields of this family's flags, for a model built without a parser.
+
+        They are its parts, grouped-query attention at ``num_query_groups``, biases, dropouts and
+        the ffn. The ffn defaults to Megatron-LM's for the MLP at ``hidden_size``, as the
+        trainer's flags give it, not megatron-core's 4h."""
         import types
 
         flags = {key.replace("-", "_"): value for key, value in self.flags.items()}
@@ -168,8 +181,7 @@ class ModelFamily:
         return options
 
     def argv(self, num_query_groups: int | None = None) -> list[str]:
-        """The family's flags on a pretrain_gpt.py command line (grouped-query attention at
-        ``num_query_groups``)."""
+        """The family's flags on a pretrain_gpt.py command line, with ``num_query_groups``."""
         argv = []
         for flag, value in self.flags.items():
             if value is True:
@@ -189,8 +201,10 @@ class ModelFamily:
 
     @property
     def sites(self) -> tuple[str, ...]:
-        """The per-layer sites this family's layer can save (with either attention, with or
-        without dropout), in forward order: the sites every layer shares, and its parts'."""
+        """The per-layer sites this family's layer can save, in forward order.
+
+        That covers either attention, with or without dropout: the sites every layer shares, and
+        its parts'."""
         others = set().union(*(family.variant.sites() for family in FAMILIES.values()))
         own = self.variant.sites()
         return tuple(name for name in site_table.SITE_NAMES
@@ -205,8 +219,10 @@ FAMILIES: dict[str, ModelFamily] = {}
 
 
 def register(family: ModelFamily) -> ModelFamily:
-    """Adds ``family`` and its parts, each under the flag value that selects it; a part that
-    differs from the one a value already selects is refused (it needs a value of its own)."""
+    """Add ``family`` and its parts, each under the flag value that selects it.
+
+    A part that differs from the one a value already selects is refused: it needs a value of its
+    own."""
     variant = family.variant
     parts = ((NORMS, variant.norm.name, variant.norm, "--normalization"),
              (MLPS, variant.mlp.gated, variant.mlp, "--swiglu"),
@@ -224,8 +240,7 @@ def register(family: ModelFamily) -> ModelFamily:
 
 def layer_variant(normalization: str, swiglu: bool, position_embedding_type: str
                   ) -> LayerVariant:
-    """The parts Megatron-LM's layer-variant flags select (ValueError naming an unknown
-    one's flag)."""
+    """The parts the layer-variant flags select; a ValueError names an unknown one's flag."""
     for flag, registry, key in (("--normalization", NORMS, normalization),
                                 ("--position-embedding-type", POSITIONS,
                                  position_embedding_type)):
@@ -264,8 +279,9 @@ def transformer_config_options(args) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class EmbeddingOptions:
-    """The GPTModel arguments of the positions and the output layer (megatron-core keeps them
-    out of TransformerConfig)."""
+    """The GPTModel arguments of the positions and the output layer.
+
+    megatron-core keeps them out of TransformerConfig."""
     position_embedding_type: str = "learned_absolute"
     rotary_base: int = 10000
     rotary_percent: float = 1.0
@@ -283,13 +299,13 @@ class EmbeddingOptions:
 
 
 class TorchNorm:
-    """megatron's WrappedTorchNorm with two things it asserts against that a torch norm can do.
+    """megatron's WrappedTorchNorm, with two things it asserts against that a torch norm can do.
 
-    - Zero-centred gamma (``--apply-layernorm-1p``): the weight starts at 0 and the norm
-      scales by weight + 1, as Apex's and Transformer Engine's norms do.
-    - Sequence parallelism: a norm computes row by row, so it runs unchanged on a sequence
-      shard; its parameters are marked ``sequence_parallel`` so megatron's
-      ``finalize_model_grads`` all-reduces their gradients over the tensor-parallel group.
+    - Zero-centred gamma (``--apply-layernorm-1p``): the weight starts at 0 and the norm scales by
+      weight + 1, as Apex's and Transformer Engine's norms do.
+    - Sequence parallelism: a norm computes row by row, so it runs unchanged on a sequence shard.
+      Its parameters are marked ``sequence_parallel``, so megatron's ``finalize_model_grads``
+      all-reduces their gradients over the tensor-parallel group.
     """
 
     def __new__(cls, config, *args, **kwargs):

@@ -1,10 +1,10 @@
-"""`FlashDotProductAttention`: megatron-core's core attention on PyTorch's
-`scaled_dot_product_attention` (`--attention-backend flash`, see attention_backend.py).
+"""``FlashDotProductAttention``: megatron-core's core attention on PyTorch's SDPA.
 
-Its flash (or memory-efficient) kernel saves Q, K, V, the output and the log-sum-exp (and,
-on CUDA with dropout, its philox seed and offset): the sites sites.py names for this layer.
-Grouped-query attention runs as SDPA's ``enable_gqa`` (on the CPU its flash kernel: outputs
-and fp32 gradients bitwise those of repeating K and V, tests/test_flash_attention.py).
+It is ``--attention-backend flash`` (see attention_backend.py), on ``scaled_dot_product_attention``.
+Its flash (or memory-efficient) kernel saves Q, K, V, the output and the log-sum-exp; on CUDA with
+dropout also its philox seed and offset. Those are the sites sites.py names for this layer.
+Grouped-query attention runs as SDPA's ``enable_gqa``. On the CPU that is its flash kernel, with
+outputs and fp32 gradients bitwise those of repeating K and V (tests/test_flash_attention.py).
 """
 from __future__ import annotations
 
@@ -17,11 +17,11 @@ from megatron_adacc.models.attention_backend import resolve_backend
 
 
 class FlashDotProductAttention(DotProductAttention):
-    """megatron-core's core attention computed by `scaled_dot_product_attention`.
+    """megatron-core's core attention computed by ``scaled_dot_product_attention``.
 
-    Megatron's constructor is kept (heads per tensor-parallel partition, softmax scale, the
-    dropout probability); only the computation is SDPA's. Same call signature: query, key and
-    value `[s, b, heads/partition, dim]`, output `[s, b, hidden/partition]`.
+    Megatron's constructor is kept: heads per tensor-parallel partition, softmax scale, the dropout
+    probability. Only the computation is SDPA's. The call signature is the same: query, key and
+    value ``[s, b, heads/partition, dim]``, output ``[s, b, hidden/partition]``.
     """
 
     def __init__(self, config, *args, **kwargs):

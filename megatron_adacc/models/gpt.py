@@ -1,5 +1,8 @@
-"""GPT-2's family: LayerNorm, a GELU MLP, learned absolute positions, biases, tied
-embeddings (megatron-core's local spec with its defaults), and what each part costs."""
+"""GPT-2's family, and what each part costs.
+
+Its parts: LayerNorm, a GELU MLP, learned absolute positions, biases and tied embeddings
+(megatron-core's local spec with its defaults).
+"""
 from megatron_adacc.models.family import (LayerVariant, MlpPart, ModelFamily, NormPart,
                                           PositionPart, register)
 from megatron_adacc.models.terms import SiteTerm, act, no_flops, sbf

@@ -1,7 +1,9 @@
-"""The Llama family (Llama 2/3, Mistral-style decoders): RMSNorm, a SwiGLU MLP, rotary
-positions, grouped-query attention, no biases, untied embeddings. The same local spec as
-GPT's: megatron-core builds every part from the TransformerConfig. With each part, what it
-costs."""
+"""The Llama family (Llama 2/3, Mistral-style decoders), and what each part costs.
+
+Its parts: RMSNorm, a SwiGLU MLP, rotary positions, grouped-query attention, no biases, untied
+embeddings. It uses the same local spec as GPT's: megatron-core builds every part from the
+TransformerConfig.
+"""
 from megatron_adacc.models.family import (LayerVariant, MlpPart, ModelFamily, NormPart,
                                           PositionPart, register)
 from megatron_adacc.models.terms import SiteTerm, act, no_flops, sbf

@@ -1,12 +1,13 @@
-"""The vocabulary of accelerator-model terms: what a layer part tells the analytic model
-(`profiling/hardware.py`) about each tensor it saves, as functions of one tensor-parallel
-rank's dimensions (`Dims`), so the hardware model applies a device's rates to them and
+"""The vocabulary of accelerator-model terms: what a layer part tells the analytic model.
+
+A part describes each tensor it saves as functions of one tensor-parallel rank's dimensions
+(``Dims``). So the hardware model (``profiling/hardware.py``) applies a device's rates to them and
 knows no family.
 
-A `SiteTerm` is one site's size (elements and dtype) and the forward work since the previous
-save: matmul FLOPs and the DRAM traffic of the other ops. The families' parts declare theirs
-(`models/gpt.py`, `models/llama.py`); the layer parts every family shares (core attention,
-the bias-dropout-adds) are the hardware model's.
+A ``SiteTerm`` is one site's size (elements and dtype) and the forward work since the previous save:
+matmul FLOPs and the DRAM traffic of the other ops. The families' parts declare theirs
+(``models/gpt.py``, ``models/llama.py``). The parts every family shares (core attention, the
+bias-dropout-adds) are the hardware model's.
 """
 from __future__ import annotations
 
@@ -43,9 +44,10 @@ class Dims:
 
 @dataclass(frozen=True)
 class SiteTerm:
-    """How big a site is and what the forward runs between the previous save of its segment
-    and this one (its rebuild time is the sum along the segment), as functions of the dims.
-    ``when`` reads the model shape (its dropouts, its softmax precision)."""
+    """How big a site is, and what the forward runs since the previous save of its segment.
+
+    Both are functions of the dims; the rebuild time is the sum along the segment. ``when`` reads
+    the model shape (its dropouts, its softmax precision)."""
 
     elements: Callable[[Dims], int]
     dtype: Callable[[Dims], str]             # a torch dtype name
@@ -67,8 +69,9 @@ class SiteTerm:
         return (self.view_elements or self.elements)(d)
 
     def after(self, flops: Callable[[Dims], float]) -> "SiteTerm":
-        """This save with ``flops`` more matmul work ahead of it (a linear layer that runs
-        between the previous save and this one)."""
+        """This save with ``flops`` more matmul work ahead of it.
+
+        That is a linear layer that runs between the previous save and this one."""
         own = self.flops
         return replace(self, flops=lambda d: flops(d) + own(d))
 
