@@ -1,20 +1,22 @@
-"""Validation loss of the same model trained from the same seed with: no optimisation,
-Adacc auto, Adacc without outlier separation (--adacc-policy auto-no-outlier) and the paper's
-naive INT4 (--adacc-policy quantize): the paper's loss figure and accuracy table.
+"""Validation loss of one model and seed under each method: the paper's loss figure and table.
+
+The methods: no optimisation, Adacc auto, Adacc without outlier separation (--adacc-policy
+auto-no-outlier) and the paper's naive INT4 (--adacc-policy quantize).
 
 Each run is ``pretrain_gpt.py`` in a subprocess on the built-in demo corpus (KJV, byte-level
-tokens), so every number comes from the product's own trainer. The Adacc runs' memory budgets
-are fixed fractions of the way from the planner's smallest feasible budget to no optimisation
-(read from a one-step probe): near 0 the plans must compress (lossy int4 included), higher up
-they may rebuild instead, which is exact. The probe records what each plan compresses.
+tokens), so every number comes from the product's own trainer. The Adacc runs' budgets are fixed
+fractions of the way from the planner's smallest feasible budget to no optimisation, read from a
+one-step probe. Near 0 the plans must compress (lossy int4 included); higher up they may rebuild
+instead, which is exact. The probe records what each plan compresses.
 
---stress: the outlier stress setting (issue 15). At this scale the activations have no
-outlier channels, so every method lands within a hair of no optimisation. Large trained LLMs
-have a few residual-stream channels whose LayerNorm gains are tens of times the rest. The
-stress run trains the model normally (no optimisation) for --stress-pretrain iterations and
-saves a checkpoint, multiplies the gains of --stress-channels channels (the same channels in
-every layer's two LayerNorms) by factors from 10 to 30 in that checkpoint, and continues
-training from it (--load) to --iters with every method. Published as accuracy_stress.json.
+--stress: the outlier stress setting (issue 15). At this scale the activations have no outlier
+channels, so every method lands within a hair of no optimisation. Large trained LLMs have a few
+residual-stream channels whose LayerNorm gains are tens of times the rest. So the stress run:
+- trains the model normally for --stress-pretrain iterations and saves a checkpoint;
+- multiplies the gains of --stress-channels channels by factors from 10 to 30, in every layer's two
+  LayerNorms;
+- continues training from that checkpoint (--load) to --iters with every method.
+It is published as accuracy_stress.json.
 
     python scripts/bench_accuracy.py [--quick] [--seeds 1234 4321] [--stress]
 """
@@ -109,9 +111,10 @@ def model_flags(args) -> list[str]:
 
 
 def probe_budgets(args, flags: list[str]) -> dict:
-    """The planner's range for this model and micro-batch, from a one-step auto probe, the
-    budget at each fraction, and what auto and auto-no-outlier plan there (how many site
-    decisions compress, and with which codecs: lossless bitmasks or lossy int4)."""
+    """The planner's range for this model and micro-batch, from a one-step auto probe.
+
+    It also gives the budget at each fraction, and what auto and auto-no-outlier plan there: how
+    many site decisions compress, and with which codecs (lossless bitmasks or lossy int4)."""
     from collections import Counter
 
     from megatron_adacc import cli, policies
@@ -268,9 +271,10 @@ def main() -> None:
 
 
 def method_runs(args, flags, probe, seed: int, resume: tuple) -> list[dict]:
-    """Every method trained from ``seed`` (and, in the stress setting, from the checkpoint
-    ``resume`` loads): no optimisation, Adacc auto and auto-no-outlier at each budget, Adacc's
-    codecs on every site with and without outlier separation, naive INT4, and (stress)
+    """Every method trained from ``seed``, and in the stress setting from ``resume``'s checkpoint.
+
+    The methods: no optimisation, Adacc auto and auto-no-outlier at each budget, Adacc's codecs
+    on every site with and without outlier separation, and naive INT4. The stress setting adds
     megatron's full recompute, which is exact and shows the runs' own noise floor."""
     runs = [run(args, flags, "none", seed, extra=resume)]
     for fraction, entry in probe["budgets"].items():
@@ -302,10 +306,12 @@ PAPER_OUTLIER_EFFECT_PCT = 0.2
 
 
 def outlier_separation_effect(runs: list[dict], probe: dict) -> dict:
-    """For each pair (Adacc auto and auto-no-outlier at a budget; Adacc's codecs on every
-    site with and without outlier separation) and seed: how much lower the final validation
-    loss is with outlier separation, in % of the loss without it, and whether that reaches
-    the paper's 0.2%. A pair whose two plans are the same has no effect to show (None)."""
+    """How much lower the final validation loss is with outlier separation, per pair and seed.
+
+    The pairs are Adacc auto and auto-no-outlier at a budget, and Adacc's codecs on every site
+    with and without outlier separation. The effect is in % of the loss without separation, with
+    whether it reaches the paper's 0.2%. A pair whose two plans are the same has no effect to
+    show (None)."""
     pairs = [(f"auto@{f}", f"auto-no-outlier@{f}", entry["same_plan"])
              for f, entry in probe["budgets"].items()]
     pairs.append(("codecs", "codecs-no-outlier", False))
@@ -326,10 +332,11 @@ def outlier_separation_effect(runs: list[dict], probe: dict) -> dict:
 
 
 def scale_layernorm_gains(source: str, dest: str, channels: int) -> dict:
-    """Copy the newest checkpoint under ``source`` (Megatron-LM's layout:
-    ``latest_checkpointed_iteration.txt`` and ``iter_NNNNNNN/`` in dist_checkpointing's
-    torch_dist format) to ``dest`` with the gains of ``channels`` residual channels
-    multiplied, in every decoder layer's LayerNorms, by factors spread evenly over
+    """Copy the newest checkpoint under ``source`` to ``dest``, some LayerNorm gains scaled.
+
+    The layout is Megatron-LM's: ``latest_checkpointed_iteration.txt`` and ``iter_NNNNNNN/`` in
+    dist_checkpointing's torch_dist format. The gains of ``channels`` residual channels are
+    multiplied in every decoder layer's LayerNorms, by factors spread evenly over
     STRESS_GAIN_RANGE. The channels are drawn from a fixed generator, not chosen."""
     import torch
     import torch.distributed.checkpoint as dcp

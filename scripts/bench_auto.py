@@ -1,10 +1,9 @@
-"""--adacc-policy auto against Megatron's full recomputation and no optimisation, at budgets
-between "everything retained" and "full recompute", on a tiny GPT on this machine.
+"""--adacc-policy auto against Megatron's full recomputation and no optimisation, on a tiny GPT.
 
-Profiles the model once, plans for each budget, then times one training step (forward and
-backward) of every variant interleaved (one step of each per round, after warm-up, so drift
-on a shared machine hits them alike) and reports medians. The paper claims 1.01x-1.37x the
-throughput of full recomputation.
+The budgets lie between "everything retained" and "full recompute". It profiles the model once and
+plans for each budget. Then it times one training step (forward and backward) of every variant,
+interleaved: one step of each per round after warm-up, so drift on a shared machine hits them alike.
+It reports medians. The paper claims 1.01x-1.37x the throughput of full recomputation.
 
     python scripts/bench_auto.py [--quick] [--out bench_results/auto.json]
 """

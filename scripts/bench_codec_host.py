@@ -1,11 +1,11 @@
-"""The host time of each Triton codec's round trip with its kernel launches made no-ops.
+"""The host time of each Triton codec's round trip, with its kernel launches made no-ops.
 
     python scripts/bench_codec_host.py [--shape 8 1024 4096] [--calls 2000] [--out FILE]
 
-On the H200 (docs/gpu.md) a round trip took 150-270 us of host time against a 35 us device
-copy, so back to back the codecs were bound by the host. This measures the part the wrappers
-own (geometry, allocations, views), on any machine: the kernels are replaced by no-ops
-under TRITON_INTERPRET=1, so nothing runs on a device and Triton's own launcher is left out.
+On the H200 (docs/gpu.md) a round trip took 150-270 us of host time against a 35 us device copy, so
+back to back the codecs were bound by the host. This measures the part the wrappers own (geometry,
+allocations, views), on any machine. The kernels are replaced by no-ops under TRITON_INTERPRET=1, so
+nothing runs on a device and Triton's own launcher is left out.
 """
 from __future__ import annotations
 

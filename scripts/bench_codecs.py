@@ -3,25 +3,23 @@
     python scripts/bench_codecs.py [--out bench_results/codecs.json] [--quick] [--backends native]
         [--threads 1]
 
-Inputs: (a) every tensor a tiny megatron-core GPT saves for backward, captured after some
-AdamW steps on the KJV text (byte-level tokens), each named by the module running when it was
-saved; (b) synthetic tensors: heavy-tailed (Student-t) activations with outlier channels,
-softmax probabilities, and dropout masks.
+Inputs:
+- every tensor a tiny megatron-core GPT saves for backward, captured after some AdamW steps on the
+  KJV text (byte-level tokens). Each is named by the module running when it was saved.
+- synthetic tensors: heavy-tailed (Student-t) activations with outlier channels, softmax
+  probabilities, and dropout masks.
 
-Per codec, backend and input: compression ratio (payload bytes / input bytes), relative error
-||x - x^|| / ||x||, encode, decode and round-trip throughput in GB/s of input, and, measured
-in the same run on a tensor of the same size, the throughput of a plain copy into an existing
-tensor (the memory-bandwidth ceiling) and of a clone (a copy that allocates its output, as
-every decode must). The round trip against the copy is also given paired per round, in wall
-and in process CPU time (`paired`, `cpu`); the speed targets use the CPU one for --threads 1.
-Backends: torch (eager reference), native (fused C).
+Per codec, backend (torch: eager reference; native: fused C) and input it reports:
+- compression ratio (payload bytes / input bytes) and relative error ||x - x^|| / ||x||;
+- encode, decode and round-trip throughput, in GB/s of input;
+- on a tensor of the same size, in the same run: a plain copy into an existing tensor (the
+  memory-bandwidth ceiling), and a clone (a copy that allocates its output, as every decode must);
+- the round trip against the copy paired per round, in wall and process CPU time (``paired``,
+  ``cpu``). The speed targets use the CPU one for --threads 1.
 
-Memory: an encode allocates its payload and a decode its output. With glibc's defaults, large
-blocks come fresh from the kernel and every page faults on first touch (on a VM about a
-microsecond per 4 KiB, which caps a clone far below a copy). A training step reuses memory
-instead: the CUDA caching allocator does, and so does glibc told to keep freed blocks. The
-synthetic inputs are therefore measured twice: with fresh memory, and with freed memory
-recycled (mallopt: no mmap, no trimming), where a clone runs as fast as a copy.
+The synthetic inputs are measured twice: with fresh memory, and with freed memory recycled (mallopt:
+no mmap, no trimming). With glibc's defaults, large blocks come fresh from the kernel and every page
+faults on first touch. A training step reuses memory instead, as the CUDA caching allocator does.
 """
 from __future__ import annotations
 
@@ -129,9 +127,10 @@ def synthetic_inputs(rows: int, cols: int, seed: int) -> dict[str, torch.Tensor]
 
 
 def cpu() -> dict:
-    """The CPU (native.host: its model name, and its family and model numbers, which tell
-    apart CPUs whose VM model name is the make alone), the vector extensions the native
-    kernels can use, and the path the native build took."""
+    """The CPU, the vector extensions the native kernels can use, and the path their build took.
+
+    The CPU is named by native.host: its model name, with its family and model numbers, which
+    tell apart CPUs whose VM model name is the make alone."""
     from megatron_adacc.codecs import native
     from megatron_adacc.codecs.native import host
 
@@ -144,8 +143,9 @@ def cpu() -> dict:
 # ----------------------------------------------------------------------------- measuring
 
 def interleaved_times(fns: dict, reps: int) -> dict[str, list[tuple[float, float]]]:
-    """Wall and process CPU seconds of each function in each round, timed in turns (a, b, c,
-    a, b, c, ...) so that all of them see the same load on a shared machine."""
+    """Wall and process CPU seconds of each function in each round, timed in turns.
+
+    The turns (a, b, c, a, b, c, ...) make all of them see the same load on a shared machine."""
     times: dict[str, list[tuple[float, float]]] = {name: [] for name in fns}
     for _ in range(reps):
         for name, fn in fns.items():
@@ -156,9 +156,11 @@ def interleaved_times(fns: dict, reps: int) -> dict[str, list[tuple[float, float
 
 
 def paired_round_trip(times: dict[str, list[tuple[float, float]]], clock: int) -> float:
-    """Median over rounds of copy time / (encode + decode time) within the round: a slow phase
-    of a shared machine slows the whole round, not one side of the ratio. clock 0: wall, 1:
-    CPU (the process's; with one thread, time spent descheduled by other jobs does not count)."""
+    """Median over rounds of copy time / (encode + decode time) within the round.
+
+    A slow phase of a shared machine slows the whole round, not one side of the ratio. clock 0 is
+    wall time, 1 the process's CPU time. With one thread, time spent descheduled by other jobs
+    does not count in CPU time."""
     return statistics.median(copy[clock] / (enc[clock] + dec[clock])
                              for enc, dec, copy in zip(times["encode"], times["decode"],
                                                        times["copy"]))
@@ -205,9 +207,10 @@ def measure(codec, x: torch.Tensor, reps: int) -> dict | None:
 
 
 def round_trip_per_copy(r: dict) -> float:
-    """The speed figure the targets use: with one thread the CPU-time ratio paired per round
-    (other jobs on a shared machine preempt the process, which wall time would count), else
-    the wall-time one."""
+    """The speed figure the targets use: with one thread, the CPU-time ratio paired per round.
+
+    Other jobs on a shared machine preempt the process, which wall time would count. With more
+    threads, it is the wall-time ratio."""
     return r["roundtrip_per_copy_cpu"] if r["threads"] == 1 else r["roundtrip_per_copy_paired"]
 
 
@@ -393,6 +396,9 @@ def main() -> None:
     synthetic = synthetic_inputs(*rows_cols, seed=args.seed)
     results = run_suite("gpt", activations, backends, dtypes, reps) + run_suite(
         "synthetic", synthetic, backends, dtypes, reps, applies=bitmask_only_on_masks)
+    # Fresh memory faults every page on first touch (on a VM about a microsecond per 4 KiB),
+    # which caps a clone far below a copy. Recycled, as a training step's memory is, a clone
+    # runs as fast as a copy.
     if allocator.recycle_freed_host_memory():  # from here on, for the rest of the process
         results += run_suite("synthetic", synthetic, backends, dtypes, reps,
                              applies=bitmask_only_on_masks, memory="recycled")

@@ -1,22 +1,22 @@
-"""What the evaluation benchmarks share (bench_throughput, bench_max_batch, bench_accuracy):
-model shapes (the attention backend included: every method of a run uses the same one), the
-methods under comparison, the one memory yardstick, interleaved timing (wall and CPU time),
-JSON and figures.
+"""What the evaluation benchmarks share: shapes, methods, the memory yardstick, timing, output.
 
-The yardstick: a method *fits* a budget when
+bench_throughput, bench_max_batch and bench_accuracy share the model shapes, the methods under
+comparison, interleaved timing (wall and CPU time), JSON and figures. Every method of a run uses the
+same attention backend. The yardstick: a method *fits* a budget when
 
     static bytes (parameters, gradients, optimizer: hardware.model_static_bytes)
     + the activation peak the ActivationRuler measures during one training step <= budget.
 
-The ruler is the same for every method: megatron's stock layer, megatron's full and selective
-recompute (their re-run forward saves in backward are counted as they appear), Adacc plans
-(payloads, and decoded or rebuilt values while their layer backprops) and torch.compile's
-compiled layers (its AOT graphs save through autograd, so the ruler's saved-tensor hook sees
-each saved storage; only the module hooks the ruler uses for per-site attribution are left
-off there, since they make dynamo recompile at every step). Megatron's global memory buffer
-is not counted for any method (see Ruler). The ruler does not see the
-gradient working set of a layer's backward, for any method; Adacc's planner models that
-workspace, so Adacc is planned with it set to zero, i.e. against the same yardstick.
+The ruler is the same for every method. It counts:
+- megatron's stock layer, and its full and selective recompute (their re-run forward's saves in
+  backward, as they appear);
+- Adacc plans: payloads, and decoded or rebuilt values while their layer backprops;
+- torch.compile's layers: their AOT graphs save through autograd, so the saved-tensor hook sees each
+  storage. Only the per-site attribution's module hooks are off there, since they make dynamo
+  recompile at every step.
+No method's count includes megatron's global memory buffer (see Ruler), nor the gradient working set
+of a layer's backward. Adacc's planner models that workspace, so Adacc is planned with it set to
+zero, against the same yardstick.
 """
 from __future__ import annotations
 
@@ -142,9 +142,10 @@ def shape_from(args) -> Shape:
 
 
 def init(threads: int | None = None) -> None:
-    """Before anything is measured: the threads every method runs with, freed host memory kept
-    for reuse (as ``Adacc.setup`` keeps it on a CPU: every method, and the profiler, run
-    under the one allocator policy) and the process group."""
+    """Set up before anything is measured: the threads, host memory recycling and the process group.
+
+    Freed host memory is kept for reuse, as ``Adacc.setup`` keeps it on a CPU. So every method,
+    and the profiler, run under the one allocator policy."""
     warnings.filterwarnings("ignore")
     if threads:
         torch.set_num_threads(threads)
@@ -207,11 +208,13 @@ class Variant:
 
 
 class Ruler(ActivationRuler):
-    """The ActivationRuler, not counting megatron's global memory buffer: a persistent
-    storage (the local attention's baddbmm input, grown to the largest micro-batch run so
-    far) that every method holds alike. Eager layers never save it; torch.compile's graphs
-    do save a view of it (a graph input is free to save, to the partitioner), and counting
-    its whole storage would charge the compiled peer for memory that is not an activation."""
+    """The ActivationRuler, not counting megatron's global memory buffer.
+
+    That buffer is a persistent storage every method holds alike: the local attention's baddbmm
+    input, grown to the largest micro-batch run so far. Eager layers never save it.
+    torch.compile's graphs do save a view of it, since a graph input is free to save for the
+    partitioner. Counting its whole storage would charge the compiled peer for memory that is no
+    activation."""
 
     def keep_tensor(self, layer, site, tensor):
         # Compared by address, at save time: the buffer may be replaced (grown) during the
@@ -251,8 +254,9 @@ class Models:
         return Variant("megatron full recompute", "", self.full)
 
     def block_variants(self) -> list[Variant]:
-        """Block recompute of 1 .. layers - 1 layers; where several fit a budget the fastest,
-        the fewest layers, is the one compared."""
+        """Block recompute of 1 .. layers - 1 layers.
+
+        Where several fit a budget, the fastest one, the fewest layers, is compared."""
         return [Variant("megatron block recompute", f"{n} of {self.shape.layers} layers", model)
                 for n, model in self.block.items()]
 
@@ -264,10 +268,11 @@ class Models:
         return Variant("naive INT4", "", self.adacc, policies.quantize_plan())
 
     def compiled(self, fraction: float) -> Variant | None:
-        """torch.compile of every transformer layer (inductor), with
-        torch._functorch.config.activation_memory_budget = ``fraction`` while it compiles
-        (a backend per fraction, so dynamo keeps one compiled graph per fraction). The
-        embedding and loss stay eager, as for every other method."""
+        """torch.compile (inductor) of every layer, with activation_memory_budget ``fraction``.
+
+        That is torch._functorch.config.activation_memory_budget while it compiles. Each fraction
+        gets a backend, so dynamo keeps one compiled graph per fraction. The embedding and loss
+        stay eager, as for every other method."""
         if fraction in self.compile_errors:
             return None
         if fraction not in self._compiled:
@@ -280,8 +285,9 @@ class Models:
                        self._compiled[fraction], attribute=False)
 
     def compiled_peak(self, fraction: float, batch) -> int | None:
-        """Activation peak of the compiled model (compiling it on first use); None when
-        compilation fails (the error is kept in compile_errors)."""
+        """Activation peak of the compiled model, compiled on first use; None if compiling fails.
+
+        The error is kept in compile_errors."""
         variant = self.compiled(fraction)
         if variant is None:
             return None
@@ -295,15 +301,17 @@ class Models:
         return peak
 
     def adacc_costs(self, batch, repeats: int):
-        """Profile the Adacc model on ``batch``; the costs the benchmarks plan with: every
-        measured codec (``adacc_auto`` plans auto's tiers from them), the backward workspace
-        zeroed (see the module docstring)."""
+        """Profile the Adacc model on ``batch``: the costs the benchmarks plan with.
+
+        They hold every measured codec, since ``adacc_auto`` plans auto's tiers from them. The
+        backward workspace is zeroed (see the module docstring)."""
         costs = profiler.profile(self.adacc, batch, repeats=repeats)
         return replace(costs, backward_workspace_bytes=0)
 
     def adacc_auto(self, costs, budget: int) -> Variant | None:
-        """Adacc's plan for ``budget``, planned as ``--adacc-policy auto`` plans (designated
-        codecs, naive INT4 as the last resort); None when nothing fits."""
+        """Adacc's plan for ``budget``, as ``--adacc-policy auto`` plans; None when nothing fits.
+
+        That is designated codecs first, and naive INT4 as the last resort."""
         try:
             result = policies.plan("auto", costs, budget, allow_lossy_sources=False)
         except planning.InfeasibleBudget:
@@ -322,9 +330,10 @@ class Models:
 
 
 def predicted_added_s(costs, plan: Plan) -> float:
-    """The time the planner's model says ``plan`` adds to a step, from the profiled costs: set
-    beside Adacc's own prediction it says whether a gap to a peer is the plan's or the
-    machine's (the model's error)."""
+    """The time the planner's model says ``plan`` adds to a step, from the profiled costs.
+
+    Beside Adacc's own prediction, it says whether a gap to a peer is the plan's or the machine's
+    (the model's error)."""
     return sum(planning.evaluate_layer(
                    costs, {site.name: decision for site in costs.sites
                            if (decision := plan.for_layer(layer).get(site.name))}).time_s
@@ -352,11 +361,15 @@ def configure_dynamo() -> None:
 # --- timing ---------------------------------------------------------------------------------
 def interleaved_times(steps: dict[str, Callable[[], tuple[float, float]]], warmup: int,
                       rounds: int) -> dict[str, dict]:
-    """Each round runs one step of every entry, so drift on a shared machine hits them alike,
-    starting one entry later each round, so no entry always follows the same one; the first
-    ``warmup`` rounds are dropped. Per entry: the median wall time and the kept rounds' wall
-    and CPU times, aligned by round (for ``paired_ratio``). The garbage collector runs before
-    each step, not during it: its pauses land on whichever step happens to trigger them."""
+    """Time every entry in rounds of one step each; returns per-entry medians and round times.
+
+    - Each round runs one step of every entry, so drift on a shared machine hits them alike.
+    - Each round starts one entry later, so no entry always follows the same one.
+    - The first ``warmup`` rounds are dropped.
+    - The garbage collector runs before each step, not during it: its pauses would land on whichever
+      step triggers them.
+    Per entry: the median wall time, and the kept rounds' wall and CPU times aligned by round
+    (for ``paired_ratio``)."""
     names = list(steps)
     wall: dict[str, list[float]] = {name: [] for name in names}
     cpu: dict[str, list[float]] = {name: [] for name in names}
@@ -377,16 +390,18 @@ def interleaved_times(steps: dict[str, Callable[[], tuple[float, float]]], warmu
 
 
 def paired_ratio(numerator: list[float], denominator: list[float]) -> float:
-    """The median over rounds of each round's numerator / denominator time: a load spike or
-    a slow stretch in one round moves both of that round's steps, not the ratio."""
+    """The median over rounds of each round's numerator / denominator time.
+
+    A load spike or a slow stretch in one round moves both of that round's steps, not the ratio."""
     return statistics.median(a / b for a, b in zip(numerator, denominator, strict=True))
 
 
 # --- output ---------------------------------------------------------------------------------
 def output_names(args, stem: str) -> None:
-    """Fill the unset --out, --publish and --figure with names that carry the model family
-    (but GPT's) and the attention backend (``stem``_flash.json, ``stem``_llama_flash.json,
-    ...), so the runs sit side by side."""
+    """Fill the unset --out, --publish and --figure with names of the family and attention backend.
+
+    GPT's family is left out of the name: ``stem``_flash.json, ``stem``_llama_flash.json, ... So
+    the runs sit side by side."""
     family = "" if getattr(args, "family", "gpt") == "gpt" else f"_{args.family}"
     tag = f"{stem}{family}_{args.attention_backend}"
     args.out = args.out or f"bench_results/{tag}.json"
@@ -395,8 +410,9 @@ def output_names(args, stem: str) -> None:
 
 
 def write_json(data: dict, out: str, publish_as: str | None) -> None:
-    """``out`` (bench_results/, ignored by git) and, with ``publish_as``, a copy under
-    docs/results/ for the results page."""
+    """Write ``out`` (bench_results/, ignored by git), and with ``publish_as`` a docs/results/ copy.
+
+    The copy is for the results page."""
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     with open(out, "w") as f:
         json.dump(data, f, indent=1, default=_jsonable)
@@ -424,8 +440,9 @@ def pyplot():
 
 
 def save_figure(fig, name: str) -> str | None:
-    """Write ``fig`` under docs/figures as ``name``; '' writes nothing (a --figure '' run
-    leaves the published figure alone, as --publish '' does the JSON)."""
+    """Write ``fig`` under docs/figures as ``name``; '' writes nothing.
+
+    A --figure '' run leaves the published figure alone, as --publish '' does the JSON."""
     if not name:
         return None
     os.makedirs(FIGURES_DIR, exist_ok=True)

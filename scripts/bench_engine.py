@@ -1,13 +1,14 @@
-"""Step time at two data-parallel ranks on megatron-core's engine (torchrun, gloo on this
-machine): the gradient reduction overlapped with backward in several buckets
-(--overlap-grad-reduce --ddp-bucket-size) against one reduction after backward, with and
-without the distributed optimizer.
+"""Step time at two data-parallel ranks on megatron-core's engine, overlapped reduction or not.
 
-On a CPU over gloo there is no separate communication engine to overlap with, so no target
-is set: the table shows the mechanism runs (the bucket count, the same losses) and what it
-costs or saves here. Runs are interleaved over rounds (drift on a shared machine hits them
-alike); the step time is the median over every round's steps after its first. Prints a
-table and writes JSON to ``--out`` (default docs/results/engine.json).
+The engine runs under torchrun, with gloo on this machine. It compares the gradient reduction
+overlapped with backward in several buckets (--overlap-grad-reduce --ddp-bucket-size) against one
+reduction after backward, with and without the distributed optimizer.
+
+On a CPU over gloo there is no separate communication engine to overlap with, so no target is set.
+The table shows that the mechanism runs (the bucket count, the same losses), and what it costs or
+saves here. Runs are interleaved over rounds, so drift on a shared machine hits them alike. The step
+time is the median over every round's steps after its first. It prints a table and writes JSON to
+``--out`` (default docs/results/engine.json).
 
     python scripts/bench_engine.py [--quick] [--rounds 3] [--iters 6]
 """

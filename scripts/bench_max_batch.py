@@ -1,15 +1,18 @@
-"""The largest micro-batch each method fits under a memory budget (the paper's Table
-"Maximum batch size"), from measured bytes: static bytes + the ActivationRuler's peak of one
-training step at that micro-batch (bench_common), searched by galloping then bisection
-(memory grows with the micro-batch).
+"""The largest micro-batch each method fits under a budget (the paper's "Maximum batch size").
 
-Methods: no optimisation, Megatron full recompute, Megatron block recompute (each number of
-layers; the fewest that reach the largest micro-batch is reported), Megatron selective
-recompute (each recompute_modules set; the best is reported), the paper's naive INT4,
-torch.compile at activation_memory_budget 0 (its most memory-saving setting) and Adacc auto
-(profiled and planned at each micro-batch tried; it fits when the planner finds a plan and the
-plan's measured bytes fit). Budgets are "budget@k": static + the stock model's peak at
-micro-batch k.
+Fitting is from measured bytes: static bytes + the ActivationRuler's peak of one training step at
+that micro-batch (bench_common). The search gallops, then bisects, since memory grows with the
+micro-batch. Budgets are "budget@k": static + the stock model's peak at micro-batch k.
+
+Methods:
+- no optimisation; Megatron full recompute;
+- Megatron block recompute, each number of layers; the fewest that reach the largest micro-batch is
+  reported;
+- Megatron selective recompute, each recompute_modules set; the best is reported;
+- the paper's naive INT4;
+- torch.compile at activation_memory_budget 0, its most memory-saving setting;
+- Adacc auto, profiled and planned at each micro-batch tried. It fits when the planner finds a plan
+  and the plan's measured bytes fit.
 
     python scripts/bench_max_batch.py [--quick] [--attention-backend flash|unfused]
 """
@@ -43,9 +46,10 @@ def parse() -> argparse.Namespace:
 
 def largest(memory: Callable[[int], int | None], budget: int, start: int, cap: int,
             log: dict) -> int:
-    """Largest b in [0, cap] whose measured ``memory(b)`` (None: no plan) fits ``budget``,
-    assuming memory grows with b: gallop up from ``start`` (or bisect below it), then
-    bisect. ``log`` collects b -> memory bytes."""
+    """Largest b in [0, cap] whose measured ``memory(b)`` fits ``budget`` (None: no plan).
+
+    It assumes memory grows with b: it gallops up from ``start`` (or bisects below it), then
+    bisects. ``log`` collects b -> memory bytes."""
     def check(b: int) -> bool:
         if b not in log:
             log[b] = memory(b)
@@ -95,8 +99,9 @@ def main() -> None:
         search("no optimisation", simple(models.none), start=k)
         full = search("megatron full recompute", simple(models.full_recompute), start=k)
         def best_of(method: str, variants, key: str, reached: dict | None = None) -> None:
-            """The largest micro-batch of each variant (by its detail; ``reached``: some
-            already known) and, as the method's, the first that reaches the most."""
+            """Each variant's largest micro-batch, and the method's: the first reaching the most.
+
+            Variants are keyed by their detail; ``reached`` holds some already known."""
             reached = {**{v.detail: largest(simple(lambda v=v: v), budget, k, args.cap, {})
                           for v in variants}, **(reached or {})}
             chosen = max(reached, key=reached.get)
@@ -141,9 +146,11 @@ def main() -> None:
 
 
 def max_batch_targets(results: dict) -> dict:
-    """Adacc's largest micro-batch against every other method's (its plan space contains
-    what naive INT4 and full recompute do), against naive INT4 alone, and its ratios to full
-    recompute (target 1.5x) and no optimisation (the paper's 2.38x), worst over budgets."""
+    """Adacc's largest micro-batch against the other methods', worst over budgets.
+
+    - against every other method: its plan space contains what naive INT4 and full recompute do;
+    - against naive INT4 alone;
+    - its ratios to full recompute (target 1.5x) and to no optimisation (the paper's 2.38x)."""
     def mb(r, method):
         return r["methods"].get(method, {}).get("max_micro_batch")
 

@@ -1,18 +1,18 @@
-"""Per-stage plans against one plan shared by every stage and against Megatron's full
-recomputation, under pipeline parallelism (megatron-core's 1F1B, torchrun on this machine).
+"""Per-stage plans against one shared plan and against full recompute, under pipeline parallelism.
 
-At one per-device budget where the first stage (the most micro-batches in flight) cannot
-keep every activation, three runs of the trainer on the same tiny GPT:
+The schedule is megatron-core's 1F1B, under torchrun on this machine. At one per-device budget where
+the first stage (the most micro-batches in flight) cannot keep every activation, three runs of the
+trainer on the same tiny GPT:
 
     per-stage   --adacc-policy auto: every stage the fastest plan that fits the budget
     shared      the first stage's plan (the most constrained stage's) applied to every stage,
                 as a plan file: what one setting for all stages does
     full        --adacc-policy full-recompute (Megatron-LM's full recomputation)
 
-Each run trains a few steps; runs are interleaved over rounds (drift on a shared machine
-hits them alike) and tokens/s is the median over the steps after the first of every round.
-Every run uses the same ruler, attention and dtype. Prints a table and writes JSON to
-``--out`` and docs/results/pipeline.json.
+Each run trains a few steps. Runs are interleaved over rounds, so drift on a shared machine hits
+them alike. Tokens/s is the median over the steps after the first of every round. Every run uses the
+same ruler, attention and dtype. It prints a table and writes JSON to ``--out`` and
+docs/results/pipeline.json.
 
     python scripts/bench_pipeline.py [--pipeline 2] [--rounds 2]
 """
@@ -42,8 +42,9 @@ def model_flags(args) -> list[str]:
 
 
 def worker(flags: list[str], out: str) -> None:
-    """One training run under torchrun; rank 0 writes its records (every stage's readings)
-    and, for auto, the shared plan: the first stage's plan on every stage's layers."""
+    """One training run under torchrun; rank 0 writes its records (every stage's readings).
+
+    For auto, rank 0 also writes the shared plan: the first stage's plan on every stage's layers."""
     import pretrain_gpt
     from megatron_adacc import megatron_lm
     from megatron_adacc.common.plan import Plan

@@ -1,10 +1,11 @@
-"""Planner solve time on the 24-layer GPT-345M-shaped problem (analytic V100 costs, micro-batch
-8), at several budgets, per-layer and uniform, frontier method vs the direct CBC MILP.
+"""Planner solve time on the 24-layer GPT-345M-shaped problem: frontier method vs the CBC MILP.
+
+The costs are analytic V100 ones at micro-batch 8, at several budgets, per-layer and uniform.
 
     python scripts/bench_planner.py [--repeats 7] [--out bench_results/planner.json]
 
-"cold" includes building the layer frontier (once per cost table); "warm" re-plans the same
-costs at another budget (the frontier is cached). Prints a table and writes JSON.
+"cold" includes building the layer frontier (once per cost table); "warm" re-plans the same costs at
+another budget (the frontier is cached). Prints a table and writes JSON.
 """
 from __future__ import annotations
 

@@ -1,15 +1,17 @@
-"""The rectifier on the demo corpus (KJV) on this CPU: --adacc-policy auto with tracking
-(backoff) against the same run with tracking off, i.e. the plan made at iteration 0 kept
-for good. Same seed, same profile (one ProfileDB), same budget; each run is one pretrain_gpt.py
-(Megatron-LM's loop) in this process, the tracking run first: the runs no longer alternate in
-chunks (a resumed run would start its rectifier afresh), so load on a shared machine can hit
-them unevenly.
+"""The rectifier on the demo corpus (KJV) on this CPU: auto with tracking against tracking off.
 
-Reports each run's throughput (tokens over step time plus, for the tracking run, tracking
-time), their ratio (the paper reports 1.11x-1.2x from adaptation), the tracking overhead in
-percent of training time, the swaps, and the activation bytes the runtime measured against
-the budget. Figures: outlier channels per tracked site over iterations, and the plan (action
-per site and layer) over iterations.
+The other run keeps the plan made at iteration 0 for good. Both use the same seed, profile (one
+ProfileDB) and budget. Each run is one pretrain_gpt.py (Megatron-LM's loop) in this process, the
+tracking run first. The runs do not alternate in chunks, since a resumed run would start its
+rectifier afresh. So load on a shared machine can hit them unevenly.
+
+It reports:
+- each run's throughput: tokens over step time, plus tracking time for the tracking run;
+- their ratio (the paper reports 1.11x-1.2x from adaptation);
+- the tracking overhead in percent of training time, and the swaps;
+- the activation bytes the runtime measured against the budget.
+Figures: outlier channels per tracked site over iterations, and the plan (action per site and layer)
+over iterations.
 
     python scripts/bench_rectifier.py [--quick] [--out bench_results/rectifier.json]
 """
@@ -48,9 +50,10 @@ def trainer_args(opts, db: str, budget: int | None, tracking: str) -> list[str]:
 
 
 def pick_budget(opts, db: str) -> tuple[int, planning.PlanResult]:
-    """Profile once (into ``db``) and take the budget ``--budget-fraction`` of the way from
-    the smallest feasible budget to no optimisation: tight enough that the plan has to pay
-    for every byte, so payload changes can matter."""
+    """Profile once (into ``db``) and take the budget ``--budget-fraction`` of the way up.
+
+    The way runs from the smallest feasible budget to no optimisation. The budget is tight enough
+    that the plan pays for every byte, so payload changes can matter."""
     costs = policies.designated_codecs(cli.trainer_costs(trainer_args(opts, db, None, "off")))
     loose = planning.plan(costs, 1 << 40, allow_lossy_sources=False)
     low = loose.minimum_feasible_budget

@@ -1,11 +1,11 @@
 """Activation bytes per layer and fwd+bwd time of runtime presets, relative to the stock layer.
 
-Presets run interleaved (one step of each per round, after warm-up, the order rotated each
-round), so drift on a shared machine hits them alike; times are medians over rounds, and
-"paired" is the median over rounds of each round's time / the stock time of that round,
-which a load spike in one round cannot move. `--clock cpu` times the process's CPU time
-instead of wall time (use it with OMP_NUM_THREADS=1 on a machine shared with other jobs: CPU
-time is not stretched while the scheduler runs someone else). Writes a JSON report (--out).
+Presets run interleaved: one step of each per round after warm-up, the order rotated each round. So
+drift on a shared machine hits them alike. Times are medians over rounds. "paired" is the median
+over rounds of each round's time / that round's stock time, which a load spike in one round cannot
+move. ``--clock cpu`` times the process's CPU time instead of wall time. Use it with
+OMP_NUM_THREADS=1 on a machine shared with other jobs: CPU time is not stretched while the scheduler
+runs someone else. Writes a JSON report (--out).
 
     python scripts/bench_runtime.py --rounds 20 --out bench_results/runtime.json
 """

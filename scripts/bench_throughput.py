@@ -1,21 +1,22 @@
 """Training throughput (tokens/s) against micro-batch size under a memory budget.
 
-Methods: no optimisation, Megatron full recompute, Megatron block recompute (its fastest
-recompute_num_layers that fits: the fewest layers), Megatron selective recompute (its fastest
-recompute_modules set that fits), the paper's naive INT4, torch.compile with
-activation_memory_budget (its fastest fraction that fits), and Adacc auto. Where no
-optimisation does not fit, Adacc is also compared with the unconstrained limit: no
-optimisation at the same micro-batch, memory ignored (it is timed at every micro-batch).
+Methods:
+- no optimisation; Megatron full recompute;
+- Megatron block recompute, its fastest recompute_num_layers that fits (the fewest layers);
+- Megatron selective recompute, its fastest recompute_modules set that fits;
+- the paper's naive INT4;
+- torch.compile with activation_memory_budget, its fastest fraction that fits;
+- Adacc auto.
+Where no optimisation does not fit, Adacc is also compared with the unconstrained limit: no
+optimisation at the same micro-batch, memory ignored (timed at every micro-batch).
 
-Budgets are named by the micro-batch up to which no optimisation fits them
-("budget@k" = static bytes + the stock model's measured activation peak at micro-batch k), so
-larger micro-batches are the budgets where it does not fit. Every variant's memory is measured
-with the one ActivationRuler (see bench_common). A variant that does not fit is reported as
-not fitting. At each micro-batch, all variants run interleaved (one step each per round,
-medians after warm-up). When memory is ample (no optimisation fits), Adacc is compared
-with no optimisation in CPU time paired per round: the two run back to back for
---ample-rounds more rounds, and the ratio is the median over rounds of the two steps'
-CPU-time ratio in that round (wall time on a shared machine is too noisy for a 2% target).
+Budgets are named by the micro-batch up to which no optimisation fits them: "budget@k" = static
+bytes + the stock model's measured activation peak at micro-batch k. Every variant's memory is
+measured with the one ActivationRuler (see bench_common), and one that does not fit is reported so.
+At each micro-batch all variants run interleaved: one step each per round, medians after warm-up.
+Where no optimisation fits, Adacc is compared with it in CPU time paired per round. The two run back
+to back for --ample-rounds more rounds; the ratio is the median of each round's CPU-time ratio. Wall
+time on a shared machine is too noisy for a 2% target.
 
     python scripts/bench_throughput.py [--quick] [--attention-backend flash|unfused]
 """
@@ -133,9 +134,10 @@ def main() -> None:
 
 
 def pair_where_ample(measured, adacc_for, budgets, static, batch, args) -> dict[str, dict]:
-    """Where no optimisation fits a budget and so does Adacc's plan for it: the two run back
-    to back for --ample-rounds more rounds, CPU-timed (a plan shared by two budgets is timed
-    once). Per budget: both CPU times, aligned by round."""
+    """CPU-time Adacc and no optimisation back to back where both fit a budget.
+
+    They run for --ample-rounds more rounds; a plan shared by two budgets is timed once. Per
+    budget: both CPU times, aligned by round."""
     none, none_peak = measured[0]
     peaks = {v.name: peak for v, peak in measured}
     pairs, by_plan = {}, {}
@@ -156,8 +158,10 @@ def pair_where_ample(measured, adacc_for, budgets, static, batch, args) -> dict[
 
 
 def best_per_method(measured: list[dict], budget: int, adacc) -> dict[str, dict]:
-    """For each method: its fastest variant that fits ``budget`` (Adacc: the plan made for
-    this budget), or a record saying it does not fit (with its smallest measured memory)."""
+    """For each method, its fastest variant that fits ``budget``, or a record that it does not fit.
+
+    Adacc's variant is the plan made for this budget. A record of not fitting gives the method's
+    smallest measured memory."""
     out = {}
     for method in bc.METHODS:
         if method == "torch.compile + memory budget" and not any(
@@ -202,9 +206,11 @@ TARGETS = {"naive INT4": 1.03, "megatron full recompute": 1.25,
 
 
 def summarise(rows, measured, ample_pairs) -> dict:
-    """Adacc against each other method where no optimisation does not fit (tokens/s, from
-    wall-time medians; also CPU time paired per round), and against no optimisation where it
-    does (CPU time paired per round, from pair_where_ample)."""
+    """Adacc against each other method, and against no optimisation where that fits.
+
+    - Where no optimisation does not fit: tokens/s from wall-time medians, and CPU time paired per
+      round.
+    - Where it fits: CPU time paired per round, from pair_where_ample."""
     tight, ample, lines = [], [], []
     for name, per_batch in rows.items():
         for micro, methods in per_batch.items():
@@ -292,10 +298,11 @@ def summarise(rows, measured, ample_pairs) -> dict:
 
 
 def naive_headroom(methods, measured_at_micro) -> dict | None:
-    """Where Adacc and naive INT4 both fit: what each adds to the unconstrained limit's step
-    (wall medians), and the most Adacc may add to be TARGETS['naive INT4'] times naive INT4's
-    throughput. Set beside the planner's prediction (its optimum over the measured options),
-    it says whether that target is within reach of any plan the planner can make."""
+    """Where Adacc and naive INT4 both fit: what each adds to the unconstrained limit's step.
+
+    The figures are wall medians, with the most Adacc may add to reach TARGETS['naive INT4']
+    times naive INT4's throughput. Beside the planner's prediction (its optimum over the measured
+    options), it says whether any plan the planner can make can reach that target."""
     adacc, naive = methods.get("adacc auto", {}), methods.get("naive INT4", {})
     if not (adacc.get("fits") and naive.get("fits")):
         return None

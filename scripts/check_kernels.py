@@ -1,25 +1,24 @@
 #!/usr/bin/env python
 """Compile every Triton codec kernel for GPU targets, no GPU needed, as the codecs launch them.
 
-The configurations are recorded, not restated: each codec encodes and decodes an empty CPU
-tensor of a model site's shape through the Triton backend while a hook stands in for
-Triton's launcher (JITFunction.run), keeping each launch's arguments, grid and options
-instead of running it. Each launch is then specialised as Triton's launcher would
-(create_function_from_signature: dtypes, 16-byte divisibility of pointers and ints) and
-compiled with triton.compile for GPUTarget("cuda", cc, 32). Per kernel it reports, from the
-cubin (the bundled cuobjdump -res-usage) and the PTX:
+The configurations are recorded, not restated. Each codec encodes and decodes an empty CPU tensor of
+a model site's shape through the Triton backend. Meanwhile a hook stands in for Triton's launcher
+(JITFunction.run) and keeps each launch's arguments, grid and options instead of running it. Each
+launch is then specialised as Triton's launcher would (create_function_from_signature: dtypes,
+16-byte divisibility of pointers and ints). It is compiled with triton.compile for GPUTarget("cuda",
+cc, 32). Per kernel it reports, from the cubin (the bundled cuobjdump -res-usage) and the PTX:
 
 - registers and spilled bytes (the stack and local memory ptxas gave the kernel);
-- the share of activation bytes moved by 16-byte (128-bit) vector accesses, counted over the
-  ld.global / st.global instructions whose address derives from the activation pointer (the
-  encode's input, the decode's output), each weighted by its width;
+- the share of activation bytes moved by 16-byte (128-bit) vector accesses. It counts the ld.global
+  / st.global instructions whose address derives from the activation pointer (the encode's input,
+  the decode's output), each weighted by its width.
 - 64-bit integer division or remainder (div/rem .s64/.u64).
 
     python scripts/check_kernels.py [--targets 90 80 70] [--dtypes bf16 fp16 fp32]
                                     [--json out.json]
 
-Must run without TRITON_INTERPRET (the interpreter replaces the kernels); the PTX analysis
-(analyse_ptx) imports anywhere.
+It must run without TRITON_INTERPRET, which replaces the kernels. The PTX analysis (analyse_ptx)
+imports anywhere.
 """
 from __future__ import annotations
 
@@ -113,8 +112,9 @@ class Report:
 
 @contextlib.contextmanager
 def recording():
-    """Launches of Triton kernels are recorded (into the yielded list), not run; the codecs
-    take the Triton backend for CPU tensors meanwhile."""
+    """Record launches of Triton kernels into the yielded list instead of running them.
+
+    Meanwhile the codecs take the Triton backend for CPU tensors."""
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise RuntimeError("check_kernels compiles for a GPU: unset TRITON_INTERPRET")
     from megatron_adacc.codecs.triton import TRITON_KERNELS
@@ -136,8 +136,9 @@ def _site_input(name: str, shape: tuple[int, int], dtype: torch.dtype) -> torch.
 
 
 def codec_launches(sites=SITES, dtypes=DTYPES) -> list[Launch]:
-    """Every launch of every codec's encode and decode at each site and dtype (bitmask: a
-    bool mask too)."""
+    """Every launch of every codec's encode and decode at each site and dtype.
+
+    Bitmask is launched with a bool mask too."""
     result = []
     for name in codecs.NAMES:
         for site, shape in sites.items():
@@ -188,8 +189,9 @@ _ACCESS = re.compile(r"\b(ld|st)\.global((?:\.[a-z0-9]+)*)\s+(.*)")
 
 
 def _pointer_sources(ptx: str, pointer_params: set[str]) -> dict[str, set[str]]:
-    """For every PTX register, the pointer parameters its value derives from (a
-    flow-insensitive fixed point over every instruction; loaded values carry none)."""
+    """For every PTX register, the pointer parameters its value derives from.
+
+    It is a flow-insensitive fixed point over every instruction; loaded values carry none."""
     sources: dict[str, set[str]] = {}
     defs = []
     for line in ptx.splitlines():
@@ -227,9 +229,13 @@ def _access_bytes(suffix: str) -> int:
 
 def analyse_ptx(ptx: str, kernel: str, param_names: list[str],
                 activation: str) -> tuple[dict, list]:
-    """(bytes a thread moves through the activation pointer by access width, 64-bit
-    div/rem instructions) in ``ptx``. ``param_names``: the kernel's non-constexpr
-    arguments in order (PTX names them {kernel}_param_{i})."""
+    """(bytes a thread moves through the activation pointer by access width, 64-bit div/rem count).
+
+    Args:
+        ptx: the kernel's PTX.
+        param_names: the kernel's non-constexpr arguments in order. PTX names them
+            {kernel}_param_{i}.
+    """
     pointer_params = {f"{kernel}_param_{i}" for i, name in enumerate(param_names)
                       if name.endswith("_ptr")}
     target_param = f"{kernel}_param_{param_names.index(activation)}"
@@ -284,8 +290,11 @@ def check_launch(launch: Launch, cc: int) -> Report:
 
 
 def check(targets=TARGETS, sites=SITES, dtypes=None) -> tuple[list[Report], list[dict]]:
-    """(Reports of every distinct kernel configuration the codecs launch at ``sites``, and
-    the kernels each encode and decode launched there, in order)."""
+    """Compile what the codecs launch at ``sites``.
+
+    Returns:
+        The Reports of every distinct kernel configuration, and the kernels each encode and decode
+        launched there, in order."""
     dtypes = dtypes if dtypes is not None else {k: DTYPES[k] for k in DEFAULT_DTYPES}
     reports: list[Report] = []
     launched: dict[tuple, list[str]] = {}

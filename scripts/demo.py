@@ -1,13 +1,13 @@
-"""``make demo``: train configs/demo.yaml with auto at a budget that makes it mix retain,
-compress and recompute, whatever this machine's costs are.
+"""``make demo``: train configs/demo.yaml with auto at a budget where it mixes all three actions.
 
     python scripts/demo.py [--config configs/demo.yaml] [pretrain_gpt.py flags ...]
 
-The model is profiled once (the ProfileDB keeps it; the trainer then reuses it), and its plan
-frontier is walked from the smallest feasible budget up to what no optimisation needs: the
-demo trains at the largest budget whose plan uses all three actions (where codecs are cheap,
-compression alone covers most of that range; near the smallest budget recompute is needed
-too). One line says why each action was chosen where it was; then pretrain_gpt.py trains.
+The budget makes the plan retain, compress and recompute, whatever this machine's costs are. The
+model is profiled once; the ProfileDB keeps the profile, and the trainer reuses it. The demo walks
+the plan frontier from the smallest feasible budget up to what no optimisation needs. It trains at
+the largest budget whose plan uses all three actions. Where codecs are cheap, compression alone
+covers most of that range; near the smallest budget recompute is needed too. One line says why each
+action was chosen where it was; then pretrain_gpt.py trains.
 """
 from __future__ import annotations
 
@@ -28,8 +28,9 @@ TRAINER_OPTIONS = {"allow_lossy_sources": False}
 
 
 def plan_costs(argv: list[str]):
-    """The costs auto plans this run with (the trainer's model, first micro-batch, engine),
-    measured once into the ProfileDB by one iteration of pretrain_gpt.py."""
+    """The costs auto plans this run with: the trainer's model, first micro-batch and engine.
+
+    They are measured once into the ProfileDB, by one iteration of pretrain_gpt.py."""
     from megatron_adacc import cli
 
     return cli.trainer_costs(argv)
@@ -40,9 +41,10 @@ def actions_of(result) -> set[str]:
 
 
 def choose_budget(costs):
-    """(budget, its plan, smallest feasible budget, no optimisation's peak): the largest
-    budget on a grid over the frontier whose plan retains, compresses and recomputes; the
-    smallest feasible budget's plan if none does."""
+    """(budget, its plan, smallest feasible budget, no optimisation's peak).
+
+    The budget is the largest on a grid over the frontier whose plan retains, compresses and
+    recomputes. If none does, it is the smallest feasible budget and its plan."""
     from megatron_adacc import planning, policies
 
     low = planning.minimum_feasible_budget(costs, **TRAINER_OPTIONS)

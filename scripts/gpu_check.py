@@ -5,37 +5,23 @@
     python scripts/gpu_check.py --dry-run      # tiny shapes on the CPU, every section
     python scripts/gpu_check.py --render RESULTS.json --doc docs/gpu.md
 
-Sections, each in a child process of its own (a crashed CUDA context loses one section):
+Each section runs in a child process, so a crashed CUDA context loses one section only:
+- codecs (a): payloads and decoded tensors byte-identical to the PyTorch reference. Each codec's
+  round trip of one large bf16 activation is timed against a copy: by CUDA events around a loop of
+  calls (``time_calls``), and by CUDA graph replay where capture works.
+- syncs (b): host synchronisations in one training step of small GPT and Llama models, under none,
+  full-recompute, quantize, auto and a plan using every codec. CUDA's sync debug mode and the ATen
+  ops dispatched both count them. Time permitting, retain and recompute plans are checked bitwise
+  against megatron's stock layer.
+- training (c, d): GPT-345M in the paper's setting, and a Llama of about 1B in bf16 with flash
+  attention. ``pretrain_gpt.py`` runs each method (``ModelRuns``) at three budgets, from where full
+  recompute just fits to no optimisation's peak. A method fits when its allocator peak is within the
+  budget. Each measured step stands beside its predictions (``predict``).
 
-- codecs (a): every codec's payloads and decoded tensors byte-identical to the PyTorch
-  reference; each codec's round trip (encode + decode) of one large bf16 activation against
-  a copy into an existing tensor, timed back to back: CUDA events around a loop of calls, no
-  synchronisation between them, the median of several loops, and CUDA graph replay where
-  capture works; beside it the host's microseconds per call (the launches' own time, the
-  device not waited on);
-- syncs (b): host synchronisations in one training step of a small GPT and Llama, unfused
-  and flash attention, under none, full-recompute, quantize, auto at a compressing budget
-  and a plan that uses every codec, counted twice: CUDA's sync debug mode (on a GPU) and the
-  syncing ATen ops dispatched (everywhere); then, time permitting, retain and recompute
-  plans bitwise equal to megatron's stock layer;
-- training (c, d): per model (GPT-345M in the paper's setting, a Llama of about 1B in bf16
-  with flash attention), `pretrain_gpt.py` runs in one process at one micro-batch: no
-  optimisation, megatron's full recompute, selective recompute (every recompute_modules set
-  the trainer and megatron-core accept), block recompute (the fewest layers that fit),
-  naive INT4 (`--adacc-policy quantize`) and Adacc auto, at three budgets from where full
-  recompute just fits to no optimisation's peak. A method fits a budget when its allocator
-  peak (the ruler's peak plus static bytes on a CPU) is within it; an OOM does not fit.
-  Each method's measured step time stands beside its predicted one: the runtime's
-  (metrics' predicted_step_time_s, where the trainer writes it), the profile's and the
-  analytic accelerator model's (`adacc plan --hardware`): no optimisation's measured step
-  plus what each model says the method's plan adds. The last step of the runs of no
-  optimisation, full recompute, naive INT4 and auto is traced (its top kernels).
-
---device-budget-s plans the work to fit: each piece's cost is estimated from its sizes (and,
-once runs have been timed, from them); what would not fit is shrunk (fewer iterations) or
-skipped, with a printed note and a record in the JSON. The JSON and the page are rewritten
-after every section, and each child rewrites its part after every item, so a killed run
-keeps what it measured. Without CUDA (and without --dry-run) it says so and exits 0.
+--device-budget-s plans the work to fit. Each piece's cost is estimated from its sizes, then from
+the runs timed so far; what would not fit is shrunk or skipped, with a note. The JSON and the page
+are rewritten after every section, and each child rewrites its part after every item, so a killed
+run keeps what it measured. Without CUDA (and without --dry-run) it says so and exits 0.
 """
 from __future__ import annotations
 
@@ -252,8 +238,10 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def _same_decoded(expected: torch.Tensor, actual: torch.Tensor) -> bool:
-    """Bit for bit, NaN matching any NaN: a NaN-scale group's decoded NaN bits are not part
-    of the payload format (they follow the device's arithmetic)."""
+    """Bit for bit, NaN matching any NaN.
+
+    A NaN-scale group's decoded NaN bits are not part of the payload format: they follow the
+    device's arithmetic."""
     if expected.dtype == torch.bool:
         return torch.equal(expected, actual)
     nan = expected.isnan()
@@ -262,8 +250,10 @@ def _same_decoded(expected: torch.Tensor, actual: torch.Tensor) -> bool:
 
 
 def codec_identity(device, sizes: Sizes, deadline: Deadline, gen) -> dict:
-    """The device backend's payloads and decoded tensors against the PyTorch reference's, for
-    every codec, dtype and shape (and a view's strided rows: a SwiGLU fc1 output's gate)."""
+    """The device backend's payloads and decoded tensors against the PyTorch reference's.
+
+    It covers every codec, dtype and shape, and a view's strided rows (a SwiGLU fc1 output's
+    gate)."""
     from megatron_adacc import codecs
 
     gate_half_of = (8, 4, 2 * 64)
@@ -294,9 +284,11 @@ def codec_identity(device, sizes: Sizes, deadline: Deadline, gen) -> dict:
 
 
 def time_calls(fn, device, loops: int, calls: int) -> dict:
-    """``calls`` calls of ``fn`` back to back per loop, ``loops`` loops: the device's time per
-    call (CUDA events around the loop; the host clock on a CPU) and the host's time per call
-    up to the last launch, the device not waited on; medians over the loops."""
+    """Time ``loops`` loops of ``calls`` back-to-back calls of ``fn``; medians over the loops.
+
+    Returns:
+        The device's time per call (CUDA events around the loop; the host clock on a CPU), and the
+        host's time per call up to the last launch, the device not waited on."""
     fn(), fn()  # compiles, and warms the caching allocator
     _sync(device)
     device_ms, host_us = [], []
@@ -319,8 +311,10 @@ def time_calls(fn, device, loops: int, calls: int) -> dict:
 
 
 def time_graph(fn, loops: int, calls: int) -> float:
-    """Milliseconds per call of ``fn`` replayed from one CUDA graph of ``calls`` calls, the
-    median of ``loops`` replays; raises when capture fails (a host sync inside ``fn``)."""
+    """Milliseconds per call of ``fn``, replayed from one CUDA graph of ``calls`` calls.
+
+    It is the median of ``loops`` replays. It raises when capture fails (a host sync inside
+    ``fn``)."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -344,8 +338,9 @@ def time_graph(fn, loops: int, calls: int) -> float:
 
 
 def codec_speed(device, sizes: Sizes, deadline: Deadline, gen, emit) -> list[dict]:
-    """Each codec's round trip of one bf16 activation (a float dropout mask for bitmask)
-    against a copy of it into an existing tensor, timed with events."""
+    """Each codec's round trip of one bf16 activation against a copy into an existing tensor.
+
+    Bitmask gets a float dropout mask. Both are timed with events."""
     from megatron_adacc import codecs
 
     rows = []
@@ -371,8 +366,9 @@ def codec_speed(device, sizes: Sizes, deadline: Deadline, gen, emit) -> list[dic
 
 
 def codec_graphs(rows: list[dict], sizes: Sizes, deadline: Deadline, gen, emit) -> None:
-    """Each codec's round trip and copy replayed from CUDA graphs, into ``rows``; a capture
-    that fails (a host sync inside) is recorded as such."""
+    """Each codec's round trip and copy replayed from CUDA graphs, into ``rows``.
+
+    A capture that fails (a host sync inside) is recorded as such."""
     from megatron_adacc import codecs
 
     for row in rows:
@@ -434,8 +430,10 @@ def _exact_plans(family: str) -> dict:
 
 
 def every_codec_plan(family: str, backend: str):
-    """A plan compressing one site of the family's layer with each codec that one of its
-    sites takes (the first such site, in the layer's order); and the codecs none takes."""
+    """A plan compressing one site of the family's layer with each codec one of its sites takes.
+
+    The site is the first such one, in the layer's order. It also returns the codecs no site
+    takes."""
     from megatron_adacc import codecs, models
     from megatron_adacc.common.plan import Decision, Plan
     from megatron_adacc.common.sites import COMPRESS
@@ -489,8 +487,9 @@ def _batch(step: int, device, sizes: Sizes):
 
 
 def _train(model, device, sizes: Sizes) -> tuple[list, list, list]:
-    """Losses, gradients and host synchronisations (CUDA's count, the ops' count) of each of
-    STEPS steps, on fixed batches and dropout streams."""
+    """Losses, gradients and host synchronisations of each of STEPS steps, on fixed batches.
+
+    Both sync counts (CUDA's, the ops') are kept, and dropout streams are fixed too."""
     from megatron_adacc.models import build as model_lib
     from megatron_adacc.profiling.syncs import SyncCounter
 
@@ -523,11 +522,12 @@ def _train(model, device, sizes: Sizes) -> tuple[list, list, list]:
 
 
 def _auto_plan(family: str, backend: str, dtype_name: str, dropout: float):
-    """auto's plan for a 2-layer model of the family, hidden and sequence 1024, at a tenth of
-    the way from its smallest feasible budget to no optimisation's peak, where it compresses
-    and recomputes (planned from the analytic model: which sites take which action is what a
-    sync count needs, not the plan's speed, and a profile would cost seconds a model). The
-    small models run it: their sites are the same."""
+    """auto's plan for a 2-layer model of the family, hidden and sequence 1024, where it compresses.
+
+    The budget is a tenth of the way from its smallest feasible budget to no optimisation's peak,
+    where it compresses and recomputes. It is planned from the analytic model. A sync count needs
+    only which sites take which action, and a profile would cost seconds a model. The small
+    models run it, since their sites are the same."""
     from megatron_adacc import models, policies
     from megatron_adacc.planning import minimum_budget
     from megatron_adacc.profiling import hardware
@@ -546,8 +546,9 @@ def _auto_plan(family: str, backend: str, dtype_name: str, dropout: float):
 
 
 def _small_models(device, sizes: Sizes, deadline: Deadline, skipped: list):
-    """(name, family, attention, dtype name, dropout) of each small model, while there is
-    time for one (those left out are added to ``skipped``)."""
+    """(name, family, attention, dtype name, dropout) of each small model, while time allows one.
+
+    Those left out are added to ``skipped``."""
     for dtype_name in sizes.sync_dtypes:
         for family, backend in sizes.sync_models:
             name = f"{family} {backend} {dtype_name}"
@@ -604,8 +605,10 @@ def syncs_worker(device, sizes: Sizes, deadline: Deadline, emit) -> None:
 
 
 def check_exactness(device, sizes: Sizes, deadline: Deadline) -> dict:
-    """Retain and recompute plans against megatron's stock layer, bitwise over the losses and
-    gradients of STEPS steps with dropout on (configurations cut when time runs out)."""
+    """Retain and recompute plans against megatron's stock layer, bitwise, with dropout on.
+
+    It compares the losses and gradients of STEPS steps. Configurations are cut when time runs
+    out."""
     # warn_only: an op without a deterministic kernel shows up as a mismatch, not a crash.
     torch.use_deterministic_algorithms(True, warn_only=True)
     results = {"configurations": 0, "skipped": [], "mismatches": []}
@@ -642,8 +645,10 @@ RECOMPUTE_MODULES = ("core_attn", "layernorm", "mlp")
 
 
 def selective_sets() -> list[tuple[str, ...]]:
-    """Every non-empty set of the recompute modules a dense layer has (megatron-core's
-    TransformerConfig accepts each; which Megatron-LM refuses for a model, its run says)."""
+    """Every non-empty set of the recompute modules a dense layer has.
+
+    megatron-core's TransformerConfig accepts each; the run says which Megatron-LM refuses for a
+    model."""
     return [mods for n in range(1, len(RECOMPUTE_MODULES) + 1)
             for mods in itertools.combinations(RECOMPUTE_MODULES, n)]
 
@@ -671,9 +676,10 @@ def _config_values(spec: ModelSpec, dry_run: bool) -> dict:
 
 
 def adacc_work_iterations(records: list[dict]) -> set[int]:
-    """Iterations next to Adacc's periodic work (a tracking forward, a step watch's re-timing
-    or swap): it runs after a step, so either that iteration's time or the next's holds it.
-    Tracking backs off to every few hundred steps, so a long run's throughput is the rest."""
+    """Iterations next to Adacc's periodic work: a tracking forward, a step watch's re-time or swap.
+
+    That work runs after a step, so either that iteration's time or the next's holds it. Tracking
+    backs off to every few hundred steps, so a long run's throughput is the rest."""
     work = {r["iteration"] for r in records if "tracking" in r
             or r.get("step_watch", {}).get("retimed") or "to" in r.get("step_watch", {})}
     return work | {i + 1 for i in work}
@@ -694,8 +700,9 @@ def _largest(records: list[dict], key: str) -> int | None:
 
 
 def _peak(records: list[dict]) -> tuple[int | None, str]:
-    """A run's memory peak: the CUDA allocator's, or (on a CPU) the ruler's activation peak
-    plus the static bytes the run's engine holds."""
+    """A run's memory peak: the CUDA allocator's, or on a CPU the ruler's peak plus static bytes.
+
+    The static bytes are those the run's engine holds."""
     allocated = _largest(records, "max_memory_allocated")
     if allocated is not None:
         return allocated, "allocator"
@@ -706,8 +713,9 @@ def _peak(records: list[dict]) -> tuple[int | None, str]:
 
 
 def plan_table(stdout: str) -> list[str]:
-    """The plan table a run printed at set-up, from its ``adacc: policy`` line to its
-    ``budget`` line (none for a run without Adacc)."""
+    """The plan table a run printed at set-up, from ``adacc: policy`` to its ``budget`` line.
+
+    A run without Adacc has none."""
     lines = stdout.splitlines()
     start = next((i for i, line in enumerate(lines) if line.startswith("adacc: policy")), None)
     if start is None:
@@ -718,10 +726,12 @@ def plan_table(stdout: str) -> list[str]:
 
 
 def trace_summary(directory: str) -> dict:
-    """The traced step of rank 0's PyTorch profiler trace in ``directory``: its wall time,
-    the time CUDA kernels ran in it, the CUDA runtime calls that wait for the device, and
-    the longest kernels by total time (on a CPU, the longest ATen ops; empty if no trace).
-    Megatron-LM writes it to ``torch_profile/rank-0.json.gz`` beside its --tensorboard-dir."""
+    """The traced step of rank 0's PyTorch profiler trace in ``directory``.
+
+    It gives the step's wall time, the time CUDA kernels ran in it, the CUDA runtime calls that
+    wait for the device, and the longest kernels by total time. On a CPU it lists the longest
+    ATen ops; without a trace it is empty. Megatron-LM writes the trace to
+    ``torch_profile/rank-0.json.gz`` beside its --tensorboard-dir."""
     paths = sorted(glob.glob(os.path.join(directory, "torch_profile", "rank-0.json.gz")))
     if not paths:
         return {}
@@ -749,8 +759,9 @@ def trace_summary(directory: str) -> dict:
 
 
 class RunClock:
-    """Estimates of a training run's seconds: before any run from the model's FLOPs, then
-    from the steps and overheads the runs so far measured."""
+    """Estimates of a training run's seconds: from the model's FLOPs, then from measured runs.
+
+    Once runs have been timed, the estimate uses their steps and overheads."""
 
     def __init__(self, kind: str, values: dict, micro_batch: int):
         from megatron_adacc import cli
@@ -787,8 +798,13 @@ class RunClock:
 
 
 class ModelRuns:
-    """One model's training runs in this process, each `pretrain_gpt.main` once, deduplicated
-    by name; skipped or shrunk to fit the deadline."""
+    """One model's training runs in this process, each ``pretrain_gpt.main`` once, by name.
+
+    The methods are no optimisation, megatron's full recompute, selective recompute (every
+    recompute_modules set the trainer and megatron-core accept), block recompute (the fewest
+    layers that fit), naive INT4 (``--adacc-policy quantize``) and Adacc auto. Runs are
+    deduplicated by name, and skipped or shrunk to fit the deadline. The last step of no
+    optimisation, full recompute, naive INT4 and auto is traced (its top kernels)."""
 
     def __init__(self, name: str, spec: ModelSpec, device, sizes: Sizes, deadline: Deadline,
                  emit):
@@ -960,10 +976,11 @@ class ModelRuns:
         return self.report
 
     def _block_for(self, budget: int, high: int, low: int, layers: int) -> str | None:
-        """Megatron's block recompute with the fewest layers that fit ``budget``: a guess from
-        the two peaks (each recomputed layer saves a layer's share of their difference), one
-        more layer if the guess did not fit. Returns the run's name (0 layers: no
-        optimisation's)."""
+        """Megatron's block recompute with the fewest layers that fit ``budget``: the run's name.
+
+        The guess comes from the two peaks: each recomputed layer saves a layer's share of their
+        difference. If the guess does not fit, one more layer is tried. 0 layers is no
+        optimisation's run."""
         per_layer = max(1, (high - low) / layers)
         n = min(layers, max(0, math.ceil((high - budget) / per_layer)))
         if n == 0:
@@ -990,8 +1007,9 @@ class ModelRuns:
 # --- predictions -------------------------------------------------------------------------------
 
 def _selective_sites(mods) -> set[str]:
-    """The sites megatron's selective recompute of ``mods`` rebuilds, in this project's site
-    names: what the module's checkpoint keeps out of memory."""
+    """The sites megatron's selective recompute of ``mods`` rebuilds, in this project's names.
+
+    They are what the module's checkpoint keeps out of memory."""
     by_module = {
         "core_attn": {"softmax_out", "attn_dropout_mask", "attn_probs", "attn_lse",
                       "attn_rng_state"},
@@ -1003,11 +1021,12 @@ def _selective_sites(mods) -> set[str]:
 
 
 def equivalent_plan(method: str, detail, costs, auto_plan=None):
-    """The plan of this project's sites that stands for a measured method, for pricing it:
-    Adacc's own plans as they are (``auto_plan``: the auto run's); megatron's recompute as
-    the sites it rebuilds (a segment re-run from the layer input, priced as the planner
-    prices one: an approximation of megatron's checkpoints, which re-run from their own
-    inputs)."""
+    """The plan of this project's sites that stands for a measured method, for pricing it.
+
+    - Adacc's own plans are taken as they are (``auto_plan``: the auto run's).
+    - Megatron's recompute becomes the sites it rebuilds: a segment re-run from the layer input,
+      priced as the planner prices one. That approximates megatron's checkpoints, which re-run
+      from their own inputs."""
     from megatron_adacc import policies
     from megatron_adacc.common.plan import Decision, Plan
     from megatron_adacc.common.sites import RECOMPUTE, SITES
@@ -1054,10 +1073,11 @@ def _analytic_costs(spec: ModelSpec, dry_run: bool, accelerator: str):
 
 
 def _with_naive_int4(costs, accelerator: str, channels: int):
-    """``costs`` with naive INT4 priced on each site whose last resort it is, by the analytic
-    model's own codec rule (the bytes it moves at hardware.CODEC_EFFICIENCY of bandwidth):
-    `adacc plan --hardware` prices designated codecs only, and the quantize baseline is
-    predicted from it."""
+    """``costs`` with naive INT4 priced on each site whose last resort it is.
+
+    The price follows the analytic model's own codec rule: the bytes it moves at
+    hardware.CODEC_EFFICIENCY of bandwidth. ``adacc plan --hardware`` prices designated codecs
+    only, and the quantize baseline is predicted from it."""
     from dataclasses import replace
 
     from megatron_adacc.common.sites import QUANTIZE_CODEC, SITES
@@ -1079,8 +1099,9 @@ def _with_naive_int4(costs, accelerator: str, channels: int):
 
 
 def _profiled_costs(workdir: str):
-    """The auto runs' profile (None if no auto run profiled): the newest row of their
-    ProfileDB, which holds this model's alone."""
+    """The auto runs' profile (None if no auto run profiled): the newest row of their ProfileDB.
+
+    That ProfileDB holds this model's profile alone."""
     from megatron_adacc.common.costs import ModelCosts
     from megatron_adacc.profiling.profile_db import ProfileDB
 
@@ -1093,9 +1114,12 @@ def _profiled_costs(workdir: str):
 
 
 def predict(runs: ModelRuns, accelerator: str) -> None:
-    """Each method's predicted step beside its measured one, at every budget: no
-    optimisation's measured step plus what the profile and the analytic model say its plan
-    adds; the analytic model's own auto plan at the budget too."""
+    """Each method's predicted step beside its measured one, at every budget.
+
+    A prediction is no optimisation's measured step plus what a model says the method's plan
+    adds. The models are the runtime's (metrics' predicted_step_time_s, where the trainer writes
+    it), the profile's and the analytic model's (``adacc plan --hardware``). The analytic model's
+    own auto plan at the budget is predicted too."""
     import bench_common
 
     from megatron_adacc import planning, policies
@@ -1159,10 +1183,13 @@ def predict(runs: ModelRuns, accelerator: str) -> None:
 
 
 def _run_plan(costs, run: dict, budget: int | None):
-    """The plan an auto run set out with, planned again from its profile as the trainer
-    planned it (its engine's static bytes), and whether its id is the run's (the profile
-    does not hold what the engine's optimizer step adds, which can tip a plan): (None,
-    False) without a profile or a run."""
+    """The plan an auto run set out with, re-planned from its profile as the trainer planned it.
+
+    The trainer planned with its engine's static bytes. The profile does not hold what the engine's
+    optimizer step adds, which can tip a plan.
+
+    Returns:
+        (the plan, whether its id is the run's); (None, False) without a profile or a run."""
     from dataclasses import replace
 
     from megatron_adacc import planning, policies
@@ -1239,8 +1266,7 @@ def worker_main(args) -> int:
 # --- the parent: plan the time, run the children, write the report ----------------------------
 
 def estimate_s(section: str, dry_run: bool, optional=OPTIONAL_METHODS) -> float:
-    """A section's seconds, from its sizes and the methods it runs (leads; see the
-    constants)."""
+    """A section's seconds, from its sizes and the methods it runs (leads; see the constants)."""
     from megatron_adacc import codecs
 
     kind, sizes = _kind(dry_run), _sizes(dry_run)
@@ -1267,11 +1293,13 @@ def estimate_s(section: str, dry_run: bool, optional=OPTIONAL_METHODS) -> float:
 
 
 def allot(section: str, estimates: dict, later: list, left: float) -> float:
-    """A section's seconds. Where every section left fits, a share of what is left in
-    proportion to its estimate; else codecs and syncs (short, and what the codec work is
-    judged by) their estimate and a quarter more, leaving each later section MIN_SECTION_S,
-    and the models' training that proportional share. Time a section does not use flows on
-    to the next."""
+    """A section's seconds, from what is left and the sections' estimates.
+
+    - Where every section left fits, it gets a share of what is left, in proportion to its estimate.
+    - Else codecs and syncs get their estimate and a quarter more: they are short, and the codec
+      work is judged by them. Each later section keeps MIN_SECTION_S, and the models' training gets
+      the proportional share.
+    Time a section does not use flows on to the next."""
     total = estimates[section] + sum(estimates[s] for s in later)
     if total > left and not section.startswith("training:"):
         return min(1.25 * estimates[section], left - MIN_SECTION_S * len(later))
@@ -1279,8 +1307,10 @@ def allot(section: str, estimates: dict, later: list, left: float) -> float:
 
 
 def run_child(args, section: str, seconds: float, progress) -> tuple[dict | None, str | None]:
-    """One section in a child process with ``seconds`` to spend; its last written report and
-    how it ended (None: it finished)."""
+    """Run one section in a child process with ``seconds`` to spend.
+
+    Returns:
+        Its last written report, and how it ended (None: it finished)."""
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as scratch:
         out = os.path.join(scratch, "part.json")
         command = [sys.executable, os.path.abspath(__file__), "--worker", section,
@@ -1427,7 +1457,7 @@ def _fits(value) -> str:
 
 
 def summary_table(results: dict) -> str:
-    """The short table printed last (a device call returns the end of the output)."""
+    """The short table printed last; a device call returns the end of the output."""
     lines = []
     for row in (results.get("codecs") or {}).get("speed", []):
         if "skipped" in row:
@@ -1526,7 +1556,7 @@ def markdown(results: dict, earlier: str = "") -> str:
 
 
 def write_page(path: str, results: dict) -> None:
-    """The page from ``results``, the part below EARLIER_MARKER of the page there kept."""
+    """The page from ``results``, keeping the part below EARLIER_MARKER of the page there."""
     earlier = ""
     if os.path.exists(path):
         with open(path) as handle:

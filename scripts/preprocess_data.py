@@ -4,12 +4,13 @@
     # writes data/corpus_text_document.bin/.idx and prints the flags to train on it:
     # --data-path data/corpus_text_document --tokenizer-type NullTokenizer --vocab-size 257
 
-JSONL: one object per line, the text under --json-keys (default: text). Plain text: documents
-are separated by blank lines. ``--tokenizer-type ByteLevel`` (the default) writes UTF-8 bytes,
-ids 0-255 and end-of-document 256, the built-in corpus's format, which Megatron-LM reads with
-its NullTokenizer at vocabulary 257: no tokenizer files, no network. Any of Megatron-LM's
-tokenizer types is built by megatron-core from Megatron-LM's flags (--vocab-file,
---merge-file, --tokenizer-model), as pretrain_gpt.py builds it.
+- JSONL: one object per line, the text under --json-keys (default: text).
+- Plain text: documents are separated by blank lines.
+- ``--tokenizer-type ByteLevel`` (the default) writes UTF-8 bytes, ids 0-255 and end-of-document
+  256: the built-in corpus's format. Megatron-LM reads it with its NullTokenizer at vocabulary 257,
+  with no tokenizer files and no network.
+- Any of Megatron-LM's tokenizer types is built by megatron-core from Megatron-LM's flags
+  (--vocab-file, --merge-file, --tokenizer-model), as pretrain_gpt.py builds it.
 """
 from __future__ import annotations
 

@@ -2,13 +2,14 @@
 
     python scripts/soak_lifecycle.py [--runs 50] [--iters 3] [--timeout 240]
 
-Runs ``--runs`` times ``torchrun --nproc_per_node 2 pretrain_gpt.py ...
---pipeline-model-parallel-size 2`` and ``--runs`` times ``python pretrain_gpt.py ...`` on
-the tiny CPU config (a few iterations each), one after another, and counts the exit codes:
-0 (clean), an abort (-6 / 134: SIGABRT, e.g. ``terminate called without an active
-exception`` at shutdown), any other code, and hangs (killed at ``--timeout``). Prints a table
-and writes JSON (docs/results/soak_lifecycle.json unless --json says otherwise). Exit status
-1 when any run did not end with 0.
+It runs ``--runs`` times ``torchrun --nproc_per_node 2 pretrain_gpt.py ...
+--pipeline-model-parallel-size 2`` and ``--runs`` times ``python pretrain_gpt.py ...``. Each is a
+few iterations on the tiny CPU config, one after another. It counts the exit codes:
+- 0 (clean);
+- an abort (-6 / 134: SIGABRT, e.g. ``terminate called without an active exception`` at shutdown);
+- any other code, and hangs (killed at ``--timeout``).
+It prints a table and writes JSON (docs/results/soak_lifecycle.json unless --json says otherwise).
+The exit status is 1 when any run did not end with 0.
 """
 from __future__ import annotations
 
@@ -44,8 +45,9 @@ def commands(iters: int) -> dict[str, list[str]]:
 
 
 def portable(argument: str) -> str:
-    """``argument`` as the record shows it: the interpreter as ``python`` and paths inside the
-    repository relative to it, so that a record reads the same from any checkout."""
+    """``argument`` as the record shows it, so that a record reads the same from any checkout.
+
+    The interpreter shows as ``python``, and paths inside the repository are relative to it."""
     if argument == sys.executable:
         return "python"
     if os.path.isabs(argument) and not os.path.relpath(argument, ROOT).startswith(".."):
