@@ -68,9 +68,11 @@ def forward_step(data_iterator, model):
 
 
 def get_batch(data_iterator) -> dict:
-    """This rank's micro-batch, as Megatron-LM's ``get_batch`` gives it: read on the
-    tensor-parallel group's first rank, shared with the others, and only the fields this
-    pipeline stage reads (the first its inputs, the last its labels and loss mask)."""
+    """This rank's micro-batch, as Megatron-LM's ``get_batch`` gives it.
+
+    It is read on the tensor-parallel group's first rank and shared with the others. It holds
+    only the fields this pipeline stage reads: the first stage its inputs, the last its labels
+    and loss mask."""
     import torch
     from megatron.core import mpu
     from megatron.core.utils import get_batch_on_this_tp_rank
@@ -98,10 +100,11 @@ def get_batch(data_iterator) -> dict:
 
 
 def _batch_on_host(batch: dict, first: bool, last: bool, pipelined: bool) -> dict:
-    """get_batch_on_this_tp_rank on a host (gloo): rank 0's micro-batch on every rank of its
-    group, copied as a GPU copies it to the device, so what the model saves for backward is
-    the step's own, never the loader's tensors (Megatron-LM's rerun state machine keeps
-    those for the whole step)."""
+    """get_batch_on_this_tp_rank on a host (gloo): rank 0's micro-batch on every rank of its group.
+
+    It is copied as a GPU copies it to the device. So what the model saves for backward is the
+    step's own, never the loader's tensors, which Megatron-LM's rerun state machine keeps for the
+    whole step."""
     import torch
     import torch.distributed as dist
     from megatron.core import mpu

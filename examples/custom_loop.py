@@ -1,6 +1,8 @@
-"""Adacc in your own loop: a plain megatron-core training loop (GPTModel from megatron-core's
-local layer spec, AdamW, a synthetic batch, the language-model loss) that adopts Adacc's
-auto policy under a memory budget. The lines marked `# adacc` are all it takes.
+"""Adacc in your own loop: a plain megatron-core training loop that adopts Adacc's auto policy.
+
+The loop builds a GPTModel from megatron-core's local layer spec and trains it with AdamW on a
+synthetic batch and the language-model loss, under a memory budget. The lines marked ``# adacc`` are
+all it takes.
 
     python examples/custom_loop.py --memory-budget 3.5MiB --metrics-file runs/custom.jsonl
 
