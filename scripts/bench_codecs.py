@@ -12,8 +12,8 @@ Inputs:
 Per codec, backend (torch: eager reference; native: fused C) and input it reports:
 - compression ratio (payload bytes / input bytes) and relative error ||x - x^|| / ||x||;
 - encode, decode and round-trip throughput, in GB/s of input;
-- on a tensor of the same size, in the same run: a plain copy into an existing tensor (the
-  memory-bandwidth ceiling), and a clone (a copy that allocates its output, as every decode must);
+- in the same run, on a tensor of the same size: a plain copy into an existing tensor, the
+  memory-bandwidth ceiling. Also a clone, a copy that allocates its output as every decode must;
 - the round trip against the copy paired per round, in wall and process CPU time (``paired``,
   ``cpu``). The speed targets use the CPU one for --threads 1.
 

@@ -223,12 +223,12 @@ class Rebuild:
         saves: the sites the call saves for backward on the way (a norm's statistics, RMSNorm's x *
             rstd). They are captured as it runs, its sources requiring grad as in forward, so it
             saves what forward saved.
-        between: (enter, exit) runs a module's forward over the operators between two of its
-            megatron linear layers, where no submodule or function holds them (the gated MLP's
-            ``glu``, a closure in ``MLP.forward``). Submodule ``enter`` stands in, returning the
-            source's whole value and no bias. The whole is the tensor the source's saved view is a
-            view of (SwiGLU's gate half pins fc1's whole output). The call stops at submodule
-            ``exit``, whose input is ``output``; neither linear layer runs.
+        between: (enter, exit) runs a module's forward between two of its megatron linear layers. It
+            serves operators no submodule or function holds (the gated MLP's ``glu``, a closure in
+            ``MLP.forward``). Submodule ``enter`` stands in, returning the source's whole value and
+            no bias. The whole is the tensor the source's saved view is a view of (SwiGLU's gate
+            half pins fc1's whole output). The call stops at submodule ``exit``, whose input is
+            ``output``; neither linear layer runs.
         optional: sources a layer may not save (a dropout's mask where the layer has no dropout).
             The call takes None in their place.
 

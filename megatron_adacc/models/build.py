@@ -69,7 +69,7 @@ def init_distributed(tensor_model_parallel_size: int = 1,
 def shutdown_distributed() -> None:
     """Undo ``init_distributed``: megatron-core's model-parallel groups, then the process group.
 
-    It skips what was never set up. Entry points call it on every exit: a process group left for
+    It skips what was never set up. Entry points call it on every exit. A process group left for
     the interpreter's exit to tear down can abort the process once training has finished
     (``terminate called without an active exception``)."""
     from megatron.core import parallel_state

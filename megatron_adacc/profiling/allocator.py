@@ -1,8 +1,8 @@
 """Readings of the CUDA caching allocator: its peaks over a stretch of work, and plannable memory.
 
 On a CPU there is no caching allocator between tensors and memory. Every reading is zero, and the
-memory to plan for is unknown (None). glibc can be told to keep freed host memory the way the
-caching allocator keeps device memory (``recycle_freed_host_memory``).
+memory to plan for is unknown (None). On the host, glibc can be told to keep freed memory the way
+the caching allocator keeps device memory (``recycle_freed_host_memory``).
 """
 from __future__ import annotations
 

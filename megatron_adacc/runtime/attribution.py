@@ -1,19 +1,19 @@
 """Which site a tensor saved for backward inside one transformer layer belongs to.
 
 Forward pre/post hooks on the layer's submodules say which one is running (its *role*). A per-call
-map from storage to site says what a storage already is, so views of one storage share one site (Q,
-K and V; the softmax output reused as attention probabilities when dropout is off). Only submodules
-that name a site are hooked: IdentityOp pass-throughs cannot steal attribution, and a call costs a
-few dict lookups.
+map from storage to site says what a storage already is. So views of one storage share one site: Q,
+K and V, or the softmax output reused as attention probabilities when dropout is off. Only
+submodules that name a site are hooked: IdentityOp pass-throughs cannot steal attribution, and a
+call costs a few dict lookups.
 
 The rules come from what megatron-core 0.16.1's local layer saves, GPT's and Llama's (sites.py,
 models/). A role names the site of what it saves, except where one role saves several kinds:
 
-- a norm saves its input, one statistic per row, and (RMSNorm) x * rstd. torch's RMSNorm in a 16-bit
-  model saves an fp32 copy of the input, made before its statistics.
-- core attention saves its inputs (Q, K, V: views of linear_qkv's output, or RoPE's rotated Q and
-  K), what it makes of them (grouped-query attention repeats K and V), and the probabilities of the
-  softmax and the dropout;
+- a norm saves its input, one statistic per row, and (RMSNorm) x * rstd. In a 16-bit model torch's
+  RMSNorm saves an fp32 copy of the input, made before its statistics.
+- core attention saves its inputs: Q, K, V, as views of linear_qkv's output or as RoPE's rotated Q
+  and K. It saves what it makes of them (grouped-query attention repeats K and V), and the
+  probabilities of the softmax and the dropout.
 - the attention module itself saves RoPE's cos and sin (computed, never requiring grad);
 - the MLP's activation saves per its model family's part (models.MlpPart);
 - the layer itself saves the bias-dropout-add masks: drawn, shaped like the residual stream.

@@ -14,8 +14,8 @@ saves for backward. Nothing of megatron's forward is copied:
 - Segment re-runs come first, then the operators in the table's order. A re-run whose start an edge
   rebuilds runs right after that edge (the MLP's, after ln2_in's).
 - A re-run restores the RNG states captured when its segment first ran, with megatron's own
-  checkpointing helpers: the CPU generator, the default CUDA generator (bias-dropout-add's masks)
-  and the tensor-parallel tracker's states (attention dropout).
+  checkpointing helpers. They are the CPU generator, the default CUDA generator (bias-dropout-add's
+  masks) and the tensor-parallel tracker's states (attention dropout).
 """
 from __future__ import annotations
 

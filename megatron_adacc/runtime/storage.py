@@ -108,9 +108,9 @@ class CompressedStorage:
 def _encoding_root(tensor: torch.Tensor) -> torch.Tensor:
     """What to encode so that every saved view of ``tensor``'s storage views the decoded copy.
 
-    Decode returns a contiguous tensor, so this is the whole base, in memory order. A dense base
-    whose dimensions are permuted (SDPA's output is [b, heads, s, dim] laid out as [s, b, heads,
-    dim]) is encoded as its contiguous permutation, so the saved strides hold on the decoded copy.
+    Decode returns a contiguous tensor, so this is the whole base, in memory order. A dense base may
+    have permuted dimensions: SDPA's output is [b, heads, s, dim] laid out as [s, b, heads, dim]. It
+    is encoded as its contiguous permutation, so the saved strides hold on the decoded copy.
     Anything else non-contiguous is its own root.
     """
     base = tensor._base if tensor._base is not None else tensor

@@ -9,9 +9,9 @@ The shared object is built for the machine it runs on (-march=native). So it is 
 ADACC_NATIVE_CFLAGS adds compiler flags after those and is part of the key; e.g. "-mno-avx512f"
 builds the AVX2 kernels on an AVX-512 machine. vector_isa() names the vector path a build took.
 
-They cover row- and channel-grouped int4 (even row width), the outlier codec's channel choice up to
-its capacity, channel zeroing and exact channels, and masks of bool, uint8 and float dtypes. Other
-cases run the reference. No kernel's output size depends on the data.
+They cover row- and channel-grouped int4 (even row width), and masks of bool, uint8 and float
+dtypes. They also cover the outlier codec's channel choice up to its capacity, channel zeroing and
+exact channels. Other cases run the reference. No kernel's output size depends on the data.
 """
 from __future__ import annotations
 
