@@ -15,11 +15,12 @@ have the same shape), so the numbers describe what the runtime will really do:
   recomputed. Any other site times a segment re-run up to it: its ``rebuild_s``
   (docs/memory-model.md, "Time").
 
-Times are medians over steps, taken in the step, since that is what training pays. There, sources
-and payloads are read cold, and products go to memory the cache does not hold (docs/design.md). Each
-timed step records its calls on one clock (clock.Spans) and reads them after the step. On CUDA these
-are events between the step's own kernels, with no wait in between; on a CPU, the host's counter. A
-CPU step in which a timed call grew the host heap is run again.
+Times are medians over steps, taken in the step, since that is what training pays. There,
+sources and payloads are read cold, and products go to memory the cache does not hold
+(docs/decisions.md). Each timed step records its calls on one clock (clock.Spans) and reads
+them after the step. On CUDA these are events between the step's own kernels, with no wait in
+between; on a CPU, the host's counter. A CPU step in which a timed call grew the host heap is
+run again.
 """
 from __future__ import annotations
 
