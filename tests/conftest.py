@@ -10,7 +10,10 @@ if not os.environ.get("CUDA_VISIBLE_DEVICES") and not os.path.exists("/dev/nvidi
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# The repository (this checkout's package, pretrain_gpt.py) and tests/ (the helpers package)
+# first on the path, whichever folder a test module sits in.
+TESTS = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [os.path.dirname(TESTS), TESTS]
 
 # megatron-core warns at import about every optional fused kernel it cannot find.
 warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*")
@@ -36,7 +39,7 @@ def own_process_env():
     megatron-core records and asserts the next model agrees with) reaches no later test or
     subprocess."""
     from megatron_adacc.launch import TE_ATTENTION_ENV
-    from pretrain_helpers import DISTRIBUTED_ENV
+    from helpers.pretrain import DISTRIBUTED_ENV
 
     before = {name: os.environ.get(name) for name in (*TE_ATTENTION_ENV, *DISTRIBUTED_ENV)}
     for name in TE_ATTENTION_ENV:
@@ -56,6 +59,21 @@ def distributed():
 
     warnings.filterwarnings("ignore", module="megatron")
     model.init_distributed(1)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """A small ByteLevel dataset prefix (a few hundred samples of 32 tokens)."""
+    import random
+
+    from megatron_adacc.corpus import ByteTokenizer, write_indexed_dataset
+
+    rng = random.Random(0)
+    words = "the of and to in that is was he for it with as his on be at by".split()
+    docs = [" ".join(rng.choice(words) for _ in range(30)) for _ in range(100)]
+    prefix = tmp_path_factory.mktemp("corpus") / "c_text_document"
+    write_indexed_dataset(docs, ByteTokenizer(), prefix)
+    return str(prefix)
 
 
 def pytest_configure(config):

@@ -4,16 +4,16 @@ configuration, the losses, the gradient buckets, and the bytes the engine holds 
 Adacc planned with; then resumes a checkpoint written at DP=2 with the distributed
 optimizer. Prints one JSON line on rank 0.
 
-argv: CHECKPOINT_DIR, then pretrain_gpt.py's flags (after pretrain_helpers.TINY).
+argv: CHECKPOINT_DIR, then pretrain_gpt.py's flags (after helpers.pretrain.TINY).
 """
 import json
 import sys
 
-import torch
 import torch.distributed as dist
 
 from megatron_adacc.models import build as model_lib
-from pretrain_helpers import pretrain
+from helpers.engine import held_bytes
+from helpers.pretrain import pretrain
 
 CONFIGS = {
     "ddp": [],
@@ -23,38 +23,6 @@ CONFIGS = {
     "overlapped_bf16": ["--bf16", "--use-distributed-optimizer", "--overlap-grad-reduce",
                         "--ddp-bucket-size", "20000"],
 }
-
-
-def inner_optimizers(optimizer) -> list:
-    """Megatron's optimizers under a (possibly chained) optimizer."""
-    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
-
-
-def main_params(optimizer) -> dict[torch.nn.Parameter, torch.Tensor]:
-    """Each model parameter's fp32 main parameter in megatron's mixed-precision optimizer."""
-    pairs = {}
-    for inner in inner_optimizers(optimizer):
-        for models, mains in zip(inner.float16_groups, inner.fp32_from_float16_groups):
-            pairs.update(zip(models, mains))
-    return pairs
-
-
-def held_bytes(session) -> int:
-    """Bytes of the distinct storages the engine of a run holds after it: parameters,
-    buffers, DDP's buffers, the optimizer's main parameters, their gradients and state."""
-    (chunk,), storages = session.ddp_models, {}
-    tensors = [*chunk.module.parameters(), *chunk.module.buffers()]
-    for buffer in chunk.buffers:
-        tensors += [buffer.grad_data] + ([buffer.param_data] if buffer.param_data is not None
-                                         else [])
-    for inner in inner_optimizers(session.optimizer):
-        mains = [p for group in inner.optimizer.param_groups for p in group["params"]]
-        tensors += mains + [p.grad for p in mains if p.grad is not None]
-        tensors += [t for state in inner.optimizer.state.values() for t in state.values()
-                    if torch.is_tensor(t)]
-    for tensor in tensors:
-        storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
-    return sum(storages.values())
 
 
 def main() -> None:

@@ -3,7 +3,7 @@ micro-batches per rank through pretrain_gpt.py (Megatron-LM's loop, in this proc
 prints, on rank 0, how far the gradient the optimizer steps with is from an fp64 reduction
 of the same micro-batches' 16-bit gradients, in units of fp32's summation error bound.
 
-argv: pretrain_gpt.py's flags (after pretrain_helpers.TINY)."""
+argv: pretrain_gpt.py's flags (after helpers.pretrain.TINY)."""
 import json
 import sys
 
@@ -13,8 +13,8 @@ import torch.distributed as dist
 import pretrain_gpt
 from megatron_adacc import Adacc, megatron_lm
 from megatron_adacc.models import build as model_lib
-from multirank_engine import inner_optimizers, main_params
-from pretrain_helpers import pretrain
+from helpers.engine import inner_optimizers, main_params
+from helpers.pretrain import pretrain
 
 MICRO = 8
 

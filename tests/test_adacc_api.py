@@ -5,8 +5,8 @@ import pytest
 from megatron_adacc import Adacc, AdaccConfig
 from megatron_adacc.models import build as model_lib
 from megatron_adacc.runtime import ActivationRuler, AdaccTransformerLayer
-from runtime_helpers import adacc_batch, adacc_model
-from pretrain_helpers import parse
+from helpers.runtime import adacc_batch, adacc_model
+from helpers.pretrain import parse
 
 
 @pytest.mark.parametrize("options, message", [

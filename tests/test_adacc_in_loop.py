@@ -6,7 +6,7 @@ import re
 import pytest
 
 from megatron_adacc.profiling import profiler
-from pretrain_helpers import pretrain
+from helpers.pretrain import pretrain
 
 AUTO = ["--adacc-policy", "auto", "--adacc-memory-budget", "1GiB"]
 

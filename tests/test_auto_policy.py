@@ -6,7 +6,7 @@ from megatron_adacc.profiling import profiler
 from megatron_adacc.common import sites
 from megatron_adacc.megatron_lm import ConfigError
 from megatron_adacc.common.sites import COMPRESS, RECOMPUTE, RETAIN
-from pretrain_helpers import TINY, main, parse, pretrain
+from helpers.pretrain import TINY, main, parse, pretrain
 
 METRICS = {"static_bytes", "budget_bytes", "plan_id", "activation_bytes", "measured_step_time_s",
            "measured_plan_id"}

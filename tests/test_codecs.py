@@ -9,44 +9,22 @@ import gc
 import math
 import weakref
 
-import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from hypothesis.extra import numpy as hnp
 
 from megatron_adacc import codecs
 from megatron_adacc.codecs import native, symmetric
 from megatron_adacc.codecs.int4 import ceil_to_bf16
 
-FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+from helpers.codecs import FLOAT_DTYPES, assert_same_as_eager, edge_tensors, shapes
+
 INT4_CODECS = ("outlier_int4", "channel_int4", "asym_int4", "sym_int4", "naive_int4")
 PROPERTY = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 # ---------------------------------------------------------------------------- strategies
-
-@st.composite
-def shapes(draw, max_dims=3, max_side=40):
-    return tuple(draw(st.lists(st.integers(0, max_side), min_size=0, max_size=max_dims)))
-
-
-def _finite_elements(dtype):
-    bound = float(torch.finfo(dtype).max)
-    width = 16 if dtype == torch.float16 else 32
-    return st.floats(-bound, bound, allow_nan=False, allow_infinity=False, width=width)
-
-
-@st.composite
-def edge_tensors(draw, dtypes=FLOAT_DTYPES):
-    """Tensors whose values hypothesis picks one by one: zeros, subnormals, dtype maxima."""
-    dtype = draw(st.sampled_from(dtypes))
-    shape = draw(shapes(max_side=12))
-    np_dtype = np.float16 if dtype == torch.float16 else np.float32
-    values = draw(hnp.arrays(np_dtype, shape, elements=_finite_elements(dtype)))
-    return torch.from_numpy(np.ascontiguousarray(values)).to(dtype)
-
 
 @st.composite
 def activation_tensors(draw, dtypes=FLOAT_DTYPES):
@@ -463,29 +441,6 @@ def test_no_autograd_history_and_no_reference_to_input(name):
     with torch.no_grad():
         assert torch.equal(codec.decode(codec.encode(x.detach() > 0)), x > 0) if name == "bitmask" \
             else codec.decode(codec.encode(x)).shape == x.shape
-
-
-def assert_same_as_eager(backend: str, name: str, x: torch.Tensor, **options) -> None:
-    eager, fast = (codecs.get(name, backend="torch", **options),
-                   codecs.get(name, backend=backend, **options))
-    expected, actual = eager.encode(x), fast.encode(x)
-    assert expected.tensors.keys() == actual.tensors.keys()
-    for key, tensor in expected.tensors.items():
-        assert tensor.dtype == actual.tensors[key].dtype, key
-        assert torch.equal(tensor.reshape(-1).view(torch.uint8),
-                           actual.tensors[key].reshape(-1).view(torch.uint8)), key
-    assert_same_decoded(eager.decode(expected), fast.decode(actual))
-
-
-def assert_same_decoded(expected: torch.Tensor, actual: torch.Tensor) -> None:
-    """Bit for bit, but NaN matches any NaN: a NaN-scale group's decoded NaN bits are not part
-    of the format (they depend on the device's arithmetic and casts)."""
-    assert torch.equal(expected.isnan(), actual.isnan())
-    keep = ~expected.isnan()
-    assert torch.equal(expected[keep].view(torch.uint8) if expected.dtype == torch.bool else
-                       expected[keep].reshape(-1, 1).view(torch.uint8),
-                       actual[keep].view(torch.uint8) if actual.dtype == torch.bool else
-                       actual[keep].reshape(-1, 1).view(torch.uint8))
 
 
 @pytest.mark.parametrize("name", INT4_CODECS)

@@ -11,7 +11,7 @@ import torch
 
 from megatron_adacc import codecs
 from megatron_adacc.codecs import native
-from test_codecs import assert_same_as_eager
+from helpers.codecs import assert_same_as_eager
 
 # flags -> the vector paths the build may take, by what the CPU has
 BUILDS = {"-mno-avx512f": ("avx2", "generic"), "-mno-avx2 -mno-fma": ("generic",)}

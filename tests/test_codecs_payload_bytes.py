@@ -9,27 +9,13 @@ import torch
 
 from megatron_adacc import codecs
 
+from helpers.codecs import with_outlier_channels
+
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Odd sizes, partial groups of 64 and 128, one row, many rows, more than two dimensions.
 SHAPES = [(), (1,), (7,), (63,), (129,), (0, 4), (3, 5), (5, 65), (4, 96), (3, 130), (2, 3, 257),
           (1, 1000)]
 OUTLIER_COUNTS = (0, 1, 3, 6)
-
-
-def with_outlier_channels(shape, dtype, k: int, seed: int = 0) -> torch.Tensor:
-    """A finite tensor of `shape` whose last dimension has exactly k outlier channels for
-    outlier_int4's z-score rule: every other channel has the same sum of |x| (rows scaled
-    alike, signs random), the k outliers 1000 times as much. With k <= channels / 16 their
-    z-score is at least sqrt(15) > 3."""
-    shape = torch.Size(shape)
-    channels = shape[-1] if len(shape) else 1
-    assert 16 * k <= channels or k == 0
-    gen = torch.Generator().manual_seed(seed)
-    rows = shape.numel() // channels if channels else 0
-    signs = torch.randint(0, 2, (rows, channels), generator=gen).float() * 2 - 1
-    x = signs * torch.linspace(0.1, 1.0, rows).unsqueeze(1)
-    x[:, torch.randperm(channels, generator=gen)[:k]] *= 1000
-    return x.reshape(shape).to(dtype)
 
 
 def cases():

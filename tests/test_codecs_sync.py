@@ -3,51 +3,14 @@ on the host, and none may size an output by the data (FakeTensorMode runs them w
 Counted on the CPU as the aten ops that sync on CUDA."""
 from __future__ import annotations
 
-import math
 
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from megatron_adacc import codecs
-from megatron_adacc.profiling.syncs import SyncCounter
 
-
-def counted(fn, *args):
-    with SyncCounter() as counter:
-        result = fn(*args)
-    return result, dict(counter.counts)
-
-
-def activation(name: str, dtype: torch.dtype, rows: int = 48) -> torch.Tensor:
-    """Outlier channels, a NaN and an Inf, groups across rows (a partial last one for 47
-    rows: outlier_int4 then zeroes its channels before grouping); in fp16 a row at the
-    dtype's maximum, whose int4 grid reaches past it (the decode saturates)."""
-    x = torch.randn(rows, 100, generator=torch.Generator().manual_seed(2)) * 2
-    x[:, [3, 60]] *= 200
-    x[5, 7], x[20, 99] = math.nan, math.inf
-    if dtype == torch.float16:
-        x[10] = 65504.0
-    if name == "asym_int4":
-        x = torch.sigmoid(x)
-    elif name == "bitmask":
-        x = (x > 0) / 0.9
-    return x.to(dtype)
-
-
-def codec_options(name: str) -> dict:
-    # capacity 1 of 100 channels: more outliers than it holds (channel 7 is NaN: one too)
-    return {"capacity": 1} if name == "outlier_int4" else {}
-
-
-def assert_sync_free(backend: str, name: str, dtype: torch.dtype, rows: int = 48) -> None:
-    codec = codecs.get(name, backend=backend, **codec_options(name))
-    x = activation(name, dtype, rows)
-    payload, encode_syncs = counted(codec.encode, x)
-    assert encode_syncs == {}, encode_syncs
-    assert payload.nbytes == codec.payload_bytes(x.shape, x.dtype)
-    _, decode_syncs = counted(codec.decode, payload)
-    assert decode_syncs == {}, decode_syncs
+from helpers.codecs import activation, assert_sync_free, codec_options, counted
 
 
 ROWS = pytest.mark.parametrize("rows", [48, 47])

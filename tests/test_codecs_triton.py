@@ -30,8 +30,7 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from megatron_adacc import codecs  # noqa: E402
 from megatron_adacc.codecs.triton.numerics import to_output  # noqa: E402
-from test_codecs import assert_same_decoded, edge_tensors  # noqa: E402
-from test_codecs_sync import assert_sync_free  # noqa: E402
+from helpers.codecs import assert_same_decoded, assert_sync_free, edge_tensors  # noqa: E402
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 INT4_CODECS = ["outlier_int4", "asym_int4", "sym_int4", "naive_int4", "channel_int4"]

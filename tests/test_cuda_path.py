@@ -6,7 +6,7 @@ import torch.distributed as dist
 
 from megatron_adacc import Adacc, megatron_lm
 from megatron_adacc.models import build as model_lib
-from pretrain_helpers import pretrain
+from helpers.pretrain import pretrain
 
 
 def test_adaccs_batches_are_built_where_the_model_lives():

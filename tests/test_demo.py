@@ -55,7 +55,7 @@ def test_make_demo_plans_a_mix_then_trains_with_it(tmp_path, capsys, monkeypatch
     # one line per action, then pretrain_gpt.py trains auto at that budget with that plan.
     # Tracking is off, so the plan trained is the one planned.
     from megatron_adacc import megatron_lm
-    from pretrain_helpers import TINY
+    from helpers.pretrain import TINY
 
     monkeypatch.chdir(tmp_path)
     demo = _demo()

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from megatron_adacc.profiling import hardware
-from multirank_engine import held_bytes
-from pretrain_helpers import pretrain
+from helpers.engine import held_bytes
+from helpers.pretrain import pretrain
 
 HERE = Path(__file__).resolve().parent
 NO_DROPOUT = ["--train-iters", "6", "--hidden-dropout", "0", "--attention-dropout", "0"]

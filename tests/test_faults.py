@@ -4,7 +4,6 @@ checkpoint resumes from the newest intact one with the uninterrupted run's losse
 import importlib.util
 import json
 import os
-import random
 import re
 import shutil
 import sqlite3
@@ -16,16 +15,10 @@ import pytest
 import torch
 
 from megatron_adacc import launch, safe_checkpoint
-from megatron_adacc.corpus import ByteTokenizer, write_indexed_dataset
 
-from pretrain_helpers import PRETRAIN, ROOT, losses, run
+from helpers.pretrain import CORPUS_TINY as TINY, PRETRAIN, ROOT, data_flags, losses, run
 
 PREPROCESS = str(ROOT / "scripts" / "preprocess_data.py")
-TINY = ["--config", str(ROOT / "configs" / "tiny-cpu.yaml"), "--log-interval", "1000",
-        "--eval-iters", "0", "--num-layers", "2", "--hidden-size", "64", "--seq-length", "32",
-        "--max-position-embeddings", "32", "--micro-batch-size", "2", "--global-batch-size",
-        "4", "--lr-warmup-iters", "1", "--tokenizer-type", "NullTokenizer", "--vocab-size",
-        str(ByteTokenizer.vocab_size)]
 
 
 def metrics(path):
@@ -33,21 +26,6 @@ def metrics(path):
     def strict(constant):
         raise ValueError(f"not strict JSON: {constant}")
     return [json.loads(line, parse_constant=strict) for line in Path(path).read_text().splitlines()]
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    """A small ByteLevel dataset prefix (a few hundred samples of 32 tokens)."""
-    rng = random.Random(0)
-    words = "the of and to in that is was he for it with as his on be at by".split()
-    docs = [" ".join(rng.choice(words) for _ in range(30)) for _ in range(100)]
-    prefix = tmp_path_factory.mktemp("corpus") / "c_text_document"
-    write_indexed_dataset(docs, ByteTokenizer(), prefix)
-    return str(prefix)
-
-
-def data_flags(corpus):
-    return ["--data-path", corpus, "--split", "98,2,0"]
 
 
 # --- 1. an empty split ----------------------------------------------------------------------

@@ -20,9 +20,8 @@ from megatron_adacc.profiling.profiler import profile
 from megatron_adacc.runtime import adacc_layers, apply_plan, measure_step
 from megatron_adacc.common.sites import OUTLIER_CODEC
 
-from runtime_helpers import BATCH, SEQ, batch, build, loss_of, planned_and_measured, train
-from test_runtime import assert_same_training
-from test_runtime_memory import graph_kept_bytes
+from helpers.runtime import (BATCH, SEQ, assert_same_training, batch, build, graph_kept_bytes,
+                             loss_of, planned_and_measured, train)
 
 S, B, H, A = SEQ, BATCH, 64, 4
 FLASH_SITES = {"layer_in", "ln1_stats", "ln1_out", "qkv", "attn_lse", "context", "ln2_in",
@@ -270,7 +269,7 @@ def test_backend_resolution_follows_what_sdpa_can_run():
     with pytest.raises(ValueError, match="no flash kernel with dropout"):
         attention.resolve_backend("flash", 0.1, cuda=False)
     from megatron_adacc import launch
-    from pretrain_helpers import parse
+    from helpers.pretrain import parse
 
     default = launch.build_parser().get_default("attention_backend")
     assert getattr(default, "name", default) == "auto"  # Megatron-LM's default
@@ -325,7 +324,7 @@ def test_adacc_plan_for_a_v100_with_flash_prints_no_s2_sites(capsys):
 
 
 def test_megatron_lms_loop_builds_and_trains_the_flash_layer_from_flags():
-    from pretrain_helpers import pretrain
+    from helpers.pretrain import pretrain
 
     session = pretrain("--attention-backend", "auto", "--attention-dropout", "0",
                        "--train-iters", "2", "--adacc-policy", "full-recompute",

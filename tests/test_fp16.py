@@ -14,8 +14,8 @@ from megatron_adacc import Adacc
 from megatron_adacc.megatron_lm import ConfigError
 from megatron_adacc.models import build as model_lib
 from megatron_adacc.profiling import hardware
-from multirank_engine import inner_optimizers, main_params
-from pretrain_helpers import parse, pretrain
+from helpers.engine import inner_optimizers, main_params
+from helpers.pretrain import parse, pretrain
 
 HERE = Path(__file__).resolve().parent
 

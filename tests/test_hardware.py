@@ -1,7 +1,6 @@
 """Analytic cost model: site bytes add up to 34sbh + 5as^2b, rebuild times accumulate along
 each segment, static bytes per precision."""
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 import torch
@@ -9,9 +8,9 @@ import torch
 from megatron_adacc import codecs, planning
 from megatron_adacc.profiling import hardware
 from megatron_adacc.common.costs import ModelCosts
-from megatron_adacc.launch import read_config
-from runtime_helpers import build
-from test_codecs_payload_bytes import with_outlier_channels
+from helpers.runtime import build
+from helpers.codecs import with_outlier_channels
+from helpers.llama import LLAMA3_8B_TP2
 
 GPT345M = hardware.ModelShape(num_layers=24, hidden_size=1024, num_attention_heads=16,
                               seq_length=1024, vocab_size=50257)
@@ -165,13 +164,6 @@ def test_gpu_plans_use_the_operator_rebuilds():
         == {"recompute"}
     row = next(row for row in result.rows if row.site == "gelu_out")
     assert row.rebuilt_from == "gelu_in"
-
-
-# Llama-3-8B (configs/llama3-8b.yaml, bf16) on one rank of TP=2 with sequence parallelism
-LLAMA3_8B_TP2 = hardware.ModelShape.from_flags({
-    **{dest.replace("_", "-"): value for dest, value in
-       read_config(str(Path(__file__).parent.parent / "configs" / "llama3-8b.yaml")).items()},
-    "tensor-model-parallel-size": 2, "sequence-parallel": True})
 
 
 def test_llama_operators_cost_their_own_ops():

@@ -22,7 +22,7 @@ sys.path.insert(0, {TESTS!r})
 import torch
 from megatron_adacc import Adacc, AdaccConfig
 from megatron_adacc.profiling import allocator
-from runtime_helpers import adacc_batch, adacc_model
+from helpers.runtime import adacc_batch, adacc_model
 
 if sys.argv[1] == "setup":
     adacc = Adacc(AdaccConfig())

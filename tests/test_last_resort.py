@@ -13,7 +13,7 @@ from megatron_adacc.runtime import apply_plan, measure_step
 from megatron_adacc.common.sites import COMPRESS, QUANTIZE_CODEC
 from megatron_adacc.common.units import format_size
 
-from runtime_helpers import batch, build, loss_of
+from helpers.runtime import batch, build, loss_of
 
 
 @pytest.fixture(scope="module", params=["flash", "unfused"])

@@ -7,45 +7,14 @@ import torch
 import torch.nn.functional as F
 
 from megatron_adacc import models
-from megatron_adacc.models import build as model_lib
-from megatron_adacc.models.attention import local_layer_spec
 from megatron_adacc.common.plan import Decision, Plan, PlanError
-from megatron_adacc.runtime import adacc_layers, apply_plan, get_adacc_layer_spec, measure_step
+from megatron_adacc.runtime import adacc_layers, apply_plan, measure_step
 from megatron_adacc.common.sites import COMPRESS, MASK_CODEC, SHARED_SITES, SITES
 
-from runtime_helpers import BATCH, VOCAB, SEQ, loss_of, train
-from test_runtime import assert_same_training
+from helpers.llama import FFN, GROUPS, HEADS, HIDDEN, build_llama, train_steps
+from helpers.runtime import BATCH, VOCAB, SEQ, assert_same_training, loss_of
 
 LLAMA = models.get("llama")
-HEADS, GROUPS, HIDDEN, FFN = 4, 2, 64, 96
-EMBEDDING = models.EmbeddingOptions(position_embedding_type="rope", rotary_base=10000,
-                                    untie_embeddings_and_output_weights=True)
-
-
-def build_llama(adacc: bool, dtype=torch.float32, attention_backend="unfused", layers=2,
-                seed=1, dropout=0.0, embedding=EMBEDDING):
-    model_lib.set_seed(seed)
-    config = model_lib.build_transformer_config(
-        num_layers=layers, hidden_size=HIDDEN, num_attention_heads=HEADS,
-        num_query_groups=GROUPS, ffn_hidden_size=FFN, hidden_dropout=dropout,
-        attention_dropout=0.0, add_bias_linear=False, normalization="RMSNorm",
-        gated_linear_unit=True, activation_func=F.silu, layernorm_epsilon=1e-5,
-        bf16=dtype == torch.bfloat16, params_dtype=dtype)
-    spec = (get_adacc_layer_spec(attention_backend) if adacc
-            else local_layer_spec(attention_backend))
-    model = model_lib.build_gpt_model(config, VOCAB, SEQ, spec, attention_backend,
-                                      embedding=embedding).to(dtype)
-    if adacc:
-        apply_plan(model, None, strict=True)
-    return model
-
-
-def train_steps(model, steps=3, plan=None):
-    if plan is not None:
-        apply_plan(model, plan, strict=True)
-    return train(model, steps)
-
-
 RECOMPUTABLE = [s for s in LLAMA.sites if SITES[s].recomputable
                 and s not in ("attn_lse", "attn_rng_state")]
 BACKENDS = ["unfused", "flash"]
@@ -115,7 +84,7 @@ def test_a_compressed_gate_half_is_encoded_alone(distributed, dtype, codec):
     reads both halves: then the whole output is encoded. The forward is untouched and the
     gradients stay close either way."""
     from megatron_adacc import codecs
-    from test_runtime_rebuilds import assert_gradients_close
+    from helpers.runtime import assert_gradients_close
 
     reference = build_llama(True, dtype)
     loss_of(reference).backward()
@@ -215,7 +184,7 @@ def test_flash_llama_matches_unfused_megatron(distributed):
 
 # --- Megatron-LM's flags ------------------------------------------------------------------------
 from megatron_adacc.megatron_lm import ConfigError  # noqa: E402
-from pretrain_helpers import LLAMA_FLAGS, TINY, main, parse  # noqa: E402
+from helpers.pretrain import LLAMA_FLAGS, TINY, main, parse  # noqa: E402
 
 
 def model_config(*flags):
@@ -282,7 +251,7 @@ def test_bad_llama_flags_exit_2_before_training(capsys):
 
 # --- the analytic accelerator model -------------------------------------------------------------
 from megatron_adacc.profiling import hardware  # noqa: E402
-from test_hardware import LLAMA3_8B_TP2  # noqa: E402
+from helpers.llama import LLAMA3_8B_TP2  # noqa: E402
 
 
 @DTYPES

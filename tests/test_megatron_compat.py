@@ -315,7 +315,7 @@ def test_megatron_lms_fused_kernel_defaults_follow_what_is_installed(monkeypatch
     # its run asserts (persist_layer_norm), raises (apply_rope_fusion) or fails at the first
     # forward (the compiled masked softmax). Each is turned off only where it is missing.
     from megatron_adacc import megatron_compat
-    from pretrain_helpers import parse
+    from helpers.pretrain import parse
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(megatron_compat, "_importable", lambda module: False)
@@ -333,7 +333,7 @@ def test_gradient_accumulation_fusion_asks_for_the_kernel_its_layers_use(monkeyp
     # Local layers fuse with apex's fused_weight_gradient_mlp_cuda, Transformer Engine's with
     # its own: Transformer Engine alone keeps the fusion for its layers only.
     from megatron_adacc import megatron_compat
-    from pretrain_helpers import parse
+    from helpers.pretrain import parse
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(megatron_compat, "_importable",

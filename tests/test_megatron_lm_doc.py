@@ -5,7 +5,7 @@ import re
 from pathlib import Path
 
 
-from pretrain_helpers import PRETRAIN, ROOT, TINY, losses, run, train
+from helpers.pretrain import PRETRAIN, ROOT, TINY, losses, run, train
 
 DOC = (ROOT / "docs" / "megatron-lm.md").read_text()
 

@@ -14,7 +14,7 @@ import warnings
 import pytest
 
 from megatron_adacc import corpus
-from pretrain_helpers import torchrun
+from helpers.pretrain import torchrun
 
 # examples/gpt3/train_gpt3_175b_distributed.sh: $1 checkpoint, $2 TensorBoard, $3 vocab,
 # $4 merges, $5 data prefix.
@@ -390,7 +390,7 @@ def test_lr_decay_style_defaults_to_linear(monkeypatch):
 
 
 def test_a_weighted_blend_trains(tmp_path):
-    from pretrain_helpers import train
+    from helpers.pretrain import train
 
     prefixes = []
     for name, shift in (("a", 0), ("b", 7)):
@@ -406,7 +406,7 @@ def test_a_weighted_blend_trains(tmp_path):
 
 def test_selective_recompute_with_a_method_is_refused_in_one_line(capsys):
     import pretrain_gpt
-    from pretrain_helpers import TINY
+    from helpers.pretrain import TINY
 
     status = pretrain_gpt.main([*TINY, "--recompute-granularity", "selective",
                                 "--recompute-method", "uniform"])

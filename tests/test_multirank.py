@@ -3,7 +3,7 @@ every rank, same losses; ranks whose clocks disagree still decide alike."""
 import pytest
 import torch
 
-from pretrain_helpers import losses, torchrun, train
+from helpers.pretrain import losses, torchrun, train
 
 COMMON = ["--train-iters", "4", "--hidden-dropout", "0", "--attention-dropout", "0",
           "--adacc-policy", "auto", "--adacc-memory-budget", "2.5MiB"]

@@ -5,7 +5,7 @@ import pytest
 
 from megatron_adacc.common.plan import Plan
 from megatron_adacc.policies import full_recompute_plan, quantize_plan
-from pretrain_helpers import TINY, losses, torchrun, train
+from helpers.pretrain import TINY, losses, torchrun, train
 
 ITERS = 4
 

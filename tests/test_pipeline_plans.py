@@ -4,7 +4,7 @@ together) and its activation peak (later stages: with the previous micro-batch's
 input, alive through the next forward) are what the planner predicted for that stage."""
 import pytest
 
-from pretrain_helpers import torchrun
+from helpers.pretrain import torchrun
 
 
 def _pipelined_run(tmp_path, stages: int, budget: str) -> dict:

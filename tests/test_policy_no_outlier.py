@@ -5,7 +5,7 @@ from megatron_adacc import policies
 from megatron_adacc.common.sites import COMPRESS
 from megatron_adacc.megatron_lm import ConfigError
 
-from pretrain_helpers import parse, pretrain
+from helpers.pretrain import parse, pretrain
 
 
 def test_no_outlier_plans_plain_int4_where_auto_separates_outliers(tmp_path, monkeypatch):

@@ -3,7 +3,7 @@
 import importlib.util
 import json
 
-from pretrain_helpers import ROOT, train
+from helpers.pretrain import ROOT, train
 
 
 def _preprocess():

@@ -12,7 +12,7 @@ from megatron_adacc.runtime import apply_plan, measure_step
 from megatron_adacc.common.sites import (COMPRESS, OUTLIER_CODEC, QUANTIZE_CODEC, REBUILDS,
                                          RECOMPUTE, SEGMENT_ANCHORS)
 
-from runtime_helpers import batch, build, loss_of, planned_and_measured, touch_fresh_pages
+from helpers.runtime import batch, build, loss_of, planned_and_measured, touch_fresh_pages
 
 MODELS = {
     "fp32-dropout": lambda: build(True, dropout=0.1),

@@ -18,7 +18,8 @@ from megatron_adacc.rectifier import (
     site_stats,
 )
 from megatron_adacc.common.sites import COMPRESS
-from pretrain_helpers import parse, pretrain
+from helpers.pretrain import parse, pretrain
+from helpers.rectifier import FULL, LAYERS, PAYLOAD, synthetic_costs, tight_rectifier
 
 
 def tracked(schedule: TrackingSchedule, iterations, resets=()) -> list[int]:
@@ -43,32 +44,8 @@ def test_backoff_doubles_up_to_the_cap_and_a_reset_starts_over():
 
 
 # --- decisions on synthetic costs ---------------------------------------------------------
-LAYERS, FULL, PAYLOAD = 8, 4000, 600
-
-
-def synthetic_costs() -> ModelCosts:
-    """Eight layers of two outlier-separated sites: compressing gelu_in is cheaper than
-    recomputing it, gelu_out is cheap to recompute."""
-    def site(name, rebuild_s, codec_s):
-        return SiteCost(name, FULL, "float32", rebuild_s, "mlp",
-                        codecs=(CodecCost("outlier_int4", PAYLOAD, codec_s, codec_s),))
-    return ModelCosts(sites=[site("gelu_in", 4e-3, 5e-4), site("gelu_out", 1e-3, 1e-3)],
-                      num_layers=LAYERS, static_bytes=0, non_layer_bytes=0,
-                      backward_workspace_bytes=0, micro_batch_size=1)
-
-
 def stats(payload=PAYLOAD, outliers=2, error=0.09) -> dict[str, SiteStats]:
     return {"gelu_in": SiteStats("outlier_int4", payload, payload / FULL, outliers, 1024, error)}
-
-
-def tight_rectifier(slack_per_layer: int, costs: ModelCosts | None = None) -> Rectifier:
-    costs = synthetic_costs() if costs is None else costs
-    for budget in range(LAYERS * FULL, 0, -LAYERS * 100):   # tighten until gelu_in compresses
-        first = planning.plan(costs, budget)
-        if any(d["gelu_in"].action == COMPRESS for d in first.layer_decisions):
-            break
-    budget = first.peak_bytes + LAYERS * slack_per_layer
-    return Rectifier(costs, planning.plan(costs, budget), budget)
 
 
 def test_a_swap_happens_when_the_statistics_change_the_optimal_plan_and_not_otherwise():

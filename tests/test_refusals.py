@@ -17,8 +17,7 @@ import torch
 from megatron_adacc import Adacc, AdaccConfig
 from megatron_adacc.common.plan import Plan, PlanError
 from megatron_adacc import launch
-from pretrain_helpers import DISTRIBUTED_ENV
-from test_faults import PRETRAIN, ROOT, TINY, corpus, data_flags  # noqa: F401 - fixture
+from helpers.pretrain import CORPUS_TINY as TINY, DISTRIBUTED_ENV, PRETRAIN, ROOT, data_flags
 
 
 def _main(argv):

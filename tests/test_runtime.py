@@ -11,38 +11,10 @@ from megatron_adacc.runtime import (
     apply_plan,
     measure_step,
 )
-from megatron_adacc import models
-from megatron_adacc.common.sites import SITE_NAMES, SITES
+from megatron_adacc.common.sites import SITE_NAMES
 
-from runtime_helpers import build, loss_of, train
+from helpers.runtime import PLANS, RECOMPUTABLE, assert_same_training, build, loss_of, train
 
-# The unfused layer's sites (the flash layer's own are tested in test_flash_attention.py).
-FLASH_ONLY = {"attn_lse", "attn_rng_state"}
-RECOMPUTABLE = [s for s in models.get("gpt").sites if SITES[s].recomputable
-                and s not in FLASH_ONLY]
-MIXED = {  # every segment, both sides of each anchor, differing per layer
-    "sites": {"qkv": "recompute", "softmax_out": "recompute", "attn_dropout_mask": "recompute",
-              "gelu_in": "recompute", "ln2_stats": "recompute"},
-    "layers": {"1": {"sites": {"ln2_in": "recompute", "gelu_out": "recompute",
-                               "context": "recompute", "softmax_out": "retain"}}},
-}
-PLANS = {
-    "all_retain": Plan(),
-    "mixed": Plan.from_dict(MIXED),
-    "recompute_all": Plan.uniform({s: "recompute" for s in RECOMPUTABLE}),
-    "mlp_only": Plan.uniform({"ln2_out": "recompute", "gelu_in": "recompute",
-                              "gelu_out": "recompute", "bda2_mask": "recompute"}),
-}
-
-
-def assert_same_training(reference, candidate):
-    ref_losses, ref_grads = reference
-    losses, grads = candidate
-    for step, (a, b) in enumerate(zip(ref_losses, losses)):
-        assert torch.equal(a, b), f"step {step}: loss {a.item()} != {b.item()}"
-    for step, (ga, gb) in enumerate(zip(ref_grads, grads)):
-        for name in ga:
-            assert torch.equal(ga[name], gb[name]), f"step {step}: gradient of {name} differs"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

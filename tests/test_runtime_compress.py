@@ -18,7 +18,7 @@ import torch
 from megatron_adacc.common.plan import Plan
 from megatron_adacc.runtime import apply_plan, measure_step
 
-from runtime_helpers import build, loss_of
+from helpers.runtime import build, loss_of
 
 MASKS = ["attn_dropout_mask", "bda1_mask", "bda2_mask"]
 COMPRESSIBLE = ["ln1_out", "qkv", "softmax_out", "attn_probs", "context", "ln2_in", "ln2_out",

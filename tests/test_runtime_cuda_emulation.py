@@ -18,10 +18,10 @@ from megatron_adacc.models import build as model_lib
 from megatron_adacc.common.plan import Plan
 from megatron_adacc.runtime import UnknownSiteError, adacc_layers, apply_plan, measure_step
 
-from runtime_helpers import BATCH, SEQ, build, loss_of, train
-from test_runtime import PLANS, RECOMPUTABLE, assert_same_training
+from helpers.runtime import (BATCH, PLANS, RECOMPUTABLE, SEQ, assert_same_training, build,
+                             loss_of, train)
 
-HIDDEN, HEADS = 64, 4  # runtime_helpers' tiny GPT
+HIDDEN, HEADS = 64, 4  # helpers.runtime's tiny GPT
 MASKS = ("attn_dropout_mask", "bda1_mask", "bda2_mask")
 
 

@@ -1,11 +1,9 @@
 """The byte ruler: it reads what is really kept alive, the same way for every method."""
 import gc
-import weakref
 
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron_adacc.common import sites
 from megatron_adacc.common.costs import CodecCost, ModelCosts, SiteCost
@@ -15,7 +13,7 @@ from megatron_adacc.profiling import profiler
 from megatron_adacc.runtime import ActivationRuler, apply_plan, measure_step
 from megatron_adacc.common.sites import COMPRESS, RECOMPUTE, SHARED_SITES
 
-from runtime_helpers import BATCH, SEQ, batch, build, loss_of
+from helpers.runtime import BATCH, SEQ, StorageWitness, batch, build, graph_kept_bytes, loss_of
 
 COMPRESSIBLE = ["ln1_out", "qkv", "softmax_out", "attn_dropout_mask", "attn_probs", "context",
                 "bda1_mask", "ln2_in", "ln2_out", "gelu_in", "gelu_out", "bda2_mask"]
@@ -24,45 +22,6 @@ MIXED = Plan.from_dict({
               "gelu_out": "compress", "bda2_mask": "compress", "ln1_out": "recompute"},
     "layers": {"1": {"sites": {"ln2_in": "recompute", "context": "compress"}}},
 })
-
-
-class StorageWitness(TorchDispatchMode):
-    """Weakrefs to the storage of every tensor any op produces."""
-
-    def __init__(self):
-        super().__init__()
-        self.refs: dict[int, tuple[weakref.ref, int]] = {}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in (out if isinstance(out, (tuple, list)) else (out,)):
-            if isinstance(t, torch.Tensor):
-                storage = t.untyped_storage()
-                known = self.refs.get(id(storage))
-                if known is None or known[0]() is None:  # ids of freed storages are reused
-                    self.refs[id(storage)] = (weakref.ref(storage), storage.nbytes())
-        return out
-
-    def alive(self) -> dict[int, int]:
-        gc.collect()
-        return {key: n for key, (ref, n) in self.refs.items() if ref() is not None}
-
-
-def graph_kept_bytes(model) -> tuple[int, int]:
-    """(bytes the ruler reports after forward, bytes of storages created in forward that are
-    alive after it and freed by dropping the graph). Dropped, not backpropagated: backward
-    also frees what a reference cycle through the graph would keep alive for good."""
-    loss_of(model).backward()  # warm-up: megatron's cached causal mask and buffers exist now
-    witness = StorageWitness()
-    with ActivationRuler(model, strict=True) as ruler:
-        with witness:
-            loss = loss_of(model)
-        ruler.forward_done()
-    with_graph = witness.alive()
-    del loss
-    without_graph = witness.alive()
-    kept = sum(n for key, n in with_graph.items() if key not in without_graph)
-    return ruler.after_forward_bytes, kept
 
 
 CASES = {

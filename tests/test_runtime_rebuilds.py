@@ -18,9 +18,9 @@ from megatron_adacc.profiling.profiler import profile
 from megatron_adacc.runtime import adacc_layers, apply_plan, measure_step
 from megatron_adacc.common.sites import COMPRESS, REBUILDS, REBUILT_BY, RECOMPUTE
 
-from runtime_helpers import BATCH, SEQ, batch, build, loss_of, train
-from test_llama import build_llama, train_steps
-from test_runtime import assert_same_training
+from helpers.runtime import (BATCH, SEQ, assert_gradients_close, assert_same_training, batch,
+                             build, loss_of, train)
+from helpers.llama import build_llama, train_steps
 
 
 def _family_products(family: str) -> list[str]:
@@ -84,15 +84,6 @@ BACKEND_IDS = [f"{backend}-{dropout}" for backend, dropout in BACKENDS]
 def _model(adacc, backend, dtype, dropout):
     return build(adacc, dtype, dropout=dropout, attention_backend=backend,
                  attention_dropout=0.0 if backend == "flash" else dropout)
-
-
-def assert_gradients_close(model, reference, bound: float) -> None:
-    """Every parameter's gradient within ``bound`` relative (L2) of the reference's: what a
-    rebuild from a decoded, lossy source may cost."""
-    ref = dict(reference.named_parameters())
-    for name, param in model.named_parameters():
-        error = (param.grad - ref[name].grad).norm() / ref[name].grad.norm().clamp_min(1e-12)
-        assert error < bound, name
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -264,7 +255,7 @@ def test_an_operator_reads_a_compressed_source_decoded(distributed):
 
 # --- ln2_in's dropout: the kept mask, applied on the rebuild's thread to its one call ---------
 DROPOUT = torch.nn.functional.dropout  # torch's own, as imported
-HIDDEN = 64  # runtime_helpers' tiny GPT
+HIDDEN = 64  # helpers.runtime's tiny GPT
 
 
 def _kept_mask(dtype=torch.float32, shape=(SEQ, BATCH, HIDDEN), p=0.1):

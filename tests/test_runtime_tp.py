@@ -67,7 +67,7 @@ def _rank_main(backend: str) -> None:
     from megatron_adacc.common.plan import Plan
     from megatron_adacc.runtime import apply_plan
 
-    from runtime_helpers import build, train
+    from helpers.runtime import build, train
 
     model_lib.init_distributed(2)
     rank = dist.get_rank()

@@ -19,7 +19,7 @@ import torch
 from megatron_adacc import safe_checkpoint
 from megatron_adacc.safe_checkpoint import CheckpointRefused
 
-from pretrain_helpers import LLAMA_FLAGS, PRETRAIN, TINY, losses, run, train
+from helpers.pretrain import LLAMA_FLAGS, PRETRAIN, TINY, losses, run, train
 
 # common.pt: a legacy common-state file planted beside the checkpoint (megatron-core still
 # reads one where present); distcp_object: the rng_state and common_state ShardedObjects in a

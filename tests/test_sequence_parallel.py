@@ -53,7 +53,7 @@ def _rank_main() -> None:
     from megatron_adacc.policies import predicted_activation_bytes
     from megatron_adacc.profiling.profiler import profile
     from megatron_adacc.runtime import apply_plan, measure_step
-    from runtime_helpers import touch_fresh_pages
+    from helpers.runtime import touch_fresh_pages
 
     # The model and first micro-batch Megatron-LM's loop builds from the flags (one step
     # under Adacc's layer); the process group is this script's, so the model-parallel state

@@ -17,9 +17,8 @@ from megatron_adacc.policies import predicted_activation_peak_bytes
 from megatron_adacc.profiling.profiler import profile
 from megatron_adacc.runtime import apply_plan, measure_step
 
-from runtime_helpers import SEQ, batch, loss_of, planned_and_measured
-from test_llama import EMBEDDING, HEADS, HIDDEN, build_llama, train_steps
-from test_runtime import assert_same_training
+from helpers.runtime import SEQ, assert_same_training, batch, loss_of, planned_and_measured
+from helpers.llama import EMBEDDING, HEADS, HIDDEN, build_llama, train_steps
 
 HEAD_DIM = HIDDEN // HEADS
 DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

@@ -18,8 +18,8 @@ from megatron_adacc.runtime import apply_plan
 from megatron_adacc.runtime.policy import wrapped_codecs
 from megatron_adacc.step_watch import MEASURED_SLOWER, RETIMED, StepWatch
 
-from runtime_helpers import adacc_batch, adacc_model, batch, build
-from test_rectifier import synthetic_costs, tight_rectifier
+from helpers.runtime import adacc_batch, adacc_model, batch, build
+from helpers.rectifier import synthetic_costs, tight_rectifier
 
 
 # --- decisions on synthetic step times -------------------------------------------------------

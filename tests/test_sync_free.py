@@ -22,8 +22,8 @@ from megatron_adacc.profiling.profiler import profile
 from megatron_adacc.profiling.syncs import SyncCounter
 from megatron_adacc.runtime import apply_plan
 
-from runtime_helpers import batch, build, loss_of
-from test_llama import build_llama
+from helpers.runtime import batch, build, loss_of
+from helpers.llama import build_llama
 
 # One site per codec (GPT): every codec of codecs.NAMES runs in one step.
 GPT_EVERY_CODEC = {"ln1_out": "outlier_int4", "qkv": "channel_int4", "softmax_out": "asym_int4",

@@ -11,7 +11,7 @@ import torch
 
 from megatron_adacc.launch import latest_checkpoint
 
-from pretrain_helpers import ROOT, TINY, losses, train
+from helpers.pretrain import ROOT, TINY, losses, train
 
 
 def test_metrics_record_every_iteration_with_full_precision(tmp_path):

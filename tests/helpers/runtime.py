@@ -1,18 +1,53 @@
-"""Tiny GPTs, batches and training loops shared by the runtime tests."""
+"""Tiny GPTs, batches, training loops, plans and assertions shared by the runtime tests."""
 from __future__ import annotations
 
 import dataclasses
+import gc
 import mmap
+import weakref
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
+from megatron_adacc import models
+from megatron_adacc.common.plan import Plan
+from megatron_adacc.common.sites import SITES
 from megatron_adacc.models import build as model_lib
 from megatron_adacc.models.attention import local_layer_spec
 from megatron_adacc.planning import default_resolution, minimum_budget, plan
 from megatron_adacc.policies import predicted_activation_bytes
-from megatron_adacc.runtime import apply_plan, get_adacc_layer_spec, measure_step
+from megatron_adacc.runtime import ActivationRuler, apply_plan, get_adacc_layer_spec, measure_step
 
 VOCAB, SEQ, BATCH = 256, 32, 2
+# The unfused GPT layer's recomputable sites and the plans its bitwise tests run (the flash
+# layer's own are in test_flash_attention.py).
+FLASH_ONLY = {"attn_lse", "attn_rng_state"}
+RECOMPUTABLE = [s for s in models.get("gpt").sites if SITES[s].recomputable
+                and s not in FLASH_ONLY]
+MIXED = {  # every segment, both sides of each anchor, differing per layer
+    "sites": {"qkv": "recompute", "softmax_out": "recompute", "attn_dropout_mask": "recompute",
+              "gelu_in": "recompute", "ln2_stats": "recompute"},
+    "layers": {"1": {"sites": {"ln2_in": "recompute", "gelu_out": "recompute",
+                               "context": "recompute", "softmax_out": "retain"}}},
+}
+PLANS = {
+    "all_retain": Plan(),
+    "mixed": Plan.from_dict(MIXED),
+    "recompute_all": Plan.uniform({s: "recompute" for s in RECOMPUTABLE}),
+    "mlp_only": Plan.uniform({"ln2_out": "recompute", "gelu_in": "recompute",
+                              "gelu_out": "recompute", "bda2_mask": "recompute"}),
+}
+
+
+def assert_same_training(reference, candidate):
+    """Every step's loss and gradients of two ``train`` results are bitwise equal."""
+    ref_losses, ref_grads = reference
+    losses, grads = candidate
+    for step, (a, b) in enumerate(zip(ref_losses, losses)):
+        assert torch.equal(a, b), f"step {step}: loss {a.item()} != {b.item()}"
+    for step, (ga, gb) in enumerate(zip(ref_grads, grads)):
+        for name in ga:
+            assert torch.equal(ga[name], gb[name]), f"step {step}: gradient of {name} differs"
 
 
 def build(adacc: bool, dtype=torch.float32, dropout=0.0, bias=True, layers=2, seed=1,
@@ -109,3 +144,51 @@ def touch_fresh_pages(count: int) -> None:
     for page in range(count):
         fresh[page * mmap.PAGESIZE] = 1
     fresh.close()
+
+
+def assert_gradients_close(model, reference, bound: float) -> None:
+    """Every parameter's gradient within ``bound`` relative (L2) of the reference's: what a
+    rebuild from a decoded, lossy source may cost."""
+    ref = dict(reference.named_parameters())
+    for name, param in model.named_parameters():
+        error = (param.grad - ref[name].grad).norm() / ref[name].grad.norm().clamp_min(1e-12)
+        assert error < bound, name
+
+
+class StorageWitness(TorchDispatchMode):
+    """Weakrefs to the storage of every tensor any op produces."""
+
+    def __init__(self):
+        super().__init__()
+        self.refs: dict[int, tuple[weakref.ref, int]] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in (out if isinstance(out, (tuple, list)) else (out,)):
+            if isinstance(t, torch.Tensor):
+                storage = t.untyped_storage()
+                known = self.refs.get(id(storage))
+                if known is None or known[0]() is None:  # ids of freed storages are reused
+                    self.refs[id(storage)] = (weakref.ref(storage), storage.nbytes())
+        return out
+
+    def alive(self) -> dict[int, int]:
+        gc.collect()
+        return {key: n for key, (ref, n) in self.refs.items() if ref() is not None}
+
+
+def graph_kept_bytes(model) -> tuple[int, int]:
+    """(bytes the ruler reports after forward, bytes of storages created in forward that are
+    alive after it and freed by dropping the graph). Dropped, not backpropagated: backward
+    also frees what a reference cycle through the graph would keep alive for good."""
+    loss_of(model).backward()  # warm-up: megatron's cached causal mask and buffers exist now
+    witness = StorageWitness()
+    with ActivationRuler(model, strict=True) as ruler:
+        with witness:
+            loss = loss_of(model)
+        ruler.forward_done()
+    with_graph = witness.alive()
+    del loss
+    without_graph = witness.alive()
+    kept = sum(n for key, n in with_graph.items() if key not in without_graph)
+    return ruler.after_forward_bytes, kept

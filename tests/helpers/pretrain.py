@@ -3,9 +3,10 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from helpers import ROOT
+from megatron_adacc.corpus import ByteTokenizer
+
 PRETRAIN = str(ROOT / "pretrain_gpt.py")
 # A GPT small enough for a test: Megatron-LM's flags over configs/tiny-cpu.yaml.
 TINY = ["--config", str(ROOT / "configs" / "tiny-cpu.yaml"), "--log-interval", "1000",
@@ -17,6 +18,12 @@ LLAMA_FLAGS = ["--normalization", "RMSNorm", "--swiglu", "--position-embedding-t
                "--group-query-attention", "--num-query-groups", "2",
                "--untie-embeddings-and-output-weights", "--disable-bias-linear",
                "--hidden-dropout", "0", "--attention-dropout", "0"]
+# TINY for runs on a corpus given by --data-path (``data_flags``): a byte-level vocabulary.
+CORPUS_TINY = ["--config", str(ROOT / "configs" / "tiny-cpu.yaml"), "--log-interval", "1000",
+               "--eval-iters", "0", "--num-layers", "2", "--hidden-size", "64",
+               "--seq-length", "32", "--max-position-embeddings", "32",
+               "--micro-batch-size", "2", "--global-batch-size", "4", "--lr-warmup-iters", "1",
+               "--tokenizer-type", "NullTokenizer", "--vocab-size", str(ByteTokenizer.vocab_size)]
 
 
 DISTRIBUTED_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
@@ -59,6 +66,11 @@ def train(*flags: str) -> list[dict]:
 
 def losses(records):
     return [r["loss"] for r in records]
+
+
+def data_flags(corpus: str) -> list[str]:
+    """The flags that train on ``corpus`` (the conftest fixture's dataset prefix)."""
+    return ["--data-path", corpus, "--split", "98,2,0"]
 
 
 def run(script, *flags, cwd, timeout=300, nproc=None):
