@@ -2,7 +2,7 @@
 
 Every patch names the megatron-core version it was written against. It is applied only when CUDA is
 absent (CPU shims) or when the defect it works around is present. Each one has a test in
-tests/test_megatron_compat.py that fails once megatron-core no longer needs it. So a version bump
+tests/training/test_megatron_compat.py that fails once megatron-core no longer needs it. So a version bump
 tells us which patches to delete.
 """
 from __future__ import annotations
@@ -417,7 +417,7 @@ def apply(force_cpu_shims: bool = False) -> list[str]:
     if version != TARGET_MEGATRON_CORE and not _applied:
         warnings.warn(
             f"megatron-adacc's patches target megatron-core {TARGET_MEGATRON_CORE}, "
-            f"found {version}; run tests/test_megatron_compat.py to see which still apply."
+            f"found {version}; run tests/training/test_megatron_compat.py to see which still apply."
         )
     if force_cpu_shims or not torch.cuda.is_available():
         for name, patch in CPU_SHIMS.items():

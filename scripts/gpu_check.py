@@ -1540,7 +1540,7 @@ Back here, from the call's `files_at` folder:
     python scripts/gpu_check.py --render docs/results/gpu_check_h200.json --doc docs/gpu.md
 
 `python scripts/gpu_check.py --dry-run` runs every section on the CPU with tiny shapes (what
-`tests/test_gpu_check.py` runs); `--sections`, `--models` and `--methods` run parts.
+`tests/scripts/test_gpu_check.py` runs); `--sections`, `--models` and `--methods` run parts.
 """
 EARLIER_MARKER = "<!-- earlier runs: gpu_check.py keeps everything below this line -->"
 

@@ -4,7 +4,7 @@ import os
 import subprocess
 import sys
 
-from helpers import ROOT
+from helpers import ROOT, TESTS
 from megatron_adacc.corpus import ByteTokenizer
 
 PRETRAIN = str(ROOT / "pretrain_gpt.py")
@@ -105,9 +105,9 @@ def _free_port() -> int:
 
 def torchrun(nproc: int, runs: dict, *flags, timeout=600, tiny=True) -> dict:
     """Several TINY pretrain_gpt.py runs in one torchrun launch of ``nproc`` processes
-    (tests/multirank.py): ``runs`` maps a name to its flags (after TINY, unless not ``tiny``,
-    and ``flags``) or to {"flags": [...], "stretch": [...]}; returns {name: [each rank's
-    report]}."""
+    (tests/multirank/multirank.py): ``runs`` maps a name to its flags (after TINY, unless not
+    ``tiny``, and ``flags``) or to {"flags": [...], "stretch": [...]}; returns {name: [each
+    rank's report]}."""
     spec = json.dumps([{"name": name, **(run if isinstance(run, dict) else {"flags": run})}
                        for name, run in runs.items()])
     # Megatron-LM asks tensor parallelism for this as on a GPU before Blackwell (its scripts
@@ -115,7 +115,7 @@ def torchrun(nproc: int, runs: dict, *flags, timeout=600, tiny=True) -> dict:
     env = dict(_child_env(), CUDA_DEVICE_MAX_CONNECTIONS="1")
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node",
                            str(nproc), "--master_port", str(_free_port()),
-                           str(ROOT / "tests" / "multirank.py"), spec, *(TINY if tiny else []),
+                           str(TESTS / "multirank" / "multirank.py"), spec, *(TINY if tiny else []),
                            *map(str, flags)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]

@@ -1,7 +1,7 @@
 """Native CPU kernels (codecs.c), built with the system C compiler on first use, called by ctypes.
 
 They make one fused pass per group where the PyTorch reference makes ten. They are byte-identical to
-the reference (tests/test_codecs.py checks it).
+the reference (tests/codecs/test_codecs.py checks it).
 
 The shared object is built for the machine it runs on (-march=native). So it is cached under
 ~/.cache/megatron-adacc/codecs (library_file), keyed by the source, the flags and the CPU

@@ -508,7 +508,7 @@ INLINE float load_kept(const void *x, int64_t i, int dtype, Zeroing z, int64_t c
 }
 
 /* The symmetric codecs need less of a group than its range: symmetric.sym_scales gives
- * (lo, hi) the scale it gives (min(lo, -0), max(hi, +0)) (tests/test_codecs.py), the group's
+ * (lo, hi) the scale it gives (min(lo, -0), max(hi, +0)) (tests/codecs/test_codecs.py), the group's
  * sym bounds: its most negative element or -0 where none is negative, and its most positive
  * or +0. On IEEE bits both are maxima: the unsigned one from -0 (a set sign bit outweighs
  * every magnitude, and a greater magnitude weighs more) and the signed one from +0 (the

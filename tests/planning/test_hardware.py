@@ -33,7 +33,7 @@ def test_dropout_off_and_fp32_softmax_change_the_sites():
     assert not {"attn_dropout_mask", "bda1_mask", "bda2_mask"} & set(sizes)
     assert sizes["softmax_out"] == 4 * 4 * 32 * 32 * 2
     # the matmul with V saves the fp16 cast of the fp32 probabilities (measured on a bf16
-    # layer in tests/test_llama.py)
+    # layer in tests/models/test_llama.py)
     assert sizes["attn_probs"] == 2 * 4 * 32 * 32 * 2
     costs = hardware.analytic_costs(shape, 2, "a100-80gb")
     # Without the bias-dropout-add mask ln2_in's edge reads no mask; it runs the output

@@ -14,11 +14,10 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from helpers import ROOT
 TARGETS = (90, 80)
 # The training dtypes; the script's default adds fp32 (and sm_70), a minute more of compiling.
 DTYPES = ("bf16", "fp16")

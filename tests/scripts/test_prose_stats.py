@@ -1,7 +1,8 @@
 import importlib.util
-from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "prose_stats.py"
+from helpers import ROOT
+
+SCRIPT = ROOT / "scripts" / "prose_stats.py"
 spec = importlib.util.spec_from_file_location("prose_stats", SCRIPT)
 prose_stats = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(prose_stats)

@@ -273,11 +273,10 @@ def test_the_analytic_model_sizes_every_llama_site_as_measured(distributed, dtyp
 
 
 def test_the_llama3_8b_config_plans_on_an_h100_at_tp2_with_sequence_parallelism(capsys):
-    from pathlib import Path
-
+    from helpers import ROOT
     from megatron_adacc.cli import main
 
-    config = Path(__file__).resolve().parents[1] / "configs" / "llama3-8b.yaml"
+    config = ROOT / "configs" / "llama3-8b.yaml"
     assert main(["plan", "--config", str(config), "--hardware", "h100-80gb",
                  "--micro-batch-size", "1", "--precision", "bf16",
                  "--tensor-model-parallel-size", "2", "--sequence-parallel",

@@ -49,7 +49,7 @@ def two_ranks(tmp_path_factory):
     checkpoints = tmp_path_factory.mktemp("engine") / "ck"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
            "2", str(HERE / "multirank_engine.py"), str(checkpoints), *NO_DROPOUT]
-    path = os.pathsep.join(filter(None, [str(HERE.parent), str(HERE),
+    path = os.pathsep.join(filter(None, [str(HERE.parents[1]), str(HERE.parent),
                                          os.environ.get("PYTHONPATH")]))
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=900,
                           env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=path))

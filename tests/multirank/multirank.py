@@ -1,7 +1,7 @@
 """Run under torchrun by the multi-process tests: pretrain_gpt.py in this process, once per
 run (process start-up is most of a small run's time), then one JSON line on rank 0.
 
-    torchrun --nproc_per_node N tests/multirank.py RUNS FLAGS...
+    torchrun --nproc_per_node N tests/multirank/multirank.py RUNS FLAGS...
 
 RUNS is JSON, a list of {"name": ..., "flags": [...]} (each run's flags follow the common
 FLAGS), optionally with "stretch": [factor of rank 0, factor of the other ranks], which
@@ -17,7 +17,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 MARK = "MULTIRANK "   # the line's prefix: the ranks' own output shares stdout
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 

@@ -7,7 +7,7 @@ import sys
 
 from megatron_adacc.common.sites import ACTIONS, SITE_NAMES
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from helpers import ROOT
 
 
 def test_custom_loop_trains_under_a_budget_with_a_mixed_plan(tmp_path):

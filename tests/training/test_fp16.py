@@ -117,9 +117,10 @@ def test_data_parallel_accumulated_gradients_are_reduced_in_fp32(tmp_path):
              "--hidden-dropout", "0", "--attention-dropout", "0", "--clip-grad", "0",
              "--train-iters", "1"]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-           "2", str(HERE / "multirank_main_grads.py"), *flags]
-    # The script lives in tests/: put this checkout's package (and tests/) first on its path.
-    path = os.pathsep.join(filter(None, [str(HERE.parent), str(HERE),
+           "2", str(HERE.parent / "multirank" / "multirank_main_grads.py"), *flags]
+    # The script lives in tests/multirank/: put this checkout's package (and tests/) first on
+    # its path.
+    path = os.pathsep.join(filter(None, [str(HERE.parents[1]), str(HERE.parent),
                                          os.environ.get("PYTHONPATH")]))
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
                           env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=path))

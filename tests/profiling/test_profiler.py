@@ -52,7 +52,7 @@ def test_every_site_has_a_cost_to_each_action(profiled):
         assert site.codecs, site.name
         # The last resort (naive INT4, one scale per row) can outgrow a tensor of one value
         # per row, the LayerNorm statistics: auto offers it only where it keeps fewer bytes
-        # than the designated codec (tests/test_last_resort.py).
+        # than the designated codec (tests/adacc/test_last_resort.py).
         assert all(0 < c.payload_bytes < site.bytes for c in site.codecs
                    if c.codec != QUANTIZE_CODEC), site.name
         assert all(c.payload_bytes > 0 for c in site.codecs), site.name

@@ -1,7 +1,7 @@
 """Activation codecs: round trips, error bounds, payload sizes, special values, wrong inputs.
 
 Everything here runs the eager PyTorch reference; the test_native_* tests check the native C
-kernels against it and tests/test_codecs_triton.py the Triton kernels.
+kernels against it and tests/codecs/test_codecs_triton.py the Triton kernels.
 """
 from __future__ import annotations
 

@@ -213,7 +213,7 @@ def test_load_refuses_a_crafted_file_in_one_line(tmp_path, saved, crafted, which
     [],
     ["--use-distributed-optimizer", "--bf16"],
     # A scale that steps at once: megatron's fp16 optimizer saves no Adam state before the
-    # first step, and the load then misses it (tests/test_fp16.py resumes the same way).
+    # first step, and the load then misses it (tests/training/test_fp16.py resumes the same way).
     [*LLAMA_FLAGS, "--fp16", "--initial-loss-scale", "1024"],
     [*LLAMA_FLAGS, "--use-distributed-optimizer"],
 ], ids=["gpt", "gpt-distributed-bf16", "llama-fp16", "llama-distributed"])

@@ -6,11 +6,10 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from helpers import ROOT
 sys.path.insert(0, str(ROOT / "scripts"))
 
 import gpu_check  # noqa: E402

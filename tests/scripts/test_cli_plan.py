@@ -6,6 +6,8 @@ import pytest
 from megatron_adacc.cli import main
 from megatron_adacc.common.units import format_size, parse_size
 
+from helpers import ROOT
+
 MODEL = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "4",
          "--seq-length", "256", "--vocab-size", "1000", "--micro-batch-size", "2",
          "--hardware", "a100-80gb", "--precision", "bf16"]
@@ -71,9 +73,8 @@ PAPER_RUNS = [("gpt-117m.yaml", 32, []), ("gpt-117m.yaml", 64, []),
 
 @pytest.mark.parametrize("config, batch, extra", PAPER_RUNS)
 def test_paper_models_plan_on_a_v100_at_the_papers_batch_sizes(capsys, config, batch, extra):
-    from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "configs" / config
+    path = ROOT / "configs" / config
     assert main(["plan", "--config", str(path), "--micro-batch-size", str(batch),
                  "--hardware", "v100-32gb", "--precision", "fp16", "--json", *extra]) == 0
     result = json.loads(capsys.readouterr().out)
@@ -161,11 +162,10 @@ def test_distributed_optimizer_is_zero1(capsys):
 
 
 def test_gpt345m_on_four_v100_stages(capsys):
-    from pathlib import Path
 
     # The paper's larger 345M batch at PP=4 (2 data-parallel ranks, ZeRO-1, 8 micro-batches):
     # the first two stages must optimise, the last two keep everything.
-    path = Path(__file__).resolve().parents[1] / "configs" / "gpt-345m.yaml"
+    path = ROOT / "configs" / "gpt-345m.yaml"
     stages = _stages_of(capsys, ["--config", str(path), "--micro-batch-size", "16",
                                  "--hardware", "v100-32gb", "--precision", "fp16",
                                  "--pipeline-model-parallel-size", "4", "--num-micro-batches",
@@ -177,11 +177,10 @@ def test_gpt345m_on_four_v100_stages(capsys):
 
 
 def test_fp16_profiles_the_trainers_fp16_model(capsys, tmp_path):
-    from pathlib import Path
 
     # A bf16 config: --precision replaces its precision, as it does with --hardware.
     tiny = tmp_path / "tiny-bf16.yaml"
-    tiny.write_text((Path(__file__).resolve().parents[1] / "configs" / "tiny-cpu.yaml")
+    tiny.write_text((ROOT / "configs" / "tiny-cpu.yaml")
                     .read_text() + "bf16: true\n")
     db = tmp_path / "profiles.sqlite"
     assert main(["plan", "--config", str(tiny), "--num-layers", "1", "--hidden-size", "64",
@@ -196,7 +195,7 @@ def test_fp16_profiles_the_trainers_fp16_model(capsys, tmp_path):
 
 
 # --- one config reader (issue 25) ----------------------------------------------------------
-CONFIGS = __import__("pathlib").Path(__file__).resolve().parents[1] / "configs"
+CONFIGS = ROOT / "configs"
 
 
 @pytest.mark.parametrize("config", ["tiny-cpu.yaml", "demo.yaml"])

@@ -9,7 +9,7 @@ import pytest
 
 from megatron_adacc.codecs.native import CFLAGS_ENV_VAR
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from helpers import ROOT
 TINY = ["--layers", "1", "--hidden", "64", "--heads", "2", "--seq", "32", "--no-compile",
         "--threads", "1"]
 

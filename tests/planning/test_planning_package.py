@@ -1,7 +1,6 @@
 """The planning package's boundaries: one model that the frontier's vectorised charges agree
 with policy by policy, PuLP loaded only for the MILP, and no caller outside the package
 reaching for a private name."""
-import pathlib
 import re
 import subprocess
 import sys
@@ -11,7 +10,7 @@ import pytest
 from megatron_adacc import planning
 from megatron_adacc.profiling import hardware
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+from helpers import ROOT as REPO
 
 
 @pytest.mark.parametrize("lossy", [True, False])
@@ -38,7 +37,7 @@ def test_no_caller_outside_the_package_uses_a_private_planning_name():
     private = re.compile(r"\bplanning\.(_\w+)|from megatron_adacc\.planning\.\w+ import")
     package = REPO / "megatron_adacc"
     callers = [*(p for p in package.rglob("*.py") if package / "planning" not in p.parents),
-               *REPO.glob("scripts/*.py"), *REPO.glob("tests/*.py")]
+               *REPO.glob("scripts/*.py"), *REPO.glob("tests/**/*.py")]
     offenders = [f"{path.name}: {match.group(0)}" for path in callers
                  for match in private.finditer(path.read_text())]
     assert offenders == []

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
+ROOT = HERE.parents[1]
 CONFIG = ROOT / "configs" / "llama-tiny-cpu.yaml"
 VERDICT = "SP_VERDICT "
 TP2 = ["--tensor-model-parallel-size", "2"]
@@ -39,7 +39,7 @@ def _rank_main() -> None:
     import warnings
 
     warnings.filterwarnings("ignore")
-    sys.path.insert(0, str(HERE))
+    sys.path.insert(0, str(HERE.parent))
     import torch.distributed as dist
 
     from megatron_adacc.codecs.codec import Codec

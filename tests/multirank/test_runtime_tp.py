@@ -60,8 +60,8 @@ def _rank_main(backend: str) -> None:
     import torch
     import torch.distributed as dist
 
-    sys.path.insert(0, HERE)
     sys.path.insert(0, os.path.dirname(HERE))
+    sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
     warnings.filterwarnings("ignore")
     from megatron_adacc.models import build as model_lib
     from megatron_adacc.common.plan import Plan
@@ -102,7 +102,8 @@ def test_tensor_parallel_two_ranks_match_the_stock_layer_bitwise(backend):
     result = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
          os.path.abspath(__file__), backend],
-        env=env, cwd=os.path.dirname(HERE), capture_output=True, text=True, timeout=600,
+        env=env, cwd=os.path.dirname(os.path.dirname(HERE)), capture_output=True, text=True,
+        timeout=600,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     # The two ranks share one stdout pipe, so their lines can run together: decode each JSON

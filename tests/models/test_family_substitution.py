@@ -1,7 +1,6 @@
 """A model family is added by substitution: a new family declares its parts (deriving from an
 existing family's) and the analytic accelerator model prices its layer without being edited."""
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 
@@ -11,8 +10,10 @@ from megatron_adacc.models.llama import LLAMA, RMSNORM
 from megatron_adacc.profiling import hardware
 from megatron_adacc.launch import read_config
 
+from helpers import ROOT
+
 LLAMA3_8B_FLAGS = {dest.replace("_", "-"): value for dest, value in read_config(
-    str(Path(__file__).parent.parent / "configs" / "llama3-8b.yaml")).items()}
+    str(ROOT / "configs" / "llama3-8b.yaml")).items()}
 
 
 @pytest.fixture

@@ -2,7 +2,6 @@
 its plan retains, compresses and recomputes whatever the machine's costs are."""
 import importlib.util
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 
@@ -10,7 +9,7 @@ from megatron_adacc import cli, planning
 from megatron_adacc.profiling import hardware
 from megatron_adacc.common.sites import ACTIONS
 
-ROOT = Path(__file__).resolve().parents[1]
+from helpers import ROOT
 
 
 def _demo():

@@ -3,14 +3,15 @@
 pretrain_gpt.py accepts (Megatron-LM's parser with Adacc's flags)."""
 import argparse
 import re
-from pathlib import Path
 
 import pytest
 
 from megatron_adacc import launch, megatron_lm
 from megatron_adacc.cli import _build_parser
 
-README = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+from helpers import ROOT
+
+README = (ROOT / "README.md").read_text()
 
 
 def _flags(parser) -> set[str]:

@@ -2,13 +2,13 @@
 step allocates and frees fault no pages in afresh at every step (as the CUDA caching
 allocator reuses device memory). Each case runs in its own process: the policy lasts for
 the rest of a process."""
-import os
 import subprocess
 import sys
 
 import pytest
 
-TESTS = os.path.dirname(os.path.abspath(__file__))
+from helpers import TESTS
+
 # One stand-in step's activations, in MiB: allocated and filled together, then all freed.
 STEP_MIB = (4, 16, 8, 32, 16, 4, 64)
 PAGES = sum(STEP_MIB) << 8
@@ -18,7 +18,7 @@ PAGES = sum(STEP_MIB) << 8
 FAULTS = f"""
 import resource, sys, warnings
 warnings.filterwarnings("ignore")
-sys.path.insert(0, {TESTS!r})
+sys.path.insert(0, {str(TESTS)!r})
 import torch
 from megatron_adacc import Adacc, AdaccConfig
 from megatron_adacc.profiling import allocator

@@ -11,7 +11,7 @@ import pytest
 
 from megatron_adacc import launch
 
-ROOT = Path(__file__).resolve().parents[1]
+from helpers import ROOT
 
 
 def test_dockerfile_lints_clean():
