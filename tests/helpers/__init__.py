@@ -1,8 +1,7 @@
-"""Builders, runners and assertions the tests share; no test module imports another.
+"""Builders, runners and assertions that the tests share; no test module imports another.
 
-conftest.py puts the repository and tests/ first on sys.path, and ``helpers.pretrain.
-child_env`` does the same for a test's subprocesses, so ``from helpers.X import ...`` works
-in either.
+conftest.py puts the repository and tests/ first on sys.path. ``helpers.pretrain.child_env``
+does the same for subprocesses. So ``from helpers.X import ...`` works in both.
 """
 from pathlib import Path
 

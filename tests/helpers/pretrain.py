@@ -76,7 +76,7 @@ def data_flags(corpus: str) -> list[str]:
 def run(script, *flags, cwd, timeout=300, nproc=None):
     """(exit code, last stderr line, whole stderr) of a script run in a fresh process
     (under torchrun with ``nproc`` processes)."""
-    env = _child_env()
+    env = child_env()
     launcher = ([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node",
                  str(nproc), "--master_port", str(_free_port())] if nproc else [sys.executable])
     done = subprocess.run([*launcher, script, *map(str, flags)], cwd=cwd, env=env,
@@ -86,13 +86,18 @@ def run(script, *flags, cwd, timeout=300, nproc=None):
     return done.returncode, (lines[-1] if lines else ""), done.stderr
 
 
-def _child_env() -> dict:
-    """This process's environment for a fresh one on one thread, without its world."""
-    # PYTHONPATH: scripts/ would otherwise import the installed package, not this checkout.
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+def child_env(**extra: str) -> dict:
+    """This process's environment for a fresh one: one thread, no world, this checkout first.
+
+    PYTHONPATH starts with the repository (scripts/ would otherwise import the installed
+    package) and tests/ (``helpers``, for the scripts under tests/); ``extra`` adds or
+    replaces variables.
+    """
+    path = os.pathsep.join(filter(None, [str(ROOT), str(TESTS), os.environ.get("PYTHONPATH")]))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=path)
     for name in DISTRIBUTED_ENV:  # this process's world (in-process runs set one), not theirs
         env.pop(name, None)
-    return env
+    return env | extra
 
 
 def _free_port() -> int:
@@ -112,7 +117,7 @@ def torchrun(nproc: int, runs: dict, *flags, timeout=600, tiny=True) -> dict:
                        for name, run in runs.items()])
     # Megatron-LM asks tensor parallelism for this as on a GPU before Blackwell (its scripts
     # export it).
-    env = dict(_child_env(), CUDA_DEVICE_MAX_CONNECTIONS="1")
+    env = child_env(CUDA_DEVICE_MAX_CONNECTIONS="1")
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node",
                            str(nproc), "--master_port", str(_free_port()),
                            str(TESTS / "multirank" / "multirank.py"), spec, *(TINY if tiny else []),

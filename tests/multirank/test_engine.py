@@ -2,7 +2,6 @@
 reduction), its optimizer (distributed with --use-distributed-optimizer) and
 dist_checkpointing; Adacc plans with the bytes that engine holds."""
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -12,7 +11,7 @@ import torch
 
 from megatron_adacc.profiling import hardware
 from helpers.engine import held_bytes
-from helpers.pretrain import pretrain
+from helpers.pretrain import child_env, pretrain
 
 HERE = Path(__file__).resolve().parent
 NO_DROPOUT = ["--train-iters", "6", "--hidden-dropout", "0", "--attention-dropout", "0"]
@@ -49,10 +48,7 @@ def two_ranks(tmp_path_factory):
     checkpoints = tmp_path_factory.mktemp("engine") / "ck"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
            "2", str(HERE / "multirank_engine.py"), str(checkpoints), *NO_DROPOUT]
-    path = os.pathsep.join(filter(None, [str(HERE.parents[1]), str(HERE.parent),
-                                         os.environ.get("PYTHONPATH")]))
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=900,
-                          env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=path))
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=child_env())
     assert done.returncode == 0, done.stderr[-3000:]
     return checkpoints, json.loads(done.stdout.strip().splitlines()[-1])
 

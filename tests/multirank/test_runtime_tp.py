@@ -16,7 +16,9 @@ import os
 import subprocess
 import sys
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+from helpers import ROOT
+from helpers.pretrain import child_env
+
 VERDICT = "TP_VERDICT "
 STEPS = 3
 # Every segment, both sides of each anchor: ln2_in recomputed in layer 1 is rebuilt by its
@@ -60,8 +62,6 @@ def _rank_main(backend: str) -> None:
     import torch
     import torch.distributed as dist
 
-    sys.path.insert(0, os.path.dirname(HERE))
-    sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
     warnings.filterwarnings("ignore")
     from megatron_adacc.models import build as model_lib
     from megatron_adacc.common.plan import Plan
@@ -98,12 +98,12 @@ def _rank_main(backend: str) -> None:
 
 @pytest.mark.parametrize("backend", list(BACKENDS))
 def test_tensor_parallel_two_ranks_match_the_stock_layer_bitwise(backend):
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    # child_env's PYTHONPATH: this file, run as a script, imports the checkout and helpers.
+    env = child_env(PYTHONWARNINGS="ignore")
     result = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
          os.path.abspath(__file__), backend],
-        env=env, cwd=os.path.dirname(os.path.dirname(HERE)), capture_output=True, text=True,
-        timeout=600,
+        env=env, cwd=ROOT, capture_output=True, text=True, timeout=600,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     # The two ranks share one stdout pipe, so their lines can run together: decode each JSON

@@ -6,15 +6,14 @@ every site Adacc plans is one rank's. This file launches itself under torchrun w
 processes for the measurements; the training comparison runs pretrain_gpt.py twice.
 """
 import json
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parents[1]
+from helpers import ROOT
+from helpers.pretrain import child_env
+
 CONFIG = ROOT / "configs" / "llama-tiny-cpu.yaml"
 VERDICT = "SP_VERDICT "
 TP2 = ["--tensor-model-parallel-size", "2"]
@@ -26,8 +25,8 @@ RUN = ["--config", str(CONFIG), *TP2, "--train-iters", "3", "--lr-warmup-iters",
 
 def _torchrun(*argv, timeout=600):
     # CUDA_DEVICE_MAX_CONNECTIONS: Megatron-LM asks for it at TP > 1, as its scripts export.
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
-               CUDA_DEVICE_MAX_CONNECTIONS="1", PYTHONPATH=str(ROOT))
+    # child_env's PYTHONPATH: this file, run as a script, imports the checkout and helpers.
+    env = child_env(PYTHONWARNINGS="ignore", CUDA_DEVICE_MAX_CONNECTIONS="1")
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                            "--nproc_per_node", "2", *map(str, argv)], env=env, cwd=ROOT,
                           capture_output=True, text=True, timeout=timeout)
@@ -39,7 +38,6 @@ def _rank_main() -> None:
     import warnings
 
     warnings.filterwarnings("ignore")
-    sys.path.insert(0, str(HERE.parent))
     import torch.distributed as dist
 
     from megatron_adacc.codecs.codec import Codec

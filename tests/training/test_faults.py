@@ -16,7 +16,8 @@ import torch
 
 from megatron_adacc import launch, safe_checkpoint
 
-from helpers.pretrain import CORPUS_TINY as TINY, PRETRAIN, ROOT, data_flags, losses, run
+from helpers.pretrain import (CORPUS_TINY as TINY, PRETRAIN, ROOT, child_env, data_flags, losses,
+                              run)
 
 PREPROCESS = str(ROOT / "scripts" / "preprocess_data.py")
 
@@ -332,7 +333,7 @@ def test_two_runs_started_together_share_the_data_cache_and_the_profile_db(tmp_p
     flags = [*TINY, "--data-path", prefix, "--split", "98,2,0", "--train-iters", "2",
              "--adacc-policy", "auto", "--adacc-memory-budget", "1GiB",
              "--adacc-profile-db", tmp_path / "p.sqlite"]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env = child_env()
     runs = [subprocess.Popen([sys.executable, PRETRAIN, *map(str, flags)], cwd=tmp_path,
                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                              text=True) for _ in range(2)]

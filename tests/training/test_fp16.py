@@ -1,11 +1,9 @@
 """16-bit training as megatron does it: loss scaling, skipped steps on overflow, and fp32
 main gradients accumulated and reduced across micro-batches and data-parallel ranks."""
 import json
-import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -15,9 +13,9 @@ from megatron_adacc.megatron_lm import ConfigError
 from megatron_adacc.models import build as model_lib
 from megatron_adacc.profiling import hardware
 from helpers.engine import inner_optimizers, main_params
-from helpers.pretrain import parse, pretrain
+from helpers import TESTS
+from helpers.pretrain import child_env, parse, pretrain
 
-HERE = Path(__file__).resolve().parent
 
 
 def at_setup(monkeypatch, act):
@@ -117,13 +115,8 @@ def test_data_parallel_accumulated_gradients_are_reduced_in_fp32(tmp_path):
              "--hidden-dropout", "0", "--attention-dropout", "0", "--clip-grad", "0",
              "--train-iters", "1"]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-           "2", str(HERE.parent / "multirank" / "multirank_main_grads.py"), *flags]
-    # The script lives in tests/multirank/: put this checkout's package (and tests/) first on
-    # its path.
-    path = os.pathsep.join(filter(None, [str(HERE.parents[1]), str(HERE.parent),
-                                         os.environ.get("PYTHONPATH")]))
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
-                          env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=path))
+           "2", str(TESTS / "multirank" / "multirank_main_grads.py"), *flags]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=child_env())
     assert done.returncode == 0, done.stderr[-3000:]
     verdict = json.loads(done.stdout.strip().splitlines()[-1])
     assert verdict["micro_batches"] == 8

@@ -17,7 +17,7 @@ import torch
 from megatron_adacc import Adacc, AdaccConfig
 from megatron_adacc.common.plan import Plan, PlanError
 from megatron_adacc import launch
-from helpers.pretrain import CORPUS_TINY as TINY, DISTRIBUTED_ENV, PRETRAIN, ROOT, data_flags
+from helpers.pretrain import CORPUS_TINY as TINY, PRETRAIN, child_env, data_flags
 
 
 def _main(argv):
@@ -221,9 +221,7 @@ def test_adacc_calls_before_setup_and_a_batch_of_the_wrong_shape_are_refused(dis
 
 @pytest.mark.parametrize("signum, status", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
 def test_ctrl_c_ends_the_run_in_one_line_with_exit_130(tmp_path, corpus, signum, status):
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    for name in DISTRIBUTED_ENV:
-        env.pop(name, None)
+    env = child_env()
     process = subprocess.Popen(
         [sys.executable, PRETRAIN, *TINY, *data_flags(corpus), "--train-iters", "100000",
          "--log-interval", "1", "--save", "ck", "--save-interval", "2"],
@@ -292,10 +290,7 @@ def test_a_run_shuts_down_the_process_groups_it_set_up(tmp_path, corpus):
         "print(codes, dist.is_initialized(), parallel_state.model_parallel_is_initialized())\n")
     done = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True,
                           text=True, timeout=300,
-                          env={name: value for name, value in
-                               dict(os.environ, OMP_NUM_THREADS="1",
-                                    PYTHONPATH=str(ROOT)).items()
-                               if name not in DISTRIBUTED_ENV})
+                          env=child_env())
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.splitlines()[-1] == "[0, 2] False False", done.stderr[-2000:]
 

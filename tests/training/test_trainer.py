@@ -2,7 +2,6 @@
 megatron's recompute baselines, metrics and the one-line errors users see."""
 import gzip
 import json
-import os
 import subprocess
 import sys
 
@@ -11,7 +10,7 @@ import torch
 
 from megatron_adacc.launch import latest_checkpoint
 
-from helpers.pretrain import ROOT, TINY, losses, train
+from helpers.pretrain import ROOT, TINY, child_env, losses, train
 
 
 def test_metrics_record_every_iteration_with_full_precision(tmp_path):
@@ -101,8 +100,7 @@ def _torchrun(tmp_path, name, *flags):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
            "--standalone", str(ROOT / "pretrain_gpt.py"), *TINY, *flags,
            "--metrics-file", str(metrics)]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    done = subprocess.run(cmd, capture_output=True, text=True, env=child_env(), timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     return [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
 
@@ -166,7 +164,7 @@ def test_preprocess_data_round_trips_bytes(tmp_path):
                            "--input", str(source), "--output-prefix", str(tmp_path / "out"),
                            "--tokenizer-type", "ByteLevel"],
                           capture_output=True, text=True, timeout=300,
-                          env=dict(os.environ, PYTHONPATH=str(ROOT)))
+                          env=child_env())
     assert done.returncode == 0, done.stderr
     dataset = IndexedDataset(str(tmp_path / "out_text_document"))
     decoded = [bytes(dataset[i].tolist()[:-1]).decode() for i in range(len(dataset))]
