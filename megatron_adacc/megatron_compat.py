@@ -1,9 +1,9 @@
 """Runtime patches that let megatron-core 0.19.2 build and train a GPTModel on a CPU.
 
-Every patch names the megatron-core version it was written against. It is applied only when CUDA is
-absent (CPU shims) or when the defect it works around is present. Each one has a test in
-tests/training/test_megatron_compat.py that fails once megatron-core no longer needs it. So a version bump
-tells us which patches to delete.
+Every patch names the megatron-core version it was written against. It is applied only when
+CUDA is absent (CPU shims) or when the defect it works around is present. Each one has a test
+in tests/training/test_megatron_compat.py that fails once megatron-core no longer needs it. So
+a version bump tells us which patches to delete.
 """
 from __future__ import annotations
 

@@ -3,8 +3,9 @@
 It is ``--attention-backend flash`` (see attention_backend.py), on ``scaled_dot_product_attention``.
 Its flash (or memory-efficient) kernel saves Q, K, V, the output and the log-sum-exp; on CUDA with
 dropout also its philox seed and offset. Those are the sites sites.py names for this layer.
-Grouped-query attention runs as SDPA's ``enable_gqa``. On the CPU that is its flash kernel, with
-outputs and fp32 gradients bitwise those of repeating K and V (tests/models/test_flash_attention.py).
+Grouped-query attention runs as SDPA's ``enable_gqa``. On the CPU that is its flash kernel,
+with outputs and fp32 gradients bitwise those of repeating K and V
+(tests/models/test_flash_attention.py).
 """
 from __future__ import annotations
 
