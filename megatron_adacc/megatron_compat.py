@@ -659,6 +659,26 @@ def _cpu_data_loader_seeds() -> None:
     training.build_pretraining_data_loader = build_pretraining_data_loader
 
 
+def _cpu_jit_warmup_off_the_generator() -> None:
+    # pretrain() warms up the fused bias-GeLU and bias-dropout-add before building the model,
+    # on tensors from torch.rand with dropout 0.1. On a GPU those draws come from the CUDA
+    # generator; on a host they come from the CPU generator that then initialises the weights,
+    # and their number depends on the tensor-parallel size and sequence parallelism. So TP=2
+    # and --sequence-parallel trained another model than TP=1. The warm-up compiles nothing
+    # here (cpu_eager_fusions), and runs on a copy of the generator's state.
+    from megatron.training import initialize
+
+    warmup = getattr(initialize._warmup_jit_function, "__wrapped__",
+                     initialize._warmup_jit_function)
+
+    @functools.wraps(warmup)
+    def warmup_keeping_the_generator(*args, **kwargs):
+        with torch.random.fork_rng(devices=[]):
+            return warmup(*args, **kwargs)
+
+    initialize._warmup_jit_function = warmup_keeping_the_generator
+
+
 class _Gpt2FromFiles:
     """transformers' AutoTokenizer, but GPT-2 is built from its vocab and merges files alone."""
 
@@ -697,7 +717,8 @@ def _gpt2_tokenizer_reaches_the_hub() -> bool:
 
 TRAINING_CPU_SHIMS = {"cpu_training_loop": _cpu_training_loop,
                       "cpu_eager_fusions": _cpu_eager_fusions,
-                      "cpu_data_loader_seeds": _cpu_data_loader_seeds}
+                      "cpu_data_loader_seeds": _cpu_data_loader_seeds,
+                      "cpu_jit_warmup_off_the_generator": _cpu_jit_warmup_off_the_generator}
 TRAINING_DEFECT_PATCHES = {
     "prebuilt_dataset_helpers": (_prebuilt_dataset_helpers, _dataset_helpers_without_makefile),
     "rerun_checkpoint_only_with_save": (_rerun_checkpoint_only_with_save,

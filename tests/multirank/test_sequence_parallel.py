@@ -160,9 +160,6 @@ def test_ruler_planner_and_analytic_model_agree_within_5_percent(measured):
         assert abs(verdict["planned_predicted"] - planned) <= 0.05 * planned
 
 
-@pytest.mark.xfail(strict=True, reason="under Megatron-LM 0.19.2's loop on a CPU, the first "
-                   "loss with --sequence-parallel differs from TP=2's (6.2867 against 6.2593); "
-                   "the norms are not the cause (TP=2 with TorchNorm gives TP=2's loss)")
 def test_sequence_parallel_losses_equal_tp2_without_it(tmp_path):
     losses = {}
     for name, extra in (("tp", []), ("sp", ["--sequence-parallel"])):

@@ -291,6 +291,20 @@ def test_data_loaders_still_draw_their_seed_from_the_global_generator():
     assert not torch.equal(torch.get_rng_state(), before)
 
 
+def test_the_jit_warmup_still_draws_random_tensors_before_the_model_is_built():
+    """Why cpu_jit_warmup_off_the_generator exists: when this fails, pretrain() no longer warms
+    up on random tensors (on a host, the generator that initialises the weights); delete it."""
+    import inspect
+
+    from megatron.training import initialize, training
+
+    warmup = getattr(initialize._warmup_jit_function, "__wrapped__",
+                     initialize._warmup_jit_function)
+    assert "torch.rand(" in inspect.getsource(warmup)
+    pretrain = inspect.getsource(training.pretrain)
+    assert pretrain.index("set_jit_fusion_options(") < pretrain.index("setup_model_and_optimizer(")
+
+
 def test_a_rerun_checkpoint_is_still_asked_for_without_save():
     """Why rerun_checkpoint_only_with_save exists: when this fails, train() checks --save
     before the rerun state machine's checkpoint; delete the patch."""

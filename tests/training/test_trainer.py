@@ -100,7 +100,9 @@ def _torchrun(tmp_path, name, *flags):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
            "--standalone", str(ROOT / "pretrain_gpt.py"), *TINY, *flags,
            "--metrics-file", str(metrics)]
-    done = subprocess.run(cmd, capture_output=True, text=True, env=child_env(), timeout=600)
+    # CUDA_DEVICE_MAX_CONNECTIONS: Megatron-LM asks for it at TP > 1, as its scripts export.
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
+                          env=child_env(CUDA_DEVICE_MAX_CONNECTIONS="1"))
     assert done.returncode == 0, done.stderr[-3000:]
     return [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
 
@@ -110,8 +112,6 @@ PARALLEL = ("--train-iters", "5", "--hidden-dropout", "0", "--attention-dropout"
             "--make-vocab-size-divisible-by", "256")
 
 
-@pytest.mark.xfail(reason="validate_args asks a GPU's architecture at TP > 1: the host shim "
-                          "comes with branch parallel (drop this mark when it is merged)")
 def test_tensor_parallel_matches_a_single_process(tmp_path):
     single = losses(train(*PARALLEL))
     tp2 = _torchrun(tmp_path, "tp2", *PARALLEL, "--tensor-model-parallel-size", "2")
