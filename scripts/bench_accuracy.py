@@ -3,7 +3,7 @@
 The methods: no optimisation, Adacc auto, Adacc without outlier separation (--adacc-policy
 auto-no-outlier) and the paper's naive INT4 (--adacc-policy quantize).
 
-Each run is ``pretrain_gpt.py`` in a subprocess on the built-in demo corpus (KJV, byte-level
+Each run is ``pretrain_gpt.py`` (in this process) on the built-in demo corpus (KJV, byte-level
 tokens), so every number comes from the product's own trainer. The Adacc runs' budgets are fixed
 fractions of the way from the planner's smallest feasible budget to no optimisation, read from a
 one-step probe. Near 0 the plans must compress (lossy int4 included); higher up they may rebuild
@@ -26,8 +26,6 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
-import sys
 import time
 
 import bench_common as bc
@@ -171,22 +169,20 @@ def run(args, flags, policy: str, seed: int, fraction: float | None = None,
     metrics = os.path.join(args.workdir, f"{tag}-seed{seed}.jsonl")
     if os.path.exists(metrics):  # a resumed run appends to its metrics file
         os.remove(metrics)
-    command = [sys.executable, os.path.join(bc.ROOT, "pretrain_gpt.py"), *flags,
-               "--seed", str(seed), "--adacc-policy",
-               plan_file or TRAINER_POLICY.get(policy, policy), "--metrics-file", metrics,
-               *MEGATRON_FLAGS.get(policy, ()), *extra]
+    argv = [*flags, "--seed", str(seed), "--adacc-policy",
+            plan_file or TRAINER_POLICY.get(policy, policy), "--metrics-file", metrics,
+            *MEGATRON_FLAGS.get(policy, ()), *extra]
     if budget is not None:
-        command += ["--adacc-memory-budget", str(budget)]
-    # A world of one of its own: not this process's rendezvous (init_distributed set it).
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
+        argv += ["--adacc-memory-budget", str(budget)]
+    log = os.path.join(args.workdir, f"{tag}-seed{seed}.log")
     began = time.perf_counter()
-    done = subprocess.run(command, cwd=bc.ROOT, capture_output=True, text=True, env=env)
+    status = _pretrain_in_this_process(argv, log)
     elapsed = time.perf_counter() - began
     base = {"policy": policy, "fraction": fraction, "tag": tag, "seed": seed, "wall_s": elapsed}
-    if done.returncode != 0:
-        tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
-        print(f"  {tag} seed {seed}: FAILED ({' | '.join(tail)})", flush=True)
+    if status != 0:
+        with open(log) as handle:
+            tail = handle.read().strip().splitlines()[-3:]
+        print(f"  {tag} seed {seed}: FAILED ({' | '.join(tail)}; log {log})", flush=True)
         return {**base, "failed": True, "error": tail}
     records = [json.loads(line) for line in open(metrics)]
     val = [(r["iteration"], r["val_loss"]) for r in records if "val_loss" in r]
@@ -200,6 +196,28 @@ def run(args, flags, policy: str, seed: int, fraction: float | None = None,
     print(f"  {label(out):36s} seed {seed}: final val loss {out['final_val_loss']:.4f}, "
           f"activations {out['activation_bytes']} B, {elapsed:.0f} s", flush=True)
     return out
+
+
+def _pretrain_in_this_process(argv: list[str], log: str) -> int:
+    """pretrain_gpt.py's exit status on ``argv``, its output in ``log``.
+
+    Megatron-LM's loop tears its state down after each run, so runs in one process start as
+    fresh ones do, without a process's seconds of imports."""
+    import contextlib
+    import traceback
+
+    import pretrain_gpt
+
+    from megatron_adacc import megatron_lm
+
+    with open(log, "w") as out, contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+        try:
+            return pretrain_gpt.main(argv)
+        except Exception:  # noqa: BLE001 - a run that breaks is a result
+            traceback.print_exc()
+            return 1
+        finally:
+            megatron_lm.release()
 
 
 def label(r: dict) -> str:

@@ -4,7 +4,7 @@ import os
 import subprocess
 import sys
 
-from helpers import ROOT, TESTS
+from helpers import ROOT, TESTS, forked
 from megatron_adacc.corpus import ByteTokenizer
 
 PRETRAIN = str(ROOT / "pretrain_gpt.py")
@@ -75,12 +75,15 @@ def data_flags(corpus: str) -> list[str]:
 
 def run(script, *flags, cwd, timeout=300, nproc=None):
     """(exit code, last stderr line, whole stderr) of a script run in a fresh process
-    (under torchrun with ``nproc`` processes)."""
+    (forked, or under torchrun with ``nproc`` processes)."""
     env = child_env()
-    launcher = ([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node",
-                 str(nproc), "--master_port", str(_free_port())] if nproc else [sys.executable])
-    done = subprocess.run([*launcher, script, *map(str, flags)], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    if nproc:
+        done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node",
+                               str(nproc), "--master_port", str(_free_port()), script,
+                               *map(str, flags)],
+                              cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    else:
+        done = forked.run([script, *flags], cwd=cwd, env=env, timeout=timeout)
     assert "Traceback" not in done.stderr, done.stderr[-3000:]
     lines = [line for line in done.stderr.splitlines() if line.strip()]
     return done.returncode, (lines[-1] if lines else ""), done.stderr

@@ -1,23 +1,20 @@
 """The evaluation suite's scripts run end to end on a tiny shape (no timings asserted)."""
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from megatron_adacc.codecs.native import CFLAGS_ENV_VAR
 
-from helpers import ROOT
+from helpers import ROOT, forked
 TINY = ["--layers", "1", "--hidden", "64", "--heads", "2", "--seq", "32", "--no-compile",
         "--threads", "1"]
 
 
 def _run(script, *flags, **environment):
-    done = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", script), *flags],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, **environment})
+    done = forked.run([os.path.join(ROOT, "scripts", script), *flags], cwd=ROOT,
+                      env={**os.environ, **environment})
     assert done.returncode == 0, done.stderr[-2000:]
     return done.stdout
 

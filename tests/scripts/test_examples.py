@@ -2,12 +2,10 @@
 point trains, plans a mix of actions under a tight budget, and measures what it predicted."""
 import json
 import os
-import subprocess
-import sys
 
 from megatron_adacc.common.sites import ACTIONS, SITE_NAMES
 
-from helpers import ROOT
+from helpers import ROOT, forked
 
 
 def test_custom_loop_trains_under_a_budget_with_a_mixed_plan(tmp_path):
@@ -15,11 +13,10 @@ def test_custom_loop_trains_under_a_budget_with_a_mixed_plan(tmp_path):
     # The default shape needs 6.2 MiB with no optimisation; its smallest feasible budget is
     # 3.3 MiB (payload sizes, not timings, decide that), so 3.5 MiB forces compression and
     # leaves the planner choosing between actions.
-    done = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "examples", "custom_loop.py"), "--memory-budget",
-         "3.5MiB", "--iters", "20", "--metrics-file", str(metrics),
-         "--profile-db", str(tmp_path / "profiles.sqlite")],
-        capture_output=True, text=True, timeout=600)
+    done = forked.run(
+        [os.path.join(ROOT, "examples", "custom_loop.py"), "--memory-budget", "3.5MiB",
+         "--iters", "20", "--metrics-file", metrics, "--profile-db", tmp_path / "profiles.sqlite"],
+        cwd=tmp_path, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     table = [line.split() for line in done.stdout.splitlines()
              if line.split() and line.split()[0] in SITE_NAMES]

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from helpers import ROOT
+from helpers import ROOT, forked
 sys.path.insert(0, str(ROOT / "scripts"))
 
 import gpu_check  # noqa: E402
@@ -18,9 +18,8 @@ import gpu_check  # noqa: E402
 def test_without_cuda_it_says_so_and_exits_zero(tmp_path):
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
     out, doc = tmp_path / "check.json", tmp_path / "gpu.md"
-    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_check.py"),
-                           "--out", str(out), "--doc", str(doc)],
-                          capture_output=True, text=True, env=env, cwd=tmp_path)
+    done = forked.run([ROOT / "scripts" / "gpu_check.py", "--out", out, "--doc", doc],
+                      env=env, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().splitlines() == [
         "gpu_check: no CUDA device here; nothing to check (run it on a GPU machine)"]
@@ -33,9 +32,8 @@ def test_without_cuda_it_says_so_and_exits_zero(tmp_path):
 def dry_run(tmp_path_factory):
     folder = tmp_path_factory.mktemp("gpu-check")
     out, doc = folder / "dry.json", folder / "gpu.md"
-    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_check.py"), "--dry-run",
-                           "--device-budget-s", "1800", "--out", str(out), "--doc", str(doc)],
-                          capture_output=True, text=True, cwd=folder)
+    done = forked.run([ROOT / "scripts" / "gpu_check.py", "--dry-run", "--device-budget-s",
+                       "1800", "--out", out, "--doc", doc], cwd=folder, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return json.loads(out.read_text()), doc.read_text(), done.stdout
 
@@ -144,7 +142,6 @@ def test_the_device_command_carries_megatron_core_0_19_and_pulp_4(tmp_path):
     # (two versions of one package stop pip's whole install), then 0.19's. PuLP 4 comes from
     # pip download, its CBC from PuLP 3's wheel. docs/gpu.md is the rendered page.
     import re
-    import subprocess
     import zipfile
 
     lines = [line.strip() for line in gpu_check.HOW_TO_RUN.splitlines()]

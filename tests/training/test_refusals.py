@@ -17,6 +17,7 @@ import torch
 from megatron_adacc import Adacc, AdaccConfig
 from megatron_adacc.common.plan import Plan, PlanError
 from megatron_adacc import launch
+from helpers import forked
 from helpers.pretrain import CORPUS_TINY as TINY, PRETRAIN, child_env, data_flags
 
 
@@ -286,9 +287,7 @@ def test_a_run_shuts_down_the_process_groups_it_set_up(tmp_path, corpus):
         f"flags = {[*TINY, *data_flags(corpus), '--train-iters', '2']!r}\n"
         "codes = [pretrain_gpt.main(flags), pretrain_gpt.main(flags + ['--split', 'abc'])]\n"
         "print(codes, dist.is_initialized(), parallel_state.model_parallel_is_initialized())\n")
-    done = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True,
-                          text=True, timeout=300,
-                          env=child_env())
+    done = forked.run(["-c", script], cwd=tmp_path, env=child_env())
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.splitlines()[-1] == "[0, 2] False False", done.stderr[-2000:]
 

@@ -9,8 +9,6 @@ import io
 import os
 import pickle
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,6 +17,7 @@ import torch
 from megatron_adacc import safe_checkpoint
 from megatron_adacc.safe_checkpoint import CheckpointRefused
 
+from helpers import forked
 from helpers.pretrain import LLAMA_FLAGS, PRETRAIN, TINY, losses, run, train
 
 # common.pt: a legacy common-state file planted beside the checkpoint (megatron-core still
@@ -291,7 +290,7 @@ planner.load_bytes(type("Item", (), {"dest_index": type("Index", (), {"fqn": "x"
 
 def test_unpatched_dcp_still_runs_a_checkpoints_code(tmp_path):
     """Why install() patches torch: when this fails, torch reads checkpoints safely itself."""
-    subprocess.run([sys.executable, "-c", PROBE, str(tmp_path)], check=True,
-                   capture_output=True, timeout=300)
+    done = forked.run(["-c", PROBE, tmp_path], cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
     assert sorted(p.name for p in tmp_path.iterdir()) == [".metadata", "by_metadata",
                                                           "by_object"]

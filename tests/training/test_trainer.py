@@ -10,6 +10,7 @@ import torch
 
 from megatron_adacc.launch import latest_checkpoint
 
+from helpers import forked
 from helpers.pretrain import ROOT, TINY, child_env, losses, train
 
 
@@ -142,8 +143,7 @@ def test_bad_input_is_one_line_and_non_zero(tmp_path, flags, config, message):
         flags = ["--config", str(path), *flags]
     else:
         flags = [*TINY, *flags]
-    done = subprocess.run([sys.executable, str(ROOT / "pretrain_gpt.py"), *flags],
-                          capture_output=True, text=True, timeout=300)
+    done = forked.run([ROOT / "pretrain_gpt.py", *flags], cwd=tmp_path, env=child_env())
     assert done.returncode == 2
     lines = [line for line in done.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and message in lines[0], done.stderr
@@ -160,11 +160,9 @@ def test_preprocess_data_round_trips_bytes(tmp_path):
     docs = ["In the beginning God created the heaven and the earth.", "Jesus wept. ünïcödé ok"]
     source = tmp_path / "docs.jsonl"
     source.write_text("\n".join(json.dumps({"text": d}) for d in docs))
-    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "preprocess_data.py"),
-                           "--input", str(source), "--output-prefix", str(tmp_path / "out"),
-                           "--tokenizer-type", "ByteLevel"],
-                          capture_output=True, text=True, timeout=300,
-                          env=child_env())
+    done = forked.run([ROOT / "scripts" / "preprocess_data.py", "--input", source,
+                       "--output-prefix", tmp_path / "out", "--tokenizer-type", "ByteLevel"],
+                      cwd=tmp_path, env=child_env())
     assert done.returncode == 0, done.stderr
     dataset = IndexedDataset(str(tmp_path / "out_text_document"))
     decoded = [bytes(dataset[i].tolist()[:-1]).decode() for i in range(len(dataset))]
