@@ -56,7 +56,7 @@ FLASH_PLANS = {
 BACKENDS = {"unfused": (0.1, PLANS), "flash": (0.0, FLASH_PLANS)}
 
 
-def _rank_main(backend: str) -> None:
+def _rank_main(backends: list[str]) -> None:
     import warnings
 
     import torch
@@ -71,52 +71,61 @@ def _rank_main(backend: str) -> None:
 
     model_lib.init_distributed(2)
     rank = dist.get_rank()
-    failures = []
-    attention_dropout, plans = BACKENDS[backend]
-    kwargs = dict(dropout=0.1, attention_dropout=attention_dropout, attention_backend=backend)
-    stock_losses, stock_grads = train(build(False, **kwargs), STEPS)
-    for name, plan in plans.items():
-        model = build(True, **kwargs)
-        apply_plan(model, Plan.from_dict(plan), strict=True)
-        losses, grads = train(model, STEPS)
-        for step in range(STEPS):
-            if not torch.equal(losses[step], stock_losses[step]):
-                failures.append(f"{name} step {step}: loss {losses[step].item()} != "
-                                f"{stock_losses[step].item()}")
-            failures += [f"{name} step {step}: gradient of {param}"
-                         for param, grad in grads[step].items()
-                         if not torch.equal(grad, stock_grads[step][param])]
-    # The shards really differ between ranks (else TP did not split anything).
-    qkv = dict(build(False).named_parameters())["decoder.layers.0.self_attention.linear_qkv.weight"]
-    shards = [torch.empty_like(qkv) for _ in range(2)]
-    dist.all_gather(shards, qkv.detach().contiguous())
-    print(VERDICT + json.dumps({"rank": rank, "failures": failures, "qkv_shard": list(qkv.shape),
-                                "shards_differ": not torch.equal(*shards)}), flush=True)
+    for backend in backends:
+        failures = []
+        attention_dropout, plans = BACKENDS[backend]
+        kwargs = dict(dropout=0.1, attention_dropout=attention_dropout, attention_backend=backend)
+        stock_losses, stock_grads = train(build(False, **kwargs), STEPS)
+        for name, plan in plans.items():
+            model = build(True, **kwargs)
+            apply_plan(model, Plan.from_dict(plan), strict=True)
+            losses, grads = train(model, STEPS)
+            for step in range(STEPS):
+                if not torch.equal(losses[step], stock_losses[step]):
+                    failures.append(f"{name} step {step}: loss {losses[step].item()} != "
+                                    f"{stock_losses[step].item()}")
+                failures += [f"{name} step {step}: gradient of {param}"
+                             for param, grad in grads[step].items()
+                             if not torch.equal(grad, stock_grads[step][param])]
+        # The shards really differ between ranks (else TP did not split anything).
+        weights = dict(build(False).named_parameters())
+        qkv = weights["decoder.layers.0.self_attention.linear_qkv.weight"]
+        shards = [torch.empty_like(qkv) for _ in range(2)]
+        dist.all_gather(shards, qkv.detach().contiguous())
+        print(VERDICT + json.dumps({"backend": backend, "rank": rank, "failures": failures,
+                                    "qkv_shard": list(qkv.shape),
+                                    "shards_differ": not torch.equal(*shards)}), flush=True)
     dist.barrier()
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("backend", list(BACKENDS))
-def test_tensor_parallel_two_ranks_match_the_stock_layer_bitwise(backend):
+@pytest.fixture(scope="module")
+def verdicts():
+    """Each backend's verdicts from both ranks, from one torchrun launch (a launch's start-up
+    is most of its time)."""
     # child_env's PYTHONPATH: this file, run as a script, imports the checkout and helpers.
     env = child_env(PYTHONWARNINGS="ignore")
     result = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-         os.path.abspath(__file__), backend],
-        env=env, cwd=ROOT, capture_output=True, text=True, timeout=600,
+         os.path.abspath(__file__), *BACKENDS],
+        env=env, cwd=ROOT, capture_output=True, text=True, timeout=900,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     # The two ranks share one stdout pipe, so their lines can run together: decode each JSON
     # object that follows a marker rather than reading line by line.
     decoder = json.JSONDecoder()
-    verdicts = [decoder.raw_decode(chunk.lstrip())[0]
-                for chunk in result.stdout.split(VERDICT)[1:]]
-    assert sorted(v["rank"] for v in verdicts) == [0, 1], result.stdout[-3000:]
-    for verdict in verdicts:
+    found = [decoder.raw_decode(chunk.lstrip())[0] for chunk in result.stdout.split(VERDICT)[1:]]
+    return {backend: [v for v in found if v["backend"] == backend] for backend in BACKENDS}
+
+
+@pytest.mark.parametrize("backend", list(BACKENDS))
+def test_tensor_parallel_two_ranks_match_the_stock_layer_bitwise(verdicts, backend):
+    assert sorted(v["rank"] for v in verdicts[backend]) == [0, 1], verdicts
+    for verdict in verdicts[backend]:
         assert verdict["failures"] == [], verdict
         assert verdict["qkv_shard"] == [3 * 64 // 2, 64]  # half of the heads on each rank
         assert verdict["shards_differ"]
 
 
 if __name__ == "__main__":
-    _rank_main(sys.argv[1])
+    _rank_main(sys.argv[1:])
