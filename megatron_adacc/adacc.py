@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 from megatron_adacc import planning, policies
 from megatron_adacc import step_watch as watching
-from megatron_adacc.profiling import allocator, clock, hardware
+from megatron_adacc.profiling import allocator, clock, engine_memory
 from megatron_adacc.profiling import profiler
 from megatron_adacc.models.attention import DEFAULT_SPEC_BACKEND, local_layer_spec
 from megatron_adacc.common.costs import ModelCosts
@@ -257,11 +257,12 @@ class Adacc:
                 language-model loss, a stand-in for a stage alone.
             num_micro_batches: micro-batches per step. It sets how many 1F1B keeps in flight.
             static_bytes: what this rank's parameters, gradients and optimizer hold for the whole
-                run. The trainer passes ``hardware.engine_static_bytes``. Default:
-                ``hardware.model_static_bytes`` (one data-parallel rank, no distributed optimizer).
+                run. The trainer passes ``engine_memory.engine_static_bytes``. Default:
+                ``engine_memory.model_static_bytes`` (one data-parallel rank, no distributed
+                optimizer).
             optimizer_step_bytes: what the optimizer step adds while no activation is alive. The
-                trainer passes ``hardware.engine_step_bytes``. Default:
-                ``hardware.model_step_bytes``.
+                trainer passes ``engine_memory.engine_step_bytes``. Default:
+                ``engine_memory.model_step_bytes``.
 
         Raises:
             planning.InfeasibleBudget: a ValueError naming the smallest feasible budget."""
@@ -282,9 +283,9 @@ class Adacc:
         self._micro_batches = num_micro_batches
         self._clock = clock.for_device(batch[0].device)
         self.static_bytes = (static_bytes if static_bytes is not None
-                             else hardware.model_static_bytes(model))
+                             else engine_memory.model_static_bytes(model))
         self.optimizer_step_bytes = (optimizer_step_bytes if optimizer_step_bytes is not None
-                                     else hardware.model_step_bytes(model))
+                                     else engine_memory.model_step_bytes(model))
         self._resolved = policies.resolve(
             config.policy, self._budget(), model, batch, db=ProfileDB(config.profile_db),
             reprofile=config.reprofile, strict=config.strict, loss_fn=loss_fn,

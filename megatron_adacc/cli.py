@@ -31,7 +31,7 @@ from typing import Any, Sequence
 import torch
 
 from megatron_adacc import launch
-from megatron_adacc.profiling import hardware
+from megatron_adacc.planning import analytic
 from megatron_adacc.common.costs import ModelCosts
 from megatron_adacc.common.errors import InputError
 from megatron_adacc.planning import InfeasibleBudget, plan_stages
@@ -69,8 +69,8 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--precision", choices=("fp16", "bf16", "fp32"),
                    help="override the config's fp16/bf16 (a V100 has no bf16)")
     p.add_argument("--memory-budget", help="e.g. 30GiB; default: the accelerator's capacity "
-                   f"minus {hardware.DEFAULT_RESERVED_BYTES >> 30} GiB reserved")
-    p.add_argument("--hardware", choices=sorted(hardware.ACCELERATORS),
+                   f"minus {analytic.DEFAULT_RESERVED_BYTES >> 30} GiB reserved")
+    p.add_argument("--hardware", choices=sorted(analytic.ACCELERATORS),
                    help="plan from the analytic model of this accelerator")
     p.add_argument("--profile-db", help="ProfileDB file for plans without --hardware "
                    "(default: $ADACC_DATA_DIR/profiles.sqlite)")
@@ -135,10 +135,10 @@ def shape_flags(flags: argparse.Namespace) -> dict[str, Any]:
     return shape
 
 
-def model_shape(argv: Sequence[str]) -> hardware.ModelShape:
+def model_shape(argv: Sequence[str]) -> analytic.ModelShape:
     """The accelerator model's shape of the GPT pretrain_gpt.py trains with ``argv``."""
     try:
-        return hardware.ModelShape.from_flags(shape_flags(training_flags(argv)))
+        return analytic.ModelShape.from_flags(shape_flags(training_flags(argv)))
     except ValueError as exc:
         raise UsageError(str(exc)) from None
 
@@ -229,14 +229,14 @@ def _costs(args: argparse.Namespace, flags: argparse.Namespace, argv: list[str]
         costs, default_budget = _profiled_costs(args, flags, argv)
         return [costs], default_budget
     try:
-        shape = hardware.ModelShape.from_flags(shape_flags(flags))
-        stages = hardware.pipeline_costs(
+        shape = analytic.ModelShape.from_flags(shape_flags(flags))
+        stages = analytic.pipeline_costs(
             shape, args.micro_batch_size, args.hardware, args.pipeline_model_parallel_size,
             _num_micro_batches(args, flags), zero_stage, args.data_parallel_size)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
-    device = hardware.get_accelerator(args.hardware)
-    return stages, device.capacity_bytes - hardware.DEFAULT_RESERVED_BYTES
+    device = analytic.get_accelerator(args.hardware)
+    return stages, device.capacity_bytes - analytic.DEFAULT_RESERVED_BYTES
 
 
 def _plan_command(args: argparse.Namespace, rest: list[str]) -> int:

@@ -221,14 +221,14 @@ class Session:
         return data_iterator
 
     def _setup(self, ddp_models: list, optimizer, forward_step_func=None) -> None:
-        from megatron_adacc.profiling import hardware
+        from megatron_adacc.profiling import engine_memory
 
         self.ready = True
         self.ddp_models, self.optimizer = ddp_models, optimizer
         self.device = next(self.model.parameters()).device
         self.step_batch = self._shared_batch()
-        static = hardware.engine_static_bytes(ddp_models, optimizer)
-        step = hardware.engine_step_bytes(optimizer)
+        static = engine_memory.engine_static_bytes(ddp_models, optimizer)
+        step = engine_memory.engine_step_bytes(optimizer)
         self.rank_static_bytes = static  # this rank's; Adacc plans every rank with the most
         most = torch.tensor([static, step], dtype=torch.int64)
         if dist.is_initialized() and dist.get_world_size() > 1:

@@ -133,9 +133,9 @@ def resolve(policy: str, budget_bytes: int | None, model: torch.nn.Module | None
             micro-batch.
         num_micro_batches: per step. 1F1B keeps up to that many in flight on a stage.
         static_bytes: what this rank's parameters and optimizer hold
-            (``hardware.engine_static_bytes``). A stored profile cannot know it. None: the
+            (``engine_memory.engine_static_bytes``). A stored profile cannot know it. None: the
             profile's, with the optimizer held whole.
-        optimizer_step_bytes: what the optimizer step adds (``hardware.engine_step_bytes``).
+        optimizer_step_bytes: what the optimizer step adds (``engine_memory.engine_step_bytes``).
 
     Raises:
         planning.InfeasibleBudget: a ValueError naming the smallest feasible budget."""

@@ -4,7 +4,7 @@ bench_throughput, bench_max_batch and bench_accuracy share the model shapes, the
 comparison, interleaved timing (wall and CPU time), JSON and figures. Every method of a run uses the
 same attention backend. The yardstick: a method *fits* a budget when
 
-    static bytes (parameters, gradients, optimizer: hardware.model_static_bytes)
+    static bytes (parameters, gradients, optimizer: engine_memory.model_static_bytes)
     + the activation peak the ActivationRuler measures during one training step <= budget.
 
 The ruler is the same for every method. It counts:
@@ -37,7 +37,7 @@ import torch
 
 from megatron_adacc.models import build as model_lib
 from megatron_adacc import models, planning, policies
-from megatron_adacc.profiling import allocator, hardware
+from megatron_adacc.profiling import allocator, engine_memory
 from megatron_adacc.profiling import profiler
 from megatron_adacc.models.attention import local_layer_spec
 from megatron_adacc.codecs import BACKEND_ENV_VAR, native
@@ -233,7 +233,7 @@ class Models:
     def __init__(self, shape: Shape):
         self.shape = shape
         self.stock = build(shape)
-        self.static_bytes = hardware.model_static_bytes(self.stock)
+        self.static_bytes = engine_memory.model_static_bytes(self.stock)
         self.full = build(shape, recompute_granularity="full", recompute_method="uniform",
                           recompute_num_layers=1)
         # Megatron's block recompute: the first n layers re-run whole, the rest keep

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from megatron_adacc import planning
-from megatron_adacc.profiling import hardware
+from megatron_adacc.planning import analytic
 from megatron_adacc.common.units import format_size
 
 GiB = 1024**3
@@ -39,8 +39,8 @@ def main() -> None:
     parser.add_argument("--out", default="bench_results/planner.json")
     parser.add_argument("--skip-milp", action="store_true", help="skip the slow direct MILP")
     args = parser.parse_args()
-    shape = hardware.ModelShape(24, 1024, 16, 1024, 50257)
-    costs = hardware.analytic_costs(shape, 8, "v100-32gb")
+    shape = analytic.ModelShape(24, 1024, 16, 1024, 50257)
+    costs = analytic.analytic_costs(shape, 8, "v100-32gb")
     budgets = [int(b * GiB) for b in (8, 10, 12, 16, 20, 26)]
     rows = []
     cases = [("per-layer", True, "frontier", False), ("per-layer", True, "frontier", True),

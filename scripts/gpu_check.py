@@ -530,7 +530,7 @@ def _auto_plan(family: str, backend: str, dtype_name: str, dropout: float):
     models run it, since their sites are the same."""
     from megatron_adacc import models, policies
     from megatron_adacc.planning import minimum_budget
-    from megatron_adacc.profiling import hardware
+    from megatron_adacc.planning import analytic
 
     flags = {**models.get(family).flags, "num-layers": 2, "hidden-size": 1024,
              "num-attention-heads": 8, "seq-length": 1024, "vocab-size": VOCAB,
@@ -538,7 +538,7 @@ def _auto_plan(family: str, backend: str, dtype_name: str, dropout: float):
              "attention-dropout": dropout, dtype_name: True}
     if models.get(family).flags.get("group-query-attention"):
         flags["num-query-groups"] = 4
-    costs = hardware.analytic_costs(hardware.ModelShape.from_flags(flags), BATCH, "h100-80gb")
+    costs = analytic.analytic_costs(analytic.ModelShape.from_flags(flags), BATCH, "h100-80gb")
     smallest = minimum_budget(costs, allow_lossy_sources=False)
     loosest = policies.plan("auto", costs, 1 << 50, allow_lossy_sources=False).peak_bytes
     return policies.plan("auto", costs, smallest + (loosest - smallest) // 10,
@@ -765,10 +765,10 @@ class RunClock:
 
     def __init__(self, kind: str, values: dict, micro_batch: int):
         from megatron_adacc import cli
-        from megatron_adacc.profiling import hardware
+        from megatron_adacc.planning import analytic
 
         self.kind = kind
-        shape = hardware.ModelShape.from_flags(cli.shape_flags(argparse.Namespace(**values)))
+        shape = analytic.ModelShape.from_flags(cli.shape_flags(argparse.Namespace(**values)))
         tokens = micro_batch * shape.seq_length
         attention = 12 * shape.num_layers * shape.seq_length * shape.hidden_size * tokens
         self.step_s = ((6 * shape.num_parameters * tokens + attention)
@@ -1050,11 +1050,11 @@ def equivalent_plan(method: str, detail, costs, auto_plan=None):
 
 
 def _accelerator_for(device_name: str, requested: str | None) -> str:
-    from megatron_adacc.profiling import hardware
+    from megatron_adacc.planning import analytic
 
     if requested:
         return requested
-    for key, accelerator in hardware.ACCELERATORS.items():
+    for key, accelerator in analytic.ACCELERATORS.items():
         if key.split("-")[0] in device_name.lower():
             return key
     return "h200-141gb"
@@ -1076,14 +1076,14 @@ def _with_naive_int4(costs, accelerator: str, channels: int):
     """``costs`` with naive INT4 priced on each site whose last resort it is.
 
     The price follows the analytic model's own codec rule: the bytes it moves at
-    hardware.CODEC_EFFICIENCY of bandwidth. ``adacc plan --hardware`` prices designated codecs
+    analytic.CODEC_EFFICIENCY of bandwidth. ``adacc plan --hardware`` prices designated codecs
     only, and the quantize baseline is predicted from it."""
     from dataclasses import replace
 
     from megatron_adacc.common.sites import QUANTIZE_CODEC, SITES
-    from megatron_adacc.profiling import hardware
+    from megatron_adacc.planning import analytic
 
-    bandwidth = hardware.get_accelerator(accelerator).memory_bandwidth
+    bandwidth = analytic.get_accelerator(accelerator).memory_bandwidth
     sites = []
     for site in costs.sites:
         known = SITES.get(site.name)
@@ -1091,9 +1091,9 @@ def _with_naive_int4(costs, accelerator: str, channels: int):
                 and all(codec.codec != QUANTIZE_CODEC for codec in site.codecs)):
             elements = site.bytes // torch.empty((), dtype=getattr(torch, site.dtype)).itemsize
             rows = channels if elements % channels == 0 else elements
-            payload = hardware.codec_payload_bytes(QUANTIZE_CODEC, elements, site.dtype, rows)
+            payload = analytic.codec_payload_bytes(QUANTIZE_CODEC, elements, site.dtype, rows)
             site = replace(site, codecs=site.codecs + (
-                hardware._codec_cost(QUANTIZE_CODEC, site.bytes, payload, bandwidth),))
+                analytic.codec_cost(QUANTIZE_CODEC, site.bytes, payload, bandwidth),))
         sites.append(site)
     return replace(costs, sites=sites)
 

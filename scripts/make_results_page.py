@@ -514,7 +514,7 @@ MEMORY = """## How memory is measured (every method alike)
 
 A method *fits* a budget when static bytes plus one training step's activation peak are at most
 the budget. Static bytes are parameters, gradients and fp32 AdamW moments. \
-`hardware.engine_static_bytes` reads them off megatron's engine.
+`engine_memory.engine_static_bytes` reads them off megatron's engine.
 
 The `ActivationRuler` measures the activation peak. It counts every storage saved for backward
 once while it is alive. It adds the values rebuilt or decoded during backward. Megatron's full

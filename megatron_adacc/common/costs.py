@@ -2,7 +2,7 @@
 
 It also holds the memory no plan changes. It is plain data, serialisable to a dict / JSON so the
 ProfileDB can store it. Two producers fill it: the profiler (measured on this machine) and
-``hardware.analytic_costs`` (a roofline model of a named accelerator). The planner reads nothing
+``analytic.analytic_costs`` (a roofline model of a named accelerator). The planner reads nothing
 else.
 
 Units: bytes are integers and times are seconds, all at ``micro_batch_size`` for ONE layer. Every

@@ -12,7 +12,7 @@ vocabulary:
 - ``PositionPart``: what the positions save before core attention, what unfused attention then saves
   of Q, K and V, and the embedding's position table.
 
-The analytic model (``profiling/hardware.py``) asks the parts the flags select (``layer_variant``)
+The analytic model (``planning/analytic/``) asks the parts the flags select (``layer_variant``)
 for their terms; it holds only the parts every family shares. The layer is megatron-core's local
 spec in every family, so megatron's forward is never copied: WrappedTorchNorm reads
 ``config.normalization``, the MLP ``config.gated_linear_unit``. Both families use megatron's two
@@ -56,8 +56,8 @@ class NormPart:
         terms = {
             input_site: SiteTerm(stream, input_dtype, no_flops, no_bytes, hidden_channels),
             # read the input, write the output
-            f"{prefix}_stats": SiteTerm(lambda d: statistics * d.sr * d.b, fp32, no_flops,
-                                        lambda d: 2 * stream(d) * d.act,
+            f"{prefix}_stats": SiteTerm(lambda d: statistics * d.rows * d.batch, fp32, no_flops,
+                                        lambda d: 2 * stream(d) * d.act_bytes,
                                         lambda d: statistics),
         }
         if self.saves_normed:
@@ -77,7 +77,7 @@ class MlpPart:
         activation_saves: what else the activation saves, by the autograd node that made the tensor.
             A gated unit saves the SiLU's output and the up half plus its offset, a copy.
         fc2_in: the site of what linear_fc2 saves (the activation's output).
-        site_terms: each of those sites' terms, in forward order. The hardware model adds fc1's
+        site_terms: each of those sites' terms, in forward order. The analytic model adds fc1's
             matmul ahead of the first and fc2's after the last.
         default_ffn: Megatron-LM's ffn hidden size for a hidden size.
     """

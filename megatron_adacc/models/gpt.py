@@ -15,14 +15,16 @@ LAYERNORM = NormPart("LayerNorm", saves_normed=False, statistics_per_row=2,
 GELU_MLP = MlpPart(
     "gelu", gated=False, fc1_out="gelu_in", fc2_in="gelu_out",
     site_terms={
-        "gelu_in": SiteTerm(sbf, act, no_flops, lambda d: 2 * sbf(d) * d.act, lambda d: d.f),
-        "gelu_out": SiteTerm(sbf, act, no_flops, lambda d: 2 * sbf(d) * d.act, lambda d: d.f),
+        "gelu_in": SiteTerm(sbf, act, no_flops, lambda d: 2 * sbf(d) * d.act_bytes,
+                            lambda d: d.ffn),
+        "gelu_out": SiteTerm(sbf, act, no_flops, lambda d: 2 * sbf(d) * d.act_bytes,
+                             lambda d: d.ffn),
     },
     default_ffn=lambda hidden: 4 * hidden)
 # A learned position table: nothing saved inside the layer; unfused core attention keeps Q,
 # K and V as views of linear_qkv's output (grouped K and V: repeated to the heads).
 LEARNED_POSITIONS = PositionPart("learned_absolute", learned=True, site_terms={},
-                                 unfused_qkv_heads=lambda d: 3 * d.a)
+                                 unfused_qkv_heads=lambda d: 3 * d.heads)
 
 GPT = register(ModelFamily(
     name="gpt",

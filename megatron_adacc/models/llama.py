@@ -22,26 +22,28 @@ SWIGLU_MLP = MlpPart(
     activation_saves={"SiluBackward0": "swiglu_act", "AddBackward0": "swiglu_up"},
     site_terms={
         "swiglu_in": SiteTerm(lambda d: 2 * sbf(d), act, no_flops,
-                              lambda d: 2 * sbf(d) * d.act, lambda d: d.f, view_elements=sbf),
-        "swiglu_act": SiteTerm(sbf, act, no_flops, lambda d: 2 * sbf(d) * d.act,
-                               lambda d: d.f),
-        "swiglu_up": SiteTerm(sbf, act, no_flops, lambda d: 2 * sbf(d) * d.act,
-                              lambda d: d.f),
-        "swiglu_out": SiteTerm(sbf, act, no_flops, lambda d: 3 * sbf(d) * d.act,
-                               lambda d: d.f),
+                              lambda d: 2 * sbf(d) * d.act_bytes, lambda d: d.ffn,
+                              view_elements=sbf),
+        "swiglu_act": SiteTerm(sbf, act, no_flops, lambda d: 2 * sbf(d) * d.act_bytes,
+                               lambda d: d.ffn),
+        "swiglu_up": SiteTerm(sbf, act, no_flops, lambda d: 2 * sbf(d) * d.act_bytes,
+                              lambda d: d.ffn),
+        "swiglu_out": SiteTerm(sbf, act, no_flops, lambda d: 3 * sbf(d) * d.act_bytes,
+                               lambda d: d.ffn),
     },
     default_ffn=lambda hidden: int(4 * hidden * 2 / 3 / 64) * 64)
-# RoPE saves cos and sin ([s, 1, 1, rotary dim]) and rotates Q and K into new tensors: cos
-# and sin are computed for Q and for K (four tensors written), kept as one cos and one sin for
-# every layer (sites.py: shared; runtime/shared.py). Unfused core attention then keeps the
-# rotated Q and K and, without grouping,
-# V as a view pinning linear_qkv's whole output; grouped K and V are repeated to the heads.
+# RoPE saves cos and sin ([s, 1, 1, rotary dim]) and rotates Q and K into new tensors. Cos
+# and sin are computed for Q and for K (four tensors written), and kept as one cos and one sin
+# for every layer (sites.py: shared; runtime/shared.py). Unfused core attention then keeps the
+# rotated Q and K. Without grouping, V is a view pinning linear_qkv's whole output; grouped K
+# and V are repeated to the heads.
 ROPE = PositionPart(
     "rope", learned=False,
-    site_terms={"rope_cos_sin": SiteTerm(lambda d: 2 * d.s * d.rot, act, no_flops,
-                                         lambda d: 4 * d.s * d.rot * d.act,
-                                         lambda d: d.rot)},
-    unfused_qkv_heads=lambda d: 2 * d.a + (d.a + 2 * d.g) if d.g == d.a else 3 * d.a)
+    site_terms={"rope_cos_sin": SiteTerm(lambda d: 2 * d.seq * d.rotary_dim, act, no_flops,
+                                         lambda d: 4 * d.seq * d.rotary_dim * d.act_bytes,
+                                         lambda d: d.rotary_dim)},
+    unfused_qkv_heads=lambda d: (2 * d.heads + (d.heads + 2 * d.groups) if d.groups == d.heads
+                                 else 3 * d.heads))
 
 LLAMA = register(ModelFamily(
     name="llama",

@@ -1,13 +1,13 @@
 """The vocabulary of accelerator-model terms: what a layer part tells the analytic model.
 
 A part describes each tensor it saves as functions of one tensor-parallel rank's dimensions
-(``Dims``). So the hardware model (``profiling/hardware.py``) applies a device's rates to them and
+(``Dims``). So the analytic model (``planning/analytic/``) applies a device's rates to them and
 knows no family.
 
 A ``SiteTerm`` is one site's size (elements and dtype) and the forward work since the previous save:
 matmul FLOPs and the DRAM traffic of the other ops. The families' parts declare theirs
 (``models/gpt.py``, ``models/llama.py``). The parts every family shares (core attention, the
-bias-dropout-adds) are the hardware model's.
+bias-dropout-adds) are the analytic model's.
 """
 from __future__ import annotations
 
@@ -22,24 +22,24 @@ from megatron_adacc.common.sites import LAYER_INPUT, SEGMENTS
 @dataclass(frozen=True)
 class Dims:
     """One tensor-parallel rank's dimensions."""
-    s: int          # sequence (attention and the MLP see all of it)
-    sr: int         # rows of the residual stream: s / t under sequence parallelism
-    b: int
-    h: int          # hidden size (the residual stream's width)
-    a: int          # attention heads on this rank
-    g: int          # query groups on this rank
-    hd: int         # head dimension
-    f: int          # ffn hidden size on this rank
-    act: int        # activation bytes per element
-    act_dtype: str  # the activations' torch dtype name
-    softmax: int    # bytes per element of the saved softmax output
-    rot: int        # RoPE's rotary dimension
-    mask: int = 1   # a dropout mask is bool on GPU
+    seq: int            # sequence length (attention and the MLP see all of it)
+    rows: int           # rows of the residual stream: seq / TP under sequence parallelism
+    batch: int          # micro-batch size
+    hidden: int         # hidden size (the residual stream's width)
+    heads: int          # attention heads on this rank
+    groups: int         # query groups on this rank
+    head_dim: int
+    ffn: int            # ffn hidden size on this rank
+    act_bytes: int      # bytes per activation element
+    act_dtype: str      # the activations' torch dtype name
+    softmax_bytes: int  # bytes per element of the saved softmax output
+    rotary_dim: int     # RoPE's rotary dimension
+    mask_bytes: int = 1  # a dropout mask is bool on GPU
 
     @property
-    def aw(self) -> int:
+    def attn_width(self) -> int:
         """Attention width on this rank: its heads x head dimension."""
-        return self.a * self.hd
+        return self.heads * self.head_dim
 
 
 @dataclass(frozen=True)
@@ -91,16 +91,16 @@ def fp32(d: Dims) -> str:   # norm statistics, RMSNorm's saves
 
 def stream(d: Dims) -> int:
     """Elements of the residual stream on this rank."""
-    return d.sr * d.b * d.h
+    return d.rows * d.batch * d.hidden
 
 
 def sbf(d: Dims) -> int:
     """Elements of one ffn-wide MLP tensor on this rank."""
-    return d.s * d.b * d.f
+    return d.seq * d.batch * d.ffn
 
 
 def hidden_channels(d: Dims) -> int:
-    return d.h
+    return d.hidden
 
 
 def no_flops(d: Dims) -> float:

@@ -39,7 +39,8 @@ from megatron_adacc import codecs, planning
 from megatron_adacc.codecs import backend as codec_backend
 from megatron_adacc.codecs.native import host
 from megatron_adacc.profiling import allocator, clock
-from megatron_adacc.profiling import hardware
+from megatron_adacc.planning import analytic
+from megatron_adacc.profiling import engine_memory
 from megatron_adacc.models import build as model_lib
 from megatron_adacc.models.attention import backend_of
 from megatron_adacc.common import sites as site_table
@@ -177,9 +178,9 @@ class _RetainedRuler(ActivationRuler):
             masks = sum(self._loader_masks.values())
             embedding, shared = embedding + masks, shared - masks
         return planning.StageMemory(
-            hardware.model_static_bytes(model), embedding,
+            engine_memory.model_static_bytes(model), embedding,
             report.after_forward_bytes - layers - embedding, shared,
-            hardware.model_step_bytes(model))
+            engine_memory.model_step_bytes(model))
 
 
 class _Unencodable:
@@ -667,7 +668,7 @@ def _profile(run: _Profiling) -> ModelCosts:
         non_layer_bytes=memory.non_layer_bytes,
         held_non_layer_bytes=memory.held_non_layer_bytes,
         embedding_bytes=memory.embedding_bytes,
-        backward_workspace_bytes=hardware.backward_workspace_bytes(shape, micro_batch),
+        backward_workspace_bytes=analytic.backward_workspace_bytes(shape, micro_batch),
         micro_batch_size=micro_batch,
         operators=operators,
         hooked_layer_s=hooked_layer_s,
@@ -802,13 +803,13 @@ def sample_sites(model: torch.nn.Module, batch: Batch, names: Iterable[str], *,
 
 
 def model_shape(config, vocab_size: int, seq_length: int, attention_backend: str = "unfused",
-                position_embedding_type: str = "learned_absolute") -> hardware.ModelShape:
+                position_embedding_type: str = "learned_absolute") -> analytic.ModelShape:
     """The planner's description of a megatron TransformerConfig (analytic model, ProfileDB key).
 
     It includes the model's resolved attention backend and its positions, so a Llama layer is
     never served a GPT layer's profile."""
     precision = "bf16" if config.bf16 else "fp16" if config.fp16 else "fp32"
-    return hardware.ModelShape(
+    return analytic.ModelShape(
         num_layers=config.num_layers,
         hidden_size=config.hidden_size,
         num_attention_heads=config.num_attention_heads,

@@ -8,7 +8,7 @@ from megatron_adacc import models
 from megatron_adacc.launch import read_config
 from megatron_adacc.models import build as model_lib
 from megatron_adacc.models.attention import local_layer_spec
-from megatron_adacc.profiling import hardware
+from megatron_adacc.planning import analytic
 from megatron_adacc.runtime import apply_plan, get_adacc_layer_spec
 
 HEADS, GROUPS, HIDDEN, FFN = 4, 2, 64, 96
@@ -43,7 +43,7 @@ def train_steps(model, steps=3, plan=None):
 
 
 # Llama-3-8B (configs/llama3-8b.yaml, bf16) on one rank of TP=2 with sequence parallelism
-LLAMA3_8B_TP2 = hardware.ModelShape.from_flags({
+LLAMA3_8B_TP2 = analytic.ModelShape.from_flags({
     **{dest.replace("_", "-"): value for dest, value in
        read_config(str(ROOT / "configs" / "llama3-8b.yaml")).items()},
     "tensor-model-parallel-size": 2, "sequence-parallel": True})

@@ -7,7 +7,7 @@ import pytest
 from megatron_adacc import models
 from megatron_adacc.models.gpt import GELU_MLP
 from megatron_adacc.models.llama import LLAMA, RMSNORM
-from megatron_adacc.profiling import hardware
+from megatron_adacc.planning import analytic
 from megatron_adacc.launch import read_config
 
 from helpers import ROOT
@@ -35,12 +35,12 @@ def test_a_family_derived_from_llama_is_priced_by_its_own_term(register):
         variant=replace(LLAMA.variant, norm=replace(RMSNORM, name="FusedRMSNorm",
                                                     input_dtype=None)),
         flags={**LLAMA.flags, "normalization": "FusedRMSNorm"}))
-    llama = hardware.ModelShape.from_flags(LLAMA3_8B_FLAGS)
-    shape = hardware.ModelShape.from_flags({**LLAMA3_8B_FLAGS, **fused.flags})
+    llama = analytic.ModelShape.from_flags(LLAMA3_8B_FLAGS)
+    shape = analytic.ModelShape.from_flags({**LLAMA3_8B_FLAGS, **fused.flags})
     assert (llama.precision, shape.normalization) == ("bf16", "FusedRMSNorm")
 
     s, b, h = 8192, 2, 4096
-    sizes, llama_sizes = hardware.site_bytes(shape, b), hardware.site_bytes(llama, b)
+    sizes, llama_sizes = analytic.site_bytes(shape, b), analytic.site_bytes(llama, b)
     norm_inputs = {"layer_in", "ln2_in"}
     assert {name: sizes[name] for name in norm_inputs} == {name: s * b * h * 2
                                                            for name in norm_inputs}
@@ -49,12 +49,12 @@ def test_a_family_derived_from_llama_is_priced_by_its_own_term(register):
     assert {k: v for k, v in sizes.items() if k not in norm_inputs} \
         == {k: v for k, v in llama_sizes.items() if k not in norm_inputs}
     # the final norm's input too, and nothing else of the model
-    assert hardware.output_activation_bytes(llama, b) \
-        - hardware.output_activation_bytes(shape, b) == s * b * h * 2
+    assert analytic.output_activation_bytes(llama, b) \
+        - analytic.output_activation_bytes(shape, b) == s * b * h * 2
     assert (shape.num_parameters, shape.ffn) == (llama.num_parameters, llama.ffn)
 
-    costs = hardware.analytic_costs(shape, b, "h100-80gb")
-    llama_costs = hardware.analytic_costs(llama, b, "h100-80gb")
+    costs = analytic.analytic_costs(shape, b, "h100-80gb")
+    llama_costs = analytic.analytic_costs(llama, b, "h100-80gb")
     assert costs.site("layer_in").dtype == "bfloat16"
     assert llama_costs.site("layer_in").dtype == "float32"
     assert costs.site("layer_in").codecs[0].payload_bytes \
@@ -80,10 +80,10 @@ def test_a_changed_part_under_a_taken_name_is_refused(register):
 def test_an_unknown_part_is_refused_naming_its_flag():
     with pytest.raises(ValueError, match="^--normalization ScaleNorm: expected one of "
                                          "LayerNorm, RMSNorm$"):
-        hardware.ModelShape(2, 64, 4, 32, 100, normalization="ScaleNorm")
+        analytic.ModelShape(2, 64, 4, 32, 100, normalization="ScaleNorm")
     with pytest.raises(ValueError, match="^--position-embedding-type alibi: expected one of "
                                          "learned_absolute, rope$"):
-        hardware.ModelShape(2, 64, 4, 32, 100, position_embedding_type="alibi")
+        analytic.ModelShape(2, 64, 4, 32, 100, position_embedding_type="alibi")
 
 
 def test_an_mlp_declares_terms_for_exactly_its_sites():

@@ -11,7 +11,7 @@ import torch
 from megatron.core.transformer.enums import AttnMaskType
 
 from megatron_adacc.models import attention
-from megatron_adacc.profiling import hardware
+from megatron_adacc.planning import analytic
 from megatron_adacc.megatron_lm import LOCAL_IMPL_ATTENTION, ConfigError
 from megatron_adacc.cli import main as adacc_main
 from megatron_adacc.models.flash_attention import FlashDotProductAttention
@@ -295,20 +295,20 @@ def test_auto_builds_flash_at_dropout_zero_on_the_cpu(distributed):
 
 
 def test_analytic_flash_layer_has_no_s2_sites():
-    shape = hardware.ModelShape(2, 64, 4, 32, 100, precision="fp16",
+    shape = analytic.ModelShape(2, 64, 4, 32, 100, precision="fp16",
                                 attention_backend="flash")
-    sizes = hardware.site_bytes(shape, 2)
+    sizes = analytic.site_bytes(shape, 2)
     s, b, h, a = 32, 2, 64, 4
     assert not {"softmax_out", "attn_dropout_mask", "attn_probs"} & set(sizes)
     assert sizes["attn_lse"] == 4 * a * s * b and sizes["attn_rng_state"] == 16
     assert sizes["context"] == sizes["layer_in"] == 2 * s * b * h
-    costs = hardware.analytic_costs(shape, 2, "a100-80gb")
+    costs = analytic.analytic_costs(shape, 2, "a100-80gb")
     assert not costs.site("attn_lse").codecs and costs.site("attn_lse").rebuild_s > 0
     # From flags: auto on a GPU is flash (SDPA's kernels draw their own dropout there).
     flags = {"num-layers": 2, "hidden-size": 64, "num-attention-heads": 4, "seq-length": 32,
              "vocab-size": 100}
-    assert hardware.ModelShape.from_flags(flags).attention_backend == "flash"
-    assert hardware.ModelShape.from_flags(
+    assert analytic.ModelShape.from_flags(flags).attention_backend == "flash"
+    assert analytic.ModelShape.from_flags(
         {**flags, "attention-backend": "unfused"}).attention_backend == "unfused"
 
 

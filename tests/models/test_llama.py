@@ -250,7 +250,7 @@ def test_bad_llama_flags_exit_2_before_training(capsys):
 
 
 # --- the analytic accelerator model -------------------------------------------------------------
-from megatron_adacc.profiling import hardware  # noqa: E402
+from megatron_adacc.planning import analytic  # noqa: E402
 from helpers.llama import LLAMA3_8B_TP2  # noqa: E402
 
 
@@ -261,15 +261,15 @@ def test_the_analytic_model_sizes_every_llama_site_as_measured(distributed, dtyp
     _, report = measure_step(model, lambda: loss_of(model), strict=True)
     measured = {site: n for (layer, site), n in report.by_site.items()
                 if layer == 0 and site not in SHARED_SITES}  # non-layer memory
-    shape = hardware.ModelShape(
+    shape = analytic.ModelShape(
         num_layers=2, hidden_size=HIDDEN, num_attention_heads=HEADS, seq_length=SEQ,
         vocab_size=VOCAB, ffn_hidden_size=FFN,
         precision="bf16" if dtype == torch.bfloat16 else "fp32", attention_dropout=0.0,
         hidden_dropout=0.0, softmax_in_fp32=model.config.attention_softmax_in_fp32,
         attention_backend=backend, normalization="RMSNorm", swiglu=True,
         position_embedding_type="rope", num_query_groups=GROUPS, add_bias_linear=False)
-    assert hardware.site_bytes(shape, 2) == measured
-    assert hardware.shared_activation_bytes(shape, 2) == report.by_site[(0, "rope_cos_sin")]
+    assert analytic.site_bytes(shape, 2) == measured
+    assert analytic.shared_activation_bytes(shape, 2) == report.by_site[(0, "rope_cos_sin")]
 
 
 def test_the_llama3_8b_config_plans_on_an_h100_at_tp2_with_sequence_parallelism(capsys):
@@ -287,7 +287,7 @@ def test_the_llama3_8b_config_plans_on_an_h100_at_tp2_with_sequence_parallelism(
     # One rank's bf16 sites (s 8192, h 4096, sequence over 2 ranks): RMSNorm's fp32 input
     # copy is 4096 x 4096 x 4 B per layer; Q at 16 heads, K and V at 4 groups each, x 128.
     shape = LLAMA3_8B_TP2
-    sizes = hardware.site_bytes(shape, 1)
+    sizes = analytic.site_bytes(shape, 1)
     assert sizes["layer_in"] == 4096 * 4096 * 4
     assert sizes["qkv"] == (16 + 2 * 4) * 128 * 8192 * 2
     assert sizes["swiglu_in"] == 2 * 7168 * 8192 * 2

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_adacc.profiling import hardware
+from megatron_adacc.profiling import engine_memory
 from helpers.engine import held_bytes
 from helpers.pretrain import child_env, pretrain
 
@@ -39,8 +39,8 @@ def test_the_planned_static_bytes_are_what_the_engine_holds_at_one_rank(flags):
     session.optimizer.zero_grad()
     assert held_bytes(session) == planned
     if "--use-distributed-optimizer" not in flags:  # what the Python API plans with
-        assert hardware.model_static_bytes(session.model) == planned
-        assert hardware.model_step_bytes(session.model) == step
+        assert engine_memory.model_static_bytes(session.model) == planned
+        assert engine_memory.model_step_bytes(session.model) == step
 
 
 @pytest.fixture(scope="module")

@@ -42,7 +42,7 @@ def _rank_main() -> None:
 
     from megatron_adacc.codecs.codec import Codec
     from megatron_adacc.common.sites import SHARED_SITES
-    from megatron_adacc.profiling import hardware
+    from megatron_adacc.planning import analytic
     import pretrain_gpt
     from megatron_adacc import megatron_lm
     from megatron_adacc.megatron_lm import batch_tuple
@@ -99,8 +99,8 @@ def _rank_main() -> None:
     flags = {**vars(args), "tensor-model-parallel-size": 2, "sequence-parallel": True,
              "vocab-size": model.vocab_size, "make-vocab-size-divisible-by": 1,
              "attention_backend": args.attention_backend.name}  # Megatron-LM's is an enum
-    shape = hardware.ModelShape.from_flags(flags)
-    analytic = hardware.analytic_costs(shape, args.micro_batch_size, "h100-80gb")
+    shape = analytic.ModelShape.from_flags(flags)
+    analytic = analytic.analytic_costs(shape, args.micro_batch_size, "h100-80gb")
     # The training comparison: TP=2 with and without sequence parallelism, three steps each.
     losses = {}
     for name, extra in (("tp", []), ("sp", ["--sequence-parallel"])):
@@ -112,8 +112,8 @@ def _rank_main() -> None:
                             if layer == 0 and site not in SHARED_SITES},
         "measured_shared": sum(n for (layer, site), n in retained.by_site.items()
                                if site in SHARED_SITES),
-        "analytic_shared": hardware.shared_activation_bytes(shape, args.micro_batch_size),
-        "analytic_layer": hardware.site_bytes(shape, args.micro_batch_size),
+        "analytic_shared": analytic.shared_activation_bytes(shape, args.micro_batch_size),
+        "analytic_layer": analytic.site_bytes(shape, args.micro_batch_size),
         "measured_bytes": retained.after_forward_bytes,
         "profiled_bytes": costs.embedding_bytes + costs.non_layer_bytes
         + costs.num_layers * sum(site.bytes for site in costs.sites),

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import example, given, settings, strategies as st
 
 from megatron_adacc import planning as planner
-from megatron_adacc.profiling import hardware
+from megatron_adacc.planning import analytic
 from megatron_adacc.common.costs import CodecCost, ModelCosts, Operator, SiteCost
 from megatron_adacc.common.plan import Decision
 from megatron_adacc.common.sites import COMPRESS, RECOMPUTE, RETAIN
@@ -221,8 +221,8 @@ def test_the_minimum_budget_is_feasible(costs, per_layer, allow_lossy, resolutio
 
 
 def test_the_minimum_budget_is_feasible_at_gpt345m_scale():
-    shape = hardware.ModelShape(24, 1024, 16, 1024, 50257)
-    costs = hardware.analytic_costs(shape, 8, "v100-32gb")
+    shape = analytic.ModelShape(24, 1024, 16, 1024, 50257)
+    costs = analytic.analytic_costs(shape, 8, "v100-32gb")
     for lossy in (True, False):
         minimum = planner.minimum_budget(costs, allow_lossy_sources=lossy)
         assert planner.plan(costs, minimum, allow_lossy_sources=lossy).peak_bytes <= minimum
@@ -387,7 +387,7 @@ def test_direct_milp_agrees_with_frontier():
 
 
 def test_a_budget_that_is_not_a_whole_number_of_bytes_is_refused():
-    costs = hardware.analytic_costs(hardware.ModelShape(2, 256, 4, 128, 1000), 1, "v100-32gb")
+    costs = analytic.analytic_costs(analytic.ModelShape(2, 256, 4, 128, 1000), 1, "v100-32gb")
     with pytest.raises(TypeError, match="whole number of bytes"):
         planner.plan(costs, 20.5 * 2**30)
     assert planner.plan(costs, np.int64(20 * 2**30)).budget_bytes == 20 * 2**30

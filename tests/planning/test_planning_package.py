@@ -8,14 +8,14 @@ import sys
 import pytest
 
 from megatron_adacc import planning
-from megatron_adacc.profiling import hardware
+from megatron_adacc.planning import analytic
 
 from helpers import ROOT as REPO
 
 
 @pytest.mark.parametrize("lossy", [True, False])
 def test_every_frontier_policy_costs_what_the_model_says(lossy):
-    costs = hardware.analytic_costs(hardware.ModelShape(24, 1024, 16, 1024, 50257), 8,
+    costs = analytic.analytic_costs(analytic.ModelShape(24, 1024, 16, 1024, 50257), 8,
                                     "v100-32gb")
     frontier = planning.layer_frontier(costs, lossy)
     for k in range(len(frontier)):

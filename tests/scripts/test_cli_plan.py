@@ -100,7 +100,7 @@ def _stages(capsys, *extra):
 
 
 def test_pipeline_plans_each_stage_and_the_first_stores_less_when_the_budget_binds(capsys):
-    from megatron_adacc.profiling import hardware
+    from megatron_adacc.planning import analytic
 
     # Under 1F1B stage 0 of 2 holds 2 micro-batches, stage 1 one: at stage 1's unoptimised
     # peak, stage 1 keeps everything and stage 0 has to store less per micro-batch.
@@ -115,8 +115,8 @@ def test_pipeline_plans_each_stage_and_the_first_stores_less_when_the_budget_bin
         < loose[0]["references"]["no optimisation"]["peak_bytes"]
     stages = _stages(capsys, "--memory-budget", str(budget))
     stored = [sum(row["bytes_kept"] for row in s["sites"]) for s in stages]
-    shape = hardware.ModelShape(4, 256, 4, 256, 1000, precision="bf16")
-    assert stored[1] == 2 * sum(hardware.site_bytes(shape, 2).values())   # all retained
+    shape = analytic.ModelShape(4, 256, 4, 256, 1000, precision="bf16")
+    assert stored[1] == 2 * sum(analytic.site_bytes(shape, 2).values())   # all retained
     assert stored[0] < stored[1]
     assert all(s["peak_bytes"] <= budget == s["budget_bytes"] for s in stages)
 
@@ -129,12 +129,12 @@ def test_pipeline_plans_each_stage_and_the_first_stores_less_when_the_budget_bin
 
 def test_an_infeasible_stage_is_named_with_its_smallest_feasible_budget(capsys):
     from megatron_adacc import planning
-    from megatron_adacc.profiling import hardware
+    from megatron_adacc.planning import analytic
 
     # GPT-2's vocabulary: the last stage's logits make it the one that does not fit.
     model = [*PIPELINE, "--vocab-size", "50257"]     # the last flag given wins
-    shape = hardware.ModelShape(4, 256, 4, 256, 50257, precision="bf16")
-    stages = hardware.pipeline_costs(shape, 2, "a100-80gb", 2, 4)
+    shape = analytic.ModelShape(4, 256, 4, 256, 50257, precision="bf16")
+    stages = analytic.pipeline_costs(shape, 2, "a100-80gb", 2, 4)
     # adacc plan plans as the trainer does: exact rebuild sources.
     minimum = [planning.minimum_feasible_budget(costs, allow_lossy_sources=False)
                for costs in stages]
@@ -149,12 +149,12 @@ def test_an_infeasible_stage_is_named_with_its_smallest_feasible_budget(capsys):
 
 
 def test_distributed_optimizer_is_zero1(capsys):
-    from megatron_adacc.profiling import hardware
+    from megatron_adacc.planning import analytic
 
     stages = _stages(capsys, "--memory-budget", "1TiB", "--data-parallel-size", "4",
                      "--use-distributed-optimizer")
-    shape = hardware.ModelShape(4, 256, 4, 256, 1000, precision="bf16")
-    expected = hardware.pipeline_costs(shape, 2, "a100-80gb", 2, 4, zero_stage=1,
+    shape = analytic.ModelShape(4, 256, 4, 256, 1000, precision="bf16")
+    expected = analytic.pipeline_costs(shape, 2, "a100-80gb", 2, 4, zero_stage=1,
                                        data_parallel_size=4)
     assert [s["static_bytes"] for s in stages] == [c.static_bytes for c in expected]
     assert main(["plan", *PIPELINE, "--use-distributed-optimizer", "--zero-stage", "2"]) == 2

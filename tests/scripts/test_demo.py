@@ -6,7 +6,7 @@ from dataclasses import replace
 import pytest
 
 from megatron_adacc import cli, planning
-from megatron_adacc.profiling import hardware
+from megatron_adacc.planning import analytic
 from megatron_adacc.common.sites import ACTIONS
 
 from helpers import ROOT
@@ -22,7 +22,7 @@ def _demo():
 def _demo_costs(accelerator):
     # the demo's model as pretrain_gpt.py reads configs/demo.yaml
     argv = ["--config", str(ROOT / "configs" / "demo.yaml")]
-    return hardware.analytic_costs(cli.model_shape(argv),
+    return analytic.analytic_costs(cli.model_shape(argv),
                                    cli.training_flags(argv).micro_batch_size, accelerator)
 
 

@@ -350,12 +350,12 @@ def test_the_plan_table_is_cut_from_a_runs_output():
 
 
 def test_the_h200_is_priced_as_an_h100_with_its_bandwidth():
-    from megatron_adacc.profiling import hardware
+    from megatron_adacc.planning import analytic
 
     h100, h200 = (gpu_check._analytic_costs(gpu_check.MODELS["llama-1b"], False, name)
                   for name in ("h100-80gb", "h200-141gb"))
-    ratio = (hardware.get_accelerator("h200-141gb").memory_bandwidth
-             / hardware.get_accelerator("h100-80gb").memory_bandwidth)
+    ratio = (analytic.get_accelerator("h200-141gb").memory_bandwidth
+             / analytic.get_accelerator("h100-80gb").memory_bandwidth)
     assert ratio == pytest.approx(4.8 / 3.35)
     for slow, fast in zip(h100.sites, h200.sites):
         assert (slow.name, slow.bytes) == (fast.name, fast.bytes)

@@ -99,10 +99,10 @@ def test_no_allocator_numbers_on_a_cpu():
 def test_the_profiled_allocator_overhead_is_what_the_all_retain_peak_exceeds(fake_allocator):
     from megatron_adacc import planning
     from megatron_adacc.profiling import allocator
-    from megatron_adacc.profiling import hardware
+    from megatron_adacc.planning import analytic
     from megatron_adacc.profiling import profiler
 
-    costs = hardware.analytic_costs(hardware.ModelShape(2, 64, 4, 32, 256), 2, "a100-80gb")
+    costs = analytic.analytic_costs(analytic.ModelShape(2, 64, 4, 32, 256), 2, "a100-80gb")
     retain_all = [planning.evaluate_layer(costs, {})] * costs.num_layers
     predicted = planning.peak_bytes(costs, retain_all) - costs.static_bytes
     with allocator.watch(torch.device("cuda", 0)) as peaks:
@@ -120,9 +120,9 @@ def test_plans_carry_the_allocator_overhead(distributed):
 
     from megatron_adacc import planning
     from megatron_adacc.common import costs as costs_lib
-    from megatron_adacc.profiling import hardware
+    from megatron_adacc.planning import analytic
 
-    costs = hardware.analytic_costs(hardware.ModelShape(2, 64, 4, 32, 256), 2, "a100-80gb")
+    costs = analytic.analytic_costs(analytic.ModelShape(2, 64, 4, 32, 256), 2, "a100-80gb")
     padded = replace(costs, allocator_overhead_bytes=777)
     assert costs_lib.ModelCosts.from_json(padded.to_json()) == padded
     retain_all = [planning.evaluate_layer(costs, {})] * costs.num_layers

@@ -11,7 +11,7 @@ import torch
 from megatron_adacc import Adacc
 from megatron_adacc.megatron_lm import ConfigError
 from megatron_adacc.models import build as model_lib
-from megatron_adacc.profiling import hardware
+from megatron_adacc.planning import analytic
 from helpers.engine import inner_optimizers, main_params
 from helpers import TESTS
 from helpers.pretrain import child_env, parse, pretrain
@@ -93,7 +93,7 @@ def test_the_softmax_keeps_megatron_lms_dtype_and_the_accelerator_model_agrees(
     scores = {t.dtype for t in saved if t.dim() == 4 and t.shape[-2:] == (seq, seq)
               and t.is_floating_point()}
     assert softmax_dtype in scores and (torch.float32 in scores) == bool(flags)
-    shape = hardware.ModelShape.from_flags(
+    shape = analytic.ModelShape.from_flags(
         {"num-layers": 2, "hidden-size": 64, "num-attention-heads": 4, "seq-length": seq,
          "vocab-size": 256, "bf16": True, **{flag[2:]: True for flag in flags}})
     assert shape.softmax_in_fp32 == bool(flags)

@@ -6,20 +6,21 @@ import pytest
 import torch
 
 from megatron_adacc import codecs, planning
-from megatron_adacc.profiling import hardware
+from megatron_adacc.planning import analytic
+from megatron_adacc.profiling import engine_memory
 from megatron_adacc.common.costs import ModelCosts
 from helpers.runtime import build
 from helpers.codecs import with_outlier_channels
 from helpers.llama import LLAMA3_8B_TP2
 
-GPT345M = hardware.ModelShape(num_layers=24, hidden_size=1024, num_attention_heads=16,
+GPT345M = analytic.ModelShape(num_layers=24, hidden_size=1024, num_attention_heads=16,
                               seq_length=1024, vocab_size=50257)
 
 
 @pytest.mark.parametrize("batch", [1, 8])
 def test_layer_sites_add_up_to_34sbh_plus_5as2b(batch):
     s, b, h, a = 1024, batch, 1024, 16
-    sizes = hardware.site_bytes(GPT345M, batch)
+    sizes = analytic.site_bytes(GPT345M, batch)
     stats = sizes.pop("ln1_stats") + sizes.pop("ln2_stats")
     assert sum(sizes.values()) == 34 * s * b * h + 5 * a * s * s * b
     assert stats == 2 * 2 * s * b * 4          # mean and rstd in fp32 per layernorm
@@ -27,19 +28,19 @@ def test_layer_sites_add_up_to_34sbh_plus_5as2b(batch):
 
 
 def test_dropout_off_and_fp32_softmax_change_the_sites():
-    shape = hardware.ModelShape(2, 64, 4, 32, 100, attention_dropout=0, hidden_dropout=0,
+    shape = analytic.ModelShape(2, 64, 4, 32, 100, attention_dropout=0, hidden_dropout=0,
                                 softmax_in_fp32=True)
-    sizes = hardware.site_bytes(shape, 2)
+    sizes = analytic.site_bytes(shape, 2)
     assert not {"attn_dropout_mask", "bda1_mask", "bda2_mask"} & set(sizes)
     assert sizes["softmax_out"] == 4 * 4 * 32 * 32 * 2
     # the matmul with V saves the fp16 cast of the fp32 probabilities (measured on a bf16
     # layer in tests/models/test_llama.py)
     assert sizes["attn_probs"] == 2 * 4 * 32 * 32 * 2
-    costs = hardware.analytic_costs(shape, 2, "a100-80gb")
+    costs = analytic.analytic_costs(shape, 2, "a100-80gb")
     # Without the bias-dropout-add mask ln2_in's edge reads no mask; it runs the output
     # projection.
     d = 2 * 32 * 64   # s * b * h
-    rate = hardware.get_accelerator("a100-80gb").matmul_flops(2) * hardware.MATMUL_EFFICIENCY
+    rate = analytic.get_accelerator("a100-80gb").matmul_flops(2) * analytic.MATMUL_EFFICIENCY
     edge = costs.operator("attention_residual")
     assert edge.sources == ("layer_in", "context")
     assert edge.rebuild_s >= 2 * d * 64 / rate
@@ -48,10 +49,10 @@ def test_dropout_off_and_fp32_softmax_change_the_sites():
 def test_static_bytes():
     n = GPT345M.num_parameters
     assert n == pytest.approx(355e6, rel=0.01)
-    assert hardware.static_bytes(n, "fp16") == 16 * n
-    assert hardware.static_bytes(n, "bf16") == (2 + 4 + 12) * n  # fp32 gradients
-    assert hardware.static_bytes(n, "fp32") == (4 + 4 + 8) * n
-    assert hardware.static_bytes(10, "fp16", zero_stage=3, data_parallel_size=8) == 2 * 16
+    assert analytic.static_bytes(n, "fp16") == 16 * n
+    assert analytic.static_bytes(n, "bf16") == (2 + 4 + 12) * n  # fp32 gradients
+    assert analytic.static_bytes(n, "fp32") == (4 + 4 + 8) * n
+    assert analytic.static_bytes(10, "fp16", zero_stage=3, data_parallel_size=8) == 2 * 16
 
 
 @pytest.mark.parametrize("dtype, precision", [(torch.float32, "fp32"), (torch.bfloat16, "bf16"),
@@ -64,9 +65,9 @@ def test_the_parameter_count_model_is_the_engines_for_a_real_model(distributed, 
     model = build(False, dtype=dtype)
     tensors = list(model.parameters())
     n = sum(p.numel() for p in tensors)
-    assert (hardware.model_static_bytes(model)
-            == hardware.static_bytes(n, precision) + 4 * len(tensors))
-    assert hardware.model_step_bytes(model) == hardware.step_bytes(n, precision)
+    assert (engine_memory.model_static_bytes(model)
+            == analytic.static_bytes(n, precision) + 4 * len(tensors))
+    assert engine_memory.model_step_bytes(model) == analytic.step_bytes(n, precision)
 
 
 def test_zero1_static_bytes_are_the_hand_computed_formula():
@@ -74,20 +75,20 @@ def test_zero1_static_bytes_are_the_hand_computed_formula():
     # gradients whole and ceil(N / D) parameters' fp32 master weights, Adam m and v.
     n = GPT345M.num_parameters
     assert n % 8 == 0
-    assert hardware.static_bytes(n, "fp16", zero_stage=1, data_parallel_size=8) == \
+    assert analytic.static_bytes(n, "fp16", zero_stage=1, data_parallel_size=8) == \
         2 * n + 2 * n + 12 * n // 8
     # A count that does not divide: each rank holds the rounded-up shard.
-    assert hardware.static_bytes(1001, "fp16", zero_stage=1, data_parallel_size=8) == \
+    assert analytic.static_bytes(1001, "fp16", zero_stage=1, data_parallel_size=8) == \
         2 * 1001 + 2 * 1001 + 12 * 126
-    assert hardware.static_bytes(1001, "fp16", zero_stage=2, data_parallel_size=8) == \
+    assert analytic.static_bytes(1001, "fp16", zero_stage=2, data_parallel_size=8) == \
         2 * 1001 + (2 + 12) * 126
-    assert hardware.static_bytes(n, "fp16", zero_stage=1, data_parallel_size=1) == 16 * n
+    assert analytic.static_bytes(n, "fp16", zero_stage=1, data_parallel_size=1) == 16 * n
 
 
 def test_pipeline_stages_hold_their_own_parameters_and_activations():
     h, v = 1024, 50304                 # GPT-2's vocabulary padded to a multiple of 128
     layer = 12 * h * h + 13 * h
-    stages = hardware.pipeline_costs(GPT345M, 8, "v100-32gb", 4, 8, zero_stage=1,
+    stages = analytic.pipeline_costs(GPT345M, 8, "v100-32gb", 4, 8, zero_stage=1,
                                      data_parallel_size=2)
     assert [c.num_layers for c in stages] == [6] * 4
     assert [c.in_flight_micro_batches for c in stages] == [4, 3, 2, 1]
@@ -106,14 +107,14 @@ def test_pipeline_stages_hold_their_own_parameters_and_activations():
     assert untied.output_parameters(pipelined=False) == untied.output_parameters(True) \
         == 2 * h + v * h
     # One stage is the whole model, tied embedding held once.
-    whole = hardware.analytic_costs(GPT345M, 8, "v100-32gb")
+    whole = analytic.analytic_costs(GPT345M, 8, "v100-32gb")
     assert whole.static_bytes == 16 * (24 * layer + (v + 1024) * h + 2 * h)
     assert (whole.embedding_bytes, whole.non_layer_bytes) == (stages[0].embedding_bytes,
                                                               stages[-1].non_layer_bytes)
 
 
 def test_rebuild_times_accumulate_along_each_segment():
-    costs = hardware.analytic_costs(GPT345M, 8, "v100-32gb")
+    costs = analytic.analytic_costs(GPT345M, 8, "v100-32gb")
     for segment in costs.segments:
         times = [site.rebuild_s for site in costs.sites if site.segment == segment.name]
         assert times == sorted(times) and times[0] > 0, segment
@@ -126,13 +127,13 @@ def test_rebuild_times_accumulate_along_each_segment():
     s, b, h = 1024, 8, 1024
     flops = 2 * s * b * h * 3 * h + 2 * 2 * b * s * s * h + 2 * s * b * h * h
     assert costs.site("bda1_mask").rebuild_s == max(site.rebuild_s for site in costs.sites)
-    assert costs.site("bda1_mask").rebuild_s >= flops / (125e12 * hardware.MATMUL_EFFICIENCY)
+    assert costs.site("bda1_mask").rebuild_s >= flops / (125e12 * analytic.MATMUL_EFFICIENCY)
 
 
 def test_operators_cost_their_own_ops():
-    costs = hardware.analytic_costs(GPT345M, 8, "v100-32gb")
+    costs = analytic.analytic_costs(GPT345M, 8, "v100-32gb")
     s, b, h, f, act = 1024, 8, 1024, 4096, 2
-    byte_rate = 900e9 * hardware.BANDWIDTH_EFFICIENCY
+    byte_rate = 900e9 * analytic.BANDWIDTH_EFFICIENCY
     assert [(op.name, op.sources) for op in costs.operators] == [
         ("input_layernorm", ("layer_in",)),
         ("attention_residual", ("layer_in", "context", "bda1_mask")),
@@ -141,7 +142,7 @@ def test_operators_cost_their_own_ops():
     # byte a value), the context's and the layer input's values and writing its output.
     stream = s * b * h
     assert costs.operator("attention_residual").rebuild_s == pytest.approx(
-        2 * stream * h / (125e12 * hardware.MATMUL_EFFICIENCY)
+        2 * stream * h / (125e12 * analytic.MATMUL_EFFICIENCY)
         + (2 * stream + 3 * stream * act) / byte_rate)
     # far cheaper than the attention's re-run to the mask, which the segment re-run charged
     assert costs.operator("attention_residual").rebuild_s < costs.site("bda1_mask").rebuild_s / 5
@@ -156,7 +157,7 @@ def test_operators_cost_their_own_ops():
 
 
 def test_gpu_plans_use_the_operator_rebuilds():
-    costs = hardware.analytic_costs(GPT345M, 8, "a100-80gb")
+    costs = analytic.analytic_costs(GPT345M, 8, "a100-80gb")
     retain_all = planning.peak_bytes(costs, [planning.evaluate_layer(costs, {})] * 24)
     gelu_out = costs.site("gelu_out").bytes * costs.num_layers
     result = planning.plan(costs, retain_all - gelu_out)
@@ -167,10 +168,10 @@ def test_gpu_plans_use_the_operator_rebuilds():
 
 
 def test_llama_operators_cost_their_own_ops():
-    costs = hardware.analytic_costs(LLAMA3_8B_TP2, 1, "h100-80gb")
+    costs = analytic.analytic_costs(LLAMA3_8B_TP2, 1, "h100-80gb")
     s, b, f, act = 8192, 1, 14336 // 2, 2
-    byte_rate = hardware.get_accelerator("h100-80gb").memory_bandwidth \
-        * hardware.BANDWIDTH_EFFICIENCY
+    byte_rate = analytic.get_accelerator("h100-80gb").memory_bandwidth \
+        * analytic.BANDWIDTH_EFFICIENCY
     assert [(op.name, op.sources) for op in costs.operators] == [
         ("input_layernorm", ("layer_in",)), ("attention_residual", ("layer_in", "context")),
         ("pre_mlp_layernorm", ("ln2_in",)), ("mlp", ("swiglu_in",))]
@@ -188,7 +189,7 @@ def test_llama_operators_cost_their_own_ops():
 
 
 def test_llama_gpu_plans_rebuild_swiglu_by_its_operators():
-    costs = hardware.analytic_costs(LLAMA3_8B_TP2, 1, "h100-80gb")
+    costs = analytic.analytic_costs(LLAMA3_8B_TP2, 1, "h100-80gb")
     retain_all = planning.peak_bytes(costs, [planning.evaluate_layer(costs, {})] * 32)
     # a budget that every operator product rebuilt in every layer meets
     operator_products = [site.name for site in costs.sites if site.operator]
@@ -205,12 +206,12 @@ def test_llama_gpu_plans_rebuild_swiglu_by_its_operators():
 
 
 def test_costs_are_consistent_and_round_trip():
-    costs = hardware.analytic_costs(GPT345M, 8, "v100-32gb")
+    costs = analytic.analytic_costs(GPT345M, 8, "v100-32gb")
     assert costs.site("layer_in").can_recompute is False
     qkv = costs.site("qkv")
     # matmul sites are FLOP-bound: qkv = 2 * s*b*h*3h FLOPs at the derated peak, plus bias.
     flops = 2 * 1024 * 8 * 1024 * 3 * 1024
-    assert qkv.rebuild_s >= flops / (125e12 * hardware.MATMUL_EFFICIENCY)
+    assert qkv.rebuild_s >= flops / (125e12 * analytic.MATMUL_EFFICIENCY)
     assert qkv.codecs[0].codec == "channel_int4"
     assert qkv.codecs[0].payload_bytes == pytest.approx(qkv.bytes / 4, rel=0.01)
     mask = costs.site("attn_dropout_mask")
@@ -228,14 +229,14 @@ def test_codec_payloads_equal_real_encodes(precision, family):
     # Each site's payload is what its codec really keeps for a finite tensor of the site's
     # shape and dtype (the gate half alone for swiglu_in, a view of fc1's whole output), with
     # the outlier codec's capacity OUTLIER_CHANNEL_FRACTION of the channels.
-    shape = hardware.ModelShape(2, 128, 4, 32, 100, ffn_hidden_size=1600, precision=precision,
+    shape = analytic.ModelShape(2, 128, 4, 32, 100, ffn_hidden_size=1600, precision=precision,
                                 **family)
-    sizes = hardware._layer_sites(shape)
-    d = hardware._dims(shape, 2)
-    for site in hardware.analytic_costs(shape, 2, "a100-80gb").sites:
+    sizes = analytic.sites.layer_sites(shape)
+    d = analytic.sites.dims_of(shape, 2)
+    for site in analytic.analytic_costs(shape, 2, "a100-80gb").sites:
         cost = site.codecs[0]
         channels = sizes[site.name].channels(d)
-        outliers = (round(channels * hardware.OUTLIER_CHANNEL_FRACTION)
+        outliers = (round(channels * analytic.OUTLIER_CHANNEL_FRACTION)
                     if cost.codec == "outlier_int4" else 0)
         dtype = getattr(torch, site.dtype)
         rows = sizes[site.name].encoded_elements(d) // channels
@@ -248,24 +249,24 @@ def test_codec_payloads_equal_real_encodes(precision, family):
 
 
 def test_bf16_on_v100_is_refused():
-    shape = hardware.ModelShape(2, 64, 4, 32, 100, precision="bf16")
+    shape = analytic.ModelShape(2, 64, 4, 32, 100, precision="bf16")
     with pytest.raises(ValueError, match="bfloat16"):
-        hardware.analytic_costs(shape, 1, "v100-32gb")
+        analytic.analytic_costs(shape, 1, "v100-32gb")
 
 
 def test_shape_from_megatron_flags():
     # GPT-2's vocabulary: the caller resolves a --tokenizer-type's (adacc plan does).
-    shape = hardware.ModelShape.from_flags({"num-layers": 12, "hidden_size": 768,
+    shape = analytic.ModelShape.from_flags({"num-layers": 12, "hidden_size": 768,
                                             "num-attention-heads": 12, "seq-length": 1024,
                                             "vocab-size": 50257, "fp16": True})
     assert (shape.vocab_size, shape.padded_vocab_size, shape.precision) == (50257, 50304, "fp16")
     with pytest.raises(ValueError, match="needs --vocab-size"):
-        hardware.ModelShape.from_flags({"num-layers": 2, "hidden-size": 64, "seq-length": 8,
+        analytic.ModelShape.from_flags({"num-layers": 2, "hidden-size": 64, "seq-length": 8,
                                         "num-attention-heads": 4,
                                         "tokenizer-type": "GPT2BPETokenizer"})
-    assert hardware.ModelShape.from_flags({
+    assert analytic.ModelShape.from_flags({
         "num-layers": 2, "hidden-size": 64, "num-attention-heads": 4, "seq-length": 8,
         "vocab-size": 10, "untie-embeddings-and-output-weights": True,
     }).untie_embeddings_and_output_weights
     with pytest.raises(ValueError, match="hidden-size"):
-        hardware.ModelShape.from_flags({"num-layers": 2, "seq-length": 8, "vocab-size": 10})
+        analytic.ModelShape.from_flags({"num-layers": 2, "seq-length": 8, "vocab-size": 10})

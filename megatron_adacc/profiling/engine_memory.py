@@ -1,0 +1,99 @@
+"""What megatron's engine holds for a model: parameters, gradients, main parameters, Adam's state.
+
+Read off a model before it is wrapped (``model_*``: profiling, the Python API), or off
+megatron's DistributedDataParallel and optimizer (``engine_*``: Megatron-LM's loop).
+"""
+from __future__ import annotations
+
+import torch
+
+# 0-dim fp32 step count.
+_ADAM_MOMENTS = 2
+_ADAM_STEP_BYTES = 4
+
+
+def _adam_state_bytes(main_param: torch.Tensor) -> int:
+    return _ADAM_MOMENTS * main_param.numel() * main_param.element_size() + _ADAM_STEP_BYTES
+
+
+def _gradient_dtype(param: torch.Tensor, grad_dtype: torch.dtype | None) -> torch.dtype:
+    """megatron's gradient buffer dtype for ``param``: ``grad_dtype``, by default fp32 for
+    fp32 and bf16 models (Megatron-LM accumulates bf16 in fp32), the parameter's for fp16."""
+    return grad_dtype or (param.dtype if param.dtype == torch.float16 else torch.float32)
+
+
+def model_static_bytes(model: torch.nn.Module, grad_dtype: torch.dtype | None = None) -> int:
+    """What megatron's engine holds for ``model`` through a step on one data-parallel rank
+    without the distributed optimizer: parameters and buffers, a gradient buffer
+    (``_gradient_dtype``), fp32 main parameters for a 16-bit model, and Adam's state. Equal
+    to ``engine_static_bytes`` of that engine; for a model before it is wrapped (profiling,
+    the Python API)."""
+    total = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+    for param in model.parameters():
+        if not param.requires_grad:
+            continue
+        total += param.numel() * _gradient_dtype(param, grad_dtype).itemsize
+        if param.dtype != torch.float32:
+            total += param.numel() * 4                       # the fp32 main parameter
+        total += _ADAM_MOMENTS * param.numel() * 4 + _ADAM_STEP_BYTES
+    return total
+
+
+def model_step_bytes(model: torch.nn.Module, grad_dtype: torch.dtype | None = None) -> int:
+    """What that engine's optimizer step adds (ModelCosts.optimizer_step_bytes): an fp32
+    copy of each 16-bit gradient. Equal to ``engine_step_bytes``."""
+    return sum(param.numel() * 4 for param in model.parameters()
+               if param.requires_grad and param.dtype != torch.float32
+               and _gradient_dtype(param, grad_dtype) != torch.float32)
+
+
+def engine_static_bytes(model_chunks, optimizer) -> int:
+    """What megatron's engine holds on this rank through every forward and backward, read
+    off the engine before its first step: the distinct storages of the parameters and
+    buffers, of DistributedDataParallel's gradient (and, under the distributed optimizer,
+    parameter) buffers and of the optimizer's main parameters, and Adam's state, which
+    torch allocates at the first step: two moments like each main parameter (its shard,
+    under the distributed optimizer) and a step count."""
+    storages: dict[int, int] = {}
+
+    def hold(tensor: torch.Tensor) -> None:
+        storage = tensor.untyped_storage()
+        storages[storage.data_ptr()] = storage.nbytes()
+
+    for chunk in model_chunks:
+        for tensor in (*chunk.module.parameters(), *chunk.module.buffers()):
+            hold(tensor)
+        for buffer in (*chunk.buffers, *chunk.expert_parallel_buffers):
+            hold(buffer.grad_data)
+            if buffer.param_data is not None:
+                hold(buffer.param_data)
+    state = 0
+    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+        stepped = [p for group in inner.optimizer.param_groups for p in group["params"]]
+        for main_param in stepped:
+            hold(main_param)
+            held_state = inner.optimizer.state.get(main_param)
+            state += (sum(t.untyped_storage().nbytes() for t in held_state.values()
+                          if torch.is_tensor(t)) if held_state else _adam_state_bytes(main_param))
+    return sum(storages.values()) + state
+
+
+def engine_step_bytes(optimizer) -> int:
+    """What megatron's optimizer step adds on this rank (ModelCosts.optimizer_step_bytes):
+    the fp32 gradient of each main parameter (its shard) whose 16-bit gradient buffer the
+    step copies (``main_grad.float()``), dropped again by the next step's zero_grad."""
+    return sum(main_param.numel() * 4
+               for inner in getattr(optimizer, "chained_optimizers", [optimizer])
+               for model_param, main_param in _main_params_of(inner)
+               if model_param.main_grad.dtype != torch.float32)
+
+
+def _main_params_of(inner) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(model parameter, fp32 main parameter) pairs of a mixed-precision optimizer."""
+    if hasattr(inner, "model_float16_groups") and hasattr(inner, "shard_fp32_from_float16_groups"):
+        pairs = zip(inner.model_float16_groups, inner.shard_fp32_from_float16_groups)
+    elif hasattr(inner, "float16_groups"):
+        pairs = zip(inner.float16_groups, inner.fp32_from_float16_groups)
+    else:
+        return []
+    return [(model, main) for models, mains in pairs for model, main in zip(models, mains)]
