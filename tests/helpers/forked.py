@@ -8,11 +8,13 @@ variable at import time needs ``subprocess``. And atexit handlers do not run.
 """
 import io
 import multiprocessing
+import multiprocessing.connection
 import os
 import runpy
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 # What the scripts under test import; the server imports them once, before any fork.
@@ -63,21 +65,65 @@ def _child(argv: list[str], cwd: str, env: dict, out: str, err: str) -> None:
 
 def run(argv, *, cwd, env=None, timeout=300) -> subprocess.CompletedProcess:
     """``python *argv`` in a forked process; a CompletedProcess with its text output."""
+    return torchrun(1, argv, cwd=cwd, env=env, timeout=timeout, world=False)
+
+
+def torchrun(nproc: int, argv, *, cwd, env=None, timeout=600,
+             world=True) -> subprocess.CompletedProcess:
+    """``torchrun --nproc_per_node nproc *argv``, its ranks forked; rank 0's output last.
+
+    Each rank gets the environment torchrun gives its workers (``world``). As torchrun does,
+    the first rank to fail stops the others. The exit status is the first failure's, else 0.
+    """
     argv = [str(arg) for arg in argv]
     env = dict(os.environ if env is None else env)
-    out, err = (tempfile.mkstemp(prefix="forked-", suffix=suffix) for suffix in (".out", ".err"))
-    for fd, _ in (out, err):
-        os.close(fd)
-    out, err = out[1], err[1]
-    process = _server().Process(target=_child, args=(argv, str(cwd), env, out, err))
-    process.start()
-    process.join(timeout)
-    if process.exitcode is None:
-        process.kill()
-        process.join()
-        raise subprocess.TimeoutExpired(argv, timeout)
-    texts = []
-    for path in (out, err):
-        texts.append(Path(path).read_text(errors="replace"))
-        os.unlink(path)
-    return subprocess.CompletedProcess([sys.executable, *argv], process.exitcode, *texts)
+    if world:
+        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
+                   WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK="0",
+                   GROUP_WORLD_SIZE="1", ROLE_NAME="default", ROLE_WORLD_SIZE=str(nproc),
+                   TORCHELASTIC_RESTART_COUNT="0", TORCHELASTIC_MAX_RESTARTS="0",
+                   TORCHELASTIC_RUN_ID="none", TORCHELASTIC_USE_AGENT_STORE="False")
+        env.setdefault("OMP_NUM_THREADS", "1")
+    ranks = []
+    for rank in range(nproc):
+        files = []
+        for suffix in (".out", ".err"):
+            fd, path = tempfile.mkstemp(prefix=f"forked-{rank}-", suffix=suffix)
+            os.close(fd)
+            files.append(path)
+        own = dict(env, RANK=str(rank), LOCAL_RANK=str(rank), ROLE_RANK=str(rank)) if world \
+            else env
+        process = _server().Process(target=_child, args=(argv, str(cwd), own, *files))
+        process.start()
+        ranks.append((process, files))
+    deadline, status = time.monotonic() + timeout, None
+    try:
+        while status is None and time.monotonic() < deadline:
+            running = [process.sentinel for process, _ in ranks if process.exitcode is None]
+            failed = [p.exitcode for p, _ in ranks if p.exitcode not in (None, 0)]
+            if failed or not running:
+                status = failed[0] if failed else 0
+            else:
+                multiprocessing.connection.wait(running, timeout=1)
+    finally:
+        for process, _ in ranks:
+            if process.exitcode is None:
+                process.kill()
+            process.join()
+    texts = ["", ""]
+    for _, files in reversed(ranks):
+        for index, path in enumerate(files):
+            texts[index] += Path(path).read_text(errors="replace")
+            os.unlink(path)
+    if status is None:
+        raise subprocess.TimeoutExpired(argv, timeout, output=texts[0], stderr=texts[1])
+    return subprocess.CompletedProcess([sys.executable, *argv], status, *texts)
+
+
+def free_port() -> int:
+    """A port free now, for a world's rendezvous."""
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]

@@ -75,13 +75,10 @@ def data_flags(corpus: str) -> list[str]:
 
 def run(script, *flags, cwd, timeout=300, nproc=None):
     """(exit code, last stderr line, whole stderr) of a script run in a fresh process
-    (forked, or under torchrun with ``nproc`` processes)."""
+    (forked; ``nproc`` ranks as torchrun starts them)."""
     env = child_env()
     if nproc:
-        done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node",
-                               str(nproc), "--master_port", str(_free_port()), script,
-                               *map(str, flags)],
-                              cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+        done = forked.torchrun(nproc, [script, *flags], cwd=cwd, env=env, timeout=timeout)
     else:
         done = forked.run([script, *flags], cwd=cwd, env=env, timeout=timeout)
     assert "Traceback" not in done.stderr, done.stderr[-3000:]
@@ -103,29 +100,30 @@ def child_env(**extra: str) -> dict:
     return env | extra
 
 
-def _free_port() -> int:
-    import socket
+def torchrun(nproc: int, runs: dict, *flags, timeout=600, tiny=True,
+             real_torchrun=False) -> dict:
+    """Several TINY pretrain_gpt.py runs in one launch of ``nproc`` ranks.
 
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+    The ranks run tests/multirank/multirank.py, forked (``forked.torchrun``) or, with
+    ``real_torchrun``, under torchrun itself. ``runs`` maps a name to its flags (after TINY,
+    unless not ``tiny``, and ``flags``) or to {"flags": [...], "stretch": [...]}.
 
-
-def torchrun(nproc: int, runs: dict, *flags, timeout=600, tiny=True) -> dict:
-    """Several TINY pretrain_gpt.py runs in one torchrun launch of ``nproc`` processes
-    (tests/multirank/multirank.py): ``runs`` maps a name to its flags (after TINY, unless not
-    ``tiny``, and ``flags``) or to {"flags": [...], "stretch": [...]}; returns {name: [each
-    rank's report]}."""
+    Returns:
+        {name: [each rank's report]}.
+    """
     spec = json.dumps([{"name": name, **(run if isinstance(run, dict) else {"flags": run})}
                        for name, run in runs.items()])
     # Megatron-LM asks tensor parallelism for this as on a GPU before Blackwell (its scripts
     # export it).
     env = child_env(CUDA_DEVICE_MAX_CONNECTIONS="1")
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node",
-                           str(nproc), "--master_port", str(_free_port()),
-                           str(TESTS / "multirank" / "multirank.py"), spec, *(TINY if tiny else []),
-                           *map(str, flags)],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    argv = [str(TESTS / "multirank" / "multirank.py"), spec, *(TINY if tiny else []),
+            *map(str, flags)]
+    if real_torchrun:
+        done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node",
+                               str(nproc), "--master_port", str(forked.free_port()), *argv],
+                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    else:
+        done = forked.torchrun(nproc, argv, cwd=ROOT, env=env, timeout=timeout)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     (line,) = [line for line in done.stdout.splitlines() if line.startswith("MULTIRANK ")]
     return json.loads(line.removeprefix("MULTIRANK "))

@@ -2,14 +2,13 @@
 reduction), its optimizer (distributed with --use-distributed-optimizer) and
 dist_checkpointing; Adacc plans with the bytes that engine holds."""
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from megatron_adacc.profiling import engine_memory
+from helpers import forked
 from helpers.engine import held_bytes
 from helpers.pretrain import child_env, pretrain
 
@@ -46,9 +45,8 @@ def test_the_planned_static_bytes_are_what_the_engine_holds_at_one_rank(flags):
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
     checkpoints = tmp_path_factory.mktemp("engine") / "ck"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-           "2", str(HERE / "multirank_engine.py"), str(checkpoints), *NO_DROPOUT]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=child_env())
+    done = forked.torchrun(2, [HERE / "multirank_engine.py", checkpoints, *NO_DROPOUT],
+                           cwd=checkpoints.parent, env=child_env(), timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     return checkpoints, json.loads(done.stdout.strip().splitlines()[-1])
 

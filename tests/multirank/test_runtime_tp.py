@@ -13,10 +13,9 @@ check with its own sites, on half of the heads per rank.
 import pytest
 import json
 import os
-import subprocess
 import sys
 
-from helpers import ROOT
+from helpers import ROOT, forked
 from helpers.pretrain import child_env
 
 VERDICT = "TP_VERDICT "
@@ -105,11 +104,8 @@ def verdicts():
     is most of its time)."""
     # child_env's PYTHONPATH: this file, run as a script, imports the checkout and helpers.
     env = child_env(PYTHONWARNINGS="ignore")
-    result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-         os.path.abspath(__file__), *BACKENDS],
-        env=env, cwd=ROOT, capture_output=True, text=True, timeout=900,
-    )
+    result = forked.torchrun(2, [os.path.abspath(__file__), *BACKENDS], cwd=ROOT, env=env,
+                             timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     # The two ranks share one stdout pipe, so their lines can run together: decode each JSON
     # object that follows a marker rather than reading line by line.

@@ -6,12 +6,10 @@ every site Adacc plans is one rank's. This file launches itself under torchrun w
 processes, which measure and then run pretrain_gpt.py with and without it.
 """
 import json
-import subprocess
-import sys
 
 import pytest
 
-from helpers import ROOT
+from helpers import ROOT, forked
 from helpers.pretrain import child_env
 
 CONFIG = ROOT / "configs" / "llama-tiny-cpu.yaml"
@@ -27,9 +25,7 @@ def _torchrun(*argv, timeout=600):
     # CUDA_DEVICE_MAX_CONNECTIONS: Megatron-LM asks for it at TP > 1, as its scripts export.
     # child_env's PYTHONPATH: this file, run as a script, imports the checkout and helpers.
     env = child_env(PYTHONWARNINGS="ignore", CUDA_DEVICE_MAX_CONNECTIONS="1")
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                           "--nproc_per_node", "2", *map(str, argv)], env=env, cwd=ROOT,
-                          capture_output=True, text=True, timeout=timeout)
+    done = forked.torchrun(2, argv, cwd=ROOT, env=env, timeout=timeout)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return done.stdout
 
@@ -100,7 +96,7 @@ def _rank_main() -> None:
              "vocab-size": model.vocab_size, "make-vocab-size-divisible-by": 1,
              "attention_backend": args.attention_backend.name}  # Megatron-LM's is an enum
     shape = analytic.ModelShape.from_flags(flags)
-    analytic = analytic.analytic_costs(shape, args.micro_batch_size, "h100-80gb")
+    modelled = analytic.analytic_costs(shape, args.micro_batch_size, "h100-80gb")
     # The training comparison: TP=2 with and without sequence parallelism, three steps each.
     losses = {}
     for name, extra in (("tp", []), ("sp", ["--sequence-parallel"])):
@@ -117,8 +113,8 @@ def _rank_main() -> None:
         "measured_bytes": retained.after_forward_bytes,
         "profiled_bytes": costs.embedding_bytes + costs.non_layer_bytes
         + costs.num_layers * sum(site.bytes for site in costs.sites),
-        "analytic_bytes": analytic.embedding_bytes + analytic.non_layer_bytes
-        + analytic.num_layers * sum(site.bytes for site in analytic.sites),
+        "analytic_bytes": modelled.embedding_bytes + modelled.non_layer_bytes
+        + modelled.num_layers * sum(site.bytes for site in modelled.sites),
         "planned_measured": planned.after_forward_bytes,
         "planned_predicted": predicted_activation_bytes(costs, result),
         "sequence_shard": costs.site("layer_in").bytes,

@@ -2,8 +2,6 @@
 main gradients accumulated and reduced across micro-batches and data-parallel ranks."""
 import json
 import re
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -13,7 +11,7 @@ from megatron_adacc.megatron_lm import ConfigError
 from megatron_adacc.models import build as model_lib
 from megatron_adacc.planning import analytic
 from helpers.engine import inner_optimizers, main_params
-from helpers import TESTS
+from helpers import TESTS, forked
 from helpers.pretrain import child_env, parse, pretrain
 
 
@@ -114,9 +112,8 @@ def test_data_parallel_accumulated_gradients_are_reduced_in_fp32(tmp_path):
     flags = ["--bf16", "--micro-batch-size", "1", "--global-batch-size", "16",
              "--hidden-dropout", "0", "--attention-dropout", "0", "--clip-grad", "0",
              "--train-iters", "1"]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-           "2", str(TESTS / "multirank" / "multirank_main_grads.py"), *flags]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=child_env())
+    done = forked.torchrun(2, [TESTS / "multirank" / "multirank_main_grads.py", *flags],
+                           cwd=tmp_path, env=child_env())
     assert done.returncode == 0, done.stderr[-3000:]
     verdict = json.loads(done.stdout.strip().splitlines()[-1])
     assert verdict["micro_batches"] == 8

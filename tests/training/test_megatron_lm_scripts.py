@@ -320,7 +320,7 @@ def test_llama3_script_at_dp2_and_tp2(data, tmp_path):
         "dp2": ["--save", str(tmp_path / "dp2"), "--load", str(tmp_path / "dp2")],
         "tp2": ["--tensor-model-parallel-size", "2", "--save", str(tmp_path / "tp2"),
                 "--load", str(tmp_path / "tp2")],
-    }, *flags, tiny=False)
+    }, *flags, tiny=False, real_torchrun=True)  # the launcher users run
     for name, ranks in reports.items():
         plans = [rank["plan"] for rank in ranks]
         assert plans[0] is not None and plans[0] == plans[1], name

@@ -2,8 +2,6 @@
 megatron's recompute baselines, metrics and the one-line errors users see."""
 import gzip
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -98,12 +96,10 @@ def test_selective_mlp_recompute_without_bias_is_identical():
 
 def _torchrun(tmp_path, name, *flags):
     metrics = tmp_path / f"{name}.jsonl"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-           "--standalone", str(ROOT / "pretrain_gpt.py"), *TINY, *flags,
-           "--metrics-file", str(metrics)]
     # CUDA_DEVICE_MAX_CONNECTIONS: Megatron-LM asks for it at TP > 1, as its scripts export.
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
-                          env=child_env(CUDA_DEVICE_MAX_CONNECTIONS="1"))
+    done = forked.torchrun(2, [ROOT / "pretrain_gpt.py", *TINY, *flags, "--metrics-file",
+                               metrics], cwd=tmp_path,
+                           env=child_env(CUDA_DEVICE_MAX_CONNECTIONS="1"))
     assert done.returncode == 0, done.stderr[-3000:]
     return [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
 
