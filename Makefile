@@ -30,13 +30,14 @@ python:
 
 # torch is installed first and pinned: PyPI's torch==2.13.0 (a CUDA build that runs on a CPU
 # too); letting megatron-core resolve torch on its own could pick another version. A
-# virtualenv of another Python (an older checkout's 3.11) is rebuilt. --no-compile: Python
-# compiles what is imported, on first use, not every file of torch at install.
+# virtualenv of another Python (an older checkout's 3.11) is rebuilt. pip byte-compiles
+# at install: with PYTHONDONTWRITEBYTECODE set, as on this project's machines, nothing else
+# would, and every process would compile torch from source.
 $(STAMP): setup.py
 	@$(PY) $(IS_312) 2>/dev/null || { rm -rf $(VENV) \
 	  && echo "$(PYTHON312) -m venv $(VENV)" && $(PYTHON312) -m venv $(VENV); }
-	$(PY) -m pip install --quiet --no-compile torch==2.13.0
-	$(PY) -m pip install --quiet --no-compile -e '.[test]'
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e '.[test]'
 	touch $(STAMP)
 
 demo: $(STAMP)
