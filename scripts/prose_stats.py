@@ -24,19 +24,12 @@ _SENTENCE_END = re.compile(r"(?<=[.?!])\s+(?=[A-Z`(\"'*\d-])")
 _WORD = re.compile(r"[A-Za-z0-9_`'][\w`'./:+-]*")
 
 
-def python_files() -> list[Path]:
+def files_under(names: tuple[str, ...], suffix: str) -> list[Path]:
+    """Each named file, and every ``*suffix`` file under each named folder, sorted per folder."""
     files: list[Path] = []
-    for name in CODE:
+    for name in names:
         path = ROOT / name
-        files += [path] if path.is_file() else sorted(path.rglob("*.py"))
-    return files
-
-
-def markdown_files() -> list[Path]:
-    files: list[Path] = []
-    for name in DOCS:
-        path = ROOT / name
-        files += [path] if path.is_file() else sorted(path.rglob("*.md"))
+        files += [path] if path.is_file() else sorted(path.rglob(f"*{suffix}"))
     return files
 
 
@@ -93,14 +86,14 @@ def words(sentence: str) -> int:
 def measure(worst: int) -> dict:
     lengths: list[tuple[int, str, str]] = []
     long_modules = []
-    for path in python_files():
+    for path in files_under(CODE, ".py"):
         name = str(path.relative_to(ROOT))
         for text in docstrings(path):
             lengths += [(words(s), name, s) for s in sentences(text)]
         module = ast.get_docstring(ast.parse(path.read_text()))
         if module and len(module.splitlines()) > MODULE_DOCSTRING_LINES:
             long_modules.append((len(module.splitlines()), name))
-    for path in markdown_files():
+    for path in files_under(DOCS, ".md"):
         name = str(path.relative_to(ROOT))
         lengths += [(words(s), name, s) for s in sentences(prose_of_markdown(path.read_text()))]
     counts = sorted(count for count, _, _ in lengths)
