@@ -7,9 +7,11 @@ a version bump tells us which patches to delete.
 """
 from __future__ import annotations
 
+import argparse
 import contextlib
 import functools
 import logging
+import re
 import types
 import warnings
 
@@ -715,6 +717,44 @@ def _gpt2_tokenizer_reaches_the_hub() -> bool:
     return config.get("tokenizer_name") == "gpt2"
 
 
+# A ``%`` that starts no format: argparse's --help would take it for one and raise.
+_BARE_PERCENT = re.compile(r"(?<!%)%(?![(%])")
+
+
+def _parser_with_bad_help() -> argparse.ArgumentParser | None:
+    """Megatron-LM's parser when one of its help texts breaks ``--help``; else None."""
+    from megatron.training import arguments
+
+    add = getattr(arguments.add_megatron_arguments, "__wrapped__",
+                  arguments.add_megatron_arguments)
+    parser = add(argparse.ArgumentParser(add_help=False))
+    formatter = parser._get_formatter()
+    for action in parser._actions:
+        try:
+            formatter._expand_help(action)
+        except (ValueError, TypeError, KeyError):
+            return parser
+    return None
+
+
+def _help_with_literal_percent() -> None:
+    # 0.19.2's --moe-paged-stash-buffer-size-factor-cuda help says "1.10 = 10%)": argparse
+    # formats every help with %, so `pretrain_gpt.py --help` dies in a ValueError traceback.
+    from megatron.training import arguments
+
+    add = arguments.add_megatron_arguments
+
+    @functools.wraps(add)
+    def add_megatron_arguments(parser):
+        parser = add(parser)
+        for action in parser._actions:
+            if action.help:
+                action.help = _BARE_PERCENT.sub("%%", action.help)
+        return parser
+
+    arguments.add_megatron_arguments = add_megatron_arguments
+
+
 TRAINING_CPU_SHIMS = {"cpu_training_loop": _cpu_training_loop,
                       "cpu_eager_fusions": _cpu_eager_fusions,
                       "cpu_data_loader_seeds": _cpu_data_loader_seeds,
@@ -724,6 +764,8 @@ TRAINING_DEFECT_PATCHES = {
     "rerun_checkpoint_only_with_save": (_rerun_checkpoint_only_with_save,
                                         _rerun_checkpoint_ignores_save),
     "gpt2_tokenizer_from_files": (_gpt2_tokenizer_from_files, _gpt2_tokenizer_reaches_the_hub),
+    "help_with_literal_percent": (_help_with_literal_percent,
+                                  lambda: _parser_with_bad_help() is not None),
 }
 
 

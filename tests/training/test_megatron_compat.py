@@ -313,6 +313,17 @@ def test_a_rerun_checkpoint_is_still_asked_for_without_save():
     assert megatron_compat._rerun_checkpoint_ignores_save()
 
 
+def test_a_help_text_of_megatron_lm_still_breaks_help():
+    """Why help_with_literal_percent exists: when this fails, every help text of Megatron-LM's
+    formats under argparse; delete the patch."""
+    from megatron_adacc import megatron_compat
+
+    parser = megatron_compat._parser_with_bad_help()
+    assert parser is not None
+    with pytest.raises(ValueError, match="unsupported format character"):
+        parser.format_help()
+
+
 def test_the_target_version_is_the_installed_distributions(monkeypatch):
     import megatron.core
 

@@ -41,6 +41,15 @@ def files_under(path: Path) -> list[str]:
     return sorted(str(p.relative_to(path)) for p in path.rglob("*"))
 
 
+def test_help_lists_megatron_lms_flags_and_adaccs_with_exit_0(capsys):
+    # One of Megatron-LM 0.19.2's help texts holds a bare "%", which argparse would format.
+    assert _main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: pretrain_gpt.py")
+    assert "Magnitude is headroom (e.g. 1.10 = 10%)." in " ".join(out.split())
+    assert "--adacc-memory-budget" in out and "--num-layers" in out
+
+
 # --- 2. every output path, before training ---------------------------------------------------
 
 @pytest.mark.parametrize("flag, target, message", [
