@@ -27,6 +27,7 @@ import json
 import os
 import shutil
 import time
+import traceback
 
 import bench_common as bc
 
@@ -176,7 +177,12 @@ def run(args, flags, policy: str, seed: int, fraction: float | None = None,
         argv += ["--adacc-memory-budget", str(budget)]
     log = os.path.join(args.workdir, f"{tag}-seed{seed}.log")
     began = time.perf_counter()
-    status = _pretrain_in_this_process(argv, log)
+    with open(log, "w") as out:
+        try:
+            status = bc.pretrain_in_process(argv, out, out)
+        except Exception:  # noqa: BLE001 - a run that breaks is a result
+            traceback.print_exc(file=out)
+            status = 1
     elapsed = time.perf_counter() - began
     base = {"policy": policy, "fraction": fraction, "tag": tag, "seed": seed, "wall_s": elapsed}
     if status != 0:
@@ -196,28 +202,6 @@ def run(args, flags, policy: str, seed: int, fraction: float | None = None,
     print(f"  {label(out):36s} seed {seed}: final val loss {out['final_val_loss']:.4f}, "
           f"activations {out['activation_bytes']} B, {elapsed:.0f} s", flush=True)
     return out
-
-
-def _pretrain_in_this_process(argv: list[str], log: str) -> int:
-    """pretrain_gpt.py's exit status on ``argv``, its output in ``log``.
-
-    Megatron-LM's loop tears its state down after each run, so runs in one process start as
-    fresh ones do, without a process's seconds of imports."""
-    import contextlib
-    import traceback
-
-    import pretrain_gpt
-
-    from megatron_adacc import megatron_lm
-
-    with open(log, "w") as out, contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
-        try:
-            return pretrain_gpt.main(argv)
-        except Exception:  # noqa: BLE001 - a run that breaks is a result
-            traceback.print_exc()
-            return 1
-        finally:
-            megatron_lm.release()
 
 
 def label(r: dict) -> str:

@@ -48,8 +48,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS_DIR = os.path.join(ROOT, "docs", "results")
 FIGURES_DIR = os.path.join(ROOT, "docs", "figures")
 
-# megatron-core 0.16.1 recompute_modules that run on this layer spec. "mlp" is left out: with
-# biased linear layers (GPT-2's, used here) its backward recurses forever in 0.16.1.
+# megatron-core's recompute_modules that run on this layer spec. "mlp" is left out: with
+# biased linear layers (GPT-2's, used here) its backward recurses forever in 0.19.2, and
+# pretrain_gpt.py refuses it (megatron_lm.check_args).
 SELECTIVE_SETS = (("core_attn",), ("layernorm",), ("core_attn", "layernorm"))
 
 METHODS = ("no optimisation", "megatron full recompute", "megatron block recompute",
@@ -327,6 +328,27 @@ class Models:
                                  costs, policies.quantize_plan()),
                              "plan_id": result.plan.plan_id,
                              "last_resort_sites": planning.last_resort_sites(result)})
+
+
+def pretrain_in_process(argv: list[str], out, err) -> int:
+    """Run ``pretrain_gpt.py`` on ``argv`` in this process; returns its exit status.
+
+    Its output goes to ``out`` and ``err``. Megatron-LM's loop tears its state down after each
+    run, and the run's model is released after it. So runs in one process start as fresh ones
+    do, without a process's imports.
+    """
+    import contextlib
+
+    import pretrain_gpt
+
+    from megatron_adacc import megatron_lm
+
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            return pretrain_gpt.main(argv)
+    finally:
+        megatron_lm.release()  # else the next run's peak carries this run's model
+        gc.collect()
 
 
 def predicted_added_s(costs, plan: Plan) -> float:

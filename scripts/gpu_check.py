@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
-import gc
 import glob
 import io
 import itertools
@@ -858,7 +857,7 @@ class ModelRuns:
 
     def _pretrain(self, run_name: str, method: str, iters: int, flags: list[str],
                   traced: bool) -> dict:
-        import pretrain_gpt
+        import bench_common
 
         stem = os.path.join(self.workdir, run_name.replace(" ", "_").replace("/", "_"))
         argv = [*model_flags(self.spec, self.dry_run), "--train-iters", str(iters),
@@ -883,8 +882,7 @@ class ModelRuns:
         result = {"method": method, "flags": flags, "iters": iters,
                   "memory_held_before": leftover}
         try:
-            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-                code = pretrain_gpt.main(argv)
+            code = bench_common.pretrain_in_process(argv, out, err)
         except torch.OutOfMemoryError as exc:
             code, result["oom"] = None, True
             result["error"] = f"out of memory: {str(exc).splitlines()[0][:160]}"
@@ -892,10 +890,6 @@ class ModelRuns:
             code = None
             result["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
         finally:
-            from megatron_adacc import megatron_lm
-
-            megatron_lm.release()   # else the next run's peak carries this run's model
-            gc.collect()
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
         result["wall_s"] = time.perf_counter() - began
