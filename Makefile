@@ -47,9 +47,14 @@ demo: $(STAMP)
 	$(PY) scripts/demo.py --config configs/demo.yaml
 
 # Lint first (ruff.toml): seconds, and a finding stops the run before the tests' minutes.
+# Then the suite on TEST_JOBS workers (pytest-xdist, a test file per worker: a file's runs
+# share its fixtures), and last, alone, the tests that compare step times (marked serial).
+TEST_JOBS ?= 2
+PYTEST := $(PY) -m pytest -q -p no:cacheprovider
 test: $(STAMP)
 	$(PY) -m ruff check .
-	$(PY) -m pytest -q -p no:cacheprovider tests
+	$(PYTEST) -n $(TEST_JOBS) --dist loadfile -m "not serial" tests
+	$(PYTEST) -m serial tests
 
 clean:
 	rm -rf $(VENV) data/ runs/ checkpoints/

@@ -334,6 +334,7 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+@pytest.mark.serial
 def test_codecs_made_slow_after_setup_are_left_for_the_recompute_only_plans_speed(
         distributed, tmp_path, monkeypatch, capsys, one_thread):
     real = profiler.profile
