@@ -324,6 +324,41 @@ def test_a_help_text_of_megatron_lm_still_breaks_help():
         parser.format_help()
 
 
+def test_megatron_lm_still_reads_its_config_sources_at_every_parser_build():
+    """Why field_docstrings_read_once exists: when this fails, Megatron-LM reads its config
+    classes' docstrings once, or not from source; delete the patch."""
+    from megatron_adacc import megatron_compat
+
+    assert megatron_compat._field_docstrings_read_each_build()
+
+
+def test_a_parser_built_again_reads_no_source_and_is_the_same(monkeypatch):
+    import argparse
+    import inspect
+
+    from megatron.training import argument_utils, arguments
+
+    from megatron_adacc import megatron_compat
+
+    def build():
+        add = arguments.add_megatron_arguments
+        parser = getattr(add, "__wrapped__", add)(argparse.ArgumentParser())
+        return [(a.dest, a.help, a.default, a.option_strings) for a in parser._actions]
+
+    megatron_compat.apply_training()
+    build()
+    reads = []
+    getsource = inspect.getsource
+    monkeypatch.setattr(argument_utils.inspect, "getsource",
+                        lambda *a, **k: reads.append(a) or getsource(*a, **k))
+    again = build()
+    assert reads == []
+    factory = argument_utils.ArgumentGroupFactory
+    monkeypatch.setattr(factory, "_get_field_docstrings",
+                        factory._get_field_docstrings.__wrapped__)
+    assert build() == again and reads  # the same parser, from sources read again
+
+
 def test_the_target_version_is_the_installed_distributions(monkeypatch):
     import megatron.core
 
