@@ -121,7 +121,10 @@ def test_readme_docker_run_line_runs_as_written():
 
 
 @pytest.mark.parametrize("config", sorted(p.name for p in (ROOT / "configs").glob("*.yaml")))
-def test_every_config_loads(config):
+def test_every_config_loads(config, tmp_path, monkeypatch):
+    # Parsing makes Megatron-LM's TensorBoard writer: a config's relative --tensorboard-dir
+    # lands in tmp_path, not in the checkout.
+    monkeypatch.chdir(tmp_path)
     # The demo's budget is chosen from its plan frontier by scripts/demo.py, which adds it.
     budget = ["--adacc-memory-budget", "1GiB"] if config == "demo.yaml" else []
     try:  # Megatron-LM's parser and validate_args, as pretrain_gpt.py parses
