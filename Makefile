@@ -38,7 +38,7 @@ UV := $(VENV)/bin/uv pip install --python $(PY) --quiet --compile-bytecode
 $(STAMP): setup.py
 	@$(PY) $(IS_312) 2>/dev/null || { rm -rf $(VENV) \
 	  && echo "$(PYTHON312) -m venv $(VENV)" && $(PYTHON312) -m venv $(VENV); }
-	$(PY) -m pip install --quiet uv
+	$(PY) -m pip install --quiet 'uv>=0.5,<1'
 	$(UV) torch==2.13.0
 	$(UV) -e '.[test]'
 	touch $(STAMP)
