@@ -709,20 +709,6 @@ def allocator_overhead(costs: ModelCosts, peaks: allocator.Peaks) -> int:
     return max(0, peaks.max_reserved - peaks.allocated_before - predicted)
 
 
-def refresh_codec_costs(costs: ModelCosts, model: torch.nn.Module, batch: Batch,
-                        names: Iterable[str], *, repeats: int = DEFAULT_REPEATS,
-                        strict: bool = False) -> ModelCosts:
-    """``costs`` with the codec entries of ``names`` re-measured on ``batch``'s real tensors.
-
-    It runs one forward and backward. The rectifier uses it to follow activation statistics as
-    training moves them, e.g. the outlier sites' compression rates."""
-    with _left_as_found(model):
-        fresh = _Profiling(model, batch, strict, repeats).codec_costs(list(names))
-    sites = [replace(site, codecs=tuple(fresh[site.name])) if site.name in fresh else site
-             for site in costs.sites]
-    return replace(costs, sites=sites)
-
-
 def refresh_action_costs(costs: ModelCosts, model: torch.nn.Module, batch: Batch,
                          layer_decisions: Iterable[dict[str, Decision]], *,
                          repeats: int = DEFAULT_REPEATS, strict: bool = False,
