@@ -194,9 +194,12 @@ def test_time_goes_to_codecs_and_syncs_first_and_is_shared_by_the_models():
     assert gpu_check.allot("training:b", estimates, [], 170) == 170
 
 
-def test_a_model_without_time_records_every_method_as_not_run(tmp_path):
+def test_a_model_without_time_records_every_method_as_not_run(tmp_path, monkeypatch):
+    import tempfile
+
     import torch
 
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the runs' workdir
     reports = []
     runs = gpu_check.ModelRuns("llama-1b", gpu_check.MODELS["llama-1b"], torch.device("cpu"),
                                gpu_check.DRY, gpu_check.Deadline(0), reports.append)
