@@ -30,7 +30,7 @@ import os
 import time
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -226,7 +226,8 @@ class Adacc:
         self._windows: list[tuple[str, object, object, bool]] = []
         self._measured_step: tuple[str, float] | None = None   # (plan_id, seconds), the last
         # (plan_id, costs, predicted seconds) of the last prediction asked for.
-        self._predicted_step: tuple[str, ModelCosts, float | None] | None = None
+        # (plan id, costs, {prediction: value}): the plan's predictions, asked for every step
+        self._predictions: tuple[str, ModelCosts, dict] | None = None
 
     # --- building the model ------------------------------------------------------------------
     def layer_spec(self, attention_backend: str = DEFAULT_SPEC_BACKEND):
@@ -518,6 +519,15 @@ class Adacc:
         """The step watch while it is on (step_watch.py)."""
         return self._watch
 
+    def _predicted(self, name: str, compute: Callable[[], Any]) -> Any:
+        """``compute()``, evaluated once per plan and costs: every step's record asks for it."""
+        cached = self._predictions
+        if cached is None or cached[0] != self.plan_id or cached[1] is not self.costs:
+            self._predictions = cached = (self.plan_id, self.costs, {})
+        if name not in cached[2]:
+            cached[2][name] = compute()
+        return cached[2][name]
+
     @property
     def predicted_step_time_s(self) -> float | None:
         """The predicted forward and backward time of a step under the current plan.
@@ -526,30 +536,32 @@ class Adacc:
         stages; None otherwise."""
         if self.result is None or policies.pipeline_stage()[1] > 1:
             return None
-        # Asked for at every step's record: evaluated once per plan and costs.
-        cached = self._predicted_step
-        if cached is None or cached[0] != self.plan_id or cached[1] is not self.costs:
-            predicted = watching.predicted_step_s(self.costs, self.result, self._micro_batches)
-            if predicted is not None and self._watch is not None:
-                # what re-timing found a step spends outside the modelled work (a retime
-                # refreshes the costs too, so the cache is renewed with it)
-                predicted += self._watch.overhead_s
-            self._predicted_step = cached = (self.plan_id, self.costs, predicted)
-        return cached[2]
+        return self._predicted("step_s", self._predict_step_s)
+
+    def _predict_step_s(self) -> float | None:
+        predicted = watching.predicted_step_s(self.costs, self.result, self._micro_batches)
+        if predicted is not None and self._watch is not None:
+            # what re-timing found a step spends outside the modelled work (a retime refreshes
+            # the costs too, so the cache is renewed with it)
+            predicted += self._watch.overhead_s
+        return predicted
 
     @property
     def predicted_activation_bytes(self) -> int | None:
         """What the planner predicts ``activation_bytes`` will measure (auto policies)."""
         if self.result is None:
             return None
-        return policies.predicted_activation_bytes(self.costs, self.result)
+        return self._predicted("activation_bytes", lambda: policies.predicted_activation_bytes(
+            self.costs, self.result))
 
     @property
     def predicted_activation_peak_bytes(self) -> int | None:
         """The ``activation_peak_bytes`` the planner predicts, an upper bound (auto policies)."""
         if self.result is None:
             return None
-        return policies.predicted_activation_peak_bytes(self.costs, self.result)
+        return self._predicted("activation_peak_bytes",
+                               lambda: policies.predicted_activation_peak_bytes(self.costs,
+                                                                                self.result))
 
     def metrics(self) -> dict:
         """The numbers a metrics record carries about Adacc on this rank.

@@ -77,6 +77,27 @@ def test_auto_across_budgets_profiles_once_and_keeps_what_it_predicts(tmp_path, 
     assert len(counted_profiles) == 2
 
 
+def test_a_plans_predictions_are_evaluated_once_not_at_every_step(tmp_path, monkeypatch):
+    # Every record and log line carries them; evaluating the plan costs milliseconds of host
+    # time a step on a 24-layer model.
+    calls = []
+    for name in ("predicted_activation_bytes", "predicted_activation_peak_bytes"):
+        real = getattr(policies, name)
+        monkeypatch.setattr(policies, name, lambda *args, real=real, name=name: (
+            calls.append(name), real(*args))[1])
+    counts = []
+    for iters in ("2", "5"):
+        calls.clear()
+        _, records = run(tmp_path, "--adacc-policy", "auto", "--adacc-tracking", "off",
+                         "--adacc-memory-budget", "1GiB", "--train-iters", iters)
+        assert len(records) == int(iters)
+        assert all(r["predicted_activation_bytes"] == records[0]["predicted_activation_bytes"]
+                   for r in records)
+        counts.append(sorted(calls))
+    assert counts[0] == counts[1] == ["predicted_activation_bytes",
+                                      "predicted_activation_peak_bytes"]
+
+
 def test_auto_with_an_infeasible_budget_names_the_smallest_feasible_one(tmp_path, capsys):
     code = main([*TINY, "--train-iters", "1", "--adacc-policy", "auto",
                               "--adacc-memory-budget", "100KiB",
