@@ -122,9 +122,13 @@ BUDGET_FRACTIONS = (0.0, 0.5, 1.0)
 # tens of iterations from there skips every optimizer step. Started here, steps are taken.
 INITIAL_LOSS_SCALE = 4096
 TOP_KERNELS = 8
-# CUDA runtime calls that wait for the device
+# CUDA runtime calls that wait for the device. A cudaMemcpyAsync waits only when it copies to
+# pageable host memory; its direction is on its memcpy's GPU event, by correlation id.
 SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize",
-              "cudaMemcpy", "cudaMemcpyAsync")
+              "cudaMemcpy")
+COPY_CALLS = ("cudaMemcpyAsync",)
+# Where a traced step's Python runs, by the path in a python_function event's name
+PYTHON_PACKAGES = (("adacc", "megatron_adacc/"), ("megatron", "megatron/"), ("torch", "torch/"))
 SYNC_WARNING = "synchronizing CUDA operation"
 # --- time estimates (seconds on one H200; the dry run's on this project's CPU) ---------------
 # Leads, not measurements: a section's child re-estimates from what it has timed.
@@ -727,10 +731,11 @@ def plan_table(stdout: str) -> list[str]:
 def trace_summary(directory: str) -> dict:
     """The traced step of rank 0's PyTorch profiler trace in ``directory``.
 
-    It gives the step's wall time, the time CUDA kernels ran in it, the CUDA runtime calls that
-    wait for the device, and the longest kernels by total time. On a CPU it lists the longest
-    ATen ops; without a trace it is empty. Megatron-LM writes the trace to
-    ``torch_profile/rank-0.json.gz`` beside its --tensorboard-dir."""
+    It gives the step's wall time, the time CUDA kernels ran in it, and the longest kernels by
+    total time. Host waits are counted by kind: sync calls, and copies to the host and to the
+    device. With call stacks it adds the host's Python time by package (``python_self_ms``). On
+    a CPU it lists the longest ATen ops; without a trace it is empty. Megatron-LM writes the
+    trace to ``torch_profile/rank-0.json.gz`` beside its --tensorboard-dir."""
     paths = sorted(glob.glob(os.path.join(directory, "torch_profile", "rank-0.json.gz")))
     if not paths:
         return {}
@@ -744,17 +749,58 @@ def trace_summary(directory: str) -> dict:
             kernels[event["name"]] += event["dur"]
         elif event.get("cat") == "cpu_op":
             ops[event["name"]] += event["dur"]
+    steps = [e for e in events if e["name"].startswith("ProfilerStep#")]
     summary = {
-        "step_ms": sum(e["dur"] for e in events
-                       if e["name"].startswith("ProfilerStep#")) / 1e3,
+        "step_ms": sum(e["dur"] for e in steps) / 1e3,
         "kernel_ms": sum(kernels.values()) / 1e3,
-        "host_syncs": sum(e["name"] in SYNC_CALLS for e in events
-                          if e.get("cat") == "cuda_runtime"),
+        **_host_waits(events),
         "top_kernels": [[name, us / 1e3] for name, us in kernels.most_common(TOP_KERNELS)],
     }
     if not kernels:
         summary["top_ops"] = [[name, us / 1e3] for name, us in ops.most_common(TOP_KERNELS)]
+    if steps and any(e.get("cat") == "python_function" for e in events):
+        summary.update(_python_self_ms(events, steps))
     return summary
+
+
+def _host_waits(events: list[dict]) -> dict:
+    """Sync calls, and async copies to the host (pageable: a wait) and to the device."""
+    direction = {e["args"]["correlation"]: e["name"] for e in events
+                 if e.get("cat") == "gpu_memcpy" and "correlation" in e.get("args", {})}
+    runtime = [e for e in events if e.get("cat") == "cuda_runtime"]
+    copies = [direction.get(e.get("args", {}).get("correlation"), "")
+              for e in runtime if e["name"] in COPY_CALLS]
+    return {"host_syncs": sum(e["name"] in SYNC_CALLS for e in runtime),
+            "copies_to_host": sum("DtoH" in name for name in copies),
+            "copies_to_device": sum("HtoD" in name for name in copies)}
+
+
+def _python_self_ms(events: list[dict], steps: list[dict]) -> dict:
+    """Self time of the traced step's Python on the step's thread: by package and the longest.
+
+    A frame's self time is its own, less its Python frames' and ATen ops'. The profiler's
+    call-stack collection slows Python down, so these time where the host goes, not how long."""
+    thread = steps[0]["tid"]
+    begin, end = min(e["ts"] for e in steps), max(e["ts"] + e["dur"] for e in steps)
+    frames = sorted((e for e in events if e.get("tid") == thread
+                     and e.get("cat") in ("python_function", "cpu_op")
+                     and begin <= e["ts"] <= end), key=lambda e: (e["ts"], -e["dur"]))
+    stack, python = [], []
+    for frame in frames:
+        while stack and stack[-1][0]["ts"] + stack[-1][0]["dur"] <= frame["ts"]:
+            stack.pop()
+        if stack:
+            stack[-1][1][0] -= frame["dur"]   # the parent's self time loses the child's
+        stack.append((frame, [frame["dur"]]))
+        if frame["cat"] == "python_function":
+            python.append(stack[-1])
+    own = collections.Counter()
+    for frame, left in python:
+        own[frame["name"]] += left[0]
+    packages = {label: sum(us for name, us in own.items() if marker in name) / 1e3
+                for label, marker in PYTHON_PACKAGES}
+    return {"python_self_ms": {"all": sum(own.values()) / 1e3, **packages},
+            "top_python": [[name, us / 1e3] for name, us in own.most_common(TOP_KERNELS)]}
 
 
 class RunClock:
@@ -867,8 +913,10 @@ class ModelRuns:
                 "--adacc-profile-db", os.path.join(self.workdir, "profiles.sqlite"),
                 "--metrics-file", f"{stem}.jsonl", *flags]
         if traced:
-            argv += ["--profile", "--use-pytorch-profiler", "--profile-step-start",
-                     str(iters - 1), "--profile-step-end", str(iters), "--tensorboard-dir",
+            # with Python's call stacks: the host's time by package (trace_summary)
+            argv += ["--profile", "--use-pytorch-profiler", "--pytorch-profiler-collect-callstack",
+                     "--profile-step-start", str(iters - 1), "--profile-step-end", str(iters),
+                     "--tensorboard-dir",
                      os.path.join(f"{stem}.trace", "tensorboard")]
         if self.values["fp16"]:
             argv += ["--initial-loss-scale", str(INITIAL_LOSS_SCALE)]
@@ -1711,14 +1759,23 @@ def _training_lines(name: str, model: dict) -> list[str]:
     traced = [(n, r) for n, r in model["runs"].items()
               if (r.get("trace") or {}).get("top_kernels") or (r.get("trace") or {}).get("top_ops")]
     if traced:
-        lines += ["Each run's traced step follows. The fields are wall ms, kernel ms and host "
-                  "syncs. Then come the longest kernels with their total ms (ATen ops on a "
-                  "CPU).", ""]
+        lines += ["Each run's traced step follows. The fields are wall ms, kernel ms, and host "
+                  "syncs with async copies to the host and to the device. Where Python's call "
+                  "stacks were "
+                  "traced (they slow the host), the host's Python self ms by package come next. "
+                  "Last come the longest kernels with their total ms (ATen ops on a CPU).", ""]
         for run_name, r in traced:
             t = r["trace"]
             top = t.get("top_kernels") or t.get("top_ops")
+            python = t.get("python_self_ms")
+            python = ("; python " + ", ".join(f"{label} {ms:,.1f}" for label, ms in python.items())
+                      if python else "")
+            waits = (f"syncs {t['host_syncs']}, copies {t['copies_to_host']} to host, "
+                     f"{t['copies_to_device']} to device" if "copies_to_host" in t
+                     else f"syncs and copies {t['host_syncs']}")
             lines.append(f"- {run_name}: {t['step_ms']:,.1f}; {t['kernel_ms']:,.1f}; "
-                         f"{t['host_syncs']}; " + "; ".join(f"{k[:60]} {ms:.1f}" for k, ms in top))
+                         f"{waits}{python}; "
+                         + "; ".join(f"{k[:60]} {ms:.1f}" for k, ms in top))
         lines.append("")
     for run_name, r in model["runs"].items():
         if r.get("plan_table"):

@@ -254,6 +254,8 @@ RESULTS = {
         "micro_batch_size": 2, "seq_length": 4096, "iters": 8, "warmup": 3,
         "accelerator": "h200-141gb",
         "runs": {"none": {"trace": {"step_ms": 120.04, "kernel_ms": 100.0, "host_syncs": 3,
+                                    "copies_to_host": 2, "copies_to_device": 5,
+                                    "python_self_ms": {"all": 50.0, "adacc": 1.5},
                                     "top_kernels": [["gemm", 60.0], ["softmax", 20.25]]}},
                  "auto 0": {"plan_table": ["adacc: policy auto", "site  action", "budget 2"],
                             "swap_lines": ["adacc: iteration 4: swap"]}},
@@ -292,7 +294,8 @@ def test_the_report_renders_passes_failures_and_what_was_not_measured():
     assert ("| adacc auto | yes | 1,024 | 250.0 | 32,768 | 240.0 | - | 210.0 | 50.0 | 10.0 |"
             in page)
     assert "infeasible (smallest feasible 3,072 MiB)" in page
-    assert "- none: 120.0; 100.0; 3; gemm 60.0; softmax 20.2" in page
+    assert ("- none: 120.0; 100.0; syncs 3, copies 2 to host, 5 to device; python all 50.0, "
+            "adacc 1.5; gemm 60.0; softmax 20.2") in page
     assert ("Plan of auto 0, as the run printed it:\n\n```text\nadacc: policy auto\n"
             "site  action\nbudget 2\nadacc: iteration 4: swap\n```") in page
 
@@ -318,13 +321,19 @@ def test_rendering_keeps_the_earlier_runs_below_the_marker(tmp_path):
 
 
 def test_the_trace_summary_adds_up_the_traced_steps_kernels_and_waits(tmp_path):
-    def event(name, cat, dur):
-        return {"ph": "X", "name": name, "cat": cat, "dur": dur, "ts": 0}
+    def event(name, cat, dur, ts=0, **args):
+        return {"ph": "X", "name": name, "cat": cat, "dur": dur, "ts": ts, "tid": 1,
+                "args": args}
 
     events = [event("ProfilerStep#9", "user_annotation", 5000),
               event("gemm", "kernel", 1500), event("gemm", "kernel", 1500),
               event("softmax", "kernel", 700), event("cudaStreamSynchronize", "cuda_runtime", 9),
               event("cudaLaunchKernel", "cuda_runtime", 4), event("aten::mm", "cpu_op", 800),
+              # an .item()'s copy waits; a batch's copy to the device does not
+              event("cudaMemcpyAsync", "cuda_runtime", 5, correlation=7),
+              event("Memcpy DtoH (Device -> Pageable)", "gpu_memcpy", 2, correlation=7),
+              event("cudaMemcpyAsync", "cuda_runtime", 5, correlation=8),
+              event("Memcpy HtoD (Pageable -> Device)", "gpu_memcpy", 2, correlation=8),
               {"ph": "i", "name": "gemm", "cat": "kernel"}]
     # where Megatron-LM's --use-pytorch-profiler writes rank 0's trace
     trace = tmp_path / "torch_profile" / "rank-0.json.gz"
@@ -336,13 +345,27 @@ def test_the_trace_summary_adds_up_the_traced_steps_kernels_and_waits(tmp_path):
 
     write(events)
     assert gpu_check.trace_summary(str(tmp_path)) == {
-        "step_ms": 5.0, "kernel_ms": 3.7, "host_syncs": 1,
-        "top_kernels": [["gemm", 3.0], ["softmax", 0.7]]}
+        "step_ms": 5.0, "kernel_ms": 3.7, "host_syncs": 1, "copies_to_host": 1,
+        "copies_to_device": 1, "top_kernels": [["gemm", 3.0], ["softmax", 0.7]]}
     assert gpu_check.trace_summary(str(tmp_path / "none")) == {}
     # on a CPU (no kernels) the longest ATen ops stand in
     write(events[:1] + [event("aten::mm", "cpu_op", 800), event("aten::add", "cpu_op", 100)])
     assert gpu_check.trace_summary(str(tmp_path))["top_ops"] == [["aten::mm", 0.8],
                                                                  ["aten::add", 0.1]]
+    # With call stacks: each frame's own time, less what it calls, on the step's thread.
+    write(events[:1] + [
+        event("megatron/training/training.py(1): train_step", "python_function", 4000, ts=0),
+        event("megatron_adacc/runtime/storage.py(2): pack", "python_function", 1000, ts=100),
+        event("aten::copy_", "cpu_op", 300, ts=200),
+        event("torch/autograd/graph.py(3): hook", "python_function", 200, ts=600),
+        event("megatron_adacc/runtime/storage.py(2): pack", "python_function", 500, ts=2000),
+        {**event("megatron_adacc/step_watch.py(4): record", "python_function", 900, ts=0),
+         "tid": 2}])
+    summary = gpu_check.trace_summary(str(tmp_path))
+    assert summary["python_self_ms"] == {"all": 3.7, "adacc": 1.0, "megatron": 2.5, "torch": 0.2}
+    assert summary["top_python"] == [["megatron/training/training.py(1): train_step", 2.5],
+                                     ["megatron_adacc/runtime/storage.py(2): pack", 1.0],
+                                     ["torch/autograd/graph.py(3): hook", 0.2]]
 
 
 def test_the_plan_table_is_cut_from_a_runs_output():
