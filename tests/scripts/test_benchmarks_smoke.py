@@ -1,6 +1,8 @@
 """The evaluation suite's scripts run end to end on a tiny shape (no timings asserted)."""
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -175,8 +177,16 @@ def test_accuracy_stress_resumes_every_method_from_scaled_gains(tmp_path):
 def test_codec_host_time_covers_every_codec(tmp_path):
     from megatron_adacc import codecs
 
-    _run("bench_codec_host.py", "--shape", "2", "64", "128", "--calls", "5",
-         "--out", str(tmp_path / "h.json"))
+    # A process of its own: it takes Triton's GPU code path, which the forkserver's triton,
+    # imported under TRITON_INTERPRET, has replaced.
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_codec_host.py"),
+                           "--shape", "2", "64", "128", "--calls", "5",
+                           "--out", str(tmp_path / "h.json")],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
     data = json.loads((tmp_path / "h.json").read_text())
     assert [r["codec"] for r in data["rows"]] == list(codecs.NAMES)
-    assert all(r["host_us"] > 0 for r in data["rows"])
+    # Triton's launcher runs on top of the wrappers, each launch taken by a stand-in driver
+    assert all(0 < r["host_us"] < r["with_launcher_us"] for r in data["rows"])
