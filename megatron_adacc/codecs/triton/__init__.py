@@ -40,10 +40,10 @@ def _layout(x2d: torch.Tensor, channels: int | None = None) -> sym_int4.Layout |
     if x2d.dim() == 3:
         if x2d.stride(1) != width or not _power_of_two(width):
             return None
-        return sym_int4.Layout(x2d.shape[0], x2d.shape[1] * width, x2d.stride(0), width)
+        return sym_int4.layout(x2d.shape[0], x2d.shape[1] * width, x2d.stride(0), width)
     if _channel_rows(channels, width) and x2d.is_contiguous():
-        return sym_int4.Layout(x2d.numel() // channels, channels, channels, width)
-    return sym_int4.Layout(x2d.shape[0], width, x2d.stride(0))
+        return sym_int4.layout(x2d.numel() // channels, channels, channels, width)
+    return sym_int4.layout(x2d.shape[0], width, x2d.stride(0))
 
 
 def _channel_rows(channels: int | None, group: int) -> bool:
@@ -75,9 +75,9 @@ def _sym_decode(packed, scales, shape2d, reduce_dim, dtype, exact=None):
     if width % 2:
         return symmetric.sym_decode(packed, scales, shape2d, reduce_dim, dtype, exact)
     if exact is not None and _channel_rows(exact[0], width):
-        layout = sym_int4.Layout(rows * width // exact[0], exact[0], exact[0], width)
+        layout = sym_int4.layout(rows * width // exact[0], exact[0], exact[0], width)
     else:
-        layout = sym_int4.Layout(rows, width, width)  # a row a group
+        layout = sym_int4.layout(rows, width, width)  # a row a group
     exact = None if exact is None else (exact[1], exact[2], exact[0])
     return sym_int4.sym_decode(packed, scales, layout, dtype, exact).view(shape2d)
 

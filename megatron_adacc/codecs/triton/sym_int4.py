@@ -10,6 +10,9 @@ groups, group] for the group statistics, and split into even and odd elements fo
 Exact channels that are not columns of the tile take a slower index path (CHANNEL_MOD: flat groups
 of a tensor whose channels are no multiple of the group). No model site's shape reaches it.
 """
+import functools
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -193,20 +196,33 @@ def _slot_of(channel, index_ptr, capacity, CAPACITY_BLOCK: tl.constexpr):
     return tl.where(found == channel, position, -1)
 
 
+@dataclass(frozen=True)
 class Layout:
     """How the sym kernels see a tensor: [rows, width] (width even), rows ``stride`` elements apart.
 
-    The rows are cut into groups of ``group`` elements (None: a whole row a group)."""
+    The rows are cut into groups of ``group`` elements (None: a whole row a group). Build one with
+    ``layout()``, which caches it: a training step asks for the same few thousands of times."""
 
-    def __init__(self, rows: int, width: int, stride: int, group: int | None = None):
-        self.rows, self.width, self.stride = rows, width, stride
-        self.group = next_power_of_2(width) if group is None else group
-        self.row_groups = 1 if group is None else width // group
-        self.tile = row_tile(rows, width, self.group)
-        # A decode holds no group statistics: a row-wide group's rows decode in column blocks.
-        self.whole_rows = group is None
-        self.decode_tile = row_tile(rows, width, 2) if self.whole_rows else self.tile
-        self.int64 = needs_int64((rows - 1) * stride + width, rows * width)
+    rows: int
+    width: int
+    stride: int
+    group: int
+    row_groups: int
+    tile: Tile
+    whole_rows: bool     # a decode holds no group statistics: a row-wide group's rows decode
+    decode_tile: Tile    # in column blocks
+    int64: bool
+
+
+@functools.lru_cache(maxsize=4096)
+def layout(rows: int, width: int, stride: int, group: int | None = None) -> Layout:
+    """The cached Layout of [rows, width] rows ``stride`` apart, in groups of ``group``."""
+    whole_rows = group is None
+    group = next_power_of_2(width) if whole_rows else group
+    tile = row_tile(rows, width, group)
+    return Layout(rows, width, stride, group, 1 if whole_rows else width // group, tile,
+                  whole_rows, row_tile(rows, width, 2) if whole_rows else tile,
+                  needs_int64((rows - 1) * stride + width, rows * width))
 
 
 def _capacity_block(capacity: int) -> int:
@@ -234,6 +250,29 @@ def _exact_channels(exact, unused: torch.Tensor, layout: Layout):
     return index, values, channels, index.numel()
 
 
+@functools.lru_cache(maxsize=4096)
+def _encode_config(layout: Layout, in_bf16: bool, capacity: int, channels: int,
+                   outlier: bool) -> dict:
+    t, block = layout.tile, _capacity_block(capacity)
+    return dict(IN_BF16=in_bf16, GROUP=layout.group, BLOCK_ROWS=t.rows, BLOCK_COLS=t.cols,
+                OUTLIER=outlier, CAPACITY_BLOCK=block, EXACT_SLOTS=min(block, EXACT_SLOTS),
+                EXACT_ROWS=_exact_rows(t, layout.width, channels),
+                CHANNEL_MOD=channels != layout.width, INT64=layout.int64, num_warps=t.num_warps,
+                enable_fp_fusion=FP_FUSION)
+
+
+@functools.lru_cache(maxsize=4096)
+def _decode_config(layout: Layout, dtype: torch.dtype, capacity: int, channels: int,
+                   exact: bool) -> dict:
+    t, block = layout.decode_tile, _capacity_block(capacity)
+    return dict(OUT_BF16=dtype == torch.bfloat16, out_dtype=tl_dtype(dtype),
+                GROUP=t.cols if layout.whole_rows else layout.group, BLOCK_ROWS=t.rows,
+                BLOCK_COLS=t.cols, ROW_SCALE=layout.whole_rows, EXACT=exact,
+                CAPACITY_BLOCK=block, EXACT_SLOTS=min(block, EXACT_SLOTS),
+                EXACT_ROWS=_exact_rows(t, layout.width, channels),
+                CHANNEL_MOD=channels != layout.width, INT64=layout.int64, num_warps=t.num_warps)
+
+
 def sym_encode(x: torch.Tensor, layout: Layout, outlier=None):
     """-> (packed codes, bf16 scales) of ``x`` seen through ``layout``.
 
@@ -242,21 +281,16 @@ def sym_encode(x: torch.Tensor, layout: Layout, outlier=None):
             channels, the selected channels' bool mask), as outlier_select gives them. Those
             channels are copied to their slot and encoded as zeros.
     """
-    t = layout.tile
     packed = torch.empty(layout.rows * layout.width // 2, dtype=torch.uint8, device=x.device)
-    scales = torch.empty(layout.rows * layout.row_groups, dtype=torch.bfloat16, device=x.device)
-    index, values, channels, capacity = _exact_channels(outlier, scales, layout)
-    selected = scales if outlier is None else outlier[3].view(torch.int8)  # read with OUTLIER
-    _sym_encode[t.grid](
-        bits_view(x), selected, index, packed, scales.view(torch.int16), bits_view(values),
-        layout.rows, layout.width, layout.stride, layout.row_groups, channels, capacity,
-        values.shape[0], MIN_SCALE, IN_BF16=x.dtype == torch.bfloat16, GROUP=layout.group,
-        BLOCK_ROWS=t.rows, BLOCK_COLS=t.cols, OUTLIER=outlier is not None,
-        CAPACITY_BLOCK=_capacity_block(capacity),
-        EXACT_SLOTS=min(_capacity_block(capacity), EXACT_SLOTS),
-        EXACT_ROWS=_exact_rows(t, layout.width, channels), CHANNEL_MOD=channels != layout.width,
-        INT64=layout.int64, num_warps=t.num_warps, enable_fp_fusion=FP_FUSION)
-    return packed, scales
+    scales = torch.empty(layout.rows * layout.row_groups, dtype=torch.int16, device=x.device)
+    index, values, channels, capacity = _exact_channels(outlier, packed, layout)
+    selected = packed if outlier is None else outlier[3].view(torch.int8)  # read with OUTLIER
+    _sym_encode[layout.tile.grid](
+        bits_view(x), selected, index, packed, scales, bits_view(values), layout.rows,
+        layout.width, layout.stride, layout.row_groups, channels, capacity, values.shape[0],
+        MIN_SCALE, **_encode_config(layout, x.dtype == torch.bfloat16, capacity, channels,
+                                    outlier is not None))
+    return packed, scales.view(torch.bfloat16)
 
 
 def sym_decode(packed: torch.Tensor, scales: torch.Tensor, layout: Layout, dtype: torch.dtype,
@@ -267,18 +301,11 @@ def sym_decode(packed: torch.Tensor, scales: torch.Tensor, layout: Layout, dtype
         exact: (slot indices int32 [capacity], their values [rows, capacity], channels), written
             over the decoded values in the same pass.
     """
-    t = layout.decode_tile
     out = torch.empty(layout.rows, layout.width, dtype=dtype, device=packed.device)
-    index, values, channels, capacity = _exact_channels(exact, scales, layout)
-    _sym_decode[t.grid](
+    index, values, channels, capacity = _exact_channels(exact, packed, layout)
+    _sym_decode[layout.decode_tile.grid](
         packed, scales.view(torch.int16), index, bits_view(values), bits_view(out), layout.rows,
         layout.width, layout.row_groups, layout.rows * layout.width, channels, capacity,
         values.shape[0], dtype_max(dtype),
-        OUT_BF16=dtype == torch.bfloat16, out_dtype=tl_dtype(dtype),
-        GROUP=t.cols if layout.whole_rows else layout.group, BLOCK_ROWS=t.rows,
-        BLOCK_COLS=t.cols, ROW_SCALE=layout.whole_rows, EXACT=exact is not None,
-        CAPACITY_BLOCK=_capacity_block(capacity),
-        EXACT_SLOTS=min(_capacity_block(capacity), EXACT_SLOTS),
-        EXACT_ROWS=_exact_rows(t, layout.width, channels), CHANNEL_MOD=channels != layout.width,
-        INT64=layout.int64, num_warps=t.num_warps)
+        **_decode_config(layout, dtype, capacity, channels, exact is not None))
     return out
