@@ -150,6 +150,7 @@ STEP_FACTOR = {NONE: 1.0, FULL: 1.4, SELECTIVE: 1.15, BLOCK: 1.25, QUANTIZE: 1.3
 # Methods whose runs trace their last step (a trace with shapes and stacks costs seconds to
 # write and read on a 1B model: the other runs are not traced)
 TRACED = (NONE, FULL, QUANTIZE, AUTO)
+AGAIN = "none again"    # the run that measures a section's drift (ModelRuns._drift)
 PREDICT_S = {"gpu": 10.0, "cpu": 8.0}           # a model's predictions, after its runs
 CHILD_GRACE_S = 20      # past its deadline a child is stopped; what it wrote is kept
 MIN_SECTION_S = 15      # a section given less is skipped
@@ -874,10 +875,10 @@ class ModelRuns:
     def runs(self) -> dict:
         return self.report["runs"]
 
-    def run(self, run_name: str, method: str, *flags: str) -> dict:
+    def run(self, run_name: str, method: str, *flags: str, traced: bool | None = None) -> dict:
         if run_name in self.runs:
             return self.runs[run_name]
-        auto, traced = "auto" in flags, method in TRACED
+        auto, traced = "auto" in flags, method in TRACED if traced is None else traced
         iters = self.sizes.iters
         left, needed = self.deadline.left(), self.clock.estimate(method, iters, auto, traced)
         if needed > left:
@@ -1014,8 +1015,22 @@ class ModelRuns:
         for mods in selective_sets() if "selective" in methods else ():
             self.run(f"selective {'+'.join(mods)}", SELECTIVE, "--recompute-granularity",
                      "selective", "--recompute-modules", *mods)
+        self._drift(none)
         self.emit(self.report)
         return self.report
+
+    def _drift(self, first: dict) -> None:
+        """No optimisation again, last: how far the same run's step moved over the section.
+
+        The methods run one after another, not interleaved. A difference between two of them no
+        larger than this drift is noise."""
+        if first.get("step_time_s") is None:
+            return
+        again = self.run(AGAIN, NONE, traced=False)
+        if again.get("step_time_s") is not None:
+            self.report["drift"] = {"first_step_s": first["step_time_s"],
+                                    "last_step_s": again["step_time_s"],
+                                    "change": again["step_time_s"] / first["step_time_s"] - 1}
 
     def _block_for(self, budget: int, high: int, low: int, layers: int) -> str | None:
         """Megatron's block recompute with the fewest layers that fit ``budget``: the run's name.
@@ -1331,7 +1346,7 @@ def estimate_s(section: str, dry_run: bool, optional=OPTIONAL_METHODS) -> float:
     for method in methods:
         total += clock.estimate(method, sizes.iters, method == AUTO, method in TRACED)
         clock.profiled |= method == AUTO  # the first auto run profiles
-    return total
+    return total + clock.estimate(NONE, sizes.iters, False, False)  # the drift's run
 
 
 def allot(section: str, estimates: dict, later: list, left: float) -> float:
@@ -1714,6 +1729,12 @@ def _training_lines(name: str, model: dict) -> list[str]:
               ""]
     if model.get("ended"):
         lines += [f"The model's runs were cut: {model['ended']}.", ""]
+    drift = model.get("drift")
+    if drift:
+        lines += [f"Drift: no optimisation's step took {_ms(drift['first_step_s'])} ms first and "
+                  f"{_ms(drift['last_step_s'])} ms when run again last ({drift['change']:+.1%}). "
+                  "The methods ran one after another, so differences between them no larger "
+                  "than that are noise.", ""]
     if model.get("notes"):
         lines += [f"- {note}" for note in model["notes"]] + [""]
     held = {n: r["memory_held_before"] for n, r in model["runs"].items()

@@ -116,6 +116,13 @@ def test_dry_run_records_every_method_at_every_budget(dry_run):
             # the auto run's own plan, planned again from its profile, is what was priced
             assert entry["auto_plan_reproduced"]
         assert model["accelerator"] == "h200-141gb"
+        # no optimisation again, last and untraced: the section's drift
+        again = model["runs"][gpu_check.AGAIN]
+        assert again["method"] == gpu_check.NONE and not again["trace"]
+        assert model["drift"] == {
+            "first_step_s": model["runs"]["none"]["step_time_s"],
+            "last_step_s": again["step_time_s"],
+            "change": again["step_time_s"] / model["runs"]["none"]["step_time_s"] - 1}
 
 
 def test_dry_run_refusals_and_block_recompute_are_the_trainers(dry_run):
@@ -176,6 +183,7 @@ def test_dry_run_writes_the_page_and_prints_the_table(dry_run):
     assert "### (a) Codecs" in page and "### (b) Host synchronisations" in page
     for name in gpu_check.MODELS:
         assert f"### (c, d) Training: {name}" in page
+    assert page.count("Drift: no optimisation's step took ") == len(gpu_check.MODELS)
     assert stdout.rstrip().splitlines()[-1].startswith("gpu_check: done in")
     assert gpu_check.summary_table(results) in stdout
 
