@@ -47,15 +47,16 @@ class _StandInDriver:
 
 
 class _StandInKernel:
-    """A compiled kernel whose launch does nothing."""
+    """A compiled kernel whose launch does nothing but count."""
 
     function = packed_metadata = None
+    launches = 0
 
     def launch_metadata(self, *args):
         return None
 
     def run(self, *args):
-        return None
+        _StandInKernel.launches += 1
 
 
 def _compile_nothing(self, key, signature, device, constexprs, options, attrs, warmup):
@@ -85,22 +86,24 @@ def triton_on_the_host(launch: bool):
         yield
 
 
-def host_us(name: str, x: torch.Tensor, calls: int, launch: bool) -> float:
-    """Microseconds of host time a round trip of ``name`` takes: the fastest of 25 loops.
+def host_us(name: str, x: torch.Tensor, calls: int, launch: bool) -> tuple[float, float]:
+    """(microseconds of host time a round trip of ``name`` takes, kernel launches it makes).
 
-    The fastest, as timeit takes it: other work on the machine only ever adds time."""
+    The time is the fastest of 25 loops, as timeit takes it: other work on the machine only
+    ever adds time. Launches are counted with ``launch`` only."""
     codec = codecs.get(name, backend="triton")
     x = x > 0 if name == "bitmask" else x
     loops, per_loop = [], max(1, calls // 25)
     with triton_on_the_host(launch):
         for _ in range(20):
             codec.decode(codec.encode(x))
+        _StandInKernel.launches = 0
         for _ in range(25):
             began = time.perf_counter()
             for _ in range(per_loop):
                 codec.decode(codec.encode(x))
             loops.append((time.perf_counter() - began) / per_loop * 1e6)
-    return min(loops)
+    return min(loops), _StandInKernel.launches / (25 * per_loop)
 
 
 def main(argv=None) -> int:
@@ -110,13 +113,17 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default="bench_results/codec_host.json")
     args = parser.parse_args(argv)
     x = torch.randn(*args.shape).to(torch.bfloat16)
-    rows = [{"codec": name, "host_us": host_us(name, x, args.calls, launch=False),
-             "with_launcher_us": host_us(name, x, args.calls, launch=True)}
-            for name in codecs.NAMES]
+    rows = []
+    for name in codecs.NAMES:
+        wrappers, _ = host_us(name, x, args.calls, launch=False)
+        with_launcher, launches = host_us(name, x, args.calls, launch=True)
+        rows.append({"codec": name, "host_us": wrappers, "with_launcher_us": with_launcher,
+                     "launches": launches})
     print(f"host time a round trip, bf16 {tuple(args.shape)} (us):")
-    print(f"  {'codec':<13} {'wrappers':>9} {'with launcher':>14}")
+    print(f"  {'codec':<13} {'wrappers':>9} {'with launcher':>14} {'launches':>9}")
     for row in rows:
-        print(f"  {row['codec']:<13} {row['host_us']:9.1f} {row['with_launcher_us']:14.1f}")
+        print(f"  {row['codec']:<13} {row['host_us']:9.1f} {row['with_launcher_us']:14.1f} "
+              f"{row['launches']:9g}")
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as handle:
         json.dump({"cpu": platform.processor() or platform.machine(), "shape": args.shape,
