@@ -1565,10 +1565,10 @@ WHEELS = ("PuLP==4.2.0 orloge==1.0.0 cpsat-logutils==1.0.0 pydantic==2.14.4 "
 HOW_TO_RUN = f"""## How to run
 
 On a lent H200 (`nvidia-h200`; the device tool's `status` says whether a session has one),
-in one `run` call. Once, here, in the checkout: the wheels the image lacks, from the folder
-`$WHEELS` that holds them (megatron-core 0.19.2 with `megatron.training` in its
-`megatron-core-0.19/`; never its 0.16.1 wheel or PuLP 3: two versions of one package stop the
-whole install), PuLP 4 with what it imports, and a CBC binary:
+in one `run` call. First, here, put in the checkout the wheels the image lacks, from the
+folder `$WHEELS` that holds them. That is megatron-core 0.19.2 with `megatron.training` (in
+its `megatron-core-0.19/`), PuLP 4 with what it imports, and a CBC binary. Never take its
+0.16.1 wheel or PuLP 3: two versions of one package stop the whole install.
 
     echo /.whl/ >> .git/info/exclude
     rm -rf .whl && mkdir -p .whl/bin
@@ -1584,9 +1584,9 @@ Then `run` with `carry: [".whl"]` (16 MB), `timeout_s: 420` and this command:
 
     {DEVICE_COMMAND}
 
-The script plans its work into 380 s (the wheel install takes about 10 s more): estimated
-from the sizes, then from what it has timed, it shrinks (fewer iterations) or skips what
-would not fit, says so, and records it in the JSON. Codecs and syncs go first, then
+The script plans its work into 380 s; the wheel install takes about 10 s more. It estimates
+each part from the sizes, then from what it has timed. It shrinks (fewer iterations) or skips
+what would not fit, says so, and records it in the JSON. Codecs and syncs go first, then
 GPT-345M's runs, then the Llama's. On 2026-11-28 a machine started in about 30 s, so a
 session's 15 minutes hold the call and one rerun (`--sections`, `--models` and `--methods`
 for the part that was lost). It prints a summary table last and rewrites the JSON and this

@@ -23,11 +23,11 @@ def _gradient_dtype(param: torch.Tensor, grad_dtype: torch.dtype | None) -> torc
 
 
 def model_static_bytes(model: torch.nn.Module, grad_dtype: torch.dtype | None = None) -> int:
-    """What megatron's engine holds for ``model`` through a step on one data-parallel rank
-    without the distributed optimizer: parameters and buffers, a gradient buffer
-    (``_gradient_dtype``), fp32 main parameters for a 16-bit model, and Adam's state. Equal
-    to ``engine_static_bytes`` of that engine; for a model before it is wrapped (profiling,
-    the Python API)."""
+    """What megatron's engine holds for ``model`` in a step: one rank, no distributed optimizer.
+
+    That is parameters and buffers, a gradient buffer (``_gradient_dtype``), fp32 main
+    parameters for a 16-bit model, and Adam's state. It equals ``engine_static_bytes`` of that
+    engine, for a model before it is wrapped (profiling, the Python API)."""
     total = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
     for param in model.parameters():
         if not param.requires_grad:
@@ -48,12 +48,13 @@ def model_step_bytes(model: torch.nn.Module, grad_dtype: torch.dtype | None = No
 
 
 def engine_static_bytes(model_chunks, optimizer) -> int:
-    """What megatron's engine holds on this rank through every forward and backward, read
-    off the engine before its first step: the distinct storages of the parameters and
-    buffers, of DistributedDataParallel's gradient (and, under the distributed optimizer,
-    parameter) buffers and of the optimizer's main parameters, and Adam's state, which
-    torch allocates at the first step: two moments like each main parameter (its shard,
-    under the distributed optimizer) and a step count."""
+    """What megatron's engine holds on this rank through every step, read before its first one.
+
+    - the distinct storages of the parameters and buffers;
+    - DistributedDataParallel's gradient buffers (and parameter buffers, under the distributed
+      optimizer) and the optimizer's main parameters;
+    - Adam's state, which torch allocates at the first step: two moments like each main
+      parameter (its shard, under the distributed optimizer) and a step count."""
     storages: dict[int, int] = {}
 
     def hold(tensor: torch.Tensor) -> None:

@@ -118,12 +118,13 @@ def analytic_costs(shape: ModelShape, micro_batch_size: int, accelerator: str | 
 def pipeline_costs(shape: ModelShape, micro_batch_size: int, accelerator: str | Accelerator,
                    pipeline_size: int, num_micro_batches: int, zero_stage: int = 0,
                    data_parallel_size: int = 1) -> list[ModelCosts]:
-    """``ModelCosts`` of each of ``pipeline_size`` stages under 1F1B with
-    ``num_micro_batches`` per step: every stage its share of the layers and their
-    parameters; the first the embedding (parameters and activations), the last the output
-    layer and loss; optimizer states sharded by ``zero_stage`` over ``data_parallel_size``
-    ranks. ``planning.stage_costs`` cuts the stages from one layer's costs and what each
-    stage holds besides its layers, as it does for a profile."""
+    """``ModelCosts`` of each of ``pipeline_size`` stages under 1F1B, ``num_micro_batches`` a step.
+
+    Every stage holds its share of the layers and their parameters. The first holds the
+    embedding (parameters and activations), the last the output layer and loss. Optimizer states
+    are sharded by ``zero_stage`` over ``data_parallel_size`` ranks. ``planning.stage_costs``
+    cuts the stages from one layer's costs and what each stage holds besides, as for a
+    profile."""
     device = get_accelerator(accelerator) if isinstance(accelerator, str) else accelerator
     if shape.precision == "bf16" and not device.supports_bf16:
         raise ValueError(f"{device.name} has no bfloat16; plan with fp16")

@@ -199,10 +199,10 @@ def output_activation_bytes(shape: ModelShape, micro_batch_size: int) -> int:
     """Activations of the final norm, the output layer and the loss (the last stage's),
     alive at the end of forward and freed by the loss backward before any layer backprops.
 
-    The final norm saves what a layer's norm saves and the output layer saves the norm's
-    output; the logits exist in 16 bit while the cross-entropy works on an fp32 copy whose
-    softmax it saves (2 + 4 bytes per logit; 4 in fp32). At GPT-2's vocabulary the logits
-    dominate. Under tensor parallelism each rank holds its vocabulary shard's logits.
+    The final norm saves what a layer's norm saves, and the output layer saves the norm's
+    output. The logits exist in 16 bit, and the cross-entropy saves the softmax of an fp32 copy
+    (2 + 4 bytes per logit; 4 in fp32). At GPT-2's vocabulary the logits dominate. Under
+    tensor parallelism each rank holds its vocabulary shard's logits.
     """
     d = dims_of(shape, micro_batch_size)
     norms = sum(term.bytes(d)
