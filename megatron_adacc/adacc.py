@@ -536,13 +536,10 @@ class Adacc:
         stages; None otherwise."""
         if self.result is None or policies.pipeline_stage()[1] > 1:
             return None
-        return self._predicted("step_s", self._predict_step_s)
-
-    def _predict_step_s(self) -> float | None:
-        predicted = watching.predicted_step_s(self.costs, self.result, self._micro_batches)
+        predicted = self._predicted("step_s", lambda: watching.predicted_step_s(
+            self.costs, self.result, self._micro_batches))
         if predicted is not None and self._watch is not None:
-            # what re-timing found a step spends outside the modelled work (a retime refreshes
-            # the costs too, so the cache is renewed with it)
+            # what the step watch measures a step spends outside the modelled work
             predicted += self._watch.overhead_s
         return predicted
 

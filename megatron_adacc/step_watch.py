@@ -8,9 +8,10 @@ steps of a plan, it compares the median of the plan's last ``window`` steps with
 
 - its prediction. At more than ``threshold`` (10%) over it, the plan's actions are re-timed on the
   real batch (``profiler.refresh_action_costs``), once per plan (``retime``). The re-timed plan and
-  the recompute-only plan become candidates when their predictions beat the median. What the
+  the recompute-only plan become candidates when their predictions beat the median. What a
   re-timed plan still misses counts as work outside the layers (``overhead_s``). It is added to
-  every later prediction, so a constant miss re-times once.
+  every later prediction, so a constant miss re-times once. Each later decision on a re-timed
+  plan measures it again, so warm-up steps do not inflate it for good.
 - every measured plan that fits the budget. A plan is never kept when one measured faster (by more
   than ``margin``) fits; Adacc swaps back to that one ("measured slower").
 
@@ -191,7 +192,11 @@ class StepWatch:
         self.fresh = 0
         median_s = self.median(plan_id)
         decision = WatchDecision(plan_id, median_s, predicted(current))
-        if (decision.predicted_s is not None and plan_id not in self.retimed
+        if plan_id in self.retimed and decision.predicted_s is not None:
+            # Its actions are timed afresh, so what its steps take beyond them is the overhead
+            # now: a step's first iterations run slow (caches, the allocator), later ones not.
+            self.overhead_s = max(0.0, median_s - decision.predicted_s)
+        elif (decision.predicted_s is not None and plan_id not in self.retimed
                 and median_s > (1 + self.threshold) * (decision.predicted_s + self.overhead_s)):
             self.retimed.add(plan_id)
             decision.retimed = True

@@ -115,6 +115,24 @@ def test_what_a_retimed_plan_still_misses_is_overhead_and_retimes_no_other_plan(
     assert decide(watch, b, predicted)[1] == ["b"]
 
 
+def test_the_overhead_follows_a_retimed_plans_later_steps():
+    # Re-timed on slow warm-up steps, plan a then runs 0.1 s over its prediction: the overhead
+    # is measured again at each decision, down as well as up, and nothing is re-timed again.
+    watch, a = StepWatch(window=3), result("a")
+    predicted = {"a": 1.0}
+    watch.begin(a)
+    ran(watch, a, 1.6, 1.5, 1.5)
+    assert decide(watch, a, predicted, refreshed={})[1] == ["a"]
+    assert watch.overhead_s == pytest.approx(0.5)
+    ran(watch, a, 1.1, 1.1, 1.1)
+    decision, retimed = decide(watch, a, predicted)
+    assert retimed == [] and decision.swap_to is None
+    assert watch.overhead_s == pytest.approx(0.1)
+    ran(watch, a, 0.9, 0.9, 0.9)            # faster than predicted: no overhead, not negative
+    decide(watch, a, predicted)
+    assert watch.overhead_s == 0.0
+
+
 def test_a_plan_measured_faster_replaces_a_slower_one_only_if_it_fits_and_beats_the_margin():
     a, b = result("a"), result("b")
     for b_seconds, a_fits, swaps in ((1.5, True, True), (1.5, False, False),
