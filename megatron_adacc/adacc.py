@@ -225,7 +225,6 @@ class Adacc:
         # Steps measure() timed and nothing has read yet: (plan_id, start, end, ruler on).
         self._windows: list[tuple[str, object, object, bool]] = []
         self._measured_step: tuple[str, float] | None = None   # (plan_id, seconds), the last
-        # (plan_id, costs, predicted seconds) of the last prediction asked for.
         # (plan id, costs, {prediction: value}): the plan's predictions, asked for every step
         self._predictions: tuple[str, ModelCosts, dict] | None = None
 
