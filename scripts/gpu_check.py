@@ -151,6 +151,9 @@ STEP_FACTOR = {NONE: 1.0, FULL: 1.4, SELECTIVE: 1.15, BLOCK: 1.25, QUANTIZE: 1.3
 # write and read on a 1B model: the other runs are not traced)
 TRACED = (NONE, FULL, QUANTIZE, AUTO)
 AGAIN = "none again"    # the run that measures a section's drift (ModelRuns._drift)
+# Traced with Python's call stacks too (seconds more a trace): the host's time by package in
+# the stock layer's step and Adacc's (trace_summary)
+STACKS = (NONE, AUTO)
 PREDICT_S = {"gpu": 10.0, "cpu": 8.0}           # a model's predictions, after its runs
 CHILD_GRACE_S = 20      # past its deadline a child is stopped; what it wrote is kept
 MIN_SECTION_S = 15      # a section given less is skipped
@@ -914,11 +917,11 @@ class ModelRuns:
                 "--adacc-profile-db", os.path.join(self.workdir, "profiles.sqlite"),
                 "--metrics-file", f"{stem}.jsonl", *flags]
         if traced:
-            # with Python's call stacks: the host's time by package (trace_summary)
-            argv += ["--profile", "--use-pytorch-profiler", "--pytorch-profiler-collect-callstack",
-                     "--profile-step-start", str(iters - 1), "--profile-step-end", str(iters),
-                     "--tensorboard-dir",
+            argv += ["--profile", "--use-pytorch-profiler", "--profile-step-start",
+                     str(iters - 1), "--profile-step-end", str(iters), "--tensorboard-dir",
                      os.path.join(f"{stem}.trace", "tensorboard")]
+            if method in STACKS:
+                argv.append("--pytorch-profiler-collect-callstack")
         if self.values["fp16"]:
             argv += ["--initial-loss-scale", str(INITIAL_LOSS_SCALE)]
         if self.sizes.profile_repeats:
