@@ -10,8 +10,8 @@ import triton
 import triton.language as tl
 
 from megatron_adacc.codecs.int4 import NAN_BITS
-from megatron_adacc.codecs.triton.launch import (bits_view, flat_tile, needs_int64, tl_dtype,
-                                                 warps_for)
+from megatron_adacc.codecs.triton.launch import (bits_view, counters, flat_tile, needs_int64,
+                                                 tl_dtype, warps_for)
 from megatron_adacc.codecs.triton.numerics import load_float, to_output
 
 # Partial minima a program of the last one reduces at once.
@@ -40,6 +40,7 @@ def _mask_pack(x_ptr, packed_ptr, low_ptr, high_ptr, nan_ptr, counter_ptr, value
         tl.store(nan_ptr + tl.program_id(0), tl.max((x != x).to(tl.int32), axis=0))
         tl.debug_barrier()
         if tl.atomic_add(counter_ptr, 1) == tl.num_programs(0) - 1:
+            tl.atomic_xchg(counter_ptr, 0)   # the last program: zero for the next launch
             _mask_value(low_ptr, high_ptr, nan_ptr, value_ptr, tl.num_programs(0), nan_bits,
                         IN_BF16, value_dtype, value_bits, REDUCE_BLOCK)
 
@@ -97,7 +98,7 @@ def mask_encode(flat: torch.Tensor):
         low = torch.empty(programs, dtype=torch.float32, device=device)
         high = torch.empty(programs, dtype=torch.float32, device=device)
         nan = torch.empty(programs, dtype=torch.int32, device=device)
-        counter = torch.zeros(1, dtype=torch.int32, device=device)
+        counter = counters(device)
         value = torch.empty(1, dtype=flat.dtype, device=device)
         value_bits = value.view(_BITS[flat.element_size()])
         nan_bits, value_dtype = NAN_BITS[flat.dtype], tl_dtype(flat.dtype)

@@ -11,14 +11,15 @@ kinds, told apart by a ticket each draws as it starts (not its program id):
 A coder only waits on programs that drew earlier tickets, which are running already. So the wait
 cannot deadlock however many programs the GPU holds (the forward-progress argument of decoupled
 look-back scans). The interpreter runs programs one by one in order and never waits. The input is
-read twice (statistics, then codes), with no other launch.
+read twice (statistics, then codes), with no other launch: the ticket counters are left zero
+for the next one (launch.counters).
 """
 import torch
 import triton
 import triton.language as tl
 
 from megatron_adacc.codecs.int4 import MIN_SCALE, dtype_max
-from megatron_adacc.codecs.triton.launch import (FP_FUSION, INTERPRET, bits_view, cdiv,
+from megatron_adacc.codecs.triton.launch import (FP_FUSION, INTERPRET, bits_view, cdiv, counters,
                                                  needs_int64, row_tile, tl_dtype)
 from megatron_adacc.codecs.triton.numerics import (bf16_bits_to_float, load_float, non_finite,
                                                    saturate, scale_bits, sym_codes, sym_scale,
@@ -85,6 +86,13 @@ def _channel_encode(x_ptr, counter_ptr, lo_ptr, hi_ptr, bad_ptr, scale32_ptr, pa
         pair_mask = (row < rows)[:, None] & (pair_col < channels // 2)[None, :]
         tl.store(packed_ptr + row[:, None] * (channels // 2) + pair_col[None, :],
                  code_even | (code_odd << 4), mask=pair_mask)
+    # Each program counts itself out once its threads are done with the counters; the last puts
+    # them back to zero for the next launch (launch.counters).
+    tl.debug_barrier()
+    if tl.atomic_add(counter_ptr + 2, 1) == tl.num_programs(0) - 1:
+        tl.atomic_xchg(counter_ptr, 0)
+        tl.atomic_xchg(counter_ptr + 1, 0)
+        tl.atomic_xchg(counter_ptr + 2, 0)
 
 
 @triton.jit
@@ -143,7 +151,7 @@ def channel_encode(x2d: torch.Tensor):
     chunk_rows = cdiv(cdiv(rows, chunks), tile.rows) * tile.rows
     chunks = cdiv(rows, chunk_rows)
     device = x2d.device
-    counter = torch.zeros(2, dtype=torch.int32, device=device)
+    counter = counters(device)
     lo = torch.empty(chunks, channels, dtype=torch.float32, device=device)
     hi = torch.empty(chunks, channels, dtype=torch.float32, device=device)
     bad = torch.empty(chunks, channels, dtype=torch.int32, device=device)

@@ -100,6 +100,25 @@ def flat_tile(numel: int, granule: int = 1) -> Tile:
     return Tile(rows, granule, (cdiv(granules, rows), 1), warps_for(rows * granule))
 
 
+# Ticket counters per (device, stream): zero between launches. A kernel that draws tickets has its
+# last program put them back to zero, so no launch needs a fill kernel first. A stream runs its
+# launches in order, so two launches never share a stream's counters at once.
+COUNTER_SLOTS = 3
+_counters: dict[tuple, torch.Tensor] = {}
+
+
+def counters(device: torch.device) -> torch.Tensor:
+    """The current stream's COUNTER_SLOTS int32 ticket counters on ``device``, all zero.
+
+    They are made once per device and stream; the kernels leave them zero."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else None
+    found = _counters.get((device, stream))
+    if found is None:
+        found = _counters[(device, stream)] = torch.zeros(COUNTER_SLOTS, dtype=torch.int32,
+                                                          device=device)
+    return found
+
+
 def needs_int64(*extents: int) -> bool:
     """Whether an element offset (the largest of ``extents``) can reach 2**31.
 

@@ -13,8 +13,8 @@ import triton.language as tl
 
 from megatron_adacc.codecs.int4 import EMPTY_SLOT, INDEX_DTYPE
 from megatron_adacc.codecs.outlier import statistics_step
-from megatron_adacc.codecs.triton.launch import (FP_FUSION, bits_view, cdiv, needs_int64, row_tile,
-                                                 warps_for)
+from megatron_adacc.codecs.triton.launch import (FP_FUSION, bits_view, cdiv, counters, needs_int64,
+                                                 row_tile, warps_for)
 from megatron_adacc.codecs.triton.numerics import load_float
 
 # Channels a program sums: a few hundred programs for a wide layer, rows 128 bytes long.
@@ -43,6 +43,7 @@ def _outlier_select(x_ptr, sums_ptr, ticket_ptr, selected_ptr, index_ptr,
     tl.debug_barrier()
     ticket = tl.atomic_add(ticket_ptr, 1)
     if ticket == tl.num_programs(0) - 1:
+        tl.atomic_xchg(ticket_ptr, 0)   # the last program: zero for the next launch
         _select(sums_ptr, selected_ptr, index_ptr, channels, capacity, threshold, SELECT_BLOCK,
                 EMPTY)
 
@@ -96,7 +97,7 @@ def outlier_select(x2d: torch.Tensor, threshold: float, capacity: int):
     sample_rows = cdiv(rows, step)
     tile = row_tile(sample_rows, STATISTICS_COLS, STATISTICS_COLS)
     sums = torch.empty(channels, dtype=torch.float64, device=x2d.device)
-    ticket = torch.zeros(1, dtype=torch.int32, device=x2d.device)
+    ticket = counters(x2d.device)
     selected = torch.empty(channels, dtype=torch.bool, device=x2d.device)
     index = torch.empty(capacity, dtype=INDEX_DTYPE, device=x2d.device)
     grid = (cdiv(channels, STATISTICS_COLS),)
