@@ -335,6 +335,17 @@ def test_wrappers_size_everything_by_shape(name):
     assert len(launches) == sum(LAUNCHES[name])
 
 
+def test_counters_made_under_fake_tensors_are_not_kept(monkeypatch):
+    # A fake tensor kept as the stream's counters would break every real launch after it.
+    monkeypatch.setattr(launch, "_counters", {})
+    codec = codecs.get("channel_int4", backend="triton")
+    real = _site_like("channel_int4", torch.bfloat16)
+    with FakeTensorMode() as mode, gpu_work(run_kernels=False):
+        codec.encode(mode.from_tensor(real))
+    assert launch._counters == {}
+    assert_same_payload_and_output("channel_int4", real)
+
+
 def test_the_work_counter_sees_kernels_and_ops():
     codec = codecs.get("sym_int4", backend="torch")
     with gpu_work() as (launches, ops):

@@ -114,8 +114,9 @@ def counters(device: torch.device) -> torch.Tensor:
     stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else None
     found = _counters.get((device, stream))
     if found is None:
-        found = _counters[(device, stream)] = torch.zeros(COUNTER_SLOTS, dtype=torch.int32,
-                                                          device=device)
+        found = torch.zeros(COUNTER_SLOTS, dtype=torch.int32, device=device)
+        if type(found) is torch.Tensor:  # not a FakeTensorMode stand-in, which has no data
+            _counters[(device, stream)] = found
     return found
 
 
