@@ -115,7 +115,10 @@ def counters(device: torch.device) -> torch.Tensor:
     found = _counters.get((device, stream))
     if found is None:
         found = torch.zeros(COUNTER_SLOTS, dtype=torch.int32, device=device)
-        if type(found) is torch.Tensor:  # not a FakeTensorMode stand-in, which has no data
+        # Kept unless a stand-in: FakeTensorMode's has no data, and a CUDA graph's capture
+        # records the zeroing without running it (the graph zeroes its own at each replay).
+        capturing = stream is not None and torch.cuda.is_current_stream_capturing()
+        if type(found) is torch.Tensor and not capturing:
             _counters[(device, stream)] = found
     return found
 
