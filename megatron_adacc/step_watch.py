@@ -3,8 +3,9 @@
 The planner predicts a plan's step as the profiled all-retain step (``meta["step_s"]``) plus the
 plan's added time, per micro-batch. A cost model can be wrong on a device. On an H100, a plan
 predicted at +23.7 ms a step took about +110 ms (docs/gpu.md). So Adacc times the forward and
-backward of every step (``Adacc.measure``), except steps under the byte ruler. Every ``window``
-steps of a plan, it compares the median of the plan's last ``window`` steps with:
+backward of every step (``Adacc.measure``), except steps under the byte ruler. It leaves out the
+first ``warmup`` of them, which run slow while caches warm up. Every ``window`` steps of a plan,
+it compares the median of the plan's last ``window`` steps with:
 
 - its prediction. At more than ``threshold`` (10%) over it, the plan's actions are re-timed on the
   real batch (``profiler.refresh_action_costs``), once per plan (``retime``). The re-timed plan and
@@ -30,6 +31,7 @@ from megatron_adacc.common.costs import ModelCosts
 from megatron_adacc.common.sites import RETAIN
 
 WINDOW = 3              # steps of a plan per median, and between decisions
+WARMUP = WINDOW         # first timed steps left out: they run slow while caches warm up
 THRESHOLD = 0.10        # measured over predicted by more than this: re-time and re-plan
 MARGIN = 0.03           # a plan is left for one measured faster by more than this
 RETIME_REPEATS = 3      # the profiler's repeats when re-timing a plan's actions
@@ -125,10 +127,13 @@ class StepWatch:
     """Measured step times per plan and the decisions taken on them (see the module docstring)."""
 
     def __init__(self, window: int = WINDOW, threshold: float = THRESHOLD,
-                 margin: float = MARGIN):
+                 margin: float = MARGIN, warmup: int = 0):
         if window < 1:
             raise ValueError(f"window must be >= 1, got {window}")
         self.window, self.threshold, self.margin = window, threshold, margin
+        # Timed steps still to leave out. A plan measured on warm-up steps would look slower
+        # than one measured later, and its median stays until it runs again.
+        self.warmup = warmup
         self.times: dict[str, list[float]] = {}     # plan_id -> its last steps' seconds
         self.results: dict[str, planning.PlanResult] = {}
         self.retimed: set[str] = set()
@@ -147,6 +152,9 @@ class StepWatch:
 
     def record(self, plan_id: str, seconds: float) -> None:
         """One step of ``plan_id`` took ``seconds`` (forward and backward)."""
+        if self.warmup > 0:
+            self.warmup -= 1
+            return
         times = self.times.setdefault(plan_id, [])
         times.append(seconds)
         del times[:-self.window]

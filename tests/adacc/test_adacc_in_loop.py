@@ -64,11 +64,13 @@ def test_the_ruler_measures_every_interval_and_records_keep_its_last_reading(one
 def test_the_step_watch_decides_every_window_of_unmeasured_steps(one_profile):
     from megatron_adacc import step_watch
 
-    records = pretrain(*AUTO, *one_profile, "--train-iters", str(3 + step_watch.WINDOW),
+    records = pretrain(*AUTO, *one_profile, "--train-iters",
+                       str(3 + step_watch.WARMUP + step_watch.WINDOW),
                        "--activation-measure-interval", "1000").records
     decisions = [(r["iteration"], r["step_watch"]) for r in records if "step_watch" in r]
-    # Step 1 is ruled (left out of the watch); steps 2.. are timed, a window of them decides.
-    assert decisions and decisions[0][0] == 1 + step_watch.WINDOW
+    # Step 1 is ruled (left out of the watch); steps 2.. are timed; the first WARMUP of them
+    # are left out too, then a window of them decides.
+    assert decisions and decisions[0][0] == 1 + step_watch.WARMUP + step_watch.WINDOW
     for _, decision in decisions:
         assert {"plan_id", "median_step_time_s", "predicted_step_time_s",
                 "retimed"} <= set(decision)

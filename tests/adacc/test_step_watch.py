@@ -115,6 +115,16 @@ def test_what_a_retimed_plan_still_misses_is_overhead_and_retimes_no_other_plan(
     assert decide(watch, b, predicted)[1] == ["b"]
 
 
+def test_the_first_timed_steps_are_left_out():
+    # Slow warm-up steps would make the first plan look slower than any measured after it.
+    watch, a = StepWatch(window=3, warmup=2), result("a")
+    watch.begin(a)
+    ran(watch, a, 9.0, 9.0, 1.0, 1.0)
+    assert not watch.due and watch.median("a") is None
+    ran(watch, a, 1.0)
+    assert watch.due and watch.median("a") == 1.0
+
+
 def test_the_overhead_follows_a_retimed_plans_later_steps():
     # Re-timed on slow warm-up steps, plan a then runs 0.1 s over its prediction: the overhead
     # is measured again at each decision, down as well as up, and nothing is re-timed again.
