@@ -225,8 +225,8 @@ class Adacc:
         # Steps measure() timed and nothing has read yet: (plan_id, start, end, ruler on).
         self._windows: list[tuple[str, object, object, bool]] = []
         self._measured_step: tuple[str, float] | None = None   # (plan_id, seconds), the last
-        # (plan id, costs, {prediction: value}): the plan's predictions, asked for every step
-        self._predictions: tuple[str, ModelCosts, dict] | None = None
+        # (planner result, costs, {prediction: value}): its predictions, asked for every step
+        self._predictions: tuple[object, ModelCosts, dict] | None = None
 
     # --- building the model ------------------------------------------------------------------
     def layer_spec(self, attention_backend: str = DEFAULT_SPEC_BACKEND):
@@ -521,8 +521,8 @@ class Adacc:
     def _predicted(self, name: str, compute: Callable[[], Any]) -> Any:
         """``compute()``, evaluated once per plan and costs: every step's record asks for it."""
         cached = self._predictions
-        if cached is None or cached[0] != self.plan_id or cached[1] is not self.costs:
-            self._predictions = cached = (self.plan_id, self.costs, {})
+        if cached is None or cached[0] is not self.result or cached[1] is not self.costs:
+            self._predictions = cached = (self.result, self.costs, {})
         if name not in cached[2]:
             cached[2][name] = compute()
         return cached[2][name]

@@ -204,7 +204,7 @@ class StepWatch:
             # Its actions are timed afresh, so what its steps take beyond them is the overhead
             # now: a step's first iterations run slow (caches, the allocator), later ones not.
             self.overhead_s = max(0.0, median_s - decision.predicted_s)
-        elif (decision.predicted_s is not None and plan_id not in self.retimed
+        elif (decision.predicted_s is not None
                 and median_s > (1 + self.threshold) * (decision.predicted_s + self.overhead_s)):
             self.retimed.add(plan_id)
             decision.retimed = True
