@@ -36,7 +36,7 @@ class Codec:
     def encode(self, x: torch.Tensor) -> Payload:
         self._check(x)
         # Detached, nothing the codec computes from x records autograd: no torch.no_grad,
-        # whose two context switches cost more host time than a Triton launch's binding.
+        # whose two context switches cost host time on every saved tensor.
         x = x.detach()
         kernels = kernels_for(self.backend, x.device)
         if not (x.is_contiguous() or kernels.strided_rows and self.reads_in_place(x)):
