@@ -12,7 +12,9 @@ cc, 32). Per kernel it reports, from the cubin (the bundled cuobjdump -res-usage
 - the share of activation bytes moved by 16-byte (128-bit) vector accesses. It counts the ld.global
   / st.global instructions whose address derives from the activation pointer (the encode's input,
   the decode's output), each weighted by its width.
-- 64-bit integer division or remainder (div/rem .s64/.u64).
+- 64-bit integer division or remainder (div/rem .s64/.u64);
+- conversion instructions in the SASS (F2I, I2F, FRND). A Hopper GPU runs them at an eighth of the
+  rate it adds (an Ampere at a quarter): one per element bounds a codec by them, not by memory.
 
     python scripts/check_kernels.py [--targets 90 80 70] [--dtypes bf16 fp16 fp32]
                                     [--json out.json]
@@ -106,6 +108,7 @@ class Report:
     vector_share: float | None = None
     activation_bytes: dict = field(default_factory=dict)  # access width (bytes) -> bytes a thread
     div64: list = field(default_factory=list)
+    conversions: int | None = None  # F2I, I2F and FRND instructions in the SASS
     compile_s: float = 0.0
     error: str | None = None
 
@@ -182,6 +185,22 @@ def _cuobjdump_usage(cubin: bytes) -> tuple[int, int]:
                              capture_output=True, text=True, check=True).stdout
     match = re.search(r"REG:(\d+) STACK:(\d+) SHARED:\d+ LOCAL:(\d+)", out)
     return int(match.group(1)), int(match.group(2)) + int(match.group(3))
+
+
+# SASS opcodes that convert between integer and float or round to an integer.
+CONVERSIONS = re.compile(r"^\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?(?:F2I|I2F|FRND)\b", re.M)
+
+
+def _sass_conversions(cubin: bytes) -> int | None:
+    """How many conversion instructions (CONVERSIONS) the kernel in ``cubin`` holds.
+
+    None where the bundled cuobjdump no longer disassembles the target (sm_70 in CUDA 13)."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        run = subprocess.run([str(NVIDIA_BIN / "cuobjdump"), "-sass", f.name],
+                             capture_output=True, text=True)
+    return len(CONVERSIONS.findall(run.stdout)) if run.returncode == 0 else None
 
 
 _REG = re.compile(r"%[a-z]+\d+")
@@ -280,6 +299,7 @@ def check_launch(launch: Launch, cc: int) -> Report:
         return report
     report.compile_s = time.perf_counter() - start
     report.registers, report.spill_bytes = _cuobjdump_usage(compiled.asm["cubin"])
+    report.conversions = _sass_conversions(compiled.asm["cubin"])
     params = [name for name, kind in signature.items() if kind != "constexpr"]
     widths, report.div64 = analyse_ptx(compiled.asm["ptx"], compiled.metadata.name, params,
                                        ACTIVATION_ARG[launch.kernel])
@@ -311,7 +331,7 @@ def check(targets=TARGETS, sites=SITES, dtypes=None) -> tuple[list[Report], list
 
 def table(reports: list[Report]) -> str:
     head = (f"{'kernel':<16} {'sm':>3} {'dtype':<5} {'warps':>5} {'regs':>4} {'spill':>5} "
-            f"{'vec16%':>6} {'div64':>5} {'compile s':>9}  config | used by")
+            f"{'vec16%':>6} {'div64':>5} {'conv':>4} {'compile s':>9}  config | used by")
     lines = [head, "-" * len(head)]
     for r in reports:
         config = " ".join(f"{k}={v}" for k, v in r.constexprs.items()
@@ -325,15 +345,22 @@ def table(reports: list[Report]) -> str:
         share = "-" if r.vector_share is None else f"{100 * r.vector_share:.0f}"
         used = "; ".join(sites[:3]) + (" ..." if len(sites) > 3 else "")
         lines.append(f"{r.kernel:<16} {r.target:>3} {dtype:<5} {r.num_warps:>5} {r.registers:>4} "
-                     f"{r.spill_bytes:>5} {share:>6} {len(r.div64):>5} {r.compile_s:>9.2f}  "
+                     f"{r.spill_bytes:>5} {share:>6} {len(r.div64):>5} "
+                     f"{'-' if r.conversions is None else r.conversions:>4} "
+                     f"{r.compile_s:>9.2f}  "
                      f"{config} | {used}")
     return "\n".join(lines)
+
+
+def _worst(values) -> str:
+    known = [value for value in values if value is not None]
+    return str(max(known)) if known else "-"
 
 
 def summary(reports: list[Report]) -> str:
     """The worst case of each kernel at each target, over its configurations."""
     head = (f"{'kernel':<16} {'sm':>3} {'configs':>7} {'max regs':>8} {'spill':>5} "
-            f"{'min vec16%':>10} {'div64':>5}")
+            f"{'min vec16%':>10} {'div64':>5} {'max conv':>8}")
     lines = [head, "-" * len(head)]
     for kernel, cc in sorted({(r.kernel, r.target) for r in reports if not r.error}):
         group = [r for r in reports if (r.kernel, r.target) == (kernel, cc) and not r.error]
@@ -341,7 +368,8 @@ def summary(reports: list[Report]) -> str:
         share = f"{100 * min(shares):.0f}" if shares else "-"
         lines.append(f"{kernel:<16} {cc:>3} {len(group):>7} {max(r.registers for r in group):>8} "
                      f"{max(r.spill_bytes for r in group):>5} {share:>10} "
-                     f"{sum(len(r.div64) for r in group):>5}")
+                     f"{sum(len(r.div64) for r in group):>5} "
+                     f"{_worst(r.conversions for r in group):>8}")
     return "\n".join(lines)
 
 

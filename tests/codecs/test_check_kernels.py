@@ -1,7 +1,8 @@
 """The Triton codec kernels compiled for sm_90 and sm_80 with no GPU (scripts/check_kernels.py),
 at the configurations the codecs launch for GPT-345M- and Llama-3-8B-sized sites in bf16 and
 fp16: no spills, at most 128 registers, no 64-bit integer division, activations moved by
-16-byte vector accesses, one kernel per encode and decode (two for outlier_int4's encode).
+16-byte vector accesses, no conversion instruction per element, one kernel per encode and decode
+(two for outlier_int4's encode).
 
 The script runs once per session, in a subprocess: it must import the kernels without
 TRITON_INTERPRET, which this test session sets (conftest.py). Triton's own cache keeps the
@@ -23,6 +24,9 @@ TARGETS = (90, 80)
 DTYPES = ("bf16", "fp16")
 MAX_REGISTERS = 128
 MIN_VECTOR_SHARE = 0.75
+# F2I, I2F and FRND run at an eighth of Hopper's adding rate: one per element made them the encodes'
+# bound. The one left is the outlier selection's channel count, once per launch.
+MAX_CONVERSIONS = 1
 KERNELS_PER_CALL = {("outlier_int4", "encode"): 2}
 
 
@@ -66,6 +70,13 @@ def test_activations_move_in_16_byte_vectors(checked):
     for r in checked[0]["reports"]:
         assert r["activation_bytes"], f"no access attributed to the activation: {r}"
         assert r["vector_share"] >= MIN_VECTOR_SHARE, r
+
+
+def test_no_conversion_instruction_per_element(checked):
+    reports = checked[0]["reports"]
+    assert all(r["conversions"] is not None for r in reports), "SASS not disassembled"
+    assert [(r["kernel"], r["used_by"][0], r["conversions"]) for r in reports
+            if r["conversions"] > MAX_CONVERSIONS] == []
 
 
 def test_one_kernel_per_encode_and_decode_at_model_sites(checked):

@@ -210,6 +210,37 @@ def test_subnormal_bf16_inputs_byte_identical(name):
 
 
 @pytest.mark.parametrize("name", INT4_CODECS)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_codes_on_and_beside_rounding_boundaries_byte_identical(name, dtype):
+    # The kernels floor by adding 2**23 (numerics.floor_code). Values whose scaled form lands on a
+    # code boundary, half-way between two, and one ulp to either side, in every group.
+    steps = torch.arange(-16, 17, dtype=torch.float32) / 2  # -8, -7.5, ..., 8
+    values = torch.cat([steps, torch.nextafter(steps, steps + 1),
+                        torch.nextafter(steps, steps - 1)])
+    x = (values * 0.375).to(dtype).float().repeat(64, 2)  # 0.375: a bf16-exact scale
+    if name == "asym_int4":
+        x = x - x.min()
+    assert_same_payload_and_output(name, x.to(dtype))
+
+
+@pytest.mark.parametrize("name", INT4_CODECS)
+def test_the_gpus_nan_propagating_reductions_byte_identical(name, monkeypatch):
+    # A GPU reduces groups with NaN-propagating min and max (numerics.extremes); the interpreter
+    # finds NaN apart unless told otherwise, as here, on shapes small enough for its slow reduce.
+    from megatron_adacc.codecs.triton import numerics
+
+    assert not numerics.REDUCE_BY_COMBINE
+    monkeypatch.setattr(numerics, "REDUCE_BY_COMBINE", tl.constexpr(True))
+    gen = torch.Generator().manual_seed(5)
+    for shape, poison in [((6, 64), math.nan), ((3, 128), math.inf), ((40, 2), -math.inf)]:
+        x = torch.randn(shape, generator=gen)
+        x.view(-1)[[1, 70]] = poison
+        if name == "asym_int4":
+            x = torch.sigmoid(x)
+        assert_same_payload_and_output(name, x.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("name", INT4_CODECS)
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(x=edge_tensors())
 def test_edge_inputs_byte_identical(name, x):

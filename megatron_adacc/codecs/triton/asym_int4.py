@@ -10,8 +10,9 @@ import triton.language as tl
 from megatron_adacc.codecs.int4 import MIN_SCALE, dtype_max
 from megatron_adacc.codecs.triton.launch import (FP_FUSION, bits_view, needs_int64,
                                                  next_power_of_2, row_tile, tl_dtype)
-from megatron_adacc.codecs.triton.numerics import (bf16_bits_to_float, ceil_to_bf16, load_float,
-                                                   non_finite, saturate, scale_bits, to_output)
+from megatron_adacc.codecs.triton.numerics import (bf16_bits_to_float, ceil_to_bf16, code_value,
+                                                   extremes, floor_code, load_float, non_finite,
+                                                   saturate, scale_bits, to_output)
 
 
 @triton.jit
@@ -26,22 +27,23 @@ def _asym_encode(x_ptr, packed_ptr, scale_ptr, offset_ptr, rows, width, min_scal
     mask = in_row[:, None] & (col < width)[None, :]
     x = load_float(x_ptr + row[:, None] * width + col[None, :], mask, IN_BF16)
 
-    lo = tl.min(tl.where(mask, x, float("inf")), axis=1)
+    lo = extremes(tl.where(mask, x, float("inf")), 1)[0]
     lo = tl.where(lo == 0, 0.0, lo)  # +0 whichever zero the reduction met first
-    hi = tl.max(tl.where(mask, x, -float("inf")), axis=1)
+    hi = extremes(tl.where(mask, x, -float("inf")), 1)[1]
     scale = tl.maximum(ceil_to_bf16(tl.div_rn(hi - lo, 15.0)), min_scale)
-    # Non-finite: a NaN or +-Inf element, or a grid 15 * scale past fp32 (asymmetric.asym_encode).
-    bad = (tl.max(non_finite(x), axis=1) > 0) | (non_finite(15 * scale) > 0)
+    # Non-finite: a NaN or +-Inf element (then lo or hi is), or a grid 15 * scale past fp32
+    # (asymmetric.asym_encode).
+    bad = (non_finite(lo) | non_finite(hi) | non_finite(15 * scale)) > 0
     lo = tl.where(bad, 0.0, lo)
     inverse = tl.div_rn(1.0, tl.where(bad, 1.0, scale))[:, None]
 
-    even, odd = tl.split(tl.reshape(x, [BLOCK_ROWS, BLOCK_COLS // 2, 2]))
-    code_even = tl.minimum(tl.maximum(tl.floor((even - lo[:, None]) * inverse + 0.5), 0.0), 15.0)
-    code_odd = tl.minimum(tl.maximum(tl.floor((odd - lo[:, None]) * inverse + 0.5), 0.0), 15.0)
-    code_even = tl.where(bad[:, None], 0.0, code_even).to(tl.uint8)
-    code_odd = tl.where(bad[:, None], 0.0, code_odd).to(tl.uint8)
+    # Codes in the load's layout, then paired (floor_code: no conversion instruction).
+    code = floor_code(tl.minimum(tl.maximum((x - lo[:, None]) * inverse + 0.5, 0.0), 15.0))
+    code = tl.where(bad[:, None], 0, code)
+    code_even, code_odd = tl.split(tl.reshape(code, [BLOCK_ROWS, BLOCK_COLS // 2, 2]))
     pair = tl.arange(0, BLOCK_COLS // 2)
-    tl.store(packed_ptr + row[:, None] * (width // 2) + pair[None, :], code_even | (code_odd << 4),
+    tl.store(packed_ptr + row[:, None] * (width // 2) + pair[None, :],
+             (code_even | (code_odd << 4)).to(tl.uint8),
              mask=in_row[:, None] & (pair < width // 2)[None, :])
     tl.store(scale_ptr + row, scale_bits(scale, bad), mask=in_row)
     # lo is an input element (or 0), so any rounding mode converts it exactly.
@@ -61,8 +63,8 @@ def _asym_decode(packed_ptr, scale_ptr, offset_ptr, out_ptr, rows, width, dmax,
                    mask=in_row[:, None] & (pair < width // 2)[None, :], other=0)
     scale = bf16_bits_to_float(tl.load(scale_ptr + row, mask=in_row, other=0))[:, None]
     lo = load_float(offset_ptr + row, in_row, OUT_BF16)[:, None]
-    even = saturate(lo + (byte & 15).to(tl.float32) * scale, dmax)
-    odd = saturate(lo + (byte >> 4).to(tl.float32) * scale, dmax)
+    even = saturate(lo + code_value(byte & 15, 0) * scale, dmax)
+    odd = saturate(lo + code_value(byte >> 4, 0) * scale, dmax)
     col = tl.arange(0, BLOCK_COLS)
     value = to_output(tl.interleave(even, odd), OUT_BF16, out_dtype)
     tl.store(out_ptr + row[:, None] * width + col[None, :], value,

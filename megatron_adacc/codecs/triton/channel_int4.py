@@ -5,43 +5,48 @@ decode kernel.
 
 A channel's scale needs every row before any of its codes. So the encode launches programs of two
 kinds, told apart by a ticket each draws as it starts (not its program id):
-- The first ``stat_programs`` tickets take the column minima and maxima of a chunk of rows. The last
-  of them to finish turns those into scales.
+- The first ``stat_programs`` tickets take the column extremes of a chunk of rows and fold them into
+  per-channel maxima by atomics. The last of them to finish turns those into scales.
 - Every later ticket codes a tile once the scales are out.
 A coder only waits on programs that drew earlier tickets, which are running already. So the wait
 cannot deadlock however many programs the GPU holds (the forward-progress argument of decoupled
 look-back scans). The interpreter runs programs one by one in order and never waits. The input is
-read twice (statistics, then codes), with no other launch: the ticket counters are left zero
-for the next one (launch.counters).
+read twice (statistics, then codes), with no other launch: the ticket counters and the maxima are
+left zero for the next one (launch.counters).
 """
 import torch
 import triton
 import triton.language as tl
 
 from megatron_adacc.codecs.int4 import MIN_SCALE, dtype_max
-from megatron_adacc.codecs.triton.launch import (FP_FUSION, INTERPRET, bits_view, cdiv, counters,
-                                                 needs_int64, row_tile, tl_dtype)
-from megatron_adacc.codecs.triton.numerics import (bf16_bits_to_float, load_float, non_finite,
+from megatron_adacc.codecs.triton.launch import (COUNTER_SLOTS, FP_FUSION, INTERPRET, bits_view,
+                                                 cdiv, counters, needs_int64, row_tile, tl_dtype)
+from megatron_adacc.codecs.triton.numerics import (bf16_bits_to_float, code_value, extremes,
+                                                   load_float, nan_maximum, nan_minimum, non_finite,
                                                    saturate, scale_bits, sym_codes, sym_scale,
                                                    to_output)
 
 # Row chunks the statistics are split into: enough programs to fill a GPU; few interpreted.
 STAT_CHUNKS = 4 if INTERPRET else 256
+# Per channel, after the ticket counters: max(hi, 0), max(-lo, 0) as fp32 bits, and a non-finite
+# flag. Zero is the maxima's identity, so the counters' buffer holds them (symmetric.sym_scales
+# gives the same scale for min(lo, 0) and max(hi, 0) as for lo and hi).
+STAT_SLOTS = 3
 
 
 @triton.jit
-def _channel_encode(x_ptr, counter_ptr, lo_ptr, hi_ptr, bad_ptr, scale32_ptr, packed_ptr, scale_ptr,
+def _channel_encode(x_ptr, counter_ptr, scale32_ptr, packed_ptr, scale_ptr,
                     rows, channels, col_blocks, chunks, chunk_rows, min_scale,
                     IN_BF16: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr,
-                    INT64: tl.constexpr):
+                    COUNTERS: tl.constexpr, INT64: tl.constexpr):
     ticket = tl.atomic_add(counter_ptr, 1)
     stat_programs = chunks * col_blocks
+    stats_ptr = counter_ptr + COUNTERS
     if ticket < stat_programs:
         chunk = ticket // col_blocks
         col = (ticket % col_blocks) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
         lo = tl.full([BLOCK_COLS], float("inf"), tl.float32)
         hi = tl.full([BLOCK_COLS], -float("inf"), tl.float32)
-        bad = tl.zeros([BLOCK_COLS], tl.int32)
         end = tl.minimum(rows, (chunk + 1) * chunk_rows)
         for first in range(chunk * chunk_rows, end, BLOCK_ROWS):
             row = first + tl.arange(0, BLOCK_ROWS)
@@ -49,17 +54,19 @@ def _channel_encode(x_ptr, counter_ptr, lo_ptr, hi_ptr, bad_ptr, scale32_ptr, pa
                 row = row.to(tl.int64)
             mask = (row < rows)[:, None] & (col < channels)[None, :]
             x = load_float(x_ptr + row[:, None] * channels + col[None, :], mask, IN_BF16)
-            lo = tl.minimum(lo, tl.min(tl.where(mask, x, float("inf")), axis=0))
-            hi = tl.maximum(hi, tl.max(tl.where(mask, x, -float("inf")), axis=0))
-            bad = tl.maximum(bad, tl.max(non_finite(x), axis=0))
-        partial = chunk * channels + col
-        tl.store(lo_ptr + partial, lo, mask=col < channels)
-        tl.store(hi_ptr + partial, hi, mask=col < channels)
-        tl.store(bad_ptr + partial, bad, mask=col < channels)
+            block_lo, block_hi = extremes(x, 0)  # padding reads 0, which moves no channel's scale
+            lo, hi = nan_minimum(lo, block_lo), nan_maximum(hi, block_hi)
+        bad = non_finite(lo) | non_finite(hi)
+        # Non-negative fp32 bits order as int32 do; a -0 (negative bits) leaves the maximum +0.
+        ok = col < channels
+        tl.atomic_max(stats_ptr + col, tl.maximum(hi, 0.0).to(tl.int32, bitcast=True), mask=ok,
+                      sem="relaxed")
+        tl.atomic_max(stats_ptr + channels + col, tl.maximum(-lo, 0.0).to(tl.int32, bitcast=True),
+                      mask=ok, sem="relaxed")
+        tl.atomic_max(stats_ptr + 2 * channels + col, bad, mask=ok, sem="relaxed")
         tl.debug_barrier()
         if tl.atomic_add(counter_ptr + 1, 1) == stat_programs - 1:
-            _channel_scales(lo_ptr, hi_ptr, bad_ptr, scale32_ptr, scale_ptr, channels, chunks,
-                            min_scale, BLOCK_ROWS, BLOCK_COLS)
+            _channel_scales(stats_ptr, scale32_ptr, scale_ptr, channels, min_scale, BLOCK_COLS)
             tl.debug_barrier()
             tl.atomic_add(counter_ptr + 1, 1)  # the scales are out
     else:
@@ -78,14 +85,12 @@ def _channel_encode(x_ptr, counter_ptr, lo_ptr, hi_ptr, bad_ptr, scale32_ptr, pa
         scale = tl.load(scale32_ptr + col, mask=col < channels, other=1.0, volatile=True)
         inverse = tl.div_rn(1.0, tl.where(scale != scale, 1.0, scale))
         inverse = tl.where(scale != scale, float("nan"), inverse)  # NaN marks a bad channel
-        inverse_even, inverse_odd = tl.split(tl.reshape(inverse, [BLOCK_COLS // 2, 2]))
-        even, odd = tl.split(tl.reshape(x, [BLOCK_ROWS, BLOCK_COLS // 2, 2]))
-        code_even = sym_codes(even, inverse_even[None, :], (inverse_even != inverse_even)[None, :])
-        code_odd = sym_codes(odd, inverse_odd[None, :], (inverse_odd != inverse_odd)[None, :])
+        code = sym_codes(x, inverse[None, :], (inverse != inverse)[None, :])
+        code_even, code_odd = tl.split(tl.reshape(code, [BLOCK_ROWS, BLOCK_COLS // 2, 2]))
         pair_col = (tile % col_blocks) * (BLOCK_COLS // 2) + tl.arange(0, BLOCK_COLS // 2)
         pair_mask = (row < rows)[:, None] & (pair_col < channels // 2)[None, :]
         tl.store(packed_ptr + row[:, None] * (channels // 2) + pair_col[None, :],
-                 code_even | (code_odd << 4), mask=pair_mask)
+                 (code_even | (code_odd << 4)).to(tl.uint8), mask=pair_mask)
     # Each program counts itself out once its threads are done with the counters; the last puts
     # them back to zero for the next launch (launch.counters).
     tl.debug_barrier()
@@ -96,27 +101,23 @@ def _channel_encode(x_ptr, counter_ptr, lo_ptr, hi_ptr, bad_ptr, scale32_ptr, pa
 
 
 @triton.jit
-def _channel_scales(lo_ptr, hi_ptr, bad_ptr, scale32_ptr, scale_ptr, channels, chunks, min_scale,
-                    BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr):
-    """Every channel's scale (symmetric.sym_scales) from the chunks' minima and maxima."""
+def _channel_scales(stats_ptr, scale32_ptr, scale_ptr, channels, min_scale,
+                    BLOCK_COLS: tl.constexpr):
+    """Every channel's scale (symmetric.sym_scales) from the folded extremes, which it zeroes."""
     for first_col in range(0, channels, BLOCK_COLS):
         col = first_col + tl.arange(0, BLOCK_COLS)
-        lo = tl.full([BLOCK_COLS], float("inf"), tl.float32)
-        hi = tl.full([BLOCK_COLS], -float("inf"), tl.float32)
-        bad = tl.zeros([BLOCK_COLS], tl.int32)
-        for first in range(0, chunks, BLOCK_ROWS):
-            chunk = first + tl.arange(0, BLOCK_ROWS)
-            mask = (chunk < chunks)[:, None] & (col < channels)[None, :]
-            at = chunk[:, None] * channels + col[None, :]
-            part_lo = tl.load(lo_ptr + at, mask=mask, other=float("inf"), volatile=True)
-            part_hi = tl.load(hi_ptr + at, mask=mask, other=-float("inf"), volatile=True)
-            part_bad = tl.load(bad_ptr + at, mask=mask, other=0, volatile=True)
-            lo = tl.minimum(lo, tl.min(part_lo, axis=0))
-            hi = tl.maximum(hi, tl.max(part_hi, axis=0))
-            bad = tl.maximum(bad, tl.max(part_bad, axis=0))
-        scale = sym_scale(lo, hi, min_scale)
-        tl.store(scale_ptr + col, scale_bits(scale, bad > 0), mask=col < channels)
-        tl.store(scale32_ptr + col, tl.where(bad > 0, float("nan"), scale), mask=col < channels)
+        ok = col < channels
+        hi = tl.load(stats_ptr + col, mask=ok, other=0, volatile=True)
+        lo = tl.load(stats_ptr + channels + col, mask=ok, other=0, volatile=True)
+        bad = tl.load(stats_ptr + 2 * channels + col, mask=ok, other=0, volatile=True)
+        scale = sym_scale(-lo.to(tl.float32, bitcast=True), hi.to(tl.float32, bitcast=True),
+                          min_scale)
+        tl.store(scale_ptr + col, scale_bits(scale, bad > 0), mask=ok)
+        tl.store(scale32_ptr + col, tl.where(bad > 0, float("nan"), scale), mask=ok)
+        zero = tl.zeros([BLOCK_COLS], tl.int32)
+        tl.store(stats_ptr + col, zero, mask=ok)
+        tl.store(stats_ptr + channels + col, zero, mask=ok)
+        tl.store(stats_ptr + 2 * channels + col, zero, mask=ok)
 
 
 @triton.jit
@@ -133,8 +134,8 @@ def _channel_decode(packed_ptr, scale_ptr, out_ptr, rows, channels, dmax,
     col = tl.program_id(1) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
     scale = bf16_bits_to_float(tl.load(scale_ptr + col, mask=col < channels, other=0))
     scale_even, scale_odd = tl.split(tl.reshape(scale, [BLOCK_COLS // 2, 2]))
-    even = saturate(((byte & 15).to(tl.float32) - 8) * scale_even[None, :], dmax)
-    odd = saturate(((byte >> 4).to(tl.float32) - 8) * scale_odd[None, :], dmax)
+    even = saturate(code_value(byte & 15, 8) * scale_even[None, :], dmax)
+    odd = saturate(code_value(byte >> 4, 8) * scale_odd[None, :], dmax)
     value = to_output(tl.interleave(even, odd), OUT_BF16, out_dtype)
     mask = (row < rows)[:, None] & (col < channels)[None, :]
     tl.store(out_ptr + row[:, None] * channels + col[None, :], value, mask=mask)
@@ -151,19 +152,16 @@ def channel_encode(x2d: torch.Tensor):
     chunk_rows = cdiv(cdiv(rows, chunks), tile.rows) * tile.rows
     chunks = cdiv(rows, chunk_rows)
     device = x2d.device
-    counter = counters(device)
-    lo = torch.empty(chunks, channels, dtype=torch.float32, device=device)
-    hi = torch.empty(chunks, channels, dtype=torch.float32, device=device)
-    bad = torch.empty(chunks, channels, dtype=torch.int32, device=device)
+    counter = counters(device, COUNTER_SLOTS + STAT_SLOTS * channels)
     scale32 = torch.empty(channels, dtype=torch.float32, device=device)
     packed = torch.empty(rows * channels // 2, dtype=torch.uint8, device=device)
     scales = torch.empty(channels, dtype=torch.bfloat16, device=device)
     grid = ((chunks + tile.grid[0]) * col_blocks,)
     _channel_encode[grid](
-        bits_view(x2d), counter, lo, hi, bad, scale32, packed, scales.view(torch.int16), rows,
-        channels, col_blocks, chunks, chunk_rows, MIN_SCALE, IN_BF16=x2d.dtype == torch.bfloat16,
-        BLOCK_ROWS=tile.rows, BLOCK_COLS=tile.cols, INT64=needs_int64(rows * channels),
-        num_warps=tile.num_warps, enable_fp_fusion=FP_FUSION)
+        bits_view(x2d), counter, scale32, packed, scales.view(torch.int16), rows, channels,
+        col_blocks, chunks, chunk_rows, MIN_SCALE, IN_BF16=x2d.dtype == torch.bfloat16,
+        BLOCK_ROWS=tile.rows, BLOCK_COLS=tile.cols, COUNTERS=COUNTER_SLOTS,
+        INT64=needs_int64(rows * channels), num_warps=tile.num_warps, enable_fp_fusion=FP_FUSION)
     return packed, scales
 
 

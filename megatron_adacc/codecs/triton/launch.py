@@ -20,16 +20,20 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # multiply-add would round once and change codes at ties (and the outlier z-scores' sum of
 # squares, the reference's). Decodes need no flag: code * scale is exact in fp32.
 FP_FUSION = False
-# Elements a program instance moves on a GPU: 16 to 32 a thread at 4 to 16 warps keeps two to
-# four 16-byte accesses in flight per thread, which is what streams at bandwidth.
+# Elements a program instance moves on a GPU: 32 a thread at 4 warps, four 16-byte loads in flight
+# per thread.
 GPU_TILE = 4096
 # The interpreter's tile: few programs.
 INTERPRET_TILE = 1 << 16
 # Widest column block of a 2-D tile whose columns are channels.
 MAX_BLOCK_COLS = 1024
-# Threads a warp holds; num_warps is tile / (ELEMENTS_PER_THREAD * WARP) within [4, 16].
+# Threads a warp holds; num_warps is tile / (ELEMENTS_PER_THREAD * WARP) within [4, 16]. The H200
+# ran the int4 round trips at the rate of their instructions, not of memory: SASS instructions x
+# warps / issue rate gave sym, asym, naive and outlier int4's measured times within 12%. A thread's
+# group statistics, scale and addresses cost as much for 16 elements as for 32: at 32 the encodes
+# issue 14-32% fewer instructions (no spills, at most 96 registers: scripts/check_kernels.py).
 WARP = 32
-ELEMENTS_PER_THREAD = 16
+ELEMENTS_PER_THREAD = 32
 MAX_WARPS = 16
 # The widest row one program takes whole (naive_int4's group): 64 values a thread at 16 warps
 # (32768, Llama-3-70B's fc1 half; checked free of spills). Wider rows spill (at 32 warps a
@@ -107,14 +111,15 @@ COUNTER_SLOTS = 3
 _counters: dict[tuple, torch.Tensor] = {}
 
 
-def counters(device: torch.device) -> torch.Tensor:
-    """The current stream's COUNTER_SLOTS int32 ticket counters on ``device``, all zero.
+def counters(device: torch.device, slots: int = COUNTER_SLOTS) -> torch.Tensor:
+    """At least ``slots`` zero int32 on ``device`` for the current stream: ticket counters first.
 
-    They are made once per device and stream; the kernels leave them zero."""
+    They are made once per device and stream, and again only to grow; the kernels leave them zero.
+    A kernel may use the slots after the counters for values it folds by atomics."""
     stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else None
     found = _counters.get((device, stream))
-    if found is None:
-        found = torch.zeros(COUNTER_SLOTS, dtype=torch.int32, device=device)
+    if found is None or found.numel() < slots:
+        found = torch.zeros(max(slots, COUNTER_SLOTS), dtype=torch.int32, device=device)
         # Kept unless a stand-in: FakeTensorMode's has no data, and a CUDA graph's capture
         # records the zeroing without running it (the graph zeroes its own at each replay).
         capturing = stream is not None and torch.cuda.is_current_stream_capturing()

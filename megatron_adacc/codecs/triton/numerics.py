@@ -1,4 +1,6 @@
 """Rounding and NaN helpers shared by the Triton codec kernels, bit-exact with codecs/int4.py."""
+import os
+
 import triton
 import triton.language as tl
 
@@ -52,6 +54,38 @@ def non_finite(v):
 
 
 @triton.jit
+def nan_minimum(a, b):
+    """Elementwise minimum, NaN where either is NaN (a GPU's plain min drops a NaN)."""
+    return tl.minimum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def nan_maximum(a, b):
+    """Elementwise maximum, NaN where either is NaN."""
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+# The interpreter runs a reduction with a combine function in Python, element by element (the codec
+# tests took 8x longer), and its tl.min and tl.max drop NaN. Interpreted, extremes finds NaN apart,
+# to the same result; the tests run the combining reduction on small shapes too.
+REDUCE_BY_COMBINE = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
+
+
+@triton.jit
+def extremes(x, axis: tl.constexpr):
+    """(min, max) of x along ``axis``, both NaN where it holds a NaN.
+
+    So a group is non-finite exactly where one of them is, with no per-element check: a GPU's
+    NaN-propagating min and max cost what its plain ones do."""
+    if REDUCE_BY_COMBINE:
+        return tl.reduce(x, axis, nan_minimum), tl.reduce(x, axis, nan_maximum)
+    else:
+        nan = tl.max((x != x).to(tl.int32), axis=axis) > 0
+        return (tl.where(nan, float("nan"), tl.min(x, axis=axis)),
+                tl.where(nan, float("nan"), tl.max(x, axis=axis)))
+
+
+@triton.jit
 def scale_bits(scale, bad):
     """bf16 bits (int16) of a bf16-exact fp32 scale (ceil_to_bf16), or of NaN where ``bad``.
 
@@ -84,7 +118,26 @@ def sym_scale(lo, hi, min_scale):
 
 
 @triton.jit
+def floor_code(v):
+    """floor(v) as int32 for v in [0, 15], without a conversion instruction.
+
+    Adding 2**23 rounds v to an integer held in the low mantissa bits; one rounded up is taken
+    back. A Hopper GPU converts (F2I, FRND, I2F) at an eighth of the rate it adds: that bound the
+    encodes."""
+    y = v + 8388608.0
+    return (y.to(tl.int32, bitcast=True) - 0x4B000000) - ((y - 8388608.0) > v).to(tl.int32)
+
+
+@triton.jit
+def code_value(code, ZERO: tl.constexpr):
+    """code - ZERO in fp32 for an integer code in [0, 2**23), not converted (see floor_code)."""
+    return (code.to(tl.int32) | 0x4B000000).to(tl.float32, bitcast=True) - (8388608.0 + ZERO)
+
+
+@triton.jit
 def sym_codes(x, inverse, bad):
-    """int4 codes (uint8, 8 = zero) of x * inverse (1 / scale), the zero code in bad groups."""
-    code = tl.minimum(tl.maximum(tl.floor(x * inverse + 8.5), 0.0), 15.0)
-    return tl.where(bad, 8.0, code).to(tl.uint8)
+    """int4 codes (8 = zero) of x * inverse (1 / scale), the zero code in bad groups.
+
+    They are int32; floor commutes with the clamp to the codes' integer bounds."""
+    code = floor_code(tl.minimum(tl.maximum(x * inverse + 8.5, 0.0), 15.0))
+    return tl.where(bad, 8, code)

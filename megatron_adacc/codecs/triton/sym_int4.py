@@ -20,9 +20,9 @@ import triton.language as tl
 from megatron_adacc.codecs.int4 import MIN_SCALE, dtype_max
 from megatron_adacc.codecs.triton.launch import (FP_FUSION, Tile, bits_view, needs_int64,
                                                  next_power_of_2, row_tile, tl_dtype)
-from megatron_adacc.codecs.triton.numerics import (bf16_bits_to_float, non_finite, saturate,
-                                                   scale_bits, sym_codes, sym_scale, to_output,
-                                                   widen)
+from megatron_adacc.codecs.triton.numerics import (bf16_bits_to_float, code_value, extremes,
+                                                   non_finite, saturate, scale_bits, sym_codes,
+                                                   sym_scale, to_output, widen)
 
 
 # Exact channels a program copies at once (a column block of 1024 channels at outlier_int4's
@@ -75,17 +75,17 @@ def _sym_encode(x_ptr, selected_ptr, index_ptr, packed_ptr, scale_ptr, values_pt
                  tl.zeros([EXACT_ROWS, CAPACITY_BLOCK], raw.dtype), mask=owned[:, None] & empty)
 
     GROUPS: tl.constexpr = BLOCK_COLS // GROUP
-    bad = tl.max(tl.reshape(non_finite(x), [BLOCK_ROWS, GROUPS, GROUP]), axis=2) > 0
     grouped = tl.reshape(x, [BLOCK_ROWS, GROUPS, GROUP])
-    lo = tl.min(grouped, axis=2)
-    hi = tl.max(grouped, axis=2)
+    lo, hi = extremes(grouped, 2)
+    bad = (non_finite(lo) | non_finite(hi)) > 0
     scale = sym_scale(lo, hi, min_scale)
     inverse = tl.div_rn(1.0, tl.where(bad, 1.0, scale))[:, :, None]
 
-    even, odd = tl.split(tl.reshape(x, [BLOCK_ROWS, GROUPS, GROUP // 2, 2]))
-    code_even = sym_codes(even, inverse, bad[:, :, None])
-    code_odd = sym_codes(odd, inverse, bad[:, :, None])
-    byte = tl.reshape(code_even | (code_odd << 4), [BLOCK_ROWS, BLOCK_COLS // 2])
+    # Codes in the statistics' layout, then paired: splitting x itself made ptxas code each
+    # element twice.
+    code = sym_codes(grouped, inverse, bad[:, :, None])
+    code_even, code_odd = tl.split(tl.reshape(code, [BLOCK_ROWS, BLOCK_COLS // 2, 2]))
+    byte = (code_even | (code_odd << 4)).to(tl.uint8)
     pair_col = tl.program_id(1) * (BLOCK_COLS // 2) + tl.arange(0, BLOCK_COLS // 2)
     pair = row[:, None] * (width // 2) + pair_col[None, :]
     pair_mask = (row < rows)[:, None] & (pair_col < width // 2)[None, :]
@@ -121,8 +121,8 @@ def _sym_decode(packed_ptr, scale_ptr, index_ptr, values_ptr, out_ptr,
     byte = tl.reshape(byte, [BLOCK_ROWS, GROUPS, GROUP // 2])
     # (code - 8) * scale is exact in fp32; saturating keeps a finite group finite in the
     # output dtype, and a NaN scale (a non-finite group) decodes NaN.
-    even = saturate(((byte & 15).to(tl.float32) - 8) * scale, dmax)
-    odd = saturate(((byte >> 4).to(tl.float32) - 8) * scale, dmax)
+    even = saturate(code_value(byte & 15, 8) * scale, dmax)
+    odd = saturate(code_value(byte >> 4, 8) * scale, dmax)
     value = tl.reshape(tl.interleave(even, odd), [BLOCK_ROWS, BLOCK_COLS])
     value = to_output(value, OUT_BF16, out_dtype)
     col = tl.program_id(1) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
