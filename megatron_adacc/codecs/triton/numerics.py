@@ -102,8 +102,8 @@ def bf16_bits_to_float(bits):
 
 @triton.jit
 def saturate(v, dmax):
-    """v clamped to [-dmax, dmax], NaN passing through (comparisons with NaN are false)."""
-    return tl.where(v > dmax, dmax, tl.where(v < -dmax, -dmax, v))
+    """v clamped to [-dmax, dmax], NaN passing through: two NaN-propagating min/max instructions."""
+    return nan_minimum(nan_maximum(v, -dmax), dmax)
 
 
 @triton.jit
