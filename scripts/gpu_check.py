@@ -68,6 +68,10 @@ class Sizes:
     speed_calls: int                # calls per loop, back to back
     sync_dtypes: tuple              # the sync count's dtypes
     iters: int                      # training iterations per run
+    # Adacc's runs: its step watch decides first at iteration 7 (3 warm-up steps left out, then
+    # a window of 3) and measures a candidate 3 steps more, so 12 iterations saw at most one
+    # decision, and a swap in the last few steps.
+    auto_iters: int
     min_iters: int                  # what a run is shrunk to when time is short
     warmup: int                     # iterations left out of the step-time median
     # the auto profile's repeats (None: the profiler's 5): a profile is set-up time, paid
@@ -80,11 +84,13 @@ class Sizes:
 
 GPU = Sizes(codec_shapes=((4097,), (333, 70), (64, 1024), (4, 8, 128, 128)),
             speed_shape=(8, 1024, 4096), speed_loops=7, speed_calls=20,
-            sync_dtypes=("bf16",), iters=12, min_iters=8, warmup=3, profile_repeats=3,
+            sync_dtypes=("bf16",), iters=12, auto_iters=20, min_iters=8, warmup=3,
+            profile_repeats=3,
             sync_models=tuple(itertools.product(("gpt", "llama"), ("unfused", "flash"))),
             sync_hidden=256, sync_seq=128)
 DRY = Sizes(codec_shapes=((333, 70),), speed_shape=(2, 64, 256), speed_loops=2, speed_calls=2,
-            sync_dtypes=("bf16",), iters=3, min_iters=2, warmup=1, profile_repeats=1,
+            sync_dtypes=("bf16",), iters=3, auto_iters=4, min_iters=2, warmup=1,
+            profile_repeats=1,
             sync_models=(("gpt", "unfused"), ("llama", "flash")), sync_hidden=64, sync_seq=32)
 
 
@@ -871,7 +877,7 @@ class ModelRuns:
             "precision": "bf16" if self.values["bf16"] else "fp16" if self.values["fp16"]
             else "fp32",
             "attention_backend": self.values["attention_backend"],
-            "iters": sizes.iters, "warmup": sizes.warmup,
+            "iters": sizes.iters, "auto_iters": sizes.auto_iters, "warmup": sizes.warmup,
             "estimated_step_s": self.clock.step_s, "runs": {}, "budgets": [], "notes": []}
 
     @property
@@ -882,7 +888,7 @@ class ModelRuns:
         if run_name in self.runs:
             return self.runs[run_name]
         auto, traced = "auto" in flags, method in TRACED if traced is None else traced
-        iters = self.sizes.iters
+        iters = self.sizes.auto_iters if auto else self.sizes.iters
         left, needed = self.deadline.left(), self.clock.estimate(method, iters, auto, traced)
         if needed > left:
             shrunk = self.clock.estimate(method, self.sizes.min_iters, auto, traced)
@@ -1347,7 +1353,8 @@ def estimate_s(section: str, dry_run: bool, optional=OPTIONAL_METHODS) -> float:
     methods = [NONE, FULL] + [m for name in optional for m in counts[name]]
     total = CHILD_START_S[kind] + PREDICT_S[kind]
     for method in methods:
-        total += clock.estimate(method, sizes.iters, method == AUTO, method in TRACED)
+        iters = sizes.auto_iters if method == AUTO else sizes.iters
+        total += clock.estimate(method, iters, method == AUTO, method in TRACED)
         clock.profiled |= method == AUTO  # the first auto run profiles
     return total + clock.estimate(NONE, sizes.iters, False, False)  # the drift's run
 
@@ -1722,8 +1729,11 @@ def _training_lines(name: str, model: dict) -> list[str]:
         return lines + [f"Not run{': ' + model['skipped'] if 'skipped' in model else ''}.", ""]
     lines += [f"`{model['config']}`, {model['precision']}, {model['attention_backend']} "
               f"attention, micro-batch {model['micro_batch_size']}, sequence "
-              f"{model['seq_length']}. Each run takes {model['iters']} iterations. Its step is "
-              f"the median of those after {model['warmup']}. The last one is traced.", "",
+              f"{model['seq_length']}. Each run takes {model['iters']} iterations"
+              + (f", Adacc's {model['auto_iters']} (its step watch's decisions)"
+                 if model.get("auto_iters", model["iters"]) != model["iters"] else "")
+              + f". Its step is the median of those after {model['warmup']}. The last one is "
+              "traced.", "",
               "Predicted step = no optimisation's measured step + what the model says the "
               "method's plan adds. `profiled` prices the plan from the auto runs' profile on "
               "this device. `analytic` prices it with "
