@@ -1,7 +1,8 @@
 """Asymmetric int4, one scale and offset per group: the Triton twin of codecs/asymmetric.py.
 
 A group is a row of [groups, width], width even. There is one encode kernel and one decode kernel.
-Tiles of whole groups load as unit-stride vectors, split into even and odd elements for the nibbles.
+Tiles of whole groups load as unit-stride vectors; their codes split into even and odd for the
+nibbles.
 """
 import torch
 import triton

@@ -6,7 +6,8 @@ writes them back in the decoding pass. One encode kernel, one decode kernel.
 
 The input is seen as [rows, width] rows ``stride`` apart (a view's rows read where they lie). A tile
 is [BLOCK_ROWS, BLOCK_COLS] of whole groups, loaded as unit-stride vectors. It is reshaped to [rows,
-groups, group] for the group statistics, and split into even and odd elements for the nibble pairs.
+groups, group] for the group statistics and coded there; the codes are split into even and odd for
+the nibble pairs.
 Exact channels that are not columns of the tile take a slower index path (CHANNEL_MOD: flat groups
 of a tensor whose channels are no multiple of the group). No model site's shape reaches it.
 """
