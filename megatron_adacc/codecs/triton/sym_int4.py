@@ -26,10 +26,10 @@ from megatron_adacc.codecs.triton.numerics import (bf16_bits_to_float, code_valu
                                                    sym_scale, to_output, widen)
 
 
-# Exact channels a program copies at once (a column block of 1024 channels at outlier_int4's
-# default capacity, one in 64, holds 16: two passes). 16 made ptxas spill 4 bytes of the fp32
-# encode for sm_80 at 48 registers (scripts/check_kernels.py).
-EXACT_SLOTS = 8
+# Exact channels a program copies at once: a 4-row tile's copy is then one element a thread at 4
+# warps, and a column block of 1024 channels at outlier_int4's default capacity (one in 64, 16
+# there when spread evenly) takes one pass, not two. No spills (scripts/check_kernels.py).
+EXACT_SLOTS = 32
 
 
 @triton.jit
