@@ -176,14 +176,20 @@ def _specialise(launch: Launch, target: GPUTarget):
     return signature, constexprs, attrs, options
 
 
-def _cuobjdump_usage(cubin: bytes) -> tuple[int, int]:
-    """(registers, local-memory bytes: spills) of the kernel in ``cubin``."""
+def _cuobjdump(cubin: bytes, flag: str) -> subprocess.CompletedProcess:
+    """The bundled cuobjdump run with ``flag`` on ``cubin``."""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        out = subprocess.run([str(NVIDIA_BIN / "cuobjdump"), "-res-usage", f.name],
-                             capture_output=True, text=True, check=True).stdout
-    match = re.search(r"REG:(\d+) STACK:(\d+) SHARED:\d+ LOCAL:(\d+)", out)
+        return subprocess.run([str(NVIDIA_BIN / "cuobjdump"), flag, f.name], capture_output=True,
+                              text=True)
+
+
+def _cuobjdump_usage(cubin: bytes) -> tuple[int, int]:
+    """(registers, local-memory bytes: spills) of the kernel in ``cubin``."""
+    run = _cuobjdump(cubin, "-res-usage")
+    run.check_returncode()
+    match = re.search(r"REG:(\d+) STACK:(\d+) SHARED:\d+ LOCAL:(\d+)", run.stdout)
     return int(match.group(1)), int(match.group(2)) + int(match.group(3))
 
 
@@ -195,11 +201,7 @@ def _sass_conversions(cubin: bytes) -> int | None:
     """How many conversion instructions (CONVERSIONS) the kernel in ``cubin`` holds.
 
     None where the bundled cuobjdump no longer disassembles the target (sm_70 in CUDA 13)."""
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        run = subprocess.run([str(NVIDIA_BIN / "cuobjdump"), "-sass", f.name],
-                             capture_output=True, text=True)
+    run = _cuobjdump(cubin, "-sass")
     return len(CONVERSIONS.findall(run.stdout)) if run.returncode == 0 else None
 
 
