@@ -181,10 +181,10 @@ def test_rows_read_in_place_byte_identical(dtype):
 
 
 @triton.jit
-def _to_bf16_bits(src, dst, n, BLOCK: tl.constexpr):
+def _to_bf16(src, dst, n, BLOCK: tl.constexpr):
     i = tl.arange(0, BLOCK)
     v = tl.load(src + i, mask=i < n, other=0.0)
-    tl.store(dst + i, to_output(v, True, tl.int16), mask=i < n)
+    tl.store(dst + i, to_output(v, True, tl.bfloat16), mask=i < n)
 
 
 def test_bf16_outputs_keep_every_nan():
@@ -193,10 +193,10 @@ def test_bf16_outputs_keep_every_nan():
     # rest as torch does (the largest fp32 to +inf).
     bits = torch.tensor([0x7FFFFFFF, -1, 0x7FC00000, 0x7F800000, 0x3F808000, 0x3F818000,
                          0x7F7FFFFF, -0x7F800000], dtype=torch.int32)
-    out = torch.empty(bits.numel(), dtype=torch.int16)
-    _to_bf16_bits[(1,)](bits.view(torch.float32), out, bits.numel(), BLOCK=8)
+    out = torch.empty(bits.numel(), dtype=torch.bfloat16)
+    _to_bf16[(1,)](bits.view(torch.float32), out, bits.numel(), BLOCK=8)
     expected = bits.view(torch.float32).to(torch.bfloat16)
-    assert_same_decoded(expected, out.view(torch.bfloat16))
+    assert_same_decoded(expected, out)
 
 
 @pytest.mark.parametrize("name", ["asym_int4", "sym_int4"])

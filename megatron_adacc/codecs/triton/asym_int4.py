@@ -9,7 +9,7 @@ import triton
 import triton.language as tl
 
 from megatron_adacc.codecs.int4 import MIN_SCALE, dtype_max
-from megatron_adacc.codecs.triton.launch import (FP_FUSION, bits_view, needs_int64,
+from megatron_adacc.codecs.triton.launch import (FP_FUSION, needs_int64,
                                                  next_power_of_2, row_tile, tl_dtype)
 from megatron_adacc.codecs.triton.numerics import (bf16_bits_to_float, ceil_to_bf16, code_value,
                                                    extremes, floor_code, load_float, non_finite,
@@ -80,7 +80,7 @@ def asym_encode(x2d: torch.Tensor):
     scales = torch.empty(rows, dtype=torch.bfloat16, device=x2d.device)
     offsets = torch.empty(rows, dtype=x2d.dtype, device=x2d.device)
     _asym_encode[tile.grid](
-        bits_view(x2d), packed, scales.view(torch.int16), bits_view(offsets), rows, width,
+        x2d, packed, scales, offsets, rows, width,
         MIN_SCALE, IN_BF16=x2d.dtype == torch.bfloat16, offset_dtype=tl_dtype(x2d.dtype),
         BLOCK_ROWS=tile.rows, BLOCK_COLS=tile.cols, INT64=needs_int64(rows * width),
         num_warps=tile.num_warps, enable_fp_fusion=FP_FUSION)
@@ -94,7 +94,7 @@ def asym_decode(packed: torch.Tensor, scales: torch.Tensor, offsets: torch.Tenso
     out = torch.empty(shape2d, dtype=dtype, device=packed.device)
     tile = row_tile(rows, width, next_power_of_2(width))
     _asym_decode[tile.grid](
-        packed, scales.view(torch.int16), bits_view(offsets), bits_view(out), rows, width,
+        packed, scales, offsets, out, rows, width,
         dtype_max(dtype), OUT_BF16=dtype == torch.bfloat16, out_dtype=tl_dtype(dtype),
         BLOCK_ROWS=tile.rows, BLOCK_COLS=tile.cols, INT64=needs_int64(rows * width),
         num_warps=tile.num_warps)

@@ -10,8 +10,8 @@ import triton
 import triton.language as tl
 
 from megatron_adacc.codecs.int4 import NAN_BITS
-from megatron_adacc.codecs.triton.launch import (bits_view, counters, flat_tile, needs_int64,
-                                                 tl_dtype, warps_for)
+from megatron_adacc.codecs.triton.launch import (counters, flat_tile, needs_int64, tl_dtype,
+                                                 warps_for)
 from megatron_adacc.codecs.triton.numerics import load_float, to_output
 
 # Partial minima a program of the last one reduces at once.
@@ -89,7 +89,7 @@ def _mask_unpack(packed_ptr, value_ptr, out_ptr, numel, VALUE: tl.constexpr,
 def mask_encode(flat: torch.Tensor):
     """(packed flags, the mask's value or None) as bitmask.mask_encode, for bool and float masks."""
     check = flat.dtype != torch.bool
-    x = flat.view(torch.uint8) if not check else bits_view(flat)
+    x = flat.view(torch.uint8) if not check else flat
     tile = flat_tile(flat.numel(), 8)
     programs = tile.grid[0]
     device = flat.device

@@ -19,8 +19,8 @@ import triton
 import triton.language as tl
 
 from megatron_adacc.codecs.int4 import MIN_SCALE, dtype_max
-from megatron_adacc.codecs.triton.launch import (COUNTER_SLOTS, FP_FUSION, INTERPRET, bits_view,
-                                                 cdiv, counters, needs_int64, row_tile, tl_dtype)
+from megatron_adacc.codecs.triton.launch import (COUNTER_SLOTS, FP_FUSION, INTERPRET, cdiv,
+                                                 counters, needs_int64, row_tile, tl_dtype)
 from megatron_adacc.codecs.triton.numerics import (bf16_bits_to_float, code_value, extremes,
                                                    load_float, nan_maximum, nan_minimum, non_finite,
                                                    saturate, scale_bits, sym_codes, sym_scale,
@@ -158,7 +158,7 @@ def channel_encode(x2d: torch.Tensor):
     scales = torch.empty(channels, dtype=torch.bfloat16, device=device)
     grid = ((chunks + tile.grid[0]) * col_blocks,)
     _channel_encode[grid](
-        bits_view(x2d), counter, scale32, packed, scales.view(torch.int16), rows, channels,
+        x2d, counter, scale32, packed, scales, rows, channels,
         col_blocks, chunks, chunk_rows, MIN_SCALE, IN_BF16=x2d.dtype == torch.bfloat16,
         BLOCK_ROWS=tile.rows, BLOCK_COLS=tile.cols, COUNTERS=COUNTER_SLOTS,
         INT64=needs_int64(rows * channels), num_warps=tile.num_warps, enable_fp_fusion=FP_FUSION)
@@ -172,7 +172,7 @@ def channel_decode(packed: torch.Tensor, scales: torch.Tensor, shape2d,
     out = torch.empty(shape2d, dtype=dtype, device=packed.device)
     tile = row_tile(rows, channels, 2)  # columns: channels, in blocks
     _channel_decode[tile.grid](
-        packed, scales.view(torch.int16), bits_view(out), rows, channels, dtype_max(dtype),
+        packed, scales, out, rows, channels, dtype_max(dtype),
         OUT_BF16=dtype == torch.bfloat16, out_dtype=tl_dtype(dtype), BLOCK_ROWS=tile.rows,
         BLOCK_COLS=tile.cols, INT64=needs_int64(rows * channels), num_warps=tile.num_warps)
     return out

@@ -135,16 +135,9 @@ def needs_int64(*extents: int) -> bool:
     return max(extents, default=0) >= INT32_LIMIT
 
 
-def bits_view(t: torch.Tensor) -> torch.Tensor:
-    """bf16 tensors go to the kernels as their int16 bit patterns.
-
-    See numerics.to_output and numerics.load_float."""
-    return t.view(torch.int16) if t.dtype == torch.bfloat16 else t
-
-
-_TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.int16}
+_TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
 
 def tl_dtype(dtype: torch.dtype):
-    """Triton element type a kernel writes for `dtype` (bf16 as int16 bits, see bits_view)."""
+    """Triton element type a kernel writes for `dtype`."""
     return _TL_DTYPES[dtype]

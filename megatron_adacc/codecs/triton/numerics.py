@@ -21,30 +21,30 @@ NATIVE_BF16 = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
 
 @triton.jit
 def to_output(v, OUT_BF16: tl.constexpr, out_dtype: tl.constexpr):
-    """fp32 -> output dtype, rounding to nearest even; bf16 is returned as its int16 bits.
+    """fp32 -> output dtype, rounding to nearest even.
 
     Interpreted, bf16 is rounded by hand, NaN giving the quiet NaN 0x7FC0 (rounding a GPU's NaN
     0x7FFFFFFF by hand would carry into the sign). A GPU's NaN bits may differ: they are no part
     of the format."""
     if OUT_BF16:
         if NATIVE_BF16:
-            return v.to(tl.bfloat16).to(tl.int16, bitcast=True)
+            return v.to(tl.bfloat16)
         else:
             bits = v.to(tl.int32, bitcast=True)
             rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
-            return tl.where(v != v, 0x7FC0, rounded).to(tl.int16)
+            return tl.where(v != v, 0x7FC0, rounded).to(tl.int16).to(tl.bfloat16, bitcast=True)
     else:
         return v.to(out_dtype)
 
 
 @triton.jit
 def widen(raw, BF16_BITS: tl.constexpr):
-    """Loaded values as fp32; bf16 comes as int16 bits (launch.bits_view), widened by hand.
+    """Loaded values as fp32; bf16 is widened by hand, from its bits.
 
     The Triton interpreter's bf16 -> fp32 cast flushes subnormals to 0, where a GPU's (a shift)
     keeps them."""
     if BF16_BITS:
-        return (raw.to(tl.int32) << 16).to(tl.float32, bitcast=True)
+        return bf16_bits_to_float(raw)
     else:
         return raw.to(tl.float32)
 
@@ -95,17 +95,17 @@ def extremes(x, axis: tl.constexpr):
 
 @triton.jit
 def scale_bits(scale, bad):
-    """bf16 bits (int16) of a bf16-exact fp32 scale (ceil_to_bf16), or of NaN where ``bad``.
+    """The bf16 of a bf16-exact fp32 scale (ceil_to_bf16), or NaN where ``bad``, made from bits.
 
-    They are stored by hand, since a GPU's cvt would canonicalise NaN to 0x7FFF."""
+    By hand, since a GPU's cvt would canonicalise NaN to 0x7FFF."""
     bits = scale.to(tl.int32, bitcast=True) >> 16
-    return tl.where(bad, 0x7FC0, bits).to(tl.int16)
+    return tl.where(bad, 0x7FC0, bits).to(tl.int16).to(tl.bfloat16, bitcast=True)
 
 
 @triton.jit
-def bf16_bits_to_float(bits):
-    """fp32 value of bf16 bits (int16), widened by a shift (subnormals kept)."""
-    return (bits.to(tl.int32) << 16).to(tl.float32, bitcast=True)
+def bf16_bits_to_float(value):
+    """fp32 of a bf16 (or its int16 bits), widened by a shift of its bits (subnormals kept)."""
+    return (value.to(tl.int16, bitcast=True).to(tl.int32) << 16).to(tl.float32, bitcast=True)
 
 
 @triton.jit

@@ -13,7 +13,7 @@ import triton.language as tl
 
 from megatron_adacc.codecs.int4 import EMPTY_SLOT, INDEX_DTYPE
 from megatron_adacc.codecs.outlier import statistics_step
-from megatron_adacc.codecs.triton.launch import (FP_FUSION, bits_view, cdiv, counters, needs_int64,
+from megatron_adacc.codecs.triton.launch import (FP_FUSION, cdiv, counters, needs_int64,
                                                  row_tile, warps_for)
 from megatron_adacc.codecs.triton.numerics import load_float
 
@@ -102,7 +102,7 @@ def outlier_select(x2d: torch.Tensor, threshold: float, capacity: int):
     index = torch.empty(capacity, dtype=INDEX_DTYPE, device=x2d.device)
     grid = (cdiv(channels, STATISTICS_COLS),)
     _outlier_select[grid](
-        bits_view(x2d), sums, ticket, selected.view(torch.int8), index, channels, x2d.stride(0),
+        x2d, sums, ticket, selected.view(torch.int8), index, channels, x2d.stride(0),
         step, sample_rows, capacity, threshold, IN_BF16=x2d.dtype == torch.bfloat16,
         BLOCK_ROWS=tile.rows, BLOCK_COLS=STATISTICS_COLS, SELECT_BLOCK=SELECT_BLOCK,
         EMPTY=EMPTY_SLOT, INT64=needs_int64(rows * x2d.stride(0)),

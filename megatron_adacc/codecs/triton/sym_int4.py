@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from megatron_adacc.codecs.int4 import MIN_SCALE, dtype_max
-from megatron_adacc.codecs.triton.launch import (FP_FUSION, Tile, bits_view, needs_int64,
+from megatron_adacc.codecs.triton.launch import (FP_FUSION, Tile, needs_int64,
                                                  next_power_of_2, row_tile, tl_dtype)
 from megatron_adacc.codecs.triton.numerics import (bf16_bits_to_float, code_value, extremes,
                                                    non_finite, saturate, scale_bits, sym_codes,
@@ -283,15 +283,15 @@ def sym_encode(x: torch.Tensor, layout: Layout, outlier=None):
             channels are copied to their slot and encoded as zeros.
     """
     packed = torch.empty(layout.rows * layout.width // 2, dtype=torch.uint8, device=x.device)
-    scales = torch.empty(layout.rows * layout.row_groups, dtype=torch.int16, device=x.device)
+    scales = torch.empty(layout.rows * layout.row_groups, dtype=torch.bfloat16, device=x.device)
     index, values, channels, capacity = _exact_channels(outlier, packed, layout)
     selected = packed if outlier is None else outlier[3].view(torch.int8)  # read with OUTLIER
     _sym_encode[layout.tile.grid](
-        bits_view(x), selected, index, packed, scales, bits_view(values), layout.rows,
+        x, selected, index, packed, scales, values, layout.rows,
         layout.width, layout.stride, layout.row_groups, channels, capacity, values.shape[0],
         MIN_SCALE, **_encode_config(layout, x.dtype == torch.bfloat16, capacity, channels,
                                     outlier is not None))
-    return packed, scales.view(torch.bfloat16)
+    return packed, scales
 
 
 def sym_decode(packed: torch.Tensor, scales: torch.Tensor, layout: Layout, dtype: torch.dtype,
@@ -305,7 +305,7 @@ def sym_decode(packed: torch.Tensor, scales: torch.Tensor, layout: Layout, dtype
     out = torch.empty(layout.rows, layout.width, dtype=dtype, device=packed.device)
     index, values, channels, capacity = _exact_channels(exact, packed, layout)
     _sym_decode[layout.decode_tile.grid](
-        packed, scales.view(torch.int16), index, bits_view(values), bits_view(out), layout.rows,
+        packed, scales, index, values, out, layout.rows,
         layout.width, layout.row_groups, layout.rows * layout.width, channels, capacity,
         values.shape[0], dtype_max(dtype),
         **_decode_config(layout, dtype, capacity, channels, exact is not None))
