@@ -78,7 +78,7 @@ def _select(sums_ptr, selected_ptr, index_ptr, channels, capacity, threshold,
         outlier = outlier & (c < channels)
         rank = taken + tl.cumsum(outlier.to(tl.int32), axis=0)
         selected = outlier & (rank <= capacity)
-        tl.store(selected_ptr + c, selected.to(tl.int8), mask=c < channels)
+        tl.store(selected_ptr + c, selected, mask=c < channels)
         tl.store(index_ptr + rank - 1, c, mask=selected)
         taken += tl.sum(outlier.to(tl.int32), axis=0)
     for first in range(0, capacity, SELECT_BLOCK):
@@ -102,7 +102,7 @@ def outlier_select(x2d: torch.Tensor, threshold: float, capacity: int):
     index = torch.empty(capacity, dtype=INDEX_DTYPE, device=x2d.device)
     grid = (cdiv(channels, STATISTICS_COLS),)
     _outlier_select[grid](
-        x2d, sums, ticket, selected.view(torch.int8), index, channels, x2d.stride(0),
+        x2d, sums, ticket, selected, index, channels, x2d.stride(0),
         step, sample_rows, capacity, threshold, IN_BF16=x2d.dtype == torch.bfloat16,
         BLOCK_ROWS=tile.rows, BLOCK_COLS=STATISTICS_COLS, SELECT_BLOCK=SELECT_BLOCK,
         EMPTY=EMPTY_SLOT, INT64=needs_int64(rows * x2d.stride(0)),

@@ -285,7 +285,7 @@ def sym_encode(x: torch.Tensor, layout: Layout, outlier=None):
     packed = torch.empty(layout.rows * layout.width // 2, dtype=torch.uint8, device=x.device)
     scales = torch.empty(layout.rows * layout.row_groups, dtype=torch.bfloat16, device=x.device)
     index, values, channels, capacity = _exact_channels(outlier, packed, layout)
-    selected = packed if outlier is None else outlier[3].view(torch.int8)  # read with OUTLIER
+    selected = packed if outlier is None else outlier[3]  # read with OUTLIER
     _sym_encode[layout.tile.grid](
         x, selected, index, packed, scales, values, layout.rows,
         layout.width, layout.stride, layout.row_groups, channels, capacity, values.shape[0],
