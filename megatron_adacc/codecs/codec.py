@@ -153,8 +153,8 @@ class _FlatGroups(Codec):
 
     @staticmethod
     def _ungroup(groups: torch.Tensor, payload: Payload) -> torch.Tensor:
-        flat = groups.view(-1)
-        return flat if flat.numel() == payload.numel else flat[: payload.numel]
+        # decode views the result as the payload's shape: whole groups need no view here
+        return groups if groups.numel() == payload.numel else groups.view(-1)[: payload.numel]
 
     def _group_count(self, shape: torch.Size) -> int:
         return -(-shape.numel() // self.group_size)
