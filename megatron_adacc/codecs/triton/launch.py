@@ -116,7 +116,7 @@ def counters(device: torch.device, slots: int = COUNTER_SLOTS) -> torch.Tensor:
 
     They are made once per device and stream, and again only to grow; the kernels leave them zero.
     A kernel may use the slots after the counters for values it folds by atomics."""
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else None
+    stream = _current_stream(device) if device.type == "cuda" else None
     found = _counters.get((device, stream))
     if found is None or found.numel() < slots:
         found = torch.zeros(max(slots, COUNTER_SLOTS), dtype=torch.int32, device=device)
@@ -126,6 +126,17 @@ def counters(device: torch.device, slots: int = COUNTER_SLOTS) -> torch.Tensor:
         if type(found) is torch.Tensor and not capturing:
             _counters[(device, stream)] = found
     return found
+
+
+def _current_stream(device: torch.device) -> int:
+    """The raw handle of ``device``'s current stream, as Triton's launcher reads it.
+
+    Its driver's call (torch's raw-stream getter) makes no Python Stream object, unlike
+    torch.cuda.current_stream."""
+    from triton.runtime.driver import driver
+
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return driver.active.get_current_stream(index)
 
 
 def needs_int64(*extents: int) -> bool:
