@@ -31,7 +31,8 @@ MAX_BLOCK_COLS = 1024
 # ran the int4 round trips at the rate of their instructions, not of memory: SASS instructions x
 # warps / issue rate gave sym, asym, naive and outlier int4's measured times within 12%. A thread's
 # group statistics, scale and addresses cost as much for 16 elements as for 32: at 32 the encodes
-# issue 14-32% fewer instructions (no spills, at most 96 registers: scripts/check_kernels.py).
+# issue 14-32% fewer instructions (no spills; at most 96 registers on sm_80 and sm_90, 124 on
+# sm_70: scripts/check_kernels.py).
 WARP = 32
 ELEMENTS_PER_THREAD = 32
 MAX_WARPS = 16
