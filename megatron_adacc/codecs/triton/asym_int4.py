@@ -12,8 +12,8 @@ from megatron_adacc.codecs.int4 import MIN_SCALE, dtype_max
 from megatron_adacc.codecs.triton.launch import (FP_FUSION, needs_int64,
                                                  next_power_of_2, row_tile, tl_dtype)
 from megatron_adacc.codecs.triton.numerics import (bf16_bits_to_float, ceil_to_bf16, code_value,
-                                                   extremes, floor_code, load_float, non_finite,
-                                                   saturate, scale_bits, to_output)
+                                                   floor_code, load_float, nan_max, nan_min,
+                                                   non_finite, saturate, scale_bits, to_output)
 
 
 @triton.jit
@@ -28,9 +28,9 @@ def _asym_encode(x_ptr, packed_ptr, scale_ptr, offset_ptr, rows, width, min_scal
     mask = in_row[:, None] & (col < width)[None, :]
     x = load_float(x_ptr + row[:, None] * width + col[None, :], mask, IN_BF16)
 
-    lo = extremes(tl.where(mask, x, float("inf")), 1)[0]
+    lo = nan_min(tl.where(mask, x, float("inf")), 1)
     lo = tl.where(lo == 0, 0.0, lo)  # +0 whichever zero the reduction met first
-    hi = extremes(tl.where(mask, x, -float("inf")), 1)[1]
+    hi = nan_max(tl.where(mask, x, -float("inf")), 1)
     scale = tl.maximum(ceil_to_bf16(tl.div_rn(hi - lo, 15.0)), min_scale)
     # Non-finite: a NaN or +-Inf element (then lo or hi is), or a grid 15 * scale past fp32
     # (asymmetric.asym_encode).

@@ -1,8 +1,8 @@
 """Rounding and NaN helpers shared by the Triton codec kernels, bit-exact with codecs/int4.py."""
-import os
-
 import triton
 import triton.language as tl
+
+from megatron_adacc.codecs.triton.launch import INTERPRET
 
 
 @triton.jit
@@ -16,7 +16,7 @@ def ceil_to_bf16(v):
 
 # A GPU rounds fp32 to bf16 to nearest even, two values an instruction (cvt.rn.bf16x2.f32); by hand
 # it took five integer instructions a value, a third of a decode's. The interpreter truncates.
-NATIVE_BF16 = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
+NATIVE_BF16 = tl.constexpr(not INTERPRET)
 
 
 @triton.jit
@@ -76,21 +76,36 @@ def nan_maximum(a, b):
 # The interpreter runs a reduction with a combine function in Python, element by element (the codec
 # tests took 8x longer), and its tl.min and tl.max drop NaN. Interpreted, extremes finds NaN apart,
 # to the same result; the tests run the combining reduction on small shapes too.
-REDUCE_BY_COMBINE = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
+REDUCE_BY_COMBINE = tl.constexpr(not INTERPRET)
+
+
+@triton.jit
+def nan_min(x, axis: tl.constexpr):
+    """The minimum of x along ``axis``, NaN where it holds a NaN."""
+    if REDUCE_BY_COMBINE:
+        return tl.reduce(x, axis, nan_minimum)
+    else:
+        return tl.where(tl.max((x != x).to(tl.int32), axis=axis) > 0, float("nan"),
+                        tl.min(x, axis=axis))
+
+
+@triton.jit
+def nan_max(x, axis: tl.constexpr):
+    """The maximum of x along ``axis``, NaN where it holds a NaN."""
+    if REDUCE_BY_COMBINE:
+        return tl.reduce(x, axis, nan_maximum)
+    else:
+        return tl.where(tl.max((x != x).to(tl.int32), axis=axis) > 0, float("nan"),
+                        tl.max(x, axis=axis))
 
 
 @triton.jit
 def extremes(x, axis: tl.constexpr):
-    """(min, max) of x along ``axis``, both NaN where it holds a NaN.
+    """(nan_min, nan_max) of x along ``axis``.
 
     So a group is non-finite exactly where one of them is, with no per-element check: a GPU's
     NaN-propagating min and max cost what its plain ones do."""
-    if REDUCE_BY_COMBINE:
-        return tl.reduce(x, axis, nan_minimum), tl.reduce(x, axis, nan_maximum)
-    else:
-        nan = tl.max((x != x).to(tl.int32), axis=axis) > 0
-        return (tl.where(nan, float("nan"), tl.min(x, axis=axis)),
-                tl.where(nan, float("nan"), tl.max(x, axis=axis)))
+    return nan_min(x, axis), nan_max(x, axis)
 
 
 @triton.jit
