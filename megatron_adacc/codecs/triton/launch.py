@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 import triton.language as tl
+from triton.runtime.driver import driver
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # Encoders compute x * (1 / scale) + bias with two roundings, as the reference does; a fused
@@ -134,8 +135,6 @@ def _current_stream(device: torch.device) -> int:
 
     Its driver's call (torch's raw-stream getter) makes no Python Stream object, unlike
     torch.cuda.current_stream."""
-    from triton.runtime.driver import driver
-
     index = device.index if device.index is not None else torch.cuda.current_device()
     return driver.active.get_current_stream(index)
 
