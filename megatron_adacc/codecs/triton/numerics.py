@@ -80,13 +80,17 @@ REDUCE_BY_COMBINE = tl.constexpr(not INTERPRET)
 
 
 @triton.jit
+def _nan_where_nan(x, axis: tl.constexpr, reduced):
+    """``reduced`` (x reduced along ``axis``), NaN where x holds a NaN: the interpreter's way."""
+    return tl.where(tl.max((x != x).to(tl.int32), axis=axis) > 0, float("nan"), reduced)
+
+
+@triton.jit
 def nan_min(x, axis: tl.constexpr):
     """The minimum of x along ``axis``, NaN where it holds a NaN."""
     if REDUCE_BY_COMBINE:
         return tl.reduce(x, axis, nan_minimum)
-    else:
-        return tl.where(tl.max((x != x).to(tl.int32), axis=axis) > 0, float("nan"),
-                        tl.min(x, axis=axis))
+    return _nan_where_nan(x, axis, tl.min(x, axis=axis))
 
 
 @triton.jit
@@ -94,9 +98,7 @@ def nan_max(x, axis: tl.constexpr):
     """The maximum of x along ``axis``, NaN where it holds a NaN."""
     if REDUCE_BY_COMBINE:
         return tl.reduce(x, axis, nan_maximum)
-    else:
-        return tl.where(tl.max((x != x).to(tl.int32), axis=axis) > 0, float("nan"),
-                        tl.max(x, axis=axis))
+    return _nan_where_nan(x, axis, tl.max(x, axis=axis))
 
 
 @triton.jit
