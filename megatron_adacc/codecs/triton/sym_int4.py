@@ -48,23 +48,24 @@ def _sym_encode(x_ptr, selected_ptr, index_ptr, packed_ptr, scale_ptr, values_pt
     raw = tl.load(x_ptr + row[:, None] * stride + col[None, :], mask=mask, other=0)
     x = widen(raw, IN_BF16)
     if OUTLIER:
+        slot = tl.arange(0, CAPACITY_BLOCK)
+        slots = tl.load(index_ptr + slot, mask=slot < capacity, other=-1)
         # The selected channels go exact into their slot's column and are zeroed for the
         # int4 pass.
         if CHANNEL_MOD:
             element = row[:, None] * width + col[None, :]
-            slot = _slot_of(element % channels, index_ptr, capacity, CAPACITY_BLOCK)
+            slot_of = _slot_of(element % channels, index_ptr, capacity, CAPACITY_BLOCK)
             tensor_row = element // channels
-            tl.store(values_ptr + tensor_row * capacity + slot, raw, mask=mask & (slot >= 0))
-            x = tl.where(slot >= 0, 0.0, x)
+            tl.store(values_ptr + tensor_row * capacity + slot_of, raw,
+                     mask=mask & (slot_of >= 0))
+            x = tl.where(slot_of >= 0, 0.0, x)
         else:  # a tile's columns are channels: the selection's mask, one load a column
             chosen = tl.load(selected_ptr + col, mask=col < width, other=0) != 0
             x = tl.where(chosen[None, :], 0.0, x)
-            _copy_exact_run(x_ptr, stride, values_ptr, index_ptr, row, rows, capacity,
-                            tl.program_id(1) * BLOCK_COLS, BLOCK_COLS, CAPACITY_BLOCK, EXACT_SLOTS,
+            _copy_exact_run(x_ptr, stride, values_ptr, index_ptr, slots, row, rows, capacity,
+                            tl.program_id(1) * BLOCK_COLS, BLOCK_COLS, EXACT_SLOTS,
                             TO_VALUES=True)
         # Empty slots' columns hold +0: each tensor row's by the program holding its start.
-        slot = tl.arange(0, CAPACITY_BLOCK)
-        empty = (tl.load(index_ptr + slot, mask=slot < capacity, other=0) < 0)[None, :]
         if CHANNEL_MOD:
             first = tl.min(row, axis=0) * width  # the program's first element, offsets' type
             starts = (first + channels - 1) // channels + tl.arange(0, EXACT_ROWS)
@@ -73,7 +74,8 @@ def _sym_encode(x_ptr, selected_ptr, index_ptr, packed_ptr, scale_ptr, values_pt
             starts = row
             owned = (row < rows) & (row * 0 + tl.program_id(1) == 0)  # a block: see outlier_select
         tl.store(values_ptr + starts[:, None] * capacity + slot[None, :],
-                 tl.zeros([EXACT_ROWS, CAPACITY_BLOCK], raw.dtype), mask=owned[:, None] & empty)
+                 tl.zeros([EXACT_ROWS, CAPACITY_BLOCK], raw.dtype),
+                 mask=owned[:, None] & ((slots < 0) & (slot < capacity))[None, :])
 
     GROUPS: tl.constexpr = BLOCK_COLS // GROUP
     grouped = tl.reshape(x, [BLOCK_ROWS, GROUPS, GROUP])
@@ -146,22 +148,26 @@ def _sym_decode(packed_ptr, scale_ptr, index_ptr, values_ptr, out_ptr,
             exact = tl.load(values_ptr + at, mask=ok, other=0)
             tl.store(out_ptr + target, exact, mask=ok)
         else:
-            _copy_exact_run(out_ptr, width, values_ptr, index_ptr, row, rows, capacity,
-                            tl.program_id(1) * BLOCK_COLS, BLOCK_COLS, CAPACITY_BLOCK, EXACT_SLOTS,
+            slot = tl.arange(0, CAPACITY_BLOCK)
+            slots = tl.load(index_ptr + slot, mask=slot < capacity, other=-1)
+            _copy_exact_run(out_ptr, width, values_ptr, index_ptr, slots, row, rows, capacity,
+                            tl.program_id(1) * BLOCK_COLS, BLOCK_COLS, EXACT_SLOTS,
                             TO_VALUES=False)
 
 
 @triton.jit
-def _copy_exact_run(tensor_ptr, stride, values_ptr, index_ptr, row, rows, capacity, start,
-                    BLOCK_COLS: tl.constexpr, CAPACITY_BLOCK: tl.constexpr,
-                    EXACT_SLOTS: tl.constexpr, TO_VALUES: tl.constexpr):
+def _copy_exact_run(tensor_ptr, stride, values_ptr, index_ptr, slots, row, rows, capacity,
+                    start, BLOCK_COLS: tl.constexpr, EXACT_SLOTS: tl.constexpr,
+                    TO_VALUES: tl.constexpr):
     """Copy the exact channels among columns [start, start + BLOCK_COLS) of ``row``.
 
     They go between the tensor (rows ``stride`` apart) and their slots' columns of the values
-    ([rows, capacity]). They are a run of the ascending slot indices, found by two searches. They
-    are copied EXACT_SLOTS at a time: one pass, unless the block holds more exact channels."""
-    first_slot = _lower_bound(start, index_ptr, capacity, CAPACITY_BLOCK)
-    end_slot = _lower_bound(start + BLOCK_COLS, index_ptr, capacity, CAPACITY_BLOCK)
+    ([rows, capacity]). They are a run of the ascending slot indices ``slots`` (every slot, -1
+    where empty), counted there: no chain of dependent loads, as a binary search makes. They are
+    copied EXACT_SLOTS at a time: one pass, unless the block holds more exact channels."""
+    used = slots >= 0  # the used slots come first, ascending
+    first_slot = tl.sum((used & (slots < start)).to(tl.int32), axis=0)
+    end_slot = tl.sum((used & (slots < start + BLOCK_COLS)).to(tl.int32), axis=0)
     for first in range(first_slot, end_slot, EXACT_SLOTS):
         slot = first + tl.arange(0, EXACT_SLOTS)
         index = tl.load(index_ptr + slot, mask=slot < end_slot, other=0)
