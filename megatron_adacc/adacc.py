@@ -301,7 +301,7 @@ class Adacc:
                 reset_fraction=config.tracking_reset_fraction,
                 max_interval=config.tracking_max_interval, strict=config.strict)
             if config.watches:
-                self._watch = watching.StepWatch(warmup=watching.WARMUP)
+                self._watch = watching.StepWatch()
                 self._watch.begin(self._rectifier.result)
         if verbose and _is_rank0() and self._resolved.plan is not None:
             print(policies.describe(self._resolved), flush=True)

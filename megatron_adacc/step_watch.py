@@ -127,7 +127,7 @@ class StepWatch:
     """Measured step times per plan and the decisions taken on them (see the module docstring)."""
 
     def __init__(self, window: int = WINDOW, threshold: float = THRESHOLD,
-                 margin: float = MARGIN, warmup: int = 0):
+                 margin: float = MARGIN, warmup: int = WARMUP):
         if window < 1:
             raise ValueError(f"window must be >= 1, got {window}")
         self.window, self.threshold, self.margin = window, threshold, margin

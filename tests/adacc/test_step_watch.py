@@ -49,7 +49,7 @@ def decide(watch, current, predicted, fit=lambda r: True, candidates=(), refresh
 
 
 def test_a_decision_comes_every_window_steps_of_the_current_plan():
-    watch, a, b = StepWatch(window=3), result("a"), result("b")
+    watch, a, b = StepWatch(window=3, warmup=0), result("a"), result("b")
     watch.begin(a)
     ran(watch, a, 1.0, 1.0)
     ran(watch, b, 1.0, 1.0, 1.0)            # another plan's late readings do not count
@@ -65,7 +65,7 @@ def test_only_a_median_more_than_ten_percent_over_the_prediction_retimes():
     for seconds, retimes in (((1.09, 1.09, 1.09), False), ((1.11, 1.11, 1.11), True),
                              ((1.0, 5.0, 1.0), False),      # one noisy step is no median
                              ((5.0, 1.2, 5.0), True)):
-        watch = StepWatch(window=3)
+        watch = StepWatch(window=3, warmup=0)
         watch.begin(a)
         ran(watch, a, *seconds)
         decision, retimed = decide(watch, a, {"a": 1.0})
@@ -77,7 +77,7 @@ def test_only_a_median_more_than_ten_percent_over_the_prediction_retimes():
 
 
 def test_candidates_are_measured_in_turn_and_the_fastest_measured_is_kept():
-    watch, a, new, bare = StepWatch(window=3), result("a"), result("new"), result("bare")
+    watch, a, new, bare = StepWatch(window=3, warmup=0), result("a"), result("new"), result("bare")
     predicted = {"a": 1.0, "new": 1.1, "bare": 1.3}
     watch.begin(a)
     ran(watch, a, 2.0, 2.0, 2.0)
@@ -100,7 +100,7 @@ def test_candidates_are_measured_in_turn_and_the_fastest_measured_is_kept():
 def test_what_a_retimed_plan_still_misses_is_overhead_and_retimes_no_other_plan():
     # Re-timed, plan a still runs 0.5 s over its prediction: work outside the layers, which
     # the watch adds to every prediction from then on.
-    watch, a, b, c = StepWatch(window=3), result("a"), result("b"), result("c")
+    watch, a, b, c = StepWatch(window=3, warmup=0), result("a"), result("b"), result("c")
     predicted = {"a": 1.0, "b": 0.9, "c": 2.0}
     watch.begin(a)
     ran(watch, a, 1.5, 1.5, 1.5)
@@ -128,7 +128,7 @@ def test_the_first_timed_steps_are_left_out():
 def test_the_overhead_follows_a_retimed_plans_later_steps():
     # Re-timed on slow warm-up steps, plan a then runs 0.1 s over its prediction: the overhead
     # is measured again at each decision, down as well as up, and nothing is re-timed again.
-    watch, a = StepWatch(window=3), result("a")
+    watch, a = StepWatch(window=3, warmup=0), result("a")
     predicted = {"a": 1.0}
     watch.begin(a)
     ran(watch, a, 1.6, 1.5, 1.5)
@@ -147,7 +147,7 @@ def test_a_plan_measured_faster_replaces_a_slower_one_only_if_it_fits_and_beats_
     a, b = result("a"), result("b")
     for b_seconds, a_fits, swaps in ((1.5, True, True), (1.5, False, False),
                                      (1.02, True, False)):   # within the 3% margin: kept
-        watch = StepWatch(window=3)
+        watch = StepWatch(window=3, warmup=0)
         watch.begin(a)
         ran(watch, a, 1.0, 1.0, 1.0)
         watch.begin(b)
@@ -159,7 +159,7 @@ def test_a_plan_measured_faster_replaces_a_slower_one_only_if_it_fits_and_beats_
 
 
 def test_candidates_predicted_no_faster_than_measured_are_not_tried():
-    watch, a, slow = StepWatch(window=3), result("a"), result("slow")
+    watch, a, slow = StepWatch(window=3, warmup=0), result("a"), result("slow")
     watch.begin(a)
     ran(watch, a, 2.0, 2.0, 2.0)
     decision, retimed = decide(watch, a, {"a": 1.0, "slow": 2.5}, candidates=[slow])
