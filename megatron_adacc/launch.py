@@ -150,9 +150,7 @@ def parse(argv: Sequence[str], prog: str = "pretrain_gpt.py") -> argparse.Namesp
         validate_args(args, {} if args.tokenizer_type else {"tokenizer_type": "GPT2BPETokenizer"})
     except AssertionError as exc:
         raise ConfigError(assertion_line(exc)) from None
-    if args.eval_interval is None:
-        # Megatron-LM documents "no evaluation during training" here, then divides by it.
-        args.eval_interval = sys.maxsize
+    megatron_compat.eval_interval_default(args)
     set_global_variables(args)
     return args
 

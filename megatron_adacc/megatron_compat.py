@@ -12,6 +12,7 @@ import contextlib
 import functools
 import logging
 import re
+import sys
 import types
 import warnings
 
@@ -604,6 +605,25 @@ def kernel_arg_defaults(args) -> list[str]:
             if hasattr(args, name):
                 setattr(args, name, value)
     return changed
+
+
+def eval_interval_default(args) -> None:
+    """A missing ``--eval-interval`` means what Megatron-LM documents: no evaluation in training.
+
+    megatron-core 0.19.2 divides by it when it sizes the validation data, so a run without the
+    flag ends in a TypeError. The largest interval evaluates only after training, as None should.
+    """
+    if args.eval_interval is None and _eval_interval_divided():
+        args.eval_interval = sys.maxsize
+
+
+def _eval_interval_divided() -> bool:
+    import inspect
+
+    from megatron.training import training
+
+    source = inspect.getsource(training.get_train_valid_test_num_samples)
+    return "// args.eval_interval" in source
 
 
 def _cpu_eager_fusions() -> None:

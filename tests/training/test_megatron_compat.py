@@ -313,6 +313,14 @@ def test_a_rerun_checkpoint_is_still_asked_for_without_save():
     assert megatron_compat._rerun_checkpoint_ignores_save()
 
 
+def test_megatron_lm_still_divides_by_a_missing_eval_interval():
+    """Why eval_interval_default exists: when this fails, Megatron-LM sizes its validation data
+    without dividing by --eval-interval; delete the patch."""
+    from megatron_adacc import megatron_compat
+
+    assert megatron_compat._eval_interval_divided()
+
+
 def test_a_help_text_of_megatron_lm_still_breaks_help():
     """Why help_with_literal_percent exists: when this fails, every help text of Megatron-LM's
     formats under argparse; delete the patch."""

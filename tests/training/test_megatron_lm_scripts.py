@@ -9,6 +9,7 @@ the Llama-3 script also at DP=2 and at TP=2 under torchrun.
 Also here: the behaviours where the project's old trainer differed from Megatron-LM's.
 """
 import json
+import sys
 import warnings
 
 import pytest
@@ -373,7 +374,7 @@ def test_gpt2_tokenizer_builds_from_its_files_offline(monkeypatch):
 
 # --- Where the old trainer differed from Megatron-LM (issue 43) -------------------------------
 
-def test_lr_decay_style_defaults_to_linear(monkeypatch):
+def test_defaults_are_megatron_lms(monkeypatch):
     from megatron_adacc import launch, megatron_compat
 
     monkeypatch.setenv("WORLD_SIZE", "1")
@@ -387,6 +388,7 @@ def test_lr_decay_style_defaults_to_linear(monkeypatch):
     finally:
         launch.teardown(owns_process_group=False)
     assert args.lr_decay_style == "linear"
+    assert args.eval_interval == sys.maxsize  # documented: no evaluation during training
 
 
 def test_a_weighted_blend_trains(tmp_path):
