@@ -559,6 +559,14 @@ class Adacc:
                                lambda: policies.predicted_activation_peak_bytes(self.costs,
                                                                                 self.result))
 
+    @property
+    def predicted_peak_bytes(self) -> int | None:
+        """The peak memory the planner predicts for the current plan, static included."""
+        if self.result is None:
+            return None
+        return self._predicted("peak_bytes",
+                               lambda: policies.predicted_peak_bytes(self.costs, self.result))
+
     def metrics(self) -> dict:
         """The numbers a metrics record carries about Adacc on this rank.
 
@@ -580,6 +588,7 @@ class Adacc:
         if self.result is not None:
             record["predicted_activation_bytes"] = self.predicted_activation_bytes
             record["predicted_activation_peak_bytes"] = self.predicted_activation_peak_bytes
+            record["predicted_peak_bytes"] = self.predicted_peak_bytes
         if stages > 1:
             # Rank 0 writes the records: it gets every stage's readings.
             record["stages"] = policies.from_every_stage(
@@ -620,7 +629,7 @@ def _check_setup_arguments(model, batch, loss_fn, num_micro_batches: int,
 
 _STAGE_METRICS = ("pipeline_stage", "plan_id", "static_bytes", "activation_bytes",
                   "activation_peak_bytes", "predicted_activation_bytes",
-                  "predicted_activation_peak_bytes")
+                  "predicted_activation_peak_bytes", "predicted_peak_bytes")
 
 
 def _is_rank0() -> bool:

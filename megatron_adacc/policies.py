@@ -100,6 +100,11 @@ def predicted_activation_peak_bytes(costs: ModelCosts, result: planning.PlanResu
     return planning.activation_peak_bytes(costs, _layer_policies(costs, result))
 
 
+def predicted_peak_bytes(costs: ModelCosts, result: planning.PlanResult) -> int:
+    """The peak memory the plan is predicted to reach, static included: what the budget bounds."""
+    return planning.peak_bytes(costs, _layer_policies(costs, result))
+
+
 def _layer_policies(costs: ModelCosts, result: planning.PlanResult
                     ) -> list[planning.LayerPolicy]:
     return [planning.evaluate_layer(costs, decisions) for decisions in result.layer_decisions]

@@ -70,6 +70,8 @@ def test_auto_across_budgets_profiles_once_and_keeps_what_it_predicts(tmp_path, 
                 * (costs.meta["step_s"] + session.adacc.result.added_time_s))
             # Exactly: the profile ran forward_step's own loss on the loop's micro-batch.
             assert record["activation_bytes"] == record["predicted_activation_bytes"]
+            # The peak the plan table printed, what the budget bounds.
+            assert record["predicted_peak_bytes"] == session.adacc.result.peak_bytes <= budget
     assert len(counted_profiles) == 1            # later runs reuse the ProfileDB
     assert costs.to_dict() == session.adacc.costs.to_dict()
 
@@ -81,7 +83,9 @@ def test_a_plans_predictions_are_evaluated_once_not_at_every_step(tmp_path, monk
     # Every record and log line carries them; evaluating the plan costs milliseconds of host
     # time a step on a 24-layer model.
     calls = []
-    for name in ("predicted_activation_bytes", "predicted_activation_peak_bytes"):
+    names = ("predicted_activation_bytes", "predicted_activation_peak_bytes",
+             "predicted_peak_bytes")
+    for name in names:
         real = getattr(policies, name)
         monkeypatch.setattr(policies, name, lambda *args, real=real, name=name: (
             calls.append(name), real(*args))[1])
@@ -94,8 +98,7 @@ def test_a_plans_predictions_are_evaluated_once_not_at_every_step(tmp_path, monk
         assert all(r["predicted_activation_bytes"] == records[0]["predicted_activation_bytes"]
                    for r in records)
         counts.append(sorted(calls))
-    assert counts[0] == counts[1] == ["predicted_activation_bytes",
-                                      "predicted_activation_peak_bytes"]
+    assert counts[0] == counts[1] == sorted(names)
 
 
 def test_auto_with_an_infeasible_budget_names_the_smallest_feasible_one(tmp_path, capsys):

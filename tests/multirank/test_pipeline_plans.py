@@ -43,6 +43,7 @@ def test_each_stage_measures_what_its_plan_predicts(tmp_path, stages, budget):
         assert measured <= predicted, reading
         if stage > 0:
             assert measured >= 0.98 * predicted, reading
+        assert reading["predicted_peak_bytes"] <= record["budget_bytes"], reading
     # The budget is one at which the first stage, holding the most micro-batches, cannot
     # keep everything while the last one can: the plans differ.
     assert readings[0]["plan_id"] != readings[-1]["plan_id"]
