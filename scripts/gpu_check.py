@@ -976,6 +976,8 @@ class ModelRuns:
             "peak_bytes": peak, "peak_source": source,
             "max_memory_reserved": _largest(records, "max_memory_reserved"),
             "static_bytes": _largest(records, "static_bytes"),
+            # the plan's predicted peak, to set against the allocator's
+            "predicted_peak_bytes": _largest(records, "predicted_peak_bytes"),
             "skipped_steps": sum(r.get("skipped_iter", 0) for r in records),
             # the rectifier's swaps: a plan measured after a swap is not the one planned
             "plan_swaps": sum(a.get("plan_id") != b.get("plan_id")
@@ -1203,6 +1205,8 @@ def predict(runs: ModelRuns, accelerator: str) -> None:
     except Exception as exc:  # noqa: BLE001
         _note(report["notes"], f"{runs.name}: no profiled costs: {exc}")
     report["accelerator"] = accelerator
+    if "profiled" in sources:
+        report["memory_model"] = _memory_terms(sources["profiled"], runs.runs)
     base = runs.runs.get("none", {}).get("step_time_s")
     for index, entry in enumerate(report["budgets"]):
         budget = entry["budget_bytes"]
@@ -1246,6 +1250,33 @@ def predict(runs: ModelRuns, accelerator: str) -> None:
             except planning.InfeasibleBudget as exc:
                 entry["analytic_auto"] = {"feasible": False,
                                           "minimum_feasible_budget": exc.minimum_budget}
+
+
+def _memory_terms(costs, runs: dict) -> dict:
+    """The profile's memory terms and smallest feasible budget, beside full recompute's peak.
+
+    The smallest feasible budget is the recompute-only plan's predicted peak. At the tightest
+    budget, full recompute's measured peak, Adacc runs only if that prediction is no higher."""
+    from dataclasses import replace
+
+    from megatron_adacc import planning
+
+    static = next((run["static_bytes"] for name, run in runs.items()
+                   if name.startswith("auto") and run.get("static_bytes")), None)
+    if static is not None:  # the engine's, as the trainer planned with it
+        costs = replace(costs, static_bytes=static)
+    return {"static_bytes": costs.static_bytes,
+            "allocator_overhead_bytes": costs.allocator_overhead_bytes,
+            "non_layer_bytes": costs.non_layer_bytes,
+            "held_non_layer_bytes": costs.held_non_layer_bytes,
+            "backward_workspace_bytes": costs.backward_workspace_bytes,
+            "smallest_feasible_budget": planning.minimum_feasible_budget(
+                costs, allow_lossy_sources=False),
+            "full_recompute_peak_bytes": runs.get("full", {}).get("peak_bytes"),
+            "auto_peaks": {name: {"predicted": run["predicted_peak_bytes"],
+                                  "measured": run.get("peak_bytes")}
+                           for name, run in runs.items() if name.startswith("auto")
+                           and run.get("predicted_peak_bytes") is not None}}
 
 
 def _run_plan(costs, run: dict, budget: int | None):
@@ -1757,6 +1788,21 @@ def _training_lines(name: str, model: dict) -> list[str]:
         lines += ["Runs that began with more device memory held than the first:", "",
                   *(f"- {n}: {_mib(b)} MiB" for n, b in grown.items()), "",
                   "A leak between runs in one process would show in their peaks.", ""]
+    terms = model.get("memory_model")
+    if terms:
+        lines += ["The profile's memory model: static "
+                  f"{_mib(terms['static_bytes'])} MiB, allocator overhead "
+                  f"{_mib(terms['allocator_overhead_bytes'])} MiB, non-layer "
+                  f"{_mib(terms['non_layer_bytes'])} MiB (held through backward "
+                  f"{_mib(terms['held_non_layer_bytes'])} MiB), backward workspace "
+                  f"{_mib(terms['backward_workspace_bytes'])} MiB. Its smallest feasible budget "
+                  f"(the recompute-only plan's peak) is {terms['smallest_feasible_budget']:,} B;"
+                  " full recompute's measured peak is "
+                  + (f"{terms['full_recompute_peak_bytes']:,} B."
+                     if terms.get("full_recompute_peak_bytes") else "unknown.")
+                  + "".join(f" {name}: predicted peak {peak['predicted']:,} B, measured "
+                            + (f"{peak['measured']:,} B." if peak["measured"] else "-.")
+                            for name, peak in terms.get("auto_peaks", {}).items()), ""]
     for entry in model.get("budgets", []):
         lines += [f"Budget {_mib(entry.get('budget_bytes'))} MiB (fraction "
                   f"{entry['fraction']} of the way from full recompute's peak to no "
