@@ -44,7 +44,7 @@ CAVEATS = {
            "AMD EPYC Zen 4 the same bench measured 0.977 there.",
            "With memory ample, Adacc retains every site and runs megatron's stock layer without "
            "hooks. Its ratio to no optimisation is noise around 1."),
-    "1b": ("Run on an AMD EPYC Zen 5 (family 26), 2 vCPUs. Memory, not time, is measured.",
+    "1b": ("Run on the Intel Xeon of 1a. Memory, not time, is measured.",
            "torch.compile's partitioner does not recompute matmuls, even at fraction 0. So it "
            "fits little more than no optimisation."),
     "2a": ("Run on a loaded machine, from code older than the planner's last-resort tier. "
@@ -70,7 +70,7 @@ CAVEATS = {
            "reached 1.233x full recompute there, where an AMD EPYC Zen 4 gave 1.289x.",
            "Where only naive INT4 fits (micro-batch 16), Adacc must shed nearly as many bytes, at "
            "about the same cost per byte: the two tie."),
-    "5b": ("Run on an AMD EPYC Zen 5 (family 26), 2 vCPUs. Memory, not time, is measured.",),
+    "5b": ("Run on the Intel Xeon of 1a. Memory, not time, is measured.",),
     "5c": ("One seed. At this scale a gap of a few tenths of a percent is within seed noise.",),
     "6": ("\"AMD EPYC\" without numbers is a Zen 5 (family 26); those files do not record the "
           "family.",
