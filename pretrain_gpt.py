@@ -12,9 +12,7 @@ interrupted (Ctrl-C; 143 on SIGTERM).
 """
 from __future__ import annotations
 
-import logging
 import sys
-import warnings
 
 PROG = "pretrain_gpt.py"
 
@@ -122,11 +120,9 @@ def _batch_on_host(batch: dict, first: bool, last: bool, pipelined: bool) -> dic
 
 def main(argv: list[str] | None = None) -> int:
     """Run Megatron-LM's ``pretrain`` with Adacc on ``argv``; returns the exit status."""
-    # Import-time notices about kernels a host has no use for; stderr keeps one line.
-    warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine|apex|"
-                                              "transformer-engine).*")
-    logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)  # "No CUDA runtime"
-    from megatron_adacc import launch
+    from megatron_adacc import launch, megatron_compat
+
+    megatron_compat.quiet_missing_kernel_notices()
 
     return launch.run(sys.argv[1:] if argv is None else argv, PROG, _pretrain)
 

@@ -30,7 +30,7 @@ from typing import Any, Sequence
 
 import torch
 
-from megatron_adacc import launch
+from megatron_adacc import launch, megatron_compat
 from megatron_adacc.planning import analytic
 from megatron_adacc.common.costs import ModelCosts
 from megatron_adacc.common.errors import InputError
@@ -289,6 +289,7 @@ def _plan_command(args: argparse.Namespace, rest: list[str]) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``adacc``'s exit status: 0 planned, 2 a bad request or an infeasible budget."""
+    megatron_compat.quiet_missing_kernel_notices()
     parser = _build_parser()
     args, rest = parser.parse_known_args(argv)
     try:

@@ -405,6 +405,16 @@ DEFECT_PATCHES = {
 }
 
 
+def quiet_missing_kernel_notices() -> None:
+    """Silence Megatron-LM's import-time notices that Apex or Transformer Engine is missing.
+
+    They are about ten lines on any machine without them; a run names what it lacks in one
+    line (kernel_arg_defaults)."""
+    warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine|apex|"
+                                              "transformer-engine).*")
+    logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)  # "No CUDA runtime"
+
+
 def megatron_core_version() -> str:
     """The installed megatron-core distribution's version."""
     from importlib import metadata

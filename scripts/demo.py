@@ -96,7 +96,9 @@ def main(argv: list[str] | None = None) -> int:
         argv = ["--config", str(ROOT / "configs" / "demo.yaml"), *argv]
     os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
     import pretrain_gpt
-    from megatron_adacc import cli
+    from megatron_adacc import cli, megatron_compat
+
+    megatron_compat.quiet_missing_kernel_notices()
     from megatron_adacc.common.errors import InputError
 
     try:

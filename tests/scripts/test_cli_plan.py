@@ -1,5 +1,7 @@
 """``adacc plan``: table, JSON keys, exit code 2 with one line on infeasible or bad input."""
 import json
+import subprocess
+import sys
 
 import pytest
 
@@ -19,6 +21,16 @@ def test_table(capsys):
     for word in ("site", "action", "codec", "rebuilt from", "bytes kept", "time added",
                  "no optimisation", "full recompute", "qkv"):
         assert word in out
+
+
+def test_a_plan_prints_nothing_on_stderr():
+    # In a fresh process: Megatron-LM's modules warn at import that Apex and Transformer Engine
+    # are missing, about ten lines before the table.
+    done = subprocess.run([sys.executable, "-m", "megatron_adacc.cli", "plan", "--config",
+                           str(ROOT / "configs" / "tiny-cpu.yaml"), "--hardware", "h100-80gb"],
+                          capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert done.returncode == 0 and "site" in done.stdout
+    assert done.stderr == ""
 
 
 def test_json(capsys, tmp_path):
