@@ -97,10 +97,9 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
     import pretrain_gpt
     from megatron_adacc import cli, megatron_compat
-
-    megatron_compat.quiet_missing_kernel_notices()
     from megatron_adacc.common.errors import InputError
 
+    megatron_compat.quiet_missing_kernel_notices()
     try:
         costs = plan_costs(argv)
         budget, result, low, high = choose_budget(costs)
