@@ -466,24 +466,29 @@ class _Profiling:
 
     # --- the runtime's hooks ------------------------------------------------------------
     def hooked_layer_seconds(self) -> float:
-        """What the runtime's hooks on the measured layer add to a step, with nothing to act on.
+        """What the runtime's hooks add to a step for one layer, with nothing to act on.
 
-        It is the median difference over 10 x ``repeats`` pairs of steps, stock and hooked in
-        turn, after one pair untimed. On a CPU, the steps run on a short slice of the batch
+        Every layer runs under its hooks, and the step's difference is shared among them: the
+        median difference over 10 x ``repeats`` pairs of steps, stock and hooked in turn, after
+        one pair untimed. On a CPU, the steps run on a short slice of the batch
         (``hook_timing_batch``), so the difference is not lost in the noise of the step's
         arithmetic. On a GPU they run on the batch itself."""
         # The hooks are host code run per save and per submodule call. Beside full-size
         # tensors the same code runs on colder caches, so the CPU figure is a lower bound
         # there (about half on the Llama bench shape, docs/decisions.md). On a GPU the host code
-        # overlaps the kernels of a large enough layer and hides behind them.
+        # overlaps the kernels of a large enough layer and hides behind them. One layer's share
+        # of a GPU step is below the step's own jitter: timed on one layer, the H200's Llama-1B
+        # profile charged 1.85 ms a layer, and a plan hooking ten layers ran 18.7 ms under its
+        # prediction. Hooking them all multiplies the signal, not the noise.
         batch = self.batch if self.device.type == "cuda" else hook_timing_batch(
             self.batch, self.model.config)
         apply_plan(self.model, Plan(), strict=self.strict)
 
         def timed_step(hooked: bool) -> float:
-            self.layer.force_hooks = hooked
-            # Outside the clock: training attaches a hooked layer's submodule hooks once.
-            (self.layer.attributor.attach if hooked else self.layer.attributor.detach)()
+            for layer in self.layers:
+                layer.force_hooks = hooked
+                # Outside the clock: training attaches a hooked layer's submodule hooks once.
+                (layer.attributor.attach if hooked else layer.attributor.detach)()
             return self._timed_step(batch)
 
         differences = []
@@ -494,9 +499,10 @@ class _Profiling:
                 if pair:
                     differences.append(difference)
         finally:
-            self.layer.force_hooks = False
+            for layer in self.layers:
+                layer.force_hooks = False
             self.model.zero_grad(set_to_none=True)
-        return max(0.0, statistics.median(differences))
+        return max(0.0, statistics.median(differences) / len(self.layers))
 
     def _timed_step(self, batch: Batch) -> float:
         """One forward and backward of ``batch`` as the layers are set, timed whole.

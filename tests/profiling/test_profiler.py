@@ -328,10 +328,9 @@ def test_a_timed_step_that_grew_the_heap_is_run_again(distributed, monkeypatch):
     assert max(decodes) < slow_s / 2 and max(rebuilds) < slow_s / 2, (decodes, rebuilds)
 
 
-def test_the_hooks_are_timed_on_the_measured_layer_keeping_everything(distributed, monkeypatch):
-    """hooked_layer_s: one untimed and 10 x ``repeats`` timed steps run the measured layer
-    under its hooks with nothing to act on (the same number stock), each on one short
-    sequence."""
+def test_the_hooks_are_timed_on_every_layer_keeping_everything(distributed, monkeypatch):
+    """hooked_layer_s: one untimed and 10 x ``repeats`` timed steps run every layer under its
+    hooks with nothing to act on (the same number stock), each on one short sequence."""
     from megatron_adacc.runtime.storage import LayerCall
 
     idle_calls: list[tuple[int, tuple]] = []
@@ -349,11 +348,24 @@ def test_the_hooks_are_timed_on_the_measured_layer_keeping_everything(distribute
 
     monkeypatch.setattr(LayerCall, "__init__", spy)
     model = build(True, dropout=0.1)
-    costs = profile(model, batch(0), repeats=2, strict=True, loss_fn=recording_loss)
-    assert len(idle_calls) == 1 + 10 * 2
-    assert set(idle_calls) == {(costs.meta["measured_layer"], (1, 16))}
+    profile(model, batch(0), repeats=2, strict=True, loss_fn=recording_loss)
+    layers = len(model.decoder.layers)
+    assert len(idle_calls) == (1 + 10 * 2) * layers
+    assert set(idle_calls) == {(index, (1, 16)) for index in range(layers)}
     assert step_tokens.count((1, 16)) == 2 * (1 + 10 * 2)
     assert not any(layer.force_hooks for layer in model.decoder.layers)
+
+
+def test_a_layers_hook_time_is_the_hooked_steps_excess_shared_among_its_layers(distributed):
+    """Each layer under its hooks adds 0.5 ms to a stand-in step clock: hooked_layer_seconds
+    finds 0.5 ms, not the excess of the whole step (every layer hooked)."""
+    from megatron_adacc.profiling import profiler
+
+    model = build(True, layers=4)
+    run = profiler._Profiling(model, batch(0), True, repeats=1)
+    run._timed_step = lambda _batch: 1.0 + 5e-4 * sum(
+        layer.force_hooks for layer in model.decoder.layers)
+    assert run.hooked_layer_seconds() == pytest.approx(5e-4)
 
 
 @pytest.mark.parametrize("seq, tp, sp, cp, expected", [
