@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import functools
 import glob
 import io
 import itertools
@@ -42,7 +43,7 @@ import sys
 import tempfile
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -1128,12 +1129,26 @@ def _accelerator_for(device_name: str, requested: str | None) -> str:
     return "h200-141gb"
 
 
-def _analytic_costs(spec: ModelSpec, dry_run: bool, accelerator: str):
-    """`adacc plan --hardware`'s costs of the model at the runs' micro-batch."""
+@functools.lru_cache(maxsize=None)
+def _training_flags(spec: ModelSpec, dry_run: bool) -> argparse.Namespace:
+    """The model's flags as pretrain_gpt.py parses them: read only, parsed once (a calibration
+    prices the model a hundred times)."""
     from megatron_adacc import cli
 
-    flags = cli.training_flags(model_flags(spec, dry_run))
-    args, _ = cli._build_parser().parse_known_args(["plan", "--hardware", accelerator])
+    return cli.training_flags(model_flags(spec, dry_run))
+
+
+def _analytic_costs(spec: ModelSpec, dry_run: bool, accelerator):
+    """`adacc plan --hardware`'s costs of the model at the runs' micro-batch.
+
+    ``accelerator``: a name in the table, or an ``analytic.Accelerator``."""
+    from megatron_adacc import cli
+    from megatron_adacc.planning import analytic
+
+    flags = _training_flags(spec, dry_run)
+    # The parser takes the table's names only; the accelerator itself then stands in.
+    args, _ = cli._build_parser().parse_known_args(["plan", "--hardware", "h100-80gb"])
+    args.hardware = analytic.get_accelerator(accelerator)
     args.micro_batch_size = flags.micro_batch_size
     args.pipeline_model_parallel_size = flags.pipeline_model_parallel_size
     args.use_distributed_optimizer = flags.use_distributed_optimizer
@@ -1250,6 +1265,73 @@ def predict(runs: ModelRuns, accelerator: str) -> None:
             except planning.InfeasibleBudget as exc:
                 entry["analytic_auto"] = {"feasible": False,
                                           "minimum_feasible_budget": exc.minimum_budget}
+    try:
+        report["calibration"] = calibrate(runs, accelerator)
+    except Exception as exc:  # noqa: BLE001 - reported, the rest still stands
+        _note(report["notes"], f"{runs.name}: no calibration: {exc}")
+
+
+# A step with less than this share of its time in kernels waits on the host: Megatron's recompute
+# then costs host time that no device roofline prices.
+GPU_BOUND_SHARE = 0.7
+MATMUL_EFFICIENCIES = tuple(round(0.05 + 0.01 * step, 2) for step in range(96))  # 0.05 - 1.00
+
+
+def calibrate(runs: ModelRuns, accelerator: str) -> dict | None:
+    """The matmul efficiency that best fits the analytic model to Megatron's measured recompute.
+
+    A least-squares fit, over a grid, of the added time of each measured full and selective
+    recompute. None without two such runs and no optimisation's step."""
+    import bench_common
+
+    from megatron_adacc.planning import analytic
+
+    rows = {name: row for entry in runs.report["budgets"]
+            for name, row in (entry.get("methods") or {}).items()
+            if name.split(" [")[0] in (FULL, SELECTIVE) and row.get("measured_added_s") is not None}
+    if len(rows) < 2:
+        return None
+    device = analytic.get_accelerator(accelerator)
+
+    def added(efficiency: float) -> dict[str, float]:
+        costs = _analytic_costs(runs.spec, runs.dry_run,
+                                replace(device, matmul_efficiency=efficiency))
+        return {name: bench_common.predicted_added_s(
+            costs, equivalent_plan(name.split(" [")[0], row["detail"], costs))
+                for name, row in rows.items()}
+
+    def rms_error(prices: dict[str, float]) -> float:
+        return math.sqrt(sum((prices[name] - row["measured_added_s"]) ** 2
+                             for name, row in rows.items()) / len(rows))
+
+    fits = {efficiency: added(efficiency) for efficiency in MATMUL_EFFICIENCIES}
+    fitted = min(fits, key=lambda efficiency: rms_error(fits[efficiency]))
+    table = added(device.matmul_efficiency)
+    trace = runs.runs.get("none", {}).get("trace") or {}
+    step_s = runs.runs.get("none", {}).get("step_time_s")
+    return {"table_efficiency": device.matmul_efficiency, "fitted_efficiency": fitted,
+            "rms_error_s": {"table": rms_error(table), "fitted": rms_error(fits[fitted])},
+            "kernel_share": (trace["kernel_ms"] / 1e3 / step_s
+                             if trace.get("kernel_ms") and step_s else None),
+            "methods": {name: {"measured_added_s": row["measured_added_s"],
+                               "table_added_s": table[name],
+                               "fitted_added_s": fits[fitted][name]}
+                        for name, row in rows.items()}}
+
+
+def _calibration_lines(fit: dict | None) -> list[str]:
+    if not fit:
+        return []
+    errors = fit["rms_error_s"]
+    line = (f"The analytic model, fitted to the added time of {len(fit['methods'])} measured full "
+            f"and selective recomputes: matmul efficiency {fit['fitted_efficiency']} (the "
+            f"table's {fit['table_efficiency']}), RMS error {errors['fitted'] * 1e3:.1f} ms "
+            f"(the table's {errors['table'] * 1e3:.1f} ms).")
+    share = fit.get("kernel_share")
+    if share is not None and share < GPU_BOUND_SHARE:
+        line += (f" No optimisation's step spends {share:.0%} of its time in kernels: the host "
+                 "bounds it, and the fit says nothing of the device.")
+    return [line, ""]
 
 
 def _memory_terms(costs, runs: dict) -> dict:
@@ -1803,6 +1885,7 @@ def _training_lines(name: str, model: dict) -> list[str]:
                   + "".join(f" {name}: predicted peak {peak['predicted']:,} B, measured "
                             + (f"{peak['measured']:,} B." if peak["measured"] else "-.")
                             for name, peak in terms.get("auto_peaks", {}).items()), ""]
+    lines += _calibration_lines(model.get("calibration"))
     for entry in model.get("budgets", []):
         lines += [f"Budget {_mib(entry.get('budget_bytes'))} MiB (fraction "
                   f"{entry['fraction']} of the way from full recompute's peak to no "

@@ -116,6 +116,12 @@ def test_dry_run_records_every_method_at_every_budget(dry_run):
             # the auto run's own plan, planned again from its profile, is what was priced
             assert entry["auto_plan_reproduced"]
         assert model["accelerator"] == "h200-141gb"
+        fit = model["calibration"]  # on every measured full and selective recompute
+        measured = {method for entry in budgets for method, row in entry["methods"].items()
+                    if method.split(" [")[0] in (gpu_check.FULL, gpu_check.SELECTIVE)
+                    and row.get("step_time_s") is not None}
+        assert gpu_check.FULL in measured and set(fit["methods"]) == measured
+        assert fit["rms_error_s"]["fitted"] <= fit["rms_error_s"]["table"]
         # no optimisation again, last and untraced: the section's drift
         again = model["runs"][gpu_check.AGAIN]
         assert again["method"] == gpu_check.NONE and not again["trace"]
@@ -221,6 +227,36 @@ def test_a_model_without_time_records_every_method_as_not_run(tmp_path, monkeypa
         assert list(entry["methods"]) == _expected_methods()
         assert all(row["fits"] is None for row in entry["methods"].values())
     assert reports and reports[-1] is report
+
+
+def test_the_calibration_finds_the_matmul_efficiency_that_priced_the_runs():
+    """Runs whose added times are the analytic model's at efficiency 0.41 fit 0.41 exactly; a
+    step a quarter in kernels is called host-bound on the page."""
+    from dataclasses import replace
+    from types import SimpleNamespace
+
+    import bench_common
+
+    from megatron_adacc.planning import analytic
+
+    spec = gpu_check.MODELS["llama-1b"]
+    device = replace(analytic.get_accelerator("h200-141gb"), matmul_efficiency=0.41)
+    costs = gpu_check._analytic_costs(spec, True, device)
+    methods = {}
+    for name, detail in ((gpu_check.FULL, None), (f"{gpu_check.SELECTIVE} [mlp]", ("mlp",)),
+                         (f"{gpu_check.SELECTIVE} [core_attn]", ("core_attn",))):
+        plan = gpu_check.equivalent_plan(name.split(" [")[0], detail, costs)
+        methods[name] = {"detail": detail,
+                         "measured_added_s": bench_common.predicted_added_s(costs, plan)}
+    runs = SimpleNamespace(report={"budgets": [{"methods": methods}]}, spec=spec, dry_run=True,
+                           runs={"none": {"step_time_s": 0.2, "trace": {"kernel_ms": 50.0}}})
+    fit = gpu_check.calibrate(runs, "h200-141gb")
+    assert fit["fitted_efficiency"] == 0.41
+    assert fit["table_efficiency"] == analytic.get_accelerator("h200-141gb").matmul_efficiency
+    assert fit["rms_error_s"]["fitted"] == pytest.approx(0, abs=1e-12)
+    assert fit["rms_error_s"]["table"] > 0 and fit["kernel_share"] == 0.25
+    assert "25% of its time in kernels: the host bounds it" in gpu_check._calibration_lines(
+        fit)[0]
 
 
 def test_whether_a_run_fits():

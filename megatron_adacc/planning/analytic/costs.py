@@ -1,8 +1,9 @@
 """``ModelCosts`` of a shape on a named accelerator: memory exact, time on a roofline.
 
 - A site's rebuild time is the forward's ops from its segment's start up to its save. Matmuls
-  run at ``MATMUL_EFFICIENCY`` of peak FLOP/s; other ops at ``BANDWIDTH_EFFICIENCY`` of peak
-  bandwidth for the bytes they move. An operator-rebuilt site costs its operator instead.
+  run at the accelerator's ``matmul_efficiency`` of peak FLOP/s; other ops at
+  ``BANDWIDTH_EFFICIENCY`` of peak bandwidth for the bytes they move. An operator-rebuilt site
+  costs its operator instead.
 - Codec payloads are the codecs' own counts; codec time is the bytes a codec moves at
   ``CODEC_EFFICIENCY`` of peak bandwidth.
 - Static memory and the optimizer step's bytes follow from the parameter count, precision
@@ -19,7 +20,6 @@ from megatron_adacc import codecs
 from megatron_adacc.common import sites as site_table
 from megatron_adacc.common.costs import CodecCost, ModelCosts, Operator, SiteCost
 from megatron_adacc.planning.analytic.accelerators import (BANDWIDTH_EFFICIENCY, CODEC_EFFICIENCY,
-                                                           MATMUL_EFFICIENCY,
                                                            OUTLIER_CHANNEL_FRACTION, Accelerator,
                                                            get_accelerator)
 from megatron_adacc.planning.analytic.shape import ModelShape
@@ -163,7 +163,7 @@ def pipeline_costs(shape: ModelShape, micro_batch_size: int, accelerator: str | 
             "shape": {k: v for k, v in shape.__dict__.items()},
             "zero_stage": zero_stage,
             "data_parallel_size": data_parallel_size,
-            "matmul_efficiency": MATMUL_EFFICIENCY,
+            "matmul_efficiency": device.matmul_efficiency,
             "bandwidth_efficiency": BANDWIDTH_EFFICIENCY,
             "codec_efficiency": CODEC_EFFICIENCY,
         },
@@ -178,7 +178,7 @@ def _site_costs(shape: ModelShape, micro_batch_size: int, device: Accelerator
     """Every site of one layer (its bytes, rebuild time and codec cost on ``device``) and the
     operators that rebuild some of them."""
     d = dims_of(shape, micro_batch_size)
-    flop_rate = device.matmul_flops(shape.activation_bytes) * MATMUL_EFFICIENCY
+    flop_rate = device.matmul_flops(shape.activation_bytes) * device.matmul_efficiency
     byte_rate = device.memory_bandwidth * BANDWIDTH_EFFICIENCY
     formulas = layer_sites(shape)
     # the forward's time from the previous save to each one
