@@ -10,8 +10,8 @@ A Megatron-LM ``pretrain_gpt.py`` adds two calls (docs/megatron-lm.md):
 functions of ``megatron.training.training`` that ``train()`` calls by name:
 
 - ``train_step``: the first one profiles and plans (``Adacc.setup``) on the real first micro-batch,
-  with megatron's DDP and optimizer built. Every one runs under ``Adacc.measure`` and keeps the
-  step's first micro-batch.
+  with megatron's DDP and optimizer built. In every one the forward and backward run under
+  ``Adacc.measure``, and the step's first micro-batch is kept.
 - ``training_log``: Adacc's readings join the loss dict, so they appear in Megatron-LM's log line
   and TensorBoard.
 - ``post_training_step_callbacks``: ``Adacc.after_step``, then one JSON line per iteration in
@@ -181,26 +181,34 @@ class Session:
 
     # --- the step ----------------------------------------------------------------------------
     def train_step(self, original, forward_step_func, data_iterator, model, optimizer,
-                   *args, **kwargs):
+                   opt_param_scheduler, config, forward_backward_func, *args, **kwargs):
         iteration = self.args.curr_iteration if hasattr(self.args, "curr_iteration") else 0
         data_iterator = self._keep_first(data_iterator)
         if not self.ready:
             self._setup(model, optimizer, forward_step_func)
-        measure = (self.adacc.activation_bytes is None
-                   or iteration % self.args.activation_measure_interval == 0)
+        # Adacc times the micro-batches' forward and backward, as the profile timed the step it
+        # predicts from: the optimizer step is no plan's, and left in it would read as the plan
+        # running over its prediction.
+        ruled = (self.adacc.activation_bytes is None
+                 or iteration % self.args.activation_measure_interval == 0)
+        forward_backward_func = functools.partial(self._measured, forward_backward_func, ruled)
         from megatron_adacc.profiling import allocator
 
         self.step_started = time.perf_counter()
-        with allocator.watch(self.device) as peaks, \
-                self.adacc.measure(measure) if self.ready else contextlib.nullcontext():
+        with allocator.watch(self.device) as peaks:
             result = original(forward_step_func, data_iterator, model, optimizer,
+                              opt_param_scheduler, config, forward_backward_func,
                               *args, **kwargs)
         self.record = {"step_time_s": time.perf_counter() - self.step_started,
-                       "activation_measured": measure}
+                       "activation_measured": ruled}
         if self.device.type == "cuda":  # the caching allocator's peaks over the step
             self.record.update(max_memory_allocated=peaks.max_allocated,
                                max_memory_reserved=peaks.max_reserved)
         return result
+
+    def _measured(self, forward_backward_func, ruled: bool, *args, **kwargs):
+        with self.adacc.measure(ruled):
+            return forward_backward_func(*args, **kwargs)
 
     def _keep_first(self, data_iterator):
         """The step's iterator, whose first micro-batch is kept for setup and after_step."""

@@ -1851,8 +1851,9 @@ def _training_lines(name: str, model: dict) -> list[str]:
               "method's plan adds. `profiled` prices the plan from the auto runs' profile on "
               "this device. `analytic` prices it with "
               f"`adacc plan --hardware {model.get('accelerator', '?')}`. `runtime` is the "
-              "trainer's own prediction (metrics' predicted_step_time_s), where it writes one.",
-              ""]
+              "trainer's own prediction (metrics' predicted_step_time_s) beside its own "
+              "measure (measured_step_time_s), where it writes them. Both are the forward "
+              "and backward alone; the step column holds the optimizer step too.", ""]
     if model.get("ended"):
         lines += [f"The model's runs were cut: {model['ended']}.", ""]
     drift = model.get("drift")
@@ -1890,7 +1891,8 @@ def _training_lines(name: str, model: dict) -> list[str]:
         lines += [f"Budget {_mib(entry.get('budget_bytes'))} MiB (fraction "
                   f"{entry['fraction']} of the way from full recompute's peak to no "
                   "optimisation's):", "",
-                  "| method | fits | peak (MiB) | step (ms) | tokens/s | runtime pred. (ms) | "
+                  "| method | fits | peak (MiB) | step (ms) | tokens/s | "
+                  "runtime pred., meas. (ms) | "
                   "profiled pred. (ms) | analytic pred. (ms) | measured added (ms) | "
                   "analytic added (ms) |",
                   "|---|---|---|---|---|---|---|---|---|---|"]
@@ -1902,7 +1904,8 @@ def _training_lines(name: str, model: dict) -> list[str]:
             lines.append(
                 f"| {label} | {_fits(r['fits'])}{reason} | {_mib(r.get('peak_bytes'))} | "
                 f"{_ms(r.get('step_time_s'))} | {tokens} | "
-                f"{_ms(r.get('runtime_predicted_step_time_s'))} | "
+                f"{_ms(r.get('runtime_predicted_step_time_s'))}, "
+                f"{_ms(r.get('runtime_measured_step_time_s'))} | "
                 f"{_ms(r.get('profiled_step_s'))} | {_ms(r.get('analytic_step_s'))} | "
                 f"{_ms(r.get('measured_added_s'))} | {_ms(r.get('analytic_added_s'))} |")
         if entry.get("methods", {}).get(AUTO, {}).get("run"):

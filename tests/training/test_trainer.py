@@ -9,7 +9,7 @@ import torch
 from megatron_adacc.launch import latest_checkpoint
 
 from helpers import forked
-from helpers.pretrain import ROOT, TINY, child_env, losses, train
+from helpers.pretrain import ROOT, TINY, child_env, losses, pretrain, train
 
 
 def test_metrics_record_every_iteration_with_full_precision(tmp_path):
@@ -22,6 +22,37 @@ def test_metrics_record_every_iteration_with_full_precision(tmp_path):
         assert {"iteration", "loss", "lr", "step_time_s", "tokens_per_s", "grad_norm"} <= set(line)
     assert [("val_loss" in line) for line in lines] == [False, True, False, True]
     assert [line["loss"] for line in lines] == losses(records)  # no rounding on the way out
+
+
+def test_adacc_times_forward_and_backward_and_not_the_optimizer_step(monkeypatch):
+    """What the step watch compares with a plan's prediction is what the profile predicts: the
+    micro-batches' forward and backward. The optimizer step runs outside Adacc.measure."""
+    import contextlib
+
+    from megatron_adacc.adacc import Adacc
+
+    measure, events = Adacc.measure, []
+
+    @contextlib.contextmanager
+    def noted(self, enabled=True):
+        events.append("measure")
+        with measure(self, enabled) as ruler:
+            yield ruler
+        events.append("measured")
+
+    def step(original):
+        def stepped(self, *args, **kwargs):
+            events.append("optimizer step")
+            return original(self, *args, **kwargs)
+        return stepped
+
+    monkeypatch.setattr(Adacc, "measure", noted)
+    for optimizer in (torch.optim.Adam, torch.optim.AdamW):
+        if "step" in vars(optimizer):  # AdamW may take Adam's
+            monkeypatch.setattr(optimizer, "step", step(optimizer.step))
+    session = pretrain("--adacc-policy", "full-recompute", "--train-iters", "3")
+    assert events == ["measure", "measured", "optimizer step"] * 3
+    assert all(r["measured_step_time_s"] < r["step_time_s"] for r in session.records[1:])
 
 
 def test_profile_traces_the_steps_megatron_lm_names(tmp_path):
