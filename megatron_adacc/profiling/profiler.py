@@ -469,10 +469,10 @@ class _Profiling:
         """What the runtime's hooks add to a step for one layer, with nothing to act on.
 
         Every layer runs under its hooks, and the step's difference is shared among them: the
-        median difference over 10 x ``repeats`` pairs of steps, stock and hooked in turn, after
-        one pair untimed. On a CPU, the steps run on a short slice of the batch
-        (``hook_timing_batch``), so the difference is not lost in the noise of the step's
-        arithmetic. On a GPU they run on the batch itself."""
+        median difference over pairs of steps, stock and hooked in turn, after one pair untimed.
+        On a CPU, the steps run on a short slice of the batch (``hook_timing_batch``), so the
+        difference is not lost in the noise of the step's arithmetic: 10 x ``repeats`` pairs.
+        On a GPU they run on the batch itself, whole steps, and steadier: 2 x ``repeats``."""
         # The hooks are host code run per save and per submodule call. Beside full-size
         # tensors the same code runs on colder caches, so the CPU figure is a lower bound
         # there (about half on the Llama bench shape, docs/decisions.md). On a GPU the host code
@@ -480,8 +480,8 @@ class _Profiling:
         # of a GPU step is below the step's own jitter: timed on one layer, the H200's Llama-1B
         # profile charged 1.85 ms a layer, and a plan hooking ten layers ran 18.7 ms under its
         # prediction. Hooking them all multiplies the signal, not the noise.
-        batch = self.batch if self.device.type == "cuda" else hook_timing_batch(
-            self.batch, self.model.config)
+        on_gpu = self.device.type == "cuda"
+        batch = self.batch if on_gpu else hook_timing_batch(self.batch, self.model.config)
         apply_plan(self.model, Plan(), strict=self.strict)
 
         def timed_step(hooked: bool) -> float:
@@ -493,7 +493,7 @@ class _Profiling:
 
         differences = []
         try:
-            for pair in range(1 + 10 * max(1, self.repeats)):
+            for pair in range(1 + (2 if on_gpu else 10) * max(1, self.repeats)):
                 stock = timed_step(False)
                 difference = timed_step(True) - stock
                 if pair:

@@ -368,6 +368,20 @@ def test_a_layers_hook_time_is_the_hooked_steps_excess_shared_among_its_layers(d
     assert run.hooked_layer_seconds() == pytest.approx(5e-4)
 
 
+def test_on_a_gpu_the_hooks_are_timed_on_whole_steps_in_fewer_pairs(distributed):
+    """A GPU times the hooks on the batch itself, each step a whole one: 1 + 2 x repeats pairs
+    (a CPU's short slices take 1 + 10 x repeats)."""
+    from megatron_adacc.profiling import profiler
+
+    model = build(True, layers=2)
+    run = profiler._Profiling(model, batch(0), True, repeats=3)
+    run.device = torch.device("cuda")  # only its type is read: nothing runs on it
+    steps = []
+    run._timed_step = lambda step_batch: steps.append(step_batch[0].shape) or 1.0
+    run.hooked_layer_seconds()
+    assert steps == [batch(0)[0].shape] * 2 * (1 + 2 * 3)
+
+
 @pytest.mark.parametrize("seq, tp, sp, cp, expected", [
     (32, 1, False, 1, 16),      # halved down to 16 tokens
     (96, 1, False, 1, 24),      # 12 would be under 16
