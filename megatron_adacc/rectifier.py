@@ -282,7 +282,7 @@ class Rectifier:
                  ) -> tuple[PlanSwap | None, str]:
         if new.plan.plan_id == current.plan.plan_id:
             return None, "the plan is still optimal"
-        if _below_capacity(current, self.costs):
+        if below_capacity(current, self.costs):
             # more outlier channels than it keeps exact: a raised capacity keeps them
             return self._swap(current, new, "capacity", current.added_time_s - new.added_time_s), ""
         # Refreshing moves payloads only, never times: the current plan's added time is
@@ -353,7 +353,7 @@ def _capacity(costs: ModelCosts, site: str, codec: str) -> int | None:
     return next((c.capacity for c in costs.site(site).codecs if c.codec == codec), None)
 
 
-def _below_capacity(result: planning.PlanResult, costs: ModelCosts) -> bool:
+def below_capacity(result: planning.PlanResult, costs: ModelCosts) -> bool:
     """Whether ``result`` keeps fewer exact outlier channels at a site than ``costs`` now give."""
     for decisions in result.layer_decisions:
         for site, decision in decisions.items():

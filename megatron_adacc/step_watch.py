@@ -29,6 +29,7 @@ from typing import Callable, Iterable
 from megatron_adacc import planning, policies
 from megatron_adacc.common.costs import ModelCosts
 from megatron_adacc.common.sites import RETAIN
+from megatron_adacc.rectifier import below_capacity
 
 WINDOW = 3              # steps of a plan per median, and between decisions
 WARMUP = WINDOW         # first timed steps left out: they run slow while caches warm up
@@ -58,7 +59,12 @@ def predicted_step_s(costs: ModelCosts, result: planning.PlanResult,
 
 
 def fits(costs: ModelCosts, result: planning.PlanResult, budget_bytes: int) -> bool:
-    """Whether ``result`` fits the budget under ``costs``, every codec it uses still offered."""
+    """Whether ``result`` fits the budget under ``costs``, every codec it uses still offered.
+
+    A plan keeping fewer exact outlier channels than ``costs`` now give a site does not: the
+    rectifier left it for more outliers than it keeps ("capacity")."""
+    if below_capacity(result, costs):
+        return False
     try:
         layers = [planning.evaluate_layer(costs, decisions)
                   for decisions in result.layer_decisions]

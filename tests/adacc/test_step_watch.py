@@ -179,6 +179,19 @@ def test_the_recompute_only_candidate_uses_no_codec_and_fits_the_budget():
     assert not step_watch.fits(costs, rect.result, rect.result.peak_bytes - 1)
 
 
+def test_a_plan_below_the_raised_capacity_no_longer_fits():
+    """Once tracking raises a site's outlier capacity, the plans of the old capacity are no
+    candidates: measured faster or not, the watch does not go back to them."""
+    rect = tight_rectifier(slack_per_layer=50)
+    old = rect.result
+    assert step_watch.fits(rect.costs, old, rect.budget_bytes)
+    raised = replace(rect.costs, sites=[
+        replace(site, codecs=tuple(replace(c, capacity=(c.capacity or 0) + 1)
+                                   for c in site.codecs)) if site.name == "gelu_in" else site
+        for site in rect.costs.sites])
+    assert not step_watch.fits(raised, old, 10 * rect.budget_bytes)
+
+
 def test_the_predicted_step_is_the_profiled_step_plus_the_added_time_per_micro_batch():
     rect = tight_rectifier(slack_per_layer=50)
     assert step_watch.predicted_step_s(rect.costs, rect.result) is None   # nothing profiled
