@@ -477,9 +477,9 @@ class _Profiling:
         # tensors the same code runs on colder caches, so the CPU figure is a lower bound
         # there (about half on the Llama bench shape, docs/decisions.md). On a GPU the host code
         # overlaps the kernels of a large enough layer and hides behind them. One layer's share
-        # of a GPU step is below the step's own jitter: timed on one layer, the H200's Llama-1B
-        # profile charged 1.85 ms a layer, and a plan hooking ten layers ran 18.7 ms under its
-        # prediction. Hooking them all multiplies the signal, not the noise.
+        # is too small to time against a whole GPU step: timed on one layer, the H200's
+        # Llama-1B profile charged 1.85 ms a layer, and a plan hooking ten layers ran 18.7 ms
+        # under its prediction. Hooking them all multiplies the signal, not the step's noise.
         on_gpu = self.device.type == "cuda"
         batch = self.batch if on_gpu else hook_timing_batch(self.batch, self.model.config)
         apply_plan(self.model, Plan(), strict=self.strict)
