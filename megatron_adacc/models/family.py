@@ -22,7 +22,7 @@ TransformerConfig's MLP, in one place.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Mapping
 
 from megatron_adacc.common import sites as site_table
@@ -40,17 +40,24 @@ class NormPart:
         input_dtype: the dtype its input is saved in; None: the activations'.
         saves_normed: it also saves its normalised input x * rstd, in fp32.
         parameters_per_channel: its affine parameters per hidden channel.
+        fused_on_cuda: on CUDA one fused kernel runs it, saving its input as given and the
+            statistics alone (input_dtype and saves_normed describe a CPU's).
     """
     name: str
     saves_normed: bool
     statistics_per_row: int
     parameters_per_channel: int
     input_dtype: str | None = None
+    fused_on_cuda: bool = False
 
-    def site_terms(self, prefix: str, input_site: str) -> dict[str, SiteTerm]:
-        """The norm's saves in forward order, its sites named by ``prefix``.
+    def site_terms(self, prefix: str, input_site: str, cuda: bool = False
+                   ) -> dict[str, SiteTerm]:
+        """The norm's saves in forward order, its sites named by ``prefix``, on CUDA or a CPU.
 
         A layer's two norms use terms.INPUT_NORM and terms.PRE_MLP_NORM."""
+        if cuda and self.fused_on_cuda:
+            return replace(self, input_dtype=None, saves_normed=False).site_terms(prefix,
+                                                                                  input_site)
         statistics = self.statistics_per_row
         input_dtype = act if self.input_dtype is None else (lambda d: self.input_dtype)
         terms = {
@@ -88,6 +95,8 @@ class MlpPart:
     site_terms: Mapping[str, SiteTerm]
     default_ffn: Callable[[int], int]
     activation_saves: Mapping[str, str] = field(default_factory=dict)
+    # megatron fuses the activation on CUDA (--bias-swiglu-fusion), saving fc1's output only.
+    fuses: bool = False
 
     def __post_init__(self) -> None:
         order = list(self.site_terms)
@@ -100,6 +109,19 @@ class MlpPart:
     def fc1_width(self) -> int:
         """linear_fc1's output in ffn widths: a gated unit's holds the gate and the up half."""
         return 2 if self.gated else 1
+
+    def terms(self, fused: bool = False) -> dict[str, SiteTerm]:
+        """Its site terms; ``fused`` (megatron's fused activation on CUDA): fc1's output and fc2's
+        input alone, the activation's own saves' work counted toward fc2's input."""
+        if not fused or not self.fuses:
+            return dict(self.site_terms)
+        dropped = [self.site_terms[name] for name in self.activation_saves.values()]
+        last = self.site_terms[self.fc2_in]
+        moved = [last.bytes_moved, *(term.bytes_moved for term in dropped)]
+        flops = [last.flops, *(term.flops for term in dropped)]
+        return {self.fc1_out: self.site_terms[self.fc1_out],
+                self.fc2_in: replace(last, bytes_moved=lambda d: sum(f(d) for f in moved),
+                                     flops=lambda d: sum(f(d) for f in flops))}
 
     def activation_site(self, tensor) -> str | None:
         """The site of a tensor the activation saves.

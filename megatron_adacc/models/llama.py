@@ -8,10 +8,11 @@ from megatron_adacc.models.family import (LayerVariant, MlpPart, ModelFamily, No
                                           PositionPart, register)
 from megatron_adacc.models.terms import SiteTerm, act, no_flops, sbf
 
-# torch's RMSNorm computes in fp32: it saves its input in fp32 (a 16-bit model's: a copy),
-# rstd, and x * rstd.
+# torch's RMSNorm on a CPU computes in fp32: it saves its input in fp32 (a 16-bit model's: a
+# copy), rstd, and x * rstd. Its fused CUDA kernel saves the input as given and rstd (the H200's
+# profile of Llama-1B: 32 MiB of bf16 input a layer, 32 KiB of rstd, nothing else).
 RMSNORM = NormPart("RMSNorm", saves_normed=True, statistics_per_row=1,
-                   parameters_per_channel=1, input_dtype="float32")
+                   parameters_per_channel=1, input_dtype="float32", fused_on_cuda=True)
 # megatron's unfused glu: silu(x_glu) * (x_linear + offset). The SiLU saves the gate half (a
 # view of fc1's whole output); the product saves the SiLU's output and the offset up half (a
 # new tensor, made by the add); linear_fc2 saves the product. fc1 writes both halves; the
@@ -31,7 +32,9 @@ SWIGLU_MLP = MlpPart(
         "swiglu_out": SiteTerm(sbf, act, no_flops, lambda d: 3 * sbf(d) * d.act_bytes,
                                lambda d: d.ffn),
     },
-    default_ffn=lambda hidden: int(4 * hidden * 2 / 3 / 64) * 64)
+    default_ffn=lambda hidden: int(4 * hidden * 2 / 3 / 64) * 64,
+    # bias_swiglu_impl on CUDA saves fc1's output alone and recomputes the rest in backward
+    fuses=True)
 # RoPE saves cos and sin ([s, 1, 1, rotary dim]) and rotates Q and K into new tensors. Cos
 # and sin are computed for Q and for K (four tensors written), and kept as one cos and one sin
 # for every layer (sites.py: shared; runtime/shared.py). Unfused core attention then keeps the

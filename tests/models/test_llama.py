@@ -282,13 +282,15 @@ def test_the_llama3_8b_config_plans_on_an_h100_at_tp2_with_sequence_parallelism(
                  "--tensor-model-parallel-size", "2", "--sequence-parallel",
                  "--use-distributed-optimizer", "--data-parallel-size", "4"]) == 0
     table = capsys.readouterr().out
-    for site in ("ln1_normed", "qkv", "attn_lse", "swiglu_in", "swiglu_out"):
+    for site in ("ln1_stats", "qkv", "attn_lse", "swiglu_in", "swiglu_out"):
         assert site in table
-    # One rank's bf16 sites (s 8192, h 4096, sequence over 2 ranks): RMSNorm's fp32 input
-    # copy is 4096 x 4096 x 4 B per layer; Q at 16 heads, K and V at 4 groups each, x 128.
+    # CUDA's kernels: the fused RMSNorm and SwiGLU keep no intermediates
+    assert "ln1_normed" not in table and "swiglu_act" not in table
+    # One rank's bf16 sites (s 8192, h 4096, sequence over 2 ranks): RMSNorm's input as it
+    # comes is 4096 x 4096 x 2 B per layer; Q at 16 heads, K and V at 4 groups each, x 128.
     shape = LLAMA3_8B_TP2
     sizes = analytic.site_bytes(shape, 1)
-    assert sizes["layer_in"] == 4096 * 4096 * 4
+    assert sizes["layer_in"] == 4096 * 4096 * 2
     assert sizes["qkv"] == (16 + 2 * 4) * 128 * 8192 * 2
     assert sizes["swiglu_in"] == 2 * 7168 * 8192 * 2
     # parameters per tensor-parallel rank: half of Llama-3-8B's 8.03e9, norms whole

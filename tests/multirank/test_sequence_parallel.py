@@ -32,6 +32,7 @@ def _torchrun(*argv, timeout=600):
 
 def _rank_main() -> None:
     import warnings
+    from dataclasses import replace
 
     warnings.filterwarnings("ignore")
     import torch.distributed as dist
@@ -95,7 +96,8 @@ def _rank_main() -> None:
     flags = {**vars(args), "tensor-model-parallel-size": 2, "sequence-parallel": True,
              "vocab-size": model.vocab_size, "make-vocab-size-divisible-by": 1,
              "attention_backend": args.attention_backend.name}  # Megatron-LM's is an enum
-    shape = analytic.ModelShape.from_flags(flags)
+    # compared with this CPU's measurements: a CPU's kernels
+    shape = replace(analytic.ModelShape.from_flags(flags), cuda_kernels=False)
     modelled = analytic.analytic_costs(shape, args.micro_batch_size, "h100-80gb")
     # The training comparison: TP=2 with and without sequence parallelism, three steps each.
     losses = {}

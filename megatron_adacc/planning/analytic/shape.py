@@ -44,6 +44,11 @@ class ModelShape:
     add_bias_linear: bool = True
     tensor_model_parallel_size: int = 1
     sequence_parallel: bool = False
+    # What the layer's kernels save: CUDA's (torch's fused RMSNorm; megatron's bias-SwiGLU
+    # fusion where --bias-swiglu-fusion is on) or, by default, a CPU's, as this machine
+    # measures them. from_flags prices a CUDA GPU.
+    cuda_kernels: bool = False
+    bias_swiglu_fusion: bool = True
 
     def __post_init__(self) -> None:
         self.variant  # noqa: B018  (a ValueError naming an unknown part's flag)
@@ -187,4 +192,7 @@ class ModelShape:
             add_bias_linear=not norm.get("disable-bias-linear", False),
             tensor_model_parallel_size=int(norm.get("tensor-model-parallel-size", 1)),
             sequence_parallel=bool(norm.get("sequence-parallel", False)),
+            cuda_kernels=True,
+            bias_swiglu_fusion=(bool(norm.get("bias-swiglu-fusion", True))
+                                and not norm.get("no-bias-swiglu-fusion", False)),
         )

@@ -122,7 +122,7 @@ def _mlp_sites(shape: ModelShape) -> dict[str, SiteTerm]:
     then what the MLP part saves; linear_fc2 saves its output."""
     mlp = shape.variant.mlp
     return _ahead(lambda d: 2 * d.seq * d.batch * d.hidden * (mlp.fc1_width * d.ffn),
-                  dict(mlp.site_terms))
+                  mlp.terms(fused=shape.cuda_kernels and shape.bias_swiglu_fusion))
 
 
 def layer_sites(shape: ModelShape) -> dict[str, SiteTerm]:
@@ -138,13 +138,13 @@ def layer_sites(shape: ModelShape) -> dict[str, SiteTerm]:
     ln2_in_flops = no_flops if _hidden_dropout(shape) else proj_flops
     core = (_flash_core_sites if shape.attention_backend == "flash" else _unfused_core_sites)
     table = {
-        **norm.site_terms(*INPUT_NORM),
+        **norm.site_terms(*INPUT_NORM, cuda=shape.cuda_kernels),
         **_qkv_sites(shape),
         **core(shape),
         "bda1_mask": SiteTerm(stream, _bool, proj_flops, _rng_moved_stream, hidden_channels,
                               when=_hidden_dropout),
     }
-    mlp_norm = norm.site_terms(*PRE_MLP_NORM)
+    mlp_norm = norm.site_terms(*PRE_MLP_NORM, cuda=shape.cuda_kernels)
     # The bias-dropout-add; pre_mlp_layernorm saves its input on entry.
     mlp_norm["ln2_in"] = replace(mlp_norm["ln2_in"], flops=ln2_in_flops,
                                  bytes_moved=lambda d: (3 * stream(d) * d.act_bytes
@@ -205,8 +205,8 @@ def output_activation_bytes(shape: ModelShape, micro_batch_size: int) -> int:
     tensor parallelism each rank holds its vocabulary shard's logits.
     """
     d = dims_of(shape, micro_batch_size)
-    norms = sum(term.bytes(d)
-                for term in shape.variant.norm.site_terms("final", "final_in").values())
+    norms = sum(term.bytes(d) for term in shape.variant.norm.site_terms(
+        "final", "final_in", cuda=shape.cuda_kernels).values())
     # In fp32 the cross-entropy needs no copy: it works in place on the logits.
     per_logit = 4 if d.act_bytes == 4 else d.act_bytes + 4
     vocabulary = shape.padded_vocab_size // shape.tensor_model_parallel_size
