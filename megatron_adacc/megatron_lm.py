@@ -168,6 +168,7 @@ class Session:
         self.optimizer = None
         self.scheduler = None
         self.device = torch.device("cpu")  # where the allocator is read: the model's
+        self.forward_backward_peak: int | None = None
         self._metrics = None
 
     # --- model build -------------------------------------------------------------------------
@@ -203,12 +204,18 @@ class Session:
                        "activation_measured": ruled}
         if self.device.type == "cuda":  # the caching allocator's peaks over the step
             self.record.update(max_memory_allocated=peaks.max_allocated,
-                               max_memory_reserved=peaks.max_reserved)
+                               max_memory_reserved=peaks.max_reserved,
+                               max_memory_allocated_forward_backward=self.forward_backward_peak)
         return result
 
     def _measured(self, forward_backward_func, ruled: bool, *args, **kwargs):
         with self.adacc.measure(ruled):
-            return forward_backward_func(*args, **kwargs)
+            result = forward_backward_func(*args, **kwargs)
+        if self.device.type == "cuda":
+            # The allocator counts on the host as it is asked: read without waiting, this is
+            # the step's peak up to the optimizer step, so a record says which part peaked.
+            self.forward_backward_peak = torch.cuda.max_memory_allocated(self.device)
+        return result
 
     def _keep_first(self, data_iterator):
         """The step's iterator, whose first micro-batch is kept for setup and after_step."""

@@ -976,6 +976,10 @@ class ModelRuns:
             "tokens_per_s": _median_of(records, "tokens_per_s", warm, total, work),
             "peak_bytes": peak, "peak_source": source,
             "max_memory_reserved": _largest(records, "max_memory_reserved"),
+            # the allocator's peak when forward and backward ended: below peak_bytes, the
+            # optimizer step held the step's peak
+            "forward_backward_peak_bytes": _largest(records,
+                                                    "max_memory_allocated_forward_backward"),
             "static_bytes": _largest(records, "static_bytes"),
             # the plan's predicted peak, to set against the allocator's
             "predicted_peak_bytes": _largest(records, "predicted_peak_bytes"),
@@ -1355,6 +1359,8 @@ def _memory_terms(costs, runs: dict) -> dict:
             "smallest_feasible_budget": planning.minimum_feasible_budget(
                 costs, allow_lossy_sources=False),
             "full_recompute_peak_bytes": runs.get("full", {}).get("peak_bytes"),
+            "full_recompute_forward_backward_peak_bytes": runs.get("full", {}).get(
+                "forward_backward_peak_bytes"),
             "auto_peaks": {name: {"predicted": run["predicted_peak_bytes"],
                                   "measured": run.get("peak_bytes")}
                            for name, run in runs.items() if name.startswith("auto")
@@ -1881,8 +1887,11 @@ def _training_lines(name: str, model: dict) -> list[str]:
                   f"{_mib(terms['backward_workspace_bytes'])} MiB. Its smallest feasible budget "
                   f"(the recompute-only plan's peak) is {terms['smallest_feasible_budget']:,} B;"
                   " full recompute's measured peak is "
-                  + (f"{terms['full_recompute_peak_bytes']:,} B."
-                     if terms.get("full_recompute_peak_bytes") else "unknown.")
+                  + (f"{terms['full_recompute_peak_bytes']:,} B"
+                     if terms.get("full_recompute_peak_bytes") else "unknown")
+                  + (f" ({terms['full_recompute_forward_backward_peak_bytes']:,} B when its "
+                     "forward and backward ended)."
+                     if terms.get("full_recompute_forward_backward_peak_bytes") else ".")
                   + "".join(f" {name}: predicted peak {peak['predicted']:,} B, measured "
                             + (f"{peak['measured']:,} B." if peak["measured"] else "-.")
                             for name, peak in terms.get("auto_peaks", {}).items()), ""]

@@ -297,6 +297,14 @@ RESULTS = {
         "config": "configs/llama-1b.yaml", "precision": "bf16", "attention_backend": "flash",
         "micro_batch_size": 2, "seq_length": 4096, "iters": 8, "warmup": 3,
         "accelerator": "h200-141gb",
+        "memory_model": {"static_bytes": 1 << 30, "allocator_overhead_bytes": 0,
+                         "non_layer_bytes": 2 << 20, "held_non_layer_bytes": 1 << 20,
+                         "backward_workspace_bytes": 3 << 20,
+                         "smallest_feasible_budget": 1_500_000_000,
+                         "full_recompute_peak_bytes": 1_400_000_000,
+                         "full_recompute_forward_backward_peak_bytes": 1_300_000_000,
+                         "auto_peaks": {"auto 0": {"predicted": 1_600_000_000,
+                                                   "measured": None}}},
         "runs": {"none": {"trace": {"step_ms": 120.04, "kernel_ms": 100.0, "host_syncs": 3,
                                     "copies_to_host": 2, "copies_to_device": 5,
                                     "python_self_ms": {"all": 50.0, "adacc": 1.5},
@@ -323,6 +331,10 @@ RESULTS = {
 
 def test_the_report_renders_passes_failures_and_what_was_not_measured():
     page = gpu_check.markdown(RESULTS)
+    assert ("Its smallest feasible budget (the recompute-only plan's peak) is 1,500,000,000 B; "
+            "full recompute's measured peak is 1,400,000,000 B (1,300,000,000 B when its "
+            "forward and backward ended). auto 0: predicted peak 1,600,000,000 B, measured -."
+            ) in page
     assert "- llama-1b: skipped block 3" in page
     assert "1 mismatches:\n\n- bitmask torch.bool (7,): decoded tensors differ" in page
     assert "| naive_int4 | 0.262 | 0.500 | 2.000 | 0.25 | 0.400, 1.500 | 4, 30 |" in page

@@ -55,6 +55,25 @@ def test_adacc_times_forward_and_backward_and_not_the_optimizer_step(monkeypatch
     assert all(r["measured_step_time_s"] < r["step_time_s"] for r in session.records[1:])
 
 
+def test_on_a_gpu_the_forward_and_backward_peak_is_read_without_waiting(monkeypatch):
+    """The record keeps the allocator's peak at the end of forward and backward beside the
+    step's, so the optimizer step's share shows; the host counts it, no sync is needed."""
+    import contextlib
+    from types import SimpleNamespace
+
+    from megatron_adacc import megatron_lm
+
+    session = megatron_lm.Session.__new__(megatron_lm.Session)
+    session.device = torch.device("cuda")
+    session.adacc = SimpleNamespace(measure=lambda ruled: contextlib.nullcontext())
+    reads = []
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated",
+                        lambda device: reads.append(device) or 7 << 20)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *args: pytest.fail("synchronised"))
+    assert session._measured(lambda value: value + 1, False, 1) == 2
+    assert session.forward_backward_peak == 7 << 20 and reads == [torch.device("cuda")]
+
+
 def test_profile_traces_the_steps_megatron_lm_names(tmp_path):
     """--profile-step-start 1 --profile-step-end 3: the steps after one iteration up to the
     third, one trace for the rank (Megatron-LM writes it gzipped beside --tensorboard-dir, in
