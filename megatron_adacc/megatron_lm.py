@@ -195,7 +195,7 @@ class Session:
         forward_backward_func = functools.partial(self._measured, forward_backward_func, ruled)
         from megatron_adacc.profiling import allocator
 
-        self.step_started = time.perf_counter()
+        self.step_started, self.forward_backward_peak = time.perf_counter(), None
         with allocator.watch(self.device) as peaks:
             result = original(forward_step_func, data_iterator, model, optimizer,
                               opt_param_scheduler, config, forward_backward_func,

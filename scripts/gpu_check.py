@@ -1150,9 +1150,8 @@ def _analytic_costs(spec: ModelSpec, dry_run: bool, accelerator):
     from megatron_adacc.planning import analytic
 
     flags = _training_flags(spec, dry_run)
-    # The parser takes the table's names only; the accelerator itself then stands in.
-    args, _ = cli._build_parser().parse_known_args(["plan", "--hardware", "h100-80gb"])
-    args.hardware = analytic.get_accelerator(accelerator)
+    args, _ = cli._build_parser().parse_known_args(["plan"])
+    args.hardware = analytic.get_accelerator(accelerator)  # the parser takes names only
     args.micro_batch_size = flags.micro_batch_size
     args.pipeline_model_parallel_size = flags.pipeline_model_parallel_size
     args.use_distributed_optimizer = flags.use_distributed_optimizer
@@ -1285,7 +1284,7 @@ def calibrate(runs: ModelRuns, accelerator: str) -> dict | None:
     """The matmul efficiency that best fits the analytic model to Megatron's measured recompute.
 
     A least-squares fit, over a grid, of the added time of each measured full and selective
-    recompute. None without two such runs and no optimisation's step."""
+    recompute. None with fewer than two of them measured."""
     import bench_common
 
     from megatron_adacc.planning import analytic
@@ -1310,7 +1309,7 @@ def calibrate(runs: ModelRuns, accelerator: str) -> dict | None:
 
     fits = {efficiency: added(efficiency) for efficiency in MATMUL_EFFICIENCIES}
     fitted = min(fits, key=lambda efficiency: rms_error(fits[efficiency]))
-    table = added(device.matmul_efficiency)
+    table = fits.get(device.matmul_efficiency) or added(device.matmul_efficiency)
     trace = runs.runs.get("none", {}).get("trace") or {}
     step_s = runs.runs.get("none", {}).get("step_time_s")
     return {"table_efficiency": device.matmul_efficiency, "fitted_efficiency": fitted,
