@@ -36,6 +36,7 @@ from megatron_adacc.common.costs import ModelCosts
 from megatron_adacc.common.errors import InputError
 from megatron_adacc.planning import InfeasibleBudget, plan_stages
 from megatron_adacc.planning import format_plan, format_stages
+from megatron_adacc.profiling import engine_memory
 from megatron_adacc.common.units import parse_size
 
 # Data flags: with none of them pretrain_gpt.py trains on the built-in corpus.
@@ -138,7 +139,8 @@ def shape_flags(flags: argparse.Namespace) -> dict[str, Any]:
 def model_shape(argv: Sequence[str]) -> analytic.ModelShape:
     """The accelerator model's shape of the GPT pretrain_gpt.py trains with ``argv``."""
     try:
-        return analytic.ModelShape.from_flags(shape_flags(training_flags(argv)))
+        return analytic.ModelShape.from_flags(shape_flags(training_flags(argv)),
+                                               engine_memory.steps_with_torch_adam())
     except ValueError as exc:
         raise UsageError(str(exc)) from None
 
@@ -229,7 +231,8 @@ def _costs(args: argparse.Namespace, flags: argparse.Namespace, argv: list[str]
         costs, default_budget = _profiled_costs(args, flags, argv)
         return [costs], default_budget
     try:
-        shape = analytic.ModelShape.from_flags(shape_flags(flags))
+        shape = analytic.ModelShape.from_flags(shape_flags(flags),
+                                               engine_memory.steps_with_torch_adam())
         stages = analytic.pipeline_costs(
             shape, args.micro_batch_size, args.hardware, args.pipeline_model_parallel_size,
             _num_micro_batches(args, flags), zero_stage, args.data_parallel_size)

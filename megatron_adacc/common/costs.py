@@ -127,7 +127,7 @@ class ModelCosts:
     allocator_overhead_bytes: int = 0
     # What the optimizer step adds to static while no activations are alive: megatron's fp16
     # optimizer copies every 16-bit gradient to fp32 in its step and drops the copies at the
-    # next zero_grad, before the forward.
+    # next zero_grad, before the forward; torch's foreach AdamW adds its workspace.
     optimizer_step_bytes: int = 0
     segments: tuple[Segment, ...] = MEGATRON_SEGMENTS
     # The operator-level rebuilds, in the order the runtime runs them (sites.REBUILDS).

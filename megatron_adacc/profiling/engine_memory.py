@@ -40,11 +40,67 @@ def model_static_bytes(model: torch.nn.Module, grad_dtype: torch.dtype | None = 
 
 
 def model_step_bytes(model: torch.nn.Module, grad_dtype: torch.dtype | None = None) -> int:
-    """What that engine's optimizer step adds (ModelCosts.optimizer_step_bytes): an fp32
-    copy of each 16-bit gradient. Equal to ``engine_step_bytes``."""
-    return sum(param.numel() * 4 for param in model.parameters()
-               if param.requires_grad and param.dtype != torch.float32
-               and _gradient_dtype(param, grad_dtype) != torch.float32)
+    """What that engine's optimizer step adds (ModelCosts.optimizer_step_bytes).
+
+    That is an fp32 copy of each 16-bit gradient, and torch Adam's foreach workspace where
+    megatron steps with it (``foreach_adam``), as if every parameter were in one group. So it
+    equals ``engine_step_bytes`` on a CPU. On a GPU it exceeds it by the no-weight-decay group
+    (biases, norms), which megatron steps after the rest."""
+    trainable = [param for param in model.parameters() if param.requires_grad]
+    copies = sum(param.numel() * 4 for param in trainable
+                 if param.dtype != torch.float32
+                 and _gradient_dtype(param, grad_dtype) != torch.float32)
+    workspace = (sum(param.numel() * 4 for param in trainable)  # like the fp32 main params
+                 if trainable and foreach_adam(trainable) else 0)
+    return copies + workspace
+
+
+def foreach_adam(params: list[torch.Tensor]) -> bool:
+    """Whether megatron-core steps ``params`` with torch's AdamW on its foreach path.
+
+    It does without Transformer Engine and Apex (whose fused Adam makes no workspace), on
+    the devices torch has foreach kernels for (a GPU's, not a CPU's)."""
+    return steps_with_torch_adam() and _default_foreach(params)
+
+
+def steps_with_torch_adam() -> bool:
+    """Whether megatron-core's Adam is torch's AdamW here: neither Transformer Engine nor Apex."""
+    from megatron.core import optimizer
+
+    return optimizer.USING_PYTORCH_OPTIMIZER
+
+
+def _default_foreach(params: list[torch.Tensor]) -> bool:
+    from torch.optim.optimizer import _default_to_fused_or_foreach
+
+    return _default_to_fused_or_foreach(params, differentiable=False, use_fused=False)[1]
+
+
+def adam_workspace_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """The workspace torch's Adam(W) step makes on its foreach path: its largest group's size.
+
+    It is ``_foreach_sqrt`` of a group's second moments, like each of its parameters. Groups step
+    one after another. The fused path makes none, the single-tensor one (a CPU's) one or two
+    parameters' worth, left out."""
+    if not isinstance(optimizer, torch.optim.Adam):
+        return 0
+    largest = 0
+    for group in optimizer.param_groups:
+        params = group["params"]  # megatron's fp32 main parameters require no grad: all step
+        if params and _runs_foreach(group, params):
+            largest = max(largest, sum(param.numel() * param.element_size() for param in params))
+    return largest
+
+
+def _runs_foreach(group: dict, params: list[torch.Tensor]) -> bool:
+    """torch.optim.adam.adam's choice of path for ``group``."""
+    if group.get("fused") or group.get("differentiable"):
+        return False
+    if group.get("foreach") is not None:
+        return bool(group["foreach"])
+    # torch leaves foreach off for a tensor learning rate that is not capturable
+    return (_default_foreach(params)
+            and not (torch.is_tensor(group["lr"]) and not group.get("capturable")))
 
 
 def engine_static_bytes(model_chunks, optimizer) -> int:
@@ -80,13 +136,16 @@ def engine_static_bytes(model_chunks, optimizer) -> int:
 
 
 def engine_step_bytes(optimizer) -> int:
-    """What megatron's optimizer step adds on this rank (ModelCosts.optimizer_step_bytes):
-    the fp32 gradient of each main parameter (its shard) whose 16-bit gradient buffer the
-    step copies (``main_grad.float()``), dropped again by the next step's zero_grad."""
-    return sum(main_param.numel() * 4
-               for inner in getattr(optimizer, "chained_optimizers", [optimizer])
-               for model_param, main_param in _main_params_of(inner)
-               if model_param.main_grad.dtype != torch.float32)
+    """What megatron's optimizer step adds on this rank (ModelCosts.optimizer_step_bytes).
+
+    - the fp32 gradient of each main parameter (its shard) whose 16-bit gradient buffer the
+      step copies (``main_grad.float()``), dropped again by the next step's zero_grad;
+    - the largest workspace an inner optimizer's step makes (``adam_workspace_bytes``)."""
+    inners = getattr(optimizer, "chained_optimizers", [optimizer])
+    copies = sum(main_param.numel() * 4 for inner in inners
+                 for model_param, main_param in _main_params_of(inner)
+                 if model_param.main_grad.dtype != torch.float32)
+    return copies + max(adam_workspace_bytes(inner.optimizer) for inner in inners)
 
 
 def _main_params_of(inner) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -9,7 +9,7 @@ import torch
 
 from megatron_adacc.profiling import engine_memory
 from helpers import forked
-from helpers.engine import held_bytes
+from helpers.engine import LiveBytes, held_bytes
 from helpers.pretrain import child_env, pretrain
 
 HERE = Path(__file__).resolve().parent
@@ -40,6 +40,32 @@ def test_the_planned_static_bytes_are_what_the_engine_holds_at_one_rank(flags):
     if "--use-distributed-optimizer" not in flags:  # what the Python API plans with
         assert engine_memory.model_static_bytes(session.model) == planned
         assert engine_memory.model_step_bytes(session.model) == step
+
+
+@pytest.mark.parametrize("flags", [["--fp16", "--initial-loss-scale", "1024"],
+                                   ["--bf16", "--use-distributed-optimizer"]])
+def test_the_planned_step_bytes_are_what_torchs_foreach_adam_step_makes(flags, monkeypatch):
+    """On a GPU without Transformer Engine or Apex, megatron steps with torch's AdamW, whose
+    foreach path makes a workspace like every main parameter. Here the host runs foreach too."""
+    from torch.optim import optimizer as torch_optimizer
+
+    devices = torch_optimizer._get_foreach_kernels_supported_devices()
+    monkeypatch.setattr(torch_optimizer, "_get_foreach_kernels_supported_devices",
+                        lambda: [*devices, "cpu"])
+    session = pretrain("--train-iters", "2", *flags)
+    planned = session.adacc.optimizer_step_bytes
+    session.optimizer.zero_grad()  # drops the last step's fp32 gradient copies
+    with LiveBytes() as live:
+        session.optimizer.step()
+    assert live.peak == planned
+    mains = sum(main.numel() * 4 for group in session.optimizer.optimizer.param_groups
+                for main in group["params"])
+    copies = mains if "--fp16" in flags else 0
+    assert planned == copies + max(sum(main.numel() * 4 for main in group["params"])
+                                   for group in session.optimizer.optimizer.param_groups)
+    # The model's rule, as if in one group, holds the no-weight-decay group's too.
+    if "--use-distributed-optimizer" not in flags:
+        assert engine_memory.model_step_bytes(session.model) == copies + mains
 
 
 @pytest.fixture(scope="module")

@@ -59,17 +59,26 @@ def test_static_bytes():
 
 @pytest.mark.parametrize("dtype, precision", [(torch.float32, "fp32"), (torch.bfloat16, "bf16"),
                                               (torch.float16, "fp16")])
+@pytest.mark.parametrize("foreach", [False, True])
 def test_the_parameter_count_model_is_the_engines_for_a_real_model(distributed, dtype,
-                                                                   precision):
+                                                                   precision, foreach,
+                                                                   monkeypatch):
     """What ``adacc plan --hardware`` charges for N parameters is what megatron's engine holds
     for a model of N (``model_static_bytes``, held equal to the engine in test_engine.py) and
-    adds in its step, but for Adam's step count: 4 bytes a tensor, which a count cannot know."""
+    adds in its step, but for Adam's step count: 4 bytes a tensor, which a count cannot know.
+    ``foreach``: torch's AdamW steps on its foreach path, as on a GPU (the host made one)."""
+    from torch.optim import optimizer as torch_optimizer
+
+    devices = torch_optimizer._get_foreach_kernels_supported_devices()
+    monkeypatch.setattr(torch_optimizer, "_get_foreach_kernels_supported_devices",
+                        lambda: [*devices, "cpu"] if foreach else devices)
     model = build(False, dtype=dtype)
     tensors = list(model.parameters())
     n = sum(p.numel() for p in tensors)
     assert (engine_memory.model_static_bytes(model)
             == analytic.static_bytes(n, precision) + 4 * len(tensors))
-    assert engine_memory.model_step_bytes(model) == analytic.step_bytes(n, precision)
+    assert engine_memory.model_step_bytes(model) == analytic.step_bytes(n, precision,
+                                                                        foreach_adam=foreach)
 
 
 def test_zero1_static_bytes_are_the_hand_computed_formula():
@@ -206,11 +215,28 @@ def test_on_cuda_llama_saves_what_the_h200_profiled():
     assert cuda.operator("mlp").rebuild_s == pytest.approx(cpu.operator("mlp").rebuild_s)
     flags = {key.replace("_", "-"): value
              for key, value in read_config(str(ROOT / "configs" / "llama-1b.yaml")).items()}
-    costs = analytic.analytic_costs(analytic.ModelShape.from_flags(flags), 2, "h200-141gb")
+    # the lease's stack: megatron-core without Transformer Engine or Apex
+    costs = analytic.analytic_costs(analytic.ModelShape.from_flags(flags, foreach_adam=True), 2,
+                                    "h200-141gb")
     result = planning.plan(costs, 10 * costs.static_bytes)
     for method, measured in (("no optimisation", 38_669_254_656),
                              ("full recompute", 29_222_617_600)):
         assert result.references[method].peak_bytes == pytest.approx(measured, rel=0.005)
+
+
+def test_full_recompute_of_gpt345m_in_fp16_peaks_in_torchs_foreach_adam_step():
+    """With recompute, GPT-345M's fp16 step (no Transformer Engine, no Apex) peaks in the
+    optimizer step: the fp32 gradient copies and AdamW's foreach workspace, 8 bytes a parameter
+    over static. The H200 measured 8,718,088,192 B (docs/results/gpu_check_h200.json); the
+    copies alone priced 7,136,542,720 B."""
+    flags = {key.replace("_", "-"): value
+             for key, value in read_config(str(ROOT / "configs" / "gpt-345m.yaml")).items()}
+    shape = analytic.ModelShape.from_flags(flags, foreach_adam=True)
+    costs = analytic.analytic_costs(shape, 4, "h200-141gb")
+    assert costs.optimizer_step_bytes == 8 * shape.num_parameters
+    full = planning.plan(costs, 10 * costs.static_bytes).references["full recompute"]
+    assert full.peak_bytes == costs.static_bytes + costs.optimizer_step_bytes
+    assert full.peak_bytes == pytest.approx(8_718_088_192, rel=0.025)
 
 
 def test_llama_gpu_plans_rebuild_swiglu_by_its_operators():

@@ -315,3 +315,24 @@ def test_a_bad_flag_is_one_line_exit_2(capsys):
     err = capsys.readouterr().err
     assert err.startswith("adacc plan: error: argument --hardware: invalid choice: 'abacus'")
     assert err.count("\n") == 1
+
+
+def test_the_gpu_step_is_priced_with_the_optimizer_this_install_runs(capsys, monkeypatch):
+    """Without Transformer Engine and Apex megatron-core steps with torch's AdamW, whose foreach
+    path on a GPU makes a workspace like every fp32 main parameter; their fused Adam makes none.
+    GPT-345M in fp16 then peaks in the step under full recompute."""
+    from megatron.core import optimizer
+
+    plan = ["plan", "--config", str(CONFIGS / "gpt-345m.yaml"), "--micro-batch-size", "4",
+            "--hardware", "h200-141gb", "--memory-budget", "100GiB", "--json"]
+    planned = {}
+    for torch_adam in (True, False):
+        monkeypatch.setattr(optimizer, "USING_PYTORCH_OPTIMIZER", torch_adam)
+        assert main(plan) == 0
+        planned[torch_adam] = json.loads(capsys.readouterr().out)
+    parameters = 354_871_296  # GPT-345M's, its tied embedding padded to 50,304 rows
+    # the fp32 gradient copies and the workspace: 8 bytes a parameter over static
+    assert (planned[True]["minimum_feasible_budget"]
+            == planned[True]["static_bytes"] + 8 * parameters)
+    assert (planned[False]["minimum_feasible_budget"]
+            < planned[True]["minimum_feasible_budget"] - (1 << 30))

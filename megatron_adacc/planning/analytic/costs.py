@@ -67,13 +67,15 @@ def static_bytes(num_parameters: int, precision: str, zero_stage: int = 0,
 
 
 def step_bytes(num_parameters: int, precision: str, zero_stage: int = 0,
-               data_parallel_size: int = 1) -> int:
-    """What the optimizer step adds for ``num_parameters`` (ModelCosts.optimizer_step_bytes):
-    with fp16, an fp32 copy of the gradient of each main parameter the rank steps (sharded
-    with the optimizer states); Megatron-LM accumulates bf16 gradients in fp32, no copy."""
-    if precision != "fp16":
-        return 0
-    return 4 * _parameters_held(num_parameters, zero_stage, data_parallel_size, 1)
+               data_parallel_size: int = 1, foreach_adam: bool = False) -> int:
+    """What the optimizer step adds for ``num_parameters`` (ModelCosts.optimizer_step_bytes).
+
+    - with fp16, an fp32 copy of the gradient of each main parameter the rank steps (sharded
+      with the optimizer states); Megatron-LM accumulates bf16 gradients in fp32, no copy;
+    - with ``foreach_adam`` (torch's AdamW on a GPU), its workspace: fp32 like each of those
+      main parameters (``engine_memory.adam_workspace_bytes``)."""
+    stepped = _parameters_held(num_parameters, zero_stage, data_parallel_size, 1)
+    return 4 * stepped * ((precision == "fp16") + foreach_adam)
 
 
 # torch's Adam(W) state per stepped tensor: exp_avg and exp_avg_sq like the tensor, and a
@@ -137,7 +139,8 @@ def pipeline_costs(shape: ModelShape, micro_batch_size: int, accelerator: str | 
     shared = shared_activation_bytes(shape, micro_batch_size)
     memory = [StageMemory(
         static_bytes=static_bytes(count, shape.precision, zero_stage, data_parallel_size),
-        optimizer_step_bytes=step_bytes(count, shape.precision, zero_stage, data_parallel_size),
+        optimizer_step_bytes=step_bytes(count, shape.precision, zero_stage, data_parallel_size,
+                                        shape.foreach_adam),
         embedding_bytes=embedding_activation_bytes(shape, micro_batch_size) if stage == 0 else 0,
         non_layer_bytes=shared + (output_activation_bytes(shape, micro_batch_size)
                                   if stage == pipeline_size - 1 else 0),

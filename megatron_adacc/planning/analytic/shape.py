@@ -49,6 +49,9 @@ class ModelShape:
     # measures them. from_flags prices a CUDA GPU.
     cuda_kernels: bool = False
     bias_swiglu_fusion: bool = True
+    # Whether the GPU steps with torch's foreach AdamW (no Transformer Engine or Apex
+    # installed), whose workspace is like every main parameter.
+    foreach_adam: bool = False
 
     def __post_init__(self) -> None:
         self.variant  # noqa: B018  (a ValueError naming an unknown part's flag)
@@ -146,9 +149,11 @@ class ModelShape:
                 + self.output_parameters(pipelined=False))
 
     @classmethod
-    def from_flags(cls, flags: Mapping[str, Any]) -> "ModelShape":
+    def from_flags(cls, flags: Mapping[str, Any], foreach_adam: bool = False) -> "ModelShape":
         """From Megatron-style flag names (``num-layers`` or ``num_layers``), as in a YAML
-        config. Raises ValueError naming a missing flag."""
+        config. Raises ValueError naming a missing flag.
+
+        ``foreach_adam``: what the install steps with (engine_memory.steps_with_torch_adam)."""
         norm = {str(k).replace("_", "-"): v for k, v in flags.items() if v is not None}
 
         def need(key: str) -> Any:
@@ -193,6 +198,7 @@ class ModelShape:
             tensor_model_parallel_size=int(norm.get("tensor-model-parallel-size", 1)),
             sequence_parallel=bool(norm.get("sequence-parallel", False)),
             cuda_kernels=True,
+            foreach_adam=foreach_adam,
             bias_swiglu_fusion=(bool(norm.get("bias-swiglu-fusion", True))
                                 and not norm.get("no-bias-swiglu-fusion", False)),
         )

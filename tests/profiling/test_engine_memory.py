@@ -1,0 +1,37 @@
+"""The optimizer step's workspace: torch's Adam(W) makes one on its foreach path alone."""
+import pytest
+import torch
+
+from helpers.engine import LiveBytes
+from megatron_adacc.profiling import engine_memory
+
+
+def _adamw(**path) -> torch.optim.AdamW:
+    torch.manual_seed(0)
+    groups = [[torch.nn.Parameter(torch.randn(100, 30)), torch.nn.Parameter(torch.randn(7))],
+              [torch.nn.Parameter(torch.randn(40, 30))]]
+    for param in (p for group in groups for p in group):
+        param.grad = torch.randn_like(param)
+    return torch.optim.AdamW([{"params": group, "weight_decay": decay}
+                              for group, decay in zip(groups, (0.1, 0.0))], lr=1e-3, **path)
+
+
+@pytest.mark.parametrize("path, workspace", [({"foreach": True}, (100 * 30 + 7) * 4),
+                                             ({"foreach": False}, 0), ({"fused": True}, 0),
+                                             ({}, 0)])  # a CPU's default: single-tensor
+def test_adams_workspace_is_its_largest_foreach_groups_second_moments(path, workspace):
+    optimizer = _adamw(**path)
+    optimizer.step()  # Adam makes its state in the first step
+    assert engine_memory.adam_workspace_bytes(optimizer) == workspace
+    with LiveBytes() as live:
+        optimizer.step()
+    if workspace:
+        assert live.peak == workspace
+    else:  # the single-tensor path's temporaries are a parameter or two, not a group
+        assert live.peak <= 2 * 100 * 30 * 4
+
+
+def test_an_optimizer_that_is_not_adam_has_no_workspace():
+    param = torch.nn.Parameter(torch.randn(10))
+    assert engine_memory.adam_workspace_bytes(torch.optim.SGD([param], lr=0.1,
+                                                              foreach=True)) == 0
