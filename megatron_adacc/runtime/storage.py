@@ -15,6 +15,7 @@ resolves. A handle points at a source that makes the value once and hands it out
 """
 from __future__ import annotations
 
+import weakref
 from typing import Callable
 
 import torch
@@ -139,7 +140,9 @@ class LayerCall:
         self.actions = actions  # site -> (action, codec); absent: retain
         self.ruler = ruler
         self.rebuild = rebuild  # None when the plan recomputes nothing in this layer
-        self._compressed: dict[tuple, CompressedStorage] = {}  # by encoded root; forward only
+        # By encoded root, with a weak reference to its storage: once forward frees a root, its
+        # id may name a new storage. Forward only.
+        self._compressed: dict[tuple, tuple[weakref.ref, CompressedStorage]] = {}
         # The compressed partial views encoded alone: all but those an edge rebuilding
         # something here reads whole.
         read_whole = {source for edge in REBUILDS if edge.between and any(
@@ -207,11 +210,13 @@ class LayerCall:
                                f"{tensor.dtype} tensor, not a mask; the bitmask codec would "
                                "corrupt it")
         root = tensor if site in self.views_alone else _encoding_root(tensor)
-        key = (id(root.untyped_storage()), root.storage_offset(), root.shape, root.stride())
-        source = self._compressed.get(key)
+        storage = root.untyped_storage()
+        key = (id(storage), root.storage_offset(), root.shape, root.stride())
+        known = self._compressed.get(key)
+        source = known[1] if known is not None and known[0]() is storage else None
         if source is None:
             source = CompressedStorage(codec, root, self.ruler)
-            self._compressed[key] = source
+            self._compressed[key] = (weakref.ref(storage), source)
             if self.ruler is not None:
                 self.ruler.keep_object(self.layer_index, site, source, source.nbytes)
         return source.view_handle(tensor, root)

@@ -1,5 +1,6 @@
 """The byte ruler: it reads what is really kept alive, the same way for every method."""
 import gc
+import weakref
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from megatron_adacc.profiling import profiler
 from megatron_adacc.runtime import ActivationRuler, apply_plan, measure_step
 from megatron_adacc.common.sites import COMPRESS, RECOMPUTE, SHARED_SITES
 
+from helpers.llama import build_llama
 from helpers.runtime import BATCH, SEQ, StorageWitness, batch, build, graph_kept_bytes, loss_of
 
 COMPRESSIBLE = ["ln1_out", "qkv", "softmax_out", "attn_dropout_mask", "attn_probs", "context",
@@ -240,3 +242,34 @@ def test_measured_transient_never_exceeds_the_model(distributed, backend, dropou
             assert measured.transient_peak_bytes == predicted, name
         else:
             assert measured.transient_peak_bytes >= (1 - REBUILD_SLACK) * predicted, name
+
+
+@pytest.mark.parametrize("action", ["retain", "compress", "recompute"])
+def test_a_save_the_plan_does_not_keep_is_freed_when_forward_drops_it(distributed, action):
+    """Not when its layer's forward ends: until then, that layer's full-size activations would
+    sit beside every earlier layer's stored bytes, a peak the planner does not predict."""
+    model = _with(build(True), Plan.uniform({"qkv": action}))
+    layer = model.decoder.layers[0]
+    qkv, alive_in_mlp = [], []
+    layer.self_attention.linear_qkv.register_forward_hook(
+        lambda module, args, output: qkv.append(weakref.ref(output[0].untyped_storage())))
+    layer.mlp.register_forward_pre_hook(
+        lambda module, args: alive_in_mlp.append(qkv[-1]() is not None))
+    loss_of(model).backward()
+    assert alive_in_mlp == [action == "retain"]
+
+
+def test_a_freed_root_does_not_lend_its_payload_to_a_tensor_at_its_address(distributed):
+    """bf16 RMSNorm saves an fp32 copy of its input, then the plan frees it once compressed; its
+    normalised output is made next, the same shape, and may land at the freed address. Each
+    decodes its own payload: backward would fail on an fp32 value in a bf16 matmul."""
+    plan = Plan.uniform({"layer_in": "compress", "ln1_normed": "compress",
+                         "ln1_out": "compress", "ln2_in": "compress", "ln2_out": "compress"})
+    reference, compressed = (build_llama(False, torch.bfloat16),
+                             _with(build_llama(True, torch.bfloat16), plan))
+    for model in (reference, compressed):
+        loss_of(model).backward()
+    for (name, expected), got in zip(reference.named_parameters(), compressed.parameters()):
+        assert got.grad.dtype == expected.grad.dtype
+        error = (got.grad.float() - expected.grad.float()).norm() / expected.grad.float().norm()
+        assert error < 0.2, name
