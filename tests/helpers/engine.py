@@ -50,7 +50,7 @@ class LiveBytes(TorchDispatchMode):
         self.live = self.peak = 0
         self._refs: dict[int, weakref.ref] = {}
 
-    def _freed(self, key: int, nbytes: int) -> None:
+    def _freed(self, key: int, nbytes: int, _ref) -> None:
         self.live -= nbytes
         self._refs.pop(key, None)
 
@@ -66,8 +66,7 @@ class LiveBytes(TorchDispatchMode):
             if key in given or key in self._refs:
                 continue
             nbytes = storage.nbytes()
-            self._refs[key] = weakref.ref(storage, functools.partial(
-                lambda key, nbytes, _: self._freed(key, nbytes), key, nbytes))
+            self._refs[key] = weakref.ref(storage, functools.partial(self._freed, key, nbytes))
             self.live += nbytes
         self.peak = max(self.peak, self.live)
         return out
