@@ -4,7 +4,7 @@ The loop builds a GPTModel from megatron-core's local layer spec and trains it w
 synthetic batch and the language-model loss, under a memory budget. The lines marked ``# adacc`` are
 all it takes.
 
-    python examples/custom_loop.py --memory-budget 3.5MiB --metrics-file runs/custom.jsonl
+    python examples/custom_loop.py --memory-budget 4MiB --metrics-file runs/custom.jsonl
 
 Without --memory-budget it trains with megatron's stock layer. Runs on a CPU (gloo) or a GPU.
 """
@@ -26,7 +26,7 @@ from megatron_adacc import megatron_compat  # megatron-core 0.16.1 on a CPU (no-
 
 def parse_args():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--memory-budget", help="e.g. 3.5MiB: train with Adacc auto under it")
+    parser.add_argument("--memory-budget", help="e.g. 4MiB: train with Adacc auto under it")
     parser.add_argument("--metrics-file", help="one JSON object per iteration")
     parser.add_argument("--profile-db", help="Adacc's ProfileDB (default in ~/.cache)")
     parser.add_argument("--iters", type=int, default=30)

@@ -28,9 +28,11 @@ from megatron_adacc.common.errors import InputError
 # PRAGMA application_id marks the file as ours ("ADAC"); user_version is the schema.
 APPLICATION_ID = 0x41444143
 SCHEMA_VERSION = 1
-# The sources whose changes invalidate a profile: what measures and what is measured.
-_MEASURED_CODE = ("profiling/profiler.py", "profiling/clock.py", "common/costs.py",
-                  "common/sites.py", "runtime", "codecs", "models")
+# The sources whose changes invalidate a profile: what measures, what is measured, and the
+# modelled terms a profile takes (the backward workspace, the optimizer step).
+_MEASURED_CODE = ("profiling/profiler.py", "profiling/clock.py", "profiling/engine_memory.py",
+                  "common/costs.py", "common/sites.py", "planning/analytic/sites.py", "runtime",
+                  "codecs", "models")
 
 
 def default_path() -> Path:

@@ -160,3 +160,37 @@ def test_below_what_the_designated_codecs_fit_auto_warns_and_uses_naive_int4(tmp
     first = records[0]
     assert first["activation_bytes"] == first["predicted_activation_bytes"]
     assert first["static_bytes"] + first["activation_peak_bytes"] <= budget
+
+
+# Big enough for the unfused attention's s^2 gradients to set the backward's peak.
+S2_BOUND = ["--num-layers", "4", "--hidden-size", "128", "--seq-length", "128",
+            "--max-position-embeddings", "128", "--micro-batch-size", "4",
+            "--global-batch-size", "4"]
+
+
+@pytest.mark.parametrize("precision", [[], ["--bf16"]], ids=["fp32", "bf16"])
+def test_a_step_at_the_smallest_feasible_budget_stays_within_the_predicted_peak(
+        tmp_path, monkeypatch, precision):
+    """Every byte the step's ops make counts from the op that makes it until it is freed
+    (LiveBytes), the unfused attention's backward included. Their peak stays within the
+    planner's prediction over static."""
+    from megatron.training import training
+
+    from helpers.engine import LiveBytes
+
+    original, peaks = training.train_step, []
+
+    def counted(*args, **kwargs):
+        with LiveBytes() as live:
+            result = original(*args, **kwargs)
+        peaks.append(live.peak)
+        return result
+
+    monkeypatch.setattr(training, "train_step", counted)
+    flags = [*S2_BOUND, *precision, "--attention-backend", "unfused", "--adacc-policy", "auto"]
+    session, _ = run(tmp_path, *flags, "--adacc-memory-budget", "1GiB")
+    smallest = session.adacc.result.minimum_feasible_budget
+    session, records = run(tmp_path, *flags, "--adacc-memory-budget", str(smallest))
+    assert RECOMPUTE in actions(session) and COMPRESS in actions(session)
+    predicted = records[-1]["predicted_peak_bytes"] - records[-1]["static_bytes"]
+    assert peaks[-1] <= predicted

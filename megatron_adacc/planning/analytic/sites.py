@@ -215,14 +215,18 @@ def output_activation_bytes(shape: ModelShape, micro_batch_size: int) -> int:
 
 
 def backward_workspace_bytes(shape: ModelShape, micro_batch_size: int) -> int:
-    """Gradients alive while one layer backprops, whatever the plan: the gradient of the
-    residual stream plus the largest op's output and input gradients (the attention
-    probabilities' in the attention block, the fc1/GELU pair in the MLP)."""
+    """Gradients alive while one layer backprops, whatever the plan.
+
+    That is the gradient of the residual stream plus the largest op's gradients: the attention
+    scores' and probabilities' in the attention block, the fc1/GELU pair in the MLP."""
     d = dims_of(shape, micro_batch_size)
     residual = stream(d) * d.act_bytes
-    attention_pair = 2 * d.heads * d.seq * d.seq * d.batch * max(d.act_bytes, d.softmax_bytes)
+    # Unfused: the probabilities' output and input gradients, and the scores' gradient that
+    # the backward of their view makes anew (AsStridedBackward's zeros). With two, a tiny
+    # GPT's steps peaked 0.8 of an fp32 s^2 tensor above the prediction.
+    attention = 3 * d.heads * d.seq * d.seq * d.batch * max(d.act_bytes, d.softmax_bytes)
     if shape.attention_backend == "flash":  # no s^2 gradient: dQ, dK, dV and the output's
-        attention_pair = 2 * d.seq * d.batch * (d.heads + d.groups) * d.head_dim * d.act_bytes
+        attention = 2 * d.seq * d.batch * (d.heads + d.groups) * d.head_dim * d.act_bytes
     # the activation's input gradient (fc1's output) and its output gradient
     mlp_pair = (shape.variant.mlp.fc1_width + 1) * d.seq * d.batch * d.ffn * d.act_bytes
-    return residual + max(attention_pair, mlp_pair)
+    return residual + max(attention, mlp_pair)
