@@ -1342,15 +1342,13 @@ def _memory_terms(costs, runs: dict) -> dict:
 
     The smallest feasible budget is the recompute-only plan's predicted peak. At the tightest
     budget, full recompute's measured peak, Adacc runs only if that prediction is no higher."""
-    from dataclasses import replace
-
     from megatron_adacc import planning
 
-    static = next((run["static_bytes"] for name, run in runs.items()
-                   if name.startswith("auto") and run.get("static_bytes")), None)
-    if static is not None:  # the engine's, as the trainer planned with it
-        costs = replace(costs, static_bytes=static)
+    costs = _as_the_trainer_planned(costs, next(
+        (run["static_bytes"] for name, run in runs.items()
+         if name.startswith("auto") and run.get("static_bytes")), None))
     return {"static_bytes": costs.static_bytes,
+            "optimizer_step_bytes": costs.optimizer_step_bytes,
             "allocator_overhead_bytes": costs.allocator_overhead_bytes,
             "non_layer_bytes": costs.non_layer_bytes,
             "held_non_layer_bytes": costs.held_non_layer_bytes,
@@ -1366,22 +1364,26 @@ def _memory_terms(costs, runs: dict) -> dict:
                            and run.get("predicted_peak_bytes") is not None}}
 
 
+def _as_the_trainer_planned(costs, static_bytes: int | None):
+    """``costs`` with the engine's static bytes, as the trainer planned with them.
+
+    A profile holds the model's (``engine_memory.model_static_bytes``). The step term stays the
+    profile's: an upper bound on the engine's by the no-weight-decay group."""
+    from dataclasses import replace
+
+    return costs if static_bytes is None else replace(costs, static_bytes=static_bytes)
+
+
 def _run_plan(costs, run: dict, budget: int | None):
     """The plan an auto run set out with, re-planned from its profile as the trainer planned it.
 
-    The trainer planned with its engine's static bytes. The profile does not hold what the engine's
-    optimizer step adds, which can tip a plan.
-
     Returns:
         (the plan, whether its id is the run's); (None, False) without a profile or a run."""
-    from dataclasses import replace
-
     from megatron_adacc import planning, policies
 
     if costs is None or budget is None or run.get("first_plan_id") is None:
         return None, False
-    if run.get("static_bytes") is not None:
-        costs = replace(costs, static_bytes=run["static_bytes"])
+    costs = _as_the_trainer_planned(costs, run.get("static_bytes"))
     try:
         plan = policies.plan("auto", costs, budget, allow_lossy_sources=False).plan
     except planning.InfeasibleBudget:
@@ -1878,8 +1880,11 @@ def _training_lines(name: str, model: dict) -> list[str]:
                   "A leak between runs in one process would show in their peaks.", ""]
     terms = model.get("memory_model")
     if terms:
+        step = terms.get("optimizer_step_bytes")  # absent from checks before 2026-11-29
         lines += ["The profile's memory model: static "
-                  f"{_mib(terms['static_bytes'])} MiB, allocator overhead "
+                  f"{_mib(terms['static_bytes'])} MiB, "
+                  + (f"optimizer step {_mib(step)} MiB, " if step is not None else "")
+                  + "allocator overhead "
                   f"{_mib(terms['allocator_overhead_bytes'])} MiB, non-layer "
                   f"{_mib(terms['non_layer_bytes'])} MiB (held through backward "
                   f"{_mib(terms['held_non_layer_bytes'])} MiB), backward workspace "
