@@ -139,10 +139,15 @@ def shape_flags(flags: argparse.Namespace) -> dict[str, Any]:
 def model_shape(argv: Sequence[str]) -> analytic.ModelShape:
     """The accelerator model's shape of the GPT pretrain_gpt.py trains with ``argv``."""
     try:
-        return analytic.ModelShape.from_flags(shape_flags(training_flags(argv)),
-                                               engine_memory.steps_with_torch_adam())
+        return _gpu_shape(training_flags(argv))
     except ValueError as exc:
         raise UsageError(str(exc)) from None
+
+
+def _gpu_shape(flags: argparse.Namespace) -> analytic.ModelShape:
+    """The shape the accelerator model prices on a GPU, stepped by this install's optimizer."""
+    return analytic.ModelShape.from_flags(shape_flags(flags),
+                                          engine_memory.steps_with_torch_adam())
 
 
 def trainer_costs(argv: Sequence[str], budget: int | None = None) -> ModelCosts:
@@ -231,8 +236,7 @@ def _costs(args: argparse.Namespace, flags: argparse.Namespace, argv: list[str]
         costs, default_budget = _profiled_costs(args, flags, argv)
         return [costs], default_budget
     try:
-        shape = analytic.ModelShape.from_flags(shape_flags(flags),
-                                               engine_memory.steps_with_torch_adam())
+        shape = _gpu_shape(flags)
         stages = analytic.pipeline_costs(
             shape, args.micro_batch_size, args.hardware, args.pipeline_model_parallel_size,
             _num_micro_batches(args, flags), zero_stage, args.data_parallel_size)
