@@ -122,8 +122,8 @@ class ModelCosts:
     non_layer_bytes: int
     backward_workspace_bytes: int     # gradients alive while one layer backprops, any plan
     micro_batch_size: int
-    # How far the CUDA caching allocator's reserved peak of an all-retain step exceeded the
-    # peak this model predicts (fragmentation, cached blocks, kernels' workspaces); 0 on a CPU.
+    # How far the CUDA allocator's allocated peak of an all-retain step exceeded the peak this
+    # model predicts (kernels' workspaces, working sets it leaves out); 0 on a CPU.
     allocator_overhead_bytes: int = 0
     # What the optimizer step adds to static while no activations are alive: megatron's fp16
     # optimizer copies every 16-bit gradient to fp32 in its step and drops the copies at the
