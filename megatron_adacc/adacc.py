@@ -73,6 +73,7 @@ class AdaccConfig:
     reprofile: bool = False
     codec_backend: str | None = None     # None: $ADACC_CODEC_BACKEND, else auto
     strict: bool = False                 # an unattributed saved tensor is an error
+    lossy_sources: bool = False          # auto may rebuild from compressed values
     pipeline_model_parallel_size: int = 1   # the stages the model is split over
 
     def __post_init__(self) -> None:
@@ -112,6 +113,10 @@ class AdaccConfig:
         if self.step_watch == "on" and not self.tracks:
             raise ValueError("--adacc-step-watch on swaps plans through the rectifier, so it "
                              "needs --adacc-tracking backoff (and --adacc-policy auto)")
+        if self.lossy_sources and self.policy not in policies.AUTO_POLICIES:
+            raise ValueError(f"--adacc-lossy-sources chooses what auto's plans rebuild from, so "
+                             f"it needs --adacc-policy auto or auto-no-outlier (got "
+                             f"{self.policy})")
         if self.tracking_max_interval < 1:
             raise ValueError("--adacc-tracking-max-interval must be positive")
         if self.pipeline_model_parallel_size < 1:
@@ -169,7 +174,7 @@ class AdaccConfig:
                 refuse(name, "a number")
         if not (self.profile_db is None or isinstance(self.profile_db, (str, os.PathLike))):
             refuse("profile_db", "a path or None")
-        for name in ("reprofile", "strict"):
+        for name in ("reprofile", "strict", "lossy_sources"):
             if not isinstance(getattr(self, name), bool):
                 refuse(name, "True or False")
 
@@ -290,7 +295,7 @@ class Adacc:
             config.policy, self._budget(), model, batch, db=ProfileDB(config.profile_db),
             reprofile=config.reprofile, strict=config.strict, loss_fn=loss_fn,
             num_micro_batches=num_micro_batches, static_bytes=self.static_bytes,
-            optimizer_step_bytes=self.optimizer_step_bytes)
+            optimizer_step_bytes=self.optimizer_step_bytes, lossy_sources=config.lossy_sources)
         if self._resolved.plan is not None:
             self._apply(self._resolved.plan)
         if config.tracks and self._resolved.result is not None:
@@ -299,7 +304,8 @@ class Adacc:
                 self._resolved.budget_bytes, policy=config.policy, sites=config.tracking_sites,
                 guard_threshold=config.guard_threshold,
                 reset_fraction=config.tracking_reset_fraction,
-                max_interval=config.tracking_max_interval, strict=config.strict)
+                max_interval=config.tracking_max_interval,
+                allow_lossy_sources=config.lossy_sources, strict=config.strict)
             if config.watches:
                 self._watch = watching.StepWatch()
                 self._watch.begin(self._rectifier.result)

@@ -34,7 +34,7 @@ from megatron_adacc import launch, megatron_compat
 from megatron_adacc.planning import analytic
 from megatron_adacc.common.costs import ModelCosts
 from megatron_adacc.common.errors import InputError
-from megatron_adacc.planning import InfeasibleBudget, plan_stages
+from megatron_adacc.planning import InfeasibleBudget, plan_stages, with_lossy_hint
 from megatron_adacc.planning import format_plan, format_stages
 from megatron_adacc.profiling import engine_memory
 from megatron_adacc.common.units import parse_size
@@ -273,6 +273,8 @@ def _plan_command(args: argparse.Namespace, rest: list[str]) -> int:
         plans = plan_stages(stages, budget, per_layer=args.per_layer,
                             allow_lossy_sources=args.allow_lossy_sources)
     except InfeasibleBudget as exc:
+        exc = with_lossy_hint(exc, stages, "--lossy-sources", per_layer=args.per_layer,
+                              allow_lossy_sources=args.allow_lossy_sources)
         if args.json:
             infeasible = {"feasible": False, "budget_bytes": budget,
                           "minimum_feasible_budget": exc.minimum_budget,

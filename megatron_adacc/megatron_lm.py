@@ -76,6 +76,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     adacc.add_argument("--adacc-codec-backend", default=None,
                        choices=("auto", "torch", "native", "triton"),
                        help="codec kernels (default: $ADACC_CODEC_BACKEND, else auto)")
+    adacc.add_argument("--adacc-lossy-sources", action="store_true",
+                       help="auto: let a recomputed value be rebuilt from a compressed one "
+                            "(smaller plans; the rebuilt values carry the codec's error)")
     adacc.add_argument("--adacc-strict", action="store_true",
                        help="fail on a saved tensor that no site accounts for")
     adacc.add_argument("--adacc-tracking", choices=["backoff", "off"], default=None,

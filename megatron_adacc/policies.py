@@ -130,7 +130,7 @@ def resolve(policy: str, budget_bytes: int | None, model: torch.nn.Module | None
             reprofile: bool = False, strict: bool = False,
             loss_fn: profiler.LossFn | None = None, num_micro_batches: int = 1,
             static_bytes: int | None = None,
-            optimizer_step_bytes: int | None = None) -> Resolved:
+            optimizer_step_bytes: int | None = None, lossy_sources: bool = False) -> Resolved:
     """The plan for ``policy`` on this rank's pipeline stage, its layers numbered as in the model.
 
     Args:
@@ -141,9 +141,12 @@ def resolve(policy: str, budget_bytes: int | None, model: torch.nn.Module | None
             (``engine_memory.engine_static_bytes``). A stored profile cannot know it. None: the
             profile's, with the optimizer held whole.
         optimizer_step_bytes: what the optimizer step adds (``engine_memory.engine_step_bytes``).
+        lossy_sources: auto may rebuild a recomputed site from a compressed one
+            (``--adacc-lossy-sources``).
 
     Raises:
-        planning.InfeasibleBudget: a ValueError naming the smallest feasible budget."""
+        planning.InfeasibleBudget: a ValueError naming the smallest feasible budget, and the
+            smaller one of lossy rebuild sources where that is smaller."""
     if policy == "none":
         return Resolved(policy, None, budget_bytes)
     if policy == "full-recompute":
@@ -168,8 +171,11 @@ def resolve(policy: str, budget_bytes: int | None, model: torch.nn.Module | None
     # Every rank plans every stage from the same costs with the same deterministic planner:
     # one plan per stage, and an infeasible budget fails on every rank alike instead of
     # leaving the others waiting.
-    plans = planning.plan_stages(stages, budget_bytes, separate_outliers=_separates(policy),
-                                 allow_lossy_sources=False)
+    options = {"separate_outliers": _separates(policy), "allow_lossy_sources": lossy_sources}
+    try:
+        plans = planning.plan_stages(stages, budget_bytes, **options)
+    except planning.InfeasibleBudget as exc:
+        raise planning.with_lossy_hint(exc, stages, "--adacc-lossy-sources", **options) from None
     mine = plans[stage]
     return Resolved(policy, mine.plan, budget_bytes, stages[stage], mine.result, profile_s,
                     plans)

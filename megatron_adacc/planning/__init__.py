@@ -4,7 +4,8 @@
 - ``frontier``: the per-layer Pareto frontier of single-layer policies.
 - ``search``: plan(), minimum_budget(), the per-layer and uniform searches over the frontier.
 - ``milp``: the direct PuLP/CBC formulation, plan(..., method="milp"), imported on use only.
-- ``pipeline``: 1F1B's in-flight micro-batches per stage, the layer split, a plan per stage.
+- ``pipeline``: 1F1B's in-flight micro-batches per stage, the layer split, a plan per stage,
+  and what an infeasible budget would fit with lossy rebuild sources.
 - ``tiers``: which codecs auto plans with, its own first and the quantize baseline's last.
 - ``result``: PlanResult and the rows of the plan table.
 - ``report``: the plan table as a person reads it.
@@ -16,7 +17,8 @@ from megatron_adacc.planning.model import (LayerPolicy, activation_peak_bytes, e
                                            forward_end_bytes, is_exact, peak_bytes,
                                            rebuild_charges, rerun_chains)
 from megatron_adacc.planning.pipeline import (StageMemory, StagePlan, in_flight_micro_batches,
-                                              plan_stages, stage_costs, stage_layer_counts)
+                                              plan_stages, stage_costs, stage_layer_counts,
+                                              with_lossy_hint)
 from megatron_adacc.planning.report import format_plan, format_stages
 from megatron_adacc.planning.result import PlanResult, SiteRow, Totals
 from megatron_adacc.planning.search import (InfeasibleBudget, default_resolution,
@@ -32,5 +34,5 @@ __all__ = [
     "is_exact", "last_resort_sites", "layer_frontier", "minimum_budget", "minimum_feasible_budget",
     "peak_bytes", "plan",
     "plan_in_tiers", "plan_stages", "rebuild_charges", "rerun_chains", "stage_costs",
-    "stage_layer_counts",
+    "stage_layer_counts", "with_lossy_hint",
 ]

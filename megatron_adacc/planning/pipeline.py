@@ -14,9 +14,10 @@ from typing import Any, Sequence
 from megatron_adacc.common.costs import ModelCosts
 from megatron_adacc.common.plan import Plan
 from megatron_adacc.common.sites import LAYER_INPUT
+from megatron_adacc.common.units import format_size
 from megatron_adacc.planning.result import PlanResult
 from megatron_adacc.planning.search import InfeasibleBudget
-from megatron_adacc.planning.tiers import plan_in_tiers
+from megatron_adacc.planning.tiers import minimum_feasible_budget, plan_in_tiers
 
 
 def in_flight_micro_batches(stage: int, pipeline_size: int, num_micro_batches: int) -> int:
@@ -111,6 +112,21 @@ class StagePlan:
         return {"stage": self.stage, "layers": self.layers,
                 "in_flight_micro_batches": self.in_flight_micro_batches,
                 **self.result.to_dict()}
+
+
+def with_lossy_hint(exc: InfeasibleBudget, stages: Sequence[ModelCosts], flag: str,
+                    **options: Any) -> InfeasibleBudget:
+    """``exc`` naming the smallest budget with lossy rebuild sources, and ``flag``, which allows
+    them; ``exc`` itself where ``options`` allowed them or they fit nothing smaller."""
+    if options.get("allow_lossy_sources", True):
+        return exc
+    options = {**options, "allow_lossy_sources": True}
+    lossy = max(minimum_feasible_budget(costs, **options) for costs in stages)
+    if lossy >= exc.minimum_budget:
+        return exc
+    return InfeasibleBudget(exc.budget_bytes, exc.minimum_budget, exc.static_bytes, exc.stage,
+                            hint=f"with {flag}, which rebuilds recomputed values from "
+                                 f"compressed ones, it is {format_size(lossy)} ({lossy} B)")
 
 
 def plan_stages(stages: Sequence[ModelCosts], budget_bytes: int, **options: Any

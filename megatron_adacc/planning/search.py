@@ -31,21 +31,23 @@ from megatron_adacc.planning.result import PlanResult
 class InfeasibleBudget(ValueError):
     """No plan fits the budget; ``minimum_budget`` is the smallest budget that has one.
 
-    With ``stage`` set, it is that pipeline stage's plan that does not fit."""
+    With ``stage`` set, it is that pipeline stage's plan that does not fit. A ``hint`` says
+    what else would fit."""
 
     def __init__(self, budget_bytes: int, minimum_budget: int, static_bytes: int,
-                 stage: int | None = None) -> None:
+                 stage: int | None = None, hint: str = "") -> None:
         from megatron_adacc.common.units import format_size
 
         self.budget_bytes = budget_bytes
         self.minimum_budget = minimum_budget
         self.static_bytes = static_bytes
         self.stage = stage          # the pipeline stage that fits no plan, if pipelined
+        self.hint = hint
         where = "" if stage is None else f"pipeline stage {stage}: "
         super().__init__(
             f"{where}memory budget {format_size(budget_bytes)} is infeasible: the smallest "
             f"feasible budget is {format_size(minimum_budget)} ({minimum_budget} B; static "
-            f"memory alone is {format_size(static_bytes)})"
+            f"memory alone is {format_size(static_bytes)})" + (f"; {hint}" if hint else "")
         )
 
 

@@ -1,4 +1,6 @@
 """--adacc-policy auto and the paper's baselines, end to end through Megatron-LM's loop."""
+import math
+
 import pytest
 
 from megatron_adacc import planning, policies
@@ -117,6 +119,10 @@ def test_auto_on_a_cpu_needs_a_budget():
         parse("--adacc-policy", "auto", "--adacc-memory-budget", "12 parsecs")
     with pytest.raises(ConfigError, match="not one of"):
         parse("--adacc-policy", "fastest")
+    with pytest.raises(ConfigError, match=r"^--adacc-lossy-sources chooses what auto's plans "
+                                          r"rebuild from, so it needs --adacc-policy auto or "
+                                          r"auto-no-outlier \(got full-recompute\)$"):
+        parse("--adacc-policy", "full-recompute", "--adacc-lossy-sources")
 
 
 @pytest.mark.parametrize("policy, action", [("full-recompute", RECOMPUTE),
@@ -160,6 +166,40 @@ def test_below_what_the_designated_codecs_fit_auto_warns_and_uses_naive_int4(tmp
     first = records[0]
     assert first["activation_bytes"] == first["predicted_activation_bytes"]
     assert first["static_bytes"] + first["activation_peak_bytes"] <= budget
+
+
+def test_below_every_exact_plan_auto_rebuilds_from_compressed_values_once_asked(tmp_path,
+                                                                               capsys):
+    """A budget that only lossy rebuild sources fit is refused in one line naming the flag
+    that allows them and their smallest budget; with the flag, auto trains within it on a
+    plan that rebuilds from a compressed value."""
+    from megatron_adacc.common.units import format_size
+
+    session, _ = run(tmp_path, "--adacc-policy", "auto", "--adacc-tracking", "off",
+                     "--adacc-memory-budget", "1GiB")
+    costs = session.adacc.costs
+    exact = planning.minimum_feasible_budget(costs, allow_lossy_sources=False)
+    lossy = planning.minimum_feasible_budget(costs, allow_lossy_sources=True)
+    assert lossy < exact
+    capsys.readouterr()
+    flags = ["--adacc-policy", "auto", "--adacc-tracking", "off",
+             "--adacc-memory-budget", str(lossy)]
+    assert main([*TINY, "--train-iters", "1", "--adacc-profile-db",
+                 str(tmp_path / "profiles.sqlite"), *flags]) == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].endswith(
+        f"feasible budget is {format_size(exact)} ({exact} B; static memory alone is "
+        f"{format_size(costs.static_bytes)}); with --adacc-lossy-sources, which rebuilds "
+        f"recomputed values from compressed ones, it is {format_size(lossy)} ({lossy} B)"), lines
+
+    session, records = run(tmp_path, *flags, "--adacc-lossy-sources")
+    result = session.adacc.result
+    assert result.allow_lossy_sources and result.peak_bytes <= lossy
+    assert not all(planning.is_exact(costs, layer) for layer in result.layer_decisions)
+    first = records[0]
+    assert first["activation_bytes"] == first["predicted_activation_bytes"]
+    assert first["static_bytes"] + first["activation_peak_bytes"] <= lossy
+    assert all(math.isfinite(record["loss"]) for record in records)
 
 
 # Big enough for the unfused attention's s^2 gradients to set the backward's peak.

@@ -52,6 +52,32 @@ def test_infeasible_exit_2_one_line(capsys):
     assert "\n" not in err and "smallest feasible budget" in err
 
 
+def test_a_budget_only_lossy_sources_fit_names_their_flag_and_smallest_budget(capsys):
+    # Llama-1B on an H200: the loss sets the peak, so exact plans get no smaller than full
+    # recompute, where an int4 layer_in rebuilt from fits less.
+    model = ["--config", str(ROOT / "configs" / "llama-1b.yaml"), "--micro-batch-size", "2",
+             "--hardware", "h200-141gb"]
+
+    def smallest(*flags) -> tuple[int, int]:
+        assert main(["plan", *model, "--memory-budget", "100GiB", "--json", *flags]) == 0
+        data = json.loads(capsys.readouterr().out)
+        return data["minimum_feasible_budget"], data["static_bytes"]
+
+    (exact, static), (lossy, _) = smallest(), smallest("--lossy-sources")
+    assert lossy < exact
+    assert main(["plan", *model, "--memory-budget", str(lossy)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and err.endswith(
+        f"smallest feasible budget is {format_size(exact)} ({exact} B; static memory alone is "
+        f"{format_size(static)}); with --lossy-sources, which rebuilds recomputed values from "
+        f"compressed ones, it is {format_size(lossy)} ({lossy} B)"), err
+    assert main(["plan", *model, "--memory-budget", str(lossy), "--lossy-sources"]) == 0
+    capsys.readouterr()
+    # Below both: nothing else to offer.
+    assert main(["plan", *model, "--memory-budget", str(lossy - 1), "--lossy-sources"]) == 2
+    assert "with --lossy-sources" not in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("bad", ["12XB", "lots", "-3GiB"])
 def test_bad_size_one_line(capsys, bad):
     assert main(["plan", *MODEL, f"--memory-budget={bad}"]) == 2
