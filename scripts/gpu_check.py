@@ -1355,6 +1355,10 @@ def _memory_terms(costs, runs: dict) -> dict:
             "backward_workspace_bytes": costs.backward_workspace_bytes,
             "smallest_feasible_budget": planning.minimum_feasible_budget(
                 costs, allow_lossy_sources=False),
+            # what --adacc-lossy-sources would fit: below full recompute where the loss sets
+            # the peak
+            "smallest_feasible_budget_lossy_sources": planning.minimum_feasible_budget(
+                costs, allow_lossy_sources=True),
             "full_recompute_peak_bytes": runs.get("full", {}).get("peak_bytes"),
             "full_recompute_forward_backward_peak_bytes": runs.get("full", {}).get(
                 "forward_backward_peak_bytes"),
@@ -1881,6 +1885,7 @@ def _training_lines(name: str, model: dict) -> list[str]:
     terms = model.get("memory_model")
     if terms:
         step = terms.get("optimizer_step_bytes")  # absent from checks before 2026-11-29
+        lossy = terms.get("smallest_feasible_budget_lossy_sources")   # and this
         lines += ["The profile's memory model: static "
                   f"{_mib(terms['static_bytes'])} MiB, "
                   + (f"optimizer step {_mib(step)} MiB, " if step is not None else "")
@@ -1889,8 +1894,9 @@ def _training_lines(name: str, model: dict) -> list[str]:
                   f"{_mib(terms['non_layer_bytes'])} MiB (held through backward "
                   f"{_mib(terms['held_non_layer_bytes'])} MiB), backward workspace "
                   f"{_mib(terms['backward_workspace_bytes'])} MiB. Its smallest feasible budget "
-                  f"(the recompute-only plan's peak) is {terms['smallest_feasible_budget']:,} B;"
-                  " full recompute's measured peak is "
+                  f"(the recompute-only plan's peak) is {terms['smallest_feasible_budget']:,} B"
+                  + (f", with lossy rebuild sources {lossy:,} B" if lossy is not None else "")
+                  + "; full recompute's measured peak is "
                   + (f"{terms['full_recompute_peak_bytes']:,} B"
                      if terms.get("full_recompute_peak_bytes") else "unknown")
                   + (f" ({terms['full_recompute_forward_backward_peak_bytes']:,} B when its "

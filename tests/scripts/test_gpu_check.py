@@ -302,6 +302,7 @@ RESULTS = {
                          "non_layer_bytes": 2 << 20, "held_non_layer_bytes": 1 << 20,
                          "backward_workspace_bytes": 3 << 20,
                          "smallest_feasible_budget": 1_500_000_000,
+                         "smallest_feasible_budget_lossy_sources": 1_350_000_000,
                          "full_recompute_peak_bytes": 1_400_000_000,
                          "full_recompute_forward_backward_peak_bytes": 1_300_000_000,
                          "auto_peaks": {"auto 0": {"predicted": 1_600_000_000,
@@ -334,9 +335,10 @@ def test_the_report_renders_passes_failures_and_what_was_not_measured():
     page = gpu_check.markdown(RESULTS)
     assert ("The profile's memory model: static 1,024 MiB, optimizer step 4.00 MiB, allocator "
             "overhead 0.00 MiB" in page)
-    assert ("Its smallest feasible budget (the recompute-only plan's peak) is 1,500,000,000 B; "
-            "full recompute's measured peak is 1,400,000,000 B (1,300,000,000 B when its "
-            "forward and backward ended). auto 0: predicted peak 1,600,000,000 B, measured -."
+    assert ("Its smallest feasible budget (the recompute-only plan's peak) is 1,500,000,000 B, "
+            "with lossy rebuild sources 1,350,000,000 B; full recompute's measured peak is "
+            "1,400,000,000 B (1,300,000,000 B when its forward and backward ended). auto 0: "
+            "predicted peak 1,600,000,000 B, measured -."
             ) in page
     assert "- llama-1b: skipped block 3" in page
     assert "1 mismatches:\n\n- bitmask torch.bool (7,): decoded tensors differ" in page
