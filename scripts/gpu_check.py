@@ -121,6 +121,9 @@ DRY_MICRO_BATCH = 2
 # The methods of the training section, each present at every budget.
 NONE, FULL, BLOCK = "no optimisation", "megatron full recompute", "megatron block recompute"
 SELECTIVE, QUANTIZE, AUTO = "megatron selective recompute", "naive INT4", "adacc auto"
+# Run only where auto is refused and --adacc-lossy-sources would fit: at the tightest budget
+# exact plans can at best tie full recompute, where the loss sets the peak.
+AUTO_LOSSY = "adacc auto, lossy sources"
 # --methods: what the training section may leave out
 OPTIONAL_METHODS = ("auto", "block", "quantize", "selective")
 # From where full recompute just fits (0) to no optimisation's peak (1).
@@ -153,7 +156,8 @@ TRACKING_S = {"gpu": 4.0, "cpu": 2.0}
 # with unfused attention in fp16 reached ~82 TFLOP/s); CPU: this machine's 2 cores.
 STEP_FLOPS = {"gpu": {"flash": 350e12, "unfused": 90e12}, "cpu": {"flash": 5e9, "unfused": 5e9}}
 # A method's step over no optimisation's, for estimates before it has run
-STEP_FACTOR = {NONE: 1.0, FULL: 1.4, SELECTIVE: 1.15, BLOCK: 1.25, QUANTIZE: 1.3, AUTO: 1.2}
+STEP_FACTOR = {NONE: 1.0, FULL: 1.4, SELECTIVE: 1.15, BLOCK: 1.25, QUANTIZE: 1.3, AUTO: 1.2,
+               AUTO_LOSSY: 1.2}
 # Methods whose runs trace their last step (a trace with shapes and stacks costs seconds to
 # write and read on a 1B model: the other runs are not traced)
 TRACED = (NONE, FULL, QUANTIZE, AUTO)
@@ -858,7 +862,8 @@ class ModelRuns:
 
     The methods are no optimisation, megatron's full recompute, selective recompute (every
     recompute_modules set the trainer and megatron-core accept), block recompute (the fewest
-    layers that fit), naive INT4 (``--adacc-policy quantize``) and Adacc auto. Runs are
+    layers that fit), naive INT4 (``--adacc-policy quantize``) and Adacc auto; where auto is
+    refused and names ``--adacc-lossy-sources``, auto with that flag too. Runs are
     deduplicated by name, and skipped or shrunk to fit the deadline. The last step of no
     optimisation, full recompute, naive INT4 and auto is traced (its top kernels)."""
 
@@ -954,7 +959,7 @@ class ModelRuns:
         result["wall_s"] = time.perf_counter() - began
         if code not in (0, None):
             lines = [line for line in err.getvalue().splitlines() if "error" in line.lower()]
-            result["error"] = (lines or err.getvalue().strip().splitlines() or ["?"])[-1][:300]
+            result["error"] = (lines or err.getvalue().strip().splitlines() or ["?"])[-1][:400]
         try:
             with open(f"{stem}.jsonl") as handle:
                 records = [json.loads(line) for line in handle]
@@ -1021,6 +1026,11 @@ class ModelRuns:
             if budget is not None and "auto" in methods:
                 self.run(f"auto {index}", AUTO, "--adacc-policy", "auto",
                          "--adacc-memory-budget", f"{budget}B", "--adacc-strict")
+                # the refusal names the flag where lossy rebuild sources would fit
+                if "--adacc-lossy-sources" in self.runs[f"auto {index}"].get("error", ""):
+                    self.run(f"auto lossy {index}", AUTO_LOSSY, "--adacc-policy", "auto",
+                             "--adacc-memory-budget", f"{budget}B", "--adacc-strict",
+                             "--adacc-lossy-sources")
         self.block = {}
         for index, budget in enumerate(budgets):
             if budget is not None and "block" in methods:
@@ -1074,6 +1084,8 @@ class ModelRuns:
         rows[BLOCK] = getattr(self, "block", {}).get(budget_index)
         rows[QUANTIZE] = "quantize"
         rows[AUTO] = f"auto {budget_index}"
+        if f"auto lossy {budget_index}" in self.runs:
+            rows[AUTO_LOSSY] = f"auto lossy {budget_index}"
         return rows
 
 
@@ -1096,7 +1108,7 @@ def _selective_sites(mods) -> set[str]:
 def equivalent_plan(method: str, detail, costs, auto_plan=None):
     """The plan of this project's sites that stands for a measured method, for pricing it.
 
-    - Adacc's own plans are taken as they are (``auto_plan``: the auto run's).
+    - Adacc's own plans are taken as they are (``auto_plan``: the auto run's, exact or lossy).
     - Megatron's recompute becomes the sites it rebuilds: a segment re-run from the layer input,
       priced as the planner prices one. That approximates megatron's checkpoints, which re-run
       from their own inputs."""
@@ -1113,7 +1125,7 @@ def equivalent_plan(method: str, detail, costs, auto_plan=None):
         return Plan(layers={(0, detail - 1): full.sites}) if detail else Plan()
     if method == QUANTIZE:
         return policies.quantize_plan()
-    if method == AUTO:
+    if method in (AUTO, AUTO_LOSSY):
         if auto_plan is None:
             raise ValueError("no plan of the auto run to price")
         return auto_plan
@@ -1230,6 +1242,8 @@ def predict(runs: ModelRuns, accelerator: str) -> None:
         budget = entry["budget_bytes"]
         auto_plan, entry["auto_plan_reproduced"] = _run_plan(
             sources.get("profiled"), runs.runs.get(f"auto {index}", {}), budget)
+        lossy_plan, _ = _run_plan(sources.get("profiled"),
+                                  runs.runs.get(f"auto lossy {index}", {}), budget, True)
         methods = {}
         for method_name, run_name in runs.method_rows(index).items():
             method = method_name.split(" [")[0]
@@ -1248,7 +1262,8 @@ def predict(runs: ModelRuns, accelerator: str) -> None:
                 row["measured_added_s"] = row["step_time_s"] - base
             for source, costs in sources.items():
                 try:
-                    plan = equivalent_plan(method, detail, costs, auto_plan)
+                    plan = equivalent_plan(method, detail, costs,
+                                           lossy_plan if method == AUTO_LOSSY else auto_plan)
                     added = bench_common.predicted_added_s(costs, plan)
                 except (planning.InfeasibleBudget, KeyError, ValueError, TypeError) as exc:
                     row[f"{source}_error"] = str(exc).splitlines()[0][:160]
@@ -1378,7 +1393,7 @@ def _as_the_trainer_planned(costs, static_bytes: int | None):
     return costs if static_bytes is None else replace(costs, static_bytes=static_bytes)
 
 
-def _run_plan(costs, run: dict, budget: int | None):
+def _run_plan(costs, run: dict, budget: int | None, lossy_sources: bool = False):
     """The plan an auto run set out with, re-planned from its profile as the trainer planned it.
 
     Returns:
@@ -1389,7 +1404,7 @@ def _run_plan(costs, run: dict, budget: int | None):
         return None, False
     costs = _as_the_trainer_planned(costs, run.get("static_bytes"))
     try:
-        plan = policies.plan("auto", costs, budget, allow_lossy_sources=False).plan
+        plan = policies.plan("auto", costs, budget, allow_lossy_sources=lossy_sources).plan
     except planning.InfeasibleBudget:
         return None, False
     return plan, plan.plan_id == run["first_plan_id"]
@@ -1472,13 +1487,14 @@ def estimate_s(section: str, dry_run: bool, optional=OPTIONAL_METHODS) -> float:
     spec = MODELS[name]
     values = _config_values(spec, dry_run)
     clock = RunClock(kind, values, DRY_MICRO_BATCH if dry_run else spec.micro_batch)
-    counts = {"auto": [AUTO] * 3, "block": [BLOCK] * 2, "quantize": [QUANTIZE],
+    counts = {"auto": [AUTO] * 3 + [AUTO_LOSSY], "block": [BLOCK] * 2, "quantize": [QUANTIZE],
               "selective": [SELECTIVE] * len(selective_sets())}
     methods = [NONE, FULL] + [m for name in optional for m in counts[name]]
     total = CHILD_START_S[kind] + PREDICT_S[kind]
     for method in methods:
-        iters = sizes.auto_iters if method == AUTO else sizes.iters
-        total += clock.estimate(method, iters, method == AUTO, method in TRACED)
+        auto = method in (AUTO, AUTO_LOSSY)
+        iters = sizes.auto_iters if auto else sizes.iters
+        total += clock.estimate(method, iters, auto, method in TRACED)
         clock.profiled |= method == AUTO  # the first auto run profiles
     return total + clock.estimate(NONE, sizes.iters, False, False)  # the drift's run
 

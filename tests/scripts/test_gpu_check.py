@@ -229,6 +229,38 @@ def test_a_model_without_time_records_every_method_as_not_run(tmp_path, monkeypa
     assert reports and reports[-1] is report
 
 
+def test_where_auto_is_refused_but_lossy_sources_fit_they_run_too(tmp_path, monkeypatch):
+    import tempfile
+
+    import torch
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    hint = ("pretrain_gpt.py: error: memory budget 1 MiB is infeasible: the smallest feasible "
+            "budget is 2 MiB (2 B; static memory alone is 1 MiB); with --adacc-lossy-sources, "
+            "which rebuilds recomputed values from compressed ones, it is 1 MiB (1 B)")
+    ran = {}
+
+    def fake(self, run_name, method, iters, flags, traced):
+        ran[run_name] = flags
+        peak = {"none": 2000, "full": 1000}.get(run_name, 900)
+        if run_name == "auto 0":
+            return {"method": method, "flags": flags, "error": hint}
+        return {"method": method, "flags": flags, "peak_bytes": peak, "step_time_s": 0.1}
+
+    monkeypatch.setattr(gpu_check.ModelRuns, "_pretrain", fake)
+    runs = gpu_check.ModelRuns("llama-1b", gpu_check.MODELS["llama-1b"], torch.device("cpu"),
+                               gpu_check.DRY, gpu_check.Deadline(600), lambda report: None)
+    runs.measure(methods=("auto",))
+    assert ran["auto lossy 0"] == [*ran["auto 0"], "--adacc-lossy-sources"]
+    assert "auto lossy 1" not in ran and "auto lossy 2" not in ran
+    assert runs.method_rows(0)[gpu_check.AUTO_LOSSY] == "auto lossy 0"
+    assert gpu_check.AUTO_LOSSY not in runs.method_rows(1)
+    gpu_check.predict(runs, "h200-141gb")
+    tightest = runs.report["budgets"][0]["methods"]
+    assert tightest[gpu_check.AUTO]["fits"] is False        # refused: the budget is infeasible
+    assert tightest[gpu_check.AUTO_LOSSY]["fits"] is True   # 900 B within full recompute's 1000
+
+
 def test_the_calibration_finds_the_matmul_efficiency_that_priced_the_runs():
     """Runs whose added times are the analytic model's at efficiency 0.41 fit 0.41 exactly; a
     step a quarter in kernels is called host-bound on the page."""
