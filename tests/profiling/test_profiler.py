@@ -296,7 +296,7 @@ def test_a_timed_step_that_grew_the_heap_is_run_again(distributed, monkeypatch,
                                                       every_step_pages):
     """A timed call that first-touched fresh host pages paid for heap growth that steps on
     recycled memory pay once only: its step is run again. Here every other step is slow in
-    each decode and each rebuilt value, and first-touches 64 fresh pages there; with two
+    each decode and each rebuilt value, and first-touches 256 fresh pages there; with two
     timed steps wanted, two steps in a row would put the median half way to slow. Where every
     step grows the heap (memory mapped afresh each step), the least grown steps are kept."""
     import time
@@ -305,7 +305,7 @@ def test_a_timed_step_that_grew_the_heap_is_run_again(distributed, monkeypatch,
     from megatron_adacc.profiling.profiler import gpt_loss
     from megatron_adacc.runtime.storage import LayerCall
 
-    slow_s, pages = 0.05, 64
+    slow_s, pages = 0.05, 256
     steps = [0]
 
     def counting_loss(model, micro_batch):
