@@ -1,13 +1,15 @@
 """Validation loss of one model and seed under each method: the paper's loss figure and table.
 
 The methods: no optimisation, Adacc auto, Adacc without outlier separation (--adacc-policy
-auto-no-outlier) and the paper's naive INT4 (--adacc-policy quantize).
+auto-no-outlier), Adacc auto with lossy rebuild sources (--adacc-lossy-sources) and the paper's
+naive INT4 (--adacc-policy quantize).
 
 Each run is ``pretrain_gpt.py`` (in this process) on the built-in demo corpus (KJV, byte-level
 tokens), so every number comes from the product's own trainer. The Adacc runs' budgets are fixed
 fractions of the way from the planner's smallest feasible budget to no optimisation, read from a
 one-step probe. Near 0 the plans must compress (lossy int4 included); higher up they may rebuild
-instead, which is exact. The probe records what each plan compresses.
+instead, which is exact. The probe records what each plan compresses. Lossy rebuild sources
+fit less, so their runs take the same fractions from their own smallest feasible budget.
 
 --stress: the outlier stress setting (issue 15). At this scale the activations have no outlier
 channels, so every method lands within a hair of no optimisation. Large trained LLMs have a few
@@ -32,20 +34,22 @@ import traceback
 import bench_common as bc
 
 LABELS = {"none": "no optimisation", "auto": "adacc auto",
-          "auto-no-outlier": "adacc w/o outlier separation", "quantize": "naive INT4",
+          "auto-no-outlier": "adacc w/o outlier separation",
+          "auto-lossy": "adacc auto, lossy rebuild sources", "quantize": "naive INT4",
           "codecs": "adacc codecs, every site", "codecs-no-outlier":
           "adacc codecs w/o outlier separation, every site",
           "megatron-full-recompute": "megatron full recompute",
           "pretrain": "normal training before the outlier gains (no optimisation)"}
-# Runs that are no Adacc policy: what they pass as --adacc-policy, and their own flags.
-TRAINER_POLICY = {"megatron-full-recompute": "none", "pretrain": "none"}
-MEGATRON_FLAGS = {"megatron-full-recompute": ["--recompute-granularity", "full",
-                                              "--recompute-method", "uniform",
-                                              "--recompute-num-layers", "1"]}
+# Runs named otherwise than their --adacc-policy: what they pass as it, and their own flags.
+TRAINER_POLICY = {"megatron-full-recompute": "none", "pretrain": "none", "auto-lossy": "auto"}
+OWN_FLAGS = {"megatron-full-recompute": ["--recompute-granularity", "full",
+                                         "--recompute-method", "uniform",
+                                         "--recompute-num-layers", "1"],
+             "auto-lossy": ["--adacc-lossy-sources"]}
 # What a run can train with, in the order they run (megatron's full recompute only in the
 # stress setting).
-METHODS = ("none", "auto", "auto-no-outlier", "codecs", "codecs-no-outlier", "quantize",
-           "megatron-full-recompute")
+METHODS = ("none", "auto", "auto-no-outlier", "auto-lossy", "codecs", "codecs-no-outlier",
+           "quantize", "megatron-full-recompute")
 # Outlier gains, as large trained LLMs show them: a few channels, tens of times the rest.
 STRESS_GAIN_RANGE = (10.0, 30.0)
 
@@ -118,7 +122,8 @@ def probe_budgets(args, flags: list[str]) -> dict:
 
     from megatron_adacc import cli, policies
 
-    if not set(args.methods) & {"auto", "auto-no-outlier", "codecs", "codecs-no-outlier"}:
+    if not set(args.methods) & {"auto", "auto-no-outlier", "auto-lossy", "codecs",
+                                "codecs-no-outlier"}:
         # no method plans or compresses by Adacc's codecs: nothing to profile for
         return {"minimum_feasible_budget": None, "no_optimisation_peak": None, "budgets": {},
                 "forced_plans": {}}
@@ -127,22 +132,32 @@ def probe_budgets(args, flags: list[str]) -> dict:
     result = policies.plan("auto", costs, 1 << 40, allow_lossy_sources=False)
     minimum = result.minimum_feasible_budget
     everything = result.references["no optimisation"].peak_bytes
+    lossy_minimum = policies.plan("auto", costs, 1 << 40,
+                                  allow_lossy_sources=True).minimum_feasible_budget
+
+    def decisions(planned) -> dict:
+        mix = Counter()
+        for layer in planned.layer_decisions:
+            for site, decision in layer.items():
+                key = (decision.action if decision.action != "compress" else
+                       f"compress:{decision.codec_for(site)}")
+                mix[key] += 1
+        return dict(mix)
+
     budgets = {}
     for fraction in args.budget_fractions:
         budget = int(minimum + fraction * (everything - minimum))
+        lossy_budget = int(lossy_minimum + fraction * (everything - lossy_minimum))
         plans, plan_ids = {}, {}
         for policy in ("auto", "auto-no-outlier"):
             # as the policy plans in training: its own codecs, then its last resort
             planned = policies.plan(policy, costs, budget, allow_lossy_sources=False)
             plan_ids[policy] = planned.plan.plan_id
-            mix = Counter()
-            for layer in planned.layer_decisions:
-                for site, decision in layer.items():
-                    key = (decision.action if decision.action != "compress" else
-                           f"compress:{decision.codec_for(site)}")
-                    mix[key] += 1
-            plans[policy] = dict(mix)
-        budgets[str(fraction)] = {"budget_bytes": budget, "plans": plans, "plan_ids": plan_ids,
+            plans[policy] = decisions(planned)
+        plans["auto-lossy"] = decisions(policies.plan("auto", costs, lossy_budget,
+                                                      allow_lossy_sources=True))
+        budgets[str(fraction)] = {"budget_bytes": budget, "lossy_budget_bytes": lossy_budget,
+                                  "plans": plans, "plan_ids": plan_ids,
                                   "same_plan": len(set(plan_ids.values())) == 1}
     # Adacc's codecs on every site (what quantize does with naive INT4): the accuracy of
     # layer-specific compression itself, whatever a budget makes the planner choose.
@@ -160,8 +175,8 @@ def probe_budgets(args, flags: list[str]) -> dict:
         path = os.path.join(args.workdir, f"plan-{name}.yaml")
         Plan.uniform(decisions).save(path)
         forced[name] = path
-    return {"minimum_feasible_budget": minimum, "no_optimisation_peak": everything,
-            "budgets": budgets, "forced_plans": forced}
+    return {"minimum_feasible_budget": minimum, "lossy_minimum_feasible_budget": lossy_minimum,
+            "no_optimisation_peak": everything, "budgets": budgets, "forced_plans": forced}
 
 
 def run(args, flags, policy: str, seed: int, fraction: float | None = None,
@@ -172,7 +187,7 @@ def run(args, flags, policy: str, seed: int, fraction: float | None = None,
         os.remove(metrics)
     argv = [*flags, "--seed", str(seed), "--adacc-policy",
             plan_file or TRAINER_POLICY.get(policy, policy), "--metrics-file", metrics,
-            *MEGATRON_FLAGS.get(policy, ()), *extra]
+            *OWN_FLAGS.get(policy, ()), *extra]
     if budget is not None:
         argv += ["--adacc-memory-budget", str(budget)]
     log = os.path.join(args.workdir, f"{tag}-seed{seed}.log")
@@ -259,6 +274,8 @@ def main() -> None:
                "codecs_gaps_pct": gaps.get("codecs"),
                "codecs_no_outlier_gaps_pct": gaps.get("codecs-no-outlier"),
                "naive_int4_gaps_pct": gaps.get("quantize"),
+               "lossy_sources_gaps_pct": {t: g for t, g in gaps.items()
+                                          if t.startswith("auto-lossy")},
                "megatron_full_recompute_gaps_pct": gaps.get("megatron-full-recompute"),
                "outlier_separation": outlier_separation_effect(runs, probe)}
     command = " ".join([os.path.join(".", "pretrain_gpt.py"), *flags])
@@ -275,7 +292,8 @@ def main() -> None:
 def method_runs(args, flags, probe, seed: int, resume: tuple) -> list[dict]:
     """Every method trained from ``seed``, and in the stress setting from ``resume``'s checkpoint.
 
-    The methods: no optimisation, Adacc auto and auto-no-outlier at each budget, Adacc's codecs
+    The methods: no optimisation, Adacc auto, auto-no-outlier and auto with lossy rebuild
+    sources at each budget, Adacc's codecs
     on every site with and without outlier separation, and naive INT4. The stress setting adds
     megatron's full recompute, which is exact and shows the runs' own noise floor."""
     runs = [run(args, flags, "none", seed, extra=resume)]
@@ -283,16 +301,18 @@ def method_runs(args, flags, probe, seed: int, resume: tuple) -> list[dict]:
         if "auto" in args.methods:
             runs.append(run(args, flags, "auto", seed, float(fraction), entry["budget_bytes"],
                             extra=resume))
-        if "auto-no-outlier" not in args.methods:
-            continue
-        if entry["same_plan"] and "auto" in args.methods:
+        no_outlier = "auto-no-outlier" in args.methods
+        if no_outlier and entry["same_plan"] and "auto" in args.methods:
             # The same plan trains bit for bit the same: reuse the auto run.
             runs.append(dict(runs[-1], policy="auto-no-outlier", tag=f"auto-no-outlier@{fraction}",
                              same_plan_as_auto=True))
             print(f"  auto-no-outlier @ {fraction}: the same plan as auto, not rerun")
-        else:
+        elif no_outlier:
             runs.append(run(args, flags, "auto-no-outlier", seed, float(fraction),
                             entry["budget_bytes"], extra=resume))
+        if "auto-lossy" in args.methods:
+            runs.append(run(args, flags, "auto-lossy", seed, float(fraction),
+                            entry["lossy_budget_bytes"], extra=resume))
     for name, path in probe["forced_plans"].items():
         if name in args.methods:
             runs.append(run(args, flags, name, seed, plan_file=path, extra=resume))

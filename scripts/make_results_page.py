@@ -313,7 +313,8 @@ def max_batch_section(data: dict, attention: str, number: str, tag: str = "") ->
 
 def accuracy_section(data: dict, number: str, title: str) -> list[str]:
     labels = {"none": "no optimisation", "auto": "Adacc auto",
-              "auto-no-outlier": "Adacc w/o outlier separation", "quantize": "naive INT4",
+              "auto-no-outlier": "Adacc w/o outlier separation",
+              "auto-lossy": "Adacc auto, lossy rebuild sources", "quantize": "naive INT4",
               "codecs": "Adacc's codecs on every site",
               "codecs-no-outlier": "Adacc's codecs w/o outlier separation, every site",
               "megatron-full-recompute": "Megatron full recompute",
@@ -351,11 +352,15 @@ def accuracy_section(data: dict, number: str, title: str) -> list[str]:
     for fraction, entry in probe["budgets"].items():
         for policy, mix in entry["plans"].items():
             text = ", ".join(f"{k} {v}" for k, v in sorted(mix.items()))
-            out.append(f"| {fraction} ({entry['budget_bytes'] / MIB:.1f} MiB) | "
-                       f"{labels[policy]} | {text} |")
+            budget = entry["lossy_budget_bytes" if policy == "auto-lossy" else "budget_bytes"]
+            out.append(f"| {fraction} ({budget / MIB:.1f} MiB) | {labels[policy]} | {text} |")
         if entry.get("same_plan"):
             same.append(fraction)
     out.append("")
+    if probe.get("lossy_minimum_feasible_budget"):
+        out += ["Lossy rebuild sources (`--adacc-lossy-sources`) fit less, so their budgets take "
+                "the same fractions from their own smallest feasible budget "
+                f"({probe['lossy_minimum_feasible_budget'] / MIB:.1f} MiB).", ""]
     for fraction in same:
         out += [f"At budget {fraction} both policies make the same plan. The w/o-outlier run is "
                 "then the auto run, not rerun.", ""]

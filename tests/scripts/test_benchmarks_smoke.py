@@ -95,7 +95,7 @@ def test_results_page_from_published_json(tmp_path):
 # The GPT runs every method; the Llama the three whose code differs by family.
 # Between them the two families run every method once (each run is a few seconds of setup).
 @pytest.mark.parametrize("family, methods", [
-    ("gpt", ["auto-no-outlier", "codecs-no-outlier", "quantize"]),
+    ("gpt", ["auto-no-outlier", "auto-lossy", "codecs-no-outlier", "quantize"]),
     ("llama", ["auto", "codecs", "quantize"])])
 def test_accuracy_two_steps(tmp_path, family, methods):
     _run("bench_accuracy.py", "--quick", "--iters", "2", "--seeds", "1",
@@ -110,6 +110,10 @@ def test_accuracy_two_steps(tmp_path, family, methods):
     auto = next(t for t in tags if t.startswith("auto"))
     assert ran["none"]["gap_pct"] == 0 and auto in data["gaps_pct"]
     assert (tmp_path / "a.png").exists()
+    if "auto-lossy" in methods:     # its own fraction of its own, smaller range
+        entry = data["probe"]["budgets"]["0.5"]
+        assert entry["lossy_budget_bytes"] <= entry["budget_bytes"]
+        assert data["targets"]["lossy_sources_gaps_pct"].keys() == {"auto-lossy@0.5"}
 
 
 def test_codecs_quick(tmp_path):
