@@ -116,8 +116,9 @@ class StagePlan:
 
 def with_lossy_hint(exc: InfeasibleBudget, stages: Sequence[ModelCosts], flag: str,
                     **options: Any) -> InfeasibleBudget:
-    """``exc`` naming the smallest budget with lossy rebuild sources, and ``flag``, which allows
-    them; ``exc`` itself where ``options`` allowed them or they fit nothing smaller."""
+    """``exc`` with the smallest budget lossy rebuild sources fit, and ``flag``, which allows them.
+
+    It is ``exc`` itself where ``options`` allowed them, or where they fit nothing smaller."""
     if options.get("allow_lossy_sources", True):
         return exc
     options = {**options, "allow_lossy_sources": True}
