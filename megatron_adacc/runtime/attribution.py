@@ -24,12 +24,11 @@ it is recognised by its storage, never by its dtype: on CUDA, dropout masks are 
 """
 from __future__ import annotations
 
-import weakref
-
 import torch
 
 from megatron_adacc.models import mlp_part
 from megatron_adacc.common.sites import MLP_SEGMENT
+from megatron_adacc.runtime.storage import LiveStorageMap
 
 
 class UnknownSiteError(RuntimeError):
@@ -91,9 +90,7 @@ class SiteAttributor:
         self.strict = strict
         self.layer_number = layer.layer_number
         self._roles: list[str] = []
-        # id(storage) -> (a weak reference to it, its site). Weak: a saved tensor the plan
-        # compresses or recomputes is freed as forward drops it, not when the call ends.
-        self._storage_site: dict[int, tuple[weakref.ref, str]] = {}
+        self._storage_site = LiveStorageMap()  # storage -> the site this call gave it
         self._mlp = mlp_part(layer.config)
         self._norm_rows = 0  # rows the running norm normalises: one statistic each
         self._norm_statistics_saved = False  # the running norm saved its statistics already
@@ -132,14 +129,8 @@ class SiteAttributor:
     # --- hooks ---------------------------------------------------------------------------
     def _remember(self, tensor, site: str) -> None:
         storage = tensor.untyped_storage()
-        if self._known(storage) is None:
-            self._storage_site[id(storage)] = (weakref.ref(storage), site)
-
-    def _known(self, storage: torch.UntypedStorage) -> str | None:
-        """The site this call gave ``storage``; None if none, or if that storage was freed since
-        (its id then names another)."""
-        entry = self._storage_site.get(id(storage))
-        return entry[1] if entry is not None and entry[0]() is storage else None
+        if self._storage_site.get(storage) is None:
+            self._storage_site.put(storage, site)
 
     def _enter_hook(self, role):
         norm_sites = _NORM_SITES.get(role)
@@ -183,7 +174,7 @@ class SiteAttributor:
     def site_of(self, tensor: torch.Tensor) -> str | None:
         """The site of a saved tensor; None if no rule names it (strict mode: UnknownSiteError)."""
         storage = tensor.untyped_storage()
-        known = self._known(storage)
+        known = self._storage_site.get(storage)
         if known is not None:
             return known
         role = self._roles[-1] if self._roles else None
@@ -225,7 +216,7 @@ class SiteAttributor:
                     f"{tensor.dtype} saved inside {role!r} matches no site rule"
                 )
             return None
-        self._storage_site[id(storage)] = (weakref.ref(storage), site)
+        self._storage_site.put(storage, site)
         return site
 
     def _norm_site(self, role: str, tensor: torch.Tensor) -> str | None:

@@ -24,6 +24,29 @@ from megatron_adacc.common.sites import (COMPRESS, MASK_CODEC, REBUILD_SOURCES, 
                                          REBUILT_BY, RECOMPUTE, SITES)
 
 
+class LiveStorageMap:
+    """Values keyed by a storage (and more of a key) while that storage lives.
+
+    Once forward frees a storage its id may name a new one, so an entry holds a weak reference
+    and a lookup checks it is the same storage. A strong one would keep a save the plan
+    compresses or recomputes alive at full size until the layer's forward ends."""
+
+    __slots__ = ("_entries",)
+
+    def __init__(self):
+        self._entries: dict[tuple, tuple[weakref.ref, object]] = {}
+
+    def get(self, storage: torch.UntypedStorage, *key):
+        entry = self._entries.get((id(storage), *key))
+        return entry[1] if entry is not None and entry[0]() is storage else None
+
+    def put(self, storage: torch.UntypedStorage, value, *key) -> None:
+        self._entries[(id(storage), *key)] = (weakref.ref(storage), value)
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+
 class Handle:
     """A saved tensor that is not the tensor itself: resolved by its source at unpack."""
 
@@ -140,9 +163,7 @@ class LayerCall:
         self.actions = actions  # site -> (action, codec); absent: retain
         self.ruler = ruler
         self.rebuild = rebuild  # None when the plan recomputes nothing in this layer
-        # By encoded root, with a weak reference to its storage: once forward frees a root, its
-        # id may name a new storage. Forward only.
-        self._compressed: dict[tuple, tuple[weakref.ref, CompressedStorage]] = {}
+        self._compressed = LiveStorageMap()  # by encoded root; forward only
         # The compressed partial views encoded alone: all but those an edge rebuilding
         # something here reads whole.
         read_whole = {source for edge in REBUILDS if edge.between and any(
@@ -210,13 +231,11 @@ class LayerCall:
                                f"{tensor.dtype} tensor, not a mask; the bitmask codec would "
                                "corrupt it")
         root = tensor if site in self.views_alone else _encoding_root(tensor)
-        storage = root.untyped_storage()
-        key = (id(storage), root.storage_offset(), root.shape, root.stride())
-        known = self._compressed.get(key)
-        source = known[1] if known is not None and known[0]() is storage else None
+        storage, key = root.untyped_storage(), (root.storage_offset(), root.shape, root.stride())
+        source = self._compressed.get(storage, *key)
         if source is None:
             source = CompressedStorage(codec, root, self.ruler)
-            self._compressed[key] = (weakref.ref(storage), source)
+            self._compressed.put(storage, source, *key)
             if self.ruler is not None:
                 self.ruler.keep_object(self.layer_index, site, source, source.nbytes)
         return source.view_handle(tensor, root)
