@@ -544,8 +544,9 @@ class _Profiling:
                 steady.append(result)
                 if len(steady) == wanted:
                     break
-        least = sorted(every, key=lambda step: step[0])[:wanted]
-        return steady or [result for _, result in least]
+        if steady:
+            return steady
+        return [result for _, result in sorted(every, key=lambda step: step[0])[:wanted]]
 
     def _most_on_any_peer(self, pages: int) -> int:
         """The largest ``pages`` over this rank and its tensor- and context-parallel peers.
