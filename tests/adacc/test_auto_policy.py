@@ -216,7 +216,7 @@ def test_a_step_at_the_smallest_feasible_budget_stays_within_the_predicted_peak(
     planner's prediction over static."""
     from megatron.training import training
 
-    from helpers.engine import LiveBytes
+    from helpers.storages import LiveBytes
 
     original, peaks = training.train_step, []
 

@@ -1,10 +1,5 @@
 """What megatron-core's engine holds after a run: its optimizers, main parameters, bytes."""
-import functools
-import weakref
-
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 
 def inner_optimizers(optimizer) -> list:
@@ -37,36 +32,3 @@ def held_bytes(session) -> int:
     for tensor in tensors:
         storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
     return sum(storages.values())
-
-
-class LiveBytes(TorchDispatchMode):
-    """The most bytes of new storages that ops made and held at once within the mode.
-
-    A storage counts from the op that made it until it is freed. Outputs that are an input's
-    storage (in-place ops, views) are not new."""
-
-    def __init__(self):
-        super().__init__()
-        self.live = self.peak = 0
-        self._refs: dict[int, weakref.ref] = {}
-
-    def _freed(self, key: int, nbytes: int, _ref) -> None:
-        self.live -= nbytes
-        self._refs.pop(key, None)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        given = {id(t.untyped_storage()) for t in tree_leaves((args, kwargs))
-                 if isinstance(t, torch.Tensor)}
-        for tensor in tree_leaves(out):
-            if not isinstance(tensor, torch.Tensor):
-                continue
-            storage = tensor.untyped_storage()
-            key = id(storage)
-            if key in given or key in self._refs:
-                continue
-            nbytes = storage.nbytes()
-            self._refs[key] = weakref.ref(storage, functools.partial(self._freed, key, nbytes))
-            self.live += nbytes
-        self.peak = max(self.peak, self.live)
-        return out

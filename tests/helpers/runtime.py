@@ -2,12 +2,9 @@
 from __future__ import annotations
 
 import dataclasses
-import gc
 import mmap
-import weakref
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron_adacc import models
 from megatron_adacc.common.plan import Plan
@@ -17,6 +14,8 @@ from megatron_adacc.models.attention import local_layer_spec
 from megatron_adacc.planning import default_resolution, minimum_budget, plan
 from megatron_adacc.policies import predicted_activation_bytes
 from megatron_adacc.runtime import ActivationRuler, apply_plan, get_adacc_layer_spec, measure_step
+
+from helpers.storages import LiveBytes
 
 VOCAB, SEQ, BATCH = 256, 32, 2
 # The unfused GPT layer's recomputable sites and the plans its bitwise tests run (the flash
@@ -155,40 +154,18 @@ def assert_gradients_close(model, reference, bound: float) -> None:
         assert error < bound, name
 
 
-class StorageWitness(TorchDispatchMode):
-    """Weakrefs to the storage of every tensor any op produces."""
-
-    def __init__(self):
-        super().__init__()
-        self.refs: dict[int, tuple[weakref.ref, int]] = {}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in (out if isinstance(out, (tuple, list)) else (out,)):
-            if isinstance(t, torch.Tensor):
-                storage = t.untyped_storage()
-                known = self.refs.get(id(storage))
-                if known is None or known[0]() is None:  # ids of freed storages are reused
-                    self.refs[id(storage)] = (weakref.ref(storage), storage.nbytes())
-        return out
-
-    def alive(self) -> dict[int, int]:
-        gc.collect()
-        return {key: n for key, (ref, n) in self.refs.items() if ref() is not None}
-
-
 def graph_kept_bytes(model) -> tuple[int, int]:
     """(bytes the ruler reports after forward, bytes of storages created in forward that are
     alive after it and freed by dropping the graph). Dropped, not backpropagated: backward
     also frees what a reference cycle through the graph would keep alive for good."""
     loss_of(model).backward()  # warm-up: megatron's cached causal mask and buffers exist now
-    witness = StorageWitness()
+    made = LiveBytes()
     with ActivationRuler(model, strict=True) as ruler:
-        with witness:
+        with made:
             loss = loss_of(model)
         ruler.forward_done()
-    with_graph = witness.alive()
+    with_graph = made.alive()
     del loss
-    without_graph = witness.alive()
+    without_graph = made.alive()
     kept = sum(n for key, n in with_graph.items() if key not in without_graph)
     return ruler.after_forward_bytes, kept

@@ -9,7 +9,8 @@ import torch
 
 from megatron_adacc.profiling import engine_memory
 from helpers import forked
-from helpers.engine import LiveBytes, held_bytes
+from helpers.engine import held_bytes
+from helpers.storages import LiveBytes
 from helpers.pretrain import child_env, pretrain
 
 HERE = Path(__file__).resolve().parent

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from helpers.engine import LiveBytes
+from helpers.storages import LiveBytes
 from megatron_adacc.profiling import engine_memory
 
 

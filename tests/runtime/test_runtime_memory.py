@@ -4,7 +4,6 @@ import weakref
 
 import pytest
 import torch
-from torch._subclasses.fake_tensor import FakeTensor
 
 from megatron_adacc.common import sites
 from megatron_adacc.common.costs import CodecCost, ModelCosts, SiteCost
@@ -15,7 +14,8 @@ from megatron_adacc.runtime import ActivationRuler, apply_plan, measure_step
 from megatron_adacc.common.sites import COMPRESS, RECOMPUTE, SHARED_SITES
 
 from helpers.llama import build_llama
-from helpers.runtime import BATCH, SEQ, StorageWitness, batch, build, graph_kept_bytes, loss_of
+from helpers.runtime import BATCH, SEQ, batch, build, graph_kept_bytes, loss_of
+from helpers.storages import LiveBytes
 
 COMPRESSIBLE = ["ln1_out", "qkv", "softmax_out", "attn_dropout_mask", "attn_probs", "context",
                 "bda1_mask", "ln2_in", "ln2_out", "gelu_in", "gelu_out", "bda2_mask"]
@@ -114,16 +114,10 @@ def test_peak_counts_rebuilt_values_one_layer_at_a_time(distributed):
 def new_storages_alive_after(run) -> list[int]:
     """The bytes of each storage ``run`` made that outlives it (not the views it took of
     storages that existed before, such as the weights' transposes)."""
-    gc.collect()
-    # (fake tensors an earlier test left alive hold no memory, and no data pointer)
-    existing = {o.untyped_storage().data_ptr() for o in gc.get_objects()
-                if isinstance(o, torch.Tensor) and not isinstance(o, FakeTensor)}
-    witness = StorageWitness()
-    with witness:
+    made = LiveBytes()
+    with made:
         run()
-    gc.collect()
-    return sorted(n for ref, n in witness.refs.values()
-                  if ref() is not None and ref().data_ptr() not in existing)
+    return sorted(made.alive(made_only=True).values())
 
 
 @pytest.mark.parametrize("backend,dropout", [("unfused", 0.1), ("flash", 0.0)])
