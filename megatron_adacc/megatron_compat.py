@@ -432,16 +432,22 @@ def apply(force_cpu_shims: bool = False) -> list[str]:
             f"megatron-adacc's patches target megatron-core {TARGET_MEGATRON_CORE}, "
             f"found {version}; run tests/training/test_megatron_compat.py to see which still apply."
         )
-    if force_cpu_shims or not torch.cuda.is_available():
-        for name, patch in CPU_SHIMS.items():
-            if name not in _applied:
-                patch()
-                _applied.append(name)
-    for name, (patch, needed) in DEFECT_PATCHES.items():
+    _install(CPU_SHIMS, DEFECT_PATCHES, force_cpu_shims)
+    return applied_patches()
+
+
+def _install(cpu_shims: dict, defect_patches: dict, force_cpu_shims: bool) -> None:
+    """Apply each CPU shim on a host (or when forced), each defect patch where it is needed."""
+    # A defect's check runs after the patches before it: some read what those replaced.
+    host = force_cpu_shims or not torch.cuda.is_available()
+    for name, patch in cpu_shims.items() if host else ():
+        if name not in _applied:
+            patch()
+            _applied.append(name)
+    for name, (patch, needed) in defect_patches.items():
         if name not in _applied and needed():
             patch()
             _applied.append(name)
-    return applied_patches()
 
 
 # --- megatron.training (Megatron-LM's loop) on a CPU ------------------------------------------
@@ -832,13 +838,5 @@ TRAINING_DEFECT_PATCHES = {
 def apply_training(force_cpu_shims: bool = False) -> list[str]:
     """apply(), and the patches Megatron-LM's loop needs here; applied once."""
     apply(force_cpu_shims)
-    if force_cpu_shims or not torch.cuda.is_available():
-        for name, patch in TRAINING_CPU_SHIMS.items():
-            if name not in _applied:
-                patch()
-                _applied.append(name)
-    for name, (patch, needed) in TRAINING_DEFECT_PATCHES.items():
-        if name not in _applied and needed():
-            patch()
-            _applied.append(name)
+    _install(TRAINING_CPU_SHIMS, TRAINING_DEFECT_PATCHES, force_cpu_shims)
     return applied_patches()
