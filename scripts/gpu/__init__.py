@@ -1,0 +1,1 @@
+"""The sections of scripts/gpu_check.py, a module each, and what they share (common)."""

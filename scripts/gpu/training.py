@@ -1,0 +1,454 @@
+"""(c, d) ``pretrain_gpt.py`` runs of each method at each budget: steps, peaks and traces."""
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import io
+import itertools
+import json
+import math
+import os
+import statistics
+import tempfile
+import time
+
+import torch
+
+from gpu.common import (AGAIN, AUTO, AUTO_LOSSY, BLOCK, BUDGET_FRACTIONS, COPY_CALLS,
+                        DRY_MICRO_BATCH, FULL, INITIAL_LOSS_SCALE, NONE, OPTIONAL_METHODS,
+                        PROFILE_S, PROFILE_STEPS, PYTHON_PACKAGES, QUANTIZE, ROOT, RUN_OVERHEAD_S,
+                        SELECTIVE, STACKS, STEP_FACTOR, STEP_FLOPS, SYNC_CALLS, TOP_KERNELS,
+                        TRACE_S, TRACED, TRACKING_S, Deadline, ModelSpec, Sizes, device_kind, note)
+
+# Megatron-LM's --recompute-modules a dense GPT layer has (the rest are MoE's, MLA's, ...).
+RECOMPUTE_MODULES = ("core_attn", "layernorm", "mlp")
+
+
+def selective_sets() -> list[tuple[str, ...]]:
+    """Every non-empty set of the recompute modules a dense layer has.
+
+    megatron-core's TransformerConfig accepts each; the run says which Megatron-LM refuses for a
+    model."""
+    return [mods for n in range(1, len(RECOMPUTE_MODULES) + 1)
+            for mods in itertools.combinations(RECOMPUTE_MODULES, n)]
+
+
+def model_flags(spec: ModelSpec, dry_run: bool) -> list[str]:
+    """The flags every run of the model shares (the config, the micro-batch, the data)."""
+    if dry_run:
+        return ["--config", os.path.join(ROOT, spec.dry_config), *spec.dry_flags,
+                "--micro-batch-size", str(DRY_MICRO_BATCH),
+                "--global-batch-size", str(DRY_MICRO_BATCH)]
+    # No data flags: the built-in corpus, its bytes inside the model's own vocabulary.
+    return ["--config", os.path.join(ROOT, spec.config), "--micro-batch-size",
+            str(spec.micro_batch), "--global-batch-size", str(spec.micro_batch),
+            "--vocab-size", str(spec.vocab_size)]
+
+
+def config_values(spec: ModelSpec, dry_run: bool) -> dict:
+    """The model's flags as pretrain_gpt.py reads them (config, then the shared flags)."""
+    from megatron_adacc import cli
+
+    values = vars(cli.training_flags(model_flags(spec, dry_run)))
+    backend = values["attention_backend"]
+    return {**values, "config": os.path.join(ROOT, spec.dry_config if dry_run else spec.config),
+            "attention_backend": getattr(backend, "name", str(backend))}
+
+
+def adacc_work_iterations(records: list[dict]) -> set[int]:
+    """Iterations next to Adacc's periodic work: a tracking forward, a step watch's re-time or swap.
+
+    That work runs after a step, so either that iteration's time or the next's holds it. Tracking
+    backs off to every few hundred steps, so a long run's throughput is the rest."""
+    work = {r["iteration"] for r in records if "tracking" in r
+            or r.get("step_watch", {}).get("retimed") or "to" in r.get("step_watch", {})}
+    return work | {i + 1 for i in work}
+
+
+def _median_of(records: list[dict], key: str, warmup: int, iters: int,
+               skip: set[int] = frozenset()) -> float | None:
+    # the traced last step is slower for its tracing; the first steps warm up
+    values = [r[key] for r in records if r.get(key) is not None
+              and warmup < r["iteration"] < iters and r["iteration"] not in skip]
+    values = values or [r[key] for r in records if r.get(key) is not None]
+    return statistics.median(values) if values else None
+
+
+def _largest(records: list[dict], key: str) -> int | None:
+    values = [r[key] for r in records if r.get(key) is not None]
+    return max(values) if values else None
+
+
+def _peak(records: list[dict]) -> tuple[int | None, str]:
+    """A run's memory peak: the CUDA allocator's, or on a CPU the ruler's peak plus static bytes.
+
+    The static bytes are those the run's engine holds."""
+    allocated = _largest(records, "max_memory_allocated")
+    if allocated is not None:
+        return allocated, "allocator"
+    static, peak = _largest(records, "static_bytes"), _largest(records, "activation_peak_bytes")
+    if static is None or peak is None:
+        return None, "none"
+    return static + peak, "ruler + static"
+
+
+def plan_table(stdout: str) -> list[str]:
+    """The plan table a run printed at set-up, from ``adacc: policy`` to its ``budget`` line.
+
+    A run without Adacc has none."""
+    lines = stdout.splitlines()
+    start = next((i for i, line in enumerate(lines) if line.startswith("adacc: policy")), None)
+    if start is None:
+        return []
+    end = next((i for i in range(start, len(lines)) if lines[i].startswith("budget ")),
+               len(lines) - 1)
+    return lines[start:end + 1]
+
+
+def trace_summary(directory: str) -> dict:
+    """The traced step of rank 0's PyTorch profiler trace in ``directory``.
+
+    It gives the step's wall time, the time CUDA kernels ran in it, and the longest kernels by
+    total time. Host waits are counted by kind: sync calls, and copies to the host and to the
+    device. With call stacks it adds the host's Python time by package (``python_self_ms``). On
+    a CPU it lists the longest ATen ops; without a trace it is empty. Megatron-LM writes the
+    trace to ``torch_profile/rank-0.json.gz`` beside its --tensorboard-dir."""
+    paths = sorted(glob.glob(os.path.join(directory, "torch_profile", "rank-0.json.gz")))
+    if not paths:
+        return {}
+    import gzip
+
+    with gzip.open(paths[-1], "rt") as handle:
+        events = [e for e in json.load(handle)["traceEvents"] if e.get("ph") == "X"]
+    kernels, ops = collections.Counter(), collections.Counter()
+    for event in events:
+        if event.get("cat") == "kernel":
+            kernels[event["name"]] += event["dur"]
+        elif event.get("cat") == "cpu_op":
+            ops[event["name"]] += event["dur"]
+    steps = [e for e in events if e["name"].startswith("ProfilerStep#")]
+    summary = {
+        "step_ms": sum(e["dur"] for e in steps) / 1e3,
+        "kernel_ms": sum(kernels.values()) / 1e3,
+        **_host_waits(events),
+        "top_kernels": [[name, us / 1e3] for name, us in kernels.most_common(TOP_KERNELS)],
+    }
+    if not kernels:
+        summary["top_ops"] = [[name, us / 1e3] for name, us in ops.most_common(TOP_KERNELS)]
+    if steps and any(e.get("cat") == "python_function" for e in events):
+        summary.update(_python_self_ms(events, steps))
+    return summary
+
+
+def _host_waits(events: list[dict]) -> dict:
+    """Sync calls, and async copies to the host (pageable: a wait) and to the device."""
+    direction = {e["args"]["correlation"]: e["name"] for e in events
+                 if e.get("cat") == "gpu_memcpy" and "correlation" in e.get("args", {})}
+    runtime = [e for e in events if e.get("cat") == "cuda_runtime"]
+    copies = [direction.get(e.get("args", {}).get("correlation"), "")
+              for e in runtime if e["name"] in COPY_CALLS]
+    return {"host_syncs": sum(e["name"] in SYNC_CALLS for e in runtime),
+            "copies_to_host": sum("DtoH" in name for name in copies),
+            "copies_to_device": sum("HtoD" in name for name in copies)}
+
+
+def _python_self_ms(events: list[dict], steps: list[dict]) -> dict:
+    """Self time of the traced step's Python on the step's thread: by package and the longest.
+
+    A frame's self time is its own, less its Python frames' and ATen ops'. The profiler's
+    call-stack collection slows Python down, so these time where the host goes, not how long."""
+    thread = steps[0]["tid"]
+    begin, end = min(e["ts"] for e in steps), max(e["ts"] + e["dur"] for e in steps)
+    frames = sorted((e for e in events if e.get("tid") == thread
+                     and e.get("cat") in ("python_function", "cpu_op")
+                     and begin <= e["ts"] <= end), key=lambda e: (e["ts"], -e["dur"]))
+    stack, python = [], []
+    for frame in frames:
+        while stack and stack[-1][0]["ts"] + stack[-1][0]["dur"] <= frame["ts"]:
+            stack.pop()
+        if stack:
+            stack[-1][1][0] -= frame["dur"]   # the parent's self time loses the child's
+        stack.append((frame, [frame["dur"]]))
+        if frame["cat"] == "python_function":
+            python.append(stack[-1])
+    own = collections.Counter()
+    for frame, left in python:
+        own[frame["name"]] += left[0]
+    packages = {label: sum(us for name, us in own.items() if marker in name) / 1e3
+                for label, marker in PYTHON_PACKAGES}
+    return {"python_self_ms": {"all": sum(own.values()) / 1e3, **packages},
+            "top_python": [[name, us / 1e3] for name, us in own.most_common(TOP_KERNELS)]}
+
+
+class RunClock:
+    """Estimates of a training run's seconds: from the model's FLOPs, then from measured runs.
+
+    Once runs have been timed, the estimate uses their steps and overheads."""
+
+    def __init__(self, kind: str, values: dict, micro_batch: int):
+        from megatron_adacc import cli
+        from megatron_adacc.planning import analytic
+
+        self.kind = kind
+        shape = analytic.ModelShape.from_flags(cli.shape_flags(argparse.Namespace(**values)))
+        tokens = micro_batch * shape.seq_length
+        attention = 12 * shape.num_layers * shape.seq_length * shape.hidden_size * tokens
+        self.step_s = ((6 * shape.num_parameters * tokens + attention)
+                       / STEP_FLOPS[kind][values["attention_backend"] if
+                                          values["attention_backend"] in ("flash", "unfused")
+                                          else "flash"])
+        self.overheads: list[float] = []
+        self.profiled = False
+
+    def estimate(self, method: str, iters: int, auto: bool = False, traced: bool = True
+                 ) -> float:
+        overhead = (statistics.median(self.overheads) if self.overheads
+                    else RUN_OVERHEAD_S[self.kind] + TRACE_S[self.kind] * traced)
+        profile = (PROFILE_S[self.kind] + PROFILE_STEPS * self.step_s
+                   if auto and not self.profiled else 0.0)
+        return (overhead + iters * self.step_s * STEP_FACTOR[method] + profile
+                + TRACKING_S[self.kind] * auto)
+
+    def observe(self, method: str, wall_s: float, steps_s: list[float], auto: bool,
+                traced: bool) -> None:
+        if method == NONE and steps_s:
+            self.step_s = statistics.median(steps_s)
+        if auto:
+            self.profiled = True  # the profile's time goes into no overhead estimate
+        elif traced:  # the traced runs' overhead holds their trace's
+            self.overheads.append(max(0.0, wall_s - sum(steps_s)))
+
+
+class ModelRuns:
+    """One model's training runs in this process, each ``pretrain_gpt.main`` once, by name.
+
+    The methods are no optimisation, megatron's full recompute, selective recompute (every
+    recompute_modules set the trainer and megatron-core accept), block recompute (the fewest
+    layers that fit), naive INT4 (``--adacc-policy quantize``) and Adacc auto; where auto is
+    refused and names ``--adacc-lossy-sources``, auto with that flag too. Runs are
+    deduplicated by name, and skipped or shrunk to fit the deadline. The last step of no
+    optimisation, full recompute, naive INT4 and auto is traced (its top kernels)."""
+
+    def __init__(self, name: str, spec: ModelSpec, device, sizes: Sizes, deadline: Deadline,
+                 emit):
+        self.name, self.spec, self.device, self.sizes = name, spec, device, sizes
+        self.deadline, self.emit = deadline, emit
+        self.dry_run = device.type == "cpu"
+        self.values = config_values(spec, self.dry_run)
+        self.clock = RunClock(device_kind(self.dry_run), self.values,
+                              DRY_MICRO_BATCH if self.dry_run else spec.micro_batch)
+        self.workdir = tempfile.mkdtemp(prefix=f"adacc-gpu-check-{name}-")
+        self.report = {
+            "config": os.path.relpath(self.values["config"], ROOT),
+            "micro_batch_size": self.values["micro_batch_size"],
+            "seq_length": self.values["seq_length"], "num_layers": self.values["num_layers"],
+            "precision": "bf16" if self.values["bf16"] else "fp16" if self.values["fp16"]
+            else "fp32",
+            "attention_backend": self.values["attention_backend"],
+            "iters": sizes.iters, "auto_iters": sizes.auto_iters, "warmup": sizes.warmup,
+            "estimated_step_s": self.clock.step_s, "runs": {}, "budgets": [], "notes": []}
+
+    @property
+    def runs(self) -> dict:
+        return self.report["runs"]
+
+    def run(self, run_name: str, method: str, *flags: str, traced: bool | None = None) -> dict:
+        if run_name in self.runs:
+            return self.runs[run_name]
+        auto, traced = "auto" in flags, method in TRACED if traced is None else traced
+        iters = self.sizes.auto_iters if auto else self.sizes.iters
+        left, needed = self.deadline.left(), self.clock.estimate(method, iters, auto, traced)
+        if needed > left:
+            shrunk = self.clock.estimate(method, self.sizes.min_iters, auto, traced)
+            if shrunk > left:
+                note(self.report["notes"], f"{self.name}: skipped {run_name}: would take "
+                                            f"~{needed:.0f} s, {left:.0f} s left")
+                self.runs[run_name] = {"method": method, "skipped": "out of time",
+                                       "estimated_s": needed}
+                self.emit(self.report)
+                return self.runs[run_name]
+            note(self.report["notes"], f"{self.name}: {run_name} shrunk to "
+                                        f"{self.sizes.min_iters} iterations to fit "
+                                        f"({left:.0f} s left)")
+            iters = self.sizes.min_iters
+        print(f"gpu_check: {self.name}: {run_name} ({iters} iterations, ~{needed:.0f} s)",
+              flush=True)
+        result = self._pretrain(run_name, method, iters, list(flags), traced)
+        result["estimated_s"] = needed
+        self.runs[run_name] = result
+        self.emit(self.report)
+        return result
+
+    def _pretrain(self, run_name: str, method: str, iters: int, flags: list[str],
+                  traced: bool) -> dict:
+        import bench_common
+
+        stem = os.path.join(self.workdir, run_name.replace(" ", "_").replace("/", "_"))
+        argv = [*model_flags(self.spec, self.dry_run), "--train-iters", str(iters),
+                "--lr-warmup-iters", "0", "--eval-interval", "1000000", "--eval-iters", "0",
+                "--log-interval", "1000",
+                "--activation-measure-interval", "100000",
+                "--adacc-profile-db", os.path.join(self.workdir, "profiles.sqlite"),
+                "--metrics-file", f"{stem}.jsonl", *flags]
+        if traced:
+            argv += ["--profile", "--use-pytorch-profiler", "--profile-step-start",
+                     str(iters - 1), "--profile-step-end", str(iters), "--tensorboard-dir",
+                     os.path.join(f"{stem}.trace", "tensorboard")]
+            if method in STACKS:
+                argv.append("--pytorch-profiler-collect-callstack")
+        if self.values["fp16"]:
+            argv += ["--initial-loss-scale", str(INITIAL_LOSS_SCALE)]
+        if self.sizes.profile_repeats:
+            from megatron_adacc.profiling import profiler
+
+            profiler.profile.__kwdefaults__["repeats"] = self.sizes.profile_repeats
+        leftover = torch.cuda.memory_allocated() if self.device.type == "cuda" else None
+        out, err = io.StringIO(), io.StringIO()
+        began = time.perf_counter()
+        result = {"method": method, "flags": flags, "iters": iters,
+                  "memory_held_before": leftover}
+        try:
+            code = bench_common.pretrain_in_process(argv, out, err)
+        except torch.OutOfMemoryError as exc:
+            code, result["oom"] = None, True
+            result["error"] = f"out of memory: {str(exc).splitlines()[0][:160]}"
+        except Exception as exc:  # noqa: BLE001 - a run that breaks is a result
+            code = None
+            result["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+        finally:
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+        result["wall_s"] = time.perf_counter() - began
+        if code not in (0, None):
+            lines = [line for line in err.getvalue().splitlines() if "error" in line.lower()]
+            result["error"] = (lines or err.getvalue().strip().splitlines() or ["?"])[-1][:400]
+        try:
+            with open(f"{stem}.jsonl") as handle:
+                records = [json.loads(line) for line in handle]
+        except FileNotFoundError:
+            records = []
+        steps = [r["step_time_s"] for r in records]
+        self.clock.observe(method, result["wall_s"], steps, "auto" in flags, traced)
+        if "error" in result or not records:
+            result.setdefault("error", "no metrics written")
+            return result
+        peak, source = _peak(records)
+        warm, total = self.sizes.warmup, iters
+        work = adacc_work_iterations(records)
+        result.update({
+            "step_time_s": _median_of(records, "step_time_s", warm, total, work),
+            # with Adacc's periodic work in: what these first iterations paid
+            "step_time_with_adacc_work_s": _median_of(records, "step_time_s", warm, total),
+            "adacc_work_iterations": sorted(work),
+            "tokens_per_s": _median_of(records, "tokens_per_s", warm, total, work),
+            "peak_bytes": peak, "peak_source": source,
+            "max_memory_reserved": _largest(records, "max_memory_reserved"),
+            # the allocator's peak when forward and backward ended: below peak_bytes, the
+            # optimizer step held the step's peak
+            "forward_backward_peak_bytes": _largest(records,
+                                                    "max_memory_allocated_forward_backward"),
+            "static_bytes": _largest(records, "static_bytes"),
+            # the plan's predicted peak, to set against the allocator's
+            "predicted_peak_bytes": _largest(records, "predicted_peak_bytes"),
+            "skipped_steps": sum(r.get("skipped_iter", 0) for r in records),
+            # the rectifier's swaps: a plan measured after a swap is not the one planned
+            "plan_swaps": sum(a.get("plan_id") != b.get("plan_id")
+                              for a, b in zip(records, records[1:])),
+            "first_plan_id": records[0].get("plan_id"), "plan_id": records[-1].get("plan_id"),
+            "swap_lines": [line for line in out.getvalue().splitlines()
+                           if line.startswith("adacc: iteration")],
+            "plan_table": plan_table(out.getvalue()),
+            "trace": trace_summary(f"{stem}.trace") if traced else {},
+        })
+        # the trainer's own prediction and measurement, where it writes them
+        for key in ("predicted_step_time_s", "measured_step_time_s"):
+            value = _median_of(records, key, warm, total, work)
+            if value is not None:
+                result[key] = value
+        return result
+
+    # -- the methods at the budgets ----------------------------------------------------------
+
+    def measure(self, methods=OPTIONAL_METHODS) -> dict:
+        L = self.values["num_layers"]
+        none = self.run("none", NONE)
+        full = self.run("full", FULL, "--recompute-granularity", "full",
+                        "--recompute-method", "uniform", "--recompute-num-layers", "1")
+        high, low = none.get("peak_bytes"), full.get("peak_bytes")
+        if high is None or low is None:
+            note(self.report["notes"], f"{self.name}: no budgets: no optimisation's or full "
+                                        "recompute's peak was not measured")
+            self.report["budgets"] = [{"fraction": f, "budget_bytes": None}
+                                      for f in BUDGET_FRACTIONS]
+        else:
+            self.report["budgets"] = [{"fraction": f, "budget_bytes": int(low + f * (high - low))}
+                                      for f in BUDGET_FRACTIONS]
+        budgets = [b["budget_bytes"] for b in self.report["budgets"]]
+        for index, budget in enumerate(budgets):
+            if budget is not None and "auto" in methods:
+                self.run(f"auto {index}", AUTO, "--adacc-policy", "auto",
+                         "--adacc-memory-budget", f"{budget}B", "--adacc-strict")
+                # the refusal names the flag where lossy rebuild sources would fit
+                if "--adacc-lossy-sources" in self.runs[f"auto {index}"].get("error", ""):
+                    self.run(f"auto lossy {index}", AUTO_LOSSY, "--adacc-policy", "auto",
+                             "--adacc-memory-budget", f"{budget}B", "--adacc-strict",
+                             "--adacc-lossy-sources")
+        self.block = {}
+        for index, budget in enumerate(budgets):
+            if budget is not None and "block" in methods:
+                self.block[index] = self._block_for(budget, high, low, L)
+        if "quantize" in methods:
+            self.run("quantize", QUANTIZE, "--adacc-policy", "quantize")
+        # the single modules first: with time short, the sets of several are what is skipped
+        for mods in selective_sets() if "selective" in methods else ():
+            self.run(f"selective {'+'.join(mods)}", SELECTIVE, "--recompute-granularity",
+                     "selective", "--recompute-modules", *mods)
+        self._drift(none)
+        self.emit(self.report)
+        return self.report
+
+    def _drift(self, first: dict) -> None:
+        """No optimisation again, last: how far the same run's step moved over the section.
+
+        The methods run one after another, not interleaved. A difference between two of them no
+        larger than this drift is noise."""
+        if first.get("step_time_s") is None:
+            return
+        again = self.run(AGAIN, NONE, traced=False)
+        if again.get("step_time_s") is not None:
+            self.report["drift"] = {"first_step_s": first["step_time_s"],
+                                    "last_step_s": again["step_time_s"],
+                                    "change": again["step_time_s"] / first["step_time_s"] - 1}
+
+    def _block_for(self, budget: int, high: int, low: int, layers: int) -> str | None:
+        """Megatron's block recompute with the fewest layers that fit ``budget``: the run's name.
+
+        The guess comes from the two peaks: each recomputed layer saves a layer's share of their
+        difference. If the guess does not fit, one more layer is tried. 0 layers is no
+        optimisation's run."""
+        per_layer = max(1, (high - low) / layers)
+        n = min(layers, max(0, math.ceil((high - budget) / per_layer)))
+        if n == 0:
+            return "none"
+        while True:
+            name = f"block {n}"
+            peak = self.run(name, BLOCK, "--recompute-granularity", "full", "--recompute-method",
+                            "block", "--recompute-num-layers", str(n)).get("peak_bytes")
+            if peak is None or peak <= budget or n >= layers:
+                return name
+            n += 1
+
+    def method_rows(self, budget_index: int) -> dict[str, str | None]:
+        """Each method's run at a budget (None where none was planned)."""
+        rows = {NONE: "none", FULL: "full"}
+        rows.update({f"{SELECTIVE} [{'+'.join(mods)}]": f"selective {'+'.join(mods)}"
+                     for mods in selective_sets()})
+        rows[BLOCK] = getattr(self, "block", {}).get(budget_index)
+        rows[QUANTIZE] = "quantize"
+        rows[AUTO] = f"auto {budget_index}"
+        if f"auto lossy {budget_index}" in self.runs:
+            rows[AUTO_LOSSY] = f"auto lossy {budget_index}"
+        return rows
+
+
