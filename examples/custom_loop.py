@@ -21,7 +21,7 @@ from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 from megatron.core.transformer import TransformerConfig
 
 from megatron_adacc import Adacc, AdaccConfig  # adacc
-from megatron_adacc import megatron_compat  # megatron-core 0.16.1 on a CPU (no-op on a GPU)
+from megatron_adacc import megatron_compat  # megatron-core 0.19.2 on a CPU (no-op on a GPU)
 
 
 def parse_args():

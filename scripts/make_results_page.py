@@ -547,7 +547,7 @@ fraction that fits. Compile time is not in tokens/s; the JSON has it (`compile_s
 
 Megatron selective recompute tries each `recompute_modules` set that runs on this layer spec:
 `core_attn`, `layernorm`, and both. `mlp` is left out. With biased linear layers, its backward
-recurses forever in megatron-core 0.16.1.
+recurses forever in megatron-core 0.19.2.
 """
 
 

@@ -134,7 +134,7 @@ _SITE_LIST = (
     Site("ln1_normed", "input RMSNorm's normalised input x * rstd (fp32), saved by its weight "
          "multiply", "outlier_int4", "attention"),
     # RoPE's cos and sin, [s, 1, 1, rotary dim], saved by the two products with Q and K. They
-    # are the same values in every layer; megatron-core 0.16.1 computes them per call (new
+    # are the same values in every layer; megatron-core 0.19.2 computes them per call (new
     # storages), and the runtime keeps one storage of each (runtime/shared.py). Every gradient
     # through RoPE reads them: never compressed, never rebuilt.
     Site("rope_cos_sin", "RoPE's cos and sin, saved by the rotation of Q and K (the runtime "

@@ -6,7 +6,7 @@ K and V, or the softmax output reused as attention probabilities when dropout is
 submodules that name a site are hooked: IdentityOp pass-throughs cannot steal attribution, and a
 call costs a few dict lookups.
 
-The rules come from what megatron-core 0.16.1's local layer saves, GPT's and Llama's (sites.py,
+The rules come from what megatron-core 0.19.2's local layer saves, GPT's and Llama's (sites.py,
 models/). A role names the site of what it saves, except where one role saves several kinds:
 
 - a norm saves its input, one statistic per row, and (RMSNorm) x * rstd. In a 16-bit model torch's

@@ -1,6 +1,6 @@
 """One storage for values every layer saves anew: RoPE's cos and sin (shared site rope_cos_sin).
 
-megatron-core 0.16.1's ``apply_rotary_pos_emb`` computes ``(cos(freqs) * mscale).to(dtype)`` and the
+megatron-core 0.19.2's ``apply_rotary_pos_emb`` computes ``(cos(freqs) * mscale).to(dtype)`` and the
 same of sin in every call, for Q and K in every layer. The two products with Q and K save them, so
 each layer keeps four new [s, 1, 1, rotary dim] storages of two values. (The precomputed
 ``rotary_pos_cos``/``rotary_pos_sin`` reach attention only at inference.) A ``RopeWindow`` packs
