@@ -7,6 +7,7 @@
 - A single process without torchrun gets a world of one. A host without CUDA gets gloo and
   megatron_compat's CPU defaults. Without data flags, the run reads the built-in corpus.
 - Ctrl-C (130), SIGTERM (143) and a diverged run (1) end in one line, without a traceback.
+- A checkpoint load Megatron-LM gives up on (it prints why and exits 0) ends with status 2.
 """
 from __future__ import annotations
 
@@ -397,6 +398,35 @@ def _watch_step_ends() -> None:
     training.checkpoint_and_decide_exit = watched
 
 
+def _loaded_or_refused(original, *args, **kwargs):
+    """Megatron-LM's ``load_checkpoint``, whose bare ``sys.exit()`` on a failed load is status 2.
+
+    Megatron-LM prints why and exits with status 0, as if the run had trained."""
+    from megatron.training import get_args
+
+    try:
+        return original(*args, **kwargs)
+    except SystemExit as exc:
+        if exc.code not in (None, 0):
+            raise
+        load = get_args().load
+        if get_args().exit_on_missing_checkpoint and latest_checkpoint(load) is None:
+            raise InputError(f"--load {load}: no checkpoint there, and "
+                             f"--exit-on-missing-checkpoint stops the run") from None
+        raise InputError(f"--load {load}: Megatron-LM could not load the checkpoint (its "
+                         f"reason is printed above)") from None
+
+
+def _refuse_failed_loads() -> None:
+    from megatron.training import training
+
+    original = getattr(training.load_checkpoint, "__wrapped_by_launch__",
+                       training.load_checkpoint)
+    checked = functools.partial(_loaded_or_refused, original)
+    checked.__wrapped_by_launch__ = original
+    training.load_checkpoint = checked
+
+
 # Megatron-LM's rerun state machine's exit codes (EXIT_CODE_RESUME_TO_DISAMBIGUATE,
 # EXIT_CODE_FAILED_ON_RESULT_VALIDATION): a result, NaN or Inf, failed its validation.
 RERUN_EXIT_CODES = (16, 17)
@@ -498,6 +528,7 @@ def run(argv: Sequence[str], prog: str, pretrain: Callable[[argparse.Namespace],
             try:
                 megatron_compat.apply_training()
                 _watch_step_ends()
+                _refuse_failed_loads()
                 args = parse(argv, prog)
                 _choose_checkpoint(args, rank)
                 try:

@@ -1,4 +1,4 @@
-"""Loading a torch_dist checkpoint never runs code: every pickle in it is read restrictedly.
+"""Loading a checkpoint never runs code: every pickle in it is read restrictedly.
 
 A torch_dist checkpoint (megatron-core's dist_checkpointing over torch.distributed.checkpoint, DCP)
 holds pickles that torch 2.13 and megatron-core 0.19.2 would unpickle as they stand:
@@ -13,6 +13,9 @@ holds pickles that torch 2.13 and megatron-core 0.19.2 would unpickle as they st
   ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD`` turns off. Here always True.
 - the tensors in ``*.distcp``: DCP reads them with ``weights_only=True`` already. Here a refusal
   names its file too, as the others do.
+- Megatron-LM's older ``--ckpt-format torch``: ``mp_rank_*/model_optim_rng.pt`` and
+  ``distrib_optim.pt``, read with ``torch.load``'s default (as ``common.pt``). Here always
+  ``weights_only=True`` (:data:`LEGACY_READERS`).
 
 A file that names any other global raises :class:`CheckpointRefused`, naming the file and the
 global.
@@ -24,6 +27,8 @@ depends on the project's trainer: a Megatron-LM training loop applies it the sam
 from __future__ import annotations
 
 import functools
+import glob
+import importlib
 import inspect
 import json
 import os
@@ -179,14 +184,20 @@ class _MetadataPickle(types.ModuleType):
 
 
 class _WeightsOnlyTorch(types.ModuleType):
-    """``torch`` as a checkpoint reader sees it: ``load`` is :func:`load_weights_only`."""
+    """``torch`` as a checkpoint reader sees it: ``load`` is :func:`load_weights_only`.
+
+    Every other name is ``base``'s: torch, or what a CPU shim already put in its place."""
+
+    def __init__(self, base: Any = torch):
+        super().__init__("torch")
+        self._base = base
 
     @staticmethod
     def load(file, map_location=None, **_) -> Any:
         return load_weights_only(file, _name_of(file), map_location)
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(torch, name)
+        return getattr(self._base, name)
 
 
 def _name_of(file: Any) -> str:
@@ -252,6 +263,12 @@ def _load_common(checkpoint_dir) -> Any:
     return load_weights_only(path, path, map_location="cpu")
 
 
+# Modules that read --ckpt-format torch's files with a bare torch.load, whose weights_only
+# default TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD turns off: the model, RNG and scheduler state
+# (mp_rank_*/model_optim_rng.pt) and the distributed optimizer's (distrib_optim.pt).
+LEGACY_READERS = ("megatron.training.checkpointing", "megatron.core.optimizer.optimizer",
+                  "megatron.core.optimizer.distrib_optimizer",
+                  "megatron.core.optimizer.layer_wise_optimizer")
 _installed = False
 
 
@@ -268,12 +285,12 @@ def install() -> None:
     from torch.distributed.checkpoint import default_planner, filesystem
 
     filesystem.pickle = _MetadataPickle("pickle")  # its one pickle.load is read_metadata's
-    filesystem.torch = _WeightsOnlyTorch("torch")  # its tensors' torch.load: weights_only=True
+    filesystem.torch = _WeightsOnlyTorch()  # its tensors' torch.load: weights_only=True
     filesystem.FileSystemReader.read_data = _naming_directory(
         filesystem.FileSystemReader.read_data)
     # megatron's MCoreLoadPlanner inherits it (megatron-core 0.16.1 and 0.19.2).
     default_planner.DefaultLoadPlanner.load_bytes = _load_bytes
-    megatron_common.torch = _WeightsOnlyTorch("torch")  # its torch.load calls read common.pt
+    megatron_common.torch = _WeightsOnlyTorch()  # its torch.load calls read common.pt
     # megatron-core 0.19 reads a legacy common.pt through its msc wrapper's torch.load:
     # weights_only by torch's default only, and TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD undoes that.
     megatron_common.load_common = serialization.load_common = _load_common
@@ -281,6 +298,9 @@ def install() -> None:
         checked = _metadata_read_first(getattr(serialization, name))
         setattr(serialization, name, checked)  # as megatron's own modules call it
         setattr(dist_checkpointing, name, checked)
+    for name in LEGACY_READERS:
+        module = importlib.import_module(name)
+        module.torch = _WeightsOnlyTorch(module.torch)
     _installed = True
 
 
@@ -296,13 +316,13 @@ def damage(checkpoint: str | os.PathLike) -> str | None:
     It reads the ``.metadata`` and ``common.pt`` restrictedly. A refusal propagates as
     CheckpointRefused: a crafted file is no damage to fall back from. It also checks that every
     ``.distcp`` holds the bytes the metadata places in it. A checkpoint in Megatron-LM's older
-    ``torch`` format (no ``.metadata``) counts as whole.
+    ``torch`` format (no ``.metadata``) is checked by :func:`_legacy_damage`.
     """
     directory = str(checkpoint)
     if not os.path.isdir(directory):
         return f"missing ({directory} is not a directory)"
     if not os.path.exists(os.path.join(directory, METADATA_FILE)):
-        return None
+        return _legacy_damage(directory)
     common = os.path.join(directory, COMMON_FILE)
     try:
         metadata = read_metadata(directory)
@@ -329,8 +349,32 @@ def damage(checkpoint: str | os.PathLike) -> str | None:
     return None
 
 
+def _legacy_damage(directory: str) -> str | None:
+    """damage() of a ``--ckpt-format torch`` checkpoint: its ``mp_rank_*/*.pt`` files.
+
+    Each must open as a torch.save file, and its pickle (read without its tensors' bytes) may
+    name only what ``torch.load(weights_only=True)`` allows; a file that names more raises
+    CheckpointRefused. Files older than torch's zip format are left to the weights-only load."""
+    files = sorted(glob.glob(os.path.join(directory, "mp_rank_*", "*.pt")))
+    if not files:
+        return f"unreadable ({directory} holds neither a {METADATA_FILE} nor mp_rank_*/*.pt)"
+    for path in files:
+        try:
+            with open(path, "rb") as file:
+                if not torch.serialization._is_zipfile(file):
+                    continue
+            unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(path)
+        except Exception as exc:  # a truncated zip has no central directory
+            return f"unreadable ({path}: {_described(exc)})"
+        if unsafe:
+            raise CheckpointRefused(path, unsafe[0], _OBJECT_ALLOWS)
+    return None
+
+
 def _described(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    """The exception's type and its message's first sentence: a warning stays one short line."""
+    first = str(exc).strip().splitlines()[0].split(". ")[0] if str(exc).strip() else ""
+    return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
 
 
 def saved_iterations(directory: str | os.PathLike) -> tuple[int | None, list[int]]:

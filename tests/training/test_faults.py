@@ -132,6 +132,16 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_newest_intact_one(
     assert [r["loss"] for r in resumed] == straight[1][4:]  # bit for bit
 
 
+def test_exit_on_missing_checkpoint_is_an_error_in_one_line(tmp_path, monkeypatch, capsys,
+                                                             corpus):
+    # Megatron-LM prints its notice and exits with status 0, as if it had trained.
+    code, err = _main_here(tmp_path, monkeypatch, capsys, *data_flags(corpus), "--train-iters",
+                           "2", "--load", "nothing", "--exit-on-missing-checkpoint")
+    assert (code, err[-1]) == (2, "pretrain_gpt.py: error: --load nothing: no checkpoint "
+                                  "there, and --exit-on-missing-checkpoint stops the run")
+    assert launch_records() == []
+
+
 def launch_records():
     from megatron_adacc import megatron_lm
 

@@ -18,7 +18,7 @@ from megatron_adacc import safe_checkpoint
 from megatron_adacc.safe_checkpoint import CheckpointRefused
 
 from helpers import forked
-from helpers.pretrain import LLAMA_FLAGS, PRETRAIN, TINY, losses, run, train
+from helpers.pretrain import LLAMA_FLAGS, PRETRAIN, TINY, child_env, losses, run, train
 
 # common.pt: a legacy common-state file planted beside the checkpoint (megatron-core still
 # reads one where present); distcp_object: the rng_state and common_state ShardedObjects in a
@@ -204,6 +204,45 @@ def test_load_refuses_a_crafted_file_in_one_line(tmp_path, saved, crafted, which
                                f"{_refusal(file.relative_to(tmp_path), allowed=allowed)}")
     assert "resuming from" not in stderr  # no fallback to iteration 1
     assert not target.exists() and not list(crafted.parent.glob("pwned*"))
+
+
+# --- Megatron-LM's older format (--ckpt-format torch) ------------------------------------------
+
+@pytest.fixture(scope="module")
+def legacy(tmp_path_factory):
+    """A TINY run's checkpoints at iterations 1 and 2 in the older format."""
+    ck = tmp_path_factory.mktemp("legacy") / "ck"
+    train("--train-iters", "2", "--save", str(ck), "--save-interval", "1", "--ckpt-format",
+          "torch")
+    return ck
+
+
+@pytest.mark.parametrize("read_by", ["choice", "megatron"])
+def test_a_crafted_legacy_checkpoint_is_refused_with_weights_only_forced_off(
+        tmp_path, monkeypatch, legacy, read_by):
+    """torch.load's weights_only default is all that guards this format in Megatron-LM, and
+    TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD turns it off. The choice of checkpoint refuses the file;
+    with --ckpt-step, which skips that choice, Megatron-LM's own read refuses it."""
+    shutil.copytree(legacy, tmp_path / "ck")
+    file = tmp_path / "ck" / "iter_0000002" / "mp_rank_00" / "model_optim_rng.pt"
+    state = torch.load(file, weights_only=True)
+    state["evil"] = Payload(tmp_path / "pwned")
+    torch.save(state, file)
+    monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
+    step = ["--ckpt-step", "2"] if read_by == "megatron" else []
+    done = forked.run([PRETRAIN, *TINY, "--train-iters", "2", "--ckpt-format", "torch",
+                       "--load", "ck", *step], cwd=tmp_path, env=child_env())
+    line = done.stderr.strip().splitlines()[-1]
+    refused = _refusal(file.relative_to(tmp_path), allowed=OBJECT)
+    if read_by == "choice":
+        assert (done.returncode, line) == (2, f"pretrain_gpt.py: error: --load ck: {refused}")
+    else:
+        assert refused in done.stdout  # Megatron-LM prints why; the run ends in one line
+        assert (done.returncode, line) == (2, "pretrain_gpt.py: error: --load ck: Megatron-LM "
+                                              "could not load the checkpoint (its reason is "
+                                              "printed above)")
+    assert "Traceback" not in done.stderr
+    assert not (tmp_path / "pwned").exists()
 
 
 # --- what the allow-list lets through ---------------------------------------------------------
