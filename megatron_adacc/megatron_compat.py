@@ -276,10 +276,13 @@ def _cpu_optimizer() -> None:
     # the norm with local_multi_tensor_l2_norm, which returns it on 'cuda'; and
     # Float16OptimizerWithFloat16Params, DistributedOptimizer's main-param groups and
     # clip_grad_by_total_norm_fp32 accept only parameters of a torch.cuda.*Tensor type.
+    # DistributedOptimizer makes the shards of a --ckpt-format torch load on
+    # torch.cuda.current_device().
     from megatron.core.optimizer import clip_grads, distrib_optimizer, optimizer
 
     optimizer.torch = _HostTorch()
     clip_grads.torch = _HostTorch()
+    distrib_optimizer.torch = _HostTorch()
     if clip_grads.l2_norm_impl.__name__ == "local_multi_tensor_l2_norm":
         clip_grads.l2_norm_impl = _host_l2_norm
     clip = _with_cuda_type_names(clip_grads.clip_grad_by_total_norm_fp32)
@@ -717,6 +720,38 @@ def _cpu_jit_warmup_off_the_generator() -> None:
     initialize._warmup_jit_function = warmup_keeping_the_generator
 
 
+def _legacy_distributed_optimizer_keeps_ckpt_step() -> None:
+    # A --ckpt-format torch checkpoint with the distributed optimizer: load_checkpoint reads the
+    # tracker file again to name the optimizer's file, whatever --ckpt-step says. --ckpt-step N
+    # (and the fallback from a damaged newest checkpoint, which passes it) then loads N's model
+    # with the newest iteration's optimizer state, and counts on from the newest iteration.
+    # --load's tracker now names the step asked for; every other reader of it takes that step
+    # in its place already.
+    from megatron.training import checkpointing
+
+    original = getattr(checkpointing.read_metadata, "__wrapped__", checkpointing.read_metadata)
+
+    @functools.wraps(original)
+    def read_metadata(tracker_filename):
+        iteration, release = original(tracker_filename)
+        flags = checkpointing.get_args()
+        if (flags.ckpt_step is not None and flags.load
+                and tracker_filename == checkpointing.get_checkpoint_tracker_filename(flags.load)):
+            iteration = flags.ckpt_step
+        return iteration, release
+
+    checkpointing.read_metadata = read_metadata
+
+
+def _legacy_distributed_optimizer_rereads_the_tracker() -> bool:
+    import inspect
+
+    from megatron.training import checkpointing
+
+    return "iteration, release = read_metadata(tracker_filename)" in inspect.getsource(
+        checkpointing.load_checkpoint)
+
+
 class _Gpt2FromFiles:
     """transformers' AutoTokenizer, but GPT-2 is built from its vocab and merges files alone."""
 
@@ -827,6 +862,9 @@ TRAINING_DEFECT_PATCHES = {
     "rerun_checkpoint_only_with_save": (_rerun_checkpoint_only_with_save,
                                         _rerun_checkpoint_ignores_save),
     "gpt2_tokenizer_from_files": (_gpt2_tokenizer_from_files, _gpt2_tokenizer_reaches_the_hub),
+    "legacy_distributed_optimizer_keeps_ckpt_step": (
+        _legacy_distributed_optimizer_keeps_ckpt_step,
+        _legacy_distributed_optimizer_rereads_the_tracker),
     # Before help_with_literal_percent, whose check builds a parser.
     "field_docstrings_read_once": (_field_docstrings_read_once,
                                    _field_docstrings_read_each_build),

@@ -132,6 +132,37 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_newest_intact_one(
     assert [r["loss"] for r in resumed] == straight[1][4:]  # bit for bit
 
 
+@pytest.fixture(scope="module")
+def straight_legacy(tmp_path_factory, corpus):
+    """``straight`` in Megatron-LM's older format with the distributed optimizer."""
+    work = tmp_path_factory.mktemp("straight-legacy")
+    code = _main([*TINY, *data_flags(corpus), *LEGACY, "--train-iters", "6", "--save",
+                  str(work / "ck"), "--save-interval", "2"])
+    assert code == 0
+    return work, losses(launch_records())
+
+
+LEGACY = ["--ckpt-format", "torch", "--use-distributed-optimizer"]
+
+
+def test_a_damaged_newest_legacy_checkpoint_falls_back_and_counts_on_from_the_older(
+        tmp_path, monkeypatch, capsys, corpus, straight_legacy):
+    # Megatron-LM's own load would take the optimizer's state and the count from the tracker's
+    # iteration 6, and train nothing (megatron_compat's legacy_distributed_optimizer_...).
+    model = _copy_checkpoints(straight_legacy, tmp_path) / "mp_rank_00" / "model_optim_rng.pt"
+    model.write_bytes(model.read_bytes()[:100])
+    code, err = _main_here(tmp_path, monkeypatch, capsys, *data_flags(corpus), *LEGACY,
+                           "--train-iters", "6", "--load", "ck")
+    assert code == 0, err
+    assert ("warning: checkpoint ck/iter_0000006 is unreadable (ck/iter_0000006/mp_rank_00/"
+            "model_optim_rng.pt: RuntimeError: PytorchStreamReader failed reading zip archive: "
+            "failed finding central directory); resuming from the newest intact one, "
+            "ck/iter_0000004") in err
+    resumed = launch_records()
+    assert [r["iteration"] for r in resumed] == [5, 6]
+    assert [r["loss"] for r in resumed] == straight_legacy[1][4:]  # bit for bit
+
+
 def test_exit_on_missing_checkpoint_is_an_error_in_one_line(tmp_path, monkeypatch, capsys,
                                                              corpus):
     # Megatron-LM prints its notice and exits with status 0, as if it had trained.

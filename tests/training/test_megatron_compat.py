@@ -313,6 +313,14 @@ def test_a_rerun_checkpoint_is_still_asked_for_without_save():
     assert megatron_compat._rerun_checkpoint_ignores_save()
 
 
+def test_a_legacy_distributed_optimizer_load_still_rereads_the_tracker():
+    """Why legacy_distributed_optimizer_keeps_ckpt_step exists: when this fails, load_checkpoint
+    names the distributed optimizer's file without the tracker file; delete the patch."""
+    from megatron_adacc import megatron_compat
+
+    assert megatron_compat._legacy_distributed_optimizer_rereads_the_tracker()
+
+
 def test_megatron_lm_still_divides_by_a_missing_eval_interval():
     """Why eval_interval_default exists: when this fails, Megatron-LM sizes its validation data
     without dividing by --eval-interval; delete the patch."""

@@ -254,7 +254,8 @@ def test_a_crafted_legacy_checkpoint_is_refused_with_weights_only_forced_off(
     # first step, and the load then misses it (tests/training/test_fp16.py resumes the same way).
     [*LLAMA_FLAGS, "--fp16", "--initial-loss-scale", "1024"],
     [*LLAMA_FLAGS, "--use-distributed-optimizer"],
-], ids=["gpt", "gpt-distributed-bf16", "llama-fp16", "llama-distributed"])
+    ["--ckpt-format", "torch", "--use-distributed-optimizer"],
+], ids=["gpt", "gpt-distributed-bf16", "llama-fp16", "llama-distributed", "legacy-distributed"])
 def test_every_configurations_checkpoint_loads_and_resumes_bit_for_bit(tmp_path, flags):
     from torch.distributed.checkpoint import default_planner, filesystem
 
