@@ -279,6 +279,9 @@ class Adacc:
             # pages faulted in afresh while another reuses them.
             allocator.recycle_freed_host_memory()
         config = self.config
+        policies.require_plannable(config.policy,
+                                   getattr(getattr(model, "config", None),
+                                           "recompute_granularity", None))
         stages = policies.pipeline_stage()[1]
         if stages != config.pipeline_model_parallel_size:
             raise InputError(f"the model is split over {stages} pipeline stages, but Adacc "

@@ -111,6 +111,7 @@ def check_args(args: argparse.Namespace) -> None:
         config = AdaccConfig.from_args(args)
         if not torch.cuda.is_available():  # a GPU's default is read once the model is built
             policies.require_budget(config.policy, config.budget_bytes)
+        policies.require_plannable(config.policy, args.recompute_granularity)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     heads, groups = args.num_attention_heads, args.num_query_groups

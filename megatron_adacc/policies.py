@@ -85,6 +85,16 @@ def require_budget(policy: str, budget_bytes: int | None) -> None:
                          "(e.g. 512MiB): there is no device capacity to default to")
 
 
+def require_plannable(policy: str, recompute_granularity: str | None) -> None:
+    """Raise a ValueError when Megatron's recompute leaves an auto policy nothing to plan.
+
+    Under full recompute the profile sees each layer's input alone."""
+    if policy in AUTO_POLICIES and recompute_granularity == "full":
+        raise ValueError(f"--recompute-granularity full keeps only each layer's input, which "
+                         f"leaves --adacc-policy {policy} nothing to plan; drop it (auto's "
+                         f"plans include full recompute)")
+
+
 def predicted_activation_bytes(costs: ModelCosts, result: planning.PlanResult) -> int:
     """Activation bytes kept when forward ends under ``result``: the ruler's ``activation_bytes``.
 

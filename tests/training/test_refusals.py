@@ -114,6 +114,16 @@ def test_bad_megatron_flags_are_refused_in_one_line(capsys, corpus, flags, messa
         f"pretrain_gpt.py: error: {message}")
 
 
+def test_auto_under_megatrons_full_recompute_is_refused_in_one_line(capsys, corpus):
+    # The profile saw only each layer's input, and planning died in a traceback.
+    line = refused(capsys, [*data_flags(corpus), "--adacc-policy", "auto",
+                            "--adacc-memory-budget", "1GiB", "--recompute-granularity", "full",
+                            "--recompute-method", "uniform", "--recompute-num-layers", "1"])
+    assert line == ("pretrain_gpt.py: error: --recompute-granularity full keeps only each "
+                    "layer's input, which leaves --adacc-policy auto nothing to plan; drop it "
+                    "(auto's plans include full recompute)")
+
+
 def test_a_run_without_a_learning_rate_is_refused(capsys):
     # Megatron-LM has no default --lr and hands None to torch's AdamW (a TypeError).
     assert _main(["--train-iters", "2"]) == 2
@@ -223,6 +233,20 @@ def test_adacc_calls_before_setup_and_a_batch_of_the_wrong_shape_are_refused(dis
     with pytest.raises(ValueError) as info:
         adacc.setup(torch.nn.Linear(2, 2), (tokens, tokens, tokens), num_micro_batches=0)
     assert str(info.value) == "Adacc.setup: num_micro_batches must be a positive integer, got 0"
+
+
+def test_adacc_setup_refuses_auto_on_a_model_under_megatrons_full_recompute(distributed):
+    from types import SimpleNamespace
+
+    model = torch.nn.Linear(2, 2)
+    model.config = SimpleNamespace(recompute_granularity="full")
+    tokens = torch.zeros(2, 8, dtype=torch.long)
+    with pytest.raises(ValueError) as info:
+        Adacc(AdaccConfig(policy="auto", memory_budget="1GiB")).setup(
+            model, (tokens, tokens, tokens))
+    assert str(info.value) == ("--recompute-granularity full keeps only each layer's input, "
+                               "which leaves --adacc-policy auto nothing to plan; drop it "
+                               "(auto's plans include full recompute)")
 
 
 # --- 1. an interrupt -------------------------------------------------------------------------
