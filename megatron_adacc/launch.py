@@ -143,6 +143,7 @@ def parse(argv: Sequence[str], prog: str = "pretrain_gpt.py") -> argparse.Namesp
     if args.lr is None:  # Megatron-LM would pass it on to torch's AdamW, which raises TypeError
         raise ConfigError("--lr is required: Megatron-LM has no default learning rate")
     _check_profile(args)
+    _check_cuda_memory_flags(args)
     _check_outputs(args)
     _default_data(args)
     try:
@@ -190,6 +191,22 @@ def _check_profile(args: argparse.Namespace) -> None:
     if outside:
         raise ConfigError(f"--profile-ranks {' '.join(map(str, outside))}: no such rank in a "
                           f"world of {world_size}")
+
+
+# Megatron-LM's flags that read CUDA's memory statistics or allocator: on a host they would fail
+# in the first step's log.
+CUDA_MEMORY_FLAGS = {"log_memory_to_tensorboard": "--log-memory-to-tensorboard",
+                     "log_device_memory_used": "--log-device-memory-used",
+                     "record_memory_history": "--record-memory-history"}
+
+
+def _check_cuda_memory_flags(args: argparse.Namespace) -> None:
+    import torch
+
+    given = [flag for name, flag in CUDA_MEMORY_FLAGS.items() if getattr(args, name, False)]
+    if given and not torch.cuda.is_available():
+        raise ConfigError(f"{given[0]} reads the GPU's memory, and this machine has no GPU; "
+                          f"drop it")
 
 
 def _check_outputs(args: argparse.Namespace) -> None:

@@ -124,6 +124,16 @@ def test_auto_under_megatrons_full_recompute_is_refused_in_one_line(capsys, corp
                     "(auto's plans include full recompute)")
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU has the memory they read")
+@pytest.mark.parametrize("flag", ["--log-memory-to-tensorboard", "--log-device-memory-used",
+                                  "--record-memory-history"])
+def test_flags_that_read_the_gpus_memory_are_refused_without_one(capsys, corpus, flag):
+    # Each failed in the first step's log: a KeyError, an AttributeError, CUDA's init.
+    assert refused(capsys, [*data_flags(corpus), flag]) == (
+        f"pretrain_gpt.py: error: {flag} reads the GPU's memory, and this machine has no GPU; "
+        f"drop it")
+
+
 def test_a_run_without_a_learning_rate_is_refused(capsys):
     # Megatron-LM has no default --lr and hands None to torch's AdamW (a TypeError).
     assert _main(["--train-iters", "2"]) == 2
