@@ -549,6 +549,12 @@ def _cpu_training_loop() -> None:
     initialize.torch = _TrainingTorch(device_count=lambda: 1)
     training.initialize_megatron = functools.partial(initialize.initialize_megatron,
                                                      allow_no_cuda=True)
+    # --log-params-norm: without apex or Transformer Engine the norm is
+    # local_multi_tensor_l2_norm's, which returns it on "cuda".
+    from megatron.training.utils import common_utils
+
+    if common_utils.multi_tensor_l2norm.__name__ == "local_multi_tensor_l2_norm":
+        common_utils.multi_tensor_l2norm = _host_l2_norm
 
 
 def _prebuilt_dataset_helpers() -> None:

@@ -288,9 +288,16 @@ class Session:
 
         config, last = model.config, mpu.is_pipeline_last_stage()
         inputs = None if model.pre_process else profiler.stand_in_input(model, batch[0])
-        output, _ = schedules.forward_step(
-            forward_step_func, iter([self.loader_batch(batch)]), model, get_num_microbatches(),
-            inputs, [], config, mpu.get_context_parallel_world_size(), is_last_stage=last)
+        # Untimed: a profiling step is none of the loop's, and the profiler may end one midway
+        # (past the layer it measures), which would leave Megatron-LM's forward timer running.
+        timers, config.timers = config.timers, None
+        try:
+            output, _ = schedules.forward_step(
+                forward_step_func, iter([self.loader_batch(batch)]), model,
+                get_num_microbatches(), inputs, [], config,
+                mpu.get_context_parallel_world_size(), is_last_stage=last)
+        finally:
+            config.timers = timers
         if not last:
             return output.float().sum()
         return config.grad_scale_func(output) if config.grad_scale_func is not None else output

@@ -88,6 +88,25 @@ def test_profile_traces_the_steps_megatron_lm_names(tmp_path):
     assert any(e.get("name") == "aten::mm" for e in events)
 
 
+AUTO = ("--adacc-policy", "auto", "--adacc-memory-budget", "1GiB")
+
+
+def test_timing_log_level_2_times_the_loops_steps_not_the_profilers():
+    # The profiler ends a forward past the layer it measures, inside Megatron-LM's
+    # forward_step: its forward timer was left running, and the next step asserted.
+    records = train("--train-iters", "3", "--timing-log-level", "2", *AUTO)
+    assert [r["iteration"] for r in records] == [1, 2, 3]
+
+
+def test_log_params_norm_logs_the_norm_of_the_trained_parameters(capsys):
+    session = pretrain("--train-iters", "2", "--log-interval", "1", "--log-params-norm", *AUTO)
+    logged = [float(part.split(":")[1]) for line in capsys.readouterr().out.splitlines()
+              for part in line.split("|") if part.strip().startswith("params norm:")]
+    norm = torch.linalg.vector_norm(torch.stack(
+        [torch.linalg.vector_norm(p.float()) for p in session.model.parameters()]))
+    assert len(logged) == 2 and logged[-1] == pytest.approx(float(norm), abs=1e-3)
+
+
 def test_resume_reproduces_uninterrupted_losses_bit_for_bit(tmp_path):
     common = ("--train-iters", "6", "--hidden-dropout", "0.1", "--attention-dropout", "0.1")
     straight = losses(train(*common))
