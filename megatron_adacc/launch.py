@@ -152,6 +152,7 @@ def parse(argv: Sequence[str], prog: str = "pretrain_gpt.py") -> argparse.Namesp
         validate_args(args, {} if args.tokenizer_type else {"tokenizer_type": "GPT2BPETokenizer"})
     except AssertionError as exc:
         raise ConfigError(assertion_line(exc)) from None
+    _check_tokenizer_files(args)
     megatron_compat.eval_interval_default(args)
     set_global_variables(args)
     return args
@@ -191,6 +192,22 @@ def _check_profile(args: argparse.Namespace) -> None:
     if outside:
         raise ConfigError(f"--profile-ranks {' '.join(map(str, outside))}: no such rank in a "
                           f"world of {world_size}")
+
+
+def _check_tokenizer_files(args: argparse.Namespace) -> None:
+    """ConfigError when GPT-2's tokenizer would be downloaded by a package that is missing.
+
+    Megatron-LM fetches GPT-2's vocabulary and merges when no file is given, with the wget
+    package; without it the build dies in a traceback."""
+    import importlib.util
+
+    if (args.tokenizer_type == "GPT2BPETokenizer" and not (args.vocab_file and args.merge_file)
+            and importlib.util.find_spec("wget") is None):
+        raise ConfigError("--tokenizer-type GPT2BPETokenizer (Megatron-LM's default) needs "
+                          "--vocab-file and --merge-file: without them Megatron-LM downloads "
+                          "GPT-2's with the wget package, which is not installed; data already "
+                          "in token ids (--mock-data) takes --tokenizer-type NullTokenizer "
+                          "--vocab-size N")
 
 
 # Megatron-LM's flags that read CUDA's memory statistics or allocator: on a host they would fail

@@ -134,6 +134,16 @@ def test_flags_that_read_the_gpus_memory_are_refused_without_one(capsys, corpus,
         f"drop it")
 
 
+@pytest.mark.skipif(importlib.util.find_spec("wget") is not None, reason="wget downloads them")
+def test_gpt2s_tokenizer_without_its_files_is_refused_in_one_line(capsys):
+    # Megatron-LM's default tokenizer; it died in a traceback asking for the wget package.
+    assert refused(capsys, ["--mock-data", "--tokenizer-type", "GPT2BPETokenizer"]) == (
+        "pretrain_gpt.py: error: --tokenizer-type GPT2BPETokenizer (Megatron-LM's default) "
+        "needs --vocab-file and --merge-file: without them Megatron-LM downloads GPT-2's with "
+        "the wget package, which is not installed; data already in token ids (--mock-data) "
+        "takes --tokenizer-type NullTokenizer --vocab-size N")
+
+
 def test_a_run_without_a_learning_rate_is_refused(capsys):
     # Megatron-LM has no default --lr and hands None to torch's AdamW (a TypeError).
     assert _main(["--train-iters", "2"]) == 2
