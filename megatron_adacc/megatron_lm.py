@@ -126,6 +126,11 @@ def check_args(args: argparse.Namespace) -> None:
         # megatron-core's local spec has no fp8 layers: the run would train without it.
         raise ConfigError(f"--fp8-format {args.fp8} runs in Transformer Engine's layers on a "
                           f"GPU; --transformer-impl local has no fp8")
+    if args.context_parallel_size > 1 and args.transformer_impl == "local":
+        # megatron-core asserts it while building the first attention layer.
+        raise ConfigError(f"--context-parallel-size {args.context_parallel_size} runs only in "
+                          f"Transformer Engine's attention, and --transformer-impl local has "
+                          f"none")
     if config.policy != "none" and args.transformer_impl != "local":
         raise ConfigError(f"--adacc-policy {config.policy} runs Adacc's layer, which builds on "
                           f"megatron-core's local spec; add --transformer-impl local "
@@ -178,15 +183,25 @@ class Session:
     # --- model build -------------------------------------------------------------------------
     def remember_model(self, model_chunks: list) -> list:
         """Pre-wrap hook: keep this rank's GPTModel, before DDP and Float16Module wrap it."""
-        if len(model_chunks) != 1:
-            raise ConfigError("Adacc plans one model chunk per rank; drop "
-                              "--num-layers-per-virtual-pipeline-stage")
-        self.model = model_chunks[0]
+        if len(model_chunks) == 1:
+            self.model = model_chunks[0]
+        elif self.adacc.config.policy != "none":
+            raise ConfigError(f"--adacc-policy {self.adacc.config.policy} plans one model "
+                              f"chunk per rank; drop --num-layers-per-virtual-pipeline-stage")
+        # Else Megatron-LM's virtual pipeline runs as it is, without Adacc's ruler: the
+        # records keep the loop's own readings.
         return model_chunks
 
     # --- the step ----------------------------------------------------------------------------
     def train_step(self, original, forward_step_func, data_iterator, model, optimizer,
                    opt_param_scheduler, config, forward_backward_func, *args, **kwargs):
+        if self.model is None:  # virtual pipeline chunks under policy none
+            self.step_started = time.perf_counter()
+            result = original(forward_step_func, data_iterator, model, optimizer,
+                              opt_param_scheduler, config, forward_backward_func,
+                              *args, **kwargs)
+            self.record = {"step_time_s": time.perf_counter() - self.step_started}
+            return result
         iteration = self.args.curr_iteration if hasattr(self.args, "curr_iteration") else 0
         data_iterator = self._keep_first(data_iterator)
         if not self.ready:

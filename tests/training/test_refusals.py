@@ -144,6 +144,21 @@ def test_gpt2s_tokenizer_without_its_files_is_refused_in_one_line(capsys):
         "takes --tokenizer-type NullTokenizer --vocab-size N")
 
 
+def test_context_parallelism_without_transformer_engine_is_refused_in_one_line():
+    # megatron-core asserted it while building the first attention layer, on every rank. (One
+    # process cannot be given two context-parallel ranks, so the flags' check is called.)
+    from megatron_adacc import megatron_lm
+
+    from helpers.pretrain import parse
+
+    args = parse()
+    args.context_parallel_size = 2
+    with pytest.raises(megatron_lm.ConfigError) as info:
+        megatron_lm.check_args(args)
+    assert str(info.value) == ("--context-parallel-size 2 runs only in Transformer Engine's "
+                               "attention, and --transformer-impl local has none")
+
+
 def test_a_run_without_a_learning_rate_is_refused(capsys):
     # Megatron-LM has no default --lr and hands None to torch's AdamW (a TypeError).
     assert _main(["--train-iters", "2"]) == 2

@@ -2,6 +2,7 @@
 megatron's recompute baselines, metrics and the one-line errors users see."""
 import gzip
 import json
+import math
 
 import pytest
 import torch
@@ -190,6 +191,28 @@ def test_data_parallel_matches_a_single_process(tmp_path):
     dp2 = _torchrun(tmp_path, "dp2", *PARALLEL)
     assert len(dp2) == 5
     assert max(abs(a - b) for a, b in zip(dp2, single)) < 1e-4
+
+
+def test_a_virtual_pipeline_without_a_policy_trains_every_iteration(tmp_path):
+    # Two model chunks a rank: Megatron-LM's layer runs them, without Adacc's ruler. (Its
+    # pipeline stages initialise from seeds of their own: no single process to compare with.)
+    virtual = _torchrun(tmp_path, "vpp", *PARALLEL, "--num-layers", "4",
+                        "--pipeline-model-parallel-size", "2",
+                        "--num-layers-per-virtual-pipeline-stage", "1")
+    assert len(virtual) == 5 and all(math.isfinite(loss) for loss in virtual)
+    assert virtual[-1] < virtual[0]
+
+
+def test_auto_refuses_a_virtual_pipeline_in_one_line(tmp_path):
+    done = forked.torchrun(2, [ROOT / "pretrain_gpt.py", *TINY, "--train-iters", "2",
+                               "--num-layers", "4", "--pipeline-model-parallel-size", "2",
+                               "--num-layers-per-virtual-pipeline-stage", "1",
+                               "--adacc-policy", "auto", "--adacc-memory-budget", "1GiB"],
+                           cwd=tmp_path, env=child_env())
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert done.stderr.strip().splitlines()[-1] == (
+        "pretrain_gpt.py: error: --adacc-policy auto plans one model chunk per rank; drop "
+        "--num-layers-per-virtual-pipeline-stage")
 
 
 # Megatron-LM's own checks word the last two (its validate_args assertions).
