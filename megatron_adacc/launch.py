@@ -143,7 +143,7 @@ def parse(argv: Sequence[str], prog: str = "pretrain_gpt.py") -> argparse.Namesp
     if args.lr is None:  # Megatron-LM would pass it on to torch's AdamW, which raises TypeError
         raise ConfigError("--lr is required: Megatron-LM has no default learning rate")
     _check_profile(args)
-    _check_cuda_memory_flags(args)
+    _check_cuda_only_flags(args)
     _check_outputs(args)
     _default_data(args)
     try:
@@ -210,20 +210,24 @@ def _check_tokenizer_files(args: argparse.Namespace) -> None:
                           "--vocab-size N")
 
 
-# Megatron-LM's flags that read CUDA's memory statistics or allocator: on a host they would fail
-# in the first step's log.
-CUDA_MEMORY_FLAGS = {"log_memory_to_tensorboard": "--log-memory-to-tensorboard",
-                     "log_device_memory_used": "--log-device-memory-used",
-                     "record_memory_history": "--record-memory-history"}
+# Megatron-LM's flags that only a GPU can run, with what each needs of it: on a host they
+# failed in a traceback, at the model's wrapping or in the first step's log.
+CUDA_ONLY_FLAGS = {
+    "log_memory_to_tensorboard": ("--log-memory-to-tensorboard", "reads the GPU's memory"),
+    "log_device_memory_used": ("--log-device-memory-used", "reads the GPU's memory"),
+    "record_memory_history": ("--record-memory-history", "reads the GPU's memory"),
+    "use_torch_fsdp2": ("--use-torch-fsdp2", "shards over a CUDA device mesh"),
+    "use_megatron_fsdp": ("--use-megatron-fsdp", "shards over a CUDA device mesh"),
+}
 
 
-def _check_cuda_memory_flags(args: argparse.Namespace) -> None:
+def _check_cuda_only_flags(args: argparse.Namespace) -> None:
     import torch
 
-    given = [flag for name, flag in CUDA_MEMORY_FLAGS.items() if getattr(args, name, False)]
+    given = [both for name, both in CUDA_ONLY_FLAGS.items() if getattr(args, name, False)]
     if given and not torch.cuda.is_available():
-        raise ConfigError(f"{given[0]} reads the GPU's memory, and this machine has no GPU; "
-                          f"drop it")
+        flag, needs = given[0]
+        raise ConfigError(f"{flag} {needs}, and this machine has no GPU; drop it")
 
 
 def _check_outputs(args: argparse.Namespace) -> None:

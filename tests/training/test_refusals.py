@@ -124,14 +124,18 @@ def test_auto_under_megatrons_full_recompute_is_refused_in_one_line(capsys, corp
                     "(auto's plans include full recompute)")
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU has the memory they read")
-@pytest.mark.parametrize("flag", ["--log-memory-to-tensorboard", "--log-device-memory-used",
-                                  "--record-memory-history"])
-def test_flags_that_read_the_gpus_memory_are_refused_without_one(capsys, corpus, flag):
-    # Each failed in the first step's log: a KeyError, an AttributeError, CUDA's init.
-    assert refused(capsys, [*data_flags(corpus), flag]) == (
-        f"pretrain_gpt.py: error: {flag} reads the GPU's memory, and this machine has no GPU; "
-        f"drop it")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU runs them")
+@pytest.mark.parametrize("flags, needs", [
+    (["--log-memory-to-tensorboard"], "reads the GPU's memory"),   # a KeyError in the log
+    (["--log-device-memory-used"], "reads the GPU's memory"),      # an AttributeError
+    (["--record-memory-history"], "reads the GPU's memory"),       # CUDA's init
+    (["--use-torch-fsdp2", "--untie-embeddings-and-output-weights"],  # CUDA's init
+     "shards over a CUDA device mesh"),
+    (["--use-megatron-fsdp", "--ckpt-format", "fsdp_dtensor"], "shards over a CUDA device mesh"),
+])
+def test_flags_only_a_gpu_runs_are_refused_without_one(capsys, corpus, flags, needs):
+    assert refused(capsys, [*data_flags(corpus), *flags]) == (
+        f"pretrain_gpt.py: error: {flags[0]} {needs}, and this machine has no GPU; drop it")
 
 
 @pytest.mark.skipif(importlib.util.find_spec("wget") is not None, reason="wget downloads them")
