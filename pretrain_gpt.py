@@ -12,6 +12,7 @@ interrupted (Ctrl-C; 143 on SIGTERM).
 """
 from __future__ import annotations
 
+import contextlib
 import sys
 
 PROG = "pretrain_gpt.py"
@@ -133,15 +134,25 @@ def _pretrain(args) -> None:
     from megatron.training.argument_utils import (gpt_config_from_args,
                                                   pretrain_cfg_container_from_args)
 
+    from megatron_adacc import megatron_lm
+
+    with _flag_checks():
+        model_cfg = gpt_config_from_args(args)
+    megatron_lm.install(model_cfg, args)
+    with _flag_checks():
+        full_config = pretrain_cfg_container_from_args(args, model_cfg)
+    pretrain(full_config, datasets_provider, ModelType.encoder_or_decoder, forward_step)
+
+
+@contextlib.contextmanager
+def _flag_checks():
+    """megatron-core's config checks within it (assertions, ValueErrors) are bad flags."""
     from megatron_adacc import launch, megatron_lm
 
-    try:  # megatron-core's config checks are assertions and ValueErrors: bad flags
-        model_cfg = gpt_config_from_args(args)
+    try:
+        yield
     except (AssertionError, ValueError) as exc:
         raise megatron_lm.ConfigError(launch.assertion_line(exc)) from None
-    megatron_lm.install(model_cfg, args)
-    pretrain(pretrain_cfg_container_from_args(args, model_cfg), datasets_provider,
-             ModelType.encoder_or_decoder, forward_step)
 
 
 if __name__ == "__main__":

@@ -150,9 +150,10 @@ def parse(argv: Sequence[str], prog: str = "pretrain_gpt.py") -> argparse.Namesp
         # Megatron-LM's pretrain_gpt.py default, given only where no tokenizer is (it warns
         # on stderr about overriding one).
         validate_args(args, {} if args.tokenizer_type else {"tokenizer_type": "GPT2BPETokenizer"})
-    except AssertionError as exc:
+    except (AssertionError, ValueError) as exc:  # e.g. --fp4-format without its kernels
         raise ConfigError(assertion_line(exc)) from None
     _check_tokenizer_files(args)
+    _check_optimizer_package(args)
     megatron_compat.eval_interval_default(args)
     set_global_variables(args)
     return args
@@ -210,6 +211,20 @@ def _check_tokenizer_files(args: argparse.Namespace) -> None:
                           "--vocab-size N")
 
 
+# Megatron-LM's optimizers from the emerging-optimizers package, which megatron-core does not
+# install: without it the optimizer's build died in an ImportError traceback.
+EMERGING_OPTIMIZERS = ("muon", "dist_muon", "lion", "soap", "adaptive_muon")
+
+
+def _check_optimizer_package(args: argparse.Namespace) -> None:
+    import importlib.util
+
+    if (args.optimizer in EMERGING_OPTIMIZERS
+            and importlib.util.find_spec("emerging_optimizers") is None):
+        raise ConfigError(f"--optimizer {args.optimizer} needs the emerging-optimizers package, "
+                          f"which is not installed (pip install emerging-optimizers)")
+
+
 # Megatron-LM's flags that only a GPU can run, with what each needs of it: on a host they
 # failed in a traceback, at the model's wrapping or in the first step's log.
 CUDA_ONLY_FLAGS = {
@@ -218,15 +233,18 @@ CUDA_ONLY_FLAGS = {
     "record_memory_history": ("--record-memory-history", "reads the GPU's memory"),
     "use_torch_fsdp2": ("--use-torch-fsdp2", "shards over a CUDA device mesh"),
     "use_megatron_fsdp": ("--use-megatron-fsdp", "shards over a CUDA device mesh"),
+    "cuda_graph_impl": ("--cuda-graph-impl", "captures CUDA graphs"),
 }
 
 
 def _check_cuda_only_flags(args: argparse.Namespace) -> None:
     import torch
 
-    given = [both for name, both in CUDA_ONLY_FLAGS.items() if getattr(args, name, False)]
+    given = [(flag, needs, getattr(args, name)) for name, (flag, needs) in
+             CUDA_ONLY_FLAGS.items() if getattr(args, name, None) not in (None, False, "none")]
     if given and not torch.cuda.is_available():
-        flag, needs = given[0]
+        flag, needs, value = given[0]
+        flag = flag if value is True else f"{flag} {value}"
         raise ConfigError(f"{flag} {needs}, and this machine has no GPU; drop it")
 
 

@@ -132,10 +132,30 @@ def test_auto_under_megatrons_full_recompute_is_refused_in_one_line(capsys, corp
     (["--use-torch-fsdp2", "--untie-embeddings-and-output-weights"],  # CUDA's init
      "shards over a CUDA device mesh"),
     (["--use-megatron-fsdp", "--ckpt-format", "fsdp_dtensor"], "shards over a CUDA device mesh"),
+    (["--cuda-graph-impl", "local"], "captures CUDA graphs"),      # a CUDA stream's init
 ])
 def test_flags_only_a_gpu_runs_are_refused_without_one(capsys, corpus, flags, needs):
+    flag = flags[0] if len(flags) == 1 or flags[1].startswith("--") else " ".join(flags[:2])
     assert refused(capsys, [*data_flags(corpus), *flags]) == (
-        f"pretrain_gpt.py: error: {flags[0]} {needs}, and this machine has no GPU; drop it")
+        f"pretrain_gpt.py: error: {flag} {needs}, and this machine has no GPU; drop it")
+
+
+# Each ended in a traceback: megatron-core checks them with a ValueError, in its optimizer's
+# config, and by an ImportError while building the optimizer.
+@pytest.mark.parametrize("flags, message", [
+    pytest.param(["--fp4-format", "e2m1"], "--fp4-format requires Transformer Engine >= "
+                 "2.7.0.dev0 for NVFP4BlockScaling support.",
+                 marks=pytest.mark.skipif(importlib.util.find_spec("transformer_engine")
+                                          is not None, reason="installed")),
+    (["--use-precision-aware-optimizer"],
+     "--use-precision-aware-optimizer only supported with distributed optimizer"),
+    pytest.param(["--optimizer", "muon"], "--optimizer muon needs the emerging-optimizers "
+                 "package, which is not installed (pip install emerging-optimizers)",
+                 marks=pytest.mark.skipif(importlib.util.find_spec("emerging_optimizers")
+                                          is not None, reason="installed")),
+])
+def test_megatron_cores_own_checks_past_the_parser_are_one_line(capsys, corpus, flags, message):
+    assert refused(capsys, [*data_flags(corpus), *flags]) == f"pretrain_gpt.py: error: {message}"
 
 
 @pytest.mark.skipif(importlib.util.find_spec("wget") is not None, reason="wget downloads them")
