@@ -246,9 +246,31 @@ def _costs(args: argparse.Namespace, flags: argparse.Namespace, argv: list[str]
     return stages, device.capacity_bytes - analytic.DEFAULT_RESERVED_BYTES
 
 
+def _refuse_unplanned(args: argparse.Namespace, flags: argparse.Namespace) -> None:
+    """UsageError for pretrain_gpt.py flags a plan would leave out; the trainer refuses them too.
+
+    Under them, a plan would price a model other than the one trained."""
+    from megatron_adacc import policies
+
+    try:
+        policies.require_plannable("auto", flags.recompute_granularity)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    if flags.recompute_granularity and args.hardware:
+        raise UsageError(f"--recompute-granularity {flags.recompute_granularity}: the analytic "
+                         f"model prices no Megatron recompute beside Adacc's plan; drop it, or "
+                         f"plan from this machine's profile (no --hardware)")
+    if flags.context_parallel_size > 1:
+        raise UsageError(f"--context-parallel-size {flags.context_parallel_size}: Adacc's layer "
+                         f"(--transformer-impl local) has no context parallelism")
+    if flags.num_layers_per_virtual_pipeline_stage or flags.num_virtual_stages_per_pipeline_rank:
+        raise UsageError("Adacc plans one model chunk per rank; drop the virtual pipeline flags")
+
+
 def _plan_command(args: argparse.Namespace, rest: list[str]) -> int:
     argv = training_argv(args, rest)
     flags = training_flags(argv)
+    _refuse_unplanned(args, flags)
     # pretrain_gpt.py's flags (the config's or the command line's) that shape the plan
     args.micro_batch_size = flags.micro_batch_size
     args.pipeline_model_parallel_size = flags.pipeline_model_parallel_size

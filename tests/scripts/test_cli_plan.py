@@ -265,6 +265,25 @@ def test_a_bad_training_flag_is_refused_as_pretrain_gpt_refuses_it(capsys):
     assert capsys.readouterr().err == f"adacc plan: {trainer}\n"
 
 
+# Each planned a model other than the one trained: Megatron's recompute on top, the sequence
+# split over ranks, or several chunks a rank, none of which the plan models.
+@pytest.mark.parametrize("flags, message", [
+    (["--recompute-granularity", "full", "--recompute-method", "uniform"],
+     "--recompute-granularity full keeps only each layer's input, which leaves --adacc-policy "
+     "auto nothing to plan; drop it (auto's plans include full recompute)"),
+    (["--recompute-granularity", "selective"],
+     "--recompute-granularity selective: the analytic model prices no Megatron recompute beside "
+     "Adacc's plan; drop it, or plan from this machine's profile (no --hardware)"),
+    (["--context-parallel-size", "2"], "--context-parallel-size 2: Adacc's layer "
+                                       "(--transformer-impl local) has no context parallelism"),
+    (["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"],
+     "Adacc plans one model chunk per rank; drop the virtual pipeline flags"),
+])
+def test_flags_a_plan_would_leave_out_are_refused_in_one_line(capsys, flags, message):
+    assert main(["plan", *MODEL, *flags]) == 2
+    assert capsys.readouterr().err == f"adacc plan: {message}\n"
+
+
 def test_megatron_lms_flags_shape_the_plan(capsys):
     # Llama flags of Megatron-LM (no config): the planned shape is the one they describe.
     from megatron_adacc import cli
