@@ -46,6 +46,9 @@ def config_argv(argv: Sequence[str], parser: argparse.ArgumentParser | None = No
     argv = list(argv)
     if "--config" not in argv:
         return argv
+    if argv.count("--config") > 1:
+        raise ConfigError("--config is given twice; give one file, and the other's flags on "
+                          "the command line")
     at = argv.index("--config")
     if at + 1 >= len(argv):
         raise ConfigError("--config: expected a YAML file")
@@ -71,12 +74,19 @@ def _flags_of(values: dict, path: str, parser: argparse.ArgumentParser) -> list[
     actions = {option: action for action in parser._actions
                for option in action.option_strings}
     flags: list[str] = []
+    seen: dict[str, str] = {}
     for key, value in values.items():
         option = "--" + str(key).replace("_", "-")
         action = actions.get(option)
         if action is None:
             raise ConfigError(f"--config {path}: unknown key {key!r} (keys are the "
                               f"command-line flag names, e.g. num-layers)")
+        if option in seen:
+            raise ConfigError(f"--config {path}: {seen[option]} and {key} are one flag, "
+                              f"{option}; keep one")
+        seen[option] = str(key)
+        if isinstance(value, list) and action.nargs is None:
+            raise ConfigError(f"--config {path}: {key}: takes one value, got a list")
         if action.nargs == 0:  # store_true / store_false
             if not isinstance(value, bool):
                 raise ConfigError(f"--config {path}: {key}: must be true or false, "

@@ -279,6 +279,13 @@ def _main(argv):
     ([], {"num-layers": True}, "argument --num-layers: invalid int value: 'True'"),
     ([], {"hidden-sise": 64}, "--config {path}: unknown key 'hidden-sise' (keys are the "
                               "command-line flag names, e.g. num-layers)"),
+    # argparse took the list's second value for a stray argument; the second spelling and the
+    # second file silently won
+    ([], {"num-layers": [2, 3]}, "--config {path}: num-layers: takes one value, got a list"),
+    ([], {"num-layers": 2, "num_layers": 3},
+     "--config {path}: num-layers and num_layers are one flag, --num-layers; keep one"),
+    (["--config", "other.yaml"], {}, "--config is given twice; give one file, and the other's "
+                                     "flags on the command line"),
     (["--lr", "-1"], None,
      "Megatron-LM refused the flags: assert args.min_lr <= args.lr (arguments.py:1320)"),
     (["--lr", "nan"], None,
