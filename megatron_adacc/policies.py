@@ -185,7 +185,8 @@ def resolve(policy: str, budget_bytes: int | None, model: torch.nn.Module | None
     try:
         plans = planning.plan_stages(stages, budget_bytes, **options)
     except planning.InfeasibleBudget as exc:
-        raise planning.with_lossy_hint(exc, stages, "--adacc-lossy-sources", **options) from None
+        flag = "--adacc-lossy-sources (AdaccConfig.lossy_sources)"
+        raise planning.with_lossy_hint(exc, stages, flag, **options) from None
     mine = plans[stage]
     return Resolved(policy, mine.plan, budget_bytes, stages[stage], mine.result, profile_s,
                     plans)

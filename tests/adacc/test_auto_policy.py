@@ -189,8 +189,9 @@ def test_below_every_exact_plan_auto_rebuilds_from_compressed_values_once_asked(
     lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].endswith(
         f"feasible budget is {format_size(exact)} ({exact} B; static memory alone is "
-        f"{format_size(costs.static_bytes)}); with --adacc-lossy-sources, which rebuilds "
-        f"recomputed values from compressed ones, it is {format_size(lossy)} ({lossy} B)"), lines
+        f"{format_size(costs.static_bytes)}); with --adacc-lossy-sources "
+        f"(AdaccConfig.lossy_sources), which rebuilds recomputed values from compressed ones, "
+        f"it is {format_size(lossy)} ({lossy} B)"), lines
 
     session, records = run(tmp_path, *flags, "--adacc-lossy-sources")
     result = session.adacc.result
