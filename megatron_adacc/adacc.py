@@ -408,6 +408,27 @@ class Adacc:
         record["tracking_time_s_total"] = rect.tracking_time_s
         return record
 
+    def state_dict(self) -> dict | None:
+        """Tracking's state, for a checkpoint: plain data; None when the run does not track.
+
+        A run resumed with ``load_state_dict`` runs the plan in force and decides as this run
+        would have. The step watch starts afresh: its decisions rest on step times."""
+        self._require_setup("state_dict")
+        return self._rectifier.state_dict() if self._rectifier is not None else None
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue tracking from ``state_dict()`` of a run of this model, and apply its plan.
+
+        Raises:
+            ValueError: the state is another model's."""
+        self._require_setup("load_state_dict")
+        if self._rectifier is None:
+            return
+        self._rectifier.load_state_dict(state)
+        self._apply(self._rectifier.result.plan)
+        if self._watch is not None:
+            self._watch.begin(self._rectifier.result)
+
     def _take(self, iteration: int, swap) -> None:
         """Apply the rectifier's ``swap`` (its own or the step watch's) and say so."""
         self._apply(swap.new.plan)

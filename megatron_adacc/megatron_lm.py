@@ -40,6 +40,11 @@ LOCAL_IMPL_ATTENTION = {"local": "unfused", "unfused": "unfused", "fused": "unfu
                         "flash": "flash", "auto": "auto"}
 
 
+# Tracking's state (Adacc.state_dict) in a checkpoint's iter_* directory: what a resumed run
+# needs to run the plan in force and decide as the saving run would have.
+ADACC_STATE_FILE = "adacc_tracking.json"
+
+
 class ConfigError(InputError):
     """A bad flag or config key: one line that says what to change."""
 
@@ -281,6 +286,7 @@ class Session:
                                  static_bytes=static, optimizer_step_bytes=step)
         except InfeasibleBudget as exc:  # the flag's budget: one line, exit status 2
             raise ConfigError(str(exc)) from None
+        self._resume_tracking()
 
     def loss(self, forward_step_func, model: torch.nn.Module, batch) -> torch.Tensor:
         """The loss a training step backpropagates for ``batch`` (tokens, labels, loss mask).
@@ -412,6 +418,50 @@ class Session:
         self.write(record)
         return result
 
+    # --- checkpoints ---------------------------------------------------------------------------
+    def save_checkpoint(self, original, iteration, model, optimizer, opt_param_scheduler,
+                        num_floating_point_operations_so_far, checkpointing_context,
+                        non_persistent_ckpt=False, *args, **kwargs):
+        """Megatron-LM's save, then tracking's state beside it (ADACC_STATE_FILE, rank 0)."""
+        result = original(iteration, model, optimizer, opt_param_scheduler,
+                          num_floating_point_operations_so_far, checkpointing_context,
+                          non_persistent_ckpt, *args, **kwargs)
+        state = self.adacc.state_dict() if self.ready else None
+        if (state is not None and self.args.save and not non_persistent_ckpt
+                and (not dist.is_initialized() or dist.get_rank() == 0)):
+            from megatron.training import checkpointing
+
+            directory = Path(checkpointing.get_checkpoint_name(self.args.save, iteration,
+                                                               return_base_dir=True))
+            directory.mkdir(parents=True, exist_ok=True)
+            written = directory / f".{ADACC_STATE_FILE}.tmp"
+            written.write_text(json.dumps(state))
+            written.replace(directory / ADACC_STATE_FILE)  # whole or absent
+        return result
+
+    def _resume_tracking(self) -> None:
+        """Tracking's state from the checkpoint --load read, where the saving run tracked."""
+        from megatron.training import checkpointing
+
+        iteration = checkpointing.get_loaded_iteration()
+        if (not self.args.load or self.args.finetune or not iteration or iteration < 1
+                or not self.adacc.config.tracks):
+            return
+        path = Path(checkpointing.get_checkpoint_name(self.args.load, iteration,
+                                                      return_base_dir=True)) / ADACC_STATE_FILE
+        if not path.is_file():  # saved without tracking
+            return
+        rank0 = not dist.is_initialized() or dist.get_rank() == 0
+        try:
+            self.adacc.load_state_dict(json.loads(path.read_text()))
+        except (ValueError, KeyError, TypeError) as exc:
+            if rank0:
+                print(f"adacc: warning: {path}: {exc}; tracking starts afresh", flush=True)
+            return
+        if rank0:
+            print(f"adacc: resumed plan {self.adacc.plan_id} and its tracking from {path}",
+                  flush=True)
+
     def write(self, record: dict) -> None:
         self.records.append(record)
         if not self.args.metrics_file or (dist.is_initialized() and dist.get_rank() != 0):
@@ -481,7 +531,8 @@ def batch_tuple(batch: dict, model: torch.nn.Module):
 
 _session: Session | None = None
 # Megatron-LM's training functions install() wraps, in the order of the session's methods
-_WRAPPED = ("train_step", "training_log", "evaluate", "post_training_step_callbacks")
+_WRAPPED = ("train_step", "training_log", "evaluate", "post_training_step_callbacks",
+            "save_checkpoint_and_time")
 
 
 def session() -> Session | None:
@@ -511,7 +562,8 @@ def install(model_cfg, args: argparse.Namespace) -> Session:
         model_cfg.transformer_layer_spec = spec
     model_cfg.pre_wrap_hooks.append(current.remember_model)
     for name, method in zip(_WRAPPED, (current.train_step, current.training_log,
-                                       current.evaluate, current.after_step)):
+                                       current.evaluate, current.after_step,
+                                       current.save_checkpoint)):
         original = getattr(training, name)
         original = getattr(original, "__wrapped_by_adacc__", original)
         wrapped = functools.partial(method, original)

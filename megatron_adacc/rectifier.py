@@ -35,7 +35,7 @@ from megatron_adacc import planning, policies
 from megatron_adacc.profiling import profiler
 from megatron_adacc.common import sites as site_table
 from megatron_adacc.common.costs import ModelCosts
-from megatron_adacc.common.plan import RETAIN_DECISION
+from megatron_adacc.common.plan import RETAIN_DECISION, Plan
 
 DEFAULT_MAX_INTERVAL = 256
 DEFAULT_RESET_FRACTION = 0.25
@@ -310,6 +310,46 @@ class Rectifier:
         self.result = new
         self.swaps += 1
         return swap
+
+    # --- resume ----------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """What a run resumed from a checkpoint needs to decide as this one would: plain data.
+
+        The costs as tracking refreshed them, the plan in force, the backoff, the guarded sites
+        and the last statistics (for jumps)."""
+        return {"costs": self.costs.to_dict(), "plan": self.result.plan.to_dict(),
+                "interval": self.schedule.interval,
+                "next_iteration": self.schedule.next_iteration, "guarded": sorted(self.guarded),
+                "last_stats": {name: asdict(stats) for name, stats in self.last_stats.items()},
+                "swaps": self.swaps}
+
+    def load_state_dict(self, state: Mapping) -> None:
+        """Continue from ``state_dict()`` of a run of the same model.
+
+        Raises:
+            ValueError: the state is another model's (its sites or layers differ)."""
+        costs = ModelCosts.from_dict(state["costs"])
+        if ([site.name for site in costs.sites] != [site.name for site in self.costs.sites]
+                or costs.num_layers != self.costs.num_layers):
+            raise ValueError("the saved tracking state is another model's")
+        plan = Plan.from_dict(state["plan"])
+        layers = [planning.evaluate_layer(costs, {site.name: plan.decision(layer, site.name)
+                                                  for site in costs.sites})
+                  for layer in range(costs.num_layers)]
+        result = planning.PlanResult.from_layers(
+            costs, layers, budget_bytes=self.result.budget_bytes, solve_time_s=0.0,
+            minimum_feasible_budget=self.result.minimum_feasible_budget,
+            per_layer=self.result.per_layer, allow_lossy_sources=self.allow_lossy_sources,
+            method=self.result.method)
+        if result.plan.plan_id != plan.plan_id:
+            raise ValueError("the saved plan does not rebuild from the saved costs")
+        self.costs, self.result = costs, result
+        self.schedule.interval = int(state["interval"])
+        self.schedule.next_iteration = int(state["next_iteration"])
+        self.guarded = set(state["guarded"])
+        self.last_stats = {name: SiteStats(**stats)
+                           for name, stats in state["last_stats"].items()}
+        self.swaps = int(state["swaps"])
 
     @staticmethod
     def _swap(current, new, reason, gain) -> PlanSwap:

@@ -72,6 +72,33 @@ def test_a_swap_happens_when_the_statistics_change_the_optimal_plan_and_not_othe
     assert rect.update(4, stats()).swap is None
 
 
+def test_a_rectifier_restored_from_its_state_decides_as_the_saved_one():
+    import json
+
+    rect = tight_rectifier(slack_per_layer=50)
+    rect.update(1, stats(outliers=40, payload=int(PAYLOAD * 1.8)))   # a swap, a backoff reset
+    state = json.loads(json.dumps(rect.state_dict()))                # as a checkpoint keeps it
+    restored = tight_rectifier(slack_per_layer=50)
+    restored.load_state_dict(state)
+    assert restored.result.plan.plan_id == rect.result.plan.plan_id != tight_rectifier(
+        slack_per_layer=50).result.plan.plan_id
+    assert restored.result.to_dict() | {"solve_time_s": 0} == rect.result.to_dict() | {
+        "solve_time_s": 0}
+    for iteration, now in ((2, stats()), (4, stats(error=0.5))):  # back to the first; guard
+        ours, theirs = rect.update(iteration, now), restored.update(iteration, now)
+        assert ours.to_record() == theirs.to_record()
+    assert restored.state_dict() == rect.state_dict()
+
+
+def test_a_state_of_another_model_is_refused():
+    rect = tight_rectifier(slack_per_layer=50)
+    state = rect.state_dict()
+    other = tight_rectifier(slack_per_layer=50)
+    state["costs"]["num_layers"] += 1
+    with pytest.raises(ValueError, match="another model's"):
+        other.load_state_dict(state)
+
+
 def test_backoff_resets_on_a_jump_in_compression_rate_not_in_outlier_count():
     rect = tight_rectifier(slack_per_layer=50)
     rect.update(1, stats(outliers=2))

@@ -119,6 +119,34 @@ def test_resume_reproduces_uninterrupted_losses_bit_for_bit(tmp_path):
     assert first + rest == straight
 
 
+def test_auto_resumes_the_plan_tracking_chose_and_the_losses_bit_for_bit(tmp_path):
+    """A guard threshold below any int4 error makes tracking swap plans at iteration 1, on any
+    CPU. A run resumed at 3 runs that plan, as the uninterrupted run does; it used to start
+    again from the first plan and swap at 4. (The step watch decides on step times: off.)"""
+    import pretrain_gpt
+
+    from megatron_adacc import megatron_lm
+
+    def run(*flags):
+        assert pretrain_gpt.main([
+            "--config", str(ROOT / "configs" / "tiny-cpu.yaml"), "--log-interval", "1000",
+            "--train-iters", "6", "--lr-warmup-iters", "1", "--hidden-dropout", "0",
+            "--attention-dropout", "0", "--adacc-policy", "auto", "--adacc-memory-budget",
+            "17MiB", "--adacc-guard-threshold", "0.000001", "--adacc-step-watch", "off",
+            "--adacc-profile-db",
+            str(tmp_path / "profiles.sqlite"), *flags]) == 0
+        return megatron_lm.session().records
+
+    straight = run()
+    ck = str(tmp_path / "ck")
+    first = run("--save", ck, "--save-interval", "3", "--exit-interval", "3")
+    rest = run("--load", ck)
+    plans = [r["plan_id"] for r in straight]
+    assert plans[2] != plans[0]  # the plan in force at the save is tracking's, not the first
+    assert [r["plan_id"] for r in first + rest] == plans
+    assert losses(first + rest) == losses(straight)
+
+
 def test_a_save_killed_midway_leaves_the_previous_checkpoint_loadable(tmp_path, monkeypatch):
     import pretrain_gpt
 
