@@ -758,6 +758,45 @@ def _legacy_distributed_optimizer_rereads_the_tracker() -> bool:
         checkpointing.load_checkpoint)
 
 
+def _no_validation_without_validation_data() -> None:
+    # build_train_valid_test_data_loaders wraps the validation dataset in a list before
+    # asking whether it is None, so a split with no validation share (--split 100,0,0) still
+    # sets do_valid, and the evaluation after training reads a None iterator: a TypeError.
+    from megatron.training import training
+
+    original = getattr(training.build_train_valid_test_data_loaders, "__wrapped__",
+                       training.build_train_valid_test_data_loaders)
+
+    @functools.wraps(original)
+    def build_train_valid_test_data_loaders(*args, **kwargs):
+        loaders = original(*args, **kwargs)
+        valid = loaders[1]
+        empty = isinstance(valid, list) and bool(valid) and all(v is None for v in valid)
+        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+            # Rank 0's loaders decide, as Megatron-LM's flags do: other tensor-parallel ranks
+            # build none, and a rank that skipped validation would leave the others waiting.
+            device = (torch.device("cuda", torch.cuda.current_device())
+                      if torch.cuda.is_available() else torch.device("cpu"))
+            decided = torch.tensor([int(empty)], device=device)
+            torch.distributed.broadcast(decided, 0)
+            empty = bool(decided.item())
+        if empty:
+            training.get_args().do_valid = False
+        return loaders
+
+    training.build_train_valid_test_data_loaders = build_train_valid_test_data_loaders
+
+
+def _validation_wrapped_before_its_none_check() -> bool:
+    import inspect
+
+    from megatron.training import training
+
+    source = inspect.getsource(training.build_train_valid_test_data_loaders)
+    return ("valid_ds = [valid_ds]" in source
+            and "do_valid = valid_dataloaders is not None and" in source)
+
+
 class _Gpt2FromFiles:
     """transformers' AutoTokenizer, but GPT-2 is built from its vocab and merges files alone."""
 
@@ -868,6 +907,8 @@ TRAINING_DEFECT_PATCHES = {
     "rerun_checkpoint_only_with_save": (_rerun_checkpoint_only_with_save,
                                         _rerun_checkpoint_ignores_save),
     "gpt2_tokenizer_from_files": (_gpt2_tokenizer_from_files, _gpt2_tokenizer_reaches_the_hub),
+    "no_validation_without_validation_data": (_no_validation_without_validation_data,
+                                              _validation_wrapped_before_its_none_check),
     "legacy_distributed_optimizer_keeps_ckpt_step": (
         _legacy_distributed_optimizer_keeps_ckpt_step,
         _legacy_distributed_optimizer_rereads_the_tracker),

@@ -163,6 +163,17 @@ def test_a_damaged_newest_legacy_checkpoint_falls_back_and_counts_on_from_the_ol
     assert [r["loss"] for r in resumed] == straight_legacy[1][4:]  # bit for bit
 
 
+def test_a_split_without_validation_data_trains_and_skips_validation(tmp_path, monkeypatch,
+                                                                    capsys, corpus):
+    # Megatron-LM 0.19.2 still evaluated after training, on a None iterator: a TypeError.
+    code, err = _main_here(tmp_path, monkeypatch, capsys, *data_flags(corpus)[:2], "--split",
+                           "100,0,0", "--eval-iters", "2", "--train-iters", "2")
+    assert code == 0, err
+    records = launch_records()
+    assert [r["iteration"] for r in records] == [1, 2]
+    assert not any("val_loss" in r for r in records)
+
+
 def test_exit_on_missing_checkpoint_is_an_error_in_one_line(tmp_path, monkeypatch, capsys,
                                                              corpus):
     # Megatron-LM prints its notice and exits with status 0, as if it had trained.

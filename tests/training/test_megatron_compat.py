@@ -321,6 +321,14 @@ def test_a_legacy_distributed_optimizer_load_still_rereads_the_tracker():
     assert megatron_compat._legacy_distributed_optimizer_rereads_the_tracker()
 
 
+def test_a_split_without_validation_still_asks_for_validation():
+    """Why no_validation_without_validation_data exists: when this fails, Megatron-LM asks
+    whether the validation loader is None before wrapping it in a list; delete the patch."""
+    from megatron_adacc import megatron_compat
+
+    assert megatron_compat._validation_wrapped_before_its_none_check()
+
+
 def test_megatron_lm_still_divides_by_a_missing_eval_interval():
     """Why eval_interval_default exists: when this fails, Megatron-LM sizes its validation data
     without dividing by --eval-interval; delete the patch."""
