@@ -19,28 +19,80 @@ PROG = "pretrain_gpt.py"
 
 
 def datasets_provider(train_val_test_num_samples, vp_stage=None):
-    """Megatron-LM's dataset provider: GPTDatasets over the flags' blend (or mock data)."""
+    """Megatron-LM's dataset provider: GPTDatasets over the flags' blend (mock or FIM data)."""
     from megatron.core import mpu
     from megatron.core.datasets.blended_megatron_dataset_builder import (
         BlendedMegatronDatasetBuilder)
-    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
-    from megatron.training import get_args, get_tokenizer
-    from megatron.training.utils import get_blend_and_blend_per_split
+    from megatron.training import get_args
 
-    args = get_args()
-    blend, blend_per_split = get_blend_and_blend_per_split(args)
-    config = GPTDatasetConfig(
-        random_seed=args.seed, sequence_length=args.seq_length, blend=blend,
-        blend_per_split=blend_per_split, split=args.split, path_to_cache=args.data_cache_path,
-        tokenizer=get_tokenizer(), reset_position_ids=args.reset_position_ids,
-        reset_attention_mask=args.reset_attention_mask, eod_mask_loss=args.eod_mask_loss,
-        create_attention_mask=args.create_attention_mask_in_dataloader,
-        mmap_bin_files=args.mmap_bin_files,
-        mid_level_dataset_surplus=args.mid_level_dataset_surplus)
-    dataset_type = MockGPTDataset if args.mock_data else GPTDataset
+    dataset_type, config = _dataset_type_and_config(get_args())
     return BlendedMegatronDatasetBuilder(
         dataset_type, train_val_test_num_samples,
         lambda: mpu.get_tensor_model_parallel_rank() == 0, config).build()
+
+
+def _dataset_type_and_config(args):
+    """The dataset class and its config, each field from its Megatron-LM flag.
+
+    Mock data wins over ``--fim-data``, as in Megatron-LM's pretrain_gpt.py."""
+    import json
+
+    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
+    from megatron.training import get_tokenizer
+    from megatron.training.utils import get_blend_and_blend_per_split
+
+    blend, blend_per_split = get_blend_and_blend_per_split(args)
+    sequences_per_dataset = None
+    if args.per_dataset_sequences_path is not None:
+        with open(args.per_dataset_sequences_path) as file:
+            sequences_per_dataset = json.load(file)
+    options = dict(
+        random_seed=args.seed, sequence_length=args.seq_length, blend=blend,
+        blend_per_split=blend_per_split, split=args.split,
+        multiple_validation_sets=args.multiple_validation_sets,
+        full_validation=args.full_validation,
+        num_dataset_builder_threads=args.num_dataset_builder_threads,
+        path_to_cache=args.data_cache_path, mmap_bin_files=args.mmap_bin_files,
+        tokenizer=get_tokenizer(), reset_position_ids=args.reset_position_ids,
+        reset_attention_mask=args.reset_attention_mask, eod_mask_loss=args.eod_mask_loss,
+        create_attention_mask=args.create_attention_mask_in_dataloader,
+        object_storage_cache_path=args.object_storage_cache_path,
+        mid_level_dataset_surplus=args.mid_level_dataset_surplus,
+        allow_ambiguous_pad_tokens=args.allow_ambiguous_pad_tokens,
+        fast_cache_load=args.dataloader_fast_cache_load,
+        sequences_per_dataset=sequences_per_dataset,
+        defer_npy_index_mmap=args.dataloader_defer_npy_index_mmap,
+        context_parallel_size=args.context_parallel_size,
+        data_parallel_size=args.data_parallel_size,
+        sequence_parallel_size=args.tensor_model_parallel_size * args.sequence_parallel,
+        hybrid_context_parallel=args.hybrid_context_parallel,
+        inter_document_masking=args.dataloader_inter_document_masking)
+    if not args.fim_data:
+        with _flag_checks():
+            config = GPTDatasetConfig(**options)
+        return (MockGPTDataset if args.mock_data else GPTDataset), config
+    from megatron.training.datasets.fim_dataset import GPTFIMDataset, GPTFIMDatasetConfig
+
+    tokens = {"prefix": args.fim_prefix_token, "middle": args.fim_middle_token,
+              "suffix": args.fim_suffix_token, "pad": args.fim_pad_token,
+              "eod": args.fim_eod_token}
+    try:  # as GPTFIMDataset reads them, once it has built its indices
+        if args.tokenizer_type == "NullTokenizer":  # ids without text: FIM detokenizes
+            raise ValueError
+        options["tokenizer"]._tokenizer.tokens_to_ids(list(tokens.values()))
+    except (ValueError, KeyError, TypeError):
+        from megatron_adacc import megatron_lm
+
+        raise megatron_lm.ConfigError(
+            f"--fim-data: the {args.tokenizer_type} tokenizer has no ids for the FIM tokens "
+            f"{', '.join(tokens.values())}; use a text tokenizer that has them, or name its "
+            f"own with --fim-prefix-token and the like") from None
+    with _flag_checks():
+        config = GPTFIMDatasetConfig(
+            **options, fim_rate=args.fim_rate, fim_spm_rate=args.fim_spm_rate,
+            fim_extra_tokens=tokens, fim_split_sample=args.fim_split_sample,
+            fim_fragment_rate=args.fim_fragment_rate, fim_no_prefix=args.fim_no_prefix)
+    return (MockGPTDataset if args.mock_data else GPTFIMDataset), config
 
 
 datasets_provider.is_distributed = True
@@ -136,6 +188,11 @@ def _pretrain(args) -> None:
 
     from megatron_adacc import megatron_lm
 
+    packed = "--sft" if args.sft else "--dataloader-inter-document-masking" if (
+        args.dataloader_inter_document_masking) else None
+    if packed:  # Megatron-LM's get_batch then carries cu_seqlens, which forward_step drops
+        raise megatron_lm.ConfigError(f"{packed} trains on packed sequences, which this "
+                                      f"pretrain_gpt.py does not feed the model yet")
     with _flag_checks():
         model_cfg = gpt_config_from_args(args)
     megatron_lm.install(model_cfg, args)

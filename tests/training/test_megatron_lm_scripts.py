@@ -281,6 +281,32 @@ def data(tmp_path_factory):
             "tokenizer": f"{model}.model", "llama_data": str(directory / "llama_text_document")}
 
 
+def test_fim_data_trains_with_a_text_tokenizer(data, monkeypatch):
+    # pretrain_gpt.py's provider built GPTDatasets whatever --fim-data said.
+    import pretrain_gpt
+    from megatron.core.datasets import blended_megatron_dataset_builder as builder
+    from megatron.training.datasets import fim_dataset
+
+    from megatron_adacc import megatron_lm
+
+    from helpers.pretrain import TINY
+
+    built, init = [], builder.BlendedMegatronDatasetBuilder.__init__
+
+    def kept(self, cls, *args, **kwargs):
+        built.append(cls)
+        init(self, cls, *args, **kwargs)
+
+    monkeypatch.setattr(builder.BlendedMegatronDatasetBuilder, "__init__", kept)
+    assert pretrain_gpt.main([
+        *TINY, "--train-iters", "2", "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file",
+        data["vocab"], "--merge-file", data["merges"], "--data-path", data["gpt2_data"],
+        "--split", "949,50,1", "--fim-data", "--fim-prefix-token", "a", "--fim-middle-token",
+        "b", "--fim-suffix-token", "c", "--fim-pad-token", "d"]) == 0
+    assert built == [fim_dataset.GPTFIMDataset]
+    assert [r["iteration"] for r in megatron_lm.session().records] == [1, 2]
+
+
 def _flags(script: list[str], data: dict, tmp_path, data_key: str | None = None) -> list[str]:
     values = {"checkpoint": str(tmp_path / "checkpoints"), "tensorboard": str(tmp_path / "tb"),
               "cache": str(tmp_path / "cache"), "vocab": data["vocab"],

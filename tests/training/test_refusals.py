@@ -183,6 +183,24 @@ def test_context_parallelism_without_transformer_engine_is_refused_in_one_line()
                                "attention, and --transformer-impl local has none")
 
 
+# Megatron-LM's get_batch carries packed sequences' cu_seqlens for the first two, which
+# pretrain_gpt.py's forward_step does not pass on; the last two died in the dataset's build.
+@pytest.mark.parametrize("flags, message", [
+    (["--sft"], "--sft trains on packed sequences, which this pretrain_gpt.py does not feed "
+                "the model yet"),
+    (["--dataloader-inter-document-masking"], "--dataloader-inter-document-masking trains on "
+     "packed sequences, which this pretrain_gpt.py does not feed the model yet"),
+    (["--fim-data"], "--fim-data: the NullTokenizer tokenizer has no ids for the FIM tokens "
+     "<fim_prefix>, <fim_middle>, <fim_suffix>, <fim_pad>, <|endoftext|>; use a text tokenizer "
+     "that has them, or name its own with --fim-prefix-token and the like"),
+    (["--dataloader-fast-cache-load"],
+     "--data-cache-path must be provided when using --dataloader-fast-cache-load."),
+])
+def test_dataset_flags_pretrain_gpt_cannot_honour_are_refused_in_one_line(capsys, corpus,
+                                                                           flags, message):
+    assert refused(capsys, [*data_flags(corpus), *flags]) == f"pretrain_gpt.py: error: {message}"
+
+
 def test_a_run_without_a_learning_rate_is_refused(capsys):
     # Megatron-LM has no default --lr and hands None to torch's AdamW (a TypeError).
     assert _main(["--train-iters", "2"]) == 2

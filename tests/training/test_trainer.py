@@ -25,6 +25,25 @@ def test_metrics_record_every_iteration_with_full_precision(tmp_path):
     assert [line["loss"] for line in lines] == losses(records)  # no rounding on the way out
 
 
+def test_megatron_lms_dataset_flags_reach_the_dataset_config(monkeypatch, tmp_path):
+    # pretrain_gpt.py's provider once passed a dozen of them on, and dropped the rest.
+    from megatron.core.datasets import blended_megatron_dataset_builder as builder
+
+    configs, build = [], builder.BlendedMegatronDatasetBuilder.__init__
+
+    def kept(self, cls, sizes, is_built_on_rank, config, *args, **kwargs):
+        configs.append(config)
+        build(self, cls, sizes, is_built_on_rank, config, *args, **kwargs)
+
+    monkeypatch.setattr(builder.BlendedMegatronDatasetBuilder, "__init__", kept)
+    train("--train-iters", "1", "--num-dataset-builder-threads", "2", "--data-cache-path",
+          str(tmp_path), "--allow-ambiguous-pad-tokens", "--no-mmap-bin-files")
+    (config,) = configs
+    assert (config.num_dataset_builder_threads, config.path_to_cache,
+            config.allow_ambiguous_pad_tokens, config.mmap_bin_files) == (2, str(tmp_path),
+                                                                          True, False)
+
+
 def test_adacc_times_forward_and_backward_and_not_the_optimizer_step(monkeypatch):
     """What the step watch compares with a plan's prediction is what the profile predicts: the
     micro-batches' forward and backward. The optimizer step runs outside Adacc.measure."""
