@@ -163,7 +163,7 @@ def parse(argv: Sequence[str], prog: str = "pretrain_gpt.py") -> argparse.Namesp
     except (AssertionError, ValueError) as exc:  # e.g. --fp4-format without its kernels
         raise ConfigError(assertion_line(exc)) from None
     _check_tokenizer_files(args)
-    _check_optimizer_package(args)
+    _check_packages(args)
     megatron_compat.eval_interval_default(args)
     set_global_variables(args)
     return args
@@ -221,18 +221,25 @@ def _check_tokenizer_files(args: argparse.Namespace) -> None:
                           "--vocab-size N")
 
 
-# Megatron-LM's optimizers from the emerging-optimizers package, which megatron-core does not
-# install: without it the optimizer's build died in an ImportError traceback.
+# Megatron-LM's optimizers from the emerging-optimizers package.
 EMERGING_OPTIMIZERS = ("muon", "dist_muon", "lion", "soap", "adaptive_muon")
+# Flags whose code comes from a package megatron-core does not install, each with the module
+# and its pip name: without it the run died in an ImportError traceback.
+PACKAGE_FLAGS = (
+    (lambda args: args.optimizer in EMERGING_OPTIMIZERS, "--optimizer {optimizer}",
+     "emerging_optimizers", "emerging-optimizers"),
+    (lambda args: args.enable_ft_package, "--enable-ft-package", "nvidia_resiliency_ext",
+     "nvidia-resiliency-ext"),
+)
 
 
-def _check_optimizer_package(args: argparse.Namespace) -> None:
+def _check_packages(args: argparse.Namespace) -> None:
     import importlib.util
 
-    if (args.optimizer in EMERGING_OPTIMIZERS
-            and importlib.util.find_spec("emerging_optimizers") is None):
-        raise ConfigError(f"--optimizer {args.optimizer} needs the emerging-optimizers package, "
-                          f"which is not installed (pip install emerging-optimizers)")
+    for given, flag, module, package in PACKAGE_FLAGS:
+        if given(args) and importlib.util.find_spec(module) is None:
+            raise ConfigError(f"{flag.format(**vars(args))} needs the {package} package, which "
+                              f"is not installed (pip install {package})")
 
 
 # Megatron-LM's flags that only a GPU can run, with what each needs of it: on a host they
@@ -244,6 +251,8 @@ CUDA_ONLY_FLAGS = {
     "use_torch_fsdp2": ("--use-torch-fsdp2", "shards over a CUDA device mesh"),
     "use_megatron_fsdp": ("--use-megatron-fsdp", "shards over a CUDA device mesh"),
     "cuda_graph_impl": ("--cuda-graph-impl", "captures CUDA graphs"),
+    "check_weight_hash_across_dp_replicas_interval": (
+        "--check-weight-hash-across-dp-replicas-interval", "gathers weights' hashes on the GPU"),
 }
 
 

@@ -133,6 +133,8 @@ def test_auto_under_megatrons_full_recompute_is_refused_in_one_line(capsys, corp
      "shards over a CUDA device mesh"),
     (["--use-megatron-fsdp", "--ckpt-format", "fsdp_dtensor"], "shards over a CUDA device mesh"),
     (["--cuda-graph-impl", "local"], "captures CUDA graphs"),      # a CUDA stream's init
+    (["--check-weight-hash-across-dp-replicas-interval", "1"],     # Tensor.cuda()
+     "gathers weights' hashes on the GPU"),
 ])
 def test_flags_only_a_gpu_runs_are_refused_without_one(capsys, corpus, flags, needs):
     flag = flags[0] if len(flags) == 1 or flags[1].startswith("--") else " ".join(flags[:2])
@@ -152,6 +154,10 @@ def test_flags_only_a_gpu_runs_are_refused_without_one(capsys, corpus, flags, ne
     pytest.param(["--optimizer", "muon"], "--optimizer muon needs the emerging-optimizers "
                  "package, which is not installed (pip install emerging-optimizers)",
                  marks=pytest.mark.skipif(importlib.util.find_spec("emerging_optimizers")
+                                          is not None, reason="installed")),
+    pytest.param(["--enable-ft-package"], "--enable-ft-package needs the nvidia-resiliency-ext "
+                 "package, which is not installed (pip install nvidia-resiliency-ext)",
+                 marks=pytest.mark.skipif(importlib.util.find_spec("nvidia_resiliency_ext")
                                           is not None, reason="installed")),
 ])
 def test_megatron_cores_own_checks_past_the_parser_are_one_line(capsys, corpus, flags, message):
