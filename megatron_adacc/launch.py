@@ -165,7 +165,20 @@ def parse(argv: Sequence[str], prog: str = "pretrain_gpt.py") -> argparse.Namesp
     _check_tokenizer_files(args)
     _check_packages(args)
     megatron_compat.eval_interval_default(args)
-    set_global_variables(args)
+    if args.wandb_project and not (args.wandb_save_dir or args.save):
+        # Megatron-LM joins None to a path, a TypeError, when it builds the writer.
+        raise ConfigError("--wandb-project writes under --wandb-save-dir, by default --save's "
+                          "wandb/: give one of them")
+    try:  # the tokenizer and the loggers: e.g. a wandb project without --wandb-exp-name
+        set_global_variables(args)
+    except ValueError as exc:
+        raise ConfigError(assertion_line(exc)) from None
+    except Exception as exc:
+        if not type(exc).__module__.startswith("wandb."):
+            raise
+        # wandb.init refused: no API key (wandb login, or WANDB_MODE=offline), say
+        raise ConfigError(f"--wandb-project {args.wandb_project}: wandb: "
+                          f"{assertion_line(exc)}") from None
     return args
 
 

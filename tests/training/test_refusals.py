@@ -207,6 +207,13 @@ def test_dataset_flags_pretrain_gpt_cannot_honour_are_refused_in_one_line(capsys
     assert refused(capsys, [*data_flags(corpus), *flags]) == f"pretrain_gpt.py: error: {message}"
 
 
+def test_a_wandb_project_without_a_directory_is_refused_in_one_line(capsys, corpus):
+    # Megatron-LM joins --save (None) into wandb's directory: a TypeError traceback.
+    assert refused(capsys, [*data_flags(corpus), "--wandb-project", "p"]) == (
+        "pretrain_gpt.py: error: --wandb-project writes under --wandb-save-dir, by default "
+        "--save's wandb/: give one of them")
+
+
 def test_a_run_without_a_learning_rate_is_refused(capsys):
     # Megatron-LM has no default --lr and hands None to torch's AdamW (a TypeError).
     assert _main(["--train-iters", "2"]) == 2
