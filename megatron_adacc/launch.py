@@ -150,6 +150,8 @@ def parse(argv: Sequence[str], prog: str = "pretrain_gpt.py") -> argparse.Namesp
     elif off and int(os.environ.get("RANK", "0")) == 0:
         print(f"{prog}: no fused kernel installed for {', '.join(off)}: megatron-core's "
               "plain path runs them", file=sys.stderr, flush=True)
+    if args.seed <= 0:  # Megatron-LM raises a ValueError once the process groups exist
+        raise ConfigError(f"--seed {args.seed}: Megatron-LM seeds with a positive integer")
     if args.lr is None:  # Megatron-LM would pass it on to torch's AdamW, which raises TypeError
         raise ConfigError("--lr is required: Megatron-LM has no default learning rate")
     _check_profile(args)

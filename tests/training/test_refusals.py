@@ -101,6 +101,7 @@ def test_an_unwritable_save_directory_is_refused(tmp_path, capsys, corpus):
     (["--recompute-granularity", "selective", "--recompute-modules", "bogus"],
      "Invalid choices for recompute_modules: {'bogus'}. Allowed modules are: {"),
     (["--split", "0,0,0"], "--split 0,0,0: expected up to three weights >= 0, the first > 0"),
+    (["--seed", "0"], "--seed 0: Megatron-LM seeds with a positive integer"),  # a ValueError
     (["--split", "abc"], "--split abc: expected up to three weights >= 0, the first > 0"),
     (["--profile", "--use-pytorch-profiler"],
      "--use-pytorch-profiler writes its traces to --tensorboard-dir; give one"),
