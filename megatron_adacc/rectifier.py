@@ -318,6 +318,8 @@ class Rectifier:
         The costs as tracking refreshed them, the plan in force, the backoff, the guarded sites
         and the last statistics (for jumps)."""
         return {"costs": self.costs.to_dict(), "plan": self.result.plan.to_dict(),
+                "budget_bytes": self.budget_bytes, "policy": self.policy,
+                "allow_lossy_sources": self.allow_lossy_sources,
                 "interval": self.schedule.interval,
                 "next_iteration": self.schedule.next_iteration, "guarded": sorted(self.guarded),
                 "last_stats": {name: asdict(stats) for name, stats in self.last_stats.items()},
@@ -327,11 +329,17 @@ class Rectifier:
         """Continue from ``state_dict()`` of a run of the same model.
 
         Raises:
-            ValueError: the state is another model's (its sites or layers differ)."""
+            ValueError: the state is another model's (its sites or layers differ), or was
+                planned for another budget, policy or choice of rebuild sources."""
         costs = ModelCosts.from_dict(state["costs"])
         if ([site.name for site in costs.sites] != [site.name for site in self.costs.sites]
                 or costs.num_layers != self.costs.num_layers):
             raise ValueError("the saved tracking state is another model's")
+        planned = (state["budget_bytes"], state["policy"], state["allow_lossy_sources"])
+        if planned != (self.budget_bytes, self.policy, self.allow_lossy_sources):
+            raise ValueError(f"the saved tracking state was planned for budget {planned[0]} B, "
+                             f"policy {planned[1]}, lossy sources {planned[2]}; this run's are "
+                             f"{self.budget_bytes} B, {self.policy}, {self.allow_lossy_sources}")
         plan = Plan.from_dict(state["plan"])
         layers = [planning.evaluate_layer(costs, {site.name: plan.decision(layer, site.name)
                                                   for site in costs.sites})

@@ -90,13 +90,18 @@ def test_a_rectifier_restored_from_its_state_decides_as_the_saved_one():
     assert restored.state_dict() == rect.state_dict()
 
 
-def test_a_state_of_another_model_is_refused():
+def test_a_state_of_another_model_or_budget_is_refused():
     rect = tight_rectifier(slack_per_layer=50)
     state = rect.state_dict()
     other = tight_rectifier(slack_per_layer=50)
     state["costs"]["num_layers"] += 1
     with pytest.raises(ValueError, match="another model's"):
         other.load_state_dict(state)
+    state = rect.state_dict()
+    state["budget_bytes"] += 1      # a resumed run given another --adacc-memory-budget
+    with pytest.raises(ValueError, match="planned for budget"):
+        other.load_state_dict(state)
+    assert other.result.plan.plan_id == rect.result.plan.plan_id  # left as it was
 
 
 def test_backoff_resets_on_a_jump_in_compression_rate_not_in_outlier_count():
