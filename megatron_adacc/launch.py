@@ -478,14 +478,15 @@ def _stop_if_interrupted(original, *args, **kwargs):
     return result
 
 
-def _watch_step_ends() -> None:
+def _wrap_training(name: str, wrapper: Callable) -> None:
+    """``megatron.training.training.<name>`` as ``wrapper(original, ...)``; again, not twice."""
     from megatron.training import training
 
-    original = getattr(training.checkpoint_and_decide_exit, "__wrapped_by_launch__",
-                       training.checkpoint_and_decide_exit)
-    watched = functools.partial(_stop_if_interrupted, original)
-    watched.__wrapped_by_launch__ = original
-    training.checkpoint_and_decide_exit = watched
+    original = getattr(training, name)
+    original = getattr(original, "__wrapped_by_launch__", original)
+    wrapped = functools.partial(wrapper, original)
+    wrapped.__wrapped_by_launch__ = original
+    setattr(training, name, wrapped)
 
 
 def _loaded_or_refused(original, *args, **kwargs):
@@ -505,16 +506,6 @@ def _loaded_or_refused(original, *args, **kwargs):
                              f"--exit-on-missing-checkpoint stops the run") from None
         raise InputError(f"--load {load}: Megatron-LM could not load the checkpoint (its "
                          f"reason is printed above)") from None
-
-
-def _refuse_failed_loads() -> None:
-    from megatron.training import training
-
-    original = getattr(training.load_checkpoint, "__wrapped_by_launch__",
-                       training.load_checkpoint)
-    checked = functools.partial(_loaded_or_refused, original)
-    checked.__wrapped_by_launch__ = original
-    training.load_checkpoint = checked
 
 
 # Megatron-LM's rerun state machine's exit codes (EXIT_CODE_RESUME_TO_DISAMBIGUATE,
@@ -617,8 +608,8 @@ def run(argv: Sequence[str], prog: str, pretrain: Callable[[argparse.Namespace],
         try:
             try:
                 megatron_compat.apply_training()
-                _watch_step_ends()
-                _refuse_failed_loads()
+                _wrap_training("checkpoint_and_decide_exit", _stop_if_interrupted)
+                _wrap_training("load_checkpoint", _loaded_or_refused)
                 args = parse(argv, prog)
                 _choose_checkpoint(args, rank)
                 try:
