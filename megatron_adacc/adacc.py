@@ -33,7 +33,6 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import torch
-import torch.distributed as dist
 
 from megatron_adacc import planning, policies
 from megatron_adacc import step_watch as watching
@@ -312,7 +311,7 @@ class Adacc:
             if config.watches:
                 self._watch = watching.StepWatch()
                 self._watch.begin(self._rectifier.result)
-        if verbose and _is_rank0() and self._resolved.plan is not None:
+        if verbose and policies.is_rank0() and self._resolved.plan is not None:
             print(policies.describe(self._resolved), flush=True)
         if self._resolved.result is not None:
             self._warn_last_resort(self._resolved.result)
@@ -324,7 +323,7 @@ class Adacc:
 
     def _warn_last_resort(self, result) -> None:
         warning = policies.last_resort_warning(self.config.policy, result)
-        if warning is not None and _is_rank0():
+        if warning is not None and policies.is_rank0():
             print(warning, flush=True)
 
     def _budget(self) -> int | None:
@@ -397,7 +396,7 @@ class Adacc:
         record = {}
         if rect.schedule.is_tracking(iteration):
             outcome = rect.observe(iteration, self.model, batch, loss_fn=self._loss_fn)
-            if outcome.infeasible and _is_rank0():
+            if outcome.infeasible and policies.is_rank0():
                 print(f"adacc: iteration {iteration}: warning: {outcome.infeasible}; "
                       "running the plan that overruns it least", flush=True)
             if outcome.swap is not None:
@@ -435,7 +434,7 @@ class Adacc:
         self._warn_last_resort(swap.new)
         if self._watch is not None:
             self._watch.begin(swap.new)
-        if _is_rank0():
+        if policies.is_rank0():
             print(f"adacc: iteration {iteration}: plan {swap.old.plan.plan_id} -> "
                   f"{swap.new.plan.plan_id} ({swap.reason}, predicted gain "
                   f"{swap.predicted_gain_s * 1e3:.3f} ms/step): {swap.changed}", flush=True)
@@ -487,7 +486,7 @@ class Adacc:
         watch.times = policies.from_rank0(watch.times)     # rank 0's times decide
         started = time.perf_counter()
         decision = watch.decide(rect.result, predicted, fit, retime)
-        if decision.retimed and _is_rank0():
+        if decision.retimed and policies.is_rank0():
             print(f"adacc: iteration {iteration}: plan {decision.plan_id} ran "
                   f"{decision.median_s * 1e3:.1f} ms a step, predicted "
                   f"{decision.predicted_s * 1e3:.1f} ms: its actions re-timed", flush=True)
@@ -661,6 +660,3 @@ _STAGE_METRICS = ("pipeline_stage", "plan_id", "static_bytes", "activation_bytes
                   "activation_peak_bytes", "predicted_activation_bytes",
                   "predicted_activation_peak_bytes", "predicted_peak_bytes")
 
-
-def _is_rank0() -> bool:
-    return not dist.is_initialized() or dist.get_rank() == 0

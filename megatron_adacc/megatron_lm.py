@@ -423,12 +423,14 @@ class Session:
                         num_floating_point_operations_so_far, checkpointing_context,
                         non_persistent_ckpt=False, *args, **kwargs):
         """Megatron-LM's save, then tracking's state beside it (ADACC_STATE_FILE, rank 0)."""
+        from megatron_adacc import policies
+
         result = original(iteration, model, optimizer, opt_param_scheduler,
                           num_floating_point_operations_so_far, checkpointing_context,
                           non_persistent_ckpt, *args, **kwargs)
         state = self.adacc.state_dict() if self.ready else None
         if (state is not None and self.args.save and not non_persistent_ckpt
-                and (not dist.is_initialized() or dist.get_rank() == 0)):
+                and policies.is_rank0()):
             from megatron.training import checkpointing
 
             directory = Path(checkpointing.get_checkpoint_name(self.args.save, iteration,
@@ -443,6 +445,8 @@ class Session:
         """Tracking's state from the checkpoint --load read, where the saving run tracked."""
         from megatron.training import checkpointing
 
+        from megatron_adacc import policies
+
         iteration = checkpointing.get_loaded_iteration()
         if (not self.args.load or self.args.finetune or not iteration or iteration < 1
                 or not self.adacc.config.tracks):
@@ -451,7 +455,7 @@ class Session:
                                                       return_base_dir=True)) / ADACC_STATE_FILE
         if not path.is_file():  # saved without tracking
             return
-        rank0 = not dist.is_initialized() or dist.get_rank() == 0
+        rank0 = policies.is_rank0()
         try:
             self.adacc.load_state_dict(json.loads(path.read_text()))
         except (ValueError, KeyError, TypeError) as exc:
@@ -463,8 +467,10 @@ class Session:
                   flush=True)
 
     def write(self, record: dict) -> None:
+        from megatron_adacc import policies
+
         self.records.append(record)
-        if not self.args.metrics_file or (dist.is_initialized() and dist.get_rank() != 0):
+        if not self.args.metrics_file or not policies.is_rank0():
             return
         if self._metrics is None:
             path = Path(self.args.metrics_file)

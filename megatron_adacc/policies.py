@@ -281,7 +281,7 @@ def measured_costs(model, batch, db: ProfileDB, reprofile: bool = False, strict:
     key = profile_key(config, model.vocab_size, tokens.shape[1], tokens.shape[0],
                       profiler.device_name(tokens.device), backend_of(model),
                       _loss_name(loss_fn))
-    rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    rank0 = is_rank0()
     # A row stored before the profiler measured the last resort is keyed by an older code
     # version, so it is not found and the model is profiled again.
     found = db.get(key) if rank0 and not reprofile else None
@@ -294,6 +294,11 @@ def measured_costs(model, batch, db: ProfileDB, reprofile: bool = False, strict:
         if rank0:
             db.put(key, found)
     return ModelCosts.from_json(from_rank0(found.to_json() if rank0 else None)), profile_s
+
+
+def is_rank0() -> bool:
+    """Whether this process is global rank 0 (or runs without peers): it prints and writes."""
+    return not dist.is_initialized() or dist.get_rank() == 0
 
 
 def from_rank0(value):
