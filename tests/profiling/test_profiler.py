@@ -305,7 +305,9 @@ def test_a_timed_step_that_grew_the_heap_is_run_again(distributed, monkeypatch,
     from megatron_adacc.profiling.profiler import gpt_loss
     from megatron_adacc.runtime.storage import LayerCall
 
-    slow_s, pages = 0.05, 256
+    # Slow enough that a real decode or rebuild, timed on two busy cores, stays far below half
+    # of it: at 0.05 s a rebuild once took 35 ms beside another test worker.
+    slow_s, pages = 0.15, 256
     steps = [0]
 
     def counting_loss(model, micro_batch):
