@@ -119,10 +119,13 @@ def _causal_mask_uncached() -> bool:
 
 
 class _HostStream:
-    """The host's one stream: there is no other to wait for, and no event is ever recorded."""
+    """The host's one stream: there is no other to wait for, and an event it records is done."""
 
     def wait_event(self, event) -> None:
         pass
+
+    def record_event(self, event=None) -> "_HostStream":
+        return self  # an event's one call, synchronize, is the stream's
 
     def wait_stream(self, stream) -> None:
         pass
@@ -139,7 +142,8 @@ class _HostTorch(types.ModuleType):
       torch.cuda.current_device());
     - torch.cuda.current_device() is the host;
     - torch.cuda.synchronize() has nothing to wait for;
-    - torch.cuda.current_stream() is the host's one stream.
+    - torch.cuda.current_stream() and every torch.cuda.Stream() are the host's one stream, and
+      nothing captures it.
     Only modules whose every use of torch.cuda is one of those get it.
     """
 
@@ -147,7 +151,10 @@ class _HostTorch(types.ModuleType):
         super().__init__("torch")
         self.cuda = types.SimpleNamespace(current_device=lambda: "cpu",
                                           synchronize=lambda *args, **kwargs: None,
-                                          current_stream=lambda *args, **kwargs: _HostStream())
+                                          current_stream=lambda *args, **kwargs: _HostStream(),
+                                          Stream=lambda *args, **kwargs: _HostStream(),
+                                          stream=lambda stream: contextlib.nullcontext(),
+                                          is_current_stream_capturing=lambda: False)
         for name in ("tensor", "zeros", "empty"):
             setattr(self, name, self._on_host(getattr(torch, name)))
 
@@ -267,6 +274,33 @@ def _host_l2_norm(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
     # megatron.core.utils.local_multi_tensor_l2_norm, returning its norm on the host.
     norms = torch.stack([torch.linalg.vector_norm(t.float()) for t in tensor_lists[0]])
     return torch.linalg.vector_norm(norms).reshape(1), None
+
+
+def _cpu_moe() -> None:
+    # Mixture of experts: the router moves its weight to torch.cuda.current_device() at its
+    # first forward and makes its loss tensors there; the all-to-all dispatcher copies its token
+    # counts to the host on a side CUDA stream.
+    from megatron.core.transformer.moe import router, token_dispatcher
+
+    router.torch = _HostTorch()
+    token_dispatcher.torch = _HostTorch()
+
+
+def _cpu_attention_variants() -> None:
+    # DotProductAttention makes a softmax offset (--softmax-type) on torch.cuda.current_device(),
+    # and its softmax the sliding window's mask (--window-size) on "cuda". fused_softmax imported
+    # the mask function by name.
+    from megatron.core.fusions import fused_softmax
+    from megatron.core.transformer import dot_product_attention
+    from megatron.core.transformer import utils as tutils
+
+    def get_sliding_window_causal_mask(sq, skv, window_size):
+        kept = torch.triu(torch.ones(sq, skv, dtype=torch.bool), diagonal=skv - sq - window_size[0])
+        return ~torch.tril(kept, diagonal=skv - sq + window_size[1])
+
+    dot_product_attention.torch = _HostTorch()
+    tutils.get_sliding_window_causal_mask = get_sliding_window_causal_mask
+    fused_softmax.get_sliding_window_causal_mask = get_sliding_window_causal_mask
 
 
 def _cpu_optimizer() -> None:
@@ -396,6 +430,8 @@ CPU_SHIMS = {
     "cpu_grad_buffers": _cpu_grad_buffers,
     "cpu_optimizer": _cpu_optimizer,
     "cpu_dist_checkpointing": _cpu_dist_checkpointing,
+    "cpu_moe": _cpu_moe,
+    "cpu_attention_variants": _cpu_attention_variants,
 }
 
 

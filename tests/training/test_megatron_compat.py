@@ -126,6 +126,23 @@ from megatron.core.dist_checkpointing.mapping import ShardedTensor
 probe("cpu_dist_checkpointing", lambda: dist_checkpointing.save(
     {"a": ShardedTensor.from_rank_offsets("a", torch.ones(2))}, tempfile.mkdtemp()))
 
+# Mixture of experts: the router moves its weight to CUDA at its first forward; the all-to-all
+# dispatcher makes a CUDA stream for its copies to the host (its source is read).
+import inspect
+from megatron.core.transformer.moe import router, token_dispatcher
+probe("cpu_moe", lambda: router.Router.gating(types.SimpleNamespace(
+    weight=torch.ones(2, 2), bias=None, config=types.SimpleNamespace(moe_router_dtype=None)),
+    torch.ones(1, 2)))
+results["cpu_moe_dispatcher"] = "defect" if "torch.cuda.Stream()" in inspect.getsource(
+    token_dispatcher.MoEAlltoAllTokenDispatcher.__init__) else "ok"
+
+# Attention variants: the sliding window's mask is made on CUDA, a softmax offset too (source).
+from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.utils import get_sliding_window_causal_mask
+probe("cpu_attention_variants", lambda: get_sliding_window_causal_mask(4, 4, (1, 0)))
+results["cpu_attention_offset"] = "defect" if "device=torch.cuda.current_device()" in (
+    inspect.getsource(DotProductAttention.__init__)) else "ok"
+
 # torch's Adam under the distributed optimizer: a fresh optimizer has no single step, and
 # a loaded step is one tensor for every parameter.
 import inspect
@@ -155,7 +172,8 @@ def unpatched():
 # no message) that each gradient is a torch.cuda.FloatTensor; sequence parallelism's source
 # is read.
 SHIM_FAILURES = {"cpu_optimizer_type_names": "AssertionError: ",
-                 "cpu_sequence_parallel": "defect"}
+                 "cpu_sequence_parallel": "defect", "cpu_moe_dispatcher": "defect",
+                 "cpu_attention_offset": "defect"}
 
 
 @pytest.mark.parametrize("shim", ["cpu_global_memory_buffer", "cpu_rng_tracker",
@@ -163,11 +181,13 @@ SHIM_FAILURES = {"cpu_optimizer_type_names": "AssertionError: ",
                                   "cpu_pipeline_p2p", "cpu_shared_embedding",
                                    "cpu_rotary_embedding", "cpu_sequence_parallel",
                                   "cpu_grad_buffers", "cpu_grad_sync", "cpu_optimizer",
-                                  "cpu_optimizer_type_names", "cpu_dist_checkpointing"])
+                                  "cpu_optimizer_type_names", "cpu_dist_checkpointing",
+                                  "cpu_moe", "cpu_moe_dispatcher", "cpu_attention_variants",
+                                  "cpu_attention_offset"])
 def test_cpu_shim_is_still_needed(unpatched, shim):
     # cpu_pipeline_schedules and cpu_pipeline_p2p are one patch (both modules' CUDA
     # placements), probed separately: it goes when neither needs it; so are cpu_grad_buffers
-    # and cpu_grad_sync.
+    # and cpu_grad_sync, cpu_moe and its dispatcher, cpu_attention_variants and the offset.
     assert unpatched[shim] != "ok", f"megatron-core no longer needs {shim}: delete it"
     assert unpatched[shim] == SHIM_FAILURES.get(shim, "cuda"), (
         f"the probe of {shim} no longer reaches the defect")
@@ -232,6 +252,18 @@ def test_patched_megatron_runs_the_shimmed_paths():
     # ... and the forked stream continues where it left off
     torch.manual_seed(7)
     assert torch.equal(torch.cat([first, second]), torch.rand(6))
+
+
+def test_the_sliding_window_mask_on_the_host_is_megatrons():
+    from megatron_adacc import megatron_compat
+
+    megatron_compat.apply()
+    from megatron.core.fusions import fused_softmax
+
+    # True is masked: a window of (1, 0) sees the query's own key and the one before it.
+    assert fused_softmax.get_sliding_window_causal_mask(4, 4, (1, 0)).tolist() == [
+        [False, True, True, True], [False, False, True, True], [True, False, False, True],
+        [True, True, False, False]]
 
 
 def test_patched_grad_scalers_keep_megatrons_arithmetic_on_the_host():
