@@ -251,9 +251,11 @@ def _refuse_unplanned(args: argparse.Namespace, flags: argparse.Namespace) -> No
 
     Under them, a plan would price a model other than the one trained."""
     from megatron_adacc import policies
+    from megatron_adacc.models import family
 
     try:
         policies.require_plannable("auto", flags.recompute_granularity)
+        family.require_modelled_layer(flags)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     if flags.recompute_granularity and args.hardware:

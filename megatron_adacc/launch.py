@@ -268,6 +268,7 @@ CUDA_ONLY_FLAGS = {
     "cuda_graph_impl": ("--cuda-graph-impl", "captures CUDA graphs"),
     "check_weight_hash_across_dp_replicas_interval": (
         "--check-weight-hash-across-dp-replicas-interval", "gathers weights' hashes on the GPU"),
+    "moe_grouped_gemm": ("--moe-grouped-gemm", "runs the experts' grouped GEMMs on the GPU"),
 }
 
 

@@ -111,6 +111,7 @@ def check_args(args: argparse.Namespace) -> None:
     """Refuse what Adacc cannot run, in one line, before anything is built."""
     from megatron_adacc import policies
     from megatron_adacc.adacc import AdaccConfig
+    from megatron_adacc.models import family
 
     try:
         config = AdaccConfig.from_args(args)
@@ -140,25 +141,59 @@ def check_args(args: argparse.Namespace) -> None:
         raise ConfigError(f"--adacc-policy {config.policy} runs Adacc's layer, which builds on "
                           f"megatron-core's local spec; add --transformer-impl local "
                           f"(Transformer Engine's spec is not supported yet)")
+    if policies.uses_runtime(config.policy):
+        try:
+            family.require_modelled_layer(args)
+        except ValueError as exc:
+            raise ConfigError(f"--adacc-policy {config.policy}: {exc}; without a policy "
+                              f"(--adacc-policy none) Megatron-LM trains it as it is") from None
     if (args.recompute_granularity == "selective" and "mlp" in (args.recompute_modules or [])
             and args.add_bias_linear):
         # megatron-core 0.19.2: the checkpointed MLP returns the fc2 bias parameter, and its
         # backward recurses forever.
         raise ConfigError("--recompute-modules mlp with biased linear layers hangs in "
                           "megatron-core 0.19.2; add --disable-bias-linear or drop mlp")
+    if args.num_experts and args.add_bias_linear and args.transformer_impl == "local":
+        # megatron-core 0.19.2's local experts add their bias in place to a view autograd
+        # forbids modifying: the first forward fails.
+        raise ConfigError(f"--num-experts {args.num_experts} with biased linear layers fails in "
+                          f"megatron-core 0.19.2's local experts; add --disable-bias-linear")
     args.adacc_tracking = "backoff" if config.tracks else "off"
     args.adacc_memory_budget = config.budget_bytes
 
 
-def layer_spec(args: argparse.Namespace, adacc):
-    """Adacc's layer spec under ``--transformer-impl local`` (the stock one for policy none)."""
-    backend = args.attention_backend
-    name = getattr(backend, "name", str(backend))
+def local_attention(args: argparse.Namespace) -> str:
+    """The core attention (attention.py's backend name) of ``--attention-backend``, local spec."""
+    name = getattr(args.attention_backend, "name", str(args.attention_backend))
     if name not in LOCAL_IMPL_ATTENTION:
         raise ConfigError(f"--attention-backend {name} is Transformer Engine's; under "
                           f"--transformer-impl local use one of "
                           f"{', '.join(LOCAL_IMPL_ATTENTION)}")
-    return adacc.layer_spec(LOCAL_IMPL_ATTENTION[name])
+    return LOCAL_IMPL_ATTENTION[name]
+
+
+def layer_spec(args: argparse.Namespace, adacc, backend: str, model_cfg, vp_stage=None):
+    """The layers of ``--transformer-impl local``: Megatron-LM's, or Adacc's under a policy.
+
+    Without a policy it is Megatron-LM's own spec for every flag (experts, query-key norms, ...);
+    a policy's is Adacc's dense layer, which check_args held the flags to. Either computes
+    attention with ``backend``'s core attention."""
+    from megatron.training.models.gpt import default_layer_spec
+
+    from megatron_adacc import policies
+    from megatron_adacc.models import attention, build
+
+    if policies.uses_runtime(adacc.config.policy):
+        spec = adacc.layer_spec(backend)
+    else:
+        spec = default_layer_spec(model_cfg, vp_stage)
+        if backend != attention.DEFAULT_SPEC_BACKEND:  # the local spec's own
+            spec = attention.with_attention_backend(spec, backend)
+    if args.sequence_parallel or args.layernorm_zero_centered_gamma:
+        # Without Apex, megatron's local spec norms with WrappedTorchNorm, which asserts under
+        # sequence parallelism and zero-centred gamma: the block's norms become TorchNorms.
+        spec = build.torch_norm_block(model_cfg.transformer, spec, vp_stage)
+    return spec
 
 
 class Session:
@@ -546,14 +581,6 @@ def session() -> Session | None:
     return _session
 
 
-def _torch_norm_block(layer_spec, model_cfg, vp_stage=None):
-    # Without Apex, megatron's local spec norms with WrappedTorchNorm, which asserts under
-    # sequence parallelism and zero-centred gamma: the block's norms become TorchNorms.
-    from megatron_adacc.models import build
-
-    return build.torch_norm_block(model_cfg.transformer, layer_spec, vp_stage)
-
-
 def install(model_cfg, args: argparse.Namespace) -> Session:
     """Put Adacc into ``model_cfg`` and Megatron-LM's loop for this run; returns its session."""
     global _session
@@ -561,11 +588,10 @@ def install(model_cfg, args: argparse.Namespace) -> Session:
 
     check_args(args)
     _session = current = Session(args)
-    if args.transformer_impl == "local":
-        spec = layer_spec(args, current.adacc)
-        if args.sequence_parallel or args.layernorm_zero_centered_gamma:
-            spec = functools.partial(_torch_norm_block, spec)
-        model_cfg.transformer_layer_spec = spec
+    # A --spec of the user's stays theirs (check_args refuses it under a policy).
+    if args.transformer_impl == "local" and model_cfg.transformer_layer_spec is None:
+        model_cfg.transformer_layer_spec = functools.partial(
+            layer_spec, args, current.adacc, local_attention(args))
     model_cfg.pre_wrap_hooks.append(current.remember_model)
     for name, method in zip(_WRAPPED, (current.train_step, current.training_log,
                                        current.evaluate, current.after_step,

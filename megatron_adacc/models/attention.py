@@ -51,8 +51,13 @@ def local_layer_spec(attention_backend: str = DEFAULT_SPEC_BACKEND, **local_spec
 
 
 def with_attention_backend(spec, backend: str):
-    """A local-spec layer `spec` whose self-attention's core attention is `backend`'s."""
+    """A local-spec layer `spec` whose self-attention's core attention is `backend`'s.
+
+    A block spec (megatron-core's for mixture-of-experts models) gets it in each layer."""
     check_backend(backend)
+    if hasattr(spec, "layer_specs"):
+        return dataclasses.replace(spec, layer_specs=[with_attention_backend(layer, backend)
+                                                      for layer in spec.layer_specs])
     attention = spec.submodules.self_attention
     core = dataclasses.replace(attention.submodules, core_attention=_core_attention(backend))
     return dataclasses.replace(

@@ -144,10 +144,10 @@ def build_gpt_model(config, vocab_size: int, max_sequence_length: int, layer_spe
     return model
 
 
-def torch_norm_block(config, layer_spec, vp_stage: int | None = None):
-    """The block spec of ``layer_spec``'s layers, every megatron torch norm a TorchNorm.
+def torch_norm_block(config, spec, vp_stage: int | None = None):
+    """The block spec of ``spec``'s layers, every megatron torch norm a TorchNorm.
 
-    That covers the layers' norms and the final one."""
+    ``spec`` is a layer's spec or a block's. That covers the layers' norms and the final one."""
     import dataclasses
 
     from megatron.core.transformer.transformer_block import (
@@ -156,13 +156,18 @@ def torch_norm_block(config, layer_spec, vp_stage: int | None = None):
     )
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
-    submodules = layer_spec.submodules
-    norms = {name: TorchNorm for name in ("input_layernorm", "pre_mlp_layernorm")
-             if getattr(submodules, name) is WrappedTorchNorm}
-    layer_spec = dataclasses.replace(layer_spec,
-                                     submodules=dataclasses.replace(submodules, **norms))
+    def torch_norms(layer_spec):
+        submodules = layer_spec.submodules
+        norms = {name: TorchNorm for name in ("input_layernorm", "pre_mlp_layernorm")
+                 if getattr(submodules, name) is WrappedTorchNorm}
+        return dataclasses.replace(layer_spec,
+                                   submodules=dataclasses.replace(submodules, **norms))
+
+    if isinstance(spec, TransformerBlockSubmodules):
+        return dataclasses.replace(spec, layer_specs=list(map(torch_norms, spec.layer_specs)),
+                                   layer_norm=TorchNorm)
     return TransformerBlockSubmodules(
-        layer_specs=[layer_spec] * get_num_layers_to_build(config, vp_stage=vp_stage),
+        layer_specs=[torch_norms(spec)] * get_num_layers_to_build(config, vp_stage=vp_stage),
         layer_norm=TorchNorm)
 
 

@@ -266,7 +266,7 @@ def test_a_bad_training_flag_is_refused_as_pretrain_gpt_refuses_it(capsys):
 
 
 # Each planned a model other than the one trained: Megatron's recompute on top, the sequence
-# split over ranks, or several chunks a rank, none of which the plan models.
+# split over ranks, several chunks a rank, or a layer no family describes (planned dense).
 @pytest.mark.parametrize("flags, message", [
     (["--recompute-granularity", "full", "--recompute-method", "uniform"],
      "--recompute-granularity full keeps only each layer's input, which leaves --adacc-policy "
@@ -278,6 +278,10 @@ def test_a_bad_training_flag_is_refused_as_pretrain_gpt_refuses_it(capsys):
                                        "(--transformer-impl local) has no context parallelism"),
     (["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"],
      "Adacc plans one model chunk per rank; drop the virtual pipeline flags"),
+    (["--num-experts", "8"], "--num-experts 8 builds a mixture-of-experts MLP, and Adacc's "
+                             "layer knows the dense GPT and Llama layers only"),
+    (["--window-size", "127,0"], "--window-size 127,0 builds sliding-window attention, and "
+                                 "Adacc's layer knows the dense GPT and Llama layers only"),
 ])
 def test_flags_a_plan_would_leave_out_are_refused_in_one_line(capsys, flags, message):
     assert main(["plan", *MODEL, *flags]) == 2

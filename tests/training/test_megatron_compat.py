@@ -143,6 +143,13 @@ probe("cpu_attention_variants", lambda: get_sliding_window_causal_mask(4, 4, (1,
 results["cpu_attention_offset"] = "defect" if "device=torch.cuda.current_device()" in (
     inspect.getsource(DotProductAttention.__init__)) else "ok"
 
+# Local experts with biases add them in place to linear_fc2's output, which autograd forbids
+# when the tensor-parallel reduction returns its input: megatron_lm.check_args refuses them.
+from megatron.core.transformer.mlp import MLP
+results["biased_local_experts"] = (
+    "defect" if "output += output_bias.unsqueeze(0)" in inspect.getsource(MLP.forward)
+    else "ok")
+
 # torch's Adam under the distributed optimizer: a fresh optimizer has no single step, and
 # a loaded step is one tensor for every parameter.
 import inspect
@@ -200,6 +207,12 @@ def test_fp8_defect_is_still_present(unpatched):
 def test_engine_defect_is_still_present(unpatched):
     defect = "distributed_optimizer_with_torch_adam"
     assert unpatched[defect] == "defect", f"megatron-core fixed {defect}: delete its patch"
+
+
+def test_biased_local_experts_still_fail(unpatched):
+    assert unpatched["biased_local_experts"] == "defect", (
+        "megatron-core's local experts add their bias out of place now: drop the refusal of "
+        "--num-experts with biases in megatron_lm.check_args")
 
 
 def test_uncached_causal_mask_is_still_present(unpatched):

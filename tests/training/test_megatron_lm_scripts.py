@@ -13,6 +13,7 @@ import sys
 import warnings
 
 import pytest
+import torch
 
 from megatron_adacc import corpus
 from helpers.pretrain import torchrun
@@ -140,8 +141,8 @@ LLAMA3_8B = [
     "--tensorboard-dir", "{tensorboard}",
 ]
 
-# examples/mixtral/train_mixtral_8x7b_distributed.sh without MOE_ARGS' MoE flags (and
-# --expert-model-parallel-size): $1 checkpoint, $2 tokenizer model, $3 data prefix.
+# examples/mixtral/train_mixtral_8x7b_distributed.sh: $1 checkpoint, $2 tokenizer model, $3 data
+# prefix.
 MIXTRAL_8X7B = [
     # MODEL_ARGS
     "--use-mcore-models",
@@ -164,7 +165,12 @@ MIXTRAL_8X7B = [
     "--no-masked-softmax-fusion",
     "--no-position-embedding",
     "--rotary-base", "1000000",
-    # MOE_ARGS: its two data-parallel flags stay
+    # MOE_ARGS
+    "--num-experts", "4",                       # size: 8
+    "--moe-router-topk", "2",
+    "--moe-router-load-balancing-type", "aux_loss",
+    "--moe-aux-loss-coeff", "1e-2",
+    "--moe-token-dispatcher-type", "alltoall",
     "--overlap-param-gather",
     "--overlap-grad-reduce",
     # DATA_ARGS
@@ -187,6 +193,7 @@ MIXTRAL_8X7B = [
     # MODEL_PARALLEL_ARGS
     "--tensor-model-parallel-size", "1",
     "--pipeline-model-parallel-size", "1",      # size: 4
+    "--expert-model-parallel-size", "1",        # size: 8
     "--use-distributed-optimizer",
     "--sequence-parallel",
     # LOGGING_ARGS
@@ -199,6 +206,94 @@ MIXTRAL_8X7B = [
     "--tensorboard-dir", "{checkpoint}/tensorboard",
     "--no-load-optim",
     "--no-load-rng",
+]
+
+# examples/gptoss/02_train.sh, its mock-data path: $1 checkpoint.
+GPT_OSS = [
+    # MODEL_ARGS
+    "--no-masked-softmax-fusion",
+    "--transformer-impl", "local",              # the script's transformer_engine: not installed
+    "--disable-bias-linear",
+    "--untie-embeddings-and-output-weights",
+    "--no-rope-fusion",
+    "--normalization", "RMSNorm",
+    "--num-layers", "2",                        # size: 12
+    "--hidden-size", "64",                      # size: 512
+    "--ffn-hidden-size", "128",                 # size: 2048
+    "--num-attention-heads", "8",               # size: 64
+    "--group-query-attention",
+    "--num-query-groups", "2",                  # size: 8
+    "--seq-length", "32",                       # size: 8192
+    "--max-position-embeddings", "32",          # size: 8192
+    "--use-mcore-models",
+    "--rotary-percent", "1.0",
+    "--rope-type", "rope",
+    "--position-embedding-type", "rope",
+    "--rotary-base", "10000",
+    "--no-bias-gelu-fusion",
+    "--no-bias-dropout-fusion",
+    "--quick-geglu",
+    "--glu-linear-offset", "1.0",
+    "--softmax-type", "learnable",
+    "--window-attn-skip-freq", "2",
+    "--activation-func-clamp-value", "7.0",
+    "--window-size", "15,0",                    # size: 127,0
+    # MOE_ARGS
+    "--num-experts", "4",
+    "--moe-router-topk", "2",
+    "--moe-router-load-balancing-type", "aux_loss",
+    "--moe-aux-loss-coeff", "1e-3",
+    "--moe-token-dispatcher-type", "alltoall",
+    "--overlap-param-gather",
+    "--overlap-grad-reduce",
+    "--moe-ffn-hidden-size", "128",             # size: 2048
+    "--moe-router-dtype", "fp32",
+    "--moe-z-loss-coeff", "1e-3",
+    # DATA_ARGS_LIST, mock data
+    "--mock-data",
+    "--tokenizer-type", "NullTokenizer",
+    "--vocab-size", "512",                      # size: 128256
+    "--data-cache-path", "{cache}",
+    "--tiktoken-pattern", "v2",
+    "--split", "99,1,0",                        # written '99,1,0', as in the Llama-3 script
+    "--no-create-attention-mask-in-dataloader",
+    "--no-mmap-bin-files",
+    "--num-workers", "1",
+    # TRAINING_ARGS
+    "--micro-batch-size", "1",
+    "--global-batch-size", "2",                 # size: 128
+    "--lr", "1.0e-5",
+    "--train-samples", "4",                     # size: 1953125000 (2 iterations)
+    "--lr-decay-samples", "4",                  # size: 1949218748
+    "--lr-decay-style", "cosine",
+    "--min-lr", "1.0e-6",
+    "--weight-decay", "0.1",
+    "--lr-warmup-fraction", "0.05",
+    "--clip-grad", "1.0",
+    "--bf16",
+    "--use-flash-attn",
+    "--attention-softmax-in-fp32",
+    "--accumulate-allreduce-grads-in-fp32",
+    "--disable-bf16-reduced-precision-matmul",
+    "--recompute-activations",
+    # MODEL_PARALLEL_ARGS
+    "--tensor-model-parallel-size", "1",
+    "--pipeline-model-parallel-size", "1",      # size: the GPUs
+    "--expert-model-parallel-size", "1",
+    "--sequence-parallel",
+    "--context-parallel-size", "1",
+    "--use-distributed-optimizer",
+    # LOGGING_ARGS
+    "--log-interval", "1",
+    "--save-interval", "10000",
+    "--eval-interval", "50000000",
+    "--eval-iters", "0",
+    "--save", "{checkpoint}",
+    "--tensorboard-dir", "{checkpoint}/tensorboard",
+    "--moe-per-layer-logging",
+    "--no-load-optim",
+    "--no-load-rng",
+    "--log-throughput",
 ]
 
 # Flags of the scripts left out, and why.
@@ -216,9 +311,15 @@ DROPPED = {
             "CUDA's profiler (nsys); the steps are past a 2-iteration run anyway",
     },
     "mixtral_8x7b": {
-        "--num-experts 8, --moe-router-topk 2, --moe-router-load-balancing-type aux_loss, "
-        "--moe-aux-loss-coeff 1e-2, --moe-grouped-gemm, --moe-token-dispatcher-type "
-        "alltoall, --expert-model-parallel-size 8": "MoE, a later step for Adacc (issue 43)",
+        "--moe-grouped-gemm": "grouped GEMM kernels, on a GPU (refused here in one line)",
+    },
+    "gpt_oss": {
+        "--enable-gpt-oss, --export-force-local-attention": "Megatron-LM 0.19.2's parser "
+        "refuses them itself (later Megatron-LM flags)",
+        "--moe-grouped-gemm, --moe-permute-fusion": "grouped GEMM and fused permutation "
+        "kernels, on a GPU (Transformer Engine's)",
+        "--fp8-format hybrid, --fp8-param-gather, --fp8-amax-compute-algo max, "
+        "--fp8-amax-history-len 1024": "fp8 is Transformer Engine's, on a GPU",
     },
 }
 
@@ -307,18 +408,18 @@ def test_fim_data_trains_with_a_text_tokenizer(data, monkeypatch):
     assert [r["iteration"] for r in megatron_lm.session().records] == [1, 2]
 
 
-def _flags(script: list[str], data: dict, tmp_path, data_key: str | None = None) -> list[str]:
+def _flags(script: list[str], data: dict, tmp_path, data_key: str | None = None,
+           added: list[str] = ADACC) -> list[str]:
     values = {"checkpoint": str(tmp_path / "checkpoints"), "tensorboard": str(tmp_path / "tb"),
               "cache": str(tmp_path / "cache"), "vocab": data["vocab"],
               "merges": data["merges"], "tokenizer": data["tokenizer"],
               "data": data[data_key] if data_key else ""}
-    return [flag.format(**values) for flag in script] + ADACC
+    return [flag.format(**values) for flag in script] + added
 
 
 @pytest.mark.parametrize("name, script, data_key", [
     ("gpt3_175b", GPT3_175B, "gpt2_data"),
     ("llama3_8b", LLAMA3_8B, None),
-    ("mixtral_8x7b", MIXTRAL_8X7B, "llama_data"),
 ])
 def test_script_trains_two_iterations_with_adacc(name, script, data_key, data, tmp_path):
     import pretrain_gpt
@@ -338,6 +439,41 @@ def test_script_trains_two_iterations_with_adacc(name, script, data_key, data, t
         # At tensor-parallel size 1, Megatron-LM disables it with a warning.
         assert session.args.sequence_parallel is False
         assert any("Disabling sequence parallelism" in str(w.message) for w in caught)
+
+
+# Adacc's layer is dense: the mixture-of-experts scripts train Megatron-LM's own layers, experts
+# and all, without a policy. Adacc's layer spec used to replace them with a dense MLP, silently.
+@pytest.mark.parametrize("script, data_key", [(MIXTRAL_8X7B, "llama_data"), (GPT_OSS, None)],
+                         ids=["mixtral_8x7b", "gpt_oss"])
+def test_a_mixture_of_experts_script_trains_megatron_lms_layers(script, data_key, data,
+                                                                 tmp_path):
+    import pretrain_gpt
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    from megatron_adacc import megatron_lm
+
+    assert pretrain_gpt.main(_flags(script, data, tmp_path, data_key,
+                                    added=["--transformer-impl", "local"])) == 0
+    session = megatron_lm.session()
+    assert [r["iteration"] for r in session.records] == [1, 2]
+    assert all(r["loss"] is not None and r["loss"] > 0 for r in session.records)
+    layers = session.model.decoder.layers
+    assert all(isinstance(layer.mlp, MoELayer) for layer in layers)
+    assert [len(layer.mlp.experts.local_experts) for layer in layers] == [4, 4]
+    if script is GPT_OSS:  # its attention: a learnt softmax offset, every other layer windowed
+        attention = [layer.self_attention.core_attention for layer in layers]
+        assert all(isinstance(a.softmax_offset, torch.nn.Parameter) for a in attention)
+        assert [a.scale_mask_softmax.window_size for a in attention] == [(15, 0), None]
+
+
+def test_a_policy_refuses_the_mixtral_scripts_experts_in_one_line(data, tmp_path, capsys):
+    import pretrain_gpt
+
+    assert pretrain_gpt.main(_flags(MIXTRAL_8X7B, data, tmp_path, "llama_data")) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "pretrain_gpt.py: error: --adacc-policy auto: --num-experts 4 builds a "
+        "mixture-of-experts MLP, and Adacc's layer knows the dense GPT and Llama layers only; "
+        "without a policy (--adacc-policy none) Megatron-LM trains it as it is")
 
 
 def test_llama3_script_at_dp2_and_tp2(data, tmp_path):

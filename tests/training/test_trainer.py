@@ -250,6 +250,28 @@ def test_a_virtual_pipeline_without_a_policy_trains_every_iteration(tmp_path):
     assert virtual[-1] < virtual[0]
 
 
+def test_without_a_policy_the_layer_is_megatron_lms_for_every_flag():
+    # Adacc's dense layer spec stood in for Megatron-LM's and dropped --qk-layernorm silently.
+    layers = pretrain("--train-iters", "1", "--qk-layernorm").model.decoder.layers
+    assert all(isinstance(layer.self_attention.q_layernorm, torch.nn.LayerNorm)
+               and isinstance(layer.self_attention.k_layernorm, torch.nn.LayerNorm)
+               for layer in layers)
+
+
+def test_the_flash_backend_reaches_every_layer_of_an_experts_block():
+    # Megatron-LM's spec for experts is a block's, one spec per layer.
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    from megatron_adacc.models.flash_attention import FlashDotProductAttention
+
+    layers = pretrain("--train-iters", "1", "--num-experts", "2", "--disable-bias-linear",
+                      "--attention-backend", "flash", "--attention-dropout", "0",
+                      "--hidden-dropout", "0").model.decoder.layers
+    assert len(layers) == 2
+    assert all(isinstance(layer.mlp, MoELayer) and isinstance(
+        layer.self_attention.core_attention, FlashDotProductAttention) for layer in layers)
+
+
 def test_auto_refuses_a_virtual_pipeline_in_one_line(tmp_path):
     done = forked.torchrun(2, [ROOT / "pretrain_gpt.py", *TINY, "--train-iters", "2",
                                "--num-layers", "4", "--pipeline-model-parallel-size", "2",
