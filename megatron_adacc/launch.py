@@ -152,6 +152,12 @@ def parse(argv: Sequence[str], prog: str = "pretrain_gpt.py") -> argparse.Namesp
               "plain path runs them", file=sys.stderr, flush=True)
     if args.seed <= 0:  # Megatron-LM raises a ValueError once the process groups exist
         raise ConfigError(f"--seed {args.seed}: Megatron-LM seeds with a positive integer")
+    if args.init_model_with_meta_device and not (args.use_torch_fsdp2 or args.use_megatron_fsdp):
+        # Megatron-LM 0.19.2 materialises the meta weights with empty_like, and only an FSDP
+        # wrapper initialises them: the run would train on whatever memory held.
+        raise ConfigError("--init-model-with-meta-device leaves the weights uninitialised "
+                          "without an FSDP wrapper (--use-megatron-fsdp, --use-torch-fsdp2); "
+                          "drop it")
     if args.lr is None:  # Megatron-LM would pass it on to torch's AdamW, which raises TypeError
         raise ConfigError("--lr is required: Megatron-LM has no default learning rate")
     _check_profile(args)

@@ -216,10 +216,12 @@ def _cpu_shared_embedding() -> None:
 
 def _cpu_rotary_embedding() -> None:
     # RotaryEmbedding.get_emb moves inv_freq to torch.cuda.current_device() at the first
-    # forward.
-    from megatron.core.models.common.embeddings import rotary_pos_embedding
+    # forward, and YaRN's (--position-embedding-type yarn) its two frequency tables.
+    from megatron.core.models.common.embeddings import (rotary_pos_embedding,
+                                                        yarn_rotary_pos_embedding)
 
     rotary_pos_embedding.torch = _HostTorch()
+    yarn_rotary_pos_embedding.torch = _HostTorch()
 
 
 def _cpu_sequence_parallel() -> None:

@@ -90,6 +90,9 @@ probe("cpu_shared_embedding",
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 probe("cpu_rotary_embedding", lambda: RotaryEmbedding(
     kv_channels=16, rotary_percent=1.0, use_cpu_initialization=True).get_emb(8))
+from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import YarnRotaryEmbedding
+probe("cpu_rotary_embedding_yarn", lambda: YarnRotaryEmbedding(
+    kv_channels=16, use_cpu_initialization=True).get_emb(8))
 
 # Sequence parallelism's gathers and scatters allocate on CUDA; they return early in a world
 # of one, so their source is read.
@@ -150,6 +153,12 @@ results["biased_local_experts"] = (
     "defect" if "output += output_bias.unsqueeze(0)" in inspect.getsource(MLP.forward)
     else "ok")
 
+# Meta-device weights are materialised uninitialised outside FSDP: launch.parse refuses the flag.
+from megatron.training import training
+results["meta_init_without_fsdp"] = (
+    "defect" if "torch.empty_like(tensor, device=device)" in inspect.getsource(
+        training.to_empty_if_meta_device) else "ok")
+
 # torch's Adam under the distributed optimizer: a fresh optimizer has no single step, and
 # a loaded step is one tensor for every parameter.
 import inspect
@@ -190,11 +199,12 @@ SHIM_FAILURES = {"cpu_optimizer_type_names": "AssertionError: ",
                                   "cpu_grad_buffers", "cpu_grad_sync", "cpu_optimizer",
                                   "cpu_optimizer_type_names", "cpu_dist_checkpointing",
                                   "cpu_moe", "cpu_moe_dispatcher", "cpu_attention_variants",
-                                  "cpu_attention_offset"])
+                                  "cpu_attention_offset", "cpu_rotary_embedding_yarn"])
 def test_cpu_shim_is_still_needed(unpatched, shim):
     # cpu_pipeline_schedules and cpu_pipeline_p2p are one patch (both modules' CUDA
     # placements), probed separately: it goes when neither needs it; so are cpu_grad_buffers
-    # and cpu_grad_sync, cpu_moe and its dispatcher, cpu_attention_variants and the offset.
+    # and cpu_grad_sync, cpu_moe and its dispatcher, cpu_attention_variants and the offset,
+    # cpu_rotary_embedding and its YaRN.
     assert unpatched[shim] != "ok", f"megatron-core no longer needs {shim}: delete it"
     assert unpatched[shim] == SHIM_FAILURES.get(shim, "cuda"), (
         f"the probe of {shim} no longer reaches the defect")
@@ -213,6 +223,12 @@ def test_biased_local_experts_still_fail(unpatched):
     assert unpatched["biased_local_experts"] == "defect", (
         "megatron-core's local experts add their bias out of place now: drop the refusal of "
         "--num-experts with biases in megatron_lm.check_args")
+
+
+def test_meta_weights_are_still_left_uninitialised_outside_fsdp(unpatched):
+    assert unpatched["meta_init_without_fsdp"] == "defect", (
+        "Megatron-LM initialises meta-device weights outside FSDP now: drop launch.parse's "
+        "refusal of --init-model-with-meta-device")
 
 
 def test_uncached_causal_mask_is_still_present(unpatched):

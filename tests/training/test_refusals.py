@@ -102,6 +102,8 @@ def test_an_unwritable_save_directory_is_refused(tmp_path, capsys, corpus):
      "Invalid choices for recompute_modules: {'bogus'}. Allowed modules are: {"),
     (["--split", "0,0,0"], "--split 0,0,0: expected up to three weights >= 0, the first > 0"),
     (["--seed", "0"], "--seed 0: Megatron-LM seeds with a positive integer"),  # a ValueError
+    (["--init-model-with-meta-device"], "--init-model-with-meta-device leaves the weights "
+     "uninitialised without an FSDP wrapper (--use-megatron-fsdp, --use-torch-fsdp2); drop it"),
     (["--split", "abc"], "--split abc: expected up to three weights >= 0, the first > 0"),
     (["--profile", "--use-pytorch-profiler"],
      "--use-pytorch-profiler writes its traces to --tensorboard-dir; give one"),

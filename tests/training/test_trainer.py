@@ -258,6 +258,16 @@ def test_without_a_policy_the_layer_is_megatron_lms_for_every_flag():
                for layer in layers)
 
 
+def test_yarn_positions_train_on_a_cpu():
+    # YaRN's frequency tables went to CUDA at the first forward (megatron_compat's shim).
+    from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
+        YarnRotaryEmbedding)
+
+    session = pretrain("--train-iters", "2", "--position-embedding-type", "yarn")
+    assert isinstance(session.model.rotary_pos_emb, YarnRotaryEmbedding)
+    assert all(math.isfinite(record["loss"]) for record in session.records)
+
+
 def test_the_flash_backend_reaches_every_layer_of_an_experts_block():
     # Megatron-LM's spec for experts is a block's, one spec per layer.
     from megatron.core.transformer.moe.moe_layer import MoELayer
