@@ -251,6 +251,9 @@ PACKAGE_FLAGS = (
      "emerging_optimizers", "emerging-optimizers"),
     (lambda args: args.enable_ft_package, "--enable-ft-package", "nvidia_resiliency_ext",
      "nvidia-resiliency-ext"),
+    # megatron-core finds the fused router missing only in the first forward
+    (lambda args: args.moe_router_fusion, "--moe-router-fusion", "transformer_engine",
+     "transformer-engine"),
 )
 
 
@@ -275,6 +278,8 @@ CUDA_ONLY_FLAGS = {
     "check_weight_hash_across_dp_replicas_interval": (
         "--check-weight-hash-across-dp-replicas-interval", "gathers weights' hashes on the GPU"),
     "moe_grouped_gemm": ("--moe-grouped-gemm", "runs the experts' grouped GEMMs on the GPU"),
+    "moe_shared_expert_overlap": ("--moe-shared-expert-overlap",
+                                  "overlaps the shared experts on a CUDA stream"),
 }
 
 
@@ -485,15 +490,32 @@ def _stop_if_interrupted(original, *args, **kwargs):
     return result
 
 
-def _wrap_training(name: str, wrapper: Callable) -> None:
-    """``megatron.training.training.<name>`` as ``wrapper(original, ...)``; again, not twice."""
-    from megatron.training import training
+def _wrap(owner, name: str, wrapper: Callable) -> None:
+    """``owner.<name>`` (a module's function or a class's method) as ``wrapper(original, ...)``.
 
-    original = getattr(training, name)
+    Wrapping again replaces the wrapper, never nests it."""
+    original = getattr(owner, name)
     original = getattr(original, "__wrapped_by_launch__", original)
-    wrapped = functools.partial(wrapper, original)
+
+    @functools.wraps(original)
+    def wrapped(*args, **kwargs):
+        return wrapper(original, *args, **kwargs)
+
     wrapped.__wrapped_by_launch__ = original
-    setattr(training, name, wrapped)
+    setattr(owner, name, wrapped)
+
+
+def _built_or_refused(original, *args, **kwargs):
+    """Megatron-LM's model build, whose config checks (assertions, ValueErrors) are bad flags.
+
+    megatron-core asserts some flags only while it builds a layer, e.g. the DeepEP dispatcher's
+    parallel sizes, and so does the flash core attention its own."""
+    try:
+        return original(*args, **kwargs)
+    except (AssertionError, ValueError) as exc:
+        # megatron-core's build_module adds the module it was building, once per level
+        raise ConfigError(re.sub(r"( when instantiating \w+)+$", "", assertion_line(exc))
+                          ) from None
 
 
 def _loaded_or_refused(original, *args, **kwargs):
@@ -603,9 +625,11 @@ def _choose_checkpoint(args: argparse.Namespace, rank: int) -> None:
 
 def run(argv: Sequence[str], prog: str, pretrain: Callable[[argparse.Namespace], None]) -> int:
     """Parse ``argv`` and call ``pretrain(args)``; returns the exit status."""
-    from megatron_adacc import megatron_compat, megatron_lm, safe_checkpoint
-
     import torch.distributed as dist
+    from megatron.training import training
+    from megatron.training.models.gpt import GPTModelBuilder
+
+    from megatron_adacc import megatron_compat, megatron_lm, safe_checkpoint
 
     rank = int(os.environ.get("RANK", "0"))
     owns_process_group = not dist.is_initialized()
@@ -615,8 +639,9 @@ def run(argv: Sequence[str], prog: str, pretrain: Callable[[argparse.Namespace],
         try:
             try:
                 megatron_compat.apply_training()
-                _wrap_training("checkpoint_and_decide_exit", _stop_if_interrupted)
-                _wrap_training("load_checkpoint", _loaded_or_refused)
+                _wrap(training, "checkpoint_and_decide_exit", _stop_if_interrupted)
+                _wrap(training, "load_checkpoint", _loaded_or_refused)
+                _wrap(GPTModelBuilder, "build_model", _built_or_refused)
                 args = parse(argv, prog)
                 _choose_checkpoint(args, rank)
                 try:

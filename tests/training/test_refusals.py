@@ -164,6 +164,7 @@ def test_experts_with_biases_are_refused_in_one_line(capsys, corpus):
     (["--check-weight-hash-across-dp-replicas-interval", "1"],     # Tensor.cuda()
      "gathers weights' hashes on the GPU"),
     (["--moe-grouped-gemm"], "runs the experts' grouped GEMMs on the GPU"),  # CUDA's init
+    (["--moe-shared-expert-overlap"], "overlaps the shared experts on a CUDA stream"),
 ])
 def test_flags_only_a_gpu_runs_are_refused_without_one(capsys, corpus, flags, needs):
     flag = flags[0] if len(flags) == 1 or flags[1].startswith("--") else " ".join(flags[:2])
@@ -172,7 +173,7 @@ def test_flags_only_a_gpu_runs_are_refused_without_one(capsys, corpus, flags, ne
 
 
 # Each ended in a traceback: megatron-core checks them with a ValueError, in its optimizer's
-# config, and by an ImportError while building the optimizer.
+# config, by an ImportError while building the optimizer, or in the first forward.
 @pytest.mark.parametrize("flags, message", [
     pytest.param(["--fp4-format", "e2m1"], "--fp4-format requires Transformer Engine >= "
                  "2.7.0.dev0 for NVFP4BlockScaling support.",
@@ -188,6 +189,17 @@ def test_flags_only_a_gpu_runs_are_refused_without_one(capsys, corpus, flags, ne
                  "package, which is not installed (pip install nvidia-resiliency-ext)",
                  marks=pytest.mark.skipif(importlib.util.find_spec("nvidia_resiliency_ext")
                                           is not None, reason="installed")),
+    pytest.param(["--num-experts", "2", "--disable-bias-linear", "--moe-router-fusion"],
+                 "--moe-router-fusion needs the transformer-engine package, which is not "
+                 "installed (pip install transformer-engine)",
+                 marks=pytest.mark.skipif(importlib.util.find_spec("transformer_engine")
+                                          is not None, reason="installed")),
+    # megatron-core asserts these only while it builds the layers
+    (["--num-experts", "2", "--disable-bias-linear", "--moe-token-dispatcher-type", "flex"],
+     "DeepEP dispatcher requires TPxEP > 1"),
+    (["--attention-backend", "flash", "--attention-dropout", "0", "--window-size", "8,0"],
+     "--attention-backend flash does not support window attention yet; use --attention-backend "
+     "unfused"),
 ])
 def test_megatron_cores_own_checks_past_the_parser_are_one_line(capsys, corpus, flags, message):
     assert refused(capsys, [*data_flags(corpus), *flags]) == f"pretrain_gpt.py: error: {message}"
