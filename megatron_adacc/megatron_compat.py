@@ -281,11 +281,21 @@ def _host_l2_norm(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
 def _cpu_moe() -> None:
     # Mixture of experts: the router moves its weight to torch.cuda.current_device() at its
     # first forward and makes its loss tensors there; the all-to-all dispatcher copies its token
-    # counts to the host on a side CUDA stream.
+    # counts to the host on a side CUDA stream, as the numpy arrays all_to_all_single takes for
+    # split sizes, and leaves a host tensor a tensor, which it refuses.
     from megatron.core.transformer.moe import router, token_dispatcher
 
     router.torch = _HostTorch()
     token_dispatcher.torch = _HostTorch()
+    to_cpu = token_dispatcher.maybe_move_tensor_to_cpu
+
+    @functools.wraps(to_cpu)
+    def maybe_move_tensor_to_cpu(tensor, as_numpy=False, record_stream=False):
+        if as_numpy and torch.is_tensor(tensor):
+            return tensor.numpy()
+        return to_cpu(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    token_dispatcher.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
 
 
 def _cpu_attention_variants() -> None:

@@ -138,6 +138,9 @@ probe("cpu_moe", lambda: router.Router.gating(types.SimpleNamespace(
     torch.ones(1, 2)))
 results["cpu_moe_dispatcher"] = "defect" if "torch.cuda.Stream()" in inspect.getsource(
     token_dispatcher.MoEAlltoAllTokenDispatcher.__init__) else "ok"
+# ... and gives all_to_all_single its split sizes as numpy arrays only from a CUDA tensor.
+results["cpu_moe_splits"] = "defect" if "tensor.is_cuda" in inspect.getsource(
+    token_dispatcher.maybe_move_tensor_to_cpu) else "ok"
 
 # Attention variants: the sliding window's mask is made on CUDA, a softmax offset too (source).
 from megatron.core.transformer.dot_product_attention import DotProductAttention
@@ -189,7 +192,7 @@ def unpatched():
 # is read.
 SHIM_FAILURES = {"cpu_optimizer_type_names": "AssertionError: ",
                  "cpu_sequence_parallel": "defect", "cpu_moe_dispatcher": "defect",
-                 "cpu_attention_offset": "defect"}
+                 "cpu_moe_splits": "defect", "cpu_attention_offset": "defect"}
 
 
 @pytest.mark.parametrize("shim", ["cpu_global_memory_buffer", "cpu_rng_tracker",
@@ -198,7 +201,8 @@ SHIM_FAILURES = {"cpu_optimizer_type_names": "AssertionError: ",
                                    "cpu_rotary_embedding", "cpu_sequence_parallel",
                                   "cpu_grad_buffers", "cpu_grad_sync", "cpu_optimizer",
                                   "cpu_optimizer_type_names", "cpu_dist_checkpointing",
-                                  "cpu_moe", "cpu_moe_dispatcher", "cpu_attention_variants",
+                                  "cpu_moe", "cpu_moe_dispatcher", "cpu_moe_splits",
+                                  "cpu_attention_variants",
                                   "cpu_attention_offset", "cpu_rotary_embedding_yarn"])
 def test_cpu_shim_is_still_needed(unpatched, shim):
     # cpu_pipeline_schedules and cpu_pipeline_p2p are one patch (both modules' CUDA

@@ -466,6 +466,17 @@ def test_a_mixture_of_experts_script_trains_megatron_lms_layers(script, data_key
         assert [a.scale_mask_softmax.window_size for a in attention] == [(15, 0), None]
 
 
+def test_the_mixtral_script_splits_its_experts_over_two_ranks(data, tmp_path):
+    # Expert parallelism: the all-to-all dispatcher passed host tensors as split sizes, which
+    # gloo's all_to_all_single refused with a TypeError.
+    flags = _flags(MIXTRAL_8X7B, data, tmp_path, "llama_data", added=[
+        "--transformer-impl", "local", "--expert-model-parallel-size", "2"])
+    reports = torchrun(2, {"ep2": []}, *flags, tiny=False)
+    for rank in reports["ep2"]:
+        assert [r["iteration"] for r in rank["records"]] == [1, 2]
+        assert all(r["loss"] is not None and r["loss"] > 0 for r in rank["records"])
+
+
 def test_a_policy_refuses_the_mixtral_scripts_experts_in_one_line(data, tmp_path, capsys):
     import pretrain_gpt
 
