@@ -141,6 +141,13 @@ def check_args(args: argparse.Namespace) -> None:
         raise ConfigError(f"--adacc-policy {config.policy} runs Adacc's layer, which builds on "
                           f"megatron-core's local spec; add --transformer-impl local "
                           f"(Transformer Engine's spec is not supported yet)")
+    fsdp = ("--use-megatron-fsdp" if args.use_megatron_fsdp
+            else "--use-torch-fsdp2" if args.use_torch_fsdp2 else None)
+    if fsdp and policies.uses_runtime(config.policy):
+        # engine_memory reads DistributedDataParallel's buffers for the budget's static bytes
+        raise ConfigError(f"--adacc-policy {config.policy} budgets DistributedDataParallel's "
+                          f"buffers, and {fsdp} shards them its own way, which Adacc does not "
+                          f"count yet; drop one of them")
     if policies.uses_runtime(config.policy):
         try:
             family.require_modelled_layer(args)

@@ -108,9 +108,12 @@ def engine_static_bytes(model_chunks, optimizer) -> int:
 
     - the distinct storages of the parameters and buffers;
     - DistributedDataParallel's gradient buffers (and parameter buffers, under the distributed
-      optimizer) and the optimizer's main parameters;
+      optimizer) and the optimizer's main parameters. An FSDP wrapper's own buffers are not
+      read: under one only policy none runs (megatron_lm.check_args);
     - Adam's state, which torch allocates at the first step: two moments like each main
       parameter (its shard, under the distributed optimizer) and a step count."""
+    from megatron.core.distributed import DistributedDataParallel
+
     storages: dict[int, int] = {}
 
     def hold(tensor: torch.Tensor) -> None:
@@ -120,6 +123,8 @@ def engine_static_bytes(model_chunks, optimizer) -> int:
     for chunk in model_chunks:
         for tensor in (*chunk.module.parameters(), *chunk.module.buffers()):
             hold(tensor)
+        if not isinstance(chunk, DistributedDataParallel):
+            continue
         for buffer in (*chunk.buffers, *chunk.expert_parallel_buffers):
             hold(buffer.grad_data)
             if buffer.param_data is not None:

@@ -35,3 +35,18 @@ def test_an_optimizer_that_is_not_adam_has_no_workspace():
     param = torch.nn.Parameter(torch.randn(10))
     assert engine_memory.adam_workspace_bytes(torch.optim.SGD([param], lr=0.1,
                                                               foreach=True)) == 0
+
+
+def test_a_wrapper_other_than_megatrons_ddp_is_read_for_parameters_and_state_alone():
+    # An FSDP wrapper is a Module without DistributedDataParallel's buffer lists: reading them
+    # failed (``chunk.buffers`` is Module.buffers there). Policy none still reads the engine.
+    class Wrapper(torch.nn.Module):
+        def __init__(self, module):
+            super().__init__()
+            self.module = module
+
+    linear = torch.nn.Linear(4, 4)
+    optimizer = type("Megatron", (), {"optimizer": torch.optim.Adam(linear.parameters())})()
+    params = (16 + 4) * 4                   # the weight and bias, the optimizer's main params
+    adam = 2 * (16 + 4) * 4 + 2 * 4         # two moments and a step count each
+    assert engine_memory.engine_static_bytes([Wrapper(linear)], optimizer) == params + adam

@@ -456,6 +456,23 @@ def test_a_run_shuts_down_the_process_groups_it_set_up(tmp_path, corpus):
     assert done.stdout.splitlines()[-1] == "[0, 2] False False", done.stderr[-2000:]
 
 
+@pytest.mark.parametrize("flag", ["--use-megatron-fsdp", "--use-torch-fsdp2"])
+def test_fsdp_under_a_policy_is_refused_in_one_line(flag, monkeypatch):
+    # A GPU's flags (a CPU refuses them first): Adacc's budget read DDP's buffers, which the
+    # FSDP wrappers do not have. Set past the parser, as on a GPU.
+    from megatron_adacc import megatron_lm
+    from helpers.pretrain import parse
+
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    args = parse("--adacc-policy", "quantize")
+    setattr(args, flag[2:].replace("-", "_"), True)
+    with pytest.raises(megatron_lm.ConfigError) as info:
+        megatron_lm.check_args(args)
+    assert str(info.value) == (f"--adacc-policy quantize budgets DistributedDataParallel's "
+                               f"buffers, and {flag} shards them its own way, which Adacc does "
+                               f"not count yet; drop one of them")
+
+
 def test_the_pipeline_size_field_names_its_own_flag():
     with pytest.raises(TypeError) as info:
         AdaccConfig(pipeline_model_parallel_size=2.0)
