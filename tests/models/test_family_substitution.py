@@ -94,3 +94,15 @@ def test_an_mlp_declares_terms_for_exactly_its_sites():
                   {"gelu_in": gelu_in, "swiglu_up": gelu_in, "gelu_out": gelu_out}):  # a site
         with pytest.raises(ValueError, match="MLP gelu: its terms must be those of its sites"):
             replace(GELU_MLP, site_terms=terms)
+
+
+def test_each_unmodelled_layer_flag_is_megatron_lms_and_off_by_default():
+    # The table names Megatron-LM's flags by hand: a renamed flag or a new default would let a
+    # layer no family describes through unrefused.
+    from megatron_adacc.launch import build_parser
+    from megatron_adacc.models import family
+
+    actions = {action.dest: action for action in build_parser()._actions}
+    for name, flag, off, _ in family.UNMODELLED_LAYER_FLAGS:
+        assert flag in actions[name].option_strings, name
+        assert actions[name].default == off, name
