@@ -162,6 +162,7 @@ def parse(argv: Sequence[str], prog: str = "pretrain_gpt.py") -> argparse.Namesp
         raise ConfigError("--lr is required: Megatron-LM has no default learning rate")
     _check_profile(args)
     _check_cuda_only_flags(args)
+    _check_packages(args)  # before validate_args, which imports some of them itself
     _check_outputs(args)
     _default_data(args)
     try:
@@ -171,7 +172,6 @@ def parse(argv: Sequence[str], prog: str = "pretrain_gpt.py") -> argparse.Namesp
     except (AssertionError, ValueError) as exc:  # e.g. --fp4-format without its kernels
         raise ConfigError(assertion_line(exc)) from None
     _check_tokenizer_files(args)
-    _check_packages(args)
     megatron_compat.eval_interval_default(args)
     if args.wandb_project and not (args.wandb_save_dir or args.save):
         # Megatron-LM joins None to a path, a TypeError, when it builds the writer.
@@ -254,6 +254,13 @@ PACKAGE_FLAGS = (
     # megatron-core finds the fused router missing only in the first forward
     (lambda args: args.moe_router_fusion, "--moe-router-fusion", "transformer_engine",
      "transformer-engine"),
+    # these two at the first save
+    (lambda args: args.non_persistent_ckpt_type == "local", "--non-persistent-ckpt-type local",
+     "nvidia_resiliency_ext", "nvidia-resiliency-ext"),
+    (lambda args: (args.async_save and args.use_persistent_ckpt_worker
+                   and args.async_strategy == "nvrx"),
+     "--async-save --use-persistent-ckpt-worker --async-strategy nvrx", "nvidia_resiliency_ext",
+     "nvidia-resiliency-ext"),
 )
 
 
@@ -266,32 +273,38 @@ def _check_packages(args: argparse.Namespace) -> None:
                               f"is not installed (pip install {package})")
 
 
-# Megatron-LM's flags that only a GPU can run, with what each needs of it: on a host they
-# failed in a traceback, at the model's wrapping or in the first step's log.
+# Megatron-LM's flags that only a GPU can run (all of a tuple given together), with what they
+# need of it: on a host they failed in a traceback, at the model's wrapping, in the first
+# step's log, or in a worker process (the persistent one, which then left the run hanging).
 CUDA_ONLY_FLAGS = {
-    "log_memory_to_tensorboard": ("--log-memory-to-tensorboard", "reads the GPU's memory"),
-    "log_device_memory_used": ("--log-device-memory-used", "reads the GPU's memory"),
-    "record_memory_history": ("--record-memory-history", "reads the GPU's memory"),
-    "use_torch_fsdp2": ("--use-torch-fsdp2", "shards over a CUDA device mesh"),
-    "use_megatron_fsdp": ("--use-megatron-fsdp", "shards over a CUDA device mesh"),
-    "cuda_graph_impl": ("--cuda-graph-impl", "captures CUDA graphs"),
-    "check_weight_hash_across_dp_replicas_interval": (
-        "--check-weight-hash-across-dp-replicas-interval", "gathers weights' hashes on the GPU"),
-    "moe_grouped_gemm": ("--moe-grouped-gemm", "runs the experts' grouped GEMMs on the GPU"),
-    "moe_shared_expert_overlap": ("--moe-shared-expert-overlap",
-                                  "overlaps the shared experts on a CUDA stream"),
+    ("log_memory_to_tensorboard",): "reads the GPU's memory",
+    ("log_device_memory_used",): "reads the GPU's memory",
+    ("record_memory_history",): "reads the GPU's memory",
+    ("use_torch_fsdp2",): "shards over a CUDA device mesh",
+    ("use_megatron_fsdp",): "shards over a CUDA device mesh",
+    ("cuda_graph_impl",): "captures CUDA graphs",
+    ("check_weight_hash_across_dp_replicas_interval",): "gathers weights' hashes on the GPU",
+    ("moe_grouped_gemm",): "runs the experts' grouped GEMMs on the GPU",
+    ("moe_shared_expert_overlap",): "overlaps the shared experts on a CUDA stream",
+    ("async_save", "use_persistent_ckpt_worker"): "saves from a worker process on a GPU",
 }
 
 
 def _check_cuda_only_flags(args: argparse.Namespace) -> None:
     import torch
 
-    given = [(flag, needs, getattr(args, name)) for name, (flag, needs) in
-             CUDA_ONLY_FLAGS.items() if getattr(args, name, None) not in (None, False, "none")]
-    if given and not torch.cuda.is_available():
-        flag, needs, value = given[0]
-        flag = flag if value is True else f"{flag} {value}"
-        raise ConfigError(f"{flag} {needs}, and this machine has no GPU; drop it")
+    def given(name: str) -> bool:
+        return getattr(args, name, None) not in (None, False, "none")
+
+    def text(name: str) -> str:
+        value = getattr(args, name)
+        flag = "--" + name.replace("_", "-")
+        return flag if value is True else f"{flag} {value}"
+
+    for names, needs in CUDA_ONLY_FLAGS.items():
+        if all(map(given, names)) and not torch.cuda.is_available():
+            raise ConfigError(f"{' '.join(map(text, names))} {needs}, and this machine has no "
+                              f"GPU; drop {'it' if len(names) == 1 else 'them'}")
 
 
 def _check_outputs(args: argparse.Namespace) -> None:

@@ -172,6 +172,16 @@ def test_flags_only_a_gpu_runs_are_refused_without_one(capsys, corpus, flags, ne
         f"pretrain_gpt.py: error: {flag} {needs}, and this machine has no GPU; drop it")
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU runs them")
+def test_an_asynchronous_save_from_a_persistent_worker_is_refused_without_a_gpu(capsys, corpus,
+                                                                               tmp_path):
+    # Its worker process divided by the GPU count, 0, and the run hung waiting for it.
+    assert refused(capsys, [*data_flags(corpus), "--save", str(tmp_path), "--async-save",
+                            "--use-persistent-ckpt-worker", "--async-strategy", "mcore"]) == (
+        "pretrain_gpt.py: error: --async-save --use-persistent-ckpt-worker saves from a worker "
+        "process on a GPU, and this machine has no GPU; drop them")
+
+
 # Each ended in a traceback: megatron-core checks them with a ValueError, in its optimizer's
 # config, by an ImportError while building the optimizer, or in the first forward.
 @pytest.mark.parametrize("flags, message", [
@@ -194,6 +204,11 @@ def test_flags_only_a_gpu_runs_are_refused_without_one(capsys, corpus, flags, ne
                  "installed (pip install transformer-engine)",
                  marks=pytest.mark.skipif(importlib.util.find_spec("transformer_engine")
                                           is not None, reason="installed")),
+    pytest.param(["--non-persistent-save-interval", "1", "--non-persistent-ckpt-type", "local"],
+                 "--non-persistent-ckpt-type local needs the nvidia-resiliency-ext package, "
+                 "which is not installed (pip install nvidia-resiliency-ext)",
+                 marks=pytest.mark.skipif(importlib.util.find_spec("nvidia_resiliency_ext")
+                                          is not None, reason="installed")),
     # megatron-core asserts these only while it builds the layers
     (["--num-experts", "2", "--disable-bias-linear", "--moe-token-dispatcher-type", "flex"],
      "DeepEP dispatcher requires TPxEP > 1"),
@@ -203,6 +218,26 @@ def test_flags_only_a_gpu_runs_are_refused_without_one(capsys, corpus, flags, ne
 ])
 def test_megatron_cores_own_checks_past_the_parser_are_one_line(capsys, corpus, flags, message):
     assert refused(capsys, [*data_flags(corpus), *flags]) == f"pretrain_gpt.py: error: {message}"
+
+
+@pytest.mark.skipif(importlib.util.find_spec("nvidia_resiliency_ext") is not None,
+                    reason="installed")
+def test_a_gpus_asynchronous_save_names_the_package_of_its_default_strategy(monkeypatch):
+    # On a GPU the persistent worker saves with nvidia-resiliency-ext unless told mcore; the
+    # flags are set past the parser, as a GPU's would be.
+    from helpers.pretrain import parse
+
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    args = parse()
+    args.async_save = args.use_persistent_ckpt_worker = True
+    args.async_strategy = "nvrx"  # the parser's default; validate_args resets it without a save
+    with pytest.raises(launch.ConfigError) as info:
+        launch._check_packages(args)
+    assert str(info.value) == ("--async-save --use-persistent-ckpt-worker --async-strategy nvrx "
+                               "needs the nvidia-resiliency-ext package, which is not installed "
+                               "(pip install nvidia-resiliency-ext)")
+    args.async_strategy = "mcore"
+    launch._check_packages(args)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("wget") is not None, reason="wget downloads them")
