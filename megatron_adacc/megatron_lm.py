@@ -471,31 +471,48 @@ class Session:
                           num_floating_point_operations_so_far, checkpointing_context,
                           non_persistent_ckpt, *args, **kwargs)
         state = self.adacc.state_dict() if self.ready else None
-        if (state is not None and self.args.save and not non_persistent_ckpt
-                and policies.is_rank0()):
-            from megatron.training import checkpointing
-
-            directory = Path(checkpointing.get_checkpoint_name(self.args.save, iteration,
-                                                               return_base_dir=True))
+        kept = (not non_persistent_ckpt or self.args.non_persistent_ckpt_type == "global")
+        if state is not None and self.args.save and kept and policies.is_rank0():
+            base = self._non_persistent_dir(self.args.save) if non_persistent_ckpt else (
+                self.args.save)
+            directory = self._state_path(base, iteration).parent
             directory.mkdir(parents=True, exist_ok=True)
             written = directory / f".{ADACC_STATE_FILE}.tmp"
             written.write_text(json.dumps(state))
             written.replace(directory / ADACC_STATE_FILE)  # whole or absent
         return result
 
-    def _resume_tracking(self) -> None:
-        """Tracking's state from the checkpoint --load read, where the saving run tracked."""
+    def _non_persistent_dir(self, base: str) -> str:
+        """Where Megatron-LM keeps global non-persistent checkpoints for ``base``."""
         from megatron.training import checkpointing
 
+        return (self.args.non_persistent_global_ckpt_dir
+                or str(Path(base) / checkpointing._NON_PERSISTENT_CKPT_SUBDIR))
+
+    @staticmethod
+    def _state_path(base: str, iteration: int) -> Path:
+        from megatron.training import checkpointing
+
+        return Path(checkpointing.get_checkpoint_name(base, iteration, return_base_dir=True)
+                    ) / ADACC_STATE_FILE
+
+    def _resume_tracking(self) -> None:
+        """Tracking's state from the checkpoint --load read, where the saving run tracked.
+
+        That is the state saved with the iteration loaded, persistent or not (Megatron-LM's
+        loaded-iteration record names the persistent one even when a newer non-persistent one
+        was loaded)."""
         from megatron_adacc import policies
 
-        iteration = checkpointing.get_loaded_iteration()
+        iteration = self.args.iteration
         if (not self.args.load or self.args.finetune or not iteration or iteration < 1
                 or not self.adacc.config.tracks):
             return
-        path = Path(checkpointing.get_checkpoint_name(self.args.load, iteration,
-                                                      return_base_dir=True)) / ADACC_STATE_FILE
-        if not path.is_file():  # saved without tracking
+        bases = [self.args.load] + ([self._non_persistent_dir(self.args.load)]
+                                    if self.args.non_persistent_ckpt_type == "global" else [])
+        path = next((path for path in (self._state_path(base, iteration) for base in bases)
+                     if path.is_file()), None)
+        if path is None:  # saved without tracking
             return
         rank0 = policies.is_rank0()
         try:

@@ -138,7 +138,14 @@ def test_resume_reproduces_uninterrupted_losses_bit_for_bit(tmp_path):
     assert first + rest == straight
 
 
-def test_auto_resumes_the_plan_tracking_chose_and_the_losses_bit_for_bit(tmp_path):
+@pytest.mark.parametrize("saves", [
+    ["--save-interval", "3"],
+    # Megatron-LM's own record of the loaded iteration names the persistent checkpoint (none
+    # here): tracking's state was neither written with a non-persistent save nor read.
+    ["--save-interval", "100", "--non-persistent-save-interval", "1",
+     "--non-persistent-ckpt-type", "global"],
+], ids=["persistent", "non-persistent"])
+def test_auto_resumes_the_plan_tracking_chose_and_the_losses_bit_for_bit(tmp_path, saves):
     """A guard threshold below any int4 error makes tracking swap plans at iteration 1, on any
     CPU. A run resumed at 3 runs that plan, as the uninterrupted run does; it used to start
     again from the first plan and swap at 4. (The step watch decides on step times: off.)"""
@@ -158,8 +165,8 @@ def test_auto_resumes_the_plan_tracking_chose_and_the_losses_bit_for_bit(tmp_pat
 
     straight = run()
     ck = str(tmp_path / "ck")
-    first = run("--save", ck, "--save-interval", "3", "--exit-interval", "3")
-    rest = run("--load", ck)
+    first = run("--save", ck, *saves, "--exit-interval", "3")
+    rest = run("--load", ck, *saves[2:])
     plans = [r["plan_id"] for r in straight]
     assert plans[2] != plans[0]  # the plan in force at the save is tracking's, not the first
     assert [r["plan_id"] for r in first + rest] == plans
