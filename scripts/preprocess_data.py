@@ -57,6 +57,9 @@ def _training_flags(args: argparse.Namespace) -> str:
 
 def main(argv=None) -> int:
     """Write one dataset per JSON key; returns the exit status (2: bad input, one line)."""
+    from megatron_adacc import megatron_compat
+
+    megatron_compat.quiet_missing_kernel_notices()
     from megatron.core.tokenizers.utils.build_tokenizer import SUPPORTED_TOKENIZERS
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])

@@ -31,3 +31,21 @@ def test_bytes_round_trip_and_train(tmp_path, capsys):
     assert flags[:2] == ["--data-path", f"{prefix}_text_document"]
     records = train(*flags, "--split", "100,0,0", "--train-iters", "1")
     assert len(records) == 1 and records[0]["loss"] > 0
+
+
+def test_a_run_prints_its_one_line_and_nothing_on_stderr(tmp_path):
+    # Megatron-core's import-time notices that Apex and Transformer Engine are missing were
+    # eight lines of warnings before the script's one line.
+    import subprocess
+    import sys
+
+    from helpers.pretrain import child_env
+
+    source = tmp_path / "docs.txt"
+    source.write_text("In the beginning God created the heaven and the earth.\n")
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "preprocess_data.py"),
+                           "--input", str(source), "--output-prefix", str(tmp_path / "out")],
+                          capture_output=True, text=True, env=child_env(), timeout=300)
+    assert done.returncode == 0 and done.stderr == ""
+    assert done.stdout.startswith(f"{tmp_path / 'out'}_text_document: ")
+    assert len(done.stdout.splitlines()) == 1
