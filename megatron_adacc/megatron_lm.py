@@ -165,6 +165,11 @@ def check_args(args: argparse.Namespace) -> None:
         # forbids modifying: the first forward fails.
         raise ConfigError(f"--num-experts {args.num_experts} with biased linear layers fails in "
                           f"megatron-core 0.19.2's local experts; add --disable-bias-linear")
+    if args.num_experts and args.tensor_model_parallel_size > 1 and not args.sequence_parallel:
+        # megatron-core 0.19.2's MoE layer raises a ValueError in the first training forward.
+        raise ConfigError(f"--num-experts with --tensor-model-parallel-size "
+                          f"{args.tensor_model_parallel_size} trains only under "
+                          f"--sequence-parallel in megatron-core 0.19.2; add it")
     args.adacc_tracking = "backoff" if config.tracks else "off"
     args.adacc_memory_budget = config.budget_bytes
 

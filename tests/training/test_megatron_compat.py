@@ -156,6 +156,13 @@ results["biased_local_experts"] = (
     "defect" if "output += output_bias.unsqueeze(0)" in inspect.getsource(MLP.forward)
     else "ok")
 
+# Experts under tensor parallelism refuse to train without sequence parallelism, in the first
+# forward: megatron_lm.check_args refuses the flags.
+from megatron.core.transformer.moe import moe_layer
+results["experts_tp_without_sp"] = (
+    "defect" if "without also enabling sequence parallelism" in inspect.getsource(moe_layer)
+    else "ok")
+
 # Meta-device weights are materialised uninitialised outside FSDP: launch.parse refuses the flag.
 from megatron.training import training
 results["meta_init_without_fsdp"] = (
@@ -227,6 +234,12 @@ def test_biased_local_experts_still_fail(unpatched):
     assert unpatched["biased_local_experts"] == "defect", (
         "megatron-core's local experts add their bias out of place now: drop the refusal of "
         "--num-experts with biases in megatron_lm.check_args")
+
+
+def test_experts_under_tensor_parallelism_still_need_sequence_parallelism(unpatched):
+    assert unpatched["experts_tp_without_sp"] == "defect", (
+        "megatron-core's MoE layer trains under tensor parallelism alone now: drop the refusal "
+        "in megatron_lm.check_args")
 
 
 def test_meta_weights_are_still_left_uninitialised_outside_fsdp(unpatched):

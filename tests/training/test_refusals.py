@@ -145,6 +145,20 @@ def test_a_layer_no_family_describes_is_refused_under_a_policy(capsys, corpus, f
                     f"(--adacc-policy none) Megatron-LM trains it as it is")
 
 
+def test_experts_under_tensor_parallelism_alone_are_refused_in_one_line(monkeypatch):
+    # megatron-core raised a ValueError traceback in the first training forward, on every rank.
+    from megatron_adacc import megatron_lm
+    from helpers.pretrain import parse
+
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    args = parse("--num-experts", "4", "--disable-bias-linear")
+    args.tensor_model_parallel_size = 2  # as two ranks' flags would leave it
+    with pytest.raises(megatron_lm.ConfigError) as info:
+        megatron_lm.check_args(args)
+    assert str(info.value) == ("--num-experts with --tensor-model-parallel-size 2 trains only "
+                               "under --sequence-parallel in megatron-core 0.19.2; add it")
+
+
 def test_experts_with_biases_are_refused_in_one_line(capsys, corpus):
     # megatron-core's local experts failed in the first forward with an autograd RuntimeError.
     assert refused(capsys, [*data_flags(corpus), "--num-experts", "4"]) == (
