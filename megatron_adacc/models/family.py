@@ -285,33 +285,31 @@ def mlp_part(config) -> MlpPart:
 
 
 # --- from Megatron-LM's flags to megatron-core's arguments ------------------------------------
-# Megatron-LM's flags that build a layer no family describes, each with its value when off and
-# what it builds. Adacc's runtime would meet saves it has no site for, and its plan would
+# Megatron-LM's flags (by dest) that build a layer no family describes, each with its value when
+# off and what it builds. Adacc's runtime would meet saves it has no site for, and its plan would
 # price a layer other than the one trained.
 UNMODELLED_LAYER_FLAGS = (
-    ("num_experts", "--num-experts", None, "a mixture-of-experts MLP"),
-    ("qk_layernorm", "--qk-layernorm", False, "norms on the queries and keys"),
-    ("qk_l2_norm", "--qk-l2-norm", False, "norms on the queries and keys"),
-    ("multi_latent_attention", "--multi-latent-attention", False, "multi-latent attention"),
-    ("experimental_attention_variant", "--experimental-attention-variant", None,
-     "another attention"),
-    ("attention_output_gate", "--attention-output-gate", False, "a gated attention output"),
-    ("softmax_type", "--softmax-type", "vanilla", "a softmax with an offset"),
-    ("window_size", "--window-size", None, "sliding-window attention"),
-    ("quick_geglu", "--quick-geglu", False, "another MLP activation"),
-    ("activation_func_clamp_value", "--activation-func-clamp-value", None,
-     "a clamped MLP activation"),
-    ("heterogeneous_layers_config_path", "--heterogeneous-layers-config-path", None,
-     "layers of several shapes"),
-    ("spec", "--spec", None, "the layers of its own spec"),
+    ("num_experts", None, "a mixture-of-experts MLP"),
+    ("qk_layernorm", False, "norms on the queries and keys"),
+    ("qk_l2_norm", False, "norms on the queries and keys"),
+    ("multi_latent_attention", False, "multi-latent attention"),
+    ("experimental_attention_variant", None, "another attention"),
+    ("attention_output_gate", False, "a gated attention output"),
+    ("softmax_type", "vanilla", "a softmax with an offset"),
+    ("window_size", None, "sliding-window attention"),
+    ("quick_geglu", False, "another MLP activation"),
+    ("activation_func_clamp_value", None, "a clamped MLP activation"),
+    ("heterogeneous_layers_config_path", None, "layers of several shapes"),
+    ("spec", None, "the layers of its own spec"),
 )
 
 
 def require_modelled_layer(args) -> None:
     """ValueError naming the first flag in ``args`` that builds a layer no family describes."""
-    for name, flag, off, builds in UNMODELLED_LAYER_FLAGS:
+    for name, off, builds in UNMODELLED_LAYER_FLAGS:
         value = getattr(args, name, off)
         if value != off:
+            flag = "--" + name.replace("_", "-")
             given = flag if value is True else f"{flag} {_flag_text(value)}"
             raise ValueError(f"{given} builds {builds}, and Adacc's layer knows the dense GPT "
                              f"and Llama layers only")
