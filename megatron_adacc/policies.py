@@ -276,9 +276,8 @@ def measured_costs(model, batch, db: ProfileDB, reprofile: bool = False, strict:
     Rank 0 looks the costs up, or measures them, and every rank gets rank 0's copy. To measure,
     every rank of the first pipeline stage runs the profiling steps. Tensor-parallel layers need
     their peers. Every stage's layers are alike, so the first stage's profile serves them all."""
-    config = model.config
     tokens = batch[0]
-    key = profile_key(config, model.vocab_size, tokens.shape[1], tokens.shape[0],
+    key = profile_key(model, tokens.shape[1], tokens.shape[0],
                       profiler.device_name(tokens.device), backend_of(model),
                       _loss_name(loss_fn))
     rank0 = is_rank0()

@@ -2,15 +2,17 @@
 same machine plan without profiling again.
 
 One SQLite file (stdlib ``sqlite3``), one row per profile, keyed by everything that changes
-the measurements: the model's shape, micro-batch, sequence length and dtype, the device, and
-the code that measured it (a hash of the profiler, runtime and codec sources). A ProfileDB of
-another schema, or a file that is not a database at all, is moved aside with a one-line
+the measurements: every setting of the model's config, micro-batch and sequence length, the
+device, and the code that measured it (a hash of the profiler, runtime and codec sources). A
+ProfileDB of another schema, or a file that is not a database at all, is moved aside with a one-line
 warning and a fresh database takes its place: a cache must never stop training. Another
 application's SQLite database (a mistyped path) is refused with an InputError and left as it
 is. Runs sharing the file create its schema under SQLite's write lock, so both find it.
 """
 from __future__ import annotations
 
+import dataclasses
+import enum
 import functools
 import hashlib
 import json
@@ -19,6 +21,8 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+
+import torch
 
 import megatron_adacc
 from megatron_adacc.common.costs import ModelCosts
@@ -53,33 +57,54 @@ def code_version() -> str:
     return f"{megatron_adacc.__version__}+{digest.hexdigest()[:12]}"
 
 
-def profile_key(config, vocab_size: int, seq_length: int, micro_batch_size: int,
-                device: str, attention_backend: str = "unfused",
-                loss: str = "gpt_loss") -> dict[str, Any]:
-    """What a profile depends on, from the model's megatron TransformerConfig and its
-    resolved attention backend (attention.backend_of: the two save different sites), and
-    the loss it was profiled with (what that saves is in the non-layer bytes)."""
+# GPTModel's own settings beside its TransformerConfig: positions and the output layer.
+MODEL_SETTINGS = ("vocab_size", "position_embedding_type", "rotary_percent", "rotary_base",
+                  "share_embeddings_and_output_weights")
+
+
+def profile_key(model, seq_length: int, micro_batch_size: int, device: str,
+                attention_backend: str = "unfused", loss: str = "gpt_loss") -> dict[str, Any]:
+    """What a profile of ``model`` depends on: every setting of its config and of the GPTModel.
+
+    Also its resolved attention backend (attention.backend_of: the two save different sites),
+    the batch, the device and the loss it was profiled with (what that saves is in the
+    non-layer bytes). Every config field counts: a hand-picked few let a Llama's layer reuse a
+    GPT's profile, and mispredict its bytes."""
+    config = model.config
+    settings = {field.name: _setting(getattr(config, field.name))
+                for field in dataclasses.fields(config)}
     return {
+        "config": {name: value for name, value in settings.items() if value is not _UNKEYED},
+        "model": {name: _setting(getattr(model, name, None)) for name in MODEL_SETTINGS},
         "attention_backend": attention_backend,
         "loss": loss,
-        "num_layers": config.num_layers,
-        "hidden_size": config.hidden_size,
-        "num_attention_heads": config.num_attention_heads,
-        "ffn_hidden_size": config.ffn_hidden_size,
         "seq_length": seq_length,
-        "vocab_size": vocab_size,
-        "add_bias_linear": config.add_bias_linear,
-        "hidden_dropout": config.hidden_dropout,
-        "attention_dropout": config.attention_dropout,
-        "softmax_in_fp32": config.attention_softmax_in_fp32,
-        "tensor_model_parallel_size": config.tensor_model_parallel_size,
-        # With pipeline stages the profile is the first stage's (its layers, its memory).
-        "pipeline_model_parallel_size": config.pipeline_model_parallel_size,
-        "params_dtype": str(config.params_dtype).removeprefix("torch."),
         "micro_batch_size": micro_batch_size,
         "device": device,
         "code_version": code_version(),
     }
+
+
+_UNKEYED = object()  # a setting that is no value (a process group, the timers): left out
+
+
+def _setting(value):
+    """``value`` as JSON that is the same in every process, or _UNKEYED."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, enum.Enum):
+        return value.name
+    if isinstance(value, torch.dtype):
+        return str(value).removeprefix("torch.")
+    if isinstance(value, (list, tuple)):
+        items = [_setting(item) for item in value]
+        return _UNKEYED if any(item is _UNKEYED for item in items) else items
+    if isinstance(value, functools.partial):
+        inner = [_setting(item) for item in (value.func, *value.args, *value.keywords.values())]
+        return _UNKEYED if any(item is _UNKEYED for item in inner) else inner
+    if callable(value) and hasattr(value, "__qualname__"):  # e.g. the MLP's activation
+        return f"{getattr(value, '__module__', '')}.{value.__qualname__}"
+    return _UNKEYED
 
 
 def _key_id(key: dict[str, Any]) -> str:

@@ -161,3 +161,28 @@ def test_the_device_a_profile_is_keyed_by_tells_cpus_of_one_model_name_apart(mon
         names.append(profiler.device_name())
     assert names[0].startswith("AMD EPYC (family 25, model 17) (")
     assert names[1].startswith("AMD EPYC (family 26, model 2) (")
+
+
+def test_a_profile_is_keyed_by_every_setting_of_the_model(distributed):
+    # A hand-picked key (shape, dropout, dtype) let a model with RMSNorm, RoPE, grouped-query
+    # attention or untied embeddings reuse a GPT's profile: its predicted bytes were the GPT's.
+    import json
+
+    from megatron_adacc.models import build
+    from megatron_adacc.models.family import EmbeddingOptions
+
+    def key(embedding=EmbeddingOptions(), **settings):
+        config = build.build_transformer_config(num_layers=2, hidden_size=32,
+                                                num_attention_heads=4, **settings)
+        model = build.build_gpt_model(config, 64, 16, embedding=embedding)
+        return profile_db.profile_key(model, 16, 2, "cpu")
+
+    gpt = key()
+    assert key() == gpt
+    for other in (key(normalization="RMSNorm"), key(num_query_groups=2),
+                  key(recompute_granularity="selective"),
+                  key(embedding=EmbeddingOptions(position_embedding_type="rope")),
+                  key(embedding=EmbeddingOptions(untie_embeddings_and_output_weights=True))):
+        assert other != gpt
+    # the same in every process: no object's address in it
+    assert "0x" not in json.dumps(gpt)

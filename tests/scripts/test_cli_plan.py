@@ -229,7 +229,8 @@ def test_fp16_profiles_the_trainers_fp16_model(capsys, tmp_path):
 
     with sqlite3.connect(db) as conn:
         (key,), = conn.execute("SELECT key FROM profiles").fetchall()
-    assert json.loads(key)["params_dtype"] == "float16"
+    config = json.loads(key)["config"]
+    assert (config["params_dtype"], config["fp16"], config["bf16"]) == ("float16", True, False)
 
 
 # --- one config reader (issue 25) ----------------------------------------------------------
