@@ -35,6 +35,7 @@ class Codec:
 
     def encode(self, x: torch.Tensor) -> Payload:
         self._check(x)
+        _check_storage(x, self.name)
         # Detached, nothing the codec computes from x records autograd: no torch.no_grad,
         # whose two context switches cost host time on every saved tensor.
         x = x.detach()
@@ -90,6 +91,22 @@ class Codec:
 
     def _decode(self, payload: Payload, kernels: Kernels) -> torch.Tensor:
         raise NotImplementedError
+
+
+def _check_storage(x: torch.Tensor, name: str) -> None:
+    """ValueError when ``x`` reads past its storage, as when the storage was freed after forward.
+
+    Megatron's selective recompute frees what it recomputes. The kernels read raw memory, so
+    this check stands between such a tensor and a crash. It reads metadata only, no device value."""
+    if x.numel() == 0:
+        return
+    extent = x.storage_offset() + 1 + sum((size - 1) * stride
+                                          for size, stride in zip(x.shape, x.stride()))
+    held = x.untyped_storage().nbytes()
+    if extent * x.element_size() > held:
+        raise ValueError(f"codec {name!r}: a {tuple(x.shape)} tensor reads "
+                         f"{extent * x.element_size()} bytes of a {held}-byte storage (freed "
+                         f"after forward?)")
 
 
 def _channels(shape: torch.Size) -> int:

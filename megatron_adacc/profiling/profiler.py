@@ -220,7 +220,9 @@ class _CodecProbe:
         return result
 
     def encode(self, tensor):
-        self.inputs.append(tensor.detach())
+        # Where only the inputs are wanted (the rectifier's samples), a copy: forward-only, the
+        # storage of what Megatron's selective recompute checkpoints is freed after forward.
+        self.inputs.append(tensor.detach() if self.spans is not None else tensor.detach().clone())
         try:
             return self._run("encode", lambda: self.codec.encode(tensor))
         except (ValueError, TypeError, RuntimeError):

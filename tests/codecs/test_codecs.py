@@ -134,6 +134,19 @@ def test_registry_names_and_errors(monkeypatch):
     assert codecs.get("outlier_int4", threshold=2.0).threshold == 2.0
 
 
+@pytest.mark.parametrize("backend", ["torch", "native"])
+@pytest.mark.parametrize("name", codecs.NAMES)
+def test_a_tensor_whose_storage_was_freed_is_refused_not_read(name, backend):
+    # Megatron's selective recompute frees a checkpointed output's storage after forward; the
+    # native outlier kernel read such a tensor's freed memory and crashed the process.
+    x = torch.randn(8, 64) > 0 if name == "bitmask" else torch.randn(8, 64)
+    x.untyped_storage().resize_(0)
+    with pytest.raises(ValueError) as info:
+        codecs.get(name, backend=backend).encode(x)
+    assert str(info.value) == (f"codec {name!r}: a (8, 64) tensor reads {512 * x.element_size()} "
+                               f"bytes of a 0-byte storage (freed after forward?)")
+
+
 @pytest.mark.parametrize("name", INT4_CODECS)
 @PROPERTY
 @given(x=activation_tensors())

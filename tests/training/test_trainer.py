@@ -211,6 +211,17 @@ def test_megatron_recompute_is_bitwise_identical_to_no_recompute(recompute):
     assert losses(train(*common, *recompute)) == losses(train(*common))
 
 
+def test_auto_tracks_sites_megatrons_selective_recompute_frees():
+    # The rectifier's samples shared the storage of the norms' outputs, which Megatron's
+    # selective recompute frees after its forward-only sampling step: the native codec read freed
+    # memory and the process died (SIGSEGV) at the first tracking iteration.
+    records = train("--train-iters", "3", "--adacc-policy", "auto", "--adacc-memory-budget",
+                    "6MiB", "--adacc-step-watch", "off", "--recompute-granularity", "selective",
+                    "--recompute-modules", "layernorm", "core_attn")
+    assert [r["iteration"] for r in records] == [1, 2, 3]
+    assert records[0]["activation_bytes"] == records[0]["predicted_activation_bytes"]
+
+
 def test_selective_mlp_recompute_without_bias_is_identical():
     common = ("--train-iters", "5", "--hidden-dropout", "0.1", "--attention-dropout", "0.1",
               "--disable-bias-linear")
