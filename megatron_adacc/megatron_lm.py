@@ -230,6 +230,7 @@ class Session:
         self.scheduler = None
         self.device = torch.device("cpu")  # where the allocator is read: the model's
         self.forward_backward_peak: int | None = None
+        self.ruled_plan_id: str | None = None   # the plan of the last step the ruler measured
         self._metrics = None
 
     # --- model build -------------------------------------------------------------------------
@@ -261,8 +262,12 @@ class Session:
         # Adacc times the micro-batches' forward and backward, as the profile timed the step it
         # predicts from: the optimizer step is no plan's, and left in it would read as the plan
         # running over its prediction.
+        # Also the first step of a plan tracking swapped in: the log line shows the bytes measured
+        # beside the plan's prediction, and an older plan's would read as a misprediction.
         ruled = (self.adacc.activation_bytes is None
-                 or iteration % self.args.activation_measure_interval == 0)
+                 or iteration % self.args.activation_measure_interval == 0
+                 or self.adacc.plan_id != self.ruled_plan_id)
+        self.ruled_plan_id = self.adacc.plan_id if ruled else self.ruled_plan_id
         forward_backward_func = functools.partial(self._measured, forward_backward_func, ruled)
         from megatron_adacc.profiling import allocator
 

@@ -211,6 +211,27 @@ def test_megatron_recompute_is_bitwise_identical_to_no_recompute(recompute):
     assert losses(train(*common, *recompute)) == losses(train(*common))
 
 
+def test_the_bytes_a_record_reads_are_of_the_plan_it_predicts_for():
+    # The ruler measured every 50th step: after tracking swapped plans, the log set the last
+    # plan's measured bytes beside the new plan's prediction, which read as a misprediction.
+    import pretrain_gpt
+
+    from megatron_adacc import megatron_lm
+
+    # as the auto resume test below: a guard threshold below any int4 error swaps plans
+    assert pretrain_gpt.main([
+        "--config", str(ROOT / "configs" / "tiny-cpu.yaml"), "--log-interval", "1000",
+        "--train-iters", "5", "--lr-warmup-iters", "1", "--adacc-policy", "auto",
+        "--adacc-memory-budget", "17MiB", "--adacc-guard-threshold", "0.000001",
+        "--adacc-step-watch", "off"]) == 0
+    records = megatron_lm.session().records
+    plans = [r["plan_id"] for r in records]
+    assert len(set(plans)) > 1  # tracking swapped
+    assert [r["activation_measured"] for r in records] == [
+        i == 0 or plans[i] != plans[i - 1] for i in range(len(plans))]
+    assert all(r["activation_bytes"] == r["predicted_activation_bytes"] for r in records)
+
+
 def test_auto_tracks_sites_megatrons_selective_recompute_frees():
     # The rectifier's samples shared the storage of the norms' outputs, which Megatron's
     # selective recompute frees after its forward-only sampling step: the native codec read freed
