@@ -1,4 +1,4 @@
-"""``adacc``: command-line entry point.
+"""The adacc command: plan a pretrain_gpt.py model's activation memory for a budget.
 
     adacc plan --config configs/gpt-345m.yaml --micro-batch-size 8 --memory-budget 16GiB \
         --hardware v100-32gb [--json] [--uniform] [--exact]
