@@ -75,14 +75,19 @@ def _build_parser() -> argparse.ArgumentParser:
                    help="plan from the analytic model of this accelerator")
     p.add_argument("--profile-db", help="ProfileDB file for plans without --hardware "
                    "(default: $ADACC_DATA_DIR/profiles.sqlite)")
-    p.add_argument("--zero-stage", type=int, default=None, choices=(0, 1, 2, 3))
-    p.add_argument("--data-parallel-size", type=int, default=1)
+    p.add_argument("--zero-stage", type=int, default=None, choices=(0, 1, 2, 3),
+                   help="with --hardware: shard the optimizer state (1), gradients (2) and "
+                   "parameters (3) over the data-parallel ranks; --use-distributed-optimizer "
+                   "is stage 1")
+    p.add_argument("--data-parallel-size", type=int, default=1,
+                   help="ranks a step's batch is split over (shards ZeRO's state)")
     p.add_argument("--num-micro-batches", type=int, default=None,
                    help="micro-batches per step; default: global-batch-size / "
                    "(micro-batch-size x data-parallel-size), else 1")
     p.add_argument("--uniform", dest="per_layer", action="store_false",
                    help="one policy for every layer (the paper's model)")
-    p.add_argument("--per-layer", dest="per_layer", action="store_true", default=True)
+    p.add_argument("--per-layer", dest="per_layer", action="store_true", default=True,
+                   help="a policy for each layer (the default)")
     p.add_argument("--exact", dest="allow_lossy_sources", action="store_false", default=False,
                    help="never rebuild a recomputed site from a compressed one (the default: "
                    "the trainer plans so)")
