@@ -210,7 +210,7 @@ class SiteAttributor:
         else:
             site = _ROLE_SITE.get(role)
         if site is None:
-            if self.strict:
+            if self.strict and not _of_weights_alone(tensor):
                 raise UnknownSiteError(
                     f"layer {self.layer_number - 1}: a tensor {tuple(tensor.shape)} "
                     f"{tensor.dtype} saved inside {role!r} matches no site rule"
@@ -250,6 +250,17 @@ def is_cached_causal_mask(tensor: torch.Tensor) -> bool:
         return False
     cached = fused_softmax.get_default_causal_mask(tensor.shape[0])
     return tensor.untyped_storage().data_ptr() == cached.untyped_storage().data_ptr()
+
+
+def _of_weights_alone(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a vector computed from parameters alone, no activation.
+
+    A zero-centred norm (--apply-layernorm-1p) saves its weight + 1 so: strict mode lets it
+    pass unattributed, counted as such."""
+    node = tensor.grad_fn
+    return (tensor.dim() == 1 and node is not None
+            and all(after is None or type(after).__name__ == "AccumulateGrad"
+                    for after, _ in node.next_functions))
 
 
 def _drawn(tensor: torch.Tensor) -> bool:

@@ -232,6 +232,18 @@ def test_the_bytes_a_record_reads_are_of_the_plan_it_predicts_for():
     assert all(r["activation_bytes"] == r["predicted_activation_bytes"] for r in records)
 
 
+def test_strict_auto_takes_a_zero_centred_norms_weight_plus_one():
+    # Llama-3's script norms with --apply-layernorm-1p; the torch norm saves weight + 1, a
+    # vector of parameters alone, which strict attribution refused as an unknown activation.
+    from helpers.pretrain import LLAMA_FLAGS
+
+    records = train(*LLAMA_FLAGS, "--apply-layernorm-1p", "--train-iters", "2",
+                    "--adacc-policy", "auto", "--adacc-memory-budget", "64MiB",
+                    "--adacc-strict")
+    assert [r["iteration"] for r in records] == [1, 2]
+    assert records[0]["activation_bytes"] == records[0]["predicted_activation_bytes"]
+
+
 def test_auto_tracks_sites_megatrons_selective_recompute_frees():
     # The rectifier's samples shared the storage of the norms' outputs, which Megatron's
     # selective recompute frees after its forward-only sampling step: the native codec read freed
