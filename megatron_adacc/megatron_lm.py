@@ -160,6 +160,12 @@ def check_args(args: argparse.Namespace) -> None:
         # backward recurses forever.
         raise ConfigError("--recompute-modules mlp with biased linear layers hangs in "
                           "megatron-core 0.19.2; add --disable-bias-linear or drop mlp")
+    if args.multi_latent_attention and args.transformer_impl == "local":
+        # megatron-core 0.19.2's MLA hands the local DotProductAttention a k_channels argument
+        # it does not take: the model build fails with a TypeError.
+        raise ConfigError("--multi-latent-attention builds only on Transformer Engine's spec in "
+                          "megatron-core 0.19.2 (its local core attention takes no k_channels); "
+                          "drop --transformer-impl local")
     if args.num_experts and args.add_bias_linear and args.transformer_impl == "local":
         # megatron-core 0.19.2's local experts add their bias in place to a view autograd
         # forbids modifying: the first forward fails.

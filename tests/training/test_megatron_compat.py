@@ -163,6 +163,12 @@ results["experts_tp_without_sp"] = (
     "defect" if "without also enabling sequence parallelism" in inspect.getsource(moe_layer)
     else "ok")
 
+# Multi-latent attention hands the local core attention a k_channels it does not take:
+# megatron_lm.check_args refuses MLA under --transformer-impl local.
+results["mla_on_local_attention"] = (
+    "defect" if "k_channels" not in inspect.signature(DotProductAttention.__init__).parameters
+    else "ok")
+
 # Meta-device weights are materialised uninitialised outside FSDP: launch.parse refuses the flag.
 from megatron.training import training
 results["meta_init_without_fsdp"] = (
@@ -240,6 +246,12 @@ def test_experts_under_tensor_parallelism_still_need_sequence_parallelism(unpatc
     assert unpatched["experts_tp_without_sp"] == "defect", (
         "megatron-core's MoE layer trains under tensor parallelism alone now: drop the refusal "
         "in megatron_lm.check_args")
+
+
+def test_the_local_core_attention_still_takes_no_k_channels(unpatched):
+    assert unpatched["mla_on_local_attention"] == "defect", (
+        "megatron-core's local DotProductAttention takes MLA's k_channels now: drop the refusal "
+        "of --multi-latent-attention in megatron_lm.check_args")
 
 
 def test_meta_weights_are_still_left_uninitialised_outside_fsdp(unpatched):

@@ -159,6 +159,15 @@ def test_experts_under_tensor_parallelism_alone_are_refused_in_one_line(monkeypa
                                "under --sequence-parallel in megatron-core 0.19.2; add it")
 
 
+def test_multi_latent_attention_on_the_local_spec_is_refused_in_one_line(capsys, corpus):
+    # megatron-core's MLA failed the model build with a TypeError from the local core attention.
+    assert refused(capsys, [*data_flags(corpus), "--multi-latent-attention",
+                            "--position-embedding-type", "rope"]) == (
+        "pretrain_gpt.py: error: --multi-latent-attention builds only on Transformer Engine's "
+        "spec in megatron-core 0.19.2 (its local core attention takes no k_channels); drop "
+        "--transformer-impl local")
+
+
 def test_experts_with_biases_are_refused_in_one_line(capsys, corpus):
     # megatron-core's local experts failed in the first forward with an autograd RuntimeError.
     assert refused(capsys, [*data_flags(corpus), "--num-experts", "4"]) == (
