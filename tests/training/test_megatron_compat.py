@@ -227,41 +227,25 @@ def test_cpu_shim_is_still_needed(unpatched, shim):
         f"the probe of {shim} no longer reaches the defect")
 
 
-def test_fp8_defect_is_still_present(unpatched):
-    assert unpatched["checkpoint_without_output_fp8"] == "defect"
+# Defects of megatron-core a patch or a one-line refusal works around, each with what to do
+# once megatron-core fixes it.
+DEFECTS = {
+    "checkpoint_without_output_fp8": "delete its patch",
+    "distributed_optimizer_with_torch_adam": "delete its patch",
+    "cached_causal_mask": "delete its patch",
+    "biased_local_experts": "drop the refusal of --num-experts with biases in "
+                            "megatron_lm.check_args",
+    "experts_tp_without_sp": "drop the refusal of experts under tensor parallelism alone in "
+                             "megatron_lm.check_args",
+    "mla_on_local_attention": "drop the refusal of --multi-latent-attention in "
+                              "megatron_lm.check_args",
+    "meta_init_without_fsdp": "drop launch.parse's refusal of --init-model-with-meta-device",
+}
 
 
-def test_engine_defect_is_still_present(unpatched):
-    defect = "distributed_optimizer_with_torch_adam"
-    assert unpatched[defect] == "defect", f"megatron-core fixed {defect}: delete its patch"
-
-
-def test_biased_local_experts_still_fail(unpatched):
-    assert unpatched["biased_local_experts"] == "defect", (
-        "megatron-core's local experts add their bias out of place now: drop the refusal of "
-        "--num-experts with biases in megatron_lm.check_args")
-
-
-def test_experts_under_tensor_parallelism_still_need_sequence_parallelism(unpatched):
-    assert unpatched["experts_tp_without_sp"] == "defect", (
-        "megatron-core's MoE layer trains under tensor parallelism alone now: drop the refusal "
-        "in megatron_lm.check_args")
-
-
-def test_the_local_core_attention_still_takes_no_k_channels(unpatched):
-    assert unpatched["mla_on_local_attention"] == "defect", (
-        "megatron-core's local DotProductAttention takes MLA's k_channels now: drop the refusal "
-        "of --multi-latent-attention in megatron_lm.check_args")
-
-
-def test_meta_weights_are_still_left_uninitialised_outside_fsdp(unpatched):
-    assert unpatched["meta_init_without_fsdp"] == "defect", (
-        "Megatron-LM initialises meta-device weights outside FSDP now: drop launch.parse's "
-        "refusal of --init-model-with-meta-device")
-
-
-def test_uncached_causal_mask_is_still_present(unpatched):
-    assert unpatched["cached_causal_mask"] == "defect"
+@pytest.mark.parametrize("defect", DEFECTS)
+def test_defect_is_still_present(unpatched, defect):
+    assert unpatched[defect] == "defect", f"megatron-core fixed {defect}: {DEFECTS[defect]}"
 
 
 def test_causal_mask_is_cached_with_cuda_too():
