@@ -28,7 +28,7 @@ import math
 import numbers
 import os
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -350,6 +350,8 @@ class Adacc:
           micro-batches together.
         - ``activation_peak_bytes``: the step's peak, with backward's decoded and rebuilt values."""
         self._require_setup("measure")
+        device = self._batch[0].device
+        allocator.reset_peak(device)
         plan_id, start = self.plan_id, self._clock.mark()
         if not enabled:
             yield None
@@ -361,6 +363,9 @@ class Adacc:
             report = ruler.report()
             self.activation_bytes = report.after_forward_bytes
             self.activation_peak_bytes = report.peak_bytes
+        peak = allocator.peak(device)
+        if peak is not None and self._watch is not None:
+            self._watch.record_peak(plan_id, peak)
         self._read_windows()
 
     def _read_windows(self) -> None:
@@ -483,8 +488,13 @@ class Adacc:
                                        "reason": watching.MEASURED_SLOWER}}
         if not watch.due:
             return {}
-        watch.times = policies.from_rank0(watch.times)     # rank 0's times decide
+        # rank 0's times and peaks decide
+        watch.times, watch.peaks = policies.from_rank0((watch.times, watch.peaks))
         started = time.perf_counter()
+        corrected = self._correct_memory(iteration)
+        if corrected is not None:
+            watch.fresh = 0
+            return {"step_watch": {**corrected, "time_s": time.perf_counter() - started}}
         decision = watch.decide(rect.result, predicted, fit, retime)
         if decision.retimed and policies.is_rank0():
             print(f"adacc: iteration {iteration}: plan {decision.plan_id} ran "
@@ -496,6 +506,42 @@ class Adacc:
             self._take(iteration, swap)
             record["changed"] = swap.changed
         return {"step_watch": record}
+
+    def _correct_memory(self, iteration: int) -> dict | None:
+        """Re-plan when the current plan's measured peak overran its prediction; else None.
+
+        The excess is memory the model misses (on the H200, about 200 MB in GPT-345M's plans),
+        so it counts in every plan's peak from here on. Not with pipeline stages, whose ranks
+        hold different plans."""
+        rect, plan_id = self._rectifier, self.plan_id
+        measured, predicted = self._watch.peaks.get(plan_id), self.predicted_peak_bytes
+        excess = watching.peak_excess(measured, predicted)
+        if not excess or policies.pipeline_stage()[1] > 1:
+            return None
+        rect.costs = replace(rect.costs, allocator_overhead_bytes=(
+            rect.costs.allocator_overhead_bytes + excess))
+        self._watch.peaks.clear()       # measured under the old model's plans
+        record = {"plan_id": plan_id, "measured_peak_bytes": measured,
+                  "predicted_peak_bytes": predicted, "allocator_overhead_bytes":
+                  rect.costs.allocator_overhead_bytes}
+        if policies.is_rank0():
+            mib = 1 << 20
+            print(f"adacc: iteration {iteration}: plan {plan_id} peaked {measured / mib:,.1f} "
+                  f"MiB, predicted {predicted / mib:,.1f} MiB: {excess / mib:,.1f} MiB more "
+                  "in every plan's peak from here on", flush=True)
+        try:
+            new = policies.plan(rect.policy, rect.costs, rect.budget_bytes,
+                                allow_lossy_sources=rect.allow_lossy_sources)
+        except planning.InfeasibleBudget as exc:
+            if policies.is_rank0():
+                print(f"adacc: iteration {iteration}: warning: {exc}; keeping plan {plan_id}",
+                      flush=True)
+            return {**record, "infeasible": str(exc)}
+        if new.plan.plan_id != plan_id:
+            swap = rect.take(new, watching.OVER_BUDGET)
+            self._take(iteration, swap)
+            record.update(to=new.plan.plan_id, reason=watching.OVER_BUDGET, changed=swap.changed)
+        return record
 
     # --- readings ------------------------------------------------------------------------------
     @property

@@ -45,6 +45,19 @@ def watch(device: torch.device) -> Iterator[Peaks]:
     peaks.max_reserved = torch.cuda.max_memory_reserved(device)
 
 
+def reset_peak(device: torch.device) -> None:
+    """Start a new allocated peak on ``device`` (host counters: no wait for the device)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak(device: torch.device) -> int | None:
+    """The most bytes in tensors on ``device`` since ``reset_peak``; None on a CPU.
+
+    The allocator counts on the host as the host asks, so this reads without waiting."""
+    return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+
+
 def plannable_bytes() -> int | None:
     """The memory this process may plan for on its current GPU; None without CUDA.
 

@@ -9,11 +9,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megatron_adacc import Adacc, AdaccConfig, step_watch
+from megatron_adacc import Adacc, AdaccConfig, policies, step_watch
 from megatron_adacc.common.plan import Decision
 from megatron_adacc.common.sites import COMPRESS, RECOMPUTE
 from megatron_adacc.models import build as model_lib
-from megatron_adacc.profiling import clock, profiler
+from megatron_adacc.profiling import allocator, clock, profiler
 from megatron_adacc.runtime import apply_plan
 from megatron_adacc.runtime.policy import wrapped_codecs
 from megatron_adacc.step_watch import MEASURED_SLOWER, RETIMED, StepWatch
@@ -434,3 +434,51 @@ def test_codecs_made_slow_after_setup_are_left_for_the_recompute_only_plans_spee
             recompute_only += step_seconds(model, bare.plan, 1)
     assert statistics.median(kept) <= 1.05 * statistics.median(recompute_only), (
         adacc.plan_id, bare.plan.plan_id)
+
+
+# --- the allocator's peak ------------------------------------------------------------------
+def test_only_a_peak_over_the_prediction_by_more_than_the_tolerance_counts():
+    predicted = 10 << 30
+    tolerance = int(step_watch.PEAK_TOLERANCE * predicted)
+    assert step_watch.peak_excess(predicted + tolerance, predicted) == 0
+    assert step_watch.peak_excess(predicted + tolerance + 1, predicted) == tolerance + 1
+    assert step_watch.peak_excess(step_watch.PEAK_SLACK_BYTES, 1 << 20) == 0   # rounding
+    assert step_watch.peak_excess(None, predicted) == 0      # a CPU: no allocator peak
+
+
+def test_a_plan_measured_over_its_predicted_peak_is_replanned_with_the_excess(
+        distributed, tmp_path, monkeypatch, capsys, one_thread):
+    probe = Adacc(AdaccConfig(policy="auto", memory_budget="1GiB", tracking="off",
+                              profile_db=str(tmp_path / "profiles.sqlite")))
+    probe.setup(adacc_model(probe), adacc_batch(), verbose=False)
+    least = step_watch.recompute_only("auto", probe.costs, 1 << 40).minimum_feasible_budget
+    high = probe.result.references["no optimisation"].peak_bytes
+    budget = (least + high) // 2
+    adacc = Adacc(AdaccConfig(policy="auto", memory_budget=budget,
+                              profile_db=str(tmp_path / "profiles.sqlite")))
+    model = adacc_model(adacc)
+    adacc.setup(model, adacc_batch(), verbose=False)
+    profiled, first = adacc.costs, adacc.plan_id
+    # The device holds what the model misses in every plan: a third of the headroom between
+    # the least that fits and the budget, on top of each plan's profiled peak.
+    missed = (budget - least) // 3
+    assert budget - policies.predicted_peak_bytes(profiled, adacc.result) < missed
+    monkeypatch.setattr(step_watch, "PEAK_SLACK_BYTES", 0)     # a tiny model's megabytes
+    monkeypatch.setattr(allocator, "peak", lambda device: (
+        policies.predicted_peak_bytes(profiled, adacc.result) + missed))
+    records = []
+    for iteration in range(1, 4 * step_watch.WINDOW):
+        model.zero_grad(set_to_none=True)
+        with adacc.measure(iteration == 1):
+            model_lib.gpt_loss(model, *adacc_batch()).backward()
+        records.append(adacc.after_step(iteration).get("step_watch"))
+    corrections = [r for r in records if r and "measured_peak_bytes" in r]
+    assert len(corrections) == 1, records       # once corrected, the plans' peaks are right
+    # the step watch's timing may swap again later, to plans that fit the corrected model
+    assert corrections[0]["plan_id"] == first and corrections[0]["to"] != first
+    assert corrections[0]["reason"] == step_watch.OVER_BUDGET
+    assert adacc.costs.allocator_overhead_bytes == (
+        profiled.allocator_overhead_bytes + corrections[0]["measured_peak_bytes"]
+        - corrections[0]["predicted_peak_bytes"])
+    assert policies.predicted_peak_bytes(profiled, adacc.result) + missed <= budget
+    assert "more in every plan's peak from here on" in capsys.readouterr().out
