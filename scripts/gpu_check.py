@@ -55,6 +55,7 @@ from gpu.common import (  # noqa: E402
     CHILD_GRACE_S,
     CHILD_START_S,
     CODEC_CASE_S,
+    CODEC_GRAPH_S,
     CODEC_SPEED_S,
     DRY_MICRO_BATCH,
     FULL,
@@ -161,8 +162,8 @@ def estimate_s(section: str, dry_run: bool, optional=OPTIONAL_METHODS) -> float:
     kind, sizes = device_kind(dry_run), sizes_for(dry_run)
     if section == "codecs":
         cases = len(codecs.NAMES) * 3 * (len(sizes.codec_shapes) + 1) + len(sizes.codec_shapes)
-        return (CHILD_START_S[kind] + len(codecs.NAMES) * CODEC_SPEED_S[kind]
-                + cases * CODEC_CASE_S[kind])
+        per_codec = CODEC_SPEED_S[kind] + CODEC_GRAPH_S[kind]
+        return CHILD_START_S[kind] + len(codecs.NAMES) * per_codec + cases * CODEC_CASE_S[kind]
     if section == "syncs":
         configs = len(sizes.sync_models) * len(sizes.sync_dtypes)
         # the five policies' counts; the exactness check after them takes what time is left

@@ -348,7 +348,10 @@ def _fit(run: dict, budget: int | None, run_name: str | None) -> dict:
     if run.get("peak_bytes") is None:
         return {"fits": None, "reason": "no peak measured"}
     fits = run["peak_bytes"] <= budget
-    return {"fits": fits, "reason": "" if fits else
-            f"peak {mib(run['peak_bytes'])} MiB over the budget"}
+    reason = "" if fits else f"peak {mib(run['peak_bytes'])} MiB over the budget"
+    last = run.get("last_plan_peak_bytes")
+    if not fits and last is not None and last <= budget:
+        reason += f"; its last plan's {mib(last)} MiB within it"
+    return {"fits": fits, "reason": reason}
 
 

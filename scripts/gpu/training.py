@@ -134,8 +134,16 @@ def trace_summary(directory: str) -> dict:
         **_host_waits(events),
         "top_kernels": [[name, us / 1e3] for name, us in kernels.most_common(TOP_KERNELS)],
     }
-    if not kernels:
-        summary["top_ops"] = [[name, us / 1e3] for name, us in ops.most_common(TOP_KERNELS)]
+    # Where the host's time goes when the device idles: ATen ops (inclusive) and CUDA runtime
+    # calls, by total time, with their counts.
+    summary["top_ops"] = [[name, us / 1e3] for name, us in ops.most_common(TOP_KERNELS)]
+    calls, count = collections.Counter(), collections.Counter()
+    for event in events:
+        if event.get("cat") == "cuda_runtime":
+            calls[event["name"]] += event["dur"]
+            count[event["name"]] += 1
+    summary["runtime_calls"] = [[name, count[name], us / 1e3]
+                                for name, us in calls.most_common(TOP_KERNELS)]
     if steps and any(e.get("cat") == "python_function" for e in events):
         summary.update(_python_self_ms(events, steps))
     return summary
@@ -343,6 +351,10 @@ class ModelRuns:
             "adacc_work_iterations": sorted(work),
             "tokens_per_s": _median_of(records, "tokens_per_s", warm, total, work),
             "peak_bytes": peak, "peak_source": source,
+            # the plan the run ended on: below peak_bytes where Adacc corrected an overrun
+            "last_plan_peak_bytes": _largest(
+                [r for r in records if r.get("plan_id") == records[-1].get("plan_id")],
+                "max_memory_allocated"),
             "max_memory_reserved": _largest(records, "max_memory_reserved"),
             # the allocator's peak when forward and backward ended: below peak_bytes, the
             # optimizer step held the step's peak

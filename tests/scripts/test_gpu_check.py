@@ -445,9 +445,12 @@ def test_the_trace_summary_adds_up_the_traced_steps_kernels_and_waits(tmp_path):
     write(events)
     assert training.trace_summary(str(tmp_path)) == {
         "step_ms": 5.0, "kernel_ms": 3.7, "host_syncs": 1, "copies_to_host": 1,
-        "copies_to_device": 1, "top_kernels": [["gemm", 3.0], ["softmax", 0.7]]}
+        "copies_to_device": 1, "top_kernels": [["gemm", 3.0], ["softmax", 0.7]],
+        "top_ops": [["aten::mm", 0.8]],
+        "runtime_calls": [["cudaMemcpyAsync", 2, 0.01], ["cudaStreamSynchronize", 1, 0.009],
+                          ["cudaLaunchKernel", 1, 0.004]]}
     assert training.trace_summary(str(tmp_path / "none")) == {}
-    # on a CPU (no kernels) the longest ATen ops stand in
+    # on a CPU (no kernels) the longest ATen ops are what there is
     write(events[:1] + [event("aten::mm", "cpu_op", 800), event("aten::add", "cpu_op", 100)])
     assert training.trace_summary(str(tmp_path))["top_ops"] == [["aten::mm", 0.8],
                                                                  ["aten::add", 0.1]]
