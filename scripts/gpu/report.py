@@ -315,8 +315,9 @@ def _training_lines(name: str, model: dict) -> list[str]:
     if traced:
         lines += ["Each run's traced step follows. The fields are wall ms, kernel ms, and host "
                   "syncs with async copies to the host and to the device. Where Python's call "
-                  "stacks were "
-                  "traced (they slow the host), the host's Python self ms by package come next. "
+                  "stacks were traced (they slow the host), the host's Python self ms by "
+                  "package come next, the step's thread's and other threads' (autograd's "
+                  "backward on a GPU), then the CUDA runtime calls by total ms. "
                   "Last come the longest kernels with their total ms (ATen ops on a CPU).", ""]
         for run_name, r in traced:
             t = r["trace"]
@@ -324,6 +325,12 @@ def _training_lines(name: str, model: dict) -> list[str]:
             python = t.get("python_self_ms")
             python = ("; python " + ", ".join(f"{label} {ms:,.1f}" for label, ms in python.items())
                       if python else "")
+            other = (t.get("other_threads") or {}).get("python_self_ms")
+            python += ("; other threads' python " + ", ".join(
+                f"{label} {ms:,.1f}" for label, ms in other.items()) if other else "")
+            calls = t.get("runtime_calls")
+            python += ("; CUDA calls " + ", ".join(f"{name} {n}x {ms:,.1f}"
+                                                    for name, n, ms in calls[:4]) if calls else "")
             waits = (f"syncs {t['host_syncs']}, copies {t['copies_to_host']} to host, "
                      f"{t['copies_to_device']} to device" if "copies_to_host" in t
                      else f"syncs and copies {t['host_syncs']}")

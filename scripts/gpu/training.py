@@ -162,17 +162,29 @@ def _host_waits(events: list[dict]) -> dict:
 
 
 def _python_self_ms(events: list[dict], steps: list[dict]) -> dict:
-    """Self time of the traced step's Python on the step's thread: by package and the longest.
+    """Self time of the traced step's Python: by package and the longest, per thread.
 
-    A frame's self time is its own, less its Python frames' and ATen ops'. The profiler's
-    call-stack collection slows Python down, so these time where the host goes, not how long."""
+    ``python_self_ms`` is the step's thread's. On a GPU, backward runs on autograd's device
+    thread while the step's thread waits in ``run_backward``: that thread's Python (saved-tensor
+    hooks, gradient hooks) is under ``other_threads``. A frame's self time is its own, less its
+    Python frames' and ATen ops'. The profiler's call-stack collection slows Python down, so
+    these time where the host goes, not how long."""
     thread = steps[0]["tid"]
     begin, end = min(e["ts"] for e in steps), max(e["ts"] + e["dur"] for e in steps)
-    frames = sorted((e for e in events if e.get("tid") == thread
-                     and e.get("cat") in ("python_function", "cpu_op")
-                     and begin <= e["ts"] <= end), key=lambda e: (e["ts"], -e["dur"]))
-    stack, python = [], []
+    inside = [e for e in events if e.get("cat") in ("python_function", "cpu_op")
+              and begin <= e["ts"] <= end]
+    summary = _thread_self_ms([e for e in inside if e.get("tid") == thread])
+    others = _thread_self_ms([e for e in inside if e.get("tid") != thread])
+    return {**summary, "other_threads": {"python_self_ms": others["python_self_ms"],
+                                         "top_python": others["top_python"]}}
+
+
+def _thread_self_ms(events: list[dict]) -> dict:
+    """Python self times of one thread's (or several threads') frames, by package."""
+    python, stacks = [], {}
+    frames = sorted(events, key=lambda e: (e.get("tid"), e["ts"], -e["dur"]))
     for frame in frames:
+        stack = stacks.setdefault(frame.get("tid"), [])
         while stack and stack[-1][0]["ts"] + stack[-1][0]["dur"] <= frame["ts"]:
             stack.pop()
         if stack:

@@ -454,7 +454,7 @@ def test_the_trace_summary_adds_up_the_traced_steps_kernels_and_waits(tmp_path):
     write(events[:1] + [event("aten::mm", "cpu_op", 800), event("aten::add", "cpu_op", 100)])
     assert training.trace_summary(str(tmp_path))["top_ops"] == [["aten::mm", 0.8],
                                                                  ["aten::add", 0.1]]
-    # With call stacks: each frame's own time, less what it calls, on the step's thread.
+    # With call stacks: each frame's own time, less what it calls, by thread.
     write(events[:1] + [
         event("megatron/training/training.py(1): train_step", "python_function", 4000, ts=0),
         event("megatron_adacc/runtime/storage.py(2): pack", "python_function", 1000, ts=100),
@@ -468,6 +468,10 @@ def test_the_trace_summary_adds_up_the_traced_steps_kernels_and_waits(tmp_path):
     assert summary["top_python"] == [["megatron/training/training.py(1): train_step", 2.5],
                                      ["megatron_adacc/runtime/storage.py(2): pack", 1.0],
                                      ["torch/autograd/graph.py(3): hook", 0.2]]
+    # another thread's (autograd's device thread on a GPU) apart
+    assert summary["other_threads"] == {
+        "python_self_ms": {"all": 0.9, "adacc": 0.9, "megatron": 0.0, "torch": 0.0},
+        "top_python": [["megatron_adacc/step_watch.py(4): record", 0.9]]}
 
 
 def test_the_plan_table_is_cut_from_a_runs_output():
