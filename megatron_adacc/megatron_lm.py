@@ -285,7 +285,8 @@ class Session:
         self.record = {"step_time_s": time.perf_counter() - self.step_started,
                        "activation_measured": ruled}
         if self.device.type == "cuda":  # the caching allocator's peaks over the step
-            self.record.update(max_memory_allocated=peaks.max_allocated,
+            self.record.update(memory_allocated_before=peaks.allocated_before,
+                               max_memory_allocated=peaks.max_allocated,
                                max_memory_reserved=peaks.max_reserved,
                                max_memory_allocated_forward_backward=self.forward_backward_peak)
         return result

@@ -693,6 +693,10 @@ def _profile(run: _Profiling) -> ModelCosts:
             "repeats": run.repeats,
             "rebuild_prefix_s": prefix_s,
             "step_s": step_s,
+            # the all-retain step's allocator readings (zeros on a CPU), which
+            # allocator_overhead_bytes rests on
+            "profile_peaks": {"allocated_before": peaks.allocated_before,
+                              "max_allocated": peaks.max_allocated},
         },
     )
     return replace(costs, allocator_overhead_bytes=allocator_overhead(costs, peaks))

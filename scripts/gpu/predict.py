@@ -300,8 +300,11 @@ def _memory_terms(costs, runs: dict) -> dict:
             "full_recompute_peak_bytes": runs.get("full", {}).get("peak_bytes"),
             "full_recompute_forward_backward_peak_bytes": runs.get("full", {}).get(
                 "forward_backward_peak_bytes"),
+            "profile_peaks": costs.meta.get("profile_peaks"),
             "auto_peaks": {name: {"predicted": run["predicted_peak_bytes"],
-                                  "measured": run.get("peak_bytes")}
+                                  "measured": run.get("peak_bytes"),
+                                  # held when a step began, against static_bytes
+                                  "allocated_before_step": run.get("allocated_before_step")}
                            for name, run in runs.items() if name.startswith("auto")
                            and run.get("predicted_peak_bytes") is not None}}
 

@@ -363,6 +363,7 @@ class ModelRuns:
             "adacc_work_iterations": sorted(work),
             "tokens_per_s": _median_of(records, "tokens_per_s", warm, total, work),
             "peak_bytes": peak, "peak_source": source,
+            "allocated_before_step": _largest(records, "memory_allocated_before"),
             # the plan the run ended on: below peak_bytes where Adacc corrected an overrun
             "last_plan_peak_bytes": _largest(
                 [r for r in records if r.get("plan_id") == records[-1].get("plan_id")],

@@ -88,6 +88,7 @@ def test_metrics_carry_the_allocators_peaks_reset_every_step(fake_allocator, mon
     records = pretrain("--train-iters", "2").records
     assert [(r["max_memory_allocated"], r["max_memory_reserved"]) for r in records] == \
         [(100, 1000), (200, 2000)]
+    assert [r["memory_allocated_before"] for r in records] == [7, 7]   # held as a step began
     assert fake_allocator["resets"] == 2
 
 
