@@ -20,6 +20,14 @@ from gpu import syncs as gpu_syncs  # noqa: E402
 from gpu import training  # noqa: E402
 
 
+def test_the_geometry_bench_without_cuda_says_so_and_writes_nothing(tmp_path):
+    done = forked.run([ROOT / "scripts" / "bench_codec_geometry.py", "--out", tmp_path / "g.json"],
+                      env=dict(os.environ, CUDA_VISIBLE_DEVICES=""), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "bench_codec_geometry: no CUDA device here; nothing to time"
+    assert not (tmp_path / "g.json").exists()
+
+
 def test_without_cuda_it_says_so_and_exits_zero(tmp_path):
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
     out, doc = tmp_path / "check.json", tmp_path / "gpu.md"
