@@ -279,6 +279,10 @@ class ModelRuns:
         auto, traced = "auto" in flags, method in TRACED if traced is None else traced
         iters = self.sizes.auto_iters if auto else self.sizes.iters
         left, needed = self.deadline.left(), self.clock.estimate(method, iters, auto, traced)
+        if run_name != AGAIN and "none" in self.runs:
+            # the drift's run keeps its time: without it no difference between methods run
+            # one after another can be told from the machine's drift
+            left -= self.clock.estimate(NONE, self.sizes.iters, False, False)
         if needed > left:
             shrunk = self.clock.estimate(method, self.sizes.min_iters, auto, traced)
             if shrunk > left:
