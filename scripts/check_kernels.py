@@ -68,9 +68,11 @@ DEFAULT_DTYPES = tuple(DTYPES)
 TARGETS = (90, 80, 70)
 # The pointer argument holding the activation: what a kernel reads (encode) or writes (decode).
 ACTIVATION_ARG = {
-    "_sym_encode": "x_ptr", "_sym_decode": "out_ptr", "_outlier_select": "x_ptr",
+    "_sym_encode": "x_ptr", "_sym_decode": "out_ptr", "_sym_encode_exact": "x_ptr",
+    "_sym_decode_exact": "out_ptr", "_outlier_select": "x_ptr",
     "_channel_encode": "x_ptr", "_channel_decode": "out_ptr", "_asym_encode": "x_ptr",
-    "_asym_decode": "out_ptr", "_mask_pack": "x_ptr", "_mask_unpack": "out_ptr",
+    "_asym_decode": "out_ptr", "_mask_pack": "x_ptr", "_mask_pack_checked": "x_ptr",
+    "_mask_unpack": "out_ptr",
 }
 VECTOR_BYTES = 16
 NVIDIA_BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"

@@ -49,8 +49,13 @@ def check_float_input(x: object, codec: str) -> None:
         )
 
 
+# torch.finfo costs a microsecond a call, paid on every decode's launch
+_DTYPE_MAX = {dtype: float(torch.finfo(dtype).max) for dtype in FLOAT_DTYPES}
+
+
 def dtype_max(dtype: torch.dtype) -> float:
-    return float(torch.finfo(dtype).max)
+    found = _DTYPE_MAX.get(dtype)
+    return float(torch.finfo(dtype).max) if found is None else found
 
 
 def saturate(v32: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -49,9 +49,9 @@ def test_every_kernel_compiles_for_each_target(checked):
     assert {r["target"] for r in reports} == set(TARGETS)
     assert [r for r in reports if r["error"]] == []
     kernels = {r["kernel"] for r in reports}
-    assert kernels == {"_sym_encode", "_sym_decode", "_outlier_select", "_asym_encode",
-                       "_asym_decode", "_channel_encode", "_channel_decode", "_mask_pack",
-                       "_mask_unpack"}
+    assert kernels == {"_sym_encode", "_sym_decode", "_sym_encode_exact", "_sym_decode_exact",
+                       "_outlier_select", "_asym_encode", "_asym_decode", "_channel_encode",
+                       "_channel_decode", "_mask_pack", "_mask_pack_checked", "_mask_unpack"}
     for target in TARGETS:
         assert f"sm_{target}: every configuration compiled" in stdout
 

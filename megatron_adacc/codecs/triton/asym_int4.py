@@ -4,13 +4,14 @@ A group is a row of [groups, width], width even. There is one encode kernel and 
 Tiles of whole groups load as unit-stride vectors; their codes split into even and odd for the
 nibbles.
 """
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
 from megatron_adacc.codecs.int4 import MIN_SCALE, dtype_max
-from megatron_adacc.codecs.triton.launch import (FP_FUSION, needs_int64,
-                                                 next_power_of_2, row_tile, tl_dtype)
+from megatron_adacc.codecs.triton.launch import FP_FUSION, needs_int64, next_power_of_2, row_tile
 from megatron_adacc.codecs.triton.numerics import (bf16_bits_to_float, ceil_to_bf16, code_value,
                                                    floor_code, load_float, nan_max, nan_min,
                                                    non_finite, saturate, scale_bits, to_output)
@@ -18,8 +19,9 @@ from megatron_adacc.codecs.triton.numerics import (bf16_bits_to_float, ceil_to_b
 
 @triton.jit
 def _asym_encode(x_ptr, packed_ptr, scale_ptr, offset_ptr, rows, width, min_scale,
-                 IN_BF16: tl.constexpr, offset_dtype: tl.constexpr, BLOCK_ROWS: tl.constexpr,
-                 BLOCK_COLS: tl.constexpr, INT64: tl.constexpr):
+                 BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr, INT64: tl.constexpr):
+    # The dtypes come from the pointers: an argument more would cost the launcher host time.
+    IN_BF16: tl.constexpr = x_ptr.dtype.element_ty == tl.bfloat16
     row = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     if INT64:
         row = row.to(tl.int64)
@@ -48,13 +50,14 @@ def _asym_encode(x_ptr, packed_ptr, scale_ptr, offset_ptr, rows, width, min_scal
              mask=in_row[:, None] & (pair < width // 2)[None, :])
     tl.store(scale_ptr + row, scale_bits(scale, bad), mask=in_row)
     # lo is an input element (or 0), so any rounding mode converts it exactly.
-    tl.store(offset_ptr + row, to_output(lo, IN_BF16, offset_dtype), mask=in_row)
+    tl.store(offset_ptr + row, to_output(lo, IN_BF16, offset_ptr.dtype.element_ty),
+             mask=in_row)
 
 
 @triton.jit
 def _asym_decode(packed_ptr, scale_ptr, offset_ptr, out_ptr, rows, width, dmax,
-                 OUT_BF16: tl.constexpr, out_dtype: tl.constexpr, BLOCK_ROWS: tl.constexpr,
-                 BLOCK_COLS: tl.constexpr, INT64: tl.constexpr):
+                 BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr, INT64: tl.constexpr):
+    OUT_BF16: tl.constexpr = out_ptr.dtype.element_ty == tl.bfloat16
     row = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     if INT64:
         row = row.to(tl.int64)
@@ -67,23 +70,30 @@ def _asym_decode(packed_ptr, scale_ptr, offset_ptr, out_ptr, rows, width, dmax,
     even = saturate(lo + code_value(byte & 15, 0) * scale, dmax)
     odd = saturate(lo + code_value(byte >> 4, 0) * scale, dmax)
     col = tl.arange(0, BLOCK_COLS)
-    value = to_output(tl.interleave(even, odd), OUT_BF16, out_dtype)
+    value = to_output(tl.interleave(even, odd), OUT_BF16, out_ptr.dtype.element_ty)
     tl.store(out_ptr + row[:, None] * width + col[None, :], value,
              mask=in_row[:, None] & (col < width)[None, :])
+
+
+@functools.lru_cache(maxsize=4096)
+def _geometry(rows: int, width: int) -> tuple[tuple, dict]:
+    """(grid, options) of both kernels on [rows, width]: a dictionary lookup a call."""
+    tile = row_tile(rows, width, next_power_of_2(width))
+    return tile.grid, dict(BLOCK_ROWS=tile.rows, BLOCK_COLS=tile.cols,
+                           INT64=needs_int64(rows * width), num_warps=tile.num_warps)
 
 
 def asym_encode(x2d: torch.Tensor):
     """-> (packed codes, bf16 scales, offsets in x2d's dtype) of contiguous [groups, width]."""
     rows, width = x2d.shape
-    tile = row_tile(rows, width, next_power_of_2(width))
-    packed = torch.empty(rows * width // 2, dtype=torch.uint8, device=x2d.device)
-    scales = torch.empty(rows, dtype=torch.bfloat16, device=x2d.device)
-    offsets = torch.empty(rows, dtype=x2d.dtype, device=x2d.device)
-    _asym_encode[tile.grid](
-        x2d, packed, scales, offsets, rows, width,
-        MIN_SCALE, IN_BF16=x2d.dtype == torch.bfloat16, offset_dtype=tl_dtype(x2d.dtype),
-        BLOCK_ROWS=tile.rows, BLOCK_COLS=tile.cols, INT64=needs_int64(rows * width),
-        num_warps=tile.num_warps, enable_fp_fusion=FP_FUSION)
+    grid, options = _geometry(rows, width)
+    device = x2d.device
+    packed = torch.empty(rows * width // 2, dtype=torch.uint8, device=device)
+    scales = torch.empty(rows, dtype=torch.bfloat16, device=device)
+    offsets = torch.empty(rows, dtype=x2d.dtype, device=device)
+    # .run is what kernel[grid](...) calls, less a lambda and a repacking of the arguments
+    _asym_encode.run(x2d, packed, scales, offsets, rows, width, MIN_SCALE, grid=grid,
+                     warmup=False, enable_fp_fusion=FP_FUSION, **options)
     return packed, scales, offsets
 
 
@@ -91,11 +101,8 @@ def asym_decode(packed: torch.Tensor, scales: torch.Tensor, offsets: torch.Tenso
                 dtype: torch.dtype) -> torch.Tensor:
     """The decoded [groups, width] of ``dtype``."""
     rows, width = shape2d
-    out = torch.empty(shape2d, dtype=dtype, device=packed.device)
-    tile = row_tile(rows, width, next_power_of_2(width))
-    _asym_decode[tile.grid](
-        packed, scales, offsets, out, rows, width,
-        dtype_max(dtype), OUT_BF16=dtype == torch.bfloat16, out_dtype=tl_dtype(dtype),
-        BLOCK_ROWS=tile.rows, BLOCK_COLS=tile.cols, INT64=needs_int64(rows * width),
-        num_warps=tile.num_warps)
+    grid, options = _geometry(rows, width)
+    out = torch.empty(rows, width, dtype=dtype, device=packed.device)
+    _asym_decode.run(packed, scales, offsets, out, rows, width, dtype_max(dtype), grid=grid,
+                     warmup=False, **options)
     return out

@@ -20,11 +20,11 @@ _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
 
 
 @triton.jit
-def _mask_pack(x_ptr, packed_ptr, low_ptr, high_ptr, nan_ptr, counter_ptr, value_ptr, numel,
-               nan_bits,
-               CHECK: tl.constexpr, IN_BF16: tl.constexpr, value_dtype: tl.constexpr,
-               value_bits: tl.constexpr, BLOCK_BYTES: tl.constexpr, REDUCE_BLOCK: tl.constexpr,
-               INT64: tl.constexpr):
+def _mask_pack_checked(x_ptr, packed_ptr, low_ptr, high_ptr, nan_ptr, counter_ptr, value_ptr,
+                       numel, nan_bits,
+                       CHECK: tl.constexpr, IN_BF16: tl.constexpr, value_dtype: tl.constexpr,
+                       value_bits: tl.constexpr, BLOCK_BYTES: tl.constexpr,
+                       REDUCE_BLOCK: tl.constexpr, INT64: tl.constexpr):
     first = tl.program_id(0) * BLOCK_BYTES
     if INT64:
         first = first.to(tl.int64)
@@ -43,6 +43,15 @@ def _mask_pack(x_ptr, packed_ptr, low_ptr, high_ptr, nan_ptr, counter_ptr, value
             tl.atomic_xchg(counter_ptr, 0)   # the last program: zero for the next launch
             _mask_value(low_ptr, high_ptr, nan_ptr, value_ptr, tl.num_programs(0), nan_bits,
                         IN_BF16, value_dtype, value_bits, REDUCE_BLOCK)
+
+
+# A bool mask has no value to check: this lean kernel takes no arguments for it, each of which
+# would cost Triton's launcher host time.
+@triton.jit
+def _mask_pack(x_ptr, packed_ptr, numel, BLOCK_BYTES: tl.constexpr, INT64: tl.constexpr):
+    _mask_pack_checked(x_ptr, packed_ptr, None, None, None, None, None, numel, 0, CHECK=False,
+                       IN_BF16=False, value_dtype=tl.float32, value_bits=tl.int32,
+                       BLOCK_BYTES=BLOCK_BYTES, REDUCE_BLOCK=1, INT64=INT64)
 
 
 @triton.jit
@@ -88,29 +97,29 @@ def _mask_unpack(packed_ptr, value_ptr, out_ptr, numel, VALUE: tl.constexpr,
 
 def mask_encode(flat: torch.Tensor):
     """(packed flags, the mask's value or None) as bitmask.mask_encode, for bool and float masks."""
-    check = flat.dtype != torch.bool
-    x = flat.view(torch.uint8) if not check else flat
-    tile = flat_tile(flat.numel(), 8)
-    programs = tile.grid[0]
+    numel = flat.numel()
+    tile = flat_tile(numel, 8)
     device = flat.device
-    packed = torch.empty((flat.numel() + 7) // 8, dtype=torch.uint8, device=device)
-    if check:
-        low = torch.empty(programs, dtype=torch.float32, device=device)
-        high = torch.empty(programs, dtype=torch.float32, device=device)
-        nan = torch.empty(programs, dtype=torch.int32, device=device)
-        counter = counters(device)
-        value = torch.empty(1, dtype=flat.dtype, device=device)
-        value_bits = value.view(_BITS[flat.element_size()])
-        nan_bits, value_dtype = NAN_BITS[flat.dtype], tl_dtype(flat.dtype)
-    else:
-        low = high = nan = counter = value = value_bits = packed  # not read without CHECK
-        nan_bits, value_dtype = 0, tl_dtype(torch.float32)
-    _mask_pack[tile.grid](
-        x, packed, low, high, nan, counter, value_bits, flat.numel(), nan_bits, CHECK=check,
-        IN_BF16=flat.dtype == torch.bfloat16, value_dtype=value_dtype,
+    packed = torch.empty((numel + 7) // 8, dtype=torch.uint8, device=device)
+    if flat.dtype == torch.bool:
+        _mask_pack.run(flat.view(torch.uint8), packed, numel, grid=tile.grid, warmup=False,
+                       BLOCK_BYTES=tile.rows, INT64=needs_int64(numel + 8),
+                       num_warps=tile.num_warps)
+        return packed, None
+    programs = tile.grid[0]
+    low = torch.empty(programs, dtype=torch.float32, device=device)
+    high = torch.empty(programs, dtype=torch.float32, device=device)
+    nan = torch.empty(programs, dtype=torch.int32, device=device)
+    counter = counters(device)
+    value = torch.empty(1, dtype=flat.dtype, device=device)
+    value_bits = value.view(_BITS[flat.element_size()])
+    _mask_pack_checked.run(
+        flat, packed, low, high, nan, counter, value_bits, numel,
+        NAN_BITS[flat.dtype], grid=tile.grid, warmup=False, CHECK=True,
+        IN_BF16=flat.dtype == torch.bfloat16, value_dtype=tl_dtype(flat.dtype),
         value_bits=tl.int32 if flat.element_size() == 4 else tl.int16, BLOCK_BYTES=tile.rows,
-        REDUCE_BLOCK=REDUCE_BLOCK, INT64=needs_int64(flat.numel() + 8), num_warps=tile.num_warps)
-    return packed, value if check else None
+        REDUCE_BLOCK=REDUCE_BLOCK, INT64=needs_int64(numel + 8), num_warps=tile.num_warps)
+    return packed, value
 
 
 def mask_unpack(packed: torch.Tensor, numel: int,
@@ -120,8 +129,7 @@ def mask_unpack(packed: torch.Tensor, numel: int,
     out = torch.empty(numel, dtype=dtype, device=packed.device)
     bits = _BITS[out.element_size()]
     tile = flat_tile(numel, 8)
-    value_bits = out.view(bits) if value is None else value.view(bits)  # not read without VALUE
-    _mask_unpack[tile.grid](packed, value_bits, out.view(bits), numel, VALUE=value is not None,
-                            BLOCK_BYTES=tile.rows, INT64=needs_int64(numel + 8),
-                            num_warps=warps_for(tile.rows * 8))
+    _mask_unpack.run(packed, None if value is None else value.view(bits), out.view(bits), numel,
+                     grid=tile.grid, warmup=False, VALUE=value is not None, BLOCK_BYTES=tile.rows,
+                     INT64=needs_int64(numel + 8), num_warps=warps_for(tile.rows * 8))
     return out

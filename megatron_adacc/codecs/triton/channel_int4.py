@@ -14,13 +14,15 @@ look-back scans). The interpreter runs programs one by one in order and never wa
 read twice (statistics, then codes), with no other launch: the ticket counters and the maxima are
 left zero for the next one (launch.counters).
 """
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
 from megatron_adacc.codecs.int4 import MIN_SCALE, dtype_max
 from megatron_adacc.codecs.triton.launch import (COUNTER_SLOTS, FP_FUSION, INTERPRET, cdiv,
-                                                 counters, needs_int64, row_tile, tl_dtype)
+                                                 counters, needs_int64, row_tile)
 from megatron_adacc.codecs.triton.numerics import (bf16_bits_to_float, code_value, extremes,
                                                    load_float, nan_maximum, nan_minimum, non_finite,
                                                    saturate, scale_bits, sym_codes, sym_scale,
@@ -122,8 +124,9 @@ def _channel_scales(stats_ptr, scale32_ptr, scale_ptr, channels, min_scale,
 
 @triton.jit
 def _channel_decode(packed_ptr, scale_ptr, out_ptr, rows, channels, dmax,
-                    OUT_BF16: tl.constexpr, out_dtype: tl.constexpr, BLOCK_ROWS: tl.constexpr,
-                    BLOCK_COLS: tl.constexpr, INT64: tl.constexpr):
+                    BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr, INT64: tl.constexpr):
+    # The dtype comes from the pointer: an argument more would cost the launcher host time.
+    OUT_BF16: tl.constexpr = out_ptr.dtype.element_ty == tl.bfloat16
     row = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     if INT64:
         row = row.to(tl.int64)
@@ -136,9 +139,23 @@ def _channel_decode(packed_ptr, scale_ptr, out_ptr, rows, channels, dmax,
     scale_even, scale_odd = tl.split(tl.reshape(scale, [BLOCK_COLS // 2, 2]))
     even = saturate(code_value(byte & 15, 8) * scale_even[None, :], dmax)
     odd = saturate(code_value(byte >> 4, 8) * scale_odd[None, :], dmax)
-    value = to_output(tl.interleave(even, odd), OUT_BF16, out_dtype)
+    value = to_output(tl.interleave(even, odd), OUT_BF16, out_ptr.dtype.element_ty)
     mask = (row < rows)[:, None] & (col < channels)[None, :]
     tl.store(out_ptr + row[:, None] * channels + col[None, :], value, mask=mask)
+
+
+@functools.lru_cache(maxsize=4096)
+def _geometry(rows: int, channels: int) -> tuple:
+    """(encode grid, its scalar arguments, decode grid, options) on [rows, channels], made once."""
+    tile = row_tile(rows, channels, 2)  # columns: channels, in blocks
+    col_blocks = tile.grid[1]
+    chunks = min(tile.grid[0], STAT_CHUNKS)
+    chunk_rows = cdiv(cdiv(rows, chunks), tile.rows) * tile.rows
+    chunks = cdiv(rows, chunk_rows)
+    options = dict(BLOCK_ROWS=tile.rows, BLOCK_COLS=tile.cols,
+                   INT64=needs_int64(rows * channels), num_warps=tile.num_warps)
+    return (((chunks + tile.grid[0]) * col_blocks,), (col_blocks, chunks, chunk_rows, MIN_SCALE),
+            tile.grid, options)
 
 
 def channel_encode(x2d: torch.Tensor):
@@ -146,22 +163,17 @@ def channel_encode(x2d: torch.Tensor):
 
     It matches symmetric.sym_encode(x2d, 0)."""
     rows, channels = x2d.shape
-    tile = row_tile(rows, channels, 2)  # columns: channels, in blocks
-    col_blocks = tile.grid[1]
-    chunks = min(tile.grid[0], STAT_CHUNKS)
-    chunk_rows = cdiv(cdiv(rows, chunks), tile.rows) * tile.rows
-    chunks = cdiv(rows, chunk_rows)
+    grid, args, _, options = _geometry(rows, channels)
     device = x2d.device
     counter = counters(device, COUNTER_SLOTS + STAT_SLOTS * channels)
     scale32 = torch.empty(channels, dtype=torch.float32, device=device)
     packed = torch.empty(rows * channels // 2, dtype=torch.uint8, device=device)
     scales = torch.empty(channels, dtype=torch.bfloat16, device=device)
-    grid = ((chunks + tile.grid[0]) * col_blocks,)
-    _channel_encode[grid](
-        x2d, counter, scale32, packed, scales, rows, channels,
-        col_blocks, chunks, chunk_rows, MIN_SCALE, IN_BF16=x2d.dtype == torch.bfloat16,
-        BLOCK_ROWS=tile.rows, BLOCK_COLS=tile.cols, COUNTERS=COUNTER_SLOTS,
-        INT64=needs_int64(rows * channels), num_warps=tile.num_warps, enable_fp_fusion=FP_FUSION)
+    # .run is what kernel[grid](...) calls, less a lambda and a repacking of the arguments
+    _channel_encode.run(
+        x2d, counter, scale32, packed, scales, rows, channels, *args, grid=grid, warmup=False,
+        IN_BF16=x2d.dtype == torch.bfloat16, COUNTERS=COUNTER_SLOTS, enable_fp_fusion=FP_FUSION,
+        **options)
     return packed, scales
 
 
@@ -169,10 +181,8 @@ def channel_decode(packed: torch.Tensor, scales: torch.Tensor, shape2d,
                    dtype: torch.dtype) -> torch.Tensor:
     """The decoded [rows, channels] of ``dtype`` (symmetric.sym_decode with reduce_dim=0)."""
     rows, channels = shape2d
-    out = torch.empty(shape2d, dtype=dtype, device=packed.device)
-    tile = row_tile(rows, channels, 2)  # columns: channels, in blocks
-    _channel_decode[tile.grid](
-        packed, scales, out, rows, channels, dtype_max(dtype),
-        OUT_BF16=dtype == torch.bfloat16, out_dtype=tl_dtype(dtype), BLOCK_ROWS=tile.rows,
-        BLOCK_COLS=tile.cols, INT64=needs_int64(rows * channels), num_warps=tile.num_warps)
+    _, _, grid, options = _geometry(rows, channels)
+    out = torch.empty(rows, channels, dtype=dtype, device=packed.device)
+    _channel_decode.run(packed, scales, out, rows, channels, dtype_max(dtype), grid=grid,
+                        warmup=False, **options)
     return out

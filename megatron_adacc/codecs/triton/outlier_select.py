@@ -7,6 +7,8 @@ The result, the selected mask and the slot indices, stays on the device, with no
 Programs sum in another order than torch: the float64 sums of 16-bit values are exact, and z-scores
 differ by an ulp at most.
 """
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -87,24 +89,33 @@ def _select(sums_ptr, selected_ptr, index_ptr, channels, capacity, threshold,
                  mask=(slot >= taken) & (slot < capacity))
 
 
+@functools.lru_cache(maxsize=4096)
+def _geometry(rows: int, channels: int, stride: int) -> tuple:
+    """(grid, scalar arguments after the stride, options) of a selection on [rows, channels]."""
+    step = statistics_step(rows)
+    sample_rows = cdiv(rows, step)
+    tile = row_tile(sample_rows, STATISTICS_COLS, STATISTICS_COLS)
+    return ((cdiv(channels, STATISTICS_COLS),), (step, sample_rows),
+            dict(BLOCK_ROWS=tile.rows, BLOCK_COLS=STATISTICS_COLS, SELECT_BLOCK=SELECT_BLOCK,
+                 EMPTY=EMPTY_SLOT, INT64=needs_int64(rows * stride),
+                 num_warps=warps_for(tile.rows * tile.cols), enable_fp_fusion=FP_FUSION))
+
+
 def outlier_select(x2d: torch.Tensor, threshold: float, capacity: int):
     """(selected channels' bool mask, their int32 indices [capacity]), as outlier.outlier_select.
 
     Unused index slots hold EMPTY_SLOT. x2d is [rows, channels], rows a stride apart, channels
     dense."""
     rows, channels = x2d.shape
-    step = statistics_step(rows)
-    sample_rows = cdiv(rows, step)
-    tile = row_tile(sample_rows, STATISTICS_COLS, STATISTICS_COLS)
-    sums = torch.empty(channels, dtype=torch.float64, device=x2d.device)
-    ticket = counters(x2d.device)
-    selected = torch.empty(channels, dtype=torch.bool, device=x2d.device)
-    index = torch.empty(capacity, dtype=INDEX_DTYPE, device=x2d.device)
-    grid = (cdiv(channels, STATISTICS_COLS),)
-    _outlier_select[grid](
-        x2d, sums, ticket, selected, index, channels, x2d.stride(0),
-        step, sample_rows, capacity, threshold, IN_BF16=x2d.dtype == torch.bfloat16,
-        BLOCK_ROWS=tile.rows, BLOCK_COLS=STATISTICS_COLS, SELECT_BLOCK=SELECT_BLOCK,
-        EMPTY=EMPTY_SLOT, INT64=needs_int64(rows * x2d.stride(0)),
-        num_warps=warps_for(tile.rows * tile.cols), enable_fp_fusion=FP_FUSION)
+    stride = x2d.stride(0)
+    grid, args, options = _geometry(rows, channels, stride)
+    device = x2d.device
+    sums = torch.empty(channels, dtype=torch.float64, device=device)
+    ticket = counters(device)
+    selected = torch.empty(channels, dtype=torch.bool, device=device)
+    index = torch.empty(capacity, dtype=INDEX_DTYPE, device=device)
+    # .run is what kernel[grid](...) calls, less a lambda and a repacking of the arguments
+    _outlier_select.run(
+        x2d, sums, ticket, selected, index, channels, stride, *args, capacity, threshold,
+        grid=grid, warmup=False, IN_BF16=x2d.dtype == torch.bfloat16, **options)
     return selected, index

@@ -12,7 +12,7 @@ Exact channels that are not columns of the tile take a slower index path (CHANNE
 of a tensor whose channels are no multiple of the group). No model site's shape reaches it.
 """
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import triton
@@ -33,7 +33,7 @@ EXACT_SLOTS = 32
 
 
 @triton.jit
-def _sym_encode(x_ptr, selected_ptr, index_ptr, packed_ptr, scale_ptr, values_ptr,
+def _sym_encode_exact(x_ptr, selected_ptr, index_ptr, packed_ptr, scale_ptr, values_ptr,
                 rows, width, stride, row_groups, channels, capacity, tensor_rows, min_scale,
                 IN_BF16: tl.constexpr, GROUP: tl.constexpr, BLOCK_ROWS: tl.constexpr,
                 BLOCK_COLS: tl.constexpr, OUTLIER: tl.constexpr, CAPACITY_BLOCK: tl.constexpr,
@@ -99,7 +99,7 @@ def _sym_encode(x_ptr, selected_ptr, index_ptr, packed_ptr, scale_ptr, values_pt
 
 
 @triton.jit
-def _sym_decode(packed_ptr, scale_ptr, index_ptr, values_ptr, out_ptr,
+def _sym_decode_exact(packed_ptr, scale_ptr, index_ptr, values_ptr, out_ptr,
                 rows, width, row_groups, numel, channels, capacity, tensor_rows, dmax,
                 OUT_BF16: tl.constexpr, out_dtype: tl.constexpr, GROUP: tl.constexpr,
                 BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr, ROW_SCALE: tl.constexpr,
@@ -153,6 +153,29 @@ def _sym_decode(packed_ptr, scale_ptr, index_ptr, values_ptr, out_ptr,
             _copy_exact_run(out_ptr, width, values_ptr, index_ptr, slots, row, rows, capacity,
                             tl.program_id(1) * BLOCK_COLS, BLOCK_COLS, EXACT_SLOTS,
                             TO_VALUES=False)
+
+
+# Each argument of a launch costs Triton's launcher host time (binding, specialisation, the cache
+# key; on a GPU a pointer check too), so the codecs without exact channels launch these lean
+# kernels: the dtype flags come from the pointers, and the exact channels' arguments are constants.
+@triton.jit
+def _sym_encode(x_ptr, packed_ptr, scale_ptr, rows, width, stride, row_groups, min_scale,
+                GROUP: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr,
+                INT64: tl.constexpr):
+    _sym_encode_exact(x_ptr, None, None, packed_ptr, scale_ptr, None, rows, width, stride,
+                      row_groups, None, None, None, min_scale,
+                      x_ptr.dtype.element_ty == tl.bfloat16, GROUP, BLOCK_ROWS, BLOCK_COLS,
+                      False, 1, 1, 1, False, INT64)
+
+
+@triton.jit
+def _sym_decode(packed_ptr, scale_ptr, out_ptr, rows, width, row_groups, dmax,
+                GROUP: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr,
+                ROW_SCALE: tl.constexpr, INT64: tl.constexpr):
+    _sym_decode_exact(packed_ptr, scale_ptr, None, None, out_ptr, rows, width, row_groups, None,
+                      None, None, None, dmax, out_ptr.dtype.element_ty == tl.bfloat16,
+                      out_ptr.dtype.element_ty, GROUP, BLOCK_ROWS, BLOCK_COLS, ROW_SCALE, False,
+                      1, 1, 1, False, INT64)
 
 
 @triton.jit
@@ -219,6 +242,12 @@ class Layout:
     whole_rows: bool     # a decode holds no group statistics: a row-wide group's rows decode
     decode_tile: Tile    # in column blocks
     int64: bool
+    # The lean kernels' scalar arguments and options, made once with the layout: a launch then
+    # costs no dictionary built or hashed.
+    encode_args: tuple = field(compare=False)
+    encode_options: dict = field(compare=False)
+    decode_args: tuple = field(compare=False)
+    decode_options: dict = field(compare=False)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -227,9 +256,18 @@ def layout(rows: int, width: int, stride: int, group: int | None = None) -> Layo
     whole_rows = group is None
     group = next_power_of_2(width) if whole_rows else group
     tile = row_tile(rows, width, group)
-    return Layout(rows, width, stride, group, 1 if whole_rows else width // group, tile,
-                  whole_rows, row_tile(rows, width, 2) if whole_rows else tile,
-                  needs_int64((rows - 1) * stride + width, rows * width))
+    decode_tile = row_tile(rows, width, 2) if whole_rows else tile
+    row_groups = 1 if whole_rows else width // group
+    int64 = needs_int64((rows - 1) * stride + width, rows * width)
+    return Layout(
+        rows, width, stride, group, row_groups, tile, whole_rows, decode_tile, int64,
+        encode_args=(rows, width, stride, row_groups, MIN_SCALE),
+        encode_options=dict(GROUP=group, BLOCK_ROWS=tile.rows, BLOCK_COLS=tile.cols, INT64=int64,
+                            num_warps=tile.num_warps, enable_fp_fusion=FP_FUSION),
+        decode_args=(rows, width, row_groups),
+        decode_options=dict(GROUP=decode_tile.cols if whole_rows else group,
+                            BLOCK_ROWS=decode_tile.rows, BLOCK_COLS=decode_tile.cols,
+                            ROW_SCALE=whole_rows, INT64=int64, num_warps=decode_tile.num_warps))
 
 
 def _capacity_block(capacity: int) -> int:
@@ -244,17 +282,6 @@ def _exact_rows(tile: Tile, width: int, channels: int) -> int:
     if channels == width:
         return tile.rows
     return next_power_of_2(-(-tile.rows * width // channels) + 1)
-
-
-def _exact_channels(exact, unused: torch.Tensor, layout: Layout):
-    """(slot indices, values, channels, capacity) of outlier_int4's exact channels.
-
-    They are given as (slot indices, values, channels, ...). Without them, it returns
-    placeholders the kernels never read."""
-    if exact is None:
-        return unused, unused, layout.width, 0
-    index, values, channels = exact[:3]
-    return index, values, channels, index.numel()
 
 
 @functools.lru_cache(maxsize=4096)
@@ -288,15 +315,21 @@ def sym_encode(x: torch.Tensor, layout: Layout, outlier=None):
             channels, the selected channels' bool mask), as outlier_select gives them. Those
             channels are copied to their slot and encoded as zeros.
     """
-    packed = torch.empty(layout.rows * layout.width // 2, dtype=torch.uint8, device=x.device)
-    scales = torch.empty(layout.rows * layout.row_groups, dtype=torch.bfloat16, device=x.device)
-    index, values, channels, capacity = _exact_channels(outlier, packed, layout)
-    selected = packed if outlier is None else outlier[3]  # read with OUTLIER
-    _sym_encode[layout.tile.grid](
-        x, selected, index, packed, scales, values, layout.rows,
+    device = x.device
+    packed = torch.empty(layout.rows * layout.width // 2, dtype=torch.uint8, device=device)
+    scales = torch.empty(layout.rows * layout.row_groups, dtype=torch.bfloat16, device=device)
+    if outlier is None:
+        # .run is what kernel[grid](...) calls, less a lambda and a repacking of the arguments
+        _sym_encode.run(x, packed, scales, *layout.encode_args, grid=layout.tile.grid,
+                        warmup=False, **layout.encode_options)
+        return packed, scales
+    index, values, channels = outlier[:3]
+    capacity = index.numel()
+    _sym_encode_exact.run(
+        x, outlier[3], index, packed, scales, values, layout.rows,
         layout.width, layout.stride, layout.row_groups, channels, capacity, values.shape[0],
-        MIN_SCALE, **_encode_config(layout, x.dtype == torch.bfloat16, capacity, channels,
-                                    outlier is not None))
+        MIN_SCALE, grid=layout.tile.grid, warmup=False,
+        **_encode_config(layout, x.dtype == torch.bfloat16, capacity, channels, True))
     return packed, scales
 
 
@@ -309,10 +342,15 @@ def sym_decode(packed: torch.Tensor, scales: torch.Tensor, layout: Layout, dtype
             over the decoded values in the same pass.
     """
     out = torch.empty(layout.rows, layout.width, dtype=dtype, device=packed.device)
-    index, values, channels, capacity = _exact_channels(exact, packed, layout)
-    _sym_decode[layout.decode_tile.grid](
+    if exact is None:
+        _sym_decode.run(packed, scales, out, *layout.decode_args, dtype_max(dtype),
+                        grid=layout.decode_tile.grid, warmup=False, **layout.decode_options)
+        return out
+    index, values, channels = exact
+    capacity = index.numel()
+    _sym_decode_exact.run(
         packed, scales, index, values, out, layout.rows,
         layout.width, layout.row_groups, layout.rows * layout.width, channels, capacity,
-        values.shape[0], dtype_max(dtype),
-        **_decode_config(layout, dtype, capacity, channels, exact is not None))
+        values.shape[0], dtype_max(dtype), grid=layout.decode_tile.grid, warmup=False,
+        **_decode_config(layout, dtype, capacity, channels, True))
     return out
