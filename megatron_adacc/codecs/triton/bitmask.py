@@ -102,7 +102,8 @@ def mask_encode(flat: torch.Tensor):
     device = flat.device
     packed = torch.empty((numel + 7) // 8, dtype=torch.uint8, device=device)
     if flat.dtype == torch.bool:
-        _mask_pack.run(flat.view(torch.uint8), packed, numel, grid=tile.grid, warmup=False,
+        # read as bool where it lies: Triton moves bool as bytes, and a uint8 view costs host time
+        _mask_pack.run(flat, packed, numel, grid=tile.grid, warmup=False,
                        BLOCK_BYTES=tile.rows, INT64=needs_int64(numel + 8),
                        num_warps=tile.num_warps)
         return packed, None
@@ -127,9 +128,13 @@ def mask_unpack(packed: torch.Tensor, numel: int,
     """The first ``numel`` flags as bool, or as ``value``'s dtype holding it where set."""
     dtype = torch.bool if value is None else value.dtype
     out = torch.empty(numel, dtype=dtype, device=packed.device)
-    bits = _BITS[out.element_size()]
     tile = flat_tile(numel, 8)
-    _mask_unpack.run(packed, None if value is None else value.view(bits), out.view(bits), numel,
-                     grid=tile.grid, warmup=False, VALUE=value is not None, BLOCK_BYTES=tile.rows,
+    if value is None:  # flags written as bool, where a uint8 view would cost host time
+        value_bits, out_bits = None, out
+    else:  # a value's bits, as they are: a float copy could change a NaN's
+        bits = _BITS[out.element_size()]
+        value_bits, out_bits = value.view(bits), out.view(bits)
+    _mask_unpack.run(packed, value_bits, out_bits, numel, grid=tile.grid, warmup=False,
+                     VALUE=value is not None, BLOCK_BYTES=tile.rows,
                      INT64=needs_int64(numel + 8), num_warps=warps_for(tile.rows * 8))
     return out

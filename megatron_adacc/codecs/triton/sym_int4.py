@@ -248,6 +248,9 @@ class Layout:
     encode_options: dict = field(compare=False)
     decode_args: tuple = field(compare=False)
     decode_options: dict = field(compare=False)
+    # The exact-channel kernels' options by (encode, dtype, capacity, channels): a lookup, where
+    # hashing the layout for a cache would cost a microsecond a launch.
+    exact_options: dict = field(compare=False, default_factory=dict)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -284,7 +287,18 @@ def _exact_rows(tile: Tile, width: int, channels: int) -> int:
     return next_power_of_2(-(-tile.rows * width // channels) + 1)
 
 
-@functools.lru_cache(maxsize=4096)
+def _exact_options(layout: Layout, encode: bool, dtype: torch.dtype, capacity: int,
+                   channels: int) -> dict:
+    """The exact-channel kernel's constexprs and options, made once per layout and key."""
+    key = (encode, dtype, capacity, channels)
+    found = layout.exact_options.get(key)
+    if found is None:
+        found = layout.exact_options[key] = (
+            _encode_config(layout, dtype == torch.bfloat16, capacity, channels, True) if encode
+            else _decode_config(layout, dtype, capacity, channels, True))
+    return found
+
+
 def _encode_config(layout: Layout, in_bf16: bool, capacity: int, channels: int,
                    outlier: bool) -> dict:
     t, block = layout.tile, _capacity_block(capacity)
@@ -295,7 +309,6 @@ def _encode_config(layout: Layout, in_bf16: bool, capacity: int, channels: int,
                 enable_fp_fusion=FP_FUSION)
 
 
-@functools.lru_cache(maxsize=4096)
 def _decode_config(layout: Layout, dtype: torch.dtype, capacity: int, channels: int,
                    exact: bool) -> dict:
     t, block = layout.decode_tile, _capacity_block(capacity)
@@ -329,7 +342,7 @@ def sym_encode(x: torch.Tensor, layout: Layout, outlier=None):
         x, outlier[3], index, packed, scales, values, layout.rows,
         layout.width, layout.stride, layout.row_groups, channels, capacity, values.shape[0],
         MIN_SCALE, grid=layout.tile.grid, warmup=False,
-        **_encode_config(layout, x.dtype == torch.bfloat16, capacity, channels, True))
+        **_exact_options(layout, True, x.dtype, capacity, channels))
     return packed, scales
 
 
@@ -352,5 +365,5 @@ def sym_decode(packed: torch.Tensor, scales: torch.Tensor, layout: Layout, dtype
         packed, scales, index, values, out, layout.rows,
         layout.width, layout.row_groups, layout.rows * layout.width, channels, capacity,
         values.shape[0], dtype_max(dtype), grid=layout.decode_tile.grid, warmup=False,
-        **_decode_config(layout, dtype, capacity, channels, True))
+        **_exact_options(layout, False, dtype, capacity, channels))
     return out
