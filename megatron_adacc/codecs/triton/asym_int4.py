@@ -10,18 +10,20 @@ import torch
 import triton
 import triton.language as tl
 
-from megatron_adacc.codecs.int4 import MIN_SCALE, dtype_max
 from megatron_adacc.codecs.triton.launch import FP_FUSION, needs_int64, next_power_of_2, row_tile
 from megatron_adacc.codecs.triton.numerics import (bf16_bits_to_float, ceil_to_bf16, code_value,
                                                    floor_code, load_float, nan_max, nan_min,
-                                                   non_finite, saturate, scale_bits, to_output)
+                                                   non_finite, saturate_to, scale_bits,
+                                                   to_output)
 
 
 @triton.jit
-def _asym_encode(x_ptr, packed_ptr, scale_ptr, offset_ptr, rows, width, min_scale,
+def _asym_encode(x_ptr, packed_ptr, scale_ptr, offset_ptr, rows, width,
                  BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr, INT64: tl.constexpr):
-    # The dtypes come from the pointers: an argument more would cost the launcher host time.
+    # The dtypes come from the pointers and the minimum scale (int4.MIN_SCALE, 2 ** -126, fp32's
+    # least normal) is a constant: an argument more would cost the launcher host time.
     IN_BF16: tl.constexpr = x_ptr.dtype.element_ty == tl.bfloat16
+    min_scale: tl.constexpr = 1.1754943508222875e-38
     row = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     if INT64:
         row = row.to(tl.int64)
@@ -55,7 +57,7 @@ def _asym_encode(x_ptr, packed_ptr, scale_ptr, offset_ptr, rows, width, min_scal
 
 
 @triton.jit
-def _asym_decode(packed_ptr, scale_ptr, offset_ptr, out_ptr, rows, width, dmax,
+def _asym_decode(packed_ptr, scale_ptr, offset_ptr, out_ptr, rows, width,
                  BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr, INT64: tl.constexpr):
     OUT_BF16: tl.constexpr = out_ptr.dtype.element_ty == tl.bfloat16
     row = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
@@ -67,8 +69,8 @@ def _asym_decode(packed_ptr, scale_ptr, offset_ptr, out_ptr, rows, width, dmax,
                    mask=in_row[:, None] & (pair < width // 2)[None, :], other=0)
     scale = bf16_bits_to_float(tl.load(scale_ptr + row, mask=in_row, other=0))[:, None]
     lo = load_float(offset_ptr + row, in_row, OUT_BF16)[:, None]
-    even = saturate(lo + code_value(byte & 15, 0) * scale, dmax)
-    odd = saturate(lo + code_value(byte >> 4, 0) * scale, dmax)
+    even = saturate_to(lo + code_value(byte & 15, 0) * scale, out_ptr.dtype.element_ty)
+    odd = saturate_to(lo + code_value(byte >> 4, 0) * scale, out_ptr.dtype.element_ty)
     col = tl.arange(0, BLOCK_COLS)
     value = to_output(tl.interleave(even, odd), OUT_BF16, out_ptr.dtype.element_ty)
     tl.store(out_ptr + row[:, None] * width + col[None, :], value,
@@ -92,8 +94,8 @@ def asym_encode(x2d: torch.Tensor):
     scales = torch.empty(rows, dtype=torch.bfloat16, device=device)
     offsets = torch.empty(rows, dtype=x2d.dtype, device=device)
     # .run is what kernel[grid](...) calls, less a lambda and a repacking of the arguments
-    _asym_encode.run(x2d, packed, scales, offsets, rows, width, MIN_SCALE, grid=grid,
-                     warmup=False, enable_fp_fusion=FP_FUSION, **options)
+    _asym_encode.run(x2d, packed, scales, offsets, rows, width, grid=grid, warmup=False,
+                     enable_fp_fusion=FP_FUSION, **options)
     return packed, scales, offsets
 
 
@@ -103,6 +105,6 @@ def asym_decode(packed: torch.Tensor, scales: torch.Tensor, offsets: torch.Tenso
     rows, width = shape2d
     grid, options = _geometry(rows, width)
     out = torch.empty(rows, width, dtype=dtype, device=packed.device)
-    _asym_decode.run(packed, scales, offsets, out, rows, width, dtype_max(dtype), grid=grid,
-                     warmup=False, **options)
+    _asym_decode.run(packed, scales, offsets, out, rows, width, grid=grid, warmup=False,
+                     **options)
     return out

@@ -20,12 +20,11 @@ import torch
 import triton
 import triton.language as tl
 
-from megatron_adacc.codecs.int4 import MIN_SCALE, dtype_max
 from megatron_adacc.codecs.triton.launch import (COUNTER_SLOTS, FP_FUSION, INTERPRET, cdiv,
                                                  counters, needs_int64, row_tile)
 from megatron_adacc.codecs.triton.numerics import (bf16_bits_to_float, code_value, extremes,
                                                    load_float, nan_maximum, nan_minimum, non_finite,
-                                                   saturate, scale_bits, sym_codes, sym_scale,
+                                                   saturate_to, scale_bits, sym_codes, sym_scale,
                                                    to_output)
 
 # Row chunks the statistics are split into: enough programs to fill a GPU; few interpreted.
@@ -34,13 +33,18 @@ STAT_CHUNKS = 4 if INTERPRET else 256
 # flag. Zero is the maxima's identity, so the counters' buffer holds them (symmetric.sym_scales
 # gives the same scale for min(lo, 0) and max(hi, 0) as for lo and hi).
 STAT_SLOTS = 3
+_COUNTERS = tl.constexpr(COUNTER_SLOTS)
 
 
 @triton.jit
 def _channel_encode(x_ptr, counter_ptr, scale32_ptr, packed_ptr, scale_ptr,
-                    rows, channels, col_blocks, chunks, chunk_rows, min_scale,
-                    IN_BF16: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr,
-                    COUNTERS: tl.constexpr, INT64: tl.constexpr):
+                    rows, channels, col_blocks, chunks, chunk_rows,
+                    BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr, INT64: tl.constexpr):
+    # Constants, and the dtype from the pointer: an argument more would cost the launcher host
+    # time. The minimum scale is int4.MIN_SCALE (2 ** -126, fp32's least normal).
+    IN_BF16: tl.constexpr = x_ptr.dtype.element_ty == tl.bfloat16
+    COUNTERS: tl.constexpr = _COUNTERS
+    min_scale: tl.constexpr = 1.1754943508222875e-38
     ticket = tl.atomic_add(counter_ptr, 1)
     stat_programs = chunks * col_blocks
     stats_ptr = counter_ptr + COUNTERS
@@ -123,7 +127,7 @@ def _channel_scales(stats_ptr, scale32_ptr, scale_ptr, channels, min_scale,
 
 
 @triton.jit
-def _channel_decode(packed_ptr, scale_ptr, out_ptr, rows, channels, dmax,
+def _channel_decode(packed_ptr, scale_ptr, out_ptr, rows, channels,
                     BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr, INT64: tl.constexpr):
     # The dtype comes from the pointer: an argument more would cost the launcher host time.
     OUT_BF16: tl.constexpr = out_ptr.dtype.element_ty == tl.bfloat16
@@ -137,8 +141,8 @@ def _channel_decode(packed_ptr, scale_ptr, out_ptr, rows, channels, dmax,
     col = tl.program_id(1) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
     scale = bf16_bits_to_float(tl.load(scale_ptr + col, mask=col < channels, other=0))
     scale_even, scale_odd = tl.split(tl.reshape(scale, [BLOCK_COLS // 2, 2]))
-    even = saturate(code_value(byte & 15, 8) * scale_even[None, :], dmax)
-    odd = saturate(code_value(byte >> 4, 8) * scale_odd[None, :], dmax)
+    even = saturate_to(code_value(byte & 15, 8) * scale_even[None, :], out_ptr.dtype.element_ty)
+    odd = saturate_to(code_value(byte >> 4, 8) * scale_odd[None, :], out_ptr.dtype.element_ty)
     value = to_output(tl.interleave(even, odd), OUT_BF16, out_ptr.dtype.element_ty)
     mask = (row < rows)[:, None] & (col < channels)[None, :]
     tl.store(out_ptr + row[:, None] * channels + col[None, :], value, mask=mask)
@@ -154,8 +158,8 @@ def _geometry(rows: int, channels: int) -> tuple:
     chunks = cdiv(rows, chunk_rows)
     options = dict(BLOCK_ROWS=tile.rows, BLOCK_COLS=tile.cols,
                    INT64=needs_int64(rows * channels), num_warps=tile.num_warps)
-    return (((chunks + tile.grid[0]) * col_blocks,), (col_blocks, chunks, chunk_rows, MIN_SCALE),
-            tile.grid, options)
+    return (((chunks + tile.grid[0]) * col_blocks,), (col_blocks, chunks, chunk_rows), tile.grid,
+            options)
 
 
 def channel_encode(x2d: torch.Tensor):
@@ -172,8 +176,7 @@ def channel_encode(x2d: torch.Tensor):
     # .run is what kernel[grid](...) calls, less a lambda and a repacking of the arguments
     _channel_encode.run(
         x2d, counter, scale32, packed, scales, rows, channels, *args, grid=grid, warmup=False,
-        IN_BF16=x2d.dtype == torch.bfloat16, COUNTERS=COUNTER_SLOTS, enable_fp_fusion=FP_FUSION,
-        **options)
+        enable_fp_fusion=FP_FUSION, **options)
     return packed, scales
 
 
@@ -183,6 +186,6 @@ def channel_decode(packed: torch.Tensor, scales: torch.Tensor, shape2d,
     rows, channels = shape2d
     _, _, grid, options = _geometry(rows, channels)
     out = torch.empty(rows, channels, dtype=dtype, device=packed.device)
-    _channel_decode.run(packed, scales, out, rows, channels, dtype_max(dtype), grid=grid,
-                        warmup=False, **options)
+    _channel_decode.run(packed, scales, out, rows, channels, grid=grid, warmup=False,
+                        **options)
     return out

@@ -132,6 +132,20 @@ def saturate(v, dmax):
 
 
 @triton.jit
+def saturate_to(v, dtype: tl.constexpr):
+    """v saturated (saturate) to the finite range of ``dtype``, int4.dtype_max's.
+
+    The bounds are literals, not a launch argument that would cost Triton's launcher host time."""
+    if dtype == tl.bfloat16:
+        return saturate(v, 3.3895313892515355e38)
+    else:
+        if dtype == tl.float16:
+            return saturate(v, 65504.0)
+        else:
+            return saturate(v, 3.4028234663852886e38)
+
+
+@triton.jit
 def sym_scale(lo, hi, min_scale):
     """Signed fp32 scales from group minima and maxima (symmetric.sym_scales), finite groups'."""
     negative_extreme = -lo >= hi

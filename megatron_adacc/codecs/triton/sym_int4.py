@@ -18,11 +18,11 @@ import torch
 import triton
 import triton.language as tl
 
-from megatron_adacc.codecs.int4 import MIN_SCALE, dtype_max
+from megatron_adacc.codecs.int4 import MIN_SCALE
 from megatron_adacc.codecs.triton.launch import (FP_FUSION, Tile, needs_int64,
                                                  next_power_of_2, row_tile, tl_dtype)
 from megatron_adacc.codecs.triton.numerics import (bf16_bits_to_float, code_value, extremes,
-                                                   non_finite, saturate, scale_bits, sym_codes,
+                                                   non_finite, saturate_to, scale_bits, sym_codes,
                                                    sym_scale, to_output, widen)
 
 
@@ -100,7 +100,7 @@ def _sym_encode_exact(x_ptr, selected_ptr, index_ptr, packed_ptr, scale_ptr, val
 
 @triton.jit
 def _sym_decode_exact(packed_ptr, scale_ptr, index_ptr, values_ptr, out_ptr,
-                rows, width, row_groups, numel, channels, capacity, tensor_rows, dmax,
+                rows, width, row_groups, numel, channels, capacity, tensor_rows,
                 OUT_BF16: tl.constexpr, out_dtype: tl.constexpr, GROUP: tl.constexpr,
                 BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr, ROW_SCALE: tl.constexpr,
                 EXACT: tl.constexpr, CAPACITY_BLOCK: tl.constexpr, EXACT_SLOTS: tl.constexpr,
@@ -124,8 +124,8 @@ def _sym_decode_exact(packed_ptr, scale_ptr, index_ptr, values_ptr, out_ptr,
     byte = tl.reshape(byte, [BLOCK_ROWS, GROUPS, GROUP // 2])
     # (code - 8) * scale is exact in fp32; saturating keeps a finite group finite in the
     # output dtype, and a NaN scale (a non-finite group) decodes NaN.
-    even = saturate(code_value(byte & 15, 8) * scale, dmax)
-    odd = saturate(code_value(byte >> 4, 8) * scale, dmax)
+    even = saturate_to(code_value(byte & 15, 8) * scale, out_ptr.dtype.element_ty)
+    odd = saturate_to(code_value(byte >> 4, 8) * scale, out_ptr.dtype.element_ty)
     value = tl.reshape(tl.interleave(even, odd), [BLOCK_ROWS, BLOCK_COLS])
     value = to_output(value, OUT_BF16, out_dtype)
     col = tl.program_id(1) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
@@ -159,21 +159,24 @@ def _sym_decode_exact(packed_ptr, scale_ptr, index_ptr, values_ptr, out_ptr,
 # key; on a GPU a pointer check too), so the codecs without exact channels launch these lean
 # kernels: the dtype flags come from the pointers, and the exact channels' arguments are constants.
 @triton.jit
-def _sym_encode(x_ptr, packed_ptr, scale_ptr, rows, width, stride, row_groups, min_scale,
-                GROUP: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr,
-                INT64: tl.constexpr):
+def _sym_encode(x_ptr, packed_ptr, scale_ptr, rows, width, stride, GROUP: tl.constexpr,
+                BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr, INT64: tl.constexpr):
+    # groups a row: GROUP divides the width, or is its power-of-two ceiling (a row a group);
+    # the minimum scale is int4.MIN_SCALE, 2 ** -126 (fp32's least normal: a constant exactly)
     _sym_encode_exact(x_ptr, None, None, packed_ptr, scale_ptr, None, rows, width, stride,
-                      row_groups, None, None, None, min_scale,
+                      tl.cdiv(width, GROUP), None, None, None, 1.1754943508222875e-38,
                       x_ptr.dtype.element_ty == tl.bfloat16, GROUP, BLOCK_ROWS, BLOCK_COLS,
                       False, 1, 1, 1, False, INT64)
 
 
 @triton.jit
-def _sym_decode(packed_ptr, scale_ptr, out_ptr, rows, width, row_groups, dmax,
-                GROUP: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr,
-                ROW_SCALE: tl.constexpr, INT64: tl.constexpr):
-    _sym_decode_exact(packed_ptr, scale_ptr, None, None, out_ptr, rows, width, row_groups, None,
-                      None, None, None, dmax, out_ptr.dtype.element_ty == tl.bfloat16,
+def _sym_decode(packed_ptr, scale_ptr, out_ptr, rows, width, GROUP: tl.constexpr,
+                BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr, ROW_SCALE: tl.constexpr,
+                INT64: tl.constexpr):
+    # groups a row, read without ROW_SCALE: GROUP then divides the width
+    _sym_decode_exact(packed_ptr, scale_ptr, None, None, out_ptr, rows, width,
+                      tl.cdiv(width, GROUP), None, None, None, None,
+                      out_ptr.dtype.element_ty == tl.bfloat16,
                       out_ptr.dtype.element_ty, GROUP, BLOCK_ROWS, BLOCK_COLS, ROW_SCALE, False,
                       1, 1, 1, False, INT64)
 
@@ -264,10 +267,10 @@ def layout(rows: int, width: int, stride: int, group: int | None = None) -> Layo
     int64 = needs_int64((rows - 1) * stride + width, rows * width)
     return Layout(
         rows, width, stride, group, row_groups, tile, whole_rows, decode_tile, int64,
-        encode_args=(rows, width, stride, row_groups, MIN_SCALE),
+        encode_args=(rows, width, stride),
         encode_options=dict(GROUP=group, BLOCK_ROWS=tile.rows, BLOCK_COLS=tile.cols, INT64=int64,
                             num_warps=tile.num_warps, enable_fp_fusion=FP_FUSION),
-        decode_args=(rows, width, row_groups),
+        decode_args=(rows, width),
         decode_options=dict(GROUP=decode_tile.cols if whole_rows else group,
                             BLOCK_ROWS=decode_tile.rows, BLOCK_COLS=decode_tile.cols,
                             ROW_SCALE=whole_rows, INT64=int64, num_warps=decode_tile.num_warps))
@@ -356,14 +359,14 @@ def sym_decode(packed: torch.Tensor, scales: torch.Tensor, layout: Layout, dtype
     """
     out = torch.empty(layout.rows, layout.width, dtype=dtype, device=packed.device)
     if exact is None:
-        _sym_decode.run(packed, scales, out, *layout.decode_args, dtype_max(dtype),
-                        grid=layout.decode_tile.grid, warmup=False, **layout.decode_options)
+        _sym_decode.run(packed, scales, out, *layout.decode_args, grid=layout.decode_tile.grid,
+                        warmup=False, **layout.decode_options)
         return out
     index, values, channels = exact
     capacity = index.numel()
     _sym_decode_exact.run(
         packed, scales, index, values, out, layout.rows,
         layout.width, layout.row_groups, layout.rows * layout.width, channels, capacity,
-        values.shape[0], dtype_max(dtype), grid=layout.decode_tile.grid, warmup=False,
+        values.shape[0], grid=layout.decode_tile.grid, warmup=False,
         **_exact_options(layout, False, dtype, capacity, channels))
     return out
