@@ -411,3 +411,22 @@ def test_codec_calls_never_reach_tritons_constexpr_helpers(monkeypatch):
     for name in codecs.NAMES:
         codec = codecs.get(name, backend="triton")
         codec.decode(codec.encode(x if name != "bitmask" else x > 0))
+
+
+def test_kernel_literals_are_the_formats_constants():
+    # The kernels take the minimum scale and the saturation bounds as literals, not launch
+    # arguments (each costs the launcher host time): they must stay the reference's.
+    import ast
+    import inspect
+
+    from megatron_adacc.codecs import int4
+    from megatron_adacc.codecs.triton import asym_int4, channel_int4, numerics, sym_int4
+
+    def floats(source):
+        return {node.value for node in ast.walk(ast.parse(source))
+                if isinstance(node, ast.Constant) and isinstance(node.value, float)}
+
+    for module in (sym_int4, asym_int4, channel_int4):
+        assert int4.MIN_SCALE in floats(inspect.getsource(module))
+    bounds = floats(inspect.getsource(numerics.saturate_to.fn))
+    assert {int4.dtype_max(dtype) for dtype in int4.FLOAT_DTYPES} <= bounds

@@ -23,13 +23,19 @@ from megatron_adacc.codecs.triton.numerics import load_float
 STATISTICS_COLS = 64
 # Channels the last program handles at once while it selects.
 SELECT_BLOCK = 1024
+_SELECT_BLOCK = tl.constexpr(SELECT_BLOCK)
+_EMPTY = tl.constexpr(EMPTY_SLOT)
 
 
 @triton.jit
 def _outlier_select(x_ptr, sums_ptr, ticket_ptr, selected_ptr, index_ptr,
                     channels, stride, step, sample_rows, capacity, threshold,
-                    IN_BF16: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr,
-                    SELECT_BLOCK: tl.constexpr, EMPTY: tl.constexpr, INT64: tl.constexpr):
+                    BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr, INT64: tl.constexpr):
+    # Constants, and the dtype from the pointer: an argument more would cost the launcher host
+    # time.
+    IN_BF16: tl.constexpr = x_ptr.dtype.element_ty == tl.bfloat16
+    SELECT_BLOCK: tl.constexpr = _SELECT_BLOCK
+    EMPTY: tl.constexpr = _EMPTY
     col = tl.program_id(0) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
     total = tl.zeros([BLOCK_COLS], dtype=tl.float64)
     for first in range(0, sample_rows, BLOCK_ROWS):
@@ -96,8 +102,7 @@ def _geometry(rows: int, channels: int, stride: int) -> tuple:
     sample_rows = cdiv(rows, step)
     tile = row_tile(sample_rows, STATISTICS_COLS, STATISTICS_COLS)
     return ((cdiv(channels, STATISTICS_COLS),), (step, sample_rows),
-            dict(BLOCK_ROWS=tile.rows, BLOCK_COLS=STATISTICS_COLS, SELECT_BLOCK=SELECT_BLOCK,
-                 EMPTY=EMPTY_SLOT, INT64=needs_int64(rows * stride),
+            dict(BLOCK_ROWS=tile.rows, BLOCK_COLS=STATISTICS_COLS, INT64=needs_int64(rows * stride),
                  num_warps=warps_for(tile.rows * tile.cols), enable_fp_fusion=FP_FUSION))
 
 
@@ -117,5 +122,5 @@ def outlier_select(x2d: torch.Tensor, threshold: float, capacity: int):
     # .run is what kernel[grid](...) calls, less a lambda and a repacking of the arguments
     _outlier_select.run(
         x2d, sums, ticket, selected, index, channels, stride, *args, capacity, threshold,
-        grid=grid, warmup=False, IN_BF16=x2d.dtype == torch.bfloat16, **options)
+        grid=grid, warmup=False, **options)
     return selected, index

@@ -18,9 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
-from megatron_adacc.codecs.int4 import MIN_SCALE
 from megatron_adacc.codecs.triton.launch import (FP_FUSION, Tile, needs_int64,
-                                                 next_power_of_2, row_tile, tl_dtype)
+                                                 next_power_of_2, row_tile)
 from megatron_adacc.codecs.triton.numerics import (bf16_bits_to_float, code_value, extremes,
                                                    non_finite, saturate_to, scale_bits, sym_codes,
                                                    sym_scale, to_output, widen)
@@ -33,7 +32,7 @@ EXACT_SLOTS = 32
 
 
 @triton.jit
-def _sym_encode_exact(x_ptr, selected_ptr, index_ptr, packed_ptr, scale_ptr, values_ptr,
+def _sym_encode_tiles(x_ptr, selected_ptr, index_ptr, packed_ptr, scale_ptr, values_ptr,
                 rows, width, stride, row_groups, channels, capacity, tensor_rows, min_scale,
                 IN_BF16: tl.constexpr, GROUP: tl.constexpr, BLOCK_ROWS: tl.constexpr,
                 BLOCK_COLS: tl.constexpr, OUTLIER: tl.constexpr, CAPACITY_BLOCK: tl.constexpr,
@@ -99,7 +98,7 @@ def _sym_encode_exact(x_ptr, selected_ptr, index_ptr, packed_ptr, scale_ptr, val
 
 
 @triton.jit
-def _sym_decode_exact(packed_ptr, scale_ptr, index_ptr, values_ptr, out_ptr,
+def _sym_decode_tiles(packed_ptr, scale_ptr, index_ptr, values_ptr, out_ptr,
                 rows, width, row_groups, numel, channels, capacity, tensor_rows,
                 OUT_BF16: tl.constexpr, out_dtype: tl.constexpr, GROUP: tl.constexpr,
                 BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr, ROW_SCALE: tl.constexpr,
@@ -156,14 +155,43 @@ def _sym_decode_exact(packed_ptr, scale_ptr, index_ptr, values_ptr, out_ptr,
 
 
 # Each argument of a launch costs Triton's launcher host time (binding, specialisation, the cache
-# key; on a GPU a pointer check too), so the codecs without exact channels launch these lean
-# kernels: the dtype flags come from the pointers, and the exact channels' arguments are constants.
+# key; on a GPU a pointer check too). So the kernels launched take none that is a constant or
+# follows from the others: the dtype flags come from the pointers, and the codecs without exact
+# channels launch lean kernels, the exact channels' arguments constants.
+@triton.jit
+def _sym_encode_exact(x_ptr, selected_ptr, index_ptr, packed_ptr, scale_ptr, values_ptr,
+                      rows, width, stride, channels, capacity, tensor_rows,
+                      GROUP: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr,
+                      CAPACITY_BLOCK: tl.constexpr, EXACT_SLOTS: tl.constexpr,
+                      EXACT_ROWS: tl.constexpr, CHANNEL_MOD: tl.constexpr, INT64: tl.constexpr):
+    # groups a row: GROUP divides the width, or is its power-of-two ceiling (a row a group);
+    # the minimum scale is int4.MIN_SCALE, 2 ** -126 (fp32's least normal: a constant exactly)
+    _sym_encode_tiles(x_ptr, selected_ptr, index_ptr, packed_ptr, scale_ptr, values_ptr, rows,
+                      width, stride, tl.cdiv(width, GROUP), channels, capacity, tensor_rows,
+                      1.1754943508222875e-38, x_ptr.dtype.element_ty == tl.bfloat16, GROUP,
+                      BLOCK_ROWS, BLOCK_COLS, True, CAPACITY_BLOCK, EXACT_SLOTS, EXACT_ROWS,
+                      CHANNEL_MOD, INT64)
+
+
+@triton.jit
+def _sym_decode_exact(packed_ptr, scale_ptr, index_ptr, values_ptr, out_ptr,
+                      rows, width, numel, channels, capacity, tensor_rows,
+                      GROUP: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr,
+                      ROW_SCALE: tl.constexpr, CAPACITY_BLOCK: tl.constexpr,
+                      EXACT_SLOTS: tl.constexpr, EXACT_ROWS: tl.constexpr,
+                      CHANNEL_MOD: tl.constexpr, INT64: tl.constexpr):
+    # groups a row, read without ROW_SCALE: GROUP then divides the width
+    _sym_decode_tiles(packed_ptr, scale_ptr, index_ptr, values_ptr, out_ptr, rows, width,
+                      tl.cdiv(width, GROUP), numel, channels, capacity, tensor_rows,
+                      out_ptr.dtype.element_ty == tl.bfloat16, out_ptr.dtype.element_ty, GROUP,
+                      BLOCK_ROWS, BLOCK_COLS, ROW_SCALE, True, CAPACITY_BLOCK, EXACT_SLOTS,
+                      EXACT_ROWS, CHANNEL_MOD, INT64)
+
+
 @triton.jit
 def _sym_encode(x_ptr, packed_ptr, scale_ptr, rows, width, stride, GROUP: tl.constexpr,
                 BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr, INT64: tl.constexpr):
-    # groups a row: GROUP divides the width, or is its power-of-two ceiling (a row a group);
-    # the minimum scale is int4.MIN_SCALE, 2 ** -126 (fp32's least normal: a constant exactly)
-    _sym_encode_exact(x_ptr, None, None, packed_ptr, scale_ptr, None, rows, width, stride,
+    _sym_encode_tiles(x_ptr, None, None, packed_ptr, scale_ptr, None, rows, width, stride,
                       tl.cdiv(width, GROUP), None, None, None, 1.1754943508222875e-38,
                       x_ptr.dtype.element_ty == tl.bfloat16, GROUP, BLOCK_ROWS, BLOCK_COLS,
                       False, 1, 1, 1, False, INT64)
@@ -173,8 +201,7 @@ def _sym_encode(x_ptr, packed_ptr, scale_ptr, rows, width, stride, GROUP: tl.con
 def _sym_decode(packed_ptr, scale_ptr, out_ptr, rows, width, GROUP: tl.constexpr,
                 BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr, ROW_SCALE: tl.constexpr,
                 INT64: tl.constexpr):
-    # groups a row, read without ROW_SCALE: GROUP then divides the width
-    _sym_decode_exact(packed_ptr, scale_ptr, None, None, out_ptr, rows, width,
+    _sym_decode_tiles(packed_ptr, scale_ptr, None, None, out_ptr, rows, width,
                       tl.cdiv(width, GROUP), None, None, None, None,
                       out_ptr.dtype.element_ty == tl.bfloat16,
                       out_ptr.dtype.element_ty, GROUP, BLOCK_ROWS, BLOCK_COLS, ROW_SCALE, False,
@@ -251,7 +278,7 @@ class Layout:
     encode_options: dict = field(compare=False)
     decode_args: tuple = field(compare=False)
     decode_options: dict = field(compare=False)
-    # The exact-channel kernels' options by (encode, dtype, capacity, channels): a lookup, where
+    # The exact-channel kernels' options by (encode, capacity, channels): a lookup, where
     # hashing the layout for a cache would cost a microsecond a launch.
     exact_options: dict = field(compare=False, default_factory=dict)
 
@@ -290,35 +317,31 @@ def _exact_rows(tile: Tile, width: int, channels: int) -> int:
     return next_power_of_2(-(-tile.rows * width // channels) + 1)
 
 
-def _exact_options(layout: Layout, encode: bool, dtype: torch.dtype, capacity: int,
-                   channels: int) -> dict:
+def _exact_options(layout: Layout, encode: bool, capacity: int, channels: int) -> dict:
     """The exact-channel kernel's constexprs and options, made once per layout and key."""
-    key = (encode, dtype, capacity, channels)
+    key = (encode, capacity, channels)
     found = layout.exact_options.get(key)
     if found is None:
         found = layout.exact_options[key] = (
-            _encode_config(layout, dtype == torch.bfloat16, capacity, channels, True) if encode
-            else _decode_config(layout, dtype, capacity, channels, True))
+            _encode_config(layout, capacity, channels) if encode
+            else _decode_config(layout, capacity, channels))
     return found
 
 
-def _encode_config(layout: Layout, in_bf16: bool, capacity: int, channels: int,
-                   outlier: bool) -> dict:
+def _encode_config(layout: Layout, capacity: int, channels: int) -> dict:
     t, block = layout.tile, _capacity_block(capacity)
-    return dict(IN_BF16=in_bf16, GROUP=layout.group, BLOCK_ROWS=t.rows, BLOCK_COLS=t.cols,
-                OUTLIER=outlier, CAPACITY_BLOCK=block, EXACT_SLOTS=min(block, EXACT_SLOTS),
+    return dict(GROUP=layout.group, BLOCK_ROWS=t.rows, BLOCK_COLS=t.cols, CAPACITY_BLOCK=block,
+                EXACT_SLOTS=min(block, EXACT_SLOTS),
                 EXACT_ROWS=_exact_rows(t, layout.width, channels),
                 CHANNEL_MOD=channels != layout.width, INT64=layout.int64, num_warps=t.num_warps,
                 enable_fp_fusion=FP_FUSION)
 
 
-def _decode_config(layout: Layout, dtype: torch.dtype, capacity: int, channels: int,
-                   exact: bool) -> dict:
+def _decode_config(layout: Layout, capacity: int, channels: int) -> dict:
     t, block = layout.decode_tile, _capacity_block(capacity)
-    return dict(OUT_BF16=dtype == torch.bfloat16, out_dtype=tl_dtype(dtype),
-                GROUP=t.cols if layout.whole_rows else layout.group, BLOCK_ROWS=t.rows,
-                BLOCK_COLS=t.cols, ROW_SCALE=layout.whole_rows, EXACT=exact,
-                CAPACITY_BLOCK=block, EXACT_SLOTS=min(block, EXACT_SLOTS),
+    return dict(GROUP=t.cols if layout.whole_rows else layout.group, BLOCK_ROWS=t.rows,
+                BLOCK_COLS=t.cols, ROW_SCALE=layout.whole_rows, CAPACITY_BLOCK=block,
+                EXACT_SLOTS=min(block, EXACT_SLOTS),
                 EXACT_ROWS=_exact_rows(t, layout.width, channels),
                 CHANNEL_MOD=channels != layout.width, INT64=layout.int64, num_warps=t.num_warps)
 
@@ -342,10 +365,9 @@ def sym_encode(x: torch.Tensor, layout: Layout, outlier=None):
     index, values, channels = outlier[:3]
     capacity = index.numel()
     _sym_encode_exact.run(
-        x, outlier[3], index, packed, scales, values, layout.rows,
-        layout.width, layout.stride, layout.row_groups, channels, capacity, values.shape[0],
-        MIN_SCALE, grid=layout.tile.grid, warmup=False,
-        **_exact_options(layout, True, x.dtype, capacity, channels))
+        x, outlier[3], index, packed, scales, values, layout.rows, layout.width, layout.stride,
+        channels, capacity, values.shape[0], grid=layout.tile.grid, warmup=False,
+        **_exact_options(layout, True, capacity, channels))
     return packed, scales
 
 
@@ -365,8 +387,8 @@ def sym_decode(packed: torch.Tensor, scales: torch.Tensor, layout: Layout, dtype
     index, values, channels = exact
     capacity = index.numel()
     _sym_decode_exact.run(
-        packed, scales, index, values, out, layout.rows,
-        layout.width, layout.row_groups, layout.rows * layout.width, channels, capacity,
-        values.shape[0], grid=layout.decode_tile.grid, warmup=False,
-        **_exact_options(layout, False, dtype, capacity, channels))
+        packed, scales, index, values, out, layout.rows, layout.width,
+        layout.rows * layout.width, channels, capacity, values.shape[0],
+        grid=layout.decode_tile.grid, warmup=False,
+        **_exact_options(layout, False, capacity, channels))
     return out
