@@ -13,6 +13,9 @@ cannot deadlock however many programs the GPU holds (the forward-progress argume
 look-back scans). The interpreter runs programs one by one in order and never waits. The input is
 read twice (statistics, then codes), with no other launch: the ticket counters and the maxima are
 left zero for the next one (launch.counters).
+
+It runs at 4 warps, as the GPU tile always gives it: on the H200 its payload differed from the
+reference at 8 and 16 warps (scripts/bench_codec_geometry.py), a race not yet found.
 """
 import functools
 
