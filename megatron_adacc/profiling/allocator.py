@@ -45,6 +45,11 @@ def watch(device: torch.device) -> Iterator[Peaks]:
     peaks.max_reserved = torch.cuda.max_memory_reserved(device)
 
 
+def allocated(device: torch.device) -> int:
+    """The bytes in tensors on ``device`` now; 0 on a CPU."""
+    return torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+
+
 def reset_peak(device: torch.device) -> None:
     """Start a new allocated peak on ``device`` (host counters: no wait for the device)."""
     if device.type == "cuda":

@@ -118,6 +118,10 @@ def test_the_profiled_allocator_overhead_is_what_the_all_retain_peak_exceeds(fak
                             max_reserved=5000 + predicted + cached)
     assert profiler.allocator_overhead(costs, under) == 0
     assert profiler.allocator_overhead(costs, allocator.Peaks()) == 0  # a CPU
+    # What the warm-up step left allocated (workspaces a first step makes) counts too.
+    assert profiler.allocator_overhead(costs, over, left=70) == 777 + 70
+    assert profiler.allocator_overhead(costs, under, left=70) == 70
+    assert profiler.allocator_overhead(costs, over, left=-5) == 777   # the warm-up freed some
 
 
 def test_plans_carry_the_allocator_overhead(distributed):
