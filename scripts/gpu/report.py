@@ -92,8 +92,12 @@ each part from the sizes, then from what it has timed. It shrinks (fewer iterati
 what would not fit, says so, and records it in the JSON. Codecs and syncs go first, then
 GPT-345M's runs, then the Llama's. On 2026-11-28 a machine started in about 30 s, so a
 session's 15 minutes hold the call and one rerun (`--sections`, `--models` and `--methods`
-for the part that was lost). It prints a summary table last and rewrites the JSON and this
-page under `$OUT` after every section, so a cut-off call still returns what it measured.
+for the part that was lost). One call does not hold every method of both models (about
+590 s of estimates): on 2026-11-29 two calls did, `--device-budget-s 330 --models
+gpt-345m` (329 s) then `--sections training --models llama-1b --device-budget-s 250`
+beside the codecs again (280 s), 691 s of device time with both starts. It prints a summary
+table last and rewrites the JSON and this page under `$OUT` after every section, so a
+cut-off call still returns what it measured.
 Back here, from the call's `files_at` folder:
 
     cp FILES_AT/gpu_check_h200.json docs/results/gpu_check_h200.json
