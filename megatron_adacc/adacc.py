@@ -341,7 +341,9 @@ class Adacc:
 
         Each step is timed (``measured_step_time_s``), and the step watch compares those times with
         the plan's prediction. On a GPU, CUDA events time the step and are read after a later step,
-        so the host never waits.
+        so the host never waits. There the allocator's peak statistics are also reset as the step
+        begins, and its peak is the plan's measured peak (``torch.cuda.max_memory_allocated``
+        then holds this step's, not the run's).
 
         With ``enabled``, the byte ruler also measures two values. Its hooks cost time, so measure
         the first step and then now and then; the step watch leaves those steps out.
