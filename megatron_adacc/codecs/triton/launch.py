@@ -81,19 +81,22 @@ def warps_for(elements: int) -> int:
 # Tiles depend on the shape alone, and a training step asks for the same few thousands of
 # times: cached, they cost a dictionary lookup on the codecs' host path.
 @functools.lru_cache(maxsize=4096)
-def row_tile(rows: int, width: int, group: int) -> Tile:
+def row_tile(rows: int, width: int, group: int, scale: int = 1, warps: int | None = None) -> Tile:
     """The tile of a kernel reducing groups of ``group`` elements of rows ``width`` wide.
 
     ``group`` divides ``width``, or is ``width``'s power-of-two ceiling (a whole row a group).
     - Columns: the row, cut into blocks of whole groups at most MAX_BLOCK_COLS wide, unless a group
       is wider.
-    - Rows: as many as fill the tile."""
+    - Rows: as many as fill ``scale`` GPU tiles.
+    ``warps`` fixes num_warps (on a GPU) instead of the tile's rule."""
     cols = next_power_of_2(width)
     if group < cols:
         cols = max(group, min(cols, MAX_BLOCK_COLS))
-    block_rows = max(1, min(_tile_elements() // cols, next_power_of_2(rows)))
+    elements = _tile_elements() * (1 if INTERPRET else scale)
+    block_rows = max(1, min(elements // cols, next_power_of_2(rows)))
     grid = (cdiv(rows, block_rows), cdiv(width, cols))
-    return Tile(block_rows, cols, grid, warps_for(block_rows * cols))
+    return Tile(block_rows, cols, grid,
+                warps if warps is not None else warps_for(block_rows * cols))
 
 
 @functools.lru_cache(maxsize=4096)
