@@ -471,7 +471,7 @@ class Adacc:
 
             def replan(costs):
                 try:
-                    return policies.plan(rect.policy, costs, rect.budget_bytes, **options)
+                    return self._plan_for(costs)
                 except planning.InfeasibleBudget:
                     return None
 
@@ -509,6 +509,12 @@ class Adacc:
             record["changed"] = swap.changed
         return {"step_watch": record}
 
+    def _plan_for(self, costs: ModelCosts) -> planning.PlanResult:
+        """The tracked policy's plan for the budget under ``costs`` (raises InfeasibleBudget)."""
+        rect = self._rectifier
+        return policies.plan(rect.policy, costs, rect.budget_bytes,
+                             allow_lossy_sources=rect.allow_lossy_sources)
+
     def _correct_memory(self, iteration: int) -> dict | None:
         """Re-plan when the current plan's measured peak overran its prediction; else None.
 
@@ -532,8 +538,7 @@ class Adacc:
                   f"MiB, predicted {predicted / mib:,.1f} MiB: {excess / mib:,.1f} MiB more "
                   "in every plan's peak from here on", flush=True)
         try:
-            new = policies.plan(rect.policy, rect.costs, rect.budget_bytes,
-                                allow_lossy_sources=rect.allow_lossy_sources)
+            new = self._plan_for(rect.costs)
         except planning.InfeasibleBudget as exc:
             if policies.is_rank0():
                 print(f"adacc: iteration {iteration}: warning: {exc}; keeping plan {plan_id}",
