@@ -378,6 +378,23 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+def midway_adacc(tmp_path):
+    """Auto Adacc, set up half way from the least recompute alone fits to no optimisation.
+
+    There auto compresses. Returns:
+        It, its model, the budget, and that least budget."""
+    db = str(tmp_path / "profiles.sqlite")
+    probe = Adacc(AdaccConfig(policy="auto", memory_budget="1GiB", tracking="off",
+                              profile_db=db))
+    probe.setup(adacc_model(probe), adacc_batch(), verbose=False)
+    least = step_watch.recompute_only("auto", probe.costs, 1 << 40).minimum_feasible_budget
+    budget = (least + probe.result.references["no optimisation"].peak_bytes) // 2
+    adacc = Adacc(AdaccConfig(policy="auto", memory_budget=budget, profile_db=db))
+    model = adacc_model(adacc)
+    adacc.setup(model, adacc_batch(), verbose=False)
+    return adacc, model, budget, least
+
+
 @pytest.mark.serial
 def test_codecs_made_slow_after_setup_are_left_for_the_recompute_only_plans_speed(
         distributed, tmp_path, monkeypatch, capsys, one_thread):
@@ -393,18 +410,7 @@ def test_codecs_made_slow_after_setup_are_left_for_the_recompute_only_plans_spee
 
     monkeypatch.setattr(profiler, "profile", cheap_codecs)
     monkeypatch.setattr(step_watch, "RETIME_REPEATS", 1)
-    probe = Adacc(AdaccConfig(policy="auto", memory_budget="1GiB", tracking="off",
-                              profile_db=str(tmp_path / "profiles.sqlite")))
-    probe.setup(adacc_model(probe), adacc_batch(), verbose=False)
-    # Half way from the least recompute alone fits to no optimisation: auto compresses.
-    least = step_watch.recompute_only("auto", probe.costs, 1 << 40).minimum_feasible_budget
-    high = probe.result.references["no optimisation"].peak_bytes
-    budget = (least + high) // 2
-
-    adacc = Adacc(AdaccConfig(policy="auto", memory_budget=budget,
-                              profile_db=str(tmp_path / "profiles.sqlite")))
-    model = adacc_model(adacc)
-    adacc.setup(model, adacc_batch(), verbose=False)
+    adacc, model, budget, _ = midway_adacc(tmp_path)
     assert adacc.step_watch is not None and uses_codecs(adacc.result)
     with wrapped_codecs(SlowCodec):
         apply_plan(model, adacc.plan)       # the plan's codecs, slow from here on
@@ -448,16 +454,7 @@ def test_only_a_peak_over_the_prediction_by_more_than_the_tolerance_counts():
 
 def test_a_plan_measured_over_its_predicted_peak_is_replanned_with_the_excess(
         distributed, tmp_path, monkeypatch, capsys, one_thread):
-    probe = Adacc(AdaccConfig(policy="auto", memory_budget="1GiB", tracking="off",
-                              profile_db=str(tmp_path / "profiles.sqlite")))
-    probe.setup(adacc_model(probe), adacc_batch(), verbose=False)
-    least = step_watch.recompute_only("auto", probe.costs, 1 << 40).minimum_feasible_budget
-    high = probe.result.references["no optimisation"].peak_bytes
-    budget = (least + high) // 2
-    adacc = Adacc(AdaccConfig(policy="auto", memory_budget=budget,
-                              profile_db=str(tmp_path / "profiles.sqlite")))
-    model = adacc_model(adacc)
-    adacc.setup(model, adacc_batch(), verbose=False)
+    adacc, model, budget, least = midway_adacc(tmp_path)
     profiled, first = adacc.costs, adacc.plan_id
     # The device holds what the model misses in every plan: a third of the headroom between
     # the least that fits and the budget, on top of each plan's profiled peak.
