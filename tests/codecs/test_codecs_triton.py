@@ -436,8 +436,8 @@ def test_kernel_literals_are_the_formats_constants():
                                             (8, 8192), (16384, 14336), (3, 28672), (333, 70)])
 def test_channel_int4_launches_its_encode_at_four_warps_on_a_gpu(monkeypatch, rows, channels):
     # On the H200 its payload differed from the reference at 8 and 16 warps
-    # (bench_codec_geometry, 2026-11-29), identical at 4: a race between its programs' warps
-    # not yet found. Whatever the shape, its GPU geometry keeps it at 4.
+    # (bench_codec_geometry, 2026-11-29), identical at 4. The race found since is mended but
+    # unmeasured on a GPU: whatever the shape, its GPU geometry keeps it at 4 until then.
     from megatron_adacc.codecs.triton import channel_int4, launch
 
     monkeypatch.setattr(launch, "INTERPRET", False)     # the GPU's tiles, not the interpreter's
