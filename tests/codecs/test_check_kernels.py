@@ -1,6 +1,6 @@
 """The Triton codec kernels compiled for sm_90 and sm_80 with no GPU (scripts/check_kernels.py),
-at the configurations the codecs launch for GPT-345M- and Llama-3-8B-sized sites in bf16 and
-fp16: no spills, at most 128 registers, no 64-bit integer division, activations moved by
+at the configurations the codecs launch for GPT-345M- and Llama-3-8B-sized sites in bf16, fp16
+and fp32: no spills, at most 128 registers, no 64-bit integer division, activations moved by
 16-byte vector accesses, no conversion instruction per element, one kernel per encode and decode
 (two for outlier_int4's encode).
 
@@ -20,8 +20,9 @@ import pytest
 
 from helpers import ROOT
 TARGETS = (90, 80)
-# The training dtypes; the script's default adds fp32 (and sm_70), a minute more of compiling.
-DTYPES = ("bf16", "fp16")
+# The training dtypes and fp32 (RMSNorm's saved values; a model trained without mixed precision).
+# The script's default adds sm_70, half a minute more of compiling.
+DTYPES = ("bf16", "fp16", "fp32")
 MAX_REGISTERS = 128
 MIN_VECTOR_SHARE = 0.75
 # F2I, I2F and FRND run at an eighth of Hopper's adding rate: one per element made them the encodes'

@@ -26,8 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
-from megatron_adacc.codecs.triton.launch import (COUNTER_SLOTS, FP_FUSION, INTERPRET, cdiv,
-                                                 counters, needs_int64, row_tile)
+from megatron_adacc.codecs.triton.launch import (COUNTER_SLOTS, FP_FUSION, INTERPRET, MAX_WARPS,
+                                                 cdiv, counters, needs_int64, row_tile)
 from megatron_adacc.codecs.triton.numerics import (bf16_bits_to_float, code_value, extremes,
                                                    load_float, nan_maximum, nan_minimum, non_finite,
                                                    saturate_to, scale_bits, sym_codes, sym_scale,
@@ -162,8 +162,11 @@ def _channel_decode(packed_ptr, scale_ptr, out_ptr, rows, channels,
 
 
 @functools.lru_cache(maxsize=4096)
-def _geometry(rows: int, channels: int) -> tuple:
-    """(encode grid, its scalar arguments, decode grid, options) on [rows, channels], made once."""
+def _geometry(rows: int, channels: int, fp32: bool = False) -> tuple:
+    """(encode grid, its scalar arguments, decode grid, options) on [rows, channels], made once.
+
+    ``fp32``: the decode writes fp32, whose values take twice a 16-bit one's registers: its
+    programs get twice the warps (at 4, a Llama-3-8B Q/K/V tile spilled)."""
     # columns: channels, in blocks. Two GPU tiles at 4 warps (see the module's docstring).
     tile = row_tile(rows, channels, 2, scale=TILES, warps=WARPS)
     col_blocks = tile.grid[1]
@@ -171,7 +174,8 @@ def _geometry(rows: int, channels: int) -> tuple:
     chunk_rows = cdiv(cdiv(rows, chunks), tile.rows) * tile.rows
     chunks = cdiv(rows, chunk_rows)
     options = dict(BLOCK_ROWS=tile.rows, BLOCK_COLS=tile.cols,
-                   INT64=needs_int64(rows * channels), num_warps=tile.num_warps)
+                   INT64=needs_int64(rows * channels),
+                   num_warps=min(tile.num_warps * (2 if fp32 else 1), MAX_WARPS))
     return (((chunks + tile.grid[0]) * col_blocks,), (col_blocks, chunks, chunk_rows), tile.grid,
             options)
 
@@ -198,7 +202,7 @@ def channel_decode(packed: torch.Tensor, scales: torch.Tensor, shape2d,
                    dtype: torch.dtype) -> torch.Tensor:
     """The decoded [rows, channels] of ``dtype`` (symmetric.sym_decode with reduce_dim=0)."""
     rows, channels = shape2d
-    _, _, grid, options = _geometry(rows, channels)
+    _, _, grid, options = _geometry(rows, channels, dtype == torch.float32)
     out = torch.empty(rows, channels, dtype=dtype, device=packed.device)
     _channel_decode.run(packed, scales, out, rows, channels, grid=grid, warmup=False,
                         **options)
