@@ -15,6 +15,8 @@ cc, 32). Per kernel it reports, from the cubin (the bundled cuobjdump -res-usage
 - 64-bit integer division or remainder (div/rem .s64/.u64);
 - conversion instructions in the SASS (F2I, I2F, FRND). A Hopper GPU runs them at an eighth of the
   rate it adds (an Ampere at a quarter): one per element bounds a codec by them, not by memory.
+- races: global memory a program reads and then overwrites with no barrier between, in another
+  thread layout (analyse_ttgir, from the TTGIR): another warp may overwrite it before it is read.
 
     python scripts/check_kernels.py [--targets 90 80 70] [--dtypes bf16 fp16 fp32]
                                     [--json out.json]
@@ -111,6 +113,7 @@ class Report:
     activation_bytes: dict = field(default_factory=dict)  # access width (bytes) -> bytes a thread
     div64: list = field(default_factory=list)
     conversions: int | None = None  # F2I, I2F and FRND instructions in the SASS
+    hazards: list = field(default_factory=list)  # analyse_ttgir's reads overwritten unordered
     compile_s: float = 0.0
     error: str | None = None
 
@@ -276,6 +279,64 @@ def analyse_ptx(ptx: str, kernel: str, param_names: list[str],
     return widths, div64
 
 
+# A TTGIR value defined from a pointer (splat, addptr, broadcast, ...), and the layout of a
+# load's or store's pointer tensor: the last "#..." of the type after its colon.
+_DEFINED_FROM = re.compile(r"^\s*(%[\w.]+) = [\w.]+ (%[\w.]+)")
+_MEMORY_OP = re.compile(r"\btt\.(load|store) (%[\w.]+)")
+_POINTER_LAYOUT = re.compile(r"!tt\.ptr<[^>]*>, (#[\w.]+(?:<\{[^}]*\}>)?)>")
+
+
+def analyse_ttgir(ttgir: str) -> list[str]:
+    """Global memory a program reads, then overwrites in another thread layout with no barrier.
+
+    Triton orders a program's global accesses per thread only. When a load's pointer tensor and a
+    later store's to the same pointer argument are laid out differently, the thread that stores
+    an element may be in another warp than the one that reads it, and may store first. A
+    ``tl.debug_barrier()`` (ttg.barrier) between them orders them. Regions are read in text
+    order; an else branch starts from the state its if began with.
+    """
+    roots: dict[str, str] = {}
+    header = re.search(r"tt\.func \w+ @\w+\((.*)$", ttgir, re.M)
+    for name in re.findall(r"(%\w+): !tt\.ptr", header.group(1) if header else ""):
+        roots[name] = name
+    loads: dict[str, set[str]] = {}
+    # Per open region: None, or an if's (loads at its start, loads its then branch ended with).
+    regions: list[tuple | None] = []
+    hazards = []
+    for number, line in enumerate(ttgir.splitlines(), 1):
+        stripped = line.strip()
+        if stripped.startswith("}"):
+            region = regions.pop() if regions else None
+            if region is not None and stripped.startswith("} else {"):
+                regions.append((region[0], loads))
+                loads = _copied(region[0])
+            elif region is not None and region[1] is not None:  # after an else: either branch's
+                loads = {root: loads.get(root, set()) | region[1].get(root, set())
+                         for root in {*loads, *region[1]}}
+            continue
+        if "ttg.barrier" in stripped or "gpu.barrier" in stripped:
+            loads = {}
+        defined = _DEFINED_FROM.match(line)
+        if defined and defined.group(2) in roots and "!tt.ptr" in line:
+            roots[defined.group(1)] = roots[defined.group(2)]
+        access = _MEMORY_OP.search(line)
+        layout = _POINTER_LAYOUT.search(line)
+        if access and layout and access.group(2) in roots:
+            root, layout = roots[access.group(2)], layout.group(1)
+            if access.group(1) == "load":
+                loads.setdefault(root, set()).add(layout)
+            elif loads.get(root, set()) - {layout}:
+                hazards.append(f"{root[1:]}: read as {sorted(loads[root] - {layout})[0]}, "
+                               f"stored as {layout} (ttgir line {number})")
+        if stripped.endswith("{"):
+            regions.append((_copied(loads), None) if "scf.if" in stripped else None)
+    return hazards
+
+
+def _copied(loads: dict[str, set[str]]) -> dict[str, set[str]]:
+    return {root: set(layouts) for root, layouts in loads.items()}
+
+
 _CACHE: dict[tuple, Report] = {}
 
 
@@ -308,6 +369,7 @@ def check_launch(launch: Launch, cc: int) -> Report:
     widths, report.div64 = analyse_ptx(compiled.asm["ptx"], compiled.metadata.name, params,
                                        ACTIVATION_ARG[launch.kernel])
     report.activation_bytes = widths
+    report.hazards = analyse_ttgir(compiled.asm["ttgir"])
     total = sum(widths.values())
     report.vector_share = widths.get(VECTOR_BYTES, 0) / total if total else None
     return report
@@ -335,7 +397,8 @@ def check(targets=TARGETS, sites=SITES, dtypes=None) -> tuple[list[Report], list
 
 def table(reports: list[Report]) -> str:
     head = (f"{'kernel':<16} {'sm':>3} {'dtype':<5} {'warps':>5} {'regs':>4} {'spill':>5} "
-            f"{'vec16%':>6} {'div64':>5} {'conv':>4} {'compile s':>9}  config | used by")
+            f"{'vec16%':>6} {'div64':>5} {'conv':>4} {'race':>4} {'compile s':>9}  "
+            "config | used by")
     lines = [head, "-" * len(head)]
     for r in reports:
         config = " ".join(f"{k}={v}" for k, v in r.constexprs.items()
@@ -351,7 +414,7 @@ def table(reports: list[Report]) -> str:
         lines.append(f"{r.kernel:<16} {r.target:>3} {dtype:<5} {r.num_warps:>5} {r.registers:>4} "
                      f"{r.spill_bytes:>5} {share:>6} {len(r.div64):>5} "
                      f"{'-' if r.conversions is None else r.conversions:>4} "
-                     f"{r.compile_s:>9.2f}  "
+                     f"{len(r.hazards):>4} {r.compile_s:>9.2f}  "
                      f"{config} | {used}")
     return "\n".join(lines)
 
@@ -364,7 +427,7 @@ def _worst(values) -> str:
 def summary(reports: list[Report]) -> str:
     """The worst case of each kernel at each target, over its configurations."""
     head = (f"{'kernel':<16} {'sm':>3} {'configs':>7} {'max regs':>8} {'spill':>5} "
-            f"{'min vec16%':>10} {'div64':>5} {'max conv':>8}")
+            f"{'min vec16%':>10} {'div64':>5} {'max conv':>8} {'races':>5}")
     lines = [head, "-" * len(head)]
     for kernel, cc in sorted({(r.kernel, r.target) for r in reports if not r.error}):
         group = [r for r in reports if (r.kernel, r.target) == (kernel, cc) and not r.error]
@@ -373,7 +436,8 @@ def summary(reports: list[Report]) -> str:
         lines.append(f"{kernel:<16} {cc:>3} {len(group):>7} {max(r.registers for r in group):>8} "
                      f"{max(r.spill_bytes for r in group):>5} {share:>10} "
                      f"{sum(len(r.div64) for r in group):>5} "
-                     f"{_worst(r.conversions for r in group):>8}")
+                     f"{_worst(r.conversions for r in group):>8} "
+                     f"{sum(len(r.hazards) for r in group):>5}")
     return "\n".join(lines)
 
 

@@ -1,12 +1,13 @@
 """The Triton codec kernels compiled for sm_90 and sm_80 with no GPU (scripts/check_kernels.py),
 at the configurations the codecs launch for GPT-345M- and Llama-3-8B-sized sites in bf16, fp16
 and fp32: no spills, at most 128 registers, no 64-bit integer division, activations moved by
-16-byte vector accesses, no conversion instruction per element, one kernel per encode and decode
-(two for outlier_int4's encode).
+16-byte vector accesses, no conversion instruction per element, no global value overwritten
+before another warp may have read it, one kernel per encode and decode (two for outlier_int4's
+encode).
 
 The script runs once per session, in a subprocess: it must import the kernels without
 TRITON_INTERPRET, which this test session sets (conftest.py). Triton's own cache keeps the
-compiled kernels between sessions; a cold run compiles 98 configurations (41 s of one core,
+compiled kernels between sessions; a cold run compiles 146 configurations (68 s of one core,
 measured with an empty TRITON_CACHE_DIR).
 """
 from __future__ import annotations
@@ -80,6 +81,11 @@ def test_no_conversion_instruction_per_element(checked):
             if r["conversions"] > MAX_CONVERSIONS] == []
 
 
+def test_no_program_overwrites_what_another_warp_may_not_have_read(checked):
+    assert [(r["kernel"], r["used_by"][0], r["hazards"]) for r in checked[0]["reports"]
+            if r["hazards"]] == []
+
+
 def test_one_kernel_per_encode_and_decode_at_model_sites(checked):
     launches = checked[0]["launches"]
     assert {e["codec"] for e in launches} >= {"sym_int4", "outlier_int4", "naive_int4", "asym_int4",
@@ -120,3 +126,45 @@ def test_the_ptx_analysis_attributes_accesses_and_finds_64_bit_division():
     assert widths == {16: 16, 2: 2}  # y_ptr's load and store are not the activation's
     assert div64 == ["div.s64"]
     assert analyse_ptx(ptx, "k", ["x_ptr", "y_ptr", "n"], "y_ptr")[0] == {2: 2, 8: 8}
+
+
+# channel_int4's last statistics program before the barrier (2026-11-30), cut to its accesses:
+# it read the extremes as #blocked1 and zeroed them as #blocked3 (its atomics' layout).
+_READ_THEN_ZEROED = """
+  tt.func public @k(%x_ptr: !tt.ptr<bf16>, %counter_ptr: !tt.ptr<i32>) {
+    %stats_ptr = tt.addptr %counter_ptr, %c3_i32 : !tt.ptr<i32>, i32
+    %7 = tt.splat %stats_ptr : !tt.ptr<i32> -> tensor<1024x!tt.ptr<i32>, #blocked1>
+    %8 = tt.splat %stats_ptr : !tt.ptr<i32> -> tensor<1024x!tt.ptr<i32>, #blocked3>
+    scf.if %32 {
+      scf.for %first_col = %c0_i32 to %channels step %c1024_i32  : i32 {
+        %hi_54 = tt.addptr %7, %col_50 : tensor<1024x!tt.ptr<i32>, #blocked1>, tensor<1024xi32>
+        %hi_55 = tt.addptr %8, %col_51 : tensor<1024x!tt.ptr<i32>, #blocked3>, tensor<1024xi32>
+        %hi_56 = tt.load %hi_54, %ok_52 {isVolatile = true} : tensor<1024x!tt.ptr<i32>, #blocked1>
+        BARRIER
+        tt.store %hi_55, %cst_21, %ok_53 : tensor<1024x!tt.ptr<i32>, #blocked3>
+      } loc(#loc243)
+    } loc(#loc73)
+    tt.return
+  }
+"""
+
+
+def test_the_ttgir_analysis_finds_a_read_overwritten_in_another_layout():
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from check_kernels import analyse_ttgir
+
+    racy = _READ_THEN_ZEROED.replace("BARRIER", "")
+    assert analyse_ttgir(racy) == ["counter_ptr: read as #blocked1, stored as #blocked3 "
+                                   "(ttgir line 12)"]
+    assert analyse_ttgir(_READ_THEN_ZEROED.replace("BARRIER", "ttg.barrier all")) == []
+    # the same layout: each thread stores what it read itself
+    assert analyse_ttgir(racy.replace("#blocked3", "#blocked1")) == []
+    # a store in the else branch never follows the if branch's load; one after the if does
+    branched = racy.replace("scf.for %first_col = %c0_i32 to %channels step %c1024_i32  : i32 {",
+                            "scf.if %33 {")
+    branched = branched.replace("        tt.store", "      } else {\n        tt.store")
+    assert analyse_ttgir(branched) == []
+    store = "tt.store %hi_55, %cst_21, %ok_53 : tensor<1024x!tt.ptr<i32>, #blocked3>"
+    after = branched.replace("    tt.return", f"    {store}\n    tt.return")
+    assert analyse_ttgir(after) == ["counter_ptr: read as #blocked1, stored as #blocked3 "
+                                    "(ttgir line 16)"]
