@@ -260,6 +260,14 @@ def register(family: ModelFamily) -> ModelFamily:
     return family
 
 
+def register_positions(part: PositionPart) -> PositionPart:
+    """Add positions that ``--position-embedding-type`` selects but no family presets."""
+    if POSITIONS.get(part.name, part) != part:
+        raise ValueError(f"--position-embedding-type {part.name} already selects another part")
+    POSITIONS[part.name] = part
+    return part
+
+
 def layer_variant(normalization: str, swiglu: bool, position_embedding_type: str
                   ) -> LayerVariant:
     """The parts the layer-variant flags select; a ValueError names an unknown one's flag."""

@@ -4,8 +4,10 @@ Its parts: RMSNorm, a SwiGLU MLP, rotary positions, grouped-query attention, no 
 embeddings. It uses the same local spec as GPT's: megatron-core builds every part from the
 TransformerConfig.
 """
+import dataclasses
+
 from megatron_adacc.models.family import (LayerVariant, MlpPart, ModelFamily, NormPart,
-                                          PositionPart, register)
+                                          PositionPart, register, register_positions)
 from megatron_adacc.models.terms import SiteTerm, act, no_flops, sbf
 
 # torch's RMSNorm on a CPU computes in fp32: it saves its input in fp32 (a 16-bit model's: a
@@ -58,3 +60,7 @@ LLAMA = register(ModelFamily(
            "untie-embeddings-and-output-weights": True, "hidden-dropout": 0.0,
            "attention-dropout": 0.0},
 ))
+
+# YaRN rotates by rescaled frequencies and scales cos and sin by its mscale, in the same calls:
+# it saves what RoPE saves.
+YARN = register_positions(dataclasses.replace(ROPE, name="yarn"))

@@ -319,6 +319,21 @@ def test_yarn_positions_train_on_a_cpu():
     assert all(math.isfinite(record["loss"]) for record in session.records)
 
 
+def test_auto_plans_a_yarn_llama_and_keeps_the_bytes_it_predicts():
+    # The planner's model knew rope and learned positions only: the profile ended in a
+    # ValueError traceback. YaRN saves what RoPE saves.
+    from helpers.pretrain import LLAMA_FLAGS
+
+    yarn = [flag if flag != "rope" else "yarn" for flag in LLAMA_FLAGS]
+    session = pretrain(*yarn, "--train-iters", "2", "--adacc-policy", "auto",
+                       "--adacc-memory-budget", "2.9MiB", "--adacc-strict",
+                       "--adacc-tracking", "off")
+    layers = session.model.decoder.layers
+    assert any(action == "compress" for layer in layers for action, _ in layer.actions.values())
+    assert [r["activation_bytes"] for r in session.records] == [
+        r["predicted_activation_bytes"] for r in session.records]
+
+
 def test_the_flash_backend_reaches_every_layer_of_an_experts_block():
     # Megatron-LM's spec for experts is a block's, one spec per layer.
     from megatron.core.transformer.moe.moe_layer import MoELayer
