@@ -3,8 +3,10 @@
 Its parts: LayerNorm, a GELU MLP, learned absolute positions, biases and tied embeddings
 (megatron-core's local spec with its defaults).
 """
+import dataclasses
+
 from megatron_adacc.models.family import (LayerVariant, MlpPart, ModelFamily, NormPart,
-                                          PositionPart, register)
+                                          PositionPart, register, register_positions)
 from megatron_adacc.models.terms import SiteTerm, act, no_flops, sbf
 
 # LayerNorm saves its input in the activations' dtype, and its mean and rstd.
@@ -32,3 +34,7 @@ GPT = register(ModelFamily(
     variant=LayerVariant(norm=LAYERNORM, mlp=GELU_MLP, positions=LEARNED_POSITIONS),
     flags={},
 ))
+
+# --position-embedding-type none: neither a table nor a rotation, so nothing saved for them.
+NO_POSITIONS = register_positions(dataclasses.replace(LEARNED_POSITIONS, name="none",
+                                                      learned=False))

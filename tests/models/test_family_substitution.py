@@ -84,7 +84,7 @@ def test_an_unknown_part_is_refused_naming_its_flag():
                                          "LayerNorm, RMSNorm$"):
         analytic.ModelShape(2, 64, 4, 32, 100, normalization="ScaleNorm")
     with pytest.raises(ValueError, match="^--position-embedding-type alibi: expected one of "
-                                         "learned_absolute, rope, yarn$"):
+                                         "learned_absolute, none, rope, yarn$"):
         analytic.ModelShape(2, 64, 4, 32, 100, position_embedding_type="alibi")
 
 

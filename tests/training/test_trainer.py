@@ -10,7 +10,7 @@ import torch
 from megatron_adacc.launch import latest_checkpoint
 
 from helpers import forked
-from helpers.pretrain import ROOT, TINY, child_env, losses, pretrain, train
+from helpers.pretrain import LLAMA_FLAGS, ROOT, TINY, child_env, losses, pretrain, train
 
 
 def test_metrics_record_every_iteration_with_full_precision(tmp_path):
@@ -235,8 +235,6 @@ def test_the_bytes_a_record_reads_are_of_the_plan_it_predicts_for():
 def test_strict_auto_takes_a_zero_centred_norms_weight_plus_one():
     # Llama-3's script norms with --apply-layernorm-1p; the torch norm saves weight + 1, a
     # vector of parameters alone, which strict attribution refused as an unknown activation.
-    from helpers.pretrain import LLAMA_FLAGS
-
     records = train(*LLAMA_FLAGS, "--apply-layernorm-1p", "--train-iters", "2",
                     "--adacc-policy", "auto", "--adacc-memory-budget", "64MiB",
                     "--adacc-strict")
@@ -319,15 +317,17 @@ def test_yarn_positions_train_on_a_cpu():
     assert all(math.isfinite(record["loss"]) for record in session.records)
 
 
-def test_auto_plans_a_yarn_llama_and_keeps_the_bytes_it_predicts():
-    # The planner's model knew rope and learned positions only: the profile ended in a
-    # ValueError traceback. YaRN saves what RoPE saves.
-    from helpers.pretrain import LLAMA_FLAGS
+_LLAMA_YARN = [flag if flag != "rope" else "yarn" for flag in LLAMA_FLAGS]
 
-    yarn = [flag if flag != "rope" else "yarn" for flag in LLAMA_FLAGS]
-    session = pretrain(*yarn, "--train-iters", "2", "--adacc-policy", "auto",
-                       "--adacc-memory-budget", "2.9MiB", "--adacc-strict",
-                       "--adacc-tracking", "off")
+
+@pytest.mark.parametrize("flags, budget", [(_LLAMA_YARN, "2.9MiB"),
+                                           (["--position-embedding-type", "none"], "2.5MiB")],
+                         ids=["llama-yarn", "gpt-none"])
+def test_auto_plans_other_positions_and_keeps_the_bytes_it_predicts(flags, budget):
+    # The planner's model knew rope and learned positions only: the profile ended in a
+    # ValueError traceback. YaRN saves what RoPE saves; no positions save nothing.
+    session = pretrain(*flags, "--train-iters", "2", "--adacc-policy", "auto",
+                       "--adacc-memory-budget", budget, "--adacc-strict", "--adacc-tracking", "off")
     layers = session.model.decoder.layers
     assert any(action == "compress" for layer in layers for action, _ in layer.actions.values())
     assert [r["activation_bytes"] for r in session.records] == [
