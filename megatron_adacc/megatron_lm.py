@@ -154,6 +154,7 @@ def check_args(args: argparse.Namespace) -> None:
         except ValueError as exc:
             raise ConfigError(f"--adacc-policy {config.policy}: {exc}; without a policy "
                               f"(--adacc-policy none) Megatron-LM trains it as it is") from None
+        _check_codec_backend(config.codec_backend)
     if (args.recompute_granularity == "selective" and "mlp" in (args.recompute_modules or [])
             and args.add_bias_linear):
         # megatron-core 0.19.2: the checkpointed MLP returns the fc2 bias parameter, and its
@@ -178,6 +179,21 @@ def check_args(args: argparse.Namespace) -> None:
                           f"--sequence-parallel in megatron-core 0.19.2; add it")
     args.adacc_tracking = "backoff" if config.tracks else "off"
     args.adacc_memory_budget = config.budget_bytes
+
+
+def _check_codec_backend(flag: str | None) -> None:
+    """Refuse codec kernels that cannot run on this machine, before anything is built."""
+    from megatron_adacc.codecs import backend
+
+    given = (f"--adacc-codec-backend {flag}" if flag is not None
+             else f"${backend.BACKEND_ENV_VAR}")
+    try:
+        name = backend.resolve_backend(flag)
+    except ValueError as exc:
+        raise ConfigError(f"{given}: {exc}") from None
+    reason = backend.unusable(name, "cuda" if torch.cuda.is_available() else "cpu")
+    if reason is not None:
+        raise ConfigError(f"{given}: {reason}; auto picks kernels that run here")
 
 
 def local_attention(args: argparse.Namespace) -> str:

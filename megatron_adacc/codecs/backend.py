@@ -70,20 +70,26 @@ def describe(device: torch.device, backend: str | None = None) -> str:
     return "triton"
 
 
+def unusable(backend: str, device_type: str) -> str | None:
+    """Why ``backend``'s kernels cannot run on a ``device_type`` device; None if they can."""
+    if backend == "native" and _native() is None:
+        return "codec backend 'native' could not build codecs/native/codecs.c (no C compiler?)"
+    if (backend == "triton" and device_type != "cuda"
+            and os.environ.get("TRITON_INTERPRET") != "1"):
+        return (f"codec backend 'triton' needs a CUDA tensor (got {device_type}) or "
+                "TRITON_INTERPRET=1 set before triton is imported")
+    return None
+
+
 def kernels_for(backend: str, device: torch.device) -> Kernels:
     if backend == "torch":
         return REFERENCE
+    reason = unusable(backend, device.type)
+    if reason is not None:
+        raise RuntimeError(reason)
     if backend == "native":
-        if _native() is None:
-            raise RuntimeError("codec backend 'native' could not build codecs/native/codecs.c "
-                               "(no C compiler?)")
         return _native()
     if backend == "triton":
-        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-            raise RuntimeError(
-                f"codec backend 'triton' needs a CUDA tensor (got {device}) or "
-                "TRITON_INTERPRET=1 set before triton is imported"
-            )
         return _triton()
     if device.type == "cuda" and triton_supports(device):
         return _triton()

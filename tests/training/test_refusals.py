@@ -145,6 +145,22 @@ def test_a_layer_no_family_describes_is_refused_under_a_policy(capsys, corpus, f
                     f"(--adacc-policy none) Megatron-LM trains it as it is")
 
 
+def test_codec_kernels_this_machine_cannot_run_are_refused_in_one_line(capsys, corpus,
+                                                                       monkeypatch):
+    # The first encode raised a RuntimeError traceback, after the model was built and profiled.
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    flags = [*data_flags(corpus), "--adacc-policy", "quantize"]
+    assert refused(capsys, [*flags, "--adacc-codec-backend", "triton"]) == (
+        "pretrain_gpt.py: error: --adacc-codec-backend triton: codec backend 'triton' needs a "
+        "CUDA tensor (got cpu) or TRITON_INTERPRET=1 set before triton is imported; auto "
+        "picks kernels that run here")
+    monkeypatch.setenv("ADACC_CODEC_BACKEND", "cuda")
+    assert refused(capsys, flags) == (
+        "pretrain_gpt.py: error: $ADACC_CODEC_BACKEND: unknown codec backend 'cuda'; expected "
+        "one of ('auto', 'torch', 'native', 'triton')")
+
+
 def test_experts_under_tensor_parallelism_alone_are_refused_in_one_line(monkeypatch):
     # megatron-core raised a ValueError traceback in the first training forward, on every rank.
     from megatron_adacc import megatron_lm
