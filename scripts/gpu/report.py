@@ -98,6 +98,17 @@ gpt-345m` (329 s) then `--sections training --models llama-1b --device-budget-s 
 beside the codecs again (280 s), 691 s of device time with both starts. It prints a summary
 table last and rewrites the JSON and this page under `$OUT` after every section, so a
 cut-off call still returns what it measured.
+
+What the next lease should measure first, in this order:
+
+1. `--sections training --models gpt-345m --methods auto` (no optimisation and full
+   recompute always run: they set the budgets): why the all-retain plan ran 73 ms a step over
+   the stock layer (the traces now hold other threads' Python and the CUDA runtime calls).
+2. `--sections training --models llama-1b --methods auto`: whether the profile's warm-up
+   correction (`8a0c1f3`) makes the first plan fit.
+3. `scripts/bench_codec_geometry.py --budget-s 40` after the check: channel_int4 at 8 and 16
+   warps, since its race is mended (`fe76a3d`); lift its 4-warp pin if one is faster.
+
 Back here, from the call's `files_at` folder:
 
     cp FILES_AT/gpu_check_h200.json docs/results/gpu_check_h200.json
