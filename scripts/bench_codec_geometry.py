@@ -4,11 +4,11 @@
 
 The codecs size every launch from two numbers in ``codecs/triton/launch.py``: the elements a
 program moves (GPU_TILE) and the elements a thread moves (ELEMENTS_PER_THREAD, which sets
-num_warps). This times each codec's encode + decode of one bf16 activation, replayed from a CUDA
-graph (the device's time, without the host's), under each pair, beside a device copy. Every
-geometry's payload must equal the shipped geometry's byte for byte: a row that differs is
-marked. It stops starting geometries once ``--budget-s`` is spent. GPU only: on a CPU it says so
-and exits 0. Prints a table; writes JSON.
+num_warps). This times each codec's encode + decode of one bf16 activation (channel_int4's in its
+sites' shape, gpu.codecs.speed_shape), replayed from a CUDA graph (the device's time, without the
+host's), under each pair, beside a device copy. Every geometry's payload must equal the shipped
+geometry's byte for byte: a row that differs is marked. It stops starting geometries once
+``--budget-s`` is spent. GPU only: on a CPU it says so and exits 0. Prints a table; writes JSON.
 """
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("bench_codec_geometry: no CUDA device here; nothing to time")
         return 0
-    from gpu.codecs import _codec_input, time_graph
+    from gpu.codecs import _codec_input, speed_shape, time_graph
     from gpu.common import bits_of
 
     from megatron_adacc import codecs
@@ -58,10 +58,11 @@ def main(argv=None) -> int:
     # channel_int4 fixes its own tiles and warps; off the shipped row it takes the others' rule
     channel_shipped = (channel_int4.TILES, channel_int4.WARPS)
     gen = torch.Generator(device="cuda").manual_seed(0)
-    inputs = {name: _codec_input(name, tuple(args.shape), torch.bfloat16, gen, "cuda")
-              for name in codecs.NAMES}
-    target = torch.empty_like(inputs[codecs.NAMES[0]])
-    copy_ms = time_graph(lambda: target.copy_(inputs[codecs.NAMES[0]]), 5, 20)
+    inputs = {name: _codec_input(name, speed_shape(name, args.shape), torch.bfloat16, gen,
+                                 "cuda") for name in codecs.NAMES}
+    source = torch.randn(args.shape, generator=gen, device="cuda").to(torch.bfloat16)
+    target = torch.empty_like(source)
+    copy_ms = time_graph(lambda: target.copy_(source), 5, 20)
     reference = {name: {key: tensor.clone() for key, tensor in
                         codecs.get(name).encode(x).tensors.items()}
                  for name, x in inputs.items()}

@@ -3,6 +3,7 @@ CPU) measures every section and records every method at every budget; its time p
 skips what would not fit and says so; its report renders every outcome."""
 import gzip
 import json
+import math
 import os
 import subprocess
 import sys
@@ -69,6 +70,11 @@ def test_dry_run_times_every_codecs_round_trip_against_a_copy(dry_run):
         assert row["round_trip_host_us"] > 0 and row["copy_host_us"] > 0
         assert row["round_trip_of_copy"] == row["copy_ms"] / row["round_trip_ms"]
         assert 0 < row["payload_bytes"] < row["input_bytes"]
+    # the same elements for every codec; channel_int4's as the Q/K/V heads it serves
+    shape = tuple(results["codecs"]["speed_shape"])
+    assert {row["codec"]: tuple(row["shape"]) for row in speed} == {
+        name: (math.prod(shape) // 128, 128) if name == "channel_int4" else shape
+        for name in codecs.NAMES}
     assert results["codecs"]["cases"] > 0 and results["codecs"]["ok"]
 
 
