@@ -168,28 +168,44 @@ def codec_speed(device, sizes: Sizes, deadline: Deadline, gen, emit) -> list[dic
     return rows
 
 
-def codec_graphs(rows: list[dict], sizes: Sizes, deadline: Deadline, gen, emit) -> None:
-    """Each codec's round trip and copy replayed from CUDA graphs, into ``rows``.
+def codec_graphs(rows: list[dict], sizes: Sizes, deadline: Deadline, gen, emit,
+                 device: str = "cuda") -> None:
+    """Each codec's round trip, its parts and a copy replayed from CUDA graphs, into ``rows``.
 
-    A capture that fails (a host sync inside) is recorded as such."""
+    The parts say where a round trip's time goes: its encode, its decode, and outlier_int4's
+    channel selection (the first of its encode's two kernels). A capture that fails (a host
+    sync inside) is recorded as such."""
     from megatron_adacc import codecs
 
     for row in rows:
         if "skipped" in row or deadline.left() <= 0:
             continue
         x = _codec_input(row["codec"], speed_shape(row["codec"], sizes.speed_shape),
-                         torch.bfloat16, gen, "cuda")
+                         torch.bfloat16, gen, device)
         codec, target = codecs.get(row["codec"]), torch.empty_like(x)
+        payload = codec.encode(x)
+        calls = {"copy": lambda: target.copy_(x),
+                 "round_trip": lambda: codec.decode(codec.encode(x)),
+                 "encode": lambda: codec.encode(x), "decode": lambda: codec.decode(payload)}
+        if codec.name == "outlier_int4":
+            calls["select"] = _selection(codec, x)
         try:
-            row["copy_graph_ms"] = time_graph(lambda: target.copy_(x), sizes.speed_loops,
-                                              sizes.speed_calls)
-            row["round_trip_graph_ms"] = time_graph(lambda: codec.decode(codec.encode(x)),
-                                                    sizes.speed_loops, sizes.speed_calls)
+            for part, call in calls.items():
+                row[f"{part}_graph_ms"] = time_graph(call, sizes.speed_loops, sizes.speed_calls)
         except Exception as exc:  # noqa: BLE001 - a capture refused is a finding
             row["graph_error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
             with contextlib.suppress(Exception):
                 torch.cuda.synchronize()
         emit(rows)
+
+
+def _selection(codec, x: torch.Tensor):
+    """outlier_int4's channel selection of ``x`` alone, as its encode launches it."""
+    from megatron_adacc.codecs.backend import kernels_for
+
+    kernels = kernels_for(codec.backend, x.device)
+    rows, capacity = x.reshape(-1, x.shape[-1]), codec.capacity_for(x.shape)
+    return lambda: kernels.outlier_select(rows, codec.threshold, capacity)
 
 
 def codecs_worker(device, sizes: Sizes, deadline: Deadline, emit) -> None:

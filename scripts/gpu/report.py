@@ -177,15 +177,21 @@ def _codecs_lines(codec: dict | None) -> list[str]:
               "serves where the codec column gives one. It is set against a copy into an "
               "existing tensor. Device times come from CUDA events around a loop of calls, "
               "with no synchronisation between calls. Each is the median of loops. The graph "
-              "column replays a captured CUDA graph, where capture works. The host column is "
-              "the host's microseconds per call: its launches alone.", "",
+              "columns replay captured CUDA graphs, where capture works: the round trip, then "
+              "its parts alone (outlier_int4's channel selection is its encode's first "
+              "kernel). The host column is the host's microseconds per call: its launches "
+              "alone.", "",
               "| codec | payload / input | copy (ms) | round trip (ms) | round trip / copy "
-              "| graph: copy, round trip (ms) | host us/call: copy, round trip |",
-              "|---|---|---|---|---|---|---|"]
+              "| graph: copy, round trip (ms) | graph: parts (ms) "
+              "| host us/call: copy, round trip |",
+              "|---|---|---|---|---|---|---|---|"]
     for r in codec.get("speed", []):
         if "skipped" in r:
-            lines.append(f"| {r['codec']} | not run: {r['skipped']} | | | | | |")
+            lines.append(f"| {r['codec']} | not run: {r['skipped']} | | | | | | |")
             continue
+        parts = ", ".join(f"{part} {r[f'{part}_graph_ms']:.3f}"
+                          for part in ("encode", "decode", "select")
+                          if f"{part}_graph_ms" in r) or "-"
         graph = (f"{r['copy_graph_ms']:.3f}, {r['round_trip_graph_ms']:.3f}"
                  if "round_trip_graph_ms" in r else
                  f"capture failed: {r['graph_error']}" if "graph_error" in r else "-")
@@ -194,7 +200,7 @@ def _codecs_lines(codec: dict | None) -> list[str]:
             codec.get("speed_shape", ())) else r["codec"])
         lines.append(f"| {name} | {r['payload_bytes'] / r['input_bytes']:.3f} | "
                      f"{r['copy_ms']:.3f} | {r['round_trip_ms']:.3f} | "
-                     f"{r['round_trip_of_copy']:.2f} | {graph} | "
+                     f"{r['round_trip_of_copy']:.2f} | {graph} | {parts} | "
                      f"{r['copy_host_us']:.0f}, {r['round_trip_host_us']:.0f} |")
     return lines + [""]
 

@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from helpers import ROOT, forked
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -76,6 +77,34 @@ def test_dry_run_times_every_codecs_round_trip_against_a_copy(dry_run):
         name: (math.prod(shape) // 128, 128) if name == "channel_int4" else shape
         for name in codecs.NAMES}
     assert results["codecs"]["cases"] > 0 and results["codecs"]["ok"]
+
+
+def test_the_graphs_time_each_codecs_parts_and_outlier_int4s_selection(monkeypatch):
+    # CUDA graphs need a GPU: here each graph's call runs once on the CPU and is kept.
+    from gpu import codecs as codec_section
+
+    from megatron_adacc import codecs
+
+    results = {}
+
+    def run_once(call, loops, calls):
+        results[len(results)] = call()
+        return float(len(results))
+
+    monkeypatch.setattr(codec_section, "time_graph", run_once)
+    rows = [{"codec": name} for name in codecs.NAMES]
+    codec_section.codec_graphs(rows, common.DRY, common.Deadline(60.0),
+                               torch.Generator().manual_seed(0), lambda _: None, device="cpu")
+    parts = ["copy", "round_trip", "encode", "decode"]
+    for row in rows:
+        names = parts + ["select"] * (row["codec"] == "outlier_int4")
+        assert sorted(key for key in row if key.endswith("_graph_ms")) == sorted(
+            f"{name}_graph_ms" for name in names), row
+        if row["codec"] == "outlier_int4":  # the selection alone: a mask and the slots
+            selected, index = results[int(row["select_graph_ms"]) - 1]
+            x_shape = codec_section.speed_shape("outlier_int4", common.DRY.speed_shape)
+            assert selected.shape == (x_shape[-1],) and index.numel() == codecs.get(
+                "outlier_int4").capacity_for(x_shape)
 
 
 def test_dry_run_counts_host_syncs_under_every_policy(dry_run):
@@ -333,7 +362,8 @@ RESULTS = {
                "speed": [{"codec": "naive_int4", "input_bytes": 1000, "payload_bytes": 262,
                           "copy_ms": 0.5, "copy_host_us": 4.0, "round_trip_ms": 2.0,
                           "round_trip_host_us": 30.0, "round_trip_of_copy": 0.25,
-                          "copy_graph_ms": 0.4, "round_trip_graph_ms": 1.5},
+                          "copy_graph_ms": 0.4, "round_trip_graph_ms": 1.5,
+                          "encode_graph_ms": 0.9, "decode_graph_ms": 0.6},
                          {"codec": "outlier_int4", "input_bytes": 1000, "payload_bytes": 270,
                           "copy_ms": 0.5, "copy_host_us": 4.0, "round_trip_ms": 5.0,
                           "round_trip_host_us": 5000.0, "round_trip_of_copy": 0.1,
@@ -393,10 +423,11 @@ def test_the_report_renders_passes_failures_and_what_was_not_measured():
             ) in page
     assert "- llama-1b: skipped block 3" in page
     assert "1 mismatches:\n\n- bitmask torch.bool (7,): decoded tensors differ" in page
-    assert "| naive_int4 | 0.262 | 0.500 | 2.000 | 0.25 | 0.400, 1.500 | 4, 30 |" in page
+    assert ("| naive_int4 | 0.262 | 0.500 | 2.000 | 0.25 | 0.400, 1.500 | encode 0.900, "
+            "decode 0.600 | 4, 30 |") in page
     assert "| outlier_int4 | 0.270 | 0.500 | 5.000 | 0.10 | capture failed: RuntimeError: " \
-           "capture | 4, 5000 |" in page
-    assert "| bitmask | not run: out of time | | | | | |" in page
+           "capture | - | 4, 5000 |" in page
+    assert "| bitmask | not run: out of time | | | | | | |" in page
     assert "| gpt unfused bf16 | none | 0 | 1 | 0, 0 | equal 1 |" in page
     assert "| gpt unfused bf16 | auto | failed: boom | | | |" in page
     assert "llama flash bf16: bitmask" in page
