@@ -118,7 +118,8 @@ def test_outlier_many_exact_channels_in_one_column_block():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_tiles_across_row_and_column_blocks_byte_identical(dtype):
     # Tensors of several row blocks and column blocks: channel_int4's statistics in several
-    # chunks (a NaN in one), outlier_int4's exact channels in several column blocks.
+    # chunks (a NaN in one), outlier_int4's exact channels in several column blocks and its
+    # selection's sums in several row chunks of each.
     gen = torch.Generator().manual_seed(43)
     for shape in [(3000, 64), (70, 2048)]:
         x = torch.randn(shape, generator=gen)
@@ -127,6 +128,11 @@ def test_tiles_across_row_and_column_blocks_byte_identical(dtype):
     x = torch.randn(16, 3072, generator=gen)
     x[:, [5, 1030, 1031, 2100, 3071]] *= 400
     assert_same_payload_and_output("outlier_int4", x.to(dtype), capacity=5)
+    # the selection's statistics in several row chunks of several column blocks
+    x = torch.randn(3000, 192, generator=gen)
+    x[:, [7, 100, 191]] *= 400
+    x[2500, 9] = math.nan  # a row the statistics sample (every 5th): channel 9 is kept exact
+    assert_same_payload_and_output("outlier_int4", x.to(dtype), capacity=4)
     assert_same_payload_and_output("naive_int4", x.to(dtype))
     # rows wider than one program holds (launch.MAX_ROW) go to the reference
     assert_same_payload_and_output("naive_int4", torch.randn(2, 32770, generator=gen).to(dtype))
