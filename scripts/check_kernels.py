@@ -18,6 +18,9 @@ cc, 32). Per kernel it reports, from the cubin (the bundled cuobjdump -res-usage
 - races: global memory a program reads and then overwrites with no barrier between, in another
   thread layout (analyse_ttgir, from the TTGIR): another warp may overwrite it before it is read.
 
+and per codec call the kernels it launches with their programs (grid size): fewer programs than a
+GPU has SMs leave SMs idle.
+
     python scripts/check_kernels.py [--targets 90 80 70] [--dtypes bf16 fp16 fp32]
                                     [--json out.json]
 
@@ -29,6 +32,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import re
 import subprocess
@@ -383,16 +387,18 @@ def check(targets=TARGETS, sites=SITES, dtypes=None) -> tuple[list[Report], list
         launched there, in order."""
     dtypes = dtypes if dtypes is not None else {k: DTYPES[k] for k in DEFAULT_DTYPES}
     reports: list[Report] = []
-    launched: dict[tuple, list[str]] = {}
+    launched: dict[tuple, list[tuple[str, int]]] = {}
     for launch in codec_launches(sites, dtypes):
         call = (launch.codec, launch.site, launch.dtype, launch.phase)
-        launched.setdefault(call, []).append(launch.kernel)
+        launched.setdefault(call, []).append((launch.kernel, math.prod(launch.grid)))
         for cc in targets:
             report = check_launch(launch, cc)
             if not any(r is report for r in reports):
                 reports.append(report)
-    return reports, [dict(zip(("codec", "site", "dtype", "phase"), key), kernels=kernels)
-                     for key, kernels in launched.items()]
+    return reports, [dict(zip(("codec", "site", "dtype", "phase"), key),
+                          kernels=[kernel for kernel, _ in calls],
+                          programs=[programs for _, programs in calls])
+                     for key, calls in launched.items()]
 
 
 def table(reports: list[Report]) -> str:
@@ -462,6 +468,8 @@ def main(argv=None) -> int:
             print(f"sm_{cc}: every configuration compiled")
     counts = sorted({(e["codec"], e["phase"], len(e["kernels"])) for e in launches})
     print("kernels per call: " + ", ".join(f"{c} {p} {n}" for c, p, n in counts))
+    fewest = min((n, k, e["site"]) for e in launches for k, n in zip(e["kernels"], e["programs"]))
+    print(f"fewest programs a launch: {fewest[0]} ({fewest[1]} at {fewest[2]})")
     print(f"{len(reports)} configurations compiled in {elapsed:.1f} s "
           f"({sum(r.compile_s for r in reports):.1f} s in triton.compile)")
     if args.json:

@@ -3,7 +3,7 @@ at the configurations the codecs launch for GPT-345M- and Llama-3-8B-sized sites
 and fp32: no spills, at most 128 registers, no 64-bit integer division, activations moved by
 16-byte vector accesses, no conversion instruction per element, no global value overwritten
 before another warp may have read it, one kernel per encode and decode (two for outlier_int4's
-encode).
+encode), each launching at least a GPU's SMs' worth of programs.
 
 The script runs once per session, in a subprocess: it must import the kernels without
 TRITON_INTERPRET, which this test session sets (conftest.py). Triton's own cache keeps the
@@ -79,6 +79,17 @@ def test_no_conversion_instruction_per_element(checked):
     assert all(r["conversions"] is not None for r in reports), "SASS not disassembled"
     assert [(r["kernel"], r["used_by"][0], r["conversions"]) for r in reports
             if r["conversions"] > MAX_CONVERSIONS] == []
+
+
+# An H100's and an H200's SMs: a launch of fewer programs leaves some idle.
+MIN_PROGRAMS = 132
+
+
+def test_every_launch_fills_a_gpu_at_model_sites(checked):
+    # outlier_int4's selection launched a program per 64 channels: 16 on GPT-345M's hidden
+    # states, whatever their rows.
+    assert [(e["codec"], e["site"], e["kernels"], e["programs"]) for e in checked[0]["launches"]
+            if min(e["programs"]) < MIN_PROGRAMS] == []
 
 
 def test_no_program_overwrites_what_another_warp_may_not_have_read(checked):
