@@ -15,8 +15,8 @@ cc, 32). Per kernel it reports, from the cubin (the bundled cuobjdump -res-usage
 - 64-bit integer division or remainder (div/rem .s64/.u64);
 - conversion instructions in the SASS (F2I, I2F, FRND). A Hopper GPU runs them at an eighth of the
   rate it adds (an Ampere at a quarter): one per element bounds a codec by them, not by memory.
-- races: global memory a program reads and then overwrites with no barrier between, in another
-  thread layout (analyse_ttgir, from the TTGIR): another warp may overwrite it before it is read.
+- races: global memory a program reads then writes, or writes then reads, with no barrier between,
+  in two thread layouts (analyse_ttgir, from the TTGIR): another warp may be ahead or behind.
 
 and per codec call the kernels it launches with their programs (grid size): fewer programs than a
 GPU has SMs leave SMs idle.
@@ -291,20 +291,21 @@ _POINTER_LAYOUT = re.compile(r"!tt\.ptr<[^>]*>, (#[\w.]+(?:<\{[^}]*\}>)?)>")
 
 
 def analyse_ttgir(ttgir: str) -> list[str]:
-    """Global memory a program reads, then overwrites in another thread layout with no barrier.
+    """Global memory a program reads then writes, or writes then reads, in two thread layouts.
 
     Triton orders a program's global accesses per thread only. When a load's pointer tensor and a
-    later store's to the same pointer argument are laid out differently, the thread that stores
-    an element may be in another warp than the one that reads it, and may store first. A
-    ``tl.debug_barrier()`` (ttg.barrier) between them orders them. Regions are read in text
-    order; an else branch starts from the state its if began with.
+    store's to the same pointer argument are laid out differently, with no barrier between, the
+    element one thread accesses second may be another warp's, and that warp may be ahead or
+    behind. A ``tl.debug_barrier()`` (ttg.barrier) between them orders them. Regions are read in
+    text order; an else branch starts from the state its if began with.
     """
     roots: dict[str, str] = {}
     header = re.search(r"tt\.func \w+ @\w+\((.*)$", ttgir, re.M)
     for name in re.findall(r"(%\w+): !tt\.ptr", header.group(1) if header else ""):
         roots[name] = name
-    loads: dict[str, set[str]] = {}
-    # Per open region: None, or an if's (loads at its start, loads its then branch ended with).
+    # (load or store, pointer argument) -> the layouts accessed since the last barrier
+    seen: dict[tuple[str, str], set[str]] = {}
+    # Per open region: None, or an if's (accesses at its start, those its then branch ended with).
     regions: list[tuple | None] = []
     hazards = []
     for number, line in enumerate(ttgir.splitlines(), 1):
@@ -312,33 +313,37 @@ def analyse_ttgir(ttgir: str) -> list[str]:
         if stripped.startswith("}"):
             region = regions.pop() if regions else None
             if region is not None and stripped.startswith("} else {"):
-                regions.append((region[0], loads))
-                loads = _copied(region[0])
+                regions.append((region[0], seen))
+                seen = _copied(region[0])
             elif region is not None and region[1] is not None:  # after an else: either branch's
-                loads = {root: loads.get(root, set()) | region[1].get(root, set())
-                         for root in {*loads, *region[1]}}
+                seen = {key: seen.get(key, set()) | region[1].get(key, set())
+                        for key in {*seen, *region[1]}}
             continue
         if "ttg.barrier" in stripped or "gpu.barrier" in stripped:
-            loads = {}
+            seen = {}
         defined = _DEFINED_FROM.match(line)
         if defined and defined.group(2) in roots and "!tt.ptr" in line:
             roots[defined.group(1)] = roots[defined.group(2)]
         access = _MEMORY_OP.search(line)
         layout = _POINTER_LAYOUT.search(line)
         if access and layout and access.group(2) in roots:
-            root, layout = roots[access.group(2)], layout.group(1)
-            if access.group(1) == "load":
-                loads.setdefault(root, set()).add(layout)
-            elif loads.get(root, set()) - {layout}:
-                hazards.append(f"{root[1:]}: read as {sorted(loads[root] - {layout})[0]}, "
-                               f"stored as {layout} (ttgir line {number})")
+            kind, root, layout = access.group(1), roots[access.group(2)], layout.group(1)
+            other = "store" if kind == "load" else "load"
+            if seen.get((other, root), set()) - {layout}:
+                before = sorted(seen[(other, root)] - {layout})[0]
+                hazards.append(f"{root[1:]}: {_PAST[other]} as {before}, {_PAST[kind]} as "
+                               f"{layout} (ttgir line {number})")
+            seen.setdefault((kind, root), set()).add(layout)
         if stripped.endswith("{"):
-            regions.append((_copied(loads), None) if "scf.if" in stripped else None)
+            regions.append((_copied(seen), None) if "scf.if" in stripped else None)
     return hazards
 
 
-def _copied(loads: dict[str, set[str]]) -> dict[str, set[str]]:
-    return {root: set(layouts) for root, layouts in loads.items()}
+_PAST = {"load": "read", "store": "stored"}
+
+
+def _copied(seen: dict) -> dict:
+    return {key: set(layouts) for key, layouts in seen.items()}
 
 
 _CACHE: dict[tuple, Report] = {}
