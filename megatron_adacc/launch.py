@@ -7,7 +7,8 @@
 - A single process without torchrun gets a world of one. A host without CUDA gets gloo and
   megatron_compat's CPU defaults. Without data flags, the run reads the built-in corpus.
 - Ctrl-C (130), SIGTERM (143) and a diverged run (1) end in one line, without a traceback.
-- A checkpoint load Megatron-LM gives up on (it prints why and exits 0) ends with status 2.
+- A checkpoint load Megatron-LM gives up on (it prints why and exits 0), and a checkpoint of another
+  model, end in one line with status 2.
 """
 from __future__ import annotations
 
@@ -532,9 +533,10 @@ def _built_or_refused(original, *args, **kwargs):
 
 
 def _loaded_or_refused(original, *args, **kwargs):
-    """Megatron-LM's ``load_checkpoint``, whose bare ``sys.exit()`` on a failed load is status 2.
+    """Megatron-LM's ``load_checkpoint``; a failed load, or another model's checkpoint, is status 2.
 
-    Megatron-LM prints why and exits with status 0, as if the run had trained."""
+    On a failed load Megatron-LM prints why and exits with status 0, as if the run had trained.
+    A checkpoint of another model's shapes or parameters ended in a traceback from DCP."""
     from megatron.training import get_args
 
     try:
@@ -548,6 +550,44 @@ def _loaded_or_refused(original, *args, **kwargs):
                              f"--exit-on-missing-checkpoint stops the run") from None
         raise InputError(f"--load {load}: Megatron-LM could not load the checkpoint (its "
                          f"reason is printed above)") from None
+    except BaseException as exc:  # DCP's CheckpointException is no Exception
+        why = _load_failure(exc)
+        if why is None:
+            raise
+        raise InputError(f"--load {get_args().load}: {why}") from None
+
+
+_OTHER_MODEL = ("the checkpoint holds another model than these flags build ({}); give the model "
+                "flags it was saved with")
+# What megatron-core, Megatron-LM and torch say when a checkpoint cannot be this run's, each with
+# the line that says so: one parameter's shape, or one missing from the checkpoint; an
+# architecture flag or the optimizer's parameters of a --ckpt-format torch checkpoint (the
+# distributed optimizer's, or torch's groups); or the format itself.
+_LOAD_FAILURES = (
+    (re.compile(r"^Global shape mismatch for loaded .*"), _OTHER_MODEL),
+    (re.compile(r"^\S+ from model not in state dict"), _OTHER_MODEL),
+    (re.compile(r"^\w+ value from checkpoint \(.*?\) is not equal to the input argument "
+                r"value \(.*?\)"), _OTHER_MODEL),
+    (re.compile(r"^loaded state dict contains a parameter group that doesn't match the size "
+                r"of optimizer's group"), _OTHER_MODEL),
+    (re.compile(r"^Number of unpadded elements must be same in current run \(\d+\) and "
+                r"checkpoint \(\d+\)"), _OTHER_MODEL),
+    (re.compile(r"^Detected load from a distributed checkpoint, but .*"), "{}"),
+)
+
+
+def _load_failure(exc: BaseException) -> str | None:
+    """One line for a checkpoint that cannot be this run's, from the error behind ``exc``."""
+    from megatron_adacc import safe_checkpoint
+
+    for found in safe_checkpoint.behind(exc, (Exception,)):
+        text = found.args[0] if found.args and isinstance(found.args[0], str) else ""
+        for pattern, line in _LOAD_FAILURES:
+            match = pattern.match(text)
+            if match:
+                what = match.group(1) if match.groups() else match.group(0)
+                return line.format(what.strip().splitlines()[0])
+    return None
 
 
 # Megatron-LM's rerun state machine's exit codes (EXIT_CODE_RESUME_TO_DISAMBIGUATE,

@@ -156,7 +156,12 @@ def _unsafe_global(file: Any) -> str | None:
 
 
 def refusal(exc: BaseException) -> CheckpointRefused | None:
-    """The CheckpointRefused behind ``exc``: itself, a cause, or a rank's error in a DCP exception.
+    """The CheckpointRefused behind ``exc`` (see behind)."""
+    return next(behind(exc, CheckpointRefused), None)
+
+
+def behind(exc: BaseException, kind):
+    """Each ``kind`` error behind ``exc``: itself, a cause, or a rank's error in a DCP exception.
 
     A DCP ``CheckpointException`` holds ``failures``: rank -> (exception, traceback)."""
     pending, seen = [exc], set()
@@ -165,13 +170,12 @@ def refusal(exc: BaseException) -> CheckpointRefused | None:
         if current is None or id(current) in seen:
             continue
         seen.add(id(current))
-        if isinstance(current, CheckpointRefused):
-            return current
+        if isinstance(current, kind):
+            yield current
         failures = getattr(current, "failures", None)
         if isinstance(failures, dict):
             pending += [failure[0] for failure in failures.values()]
         pending += [current.__cause__, current.__context__]
-    return None
 
 
 class _MetadataPickle(types.ModuleType):

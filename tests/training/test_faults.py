@@ -218,6 +218,49 @@ def test_loading_into_the_wrong_run_says_why(tmp_path, monkeypatch, capsys, corp
         assert err[-1] == message
 
 
+_OTHER_MODEL = ("pretrain_gpt.py: error: --load ck: the checkpoint holds another model than these "
+                "flags build ({}); give the model flags it was saved with")
+
+
+def test_an_optimizer_of_other_parameters_is_refused_in_one_line(tmp_path, monkeypatch, capsys,
+                                                                corpus):
+    # torch's optimizer refused the groups of a --ckpt-format torch checkpoint in a traceback.
+    torch_format = ["--ckpt-format", "torch", "--train-iters", "2"]
+    code, err = _main_here(tmp_path, monkeypatch, capsys, *data_flags(corpus), *torch_format,
+                           "--save", "ck", "--save-interval", "2")
+    assert code == 0, err
+    code, err = _main_here(tmp_path, monkeypatch, capsys, *data_flags(corpus), *torch_format,
+                           "--qk-layernorm", "--load", "ck")
+    assert (code, err[-1:]) == (2, [_OTHER_MODEL.format(
+        "loaded state dict contains a parameter group that doesn't match the size of "
+        "optimizer's group")])
+
+
+@pytest.mark.parametrize("legacy, flags, message", [
+    (False, ["--num-layers", "3"], _OTHER_MODEL.format(
+        "Global shape mismatch for loaded (torch.Size([2, 64])) and expected ((3, 64)) tensor for "
+        "key decoder.layers.self_attention.linear_qkv.layer_norm_weight")),
+    (False, ["--qk-layernorm"], _OTHER_MODEL.format(
+        "decoder.layers.self_attention.q_layernorm.weight from model not in state dict")),
+    (False, ["--ckpt-format", "torch"], "pretrain_gpt.py: error: --load ck: Detected load from "
+     "a distributed checkpoint, but neither --use-dist-ckpt nor --auto-detect-ckpt-format is "
+     "set."),
+    (True, ["--num-layers", "3"], _OTHER_MODEL.format(
+        "num_layers value from checkpoint (2) is not equal to the input argument value (3)")),
+    (True, ["--qk-layernorm"], _OTHER_MODEL.format(
+        "Number of unpadded elements must be same in current run (127232) and checkpoint "
+        "(126720)")),
+])
+def test_a_checkpoint_of_another_model_is_refused_in_one_line(
+        tmp_path, monkeypatch, capsys, corpus, straight, straight_legacy, legacy, flags, message):
+    # Each ended in a traceback: from DCP, megatron-core's optimizer or Megatron-LM's checks.
+    _copy_checkpoints(straight_legacy if legacy else straight, tmp_path)
+    code, err = _main_here(tmp_path, monkeypatch, capsys, *data_flags(corpus),
+                           *(LEGACY if legacy else []), "--train-iters", "6", *flags,
+                           "--load", "ck")
+    assert (code, err[-1:]) == (2, [message])
+
+
 @pytest.mark.parametrize("which, lr_at_7", [
     ("--override-opt_param-scheduler", "flags"), ("--use-checkpoint-opt_param-scheduler", "min")])
 def test_a_changed_schedule_trains_on_the_schedule_the_user_names(
