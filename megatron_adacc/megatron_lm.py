@@ -308,12 +308,13 @@ class Session:
         return result
 
     def _measured(self, forward_backward_func, ruled: bool, *args, **kwargs):
+        from megatron_adacc.profiling import allocator
+
         with self.adacc.measure(ruled):
             result = forward_backward_func(*args, **kwargs)
-        if self.device.type == "cuda":
-            # The allocator counts on the host as it is asked: read without waiting, this is
-            # the step's peak up to the optimizer step, so a record says which part peaked.
-            self.forward_backward_peak = torch.cuda.max_memory_allocated(self.device)
+        # The step's peak up to the optimizer step (None on a CPU), so a record says which part
+        # peaked.
+        self.forward_backward_peak = allocator.peak(self.device)
         return result
 
     def _keep_first(self, data_iterator):
