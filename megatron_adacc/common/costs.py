@@ -34,7 +34,8 @@ from megatron_adacc.common import sites as site_table
 # 2: rebuild_s from the segment start and segments replace per-op recompute_s and sources.
 # 3: allocator_overhead_bytes. 4: operator-level rebuilds (operators, SiteCost.operator).
 # 5: hooked_layer_s. 6: optimizer_step_bytes. 7: CodecCost.capacity.
-FORMAT_VERSION = 7
+# 8: persistent_overhead_bytes.
+FORMAT_VERSION = 8
 
 
 class CostsError(ValueError):
@@ -122,9 +123,14 @@ class ModelCosts:
     non_layer_bytes: int
     backward_workspace_bytes: int     # gradients alive while one layer backprops, any plan
     micro_batch_size: int
-    # How far the CUDA allocator's allocated peak of an all-retain step exceeded the peak this
-    # model predicts (kernels' workspaces, working sets it leaves out); 0 on a CPU.
+    # How far the CUDA allocator's allocated peak of an all-retain forward and backward exceeded
+    # the peak this model predicts (kernels' workspaces, working sets it leaves out); 0 on a CPU.
+    # The optimizer step, after them, does not hold it.
     allocator_overhead_bytes: int = 0
+    # What a model's first step leaves allocated for every later one, the optimizer step's
+    # included: cuBLAS's workspaces, megatron's global memory buffer (unfused attention's
+    # baddbmm input); 0 on a CPU.
+    persistent_overhead_bytes: int = 0
     # What the optimizer step adds to static while no activations are alive: megatron's fp16
     # optimizer copies every 16-bit gradient to fp32 in its step and drops the copies at the
     # next zero_grad, before the forward; torch's foreach AdamW adds its workspace.
@@ -185,6 +191,7 @@ class ModelCosts:
                               (self.received_input_bytes, "received_input_bytes"),
                               (self.backward_workspace_bytes, "backward_workspace_bytes"),
                               (self.allocator_overhead_bytes, "allocator_overhead_bytes"),
+                              (self.persistent_overhead_bytes, "persistent_overhead_bytes"),
                               (self.optimizer_step_bytes, "optimizer_step_bytes"),
                               (self.held_non_layer_bytes, "held_non_layer_bytes")):
             if number < 0:
@@ -286,6 +293,7 @@ class ModelCosts:
             backward_workspace_bytes=int(data["backward_workspace_bytes"]),
             micro_batch_size=int(data["micro_batch_size"]),
             allocator_overhead_bytes=int(data["allocator_overhead_bytes"]),
+            persistent_overhead_bytes=int(data["persistent_overhead_bytes"]),
             optimizer_step_bytes=int(data["optimizer_step_bytes"]),
             segments=tuple(Segment(**segment) for segment in data["segments"]),
             operators=tuple(Operator(name=op["name"], sources=tuple(op["sources"]),

@@ -4,7 +4,8 @@ Every search and the plan table take their charges and limits from here; none re
 The derivation of each term is in docs/memory-model.md. In short, for one pipeline stage with
 k micro-batches in flight:
 
-    peak = static + allocator_overhead + max( (k - 1) x (A + E) + E + max(
+    peak = static + persistent_overhead + max(
+              allocator_overhead + (k - 1) x (A + E) + E + max(
                   non_layer + R + A,                                        # end of forward
                   max_l [ sum_{j<=l} stored(j) + transient(l) ] + workspace + H ),
               optimizer_step + H )                                          # the step
@@ -273,10 +274,19 @@ def activation_terms(costs: ModelCosts, all_stored, backward_peak):
 
 def peak_from_terms(costs: ModelCosts, all_stored, backward_peak):
     """The peak rule, given A and max_l [prefix(l) + transient(l)]."""
-    return (costs.static_bytes + costs.allocator_overhead_bytes
-            + np.maximum(activation_terms(costs, all_stored,
-                                          backward_peak + costs.backward_workspace_bytes),
+    forward_backward = costs.allocator_overhead_bytes + activation_terms(
+        costs, all_stored, backward_peak + costs.backward_workspace_bytes)
+    return (costs.static_bytes + costs.persistent_overhead_bytes
+            + np.maximum(forward_backward,
                          costs.held_non_layer_bytes + costs.optimizer_step_bytes))
+
+
+def forward_backward_bytes(costs: ModelCosts, layers: Sequence[LayerPolicy]) -> int:
+    """What a plan's forward and backward add to static at their peak: activations, workspace.
+
+    The plan table's "activations"; neither overhead term is in it."""
+    all_stored, backward_peak = _stored_terms(layers)
+    return int(activation_terms(costs, all_stored, backward_peak + costs.backward_workspace_bytes))
 
 
 def _stored_terms(layers: Sequence[LayerPolicy]) -> tuple[int, int]:
@@ -327,8 +337,8 @@ class Limits(NamedTuple):
 
 def budget_limits(costs: ModelCosts, budget_bytes: int) -> Limits:
     k = costs.in_flight_micro_batches
-    available = (budget_bytes - costs.static_bytes - costs.allocator_overhead_bytes
-                 - k * costs.embedding_bytes)
+    available = (budget_bytes - costs.static_bytes - costs.persistent_overhead_bytes
+                 - costs.allocator_overhead_bytes - k * costs.embedding_bytes)
     # k x A + non_layer + R <= available; floor division keeps the limit exact in whole bytes.
     return Limits((available - costs.non_layer_bytes - costs.received_input_bytes) // k,
                   available - costs.backward_workspace_bytes - costs.held_non_layer_bytes)

@@ -10,8 +10,9 @@ from typing import Any, Iterable, Sequence
 
 from megatron_adacc.common.costs import ModelCosts
 from megatron_adacc.common.plan import RETAIN_DECISION, Decision, Plan
-from megatron_adacc.planning.model import (LayerPolicy, evaluate_layer, is_hooked, peak_bytes,
-                                           rebuilt_from, site_option, site_times)
+from megatron_adacc.planning.model import (LayerPolicy, evaluate_layer, forward_backward_bytes,
+                                           is_hooked, peak_bytes, rebuilt_from, site_option,
+                                           site_times)
 from megatron_adacc.common.sites import RECOMPUTE
 
 
@@ -82,7 +83,7 @@ class PlanResult:
             budget_bytes=budget_bytes,
             peak_bytes=peak,
             static_bytes=costs.static_bytes,
-            activation_bytes=peak - costs.static_bytes - costs.allocator_overhead_bytes,
+            activation_bytes=forward_backward_bytes(costs, layers),
             added_time_s=sum(layer.time_s for layer in layers),
             solve_time_s=solve_time_s,
             minimum_feasible_budget=minimum_feasible_budget,

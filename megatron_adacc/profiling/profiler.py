@@ -701,8 +701,11 @@ def _profile(run: _Profiling) -> ModelCosts:
                               "max_allocated": peaks.max_allocated},
         },
     )
-    return replace(costs, allocator_overhead_bytes=allocator_overhead(
-        costs, peaks, left=peaks.allocated_before - started))
+    # What the warm-up left stays through every later step, the optimizer step's too: on the
+    # H200, GPT-345M's full recompute peaked in its optimizer step 201 MB over static and the
+    # step's own bytes, cuBLAS's two 32 MiB workspaces and megatron's 128 MiB baddbmm buffer.
+    return replace(costs, allocator_overhead_bytes=allocator_overhead(costs, peaks),
+                   persistent_overhead_bytes=max(0, peaks.allocated_before - started))
 
 
 def stage_memory(model: torch.nn.Module, batch: Batch, *, strict: bool = False,
@@ -717,15 +720,12 @@ def stage_memory(model: torch.nn.Module, batch: Batch, *, strict: bool = False,
         return run.step({}, _RetainedRuler).stage_memory(model)
 
 
-def allocator_overhead(costs: ModelCosts, peaks: allocator.Peaks, left: int = 0) -> int:
+def allocator_overhead(costs: ModelCosts, peaks: allocator.Peaks) -> int:
     """How far the allocator's allocated peak over an all-retain step exceeded the prediction.
 
-    The prediction is the bytes already in tensors when the step began (parameters, buffers) plus
-    the predicted activation peak. To that it adds ``left``: what the warm-up step before it left
-    allocated. Buffers a model's first step makes (cuBLAS's workspaces among them) stay for every
-    later step, yet the measured step counts them as held before it, and no static term holds
-    them: on the H200 the Llama's steps held 69 MB beyond static_bytes, and its plans peaked
-    68-72 MB over their predictions. 0 on a CPU (no allocator readings)."""
+    The prediction is the bytes already in tensors when the step began (parameters, buffers, and
+    what the warm-up step left: ``persistent_overhead_bytes``) plus the predicted activation peak.
+    0 on a CPU (no allocator readings)."""
     # Allocated, not reserved: the budget is held to max_memory_allocated, as every peer
     # method is measured. The caching allocator frees its cached blocks and retries before
     # it fails an allocation, and a reserved peak bounds no plan: on the H200, auto reserved
@@ -734,7 +734,7 @@ def allocator_overhead(costs: ModelCosts, peaks: allocator.Peaks, left: int = 0)
         return 0
     retain_all = [planning.evaluate_layer(costs, {})] * costs.num_layers
     predicted = planning.peak_bytes(costs, retain_all) - costs.static_bytes
-    return max(0, peaks.max_allocated - peaks.allocated_before - predicted) + max(0, left)
+    return max(0, peaks.max_allocated - peaks.allocated_before - predicted)
 
 
 def refresh_action_costs(costs: ModelCosts, model: torch.nn.Module, batch: Batch,

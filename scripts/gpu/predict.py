@@ -288,6 +288,7 @@ def _memory_terms(costs, runs: dict) -> dict:
     return {"static_bytes": costs.static_bytes,
             "optimizer_step_bytes": costs.optimizer_step_bytes,
             "allocator_overhead_bytes": costs.allocator_overhead_bytes,
+            "persistent_overhead_bytes": costs.persistent_overhead_bytes,
             "non_layer_bytes": costs.non_layer_bytes,
             "held_non_layer_bytes": costs.held_non_layer_bytes,
             "backward_workspace_bytes": costs.backward_workspace_bytes,

@@ -280,10 +280,12 @@ def _training_lines(name: str, model: dict) -> list[str]:
     if terms:
         step = terms.get("optimizer_step_bytes")  # absent from checks before 2026-11-29
         lossy = terms.get("smallest_feasible_budget_lossy_sources")   # and this
+        kept = terms.get("persistent_overhead_bytes")  # and before 2026-11-30
         lines += ["The profile's memory model: static "
                   f"{mib(terms['static_bytes'])} MiB, "
                   + (f"optimizer step {mib(step)} MiB, " if step is not None else "")
-                  + "allocator overhead "
+                  + (f"left by the first step {mib(kept)} MiB, " if kept is not None else "")
+                  + "forward and backward's allocator overhead "
                   f"{mib(terms['allocator_overhead_bytes'])} MiB, non-layer "
                   f"{mib(terms['non_layer_bytes'])} MiB (held through backward "
                   f"{mib(terms['held_non_layer_bytes'])} MiB), backward workspace "

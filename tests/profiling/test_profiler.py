@@ -32,6 +32,34 @@ def test_a_cpu_profile_has_no_allocator_overhead(profiled):
     assert profiled[1].allocator_overhead_bytes == 0
 
 
+def test_what_the_warm_up_leaves_allocated_is_kept_apart_from_the_step_excess(monkeypatch,
+                                                                              distributed):
+    """On a GPU: the buffers a first step makes stay through the optimizer step; the excess
+    over the all-retain step's prediction is the forward and backward's alone."""
+    import contextlib
+    from dataclasses import replace
+
+    from megatron_adacc.profiling import allocator, profiler
+
+    started, left = 5_000_000, 201_000
+
+    @contextlib.contextmanager
+    def watch(device):
+        peaks = allocator.Peaks(allocated_before=started + left)
+        yield peaks
+        peaks.max_allocated = started + left + 10**9      # read once the step has run
+
+    monkeypatch.setattr(profiler.allocator, "allocated", lambda device: started)
+    monkeypatch.setattr(profiler.allocator, "watch", watch)
+    model = build(True, dropout=0.0)
+    costs = profile(model, batch(0), repeats=1, strict=True)
+    bare = replace(costs, allocator_overhead_bytes=0, persistent_overhead_bytes=0)
+    retain_all = [planning.evaluate_layer(bare, {})] * bare.num_layers
+    predicted = planning.peak_bytes(bare, retain_all) - bare.static_bytes
+    assert costs.persistent_overhead_bytes == left
+    assert costs.allocator_overhead_bytes == 10**9 - predicted
+
+
 def test_site_bytes_are_the_rulers_for_every_layer(profiled):
     model, costs = profiled
     report = measure_step(model, lambda: loss_of(model), strict=True)[1]

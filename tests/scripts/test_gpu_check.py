@@ -379,7 +379,7 @@ RESULTS = {
         "micro_batch_size": 2, "seq_length": 4096, "iters": 8, "warmup": 3,
         "accelerator": "h200-141gb",
         "memory_model": {"static_bytes": 1 << 30, "optimizer_step_bytes": 4 << 20,
-                         "allocator_overhead_bytes": 0,
+                         "allocator_overhead_bytes": 0, "persistent_overhead_bytes": 3 << 20,
                          "non_layer_bytes": 2 << 20, "held_non_layer_bytes": 1 << 20,
                          "backward_workspace_bytes": 3 << 20,
                          "smallest_feasible_budget": 1_500_000_000,
@@ -414,8 +414,8 @@ RESULTS = {
 
 def test_the_report_renders_passes_failures_and_what_was_not_measured():
     page = report.markdown(RESULTS)
-    assert ("The profile's memory model: static 1,024 MiB, optimizer step 4.00 MiB, allocator "
-            "overhead 0.00 MiB" in page)
+    assert ("The profile's memory model: static 1,024 MiB, optimizer step 4.00 MiB, left by the "
+            "first step 3.00 MiB, forward and backward's allocator overhead 0.00 MiB" in page)
     assert ("Its smallest feasible budget (the recompute-only plan's peak) is 1,500,000,000 B, "
             "with lossy rebuild sources 1,350,000,000 B; full recompute's measured peak is "
             "1,400,000,000 B (1,300,000,000 B when its forward and backward ended). auto 0: "
