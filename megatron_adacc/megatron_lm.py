@@ -323,16 +323,19 @@ class Session:
             return data_iterator
         # Megatron-LM wraps the loader in a RerunDataIterator, which must stay the iterator
         # train_step gets: the peeked micro-batch goes back in front of what it wraps.
+        # One _PutBack for the run: a new one each step around the last would nest a level a
+        # step, and a thousand steps in, next() exceeded Python's recursion limit.
         inner = getattr(data_iterator, "iterable", data_iterator)
         try:
             head = next(inner)
         except StopIteration:
             return data_iterator
         self.step_batch = head
-        chained = _put_back(head, inner)
         if inner is data_iterator:
-            return chained
-        data_iterator.iterable = chained
+            return _PutBack(inner, head)
+        if type(inner) is not _PutBack:
+            inner = data_iterator.iterable = _PutBack(inner)
+        inner.kept.append(head)
         return data_iterator
 
     def _setup(self, ddp_models: list, optimizer, forward_step_func=None) -> None:
@@ -579,12 +582,17 @@ class Session:
             self._metrics = None
 
 
-def _put_back(head, rest):
-    """``head`` then ``rest``, holding ``head`` no longer than its consumer does."""
-    held = [head]
-    del head
-    yield held.pop()
-    yield from rest
+class _PutBack:
+    """An iterator over ``rest`` with the items in ``kept`` first, each held until it is taken."""
+
+    def __init__(self, rest, *kept):
+        self.rest, self.kept = rest, list(kept)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        return self.kept.pop(0) if self.kept else next(self.rest)
 
 
 def _from_last_stage(loss) -> float | None:
