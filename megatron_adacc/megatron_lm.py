@@ -293,6 +293,8 @@ class Session:
         forward_backward_func = functools.partial(self._measured, forward_backward_func, ruled)
         from megatron_adacc.profiling import allocator
 
+        # The host's time, not waited for: over a run the host keeps pace with the device
+        # (Megatron-LM reads the gradient norm on the host every step), so the median is its step.
         self.step_started, self.forward_backward_peak = time.perf_counter(), None
         with allocator.watch(self.device) as peaks:
             result = original(forward_step_func, data_iterator, model, optimizer,

@@ -31,16 +31,17 @@ class Peaks:
 
 @contextlib.contextmanager
 def watch(device: torch.device) -> Iterator[Peaks]:
-    """The allocator's peaks over the block on ``device`` (read when the block ends)."""
+    """The allocator's peaks over the block on ``device`` (read when the block ends).
+
+    The caching allocator counts as the host allocates and frees, so it is read without waiting
+    for the device: a training step watched runs ahead as one not watched."""
     peaks = Peaks()
     if device.type != "cuda":
         yield peaks
         return
-    torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
     peaks.allocated_before = torch.cuda.memory_allocated(device)
     yield peaks
-    torch.cuda.synchronize(device)
     peaks.max_allocated = torch.cuda.max_memory_allocated(device)
     peaks.max_reserved = torch.cuda.max_memory_reserved(device)
 

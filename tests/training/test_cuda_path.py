@@ -59,12 +59,15 @@ def test_collectives_on_a_gloo_group_stay_on_the_host(distributed):
 def fake_allocator(monkeypatch):
     """torch.cuda's allocator readings, scripted: each reset of the peak statistics starts a
     new step whose peaks are 100 x its number (allocated) and 1000 x (reserved)."""
-    state = {"resets": 0}
+    state = {"resets": 0, "waits": 0}
 
     def reset(device=None):
         state["resets"] += 1
 
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    def synchronize(device=None):
+        state["waits"] += 1
+
+    monkeypatch.setattr(torch.cuda, "synchronize", synchronize)
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", reset)
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 7)
     monkeypatch.setattr(torch.cuda, "max_memory_allocated",
@@ -90,6 +93,7 @@ def test_metrics_carry_the_allocators_peaks_reset_every_step(fake_allocator, mon
         [(100, 1000), (200, 2000)]
     assert [r["memory_allocated_before"] for r in records] == [7, 7]   # held as a step began
     assert fake_allocator["resets"] == 2
+    assert fake_allocator["waits"] == 0   # the readings are the host's: no step waits on them
 
 
 def test_no_allocator_numbers_on_a_cpu():
