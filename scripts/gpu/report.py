@@ -103,7 +103,9 @@ What the next lease should measure first, in this order:
 
 1. `--sections training --models gpt-345m --methods auto` (no optimisation and full
    recompute always run: they set the budgets): why the all-retain plan ran 73 ms a step over
-   the stock layer (the traces now hold other threads' Python and the CUDA runtime calls).
+   the stock layer (the traces now hold other threads' Python and the CUDA runtime calls),
+   and whether Adacc now takes the tightest budget, which its optimizer-step term refused
+   (`fd25aaa`).
 2. `--sections training --models llama-1b --methods auto`: whether the profile's warm-up
    correction (`8a0c1f3`) makes the first plan fit.
 3. `scripts/bench_codec_geometry.py --budget-s 40` after the check: channel_int4 at 8 and 16
