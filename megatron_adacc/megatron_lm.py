@@ -230,6 +230,11 @@ def layer_spec(args: argparse.Namespace, adacc, backend: str, model_cfg, vp_stag
     return spec
 
 
+# Records a session keeps for readers in its process (benches, tests): about 1.5 KB each, so a
+# run of 500,000 iterations that kept them all would hold some 750 MB on every rank.
+RECORDS_KEPT = 10_000
+
+
 class Session:
     """Adacc's state over one ``pretrain`` call: the Adacc, its model and the metrics file."""
 
@@ -244,7 +249,7 @@ class Session:
         self.step_started = 0.0
         self.record: dict = {}
         self.val_loss: float | None = None
-        self.records: list[dict] = []
+        self.records: list[dict] = []   # the newest RECORDS_KEPT at least; --metrics-file: all
         # Megatron-LM's engine of this run, as the last step left it (tests read them).
         self.ddp_models: list | None = None
         self.rank_static_bytes: int | None = None
@@ -568,6 +573,8 @@ class Session:
         from megatron_adacc import policies
 
         self.records.append(record)
+        if len(self.records) > 2 * RECORDS_KEPT:  # trimmed now and then, not every step
+            del self.records[:-RECORDS_KEPT]
         if not self.args.metrics_file or not policies.is_rank0():
             return
         if self._metrics is None:

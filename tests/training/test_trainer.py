@@ -25,6 +25,18 @@ def test_metrics_record_every_iteration_with_full_precision(tmp_path):
     assert [line["loss"] for line in lines] == losses(records)  # no rounding on the way out
 
 
+def test_a_session_keeps_its_newest_records_and_the_file_every_one(monkeypatch, tmp_path):
+    # A session once kept every record in memory: 1.5 KB an iteration for the run's life.
+    from megatron_adacc import megatron_lm
+
+    monkeypatch.setattr(megatron_lm, "RECORDS_KEPT", 2)
+    metrics = tmp_path / "m.jsonl"
+    records = train("--train-iters", "7", "--metrics-file", str(metrics))
+    assert [r["iteration"] for r in records] == [4, 5, 6, 7]   # cut to the newest 2 at 5
+    lines = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [line["iteration"] for line in lines] == list(range(1, 8))
+
+
 def test_megatron_lms_dataset_flags_reach_the_dataset_config(monkeypatch, tmp_path):
     # pretrain_gpt.py's provider once passed a dozen of them on, and dropped the rest.
     from megatron.core.datasets import blended_megatron_dataset_builder as builder
