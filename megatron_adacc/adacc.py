@@ -384,7 +384,8 @@ class Adacc:
                 self._watch.record(plan_id, seconds)
         del self._windows[:len(ready)]
 
-    def after_step(self, iteration: int, batch: profiler.Batch | None = None) -> dict:
+    def after_step(self, iteration: int,
+                   batch: profiler.Batch | Callable[[], profiler.Batch] | None = None) -> dict:
         """Run after optimizer step ``iteration`` (1-based); returns the tracking record or {}.
 
         - On tracking iterations the rectifier samples ``batch`` (default: the set-up batch). A
@@ -393,16 +394,24 @@ class Adacc:
           predicted, it re-times the plan's actions on ``batch`` and swaps plans the same way. Its
           record is under ``step_watch``.
 
-        Otherwise it does nothing and returns {} (or only the tracking time so far)."""
+        Otherwise it does nothing and returns {} (or only the tracking time so far). ``batch``
+        may be a function that returns it: it is then called only on the steps that read it,
+        so the others copy nothing to the device."""
         self._require_setup("after_step")
         rect = self._rectifier
         if rect is None:
             return {}
         self._read_windows()
-        batch = batch or self._batch
+        given = []
+
+        def step_batch() -> profiler.Batch:
+            if not given:
+                given.append((batch() if callable(batch) else batch) or self._batch)
+            return given[0]
+
         record = {}
         if rect.schedule.is_tracking(iteration):
-            outcome = rect.observe(iteration, self.model, batch, loss_fn=self._loss_fn)
+            outcome = rect.observe(iteration, self.model, step_batch(), loss_fn=self._loss_fn)
             if outcome.infeasible and policies.is_rank0():
                 print(f"adacc: iteration {iteration}: warning: {outcome.infeasible}; "
                       "running the plan that overruns it least", flush=True)
@@ -410,7 +419,7 @@ class Adacc:
                 self._take(iteration, outcome.swap)
             record = outcome.to_record()
         if self._watch is not None:
-            record.update(self._watch_step(iteration, batch, "plan_swap" in record))
+            record.update(self._watch_step(iteration, step_batch, "plan_swap" in record))
         record["tracking_time_s_total"] = rect.tracking_time_s
         return record
 
@@ -446,8 +455,8 @@ class Adacc:
                   f"{swap.new.plan.plan_id} ({swap.reason}, predicted gain "
                   f"{swap.predicted_gain_s * 1e3:.3f} ms/step): {swap.changed}", flush=True)
 
-    def _watch_step(self, iteration: int, batch: profiler.Batch, tracking_swapped: bool
-                    ) -> dict:
+    def _watch_step(self, iteration: int, batch: Callable[[], profiler.Batch],
+                    tracking_swapped: bool) -> dict:
         """The step watch after a step, or its decision at a decision point.
 
         When tracking has just swapped to a plan measured slower, it goes back to the fastest
@@ -465,7 +474,7 @@ class Adacc:
 
             def refresh(costs, decisions):
                 costs = profiler.refresh_action_costs(
-                    costs, self.model, batch, decisions, repeats=watching.RETIME_REPEATS,
+                    costs, self.model, batch(), decisions, repeats=watching.RETIME_REPEATS,
                     strict=self.config.strict, loss_fn=self._loss_fn)
                 return ModelCosts.from_json(policies.from_rank0(costs.to_json()))
 

@@ -494,11 +494,15 @@ class Session:
         # The plan the step ran under; a swap after_step makes applies from the next forward.
         record = {**self.record, **(self.adacc.metrics() if self.ready else {})}
         if self.ready:
-            if self.adacc.config.tracks:  # the rectifier samples this step's micro-batch
-                self.step_batch = self._shared_batch()
+            def step_batch():
+                # Only on the steps that read it: sharing it over tensor parallelism and moving
+                # it to the device each wait for the device.
+                if self.adacc.config.tracks:  # the rectifier samples this step's micro-batch
+                    self.step_batch = self._shared_batch()
+                return batch_tuple(self.step_batch, self.model)
+
             with _no_sync(model):  # the rectifier's samples run backward too
-                record.update(self.adacc.after_step(iteration, batch_tuple(self.step_batch,
-                                                                           self.model)))
+                record.update(self.adacc.after_step(iteration, step_batch))
         if self.val_loss is not None:
             record["val_loss"], self.val_loss = self.val_loss, None
         self.write(record)

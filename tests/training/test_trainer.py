@@ -442,3 +442,20 @@ def test_a_long_run_peeks_every_first_micro_batch_in_order(rerun, monkeypatch):
         assert session.step_batch == 2 * step
         taken += [next(iterator), next(iterator)]    # two micro-batches a step
     assert taken == list(range(6000))
+
+
+def test_the_step_batch_reaches_the_device_only_on_the_steps_that_read_it(monkeypatch):
+    # Moving it (and sharing it over tensor parallelism) waits for the device: it once ran
+    # every step, for a rectifier that samples at iterations 1, 2, 4, 8, ...
+    from megatron_adacc import megatron_lm
+
+    moved, real = [], megatron_lm.batch_tuple
+
+    def batch_tuple(batch, model):
+        moved.append(megatron_lm.session().args.curr_iteration)   # the iterations done
+        return real(batch, model)
+
+    monkeypatch.setattr(megatron_lm, "batch_tuple", batch_tuple)
+    train("--train-iters", "10", "--adacc-policy", "auto", "--adacc-memory-budget", "1GiB",
+          "--adacc-step-watch", "off")
+    assert moved == [0, 0, 1, 3, 7]   # set-up, then after iterations 1, 2, 4 and 8
