@@ -355,10 +355,9 @@ class Session:
         static = engine_memory.engine_static_bytes(ddp_models, optimizer)
         step = engine_memory.engine_step_bytes(optimizer)
         self.rank_static_bytes = static  # this rank's; Adacc plans every rank with the most
-        most = torch.tensor([static, step], dtype=torch.int64)
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(most, op=dist.ReduceOp.MAX)  # one budget, so every rank plans alike
-        static, step = most.tolist()
+        from megatron_adacc.models import build
+
+        static, step = build.max_over([static, step])  # one budget, so every rank plans alike
         from megatron.core.num_microbatches_calculator import get_num_microbatches
 
         loss_fn = (functools.partial(self.loss, forward_step_func)
@@ -614,12 +613,12 @@ def _from_last_stage(loss) -> float | None:
     Rank 0 writes the metrics file. Collective over the pipeline group."""
     from megatron.core import parallel_state
 
+    from megatron_adacc.models import build
+
     value = float(loss) if loss is not None else math.nan
     if parallel_state.get_pipeline_model_parallel_world_size() > 1:
-        shared = torch.tensor([value], dtype=torch.float64)
-        dist.broadcast(shared, src=parallel_state.get_pipeline_model_parallel_last_rank(),
-                       group=parallel_state.get_pipeline_model_parallel_group())
-        value = float(shared)
+        value = build.broadcast_float(value, parallel_state.get_pipeline_model_parallel_last_rank(),
+                                      parallel_state.get_pipeline_model_parallel_group())
     return None if loss is None and math.isnan(value) else value
 
 

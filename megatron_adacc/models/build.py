@@ -89,6 +89,22 @@ def collective_device(group=None) -> torch.device:
     return torch.device("cpu")
 
 
+def max_over(values: list[int], group=None) -> list[int]:
+    """Each of ``values``' largest over ``group``'s ranks, reduced on its collective device."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return list(values)
+    box = torch.tensor(values, dtype=torch.int64, device=collective_device(group))
+    dist.all_reduce(box, op=dist.ReduceOp.MAX, group=group)
+    return box.tolist()
+
+
+def broadcast_float(value: float, src: int, group=None) -> float:
+    """Rank ``src``'s ``value`` on every rank of ``group`` (through its collective device)."""
+    box = torch.tensor([value], dtype=torch.float64, device=collective_device(group))
+    dist.broadcast(box, src=src, group=group)
+    return float(box)
+
+
 def set_seed(seed: int) -> None:
     """Seed every generator the model draws from (the tensor-parallel tracker included)."""
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed

@@ -51,6 +51,29 @@ def test_collectives_on_an_nccl_group_use_the_current_cuda_device(nccl_group):
     assert model_lib.collective_device(dist.group.WORLD) == torch.device("cuda", 2)
 
 
+def test_the_sessions_collectives_take_their_groups_devices(distributed, monkeypatch):
+    # The set-up's all-reduce and the pipeline's loss broadcast once made host tensors, which
+    # NCCL refuses: every multi-GPU run would have failed at its first step.
+    from megatron.core import parallel_state
+
+    asked, given = [], []
+    monkeypatch.setattr(model_lib, "collective_device",
+                        lambda group=None: asked.append(group) or torch.device("cpu"))
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(dist, "all_reduce", lambda tensor, **kwargs: given.append(
+        (kwargs.get("group"), tensor.device)))
+    monkeypatch.setattr(dist, "broadcast", lambda tensor, src, group=None: given.append(
+        (group, tensor.device)))
+    assert model_lib.max_over([3, 4]) == [3, 4]
+    pipeline = object()
+    monkeypatch.setattr(parallel_state, "get_pipeline_model_parallel_world_size", lambda: 2)
+    monkeypatch.setattr(parallel_state, "get_pipeline_model_parallel_last_rank", lambda: 1)
+    monkeypatch.setattr(parallel_state, "get_pipeline_model_parallel_group", lambda: pipeline)
+    assert megatron_lm._from_last_stage(torch.tensor(2.5)) == 2.5
+    assert asked == [None, pipeline]
+    assert given == [(None, torch.device("cpu")), (pipeline, torch.device("cpu"))]
+
+
 def test_collectives_on_a_gloo_group_stay_on_the_host(distributed):
     assert model_lib.collective_device(dist.group.WORLD) == torch.device("cpu")
 
