@@ -250,6 +250,7 @@ class Session:
         self.record: dict = {}
         self.val_loss: float | None = None
         self.records: list[dict] = []   # the newest RECORDS_KEPT at least; --metrics-file: all
+        self._held: dict | None = None  # the last record, until its loss is on the host
         # Megatron-LM's engine of this run, as the last step left it (tests read them).
         self.ddp_models: list | None = None
         self.rank_static_bytes: int | None = None
@@ -573,8 +574,21 @@ class Session:
                   flush=True)
 
     def write(self, record: dict) -> None:
+        """Keep ``record`` and write it to ``--metrics-file``; one with a value still on the
+        device waits for the next write (or close), so no step waits for the device."""
+        held, self._held = self._held, None
+        if held is not None:
+            self._write(held)
+        if any(isinstance(value, _LateFloat) for value in record.values()):
+            self._held = record
+        else:
+            self._write(record)
+
+    def _write(self, record: dict) -> None:
         from megatron_adacc import policies
 
+        record = {key: float(value) if isinstance(value, _LateFloat) else value
+                  for key, value in record.items()}
         self.records.append(record)
         if len(self.records) > 2 * RECORDS_KEPT:  # trimmed now and then, not every step
             del self.records[:-RECORDS_KEPT]
@@ -589,6 +603,9 @@ class Session:
         self._metrics.flush()
 
     def close(self) -> None:
+        held, self._held = self._held, None
+        if held is not None:
+            self._write(held)
         if self._metrics is not None:
             self._metrics.close()
             self._metrics = None
@@ -607,19 +624,45 @@ class _PutBack:
         return self.kept.pop(0) if self.kept else next(self.rest)
 
 
-def _from_last_stage(loss) -> float | None:
+class _LateFloat:
+    """A device scalar's value, copied to the host without waiting; read once the copy is done.
+
+    Megatron-LM reads its losses on the host only at its log interval: reading one every step
+    would make every step wait for the device."""
+
+    def __init__(self, tensor: torch.Tensor):
+        self._host = torch.empty((), dtype=torch.float64, pin_memory=True)
+        self._host.copy_(tensor.detach().reshape(()), non_blocking=True)
+        self._copied = torch.cuda.Event()
+        self._copied.record()
+
+    def __float__(self) -> float:
+        self._copied.synchronize()
+        return float(self._host)
+
+
+def _late_float(tensor: torch.Tensor) -> float | _LateFloat:
+    return _LateFloat(tensor) if tensor.is_cuda else float(tensor)
+
+
+def _from_last_stage(loss) -> float | _LateFloat | None:
     """The step's loss on every stage; only the last pipeline stage computes it.
 
-    Rank 0 writes the metrics file. Collective over the pipeline group."""
+    Rank 0 writes the metrics file. Collective over the pipeline group. A loss on the device
+    stays there until the metrics record is written."""
     from megatron.core import parallel_state
 
     from megatron_adacc.models import build
 
-    value = float(loss) if loss is not None else math.nan
     if parallel_state.get_pipeline_model_parallel_world_size() > 1:
-        value = build.broadcast_float(value, parallel_state.get_pipeline_model_parallel_last_rank(),
-                                      parallel_state.get_pipeline_model_parallel_group())
-    return None if loss is None and math.isnan(value) else value
+        group = parallel_state.get_pipeline_model_parallel_group()
+        device = build.collective_device(group)
+        box = (torch.full((), math.nan, dtype=torch.float64, device=device) if loss is None
+               else loss.detach().to(device, torch.float64).reshape(()))
+        dist.broadcast(box, src=parallel_state.get_pipeline_model_parallel_last_rank(),
+                       group=group)
+        return _late_float(box)
+    return None if loss is None else _late_float(loss)
 
 
 def _json_safe(value):

@@ -98,13 +98,6 @@ def max_over(values: list[int], group=None) -> list[int]:
     return box.tolist()
 
 
-def broadcast_float(value: float, src: int, group=None) -> float:
-    """Rank ``src``'s ``value`` on every rank of ``group`` (through its collective device)."""
-    box = torch.tensor([value], dtype=torch.float64, device=collective_device(group))
-    dist.broadcast(box, src=src, group=group)
-    return float(box)
-
-
 def set_seed(seed: int) -> None:
     """Seed every generator the model draws from (the tensor-parallel tracker included)."""
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed

@@ -459,3 +459,31 @@ def test_the_step_batch_reaches_the_device_only_on_the_steps_that_read_it(monkey
     train("--train-iters", "10", "--adacc-policy", "auto", "--adacc-memory-budget", "1GiB",
           "--adacc-step-watch", "off")
     assert moved == [0, 0, 1, 3, 7]   # set-up, then after iterations 1, 2, 4 and 8
+
+
+def test_a_loss_on_the_device_is_read_a_step_later_and_every_record_written(monkeypatch,
+                                                                           tmp_path):
+    # Reading it in its own step made every step wait for the device; a host loss (this CPU's)
+    # is read at once. Here host losses stand in for device ones.
+    from megatron_adacc import megatron_lm
+
+    events = []
+
+    class Late(megatron_lm._LateFloat):
+        def __init__(self, tensor):
+            self.value, self.index = float(tensor), sum(e[0] == "made" for e in events)
+            events.append(("made", self.index))
+
+        def __float__(self):
+            events.append(("read", self.index))
+            return self.value
+
+    reference = losses(train("--train-iters", "4"))
+    monkeypatch.setattr(megatron_lm, "_late_float", Late)
+    metrics = tmp_path / "m.jsonl"
+    records = train("--train-iters", "4", "--metrics-file", str(metrics))
+    assert events == [("made", 0), ("made", 1), ("read", 0), ("made", 2), ("read", 1),
+                      ("made", 3), ("read", 2), ("read", 3)]     # the last at the run's end
+    lines = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [line["iteration"] for line in lines] == [1, 2, 3, 4]
+    assert [line["loss"] for line in lines] == losses(records) == reference
