@@ -24,6 +24,7 @@ The current plan has one holder: the rectifier while it tracks, else the resolve
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import numbers
 import os
@@ -402,12 +403,9 @@ class Adacc:
         if rect is None:
             return {}
         self._read_windows()
-        given = []
-
+        @functools.cache
         def step_batch() -> profiler.Batch:
-            if not given:
-                given.append((batch() if callable(batch) else batch) or self._batch)
-            return given[0]
+            return (batch() if callable(batch) else batch) or self._batch
 
         record = {}
         if rect.schedule.is_tracking(iteration):

@@ -576,9 +576,7 @@ class Session:
     def write(self, record: dict) -> None:
         """Keep ``record`` and write it to ``--metrics-file``; one with a value still on the
         device waits for the next write (or close), so no step waits for the device."""
-        held, self._held = self._held, None
-        if held is not None:
-            self._write(held)
+        self._write_held()
         if any(isinstance(value, _LateFloat) for value in record.values()):
             self._held = record
         else:
@@ -602,10 +600,13 @@ class Session:
         self._metrics.write(json.dumps(_json_safe(record), allow_nan=False) + "\n")
         self._metrics.flush()
 
-    def close(self) -> None:
+    def _write_held(self) -> None:
         held, self._held = self._held, None
         if held is not None:
             self._write(held)
+
+    def close(self) -> None:
+        self._write_held()
         if self._metrics is not None:
             self._metrics.close()
             self._metrics = None

@@ -272,10 +272,15 @@ def activation_terms(costs: ModelCosts, all_stored, backward_peak):
         backward_peak + costs.held_non_layer_bytes)
 
 
+def _forward_backward_terms(costs: ModelCosts, all_stored, backward_peak):
+    """The forward and backward's part of the peak rule over static, less the overheads."""
+    return activation_terms(costs, all_stored, backward_peak + costs.backward_workspace_bytes)
+
+
 def peak_from_terms(costs: ModelCosts, all_stored, backward_peak):
     """The peak rule, given A and max_l [prefix(l) + transient(l)]."""
-    forward_backward = costs.allocator_overhead_bytes + activation_terms(
-        costs, all_stored, backward_peak + costs.backward_workspace_bytes)
+    forward_backward = (costs.allocator_overhead_bytes
+                        + _forward_backward_terms(costs, all_stored, backward_peak))
     return (costs.static_bytes + costs.persistent_overhead_bytes
             + np.maximum(forward_backward,
                          costs.held_non_layer_bytes + costs.optimizer_step_bytes))
@@ -285,8 +290,7 @@ def forward_backward_bytes(costs: ModelCosts, layers: Sequence[LayerPolicy]) -> 
     """What a plan's forward and backward add to static at their peak: activations, workspace.
 
     The plan table's "activations"; neither overhead term is in it."""
-    all_stored, backward_peak = _stored_terms(layers)
-    return int(activation_terms(costs, all_stored, backward_peak + costs.backward_workspace_bytes))
+    return int(_forward_backward_terms(costs, *_stored_terms(layers)))
 
 
 def _stored_terms(layers: Sequence[LayerPolicy]) -> tuple[int, int]:

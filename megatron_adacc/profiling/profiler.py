@@ -375,18 +375,9 @@ class _Profiling:
                                          install=count).report().by_site.items():
             if name in decisions:
                 largest[name] = max(largest.get(name, 0), size)
-        return {name: self._largest_on_peers(max(int(n) for n in found))
+        return {name: _largest_on_peers(max(int(n) for n in found))
                 for name, found in counts.items() if found}, largest
 
-    def _largest_on_peers(self, value: int) -> int:
-        if (not dist.is_initialized() or not parallel_state.model_parallel_is_initialized()):
-            return value
-        group = parallel_state.get_tensor_and_context_parallel_group()
-        if dist.get_world_size(group) == 1:
-            return value
-        box = torch.tensor([value], device=self.device if self.device.type == "cuda" else "cpu")
-        dist.all_reduce(box, op=dist.ReduceOp.MAX, group=group)
-        return int(box.item())
 
     def codec_costs(self, names: Iterable[str]) -> dict[str, list[CodecCost]]:
         """Every candidate codec of each named site, timed in the step on its real tensors.
@@ -555,16 +546,10 @@ class _Profiling:
 
         Peers' layers exchange activations in every step, so they must all run the same steps.
         Only CPU steps can grow the host heap, so a CUDA step asks no peer."""
-        if (self.device.type != "cpu" or not dist.is_initialized()
-                or not parallel_state.model_parallel_is_initialized()):
+        if self.device.type != "cpu":
             return pages
         # A rank that ran one step more than its peers would wait on them for good.
-        group = parallel_state.get_tensor_and_context_parallel_group()
-        if dist.get_world_size(group) == 1:
-            return pages
-        most = torch.tensor([pages])
-        dist.all_reduce(most, op=dist.ReduceOp.MAX, group=group)
-        return int(most.item())
+        return _largest_on_peers(pages)
 
 
 def hook_timing_batch(batch: Batch, config) -> Batch:
@@ -718,6 +703,13 @@ def stage_memory(model: torch.nn.Module, batch: Batch, *, strict: bool = False,
     with _left_as_found(model):
         run = _Profiling(model, batch, strict, 1, loss_fn)
         return run.step({}, _RetainedRuler).stage_memory(model)
+
+
+def _largest_on_peers(value: int) -> int:
+    """``value``'s largest over this rank and its tensor- and context-parallel peers."""
+    if not dist.is_initialized() or not parallel_state.model_parallel_is_initialized():
+        return value
+    return model_lib.max_over([value], parallel_state.get_tensor_and_context_parallel_group())[0]
 
 
 def allocator_overhead(costs: ModelCosts, peaks: allocator.Peaks) -> int:
