@@ -444,14 +444,16 @@ class Adacc:
 
     def _take(self, iteration: int, swap) -> None:
         """Apply the rectifier's ``swap`` (its own or the step watch's) and say so."""
+        watch, measured = self._watch, None
+        if watch is not None:   # both plans ran: their medians say more than the prediction
+            old_s, new_s = watch.median(swap.old.plan.plan_id), watch.median(swap.new.plan.plan_id)
+            measured = old_s - new_s if old_s is not None and new_s is not None else None
         self._apply(swap.new.plan)
         self._warn_last_resort(swap.new)
-        if self._watch is not None:
-            self._watch.begin(swap.new)
+        if watch is not None:
+            watch.begin(swap.new)
         if policies.is_rank0():
-            print(f"adacc: iteration {iteration}: plan {swap.old.plan.plan_id} -> "
-                  f"{swap.new.plan.plan_id} ({swap.reason}, predicted gain "
-                  f"{swap.predicted_gain_s * 1e3:.3f} ms/step): {swap.changed}", flush=True)
+            print(swap.describe(iteration, self._micro_batches, measured), flush=True)
 
     def _watch_step(self, iteration: int, batch: Callable[[], profiler.Batch],
                     tracking_swapped: bool) -> dict:

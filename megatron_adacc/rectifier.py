@@ -161,6 +161,26 @@ class PlanSwap:
                 "reason": self.reason, "changed": self.changed,
                 "predicted_gain_s": self.predicted_gain_s}
 
+    def describe(self, iteration: int, micro_batches: int = 1,
+                 measured_gain_s: float | None = None) -> str:
+        """The swap for a person: a head line, then a line per changed site and layer range.
+
+        Args:
+            micro_batches: a step's, which the predicted gain (per micro-batch) is scaled by.
+            measured_gain_s: the step time the new plan measured faster by, where both ran."""
+        gain, basis = ((measured_gain_s, "measured") if measured_gain_s is not None
+                       else (micro_batches * self.predicted_gain_s, "predicted"))
+        faster = "faster" if gain >= 0 else "slower"
+        lines = [f"adacc: iteration {iteration}: plan {self.old.plan.plan_id} -> "
+                 f"{self.new.plan.plan_id} ({self.reason}; {basis} {abs(gain) * 1e3:.3f} ms a "
+                 f"step {faster})"]
+        rows = [(c["site"], planning.layer_ranges(c["layers"]), c["from"], c["to"])
+                for c in self.changed]
+        widths = [max((len(row[column]) for row in rows), default=0) for column in range(3)]
+        lines += [f"  {site:<{widths[0]}}  layers {layers:<{widths[1]}}  {was:<{widths[2]}} -> "
+                  f"{now}" for site, layers, was, now in rows]
+        return "\n".join(lines)
+
 
 @dataclass
 class Outcome:
@@ -305,8 +325,10 @@ class Rectifier:
         """Swap to ``new`` for a ``reason`` decided elsewhere, such as the step watch's step times.
 
         The caller applies it before the next forward, as with the rectifier's own swaps."""
+        # Priced on the costs ``new`` was planned on: after a re-timing, the current plan's own
+        # added time is the one the re-timing showed wrong.
         swap = self._swap(self.result, new, reason,
-                          self.result.added_time_s - new.added_time_s)
+                          added_time_s(self.costs, self.result) - added_time_s(self.costs, new))
         self.result = new
         self.swaps += 1
         return swap
@@ -399,6 +421,18 @@ def refreshed_costs(costs: ModelCosts, stats: Mapping[str, SiteStats],
 def _capacity(costs: ModelCosts, site: str, codec: str) -> int | None:
     """The capacity ``costs`` give ``codec`` at ``site`` (None: none, or no such entry)."""
     return next((c.capacity for c in costs.site(site).codecs if c.codec == codec), None)
+
+
+def added_time_s(costs: ModelCosts, result: planning.PlanResult) -> float:
+    """``result``'s added time per micro-batch priced on ``costs``.
+
+    A plan using a codec ``costs`` no longer offer (the guard's) keeps the time it was planned
+    with."""
+    try:
+        return sum(planning.evaluate_layer(costs, decisions).time_s
+                   for decisions in result.layer_decisions)
+    except ValueError:
+        return result.added_time_s
 
 
 def below_capacity(result: planning.PlanResult, costs: ModelCosts) -> bool:

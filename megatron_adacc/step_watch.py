@@ -33,7 +33,7 @@ from typing import Callable, Iterable
 from megatron_adacc import planning, policies
 from megatron_adacc.common.costs import ModelCosts
 from megatron_adacc.common.sites import RETAIN
-from megatron_adacc.rectifier import below_capacity
+from megatron_adacc.rectifier import added_time_s, below_capacity
 
 WINDOW = 3              # steps of a plan per median, and between decisions
 WARMUP = WINDOW         # first timed steps left out: they run slow while caches warm up
@@ -60,12 +60,7 @@ def predicted_step_s(costs: ModelCosts, result: planning.PlanResult,
     step_s = costs.meta.get("step_s")
     if step_s is None:
         return None
-    try:
-        added_s = sum(planning.evaluate_layer(costs, decisions).time_s
-                      for decisions in result.layer_decisions)
-    except ValueError:   # a codec the costs no longer offer (the guard): as planned
-        added_s = result.added_time_s
-    return micro_batches * (step_s + added_s)
+    return micro_batches * (step_s + added_time_s(costs, result))
 
 
 def peak_excess(measured: int | None, predicted: int | None) -> int:

@@ -20,7 +20,7 @@ from megatron_adacc.planning.pipeline import (StageMemory, StagePlan, in_flight_
                                               plan_stages, stage_costs, stage_layer_counts,
                                               with_lossy_hint)
 from megatron_adacc.planning.report import format_plan, format_stages
-from megatron_adacc.planning.result import PlanResult, SiteRow, Totals
+from megatron_adacc.planning.result import PlanResult, SiteRow, Totals, layer_ranges
 from megatron_adacc.planning.search import (InfeasibleBudget, default_resolution,
                                             minimum_budget, plan)
 from megatron_adacc.planning.tiers import (codec_tiers, last_resort_sites,
@@ -31,7 +31,8 @@ __all__ = [
     "StagePlan", "Totals", "activation_peak_bytes", "clear_frontier_cache", "codec_tiers",
     "default_resolution", "evaluate_layer", "format_plan",
     "format_stages", "forward_end_bytes", "in_flight_micro_batches",
-    "is_exact", "last_resort_sites", "layer_frontier", "minimum_budget", "minimum_feasible_budget",
+    "is_exact", "last_resort_sites", "layer_frontier", "layer_ranges", "minimum_budget",
+    "minimum_feasible_budget",
     "peak_bytes", "plan",
     "plan_in_tiers", "plan_stages", "rebuild_charges", "rerun_chains", "stage_costs",
     "stage_layer_counts", "with_lossy_hint",

@@ -91,7 +91,7 @@ class PlanResult:
             allow_lossy_sources=allow_lossy_sources,
             method=method,
             rows=_rows(costs, layer_decisions),
-            hooked_layers=_ranges(hooked),
+            hooked_layers=layer_ranges(hooked),
             hooks_time_s=len(hooked) * costs.hooked_layer_s,
             references=_reference_totals(costs),
         )
@@ -116,7 +116,8 @@ class PlanResult:
         }
 
 
-def _ranges(layers: Iterable[int]) -> str:
+def layer_ranges(layers: Iterable[int]) -> str:
+    """Layer numbers as compact ranges: ``[0, 1, 2, 5]`` -> ``0-2,5``."""
     spans: list[list[int]] = []
     for layer in sorted(layers):
         if spans and spans[-1][1] == layer - 1:
@@ -141,7 +142,7 @@ def _rows(costs: ModelCosts, layer_decisions: list[dict[str, Decision]]) -> list
             groups.setdefault(key, []).append(layer)
         for (decision, source), layers in groups.items():
             option = site_option(site, decision)
-            rows.append(SiteRow(site.name, _ranges(layers), len(layers), decision.action,
+            rows.append(SiteRow(site.name, layer_ranges(layers), len(layers), decision.action,
                                 decision.codec_for(site.name), option.stored * len(layers),
                                 sum(times[layer][site.name] for layer in layers), source))
     return rows

@@ -15,6 +15,7 @@ from megatron_adacc.rectifier import (
     Rectifier,
     SiteStats,
     TrackingSchedule,
+    added_time_s,
     site_stats,
 )
 from megatron_adacc.common.sites import COMPRESS
@@ -70,6 +71,40 @@ def test_a_swap_happens_when_the_statistics_change_the_optimal_plan_and_not_othe
     assert rect.swaps == 2
     # The same statistics again: nothing to do.
     assert rect.update(4, stats()).swap is None
+
+
+def test_a_swap_after_a_retiming_prices_both_plans_on_the_retimed_costs():
+    rect = tight_rectifier(slack_per_layer=0)
+    old = rect.result
+    # The step watch's re-timing found the codec ten times slower than profiled.
+    rect.costs = replace(rect.costs, sites=[
+        replace(site, codecs=tuple(replace(codec, encode_s=10 * codec.encode_s,
+                                           decode_s=10 * codec.decode_s)
+                                   for codec in site.codecs))
+        for site in rect.costs.sites])
+    new = planning.plan(rect.costs, rect.budget_bytes)
+    assert new.added_time_s > old.added_time_s      # slower than the old plan's stale price
+    swap = rect.take(new, "retimed")
+    assert swap.predicted_gain_s == pytest.approx(added_time_s(rect.costs, old)
+                                                  - new.added_time_s)
+    assert swap.predicted_gain_s > 0
+
+
+def test_a_swap_is_told_a_line_a_changed_site_with_its_layer_ranges():
+    rect = tight_rectifier(slack_per_layer=50)
+    swap = rect.update(2, stats(payload=2 * PAYLOAD, outliers=40)).swap
+    head, *rows = swap.describe(7, micro_batches=2).splitlines()
+    gain = 2 * swap.predicted_gain_s * 1e3
+    assert head == (f"adacc: iteration 7: plan {swap.old.plan.plan_id} -> "
+                    f"{swap.new.plan.plan_id} (over budget; predicted {abs(gain):.3f} ms a step "
+                    f"slower)")
+    assert rows and len(rows) == len(swap.changed)
+    for row, change in zip(rows, swap.changed):
+        assert row.split() == [change["site"], "layers",
+                               planning.layer_ranges(change["layers"]), change["from"], "->",
+                               change["to"]]
+    assert "faster)" in swap.describe(7, measured_gain_s=0.002).splitlines()[0]
+    assert "measured 2.000 ms" in swap.describe(7, measured_gain_s=0.002)
 
 
 def test_a_rectifier_restored_from_its_state_decides_as_the_saved_one():

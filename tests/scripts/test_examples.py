@@ -18,8 +18,9 @@ def test_custom_loop_trains_under_a_budget_with_a_mixed_plan(tmp_path):
          "--iters", "20", "--metrics-file", metrics, "--profile-db", tmp_path / "profiles.sqlite"],
         cwd=tmp_path, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
+    # The plan table's rows (a swap's lines, indented under it, name sites too)
     table = [line.split() for line in done.stdout.splitlines()
-             if line.split() and line.split()[0] in SITE_NAMES]
+             if line.split() and not line[0].isspace() and line.split()[0] in SITE_NAMES]
     actions = {row[2] for row in table}
     assert actions <= set(ACTIONS) and len(actions) >= 2 and "compress" in actions, table
 
