@@ -17,6 +17,7 @@ Plain data. It round-trips through YAML in the form users write by hand:
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from dataclasses import dataclass, field
@@ -197,9 +198,12 @@ class Plan:
         return Plan(dict(self.sites), {(first + offset, last + offset): dict(overrides)
                                        for (first, last), overrides in self.layers.items()})
 
-    @property
+    @functools.cached_property
     def plan_id(self) -> str:
-        """A short content hash: equal plans share it, a changed plan gets a new one."""
+        """A short content hash: equal plans share it.
+
+        Hashed once: a Plan is not changed once made (``shifted`` and the planner make new
+        ones), and the loop asks for it several times a step."""
         canonical = json.dumps(self.to_dict(), sort_keys=True)
         return hashlib.sha1(canonical.encode()).hexdigest()[:12]
 

@@ -59,6 +59,13 @@ def test_plan_id_changes_with_the_plan():
     assert a.plan_id != Plan.uniform({"qkv": "compress"}).plan_id
 
 
+def test_a_plan_is_hashed_once_however_often_its_id_is_asked(monkeypatch):
+    plan = Plan.from_layers([{"qkv": Decision("recompute")}, {}])
+    first = plan.plan_id
+    monkeypatch.setattr(Plan, "to_dict", lambda self: pytest.fail("hashed again"))
+    assert [plan.plan_id for _ in range(5)] == [first] * 5
+
+
 @pytest.mark.parametrize("data, message", [
     ({"sites": {"qkvv": "retain"}}, r"sites: unknown site 'qkvv'; valid sites: layer_in, "),
     ({"sites": {"qkv": "drop"}},
