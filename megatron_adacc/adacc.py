@@ -472,10 +472,10 @@ class Adacc:
         def retime() -> list[planning.PlanResult]:
             options = {"allow_lossy_sources": rect.allow_lossy_sources}
 
-            def refresh(costs, decisions):
+            def refresh(costs, decisions, step):
                 costs = profiler.refresh_action_costs(
                     costs, self.model, batch(), decisions, repeats=watching.RETIME_REPEATS,
-                    strict=self.config.strict, loss_fn=self._loss_fn)
+                    strict=self.config.strict, loss_fn=self._loss_fn, step=step)
                 return ModelCosts.from_json(policies.from_rank0(costs.to_json()))
 
             def replan(costs):

@@ -97,26 +97,31 @@ def recompute_only(policy: str, costs: ModelCosts, budget_bytes: int,
 
 
 def retime(costs: ModelCosts, layer_decisions: list[dict],
-           refresh: Callable[[ModelCosts, list[dict]], ModelCosts],
+           refresh: Callable[..., ModelCosts],
            replan: Callable[[ModelCosts], planning.PlanResult | None]
            ) -> tuple[ModelCosts, planning.PlanResult | None]:
     """Re-time a plan's actions and re-plan until the plan uses re-timed actions only.
 
-    ``refresh(costs, decisions)`` re-times the actions named; ``replan`` plans anew. So a plan is
+    ``refresh(costs, decisions, step=...)`` re-times the actions named (a compression: its
+    codec), and the step itself in the first round only; ``replan`` plans anew. So a plan is
     never tried on times profiled before the measurements showed them wrong.
 
     Returns:
         The re-timed costs and the last plan (None when none fits)."""
-    timed: set[tuple[str, str]] = set()
+    def action(site: str, decision) -> tuple[str, str, str | None]:
+        return site, decision.action, decision.codec_for(site)
+
+    timed: set[tuple[str, str, str | None]] = set()
     new = None
     while True:
         todo = [{site: decision for site, decision in layer.items()
-                 if decision.action != RETAIN and (site, decision.action) not in timed}
+                 if decision.action != RETAIN and action(site, decision) not in timed}
                 for layer in layer_decisions]
         if new is not None and not any(todo):
             return costs, new
-        costs = refresh(costs, todo)    # the first round re-times the step even with none
-        timed |= {(site, decision.action) for layer in todo for site, decision in layer.items()}
+        # The first round re-times the step even with no action to re-time.
+        costs = refresh(costs, todo, step=new is None)
+        timed |= {action(site, decision) for layer in todo for site, decision in layer.items()}
         new = replan(costs)
         if new is None:
             return costs, None

@@ -27,7 +27,7 @@ from __future__ import annotations
 import contextlib
 import statistics
 from dataclasses import dataclass, replace
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Iterable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -379,13 +379,16 @@ class _Profiling:
                 for name, found in counts.items() if found}, largest
 
 
-    def codec_costs(self, names: Iterable[str]) -> dict[str, list[CodecCost]]:
+    def codec_costs(self, names: Iterable[str] | Mapping[str, Sequence[str]]
+                    ) -> dict[str, list[CodecCost]]:
         """Every candidate codec of each named site, timed in the step on its real tensors.
 
+        - ``names``: sites, or a mapping of each site to the codecs to time (a round each).
         - Times: the median over ``repeats`` steps of a candidate round, after two untimed.
         - Payloads: each at its largest over the layers. An outlier-separating codec's is at the
           capacity of the largest outlier count over the layers (CodecCost.capacity)."""
-        candidates = {name: site_table.get(name).candidate_codecs for name in names}
+        candidates = (dict(names) if isinstance(names, Mapping) else
+                      {name: site_table.get(name).candidate_codecs for name in names})
         found: dict[str, list[CodecCost]] = {name: [] for name in candidates}
         for round_ in range(max((len(c) for c in candidates.values()), default=0)):
             chosen = {name: c[round_] for name, c in candidates.items() if round_ < len(c)}
@@ -732,22 +735,26 @@ def allocator_overhead(costs: ModelCosts, peaks: allocator.Peaks) -> int:
 def refresh_action_costs(costs: ModelCosts, model: torch.nn.Module, batch: Batch,
                          layer_decisions: Iterable[dict[str, Decision]], *,
                          repeats: int = DEFAULT_REPEATS, strict: bool = False,
-                         loss_fn: LossFn | None = None) -> ModelCosts:
+                         loss_fn: LossFn | None = None, step: bool = True) -> ModelCosts:
     """``costs`` with the actions a plan uses re-timed in steps on ``batch``.
 
     The step watch uses it to correct a plan that ran slower than predicted. It re-times:
-    - the encode and decode of every codec entry of each site the plan compresses. Payloads and
+    - the encode and decode of each codec the plan compresses a site with. Payloads and
       capacities stay as the costs say: the rectifier follows those, and plans name the capacity.
     - the rebuild of each site the plan recomputes (its segment fitted again with the other sites'
       profiled times), and each operator it runs;
-    - ``meta["step_s"]``, the step the plan's added time is predicted on top of.
+    - with ``step``, ``meta["step_s"]``, the step the plan's added time is predicted on top of.
     Decisions and RNG streams are left as found."""
     decisions = [decision for layer in layer_decisions for decision in layer.items()]
-    compressed = sorted({name for name, d in decisions if d.action == COMPRESS})
+    compressed: dict[str, list[str]] = {}   # site -> the codecs the plan uses there
+    for name, decision in sorted(decisions, key=lambda item: item[0]):
+        codec = decision.codec_for(name)    # None unless compressing
+        if codec is not None and name in site_table.SITES and codec not in compressed.get(name, ()):
+            compressed.setdefault(name, []).append(codec)
     recomputed = {name for name, d in decisions if d.action == RECOMPUTE}
     with _left_as_found(model):
         run = _Profiling(model, batch, strict, repeats, loss_fn)
-        fresh_codecs = run.codec_costs([name for name in compressed if name in site_table.SITES])
+        fresh_codecs = run.codec_costs(compressed)
         on_segments = [site.name for site in costs.sites
                        if site.name in recomputed and site.segment is not None]
         prefix_s = {**costs.meta.get("rebuild_prefix_s",
@@ -762,7 +769,7 @@ def refresh_action_costs(costs: ModelCosts, model: torch.nn.Module, batch: Batch
             for operator in costs.operators
             for products in [[site.name for site in costs.sites
                               if site.operator == operator.name and site.can_recompute]])
-        step_s = run.step_seconds()
+        timed = {"step_s": run.step_seconds()} if step else {}
     rebuild_s = _rebuild_times([site.name for site in costs.sites], prefix_s)
 
     def retimed(site: SiteCost) -> tuple[CodecCost, ...]:
@@ -776,7 +783,7 @@ def refresh_action_costs(costs: ModelCosts, model: torch.nn.Module, batch: Batch
              if site.segment is not None or site.name in fresh_codecs else site
              for site in costs.sites]
     return replace(costs, sites=sites, operators=operators,
-                   meta={**costs.meta, "rebuild_prefix_s": prefix_s, "step_s": step_s})
+                   meta={**costs.meta, "rebuild_prefix_s": prefix_s, **timed})
 
 
 @dataclass

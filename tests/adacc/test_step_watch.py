@@ -204,19 +204,24 @@ def test_retiming_goes_on_until_the_plan_uses_retimed_actions_only():
     costs = synthetic_costs()
     first = {"gelu_in": Decision(COMPRESS), "gelu_out": Decision(RECOMPUTE)}
     second = {"gelu_in": Decision(RECOMPUTE), "gelu_out": Decision(COMPRESS)}
+    # the same action at gelu_out with another codec: that codec was never re-timed
+    third = {"gelu_in": Decision(RECOMPUTE), "gelu_out": Decision(COMPRESS, "naive_int4")}
     plans = iter([SimpleNamespace(layer_decisions=[second]),
-                  SimpleNamespace(layer_decisions=[second])])
+                  SimpleNamespace(layer_decisions=[third]),
+                  SimpleNamespace(layer_decisions=[third])])
     refreshed = []
 
-    def refresh(costs, decisions):
-        refreshed.append(sorted((site, d.action) for layer in decisions
-                                for site, d in layer.items()))
+    def refresh(costs, decisions, step):
+        refreshed.append((sorted((site, d.action, d.codec_for(site)) for layer in decisions
+                                 for site, d in layer.items()), step))
         return costs
 
     _, last = step_watch.retime(costs, [first], refresh, lambda costs: next(plans))
-    assert refreshed == [[("gelu_in", COMPRESS), ("gelu_out", RECOMPUTE)],
-                         [("gelu_in", RECOMPUTE), ("gelu_out", COMPRESS)]]
-    assert last.layer_decisions == [second]
+    assert refreshed == [
+        ([("gelu_in", COMPRESS, "outlier_int4"), ("gelu_out", RECOMPUTE, None)], True),
+        ([("gelu_in", RECOMPUTE, None), ("gelu_out", COMPRESS, "outlier_int4")], False),
+        ([("gelu_out", COMPRESS, "naive_int4")], False)]
+    assert last.layer_decisions == [third]
 
 
 # --- the profiler's clock ------------------------------------------------------------------
@@ -310,10 +315,11 @@ def test_retiming_a_plan_remeasures_only_the_actions_it_uses(distributed):
     fresh = profiler.refresh_action_costs(costs, model, batch(3), [used, {}], repeats=1,
                                           strict=True)
     for old, new in zip(costs.sites, fresh.sites):
-        if old.name == "gelu_out":     # new timings; payloads and capacities as they were
+        if old.name == "gelu_out":     # its codec's new timings; payloads and capacities kept
             assert [(c.codec, c.payload_bytes, c.capacity) for c in new.codecs] == [
                 (c.codec, c.payload_bytes, c.capacity) for c in old.codecs]
-            assert new.codecs != old.codecs
+            assert [new_c == old_c for new_c, old_c in zip(new.codecs, old.codecs)] == [
+                c.codec != used["gelu_out"].codec_for("gelu_out") for c in old.codecs]
         elif old.segment != "attention":
             assert new == old, old.name
         else:   # the attention's rebuild times, fitted again around the context's
@@ -326,6 +332,9 @@ def test_retiming_a_plan_remeasures_only_the_actions_it_uses(distributed):
         "input_layernorm"]
     assert fresh.meta["step_s"] != costs.meta["step_s"]
     assert all(layer.actions == {} for layer in model.decoder.layers)
+    again = profiler.refresh_action_costs(fresh, model, batch(4), [used], repeats=1,
+                                          strict=True, step=False)
+    assert again.meta["step_s"] == fresh.meta["step_s"]
 
 
 # --- through Adacc: codecs made slow after set-up -----------------------------------------------
