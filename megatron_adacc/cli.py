@@ -12,7 +12,9 @@
   those fit no plan. The table marks those rows "last resort". The analytic model prices designated
   codecs only.
 - The model is pretrain_gpt.py's. Every flag but ``adacc``'s own (``_build_parser``) is one of
-  pretrain_gpt.py's, and ``--config`` is read as pretrain_gpt.py reads it.
+  pretrain_gpt.py's, and ``--config`` is read as pretrain_gpt.py reads it. Its ``--adacc-*``
+  flags count as the trainer reads them: ``--adacc-memory-budget``, ``--adacc-lossy-sources``,
+  ``--adacc-profile-db`` as ``adacc``'s own, ``--adacc-policy auto-no-outlier`` for its codecs.
 - Costs come from the analytic model of a named accelerator (``--hardware``). Without it, they come
   from this machine's ProfileDB (``--profile-db``, default in $ADACC_DATA_DIR). A model without a
   row there is profiled first, by one iteration of pretrain_gpt.py in this process.
@@ -25,6 +27,7 @@ import argparse
 import contextlib
 import io
 import json
+import os
 import sys
 from typing import Any, Sequence
 
@@ -88,7 +91,7 @@ def _build_parser() -> argparse.ArgumentParser:
                    help="one policy for every layer (the paper's model)")
     p.add_argument("--per-layer", dest="per_layer", action="store_true", default=True,
                    help="a policy for each layer (the default)")
-    p.add_argument("--exact", dest="allow_lossy_sources", action="store_false", default=False,
+    p.add_argument("--exact", dest="allow_lossy_sources", action="store_false", default=None,
                    help="never rebuild a recomputed site from a compressed one (the default: "
                    "the trainer plans so)")
     p.add_argument("--lossy-sources", dest="allow_lossy_sources", action="store_true",
@@ -274,10 +277,51 @@ def _refuse_unplanned(args: argparse.Namespace, flags: argparse.Namespace) -> No
         raise UsageError("Adacc plans one model chunk per rank; drop the virtual pipeline flags")
 
 
+def _adacc_flags(args: argparse.Namespace, flags: argparse.Namespace) -> str:
+    """Fold the trainer's ``--adacc-*`` flags into ``args``; returns the auto policy to plan.
+
+    A plan of pretrain_gpt.py's flags is the one its ``--adacc-policy auto`` would make: its
+    budget, rebuild sources and ProfileDB count as ``adacc plan``'s own flags do."""
+    from megatron_adacc import policies
+
+    def size(text: str):
+        try:
+            return parse_size(text)
+        except ValueError:
+            return text     # refused as a bad size later
+
+    def path(text: str):
+        return os.path.realpath(text)
+
+    pairs = (("--memory-budget", "memory_budget", "--adacc-memory-budget", "adacc_memory_budget",
+              size),
+             ("--profile-db", "profile_db", "--adacc-profile-db", "adacc_profile_db", path))
+    for own_flag, own, trainer_flag, trainer, same in pairs:
+        mine, theirs = getattr(args, own), getattr(flags, trainer)
+        if mine is not None and theirs is not None and same(mine) != same(theirs):
+            raise UsageError(f"{own_flag} {mine} and {trainer_flag} {theirs} disagree; "
+                             f"give one")
+        setattr(args, own, mine if mine is not None else theirs)
+        setattr(args, own + "_flag", own_flag if mine is not None else trainer_flag)
+    if args.allow_lossy_sources is False and flags.adacc_lossy_sources:
+        raise UsageError("--exact and --adacc-lossy-sources disagree; give one")
+    args.allow_lossy_sources = bool(args.allow_lossy_sources or flags.adacc_lossy_sources)
+    policy = flags.adacc_policy
+    if policy in policies.AUTO_POLICIES:
+        return policy
+    if policy != "none":  # none is the trainer's default: a plan is asked for all the same
+        raise UsageError(f"--adacc-policy {policy} runs a fixed plan, with no budget to plan "
+                         f"for; adacc plan plans {' and '.join(policies.AUTO_POLICIES)}")
+    return "auto"
+
+
 def _plan_command(args: argparse.Namespace, rest: list[str]) -> int:
     argv = training_argv(args, rest)
     flags = training_flags(argv)
     _refuse_unplanned(args, flags)
+    policy = _adacc_flags(args, flags)
+    options = {"per_layer": args.per_layer, "allow_lossy_sources": args.allow_lossy_sources,
+               "separate_outliers": policy == "auto"}
     # pretrain_gpt.py's flags (the config's or the command line's) that shape the plan
     args.micro_batch_size = flags.micro_batch_size
     args.pipeline_model_parallel_size = flags.pipeline_model_parallel_size
@@ -291,7 +335,7 @@ def _plan_command(args: argparse.Namespace, rest: list[str]) -> int:
         try:
             budget = parse_size(args.memory_budget)
         except ValueError as exc:
-            raise UsageError(f"--memory-budget: {exc}") from None
+            raise UsageError(f"{args.memory_budget_flag}: {exc}") from None
     if budget is None and not args.hardware and not torch.cuda.is_available():
         # Before profiling: a CPU has no capacity to default to.
         raise UsageError("--memory-budget SIZE is needed to plan for a CPU (no device capacity "
@@ -299,11 +343,9 @@ def _plan_command(args: argparse.Namespace, rest: list[str]) -> int:
     stages, default_budget = _costs(args, flags, argv)
     budget = default_budget if budget is None else budget
     try:
-        plans = plan_stages(stages, budget, per_layer=args.per_layer,
-                            allow_lossy_sources=args.allow_lossy_sources)
+        plans = plan_stages(stages, budget, **options)
     except InfeasibleBudget as exc:
-        exc = with_lossy_hint(exc, stages, "--lossy-sources", per_layer=args.per_layer,
-                              allow_lossy_sources=args.allow_lossy_sources)
+        exc = with_lossy_hint(exc, stages, "--lossy-sources", **options)
         if args.json:
             infeasible = {"feasible": False, "budget_bytes": budget,
                           "minimum_feasible_budget": exc.minimum_budget,

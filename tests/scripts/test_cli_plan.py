@@ -5,7 +5,9 @@ import sys
 
 import pytest
 
+from megatron_adacc import cli
 from megatron_adacc.cli import main
+from megatron_adacc.planning import plan_stages as cli_plan_stages
 from megatron_adacc.common.units import format_size, parse_size
 
 from helpers import ROOT
@@ -386,3 +388,46 @@ def test_the_gpu_step_is_priced_with_the_optimizer_this_install_runs(capsys, mon
             == planned[True]["static_bytes"] + 8 * parameters)
     assert (planned[False]["minimum_feasible_budget"]
             < planned[True]["minimum_feasible_budget"] - (1 << 30))
+
+
+def test_the_trainers_adacc_flags_plan_as_its_auto_policy_would(tmp_path, capsys, monkeypatch):
+    # A config of pretrain_gpt.py's run: its budget is the plan's, not the accelerator's.
+    config = tmp_path / "run.yaml"
+    config.write_text("adacc-policy: auto\nadacc-memory-budget: 200MiB\n")
+
+    def planned(*flags):
+        assert main(["plan", *MODEL, *flags, "--json"]) == 0
+        return {k: v for k, v in json.loads(capsys.readouterr().out).items()
+                if k != "solve_time_s"}
+
+    from_config = planned("--config", str(config))
+    assert from_config["budget_bytes"] == 200 << 20
+    assert from_config == planned("--memory-budget", "200MiB")
+    assert from_config == planned("--adacc-memory-budget", "204800KiB", "--memory-budget",
+                                  "200MiB")
+    # The policy's codecs and the rebuild sources reach the planner.
+    seen = []
+    monkeypatch.setattr(cli, "plan_stages", lambda stages, budget, **options: seen.append(
+        (budget, options)) or cli_plan_stages(stages, budget, **options))
+    planned("--config", str(config), "--adacc-policy", "auto-no-outlier",
+            "--adacc-lossy-sources")
+    planned("--memory-budget", "1GiB")
+    assert [(budget, options["separate_outliers"], options["allow_lossy_sources"])
+            for budget, options in seen] == [(200 << 20, False, True), (1 << 30, True, False)]
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--memory-budget", "1GiB", "--adacc-memory-budget", "2GiB"],
+     "--memory-budget 1GiB and --adacc-memory-budget 2GiB disagree; give one"),
+    (["--profile-db", "a.sqlite", "--adacc-profile-db", "b.sqlite"],
+     "--profile-db a.sqlite and --adacc-profile-db b.sqlite disagree; give one"),
+    (["--exact", "--adacc-lossy-sources"], "--exact and --adacc-lossy-sources disagree; give one"),
+    (["--adacc-policy", "quantize"], "--adacc-policy quantize runs a fixed plan, with no budget "
+                                     "to plan for; adacc plan plans auto and auto-no-outlier"),
+    (["--adacc-memory-budget", "lots"], "--adacc-memory-budget: bad memory size 'lots'; write a "
+                                        "number with a unit, e.g. 24GiB, 512MiB, 32GB"),
+])
+def test_the_trainers_adacc_flags_against_adaccs_own_are_refused_in_one_line(
+        capsys, flags, message):
+    assert main(["plan", *MODEL, *flags]) == 2
+    assert capsys.readouterr().err == f"adacc plan: {message}\n"
