@@ -105,9 +105,11 @@ What the next lease should measure first, in this order:
    recompute always run: they set the budgets): why the all-retain plan ran 73 ms a step over
    the stock layer (the traces now hold other threads' Python and the CUDA runtime calls),
    and whether Adacc now takes the tightest budget, which its optimizer-step term refused
-   (`fd25aaa`).
+   (`fd25aaa`). The host waits removed since (`2fe2e50`, `b3300c6`, `2369231`) may be the
+   73 ms.
 2. `--sections training --models llama-1b --methods auto`: whether the profile's warm-up
-   correction (`8a0c1f3`) makes the first plan fit.
+   correction (`8a0c1f3`) makes the first plan fit, and what a step-watch re-timing costs
+   now that it times only the plan's codecs (`0703871`; metrics' `step_watch.time_s`).
 3. `scripts/bench_codec_geometry.py --budget-s 40` after the check: channel_int4 at 8 and 16
    warps, since its race is mended (`fe76a3d`); lift its 4-warp pin if one is faster.
 
