@@ -26,12 +26,14 @@ class LiveBytes(TorchDispatchMode):
         self.live = self.peak = 0
         self._made: set[int] = set()
         self._returned: dict[int, tuple[weakref.ref, int]] = {}  # any op's output storage
+        self._maker: dict[int, str] = {}    # a new storage's op and first tensor, for messages
 
     def _freed(self, key: int, nbytes: int, _ref) -> None:
         if key in self._made:
             self.live -= nbytes
             self._made.discard(key)
         self._returned.pop(key, None)
+        self._maker.pop(key, None)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -49,6 +51,8 @@ class LiveBytes(TorchDispatchMode):
             self._returned[key] = (ref, nbytes)
             if key not in given:
                 self._made.add(key)
+                self._maker[key] = (f"{func.overloadpacket.__name__} -> "
+                                    f"{tuple(tensor.shape)} {tensor.dtype}")
                 self.live += nbytes
         self.peak = max(self.peak, self.live)
         return out
@@ -61,3 +65,8 @@ class LiveBytes(TorchDispatchMode):
         gc.collect()
         return {key: nbytes for key, (ref, nbytes) in self._returned.items()
                 if ref() is not None and (key in self._made or not made_only)}
+
+    def made_alive(self) -> list[str]:
+        """Each new storage still alive: its bytes and the op that made it (for a message)."""
+        return sorted(f"{nbytes} B from {self._maker.get(key, '?')}"
+                      for key, nbytes in self.alive(made_only=True).items())

@@ -111,13 +111,13 @@ def test_peak_counts_rebuilt_values_one_layer_at_a_time(distributed):
     assert report.peak_bytes <= report.after_forward_bytes + one_layer
 
 
-def new_storages_alive_after(run) -> list[int]:
-    """The bytes of each storage ``run`` made that outlives it (not the views it took of
-    storages that existed before, such as the weights' transposes)."""
+def new_storages_alive_after(run) -> list[str]:
+    """Each storage ``run`` made that outlives it, with its bytes and maker (not the views it
+    took of storages that existed before, such as the weights' transposes)."""
     made = LiveBytes()
     with made:
         run()
-    return sorted(made.alive(made_only=True).values())
+    return made.made_alive()
 
 
 @pytest.mark.parametrize("backend,dropout", [("unfused", 0.1), ("flash", 0.0)])
