@@ -302,12 +302,13 @@ class Rectifier:
                  ) -> tuple[PlanSwap | None, str]:
         if new.plan.plan_id == current.plan.plan_id:
             return None, "the plan is still optimal"
+        # Both on the current costs: the step watch's re-timing may have changed times since
+        # the current plan was made, where refreshing moves payloads only.
+        current_s = added_time_s(self.costs, current)
+        gain = current_s - new.added_time_s
         if below_capacity(current, self.costs):
             # more outlier channels than it keeps exact: a raised capacity keeps them
-            return self._swap(current, new, "capacity", current.added_time_s - new.added_time_s), ""
-        # Refreshing moves payloads only, never times: the current plan's added time is
-        # still the one it was planned with.
-        gain = current.added_time_s - new.added_time_s
+            return self._swap(current, new, "capacity", gain), ""
         try:
             layers = [planning.evaluate_layer(self.costs, decisions)
                       for decisions in current.layer_decisions]
@@ -315,7 +316,7 @@ class Rectifier:
             return self._swap(current, new, "guard", gain), ""
         if planning.peak_bytes(self.costs, layers) > self.budget_bytes:
             return self._swap(current, new, "over budget", gain), ""
-        if gain <= MIN_GAIN_FRACTION * current.added_time_s:
+        if gain <= MIN_GAIN_FRACTION * current_s:
             return None, "another plan is optimal too, but no faster"
         if new.peak_bytes > (1 - FASTER_SWAP_HEADROOM) * self.budget_bytes:
             return None, "a faster plan exists, but too close to the budget to swap for"

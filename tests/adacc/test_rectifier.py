@@ -90,6 +90,22 @@ def test_a_swap_after_a_retiming_prices_both_plans_on_the_retimed_costs():
     assert swap.predicted_gain_s > 0
 
 
+def test_tracking_after_a_retiming_takes_the_plan_faster_on_the_retimed_costs():
+    rect = tight_rectifier(slack_per_layer=400)
+    start = rect.result
+    assert any(d["gelu_in"].action == COMPRESS for d in start.layer_decisions)
+    # The step watch re-timed the codec a hundred times slower, and kept the plan.
+    rect.costs = replace(rect.costs, sites=[
+        replace(site, codecs=tuple(replace(codec, encode_s=100 * codec.encode_s,
+                                           decode_s=100 * codec.decode_s)
+                                   for codec in site.codecs))
+        for site in rect.costs.sites])
+    outcome = rect.update(1, stats())
+    assert outcome.swap is not None and outcome.swap.reason == "faster", outcome.note
+    assert outcome.swap.predicted_gain_s == pytest.approx(
+        added_time_s(rect.costs, start) - rect.result.added_time_s)
+
+
 def test_a_swap_is_told_a_line_a_changed_site_with_its_layer_ranges():
     rect = tight_rectifier(slack_per_layer=50)
     swap = rect.update(2, stats(payload=2 * PAYLOAD, outliers=40)).swap
