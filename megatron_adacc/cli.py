@@ -277,49 +277,48 @@ def _refuse_unplanned(args: argparse.Namespace, flags: argparse.Namespace) -> No
         raise UsageError("Adacc plans one model chunk per rank; drop the virtual pipeline flags")
 
 
-def _adacc_flags(args: argparse.Namespace, flags: argparse.Namespace) -> str:
-    """Fold the trainer's ``--adacc-*`` flags into ``args``; returns the auto policy to plan.
+def _adacc_flags(args: argparse.Namespace, flags: argparse.Namespace) -> tuple[str, int | None]:
+    """Fold the trainer's ``--adacc-*`` flags into ``args``; returns the auto policy and budget.
 
     A plan of pretrain_gpt.py's flags is the one its ``--adacc-policy auto`` would make: its
     budget, rebuild sources and ProfileDB count as ``adacc plan``'s own flags do."""
     from megatron_adacc import policies
 
-    def size(text: str):
+    def size(flag: str, text: str | None) -> int | None:
         try:
-            return parse_size(text)
-        except ValueError:
-            return text     # refused as a bad size later
+            return None if text is None else parse_size(text)
+        except ValueError as exc:
+            raise UsageError(f"{flag}: {exc}") from None
 
-    def path(text: str):
-        return os.path.realpath(text)
-
-    pairs = (("--memory-budget", "memory_budget", "--adacc-memory-budget", "adacc_memory_budget",
-              size),
-             ("--profile-db", "profile_db", "--adacc-profile-db", "adacc_profile_db", path))
-    for own_flag, own, trainer_flag, trainer, same in pairs:
-        mine, theirs = getattr(args, own), getattr(flags, trainer)
+    def one_of(own_flag, mine, trainer_flag, theirs, same=lambda value: value):
         if mine is not None and theirs is not None and same(mine) != same(theirs):
             raise UsageError(f"{own_flag} {mine} and {trainer_flag} {theirs} disagree; "
                              f"give one")
-        setattr(args, own, mine if mine is not None else theirs)
-        setattr(args, own + "_flag", own_flag if mine is not None else trainer_flag)
+        return mine if mine is not None else theirs
+
+    mine = size("--memory-budget", args.memory_budget)
+    theirs = size("--adacc-memory-budget", flags.adacc_memory_budget)
+    one_of("--memory-budget", args.memory_budget, "--adacc-memory-budget",
+           flags.adacc_memory_budget, parse_size)   # the texts, so a refusal quotes them
+    budget = mine if mine is not None else theirs
+    args.profile_db = one_of("--profile-db", args.profile_db, "--adacc-profile-db",
+                             flags.adacc_profile_db, os.path.realpath)
     if args.allow_lossy_sources is False and flags.adacc_lossy_sources:
         raise UsageError("--exact and --adacc-lossy-sources disagree; give one")
     args.allow_lossy_sources = bool(args.allow_lossy_sources or flags.adacc_lossy_sources)
     policy = flags.adacc_policy
-    if policy in policies.AUTO_POLICIES:
-        return policy
-    if policy != "none":  # none is the trainer's default: a plan is asked for all the same
+    if policy not in policies.AUTO_POLICIES and policy != "none":
+        # none is the trainer's default: a plan is asked for all the same
         raise UsageError(f"--adacc-policy {policy} runs a fixed plan, with no budget to plan "
                          f"for; adacc plan plans {' and '.join(policies.AUTO_POLICIES)}")
-    return "auto"
+    return (policy if policy in policies.AUTO_POLICIES else "auto"), budget
 
 
 def _plan_command(args: argparse.Namespace, rest: list[str]) -> int:
     argv = training_argv(args, rest)
     flags = training_flags(argv)
     _refuse_unplanned(args, flags)
-    policy = _adacc_flags(args, flags)
+    policy, budget = _adacc_flags(args, flags)
     options = {"per_layer": args.per_layer, "allow_lossy_sources": args.allow_lossy_sources,
                "separate_outliers": policy == "auto"}
     # pretrain_gpt.py's flags (the config's or the command line's) that shape the plan
@@ -330,12 +329,6 @@ def _plan_command(args: argparse.Namespace, rest: list[str]) -> int:
         raise UsageError("--micro-batch-size is needed (on the command line or in the config)")
     if args.micro_batch_size < 1:
         raise UsageError(f"--micro-batch-size must be >= 1, got {args.micro_batch_size}")
-    budget = None
-    if args.memory_budget is not None:
-        try:
-            budget = parse_size(args.memory_budget)
-        except ValueError as exc:
-            raise UsageError(f"{args.memory_budget_flag}: {exc}") from None
     if budget is None and not args.hardware and not torch.cuda.is_available():
         # Before profiling: a CPU has no capacity to default to.
         raise UsageError("--memory-budget SIZE is needed to plan for a CPU (no device capacity "

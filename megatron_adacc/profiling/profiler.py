@@ -378,7 +378,6 @@ class _Profiling:
         return {name: _largest_on_peers(max(int(n) for n in found))
                 for name, found in counts.items() if found}, largest
 
-
     def codec_costs(self, names: Iterable[str] | Mapping[str, Sequence[str]]
                     ) -> dict[str, list[CodecCost]]:
         """Every candidate codec of each named site, timed in the step on its real tensors.
