@@ -51,12 +51,14 @@ from gpu.codecs import codecs_worker  # noqa: E402
 from gpu.common import (  # noqa: E402
     AUTO,
     AUTO_LOSSY,
+    AUTO_UNTRACKED,
     BLOCK,
     CHILD_GRACE_S,
     CHILD_START_S,
     CODEC_CASE_S,
     CODEC_GRAPH_S,
     CODEC_SPEED_S,
+    DIAGNOSTIC_METHODS,
     DRY_MICRO_BATCH,
     FULL,
     MIN_SECTION_S,
@@ -65,6 +67,7 @@ from gpu.common import (  # noqa: E402
     OPTIONAL_METHODS,
     PREDICT_S,
     QUANTIZE,
+    RETAIN_PLAN,
     SECTIONS,
     SELECTIVE,
     SYNC_MODEL_S,
@@ -91,10 +94,11 @@ def parse(argv=None) -> argparse.Namespace:
     parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS))
     parser.add_argument("--models", nargs="+", choices=sorted(MODELS),
                         default=["gpt-345m", "llama-1b"])
-    parser.add_argument("--methods", nargs="+", choices=OPTIONAL_METHODS,
+    parser.add_argument("--methods", nargs="+", choices=OPTIONAL_METHODS + DIAGNOSTIC_METHODS,
                         default=list(OPTIONAL_METHODS),
                         help="which methods beside no optimisation and full recompute (which "
-                             "set the budgets) the training section runs")
+                             "set the budgets) the training section runs; overhead (asked "
+                             "for only) splits Adacc's all-retain step into its parts")
     parser.add_argument("--hardware", default=None,
                         help="the accelerator model to predict with (adacc plan --hardware); "
                              "default: the entry of the device found")
@@ -173,14 +177,15 @@ def estimate_s(section: str, dry_run: bool, optional=OPTIONAL_METHODS) -> float:
     values = config_values(spec, dry_run)
     clock = RunClock(kind, values, DRY_MICRO_BATCH if dry_run else spec.micro_batch)
     counts = {"auto": [AUTO] * 3 + [AUTO_LOSSY], "block": [BLOCK] * 2, "quantize": [QUANTIZE],
-              "selective": [SELECTIVE] * len(selective_sets())}
+              "selective": [SELECTIVE] * len(selective_sets()),
+              "overhead": [RETAIN_PLAN, AUTO_UNTRACKED]}
     methods = [NONE, FULL] + [m for name in optional for m in counts[name]]
     total = CHILD_START_S[kind] + PREDICT_S[kind]
     for method in methods:
-        auto = method in (AUTO, AUTO_LOSSY)
+        auto = method in (AUTO, AUTO_LOSSY, AUTO_UNTRACKED)
         iters = sizes.auto_iters if auto else sizes.iters
         total += clock.estimate(method, iters, auto, method in TRACED)
-        clock.profiled |= method == AUTO  # the first auto run profiles
+        clock.profiled |= auto  # the first auto run profiles
     return total + clock.estimate(NONE, sizes.iters, False, False)  # the drift's run
 
 

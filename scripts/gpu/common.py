@@ -84,6 +84,18 @@ SELECTIVE, QUANTIZE, AUTO = "megatron selective recompute", "naive INT4", "adacc
 AUTO_LOSSY = "adacc auto, lossy sources"
 # --methods: what the training section may leave out
 OPTIONAL_METHODS = ("auto", "block", "quantize", "selective")
+# Runs only when asked for (--methods overhead), at no optimisation's budget: where Adacc's step
+# exceeds the stock layer's when its plan retains everything. GPT-345M's all-retain auto plan
+# ran 73 ms over no optimisation on the H200 (222 ms), the same kernels for 57 ms more in
+# backward. Each run removes one part of Adacc:
+# - RETAIN_PLAN: Adacc's layer spec and per-step work, with a fixed all-retain plan and no
+#   profile (run before any auto run profiles in this process);
+# - AUTO_UNTRACKED: auto's profile and plan, with neither tracking nor the step watch.
+# With auto's own run and no optimisation's run again last (after every Adacc run), they split
+# the difference between its parts.
+RETAIN_PLAN = "adacc, fixed all-retain plan"
+AUTO_UNTRACKED = "adacc auto, tracking off"
+DIAGNOSTIC_METHODS = ("overhead",)
 # From where full recompute just fits (0) to no optimisation's peak (1).
 BUDGET_FRACTIONS = (0.0, 0.5, 1.0)
 # megatron's dynamic loss scale starts at 2**32 and halves on each fp16 overflow: a run of
@@ -117,14 +129,14 @@ TRACKING_S = {"gpu": 4.0, "cpu": 2.0}
 STEP_FLOPS = {"gpu": {"flash": 350e12, "unfused": 90e12}, "cpu": {"flash": 5e9, "unfused": 5e9}}
 # A method's step over no optimisation's, for estimates before it has run
 STEP_FACTOR = {NONE: 1.0, FULL: 1.4, SELECTIVE: 1.15, BLOCK: 1.25, QUANTIZE: 1.3, AUTO: 1.2,
-               AUTO_LOSSY: 1.2}
+               AUTO_LOSSY: 1.2, RETAIN_PLAN: 1.2, AUTO_UNTRACKED: 1.2}
 # Methods whose runs trace their last step (a trace with shapes and stacks costs seconds to
 # write and read on a 1B model: the other runs are not traced)
-TRACED = (NONE, FULL, QUANTIZE, AUTO)
+TRACED = (NONE, FULL, QUANTIZE, AUTO, RETAIN_PLAN)
 AGAIN = "none again"    # the run that measures a section's drift (ModelRuns._drift)
 # Traced with Python's call stacks too (seconds more a trace): the host's time by package in
 # the stock layer's step and Adacc's (trace_summary)
-STACKS = (NONE, AUTO)
+STACKS = (NONE, AUTO, RETAIN_PLAN)
 PREDICT_S = {"gpu": 10.0, "cpu": 8.0}           # a model's predictions, after its runs
 CHILD_GRACE_S = 20      # past its deadline a child is stopped; what it wrote is kept
 MIN_SECTION_S = 15      # a section given less is skipped

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import os
 
-from gpu.common import AUTO, BLOCK, mib
+from gpu.common import AGAIN, AUTO, AUTO_UNTRACKED, BLOCK, NONE, RETAIN_PLAN, mib
 from gpu.predict import calibration_lines
 from gpu.syncs import STEPS
 
@@ -101,12 +101,14 @@ cut-off call still returns what it measured.
 
 What the next lease should measure first, in this order:
 
-1. `--sections training --models gpt-345m --methods auto` (no optimisation and full
-   recompute always run: they set the budgets): why the all-retain plan ran 73 ms a step over
-   the stock layer (the traces now hold other threads' Python and the CUDA runtime calls),
-   and whether Adacc now takes the tightest budget, which its optimizer-step term refused
-   (`fd25aaa`). The host waits removed since (`2fe2e50`, `b3300c6`, `2369231`) may be the
-   73 ms.
+1. `--sections training --models gpt-345m --methods auto overhead` (no optimisation and
+   full recompute always run: they set the budgets; about 170 s of estimates): why the
+   all-retain plan ran 73 ms a step over the stock layer, and whether Adacc now takes the
+   tightest budget, which its optimizer-step term refused (`fd25aaa`). `overhead` adds two
+   runs that split those 73 ms: Adacc's layer under a fixed all-retain plan (no profile),
+   and auto with tracking off; no optimisation runs again last. The host waits removed
+   since (`2fe2e50`, `b3300c6`, `2369231`) may be the 73 ms; the traces hold other threads'
+   Python and the CUDA runtime calls.
 2. `--sections training --models llama-1b --methods auto`: whether the profile's warm-up
    correction (`8a0c1f3`) makes the first plan fit, and what a step-watch re-timing costs
    now that it times only the plan's codecs (`0703871`; metrics' `step_watch.time_s`).
@@ -341,6 +343,7 @@ def _training_lines(name: str, model: dict) -> list[str]:
                          f"infeasible (smallest feasible {mib(auto['minimum_feasible_budget'])}"
                          " MiB).")]
         lines.append("")
+    lines += overhead_lines(model)
     traced = [(n, r) for n, r in model["runs"].items()
               if (r.get("trace") or {}).get("top_kernels") or (r.get("trace") or {}).get("top_ops")]
     if traced:
@@ -376,3 +379,33 @@ def _training_lines(name: str, model: dict) -> list[str]:
     return lines
 
 
+def overhead_lines(model: dict) -> list[str]:
+    """The table of ``--methods overhead``: Adacc's all-retain step taken apart, run by run."""
+    runs = model.get("runs", {})
+    if "retain plan" not in runs and "auto untracked" not in runs:
+        return []
+    ample = f"auto {len(model.get('budgets', [])) - 1}"
+    rows = (("none", NONE, "the stock layer"),
+            ("retain plan", RETAIN_PLAN, "Adacc's layer spec and per-step work, no profile"),
+            ("auto untracked", AUTO_UNTRACKED, "+ auto's profile and plan at this budget"),
+            (ample, AUTO, "+ tracking and the step watch"),
+            (AGAIN, f"{NONE} again", "the stock layer, after every Adacc run"))
+    base = runs.get("none", {}).get("step_time_s")
+    lines = ["Adacc's step at no optimisation's budget, where auto's plan retains everything, "
+             "taken apart: each run adds one part of Adacc to the one above it. The fixed "
+             "plan ran before any auto run profiled in the process, no optimisation again "
+             "after all of them. The forward and backward column is the trainer's own measure "
+             "(measured_step_time_s).", "",
+             "| run | what it adds | step (ms) | over no optimisation (ms) | forward and "
+             "backward (ms) | plan, swaps |", "|---|---|---|---|---|---|"]
+    for name, label, adds in rows:
+        r = runs.get(name)
+        if r is None:
+            continue
+        step = r.get("step_time_s")
+        over = "-" if step is None or base is None else f"{(step - base) * 1e3:+,.1f}"
+        shown = r.get("error") or r.get("skipped")
+        plan = f"{r.get('plan_id', '-')}, {r.get('plan_swaps', '-')}"
+        lines.append(f"| {label} | {adds} | {_ms(step) if not shown else shown} | {over} | "
+                     f"{_ms(r.get('measured_step_time_s'))} | {plan} |")
+    return lines + [""]

@@ -15,11 +15,12 @@ import time
 
 import torch
 
-from gpu.common import (AGAIN, AUTO, AUTO_LOSSY, BLOCK, BUDGET_FRACTIONS, COPY_CALLS,
-                        DRY_MICRO_BATCH, FULL, INITIAL_LOSS_SCALE, NONE, OPTIONAL_METHODS,
-                        PROFILE_S, PROFILE_STEPS, PYTHON_PACKAGES, QUANTIZE, ROOT, RUN_OVERHEAD_S,
-                        SELECTIVE, STACKS, STEP_FACTOR, STEP_FLOPS, SYNC_CALLS, TOP_KERNELS,
-                        TRACE_S, TRACED, TRACKING_S, Deadline, ModelSpec, Sizes, device_kind, note)
+from gpu.common import (AGAIN, AUTO, AUTO_LOSSY, AUTO_UNTRACKED, BLOCK, BUDGET_FRACTIONS,
+                        COPY_CALLS, DRY_MICRO_BATCH, FULL, INITIAL_LOSS_SCALE, NONE,
+                        OPTIONAL_METHODS, PROFILE_S, PROFILE_STEPS, PYTHON_PACKAGES, QUANTIZE,
+                        RETAIN_PLAN, ROOT, RUN_OVERHEAD_S, SELECTIVE, STACKS, STEP_FACTOR,
+                        STEP_FLOPS, SYNC_CALLS, TOP_KERNELS, TRACE_S, TRACED, TRACKING_S,
+                        Deadline, ModelSpec, Sizes, device_kind, note)
 
 # Megatron-LM's --recompute-modules a dense GPT layer has (the rest are MoE's, MLA's, ...).
 RECOMPUTE_MODULES = ("core_attn", "layernorm", "mlp")
@@ -414,6 +415,8 @@ class ModelRuns:
             self.report["budgets"] = [{"fraction": f, "budget_bytes": int(low + f * (high - low))}
                                       for f in BUDGET_FRACTIONS]
         budgets = [b["budget_bytes"] for b in self.report["budgets"]]
+        if "overhead" in methods:   # before any auto run has profiled in this process
+            self.run("retain plan", RETAIN_PLAN, "--adacc-policy", self._retain_plan())
         for index, budget in enumerate(budgets):
             if budget is not None and "auto" in methods:
                 self.run(f"auto {index}", AUTO, "--adacc-policy", "auto",
@@ -423,6 +426,10 @@ class ModelRuns:
                     self.run(f"auto lossy {index}", AUTO_LOSSY, "--adacc-policy", "auto",
                              "--adacc-memory-budget", f"{budget}B", "--adacc-strict",
                              "--adacc-lossy-sources")
+        if "overhead" in methods and budgets[-1] is not None:
+            self.run("auto untracked", AUTO_UNTRACKED, "--adacc-policy", "auto",
+                     "--adacc-memory-budget", f"{budgets[-1]}B", "--adacc-strict",
+                     "--adacc-tracking", "off")
         self.block = {}
         for index, budget in enumerate(budgets):
             if budget is not None and "block" in methods:
@@ -436,6 +443,14 @@ class ModelRuns:
         self._drift(none)
         self.emit(self.report)
         return self.report
+
+    def _retain_plan(self) -> str:
+        """A plan file retaining every site in every layer: the all-retain plan auto picks."""
+        from megatron_adacc.common.plan import Plan
+
+        path = os.path.join(self.workdir, "retain.yaml")
+        Plan.uniform({}).save(path)
+        return path
 
     def _drift(self, first: dict) -> None:
         """No optimisation again, last: how far the same run's step moved over the section.

@@ -309,6 +309,61 @@ def test_where_auto_is_refused_but_lossy_sources_fit_they_run_too(tmp_path, monk
     assert tightest[common.AUTO_LOSSY]["fits"] is True   # 900 B within full recompute's 1000
 
 
+def test_overhead_splits_adaccs_all_retain_step_into_runs(tmp_path, monkeypatch):
+    import tempfile
+
+    import torch
+
+    from megatron_adacc.common.plan import Plan
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    ran, plans = {}, {}
+
+    def fake(self, run_name, method, iters, flags, traced):
+        ran[run_name] = flags
+        if run_name == "retain plan":  # the file exists while the run reads it
+            plans[run_name] = Plan.load(flags[flags.index("--adacc-policy") + 1])
+        peak = {"none": 2000, "full": 1000}.get(run_name, 900)
+        step = {"none": 0.200, "retain plan": 0.250, "auto 2": 0.290}.get(run_name, 0.280)
+        return {"method": method, "flags": flags, "peak_bytes": peak, "step_time_s": step,
+                "measured_step_time_s": step - 0.05, "plan_id": "p", "plan_swaps": 0}
+
+    monkeypatch.setattr(training.ModelRuns, "_pretrain", fake)
+    runs = training.ModelRuns("gpt-345m", common.MODELS["gpt-345m"], torch.device("cpu"),
+                              common.DRY, common.Deadline(600), lambda report: None)
+    runs.measure(methods=("auto",))
+    assert "retain plan" not in ran and "auto untracked" not in ran
+    assert report.overhead_lines(runs.report) == []
+
+    ran.clear()
+    runs = training.ModelRuns("gpt-345m", common.MODELS["gpt-345m"], torch.device("cpu"),
+                              common.DRY, common.Deadline(600), lambda report: None)
+    runs.measure(methods=("auto", "overhead"))
+    order = list(ran)
+    # the fixed plan before any auto run profiles; auto untracked at no optimisation's budget
+    assert order.index("retain plan") < order.index("auto 0")
+    assert plans["retain plan"] == Plan.uniform({})
+    ample = runs.report["budgets"][-1]["budget_bytes"]
+    assert ample == 2000
+    assert ran["auto untracked"] == ["--adacc-policy", "auto", "--adacc-memory-budget",
+                                     "2000B", "--adacc-strict", "--adacc-tracking", "off"]
+    assert ran["auto untracked"][:-2] == ran["auto 2"]
+    assert order[-1] == common.AGAIN
+    assert runs.method_rows(2)[common.AUTO] == "auto 2"   # the budget tables are unchanged
+    table = report.overhead_lines(runs.report)
+    assert table[4:] == [
+        "| no optimisation | the stock layer | 200.0 | +0.0 | 150.0 | p, 0 |",
+        "| adacc, fixed all-retain plan | Adacc's layer spec and per-step work, no profile "
+        "| 250.0 | +50.0 | 200.0 | p, 0 |",
+        "| adacc auto, tracking off | + auto's profile and plan at this budget | 280.0 | +80.0 "
+        "| 230.0 | p, 0 |",
+        "| adacc auto | + tracking and the step watch | 290.0 | +90.0 | 240.0 | p, 0 |",
+        "| no optimisation again | the stock layer, after every Adacc run | 280.0 | +80.0 "
+        "| 230.0 | p, 0 |", ""]
+    assert (gpu_check.estimate_s("training:gpt-345m", False, ["auto", "overhead"])
+            > gpu_check.estimate_s("training:gpt-345m", False, ["auto"]))
+
+
 def test_the_calibration_finds_the_matmul_efficiency_that_priced_the_runs():
     """Runs whose added times are the analytic model's at efficiency 0.41 fit 0.41 exactly; a
     step a quarter in kernels is called host-bound on the page."""
