@@ -272,12 +272,6 @@ def _with_cuda_type_names(function):
     return call
 
 
-def _host_l2_norm(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
-    # megatron.core.utils.local_multi_tensor_l2_norm, returning its norm on the host.
-    norms = torch.stack([torch.linalg.vector_norm(t.float()) for t in tensor_lists[0]])
-    return torch.linalg.vector_norm(norms).reshape(1), None
-
-
 def _cpu_moe() -> None:
     # Mixture of experts: the router moves its weight to torch.cuda.current_device() at its
     # first forward and makes its loss tensors there; the all-to-all dispatcher copies its token
@@ -318,8 +312,7 @@ def _cpu_attention_variants() -> None:
 def _cpu_optimizer() -> None:
     # megatron's optimizers make their overflow flag and loss scale with device='cuda'
     # (MixedPrecisionOptimizer, FP32Optimizer, get_loss_scale); clip_grads makes its norm
-    # and zero-count tensors on 'cuda' and, without apex or Transformer Engine, computes
-    # the norm with local_multi_tensor_l2_norm, which returns it on 'cuda'; and
+    # and zero-count tensors on 'cuda'; and
     # Float16OptimizerWithFloat16Params, DistributedOptimizer's main-param groups and
     # clip_grad_by_total_norm_fp32 accept only parameters of a torch.cuda.*Tensor type.
     # DistributedOptimizer makes the shards of a --ckpt-format torch load on
@@ -329,8 +322,6 @@ def _cpu_optimizer() -> None:
     optimizer.torch = _HostTorch()
     clip_grads.torch = _HostTorch()
     distrib_optimizer.torch = _HostTorch()
-    if clip_grads.l2_norm_impl.__name__ == "local_multi_tensor_l2_norm":
-        clip_grads.l2_norm_impl = _host_l2_norm
     clip = _with_cuda_type_names(clip_grads.clip_grad_by_total_norm_fp32)
     clip_grads.clip_grad_by_total_norm_fp32 = optimizer.clip_grad_by_total_norm_fp32 = clip
     fp16 = optimizer.Float16OptimizerWithFloat16Params
@@ -431,6 +422,45 @@ def _transformer_engine_absent() -> bool:
     return not mrandom.HAVE_TE
 
 
+def _l2_norm_on_the_device(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
+    """megatron's ``local_multi_tensor_l2_norm`` with no value read on the host.
+
+    The norm, shape [1], stays on the tensors' device."""
+    tensors = [tensor for tensors in tensor_lists for tensor in tensors]
+    if not tensors:
+        return torch.zeros(1, device="cuda" if torch.cuda.is_available() else "cpu"), None
+    norms = torch.stack([torch.linalg.vector_norm(tensor.float()) for tensor in tensors])
+    return torch.linalg.vector_norm(norms).reshape(1), None
+
+
+def _local_l2_norm_reads_the_host(impl) -> bool:
+    """Whether ``impl`` is megatron's fallback norm, which reads each tensor's norm on the host."""
+    if getattr(impl, "__name__", None) != "local_multi_tensor_l2_norm":
+        return False
+    try:  # on meta tensors a read on the host fails
+        impl(0, None, [[torch.ones(2, device="meta")]], False)
+    except RuntimeError as exc:
+        return "meta" in str(exc)
+    return False
+
+
+def _grad_norm_on_the_device() -> None:
+    # Without apex or Transformer Engine, clip_grads' norm is megatron's
+    # local_multi_tensor_l2_norm. It builds torch.tensor() from the list of every gradient's
+    # norm: on a GPU a copy to the host and a wait for the device per parameter, every step
+    # that clips. GPT-345M has 292 parameter tensors; the H200 counted 304 copies to the host
+    # a step under every method, Llama-1B 111 for its 99.
+    from megatron.core.optimizer import clip_grads
+
+    clip_grads.l2_norm_impl = _l2_norm_on_the_device
+
+
+def _grad_norm_read_on_the_host() -> bool:
+    from megatron.core.optimizer import clip_grads
+
+    return _local_l2_norm_reads_the_host(clip_grads.l2_norm_impl)
+
+
 CPU_SHIMS = {
     "cpu_global_memory_buffer": _cpu_global_memory_buffer,
     "cpu_rng_tracker": _cpu_rng_tracker,
@@ -453,6 +483,7 @@ DEFECT_PATCHES = {
     "cached_causal_mask": (_cached_causal_mask, _causal_mask_uncached),
     "distributed_optimizer_with_torch_adam": (_distributed_optimizer_with_torch_adam,
                                               _torch_adam_in_use),
+    "grad_norm_on_the_device": (_grad_norm_on_the_device, _grad_norm_read_on_the_host),
 }
 
 
@@ -597,12 +628,6 @@ def _cpu_training_loop() -> None:
     initialize.torch = _TrainingTorch(device_count=lambda: 1)
     training.initialize_megatron = functools.partial(initialize.initialize_megatron,
                                                      allow_no_cuda=True)
-    # --log-params-norm: without apex or Transformer Engine the norm is
-    # local_multi_tensor_l2_norm's, which returns it on "cuda".
-    from megatron.training.utils import common_utils
-
-    if common_utils.multi_tensor_l2norm.__name__ == "local_multi_tensor_l2_norm":
-        common_utils.multi_tensor_l2norm = _host_l2_norm
 
 
 def _prebuilt_dataset_helpers() -> None:
@@ -731,6 +756,20 @@ def _rerun_checkpoint_ignores_save() -> bool:
 
     source = inspect.getsource(training.train)
     return "if should_checkpoint:\n            save_checkpoint_and_time(" in source
+
+
+def _params_norm_on_the_device() -> None:
+    # --log-params-norm: Megatron-LM's calc_params_l2_norm takes the same fallback norm as
+    # clip_grads (_grad_norm_on_the_device), one host read per parameter.
+    from megatron.training.utils import common_utils
+
+    common_utils.multi_tensor_l2norm = _l2_norm_on_the_device
+
+
+def _params_norm_read_on_the_host() -> bool:
+    from megatron.training.utils import common_utils
+
+    return _local_l2_norm_reads_the_host(common_utils.multi_tensor_l2norm)
 
 
 def _cpu_data_loader_seeds() -> None:
@@ -952,6 +991,7 @@ TRAINING_CPU_SHIMS = {"cpu_training_loop": _cpu_training_loop,
                       "cpu_jit_warmup_off_the_generator": _cpu_jit_warmup_off_the_generator}
 TRAINING_DEFECT_PATCHES = {
     "prebuilt_dataset_helpers": (_prebuilt_dataset_helpers, _dataset_helpers_without_makefile),
+    "params_norm_on_the_device": (_params_norm_on_the_device, _params_norm_read_on_the_host),
     "rerun_checkpoint_only_with_save": (_rerun_checkpoint_only_with_save,
                                         _rerun_checkpoint_ignores_save),
     "gpt2_tokenizer_from_files": (_gpt2_tokenizer_from_files, _gpt2_tokenizer_reaches_the_hub),

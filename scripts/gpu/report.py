@@ -108,7 +108,9 @@ What the next lease should measure first, in this order:
    runs that split those 73 ms: Adacc's layer under a fixed all-retain plan (no profile),
    and auto with tracking off; no optimisation runs again last. The host waits removed
    since (`2fe2e50`, `b3300c6`, `2369231`) may be the 73 ms; the traces hold other threads'
-   Python and the CUDA runtime calls.
+   Python and the CUDA runtime calls. The traces' copies to the host should fall from 304 a
+   step to about 12 under every method: megatron-core's fallback gradient norm read one per
+   parameter (`megatron_compat`'s grad_norm_on_the_device).
 2. `--sections training --models llama-1b --methods auto`: whether the profile's warm-up
    correction (`8a0c1f3`) makes the first plan fit, and what a step-watch re-timing costs
    now that it times only the plan's codecs (`0703871`; metrics' `step_watch.time_s`).

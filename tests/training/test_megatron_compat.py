@@ -118,6 +118,18 @@ probe("cpu_grad_sync", lambda: _ParamAndGradBucketGroup.start_grad_sync(types.Si
 
 from megatron.core.optimizer import clip_grads
 probe("cpu_optimizer", lambda: clip_grads.get_grad_norm_fp32([torch.ones(2)]))
+
+# Without apex or Transformer Engine the gradient norm (and --log-params-norm's) is megatron's
+# fallback, which reads each tensor's norm on the host: on meta tensors the read fails.
+def reads_the_host(impl):
+    try:
+        impl(0, None, [[torch.ones(2, device="meta")] * 3], False)
+    except RuntimeError as exc:
+        return "defect" if "meta" in str(exc) else str(exc)
+    return "ok"
+results["grad_norm_on_the_device"] = reads_the_host(clip_grads.l2_norm_impl)
+from megatron.training.utils import common_utils
+results["params_norm_on_the_device"] = reads_the_host(common_utils.multi_tensor_l2norm)
 graded = torch.nn.Parameter(torch.ones(2))
 graded.grad = torch.ones(2)
 probe("cpu_optimizer_type_names",
@@ -233,6 +245,8 @@ DEFECTS = {
     "checkpoint_without_output_fp8": "delete its patch",
     "distributed_optimizer_with_torch_adam": "delete its patch",
     "cached_causal_mask": "delete its patch",
+    "grad_norm_on_the_device": "delete its patch",
+    "params_norm_on_the_device": "delete its patch",
     "biased_local_experts": "drop the refusal of --num-experts with biases in "
                             "megatron_lm.check_args",
     "experts_tp_without_sp": "drop the refusal of experts under tensor parallelism alone in "
@@ -260,7 +274,28 @@ def test_causal_mask_is_cached_with_cuda_too():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout.strip().splitlines()[-1]
     assert out == ("['checkpoint_without_output_fp8', 'cached_causal_mask', "
-                   "'distributed_optimizer_with_torch_adam'] True")
+                   "'distributed_optimizer_with_torch_adam', 'grad_norm_on_the_device'] True")
+
+
+def test_the_gradient_norm_stays_on_the_device_and_is_megatrons():
+    # megatron's fallback builds torch.tensor() from every gradient's norm: a copy to the host
+    # per parameter on a GPU. The patch's norm runs on meta tensors, so it reads nothing.
+    from megatron.core.optimizer import clip_grads
+
+    from megatron_adacc import megatron_compat
+
+    megatron_compat.apply()
+    norm = megatron_compat._l2_norm_on_the_device
+    assert clip_grads.l2_norm_impl is norm
+    generator = torch.Generator().manual_seed(0)
+    grads = [torch.randn(n, generator=generator) * n for n in (3, 100, 4097)]
+    megatrons = torch.norm(torch.tensor([[torch.norm(grad) for grad in grads]]))
+    got, _ = norm(0, None, [grads], False)
+    assert got.shape == (1,) and got.dtype == torch.float32
+    assert got.item() == megatrons.item()
+    on_meta, _ = norm(0, None, [[grad.to("meta") for grad in grads]], False)
+    assert on_meta.device.type == "meta" and on_meta.shape == (1,)
+    assert norm(0, None, [[]], False)[0].tolist() == [0.0]
 
 
 def test_patched_megatron_runs_the_shimmed_paths():
