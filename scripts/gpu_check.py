@@ -45,6 +45,10 @@ sys.path.insert(0, ROOT)
 # cuBLAS needs this before CUDA starts to run deterministically (the exactness check compares
 # two separately trained models, so every kernel must be run-to-run reproducible).
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+# The training runs of a model share a process, and each traces its last steps. Unless told to
+# tear CUPTI down, Kineto leaves it attached when a trace ends (pytorch/pytorch#144455: 10-20%
+# slower training afterwards), so every run after the first traced one would pay for it.
+os.environ.setdefault("TEARDOWN_CUPTI", "1")
 
 import torch  # noqa: E402
 from gpu.codecs import codecs_worker  # noqa: E402

@@ -102,15 +102,18 @@ cut-off call still returns what it measured.
 What the next lease should measure first, in this order:
 
 1. `--sections training --models gpt-345m --methods auto overhead` (no optimisation and
-   full recompute always run: they set the budgets; about 170 s of estimates): why the
-   all-retain plan ran 73 ms a step over the stock layer, and whether Adacc now takes the
-   tightest budget, which its optimizer-step term refused (`fd25aaa`). `overhead` adds two
-   runs that split those 73 ms: Adacc's layer under a fixed all-retain plan (no profile),
-   and auto with tracking off; no optimisation runs again last. The host waits removed
-   since (`2fe2e50`, `b3300c6`, `2369231`) may be the 73 ms; the traces hold other threads'
-   Python and the CUDA runtime calls. The traces' copies to the host should fall from 304 a
-   step to about 12 under every method: megatron-core's fallback gradient norm read one per
-   parameter (`megatron_compat`'s grad_norm_on_the_device).
+   full recompute always run: they set the budgets; about 170 s of estimates). On
+   2026-11-29 every GPT-345M method cost at least 73 ms a step over no optimisation, even
+   selective layernorm recompute (+104 ms) and Adacc's all-retain plan (+73 ms, the same
+   kernels). No optimisation ran first: each later run began after a traced run had left
+   CUPTI attached, Kineto's default until `TEARDOWN_CUPTI=1`, which the check now sets
+   (pytorch/pytorch#144455). GPT-345M's step is bound by the host, where CUPTI's cost per
+   call shows; the Llama's is not (its no optimisation again: +1.3%). If no optimisation
+   again now matches the first run, those gaps were the ruler's. `overhead` splits what
+   remains: Adacc's layer under a fixed all-retain plan (no profile), and auto with
+   tracking off. Also: whether Adacc takes the tightest budget, which its optimizer-step
+   term refused (`fd25aaa`), and the traces' copies to the host falling from 304 a step to
+   about 12 (`megatron_compat`'s grad_norm_on_the_device).
 2. `--sections training --models llama-1b --methods auto`: whether the profile's warm-up
    correction (`8a0c1f3`) makes the first plan fit, and what a step-watch re-timing costs
    now that it times only the plan's codecs (`0703871`; metrics' `step_watch.time_s`).
@@ -258,8 +261,15 @@ def _training_lines(name: str, model: dict) -> list[str]:
               f"{model['seq_length']}. Each run takes {model['iters']} iterations"
               + (f", Adacc's {model['auto_iters']} (its step watch's decisions)"
                  if model.get("auto_iters", model["iters"]) != model["iters"] else "")
-              + f". Its step is the median of those after {model['warmup']}. The last one is "
-              "traced.", "",
+              + f". Its step is the median of those after {model['warmup']}"
+              + (". A traced run's last three are left out: the profiler's warm-up, the traced "
+                 "step and the trace's writing" if model.get("profiler_iterations_left_out")
+                 else ". The last but one is traced (and counted)")
+              + (". CUPTI is torn down after each trace (TEARDOWN_CUPTI=1), so no run pays for "
+                 "an earlier one's" if model.get("teardown_cupti")
+                 else ". CUPTI stayed attached after each trace (TEARDOWN_CUPTI unset)"
+                 if "teardown_cupti" in model else "")
+              + ".", "",
               "Predicted step = no optimisation's measured step + what the model says the "
               "method's plan adds. `profiled` prices the plan from the auto runs' profile on "
               "this device. `analytic` prices it with "

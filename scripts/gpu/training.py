@@ -67,11 +67,25 @@ def adacc_work_iterations(records: list[dict]) -> set[int]:
     return work | {i + 1 for i in work}
 
 
-def _median_of(records: list[dict], key: str, warmup: int, iters: int,
+def trace_start(iters: int) -> int:
+    """The iteration a traced run's profiler records: its last but one."""
+    return iters - 1
+
+
+def untraced_end(iters: int, traced: bool) -> int:
+    """The first iteration a run's step-time median leaves out, and every one after it.
+
+    Megatron-LM's profiler warms up in the iteration before the traced one (CUPTI collects,
+    and discards), records the traced one, and writes the trace in the next; an untraced run's
+    last iteration is left out as a traced run's is."""
+    return trace_start(iters) - 1 if traced else iters
+
+
+def _median_of(records: list[dict], key: str, warmup: int, end: int,
                skip: set[int] = frozenset()) -> float | None:
-    # the traced last step is slower for its tracing; the first steps warm up
+    # the first steps warm up; from `end` on the profiler runs (untraced_end)
     values = [r[key] for r in records if r.get(key) is not None
-              and warmup < r["iteration"] < iters and r["iteration"] not in skip]
+              and warmup < r["iteration"] < end and r["iteration"] not in skip]
     values = values or [r[key] for r in records if r.get(key) is not None]
     return statistics.median(values) if values else None
 
@@ -268,6 +282,9 @@ class ModelRuns:
             else "fp32",
             "attention_backend": self.values["attention_backend"],
             "iters": sizes.iters, "auto_iters": sizes.auto_iters, "warmup": sizes.warmup,
+            # what the medians leave out (untraced_end), and whether CUPTI outlives a trace
+            "profiler_iterations_left_out": True,
+            "teardown_cupti": os.environ.get("TEARDOWN_CUPTI") == "1",
             "estimated_step_s": self.clock.step_s, "runs": {}, "budgets": [], "notes": []}
 
     @property
@@ -317,9 +334,9 @@ class ModelRuns:
                 "--adacc-profile-db", os.path.join(self.workdir, "profiles.sqlite"),
                 "--metrics-file", f"{stem}.jsonl", *flags]
         if traced:
-            argv += ["--profile", "--use-pytorch-profiler", "--profile-step-start",
-                     str(iters - 1), "--profile-step-end", str(iters), "--tensorboard-dir",
-                     os.path.join(f"{stem}.trace", "tensorboard")]
+            argv += ["--profile", "--use-pytorch-profiler",
+                     "--profile-step-start", str(trace_start(iters)), "--profile-step-end",
+                     str(iters), "--tensorboard-dir", os.path.join(f"{stem}.trace", "tensorboard")]
             if method in STACKS:
                 argv.append("--pytorch-profiler-collect-callstack")
         if self.values["fp16"]:
@@ -359,7 +376,7 @@ class ModelRuns:
             result.setdefault("error", "no metrics written")
             return result
         peak, source = _peak(records)
-        warm, total = self.sizes.warmup, iters
+        warm, total = self.sizes.warmup, untraced_end(iters, traced)
         work = adacc_work_iterations(records)
         result.update({
             "step_time_s": _median_of(records, "step_time_s", warm, total, work),

@@ -47,8 +47,10 @@ def test_without_cuda_it_says_so_and_exits_zero(tmp_path):
 def dry_run(tmp_path_factory):
     folder = tmp_path_factory.mktemp("gpu-check")
     out, doc = folder / "dry.json", folder / "gpu.md"
+    # as a user's shell has it: the check itself asks for CUPTI's teardown
+    env = {key: value for key, value in os.environ.items() if key != "TEARDOWN_CUPTI"}
     done = forked.run([ROOT / "scripts" / "gpu_check.py", "--dry-run", "--device-budget-s",
-                       "1800", "--out", out, "--doc", doc], cwd=folder, timeout=900)
+                       "1800", "--out", out, "--doc", doc], cwd=folder, env=env, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return json.loads(out.read_text()), doc.read_text(), done.stdout
 
@@ -238,6 +240,7 @@ def test_dry_run_writes_the_page_and_prints_the_table(dry_run):
     for name in common.MODELS:
         assert f"### (c, d) Training: {name}" in page
     assert page.count("Drift: no optimisation's step took ") == len(common.MODELS)
+    assert page.count("CUPTI is torn down after each trace") == len(common.MODELS)
     assert stdout.rstrip().splitlines()[-1].startswith("gpu_check: done in")
     assert report.summary_table(results) in stdout
 
@@ -362,6 +365,39 @@ def test_overhead_splits_adaccs_all_retain_step_into_runs(tmp_path, monkeypatch)
         "| 230.0 | p, 0 |", ""]
     assert (gpu_check.estimate_s("training:gpt-345m", False, ["auto", "overhead"])
             > gpu_check.estimate_s("training:gpt-345m", False, ["auto"]))
+
+
+def test_a_runs_step_median_leaves_out_the_profilers_iterations(tmp_path, monkeypatch):
+    import dataclasses
+    import tempfile
+
+    import bench_common
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    sizes = dataclasses.replace(common.DRY, iters=12, warmup=3)
+    argvs = []
+
+    def fake_pretrain(argv, out, err):
+        argvs.append(argv)
+        traced = "--profile" in argv
+        start = int(argv[argv.index("--profile-step-start") + 1]) if traced else None
+        with open(argv[argv.index("--metrics-file") + 1], "w") as handle:
+            for iteration in range(1, 13):
+                # the profiler's warm-up, traced and trace-writing iterations are slow
+                slow = traced and iteration >= start - 1
+                step = 0.5 if slow else 0.100 + 0.001 * iteration
+                handle.write(json.dumps({"iteration": iteration, "step_time_s": step}) + "\n")
+        return 0
+
+    monkeypatch.setattr(bench_common, "pretrain_in_process", fake_pretrain)
+    runs = training.ModelRuns("gpt-345m", common.MODELS["gpt-345m"], torch.device("cpu"),
+                              sizes, common.Deadline(600), lambda report: None)
+    traced = runs._pretrain("none", common.NONE, 12, [], traced=True)
+    assert argvs[-1][argvs[-1].index("--profile-step-start") + 1] == "11"
+    assert traced["step_time_s"] == pytest.approx(0.1065)          # iterations 4 to 9
+    untraced = runs._pretrain("full", common.FULL, 12, [], traced=False)
+    assert "--profile" not in argvs[-1]
+    assert untraced["step_time_s"] == pytest.approx(0.1075)        # iterations 4 to 11
 
 
 def test_the_calibration_finds_the_matmul_efficiency_that_priced_the_runs():
