@@ -107,9 +107,9 @@ def test_on_a_gpu_the_forward_and_backward_peak_is_read_without_waiting(monkeypa
 
 
 def test_profile_traces_the_steps_megatron_lm_names(tmp_path):
-    """--profile-step-start 1 --profile-step-end 3: the steps after one iteration up to the
-    third, one trace for the rank (Megatron-LM writes it gzipped beside --tensorboard-dir, in
-    torch_profile/), after a warm-up step as Megatron-LM's schedule has."""
+    """--profile-step-start 1 --profile-step-end 3: iterations 1 and 2, one trace for the rank
+    (Megatron-LM writes it gzipped beside --tensorboard-dir, in torch_profile/), after the
+    warm-up step Megatron-LM's schedule has (before iteration 1: none here)."""
     train("--train-iters", "4", "--profile", "--use-pytorch-profiler", "--profile-step-start",
           "1", "--profile-step-end", "3", "--tensorboard-dir", str(tmp_path / "tb"))
     traces = list((tmp_path / "torch_profile").glob("rank-0*.json.gz"))
