@@ -252,6 +252,20 @@ def _dash(value) -> str:
     return "-" if value is None else str(value)
 
 
+def _trace_sentences(model: dict) -> str:
+    """What a model's step medians leave of the traces, as its results recorded it."""
+    if not model.get("profiler_iterations_left_out"):  # results from before 8be12cb
+        return "The last iteration but one is traced (and counted)."
+    sentences = ["A traced run's last three iterations are left out: the profiler's warm-up, "
+                 "the traced step and the trace's writing."]
+    if model.get("teardown_cupti"):
+        sentences.append("CUPTI is torn down after each trace (TEARDOWN_CUPTI=1), so no run "
+                         "pays for an earlier one's.")
+    else:
+        sentences.append("CUPTI stayed attached after each trace (TEARDOWN_CUPTI unset).")
+    return " ".join(sentences)
+
+
 def _training_lines(name: str, model: dict) -> list[str]:
     lines = [f"### (c, d) Training: {name}", ""]
     if "runs" not in model:
@@ -261,15 +275,8 @@ def _training_lines(name: str, model: dict) -> list[str]:
               f"{model['seq_length']}. Each run takes {model['iters']} iterations"
               + (f", Adacc's {model['auto_iters']} (its step watch's decisions)"
                  if model.get("auto_iters", model["iters"]) != model["iters"] else "")
-              + f". Its step is the median of those after {model['warmup']}"
-              + (". A traced run's last three are left out: the profiler's warm-up, the traced "
-                 "step and the trace's writing" if model.get("profiler_iterations_left_out")
-                 else ". The last but one is traced (and counted)")
-              + (". CUPTI is torn down after each trace (TEARDOWN_CUPTI=1), so no run pays for "
-                 "an earlier one's" if model.get("teardown_cupti")
-                 else ". CUPTI stayed attached after each trace (TEARDOWN_CUPTI unset)"
-                 if "teardown_cupti" in model else "")
-              + ".", "",
+              + f". Its step is the median of those after {model['warmup']}. "
+              + _trace_sentences(model), "",
               "Predicted step = no optimisation's measured step + what the model says the "
               "method's plan adds. `profiled` prices the plan from the auto runs' profile on "
               "this device. `analytic` prices it with "
