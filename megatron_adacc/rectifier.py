@@ -302,17 +302,20 @@ class Rectifier:
                  ) -> tuple[PlanSwap | None, str]:
         if new.plan.plan_id == current.plan.plan_id:
             return None, "the plan is still optimal"
-        # Both on the current costs: the step watch's re-timing may have changed times since
-        # the current plan was made, where refreshing moves payloads only.
-        current_s = added_time_s(self.costs, current)
-        gain = current_s - new.added_time_s
-        if below_capacity(current, self.costs):
-            # more outlier channels than it keeps exact: a raised capacity keeps them
-            return self._swap(current, new, "capacity", gain), ""
         try:
             layers = [planning.evaluate_layer(self.costs, decisions)
                       for decisions in current.layer_decisions]
         except ValueError:  # it compresses a site the guard now forbids
+            layers = None
+        # Both on the current costs (added_time_s): the step watch's re-timing may have changed
+        # times since the current plan was made, where refreshing moves payloads only.
+        current_s = (current.added_time_s if layers is None
+                     else sum(layer.time_s for layer in layers))
+        gain = current_s - new.added_time_s
+        if below_capacity(current, self.costs):
+            # more outlier channels than it keeps exact: a raised capacity keeps them
+            return self._swap(current, new, "capacity", gain), ""
+        if layers is None:
             return self._swap(current, new, "guard", gain), ""
         if planning.peak_bytes(self.costs, layers) > self.budget_bytes:
             return self._swap(current, new, "over budget", gain), ""
