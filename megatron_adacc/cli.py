@@ -290,21 +290,23 @@ def _adacc_flags(args: argparse.Namespace, flags: argparse.Namespace) -> tuple[s
         except ValueError as exc:
             raise UsageError(f"{flag}: {exc}") from None
 
-    def one_of(own_flag, mine, trainer_flag, theirs, same=lambda value: value):
-        if mine is not None and theirs is not None and same(mine) != same(theirs):
-            raise UsageError(f"{own_flag} {mine} and {trainer_flag} {theirs} disagree; "
-                             f"give one")
-        return mine if mine is not None else theirs
+    def disagree(own: str, trainers: str) -> UsageError:
+        return UsageError(f"{own} and {trainers} disagree; give one")
 
     mine = size("--memory-budget", args.memory_budget)
     theirs = size("--adacc-memory-budget", flags.adacc_memory_budget)
-    one_of("--memory-budget", args.memory_budget, "--adacc-memory-budget",
-           flags.adacc_memory_budget, parse_size)   # the texts, so a refusal quotes them
+    if mine is not None and theirs is not None and mine != theirs:
+        raise disagree(f"--memory-budget {args.memory_budget}",
+                       f"--adacc-memory-budget {flags.adacc_memory_budget}")
     budget = mine if mine is not None else theirs
-    args.profile_db = one_of("--profile-db", args.profile_db, "--adacc-profile-db",
-                             flags.adacc_profile_db, os.path.realpath)
+    if (args.profile_db is not None and flags.adacc_profile_db is not None
+            and os.path.realpath(args.profile_db) != os.path.realpath(flags.adacc_profile_db)):
+        raise disagree(f"--profile-db {args.profile_db}",
+                       f"--adacc-profile-db {flags.adacc_profile_db}")
+    if args.profile_db is None:
+        args.profile_db = flags.adacc_profile_db
     if args.allow_lossy_sources is False and flags.adacc_lossy_sources:
-        raise UsageError("--exact and --adacc-lossy-sources disagree; give one")
+        raise disagree("--exact", "--adacc-lossy-sources")
     args.allow_lossy_sources = bool(args.allow_lossy_sources or flags.adacc_lossy_sources)
     policy = flags.adacc_policy
     if policy not in policies.AUTO_POLICIES and policy != "none":
