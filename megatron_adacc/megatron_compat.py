@@ -444,21 +444,18 @@ def _local_l2_norm_reads_the_host(impl) -> bool:
     return False
 
 
-def _grad_norm_on_the_device() -> None:
-    # Without apex or Transformer Engine, clip_grads' norm is megatron's
-    # local_multi_tensor_l2_norm. It builds torch.tensor() from the list of every gradient's
-    # norm: on a GPU a copy to the host and a wait for the device per parameter, every step
-    # that clips. GPT-345M has 292 parameter tensors; the H200 counted 304 copies to the host
-    # a step under every method, Llama-1B 111 for its 99.
-    from megatron.core.optimizer import clip_grads
+def _norm_on_the_device(module: str, attribute: str) -> tuple:
+    """(patch, probe) of megatron's fallback norm at ``module.attribute``: ours, and whether
+    megatron's is there and reads the host."""
+    import importlib
 
-    clip_grads.l2_norm_impl = _l2_norm_on_the_device
+    def patch() -> None:
+        setattr(importlib.import_module(module), attribute, _l2_norm_on_the_device)
 
+    def probe() -> bool:
+        return _local_l2_norm_reads_the_host(getattr(importlib.import_module(module), attribute))
 
-def _grad_norm_read_on_the_host() -> bool:
-    from megatron.core.optimizer import clip_grads
-
-    return _local_l2_norm_reads_the_host(clip_grads.l2_norm_impl)
+    return patch, probe
 
 
 CPU_SHIMS = {
@@ -483,7 +480,13 @@ DEFECT_PATCHES = {
     "cached_causal_mask": (_cached_causal_mask, _causal_mask_uncached),
     "distributed_optimizer_with_torch_adam": (_distributed_optimizer_with_torch_adam,
                                               _torch_adam_in_use),
-    "grad_norm_on_the_device": (_grad_norm_on_the_device, _grad_norm_read_on_the_host),
+    # Without apex or Transformer Engine, clip_grads' norm is megatron's
+    # local_multi_tensor_l2_norm. It builds torch.tensor() from the list of every gradient's
+    # norm: on a GPU a copy to the host and a wait for the device per parameter, every step
+    # that clips. GPT-345M has 292 parameter tensors; the H200 counted 304 copies to the host
+    # a step under every method, Llama-1B 111 for its 99.
+    "grad_norm_on_the_device": _norm_on_the_device("megatron.core.optimizer.clip_grads",
+                                                   "l2_norm_impl"),
 }
 
 
@@ -758,20 +761,6 @@ def _rerun_checkpoint_ignores_save() -> bool:
     return "if should_checkpoint:\n            save_checkpoint_and_time(" in source
 
 
-def _params_norm_on_the_device() -> None:
-    # --log-params-norm: Megatron-LM's calc_params_l2_norm takes the same fallback norm as
-    # clip_grads (_grad_norm_on_the_device), one host read per parameter.
-    from megatron.training.utils import common_utils
-
-    common_utils.multi_tensor_l2norm = _l2_norm_on_the_device
-
-
-def _params_norm_read_on_the_host() -> bool:
-    from megatron.training.utils import common_utils
-
-    return _local_l2_norm_reads_the_host(common_utils.multi_tensor_l2norm)
-
-
 def _cpu_data_loader_seeds() -> None:
     # A DataLoader without a generator draws its workers' base seed from torch's global
     # generator whenever an iterator over it starts. On a host that generator is dropout's,
@@ -991,7 +980,10 @@ TRAINING_CPU_SHIMS = {"cpu_training_loop": _cpu_training_loop,
                       "cpu_jit_warmup_off_the_generator": _cpu_jit_warmup_off_the_generator}
 TRAINING_DEFECT_PATCHES = {
     "prebuilt_dataset_helpers": (_prebuilt_dataset_helpers, _dataset_helpers_without_makefile),
-    "params_norm_on_the_device": (_params_norm_on_the_device, _params_norm_read_on_the_host),
+    # --log-params-norm: Megatron-LM's calc_params_l2_norm takes the same fallback norm as
+    # clip_grads (grad_norm_on_the_device), one host read per parameter.
+    "params_norm_on_the_device": _norm_on_the_device("megatron.training.utils.common_utils",
+                                                     "multi_tensor_l2norm"),
     "rerun_checkpoint_only_with_save": (_rerun_checkpoint_only_with_save,
                                         _rerun_checkpoint_ignores_save),
     "gpt2_tokenizer_from_files": (_gpt2_tokenizer_from_files, _gpt2_tokenizer_reaches_the_hub),
