@@ -191,18 +191,39 @@ def parse(argv: Sequence[str], prog: str = "pretrain_gpt.py") -> argparse.Namesp
     return args
 
 
-def assertion_line(exc: Exception) -> str:
-    """One line for a Megatron-LM assertion: its message, else the assertion it failed."""
+def assertion_line(exc: Exception, quote_check: bool = True) -> str:
+    """One line for a Megatron-LM refusal: its message, and where it names no flag, the check.
+
+    Megatron-LM's messages can be terse ("expected sample-based training"); a check on ``args``
+    names the flags (``assert args.train_iters is None (arguments.py:1253)``). An assertion with
+    no message is quoted whatever it checks. ``quote_check=False`` keeps a message alone."""
     import traceback
 
-    if str(exc).strip():
-        return str(exc).strip().splitlines()[0]
+    message = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
     frames = traceback.extract_tb(exc.__traceback__)
-    if not frames:
-        return "Megatron-LM refused the flags"
+    if not isinstance(exc, AssertionError) or not frames or "--" in message:
+        return message or "Megatron-LM refused the flags"
     where = frames[-1]
-    return (f"Megatron-LM refused the flags: {where.line} "
-            f"({Path(where.filename).name}:{where.lineno})")
+    condition = _asserted(where.filename, where.lineno) or where.line or ""
+    condition = condition.removeprefix("assert ")
+    if not condition or (message and not (quote_check and re.search(r"\bargs\.", condition))):
+        return message or "Megatron-LM refused the flags"
+    check = f"assert {condition} ({Path(where.filename).name}:{where.lineno})"
+    return f"{message}: {check}" if message else f"Megatron-LM refused the flags: {check}"
+
+
+def _asserted(filename: str, lineno: int) -> str | None:
+    """The condition of the assert statement at ``filename:lineno``, whole; None if not found."""
+    import ast
+    import linecache
+
+    try:
+        tree = ast.parse("".join(linecache.getlines(filename)))
+    except (SyntaxError, ValueError):
+        return None
+    found = [node for node in ast.walk(tree) if isinstance(node, ast.Assert)
+             and node.lineno <= lineno <= (node.end_lineno or node.lineno)]
+    return ast.unparse(found[-1].test) if found else None
 
 
 def _check_profile(args: argparse.Namespace) -> None:
@@ -528,7 +549,7 @@ def _built_or_refused(original, *args, **kwargs):
         return original(*args, **kwargs)
     except (AssertionError, ValueError) as exc:
         # megatron-core's build_module adds the module it was building, once per level
-        raise ConfigError(re.sub(r"( when instantiating \w+)+$", "", assertion_line(exc))
+        raise ConfigError(re.sub(r"( when instantiating \w+)+", "", assertion_line(exc))
                           ) from None
 
 
@@ -646,7 +667,7 @@ def _flag_assertion(exc: AssertionError, args) -> ConfigError | None:
     frames = traceback.extract_tb(exc.__traceback__)
     if not frames or Path(frames[-1].filename).name != "optimizer_param_scheduler.py":
         return None
-    line = assertion_line(exc)
+    line = assertion_line(exc, quote_check=False)
     if frames[-1].name == "_check_and_set":  # loading a checkpoint of another schedule
         return ConfigError(f"--load {args.load}: {line}; add --override-opt_param-scheduler "
                            f"to train on the flags' schedule or "

@@ -86,11 +86,14 @@ def test_pipeline_stages_train_like_one_process_and_resume_bit_for_bit(start, tm
 
 
 @pytest.mark.parametrize("flags, world, message", [
-    (PP2, 1, "world size (1) is not divisible by total_model_size (total_model_size=2)"),
+    (PP2, 1, "world size (1) is not divisible by total_model_size (total_model_size=2): "
+              "assert args.world_size % total_model_size == 0 (arguments.py:430)"),
     ([*PP2, "--tensor-model-parallel-size", "2"], 2,
-     "world size (2) is not divisible by total_model_size (total_model_size=4)"),
+     "world size (2) is not divisible by total_model_size (total_model_size=4): "
+     "assert args.world_size % total_model_size == 0 (arguments.py:430)"),
     ([*PP2, "--num-layers", "3"], 2,
-     "Number of layers should be divisible by the pipeline-model-parallel size"),
+     "Number of layers should be divisible by the pipeline-model-parallel size: assert "
+     "num_layers % args.transformer_pipeline_model_parallel_size == 0 (arguments.py:963)"),
     # auto plans every stage; only the rectifier still re-plans one model.
     ([*PP2, "--adacc-policy", "auto", "--adacc-memory-budget", "1GiB", "--adacc-tracking",
       "backoff"], 2,

@@ -346,6 +346,9 @@ def _main(argv):
      "Megatron-LM refused the flags: assert args.min_lr <= args.lr (arguments.py:1320)"),
     (["--lr-warmup-iters", "3"], None, "Megatron-LM refused the flags: assert "
      "self.lr_warmup_steps < self.lr_decay_steps (optimizer_param_scheduler.py:160)"),
+    # a terse message gets the failed check, which names the flag
+    (["--train-samples", "16"], None, "expected iteration-based training: assert "
+     "args.train_samples is None (arguments.py:1239)"),
     (["--adacc-memory-budget", "1GiB"], None,
      "--adacc-memory-budget 1GiB has no effect with --adacc-policy none; drop it, or plan for "
      "it with --adacc-policy auto"),

@@ -588,4 +588,4 @@ def test_selective_recompute_with_a_method_is_refused_in_one_line(capsys):
     assert status == 2
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         "pretrain_gpt.py: error: recompute method is not yet supported for selective "
-        "recomputing granularity")
+        "recomputing granularity: assert args.recompute_method is None (arguments.py:1386)")
