@@ -752,5 +752,8 @@ def run(argv: Sequence[str], prog: str, pretrain: Callable[[argparse.Namespace],
             current = megatron_lm.session()
             if current is not None:
                 current.close()
+            # A later caller of Megatron-LM's loop in this process (or a test patching it)
+            # meets its own functions, not this run's wrappers around them.
+            megatron_lm.release(forget_session=False)
             teardown(owns_process_group)
     return 0

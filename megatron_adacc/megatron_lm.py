@@ -726,15 +726,16 @@ def install(model_cfg, args: argparse.Namespace) -> Session:
     return current
 
 
-def release() -> None:
-    """Forget the last run, so its model, optimizer and Adacc session can be freed.
+def release(forget_session: bool = True) -> None:
+    """Give Megatron-LM's loop its own functions back, and forget the last run.
 
-    Megatron-LM's loop gets its own functions back. A process that trains again needs this, e.g.
-    a benchmark."""
+    Forgetting lets its model, optimizer and Adacc session be freed; a process that trains again
+    needs that, e.g. a benchmark. ``forget_session=False`` keeps ``session()`` for its readers."""
     global _session
     from megatron.training import training
 
     for name in _WRAPPED:
         function = getattr(training, name)
         setattr(training, name, getattr(function, "__wrapped_by_adacc__", function))
-    _session = None
+    if forget_session:
+        _session = None

@@ -221,3 +221,15 @@ def test_release_frees_the_last_runs_model_for_the_next_run_in_the_process():
     assert model() is None
     assert megatron_lm.session() is None
     assert not hasattr(training.train_step, "__wrapped_by_adacc__")
+
+
+def test_a_run_gives_megatron_lms_loop_its_own_functions_back():
+    # A later caller of Megatron-LM's loop in the process met the last run's wrappers: a test
+    # that patched train_step after another run called into that run's finished session
+    # ("Adacc.measure(): call setup() first").
+    from megatron.training import training
+
+    own = {name: getattr(training, name) for name in megatron_lm._WRAPPED}
+    session = pretrain("--train-iters", "1", "--adacc-policy", "full-recompute")
+    assert {name: getattr(training, name) for name in megatron_lm._WRAPPED} == own
+    assert megatron_lm.session() is session and len(session.records) == 1
