@@ -27,6 +27,7 @@ import argparse
 import contextlib
 import io
 import json
+import logging
 import os
 import sys
 from typing import Any, Sequence
@@ -180,8 +181,15 @@ def trainer_costs(argv: Sequence[str], budget: int | None = None) -> ModelCosts:
              "--adacc-tracking", "off",
              "--adacc-memory-budget", str(_NO_LIMIT if budget is None else budget)]
     chatter, errors = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(chatter), contextlib.redirect_stderr(errors):
-        status = pretrain_gpt.main(probe)
+    # Megatron-LM's loggers write to the stream their handler took when it was made, which
+    # redirecting sys.stderr does not reach: some hundred lines would come before the table.
+    silenced = logging.root.manager.disable
+    logging.disable(logging.CRITICAL)
+    try:
+        with contextlib.redirect_stdout(chatter), contextlib.redirect_stderr(errors):
+            status = pretrain_gpt.main(probe)
+    finally:
+        logging.disable(silenced)
     if status != 0:
         lines = [line for line in errors.getvalue().splitlines() if line.strip()]
         message = lines[-1] if lines else f"pretrain_gpt.py exited {status}"

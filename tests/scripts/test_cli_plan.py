@@ -35,6 +35,18 @@ def test_a_plan_prints_nothing_on_stderr():
     assert done.stderr == ""
 
 
+def test_a_profiled_plan_prints_the_table_alone(tmp_path):
+    # The profile is one iteration of pretrain_gpt.py in this process: Megatron-LM's log lines
+    # (its datasets, buffers, optimizer: about a hundred) came before the table.
+    done = subprocess.run([sys.executable, "-m", "megatron_adacc.cli", "plan", "--config",
+                           str(ROOT / "configs" / "tiny-cpu.yaml"), "--num-layers", "1",
+                           "--memory-budget", "1GiB", "--profile-db",
+                           str(tmp_path / "p.sqlite")],
+                          capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert done.returncode == 0 and done.stderr == ""
+    assert done.stdout.startswith("site ") and "megatron" not in done.stdout
+
+
 def test_json(capsys, tmp_path):
     config = tmp_path / "model.yaml"
     config.write_text("num-layers: 4\nhidden-size: 256\nnum-attention-heads: 4\n"
