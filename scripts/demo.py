@@ -11,9 +11,11 @@ action was chosen where it was; then pretrain_gpt.py trains.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from pathlib import Path
+from unittest import mock
 
 from megatron_adacc.common.sites import ACTIONS, COMPRESS, RETAIN
 from megatron_adacc.common.units import format_size
@@ -90,6 +92,19 @@ def reasons(costs, result, budget: int, low: int, high: int) -> list[str]:
     return lines
 
 
+@contextlib.contextmanager
+def arguments_in_one_line():
+    """Megatron-LM's dump of its arguments (a line each) as one line: the plan stays in view."""
+    from megatron.training import arguments
+
+    def summary(title: str, args) -> None:
+        print(f"Megatron-LM's {len(vars(args))} {title} are not listed here; pretrain_gpt.py "
+              f"with the same flags lists them", flush=True)
+
+    with mock.patch.object(arguments, "_print_args", summary):
+        yield
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--config" not in argv:
@@ -108,8 +123,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     for line in reasons(costs, result, budget, low, high):
         print(line, flush=True)
-    return pretrain_gpt.main([*argv, "--adacc-policy", "auto", "--adacc-memory-budget",
-                              str(budget)])
+    with arguments_in_one_line():
+        return pretrain_gpt.main([*argv, "--adacc-policy", "auto", "--adacc-memory-budget",
+                                  str(budget)])
 
 
 if __name__ == "__main__":
