@@ -631,6 +631,18 @@ def _cpu_training_loop() -> None:
     initialize.torch = _TrainingTorch(device_count=lambda: 1)
     training.initialize_megatron = functools.partial(initialize.initialize_megatron,
                                                      allow_no_cuda=True)
+    # report_memory prints the CUDA allocator's statistics, which read 0.00 MB here: say that
+    # a host has none rather than that the run held nothing.
+    from megatron.core import parallel_state
+    from megatron.training.utils import common_utils
+
+    @functools.wraps(common_utils.report_memory)
+    def report_memory(name, process_group=None):
+        if parallel_state.get_data_parallel_rank() == 0:
+            print(f"[Rank {torch.distributed.get_rank()}] {name} memory: no GPU, so no "
+                  f"allocator statistics", flush=True)
+
+    training.report_memory = common_utils.report_memory = report_memory
 
 
 def _prebuilt_dataset_helpers() -> None:

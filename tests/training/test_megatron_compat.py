@@ -414,6 +414,24 @@ def test_the_jit_warmup_still_draws_random_tensors_before_the_model_is_built():
     assert pretrain.index("set_jit_fusion_options(") < pretrain.index("setup_model_and_optimizer(")
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU shim")
+def test_a_host_run_reports_no_allocator_where_megatron_would_report_zeros(capsys):
+    """cpu_training_loop's memory report: Megatron-LM's reads the CUDA allocator, which a host
+    does not have (0.00 MB everywhere). When megatron stops reading it there, drop the report."""
+    import inspect
+
+    from megatron.training.utils import common_utils
+
+    from helpers.pretrain import pretrain
+
+    pretrain("--train-iters", "1", "--log-interval", "1")
+    out = capsys.readouterr().out
+    megatron = inspect.getsource(common_utils.report_memory.__wrapped__)
+    assert "torch.cuda.memory_allocated()" in megatron
+    assert "[Rank 0] (after 1 iterations) memory: no GPU, so no allocator statistics\n" in out
+    assert "allocated: 0.00" not in out
+
+
 def test_a_rerun_checkpoint_is_still_asked_for_without_save():
     """Why rerun_checkpoint_only_with_save exists: when this fails, train() checks --save
     before the rerun state machine's checkpoint; delete the patch."""
