@@ -136,7 +136,8 @@ class AdaccConfig:
         budget = self.budget_bytes  # a malformed size fails here, not at setup
         if budget is not None and budget <= 0:
             raise ValueError(f"AdaccConfig.memory_budget (--adacc-memory-budget) "
-                             f"{self.memory_budget}: expected a positive size")
+                             f"{self.memory_budget}: expected a positive size, e.g. 24GiB "
+                             f"(a bare number is bytes)")
 
     def _check_types(self) -> None:
         """TypeError naming the field and what it takes, before any value is compared.

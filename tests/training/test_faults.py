@@ -349,6 +349,10 @@ def _main(argv):
     # a terse message gets the failed check, which names the flag
     (["--train-samples", "16"], None, "expected iteration-based training: assert "
      "args.train_samples is None (arguments.py:1239)"),
+    # half a byte: a fraction of some memory, meant or not, is no budget
+    (["--adacc-policy", "auto", "--adacc-memory-budget", "0.5"], None,
+     "AdaccConfig.memory_budget (--adacc-memory-budget) 0.5: expected a positive size, e.g. "
+     "24GiB (a bare number is bytes)"),
     (["--adacc-memory-budget", "1GiB"], None,
      "--adacc-memory-budget 1GiB has no effect with --adacc-policy none; drop it, or plan for "
      "it with --adacc-policy auto"),

@@ -393,7 +393,8 @@ def test_a_bad_plan_file_is_refused_when_read_naming_file_and_site(tmp_path, cap
 
 @pytest.mark.parametrize("options, error, message", [
     ({"policy": "auto", "memory_budget": -5}, ValueError,
-     "AdaccConfig.memory_budget (--adacc-memory-budget) -5: expected a positive size"),
+     "AdaccConfig.memory_budget (--adacc-memory-budget) -5: expected a positive size, e.g. "
+     "24GiB (a bare number is bytes)"),
     ({"policy": "auto", "memory_budget": 2.5}, TypeError,
      "AdaccConfig.memory_budget (--adacc-memory-budget) takes a number of bytes (int), a size "
      "such as '2GiB', or None, got 2.5"),
