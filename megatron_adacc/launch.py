@@ -172,6 +172,7 @@ def parse(argv: Sequence[str], prog: str = "pretrain_gpt.py") -> argparse.Namesp
         validate_args(args, {} if args.tokenizer_type else {"tokenizer_type": "GPT2BPETokenizer"})
     except (AssertionError, ValueError) as exc:  # e.g. --fp4-format without its kernels
         raise ConfigError(assertion_line(exc)) from None
+    _check_transformer_engine(args)
     _check_tokenizer_files(args)
     megatron_compat.eval_interval_default(args)
     if args.wandb_project and not (args.wandb_save_dir or args.save):
@@ -246,6 +247,21 @@ def _check_profile(args: argparse.Namespace) -> None:
     if outside:
         raise ConfigError(f"--profile-ranks {' '.join(map(str, outside))}: no such rank in a "
                           f"world of {world_size}")
+
+
+def _check_transformer_engine(args: argparse.Namespace) -> None:
+    """ConfigError when the layers would be Transformer Engine's and it is not installed.
+
+    megatron-core builds its layer spec with None for every class it lacks, and the first layer
+    dies in a TypeError. After validate_args, so that the flags' own faults come first."""
+    import importlib.util
+
+    if (args.transformer_impl == "transformer_engine" and args.spec is None
+            and importlib.util.find_spec("transformer_engine") is None):
+        raise ConfigError("--transformer-impl transformer_engine (Megatron-LM's default) needs "
+                          "the transformer-engine package, which is not installed; add "
+                          "--transformer-impl local (megatron-core's own layers), or pip "
+                          "install transformer-engine")
 
 
 def _check_tokenizer_files(args: argparse.Namespace) -> None:

@@ -248,6 +248,13 @@ def test_an_asynchronous_save_from_a_persistent_worker_is_refused_without_a_gpu(
                  "which is not installed (pip install nvidia-resiliency-ext)",
                  marks=pytest.mark.skipif(importlib.util.find_spec("nvidia_resiliency_ext")
                                           is not None, reason="installed")),
+    # Megatron-LM's default layers: their spec held None for each missing class
+    pytest.param(["--transformer-impl", "transformer_engine"],
+                 "--transformer-impl transformer_engine (Megatron-LM's default) needs the "
+                 "transformer-engine package, which is not installed; add --transformer-impl "
+                 "local (megatron-core's own layers), or pip install transformer-engine",
+                 marks=pytest.mark.skipif(importlib.util.find_spec("transformer_engine")
+                                          is not None, reason="installed")),
     # megatron-core asserts these only while it builds the layers
     (["--num-experts", "2", "--disable-bias-linear", "--moe-token-dispatcher-type", "flex"],
      "DeepEP dispatcher requires TPxEP > 1"),
