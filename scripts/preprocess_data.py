@@ -11,6 +11,8 @@
   with no tokenizer files and no network.
 - Any of Megatron-LM's tokenizer types is built by megatron-core from Megatron-LM's flags
   (--vocab-file, --merge-file, --tokenizer-model), as pretrain_gpt.py builds it.
+- Every document ends in the end-of-document token. A command line of Megatron-LM's own
+  tools/preprocess_data.py keeps working: --append-eod and --workers are accepted.
 """
 from __future__ import annotations
 
@@ -44,6 +46,13 @@ class _MegatronTokenizer:
         return list(self._tokenizer.tokenize(text))
 
 
+def _positive(text: str) -> int:
+    number = int(text)
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return number
+
+
 def _training_flags(args: argparse.Namespace) -> str:
     """The tokenizer flags pretrain_gpt.py reads the dataset with."""
     if args.tokenizer_type == BYTES:
@@ -72,6 +81,10 @@ def main(argv=None) -> int:
     parser.add_argument("--merge-file", default=None)
     parser.add_argument("--tokenizer-model", default=None)
     parser.add_argument("--vocab-size", type=int, default=None)
+    parser.add_argument("--append-eod", action="store_true",
+                        help="Megatron-LM's flag; here every document ends in end-of-document")
+    parser.add_argument("--workers", type=_positive, default=1,
+                        help="Megatron-LM's flag; this tool tokenises in one process")
     args = parser.parse_args(argv)
     try:
         tokenizer = (ByteTokenizer() if args.tokenizer_type == BYTES

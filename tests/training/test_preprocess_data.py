@@ -22,7 +22,9 @@ def test_bytes_round_trip_and_train(tmp_path, capsys):
     source = tmp_path / "docs.jsonl"
     source.write_text("\n".join(json.dumps({"text": d}) for d in docs))
     prefix = tmp_path / "out"
-    assert _preprocess().main(["--input", str(source), "--output-prefix", str(prefix)]) == 0
+    # with two flags of Megatron-LM's own tool, as a command line copied from it has them
+    assert _preprocess().main(["--input", str(source), "--output-prefix", str(prefix),
+                               "--append-eod", "--workers", "4"]) == 0
     printed = capsys.readouterr().out
     dataset = IndexedDataset(f"{prefix}_text_document")
     assert [bytes(dataset[i].tolist()[:-1]).decode() for i in range(len(dataset))] == docs
