@@ -631,9 +631,13 @@ def _cpu_training_loop() -> None:
     initialize.torch = _TrainingTorch(device_count=lambda: 1)
     training.initialize_megatron = functools.partial(initialize.initialize_megatron,
                                                      allow_no_cuda=True)
+
+
+def _cpu_memory_report() -> None:
     # report_memory prints the CUDA allocator's statistics, which read 0.00 MB here: say that
     # a host has none rather than that the run held nothing.
     from megatron.core import parallel_state
+    from megatron.training import training
     from megatron.training.utils import common_utils
 
     @functools.wraps(common_utils.report_memory)
@@ -987,6 +991,7 @@ def _field_docstrings_read_each_build() -> bool:
 
 
 TRAINING_CPU_SHIMS = {"cpu_training_loop": _cpu_training_loop,
+                      "cpu_memory_report": _cpu_memory_report,
                       "cpu_eager_fusions": _cpu_eager_fusions,
                       "cpu_data_loader_seeds": _cpu_data_loader_seeds,
                       "cpu_jit_warmup_off_the_generator": _cpu_jit_warmup_off_the_generator}

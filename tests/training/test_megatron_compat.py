@@ -416,13 +416,14 @@ def test_the_jit_warmup_still_draws_random_tensors_before_the_model_is_built():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU shim")
 def test_a_host_run_reports_no_allocator_where_megatron_would_report_zeros(capsys):
-    """cpu_training_loop's memory report: Megatron-LM's reads the CUDA allocator, which a host
+    """cpu_memory_report: Megatron-LM's report reads the CUDA allocator, which a host
     does not have (0.00 MB everywhere). When megatron stops reading it there, drop the report."""
     import inspect
 
     from megatron.training.utils import common_utils
 
     from helpers.pretrain import pretrain
+    from megatron_adacc import megatron_compat
 
     pretrain("--train-iters", "1", "--log-interval", "1")
     out = capsys.readouterr().out
@@ -430,6 +431,7 @@ def test_a_host_run_reports_no_allocator_where_megatron_would_report_zeros(capsy
     assert "torch.cuda.memory_allocated()" in megatron
     assert "[Rank 0] (after 1 iterations) memory: no GPU, so no allocator statistics\n" in out
     assert "allocated: 0.00" not in out
+    assert "cpu_memory_report" in megatron_compat.applied_patches()
 
 
 def test_a_rerun_checkpoint_is_still_asked_for_without_save():
