@@ -22,10 +22,12 @@ def _upper_layers_plan(directory, name: str, whole_model_plan: Plan) -> str:
 # Four layers (one per stage at PP=4), 4 micro-batches of 2 per step (2 per rank at DP=2),
 # no dropout (stages draw from different generators). Megatron pads the vocabulary to a
 # multiple of divisible-by x TP; 256 keeps it equal. The schedule is the checkpoint's, made
-# for ITERS iterations.
+# for ITERS iterations. No gradient clipping: its norm sums each stage's squares, then the
+# stages', another order than one process's sum, and a rounding apart on some CPUs (AVX2).
 COMMON = ["--num-layers", "4", "--global-batch-size", "8", "--hidden-dropout", "0",
           "--attention-dropout", "0", "--make-vocab-size-divisible-by", "256",
-          "--lr-decay-iters", str(ITERS), "--use-checkpoint-opt_param-scheduler"]
+          "--lr-decay-iters", str(ITERS), "--use-checkpoint-opt_param-scheduler",
+          "--clip-grad", "0"]
 PP2 = ["--pipeline-model-parallel-size", "2"]
 
 
