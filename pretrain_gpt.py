@@ -112,10 +112,40 @@ def forward_step(data_iterator, model):
         mask = loss_mask.view(-1).float()
         loss = torch.sum(losses * mask)
         num_tokens = mask.sum().clone().detach().to(torch.int)
+        _validate(loss)
         return loss, num_tokens, {"lm loss": torch.cat([loss.detach().view(1),
                                                         num_tokens.view(1)])}
 
     return output, loss_func
+
+
+# Megatron-LM's pretrain_gpt.py: a loss this many times the largest seen so far is spiky.
+SPIKY_LOSS_FACTOR = 10
+
+
+def _validate(loss) -> None:
+    """This rank's loss through Megatron-LM's result checks, as its own pretrain_gpt.py does.
+
+    So ``--check-for-nan-in-loss-and-grad`` checks the loss before the data-parallel all-reduce,
+    ``--check-for-spiky-loss`` the spikes, and ``--rerun-mode`` reruns what they reject."""
+    import functools
+
+    import torch
+    from megatron.core.rerun_state_machine import get_rerun_state_machine
+    from megatron.training import get_args
+
+    args, machine = get_args(), get_rerun_state_machine()
+    checks = []
+    if args.check_for_nan_in_loss_and_grad:
+        checks += [(torch.isnan, "found NaN in local forward loss calculation", True),
+                   (torch.isinf, "found Inf in local forward loss calculation", True)]
+    if args.check_for_spiky_loss:
+        checks.append((functools.partial(machine.is_unexpectedly_large,
+                                         threshold=SPIKY_LOSS_FACTOR, context="loss"),
+                       "Spiky loss", False))
+    for rejects, message, fatal in checks:  # the forward pass is deterministic: no tolerance
+        machine.validate_result(result=loss, rejection_func=rejects, message=message,
+                                tolerance=0.0, fatal=fatal)
 
 
 def get_batch(data_iterator) -> dict:

@@ -23,6 +23,7 @@ import argparse
 import contextlib
 import functools
 import json
+import logging
 import math
 import time
 from pathlib import Path
@@ -366,7 +367,7 @@ class Session:
         from megatron_adacc.planning import InfeasibleBudget
 
         try:
-            with _no_sync(ddp_models):
+            with _throwaway_passes(ddp_models):
                 self.adacc.setup(self.model, batch_tuple(self.step_batch, self.model),
                                  loss_fn, num_micro_batches=get_num_microbatches(),
                                  static_bytes=static, optimizer_step_bytes=step)
@@ -501,7 +502,7 @@ class Session:
                     self.step_batch = self._shared_batch()
                 return batch_tuple(self.step_batch, self.model)
 
-            with _no_sync(model):  # the rectifier's samples run backward too
+            with _throwaway_passes(model):  # the rectifier's samples run backward too
                 record.update(self.adacc.after_step(iteration, step_batch))
         if self.val_loss is not None:
             record["val_loss"], self.val_loss = self.val_loss, None
@@ -677,12 +678,34 @@ def _json_safe(value):
 
 
 @contextlib.contextmanager
-def _no_sync(ddp_models):
-    """Gradients of throwaway backward passes stay in the buffers the next step clears."""
+def _throwaway_passes(ddp_models):
+    """Adacc's own passes (profile, samples, re-timing) within it leave the loop's state alone.
+
+    - Their gradients stay in the buffers the next step clears.
+    - A forward step's loss checks (Megatron-LM's ``validate_result``) pass: the rerun state
+      machine asserts them outside the loop's forward-backward pass, and the step that follows
+      checks its own loss.
+    - Megatron-LM's forward step runs the model under a StragglerDetector, which logs a
+      traceback for every exception passing through; the profiler ends a pass past the layer it
+      measures with one."""
+    from megatron.core.rerun_state_machine import get_rerun_state_machine
+
+    from megatron_adacc.profiling.profiler import MeasuredLayerDone
+
+    machine = get_rerun_state_machine()
+    straggler_log = logging.getLogger("megatron.core.utils")
+
+    def not_a_pass_cut_short(record: logging.LogRecord) -> bool:
+        return MeasuredLayerDone.__name__ not in record.getMessage()
+
     with contextlib.ExitStack() as stack:
         for chunk in ddp_models if isinstance(ddp_models, list) else [ddp_models]:
             if hasattr(chunk, "no_sync"):
                 stack.enter_context(chunk.no_sync())
+        machine.validate_result = lambda *args, **kwargs: None
+        stack.callback(vars(machine).pop, "validate_result", None)
+        straggler_log.addFilter(not_a_pass_cut_short)
+        stack.callback(straggler_log.removeFilter, not_a_pass_cut_short)
         yield
 
 

@@ -258,7 +258,7 @@ class _OutlierCounter:
         return self.codec.decode(payload)
 
 
-class _MeasuredLayerDone(Exception):
+class MeasuredLayerDone(Exception):
     """Ends a forward-only profiling step after the measured layer."""
 
 
@@ -314,12 +314,12 @@ class _Profiling:
         def done(module, args, output):
             # Read the ruler now: unwinding the forward frees what this layer saved.
             ruler.forward_done()
-            raise _MeasuredLayerDone
+            raise MeasuredLayerDone
 
         handle = self.layer.register_forward_hook(done)
         try:
             self.loss_fn(self.model, self.batch)
-        except _MeasuredLayerDone:
+        except MeasuredLayerDone:
             pass
         finally:
             handle.remove()

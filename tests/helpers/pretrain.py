@@ -81,7 +81,9 @@ def run(script, *flags, cwd, timeout=300, nproc=None):
         done = forked.torchrun(nproc, [script, *flags], cwd=cwd, env=env, timeout=timeout)
     else:
         done = forked.run([script, *flags], cwd=cwd, env=env, timeout=timeout)
-    assert "Traceback" not in done.stderr, done.stderr[-3000:]
+    # Megatron-LM logs to stdout: a traceback it logs is no better than one on stderr
+    for output in (done.stderr, done.stdout):
+        assert "Traceback" not in output, output[-3000:]
     lines = [line for line in done.stderr.splitlines() if line.strip()]
     return done.returncode, (lines[-1] if lines else ""), done.stderr
 
