@@ -990,6 +990,25 @@ def _field_docstrings_read_each_build() -> bool:
     return "inspect.getsource(" in inspect.getsource(getattr(read, "__wrapped__", read))
 
 
+def _report_stats_rerun_mode() -> None:
+    # --rerun-mode offers report_stats, and initialize_megatron looks it up as a RerunMode, whose
+    # value for it is report_determinism_stats: the documented choice dies in a ValueError.
+    from megatron.core.rerun_state_machine import RerunMode
+
+    RerunMode._missing_ = classmethod(
+        lambda cls, value: cls.REPORT_DETERMINISM_STATS if value == "report_stats" else None)
+
+
+def _report_stats_not_a_rerun_mode() -> bool:
+    import typing
+
+    from megatron.core.rerun_state_machine import RerunMode
+    from megatron.training.config.resilience_config import RerunStateMachineConfig
+
+    offered = typing.get_args(RerunStateMachineConfig.__annotations__["rerun_mode"])
+    return "report_stats" in offered and "report_stats" not in {mode.value for mode in RerunMode}
+
+
 TRAINING_CPU_SHIMS = {"cpu_training_loop": _cpu_training_loop,
                       "cpu_memory_report": _cpu_memory_report,
                       "cpu_eager_fusions": _cpu_eager_fusions,
@@ -1009,6 +1028,7 @@ TRAINING_DEFECT_PATCHES = {
     "legacy_distributed_optimizer_keeps_ckpt_step": (
         _legacy_distributed_optimizer_keeps_ckpt_step,
         _legacy_distributed_optimizer_rereads_the_tracker),
+    "report_stats_rerun_mode": (_report_stats_rerun_mode, _report_stats_not_a_rerun_mode),
     # Before help_with_literal_percent, whose check builds a parser.
     "field_docstrings_read_once": (_field_docstrings_read_once,
                                    _field_docstrings_read_each_build),

@@ -72,6 +72,23 @@ def test_a_diverged_run_without_save_saves_nothing(tmp_path, corpus, capsys):
                         r"the last checkpoint\)", last), last
 
 
+def test_each_loss_goes_through_megatron_lms_result_checks(tmp_path, corpus):
+    # --rerun-mode report_stats runs every step twice and reports, per validate_result call, how
+    # the two results differ: so the loss function's calls show, as in Megatron-LM's script.
+    # Under auto the profile's passes run the same forward step outside the loop's step.
+    from helpers import forked
+
+    done = forked.run([PRETRAIN, *TINY, *data_flags(corpus), "--train-iters", "2",
+                       "--rerun-mode", "report_stats", "--adacc-policy", "auto",
+                       "--adacc-memory-budget", "1GiB"], cwd=tmp_path, env=child_env())
+    assert done.returncode == 0, done.stderr[-3000:]
+    for output in (done.stdout, done.stderr):
+        assert "Traceback" not in output, output[-3000:]
+    for check in ("NaN", "Inf"):
+        assert f"From validation call 'found {check} in local forward loss calculation'" in (
+            done.stdout)
+
+
 def test_metrics_files_are_strict_json():
     from megatron_adacc.megatron_lm import _json_safe
 

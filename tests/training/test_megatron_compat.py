@@ -477,6 +477,26 @@ def test_a_help_text_of_megatron_lm_still_breaks_help():
         parser.format_help()
 
 
+def test_megatron_lm_still_offers_a_rerun_mode_that_is_no_rerun_mode():
+    """Why report_stats_rerun_mode exists: when this fails, --rerun-mode report_stats is a
+    RerunMode, or no longer offered; delete the patch."""
+    from megatron_adacc import megatron_compat
+
+    assert megatron_compat._report_stats_not_a_rerun_mode()
+
+
+def test_report_stats_is_megatron_lms_determinism_report():
+    from megatron.core.rerun_state_machine import RerunMode
+
+    from megatron_adacc import megatron_compat
+
+    megatron_compat.apply_training()
+    assert RerunMode("report_stats") is RerunMode.REPORT_DETERMINISM_STATS
+    assert RerunMode("validate_results") is RerunMode.VALIDATE_RESULTS
+    with pytest.raises(ValueError, match="'reprot_stats' is not a valid RerunMode"):
+        RerunMode("reprot_stats")
+
+
 def test_megatron_lm_still_reads_its_config_sources_at_every_parser_build():
     """Why field_docstrings_read_once exists: when this fails, Megatron-LM reads its config
     classes' docstrings once, or not from source; delete the patch."""
