@@ -113,7 +113,8 @@ What the next lease should measure first, in this order:
    remains: Adacc's layer under a fixed all-retain plan (no profile), and auto with
    tracking off. Also: whether Adacc takes the tightest budget, which its optimizer-step
    term refused (`fd25aaa`), and the traces' copies to the host falling from 304 a step to
-   about 12 (`megatron_compat`'s grad_norm_on_the_device).
+   about 12 (`megatron_compat`'s grad_norm_on_the_device), plus two a micro-batch from the
+   second step on: the loss checks Megatron-LM's script makes too (`f01654f`).
 2. `--sections training --models llama-1b --methods auto`: whether the profile's warm-up
    correction (`8a0c1f3`) makes the first plan fit, and what a step-watch re-timing costs
    now that it times only the plan's codecs (`0703871`; metrics' `step_watch.time_s`).
