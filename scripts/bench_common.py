@@ -343,6 +343,11 @@ def pretrain_in_process(argv: list[str], out, err) -> int:
 
     from megatron_adacc import megatron_lm
 
+    if not gc.get_freeze_count():
+        # The imports' half a million objects live as long as the process. Frozen, the
+        # collections after and during each run walk the runs' objects only (0.5 s less each).
+        gc.collect()
+        gc.freeze()
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             return pretrain_gpt.main(argv)

@@ -6,6 +6,7 @@ exit status, with none of this test process's state. It differs from ``python sc
 two ways. Modules are imported before the environment is set, so a script that reads a
 variable at import time needs ``subprocess``. And atexit handlers do not run.
 """
+import gc
 import io
 import multiprocessing
 import multiprocessing.connection
@@ -38,6 +39,8 @@ def _server():
 
 def _child(argv: list[str], cwd: str, env: dict, out: str, err: str) -> None:
     """Runs in the forked process: ``python *argv`` as the interpreter would."""
+    # The preloaded modules' objects outlive the script: frozen, its collections skip them.
+    gc.freeze()
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update(env)
