@@ -24,6 +24,11 @@ from megatron_adacc.planning.model import (LayerPolicy, SiteOption, decoded_sets
 from megatron_adacc.common.sites import COMPRESS, RECOMPUTE, VIEW_PAYLOADS
 
 
+# pareto_indices' block of rows checked against each other, and which row precedes which in it
+_BLOCK = 256
+_EARLIER = np.tri(_BLOCK, k=-1, dtype=bool)
+
+
 def pareto_indices(points: np.ndarray) -> np.ndarray:
     """Indices of the rows of ``points`` (time, stored, transient) that no other row dominates.
 
@@ -32,20 +37,25 @@ def pareto_indices(points: np.ndarray) -> np.ndarray:
     checked in blocks: against each other, and against the staircase of (stored, transient)
     minima of all earlier blocks, with one binary search per row. So the cost stays near n log n,
     not n^2."""
+    if len(points) < 2:
+        return np.arange(len(points))
     order = np.lexsort((points[:, 2], points[:, 1], points[:, 0]))
     stored, transient = points[order, 1], points[order, 2]
-    if len(order) and (transient == transient[0]).all():
+    if (transient == transient[0]).all():
         # One transient (typically all clipped to the floor): a row is dominated iff an
         # earlier row stores no more, i.e. iff it does not store strictly less than all
         # earlier rows.
         least_before = np.minimum.accumulate(np.concatenate([[np.inf], stored[:-1]]))
         return order[stored < least_before]
+    if len(order) <= _BLOCK:  # most calls: one block, no staircase
+        earlier = _EARLIER[:len(order), :len(order)]
+        return order[~((stored[None, :] <= stored[:, None])
+                       & (transient[None, :] <= transient[:, None]) & earlier).any(axis=1)]
     dominated = np.zeros(len(order), dtype=bool)
     # The staircase: stored ascending, transient strictly descending; the least transient of
     # any earlier row storing at most s is that of the last step at or below s.
     stair_stored, stair_transient = np.empty(0), np.empty(0)
-    block = 256
-    earlier = np.tri(block, k=-1, dtype=bool)
+    block, earlier = _BLOCK, _EARLIER
     for start in range(0, len(order), block):
         end = min(start + block, len(order))
         s, t = stored[start:end], transient[start:end]
