@@ -5,7 +5,8 @@
     python scripts/gpu_check.py --dry-run      # tiny shapes on the CPU, every section
     python scripts/gpu_check.py --render RESULTS.json --doc docs/gpu.md
 
-Each section runs in a child process, so a crashed CUDA context loses one section only:
+Each section runs in a child process (forked in a dry run), so a crashed CUDA context loses one
+section only:
 - codecs (a): payloads and decoded tensors byte-identical to the PyTorch reference. Each codec's
   round trip of one large bf16 activation is timed against a copy: by CUDA events around a loop of
   calls (``time_calls``), and by CUDA graph replay where capture works.
@@ -223,7 +224,8 @@ def run_child(args, section: str, seconds: float, progress) -> tuple[dict | None
         command += ["--methods", *args.methods]
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)
-        child = subprocess.Popen(command, cwd=ROOT, env=env, start_new_session=True)
+        child = (_Forked(command[2:], env) if args.dry_run
+                 else subprocess.Popen(command, cwd=ROOT, env=env, start_new_session=True))
         ended = None
         deadline = time.monotonic() + seconds + CHILD_GRACE_S
         while child.poll() is None:
@@ -237,6 +239,54 @@ def run_child(args, section: str, seconds: float, progress) -> tuple[dict | None
         if ended is None and child.returncode != 0:
             ended = f"exited with status {child.returncode}"
         return _read(out), ended
+
+
+class _Forked:
+    """A dry run's section child: forked from this process, not started anew.
+
+    It keeps the parent's imports (torch, megatron: seconds a child on two cores). A GPU run's
+    children start anew: a CUDA context does not survive a fork. Polled as a Popen is."""
+
+    def __init__(self, argv: list[str], env: dict):
+        # what the children import, once, before the first fork
+        import pretrain_gpt  # noqa: F401
+        from megatron.training import training  # noqa: F401
+
+        sys.stdout.flush()
+        sys.stderr.flush()
+        self.returncode = None
+        self.pid = os.fork()
+        if self.pid:
+            return
+        code = 1
+        try:
+            os.setsid()  # a process group of its own, as start_new_session gives
+            os.chdir(ROOT)
+            os.environ.clear()
+            os.environ.update(env)
+            code = main(argv)
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else 1
+        except BaseException:  # noqa: BLE001 - reported as the exec'd child would
+            import traceback
+
+            traceback.print_exc()
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self) -> int:
+        if self.returncode is None:
+            self.returncode = os.waitstatus_to_exitcode(os.waitpid(self.pid, 0)[1])
+        return self.returncode
 
 
 def _children_cpu_s() -> float:
