@@ -71,6 +71,7 @@ class AdaccConfig:
     guard_threshold: float = DEFAULT_GUARD_THRESHOLD
     profile_db: str | None = None        # None: $ADACC_DATA_DIR/profiles.sqlite
     reprofile: bool = False
+    profile_repeats: int | None = None   # None: the profiler's DEFAULT_REPEATS
     codec_backend: str | None = None     # None: $ADACC_CODEC_BACKEND, else auto
     strict: bool = False                 # an unattributed saved tensor is an error
     lossy_sources: bool = False          # auto may rebuild from compressed values
@@ -170,6 +171,9 @@ class AdaccConfig:
         for name in ("tracking_max_interval", "pipeline_model_parallel_size"):
             if not whole(getattr(self, name)):
                 refuse(name, "an integer")
+        if not (self.profile_repeats is None
+                or whole(self.profile_repeats) and self.profile_repeats > 0):
+            refuse("profile_repeats", "a positive integer or None")
         for name in ("tracking_reset_fraction", "guard_threshold"):
             if not real(getattr(self, name)):
                 refuse(name, "a number")
@@ -297,7 +301,8 @@ class Adacc:
                                      else engine_memory.model_step_bytes(model))
         self._resolved = policies.resolve(
             config.policy, self._budget(), model, batch, db=ProfileDB(config.profile_db),
-            reprofile=config.reprofile, strict=config.strict, loss_fn=loss_fn,
+            reprofile=config.reprofile, repeats=config.profile_repeats, strict=config.strict,
+            loss_fn=loss_fn,
             num_micro_batches=num_micro_batches, static_bytes=self.static_bytes,
             optimizer_step_bytes=self.optimizer_step_bytes, lossy_sources=config.lossy_sources)
         if self._resolved.plan is not None:

@@ -77,6 +77,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                             "1 GiB; required with auto on a CPU")
     adacc.add_argument("--adacc-reprofile", action="store_true",
                        help="measure the model again instead of reusing the ProfileDB")
+    adacc.add_argument("--adacc-profile-repeats", type=_positive_int, default=None,
+                       help="timed steps per measurement in auto's profile (default 5): fewer "
+                            "profile sooner, and noisier")
     adacc.add_argument("--adacc-profile-db", default=None,
                        help="ProfileDB file (default: $ADACC_DATA_DIR/profiles.sqlite)")
     adacc.add_argument("--adacc-codec-backend", default=None,

@@ -137,7 +137,7 @@ class Resolved:
 
 def resolve(policy: str, budget_bytes: int | None, model: torch.nn.Module | None = None,
             batch: profiler.Batch | None = None, *, db: ProfileDB | None = None,
-            reprofile: bool = False, strict: bool = False,
+            reprofile: bool = False, repeats: int | None = None, strict: bool = False,
             loss_fn: profiler.LossFn | None = None, num_micro_batches: int = 1,
             static_bytes: int | None = None,
             optimizer_step_bytes: int | None = None, lossy_sources: bool = False) -> Resolved:
@@ -167,7 +167,7 @@ def resolve(policy: str, budget_bytes: int | None, model: torch.nn.Module | None
         return Resolved(policy, Plan.load(policy), budget_bytes)
     require_budget(policy, budget_bytes)
     costs, profile_s = measured_costs(model, batch, db or ProfileDB(), reprofile, strict,
-                                      loss_fn)
+                                      loss_fn, repeats)
     stage, _ = pipeline_stage()
     own = (planning.StageMemory(costs.static_bytes, costs.embedding_bytes, costs.non_layer_bytes,
                                 costs.held_non_layer_bytes, costs.optimizer_step_bytes)
@@ -269,7 +269,7 @@ def _loss_name(loss_fn) -> str:
 
 
 def measured_costs(model, batch, db: ProfileDB, reprofile: bool = False, strict: bool = False,
-                   loss_fn: profiler.LossFn | None = None
+                   loss_fn: profiler.LossFn | None = None, repeats: int | None = None
                    ) -> tuple[ModelCosts, float | None]:
     """(costs, seconds spent profiling or None from the ProfileDB), the same on every rank.
 
@@ -288,7 +288,8 @@ def measured_costs(model, batch, db: ProfileDB, reprofile: bool = False, strict:
     profile_s = None
     if missing and pipeline_stage()[0] == 0:
         started = time.perf_counter()
-        found = profiler.profile(model, batch, strict=strict, loss_fn=loss_fn)
+        found = profiler.profile(model, batch, strict=strict, loss_fn=loss_fn,
+                                 repeats=repeats or profiler.DEFAULT_REPEATS)
         profile_s = time.perf_counter() - started
         if rank0:
             db.put(key, found)

@@ -71,6 +71,9 @@ def parse() -> argparse.Namespace:
                              "(default: half of --iters)")
     parser.add_argument("--stress-channels", type=int, default=4,
                         help="channels whose LayerNorm gains are scaled")
+    parser.add_argument("--profile-repeats", type=int,
+                        help="auto's profile: timed steps per measurement (default: the "
+                             "profiler's); it sets the plans, not the losses measured")
     parser.add_argument("--methods", nargs="*", choices=METHODS, default=None,
                         help="the methods trained (default: all; no optimisation always)")
     bc.add_family_args(parser, query_groups=2, query_groups_default="2")
@@ -110,7 +113,9 @@ def model_flags(args) -> list[str]:
             "--eval-iters", "4", "--log-interval", str(max(1, args.iters // 10)),
             "--adacc-profile-db", os.path.join(args.workdir, "profiles.sqlite"),
             *bc.models.get(args.family).argv(args.query_groups),
-            *(["--ffn-hidden-size", str(args.ffn)] if args.ffn else [])]
+            *(["--ffn-hidden-size", str(args.ffn)] if args.ffn else []),
+            *(["--adacc-profile-repeats", str(args.profile_repeats)]
+              if args.profile_repeats else [])]
 
 
 def probe_budgets(args, flags: list[str]) -> dict:

@@ -342,9 +342,7 @@ class ModelRuns:
         if self.values["fp16"]:
             argv += ["--initial-loss-scale", str(INITIAL_LOSS_SCALE)]
         if self.sizes.profile_repeats:
-            from megatron_adacc.profiling import profiler
-
-            profiler.profile.__kwdefaults__["repeats"] = self.sizes.profile_repeats
+            argv += ["--adacc-profile-repeats", str(self.sizes.profile_repeats)]
         leftover = torch.cuda.memory_allocated() if self.device.type == "cuda" else None
         out, err = io.StringIO(), io.StringIO()
         began = time.perf_counter()

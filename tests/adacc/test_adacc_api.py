@@ -39,11 +39,12 @@ def test_config_refuses_bad_values_naming_the_flag(options, message):
 def test_config_from_flags_keeps_every_adacc_flag():
     args = parse("--adacc-policy", "auto", "--adacc-memory-budget", "3MiB",
                  "--adacc-tracking-sites", "gelu_in", "ln2_out", "--adacc-codec-backend",
-                 "torch", "--adacc-strict", "--adacc-step-watch", "off")
+                 "torch", "--adacc-strict", "--adacc-step-watch", "off",
+                 "--adacc-profile-repeats", "2")
     config = AdaccConfig.from_args(args)
     assert config == AdaccConfig(policy="auto", memory_budget=3 << 20, tracking="backoff",
                                  tracking_sites=("gelu_in", "ln2_out"), codec_backend="torch",
-                                 strict=True, step_watch="off")
+                                 strict=True, step_watch="off", profile_repeats=2)
     assert config.tracks and not AdaccConfig(policy="auto", tracking="off").tracks
     # The step watch is on while tracking unless turned off.
     assert not config.watches and AdaccConfig(policy="auto", memory_budget=1).watches

@@ -21,7 +21,7 @@ def counted_profiles(monkeypatch):
 
     def counting(*args, **kwargs):
         calls.append(1)
-        return real(*args, **kwargs, repeats=1)
+        return real(*args, **{**kwargs, "repeats": 1})
 
     monkeypatch.setattr(profiler, "profile", counting)
     return calls

@@ -112,7 +112,7 @@ def test_adacc_plan_without_hardware_profiles_once_then_reads_the_database(
     calls = []
     real = profiler.profile
     monkeypatch.setattr(profiler, "profile",
-                        lambda *a, **k: calls.append(1) or real(*a, **k, repeats=1))
+                        lambda *a, **k: calls.append(1) or real(*a, **{**k, "repeats": 1}))
     config = tmp_path / "tiny.yaml"
     config.write_text("num-layers: 2\nhidden-size: 64\nnum-attention-heads: 4\n"
                       "seq-length: 32\nmax-position-embeddings: 32\n"

@@ -99,7 +99,8 @@ def test_results_page_from_published_json(tmp_path):
     ("llama", ["auto", "codecs", "quantize"])])
 def test_accuracy_two_steps(tmp_path, family, methods):
     _run("bench_accuracy.py", "--quick", "--iters", "2", "--seeds", "1",
-         "--budget-fractions", "0.5", "--family", family, "--methods", *methods,
+         "--budget-fractions", "0.5", "--profile-repeats", "1", "--family", family,
+         "--methods", *methods,
          "--workdir", str(tmp_path / "work"), "--out", str(tmp_path / "a.json"), "--publish", "",
          "--figure", str(tmp_path / "a.png"))
     data = json.loads((tmp_path / "a.json").read_text())

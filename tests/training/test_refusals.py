@@ -414,6 +414,9 @@ def test_a_bad_plan_file_is_refused_when_read_naming_file_and_site(tmp_path, cap
     ({"policy": "auto", "tracking_sites": "gelu_in"}, TypeError,
      "AdaccConfig.tracking_sites (--adacc-tracking-sites) takes a sequence of site names or "
      "None, got 'gelu_in'"),
+    ({"policy": "auto", "profile_repeats": 0}, TypeError,
+     "AdaccConfig.profile_repeats (--adacc-profile-repeats) takes a positive integer or None, "
+     "got 0"),
     ({"policy": "auto", "strict": 1}, TypeError,
      "AdaccConfig.strict (--adacc-strict) takes True or False, got 1"),
     ({"policy": 3}, TypeError, "AdaccConfig.policy (--adacc-policy) takes a string, got 3"),

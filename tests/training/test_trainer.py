@@ -248,6 +248,14 @@ def test_megatron_recompute_is_bitwise_identical_to_no_recompute(recompute):
     assert losses(train(*common, *recompute)) == losses(train(*common))
 
 
+def test_auto_profiles_with_the_repeats_asked_for(tmp_path):
+    for repeats in (1, 2):
+        session = pretrain("--train-iters", "1", "--adacc-policy", "auto",
+                           "--adacc-memory-budget", "1GiB", "--adacc-profile-repeats",
+                           str(repeats), "--adacc-profile-db", str(tmp_path / f"{repeats}.db"))
+        assert session.adacc.costs.meta["repeats"] == repeats
+
+
 def test_the_bytes_a_record_reads_are_of_the_plan_it_predicts_for(guard_swaps):
     # The ruler measured every 50th step: after tracking swapped plans, the log set the last
     # plan's measured bytes beside the new plan's prediction, which read as a misprediction.
