@@ -192,12 +192,12 @@ def parse(argv: Sequence[str], prog: str = "pretrain_gpt.py") -> argparse.Namesp
     return args
 
 
-def assertion_line(exc: Exception, quote_check: bool = True) -> str:
+def assertion_line(exc: Exception) -> str:
     """One line for a Megatron-LM refusal: its message, and where it names no flag, the check.
 
     Megatron-LM's messages can be terse ("expected sample-based training"); a check on ``args``
     names the flags (``assert args.train_iters is None (arguments.py:1253)``). An assertion with
-    no message is quoted whatever it checks. ``quote_check=False`` keeps a message alone."""
+    no message is quoted whatever it checks."""
     import traceback
 
     message = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
@@ -207,7 +207,7 @@ def assertion_line(exc: Exception, quote_check: bool = True) -> str:
     where = frames[-1]
     condition = _asserted(where.filename, where.lineno) or where.line or ""
     condition = condition.removeprefix("assert ")
-    if not condition or (message and not (quote_check and re.search(r"\bargs\.", condition))):
+    if not condition or (message and not re.search(r"\bargs\.", condition)):
         return message or "Megatron-LM refused the flags"
     check = f"assert {condition} ({Path(where.filename).name}:{where.lineno})"
     return f"{message}: {check}" if message else f"Megatron-LM refused the flags: {check}"
@@ -254,10 +254,10 @@ def _check_transformer_engine(args: argparse.Namespace) -> None:
 
     megatron-core builds its layer spec with None for every class it lacks, and the first layer
     dies in a TypeError. After validate_args, so that the flags' own faults come first."""
-    import importlib.util
+    from megatron_adacc.megatron_compat import importable
 
     if (args.transformer_impl == "transformer_engine" and args.spec is None
-            and importlib.util.find_spec("transformer_engine") is None):
+            and not importable("transformer_engine")):
         raise ConfigError("--transformer-impl transformer_engine (Megatron-LM's default) needs "
                           "the transformer-engine package, which is not installed; add "
                           "--transformer-impl local (megatron-core's own layers), or pip "
@@ -269,10 +269,10 @@ def _check_tokenizer_files(args: argparse.Namespace) -> None:
 
     Megatron-LM fetches GPT-2's vocabulary and merges when no file is given, with the wget
     package; without it the build dies in a traceback."""
-    import importlib.util
+    from megatron_adacc.megatron_compat import importable
 
     if (args.tokenizer_type == "GPT2BPETokenizer" and not (args.vocab_file and args.merge_file)
-            and importlib.util.find_spec("wget") is None):
+            and not importable("wget")):
         raise ConfigError("--tokenizer-type GPT2BPETokenizer (Megatron-LM's default) needs "
                           "--vocab-file and --merge-file: without them Megatron-LM downloads "
                           "GPT-2's with the wget package, which is not installed; data already "
@@ -303,10 +303,10 @@ PACKAGE_FLAGS = (
 
 
 def _check_packages(args: argparse.Namespace) -> None:
-    import importlib.util
+    from megatron_adacc.megatron_compat import importable
 
     for given, flag, module, package in PACKAGE_FLAGS:
-        if given(args) and importlib.util.find_spec(module) is None:
+        if given(args) and not importable(module):
             raise ConfigError(f"{flag.format(**vars(args))} needs the {package} package, which "
                               f"is not installed (pip install {package})")
 
@@ -683,7 +683,8 @@ def _flag_assertion(exc: AssertionError, args) -> ConfigError | None:
     frames = traceback.extract_tb(exc.__traceback__)
     if not frames or Path(frames[-1].filename).name != "optimizer_param_scheduler.py":
         return None
-    line = assertion_line(exc, quote_check=False)
+    # the scheduler's own words where it has some: its checks name no flag
+    line = str(exc).strip().splitlines()[0] if str(exc).strip() else assertion_line(exc)
     if frames[-1].name == "_check_and_set":  # loading a checkpoint of another schedule
         return ConfigError(f"--load {args.load}: {line}; add --override-opt_param-scheduler "
                            f"to train on the flags' schedule or "

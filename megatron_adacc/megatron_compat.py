@@ -693,7 +693,8 @@ HOST_ARG_DEFAULTS = {
 }
 
 
-def _importable(module: str) -> bool:
+def importable(module: str) -> bool:
+    """Whether ``module`` can be imported (False too where a parent package is missing)."""
     import importlib.util
 
     try:
@@ -713,7 +714,7 @@ def kernel_arg_defaults(args) -> list[str]:
     for name, (value, providers, label) in KERNEL_ARG_DEFAULTS.items():
         if isinstance(providers, dict):
             providers = providers.get(getattr(args, "transformer_impl", "local"), ())
-        if hasattr(args, name) and (host or not any(map(_importable, providers))):
+        if hasattr(args, name) and (host or not any(map(importable, providers))):
             if getattr(args, name) != value:
                 changed.append(label)
             setattr(args, name, value)

@@ -551,12 +551,12 @@ def test_megatron_lms_fused_kernel_defaults_follow_what_is_installed(monkeypatch
     from helpers.pretrain import parse
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(megatron_compat, "_importable", lambda module: False)
+    monkeypatch.setattr(megatron_compat, "importable", lambda module: False)
     args = parse("--position-embedding-type", "rope")
     assert (args.gradient_accumulation_fusion, args.no_persist_layer_norm,
             args.masked_softmax_fusion, args.apply_rope_fusion) == (False, True, False, False)
     assert args.bias_gelu_fusion and not args.use_cpu_initialization   # torch.compile's: kept
-    monkeypatch.setattr(megatron_compat, "_importable", lambda module: True)
+    monkeypatch.setattr(megatron_compat, "importable", lambda module: True)
     args = parse("--position-embedding-type", "rope")
     assert (args.gradient_accumulation_fusion, args.no_persist_layer_norm,
             args.masked_softmax_fusion, args.apply_rope_fusion) == (True, False, True, True)
@@ -569,7 +569,7 @@ def test_gradient_accumulation_fusion_asks_for_the_kernel_its_layers_use(monkeyp
     from helpers.pretrain import parse
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(megatron_compat, "_importable",
+    monkeypatch.setattr(megatron_compat, "importable",
                         lambda module: module == "transformer_engine")
     assert not parse("--transformer-impl", "local").gradient_accumulation_fusion
     args = types.SimpleNamespace(transformer_impl="transformer_engine",
