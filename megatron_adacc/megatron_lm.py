@@ -66,6 +66,8 @@ def _positive_float(value: str) -> float:
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Megatron-LM's ``extra_args_provider``: the ``--adacc-*`` flags and the metrics file."""
+    from megatron_adacc.profiling.profiler import DEFAULT_REPEATS
+
     adacc = parser.add_argument_group("adacc")
     adacc.add_argument("--adacc-policy", default="none",
                        help="none (Megatron-LM's layer), auto (profile and plan for "
@@ -78,8 +80,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     adacc.add_argument("--adacc-reprofile", action="store_true",
                        help="measure the model again instead of reusing the ProfileDB")
     adacc.add_argument("--adacc-profile-repeats", type=_positive_int, default=None,
-                       help="timed steps per measurement in auto's profile (default 5): fewer "
-                            "profile sooner, and noisier")
+                       help=f"timed steps per measurement in auto's profile (default "
+                            f"{DEFAULT_REPEATS}): fewer profile sooner, and noisier")
     adacc.add_argument("--adacc-profile-db", default=None,
                        help="ProfileDB file (default: $ADACC_DATA_DIR/profiles.sqlite)")
     adacc.add_argument("--adacc-codec-backend", default=None,
