@@ -40,8 +40,8 @@ def test_a_profiled_plan_prints_the_table_alone(tmp_path):
     # (its datasets, buffers, optimizer: about a hundred) came before the table.
     done = subprocess.run([sys.executable, "-m", "megatron_adacc.cli", "plan", "--config",
                            str(ROOT / "configs" / "tiny-cpu.yaml"), "--num-layers", "1",
-                           "--memory-budget", "1GiB", "--profile-db",
-                           str(tmp_path / "p.sqlite")],
+                           "--memory-budget", "1GiB", "--adacc-profile-repeats", "1",
+                           "--profile-db", str(tmp_path / "p.sqlite")],
                           capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert done.returncode == 0 and done.stderr == ""
     assert done.stdout.startswith("site ") and "megatron" not in done.stdout

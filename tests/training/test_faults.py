@@ -80,7 +80,8 @@ def test_each_loss_goes_through_megatron_lms_result_checks(tmp_path, corpus):
 
     done = forked.run([PRETRAIN, *TINY, *data_flags(corpus), "--train-iters", "2",
                        "--rerun-mode", "report_stats", "--adacc-policy", "auto",
-                       "--adacc-memory-budget", "1GiB"], cwd=tmp_path, env=child_env())
+                       "--adacc-memory-budget", "1GiB", "--adacc-profile-repeats", "1"],
+                      cwd=tmp_path, env=child_env())
     assert done.returncode == 0, done.stderr[-3000:]
     for output in (done.stdout, done.stderr):
         assert "Traceback" not in output, output[-3000:]
@@ -458,7 +459,7 @@ def test_two_runs_started_together_share_the_data_cache_and_the_profile_db(tmp_p
         shutil.copy(f"{corpus}.{ext}", f"{prefix}.{ext}")
     flags = [*TINY, "--data-path", prefix, "--split", "98,2,0", "--train-iters", "2",
              "--adacc-policy", "auto", "--adacc-memory-budget", "1GiB",
-             "--adacc-profile-db", tmp_path / "p.sqlite"]
+             "--adacc-profile-repeats", "1", "--adacc-profile-db", tmp_path / "p.sqlite"]
     env = child_env()
     runs = [subprocess.Popen([sys.executable, PRETRAIN, *map(str, flags)], cwd=tmp_path,
                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,

@@ -196,7 +196,7 @@ def test_auto_resumes_the_plan_tracking_chose_and_the_losses_bit_for_bit(
             "--train-iters", "6", "--lr-warmup-iters", "1", "--hidden-dropout", "0",
             "--attention-dropout", "0", "--adacc-policy", "auto", "--adacc-memory-budget",
             "17MiB", "--adacc-guard-threshold", "0.000001", "--adacc-step-watch", "off",
-            "--adacc-profile-db",
+            "--adacc-profile-repeats", "1", "--adacc-profile-db",
             str(tmp_path / "profiles.sqlite"), *flags]) == 0
         return megatron_lm.session().records
 
@@ -268,7 +268,7 @@ def test_the_bytes_a_record_reads_are_of_the_plan_it_predicts_for(guard_swaps):
         "--config", str(ROOT / "configs" / "tiny-cpu.yaml"), "--log-interval", "1000",
         "--train-iters", "5", "--lr-warmup-iters", "1", "--adacc-policy", "auto",
         "--adacc-memory-budget", "17MiB", "--adacc-guard-threshold", "0.000001",
-        "--adacc-step-watch", "off"]) == 0
+        "--adacc-step-watch", "off", "--adacc-profile-repeats", "1"]) == 0
     records = megatron_lm.session().records
     plans = [r["plan_id"] for r in records]
     assert len(set(plans)) > 1  # tracking swapped
