@@ -200,7 +200,7 @@ def assertion_line(exc: Exception) -> str:
     no message is quoted whatever it checks."""
     import traceback
 
-    message = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    message = first_line(exc)
     frames = traceback.extract_tb(exc.__traceback__)
     if not isinstance(exc, AssertionError) or not frames or "--" in message:
         return message or "Megatron-LM refused the flags"
@@ -211,6 +211,12 @@ def assertion_line(exc: Exception) -> str:
         return message or "Megatron-LM refused the flags"
     check = f"assert {condition} ({Path(where.filename).name}:{where.lineno})"
     return f"{message}: {check}" if message else f"Megatron-LM refused the flags: {check}"
+
+
+def first_line(exc: BaseException) -> str:
+    """The first line of ``exc``'s message; "" when it has none."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else ""
 
 
 def _asserted(filename: str, lineno: int) -> str | None:
@@ -684,7 +690,7 @@ def _flag_assertion(exc: AssertionError, args) -> ConfigError | None:
     if not frames or Path(frames[-1].filename).name != "optimizer_param_scheduler.py":
         return None
     # the scheduler's own words where it has some: its checks name no flag
-    line = str(exc).strip().splitlines()[0] if str(exc).strip() else assertion_line(exc)
+    line = first_line(exc) or assertion_line(exc)
     if frames[-1].name == "_check_and_set":  # loading a checkpoint of another schedule
         return ConfigError(f"--load {args.load}: {line}; add --override-opt_param-scheduler "
                            f"to train on the flags' schedule or "

@@ -81,7 +81,6 @@ def pytest_configure(config):
                             "slow: takes more than a minute (deselect with -m 'not slow')")
 
 
-
 def pytest_collection_finish(session):
     """Freeze what the test modules imported (torch, megatron: half a million objects, alive
     until the end): each full collection during the tests then walks the tests' objects only."""
