@@ -6,7 +6,8 @@ a model site's shape through the Triton backend. Meanwhile a hook stands in for 
 (JITFunction.run) and keeps each launch's arguments, grid and options instead of running it. Each
 launch is then specialised as Triton's launcher would (create_function_from_signature: dtypes,
 16-byte divisibility of pointers and ints). It is compiled with triton.compile for GPUTarget("cuda",
-cc, 32). Per kernel it reports, from the cubin (the bundled cuobjdump -res-usage) and the PTX:
+cc, 32). Per kernel it reports, from the cubin (read by the bundled cuobjdump and nvdisasm) and
+the PTX:
 
 - registers and spilled bytes (the stack and local memory ptxas gave the kernel);
 - the share of activation bytes moved by 16-byte (128-bit) vector accesses. It counts the ld.global
@@ -30,11 +31,13 @@ imports anywhere.
 from __future__ import annotations
 
 import argparse
+import bisect
 import contextlib
 import json
 import math
 import os
 import re
+import struct
 import subprocess
 import sys
 import tempfile
@@ -185,33 +188,57 @@ def _specialise(launch: Launch, target: GPUTarget):
     return signature, constexprs, attrs, options
 
 
-def _cuobjdump(cubin: bytes, flag: str) -> subprocess.CompletedProcess:
-    """The bundled cuobjdump run with ``flag`` on ``cubin``."""
+def _cuobjdump_usage(cubin: bytes) -> tuple[int, int]:
+    """(registers, local-memory bytes: spills) of the kernel in ``cubin``, read by cuobjdump."""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        return subprocess.run([str(NVIDIA_BIN / "cuobjdump"), flag, f.name], capture_output=True,
-                              text=True)
-
-
-def _cuobjdump_usage(cubin: bytes) -> tuple[int, int]:
-    """(registers, local-memory bytes: spills) of the kernel in ``cubin``."""
-    run = _cuobjdump(cubin, "-res-usage")
-    run.check_returncode()
+        run = subprocess.run([str(NVIDIA_BIN / "cuobjdump"), "-res-usage", f.name],
+                             capture_output=True, text=True, check=True)
     match = re.search(r"REG:(\d+) STACK:(\d+) SHARED:\d+ LOCAL:(\d+)", run.stdout)
     return int(match.group(1)), int(match.group(2)) + int(match.group(3))
 
 
 # SASS opcodes that convert between integer and float or round to an integer.
-CONVERSIONS = re.compile(r"^\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?(?:F2I|I2F|FRND)\b", re.M)
+CONVERSIONS = re.compile(r"^\s*/\*([0-9a-f]+)\*/\s+(?:@!?U?P\w+\s+)?(?:F2I|I2F|FRND)\b", re.M)
 
 
-def _sass_conversions(cubin: bytes) -> int | None:
-    """How many conversion instructions (CONVERSIONS) the kernel in ``cubin`` holds.
+def _instructions(cubin: bytes) -> bytes:
+    """The machine code of ``cubin`` (an ELF64 file): its .text sections, in order."""
+    table = int.from_bytes(cubin[0x28:0x30], "little")
+    size, count, names = struct.unpack_from("<HHH", cubin, 0x3A)
+    headers = [struct.unpack_from("<IIQQQQIIQQ", cubin, table + i * size) for i in range(count)]
+    strings = headers[names][4]
+    code = b""
+    for name, *_, offset, length, _, _, _, _ in headers:
+        if cubin[strings + name:cubin.index(b"\0", strings + name)].startswith(b".text."):
+            code += cubin[offset:offset + length]
+    return code
 
-    None where the bundled cuobjdump no longer disassembles the target (sm_70 in CUDA 13)."""
-    run = _cuobjdump(cubin, "-sass")
-    return len(CONVERSIONS.findall(run.stdout)) if run.returncode == 0 else None
+
+def sass_conversions(cubins: list[bytes], cc: int) -> list[int | None]:
+    """How many conversion instructions (CONVERSIONS) each sm_``cc`` kernel in ``cubins`` holds.
+
+    nvdisasm takes half a second to start whatever it reads, so every kernel's machine code goes
+    through one run, as one raw instruction binary. None each where the bundled nvdisasm no longer
+    disassembles the target (sm_70 in CUDA 13)."""
+    if not cubins:
+        return []
+    starts, code = [], b""
+    for cubin in cubins:
+        starts.append(len(code))
+        code += _instructions(cubin)
+    with tempfile.NamedTemporaryFile(suffix=".bin") as f:
+        f.write(code)
+        f.flush()
+        run = subprocess.run([str(NVIDIA_BIN / "nvdisasm"), "--binary", f"SM{cc}", f.name],
+                             capture_output=True, text=True)
+    if run.returncode != 0:
+        return [None] * len(cubins)
+    counts = [0] * len(cubins)
+    for match in CONVERSIONS.finditer(run.stdout):
+        counts[bisect.bisect_right(starts, int(match.group(1), 16)) - 1] += 1
+    return counts
 
 
 _REG = re.compile(r"%[a-z]+\d+")
@@ -347,6 +374,7 @@ def _copied(seen: dict) -> dict:
 
 
 _CACHE: dict[tuple, Report] = {}
+_CUBINS: dict[int, bytes] = {}  # id() of a Report in _CACHE -> its cubin
 
 
 def check_launch(launch: Launch, cc: int) -> Report:
@@ -373,7 +401,7 @@ def check_launch(launch: Launch, cc: int) -> Report:
         return report
     report.compile_s = time.perf_counter() - start
     report.registers, report.spill_bytes = _cuobjdump_usage(compiled.asm["cubin"])
-    report.conversions = _sass_conversions(compiled.asm["cubin"])
+    _CUBINS[id(report)] = compiled.asm["cubin"]
     params = [name for name, kind in signature.items() if kind != "constexpr"]
     widths, report.div64 = analyse_ptx(compiled.asm["ptx"], compiled.metadata.name, params,
                                        ACTIVATION_ARG[launch.kernel])
@@ -400,6 +428,11 @@ def check(targets=TARGETS, sites=SITES, dtypes=None) -> tuple[list[Report], list
             report = check_launch(launch, cc)
             if not any(r is report for r in reports):
                 reports.append(report)
+    for cc in targets:
+        compiled = [r for r in reports if r.target == cc and not r.error]
+        counts = sass_conversions([_CUBINS[id(report)] for report in compiled], cc)
+        for report, count in zip(compiled, counts):
+            report.conversions = count
     return reports, [dict(zip(("codec", "site", "dtype", "phase"), key),
                           kernels=[kernel for kernel, _ in calls],
                           programs=[programs for _, programs in calls])
