@@ -328,15 +328,19 @@ def test_a_timed_step_that_grew_the_heap_is_run_again(distributed, monkeypatch,
     timed steps wanted, two steps in a row would put the median half way to slow. Where every
     step grows the heap (memory mapped afresh each step), the least grown steps are kept."""
     import time
+    import types
 
     from megatron_adacc.codecs.codec import Codec
+    from megatron_adacc.profiling import clock
     from megatron_adacc.profiling.profiler import gpt_loss
     from megatron_adacc.runtime.storage import LayerCall
 
-    # Slow enough that a real decode or rebuild, timed on two busy cores, stays far below half
-    # of it: at 0.05 s a rebuild once took 35 ms beside another test worker.
+    # A slow call moves the profiler's clock on instead of sleeping: its steps are slow by
+    # exactly slow_s, however busy the cores are. Real decodes and rebuilds take milliseconds.
     slow_s, pages = 0.15, 256
-    steps = [0]
+    steps, skipped = [0], [0.0]
+    monkeypatch.setattr(clock, "time", types.SimpleNamespace(
+        perf_counter=lambda: time.perf_counter() + skipped[0]))
 
     def counting_loss(model, micro_batch):
         steps[0] += 1
@@ -348,7 +352,7 @@ def test_a_timed_step_that_grew_the_heap_is_run_again(distributed, monkeypatch,
                 touch_fresh_pages(every_step_pages)
             if steps[0] % 2:
                 touch_fresh_pages(pages)
-                time.sleep(slow_s)
+                skipped[0] += slow_s
             return method(*args)
         return call
 
