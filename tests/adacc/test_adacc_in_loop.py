@@ -5,17 +5,14 @@ import re
 
 import pytest
 
-from megatron_adacc.profiling import profiler
 from helpers.pretrain import pretrain
 
 AUTO = ["--adacc-policy", "auto", "--adacc-memory-budget", "1GiB"]
 
 
 @pytest.fixture
-def one_profile(monkeypatch, tmp_path):
-    real = profiler.profile
-    monkeypatch.setattr(profiler, "profile", lambda *a, **k: real(*a, **{**k, "repeats": 1}))
-    return ["--adacc-profile-db", str(tmp_path / "profiles.sqlite")]
+def one_profile(tmp_path):
+    return ["--adacc-profile-repeats", "1", "--adacc-profile-db", str(tmp_path / "profiles.sqlite")]
 
 
 def test_readings_join_megatron_lms_log_line_tensorboard_and_the_metrics_file(

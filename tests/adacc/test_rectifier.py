@@ -272,16 +272,11 @@ def run(tmp_path, *flags, adjust=None):
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(Adacc, "setup", setup)
         return pretrain("--train-iters", "4", "--adacc-policy", "auto", "--adacc-profile-db",
-                        str(tmp_path / "profiles.sqlite"), *flags).records
+                        str(tmp_path / "profiles.sqlite"), "--adacc-profile-repeats", "1",
+                        *flags).records
 
 
-@pytest.fixture
-def one_profile(monkeypatch):
-    real = profiler.profile
-    monkeypatch.setattr(profiler, "profile", lambda *a, **k: real(*a, **{**k, "repeats": 1}))
-
-
-def test_tracking_never_changes_the_loss_of_the_iteration_it_runs_in(tmp_path, one_profile):
+def test_tracking_never_changes_the_loss_of_the_iteration_it_runs_in(tmp_path):
     budget = ["--adacc-memory-budget", "1GiB"]
     off = run(tmp_path, *budget, "--adacc-tracking", "off")
     assert not any("tracking" in r for r in off)
