@@ -94,6 +94,8 @@ def parse() -> argparse.Namespace:
     args.stress_pretrain = args.stress_pretrain or args.iters // 2
     args.methods = ["none", *(m for m in args.methods or METHODS if m != "none"
                               and (args.stress or m != "megatron-full-recompute"))]
+    if args.profile_repeats is not None and args.profile_repeats < 1:
+        parser.error(f"--profile-repeats {args.profile_repeats}: must be a positive integer")
     if args.stress and not 0 < args.stress_pretrain < args.iters:
         parser.error(f"--stress-pretrain {args.stress_pretrain}: must be between 0 and --iters "
                      f"{args.iters}")
@@ -115,7 +117,7 @@ def model_flags(args) -> list[str]:
             *bc.models.get(args.family).argv(args.query_groups),
             *(["--ffn-hidden-size", str(args.ffn)] if args.ffn else []),
             *(["--adacc-profile-repeats", str(args.profile_repeats)]
-              if args.profile_repeats else [])]
+              if args.profile_repeats is not None else [])]
 
 
 def probe_budgets(args, flags: list[str]) -> dict:

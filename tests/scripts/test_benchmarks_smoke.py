@@ -21,6 +21,15 @@ def _run(script, *flags, **environment):
     return done.stdout
 
 
+def test_the_accuracy_bench_refuses_a_profile_of_no_steps(tmp_path):
+    done = forked.run([os.path.join(ROOT, "scripts", "bench_accuracy.py"), "--quick",
+                       "--profile-repeats", "0", "--workdir", tmp_path], cwd=tmp_path)
+    assert done.returncode == 2
+    assert done.stderr.splitlines()[-1] == (
+        "bench_accuracy.py: error: --profile-repeats 0: must be a positive integer")
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize("attention, family", [("flash", "gpt"), ("unfused", "gpt"),
                                                ("flash", "llama")])
 def test_throughput_and_max_batch_tiny(tmp_path, attention, family):
