@@ -57,7 +57,7 @@ GPT3_175B = [
     "--eval-interval", "1000",
     "--save", "{checkpoint}",
     "--load", "{checkpoint}",
-    "--eval-iters", "10",
+    "--eval-iters", "1",                        # size: 10
     "--tensorboard-dir", "{tensorboard}",
 ]
 
@@ -130,7 +130,7 @@ LLAMA3_8B = [
     "--num-workers", "1",
     # EVAL_AND_LOGGING_ARGS
     "--log-interval", "1",
-    "--eval-iters", "32",
+    "--eval-iters", "1",                        # size: 32
     "--eval-interval", "100",
     "--save-interval", "1000",
     "--log-throughput",
@@ -200,7 +200,7 @@ MIXTRAL_8X7B = [
     "--log-interval", "1",
     "--save-interval", "10000",
     "--eval-interval", "1000",
-    "--eval-iters", "10",
+    "--eval-iters", "1",                        # size: 10
     "--save", "{checkpoint}",
     "--load", "{checkpoint}",
     "--tensorboard-dir", "{checkpoint}/tensorboard",
