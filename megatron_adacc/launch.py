@@ -25,7 +25,7 @@ from typing import Callable, Sequence
 
 import yaml
 
-from megatron_adacc.common.errors import InputError
+from megatron_adacc.common.errors import InputError, first_line
 from megatron_adacc.megatron_lm import ConfigError, add_arguments
 
 
@@ -211,12 +211,6 @@ def assertion_line(exc: Exception) -> str:
         return message or "Megatron-LM refused the flags"
     check = f"assert {condition} ({Path(where.filename).name}:{where.lineno})"
     return f"{message}: {check}" if message else f"Megatron-LM refused the flags: {check}"
-
-
-def first_line(exc: BaseException) -> str:
-    """The first line of ``exc``'s message; "" when it has none."""
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else ""
 
 
 def _asserted(filename: str, lineno: int) -> str | None:

@@ -39,7 +39,7 @@ from typing import Any, BinaryIO
 
 import torch
 
-from megatron_adacc.common.errors import InputError
+from megatron_adacc.common.errors import InputError, first_line
 
 METADATA_FILE = ".metadata"
 COMMON_FILE = "common.pt"  # megatron-core's common state before 0.19 (read if present)
@@ -377,7 +377,7 @@ def _legacy_damage(directory: str) -> str | None:
 
 def _described(exc: BaseException) -> str:
     """The exception's type and its message's first sentence: a warning stays one short line."""
-    first = str(exc).strip().splitlines()[0].split(". ")[0] if str(exc).strip() else ""
+    first = first_line(exc).split(". ")[0]
     return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
 
 
