@@ -12,7 +12,8 @@
 
 Everything outside this package uses the names below only.
 """
-from megatron_adacc.planning.frontier import Frontier, clear_frontier_cache, layer_frontier
+from megatron_adacc.planning.frontier import (Frontier, clear_frontier_cache, layer_frontier,
+                                              pareto_indices)
 from megatron_adacc.planning.model import (LayerPolicy, activation_peak_bytes, evaluate_layer,
                                            forward_end_bytes, is_exact, peak_bytes,
                                            rebuild_charges, rerun_chains)
@@ -32,7 +33,7 @@ __all__ = [
     "default_resolution", "evaluate_layer", "format_plan",
     "format_stages", "forward_end_bytes", "in_flight_micro_batches",
     "is_exact", "last_resort_sites", "layer_frontier", "layer_ranges", "minimum_budget",
-    "minimum_feasible_budget",
+    "minimum_feasible_budget", "pareto_indices",
     "peak_bytes", "plan",
     "plan_in_tiers", "plan_stages", "rebuild_charges", "rerun_chains", "stage_costs",
     "stage_layer_counts", "with_lossy_hint",

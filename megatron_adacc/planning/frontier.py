@@ -34,9 +34,9 @@ def pareto_indices(points: np.ndarray) -> np.ndarray:
 
     Weak dominance counts, and duplicates keep one. In lexicographic order a row is dominated iff
     some earlier row has stored and transient <= its own; its time is <= by the order. Rows are
-    checked in blocks: against each other, and against the staircase of (stored, transient)
-    minima of all earlier blocks, with one binary search per row. So the cost stays near n log n,
-    not n^2."""
+    checked in blocks: against the staircase of (stored, transient) minima of all earlier
+    blocks, with one binary search per row, then the rows it leaves against each other. So the
+    cost stays near n log n, not n^2."""
     if len(points) < 2:
         return np.arange(len(points))
     order = np.lexsort((points[:, 2], points[:, 1], points[:, 0]))
@@ -63,9 +63,12 @@ def pareto_indices(points: np.ndarray) -> np.ndarray:
         if len(stair_stored):
             step = np.searchsorted(stair_stored, s, side="right") - 1
             hit = (step >= 0) & (stair_transient[np.maximum(step, 0)] <= t)
-        size = end - start
-        hit |= ((s[None, :] <= s[:, None]) & (t[None, :] <= t[:, None])
-                & earlier[:size, :size]).any(axis=1)
+        # Only the rows the staircase left are compared pairwise: a row that an earlier hit row
+        # dominates, that row's dominator dominates too.
+        left = np.flatnonzero(~hit)
+        s_left, t_left = s[left], t[left]
+        hit[left] = ((s_left[None, :] <= s_left[:, None]) & (t_left[None, :] <= t_left[:, None])
+                     & earlier[np.ix_(left, left)]).any(axis=1)
         dominated[start:end] = hit
         merged_stored = np.concatenate([stair_stored, s[~hit]])
         merged_transient = np.concatenate([stair_transient, t[~hit]])

@@ -165,6 +165,24 @@ def test_optimal_against_exhaustive_enumeration(costs, budget, per_layer, allow_
             == pytest.approx(result.added_time_s))
 
 
+@settings(max_examples=40, deadline=None)
+@given(st.integers(0, 2**32 - 1), st.integers(0, 1100), st.sampled_from([2, 30, 10**6]),
+       st.booleans())
+def test_pareto_indices_keeps_the_rows_no_earlier_row_weakly_dominates(seed, n, spread,
+                                                                        one_transient):
+    """Against the definition, over one block and several (the staircase), with ties."""
+    rng = np.random.default_rng(seed)
+    points = rng.integers(0, spread, (n, 3)).astype(float)
+    if one_transient:
+        points[:, 2] = 7.0
+    order = np.lexsort((points[:, 2], points[:, 1], points[:, 0]))
+    ranked = points[order]
+    weakly_below = ((ranked[None, :, 1] <= ranked[:, None, 1])
+                    & (ranked[None, :, 2] <= ranked[:, None, 2]))
+    kept = ~(weakly_below & np.tri(n, k=-1, dtype=bool)).any(axis=1)
+    assert np.array_equal(planner.pareto_indices(points), order[kept])
+
+
 @settings(max_examples=150, deadline=None)
 @given(small_costs(), st.booleans())
 def test_every_frontier_policy_costs_what_the_model_says(costs, allow_lossy):
