@@ -29,6 +29,13 @@ _BLOCK = 256
 _EARLIER = np.tri(_BLOCK, k=-1, dtype=bool)
 
 
+def _dominated_within(stored: np.ndarray, transient: np.ndarray) -> np.ndarray:
+    """Which of at most _BLOCK rows, in order, an earlier one of them stores and holds no less."""
+    n = len(stored)
+    return ((stored[None, :] <= stored[:, None]) & (transient[None, :] <= transient[:, None])
+            & _EARLIER[:n, :n]).any(axis=1)
+
+
 def pareto_indices(points: np.ndarray) -> np.ndarray:
     """Indices of the rows of ``points`` (time, stored, transient) that no other row dominates.
 
@@ -48,16 +55,13 @@ def pareto_indices(points: np.ndarray) -> np.ndarray:
         least_before = np.minimum.accumulate(np.concatenate([[np.inf], stored[:-1]]))
         return order[stored < least_before]
     if len(order) <= _BLOCK:  # most calls: one block, no staircase
-        earlier = _EARLIER[:len(order), :len(order)]
-        return order[~((stored[None, :] <= stored[:, None])
-                       & (transient[None, :] <= transient[:, None]) & earlier).any(axis=1)]
+        return order[~_dominated_within(stored, transient)]
     dominated = np.zeros(len(order), dtype=bool)
     # The staircase: stored ascending, transient strictly descending; the least transient of
     # any earlier row storing at most s is that of the last step at or below s.
     stair_stored, stair_transient = np.empty(0), np.empty(0)
-    block, earlier = _BLOCK, _EARLIER
-    for start in range(0, len(order), block):
-        end = min(start + block, len(order))
+    for start in range(0, len(order), _BLOCK):
+        end = min(start + _BLOCK, len(order))
         s, t = stored[start:end], transient[start:end]
         hit = np.zeros(end - start, dtype=bool)
         if len(stair_stored):
@@ -65,10 +69,8 @@ def pareto_indices(points: np.ndarray) -> np.ndarray:
             hit = (step >= 0) & (stair_transient[np.maximum(step, 0)] <= t)
         # Only the rows the staircase left are compared pairwise: a row that an earlier hit row
         # dominates, that row's dominator dominates too.
-        left = np.flatnonzero(~hit)
-        s_left, t_left = s[left], t[left]
-        hit[left] = ((s_left[None, :] <= s_left[:, None]) & (t_left[None, :] <= t_left[:, None])
-                     & earlier[np.ix_(left, left)]).any(axis=1)
+        left = ~hit
+        hit[left] = _dominated_within(s[left], t[left])
         dominated[start:end] = hit
         merged_stored = np.concatenate([stair_stored, s[~hit]])
         merged_transient = np.concatenate([stair_transient, t[~hit]])
