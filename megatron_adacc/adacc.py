@@ -475,7 +475,7 @@ class Adacc:
         def predicted(result) -> float | None:
             return watching.predicted_step_s(rect.costs, result, self._micro_batches)
 
-        def retime() -> list[planning.PlanResult]:
+        def retime() -> watching.Candidates:
             options = {"allow_lossy_sources": rect.allow_lossy_sources}
 
             def refresh(costs, decisions, step):
@@ -494,7 +494,8 @@ class Adacc:
                                               refresh, replan)
             bare = watching.recompute_only(rect.policy, rect.costs, rect.budget_bytes,
                                            **options)
-            return [candidate for candidate in (new, bare) if candidate is not None]
+            return watching.Candidates([new] if new is not None else [],
+                                       [bare] if bare is not None else [])
 
         if tracking_swapped:        # to a plan measured slower than another that fits?
             watch.times = policies.from_rank0(watch.times)

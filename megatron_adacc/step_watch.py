@@ -8,11 +8,13 @@ first ``warmup`` of them, which run slow while caches warm up. Every ``window`` 
 it compares the median of the plan's last ``window`` steps with:
 
 - its prediction. At more than ``threshold`` (10%) over it, the plan's actions are re-timed on the
-  real batch (``profiler.refresh_action_costs``), once per plan (``retime``). The re-timed plan and
-  the recompute-only plan become candidates when their predictions beat the median. What a
-  re-timed plan still misses counts as work outside the layers (``overhead_s``). It is added to
-  every later prediction, so a constant miss re-times once. Each later decision on a re-timed
-  plan measures it again, so warm-up steps do not inflate it for good.
+  real batch (``profiler.refresh_action_costs``), once per plan (``retime``). The re-timed plan
+  becomes a candidate when its prediction beats the median. The recompute-only plan becomes one
+  whatever its prediction: a re-time says the model missed on this device, and on the H200 the
+  profile priced GPT-345M's full recompute 60% over what Megatron's took. What a re-timed plan
+  still misses counts as work outside the layers (``overhead_s``). It is added to every later
+  prediction, so a constant miss re-times once. Each later decision on a re-timed plan measures
+  it again, so warm-up steps do not inflate it for good.
 - every measured plan that fits the budget. A plan is never kept when one measured faster (by more
   than ``margin``) fits; Adacc swaps back to that one ("measured slower").
 - on a GPU, the plan's allocator peak over its forward and backward. At more than the tolerance
@@ -27,8 +29,8 @@ broadcasts them at each decision point), at steps every rank counts alike.
 from __future__ import annotations
 
 import statistics
-from dataclasses import dataclass, replace
-from typing import Callable, Iterable
+from dataclasses import dataclass, field, replace
+from typing import Callable
 
 from megatron_adacc import planning, policies
 from megatron_adacc.common.costs import ModelCosts
@@ -129,6 +131,14 @@ def retime(costs: ModelCosts, layer_decisions: list[dict],
 
 
 @dataclass
+class Candidates:
+    """The plans a re-time offers the watch to measure."""
+
+    by_prediction: list = field(default_factory=list)  # tried when predicted faster
+    regardless: list = field(default_factory=list)     # tried whatever their prediction
+
+
+@dataclass
 class WatchDecision:
     """What one decision point of the watch found and decided."""
 
@@ -217,7 +227,7 @@ class StepWatch:
     def decide(self, current: planning.PlanResult,
                predicted: Callable[[planning.PlanResult], float | None],
                fit: Callable[[planning.PlanResult], bool],
-               retime: Callable[[], Iterable[planning.PlanResult]]) -> WatchDecision:
+               retime: Callable[[], Candidates]) -> WatchDecision:
         """At a decision point (``due``), re-time if needed and pick the plan to run next.
 
         - It re-times when ``current`` ran more than the threshold over ``predicted(current)``.
@@ -237,14 +247,15 @@ class StepWatch:
                 and median_s > (1 + self.threshold) * (decision.predicted_s + self.overhead_s)):
             self.retimed.add(plan_id)
             decision.retimed = True
-            candidates = list(retime())
+            candidates = retime()
             retimed_s = predicted(current)
             if retimed_s is not None:
                 self.overhead_s = max(0.0, median_s - retimed_s)
-            for candidate in candidates:
+            for candidate in candidates.by_prediction:
                 predicted_s = predicted(candidate)
                 if predicted_s is not None and predicted_s + self.overhead_s < median_s:
                     self.queue.append(candidate)
+            self.queue.extend(candidates.regardless)
         waiting = {}
         for candidate in self.queue:   # first come first measured, each once
             candidate_id = candidate.plan.plan_id
