@@ -176,6 +176,8 @@ def predict(runs: ModelRuns, accelerator: str) -> None:
                       else int(run_name.split()[1]) if method == BLOCK and run_name
                       and run_name != "none" else 0 if method == BLOCK else None)
             row = {"run": run_name, "detail": detail, "step_time_s": run.get("step_time_s"),
+                   "last_plan_step_time_s": run.get("last_plan_step_time_s"),
+                   "plan_swaps": run.get("plan_swaps"),
                    "tokens_per_s": run.get("tokens_per_s"), "peak_bytes": run.get("peak_bytes")}
             row.update(_fit(run, budget, run_name))
             for key in ("predicted_step_time_s", "measured_step_time_s"):

@@ -276,7 +276,8 @@ def _training_lines(name: str, model: dict) -> list[str]:
               f"{model['seq_length']}. Each run takes {model['iters']} iterations"
               + (f", Adacc's {model['auto_iters']} (its step watch's decisions)"
                  if model.get("auto_iters", model["iters"]) != model["iters"] else "")
-              + f". Its step is the median of those after {model['warmup']}. "
+              + f". Its step is the median of those after {model['warmup']}; where a plan "
+              "swapped, the median over the plan it ended on follows (last plan). "
               + _trace_sentences(model), "",
               "Predicted step = no optimisation's measured step + what the model says the "
               "method's plan adds. `profiled` prices the plan from the auto runs' profile on "
@@ -343,9 +344,12 @@ def _training_lines(name: str, model: dict) -> list[str]:
                               and r.get("detail") is not None else "")
             reason = f" ({r['reason']})" if r.get("reason") and not r["fits"] else ""
             tokens = "-" if r.get("tokens_per_s") is None else f"{r['tokens_per_s']:,.0f}"
+            last = r.get("last_plan_step_time_s")
+            settled = (f" (last plan {_ms(last)})" if last is not None and r.get("plan_swaps")
+                       else "")
             lines.append(
                 f"| {label} | {_fits(r['fits'])}{reason} | {mib(r.get('peak_bytes'))} | "
-                f"{_ms(r.get('step_time_s'))} | {tokens} | "
+                f"{_ms(r.get('step_time_s'))}{settled} | {tokens} | "
                 f"{_ms(r.get('runtime_predicted_step_time_s'))}, "
                 f"{_ms(r.get('runtime_measured_step_time_s'))} | "
                 f"{_ms(r.get('profiled_step_s'))} | {_ms(r.get('analytic_step_s'))} | "

@@ -380,6 +380,11 @@ class ModelRuns:
             "step_time_s": _median_of(records, "step_time_s", warm, total, work),
             # with Adacc's periodic work in: what these first iterations paid
             "step_time_with_adacc_work_s": _median_of(records, "step_time_s", warm, total),
+            # what a long run settles on: the steps of the plan the run ended on
+            "last_plan_step_time_s": _median_of(
+                [r for r in records if r.get("plan_id") == records[-1].get("plan_id")],
+                "step_time_s", warm, total, work) if records[-1].get("plan_id") else None,
+            "step_times_s": steps,     # every iteration's, to tell noise from drift
             "adacc_work_iterations": sorted(work),
             "tokens_per_s": _median_of(records, "tokens_per_s", warm, total, work),
             "peak_bytes": peak, "peak_source": source,

@@ -496,6 +496,7 @@ RESULTS = {
                                            "reason": "not run: out of time"},
                          common.AUTO: {"fits": True, "reason": "", "peak_bytes": 1 << 30,
                                           "step_time_s": 0.25, "tokens_per_s": 32768.0,
+                                          "last_plan_step_time_s": 0.22, "plan_swaps": 1,
                                           "runtime_predicted_step_time_s": 0.24,
                                           "runtime_measured_step_time_s": 0.23,
                                           "analytic_step_s": 0.21, "measured_added_s": 0.05,
@@ -505,8 +506,9 @@ RESULTS = {
 
 def test_the_report_renders_passes_failures_and_what_was_not_measured():
     page = report.markdown(RESULTS)
-    assert ("The profile's memory model: static 1,024 MiB, optimizer step 4.00 MiB, left by the "
-            "first step 3.00 MiB, forward and backward's allocator overhead 0.00 MiB" in page)
+    assert ("The profile's memory model: static 1,024 MiB, optimizer step 4.00 MiB, held beside "
+            "the model or left by its first step 3.00 MiB, forward and backward's allocator "
+            "overhead 0.00 MiB" in page)
     assert ("Its smallest feasible budget (the recompute-only plan's peak) is 1,500,000,000 B, "
             "with lossy rebuild sources 1,350,000,000 B; full recompute's measured peak is "
             "1,400,000,000 B (1,300,000,000 B when its forward and backward ended). auto 0: "
@@ -526,8 +528,8 @@ def test_the_report_renders_passes_failures_and_what_was_not_measured():
             "| 0.0 | 0.0 |") in page
     assert ("| megatron block recompute (3 layers) | ? (not run: out of time) | - | - | - | -, - "
             "| - | - | - | - |") in page
-    assert ("| adacc auto | yes | 1,024 | 250.0 | 32,768 | 240.0, 230.0 | - | 210.0 | 50.0 | 10.0 |"
-            in page)
+    assert ("| adacc auto | yes | 1,024 | 250.0 (last plan 220.0) | 32,768 | 240.0, 230.0 | - "
+            "| 210.0 | 50.0 | 10.0 |" in page)
     assert "infeasible (smallest feasible 3,072 MiB)" in page
     assert ("- none: 120.0; 100.0; syncs 3, copies 2 to host, 5 to device; python all 50.0, "
             "adacc 1.5; gemm 60.0; softmax 20.2") in page
