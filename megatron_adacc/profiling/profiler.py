@@ -622,11 +622,6 @@ def profile(model: torch.nn.Module, batch: Batch, *, repeats: int = DEFAULT_REPE
 def _profile(run: _Profiling) -> ModelCosts:
     model, config = run.model, run.model.config
     started = allocator.allocated(run.device)
-    # Bytes the process held before Adacc came (an earlier model's cuBLAS workspaces, a user's
-    # tensors) stay through every step too: on the H200 each plan peaked by them over its
-    # prediction in a process that had trained before.
-    foreign = max(0, started - _device_bytes((*model.parameters(), *model.buffers(), *run.batch),
-                                             run.device))
     run.step({})  # warm-up: megatron's cached mask, allocator, codec kernels
     with allocator.watch(run.device) as peaks:
         retained = run.step({}, _RetainedRuler)
@@ -697,14 +692,7 @@ def _profile(run: _Profiling) -> ModelCosts:
     # H200, GPT-345M's full recompute peaked in its optimizer step 201 MB over static and the
     # step's own bytes, cuBLAS's two 32 MiB workspaces and megatron's 128 MiB baddbmm buffer.
     return replace(costs, allocator_overhead_bytes=allocator_overhead(costs, peaks),
-                   persistent_overhead_bytes=max(0, peaks.allocated_before - started) + foreign)
-
-
-def _device_bytes(tensors: Iterable[torch.Tensor | None], device: torch.device) -> int:
-    """The bytes of the distinct storages of ``tensors`` on ``device``."""
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors
-                if t is not None and t.device == device}
-    return sum(storages.values())
+                   persistent_overhead_bytes=max(0, peaks.allocated_before - started))
 
 
 def stage_memory(model: torch.nn.Module, batch: Batch, *, strict: bool = False,

@@ -311,8 +311,7 @@ def _training_lines(name: str, model: dict) -> list[str]:
         lines += ["The profile's memory model: static "
                   f"{mib(terms['static_bytes'])} MiB, "
                   + (f"optimizer step {mib(step)} MiB, " if step is not None else "")
-                  + (f"held beside the model or left by its first step {mib(kept)} MiB, "
-                     if kept is not None else "")
+                  + (f"left by the first step {mib(kept)} MiB, " if kept is not None else "")
                   + "forward and backward's allocator overhead "
                   f"{mib(terms['allocator_overhead_bytes'])} MiB, non-layer "
                   f"{mib(terms['non_layer_bytes'])} MiB (held through backward "
