@@ -106,6 +106,19 @@ def _runs_foreach(group: dict, params: list[torch.Tensor]) -> bool:
 def engine_static_bytes(model_chunks, optimizer) -> int:
     """What megatron's engine holds on this rank through every step, read before its first one.
 
+    It is ``engine_held_bytes`` plus what the first step allocates: ``_engine_bytes``."""
+    held, to_come = _engine_bytes(model_chunks, optimizer)
+    return held + to_come
+
+
+def engine_held_bytes(model_chunks, optimizer) -> int:
+    """The part of ``engine_static_bytes`` already allocated: all but Adam's state before a step."""
+    return _engine_bytes(model_chunks, optimizer)[0]
+
+
+def _engine_bytes(model_chunks, optimizer) -> tuple[int, int]:
+    """What megatron's engine holds on this rank: (allocated now, allocated by the first step).
+
     - the distinct storages of the parameters and buffers;
     - DistributedDataParallel's gradient buffers (and parameter buffers, under the distributed
       optimizer) and the optimizer's main parameters. An FSDP wrapper's own buffers are not
@@ -129,15 +142,18 @@ def engine_static_bytes(model_chunks, optimizer) -> int:
             hold(buffer.grad_data)
             if buffer.param_data is not None:
                 hold(buffer.param_data)
-    state = 0
+    state, to_come = 0, 0
     for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
         stepped = [p for group in inner.optimizer.param_groups for p in group["params"]]
         for main_param in stepped:
             hold(main_param)
             held_state = inner.optimizer.state.get(main_param)
-            state += (sum(t.untyped_storage().nbytes() for t in held_state.values()
-                          if torch.is_tensor(t)) if held_state else _adam_state_bytes(main_param))
-    return sum(storages.values()) + state
+            if held_state:
+                state += sum(t.untyped_storage().nbytes() for t in held_state.values()
+                             if torch.is_tensor(t))
+            else:
+                to_come += _adam_state_bytes(main_param)
+    return sum(storages.values()) + state, to_come
 
 
 def engine_step_bytes(optimizer) -> int:

@@ -506,8 +506,8 @@ RESULTS = {
 
 def test_the_report_renders_passes_failures_and_what_was_not_measured():
     page = report.markdown(RESULTS)
-    assert ("The profile's memory model: static 1,024 MiB, optimizer step 4.00 MiB, held beside "
-            "the model or left by its first step 3.00 MiB, forward and backward's allocator "
+    assert ("The profile's memory model: static 1,024 MiB, optimizer step 4.00 MiB, left by the "
+            "first step 3.00 MiB, forward and backward's allocator "
             "overhead 0.00 MiB" in page)
     assert ("Its smallest feasible budget (the recompute-only plan's peak) is 1,500,000,000 B, "
             "with lossy rebuild sources 1,350,000,000 B; full recompute's measured peak is "

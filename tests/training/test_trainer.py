@@ -256,6 +256,24 @@ def test_auto_profiles_with_the_repeats_asked_for(tmp_path):
         assert session.adacc.costs.meta["repeats"] == repeats
 
 
+def test_bytes_the_process_holds_beside_the_engine_count_as_static(monkeypatch, tmp_path):
+    # On the H200 a process that had trained before held 64 MiB of cuBLAS workspaces, and every
+    # plan peaked by them over its prediction. Each byte allocated beyond the engine and the
+    # batch when Adacc sets up counts once (1 TiB is above whatever they hold).
+    from megatron_adacc.profiling import allocator, engine_memory
+
+    static = {}
+    for extra in (0, 64 << 20):
+        monkeypatch.setattr(allocator, "allocated", lambda device, extra=extra: (1 << 40) + extra)
+        session = pretrain("--train-iters", "1", "--adacc-policy", "auto",
+                           "--adacc-memory-budget", "2TiB", "--adacc-profile-repeats", "1",
+                           "--adacc-profile-db", str(tmp_path / f"{extra}.db"))
+        engine = engine_memory.engine_static_bytes(session.ddp_models, session.optimizer)
+        static[extra] = session.adacc.static_bytes
+        assert session.rank_static_bytes == static[extra] > engine
+    assert static[64 << 20] - static[0] == 64 << 20
+
+
 def test_the_bytes_a_record_reads_are_of_the_plan_it_predicts_for(guard_swaps):
     # The ruler measured every 50th step: after tracking swapped plans, the log set the last
     # plan's measured bytes beside the new plan's prediction, which read as a misprediction.
