@@ -104,6 +104,9 @@ def parse(argv=None) -> argparse.Namespace:
                         help="which methods beside no optimisation and full recompute (which "
                              "set the budgets) the training section runs; overhead (asked "
                              "for only) splits Adacc's all-retain step into its parts")
+    parser.add_argument("--rounds", type=int, choices=(1, 2), default=1,
+                        help="2: run each model's runs again in reverse order, so a drift of "
+                             "the machine over the section weighs alike on every method")
     parser.add_argument("--hardware", default=None,
                         help="the accelerator model to predict with (adacc plan --hardware); "
                              "default: the entry of the device found")
@@ -124,13 +127,14 @@ def parse(argv=None) -> argparse.Namespace:
 
 
 def training_worker(name: str, device, sizes: Sizes, deadline: Deadline, emit,
-                    accelerator: str | None, methods=OPTIONAL_METHODS) -> None:
+                    accelerator: str | None, methods=OPTIONAL_METHODS, rounds: int = 1) -> None:
     from megatron_adacc.models import build as model_lib
 
     warnings.filterwarnings("ignore")
     # the predictions after the runs take seconds of planning
     runs = ModelRuns(name, MODELS[name], device, sizes,
-                     Deadline(deadline.left() - PREDICT_S[device_kind(device.type == "cpu")]), emit)
+                     Deadline(deadline.left() - PREDICT_S[device_kind(device.type == "cpu")]), emit,
+                     rounds)
     device_name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     try:
         runs.measure(methods)  # each run is pretrain_gpt.py's, with a process group of its own
@@ -158,13 +162,13 @@ def worker_main(args) -> int:
         syncs_worker(device, sizes, deadline, emit)
     else:
         training_worker(args.worker.split(":", 1)[1], device, sizes, deadline, emit,
-                        args.hardware, args.methods)
+                        args.hardware, args.methods, args.rounds)
     return 0
 
 
 # --- the parent: plan the time, run the children, write the report ----------------------------
 
-def estimate_s(section: str, dry_run: bool, optional=OPTIONAL_METHODS) -> float:
+def estimate_s(section: str, dry_run: bool, optional=OPTIONAL_METHODS, rounds: int = 1) -> float:
     """A section's seconds, from its sizes and the methods it runs (leads; see the constants)."""
     from megatron_adacc import codecs
 
@@ -191,7 +195,10 @@ def estimate_s(section: str, dry_run: bool, optional=OPTIONAL_METHODS) -> float:
         iters = sizes.auto_iters if auto else sizes.iters
         total += clock.estimate(method, iters, auto, method in TRACED)
         clock.profiled |= auto  # the first auto run profiles
-    return total + clock.estimate(NONE, sizes.iters, False, False)  # the drift's run
+        if rounds > 1:  # again, untraced, with the profile stored
+            total += clock.estimate(method, iters, auto, False)
+    # the drift's run, where no second round measures the drift
+    return total + (clock.estimate(NONE, sizes.iters, False, False) if rounds == 1 else 0.0)
 
 
 def allot(section: str, estimates: dict, later: list, left: float) -> float:
@@ -221,7 +228,7 @@ def run_child(args, section: str, seconds: float, progress) -> tuple[dict | None
             command.append("--dry-run")
         if args.hardware:
             command += ["--hardware", args.hardware]
-        command += ["--methods", *args.methods]
+        command += ["--methods", *args.methods, "--rounds", str(args.rounds)]
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)
         child = (_Forked(command[2:], env) if args.dry_run
@@ -334,7 +341,7 @@ def main(argv=None) -> int:
     sections = [s for s in ("codecs", "syncs") if s in args.sections]
     if "training" in args.sections:
         sections += [f"training:{name}" for name in args.models]
-    estimates = {s: estimate_s(s, args.dry_run, args.methods) for s in sections}
+    estimates = {s: estimate_s(s, args.dry_run, args.methods, args.rounds) for s in sections}
     results["estimates_s"] = estimates
     print("gpu_check: plan: " + ", ".join(f"{s} ~{e:.0f} s" for s, e in estimates.items())
           + f"; budget {args.device_budget_s:.0f} s", flush=True)

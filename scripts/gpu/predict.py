@@ -178,6 +178,7 @@ def predict(runs: ModelRuns, accelerator: str) -> None:
             row = {"run": run_name, "detail": detail, "step_time_s": run.get("step_time_s"),
                    "last_plan_step_time_s": run.get("last_plan_step_time_s"),
                    "plan_swaps": run.get("plan_swaps"),
+                   "rounds_step_time_s": run.get("rounds_step_time_s"),
                    "tokens_per_s": run.get("tokens_per_s"), "peak_bytes": run.get("peak_bytes")}
             row.update(_fit(run, budget, run_name))
             for key in ("predicted_step_time_s", "measured_step_time_s"):

@@ -278,6 +278,10 @@ def _training_lines(name: str, model: dict) -> list[str]:
                  if model.get("auto_iters", model["iters"]) != model["iters"] else "")
               + f". Its step is the median of those after {model['warmup']}; where a plan "
               "swapped, the median over the plan it ended on follows (last plan). "
+              + ("Every run ran twice, the second time untraced and in reverse order, so the "
+                 "machine's drift weighs alike on every method: the step is the median of "
+                 "both rounds' steps, each round's own median beside it (rounds). "
+                 if model.get("rounds", 1) > 1 else "")
               + _trace_sentences(model), "",
               "Predicted step = no optimisation's measured step + what the model says the "
               "method's plan adds. `profiled` prices the plan from the auto runs' profile on "
@@ -346,6 +350,8 @@ def _training_lines(name: str, model: dict) -> list[str]:
             last = r.get("last_plan_step_time_s")
             settled = (f" (last plan {_ms(last)})" if last is not None and r.get("plan_swaps")
                        else "")
+            if r.get("rounds_step_time_s"):
+                settled += f" (rounds {', '.join(_ms(t) for t in r['rounds_step_time_s'])})"
             lines.append(
                 f"| {label} | {_fits(r['fits'])}{reason} | {mib(r.get('peak_bytes'))} | "
                 f"{_ms(r.get('step_time_s'))}{settled} | {tokens} | "

@@ -81,12 +81,18 @@ def untraced_end(iters: int, traced: bool) -> int:
     return trace_start(iters) - 1 if traced else iters
 
 
-def _median_of(records: list[dict], key: str, warmup: int, end: int,
-               skip: set[int] = frozenset()) -> float | None:
+def _window(records: list[dict], key: str, warmup: int, end: int,
+            skip: set[int] = frozenset()) -> list[float]:
+    """The values of ``key`` a run's median is taken over (all of them if that leaves none)."""
     # the first steps warm up; from `end` on the profiler runs (untraced_end)
     values = [r[key] for r in records if r.get(key) is not None
               and warmup < r["iteration"] < end and r["iteration"] not in skip]
-    values = values or [r[key] for r in records if r.get(key) is not None]
+    return values or [r[key] for r in records if r.get(key) is not None]
+
+
+def _median_of(records: list[dict], key: str, warmup: int, end: int,
+               skip: set[int] = frozenset()) -> float | None:
+    values = _window(records, key, warmup, end, skip)
     return statistics.median(values) if values else None
 
 
@@ -266,9 +272,10 @@ class ModelRuns:
     optimisation, full recompute, naive INT4 and auto is traced (its top kernels)."""
 
     def __init__(self, name: str, spec: ModelSpec, device, sizes: Sizes, deadline: Deadline,
-                 emit):
+                 emit, rounds: int = 1):
         self.name, self.spec, self.device, self.sizes = name, spec, device, sizes
-        self.deadline, self.emit = deadline, emit
+        self.deadline, self.emit, self.rounds = deadline, emit, rounds
+        self.calls: list[tuple[str, str, tuple[str, ...]]] = []    # the runs made, in order
         self.dry_run = device.type == "cpu"
         self.values = config_values(spec, self.dry_run)
         self.clock = RunClock(device_kind(self.dry_run), self.values,
@@ -285,7 +292,8 @@ class ModelRuns:
             # what the medians leave out (untraced_end), and whether CUPTI outlives a trace
             "profiler_iterations_left_out": True,
             "teardown_cupti": os.environ.get("TEARDOWN_CUPTI") == "1",
-            "estimated_step_s": self.clock.step_s, "runs": {}, "budgets": [], "notes": []}
+            "estimated_step_s": self.clock.step_s, "rounds": rounds, "runs": {}, "budgets": [],
+            "notes": []}
 
     @property
     def runs(self) -> dict:
@@ -319,6 +327,8 @@ class ModelRuns:
         result = self._pretrain(run_name, method, iters, list(flags), traced)
         result["estimated_s"] = needed
         self.runs[run_name] = result
+        if run_name != AGAIN and "step_time_s" in result:
+            self.calls.append((run_name, method, flags))
         self.emit(self.report)
         return result
 
@@ -378,6 +388,7 @@ class ModelRuns:
         work = adacc_work_iterations(records)
         result.update({
             "step_time_s": _median_of(records, "step_time_s", warm, total, work),
+            "window_s": _window(records, "step_time_s", warm, total, work),
             # with Adacc's periodic work in: what these first iterations paid
             "step_time_with_adacc_work_s": _median_of(records, "step_time_s", warm, total),
             # what a long run settles on: the steps of the plan the run ended on
@@ -460,9 +471,50 @@ class ModelRuns:
         for mods in selective_sets() if "selective" in methods else ():
             self.run(f"selective {'+'.join(mods)}", SELECTIVE, "--recompute-granularity",
                      "selective", "--recompute-modules", *mods)
-        self._drift(none)
+        if self.rounds > 1:
+            self._second_round()
+        else:
+            self._drift(none)
         self.emit(self.report)
         return self.report
+
+    def _second_round(self) -> None:
+        """Every run again, in reverse order, untraced; each method's step then spans both.
+
+        The host's speed moved by up to half between runs of one process on the H200. Run in
+        the order A B ... B A, a drift that is steady over the section weighs alike on every
+        method: each step is the median of both rounds' steps."""
+        first_none = self.runs.get("none", {}).get("step_time_s")
+        for run_name, method, flags in reversed(self.calls):
+            auto = "auto" in flags
+            iters = self.sizes.auto_iters if auto else self.sizes.iters
+            needed = self.clock.estimate(method, iters, auto, False)
+            if needed > self.deadline.left():
+                note(self.report["notes"], f"{self.name}: {run_name}: no second round: would "
+                                            f"take ~{needed:.0f} s, "
+                                            f"{self.deadline.left():.0f} s left")
+                continue
+            print(f"gpu_check: {self.name}: {run_name}, round 2", flush=True)
+            again = self._pretrain(f"{run_name} 2", method, iters, list(flags), False)
+            first = self.runs[run_name]
+            if again.get("step_time_s") is None:
+                first["round_2"] = {"error": again.get("error", "no step measured")}
+                continue
+            step = statistics.median(first["window_s"] + again["window_s"])
+            first.update(
+                rounds_step_time_s=[first["step_time_s"], again["step_time_s"]],
+                tokens_per_s=(first["tokens_per_s"] * first["step_time_s"] / step
+                              if first.get("tokens_per_s") else None),
+                step_time_s=step, window_s=first["window_s"] + again["window_s"],
+                peak_bytes=max(first["peak_bytes"] or 0, again["peak_bytes"] or 0) or None,
+                round_2={key: again.get(key) for key in (
+                    "step_time_s", "last_plan_step_time_s", "peak_bytes", "plan_id",
+                    "plan_swaps", "swap_lines", "step_times_s", "wall_s")})
+            self.emit(self.report)
+        again_none = self.runs.get("none", {}).get("round_2", {}).get("step_time_s")
+        if first_none and again_none:
+            self.report["drift"] = {"first_step_s": first_none, "last_step_s": again_none,
+                                    "change": again_none / first_none - 1}
 
     def _retain_plan(self) -> str:
         """A plan file retaining every site in every layer: the all-retain plan auto picks."""
