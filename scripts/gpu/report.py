@@ -280,7 +280,8 @@ def _training_lines(name: str, model: dict) -> list[str]:
               "swapped, the median over the plan it ended on follows (last plan). "
               + ("Every run ran twice, the second time untraced and in reverse order, so the "
                  "machine's drift weighs alike on every method: the step is the median of "
-                 "both rounds' steps, each round's own median beside it (rounds). "
+                 "both rounds' steps, each round's own median beside it (rounds). Peaks are "
+                 "the first round's, whose runs set the budgets. "
                  if model.get("rounds", 1) > 1 else "")
               + _trace_sentences(model), "",
               "Predicted step = no optimisation's measured step + what the model says the "
