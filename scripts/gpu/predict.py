@@ -355,7 +355,10 @@ def _fit(run: dict, budget: int | None, run_name: str | None) -> dict:
     if run.get("peak_bytes") is None:
         return {"fits": None, "reason": "no peak measured"}
     fits = run["peak_bytes"] <= budget
-    reason = "" if fits else f"peak {mib(run['peak_bytes'])} MiB over the budget"
+    excess = run["peak_bytes"] - budget
+    # a peak over by less than a MiB reads as a mebibyte's rounding otherwise
+    over = f"{mib(excess)} MiB" if excess >= 1 << 20 else f"{excess:,} B"
+    reason = "" if fits else f"peak {mib(run['peak_bytes'])} MiB, {over} over the budget"
     last = run.get("last_plan_peak_bytes")
     if not fits and last is not None and last <= budget:
         reason += f"; its last plan's {mib(last)} MiB within it"

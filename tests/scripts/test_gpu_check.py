@@ -312,6 +312,16 @@ def test_where_auto_is_refused_but_lossy_sources_fit_they_run_too(tmp_path, monk
     assert tightest[common.AUTO_LOSSY]["fits"] is True   # 900 B within full recompute's 1000
 
 
+def test_a_peak_over_the_budget_says_by_how_much():
+    # On the H200 Adacc's tightest plan peaked 37,888 B over: "8,314 MiB over" misread it.
+    budget = 8_718_088_192
+    for over, said in ((37_888, "37,888 B"), (3 << 20, "3.00 MiB")):
+        fit = prediction._fit({"peak_bytes": budget + over}, budget, "auto 0")
+        assert fit == {"fits": False,
+                       "reason": f"peak {common.mib(budget + over)} MiB, {said} over the budget"}
+    assert prediction._fit({"peak_bytes": budget}, budget, "full") == {"fits": True, "reason": ""}
+
+
 def test_a_second_round_runs_everything_again_in_reverse_and_spans_both(monkeypatch):
     # On the H200 the host's speed moved by up to half between runs of one process: in the
     # order A B B A a steady drift weighs alike on both methods.
