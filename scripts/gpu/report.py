@@ -90,36 +90,36 @@ Then `run` with `carry: [".whl"]` (16 MB), `timeout_s: 420` and this command:
 The script plans its work into 380 s; the wheel install takes about 10 s more. It estimates
 each part from the sizes, then from what it has timed. It shrinks (fewer iterations) or skips
 what would not fit, says so, and records it in the JSON. Codecs and syncs go first, then
-GPT-345M's runs, then the Llama's. On 2026-11-28 a machine started in about 30 s, so a
-session's 15 minutes hold the call and one rerun (`--sections`, `--models` and `--methods`
-for the part that was lost). One call does not hold every method of both models (about
-590 s of estimates): on 2026-11-29 two calls did, `--device-budget-s 330 --models
-gpt-345m` (329 s) then `--sections training --models llama-1b --device-budget-s 250`
-beside the codecs again (280 s), 691 s of device time with both starts. It prints a summary
-table last and rewrites the JSON and this page under `$OUT` after every section, so a
-cut-off call still returns what it measured.
+GPT-345M's runs, then the Llama's. A machine starts in about 30 s, so a session's 15
+minutes hold two or three calls (`--sections`, `--models` and `--methods` pick the part). On
+2026-11-30 three calls took 283 s (both models, auto and overhead), 239 s (codecs and every
+GPT-345M method) and 212 s (GPT-345M's contenders with `--rounds 2`), 830 s of device time
+with their starts. `--rounds 2` runs every run again in reverse order: on the H200 the
+host's speed drifted by up to half over one section, and GPT-345M's step is bound by the
+host. It prints a summary table last and rewrites the JSON and this page under `$OUT` after
+every section, so a cut-off call still returns what it measured.
 
 What the next lease should measure first, in this order:
 
-1. `--sections training --models gpt-345m --methods auto overhead` (no optimisation and
-   full recompute always run: they set the budgets; about 170 s of estimates). On
-   2026-11-29 every GPT-345M method cost at least 73 ms a step over no optimisation, even
-   selective layernorm recompute (+104 ms) and Adacc's all-retain plan (+73 ms, the same
-   kernels). No optimisation ran first: each later run began after a traced run had left
-   CUPTI attached, Kineto's default until `TEARDOWN_CUPTI=1`, which the check now sets
-   (pytorch/pytorch#144455). GPT-345M's step is bound by the host, where CUPTI's cost per
-   call shows; the Llama's is not (its no optimisation again: +1.3%). If no optimisation
-   again now matches the first run, those gaps were the ruler's. `overhead` splits what
-   remains: Adacc's layer under a fixed all-retain plan (no profile), and auto with
-   tracking off. Also: whether Adacc takes the tightest budget, which its optimizer-step
-   term refused (`fd25aaa`), and the traces' copies to the host falling from 304 a step to
-   about 12 (`megatron_compat`'s grad_norm_on_the_device), plus two a micro-batch from the
-   second step on: the loss checks Megatron-LM's script makes too (`f01654f`).
-2. `--sections training --models llama-1b --methods auto`: whether the profile's warm-up
-   correction (`8a0c1f3`) makes the first plan fit, and what a step-watch re-timing costs
-   now that it times only the plan's codecs (`0703871`; metrics' `step_watch.time_s`).
-3. `scripts/bench_codec_geometry.py --budget-s 40` after the check: channel_int4 at 8 and 16
-   warps, since its race is mended (`fe76a3d`); lift its 4-warp pin if one is faster.
+1. `--sections training --models gpt-345m llama-1b --methods auto --rounds 2` (about 250 s
+   of estimates, which ran about 40% over what the calls of 2026-11-30 took). On 2026-11-30
+   each auto run's first plan peaked 64-69 MiB over its prediction: the cuBLAS workspaces
+   earlier runs in the process had left. The trainer now counts what is allocated beside
+   the engine at set-up as static (`5862b7c`): the first plans should fit. Also whether the
+   recompute-only plan, now measured after every re-time whatever its price (`17b46f1`),
+   takes over at GPT-345M's tightest budget, where Megatron's full recompute ran 176-213 ms
+   and auto 189-202 ms.
+2. The 37,888 B by which auto's GPT-345M plans peaked over full recompute's peak at the
+   tightest budget, and over no optimisation's at the loosest. Every run after the first
+   auto run held 37,376 B more before it began (64.04 MiB, not 64.00): something Adacc
+   allocates once per process and keeps. `torch.cuda.memory_snapshot()` before and after
+   one auto run names the blocks; the memory model must count them.
+3. `--sections codecs`, then `scripts/bench_codec_geometry.py --budget-s 40`. On
+   2026-11-30 sym_int4's round trip took 0.095 ms where its graph replay took 0.056 ms: its
+   host path (93 us a call) bounds it. outlier_int4 (0.30 of a copy) and channel_int4 (0.22)
+   are far from the 0.5 target. The geometry scan found channel_int4 at 0.27 with 16,384
+   elements a program and 64 a thread (8 warps) against 0.21 shipped, bitmask at 0.61 with
+   8,192 against 0.57; the shipped geometry is within 0.02 of the best for the rest.
 
 Back here, from the call's `files_at` folder:
 
