@@ -66,6 +66,7 @@ from gpu.common import (  # noqa: E402
     DIAGNOSTIC_METHODS,
     DRY_MICRO_BATCH,
     FULL,
+    HELD,
     MIN_SECTION_S,
     MODELS,
     NONE,
@@ -103,7 +104,9 @@ def parse(argv=None) -> argparse.Namespace:
                         default=list(OPTIONAL_METHODS),
                         help="which methods beside no optimisation and full recompute (which "
                              "set the budgets) the training section runs; overhead (asked "
-                             "for only) splits Adacc's all-retain step into its parts")
+                             "for only) splits Adacc's all-retain step into its parts; held "
+                             "(asked for only) names the device blocks the first auto run "
+                             "leaves allocated")
     parser.add_argument("--rounds", type=int, choices=(1, 2), default=1,
                         help="2: run each model's runs again in reverse order, so a drift of "
                              "the machine over the section weighs alike on every method")
@@ -187,11 +190,11 @@ def estimate_s(section: str, dry_run: bool, optional=OPTIONAL_METHODS, rounds: i
     clock = RunClock(kind, values, DRY_MICRO_BATCH if dry_run else spec.micro_batch)
     counts = {"auto": [AUTO] * 3 + [AUTO_LOSSY], "block": [BLOCK] * 2, "quantize": [QUANTIZE],
               "selective": [SELECTIVE] * len(selective_sets()),
-              "overhead": [RETAIN_PLAN, AUTO_UNTRACKED]}
+              "overhead": [RETAIN_PLAN, AUTO_UNTRACKED], "held": [HELD]}
     methods = [NONE, FULL] + [m for name in optional for m in counts[name]]
     total = CHILD_START_S[kind] + PREDICT_S[kind]
     for method in methods:
-        auto = method in (AUTO, AUTO_LOSSY, AUTO_UNTRACKED)
+        auto = method in (AUTO, AUTO_LOSSY, AUTO_UNTRACKED, HELD)
         iters = sizes.auto_iters if auto else sizes.iters
         total += clock.estimate(method, iters, auto, method in TRACED)
         clock.profiled |= auto  # the first auto run profiles

@@ -109,11 +109,13 @@ What the next lease should measure first, in this order:
    recompute-only plan, now measured after every re-time whatever its price (`17b46f1`),
    takes over at GPT-345M's tightest budget, where Megatron's full recompute ran 176-213 ms
    and auto 189-202 ms.
-2. The 37,888 B by which auto's GPT-345M plans peaked over full recompute's peak at the
-   tightest budget, and over no optimisation's at the loosest. Every run after the first
-   auto run held 37,376 B more before it began (64.04 MiB, not 64.00): something Adacc
-   allocates once per process and keeps. `torch.cuda.memory_snapshot()` before and after
-   one auto run names the blocks; the memory model must count them.
+2. `--sections training --models gpt-345m --methods held` (about 60 s): the 37,888 B by
+   which auto's GPT-345M plans peaked over full recompute's peak at the tightest budget, and
+   over no optimisation's at the loosest. Every run after the first auto run held 37,376 B
+   more before it began (64.04 MiB, not 64.00): something Adacc allocates once per process
+   and keeps. `held` runs the process's first auto run with the allocator's history on and
+   lists the blocks it leaves allocated, with the frames that allocated them. The memory
+   model must count them. Item 1 can take `held` with it.
 3. `--sections codecs`, then `scripts/bench_codec_geometry.py --budget-s 40`. On
    2026-11-30 sym_int4's round trip took 0.095 ms where its graph replay took 0.056 ms: its
    host path (93 us a call) bounds it. outlier_int4 (0.30 of a copy) and channel_int4 (0.22)
@@ -295,10 +297,14 @@ def _training_lines(name: str, model: dict) -> list[str]:
         lines += [f"The model's runs were cut: {model['ended']}.", ""]
     drift = model.get("drift")
     if drift:
-        lines += [f"Drift: no optimisation's step took {_ms(drift['first_step_s'])} ms first and "
-                  f"{_ms(drift['last_step_s'])} ms when run again last ({drift['change']:+.1%}). "
-                  "The methods ran one after another, so differences between them no larger "
-                  "than that are noise.", ""]
+        lines += ([f"Drift: no optimisation's step took {_ms(drift['first_step_s'])} ms in the "
+                   f"first round and {_ms(drift['last_step_s'])} ms in the second "
+                   f"({drift['change']:+.1%}), which the rounds' order spreads over every "
+                   "method.", ""] if model.get("rounds", 1) > 1 else
+                  [f"Drift: no optimisation's step took {_ms(drift['first_step_s'])} ms first "
+                   f"and {_ms(drift['last_step_s'])} ms when run again last "
+                   f"({drift['change']:+.1%}). The methods ran one after another, so "
+                   "differences between them no larger than that are noise.", ""])
     if model.get("notes"):
         lines += [f"- {note}" for note in model["notes"]] + [""]
     held = {n: r["memory_held_before"] for n, r in model["runs"].items()
@@ -308,6 +314,13 @@ def _training_lines(name: str, model: dict) -> list[str]:
         lines += ["Runs that began with more device memory held than the first:", "",
                   *(f"- {n}: {mib(b)} MiB" for n, b in grown.items()), "",
                   "A leak between runs in one process would show in their peaks.", ""]
+    kept = model["runs"].get("held", {}).get("kept_blocks")
+    if kept is not None:
+        lines += [f"Device blocks the process's first auto run left allocated: {len(kept)}, "
+                  f"{sum(b['size'] for b in kept):,} B"
+                  + (" (the largest 40)" if len(kept) == 40 else "") + ":", "",
+                  *(f"- {b['size']:,} B ({b['requested'] or 0:,} asked for): "
+                    f"{'; '.join(b['frames']) or 'no frame of ours'}" for b in kept), ""]
     terms = model.get("memory_model")
     if terms:
         step = terms.get("optimizer_step_bytes")  # absent from checks before 2026-11-29

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import glob
 import io
 import itertools
@@ -16,7 +17,7 @@ import time
 import torch
 
 from gpu.common import (AGAIN, AUTO, AUTO_LOSSY, AUTO_UNTRACKED, BLOCK, BUDGET_FRACTIONS,
-                        COPY_CALLS, DRY_MICRO_BATCH, FULL, INITIAL_LOSS_SCALE, NONE,
+                        COPY_CALLS, DRY_MICRO_BATCH, FULL, HELD, INITIAL_LOSS_SCALE, NONE,
                         OPTIONAL_METHODS, PROFILE_S, PROFILE_STEPS, PYTHON_PACKAGES, QUANTIZE,
                         RETAIN_PLAN, ROOT, RUN_OVERHEAD_S, SELECTIVE, STACKS, STEP_FACTOR,
                         STEP_FLOPS, SYNC_CALLS, TOP_KERNELS, TRACE_S, TRACED, TRACKING_S,
@@ -112,6 +113,53 @@ def _peak(records: list[dict]) -> tuple[int | None, str]:
     if static is None or peak is None:
         return None, "none"
     return static + peak, "ruler + static"
+
+
+# The frames that say where a kept block came from: the project's, Megatron's and the script's.
+OWN_FRAMES = ("megatron_adacc", "megatron/", "pretrain_gpt", "triton/")
+
+
+def kept_blocks(before: set[int], after: dict, limit: int = 40) -> list[dict]:
+    """The blocks allocated in ``after`` (``torch.cuda.memory._snapshot()``) but not ``before``.
+
+    Each has its size, its requested size and the first few frames of ours that allocated it
+    (the allocator's history must have been on), largest first."""
+    kept = []
+    for segment in after.get("segments", []):
+        for block in segment.get("blocks", []):
+            if block.get("state") != "active_allocated" or block["address"] in before:
+                continue
+            frames = [f"{'/'.join(f['filename'].rsplit('/', 2)[-2:])}:{f['line']} {f['name']}"
+                      for f in block.get("frames", [])
+                      if any(part in f["filename"] for part in OWN_FRAMES)]
+            kept.append({"size": block["size"], "requested": block.get("requested_size"),
+                         "frames": frames[:4]})
+    return sorted(kept, key=lambda block: -block["size"])[:limit]
+
+
+def _active_addresses(snapshot: dict) -> set[int]:
+    return {block["address"] for segment in snapshot.get("segments", [])
+            for block in segment.get("blocks", []) if block.get("state") == "active_allocated"}
+
+
+@contextlib.contextmanager
+def _blocks_kept(device, result: dict):
+    """Record in ``result["kept_blocks"]`` the device blocks the block leaves allocated."""
+    if device.type != "cuda":
+        result["kept_blocks"] = None    # a CPU has no caching allocator to ask
+        yield
+        return
+    # Python stacks at allocation only: C++ frames would cost the host far more a block
+    torch.cuda.memory._record_memory_history(context="alloc", stacks="python",
+                                             max_entries=500_000)
+    before = _active_addresses(torch.cuda.memory._snapshot())
+    try:
+        yield
+    finally:
+        torch.cuda.synchronize()
+        after = torch.cuda.memory._snapshot()
+        torch.cuda.memory._record_memory_history(enabled=None)
+        result["kept_blocks"] = kept_blocks(before, after)
 
 
 def plan_table(stdout: str) -> list[str]:
@@ -358,8 +406,11 @@ class ModelRuns:
         began = time.perf_counter()
         result = {"method": method, "flags": flags, "iters": iters,
                   "memory_held_before": leftover}
+        watched = (_blocks_kept(self.device, result) if method == HELD
+                   else contextlib.nullcontext())
         try:
-            code = bench_common.pretrain_in_process(argv, out, err)
+            with watched:
+                code = bench_common.pretrain_in_process(argv, out, err)
         except torch.OutOfMemoryError as exc:
             code, result["oom"] = None, True
             result["error"] = f"out of memory: {str(exc).splitlines()[0][:160]}"
@@ -448,6 +499,9 @@ class ModelRuns:
         budgets = [b["budget_bytes"] for b in self.report["budgets"]]
         if "overhead" in methods:   # before any auto run has profiled in this process
             self.run("retain plan", RETAIN_PLAN, "--adacc-policy", self._retain_plan())
+        if "held" in methods and budgets[-1] is not None:   # the process's first auto run
+            self.run("held", HELD, "--adacc-policy", "auto", "--adacc-memory-budget",
+                     f"{budgets[-1]}B", "--adacc-strict", traced=False)
         for index, budget in enumerate(budgets):
             if budget is not None and "auto" in methods:
                 self.run(f"auto {index}", AUTO, "--adacc-policy", "auto",

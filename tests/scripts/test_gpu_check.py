@@ -312,6 +312,29 @@ def test_where_auto_is_refused_but_lossy_sources_fit_they_run_too(tmp_path, monk
     assert tightest[common.AUTO_LOSSY]["fits"] is True   # 900 B within full recompute's 1000
 
 
+def test_held_names_the_blocks_a_run_leaves_allocated_and_where_they_came_from():
+    # On the H200 the first auto run of a process left 37,376 B that every later run held.
+    def block(address, size, state="active_allocated", frames=()):
+        return {"address": address, "size": size, "requested_size": size - 12, "state": state,
+                "frames": [{"filename": f, "line": 7, "name": "make"} for f in frames]}
+
+    after = {"segments": [{"blocks": [
+        block(0, 4096),                                        # held before the run
+        block(512, 512, frames=("/usr/lib/python3/torch/nn/x.py",
+                                "/src/megatron_adacc/codecs/bitmask.py")),
+        block(4608, 36864, frames=("/src/megatron/core/y.py",)),
+        block(8192, 2048, state="inactive")]}]}                # cached, not allocated
+    kept = training.kept_blocks({0}, after)
+    assert kept == [{"size": 36864, "requested": 36852, "frames": ["core/y.py:7 make"]},
+                    {"size": 512, "requested": 500, "frames": ["codecs/bitmask.py:7 make"]}]
+    model = {**RESULTS["training"]["llama-1b"]}
+    model["runs"] = {**model["runs"], "held": {"kept_blocks": kept}}
+    page = "\n".join(report._training_lines("llama-1b", model))
+    assert ("Device blocks the process's first auto run left allocated: 2, 37,376 B:\n\n"
+            "- 36,864 B (36,852 asked for): core/y.py:7 make\n"
+            "- 512 B (500 asked for): codecs/bitmask.py:7 make") in page
+
+
 def test_a_peak_over_the_budget_says_by_how_much():
     # On the H200 Adacc's tightest plan peaked 37,888 B over: "8,314 MiB over" misread it.
     budget = 8_718_088_192
