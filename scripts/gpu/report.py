@@ -101,21 +101,23 @@ every section, so a cut-off call still returns what it measured.
 
 What the next lease should measure first, in this order:
 
-1. `--sections training --models gpt-345m llama-1b --methods auto --rounds 2` (about 250 s
-   of estimates, which ran about 40% over what the calls of 2026-11-30 took). On 2026-11-30
-   each auto run's first plan peaked 64-69 MiB over its prediction: the cuBLAS workspaces
-   earlier runs in the process had left. The trainer now counts what is allocated beside
-   the engine at set-up as static (`5862b7c`): the first plans should fit. Also whether the
+1. `--sections training --models gpt-345m llama-1b --methods auto held --rounds 2` (about
+   280 s of estimates, which ran about 40% over what the calls of 2026-11-30 took). On
+   2026-11-30 each auto run's first plan peaked 64-69 MiB over its prediction: the cuBLAS
+   workspaces earlier runs in the process had left. The trainer now counts what is
+   allocated beside the engine at set-up as static (`5862b7c`): the first plans should fit.
+   Also whether the
    recompute-only plan, now measured after every re-time whatever its price (`17b46f1`),
    takes over at GPT-345M's tightest budget, where Megatron's full recompute ran 176-213 ms
    and auto 189-202 ms.
-2. `--sections training --models gpt-345m --methods held` (about 60 s): the 37,888 B by
-   which auto's GPT-345M plans peaked over full recompute's peak at the tightest budget, and
-   over no optimisation's at the loosest. Every run after the first auto run held 37,376 B
-   more before it began (64.04 MiB, not 64.00): something Adacc allocates once per process
-   and keeps. `held` runs the process's first auto run with the allocator's history on and
-   lists the blocks it leaves allocated, with the frames that allocated them. The memory
-   model must count them. Item 1 can take `held` with it.
+2. `held`, in item 1's call (about 30 s of it): the 37,888 B by which auto's GPT-345M
+   plans peaked over full recompute's peak at the tightest budget, and over no
+   optimisation's at the loosest. Every run after the first auto run held 37,376 B more
+   before it began (64.04 MiB, not 64.00). That matches the Triton codecs' counter buffer the
+   profile's channel_int4 trial on qkv makes and keeps (3 + 3 x 3,072 int32), which the
+   profile now counts as persistent. `held` runs the process's first auto run with the
+   allocator's history on and lists the blocks it leaves allocated, with the frames that made
+   them: it should name `launch.counters` and nothing the model misses.
 3. `--sections codecs`, then `scripts/bench_codec_geometry.py --budget-s 40`. On
    2026-11-30 sym_int4's round trip took 0.095 ms where its graph replay took 0.056 ms: its
    host path (93 us a call) bounds it. outlier_int4 (0.30 of a copy) and channel_int4 (0.22)
