@@ -198,6 +198,7 @@ def estimate_s(section: str, dry_run: bool, optional=OPTIONAL_METHODS, rounds: i
         iters = sizes.auto_iters if auto else sizes.iters
         total += clock.estimate(method, iters, auto, method in TRACED)
         clock.profiled |= auto  # the first auto run profiles
+        clock.started = True    # and the first run pays the process's start-up
         if rounds > 1:  # again, untraced, with the profile stored
             total += clock.estimate(method, iters, auto, False)
     # the drift's run, where no second round measures the drift

@@ -123,8 +123,13 @@ CODEC_CASE_S = {"gpu": 0.3, "cpu": 0.05}
 CODEC_GRAPH_S = {"gpu": 3.5, "cpu": 0.0}        # one codec's copy, round trip and parts graphs
 CODEC_SPEED_S = {"gpu": 3.0, "cpu": 0.5}        # one codec's timing, compile included
 SYNC_MODEL_S = {"gpu": 1.0, "cpu": 1.5}         # one small model's steps under one policy
-RUN_OVERHEAD_S = {"gpu": 8.0, "cpu": 4.0}       # one training run's build, data and exit
-TRACE_S = {"gpu": 4.0, "cpu": 0.5}              # a traced step's trace written and read
+# One training run's build, data and exit, beyond its steps; a trace's, and one with Python's
+# call stacks too, written and read; and what the first run of a process pays once (the
+# H200 of 2026-11-30: about 2.5 s, 1.5 s, 4 s and 10 s)
+RUN_OVERHEAD_S = {"gpu": 3.0, "cpu": 4.0}
+TRACE_S = {"gpu": 1.5, "cpu": 0.5}
+STACK_TRACE_S = {"gpu": 4.0, "cpu": 0.5}
+FIRST_RUN_S = {"gpu": 10.0, "cpu": 2.0}
 # auto's first run profiles the model: about this many steps' time, plus set-up
 PROFILE_STEPS, PROFILE_S = 60, {"gpu": 10.0, "cpu": 6.0}
 # an auto run's rectifier: after iterations 1, 2, 4, 8 an extra forward and a re-plan

@@ -102,7 +102,8 @@ every section, so a cut-off call still returns what it measured.
 What the next lease should measure first, in this order:
 
 1. `--sections training --models gpt-345m llama-1b --methods auto held --rounds 2` (about
-   280 s of estimates, which ran about 40% over what the calls of 2026-11-30 took). On
+   400 s of estimates; the estimates now put the calls of 2026-11-30 at 0.9-1.3x what they
+   took, so `--device-budget-s 420` in one call, or one model a call). On
    2026-11-30 each auto run's first plan peaked 64-69 MiB over its prediction: the cuBLAS
    workspaces earlier runs in the process had left. The trainer now counts what is
    allocated beside the engine at set-up as static (`5862b7c`): the first plans should fit.

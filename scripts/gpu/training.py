@@ -17,9 +17,11 @@ import time
 import torch
 
 from gpu.common import (AGAIN, AUTO, AUTO_LOSSY, AUTO_UNTRACKED, BLOCK, BUDGET_FRACTIONS,
-                        COPY_CALLS, DRY_MICRO_BATCH, FULL, HELD, INITIAL_LOSS_SCALE, NONE,
+                        COPY_CALLS, DRY_MICRO_BATCH, FIRST_RUN_S, FULL, HELD,
+                        INITIAL_LOSS_SCALE, NONE,
                         OPTIONAL_METHODS, PROFILE_S, PROFILE_STEPS, PYTHON_PACKAGES, QUANTIZE,
-                        RETAIN_PLAN, ROOT, RUN_OVERHEAD_S, SELECTIVE, STACKS, STEP_FACTOR,
+                        RETAIN_PLAN, ROOT, RUN_OVERHEAD_S, SELECTIVE, STACK_TRACE_S, STACKS,
+                        STEP_FACTOR,
                         STEP_FLOPS, SYNC_CALLS, TOP_KERNELS, TRACE_S, TRACED, TRACKING_S,
                         Deadline, ModelSpec, Sizes, device_kind, note)
 
@@ -287,17 +289,25 @@ class RunClock:
                        / STEP_FLOPS[kind][values["attention_backend"] if
                                           values["attention_backend"] in ("flash", "unfused")
                                           else "flash"])
-        self.overheads: list[float] = []
+        # each kind of run's overheads beyond its steps (trace_kind), the first run's left out
+        self.overheads: dict[str, list[float]] = collections.defaultdict(list)
         self.profiled = False
+        self.started = False    # whether the process has run one already
+
+    @staticmethod
+    def trace_kind(method: str, traced: bool) -> str:
+        return "stacks" if traced and method in STACKS else "traced" if traced else "untraced"
 
     def estimate(self, method: str, iters: int, auto: bool = False, traced: bool = True
                  ) -> float:
-        overhead = (statistics.median(self.overheads) if self.overheads
-                    else RUN_OVERHEAD_S[self.kind] + TRACE_S[self.kind] * traced)
+        kind = self.trace_kind(method, traced)
+        seen = self.overheads[kind]
+        trace = {"stacks": STACK_TRACE_S, "traced": TRACE_S}.get(kind, {}).get(self.kind, 0.0)
+        overhead = statistics.median(seen) if seen else RUN_OVERHEAD_S[self.kind] + trace
         profile = (PROFILE_S[self.kind] + PROFILE_STEPS * self.step_s
                    if auto and not self.profiled else 0.0)
         return (overhead + iters * self.step_s * STEP_FACTOR[method] + profile
-                + TRACKING_S[self.kind] * auto)
+                + TRACKING_S[self.kind] * auto + FIRST_RUN_S[self.kind] * (not self.started))
 
     def observe(self, method: str, wall_s: float, steps_s: list[float], auto: bool,
                 traced: bool) -> None:
@@ -305,8 +315,10 @@ class RunClock:
             self.step_s = statistics.median(steps_s)
         if auto:
             self.profiled = True  # the profile's time goes into no overhead estimate
-        elif traced:  # the traced runs' overhead holds their trace's
-            self.overheads.append(max(0.0, wall_s - sum(steps_s)))
+        elif self.started:   # the first run's holds the process's one-time start-up
+            self.overheads[self.trace_kind(method, traced)].append(
+                max(0.0, wall_s - sum(steps_s)))
+        self.started = True
 
 
 class ModelRuns:

@@ -335,6 +335,24 @@ def test_held_names_the_blocks_a_run_leaves_allocated_and_where_they_came_from()
             "- 512 B (500 asked for): codecs/bitmask.py:7 make") in page
 
 
+def test_a_run_is_estimated_from_runs_traced_alike_after_the_first():
+    # On the H200 the first run took 16-21 s for 12 steps of 0.13 s (the process's start-up),
+    # an untraced one 5 s: estimating every run from the first put the sections at 1.5-2x.
+    values = training.config_values(common.MODELS["gpt-345m"], False)
+    clock = training.RunClock("gpu", values, 4)
+    step = clock.step_s
+    assert clock.estimate(common.BLOCK, 12, traced=False) == pytest.approx(
+        common.RUN_OVERHEAD_S["gpu"] + 12 * step * common.STEP_FACTOR[common.BLOCK]
+        + common.FIRST_RUN_S["gpu"])
+    clock.observe(common.NONE, 20.0, [0.2] * 12, auto=False, traced=True)
+    clock.observe(common.BLOCK, 5.0, [0.2] * 12, auto=False, traced=False)
+    assert clock.estimate(common.BLOCK, 12, traced=False) == pytest.approx(
+        2.6 + 12 * 0.2 * common.STEP_FACTOR[common.BLOCK])
+    assert clock.estimate(common.FULL, 12, traced=True) == pytest.approx(
+        common.RUN_OVERHEAD_S["gpu"] + common.TRACE_S["gpu"]
+        + 12 * 0.2 * common.STEP_FACTOR[common.FULL])
+
+
 def test_a_peak_over_the_budget_says_by_how_much():
     # On the H200 Adacc's tightest plan peaked 37,888 B over: "8,314 MiB over" misread it.
     budget = 8_718_088_192
