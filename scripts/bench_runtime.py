@@ -1,5 +1,8 @@
 """Activation bytes per layer and fwd+bwd time of runtime presets, relative to the stock layer.
 
+``megatron_full`` is the stock layer under megatron-core's own full recompute (uniform, one layer
+a checkpoint), to set Adacc's ``recompute_all`` against: the same bytes kept, another mechanism.
+
 Presets run interleaved: one step of each per round after warm-up, the order rotated each round. So
 drift on a shared machine hits them alike. Times are medians over rounds. "paired" is the median
 over rounds of each round's time / that round's stock time, which a load spike in one round cannot
@@ -37,7 +40,11 @@ PRESETS = {
     "mixed": Plan.uniform({"qkv": "compress", "softmax_out": "recompute",
                            "attn_dropout_mask": "compress", "gelu_in": "recompute",
                            "gelu_out": "compress"}),
+    "megatron_full": None,
 }
+# Presets of the stock layer with megatron-core's recompute: their config's settings
+MEGATRON_RECOMPUTE = {"megatron_full": dict(recompute_granularity="full",
+                                            recompute_method="uniform", recompute_num_layers=1)}
 
 
 def main() -> None:
@@ -61,7 +68,8 @@ def main() -> None:
         model_lib.set_seed(1)
         config = model_lib.build_transformer_config(
             num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
-            hidden_dropout=args.dropout, attention_dropout=args.dropout)
+            hidden_dropout=args.dropout, attention_dropout=args.dropout,
+            **MEGATRON_RECOMPUTE.get(name, {}))
         spec = None if plan is None else get_adacc_layer_spec()
         models[name] = model_lib.build_gpt_model(config, 256, args.seq, spec)
         if plan is not None:
