@@ -361,6 +361,15 @@ def test_a_peak_over_the_budget_says_by_how_much():
         assert fit == {"fits": False,
                        "reason": f"peak {common.mib(budget + over)} MiB, {said} over the budget"}
     assert prediction._fit({"peak_bytes": budget}, budget, "full") == {"fits": True, "reason": ""}
+    # Bytes the process held before a run beyond what it held before full recompute's, whose
+    # peak is the budget, are not the run's: the counters an earlier auto run left.
+    held = {"memory_held_before": (64 << 20) + 37_376}
+    assert prediction._fit({"peak_bytes": budget + 37_376, **held}, budget, "block 24",
+                           64 << 20) == {"fits": True, "reason": ""}
+    assert prediction._fit({"peak_bytes": budget + 37_888, **held}, budget, "auto 2",
+                           64 << 20) == {
+        "fits": False, "reason": f"peak {common.mib(budget + 37_888)} MiB, 512 B over the "
+                                 "budget beyond the 37,376 B more it began with"}
 
 
 def test_a_second_round_runs_everything_again_in_reverse_and_spans_both(monkeypatch):
