@@ -102,15 +102,13 @@ every section, so a cut-off call still returns what it measured.
 What the next lease should measure first, in this order:
 
 1. `--sections training --models gpt-345m llama-1b --methods auto held --rounds 2` (about
-   400 s of estimates; the estimates now put the calls of 2026-11-30 at 0.9-1.3x what they
-   took, so `--device-budget-s 420` in one call, or one model a call). On
-   2026-11-30 each auto run's first plan peaked 64-69 MiB over its prediction: the cuBLAS
-   workspaces earlier runs in the process had left. The trainer now counts what is
-   allocated beside the engine at set-up as static (`5862b7c`): the first plans should fit.
-   Also whether the
-   recompute-only plan, now measured after every re-time whatever its price (`17b46f1`),
-   takes over at GPT-345M's tightest budget, where Megatron's full recompute ran 176-213 ms
-   and auto 189-202 ms.
+   400 s of estimates, which now put the calls of 2026-11-30 at 0.9-1.3x what they took:
+   `--device-budget-s 420` in one call, or one model a call). On 2026-11-30 each auto run's
+   first plan peaked 64-69 MiB over its prediction: the cuBLAS workspaces earlier runs in the
+   process had left. The trainer now counts what is allocated beside the engine at set-up as
+   static (`5862b7c`): the first plans should fit. Also whether the recompute-only plan, now
+   measured after every re-time whatever its price (`17b46f1`), takes over at GPT-345M's
+   tightest budget, where Megatron's full recompute ran 176-213 ms and auto 189-202 ms.
 2. `held`, in item 1's call (about 30 s of it): the 37,888 B by which auto's GPT-345M
    plans peaked over full recompute's peak at the tightest budget, and over no
    optimisation's at the loosest. Every run after the first auto run held 37,376 B more

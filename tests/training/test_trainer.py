@@ -256,7 +256,7 @@ def test_auto_profiles_with_the_repeats_asked_for(tmp_path):
         assert session.adacc.costs.meta["repeats"] == repeats
 
 
-def test_bytes_the_process_holds_beside_the_engine_count_as_static(monkeypatch, tmp_path):
+def test_bytes_the_process_holds_beside_the_engine_count_as_static(monkeypatch):
     # On the H200 a process that had trained before held 64 MiB of cuBLAS workspaces, and every
     # plan peaked by them over its prediction. Each byte allocated beyond the engine and the
     # batch when Adacc sets up counts once (1 TiB is above whatever they hold).
@@ -265,9 +265,7 @@ def test_bytes_the_process_holds_beside_the_engine_count_as_static(monkeypatch, 
     static = {}
     for extra in (0, 64 << 20):
         monkeypatch.setattr(allocator, "allocated", lambda device, extra=extra: (1 << 40) + extra)
-        session = pretrain("--train-iters", "1", "--adacc-policy", "auto",
-                           "--adacc-memory-budget", "2TiB", "--adacc-profile-repeats", "1",
-                           "--adacc-profile-db", str(tmp_path / f"{extra}.db"))
+        session = pretrain("--train-iters", "1")
         engine = engine_memory.engine_static_bytes(session.ddp_models, session.optimizer)
         static[extra] = session.adacc.static_bytes
         assert session.rank_static_bytes == static[extra] > engine
