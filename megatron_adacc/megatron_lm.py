@@ -362,10 +362,10 @@ class Session:
         # What the process holds beside the engine and the batch (an earlier model's cuBLAS
         # workspaces, a user's tensors) stays through every step too: on the H200, uncounted,
         # it put every plan 64-69 MiB over its prediction in a process that had trained before.
-        held = engine_memory.engine_held_bytes(ddp_models, optimizer) + _device_bytes(
-            self.step_batch.values(), self.device)
-        static = (engine_memory.engine_static_bytes(ddp_models, optimizer)
-                  + max(0, allocator.allocated(self.device) - held))
+        held, to_come = engine_memory.engine_bytes(ddp_models, optimizer)
+        beside = (allocator.allocated(self.device) - held
+                  - _device_bytes(self.step_batch.values(), self.device))
+        static = held + to_come + max(0, beside)
         step = engine_memory.engine_step_bytes(optimizer)
         self.rank_static_bytes = static  # this rank's; Adacc plans every rank with the most
         from megatron_adacc.models import build

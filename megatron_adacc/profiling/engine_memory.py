@@ -106,17 +106,11 @@ def _runs_foreach(group: dict, params: list[torch.Tensor]) -> bool:
 def engine_static_bytes(model_chunks, optimizer) -> int:
     """What megatron's engine holds on this rank through every step, read before its first one.
 
-    It is ``engine_held_bytes`` plus what the first step allocates: ``_engine_bytes``."""
-    held, to_come = _engine_bytes(model_chunks, optimizer)
-    return held + to_come
+    It is both parts of ``engine_bytes``."""
+    return sum(engine_bytes(model_chunks, optimizer))
 
 
-def engine_held_bytes(model_chunks, optimizer) -> int:
-    """The part of ``engine_static_bytes`` already allocated: all but Adam's state before a step."""
-    return _engine_bytes(model_chunks, optimizer)[0]
-
-
-def _engine_bytes(model_chunks, optimizer) -> tuple[int, int]:
+def engine_bytes(model_chunks, optimizer) -> tuple[int, int]:
     """What megatron's engine holds on this rank: (allocated now, allocated by the first step).
 
     - the distinct storages of the parameters and buffers;
