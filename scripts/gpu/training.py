@@ -121,27 +121,27 @@ def _peak(records: list[dict]) -> tuple[int | None, str]:
 OWN_FRAMES = ("megatron_adacc", "megatron/", "pretrain_gpt", "triton/")
 
 
+def _active_blocks(snapshot: dict):
+    """The allocated blocks of a ``torch.cuda.memory._snapshot()``."""
+    return (block for segment in snapshot.get("segments", [])
+            for block in segment.get("blocks", []) if block.get("state") == "active_allocated")
+
+
 def kept_blocks(before: set[int], after: dict, limit: int = 40) -> list[dict]:
     """The blocks allocated in ``after`` (``torch.cuda.memory._snapshot()``) but not ``before``.
 
     Each has its size, its requested size and the first few frames of ours that allocated it
     (the allocator's history must have been on), largest first."""
     kept = []
-    for segment in after.get("segments", []):
-        for block in segment.get("blocks", []):
-            if block.get("state") != "active_allocated" or block["address"] in before:
-                continue
-            frames = [f"{'/'.join(f['filename'].rsplit('/', 2)[-2:])}:{f['line']} {f['name']}"
-                      for f in block.get("frames", [])
-                      if any(part in f["filename"] for part in OWN_FRAMES)]
-            kept.append({"size": block["size"], "requested": block.get("requested_size"),
-                         "frames": frames[:4]})
+    for block in _active_blocks(after):
+        if block["address"] in before:
+            continue
+        frames = [f"{'/'.join(f['filename'].rsplit('/', 2)[-2:])}:{f['line']} {f['name']}"
+                  for f in block.get("frames", [])
+                  if any(part in f["filename"] for part in OWN_FRAMES)]
+        kept.append({"size": block["size"], "requested": block.get("requested_size"),
+                     "frames": frames[:4]})
     return sorted(kept, key=lambda block: -block["size"])[:limit]
-
-
-def _active_addresses(snapshot: dict) -> set[int]:
-    return {block["address"] for segment in snapshot.get("segments", [])
-            for block in segment.get("blocks", []) if block.get("state") == "active_allocated"}
 
 
 @contextlib.contextmanager
@@ -154,7 +154,7 @@ def _blocks_kept(device, result: dict):
     # Python stacks at allocation only: C++ frames would cost the host far more a block
     torch.cuda.memory._record_memory_history(context="alloc", stacks="python",
                                              max_entries=500_000)
-    before = _active_addresses(torch.cuda.memory._snapshot())
+    before = {block["address"] for block in _active_blocks(torch.cuda.memory._snapshot())}
     try:
         yield
     finally:
