@@ -24,6 +24,7 @@ import dataclasses
 import functools
 
 import torch
+from megatron.core import tensor_parallel
 from megatron.core.tensor_parallel.random import _fork_rng, _get_all_rng_states, _set_all_rng_states
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
@@ -67,6 +68,9 @@ class AdaccTransformerLayer(TransformerLayer):
         # Run under the hooks even with nothing to act on: for instruments that time them.
         self.force_hooks = False
         self._call: LayerCall | None = None
+        # The sites the last hooked forward saved: a plan that recomputes every recomputable
+        # one runs as megatron's full recompute does (_checkpointed_forward).
+        self._saved_sites: frozenset[str | None] | None = None
 
     @property
     def layer_index(self) -> int:
@@ -112,6 +116,9 @@ class AdaccTransformerLayer(TransformerLayer):
             return super().forward(*args, **kwargs)
         if not torch.is_grad_enabled():
             return super().forward(*args, **kwargs)
+        if self._recomputes_whole():
+            self.attributor.detach()
+            return self._checkpointed_forward(args, kwargs)
         self.attributor.attach()
         recomputes = any(action == RECOMPUTE for action, _ in self.actions.values())
         call = LayerCall(self.layer_index, self.attributor, self.actions, active_ruler(),
@@ -131,6 +138,36 @@ class AdaccTransformerLayer(TransformerLayer):
             self.attributor.end()
             call.forward_done()
             self._call = None
+            self._saved_sites = frozenset(call.saved_sites)
+
+    def _recomputes_whole(self) -> bool:
+        """Whether the decisions recompute every site of the layer's own that it saves, and act
+        on nothing else.
+
+        The layer's own: recomputable and not shared (shared storages outlive the layer). What
+        it saves is known from a forward under the hooks: until one ran, no."""
+        saved = self._saved_sites
+        if saved is None or self.force_hooks:
+            return False
+        actions = self.actions
+        return (all(action == RECOMPUTE for action, _ in actions.values())
+                and all(site in actions or (site is not None and (
+                    SITES[site].shared or not SITES[site].recomputable)) for site in saved))
+
+    def _checkpointed_forward(self, args, kwargs):
+        """The layer under megatron-core's checkpoint: forward without a graph, its input kept.
+
+        It is megatron's full recompute of one layer, and what the rebuilds would do, but cheaper
+        on the host: the first forward builds no graph and packs nothing. The checkpoint saves
+        the input outside the layer's hooks, so a ruler books it as the stock layer's."""
+        kwargs = dict(kwargs)
+        if "hidden_states" in kwargs:
+            hidden_states = kwargs.pop("hidden_states")
+        else:
+            hidden_states, args = args[0], args[1:]
+        forward = super().forward
+        return tensor_parallel.checkpoint(
+            lambda value: forward(value, *args, **kwargs), False, hidden_states)
 
     def _forward_mlp(self, hidden_states, *args, **kwargs):
         call = self._call
@@ -159,6 +196,9 @@ class AdaccTransformerLayer(TransformerLayer):
         Segment re-runs come first, then the operators in the table's order. A re-run from a
         recomputed start runs right after the edge that rebuilds it (the MLP's from a rebuilt
         ln2_in)."""
+        # A later micro-batch's forward under the checkpoint detached the submodule hooks
+        # that name what the rebuild saves.
+        self.attributor.attach()
         reruns = self._segment_reruns(call)
         after_edge = {REBUILT_BY[start].output: (keys, start) for start, keys in reruns
                       if (start, 0) in call.wanted}

@@ -197,12 +197,16 @@ class LayerCall:
         self.call_kwargs: dict = {}
         self.cache: dict[tuple[str, int], torch.Tensor] = {}
         self.rebuilt = False
+        # Every site this call saved, whatever its action: whether a plan recomputes all the
+        # layer's recomputable saves is known only from what the layer saves.
+        self.saved_sites: set[str | None] = set()
 
     # --- forward -------------------------------------------------------------------------
     def pack(self, tensor):
         if isinstance(tensor, torch.nn.Parameter):
             return tensor
         site = self.attributor.site_of(tensor)
+        self.saved_sites.add(site)
         decision = self.actions.get(site)
         if decision is None:
             if self.ruler is not None:

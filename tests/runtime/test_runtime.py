@@ -2,8 +2,10 @@
 megatron-core layer; attribution covers every saved tensor (strict mode)."""
 import pytest
 import torch
+from megatron.core import tensor_parallel
 
 from megatron_adacc.common.plan import Plan, PlanError
+from megatron_adacc.models import build as model_lib
 from megatron_adacc.runtime import (
     AdaccTransformerLayer,
     UnknownSiteError,
@@ -11,7 +13,8 @@ from megatron_adacc.runtime import (
     apply_plan,
     measure_step,
 )
-from megatron_adacc.common.sites import SITE_NAMES
+from megatron_adacc.common.sites import SHARED_SITES, SITE_NAMES
+from megatron_adacc.runtime.accounting import NON_LAYER
 
 from helpers.runtime import PLANS, RECOMPUTABLE, assert_same_training, build, loss_of, train
 
@@ -139,3 +142,58 @@ def test_a_layer_run_under_its_hooks_with_nothing_to_act_on_trains_as_the_stock_
     monkeypatch.setattr(torch.autograd.graph, "saved_tensors_hooks", counted)
     assert_same_training(stock, train(model, steps=3))
     assert len(entered) == 3 * len(adacc_layers(model))
+
+
+def _counting_checkpoints(monkeypatch) -> list:
+    """The calls of megatron-core's checkpoint function from now on: one per layer forward."""
+    calls = []
+    original = tensor_parallel.random.CheckpointFunction.apply
+    monkeypatch.setattr(tensor_parallel.random.CheckpointFunction, "apply",
+                        lambda *args: calls.append(args) or original(*args))
+    return calls
+
+
+def test_a_layer_recomputing_all_it_saves_runs_as_megatrons_full_recompute(distributed,
+                                                                           monkeypatch):
+    """After one forward under its hooks has shown what the layer saves: megatron-core's
+    checkpoint keeps the layer's input, the same bytes at the same peak, and no hook runs.
+    One site retained keeps the layer under its hooks."""
+    checkpoints = _counting_checkpoints(monkeypatch)
+    model = build(True, dropout=0.1)
+    apply_plan(model, PLANS["recompute_all"], strict=True)
+    hooked = measure_step(model, lambda: loss_of(model), strict=True)[1]
+    assert not checkpoints
+    checkpointed = measure_step(model, lambda: loss_of(model), strict=True)[1]
+    assert len(checkpoints) == 2
+    own = {key: nbytes for key, nbytes in checkpointed.by_site.items()
+           if key[0] != NON_LAYER and key[1] not in SHARED_SITES}
+    assert own == {(0, "layer_in"): 16384, (1, "layer_in"): 16384}
+    assert own == {key: nbytes for key, nbytes in hooked.by_site.items()
+                   if key[0] != NON_LAYER and key[1] not in SHARED_SITES}
+    assert checkpointed.peak_bytes == hooked.peak_bytes
+    apply_plan(model, Plan.uniform({s: "recompute" for s in RECOMPUTABLE if s != "gelu_out"}))
+    report = measure_step(model, lambda: loss_of(model), strict=True)[1]
+    assert len(checkpoints) == 2
+    assert {site for layer, site in report.by_site
+            if layer == 0 and site not in SHARED_SITES} == {"layer_in", "gelu_out"}
+
+
+def test_micro_batches_in_flight_under_the_hooks_and_the_checkpoint_train_as_stock(
+        distributed, monkeypatch):
+    """The first micro-batch's forward runs under the hooks and the second's under the
+    checkpoint, before either backward (a pipeline's 1F1B warm-up)."""
+    def gradients(model):
+        model_lib.set_seed(3)
+        losses = [loss_of(model, seed) for seed in (0, 1)]
+        for loss in reversed(losses):
+            loss.backward()
+        return {name: param.grad for name, param in model.named_parameters()}
+
+    checkpoints = _counting_checkpoints(monkeypatch)
+    expected = gradients(build(False, dropout=0.1))
+    model = build(True, dropout=0.1)
+    apply_plan(model, PLANS["recompute_all"], strict=True)
+    got = gradients(model)
+    assert len(checkpoints) == 2
+    for name, grad in expected.items():
+        assert torch.equal(got[name], grad), name
