@@ -19,9 +19,9 @@ import numpy as np
 
 from megatron_adacc.common.costs import ModelCosts, Operator, Segment, SiteCost, segment_run_s
 from megatron_adacc.planning.model import (LayerPolicy, SiteOption, decoded_sets,
-                                           rerun_source_bytes, site_options, source_bytes,
-                                           transient_floor)
-from megatron_adacc.common.sites import COMPRESS, RECOMPUTE, VIEW_PAYLOADS
+                                           evaluate_layer, rerun_source_bytes, site_options,
+                                           source_bytes, transient_floor, whole_layer_sites)
+from megatron_adacc.common.sites import COMPRESS, RECOMPUTE, RETAIN, VIEW_PAYLOADS
 
 
 # pareto_indices' block of rows checked against each other, and which row precedes which in it
@@ -109,8 +109,33 @@ def layer_frontier(costs: ModelCosts, allow_lossy_sources: bool = True) -> Front
     Transient is clipped from below at ``transient_floor``, which changes no peak. The frontier
     depends on the per-layer costs only, so re-planning the same costs at another budget reuses
     it. ``clear_frontier_cache`` forgets it, e.g. to time a cold search."""
-    return _frontier(tuple(costs.sites), tuple(costs.segments), tuple(costs.operators),
-                     allow_lossy_sources, transient_floor(costs), costs.hooked_layer_s)
+    frontier = _frontier(tuple(costs.sites), tuple(costs.segments), tuple(costs.operators),
+                         allow_lossy_sources, transient_floor(costs), costs.hooked_layer_s)
+    return _with_whole_layer(frontier, costs)
+
+
+def _with_whole_layer(frontier: Frontier, costs: ModelCosts) -> Frontier:
+    """``frontier`` with the policy that recomputes the layer whole, charged no hooks.
+
+    ``_frontier`` charges every policy but keeping everything the hooks' time, and may have
+    pruned this one before that charge (model.recomputes_whole)."""
+    whole = whole_layer_sites(costs.sites)
+    if not whole or not costs.hooked_layer_s:
+        return frontier
+    choice = [next(index for index, option in enumerate(options)
+                   if option.decision.action == (RECOMPUTE if site.name in whole else RETAIN))
+              for site, options in zip(frontier.sites, frontier.options)]
+    policy = evaluate_layer(costs, {site.name: frontier.options[column][index].decision
+                                    for column, (site, index)
+                                    in enumerate(zip(frontier.sites, choice))})
+    time_s = np.append(frontier.time_s, policy.time_s)
+    stored = np.append(frontier.stored, policy.stored_bytes)
+    transient = np.append(frontier.transient, policy.transient_bytes)
+    keep = pareto_indices(np.column_stack(
+        [time_s, stored, np.maximum(transient, transient_floor(costs))]))
+    choices = np.vstack([frontier.choices, np.array(choice, dtype=frontier.choices.dtype)])
+    return Frontier(frontier.sites, frontier.options, time_s[keep], stored[keep],
+                    transient[keep], choices[keep])
 
 
 def clear_frontier_cache() -> None:

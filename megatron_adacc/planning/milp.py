@@ -11,7 +11,7 @@ terms:
 - the held sources: a compressed re-run start or operator source (``source_bytes``), forbidden for
   exact plans where a lossy codec holds it;
 - the segments' run times, and the operators' times once per operator with a recomputed product;
-- the hooks' time, once per layer with any action;
+- the hooks' time, once per layer with any action that does not recompute it whole;
 - the budget, as the peak rule's limits (``budget_limits``).
 The plan CBC returns is re-evaluated by the model and kept only if its exact peak fits.
 """
@@ -25,7 +25,7 @@ import pulp
 from megatron_adacc.common.costs import ModelCosts, segment_run_s
 from megatron_adacc.planning.model import (LayerPolicy, budget_limits, decoded_sets,
                                            evaluate_layer, peak_bytes, site_options,
-                                           source_bytes)
+                                           source_bytes, whole_layer_sites)
 from megatron_adacc.common.sites import COMPRESS, RECOMPUTE, VIEW_PAYLOADS
 
 # CBC works in floating point with absolute tolerances near 1e-7: bytes are given to it in
@@ -112,8 +112,11 @@ def plan_direct_milp(costs: ModelCosts, budget: int, per_layer: bool,
             problem.addConstraint(lossy + reader <= 1)
 
     # A layer with any action runs under the runtime's hooks (model.is_hooked): continuous in
-    # [0, 1], pushed down by the objective.
+    # [0, 1], pushed down by the objective. Unless it recomputes whole: a binary, at most each
+    # of those sites' recompute, pushed up by the objective.
     hooked = {g: problem.add_variable(f"hooked_{g}", 0, 1) for g in groups}
+    whole_sites = whole_layer_sites(costs.sites)
+    whole = {g: problem.add_variable(f"whole_{g}", cat="Binary") for g in groups}
     weight = 1 if per_layer else num_layers
     problem += pulp.lpSum(weight * (total(g, "time_s", 1 / _MS)
                                     + costs.hooked_layer_s * _MS * hooked[g]
@@ -122,9 +125,14 @@ def plan_direct_milp(costs: ModelCosts, budget: int, per_layer: bool,
                                                  for k, operator in enumerate(costs.operators)))
                           for g in groups)
     for g in groups:
+        if not whole_sites:
+            problem += whole[g] == 0
         for name, opts in options.items():
             problem += pulp.lpSum(x[g, name, i] for i in range(len(opts))) == 1
-            problem += hooked[g] >= chosen(g, name, COMPRESS) + chosen(g, name, RECOMPUTE)
+            problem += hooked[g] >= chosen(g, name, COMPRESS) + chosen(g, name, RECOMPUTE) - (
+                whole[g] if name in whole_sites else 0)
+            if name in whole_sites:
+                problem += whole[g] <= chosen(g, name, RECOMPUTE)
         for k, sites in enumerate(held):
             for site in sites:
                 problem += rebuild[g, k] >= site.rebuild_s * _MS * chosen(g, site.name, RECOMPUTE)

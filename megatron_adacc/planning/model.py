@@ -14,7 +14,8 @@ k micro-batches in flight:
 - transient(l): its recomputed sites, its decoded values alive together, and the compressed
   sources its rebuild reads;
 - time: each compressed site's encode + decode, each rebuild by its operator or by a forward
-  re-run of its segment, and ``hooked_layer_s`` once for a layer with any action.
+  re-run of its segment, and ``hooked_layer_s`` once for a layer with any action, unless it
+  recomputes whole and runs under megatron's checkpoint instead (``recomputes_whole``).
 """
 from __future__ import annotations
 
@@ -238,15 +239,38 @@ def site_times(costs: ModelCosts, decisions: Mapping[str, Decision]) -> dict[str
     return _site_times(costs, decisions, _chosen_options(costs, decisions))
 
 
-def is_hooked(decisions: Mapping[str, Decision]) -> bool:
-    """Whether a layer under ``decisions`` runs under the runtime's hooks: it has an action."""
-    return any(decision.action != RETAIN for decision in decisions.values())
+def whole_layer_sites(sites: Iterable[SiteCost]) -> frozenset[str]:
+    """The sites a layer must recompute, and act on nothing else, to run under the checkpoint.
+
+    They are the sites of its own (not shared) that it can recompute. The runtime then runs the
+    layer as megatron's full recompute does, without its hooks (runtime/layer.py)."""
+    return frozenset(site.name for site in sites
+                     if site.can_recompute and not site_table.get(site.name).shared)
+
+
+def recomputes_whole(sites: Iterable[SiteCost], decisions: Mapping[str, Decision]) -> bool:
+    """Whether ``decisions`` recompute every site of ``whole_layer_sites`` and compress none.
+
+    Decisions on sites the layer does not save (not in ``sites``) change nothing."""
+    sites = tuple(sites)
+    whole = whole_layer_sites(sites)
+    saved = [decisions[site.name].action for site in sites if site.name in decisions]
+    return (bool(whole) and COMPRESS not in saved
+            and all(name in decisions and decisions[name].action == RECOMPUTE for name in whole))
+
+
+def is_hooked(sites: Iterable[SiteCost], decisions: Mapping[str, Decision]) -> bool:
+    """Whether a layer under ``decisions`` runs under the runtime's hooks.
+
+    It does when it has an action, unless it recomputes whole (``recomputes_whole``)."""
+    return (any(decision.action != RETAIN for decision in decisions.values())
+            and not recomputes_whole(sites, decisions))
 
 
 def evaluate_layer(costs: ModelCosts, decisions: Mapping[str, Decision]) -> LayerPolicy:
     """The cost vector of a layer policy, straight from the definitions."""
     options = _chosen_options(costs, decisions)
-    hooks_s = costs.hooked_layer_s if is_hooked(decisions) else 0.0
+    hooks_s = costs.hooked_layer_s if is_hooked(costs.sites, decisions) else 0.0
     return LayerPolicy(dict(decisions),
                        sum(_site_times(costs, decisions, options).values()) + hooks_s,
                        sum(option.stored for option in options.values()),

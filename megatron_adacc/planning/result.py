@@ -75,7 +75,8 @@ class PlanResult:
             for layer in layers
         ]
         peak = peak_bytes(costs, layers)
-        hooked = [index for index, decisions in enumerate(layer_decisions) if is_hooked(decisions)]
+        hooked = [index for index, decisions in enumerate(layer_decisions)
+                  if is_hooked(costs.sites, decisions)]
         return cls(
             feasible=True,
             plan=Plan.from_layers(layer_decisions),

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from hypothesis import example, given, settings, strategies as st
 
-from megatron_adacc import planning as planner
+from megatron_adacc import planning as planner, policies
 from megatron_adacc.planning import analytic
 from megatron_adacc.common.costs import CodecCost, ModelCosts, Operator, SiteCost
 from megatron_adacc.common.plan import Decision
@@ -158,8 +158,18 @@ def test_optimal_against_exhaustive_enumeration(costs, budget, per_layer, allow_
     # The table's activations are the forward and backward's; the step may set the peak.
     assert result.peak_bytes == costs.static_bytes + max(
         result.activation_bytes, costs.optimizer_step_bytes + costs.held_non_layer_bytes)
-    hooked = [layer for layer, decisions in enumerate(result.layer_decisions)
-              if any(decision.action != RETAIN for decision in decisions.values())]
+    # Every layer with an action runs under the hooks, but one that recomputes all of its own
+    # sites it can and compresses none: megatron's checkpoint runs it.
+    whole = {site.name for site in costs.sites
+             if site.can_recompute and not get_site(site.name).shared}
+    hooked = []
+    for layer, decisions in enumerate(result.layer_decisions):
+        actions = {decision.action for decision in decisions.values()}
+        recomputed = {name for name, decision in decisions.items()
+                      if decision.action == RECOMPUTE}
+        if actions - {RETAIN} and not (whole and COMPRESS not in actions
+                                       and whole <= recomputed):
+            hooked.append(layer)
     assert result.hooks_time_s == pytest.approx(len(hooked) * costs.hooked_layer_s)
     assert (sum(row.time_added_s for row in result.rows) + result.hooks_time_s
             == pytest.approx(result.added_time_s))
@@ -541,3 +551,34 @@ def test_the_hooks_are_charged_once_per_layer_with_any_action(method):
     assert "(runtime hooks)" in planner.format_plan(hooked)
     # Nothing to shed: no layer is hooked, and nothing is charged.
     assert planner.plan(costs(0.5), 90, method=method).added_time_s == 0.0
+
+
+@pytest.mark.parametrize("method", ["frontier", "milp"])
+def test_a_layer_recomputed_whole_is_charged_no_hooks(method):
+    """Two layers must shed 10 bytes: compress softmax_out in one (0.7 s) or recompute one
+    whole (1.0 s). The whole layer runs under megatron's checkpoint, without the hooks: at
+    0.5 s a hooked layer, it is the faster plan; with one site left out it would be hooked."""
+    def costs(hooked_layer_s):
+        return ModelCosts(
+            sites=[SiteCost("layer_in", 10, "float32"),
+                   SiteCost("qkv", 10, "float32", 1.0, "attention"),
+                   SiteCost("softmax_out", 10, "float32", 1.0, "attention",
+                            codecs=(CodecCost(get_site("softmax_out").default_codec, 0, 0.7,
+                                              0.0),))],
+            num_layers=2, static_bytes=0, non_layer_bytes=0, backward_workspace_bytes=0,
+            micro_batch_size=1, hooked_layer_s=hooked_layer_s)
+
+    def touched(result):
+        return sorted([name for name, decision in layer.items() if decision.action != RETAIN]
+                      for layer in result.layer_decisions)
+
+    free = planner.plan(costs(0.0), 50, method=method)
+    assert touched(free) == [[], ["softmax_out"]]
+    assert free.added_time_s == pytest.approx(0.7)
+    hooked = planner.plan(costs(0.5), 50, method=method)
+    assert touched(hooked) == [[], ["qkv", "softmax_out"]]
+    assert hooked.added_time_s == pytest.approx(1.0)
+    assert hooked.hooks_time_s == 0.0 and hooked.hooked_layers == ""
+    # The full-recompute policy's plan also names sites this layer does not save.
+    full = policies.full_recompute_plan().for_layer(0)
+    assert planner.evaluate_layer(costs(0.5), full).time_s == pytest.approx(1.0)
