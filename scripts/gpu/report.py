@@ -108,7 +108,10 @@ What the next lease should measure first, in this order:
    process had left. The trainer now counts what is allocated beside the engine at set-up as
    static (`5862b7c`): the first plans should fit. Also whether the recompute-only plan, now
    measured after every re-time whatever its price (`17b46f1`), takes over at GPT-345M's
-   tightest budget, where Megatron's full recompute ran 176-213 ms and auto 189-202 ms.
+   tightest budget, where Megatron's full recompute ran 176-213 ms and auto 189-202 ms. A
+   layer recomputed whole now runs under megatron's checkpoint, not the rebuilds
+   (`9ece0c2`): on the CPU that took `recompute_all` from 2.19x to 1.68x the stock step
+   (megatron's full recompute: 1.65x), so that plan should run at full recompute's speed.
 2. `held`, in item 1's call (about 30 s of it): the 37,888 B by which auto's GPT-345M
    plans peaked over full recompute's peak at the tightest budget, and over no
    optimisation's at the loosest. Every run after the first auto run held 37,376 B more
