@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from megatron_adacc.runtime.attribution import SiteAttributor
-from megatron_adacc.runtime.storage import detached
+from megatron_adacc.runtime.storage import detached, is_parameter
 
 NON_LAYER = -1  # the layer index of saves outside every transformer layer
 UNATTRIBUTED = "other"
@@ -137,7 +137,7 @@ class ActivationRuler:
 
     # --- what is kept --------------------------------------------------------------------
     def _pack(self, tensor):
-        if isinstance(tensor, torch.nn.Parameter):
+        if is_parameter(tensor):
             return tensor
         if self._stock:
             layer, attributor = self._stock[-1]

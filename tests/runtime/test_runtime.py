@@ -15,6 +15,7 @@ from megatron_adacc.runtime import (
 )
 from megatron_adacc.common.sites import SHARED_SITES, SITE_NAMES
 from megatron_adacc.runtime.accounting import NON_LAYER
+from megatron_adacc.runtime.storage import is_parameter
 
 from helpers.runtime import PLANS, RECOMPUTABLE, assert_same_training, build, loss_of, train
 
@@ -197,3 +198,14 @@ def test_micro_batches_in_flight_under_the_hooks_and_the_checkpoint_train_as_sto
     assert len(checkpoints) == 2
     for name, grad in expected.items():
         assert torch.equal(got[name], grad), name
+
+
+def test_the_saves_parameter_check_is_isinstances():
+    class Buffer(torch.nn.Parameter):
+        pass
+
+    marked = torch.ones(2)
+    marked._is_param = True  # how torch.func marks a plain tensor as a parameter
+    for tensor in (torch.ones(2), torch.nn.Parameter(torch.ones(2)), Buffer(torch.ones(2)),
+                   marked, torch.ones(2, requires_grad=True)[1:]):
+        assert is_parameter(tensor) == isinstance(tensor, torch.nn.Parameter)
