@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from megatron_adacc import models
 from megatron_adacc.common.plan import Decision, Plan, PlanError
+from megatron_adacc.policies import full_recompute_plan
 from megatron_adacc.runtime import adacc_layers, apply_plan, measure_step
 from megatron_adacc.common.sites import COMPRESS, MASK_CODEC, SHARED_SITES, SITES
 
@@ -108,6 +109,8 @@ def test_retain_and_recompute_match_the_stock_llama_layer_bitwise(distributed, d
     plans = {
         "retain": Plan(),
         "recompute_all": Plan.uniform({s: "recompute" for s in RECOMPUTABLE}),
+        # every site, the flash layer's own too: its later steps run under the checkpoint
+        "full_recompute": full_recompute_plan(),
         "mlp_only": Plan.uniform({s: "recompute" for s in
                                   ("ln2_normed", "ln2_out", "swiglu_in", "swiglu_up",
                                    "swiglu_act", "swiglu_out")}),
