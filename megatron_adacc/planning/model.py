@@ -254,8 +254,8 @@ def recomputes_whole(sites: Iterable[SiteCost], decisions: Mapping[str, Decision
     Decisions on sites the layer does not save (not in ``sites``) change nothing."""
     sites = tuple(sites)
     whole = whole_layer_sites(sites)
-    saved = [decisions[site.name].action for site in sites if site.name in decisions]
-    return (bool(whole) and COMPRESS not in saved
+    actions = [decisions[site.name].action for site in sites if site.name in decisions]
+    return (bool(whole) and COMPRESS not in actions
             and all(name in decisions and decisions[name].action == RECOMPUTE for name in whole))
 
 

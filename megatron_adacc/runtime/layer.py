@@ -68,8 +68,8 @@ class AdaccTransformerLayer(TransformerLayer):
         # Run under the hooks even with nothing to act on: for instruments that time them.
         self.force_hooks = False
         self._call: LayerCall | None = None
-        # The sites the last hooked forward saved: a plan that recomputes every recomputable
-        # one runs as megatron's full recompute does (_checkpointed_forward).
+        # The sites the last hooked forward saved: a plan that recomputes all of its own runs
+        # as megatron's full recompute does (_checkpointed_forward).
         self._saved_sites: frozenset[str | None] | None = None
 
     @property
@@ -141,18 +141,23 @@ class AdaccTransformerLayer(TransformerLayer):
             self._saved_sites = frozenset(call.saved_sites)
 
     def _recomputes_whole(self) -> bool:
-        """Whether the decisions recompute every site of the layer's own that it saves, and act
-        on nothing else.
+        """Whether the decisions recompute every site of its own the layer saves, and compress none
+        it saves (planning.model.recomputes_whole).
 
-        The layer's own: recomputable and not shared (shared storages outlive the layer). What
-        it saves is known from a forward under the hooks: until one ran, no."""
+        Its own: recomputable and not shared (shared storages outlive the layer). What it saves
+        is known from a forward under the hooks: until one ran, no."""
         saved = self._saved_sites
         if saved is None or self.force_hooks:
             return False
         actions = self.actions
-        return (all(action == RECOMPUTE for action, _ in actions.values())
-                and all(site in actions or (site is not None and (
-                    SITES[site].shared or not SITES[site].recomputable)) for site in saved))
+        for site in saved:
+            action = actions.get(site)
+            if action is not None:
+                if action[0] != RECOMPUTE:
+                    return False
+            elif site is None or (SITES[site].recomputable and not SITES[site].shared):
+                return False
+        return True
 
     def _checkpointed_forward(self, args, kwargs):
         """The layer under megatron-core's checkpoint: forward without a graph, its input kept.
