@@ -269,7 +269,7 @@ class Adacc:
             static_bytes: what this rank's parameters, gradients and optimizer hold for the whole
                 run. The trainer passes ``engine_memory.engine_static_bytes``. Default:
                 ``engine_memory.model_static_bytes`` (one data-parallel rank, no distributed
-                optimizer).
+                optimizer), and what the device holds beside the model and the batch.
             optimizer_step_bytes: what the optimizer step adds while no activation is alive. The
                 trainer passes ``engine_memory.engine_step_bytes``. Default:
                 ``engine_memory.model_step_bytes``.
@@ -295,8 +295,11 @@ class Adacc:
         self._loss_fn = loss_fn
         self._micro_batches = num_micro_batches
         self._clock = clock.for_device(batch[0].device)
-        self.static_bytes = (static_bytes if static_bytes is not None
-                             else engine_memory.model_static_bytes(model))
+        if static_bytes is None:
+            device = next(model.parameters()).device
+            static_bytes = engine_memory.model_static_bytes(model) + engine_memory.held_beside(
+                device, engine_memory.model_held_bytes(model), batch)
+        self.static_bytes = static_bytes
         self.optimizer_step_bytes = (optimizer_step_bytes if optimizer_step_bytes is not None
                                      else engine_memory.model_step_bytes(model))
         self._resolved = policies.resolve(

@@ -353,19 +353,15 @@ class Session:
         return data_iterator
 
     def _setup(self, ddp_models: list, optimizer, forward_step_func=None) -> None:
-        from megatron_adacc.profiling import allocator, engine_memory
+        from megatron_adacc.profiling import engine_memory
 
         self.ready = True
         self.ddp_models, self.optimizer = ddp_models, optimizer
         self.device = next(self.model.parameters()).device
         self.step_batch = self._shared_batch()
-        # What the process holds beside the engine and the batch (an earlier model's cuBLAS
-        # workspaces, a user's tensors) stays through every step too: on the H200, uncounted,
-        # it put every plan 64-69 MiB over its prediction in a process that had trained before.
         held, to_come = engine_memory.engine_bytes(ddp_models, optimizer)
-        beside = (allocator.allocated(self.device) - held
-                  - _device_bytes(self.step_batch.values(), self.device))
-        static = held + to_come + max(0, beside)
+        static = held + to_come + engine_memory.held_beside(self.device, held,
+                                                           self.step_batch.values())
         step = engine_memory.engine_step_bytes(optimizer)
         self.rank_static_bytes = static  # this rank's; Adacc plans every rank with the most
         from megatron_adacc.models import build
@@ -718,13 +714,6 @@ def _throwaway_passes(ddp_models):
         straggler_log.addFilter(not_a_pass_cut_short)
         stack.callback(straggler_log.removeFilter, not_a_pass_cut_short)
         yield
-
-
-def _device_bytes(tensors, device: torch.device) -> int:
-    """The bytes of the distinct storages among ``tensors`` that are on ``device``."""
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors
-                if torch.is_tensor(t) and t.device == device}
-    return sum(storages.values())
 
 
 def batch_tuple(batch: dict, model: torch.nn.Module):

@@ -83,3 +83,19 @@ def test_measure_reads_the_end_of_forward_without_being_told(distributed, policy
         loss.backward()
     assert adacc.activation_bytes == ruler.report().after_forward_bytes > 0
     assert adacc.activation_peak_bytes == ruler.report().peak_bytes
+
+
+def test_bytes_the_device_holds_beside_the_model_count_as_static(distributed, monkeypatch):
+    # What a user loop's device holds beyond the model and the batch when Adacc sets up (an
+    # earlier model's cuBLAS workspaces) stays through every step: static, counted once.
+    from megatron_adacc.profiling import allocator, engine_memory
+
+    static = {}
+    for extra in (0, 64 << 20):
+        monkeypatch.setattr(allocator, "allocated", lambda device, extra=extra: (1 << 40) + extra)
+        adacc = Adacc(AdaccConfig(policy="full-recompute"))
+        model = adacc_model(adacc)
+        adacc.setup(model, adacc_batch(), verbose=False)
+        static[extra] = adacc.static_bytes
+        assert static[extra] > engine_memory.model_static_bytes(model)
+    assert static[64 << 20] - static[0] == 64 << 20
