@@ -2,6 +2,8 @@
 
 ``megatron_full`` is the stock layer under megatron-core's own full recompute (uniform, one layer
 a checkpoint), to set Adacc's ``recompute_all`` against: the same bytes kept, another mechanism.
+``hooks_only`` runs every layer under the runtime's hooks with nothing to act on: what the hooks
+alone cost (the profiler's ``hooked_layer_s``).
 
 Presets run interleaved: one step of each per round after warm-up, the order rotated each round. So
 drift on a shared machine hits them alike. Times are medians over rounds. "paired" is the median
@@ -26,7 +28,8 @@ import torch
 
 from megatron_adacc.models import build as model_lib
 from megatron_adacc.common.plan import Plan
-from megatron_adacc.runtime import apply_plan, get_adacc_layer_spec, measure_step
+from megatron_adacc.runtime import (adacc_layers, apply_plan, get_adacc_layer_spec,
+                                    measure_step)
 from megatron_adacc.common.sites import SITE_NAMES, SITES
 
 PAPER_COMPRESSED = ["ln1_out", "qkv", "softmax_out", "attn_dropout_mask", "attn_probs",
@@ -41,7 +44,10 @@ PRESETS = {
                            "attn_dropout_mask": "compress", "gelu_in": "recompute",
                            "gelu_out": "compress"}),
     "megatron_full": None,
+    "hooks_only": Plan(),
 }
+# Presets whose layers run under the hooks though their plan keeps everything
+FORCE_HOOKS = {"hooks_only"}
 # Presets of the stock layer with megatron-core's recompute: their config's settings
 MEGATRON_RECOMPUTE = {"megatron_full": dict(recompute_granularity="full",
                                             recompute_method="uniform", recompute_num_layers=1)}
@@ -74,6 +80,8 @@ def main() -> None:
         models[name] = model_lib.build_gpt_model(config, 256, args.seq, spec)
         if plan is not None:
             apply_plan(models[name], plan)
+        for layer in adacc_layers(models[name]) if name in FORCE_HOOKS else ():
+            layer.force_hooks = True
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, 256, (args.batch, args.seq), generator=gen)
     labels = torch.randint(0, 256, (args.batch, args.seq), generator=gen)
