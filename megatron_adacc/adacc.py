@@ -298,7 +298,7 @@ class Adacc:
         if static_bytes is None:
             device = next(model.parameters()).device
             static_bytes = engine_memory.model_static_bytes(model) + engine_memory.held_beside(
-                device, engine_memory.model_held_bytes(model), batch)
+                device, engine_memory.model_held_bytes(model, device), batch)
         self.static_bytes = static_bytes
         self.optimizer_step_bytes = (optimizer_step_bytes if optimizer_step_bytes is not None
                                      else engine_memory.model_step_bytes(model))

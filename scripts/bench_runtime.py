@@ -80,8 +80,9 @@ def main() -> None:
         models[name] = model_lib.build_gpt_model(config, 256, args.seq, spec)
         if plan is not None:
             apply_plan(models[name], plan)
-        for layer in adacc_layers(models[name]) if name in FORCE_HOOKS else ():
-            layer.force_hooks = True
+        if name in FORCE_HOOKS:
+            for layer in adacc_layers(models[name]):
+                layer.force_hooks = True
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, 256, (args.batch, args.seq), generator=gen)
     labels = torch.randint(0, 256, (args.batch, args.seq), generator=gen)

@@ -57,12 +57,10 @@ def held_beside(device: torch.device, held: int, batch) -> int:
     return max(0, allocator.allocated(device) - held - storage_bytes(batch, device))
 
 
-def model_held_bytes(model: torch.nn.Module) -> int:
-    """The distinct storages a model's parameters, buffers and gradients hold now."""
-    device = next(model.parameters()).device
-    tensors = [*model.parameters(), *model.buffers()]
-    return storage_bytes(tensors + [p.grad for p in model.parameters() if p.grad is not None],
-                         device)
+def model_held_bytes(model: torch.nn.Module, device: torch.device) -> int:
+    """The distinct storages a model's parameters, buffers and gradients hold on ``device`` now."""
+    params = list(model.parameters())
+    return storage_bytes([*params, *model.buffers(), *(p.grad for p in params)], device)
 
 
 def model_step_bytes(model: torch.nn.Module, grad_dtype: torch.dtype | None = None) -> int:

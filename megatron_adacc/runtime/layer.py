@@ -70,7 +70,7 @@ class AdaccTransformerLayer(TransformerLayer):
         self._call: LayerCall | None = None
         # The sites the last hooked forward saved: a plan that recomputes all of its own runs
         # as megatron's full recompute does (_checkpointed_forward).
-        self._saved_sites: frozenset[str | None] | None = None
+        self._saved_sites: set[str | None] | None = None
 
     @property
     def layer_index(self) -> int:
@@ -138,7 +138,7 @@ class AdaccTransformerLayer(TransformerLayer):
             self.attributor.end()
             call.forward_done()
             self._call = None
-            self._saved_sites = frozenset(call.saved_sites)
+            self._saved_sites = call.saved_sites  # the call is done with it
 
     def _recomputes_whole(self) -> bool:
         """Whether the decisions recompute every site of its own the layer saves, and compress none

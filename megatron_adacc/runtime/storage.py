@@ -64,10 +64,9 @@ def is_parameter(tensor: torch.Tensor) -> bool:
     """isinstance(tensor, Parameter), at a third of its cost for a plain tensor.
 
     Parameter's metaclass makes that isinstance a Python call (about 1 us), paid on every save."""
-    kind = type(tensor)
-    return kind is torch.nn.Parameter or (kind is not torch.Tensor
-                                          or getattr(tensor, "_is_param", False)) and isinstance(
-        tensor, torch.nn.Parameter)
+    if type(tensor) is torch.Tensor:  # what the metaclass asks of a plain tensor
+        return bool(getattr(tensor, "_is_param", False))
+    return isinstance(tensor, torch.nn.Parameter)
 
 
 def unpack(saved):
