@@ -74,6 +74,52 @@ def run(argv, *, cwd, env=None, timeout=300) -> subprocess.CompletedProcess:
     return torchrun(1, argv, cwd=cwd, env=env, timeout=timeout, world=False)
 
 
+class Started:
+    """A forked ``python *argv`` still running: its pid, and its output as it is written."""
+
+    def __init__(self, argv: list[str], cwd, env: dict):
+        self.files = []
+        for suffix in (".out", ".err"):
+            fd, path = tempfile.mkstemp(prefix="forked-", suffix=suffix)
+            os.close(fd)
+            self.files.append(path)
+        self.process = _server().Process(target=_child, args=(argv, str(cwd), env, *self.files))
+        self.process.start()
+        self.pid = self.process.pid
+
+    def wait_for_line(self, text: str, timeout: float = 300) -> None:
+        """Return once stdout has a line holding ``text``; exiting before that fails."""
+        deadline = time.monotonic() + timeout
+        while not any(text in line for line in Path(self.files[0]).read_text().splitlines()):
+            assert self.process.exitcode is None, f"exited before printing {text!r}"
+            assert time.monotonic() < deadline, f"no {text!r} in {timeout} s"
+            time.sleep(0.2)
+
+    def wait(self, timeout: float = 300) -> subprocess.CompletedProcess:
+        """Its exit status and output, once it exits (killed past ``timeout``)."""
+        self.process.join(timeout)
+        self.kill()
+        return subprocess.CompletedProcess([sys.executable], self.process.exitcode,
+                                           *self.output())
+
+    def kill(self) -> None:
+        if self.process.exitcode is None:
+            self.process.kill()
+        self.process.join()
+
+    def output(self) -> list[str]:
+        """Its stdout and stderr; the files are removed."""
+        texts = [Path(path).read_text(errors="replace") for path in self.files]
+        for path in self.files:
+            os.unlink(path)
+        return texts
+
+
+def start(argv, *, cwd, env=None) -> Started:
+    """``python *argv`` forked, not waited for."""
+    return Started([str(arg) for arg in argv], cwd, dict(os.environ if env is None else env))
+
+
 def torchrun(nproc: int, argv, *, cwd, env=None, timeout=600,
              world=True) -> subprocess.CompletedProcess:
     """``torchrun --nproc_per_node nproc *argv``, its ranks forked; rank 0's output last.
@@ -90,37 +136,25 @@ def torchrun(nproc: int, argv, *, cwd, env=None, timeout=600,
                    TORCHELASTIC_RESTART_COUNT="0", TORCHELASTIC_MAX_RESTARTS="0",
                    TORCHELASTIC_RUN_ID="none", TORCHELASTIC_USE_AGENT_STORE="False")
         env.setdefault("OMP_NUM_THREADS", "1")
-    ranks = []
-    for rank in range(nproc):
-        files = []
-        for suffix in (".out", ".err"):
-            fd, path = tempfile.mkstemp(prefix=f"forked-{rank}-", suffix=suffix)
-            os.close(fd)
-            files.append(path)
-        own = dict(env, RANK=str(rank), LOCAL_RANK=str(rank), ROLE_RANK=str(rank)) if world \
-            else env
-        process = _server().Process(target=_child, args=(argv, str(cwd), own, *files))
-        process.start()
-        ranks.append((process, files))
+    ranks = [Started(argv, cwd, dict(env, RANK=str(rank), LOCAL_RANK=str(rank),
+                                     ROLE_RANK=str(rank)) if world else env)
+             for rank in range(nproc)]
     deadline, status = time.monotonic() + timeout, None
     try:
         while status is None and time.monotonic() < deadline:
-            running = [process.sentinel for process, _ in ranks if process.exitcode is None]
-            failed = [p.exitcode for p, _ in ranks if p.exitcode not in (None, 0)]
+            running = [r.process.sentinel for r in ranks if r.process.exitcode is None]
+            failed = [r.process.exitcode for r in ranks if r.process.exitcode not in (None, 0)]
             if failed or not running:
                 status = failed[0] if failed else 0
             else:
                 multiprocessing.connection.wait(running, timeout=1)
     finally:
-        for process, _ in ranks:
-            if process.exitcode is None:
-                process.kill()
-            process.join()
+        for rank in ranks:
+            rank.kill()
     texts = ["", ""]
-    for _, files in reversed(ranks):
-        for index, path in enumerate(files):
-            texts[index] += Path(path).read_text(errors="replace")
-            os.unlink(path)
+    for rank in reversed(ranks):
+        for index, text in enumerate(rank.output()):
+            texts[index] += text
     if status is None:
         raise subprocess.TimeoutExpired(argv, timeout, output=texts[0], stderr=texts[1])
     return subprocess.CompletedProcess([sys.executable, *argv], status, *texts)

@@ -7,8 +7,6 @@ import os
 import re
 import shutil
 import sqlite3
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,6 +14,7 @@ import torch
 
 from megatron_adacc import launch, safe_checkpoint
 
+from helpers import forked
 from helpers.pretrain import (CORPUS_TINY as TINY, PRETRAIN, ROOT, child_env, data_flags, losses,
                               run)
 
@@ -460,14 +459,10 @@ def test_two_runs_started_together_share_the_data_cache_and_the_profile_db(tmp_p
     flags = [*TINY, "--data-path", prefix, "--split", "98,2,0", "--train-iters", "2",
              "--adacc-policy", "auto", "--adacc-memory-budget", "1GiB",
              "--adacc-profile-repeats", "1", "--adacc-profile-db", tmp_path / "p.sqlite"]
-    env = child_env()
-    runs = [subprocess.Popen([sys.executable, PRETRAIN, *map(str, flags)], cwd=tmp_path,
-                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                             text=True) for _ in range(2)]
-    errors = [r.communicate(timeout=600)[1] for r in runs]
-    for r, stderr in zip(runs, errors):
-        assert r.returncode == 0, stderr[-3000:]
-        assert "adacc: profile database" not in stderr, stderr  # no "not caching", no move
+    # two processes forked together, each a plain run (no world between them)
+    done = forked.torchrun(2, [PRETRAIN, *flags], cwd=tmp_path, env=child_env(), world=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "adacc: profile database" not in done.stderr, done.stderr  # no "not caching", no move
     with sqlite3.connect(tmp_path / "p.sqlite") as db:
         assert db.execute("SELECT count(*) FROM profiles").fetchone()[0] == 1
     cache = Path(f"{prefix}/cache/GPTDataset_indices")

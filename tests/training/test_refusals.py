@@ -6,8 +6,6 @@ import math
 import os
 import shutil
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -469,20 +467,17 @@ def test_adacc_setup_refuses_auto_on_a_model_under_megatrons_full_recompute(dist
 
 @pytest.mark.parametrize("signum, status", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
 def test_ctrl_c_ends_the_run_in_one_line_with_exit_130(tmp_path, corpus, signum, status):
-    env = child_env()
-    process = subprocess.Popen(
-        [sys.executable, PRETRAIN, *TINY, *data_flags(corpus), "--train-iters", "100000",
-         "--log-interval", "1", "--save", "ck", "--save-interval", "2"],
-        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    run = forked.start([PRETRAIN, *TINY, *data_flags(corpus), "--train-iters", "100000",
+                        "--log-interval", "1", "--save", "ck", "--save-interval", "2"],
+                       cwd=tmp_path, env=child_env())
     try:
-        for line in process.stdout:  # interrupt once a checkpoint is certainly written
-            if " iteration        3/" in line:
-                break
-        process.send_signal(signum)
-        _, err = process.communicate(timeout=120)
+        run.wait_for_line(" iteration        3/")  # a checkpoint is certainly written
+        os.kill(run.pid, signum)
+        done = run.wait(timeout=120)
     finally:
-        process.kill()
-    assert process.returncode == status
+        run.kill()
+    err = done.stderr
+    assert done.returncode == status
     assert "Traceback" not in err
     last = err.strip().splitlines()[-1]
     saved = launch.latest_checkpoint(tmp_path / "ck")
