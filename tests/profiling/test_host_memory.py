@@ -1,13 +1,12 @@
 """On a CPU, Adacc.setup makes glibc keep freed memory for reuse, so the blocks a training
 step allocates and frees fault no pages in afresh at every step (as the CUDA caching
-allocator reuses device memory). Each case runs in its own process: the policy lasts for
-the rest of a process."""
-import subprocess
-import sys
-
+allocator reuses device memory). Each case runs in its own process, forked from the warm
+server (its heap, like a fresh interpreter's, returns large blocks to the system): the policy
+lasts for the rest of a process."""
 import pytest
 
-from helpers import TESTS
+from helpers import TESTS, forked
+from helpers.pretrain import child_env
 
 # One stand-in step's activations, in MiB: allocated and filled together, then all freed.
 STEP_MIB = (4, 16, 8, 32, 16, 4, 64)
@@ -40,8 +39,7 @@ print(sorted(faults[-3:])[1], allocator.host_memory_recycled())
 
 
 def _faults(mode: str) -> tuple[int, bool]:
-    done = subprocess.run([sys.executable, "-c", FAULTS, mode], capture_output=True,
-                          text=True, timeout=300)
+    done = forked.run(["-c", FAULTS, mode], cwd=TESTS, env=child_env())
     assert done.returncode == 0, done.stderr[-2000:]
     faults, recycled = done.stdout.split()[-2:]
     return int(faults), recycled == "True"
