@@ -41,10 +41,10 @@ def model_static_bytes(model: torch.nn.Module, grad_dtype: torch.dtype | None = 
     return total
 
 
-def storage_bytes(tensors, device: torch.device) -> int:
-    """The bytes of the distinct storages among ``tensors`` that are on ``device``."""
+def storage_bytes(tensors, device: torch.device | None = None) -> int:
+    """The bytes of the distinct storages among ``tensors`` (those on ``device``, if given)."""
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors
-                if torch.is_tensor(t) and t.device == device}
+                if torch.is_tensor(t) and (device is None or t.device == device)}
     return sum(storages.values())
 
 
@@ -145,33 +145,25 @@ def engine_bytes(model_chunks, optimizer) -> tuple[int, int]:
       parameter (its shard, under the distributed optimizer) and a step count."""
     from megatron.core.distributed import DistributedDataParallel
 
-    storages: dict[int, int] = {}
-
-    def hold(tensor: torch.Tensor) -> None:
-        storage = tensor.untyped_storage()
-        storages[storage.data_ptr()] = storage.nbytes()
-
+    held: list[torch.Tensor] = []
     for chunk in model_chunks:
-        for tensor in (*chunk.module.parameters(), *chunk.module.buffers()):
-            hold(tensor)
+        held += [*chunk.module.parameters(), *chunk.module.buffers()]
         if not isinstance(chunk, DistributedDataParallel):
             continue
         for buffer in (*chunk.buffers, *chunk.expert_parallel_buffers):
-            hold(buffer.grad_data)
-            if buffer.param_data is not None:
-                hold(buffer.param_data)
+            held += [buffer.grad_data, buffer.param_data]  # param_data: None, or a buffer
     state, to_come = 0, 0
     for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
         stepped = [p for group in inner.optimizer.param_groups for p in group["params"]]
+        held += stepped
         for main_param in stepped:
-            hold(main_param)
             held_state = inner.optimizer.state.get(main_param)
             if held_state:
                 state += sum(t.untyped_storage().nbytes() for t in held_state.values()
                              if torch.is_tensor(t))
             else:
                 to_come += _adam_state_bytes(main_param)
-    return sum(storages.values()) + state, to_come
+    return storage_bytes(held) + state, to_come
 
 
 def engine_step_bytes(optimizer) -> int:
